@@ -1,0 +1,95 @@
+"""Tokenizers the gateway uses to turn prompts into token ids and token ids back into text.
+
+A worker names its tokenizer in its handshake (``HelloAck.tokenizer``): ``"byte"`` for the sim
+engine's built-in byte tokenizer, or a model directory holding ``tokenizer.json`` (and a chat
+template), loaded by ``gateway.hf_tokenizer``. ``load_tokenizer`` picks the implementation.
+
+Detokenization is incremental: ``decoder()`` returns a stateful object whose ``push(token_ids)``
+returns only complete text (never half a UTF-8 character), and ``flush()`` the remainder.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+
+class IncrementalDecoder(Protocol):
+    def push(self, token_ids: Sequence[int]) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class Tokenizer(Protocol):
+    name: str
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text to ids (adds BOS only where the model's tokenizer does)."""
+        ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Chat messages to the prompt ids, with the generation prompt appended."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def decoder(self) -> IncrementalDecoder: ...
+
+
+class ByteTokenizer:
+    """Token i < 256 is byte i; a few specials above. Used by the sim engine."""
+
+    name = "byte"
+    BOS = 256
+    EOS = 257
+    vocab_size = 258
+    eos_token_ids = (EOS,)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        parts = [f"<|{m.get('role', 'user')}|>\n{_content_text(m.get('content'))}\n" for m in messages]
+        return [self.BOS, *self.encode("".join(parts) + "<|assistant|>\n")]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+    def decoder(self) -> IncrementalDecoder:
+        return _ByteDecoder()
+
+
+class _ByteDecoder:
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        return self._utf8.decode(bytes(t for t in token_ids if 0 <= t < 256))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+def _content_text(content: object) -> str:
+    """OpenAI message content: a string, or a list of parts of which text parts are kept."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                texts.append(str(part.get("text", "")))
+        return "".join(texts)
+    raise ValueError("message content must be a string or a list of content parts")
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    if spec == "byte":
+        return ByteTokenizer()
+    from gateway.hf_tokenizer import HFTokenizer  # heavy import, only for real models
+
+    return HFTokenizer.from_dir(spec)

@@ -1,0 +1,131 @@
+"""The worker's paged KV pool: real memory, one buffer per layer for K and one for V.
+
+Lifecycle:
+1. The worker builds one ``KVPool`` at startup from the engine's model shape; the buffers never move,
+   so the transfer backend registers their addresses once (``kv_buffers()``).
+2. The scheduler allocates page ids with ``alloc(n)`` (None when the pool is short) and returns them
+   with ``free(pages)``; every request path (finish, error, abort, timeout) ends in ``free``.
+3. Engines read and write the buffers in place (numpy here; the torch engine wraps the same memory
+   with ``torch.from_numpy``), the transfer layer writes into them from other processes.
+
+Page layout of one buffer: ``[num_pages, page_size, num_kv_heads, head_dim]``, so one page of one
+layer is one contiguous block of ``page_bytes`` bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+# numpy has no bfloat16: it is stored as raw 16-bit words and viewed by the engine.
+_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "uint8": np.uint8}
+
+
+class PoolExhausted(Exception):
+    """Raised where a caller needs pages that the pool cannot give."""
+
+
+class KVPool:
+    """Per-layer K and V page buffers plus a free-page list and a slot buffer for aux data."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: str = "float32",
+        num_aux_slots: int = 256,
+        aux_slot_bytes: int = 4096,
+    ) -> None:
+        if dtype not in _NUMPY_DTYPES:
+            raise ValueError(f"kv dtype {dtype!r} is not one of {sorted(_NUMPY_DTYPES)}")
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("num_aux_slots", num_aux_slots),
+            ("aux_slot_bytes", aux_slot_bytes),
+        ):
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        np_dtype = _NUMPY_DTYPES[dtype]
+        self.k = [np.zeros(shape, dtype=np_dtype) for _ in range(num_layers)]
+        self.v = [np.zeros(shape, dtype=np_dtype) for _ in range(num_layers)]
+        self.page_bytes = int(self.k[0][0].nbytes)
+        self.token_bytes = self.page_bytes // page_size
+        self.aux = np.zeros((num_aux_slots, aux_slot_bytes), dtype=np.uint8)
+        self.aux_slot_bytes = aux_slot_bytes
+        self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
+        self._free_slots: list[int] = list(range(num_aux_slots - 1, -1, -1))
+
+    # -- pages -------------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages needed to hold ``num_tokens`` positions."""
+        return -(-num_tokens // self.page_size)
+
+    def alloc(self, num_pages: int) -> list[int] | None:
+        """Take ``num_pages`` free pages, or None (nothing taken) if the pool has fewer."""
+        if num_pages < 0:
+            raise ValueError("num_pages must be >= 0")
+        if num_pages > len(self._free_pages):
+            return None
+        taken = self._free_pages[len(self._free_pages) - num_pages :]
+        del self._free_pages[len(self._free_pages) - num_pages :]
+        taken.reverse()
+        return taken
+
+    def free(self, pages: Iterable[int]) -> None:
+        for page in pages:
+            if not 0 <= page < self.num_pages:
+                raise ValueError(f"page id {page} out of range")
+            self._free_pages.append(page)
+        if len(self._free_pages) > self.num_pages:
+            raise RuntimeError("KV pool double free: more free pages than pages")
+
+    # -- aux slots ---------------------------------------------------------------------------
+    @property
+    def num_free_aux_slots(self) -> int:
+        return len(self._free_slots)
+
+    def alloc_aux(self) -> int | None:
+        return self._free_slots.pop() if self._free_slots else None
+
+    def free_aux(self, slot: int) -> None:
+        if not 0 <= slot < self.aux.shape[0]:
+            raise ValueError(f"aux slot {slot} out of range")
+        self._free_slots.append(slot)
+
+    # -- memory for the transfer layer -------------------------------------------------------
+    def kv_buffers(self) -> list[np.ndarray]:
+        """All K layer buffers, then all V layer buffers (the order the transfer layer uses)."""
+        return [*self.k, *self.v]
+
+    def kv_ptrs(self) -> list[int]:
+        return [int(buf.ctypes.data) for buf in self.kv_buffers()]
+
+    def kv_data_lens(self) -> list[int]:
+        return [int(buf.nbytes) for buf in self.kv_buffers()]
+
+    def kv_item_lens(self) -> list[int]:
+        return [self.page_bytes] * (2 * self.num_layers)
+
+    def page_view(self, buffer_index: int, page: int) -> np.ndarray:
+        """Raw bytes of one page of one buffer (K layers first, then V layers)."""
+        return self.kv_buffers()[buffer_index][page].view(np.uint8).reshape(-1)

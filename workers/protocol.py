@@ -1,0 +1,162 @@
+"""The native gateway <-> worker protocol: msgspec frames over one persistent stream connection.
+
+Lifecycle of a connection:
+1. The gateway connects (TCP, or a Unix socket when co-located) and sends ``Hello`` with its
+   protocol version; the worker answers ``HelloAck`` (its role, model, tokenizer, KV shape and
+   where its bootstrap registration lives) or ``Rejected`` and closes.
+2. The gateway sends ``Submit`` / ``Abort`` at any time, multiplexed by ``rid`` (unique per
+   connection). The worker answers with ``Outputs`` frames batched per engine step (new tokens,
+   and ``finish_reason`` on the last item of a request) or one ``Error`` ending that request.
+3. The worker sends ``LoadReport`` periodically and after admission changes.
+
+A frame is a 4-byte big-endian length followed by one msgpack-encoded message. Unknown kinds are a
+protocol error. New fields go last with defaults; bump ``PROTOCOL_VERSION`` on breaking change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+_LEN = struct.Struct(">I")
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True):
+    """Per-request generation settings; the same struct is used by the gateway and every engine."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    version: int
+    client: str = "gateway"
+
+
+class HelloAck(msgspec.Struct, tag="hello_ack"):
+    version: int
+    worker_id: str
+    role: str  # "prefill" | "decode" | "both"
+    engine: str
+    model: str
+    tokenizer: str  # "byte" or a directory holding tokenizer.json
+    page_size: int
+    max_context: int
+    num_pages: int
+    # Where decode workers find this prefill worker's KV control endpoint.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    instance_id: str | None = None
+    transfer: str = ""
+
+
+class Rejected(msgspec.Struct, tag="rejected"):
+    reason: str
+
+
+class BootstrapTarget(msgspec.Struct, array_like=True):
+    """Where the decode side finds the prefill's KV control endpoint for one room."""
+
+    host: str
+    port: int | None
+    room: int
+    instance_id: str | None = None
+
+
+class Submit(msgspec.Struct, tag="submit", omit_defaults=True):
+    rid: int
+    input_ids: list[int]
+    params: SamplingParams
+    bootstrap: BootstrapTarget | None = None
+    timeout_s: float = 600.0
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    rid: int
+    reason: str = "aborted by client"
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
+    token_id: int
+    logprob: float
+
+
+class StepOutput(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """New tokens of one request in one engine step (finish_reason set on its last step)."""
+
+    rid: int
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "transferred"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[TokenLogprob]] | None = None
+    prompt_logprobs: list[float] | None = None
+    kv_verified: bool | None = None  # sim engine: the imported KV matched the prompt
+
+
+class Outputs(msgspec.Struct, tag="out", array_like=True, gc=False):
+    items: list[StepOutput]
+
+
+class Error(msgspec.Struct, tag="error"):
+    rid: int
+    code: str  # "bad_request" | "transfer_failed" | "timeout" | "aborted" | "overloaded" | "internal"
+    message: str
+
+
+class LoadReport(msgspec.Struct, tag="load"):
+    num_running: int
+    num_waiting: int
+    num_free_pages: int
+    num_total_pages: int
+    num_inflight_transfers: int = 0
+
+
+ToWorker = Hello | Submit | Abort
+ToGateway = HelloAck | Rejected | Outputs | Error | LoadReport
+
+
+class FrameCodec:
+    """Reusable msgpack encoder/decoder for one direction of the protocol."""
+
+    def __init__(self, incoming: object) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder = msgspec.msgpack.Decoder(incoming)  # type: ignore[arg-type]
+
+    def encode(self, message: msgspec.Struct) -> bytes:
+        body = self._encoder.encode(message)
+        return _LEN.pack(len(body)) + body
+
+    def decode(self, body: bytes) -> object:
+        return self._decoder.decode(body)
+
+
+def gateway_codec() -> FrameCodec:
+    return FrameCodec(ToGateway)
+
+
+def worker_codec() -> FrameCodec:
+    return FrameCodec(ToWorker)
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes:
+    """Read one frame body; raises ``asyncio.IncompleteReadError`` on EOF."""
+    header = await reader.readexactly(_LEN.size)
+    (length,) = _LEN.unpack(header)
+    if length > MAX_FRAME_BYTES:
+        raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    return await reader.readexactly(length)
