@@ -1,0 +1,359 @@
+"""Clients of the bootstrap registry used by our workers.
+
+Prefill side, ``BootstrapRegistrar`` (async, owned by the prefill worker's event loop):
+1. ``await start()`` PUTs the rank's registration, retrying with capped exponential backoff and
+   jitter on connection errors, 5xx and 409 until it succeeds or ``start_timeout_s`` passes
+   (then ``BootstrapError``); 400/401/403/404/405/413 fail at once (retrying cannot help).
+2. A named task (``bootstrap-heartbeat-...``) re-PUTs every ``interval_s``; each PUT renews the
+   lease, and after a registry restart the next PUT registers the rank again. Failures are
+   logged and retried on the next beat; ``is_registered`` tells whether the last PUT succeeded.
+3. ``await aclose()`` cancels the heartbeat, sends a best-effort ``DELETE /route`` (so decodes see
+   the instance go not-ready at once instead of after the TTL) and closes its HTTP client.
+
+Decode side, ``BootstrapResolver`` (sync, thread-safe, shared by the KV-transfer threads):
+1. ``topology(host, port, instance_id)`` and ``resolve(...)`` GET ``/route`` and cache replies for
+   ``cache_ttl_s``; errors are never cached. 503 raises ``BootstrapNotReady``, no reply raises
+   ``BootstrapUnreachable``, anything else unexpected ``BootstrapError``.
+2. ``invalidate(host, port, instance_id)`` drops the cached replies of one prefill instance (call
+   it when a transfer to it fails). ``close()`` closes the one HTTP client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+import msgspec
+
+from bootstrap.embedded import EmbeddedRegistry, serve_embedded
+from bootstrap.exceptions import BootstrapError, BootstrapNotReady, BootstrapUnreachable
+from bootstrap.messages import DEFAULT_BOOTSTRAP_PORT, FOLLOW_BOOTSTRAP_ROOM, RankAddress, Topology
+
+__all__ = [
+    "BootstrapError",
+    "BootstrapNotReady",
+    "BootstrapRegistrar",
+    "BootstrapResolver",
+    "BootstrapUnreachable",
+    "EmbeddedRegistry",
+    "RankRegistration",
+    "Topology",
+    "check_compatible",
+    "serve_embedded",
+]
+
+logger = logging.getLogger("bootstrap.client")
+
+_ENCODER = msgspec.json.Encoder()
+_TOPOLOGY_DECODER = msgspec.json.Decoder(Topology)
+_ADDRESS_DECODER = msgspec.json.Decoder(RankAddress)
+_FATAL_PUT_STATUSES = frozenset({400, 401, 403, 404, 405, 413})
+_JSON_HEADERS = {"content-type": "application/json"}
+
+
+@dataclass(frozen=True)
+class RankRegistration:
+    """What one prefill rank PUTs to ``/route``; ``to_json()`` uses SGLang's field names."""
+
+    rank_ip: str
+    rank_port: int
+    page_size: int
+    kv_cache_dtype: str
+    instance_id: str | None = None
+    attn_tp_size: int = 1
+    attn_tp_rank: int = 0
+    attn_cp_size: int = 1
+    attn_cp_rank: int = 0
+    attn_dp_size: int = 1
+    attn_dp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    system_dp_size: int = 1
+    system_dp_rank: int = 0
+    load_balance_method: str = FOLLOW_BOOTSTRAP_ROOM
+    prefill_http_port: int | None = None
+
+    def __post_init__(self) -> None:
+        for size_name in ("attn_tp_size", "attn_cp_size", "attn_dp_size", "pp_size", "system_dp_size"):
+            rank_name = size_name.replace("_size", "_rank")
+            size, rank = getattr(self, size_name), getattr(self, rank_name)
+            if size < 1 or not 0 <= rank < size:
+                raise ValueError(f"{rank_name}={rank} must be in [0, {size_name}={size})")
+        if not 1 <= self.rank_port <= 65535:
+            raise ValueError(f"rank_port must be in [1, 65535], got {self.rank_port}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if not self.rank_ip or not self.kv_cache_dtype:
+            raise ValueError("rank_ip and kv_cache_dtype must be non-empty")
+
+    def to_dict(self) -> dict[str, Any]:
+        body = asdict(self)
+        if self.instance_id is None:
+            del body["instance_id"]  # absent = SGLang's single instance
+        body["enable_dsa_cache_layer_split"] = False
+        return body
+
+    def to_json(self) -> bytes:
+        return _ENCODER.encode(self.to_dict())
+
+    @property
+    def label(self) -> str:
+        dp = self.attn_dp_rank if self.system_dp_size == 1 else self.system_dp_rank
+        return f"{self.instance_id or 'default'}/dp{dp}-cp{self.attn_cp_rank}-tp{self.attn_tp_rank}-pp{self.pp_rank}"
+
+
+def check_compatible(topology: Topology, *, page_size: int, kv_cache_dtype: str) -> None:
+    """Raise ``BootstrapError`` naming each mismatch between a prefill's topology and this decode.
+
+    Same rule as SGLang's decode: a field the prefill did not report (None) is not checked.
+    """
+    problems = []
+    if topology.page_size is not None and topology.page_size != page_size:
+        problems.append(f"page_size: prefill has {topology.page_size}, decode has {page_size}")
+    if topology.kv_cache_dtype is not None and topology.kv_cache_dtype != kv_cache_dtype:
+        problems.append(f"kv_cache_dtype: prefill has {topology.kv_cache_dtype!r}, decode has {kv_cache_dtype!r}")
+    if problems:
+        raise BootstrapError("prefill and decode KV layouts are incompatible: " + "; ".join(problems))
+
+
+def _base_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    return url
+
+
+def _host_port(host: str, port: int | None) -> str:
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{DEFAULT_BOOTSTRAP_PORT if port is None else port}"
+
+
+def _auth(token: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
+def _reason(response: httpx.Response) -> str:
+    try:
+        return str(msgspec.json.decode(response.content)["error"]["message"])
+    except Exception:
+        return response.text[:200] or response.reason_phrase
+
+
+class BootstrapRegistrar:
+    """Keeps one prefill rank registered (see the module docstring for the lifecycle)."""
+
+    def __init__(
+        self,
+        url: str,
+        registration: RankRegistration,
+        *,
+        interval_s: float = 2.0,
+        token: str | None = None,
+        start_timeout_s: float = 30.0,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.url = _base_url(url)
+        self.registration = registration
+        self.interval_s = interval_s
+        self.start_timeout_s = start_timeout_s
+        self._token = token
+        self._body = registration.to_json()
+        self._client: httpx.AsyncClient | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.is_registered = False
+        self.num_failures = 0  # consecutive failed PUTs
+        self.last_error: str | None = None
+
+    async def start(self) -> None:
+        if self._client is not None:
+            raise RuntimeError("BootstrapRegistrar.start() called twice")
+        timeout_s = max(1.0, min(5.0, self.interval_s * 2))
+        self._client = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=httpx.Timeout(timeout_s),
+            limits=httpx.Limits(max_connections=2, max_keepalive_connections=1),
+            headers={**_auth(self._token), **_JSON_HEADERS},
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.start_timeout_s
+        delay_s = 0.05
+        try:
+            while True:
+                status = await self._put()
+                if status == 200:
+                    break
+                if status in _FATAL_PUT_STATUSES:
+                    raise BootstrapError(
+                        f"bootstrap registry {self.url} refused rank {self.registration.label}: {self.last_error}",
+                        status_code=status,
+                    )
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise BootstrapError(
+                        f"could not register rank {self.registration.label} with {self.url} within "
+                        f"{self.start_timeout_s}s: {self.last_error}",
+                        status_code=status or None,
+                    )
+                await asyncio.sleep(min(remaining, delay_s * random.uniform(0.75, 1.25)))
+                delay_s = min(delay_s * 2, 2.0)
+        except BaseException:
+            await self._client.aclose()
+            self._client = None
+            raise
+        self._task = asyncio.create_task(self._heartbeat(), name=f"bootstrap-heartbeat-{self.registration.label}")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        client, self._client = self._client, None
+        if client is None:
+            return
+        try:
+            if self.is_registered:
+                await client.request("DELETE", "/route", content=self._body, timeout=1.0)
+        except httpx.HTTPError as exc:
+            logger.debug("deregistering %s failed: %s", self.registration.label, exc)
+        finally:
+            self.is_registered = False
+            await client.aclose()
+
+    async def _put(self) -> int:
+        """One PUT; returns the status (0 = no reply) and records success or failure."""
+        assert self._client is not None
+        error: str | None
+        try:
+            response = await self._client.put("/route", content=self._body)
+        except httpx.HTTPError as exc:
+            status, error = 0, f"{type(exc).__name__}: {exc}"
+        else:
+            status = response.status_code
+            error = None if status == 200 else f"HTTP {status}: {_reason(response)}"
+        if error is None:
+            if self.num_failures:
+                logger.info("rank %s registered again with %s", self.registration.label, self.url)
+            self.is_registered, self.num_failures, self.last_error = True, 0, None
+        else:
+            self.is_registered = False
+            self.num_failures += 1
+            self.last_error = error
+            if self.num_failures == 1 or self.num_failures % 30 == 0:
+                logger.warning("registering rank %s with %s failed (%d in a row): %s",
+                               self.registration.label, self.url, self.num_failures, error)
+        return status
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self._put()
+            except Exception:  # a bug in one beat must not end the heartbeat
+                logger.exception("heartbeat of rank %s failed", self.registration.label)
+
+
+class BootstrapResolver:
+    """Looks up prefill topologies and rank addresses (see the module docstring)."""
+
+    def __init__(self, *, token: str | None = None, timeout_s: float = 5.0, cache_ttl_s: float = 5.0) -> None:
+        self.cache_ttl_s = cache_ttl_s
+        self._client = httpx.Client(
+            timeout=httpx.Timeout(timeout_s),
+            limits=httpx.Limits(max_connections=32, max_keepalive_connections=8),
+            headers=_auth(token),
+        )
+        self._lock = threading.Lock()
+        self._cache: dict[tuple[Any, ...], tuple[Any, float]] = {}
+
+    def topology(self, host: str, port: int | None, instance_id: str | None = None) -> Topology:
+        key = (host, port, instance_id)
+        cached = self._cached(key)
+        if cached is not None:
+            return cached
+        topology: Topology = self._get(host, port, instance_id, (-1, -1, -1, -1), _TOPOLOGY_DECODER)
+        self._store(key, topology)
+        return topology
+
+    def resolve(
+        self,
+        host: str,
+        port: int | None,
+        instance_id: str | None = None,
+        *,
+        dp_rank: int = 0,
+        cp_rank: int = 0,
+        tp_rank: int = 0,
+        pp_rank: int = 0,
+    ) -> tuple[str, int]:
+        ranks = (dp_rank, cp_rank, tp_rank, pp_rank)
+        if min(ranks) < 0:
+            raise ValueError(f"ranks must be >= 0, got dp={dp_rank} cp={cp_rank} tp={tp_rank} pp={pp_rank}")
+        key = (host, port, instance_id, *ranks)
+        cached = self._cached(key)
+        if cached is not None:
+            return cached
+        address: RankAddress = self._get(host, port, instance_id, ranks, _ADDRESS_DECODER)
+        result = (address.rank_ip, address.rank_port)
+        self._store(key, result)
+        return result
+
+    def invalidate(self, host: str, port: int | None, instance_id: str | None = None) -> None:
+        prefix = (host, port, instance_id)
+        with self._lock:
+            for key in [k for k in self._cache if k[:3] == prefix]:
+                del self._cache[key]
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _cached(self, key: tuple[Any, ...]) -> Any:
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is None:
+                return None
+            if hit[1] <= time.monotonic():
+                del self._cache[key]
+                return None
+            return hit[0]
+
+    def _store(self, key: tuple[Any, ...], value: Any) -> None:
+        if self.cache_ttl_s > 0:
+            with self._lock:
+                self._cache[key] = (value, time.monotonic() + self.cache_ttl_s)
+
+    def _get(self, host: str, port: int | None, instance_id: str | None,
+             ranks: tuple[int, int, int, int], decoder: msgspec.json.Decoder[Any]) -> Any:
+        address = _host_port(host, port)
+        params: dict[str, str | int] = {
+            "prefill_dp_rank": ranks[0],
+            "prefill_cp_rank": ranks[1],
+            "target_tp_rank": ranks[2],
+            "target_pp_rank": ranks[3],
+        }
+        if instance_id is not None:
+            params["instance_id"] = instance_id
+        try:
+            response = self._client.get(f"http://{address}/route", params=params)
+        except httpx.HTTPError as exc:
+            raise BootstrapUnreachable(f"bootstrap registry {address} unreachable: {type(exc).__name__}: {exc}") \
+                from exc
+        what = "topology" if ranks[0] == -1 else f"rank dp={ranks[0]} cp={ranks[1]} tp={ranks[2]} pp={ranks[3]}"
+        if response.status_code == 503:
+            raise BootstrapNotReady(f"{address}: {_reason(response)}", status_code=503)
+        if response.status_code != 200:
+            raise BootstrapError(f"{address}: {what} lookup failed with HTTP {response.status_code}: "
+                                 f"{_reason(response)}", status_code=response.status_code)
+        try:
+            return decoder.decode(response.content)
+        except msgspec.MsgspecError as exc:
+            raise BootstrapError(f"{address}: malformed {what} reply: {exc}", status_code=200) from exc

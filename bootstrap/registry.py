@@ -1,0 +1,320 @@
+"""The rank registry: prefill instances, their ranks, leases and readiness. Pure state, no I/O.
+
+Lifecycle (all calls come from the server's single event loop; none blocks or awaits):
+1. ``register(put, extra, now)`` validates a ``PUT /route`` body and stores or refreshes the rank
+   under its instance (``put.instance_id``, absent = ``"default"``). Every PUT renews the rank's
+   lease to ``now + ttl_s``; a PUT for a key that is already held replaces its address (worker
+   restart). A PUT whose topology contradicts other live ranks of the instance is refused (409).
+   The registry never mutates on a refused PUT.
+2. ``find_instance`` / ``topology`` / ``lookup`` answer ``GET /route``. An instance is ready when
+   every one of its dp x cp x tp x pp ranks holds a live lease; until then both kinds of query
+   raise 503, so a decode never gets the address of a half-registered or dead instance.
+3. Expired leases are dropped lazily on every read of their instance, and by ``sweep(now)``,
+   which the server calls periodically. An instance whose last rank expired is forgotten,
+   topology included, so it can come back with a different layout.
+4. ``deregister(put, now)`` drops a rank on graceful shutdown (only if its address still matches,
+   so a late goodbye from an old process cannot remove its replacement).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from bootstrap import errors
+from bootstrap.messages import DEFAULT_INSTANCE_ID, FOLLOW_BOOTSTRAP_ROOM, RankAddress, RankPut, Topology
+
+logger = logging.getLogger("bootstrap")
+
+RankKey = tuple[int, int, int, int]  # (dp_group, cp_rank, tp_rank, pp_rank)
+
+MAX_PARALLEL_SIZE = 65_536
+_INSTANCE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
+_MAX_TEXT = 255
+
+
+@dataclass
+class RankEntry:
+    """One registered rank and its lease."""
+
+    key: RankKey
+    address: RankAddress
+    extra: dict[str, Any]
+    first_seen: float  # monotonic
+    last_seen: float  # monotonic
+    expires_at: float  # monotonic; inf when leases never expire
+    registered_unix: float
+    num_puts: int = 1
+
+
+@dataclass
+class Instance:
+    """One prefill instance: its topology (first accepted rank's) and its ranks."""
+
+    instance_id: str
+    topology: Topology
+    entries: dict[RankKey, RankEntry] = field(default_factory=dict)
+    next_expiry: float = math.inf  # lower bound of min(entry.expires_at)
+
+    @property
+    def is_ready(self) -> bool:
+        return len(self.entries) == self.topology.num_ranks
+
+
+def topology_of(put: RankPut) -> Topology:
+    """The instance-wide fields a rank reports, in SGLang's ``PrefillServerInfo`` shape."""
+    return Topology(
+        attn_tp_size=put.attn_tp_size,
+        attn_cp_size=put.attn_cp_size,
+        dp_size=put.attn_dp_size if put.system_dp_size == 1 else put.system_dp_size,
+        pp_size=put.pp_size,
+        page_size=put.page_size,
+        kv_cache_dtype=put.kv_cache_dtype,
+        follow_bootstrap_room=put.load_balance_method == FOLLOW_BOOTSTRAP_ROOM,
+        enable_dsa_cache_layer_split=put.enable_dsa_cache_layer_split,
+        prefill_http_port=put.prefill_http_port,
+    )
+
+
+def key_of(put: RankPut) -> RankKey:
+    dp_group = put.attn_dp_rank if put.system_dp_size == 1 else put.system_dp_rank
+    return (dp_group, put.attn_cp_rank, put.attn_tp_rank, put.pp_rank)
+
+
+def validate_put(put: RankPut) -> str:
+    """Check a registration's values; returns its instance id. Raises 400 naming the bad field."""
+    for size_name, rank_name in (
+        ("attn_tp_size", "attn_tp_rank"),
+        ("attn_cp_size", "attn_cp_rank"),
+        ("attn_dp_size", "attn_dp_rank"),
+        ("pp_size", "pp_rank"),
+        ("system_dp_size", "system_dp_rank"),
+    ):
+        size, rank = getattr(put, size_name), getattr(put, rank_name)
+        if not 1 <= size <= MAX_PARALLEL_SIZE:
+            raise errors.bad_request("invalid_size", f"{size_name} must be in [1, {MAX_PARALLEL_SIZE}], got {size}")
+        if not 0 <= rank < size:
+            raise errors.bad_request(
+                "invalid_rank", f"{rank_name} must be in [0, {size_name}={size}), got {rank}"
+            )
+    if put.attn_dp_size > 1 and put.system_dp_size > 1:
+        raise errors.bad_request(
+            "invalid_size", "attn_dp_size and system_dp_size cannot both be > 1 (DP attention is one or the other)"
+        )
+    num_ranks = topology_of(put).num_ranks
+    if num_ranks > MAX_PARALLEL_SIZE:
+        raise errors.bad_request(
+            "invalid_size", f"dp x cp x tp x pp = {num_ranks} ranks exceeds {MAX_PARALLEL_SIZE}"
+        )
+    _check_text("rank_ip", put.rank_ip)
+    _check_port("rank_port", put.rank_port)
+    if put.page_size < 1:
+        raise errors.bad_request("invalid_field", f"page_size must be >= 1, got {put.page_size}")
+    _check_text("kv_cache_dtype", put.kv_cache_dtype)
+    _check_text("load_balance_method", put.load_balance_method)
+    if put.prefill_http_port is not None:
+        _check_port("prefill_http_port", put.prefill_http_port)
+    instance_id = DEFAULT_INSTANCE_ID if put.instance_id is None else put.instance_id
+    check_instance_id(instance_id)
+    return instance_id
+
+
+def check_instance_id(instance_id: str) -> None:
+    if not _INSTANCE_ID_RE.match(instance_id):
+        raise errors.bad_request(
+            "invalid_instance_id",
+            "instance_id must be 1-128 characters of [A-Za-z0-9._:@/-], starting with a letter or digit",
+        )
+
+
+def _check_text(name: str, value: str) -> None:
+    if not value or len(value) > _MAX_TEXT or any(c.isspace() for c in value):
+        raise errors.bad_request("invalid_field", f"{name} must be 1-{_MAX_TEXT} characters without whitespace")
+
+
+def _check_port(name: str, value: int) -> None:
+    if not 1 <= value <= 65535:
+        raise errors.bad_request("invalid_field", f"{name} must be in [1, 65535], got {value}")
+
+
+class Registry:
+    """All prefill instances known to one registry process (see the module docstring)."""
+
+    def __init__(self, *, ttl_s: float, max_ranks: int) -> None:
+        self._ttl_s = ttl_s
+        self._max_ranks = max_ranks
+        self._instances: dict[str, Instance] = {}
+        self.num_ranks = 0
+        self.num_registrations = 0
+        self.num_replacements = 0
+        self.num_expirations = 0
+        self.num_deregistrations = 0
+
+    @property
+    def instances(self) -> dict[str, Instance]:
+        return self._instances
+
+    def register(self, put: RankPut, extra: dict[str, Any], now: float) -> tuple[Instance, bool]:
+        """Store or refresh one rank; returns (its instance, whether the rank key is new)."""
+        instance_id = validate_put(put)
+        topology = topology_of(put)
+        key = key_of(put)
+        instance = self._instances.get(instance_id)
+        if instance is not None:
+            self._expire(instance, now)
+            instance = self._instances.get(instance_id)
+        if instance is not None and instance.topology != topology:
+            others = [k for k in instance.entries if k != key]
+            if others:
+                raise errors.conflict(
+                    "topology_conflict",
+                    f"instance {instance_id!r} has {len(others)} live rank(s) with a different topology: "
+                    f"{_diff(instance.topology, topology)}; it is accepted once they expire or deregister",
+                )
+        existing = instance.entries.get(key) if instance is not None else None
+        if existing is None and self.num_ranks >= self._max_ranks:
+            raise errors.unavailable("registry_full", f"registry holds the maximum of {self._max_ranks} ranks")
+        if instance is None:
+            instance = Instance(instance_id=instance_id, topology=topology)
+            self._instances[instance_id] = instance
+        else:
+            instance.topology = topology
+        expires_at = now + self._ttl_s if self._ttl_s > 0 else math.inf
+        address = RankAddress(rank_ip=put.rank_ip, rank_port=put.rank_port)
+        self.num_registrations += 1
+        if existing is None:
+            instance.entries[key] = RankEntry(
+                key=key,
+                address=address,
+                extra=extra,
+                first_seen=now,
+                last_seen=now,
+                expires_at=expires_at,
+                registered_unix=time.time(),
+            )
+            self.num_ranks += 1
+        else:
+            if existing.address != address:
+                self.num_replacements += 1
+                existing.first_seen = now
+                existing.registered_unix = time.time()
+                existing.num_puts = 0
+            existing.address = address
+            existing.extra = extra
+            existing.last_seen = now
+            existing.expires_at = expires_at
+            existing.num_puts += 1
+        instance.next_expiry = min(instance.next_expiry, expires_at)
+        return instance, existing is None
+
+    def deregister(self, put: RankPut, now: float) -> bool:
+        """Drop a rank if it is still registered at the same address; returns whether it was dropped."""
+        instance_id = validate_put(put)
+        instance = self._instances.get(instance_id)
+        if instance is None:
+            return False
+        entry = instance.entries.get(key_of(put))
+        if entry is None or entry.address != RankAddress(rank_ip=put.rank_ip, rank_port=put.rank_port):
+            return False
+        del instance.entries[entry.key]
+        self.num_ranks -= 1
+        self.num_deregistrations += 1
+        if not instance.entries:
+            del self._instances[instance_id]
+        return True
+
+    def find_instance(self, instance_id: str | None, now: float) -> Instance:
+        """The instance a query names; absent: the only one. 503 if none, 400 if ambiguous."""
+        if instance_id is not None:
+            check_instance_id(instance_id)
+            instance = self._instances.get(instance_id)
+            if instance is not None:
+                self._expire(instance, now)
+                instance = self._instances.get(instance_id)
+            if instance is None:
+                raise errors.unavailable(
+                    "not_registered", f"prefill instance {instance_id!r} has no registered ranks (yet)"
+                )
+            return instance
+        if len(self._instances) > 1:
+            for instance in list(self._instances.values()):
+                self._expire(instance, now)
+        if not self._instances:
+            raise errors.unavailable("not_registered", "no prefill rank has registered yet")
+        if len(self._instances) > 1:
+            names = ", ".join(sorted(self._instances))
+            raise errors.bad_request(
+                "instance_id_required",
+                f"this registry holds {len(self._instances)} prefill instances ({names}); "
+                "pass the instance_id query parameter",
+            )
+        instance = next(iter(self._instances.values()))
+        self._expire(instance, now)
+        if instance.instance_id not in self._instances:
+            raise errors.unavailable("not_registered", "no prefill rank has a live registration")
+        return instance
+
+    def topology(self, instance: Instance) -> Topology:
+        """The ready instance's topology; 503 while ranks are missing."""
+        self._check_ready(instance)
+        return instance.topology
+
+    def lookup(self, instance: Instance, key: RankKey) -> RankAddress:
+        """One rank's address; 503 while the instance is not ready, 404 for a rank it does not have."""
+        self._check_ready(instance)
+        entry = instance.entries.get(key)
+        if entry is None:
+            dp, cp, tp, pp = key
+            t = instance.topology
+            raise errors.not_found(
+                "unknown_rank",
+                f"no rank prefill_dp_rank={dp} prefill_cp_rank={cp} target_tp_rank={tp} target_pp_rank={pp} "
+                f"in instance {instance.instance_id!r} (dp_size={t.dp_size} attn_cp_size={t.attn_cp_size} "
+                f"attn_tp_size={t.attn_tp_size} pp_size={t.pp_size})",
+            )
+        return entry.address
+
+    def sweep(self, now: float) -> int:
+        """Drop every expired lease now; returns how many were dropped."""
+        before = self.num_expirations
+        for instance in list(self._instances.values()):
+            self._expire(instance, now)
+        return self.num_expirations - before
+
+    def _check_ready(self, instance: Instance) -> None:
+        if not instance.is_ready:
+            raise errors.unavailable(
+                "not_ready",
+                f"prefill instance {instance.instance_id!r} not fully registered yet "
+                f"({len(instance.entries)}/{instance.topology.num_ranks} ranks registered)",
+            )
+
+    def _expire(self, instance: Instance, now: float) -> None:
+        if now < instance.next_expiry:
+            return
+        expired = [key for key, entry in instance.entries.items() if entry.expires_at <= now]
+        for key in expired:
+            entry = instance.entries.pop(key)
+            logger.warning(
+                "rank dp=%s cp=%s tp=%s pp=%s of %r at %s:%s expired (no heartbeat for %.1fs)",
+                *key, instance.instance_id, entry.address.rank_ip, entry.address.rank_port, now - entry.last_seen,
+            )
+        self.num_ranks -= len(expired)
+        self.num_expirations += len(expired)
+        if not instance.entries:
+            del self._instances[instance.instance_id]
+            return
+        instance.next_expiry = min(entry.expires_at for entry in instance.entries.values())
+
+
+def _diff(old: Topology, new: Topology) -> str:
+    parts = [
+        f"{name}={getattr(old, name)!r} vs {getattr(new, name)!r}"
+        for name in old.__struct_fields__
+        if getattr(old, name) != getattr(new, name)
+    ]
+    return ", ".join(parts)
