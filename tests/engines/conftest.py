@@ -1,0 +1,98 @@
+"""Factories for the torch engine tests: tiny random HF models (built offline, cached per session)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+torch = pytest.importorskip("torch")
+torch.set_num_threads(1)
+
+from workers.engines.base import EngineOptions  # noqa: E402
+from workers.engines.llama import TorchEngine  # noqa: E402
+from workers.kv_pool import KVPool  # noqa: E402
+
+TINY_SHAPE: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=512,
+)
+# Qwen3 gets an explicit head_dim that differs from hidden_size / heads (64 / 4 = 16).
+MODEL_VARIANTS: dict[str, dict[str, Any]] = {
+    "llama": dict(model_type="llama"),
+    "llama_tied": dict(model_type="llama", tie_word_embeddings=True),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen3": dict(model_type="qwen3", head_dim=32),
+}
+
+
+@dataclass
+class TinyModel:
+    name: str
+    path: str
+    reference: Any  # transformers model with generation_config.eos_token_id = None
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], TinyModel]:
+    """``tiny_model(variant)``: a saved random model of ``MODEL_VARIANTS[variant]`` and its reference."""
+    transformers = pytest.importorskip("transformers")
+    cache: dict[str, TinyModel] = {}
+
+    def build(variant: str) -> TinyModel:
+        if variant not in cache:
+            spec = dict(MODEL_VARIANTS[variant])
+            model_type = spec.pop("model_type")
+            cfg = transformers.AutoConfig.for_model(model_type, **TINY_SHAPE, **spec)
+            torch.manual_seed(1234)
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+            path = tmp_path_factory.mktemp(f"tiny-{variant}")
+            model.save_pretrained(path)
+            model.generation_config.eos_token_id = None
+            model.generation_config.pad_token_id = 0
+            cache[variant] = TinyModel(variant, str(path), model)
+        return cache[variant]
+
+    return build
+
+
+@dataclass
+class EngineUnderTest:
+    engine: TorchEngine
+    pool: KVPool
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., EngineUnderTest]]:
+    """``make_engine(model_dir, num_pages=..., page_size=..., **options)``: a bound engine + its pool."""
+    made: list[TorchEngine] = []
+
+    def build(model_dir: str, *, num_pages: int = 128, page_size: int = 4, **options: Any) -> EngineUnderTest:
+        engine = TorchEngine(EngineOptions(model=model_dir, **options))
+        info = engine.info
+        pool = KVPool(
+            num_layers=info.num_layers,
+            num_pages=num_pages,
+            page_size=page_size,
+            num_kv_heads=info.num_kv_heads,
+            head_dim=info.head_dim,
+            dtype=info.kv_dtype,
+        )
+        engine.bind(pool)
+        made.append(engine)
+        return EngineUnderTest(engine, pool)
+
+    yield build
+    for engine in made:
+        engine.close()

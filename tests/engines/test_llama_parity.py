@@ -1,0 +1,171 @@
+"""The torch engine against transformers on tiny random Llama / Qwen2 / Qwen3 models (float32).
+
+Every test compares per-step logits (within 1e-4) and greedy tokens (identical) with
+``transformers.generate`` on the same weights, for the batch shapes a scheduler produces.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from llama_harness import Request, reference_greedy, run_requests
+
+VARIANTS = ["llama", "llama_tied", "qwen2", "qwen3"]
+ATOL = 1e-4
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(length)]
+
+
+def _assert_matches(model, req: Request) -> None:
+    tokens, logits = reference_greedy(model.reference, req.prompt, req.max_new_tokens)
+    assert req.outputs == tokens, f"rid {req.rid}: greedy tokens differ"
+    assert req.logits is not None and len(req.logits) == len(logits)
+    for step, (ours, ref) in enumerate(zip(req.logits, logits, strict=True)):
+        err = (ours - ref).abs().max().item()
+        assert err < ATOL, f"rid {req.rid} step {step}: max |logit diff| {err:.2e}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_mixed_length_batch(variant, tiny_model, make_engine) -> None:
+    model = tiny_model(variant)
+    eut = make_engine(model.path)
+    requests = [
+        Request(rid=1, prompt=_prompt(1, 5), max_new_tokens=6),
+        Request(rid=2, prompt=_prompt(2, 13), max_new_tokens=6),
+        Request(rid=3, prompt=_prompt(3, 1), max_new_tokens=6),
+        Request(rid=4, prompt=_prompt(4, 8), max_new_tokens=3),
+    ]
+    steps = run_requests(eut.engine, eut.pool, requests)
+    assert len(steps[0]) == 4  # all four prefills in one step
+    for req in requests:
+        _assert_matches(model, req)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_chunked_prefill_in_mixed_batches(variant, tiny_model, make_engine) -> None:
+    model = tiny_model(variant)
+    eut = make_engine(model.path)
+    requests = [
+        Request(rid=1, prompt=_prompt(11, 23), max_new_tokens=5, chunks=[7, 7, 9]),
+        Request(rid=2, prompt=_prompt(12, 6), max_new_tokens=6),
+        Request(rid=3, prompt=_prompt(13, 8), max_new_tokens=4, chunks=[3, 5], start_step=1),
+        Request(rid=4, prompt=_prompt(14, 30), max_new_tokens=3, chunks=[1, 16, 13], start_step=2),
+    ]
+    steps = run_requests(eut.engine, eut.pool, requests)
+    # Step 1 mixes a decode (rid 2), a middle chunk (rid 1) and a first chunk (rid 3).
+    assert {(rid, n) for rid, n, _ in steps[1]} == {(1, 7), (2, 1), (3, 3)}
+    for req in requests:
+        _assert_matches(model, req)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefix_cache_hit(variant, tiny_model, make_engine) -> None:
+    model = tiny_model(variant)
+    eut = make_engine(model.path, page_size=4)
+    shared = _prompt(21, 12)
+    first = Request(rid=1, prompt=shared + _prompt(22, 3), max_new_tokens=2)
+    run_requests(eut.engine, eut.pool, [first])
+    assert first.page_ids is not None
+    # A later request whose first 12 tokens (3 full pages) hit the cache: it reuses those pages
+    # read-only and prefills only its own suffix, next to a request prefilling from scratch.
+    suffix = _prompt(23, 9)
+    fresh = eut.pool.alloc(eut.pool.pages_for(len(shared) + len(suffix) + 4) - 3)
+    assert fresh is not None
+    hit = Request(
+        rid=2,
+        prompt=shared + suffix,
+        max_new_tokens=4,
+        page_ids=first.page_ids[:3] + fresh,
+        num_cached=len(shared),
+        chunks=[4, 5],
+    )
+    other = Request(rid=3, prompt=_prompt(24, 10), max_new_tokens=4)
+    run_requests(eut.engine, eut.pool, [hit, other])
+    _assert_matches(model, first)
+    _assert_matches(model, hit)
+    _assert_matches(model, other)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pd_handoff_between_pools(variant, tiny_model, make_engine) -> None:
+    """Prefill on engine A, copy the prompt's pages into other page ids of pool B, decode on B."""
+    model = tiny_model(variant)
+    prefill = make_engine(model.path, num_pages=32, page_size=4)
+    decode = make_engine(model.path, num_pages=48, page_size=4)
+    prompt = _prompt(31, 14)
+    total = 8
+    p_req = Request(rid=7, prompt=prompt, max_new_tokens=1, chunks=[6, 8])
+    run_requests(prefill.engine, prefill.pool, [p_req])
+    assert p_req.outputs is not None and p_req.page_ids is not None
+
+    decode.pool.alloc(5)  # make B's ids differ from A's
+    d_pages = decode.pool.alloc(decode.pool.pages_for(len(prompt) + total))
+    assert d_pages is not None
+    assert d_pages[: len(p_req.page_ids)] != p_req.page_ids
+    num_prompt_pages = prefill.pool.pages_for(len(prompt))
+    for src_buf, dst_buf in zip(prefill.pool.kv_buffers(), decode.pool.kv_buffers(), strict=True):
+        for src, dst in zip(p_req.page_ids[:num_prompt_pages], d_pages[:num_prompt_pages], strict=True):
+            dst_buf[dst] = src_buf[src]
+
+    d_req = Request(
+        rid=7,
+        prompt=prompt,
+        max_new_tokens=total,
+        page_ids=d_pages,
+        num_cached=len(prompt),
+        chunks=[],
+        outputs=list(p_req.outputs),
+    )
+    run_requests(decode.engine, decode.pool, [d_req])
+    tokens, logits = reference_greedy(model.reference, prompt, total)
+    assert d_req.outputs == tokens
+    assert d_req.logits is not None
+    ours = [p_req.logits[0], *d_req.logits] if p_req.logits else []
+    for step, (a, b) in enumerate(zip(ours, logits, strict=True)):
+        assert (a - b).abs().max().item() < ATOL, f"step {step}"
+
+
+def test_prompt_logprobs_match_reference(tiny_model, make_engine) -> None:
+    from workers.protocol import SamplingParams
+
+    model = tiny_model("qwen3")
+    eut = make_engine(model.path, page_size=4)
+    prompt = _prompt(41, 17)
+    params = SamplingParams(temperature=0.0, prompt_logprobs=True, logprobs=True, top_logprobs=3)
+    # Chunks that start after cached positions need the previous position's token: the harness
+    # passes all_token_ids, as the scheduler must.
+    req = Request(rid=1, prompt=prompt, max_new_tokens=2, chunks=[5, 1, 11], params=params)
+    run_requests(eut.engine, eut.pool, [req])
+    with torch.no_grad():
+        ref = torch.log_softmax(model.reference(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    expected = [ref[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    assert req.prompt_logprobs is not None and len(req.prompt_logprobs) == len(prompt)
+    assert req.prompt_logprobs[0] != req.prompt_logprobs[0]  # NaN: nothing precedes position 0
+    for got, want in zip(req.prompt_logprobs[1:], expected, strict=True):
+        assert abs(got - want) < ATOL
+
+
+def test_prefill_and_decode_sample_logprobs(tiny_model, make_engine) -> None:
+    from workers.engines.base import SeqInput
+    from workers.protocol import SamplingParams
+
+    model = tiny_model("llama")
+    eut = make_engine(model.path)
+    prompt = _prompt(51, 9)
+    pages = eut.pool.alloc(4)
+    params = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=4)
+    out = eut.engine.forward([SeqInput(1, pages, 0, prompt, True, params)])[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(model.reference(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    top = torch.topk(ref, 4)
+    assert out.token_id == int(top.indices[0])
+    assert out.logprob is not None and abs(out.logprob - float(top.values[0])) < ATOL
+    assert out.top_logprobs is not None
+    assert [t.token_id for t in out.top_logprobs] == top.indices.tolist()
+    for t, v in zip(out.top_logprobs, top.values.tolist(), strict=True):
+        assert abs(t.logprob - v) < ATOL

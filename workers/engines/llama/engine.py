@@ -1,0 +1,234 @@
+"""``TorchEngine``: the Llama-family model behind the scheduler's ``Engine`` seam.
+
+Lifecycle:
+1. ``TorchEngine(options)`` sets the thread count, reads ``config.json`` (``ModelConfigError`` for
+   a missing or unsupported model), loads the weights and sets ``info``. ``options.model`` is an
+   HF-style directory; None means the embedded SmolLM2 (converted from its GGUF once, cached).
+2. ``bind(pool)`` wraps the pool's per-layer K/V buffers zero-copy (numpy memory via
+   ``torch.from_numpy``; bfloat16 words viewed as ``torch.bfloat16``) and binds the attention
+   backend to them.
+3. ``forward(batch)`` from the scheduler thread, once per step: validates the batch, runs the model
+   over every sequence's new tokens at once (KV written to the pages the scheduler named),
+   samples where asked, and returns one ``SeqOutput`` per ``SeqInput``. After each call
+   ``last_logits[i]`` holds the float32 logits ``[vocab]`` that sequence i's token was sampled
+   from (None where ``sample`` was False): tests compare them with a reference.
+4. ``close()`` drops the weights and the cache views.
+
+Prompt logprobs (``params.prompt_logprobs`` on a prefill chunk, i.e. ``num_generated == 0``):
+``SeqOutput.prompt_logprobs[j]`` is the logprob of ``token_ids[j]`` given all earlier positions;
+NaN for position 0 (nothing precedes it; msgspec JSON writes NaN as null). For a chunk that starts
+after cached positions, the previous position's token is re-run as an extra query row (its KV is
+not rewritten), taken from ``all_token_ids``; without ``all_token_ids`` that entry is NaN too.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+from workers.engines.base import Engine, EngineOptions, ModelInfo, SeqInput, SeqOutput
+from workers.engines.llama.attention import AttentionBackend, StepLayout, make_backend
+from workers.engines.llama.config import ModelConfigError, load_config
+from workers.engines.llama.model import LlamaModel
+from workers.engines.llama.sampling import generator_for, sample, token_logprobs
+from workers.kv_pool import KVPool
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PROMPT_LOGPROB_BLOCK = 256  # rows per LM-head block when scoring a prompt chunk
+
+
+@dataclass
+class _SeqRows:
+    start: int  # first row of this sequence in the flattened batch
+    num_rows: int
+    extra_row: bool  # row 0 re-runs position num_cached - 1 for prompt logprobs
+
+
+class TorchEngine(Engine):
+    """A real Llama-family transformer over the worker's paged KV pool."""
+
+    name = "torch"
+
+    def __init__(self, options: EngineOptions) -> None:
+        if options.num_threads > 0:
+            torch.set_num_threads(options.num_threads)
+        if options.dtype not in DTYPES:
+            raise ModelConfigError(f"unsupported dtype {options.dtype!r}; choose one of {', '.join(DTYPES)}")
+        self.options = options
+        self.device = torch.device(options.device)
+        self.dtype = DTYPES[options.dtype]
+        model_dir = options.model
+        if model_dir is None:
+            from workers.engines.llama.gguf_convert import default_model_dir
+
+            model_dir = default_model_dir()
+        self.model_dir = os.path.abspath(model_dir)
+        self.cfg = load_config(self.model_dir)
+        self.model = LlamaModel.load(self.model_dir, self.cfg, self.dtype, self.device)
+        self.attention: AttentionBackend = make_backend(options.attention, self.device)
+        self.info = ModelInfo(
+            name=options.extra.get("served_model_name") or os.path.basename(os.path.normpath(self.model_dir)),
+            num_layers=self.cfg.num_layers,
+            num_kv_heads=self.cfg.num_kv_heads,
+            head_dim=self.cfg.head_dim,
+            kv_dtype=options.dtype,
+            vocab_size=self.cfg.vocab_size,
+            max_context=self.cfg.max_context,
+            eos_token_ids=self.cfg.eos_token_ids,
+            tokenizer=self.model_dir,
+        )
+        self.pool: KVPool | None = None
+        self.last_logits: list[torch.Tensor | None] = []
+        self._rng = torch.Generator(device="cpu")
+        self._rng.manual_seed(secrets.randbits(63))
+
+    # -- Engine seam --------------------------------------------------------------------------
+    def bind(self, pool: KVPool) -> None:
+        expected = (self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, self.options.dtype)
+        got = (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype)
+        if got != expected:
+            raise ValueError(
+                f"KV pool shape (layers, kv_heads, head_dim, dtype)={got} does not match the model's {expected}"
+            )
+        k_caches = [self._wrap(buf) for buf in pool.k]
+        v_caches = [self._wrap(buf) for buf in pool.v]
+        self.attention.bind(k_caches, v_caches, self.cfg.num_heads)
+        self.pool = pool
+
+    def _wrap(self, buffer: object) -> torch.Tensor:
+        tensor = buffer if isinstance(buffer, torch.Tensor) else torch.from_numpy(buffer)
+        if self.dtype == torch.bfloat16 and tensor.dtype == torch.uint16:
+            tensor = tensor.view(torch.bfloat16)
+        if tensor.device != self.device:
+            raise ValueError(
+                f"KV pool memory is on {tensor.device}, the engine runs on {self.device}: "
+                "build the pool on the engine's device"
+            )
+        return tensor
+
+    def close(self) -> None:
+        self.pool = None
+        self.last_logits = []
+
+    # -- one step -----------------------------------------------------------------------------
+    def forward(self, batch: list[SeqInput]) -> list[SeqOutput]:
+        if self.pool is None:
+            raise RuntimeError("TorchEngine.forward before bind(pool)")
+        self.last_logits = [None] * len(batch)
+        if not batch:
+            return []
+        for seq in batch:
+            self._validate(seq)
+        tokens: list[int] = []
+        positions: list[int] = []
+        write_slots: list[int] = []
+        write_rows: list[int] = []
+        rows: list[_SeqRows] = []
+        page_size = self.pool.page_size
+        for seq in batch:
+            start = len(tokens)
+            extra = self._wants_prompt_logprobs(seq) and seq.num_cached > 0 and seq.all_token_ids is not None
+            if extra:
+                assert seq.all_token_ids is not None
+                tokens.append(seq.all_token_ids[seq.num_cached - 1])
+                positions.append(seq.num_cached - 1)
+            for offset, token in enumerate(seq.token_ids):
+                pos = seq.num_cached + offset
+                write_rows.append(len(tokens))
+                tokens.append(token)
+                positions.append(pos)
+                write_slots.append(seq.page_ids[pos // page_size] * page_size + pos % page_size)
+            rows.append(_SeqRows(start, len(tokens) - start, extra))
+
+        device = self.device
+        step = StepLayout(
+            query_lens=[r.num_rows for r in rows],
+            kv_lens=[seq.num_cached + len(seq.token_ids) for seq in batch],
+            page_ids=[seq.page_ids for seq in batch],
+            write_slots=torch.tensor(write_slots, dtype=torch.int64, device=device),
+            write_rows=(
+                None if len(write_rows) == len(tokens) else torch.tensor(write_rows, dtype=torch.int64, device=device)
+            ),
+        )
+        self.attention.plan(step)
+        hidden = self.model.hidden(
+            torch.tensor(tokens, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            self.attention,
+        )
+        outputs = [SeqOutput() for _ in batch]
+        self._sample(batch, rows, hidden, outputs)
+        for i, seq in enumerate(batch):
+            if self._wants_prompt_logprobs(seq):
+                outputs[i].prompt_logprobs = self._prompt_logprobs(seq, rows[i], hidden)
+        return outputs
+
+    def _validate(self, seq: SeqInput) -> None:
+        assert self.pool is not None
+        if not seq.token_ids:
+            raise ValueError(f"rid {seq.rid}: no new tokens in this step")
+        if seq.num_cached < 0:
+            raise ValueError(f"rid {seq.rid}: num_cached must be >= 0, got {seq.num_cached}")
+        kv_len = seq.num_cached + len(seq.token_ids)
+        if kv_len > len(seq.page_ids) * self.pool.page_size:
+            raise ValueError(
+                f"rid {seq.rid}: {kv_len} positions need {self.pool.pages_for(kv_len)} pages, "
+                f"the page table has {len(seq.page_ids)}"
+            )
+        if kv_len > self.cfg.max_context:
+            raise ValueError(f"rid {seq.rid}: {kv_len} positions exceed max_context {self.cfg.max_context}")
+        vocab = self.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in seq.token_ids):
+            raise ValueError(f"rid {seq.rid}: token id out of range [0, {vocab})")
+        if any(not 0 <= p < self.pool.num_pages for p in seq.page_ids):
+            raise ValueError(f"rid {seq.rid}: page id out of range [0, {self.pool.num_pages})")
+        cached_ids = seq.all_token_ids if self._wants_prompt_logprobs(seq) and seq.num_cached > 0 else None
+        if cached_ids is not None and (
+            len(cached_ids) < seq.num_cached or not 0 <= cached_ids[seq.num_cached - 1] < vocab
+        ):
+            raise ValueError(f"rid {seq.rid}: all_token_ids does not cover the cached positions")
+
+    @staticmethod
+    def _wants_prompt_logprobs(seq: SeqInput) -> bool:
+        return seq.params.prompt_logprobs and seq.num_generated == 0
+
+    def _sample(
+        self, batch: list[SeqInput], rows: list[_SeqRows], hidden: torch.Tensor, outputs: list[SeqOutput]
+    ) -> None:
+        sampled = [i for i, seq in enumerate(batch) if seq.sample]
+        if not sampled:
+            return
+        last_rows = torch.tensor([rows[i].start + rows[i].num_rows - 1 for i in sampled], device=self.device)
+        logits = self.model.logits(hidden.index_select(0, last_rows)).cpu()
+        for j, i in enumerate(sampled):
+            seq, row = batch[i], logits[j]
+            self.last_logits[i] = row
+            gen = generator_for(seq.params, seq.num_generated, self._rng)
+            token = sample(row, seq.params, gen)
+            out = outputs[i]
+            out.token_id = token
+            if seq.params.logprobs or seq.params.top_logprobs > 0:
+                out.logprob, out.top_logprobs = token_logprobs(row, token, seq.params.top_logprobs)
+
+    def _prompt_logprobs(self, seq: SeqInput, rows: _SeqRows, hidden: torch.Tensor) -> list[float]:
+        """Logprob of each chunk token given its prefix (NaN where the prefix's row is unknown)."""
+        n = len(seq.token_ids)
+        result = [math.nan] * n
+        # Row r predicts the token at the next position: pairs (row, index into token_ids).
+        if rows.extra_row:
+            pairs = [(rows.start + j, j) for j in range(n)]
+        else:
+            pairs = [(rows.start + j, j + 1) for j in range(n - 1)]
+        for begin in range(0, len(pairs), _PROMPT_LOGPROB_BLOCK):
+            block = pairs[begin : begin + _PROMPT_LOGPROB_BLOCK]
+            idx = torch.tensor([r for r, _ in block], device=self.device)
+            targets = torch.tensor([seq.token_ids[j] for _, j in block], device=self.device)
+            logprobs = torch.log_softmax(self.model.logits(hidden.index_select(0, idx)), dim=-1)
+            picked = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+            for (_, j), value in zip(block, picked, strict=True):
+                result[j] = float(value)
+        return result
