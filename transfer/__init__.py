@@ -1,0 +1,31 @@
+"""KV transfer: engine-neutral backends, page -> block math, and the KV manager/sender/receiver."""
+
+from transfer.base import Block, PeerId, TransferBackend, WriteHandle, WriteState
+from transfer.blocks import RegionSet, kv_blocks, merge_runs
+from transfer.decode import KVReceiver
+from transfer.errors import TransferError, TransferErrorKind
+from transfer.manager import KVManager
+from transfer.prefill import KVSender
+from transfer.registry import available_backends, create_backend
+from transfer.types import KVArgs, KVPoll, KVTimeouts
+
+__all__ = [
+    "Block",
+    "KVArgs",
+    "KVManager",
+    "KVPoll",
+    "KVReceiver",
+    "KVSender",
+    "KVTimeouts",
+    "PeerId",
+    "RegionSet",
+    "TransferBackend",
+    "TransferError",
+    "TransferErrorKind",
+    "WriteHandle",
+    "WriteState",
+    "available_backends",
+    "create_backend",
+    "kv_blocks",
+    "merge_runs",
+]

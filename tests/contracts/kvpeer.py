@@ -1,0 +1,271 @@
+"""A KV-manager peer in its own process, driven over a pipe, for the transfer contract suite.
+
+Run as ``python tests/contracts/kvpeer.py --cmd-fd R --reply-fd W --role prefill|decode --backend NAME ...``.
+Commands and replies are msgspec JSON lines on the two pipe fds (never stdout: NIXL logs there).
+``PeerProcess`` (test side) starts it, sends commands and always reaps it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from transfer import KVArgs, KVManager, KVPoll, KVTimeouts, create_backend  # noqa: E402
+from workers.kv_pool import KVPool  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_layers: int = 3
+    num_pages: int = 64
+    page_size: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 8
+    dtype: str = "float32"
+    num_aux_slots: int = 8
+    aux_slot_bytes: int = 64
+
+    def pool(self) -> KVPool:
+        return KVPool(
+            num_layers=self.num_layers, num_pages=self.num_pages, page_size=self.page_size,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype,
+            num_aux_slots=self.num_aux_slots, aux_slot_bytes=self.aux_slot_bytes,
+        )
+
+    def argv(self) -> list[str]:
+        return [
+            f"--layers={self.num_layers}", f"--pages={self.num_pages}", f"--page-size={self.page_size}",
+            f"--heads={self.num_kv_heads}", f"--head-dim={self.head_dim}", f"--dtype={self.dtype}",
+            f"--aux-slots={self.num_aux_slots}", f"--aux-bytes={self.aux_slot_bytes}",
+        ]
+
+
+def pattern(seed: int, buffer_index: int, page: int, nbytes: int) -> np.ndarray:
+    """Deterministic bytes for one page of one buffer (source data both sides can recompute)."""
+    return np.random.default_rng([seed, buffer_index, page]).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def fill(pool: KVPool, seed: int) -> None:
+    for b in range(2 * pool.num_layers):
+        for p in range(pool.num_pages):
+            pool.page_view(b, p)[:] = pattern(seed, b, p, pool.page_bytes)
+
+
+def timeouts_argv(t: KVTimeouts) -> list[str]:
+    return [
+        f"--bootstrap-s={t.bootstrap_s}", f"--waiting-s={t.waiting_s}", f"--transfer-s={t.transfer_s}",
+        f"--hb-interval-s={t.heartbeat_interval_s}", f"--hb-timeout-s={t.heartbeat_timeout_s}",
+    ]
+
+
+# -- child ---------------------------------------------------------------------------------------
+class _Peer:
+    def __init__(self, ns: argparse.Namespace) -> None:
+        self.shape = Shape(ns.layers, ns.pages, ns.page_size, ns.heads, ns.head_dim, ns.dtype, ns.aux_slots,
+                           ns.aux_bytes)
+        self.pool = self.shape.pool()
+        if ns.role == "prefill":
+            fill(self.pool, ns.seed)
+        timeouts = KVTimeouts(ns.bootstrap_s, ns.waiting_s, ns.transfer_s, ns.hb_interval_s, ns.hb_timeout_s)
+        self.args = KVArgs.from_pool(self.pool)
+        self.manager = KVManager(ns.role, self.args, create_backend(ns.backend), timeouts=timeouts)
+        self.rooms: dict[int, Any] = {}
+
+    def handle(self, cmd: dict[str, Any]) -> Any:
+        op = cmd["op"]
+        room = cmd.get("room")
+        if op == "hello":
+            endpoint = base64.b64encode(self.manager.backend.endpoint()).decode()
+            info: dict[str, Any] = {"pid": os.getpid(), "endpoint": endpoint, "kv_ptrs": self.args.kv_ptrs,
+                                    "aux_ptrs": self.args.aux_ptrs, "page_bytes": self.pool.page_bytes}
+            if self.manager.role == "prefill":
+                info["control"] = list(self.manager.control_address)
+            return info
+        if op == "create_sender":
+            self.rooms[room] = self.manager.create_sender(room)
+            return None
+        if op == "create_receiver":
+            self.rooms[room] = self.manager.create_receiver(room, cmd["host"], cmd["port"])
+            return None
+        if op == "poll":
+            return self._status(self.rooms[room])
+        if op == "wait":
+            handle, deadline = self.rooms[room], time.monotonic() + cmd["timeout_s"]
+            while handle.poll() not in cmd["states"] and time.monotonic() < deadline:
+                time.sleep(0.002)
+            return self._status(handle)
+        if op == "send":
+            aux = bytes.fromhex(cmd["aux"]) if cmd.get("aux") is not None else None
+            self.rooms[room].send(cmd["pages"], last=cmd["last"], aux=aux)
+            return None
+        if op == "send_metadata":
+            self.rooms[room].send_metadata(cmd["pages"], cmd["aux_index"])
+            return None
+        if op == "abort":
+            self.rooms[room].abort(cmd["reason"])
+            return None
+        if op == "release":
+            self.rooms.pop(room).release()
+            return None
+        if op == "num_rooms":
+            return self.manager.num_rooms()
+        if op == "read":
+            kv = b"".join(self.pool.page_view(b, p).tobytes() for b in range(2 * self.pool.num_layers)
+                          for p in range(self.pool.num_pages))
+            return {"kv": base64.b64encode(kv).decode(), "aux": base64.b64encode(self.pool.aux.tobytes()).decode()}
+        if op == "close":
+            self.manager.close()
+            return None
+        raise ValueError(f"unknown op {op!r}")
+
+    @staticmethod
+    def _status(handle: Any) -> dict[str, Any]:
+        error = handle.failure()
+        return {
+            "state": int(handle.poll()),
+            "kind": error.kind.value if error else None,
+            "message": error.message if error else None,
+            "metadata_sent": getattr(handle, "metadata_sent", None),
+            "num_dst_pages": getattr(handle, "num_dst_pages", None),
+            "aux_len": getattr(handle, "aux_len", None),
+        }
+
+
+def _child_main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cmd-fd", type=int, required=True)
+    parser.add_argument("--reply-fd", type=int, required=True)
+    parser.add_argument("--role", choices=["prefill", "decode"], required=True)
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    for name, typ in (("layers", int), ("pages", int), ("page-size", int), ("heads", int), ("head-dim", int),
+                      ("aux-slots", int), ("aux-bytes", int), ("bootstrap-s", float), ("waiting-s", float),
+                      ("transfer-s", float), ("hb-interval-s", float), ("hb-timeout-s", float)):
+        parser.add_argument(f"--{name}", type=typ, required=True)
+    parser.add_argument("--dtype", default="float32")
+    ns = parser.parse_args()
+    cmd_in = os.fdopen(ns.cmd_fd, "rb")
+    reply_out = os.fdopen(ns.reply_fd, "wb", buffering=0)
+    peer = _Peer(ns)
+    reply_out.write(msgspec.json.encode({"ok": True, "result": "ready"}) + b"\n")
+    for line in cmd_in:
+        cmd = msgspec.json.decode(line)
+        try:
+            reply = {"ok": True, "result": peer.handle(cmd)}
+        except Exception as exc:
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        reply_out.write(msgspec.json.encode(reply) + b"\n")
+        if cmd["op"] == "close":
+            break
+    peer.manager.close()
+
+
+# -- test side -----------------------------------------------------------------------------------
+class PeerError(RuntimeError):
+    pass
+
+
+class PeerProcess:
+    """A running peer. ``call(op, **fields)`` returns the result or raises PeerError."""
+
+    def __init__(self, role: str, backend: str, shape: Shape, timeouts: KVTimeouts, seed: int = 0,
+                 env: dict[str, str] | None = None, start_timeout_s: float = 60.0) -> None:
+        cmd_r, cmd_w = os.pipe()
+        reply_r, reply_w = os.pipe()
+        argv = [sys.executable, str(Path(__file__).resolve()), f"--cmd-fd={cmd_r}", f"--reply-fd={reply_w}",
+                f"--role={role}", f"--backend={backend}", f"--seed={seed}", *shape.argv(), *timeouts_argv(timeouts)]
+        self.proc = subprocess.Popen(argv, pass_fds=(cmd_r, reply_w), env={**os.environ, **(env or {})},
+                                     stdout=subprocess.DEVNULL)
+        os.close(cmd_r)
+        os.close(reply_w)
+        self._cmd = os.fdopen(cmd_w, "wb", buffering=0)
+        self._reply = os.fdopen(reply_r, "rb")
+        self.role, self.shape, self.seed = role, shape, seed
+        try:
+            self._read(start_timeout_s)
+            self.info = self.call("hello")
+        except BaseException:
+            self.kill()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read(self, timeout_s: float) -> Any:
+        import select
+
+        ready, _, _ = select.select([self._reply], [], [], timeout_s)
+        if not ready:
+            raise PeerError(f"peer {self.proc.pid} did not answer within {timeout_s}s")
+        line = self._reply.readline()
+        if not line:
+            raise PeerError(f"peer {self.proc.pid} exited (code {self.proc.poll()})")
+        reply = msgspec.json.decode(line)
+        if not reply["ok"]:
+            raise PeerError(reply["error"])
+        return reply["result"]
+
+    def call(self, op: str, reply_timeout_s: float = 60.0, **fields: Any) -> Any:
+        self._cmd.write(msgspec.json.encode({"op": op, **fields}) + b"\n")
+        return self._read(reply_timeout_s)
+
+    def read_memory(self) -> tuple[np.ndarray, np.ndarray]:
+        """(kv bytes as [buffer, page, page_bytes], aux as [slot, slot_bytes]) of the peer's pool."""
+        got = self.call("read")
+        kv = np.frombuffer(base64.b64decode(got["kv"]), dtype=np.uint8)
+        aux = np.frombuffer(base64.b64decode(got["aux"]), dtype=np.uint8)
+        n_buf = 2 * self.shape.num_layers
+        return kv.reshape(n_buf, self.shape.num_pages, -1), aux.reshape(self.shape.num_aux_slots, -1)
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL (after SIGCONT, in case it was stopped) and reap; safe to call twice."""
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                os.kill(self.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=30)
+        for f in (self._cmd, self._reply):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Graceful close (manager.close in the child), then reap; falls back to kill."""
+        if self.proc.poll() is None:
+            try:
+                self.call("close", reply_timeout_s=20)
+                self.proc.wait(timeout=20)
+            except (PeerError, OSError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+
+
+def state(value: int) -> KVPoll:
+    return KVPoll(value)
+
+
+if __name__ == "__main__":
+    _child_main()

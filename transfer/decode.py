@@ -1,0 +1,361 @@
+"""Decode side of the KV manager: connections to prefills, registration, receivers.
+
+Lifecycle:
+1. ``create_receiver(room, host, port, instance_id)`` (scheduler thread) makes a Bootstrapping receiver
+   and hands the bootstrap to a small thread pool: ``resolver(host, port, instance_id)`` (may block on
+   HTTP) -> the prefill's control address -> the one connection kept per address (opened on first use:
+   TCP connect, ``Register`` with our data endpoint and memory, wait for ``RegisterAck``).
+2. Once the connection is registered the receiver is WaitingForInput with ``metadata_sent`` False: the
+   scheduler calls ``send_metadata(page_ids, aux_index)`` -> ``RoomRequest``; ``metadata_sent`` True.
+3. The prefill writes the KV straight into our registered memory and then sends ``RoomStatus``:
+   ok -> Success (every byte landed), else Failed with the prefill's reason.
+4. Connection loss fails the connection's rooms (PEER_GONE), a silent prefill fails them (TIMEOUT); the
+   connection is dropped, so the next receiver for that address connects afresh (a recovered peer).
+5. ``release()`` forgets the room (aborting it first if it was still live).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from transfer.blocks import check_pages
+from transfer.channel import ControlChannel
+from transfer.context import Context, Outbox, room_error
+from transfer.errors import TransferError, TransferErrorKind
+from transfer.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    Message,
+    Ping,
+    Pong,
+    Register,
+    RegisterAck,
+    RoomRequest,
+    RoomStatus,
+)
+from transfer.types import KVPoll
+
+Resolver = Callable[[str, int | None, str | None], tuple[str, int]]
+_TERMINAL = (KVPoll.Failed, KVPoll.Success)
+_MAX_CONNECT_S = 10.0
+
+
+@dataclass(eq=False)
+class _Conn:
+    address: tuple[str, int]
+    channel: ControlChannel | None = None
+    ready: bool = False
+    error: TransferError | None = None
+    receivers: set[KVReceiver] = field(default_factory=set)
+
+
+class KVReceiver:
+    """One room on the decode side. Every method is non-blocking (scheduler thread)."""
+
+    def __init__(self, side: DecodeSide, room: int, now: float) -> None:
+        self.room = room
+        self.metadata_sent = False
+        self.aux_len: int | None = None  # bytes the prefill wrote into the aux slot (known at Success)
+        self._side = side
+        self._state = KVPoll.Bootstrapping
+        self._error: TransferError | None = None
+        self._conn: _Conn | None = None
+        self._created = now
+        self._metadata_at = 0.0
+        self._released = False
+
+    def poll(self) -> KVPoll:
+        return self._state
+
+    def send_metadata(self, page_ids: Sequence[int], aux_index: int) -> None:
+        """Tell the prefill where to write. Only in WaitingForInput before metadata was sent; ignored
+        once Failed; ValueError for page ids or an aux slot outside our pool."""
+        self._side.send_metadata(self, list(page_ids), aux_index)
+
+    def failure(self) -> TransferError | None:
+        return self._error
+
+    def abort(self, reason: str) -> None:
+        self._side.abort(self, reason)
+
+    def release(self) -> None:
+        self._side.release(self)
+
+    def __repr__(self) -> str:
+        return f"KVReceiver(room={self.room}, state={self._state.name}, metadata_sent={self.metadata_sent})"
+
+
+class DecodeSide:
+    def __init__(self, ctx: Context, resolver: Resolver | None) -> None:
+        self._ctx = ctx
+        self._resolver = resolver
+        self._receivers: dict[int, KVReceiver] = {}
+        self._conns: dict[tuple[str, int], _Conn] = {}
+        self._by_channel: dict[ControlChannel, _Conn] = {}
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-bootstrap")
+
+    # -- rooms -----------------------------------------------------------------------------------
+    def create_receiver(self, room: int, host: str, port: int | None, instance_id: str | None) -> KVReceiver:
+        with self._ctx.lock:
+            if self._ctx.closed:
+                raise RuntimeError("KVManager is closed")
+            if room in self._receivers:
+                raise ValueError(f"room {room} already has a receiver")
+            receiver = KVReceiver(self, room, time.monotonic())
+            self._receivers[room] = receiver
+        self._pool.submit(self._bootstrap, receiver, host, port, instance_id)
+        return receiver
+
+    def _bootstrap(self, receiver: KVReceiver, host: str, port: int | None, instance_id: str | None) -> None:
+        room = receiver.room
+        try:
+            if self._resolver is not None:
+                address = self._resolver(host, port, instance_id)
+            elif port is None:
+                raise TransferError(TransferErrorKind.BOOTSTRAP, f"no port for {host} and no resolver")
+            else:
+                address = (host, port)
+            address = (str(address[0]), int(address[1]))
+        except TransferError as exc:
+            self._fail_one(receiver, room_error(room, exc))
+            return
+        except Exception as exc:
+            error = TransferError(
+                TransferErrorKind.BOOTSTRAP,
+                f"room {room}: resolving bootstrap target {host}:{port} ({instance_id}) failed: {exc!r}",
+            )
+            self._fail_one(receiver, error)
+            return
+        with self._ctx.lock:
+            if receiver._state in _TERMINAL or self._ctx.closed:
+                return
+            conn = self._conns.get(address)
+            created = conn is None or conn.error is not None
+            if created:
+                conn = _Conn(address)
+                self._conns[address] = conn
+            assert conn is not None
+            receiver._conn = conn
+            conn.receivers.add(receiver)
+            if conn.ready and receiver._state == KVPoll.Bootstrapping:
+                receiver._state = KVPoll.WaitingForInput
+        if created:
+            self._open(conn)
+
+    def _open(self, conn: _Conn) -> None:
+        host, port = conn.address
+        timeout = min(self._ctx.timeouts.bootstrap_s, _MAX_CONNECT_S)
+        try:
+            sock = socket.create_connection(conn.address, timeout=timeout)
+        except OSError as exc:
+            self._conn_failed(conn, TransferError(
+                TransferErrorKind.PEER_UNREACHABLE, f"cannot connect to the prefill's control port {host}:{port}: {exc}"
+            ))
+            return
+        channel = ControlChannel(sock, f"prefill@{host}:{port}", self._on_message, self._on_close)
+        with self._ctx.lock:
+            conn.channel = channel
+            self._by_channel[channel] = conn
+        channel.start()
+        args = self._ctx.args
+        channel.send(Register(
+            PROTOCOL_VERSION, self._ctx.backend.name, self._ctx.backend.endpoint(),
+            args.kv_ptrs, args.kv_data_lens, args.kv_item_lens,
+            args.aux_ptrs, args.aux_data_lens, args.aux_item_lens, args.page_size, args.kv_dtype,
+        ))
+
+    def _fail(self, receiver: KVReceiver, error: TransferError) -> None:
+        """Lock held."""
+        if receiver._state in _TERMINAL:
+            return
+        receiver._state, receiver._error = KVPoll.Failed, error
+        if receiver._conn is not None:
+            receiver._conn.receivers.discard(receiver)
+
+    def _fail_one(self, receiver: KVReceiver, error: TransferError) -> None:
+        with self._ctx.lock:
+            self._fail(receiver, error)
+
+    def _conn_failed(self, conn: _Conn, error: TransferError) -> None:
+        with self._ctx.lock:
+            conn.error = conn.error or error
+            conn.ready = False
+            if self._conns.get(conn.address) is conn:
+                del self._conns[conn.address]
+            for receiver in list(conn.receivers):
+                self._fail(receiver, room_error(receiver.room, error))
+            conn.receivers.clear()
+
+    def send_metadata(self, receiver: KVReceiver, page_ids: list[int], aux_index: int) -> None:
+        args, room = self._ctx.args, receiver.room
+        with self._ctx.lock:
+            if receiver._released:
+                raise RuntimeError(f"room {room}: send_metadata() after release()")
+            if receiver._state == KVPoll.Failed:
+                return
+            if receiver.metadata_sent:
+                raise RuntimeError(f"room {room}: send_metadata() called twice")
+            conn = receiver._conn
+            if receiver._state != KVPoll.WaitingForInput or conn is None or conn.channel is None:
+                raise RuntimeError(f"room {room}: send_metadata() before the prefill connection is ready")
+            check_pages(page_ids, args.num_pages, f"room {room}: destination pages")
+            if args.num_aux_slots and not 0 <= aux_index < args.num_aux_slots:
+                raise ValueError(f"room {room}: aux slot {aux_index} outside [0, {args.num_aux_slots})")
+            receiver.metadata_sent = True
+            receiver._metadata_at = time.monotonic()
+            channel = conn.channel
+        channel.send(RoomRequest(room, page_ids, aux_index))
+
+    def abort(self, receiver: KVReceiver, reason: str) -> None:
+        with self._ctx.lock:
+            if receiver._state in _TERMINAL:
+                return
+            conn = receiver._conn
+            self._fail(receiver, TransferError(
+                TransferErrorKind.ABORTED, f"room {receiver.room}: aborted by the decode: {reason}"
+            ))
+            channel = conn.channel if conn is not None and conn.ready else None
+        if channel is not None:
+            channel.send(Abort(receiver.room, reason))
+
+    def release(self, receiver: KVReceiver) -> None:
+        if receiver._released:
+            return
+        if receiver._state not in _TERMINAL:
+            self.abort(receiver, "released before completion")
+        with self._ctx.lock:
+            receiver._released = True
+            if self._receivers.get(receiver.room) is receiver:
+                del self._receivers[receiver.room]
+            if receiver._conn is not None:
+                receiver._conn.receivers.discard(receiver)
+
+    def num_rooms(self) -> int:
+        with self._ctx.lock:
+            return len(self._receivers)
+
+    # -- control messages (reader threads) -------------------------------------------------------
+    def _on_message(self, channel: ControlChannel, msg: Message) -> None:
+        conn = self._by_channel.get(channel)
+        if conn is None:
+            return
+        match msg:
+            case Ping(seq=seq):
+                channel.send(Pong(seq))
+            case Pong():
+                pass
+            case RegisterAck(ok=True):
+                with self._ctx.lock:
+                    conn.ready = True
+                    for receiver in conn.receivers:
+                        if receiver._state == KVPoll.Bootstrapping:
+                            receiver._state = KVPoll.WaitingForInput
+            case RegisterAck(ok=False, reason=reason, kind=kind):
+                error = TransferError(TransferErrorKind.parse(kind), f"{channel.name} refused registration: {reason}")
+                self._conn_failed(conn, error)
+                channel.close(error)
+            case RoomStatus(room=room, ok=ok, kind=kind, reason=reason, aux_len=aux_len):
+                with self._ctx.lock:
+                    found = self._receivers.get(room)
+                    if found is None or found._conn is not conn or found._state in _TERMINAL:
+                        return
+                    receiver = found
+                    if ok and receiver.metadata_sent:
+                        receiver.aux_len = aux_len
+                        receiver._state = KVPoll.Success
+                        conn.receivers.discard(receiver)
+                    elif ok:
+                        self._fail(receiver, TransferError(
+                            TransferErrorKind.PROTOCOL,
+                            f"room {room}: {channel.name} reported success before our page list",
+                        ))
+                    else:
+                        self._fail(receiver, TransferError(
+                            TransferErrorKind.parse(kind), f"room {room}: {channel.name} reported: {reason}"
+                        ))
+            case Abort(room=room, reason=reason):
+                with self._ctx.lock:
+                    target = self._receivers.get(room)
+                    if target is not None and target._conn is conn:
+                        self._fail(target, TransferError(
+                            TransferErrorKind.ABORTED, f"room {room}: aborted by the prefill: {reason}"
+                        ))
+            case _:
+                channel.close(TransferError(
+                    TransferErrorKind.PROTOCOL, f"{channel.name}: unexpected {type(msg).__name__}"
+                ))
+
+    def _on_close(self, channel: ControlChannel, error: TransferError) -> None:
+        with self._ctx.lock:
+            conn = self._by_channel.pop(channel, None)
+        if conn is not None:
+            self._conn_failed(conn, error)
+
+    # -- monitor thread --------------------------------------------------------------------------
+    def tick(self, now: float, outbox: Outbox) -> bool:
+        """Enforce bootstrap and waiting timeouts (lock held). Never busy."""
+        timeouts = self._ctx.timeouts
+        for receiver in list(self._receivers.values()):
+            if receiver._state == KVPoll.Bootstrapping and now - receiver._created > timeouts.bootstrap_s:
+                self._fail(receiver, TransferError(
+                    TransferErrorKind.TIMEOUT,
+                    f"room {receiver.room}: not connected to a prefill within {timeouts.bootstrap_s:g}s",
+                ))
+            elif (
+                receiver._state == KVPoll.WaitingForInput
+                and receiver.metadata_sent
+                and now - receiver._metadata_at > timeouts.waiting_s
+            ):
+                conn = receiver._conn
+                self._fail(receiver, TransferError(
+                    TransferErrorKind.TIMEOUT,
+                    f"room {receiver.room}: no KV from the prefill within {timeouts.waiting_s:g}s",
+                ))
+                if conn is not None and conn.channel is not None:
+                    outbox.append((conn.channel, Abort(receiver.room, "decode timed out waiting for the KV")))
+        return False
+
+    def heartbeat(self, now: float, outbox: Outbox) -> list[tuple[ControlChannel, TransferError]]:
+        silent = []
+        limit = self._ctx.timeouts.heartbeat_timeout_s
+        for channel, conn in list(self._by_channel.items()):
+            if now - channel.last_rx > limit:
+                error = TransferError(
+                    TransferErrorKind.TIMEOUT, f"{channel.name}: no heartbeat for {now - channel.last_rx:.1f}s"
+                )
+                conn.error = conn.error or error
+                conn.ready = False
+                if self._conns.get(conn.address) is conn:
+                    del self._conns[conn.address]
+                for receiver in list(conn.receivers):
+                    self._fail(receiver, room_error(receiver.room, error))
+                conn.receivers.clear()
+                silent.append((channel, error))
+            else:
+                outbox.append((channel, Ping(int(now * 1000))))
+        return silent
+
+    # -- shutdown --------------------------------------------------------------------------------
+    def fail_all(self, outbox: Outbox) -> None:
+        for receiver in self._receivers.values():
+            if receiver._state in _TERMINAL:
+                continue
+            conn = receiver._conn
+            self._fail(receiver, TransferError(
+                TransferErrorKind.ABORTED, f"room {receiver.room}: the decode's KV manager closed"
+            ))
+            if conn is not None and conn.channel is not None and conn.ready:
+                outbox.append((conn.channel, Abort(receiver.room, "decode KV manager closed")))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._ctx.lock:
+            channels = list(self._by_channel)
+        for channel in channels:
+            channel.close()
+        for channel in channels:
+            channel.join(timeout=5.0)

@@ -1,0 +1,153 @@
+"""KVManager: one per worker rank; owns the backend, the control plane and the monitor thread.
+
+Lifecycle:
+1. ``KVManager(role, args, backend, ...)`` registers ``args``' memory with the backend once (the prefill
+   also registers a small staging area for aux payloads) and starts its threads: the prefill listens on
+   ``control_address`` (127.0.0.1 by default); both run a monitor thread (write progress, timeouts,
+   heartbeats).
+2. Prefill: ``create_sender(room)`` per request; decode: ``create_receiver(room, host, port, instance_id)``.
+   The scheduler thread then polls the room and calls its non-blocking methods (see ``KVSender`` and
+   ``KVReceiver``); background threads do every blocking step.
+3. ``release()`` each room when done; ``num_rooms()`` counts rooms not yet released.
+4. ``close()`` (idempotent): fails live rooms (ABORTED, telling the peers), closes connections, joins
+   threads, closes the backend (which unregisters the memory). The manager owns the backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Literal
+
+from transfer.base import TransferBackend
+from transfer.context import Context, Outbox, flush
+from transfer.decode import DecodeSide, KVReceiver, Resolver
+from transfer.prefill import KVSender, PrefillSide
+from transfer.types import KVArgs, KVTimeouts
+
+log = logging.getLogger(__name__)
+
+_BUSY_POLL_S = 0.0005  # monitor tick while writes are in flight
+_IDLE_POLL_S = 0.05
+
+
+class KVManager:
+    def __init__(
+        self,
+        role: Literal["prefill", "decode"],
+        args: KVArgs,
+        backend: TransferBackend,
+        *,
+        host: str = "127.0.0.1",
+        control_port: int = 0,
+        timeouts: KVTimeouts = KVTimeouts(),
+        resolver: Resolver | None = None,
+    ) -> None:
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"KVManager role must be 'prefill' or 'decode', got {role!r}")
+        if not isinstance(backend, TransferBackend):
+            raise TypeError(f"backend must be a TransferBackend, got {type(backend).__name__}")
+        self.role = role
+        self.args = args
+        self.backend = backend
+        self.timeouts = timeouts
+        self._ctx = Context(args, backend, timeouts)
+        self._prefill: PrefillSide | None = None
+        self._decode: DecodeSide | None = None
+        regions = args.regions()
+        if role == "prefill":
+            self._prefill = PrefillSide(self._ctx, host, control_port)
+            regions.append(self._prefill.staging_region())
+        else:
+            self._decode = DecodeSide(self._ctx, resolver)
+        try:
+            backend.register(regions)
+        except Exception:
+            if self._prefill is not None:
+                self._prefill.close()
+            raise
+        self._closed = False
+        self._close_lock = threading.Lock()
+        if self._prefill is not None:
+            self._prefill.start()
+        self._monitor = threading.Thread(target=self._monitor_loop, name=f"kv-monitor-{role}", daemon=True)
+        self._monitor.start()
+
+    @property
+    def control_address(self) -> tuple[str, int]:
+        """Prefill: where decodes connect (goes into the bootstrap registry as rank_ip/rank_port)."""
+        if self._prefill is None:
+            raise AttributeError("control_address: only a prefill KVManager listens")
+        return self._prefill.control_address
+
+    def create_sender(self, room: int) -> KVSender:
+        if self._prefill is None:
+            raise RuntimeError("create_sender() on a decode KVManager")
+        return self._prefill.create_sender(room)
+
+    def create_receiver(
+        self, room: int, host: str, port: int | None, instance_id: str | None = None
+    ) -> KVReceiver:
+        if self._decode is None:
+            raise RuntimeError("create_receiver() on a prefill KVManager")
+        return self._decode.create_receiver(room, host, port, instance_id)
+
+    def num_rooms(self) -> int:
+        side = self._prefill or self._decode
+        assert side is not None
+        return side.num_rooms()
+
+    def _monitor_loop(self) -> None:
+        ctx = self._ctx
+        side = self._prefill or self._decode
+        assert side is not None
+        next_beat = time.monotonic()
+        outbox: Outbox = []
+        while True:
+            with ctx.lock:
+                if ctx.closed:
+                    return
+                now = time.monotonic()
+                try:
+                    busy = side.tick(now, outbox)
+                    silent = []
+                    if now >= next_beat:
+                        silent = side.heartbeat(now, outbox)
+                        next_beat = now + self.timeouts.heartbeat_interval_s
+                except Exception:
+                    log.exception("KV monitor tick failed")
+                    busy, silent = False, []
+            flush(outbox)
+            for channel, error in silent:
+                channel.close(error)
+            with ctx.lock:
+                if ctx.closed:
+                    return
+                ctx.wake.wait(_BUSY_POLL_S if busy else _IDLE_POLL_S)
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        outbox: Outbox = []
+        side = self._prefill or self._decode
+        assert side is not None
+        with self._ctx.lock:
+            side.fail_all(outbox)
+        flush(outbox)
+        with self._ctx.lock:
+            self._ctx.closed = True
+            self._ctx.wake.notify_all()
+        self._monitor.join(timeout=5.0)
+        side.close()
+        if self._prefill is not None:
+            self._prefill.drain_graveyard(deadline_s=2.0)
+        self.backend.close()
+
+    def __enter__(self) -> KVManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

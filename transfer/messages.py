@@ -1,0 +1,128 @@
+"""Control-plane messages between a decode (client) and a prefill's control port (server).
+
+Frames: 4-byte big-endian length, then one msgpack-encoded ``Message`` (a tagged union). Flow:
+1. decode -> prefill ``Register`` once per connection; prefill answers ``RegisterAck`` (ok or a reason).
+2. decode -> prefill ``RoomRequest`` per room (destination page ids + aux slot).
+3. prefill -> decode ``RoomStatus`` per room: ok only after every write of the room is DONE.
+4. ``Abort`` either way; ``Ping``/``Pong`` either way (any frame counts as a heartbeat).
+New fields go last with defaults; ``Register.version`` is checked by the prefill.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Callable
+
+import msgspec
+
+from transfer.errors import TransferError, TransferErrorKind
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+_LEN = struct.Struct(">I")
+
+
+class Register(msgspec.Struct, tag="register", array_like=True, frozen=True):
+    version: int
+    backend: str
+    endpoint: bytes
+    kv_ptrs: list[int]
+    kv_data_lens: list[int]
+    kv_item_lens: list[int]
+    aux_ptrs: list[int]
+    aux_data_lens: list[int]
+    aux_item_lens: list[int]
+    page_size: int
+    kv_dtype: str
+
+
+class RegisterAck(msgspec.Struct, tag="register_ack", array_like=True, frozen=True):
+    ok: bool
+    reason: str = ""
+    kind: str = ""
+
+
+class RoomRequest(msgspec.Struct, tag="room", array_like=True, gc=False, frozen=True):
+    room: int
+    page_ids: list[int]
+    aux_index: int
+
+
+class RoomStatus(msgspec.Struct, tag="status", array_like=True, gc=False, frozen=True):
+    room: int
+    ok: bool
+    kind: str = ""
+    reason: str = ""
+    aux_len: int = 0
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True, gc=False, frozen=True):
+    room: int
+    reason: str
+
+
+class Ping(msgspec.Struct, tag="ping", array_like=True, gc=False, frozen=True):
+    seq: int
+
+
+class Pong(msgspec.Struct, tag="pong", array_like=True, gc=False, frozen=True):
+    seq: int
+
+
+Message = Register | RegisterAck | RoomRequest | RoomStatus | Abort | Ping | Pong
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode_frame(msg: Message) -> bytes:
+    body = _encoder.encode(msg)
+    return _LEN.pack(len(body)) + body
+
+
+def decode_body(body: bytes | memoryview) -> Message:
+    try:
+        return _decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise TransferError(TransferErrorKind.PROTOCOL, f"undecodable control message: {exc}") from exc
+
+
+class FrameReader:
+    """Reads frames from a blocking socket that may have a timeout set (timeouts are retried
+    while ``keep_going()`` holds)."""
+
+    def __init__(self, sock: socket.socket, keep_going: Callable[[], bool] | None = None) -> None:
+        self._sock = sock
+        self._keep_going = keep_going
+
+    def _read_exact(self, n: int, allow_eof: bool) -> bytes | None:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            try:
+                r = self._sock.recv_into(view[got:])
+            except TimeoutError:
+                if self._keep_going is not None and not self._keep_going():
+                    raise
+                continue
+            if r == 0:
+                if got == 0 and allow_eof:
+                    return None
+                raise ConnectionResetError("control connection closed mid-frame")
+            got += r
+        return bytes(buf)
+
+    def read(self) -> Message | None:
+        """The next message, or None on a clean end of stream. Raises TransferError(PROTOCOL) for an
+        oversized or undecodable frame, OSError for a broken connection."""
+        head = self._read_exact(_LEN.size, allow_eof=True)
+        if head is None:
+            return None
+        (length,) = _LEN.unpack(head)
+        if length > MAX_FRAME_BYTES:
+            raise TransferError(TransferErrorKind.PROTOCOL, f"control frame of {length} bytes is too large")
+        body = self._read_exact(length, allow_eof=False)
+        assert body is not None
+        return decode_body(body)

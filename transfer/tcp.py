@@ -1,0 +1,322 @@
+"""Stdlib TCP data plane: always available, loopback by default.
+
+Lifecycle:
+1. ``TcpBackend(host="127.0.0.1")`` listens on an ephemeral port of ``host``; an accept thread serves
+   every incoming connection with its own receive thread.
+2. ``register(regions)``: incoming batches may only write inside these regions.
+3. ``endpoint()`` is ``b"host:port"``; ``connect(endpoint)`` opens one persistent connection per peer
+   and starts a sender thread for it.
+4. ``write`` queues a batch on the peer's sender thread and returns at once. Wire format per batch:
+   header ``(seq u64, n u32)``, ``n`` entries ``(dst u64, len u64)``, then the payload bytes, sent
+   zero-copy from the source memory. The receiver range-checks every entry against its regions, then
+   ``recv_into`` the destination memory directly (or drains and rejects the batch: the connection stays
+   usable) and answers ``(seq u64, status u8)``.
+5. ``disconnect``/``close`` shut the sockets down (unblocking a sender stuck on a frozen peer) and join.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import queue
+import socket
+import struct
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from transfer.base import Block, PeerId, Region, TransferBackend, WriteHandle, WriteState, unknown_peer
+from transfer.blocks import RegionSet
+from transfer.errors import TransferError, TransferErrorKind
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct(">QI")
+_ENTRY = struct.Struct(">QQ")
+_ACK = struct.Struct(">QB")
+_ACK_OK, _ACK_REJECTED = 0, 1
+_MAX_BLOCKS = 1 << 22
+_MAX_BATCH_BYTES = 1 << 40
+_DRAIN_CHUNK = 1 << 20
+
+
+def _memory(addr: int, length: int) -> memoryview:
+    return memoryview((ctypes.c_ubyte * length).from_address(addr)).cast("B")
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        r = sock.recv_into(view[got:])
+        if r == 0:
+            raise ConnectionResetError("peer closed the data connection")
+        got += r
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        r = sock.recv_into(view)
+        if r == 0:
+            raise ConnectionResetError("peer closed the data connection mid-batch")
+        view = view[r:]
+
+
+@dataclass
+class _Write:
+    state: WriteState = WriteState.PENDING
+    error: TransferError | None = None
+
+
+@dataclass
+class _Peer:
+    peer_id: PeerId
+    address: str
+    sock: socket.socket
+    jobs: queue.Queue[tuple[WriteHandle, list[Block]] | None] = field(default_factory=queue.Queue)
+    dead: TransferError | None = None
+    thread: threading.Thread | None = None
+
+
+class TcpBackend(TransferBackend):
+    name = "tcp"
+
+    def __init__(self, host: str = "127.0.0.1", connect_timeout_s: float = 5.0) -> None:
+        self._host = host
+        self._connect_timeout_s = connect_timeout_s
+        self._lock = threading.Lock()
+        self._regions = RegionSet([])
+        self._writes: dict[WriteHandle, _Write] = {}
+        self._peers: dict[PeerId, _Peer] = {}
+        self._handle_ids = itertools.count(1)
+        self._peer_ids = itertools.count(1)
+        self._closed = False
+        self._inbound: list[tuple[socket.socket, threading.Thread]] = []
+        self._listener = socket.create_server((host, 0))
+        self._port = self._listener.getsockname()[1]
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True)
+        self._accept_thread.start()
+
+    # -- target side -----------------------------------------------------------------------------
+    def register(self, regions: Sequence[Region]) -> None:
+        self._regions = RegionSet(regions)
+
+    def endpoint(self) -> bytes:
+        return f"{self._host}:{self._port}".encode()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            thread = threading.Thread(target=self._serve, args=(sock,), name="kv-tcp-recv", daemon=True)
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                self._inbound.append((sock, thread))
+            thread.start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            while True:
+                try:
+                    head = sock.recv(_HEADER.size, socket.MSG_WAITALL)
+                except OSError:
+                    return
+                if not head:
+                    return
+                if len(head) < _HEADER.size:
+                    head += _recv_exact(sock, _HEADER.size - len(head))
+                seq, count = _HEADER.unpack(head)
+                if count > _MAX_BLOCKS:
+                    log.warning("tcp backend: batch of %d blocks refused, closing the connection", count)
+                    return
+                raw = _recv_exact(sock, count * _ENTRY.size)
+                entries = [_ENTRY.unpack_from(raw, i * _ENTRY.size) for i in range(count)]
+                total = sum(length for _, length in entries)
+                if total > _MAX_BATCH_BYTES:
+                    log.warning("tcp backend: batch of %d bytes refused, closing the connection", total)
+                    return
+                if self._regions.all_contain(entries):
+                    for dst, length in entries:
+                        if length:
+                            _recv_into(sock, _memory(dst, length))
+                    status = _ACK_OK
+                else:
+                    scratch = memoryview(bytearray(min(total, _DRAIN_CHUNK) or 1))
+                    left = total
+                    while left:
+                        _recv_into(sock, scratch[: min(left, len(scratch))])
+                        left -= min(left, len(scratch))
+                    status = _ACK_REJECTED
+                sock.sendall(_ACK.pack(seq, status))
+        except OSError:
+            return
+        finally:
+            sock.close()
+            with self._lock:
+                self._inbound = [(s, t) for s, t in self._inbound if s is not sock]
+
+    # -- initiator side --------------------------------------------------------------------------
+    def connect(self, endpoint: bytes) -> PeerId:
+        address = endpoint.decode(errors="replace")
+        host, _, port = address.rpartition(":")
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=self._connect_timeout_s)
+        except (OSError, ValueError) as exc:
+            raise TransferError(
+                TransferErrorKind.PEER_UNREACHABLE, f"tcp: cannot connect to {address}: {exc}"
+            ) from exc
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            if self._closed:
+                sock.close()
+                raise TransferError(TransferErrorKind.ABORTED, "tcp: backend closed")
+            peer = _Peer(next(self._peer_ids), address, sock)
+            self._peers[peer.peer_id] = peer
+        peer.thread = threading.Thread(target=self._send_loop, args=(peer,), name="kv-tcp-send", daemon=True)
+        peer.thread.start()
+        return peer.peer_id
+
+    def write(self, peer: PeerId, blocks: Sequence[Block]) -> WriteHandle:
+        with self._lock:
+            handle = next(self._handle_ids)
+            record = _Write()
+            self._writes[handle] = record
+            target = self._peers.get(peer)
+            if target is None or target.dead is not None:
+                record.state = WriteState.FAILED
+                record.error = target.dead if target is not None and target.dead else unknown_peer("tcp", peer)
+                return handle
+        target.jobs.put((handle, list(blocks)))
+        return handle
+
+    def _finish(self, handle: WriteHandle, state: WriteState, error: TransferError | None = None) -> None:
+        with self._lock:
+            record = self._writes.get(handle)
+            if record is not None and record.state == WriteState.PENDING:
+                record.state, record.error = state, error
+
+    def _send_loop(self, peer: _Peer) -> None:
+        sock = peer.sock
+        while True:
+            job = peer.jobs.get()
+            if job is None or peer.dead is not None:
+                if job is not None:
+                    self._finish(job[0], WriteState.FAILED, peer.dead)
+                break
+            handle, blocks = job
+            try:
+                entries = b"".join(_ENTRY.pack(dst, length) for _, dst, length in blocks)
+                sock.sendall(_HEADER.pack(handle, len(blocks)) + entries)
+                for src, _, length in blocks:
+                    if length:
+                        sock.sendall(_memory(src, length))
+                seq, status = _ACK.unpack(_recv_exact(sock, _ACK.size))
+                if seq != handle:
+                    raise ConnectionError(f"ack for batch {seq}, expected {handle}")
+            except OSError as exc:
+                peer.dead = peer.dead or TransferError(
+                    TransferErrorKind.PEER_GONE, f"tcp: connection to {peer.address} broke: {exc}"
+                )
+                self._finish(handle, WriteState.FAILED, peer.dead)
+                break
+            if status == _ACK_OK:
+                self._finish(handle, WriteState.DONE)
+            else:
+                self._finish(
+                    handle,
+                    WriteState.FAILED,
+                    TransferError(
+                        TransferErrorKind.RANGE_REJECTED,
+                        f"tcp: {peer.address} rejected a batch writing outside its registered memory",
+                    ),
+                )
+        # fail whatever is still queued
+        while True:
+            try:
+                job = peer.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._finish(job[0], WriteState.FAILED, peer.dead)
+        try:
+            sock.close()
+        except OSError:
+            pass
+
+    def poll(self, handle: WriteHandle) -> WriteState:
+        with self._lock:
+            record = self._writes.get(handle)
+        if record is None:
+            raise KeyError(f"tcp: unknown write handle {handle}")
+        return record.state
+
+    def error(self, handle: WriteHandle) -> TransferError | None:
+        with self._lock:
+            record = self._writes.get(handle)
+        return record.error if record is not None else None
+
+    def release(self, handle: WriteHandle) -> None:
+        with self._lock:
+            self._writes.pop(handle, None)
+
+    def probe(self, peer: PeerId) -> bool:
+        with self._lock:
+            target = self._peers.get(peer)
+        return target is not None and target.dead is None and target.thread is not None and target.thread.is_alive()
+
+    def disconnect(self, peer: PeerId) -> None:
+        with self._lock:
+            target = self._peers.pop(peer, None)
+        if target is None:
+            return
+        self._kill(target, TransferError(TransferErrorKind.PEER_GONE, f"tcp: peer {target.address} disconnected"))
+
+    @staticmethod
+    def _kill(target: _Peer, error: TransferError) -> None:
+        target.dead = target.dead or error
+        try:
+            target.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        target.jobs.put(None)
+        if target.thread is not None and target.thread is not threading.current_thread():
+            target.thread.join(timeout=5.0)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers = list(self._peers.values())
+            self._peers.clear()
+            inbound = list(self._inbound)
+            self._inbound.clear()
+        for target in peers:
+            self._kill(target, TransferError(TransferErrorKind.ABORTED, "tcp: backend closed"))
+        # shutdown() wakes a thread blocked in accept(); close() alone may not on Linux
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        self._accept_thread.join(timeout=5.0)
+        for sock, thread in inbound:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            thread.join(timeout=5.0)
+        with self._lock:
+            for record in self._writes.values():
+                if record.state == WriteState.PENDING:
+                    record.state = WriteState.FAILED
+                    record.error = TransferError(TransferErrorKind.ABORTED, "tcp: backend closed")
