@@ -108,7 +108,7 @@ class StepOutput(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     kv_verified: bool | None = None  # sim engine: the imported KV matched the prompt
 
 
-class Outputs(msgspec.Struct, tag="out", array_like=True, gc=False):
+class Outputs(msgspec.Struct, tag="out", gc=False):
     items: list[StepOutput]
 
 

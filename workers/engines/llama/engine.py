@@ -62,16 +62,19 @@ class TorchEngine(Engine):
         self.device = torch.device(options.device)
         self.dtype = DTYPES[options.dtype]
         model_dir = options.model
+        default_name = None
         if model_dir is None:
-            from workers.engines.llama.gguf_convert import default_model_dir
+            from workers.engines.llama.gguf_convert import DEFAULT_MODEL_NAME, default_model_dir
 
-            model_dir = default_model_dir()
+            model_dir, default_name = default_model_dir(), DEFAULT_MODEL_NAME
         self.model_dir = os.path.abspath(model_dir)
         self.cfg = load_config(self.model_dir)
         self.model = LlamaModel.load(self.model_dir, self.cfg, self.dtype, self.device)
         self.attention: AttentionBackend = make_backend(options.attention, self.device)
         self.info = ModelInfo(
-            name=options.extra.get("served_model_name") or os.path.basename(os.path.normpath(self.model_dir)),
+            name=options.extra.get("served_model_name")
+            or default_name
+            or os.path.basename(os.path.normpath(self.model_dir)),
             num_layers=self.cfg.num_layers,
             num_kv_heads=self.cfg.num_kv_heads,
             head_dim=self.cfg.head_dim,

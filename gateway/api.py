@@ -1,0 +1,225 @@
+"""Client-facing request handling: validation, prompt building, n choices, and response shapes.
+
+``Frontend`` turns a decoded body into token ids and ``SamplingParams``, runs its choices through
+the ``Dispatcher`` and shapes OpenAI chat/completions and SGLang ``/generate`` responses, streamed
+(SSE ``data: {...}\\n\\n`` ... ``data: [DONE]``) or whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest, GenerateSampling
+from gateway.dispatch import Dispatcher
+from gateway.errors import APIError, BadRequest
+from gateway.text import ChoiceState
+from gateway.tokenizer import Tokenizer
+from workers.protocol import SamplingParams, StepOutput
+
+MAX_N = 16
+MAX_STOP_STRINGS = 8
+_json = msgspec.json.Encoder()
+
+
+@dataclass
+class Prepared:
+    input_ids: list[int]
+    params: SamplingParams
+    n: int
+    stops: list[str]
+    stream: bool
+    include_usage: bool
+    want_logprobs: bool
+
+
+def decode_body(body: bytes, kind: type[Any]) -> Any:
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        param = message.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in message else None
+        raise BadRequest(f"invalid request: {message}", param=param) from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+
+
+class Frontend:
+    def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, model_name: str, max_context: int,
+                 default_max_tokens: int = 256, request_timeout_s: float = 600.0) -> None:
+        self.dispatcher = dispatcher
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_context = max_context
+        self.default_max_tokens = default_max_tokens
+        self.request_timeout_s = request_timeout_s
+
+    # -- validation --------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.model_name, "default"):
+            raise BadRequest(f"model {model!r} is not served here; use {self.model_name!r}",
+                             param="model", code="model_not_found")
+
+    def _params(self, req: Any, input_ids: list[int], max_tokens: int | None, logprobs: bool,
+                top_logprobs: int) -> tuple[SamplingParams, list[str]]:
+        if not input_ids:
+            raise BadRequest("the prompt is empty", param="prompt")
+        room = self.max_context - len(input_ids)
+        if room <= 0:
+            raise BadRequest(f"the prompt has {len(input_ids)} tokens; the context length is {self.max_context}",
+                             param="messages", code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(self.default_max_tokens, room)
+        if max_tokens <= 0:
+            raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if max_tokens > room:
+            raise BadRequest(f"max_tokens ({max_tokens}) + prompt ({len(input_ids)} tokens) exceeds the context "
+                             f"length {self.max_context}", param="max_tokens", code="context_length_exceeded")
+        temperature = 1.0 if req.temperature is None else req.temperature
+        if not 0.0 <= temperature <= 2.0:
+            raise BadRequest("temperature must be in [0, 2]", param="temperature")
+        top_p = 1.0 if req.top_p is None else req.top_p
+        if not 0.0 < top_p <= 1.0:
+            raise BadRequest("top_p must be in (0, 1]", param="top_p")
+        top_k = -1 if req.top_k is None else req.top_k
+        if top_k == 0 or top_k < -1:
+            raise BadRequest("top_k must be -1 (off) or positive", param="top_k")
+        min_p = 0.0 if req.min_p is None else req.min_p
+        if not 0.0 <= min_p <= 1.0:
+            raise BadRequest("min_p must be in [0, 1]", param="min_p")
+        if not 0 <= top_logprobs <= 20:
+            raise BadRequest("top_logprobs must be in [0, 20]", param="top_logprobs")
+        if not 1 <= req.n <= MAX_N:
+            raise BadRequest(f"n must be in [1, {MAX_N}]", param="n")
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+            raise BadRequest(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
+        params = SamplingParams(
+            max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            seed=req.seed, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+            logprobs=logprobs, top_logprobs=top_logprobs,
+        )
+        return params, stops
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+        self._check_model(req.model)
+        if not req.messages:
+            raise BadRequest("messages must be a non-empty list", param="messages")
+        try:
+            messages = [msgspec.structs.asdict(m) for m in req.messages]
+            input_ids = self.tokenizer.apply_chat_template(messages)
+        except (ValueError, TypeError) as exc:
+            raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params, stops = self._params(req, input_ids, max_tokens, req.logprobs, req.top_logprobs or 0)
+        return Prepared(input_ids, params, req.n, stops, req.stream,
+                        bool(req.stream_options and req.stream_options.include_usage), req.logprobs)
+
+    def prepare_completion(self, req: CompletionRequest) -> Prepared:
+        self._check_model(req.model)
+        prompt: Any = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+            if len(prompt) != 1:
+                raise BadRequest("batched prompts are not supported; send one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            input_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
+            input_ids = list(prompt)
+        elif prompt is None:
+            raise BadRequest("prompt is required", param="prompt")
+        else:
+            raise BadRequest("prompt must be a string or a list of token ids", param="prompt")
+        logprobs = req.logprobs is not None
+        params, stops = self._params(req, input_ids, req.max_tokens, logprobs, req.logprobs or 0)
+        return Prepared(input_ids, params, req.n, stops, req.stream,
+                        bool(req.stream_options and req.stream_options.include_usage), logprobs)
+
+    def prepare_generate(self, req: GenerateRequest) -> tuple[Prepared, GenerateSampling]:
+        try:
+            sp = msgspec.convert(req.sampling_params, GenerateSampling)
+        except msgspec.ValidationError as exc:
+            raise BadRequest(f"invalid sampling_params: {exc}", param="sampling_params") from None
+        if req.input_ids is not None:
+            input_ids = list(req.input_ids)
+        elif req.text is not None:
+            input_ids = self.tokenizer.encode(req.text)
+        else:
+            raise BadRequest("one of text or input_ids is required", param="text")
+        shim = _GenerateShim(sp)
+        params, stops = self._params(shim, input_ids, sp.max_new_tokens, req.return_logprob, 0)
+        return Prepared(input_ids, params, 1, stops, req.stream, False, req.return_logprob), sp
+
+    # -- running choices ---------------------------------------------------------------------
+    async def run_choices(self, prep: Prepared) -> AsyncIterator[tuple[ChoiceState, str, list[dict[str, Any]]]]:
+        """Yield (choice, new text, new logprob entries) as tokens arrive, across all n choices."""
+        states = [ChoiceState(i, self.tokenizer, prep.stops, prep.want_logprobs) for i in range(prep.n)]
+        queue: asyncio.Queue[tuple[int, StepOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            params = prep.params
+            if params.seed is not None and index:
+                params = msgspec.structs.replace(params, seed=params.seed + index)
+            try:
+                async for event in self.dispatcher.generate(prep.input_ids, params):
+                    queue.put_nowait((index, event))
+            except Exception as exc:
+                queue.put_nowait((index, exc))
+            finally:
+                queue.put_nowait((index, None))
+
+        tasks = [asyncio.create_task(pump(i), name=f"choice-{i}") for i in range(prep.n)]
+        remaining = prep.n
+        try:
+            while remaining:
+                index, item = await queue.get()
+                state = states[index]
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                if state.finish_reason is not None:
+                    continue
+                text, entries = state.accept(item)
+                if state.finish_reason is not None and item.finish_reason is None:
+                    tasks[index].cancel()  # stop string matched: abort this choice's generation
+                yield state, text, entries
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _GenerateShim:
+    """Adapts SGLang sampling_params to the attributes ``Frontend._params`` reads."""
+
+    def __init__(self, sp: GenerateSampling) -> None:
+        self.temperature, self.top_p, self.top_k, self.min_p = sp.temperature, sp.top_p, sp.top_k, sp.min_p
+        self.seed, self.stop, self.stop_token_ids, self.ignore_eos = sp.seed, sp.stop, sp.stop_token_ids, sp.ignore_eos
+        self.n = 1
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def sse(payload: Any) -> bytes:
+    return b"data: " + _json.encode(payload) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def error_event(error: APIError) -> bytes:
+    return sse(error.body())

@@ -1,0 +1,365 @@
+"""The gateway's ASGI app: OpenAI routes, SGLang ``/generate``, health and metrics.
+
+Lifecycle (``create_app(config)`` + the Starlette lifespan):
+1. Startup: one ``WorkerClient`` per configured worker (persistent native connections), the
+   policy, the dispatcher; wait up to ``startup_timeout_s`` for workers, then load the tokenizer
+   the first connected worker names.
+2. Requests: decode and validate the body -> ``Frontend`` -> dispatcher -> SSE or JSON response.
+   Every error is one ``APIError`` mapped to an OpenAI-shaped body with its status code; once a
+   stream has started, errors become an ``error`` event followed by ``[DONE]``.
+3. Shutdown: close every worker connection (open requests are aborted worker-side when the
+   connection drops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from gateway.api import SSE_DONE, Frontend, Prepared, decode_body, error_event, new_id, now_s, sse
+from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from gateway.dispatch import DispatchConfig, Dispatcher
+from gateway.errors import APIError, BadRequest, NoWorkers, PayloadTooLarge
+from gateway.policies import create_policy
+from gateway.text import ChoiceState
+from gateway.tokenizer import load_tokenizer
+from gateway.worker_client import WorkerClient
+
+log = logging.getLogger(__name__)
+_json = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    worker: tuple[str, ...] = ()  # combined (role both) workers, no disaggregation
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "round_robin"
+    model_name: str | None = None
+    tokenizer: str | None = None
+    startup_timeout_s: float = 60.0
+    first_token_timeout_s: float = 300.0
+    stream_idle_timeout_s: float = 120.0
+    request_timeout_s: float = 1800.0
+    max_retries: int = 2
+    max_body_bytes: int = 8 * 1024 * 1024
+    default_max_tokens: int = 256
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.worker and (self.prefill or self.decode):
+            raise ValueError("worker: use either --worker (combined) or --prefill/--decode, not both")
+        if not self.worker and not (self.prefill and self.decode):
+            raise ValueError("prefill/decode: give at least one --prefill and one --decode URL (or --worker)")
+
+
+class Gateway:
+    """Runtime state behind the app (separate from the frozen config)."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.prefills = [WorkerClient(u, "prefill") for u in config.prefill]
+        self.decodes = [WorkerClient(u, "decode") for u in config.decode] or [
+            WorkerClient(u, "both") for u in config.worker
+        ]
+        self.dispatcher = Dispatcher(
+            self.prefills, self.decodes, create_policy(config.policy),
+            DispatchConfig(config.first_token_timeout_s, config.stream_idle_timeout_s, config.request_timeout_s,
+                           config.max_retries),
+        )
+        self.frontend: Frontend | None = None
+        self.registry = CollectorRegistry()
+        self.requests = Counter("pd_gateway_requests", "Requests by route and status", ["route", "status"],
+                                registry=self.registry)
+        self.active = Gauge("pd_gateway_active_requests", "Requests in flight", registry=self.registry)
+
+    @property
+    def clients(self) -> list[WorkerClient]:
+        return self.prefills + self.decodes
+
+    async def start(self) -> None:
+        for client in self.clients:
+            client.start()
+        await asyncio.gather(*(c.wait_ready(self.config.startup_timeout_s) for c in self.clients))
+        ready = [c for c in self.clients if c.info is not None]
+        if not ready:
+            log.warning("no worker answered within %.0fs; serving 503 until one does", self.config.startup_timeout_s)
+            return
+        self._init_frontend(ready[0])
+
+    def _init_frontend(self, client: WorkerClient) -> None:
+        info = client.info
+        assert info is not None
+        tokenizer = load_tokenizer(self.config.tokenizer or info.tokenizer)
+        max_context = min(c.info.max_context for c in self.clients if c.info is not None)
+        self.frontend = Frontend(self.dispatcher, tokenizer, self.config.model_name or info.model, max_context,
+                                 self.config.default_max_tokens, self.config.request_timeout_s)
+
+    def require_frontend(self) -> Frontend:
+        if self.frontend is None:
+            ready = [c for c in self.clients if c.info is not None]
+            if not ready:
+                raise NoWorkers("no worker is connected yet", retry_after_s=2.0)
+            self._init_frontend(ready[0])
+        assert self.frontend is not None
+        return self.frontend
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(c.aclose() for c in self.clients), return_exceptions=True)
+
+
+def _usage(prompt_tokens: int, choices: list[ChoiceState]) -> dict[str, Any]:
+    completion = sum(len(c.token_ids) for c in choices)
+    cached = max((c.cached_tokens for c in choices), default=0)
+    return {
+        "prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def create_app(config: GatewayConfig) -> Starlette:
+    gw = Gateway(config)
+
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
+            raise PayloadTooLarge(f"request body exceeds {config.max_body_bytes} bytes")
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > config.max_body_bytes:
+                raise PayloadTooLarge(f"request body exceeds {config.max_body_bytes} bytes")
+        return body
+
+    def handler(route: str, run: Any) -> Any:
+        async def endpoint(request: Request) -> Response:
+            try:
+                response: Response = await run(request)
+            except APIError as exc:
+                gw.requests.labels(route, str(exc.status)).inc()
+                return exc.to_response()
+            gw.requests.labels(route, str(response.status_code)).inc()
+            return response
+
+        return endpoint
+
+    async def collect(frontend: Frontend, prep: Prepared) -> list[ChoiceState]:
+        states: dict[int, ChoiceState] = {}
+        gw.active.inc()
+        try:
+            async for state, _, _ in frontend.run_choices(prep):
+                states[state.index] = state
+        finally:
+            gw.active.dec()
+        return [states[i] for i in sorted(states)]
+
+    def stream(prep: Prepared, events: Any) -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
+            gw.active.inc()
+            try:
+                async for chunk in events:
+                    yield chunk
+            except APIError as exc:
+                yield error_event(exc)
+            finally:
+                gw.active.dec()
+            yield SSE_DONE
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def first_event_or_error(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """Start the stream only after the first chunk, so early failures get a real status code."""
+        first = await events.__anext__()
+
+        async def chain() -> AsyncIterator[bytes]:
+            yield first
+            async for chunk in events:
+                yield chunk
+
+        return chain()
+
+    # -- /v1/chat/completions -----------------------------------------------------------------
+    async def chat(request: Request) -> Response:
+        frontend = gw.require_frontend()
+        req = decode_body(await read_body(request), ChatCompletionRequest)
+        prep = frontend.prepare_chat(req)
+        rid, created = new_id("chatcmpl"), now_s()
+        if prep.stream:
+            return stream(prep, await first_event_or_error(chat_events(frontend, prep, rid, created)))
+        choices = await collect(frontend, prep)
+        return _reply({
+            "id": rid, "object": "chat.completion", "created": created, "model": frontend.model_name,
+            "choices": [{
+                "index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": {"content": c.logprobs} if prep.want_logprobs else None,
+                "finish_reason": c.finish_reason,
+            } for c in choices],
+            "usage": _usage(len(prep.input_ids), choices),
+        })
+
+    async def chat_events(frontend: Frontend, prep: Prepared, rid: str, created: int) -> AsyncIterator[bytes]:
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+            payload: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                                       "model": frontend.model_name, "choices": choices}
+            if prep.include_usage:
+                payload["usage"] = usage
+            return sse(payload)
+
+        states: dict[int, ChoiceState] = {}
+        events = frontend.run_choices(prep)
+        started: set[int] = set()
+        async for state, text, entries in events:
+            states[state.index] = state
+            delta: dict[str, Any] = {"content": text}
+            if state.index not in started:
+                started.add(state.index)
+                delta["role"] = "assistant"
+            if text or entries or state.finish_reason is not None or delta.get("role"):
+                yield chunk([{
+                    "index": state.index, "delta": delta,
+                    "logprobs": {"content": entries} if prep.want_logprobs else None,
+                    "finish_reason": state.finish_reason,
+                }])
+        if prep.include_usage:
+            yield chunk([], _usage(len(prep.input_ids), list(states.values())))
+
+    # -- /v1/completions -----------------------------------------------------------------------
+    async def completions(request: Request) -> Response:
+        frontend = gw.require_frontend()
+        req = decode_body(await read_body(request), CompletionRequest)
+        prep = frontend.prepare_completion(req)
+        rid, created = new_id("cmpl"), now_s()
+        if prep.stream:
+            return stream(prep, await first_event_or_error(completion_events(frontend, prep, rid, created)))
+        choices = await collect(frontend, prep)
+        return _reply({
+            "id": rid, "object": "text_completion", "created": created, "model": frontend.model_name,
+            "choices": [{
+                "index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                "logprobs": _legacy_logprobs(c.logprobs) if prep.want_logprobs else None,
+            } for c in choices],
+            "usage": _usage(len(prep.input_ids), choices),
+        })
+
+    async def completion_events(frontend: Frontend, prep: Prepared, rid: str, created: int) -> AsyncIterator[bytes]:
+        states: dict[int, ChoiceState] = {}
+        async for state, text, entries in frontend.run_choices(prep):
+            states[state.index] = state
+            if text or state.finish_reason is not None:
+                payload: dict[str, Any] = {
+                    "id": rid, "object": "text_completion", "created": created, "model": frontend.model_name,
+                    "choices": [{"index": state.index, "text": text, "finish_reason": state.finish_reason,
+                                 "logprobs": _legacy_logprobs(entries) if prep.want_logprobs else None}],
+                }
+                yield sse(payload)
+        if prep.include_usage:
+            yield sse({"id": rid, "object": "text_completion", "created": created, "model": frontend.model_name,
+                       "choices": [], "usage": _usage(len(prep.input_ids), list(states.values()))})
+
+    # -- /generate (SGLang native) ---------------------------------------------------------------
+    async def generate(request: Request) -> Response:
+        frontend = gw.require_frontend()
+        req = decode_body(await read_body(request), GenerateRequest)
+        prep, _ = frontend.prepare_generate(req)
+        rid = req.rid or new_id("gen")
+
+        def payload(state: ChoiceState) -> dict[str, Any]:
+            meta: dict[str, Any] = {
+                "id": rid, "prompt_tokens": len(prep.input_ids), "completion_tokens": len(state.token_ids),
+                "cached_tokens": state.cached_tokens, "finish_reason": None,
+            }
+            if state.finish_reason is not None:
+                if state.stop.matched is not None:
+                    meta["finish_reason"] = {"type": "stop", "matched": state.stop.matched}
+                elif state.finish_reason == "stop":
+                    meta["finish_reason"] = {"type": "stop", "matched": state.token_ids[-1]}
+                else:
+                    meta["finish_reason"] = {"type": "length", "length": len(state.token_ids)}
+            if prep.want_logprobs:
+                meta["output_token_logprobs"] = [[e["logprob"], t, None] for e, t in
+                                                 zip(state.logprobs, state.token_ids, strict=False)]
+            return {"text": state.text, "output_ids": list(state.token_ids), "meta_info": meta}
+
+        if prep.stream:
+            async def events() -> AsyncIterator[bytes]:
+                async for state, _, _ in frontend.run_choices(prep):
+                    yield sse(payload(state))
+
+            return stream(prep, await first_event_or_error(events()))
+        return _reply(payload((await collect(frontend, prep))[0]))
+
+    # -- models, health, metrics -----------------------------------------------------------------
+    async def models(_: Request) -> Response:
+        frontend = gw.require_frontend()
+        return _reply({"object": "list", "data": [
+            {"id": frontend.model_name, "object": "model", "created": now_s(), "owned_by": "pd-gateway"}]})
+
+    async def health(_: Request) -> Response:
+        prefills, decodes = gw.dispatcher.healthy_workers()
+        ok = bool(decodes) and (bool(prefills) or not gw.dispatcher.is_disaggregated)
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "workers": [{"url": c.url, "role": c.role, "healthy": c.healthy, "active": c.num_active,
+                         "error": c.last_error} for c in gw.clients],
+        }
+        return _reply(body, 200 if ok else 503)
+
+    async def metrics(_: Request) -> Response:
+        return Response(generate_latest(gw.registry), media_type="text/plain; version=0.0.4")
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 500)
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(status, "internal_error")
+        return _reply({"error": {"message": f"{getattr(exc, 'detail', 'error')}: {request.method} {request.url.path}",
+                                 "type": kind, "param": None, "code": None}}, status)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.aclose()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", handler("chat", chat), methods=["POST"]),
+            Route("/v1/completions", handler("completions", completions), methods=["POST"]),
+            Route("/generate", handler("generate", generate), methods=["POST"]),
+            Route("/v1/models", handler("models", models), methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/readiness", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: http_error},
+        lifespan=lifespan,
+    )
+    app.state.gateway = gw
+    return app
+
+
+def _reply(body: Any, status: int = 200) -> Response:
+    return Response(_json.encode(body), status_code=status, media_type="application/json")
+
+
+def _legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+    }

@@ -1,0 +1,83 @@
+"""The gateway's error hierarchy and its one mapping to OpenAI-shaped JSON responses."""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.responses import Response
+
+_json = msgspec.json.Encoder()
+
+
+class APIError(Exception):
+    """An error a client sees: HTTP status + OpenAI ``{"error": {...}}`` body."""
+
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, object]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def to_response(self) -> Response:
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
+        return Response(_json.encode(self.body()), status_code=self.status, media_type="application/json",
+                        headers=headers)
+
+
+class BadRequest(APIError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class NotFound(APIError):
+    status = 404
+    type = "not_found_error"
+
+
+class PayloadTooLarge(APIError):
+    status = 413
+    type = "invalid_request_error"
+
+
+class Overloaded(APIError):
+    status = 429
+    type = "rate_limit_error"
+
+
+class BadGateway(APIError):
+    """A worker failed the request (transfer failure, worker died)."""
+
+    status = 502
+    type = "upstream_error"
+
+
+class NoWorkers(APIError):
+    status = 503
+    type = "service_unavailable"
+
+
+class UpstreamTimeout(APIError):
+    status = 504
+    type = "timeout_error"
+
+
+_BY_WORKER_CODE: dict[str, type[APIError]] = {
+    "bad_request": BadRequest,
+    "overloaded": Overloaded,
+    "timeout": UpstreamTimeout,
+}
+
+
+def from_worker_error(code: str, message: str, side: str) -> APIError:
+    """Map a worker's ``Error`` message to the client-facing error."""
+    cls = _BY_WORKER_CODE.get(code, BadGateway)
+    return cls(f"{side} worker: {message}", code=code)

@@ -1,0 +1,202 @@
+"""``HFTokenizer``: a model directory's ``tokenizer.json`` + chat template behind our ``Tokenizer`` protocol.
+
+Runtime deps are ``tokenizers`` and ``jinja2`` only (no transformers). The directory holds:
+- ``tokenizer.json`` (required): the fast tokenizer, including its post-processor (BOS, if any).
+- ``tokenizer_config.json`` (optional): ``bos_token``/``eos_token``/``pad_token``/``unk_token``,
+  ``chat_template`` (a string, or a list of ``{name, template}`` where ``default`` is used).
+- ``chat_template.jinja`` (optional): the template as a file; preferred when present.
+- ``generation_config.json`` / ``config.json`` (optional): more EOS ids.
+
+Templates render in jinja2's immutable sandbox with ``messages``, ``add_generation_prompt=True``,
+the special tokens (``bos_token``, ``eos_token``, ...), ``raise_exception`` and ``strftime_now``;
+the rendered text is encoded without adding special tokens again (the template wrote them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from gateway.tokenizer import IncrementalDecoder, _content_text
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class TokenizerLoadError(ValueError):
+    """A tokenizer directory that cannot be used (missing or malformed files)."""
+
+
+class HFTokenizer:
+    """A Hugging Face fast tokenizer plus its chat template."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        name: str,
+        chat_template: str | None,
+        special_tokens: dict[str, str | None],
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self._tok = tokenizer
+        self.name = name
+        self.chat_template = chat_template
+        self.special_tokens = special_tokens
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._template: Any = None
+
+    @classmethod
+    def from_dir(cls, path: str) -> HFTokenizer:
+        from tokenizers import Tokenizer
+
+        tok_file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tok_file):
+            raise TokenizerLoadError(f"{path!r} has no tokenizer.json")
+        try:
+            tokenizer = Tokenizer.from_file(tok_file)
+        except Exception as exc:
+            raise TokenizerLoadError(f"cannot load {tok_file}: {exc}") from exc
+        config = _read_json(os.path.join(path, "tokenizer_config.json"))
+        special = {key: _token_text(config.get(key)) for key in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        template = _chat_template(path, config)
+        eos_ids: list[int] = []
+        eos_text = special["eos_token"]
+        if eos_text is not None:
+            eos_id = tokenizer.token_to_id(eos_text)
+            if eos_id is not None:
+                eos_ids.append(eos_id)
+        for extra in ("generation_config.json", "config.json"):
+            value = _read_json(os.path.join(path, extra)).get("eos_token_id")
+            for item in value if isinstance(value, list) else [value]:
+                if isinstance(item, int) and not isinstance(item, bool) and item not in eos_ids:
+                    eos_ids.append(item)
+        return cls(
+            tokenizer,
+            name=os.path.abspath(path),
+            chat_template=template,
+            special_tokens=special,
+            eos_token_ids=tuple(eos_ids),
+        )
+
+    # -- Tokenizer protocol -------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=True).ids
+        return ids
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        text = self.render_chat(messages)
+        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        text: str = self._tok.decode(list(token_ids), skip_special_tokens=True)
+        return text
+
+    def decoder(self) -> IncrementalDecoder:
+        return HFIncrementalDecoder(self)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The chat template's text for ``messages`` (content parts flattened to their text)."""
+        if self.chat_template is None:
+            raise ValueError(f"tokenizer {self.name!r} has no chat template")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        normalized = []
+        for message in messages:
+            if not isinstance(message, dict):
+                raise ValueError("each chat message must be an object")
+            item = dict(message)
+            item["content"] = _content_text(message.get("content"))
+            normalized.append(item)
+        specials = {k: (v if v is not None else "") for k, v in self.special_tokens.items()}
+        return str(self._template.render(messages=normalized, add_generation_prompt=add_generation_prompt, **specials))
+
+    def token_to_id(self, token: str) -> int | None:
+        result: int | None = self._tok.token_to_id(token)
+        return result
+
+
+class HFIncrementalDecoder:
+    """Streams text for growing token ids, holding back bytes of an unfinished UTF-8 character.
+
+    Byte-level tokens can split one character across tokens; decoding such a prefix yields U+FFFD.
+    We re-decode a short window (from the last emitted boundary) and emit only text that no longer
+    ends in U+FFFD; ``flush()`` emits whatever remains.
+    """
+
+    def __init__(self, tokenizer: HFTokenizer) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: ids before it are fully emitted
+        self._read = 0  # ids up to here are reflected in emitted text
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        self._ids.extend(token_ids)
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
+        full_text = self._tok.decode(self._ids[self._prefix :])
+        if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT_CHAR):
+            new = full_text[len(prefix_text) :]
+            self._prefix = self._read
+            self._read = len(self._ids)
+            return new
+        return ""
+
+    def flush(self) -> str:
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
+        full_text = self._tok.decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return full_text[len(prefix_text) :]
+
+
+def _compile_template(source: str) -> Any:
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(value: Any, indent: int | None = None) -> str:
+        return json.dumps(value, ensure_ascii=False, indent=indent)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+def _chat_template(path: str, config: dict[str, Any]) -> str | None:
+    jinja_file = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja_file):
+        with open(jinja_file, encoding="utf-8") as f:
+            return f.read()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # serialized AddedToken
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise TokenizerLoadError(f"cannot read {path}: {exc}") from exc
+    return data if isinstance(data, dict) else {}

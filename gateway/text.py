@@ -1,0 +1,95 @@
+"""Per-choice output text: incremental detokenization, stop strings, logprob entries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.tokenizer import Tokenizer
+from workers.protocol import StepOutput
+
+
+class StopMatcher:
+    """Finds the first stop string in a growing text; holds back a tail that could start one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._pending = ""
+        self.matched: str | None = None
+
+    def push(self, text: str, *, final: bool = False) -> str:
+        """Returns the text safe to emit now; after a match, ``matched`` is set and nothing follows."""
+        if self.matched is not None:
+            return ""
+        buf = self._pending + text
+        if self.stops:
+            hits = [(buf.find(s), s) for s in self.stops]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                index, stop = min(hits)
+                self.matched = stop
+                self._pending = ""
+                return buf[:index]
+        if final or self._hold == 0:
+            self._pending = ""
+            return buf
+        cut = max(0, len(buf) - self._hold)
+        self._pending = buf[cut:]
+        return buf[:cut]
+
+
+class ChoiceState:
+    """Accumulates one choice's tokens, text and logprobs from decode step outputs."""
+
+    def __init__(self, index: int, tokenizer: Tokenizer, stops: list[str], want_logprobs: bool) -> None:
+        self.index = index
+        self.tokenizer = tokenizer
+        self.decoder = tokenizer.decoder()
+        self.stop = StopMatcher(stops)
+        self.want_logprobs = want_logprobs
+        self.token_ids: list[int] = []
+        self.text_parts: list[str] = []
+        self.logprobs: list[dict[str, Any]] = []
+        self.finish_reason: str | None = None
+        self.cached_tokens = 0
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def accept(self, event: StepOutput) -> tuple[str, list[dict[str, Any]]]:
+        """Apply one step; returns (new text, new logprob entries). Sets ``finish_reason`` when done."""
+        self.token_ids.extend(event.token_ids)
+        self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
+        text = self.decoder.push(event.token_ids)
+        final = event.finish_reason is not None
+        if final:
+            text += self.decoder.flush()
+        new_text = self.stop.push(text, final=final)
+        if self.stop.matched is not None:
+            self.finish_reason = "stop"
+        elif final:
+            self.finish_reason = "stop" if event.finish_reason == "stop" else "length"
+        self.text_parts.append(new_text)
+        entries = self._logprob_entries(event) if self.want_logprobs else []
+        self.logprobs.extend(entries)
+        return new_text, entries
+
+    def _logprob_entries(self, event: StepOutput) -> list[dict[str, Any]]:
+        if event.logprobs is None:
+            return []
+        entries = []
+        tops = event.top_logprobs or [[] for _ in event.token_ids]
+        for token_id, logprob, top in zip(event.token_ids, event.logprobs, tops, strict=False):
+            token = self.tokenizer.decode([token_id])
+            entries.append({
+                "token": token,
+                "logprob": logprob,
+                "bytes": list(token.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": (t := self.tokenizer.decode([alt.token_id])), "logprob": alt.logprob,
+                     "bytes": list(t.encode("utf-8"))}
+                    for alt in top
+                ],
+            })
+        return entries

@@ -1,0 +1,170 @@
+"""The scheduler in-process with the sim engine (role both): batching, chunking, stops, aborts, release."""
+
+from __future__ import annotations
+
+import time
+
+from workers.engines.sim import SimEngine
+from workers.kv_pool import KVPool
+from workers.protocol import Error, Outputs, SamplingParams, StepOutput, Submit
+from workers.scheduler import Scheduler, SchedulerConfig
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.items: list[tuple[int, object]] = []
+
+    def __call__(self, messages: list[tuple[int, object]]) -> None:
+        self.items.extend(messages)
+
+    def outputs(self, rid: int) -> list[StepOutput]:
+        return [i for _, m in self.items if isinstance(m, Outputs) for i in m.items if i.rid == rid]
+
+    def errors(self, rid: int) -> list[Error]:
+        return [m for _, m in self.items if isinstance(m, Error) and m.rid == rid]
+
+
+def make(chunk_size: int = 8, num_pages: int = 64, max_running: int = 8) -> tuple[Scheduler, Collector, KVPool]:
+    engine = SimEngine()
+    info = engine.info
+    pool = KVPool(num_layers=info.num_layers, num_pages=num_pages, page_size=4, num_kv_heads=info.num_kv_heads,
+                  head_dim=info.head_dim)
+    engine.bind(pool)
+    sink = Collector()
+    sched = Scheduler(SchedulerConfig("both", chunk_size=chunk_size, max_running=max_running), engine, pool, sink)
+    return sched, sink, pool
+
+
+def run_until_idle(sched: Scheduler, limit: int = 500) -> None:
+    for _ in range(limit):
+        sched.step()
+        if not sched.reqs:
+            sched.step()
+            return
+    raise AssertionError("scheduler did not drain")
+
+
+def tokens_of(sink: Collector, rid: int) -> list[int]:
+    return [t for o in sink.outputs(rid) for t in o.token_ids]
+
+
+def test_batch_of_mixed_lengths_matches_one_by_one_and_frees_pages() -> None:
+    prompts = [list(range(10, 10 + n)) for n in (3, 17, 9, 30)]
+    sched, sink, pool = make()
+    for rid, p in enumerate(prompts):
+        sched.submit(0, Submit(rid, p, SamplingParams(max_new_tokens=6)))
+    run_until_idle(sched)
+    batched = [tokens_of(sink, rid) for rid in range(len(prompts))]
+    assert all(len(t) == 6 for t in batched)
+    assert pool.num_free_pages == pool.num_pages
+    for rid, p in enumerate(prompts):
+        solo, solo_sink, _ = make(chunk_size=1000)
+        solo.submit(0, Submit(rid, p, SamplingParams(max_new_tokens=6)))
+        run_until_idle(solo)
+        assert tokens_of(solo_sink, rid) == batched[rid]
+    finals = [o for o in sink.outputs(1) if o.finish_reason]
+    assert len(finals) == 1 and finals[0].finish_reason == "length" and finals[0].prompt_tokens == 17
+
+
+def test_stop_token_ends_early() -> None:
+    sched, sink, _ = make()
+    sched.submit(0, Submit(1, [5, 6, 7], SamplingParams(max_new_tokens=30)))
+    run_until_idle(sched)
+    full = tokens_of(sink, 1)
+    stop_at = full[3]
+    sched2, sink2, pool2 = make()
+    sched2.submit(0, Submit(1, [5, 6, 7], SamplingParams(max_new_tokens=30, stop_token_ids=[stop_at])))
+    run_until_idle(sched2)
+    out = tokens_of(sink2, 1)
+    assert out == full[: full.index(stop_at) + 1]
+    assert sink2.outputs(1)[-1].finish_reason == "stop"
+    assert pool2.num_free_pages == pool2.num_pages
+
+
+def test_bad_requests_get_errors_not_crashes() -> None:
+    sched, sink, pool = make(num_pages=8)
+    sched.submit(0, Submit(1, [], SamplingParams()))
+    sched.submit(0, Submit(2, [1, 2], SamplingParams(max_new_tokens=0)))
+    sched.submit(0, Submit(3, [1, 2], SamplingParams(max_new_tokens=100)))  # 26 pages > 8
+    sched.submit(0, Submit(4, [999999], SamplingParams()))
+    sched.submit(0, Submit(5, [1], SamplingParams(max_new_tokens=100_000)))
+    run_until_idle(sched)
+    for rid in range(1, 6):
+        (err,) = sink.errors(rid)
+        assert err.code == "bad_request" and err.message
+    assert pool.num_free_pages == pool.num_pages
+
+
+def test_abort_and_dropped_connection_release_pages() -> None:
+    sched, sink, pool = make()
+    sched.submit(0, Submit(1, list(range(40)), SamplingParams(max_new_tokens=200)))
+    sched.submit(7, Submit(1, list(range(40)), SamplingParams(max_new_tokens=200)))
+    for _ in range(10):
+        sched.step()
+    assert pool.num_free_pages < pool.num_pages
+    sched.abort(0, 1, "client went away")
+    sched.drop_connection(7)
+    sched.step()
+    assert not sched.reqs and pool.num_free_pages == pool.num_pages
+    assert sink.errors(1)[0].code == "aborted"
+
+
+def test_deadline_fails_request_and_frees() -> None:
+    sched, sink, pool = make()
+    sched.submit(0, Submit(1, [1, 2, 3], SamplingParams(max_new_tokens=200), timeout_s=0.05))
+    deadline = time.monotonic() + 5
+    while sched.reqs or not sink.errors(1):
+        sched.step()
+        assert time.monotonic() < deadline
+    assert sink.errors(1)[0].code == "timeout"
+    assert pool.num_free_pages == pool.num_pages
+
+
+def test_pool_pressure_queues_instead_of_failing() -> None:
+    sched, sink, pool = make(num_pages=12)  # each request needs 2 + 3 pages
+    for rid in range(6):
+        sched.submit(0, Submit(rid, list(range(8)), SamplingParams(max_new_tokens=12)))
+    run_until_idle(sched, 2000)
+    assert all(len(tokens_of(sink, rid)) == 12 for rid in range(6))
+    assert pool.num_free_pages == pool.num_pages
+
+
+def test_threaded_loop_serves_and_stops() -> None:
+    sched, sink, pool = make()
+    sched.start()
+    try:
+        sched.submit(0, Submit(1, [1, 2, 3], SamplingParams(max_new_tokens=4)))
+        deadline = time.monotonic() + 5
+        while not any(o.finish_reason for o in sink.outputs(1)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert sched.is_alive
+    finally:
+        sched.stop()
+    assert not sched.is_alive and pool.num_free_pages == pool.num_pages
+
+
+def test_scheduler_tokens_equal_a_plain_engine_loop() -> None:
+    """Reference computed without the scheduler: prefill whole prompt, then one token per step."""
+    from workers.engines.base import SeqInput
+
+    prompt = list(range(30, 51))
+    sched, sink, _ = make(chunk_size=4)
+    sched.submit(0, Submit(9, prompt, SamplingParams(max_new_tokens=7)))
+    run_until_idle(sched)
+
+    engine, pool = SimEngine(), None
+    info = engine.info
+    pool = KVPool(num_layers=info.num_layers, num_pages=16, page_size=4, num_kv_heads=info.num_kv_heads,
+                  head_dim=info.head_dim)
+    engine.bind(pool)
+    pages = pool.alloc(8)
+    assert pages
+    seq = list(prompt)
+    (out,) = engine.forward([SeqInput(0, pages, 0, prompt, True, SamplingParams())])
+    expected = [out.token_id]
+    while len(expected) < 7:
+        seq.append(expected[-1])  # type: ignore[arg-type]
+        (out,) = engine.forward([SeqInput(0, pages, len(seq) - 1, [seq[-1]], True, SamplingParams())])
+        expected.append(out.token_id)
+    assert tokens_of(sink, 9) == expected

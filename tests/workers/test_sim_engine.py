@@ -1,0 +1,69 @@
+from workers.engines.base import SeqInput
+from workers.engines.sim import SimEngine
+from workers.kv_pool import KVPool
+from workers.protocol import SamplingParams
+
+
+def setup() -> tuple[SimEngine, KVPool]:
+    engine = SimEngine()
+    info = engine.info
+    pool = KVPool(num_layers=info.num_layers, num_pages=32, page_size=4, num_kv_heads=info.num_kv_heads,
+                  head_dim=info.head_dim)
+    engine.bind(pool)
+    return engine, pool
+
+
+def prefill(engine: SimEngine, pages: list[int], tokens: list[int], chunk: int) -> int:
+    token = None
+    for start in range(0, len(tokens), chunk):
+        part = tokens[start : start + chunk]
+        last = start + chunk >= len(tokens)
+        (out,) = engine.forward([SeqInput(1, pages, start, part, last, SamplingParams())])
+        token = out.token_id
+    assert token is not None
+    return token
+
+
+def test_chunking_and_page_ids_do_not_change_kv_or_output() -> None:
+    engine, pool = setup()
+    tokens = list(range(40, 63))
+    a, b = pool.alloc(6), pool.alloc(6)
+    assert a and b
+    t1 = prefill(engine, a, tokens, chunk=23)
+    t2 = prefill(engine, list(reversed(b)), tokens, chunk=5)
+    assert t1 == t2
+    assert engine.verify(a, tokens) and engine.verify(list(reversed(b)), tokens)
+    assert engine.digest(a, len(tokens)) == engine.digest(list(reversed(b)), len(tokens))
+
+
+def test_output_depends_on_the_kv_bytes_held() -> None:
+    engine, pool = setup()
+    tokens = list(range(70, 90))
+    pages = pool.alloc(6)
+    assert pages
+    prefill(engine, pages, tokens, chunk=8)
+    before = engine.digest(pages, len(tokens))
+    outs = {engine.forward([SeqInput(1, pages, len(tokens) - 1, [tokens[-1]], True, SamplingParams())])[0].token_id}
+    pool.v[2][pages[1], 2, 1, 3] += 1.0  # one value of one layer of one earlier position
+    assert not engine.verify(pages, tokens)
+    assert engine.digest(pages, len(tokens)) != before
+    # different bytes -> a different digest -> (almost always) a different token; try a few positions
+    changed = set()
+    for flip in range(4):
+        pool.k[0][pages[0], flip, 0, 0] += 3.0
+        changed.add(engine.forward([SeqInput(1, pages, len(tokens) - 1, [tokens[-1]], True,
+                                             SamplingParams())])[0].token_id)
+    assert changed - outs, "output never changed although the KV did"
+
+
+def test_salted_kv_differs() -> None:
+    from workers.engines.base import EngineOptions
+
+    plain, pool = setup()
+    salted = SimEngine(EngineOptions(extra={"kv_salt": "5"}))
+    salted.bind(pool)
+    tokens = [1, 2, 3, 4, 5]
+    pages = pool.alloc(2)
+    assert pages
+    prefill(salted, pages, tokens, chunk=5)
+    assert salted.verify(pages, tokens) and not plain.verify(pages, tokens)

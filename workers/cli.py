@@ -1,0 +1,102 @@
+"""``pd-worker``: run one prefill, decode or combined worker process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+from workers.config import ConfigError, WorkerConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pd-worker", description=__doc__)
+    p.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
+    p.add_argument("--engine", default="sim", help="engine plugin name (sim, torch) or module:attr")
+    p.add_argument("--model", default=None, help="model directory (torch engine); 'default' = SmolLM2")
+    p.add_argument("--transfer", default="tcp", help="KV transfer backend (tcp, mooncake, nixl, fake)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="native protocol port (0 = any free port)")
+    p.add_argument("--http-port", type=int, default=0, help="HTTP side port (health, info, debug)")
+    p.add_argument("--bootstrap", default=None, help="bootstrap registry URL, e.g. http://127.0.0.1:8998")
+    p.add_argument("--bootstrap-token", default=os.environ.get("PD_BOOTSTRAP_TOKEN"))
+    p.add_argument("--instance-id", default=None, help="prefill instance key in the registry")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=2048)
+    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk size in tokens")
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--attention", default="auto")
+    p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--bootstrap-timeout-s", type=float, default=300.0)
+    p.add_argument("--waiting-timeout-s", type=float, default=300.0)
+    p.add_argument("--transfer-timeout-s", type=float, default=60.0)
+    p.add_argument("--heartbeat-interval-s", type=float, default=2.0)
+    p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="engine-specific setting (repeatable), e.g. decode_step_s=0.002 for sim")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    extra = {}
+    for item in args.engine_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"engine_option: expected KEY=VALUE, got {item!r}")
+        extra[key] = value
+    return WorkerConfig(
+        role=args.role, engine=args.engine, model=args.model, transfer=args.transfer, host=args.host,
+        port=args.port, http_port=args.http_port, bootstrap=args.bootstrap,
+        bootstrap_token=args.bootstrap_token, instance_id=args.instance_id, page_size=args.page_size,
+        num_pages=args.num_pages, chunk_size=args.chunk_size, max_running=args.max_running,
+        device=args.device, dtype=args.dtype, attention=args.attention, num_threads=args.num_threads,
+        bootstrap_timeout_s=args.bootstrap_timeout_s, waiting_timeout_s=args.waiting_timeout_s,
+        transfer_timeout_s=args.transfer_timeout_s, heartbeat_interval_s=args.heartbeat_interval_s,
+        engine_options=extra,
+    )
+
+
+async def _serve(config: WorkerConfig) -> None:
+    from workers.worker import Worker
+
+    worker = Worker(config)
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    assert main is not None
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, main.cancel)
+    try:
+        await worker.start()
+        await worker.serve_forever()
+    except asyncio.CancelledError:
+        pass
+    finally:
+        await asyncio.shield(worker.aclose())
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        sys.exit(f"pd-worker: bad configuration: {exc}")
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    try:
+        asyncio.run(_serve(config))
+    except Exception as exc:
+        logging.getLogger("pd-worker").exception("worker failed")
+        sys.exit(f"pd-worker: {exc}")
+
+
+if __name__ == "__main__":
+    main()

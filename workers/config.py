@@ -1,0 +1,51 @@
+"""Worker configuration: a frozen dataclass, validated at load; CLI flags mirror its fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A bad setting; the message names the field."""
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str = "both"  # prefill | decode | both
+    engine: str = "sim"
+    model: str | None = None
+    transfer: str = "tcp"
+    host: str = "127.0.0.1"
+    port: int = 0  # native protocol
+    http_port: int = 0
+    bootstrap: str | None = None  # registry URL (prefill registers, decode looks up)
+    bootstrap_token: str | None = None
+    instance_id: str | None = None
+    page_size: int = 16
+    num_pages: int = 2048
+    chunk_size: int = 512
+    max_running: int = 64
+    device: str = "cpu"
+    dtype: str = "float32"
+    attention: str = "auto"
+    num_threads: int = 1
+    bootstrap_timeout_s: float = 300.0
+    waiting_timeout_s: float = 300.0
+    transfer_timeout_s: float = 60.0
+    heartbeat_interval_s: float = 2.0
+    engine_options: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode", "both"):
+            raise ConfigError(f"role: must be prefill, decode or both, got {self.role!r}")
+        for name in ("page_size", "num_pages", "chunk_size", "max_running", "num_threads"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        for name in ("port", "http_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ConfigError(f"{name}: not a TCP port: {getattr(self, name)}")
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s", "heartbeat_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive")
+        if self.role != "both" and not self.bootstrap:
+            raise ConfigError(f"bootstrap: a {self.role} worker needs --bootstrap URL of the registry")

@@ -1,0 +1,141 @@
+"""The ``sim`` engine: no model, a latency model, and a real KV pool whose bytes really move.
+
+KV rows are a deterministic function of (buffer, position, token id), so any worker can recompute
+what a prompt's KV must be. Output tokens are a function of the KV bytes the worker actually holds
+(a CRC over every row of the sequence, read from the pool), so a decode worker that received wrong
+or missing KV produces different tokens. ``verify`` lets the decode side check imported KV against
+the prompt instead of assuming it arrived intact.
+
+Lifecycle: construct from ``EngineOptions`` (``extra`` may set ``layers``, ``kv_heads``,
+``head_dim``, ``prefill_token_s``, ``decode_step_s``, ``decode_seq_s``, ``kv_salt``) -> ``bind`` ->
+``forward`` per step (sleeps for the modelled compute time) -> ``close``.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+import numpy as np
+
+from workers.engines.base import Engine, EngineOptions, ModelInfo, SeqInput, SeqOutput
+from workers.kv_pool import KVPool
+
+# Output alphabet: printable, so sim completions read as text through the byte tokenizer.
+ALPHABET = b"abcdefghijklmnopqrstuvwxyz     ,."
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+class SimEngine(Engine):
+    name = "sim"
+
+    def __init__(self, options: EngineOptions | None = None) -> None:
+        options = options or EngineOptions()
+        extra = options.extra
+        self.prefill_token_s = float(extra.get("prefill_token_s", 2e-5))
+        self.decode_step_s = float(extra.get("decode_step_s", 5e-4))
+        self.decode_seq_s = float(extra.get("decode_seq_s", 5e-5))
+        self.kv_salt = int(extra.get("kv_salt", 0))
+        self.info = ModelInfo(
+            name=options.model or "sim",
+            num_layers=int(extra.get("layers", 4)),
+            num_kv_heads=int(extra.get("kv_heads", 2)),
+            head_dim=int(extra.get("head_dim", 16)),
+            kv_dtype="float32",
+            vocab_size=258,
+            max_context=int(extra.get("max_context", 8192)),
+            eos_token_ids=(257,),
+            tokenizer="byte",
+        )
+        self._pool: KVPool | None = None
+
+    @property
+    def pool(self) -> KVPool:
+        if self._pool is None:
+            raise RuntimeError("SimEngine.bind(pool) was not called")
+        return self._pool
+
+    def bind(self, pool: KVPool) -> None:
+        if pool.dtype != "float32" or pool.token_bytes % 8:
+            raise ValueError("the sim engine needs a float32 pool with 8-byte-aligned rows")
+        self._pool = pool
+
+    # -- KV content ---------------------------------------------------------------------------
+    def expected_rows(self, buffer_index: int, start: int, token_ids: list[int]) -> np.ndarray:
+        """The KV rows (as uint64 words) positions start.. of these tokens must hold."""
+        words = self.pool.token_bytes // 8
+        positions = np.arange(start, start + len(token_ids), dtype=np.uint64)
+        tokens = np.asarray(token_ids, dtype=np.uint64)
+        seed = (tokens * np.uint64(1_000_003) + positions * np.uint64(7919)) ^ np.uint64(
+            (buffer_index + 1) * 104_729 + self.kv_salt
+        )
+        lanes = np.arange(1, words + 1, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            return (seed[:, None] * _MIX + lanes[None, :] * _MIX) ^ (seed[:, None] >> np.uint64(29))
+
+    def _row_slices(self, page_ids: list[int], start: int, count: int):  # type: ignore[no-untyped-def]
+        """Yield (page, first row, n rows, offset into the token range) covering the positions."""
+        size = self.pool.page_size
+        pos, done = start, 0
+        while done < count:
+            page, row = page_ids[pos // size], pos % size
+            n = min(size - row, count - done)
+            yield page, row, n, done
+            pos += n
+            done += n
+
+    def _write(self, seq: SeqInput) -> None:
+        pool = self.pool
+        for b, buf in enumerate(pool.kv_buffers()):
+            rows = self.expected_rows(b, seq.num_cached, seq.token_ids)
+            flat = buf.view(np.uint64).reshape(pool.num_pages, pool.page_size, -1)
+            for page, row, n, off in self._row_slices(seq.page_ids, seq.num_cached, len(seq.token_ids)):
+                flat[page, row : row + n] = rows[off : off + n]
+
+    def digest(self, page_ids: list[int], num_tokens: int) -> int:
+        """CRC32 over every KV row of positions [0, num_tokens), as held in the pool."""
+        pool = self.pool
+        crc = 0
+        for buf in pool.kv_buffers():
+            raw = buf.view(np.uint8).reshape(pool.num_pages, pool.page_size, -1)
+            for page, row, n, _ in self._row_slices(page_ids, 0, num_tokens):
+                crc = zlib.crc32(raw[page, row : row + n].tobytes(), crc)
+        return crc
+
+    def verify(self, page_ids: list[int], token_ids: list[int]) -> bool:
+        """Whether the pool holds exactly the KV these tokens produce at positions 0.."""
+        pool = self.pool
+        for b, buf in enumerate(pool.kv_buffers()):
+            expected = self.expected_rows(b, 0, token_ids)
+            flat = buf.view(np.uint64).reshape(pool.num_pages, pool.page_size, -1)
+            for page, row, n, off in self._row_slices(page_ids, 0, len(token_ids)):
+                if not np.array_equal(flat[page, row : row + n], expected[off : off + n]):
+                    return False
+        return True
+
+    # -- Engine --------------------------------------------------------------------------------
+    def forward(self, batch: list[SeqInput]) -> list[SeqOutput]:
+        started = time.perf_counter()
+        outputs = []
+        num_prefill_tokens = 0
+        num_decode = 0
+        for seq in batch:
+            if seq.num_cached + len(seq.token_ids) > len(seq.page_ids) * self.pool.page_size:
+                raise ValueError(f"request {seq.rid}: page table too short for its positions")
+            self._write(seq)
+            if len(seq.token_ids) == 1 and seq.num_cached > 0:
+                num_decode += 1
+            else:
+                num_prefill_tokens += len(seq.token_ids)
+            if seq.sample:
+                crc = self.digest(seq.page_ids, seq.num_cached + len(seq.token_ids))
+                outputs.append(SeqOutput(token_id=ALPHABET[crc % len(ALPHABET)], logprob=0.0))
+            else:
+                outputs.append(SeqOutput())
+        modelled = num_prefill_tokens * self.prefill_token_s
+        if num_decode:
+            modelled += self.decode_step_s + num_decode * self.decode_seq_s
+        remaining = modelled - (time.perf_counter() - started)
+        if remaining > 0:
+            time.sleep(remaining)
+        return outputs

@@ -1,0 +1,46 @@
+"""The worker's small HTTP side (its own port): health, load, info and debug views."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+if TYPE_CHECKING:
+    from workers.worker import Worker
+
+_json = msgspec.json.Encoder()
+
+
+def _reply(body: object, status: int = 200) -> Response:
+    return Response(_json.encode(body), status_code=status, media_type="application/json")
+
+
+def create_http_app(worker: Worker) -> Starlette:
+    async def health(_: Request) -> Response:
+        ok = worker.scheduler is not None and worker.scheduler.is_alive
+        return _reply({"status": "ok" if ok else "unhealthy", "role": worker.config.role}, 200 if ok else 503)
+
+    async def info(_: Request) -> Response:
+        return _reply(worker.info())
+
+    async def load(_: Request) -> Response:
+        assert worker.scheduler is not None
+        return _reply(worker.scheduler.load_report())
+
+    async def rooms(_: Request) -> Response:
+        assert worker.scheduler is not None
+        return _reply(list(worker.scheduler.rooms))
+
+    return Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/info", info),
+            Route("/load", load),
+            Route("/debug/rooms", rooms),
+        ]
+    )

@@ -1,0 +1,48 @@
+"""One request's state inside a worker, from admission to release."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.protocol import BootstrapTarget, SamplingParams, TokenLogprob
+
+
+@dataclass(eq=False)
+class Req:
+    key: tuple[int, int]  # (connection id, rid): rids are unique per gateway connection
+    input_ids: list[int]
+    params: SamplingParams
+    deadline: float
+    bootstrap: BootstrapTarget | None = None
+    stage: str = "new"
+    pages: list[int] = field(default_factory=list)
+    aux_slot: int | None = None
+    num_computed: int = 0  # positions whose KV is in ``pages``
+    num_sent_pages: int = 0  # prefill: pages already handed to the KV sender
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    pending_top: list[list[TokenLogprob]] | None = None
+    kv_sender: Any = None
+    kv_receiver: Any = None
+    kv_verified: bool | None = None
+    stage_since: float = field(default_factory=time.monotonic)
+    done: bool = False
+
+    @property
+    def rid(self) -> int:
+        return self.key[1]
+
+    @property
+    def room(self) -> int | None:
+        return self.bootstrap.room if self.bootstrap is not None else None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    def move(self, stage: str) -> None:
+        self.stage = stage
+        self.stage_since = time.monotonic()

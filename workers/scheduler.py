@@ -1,0 +1,504 @@
+"""The worker's scheduler: admission, the PD queues, batching and the engine loop.
+
+Lifecycle (one ``Scheduler`` per worker, its loop on a dedicated thread):
+1. The network side calls ``submit`` / ``abort`` / ``drop_connection`` from the event loop; they
+   only enqueue (thread-safe, never block).
+2. Each step the thread drains the inbox, expires requests past their deadline, advances the PD
+   queues, runs one engine batch (decode tokens first, then prefill chunks up to ``chunk_size``
+   tokens), and hands the step's outputs to ``sink`` in one call.
+   - prefill role: PrefillBootstrapQueue (the decode's page list arrives) -> waiting (pages for the
+     prompt) -> chunked prefill, each chunk's full pages sent as soon as computed -> the last chunk
+     with the first sampled token as aux -> inflight (poll; free pages only when the transfer is done).
+   - decode role: DecodePreallocQueue (connected to the prefill; reserve prompt + max_new_tokens
+     pages, page-aligned, and an aux slot; send their ids) -> DecodeTransferQueue (poll until KV and
+     the first token arrived) -> prebuilt extend (no forward pass) -> running decode batch.
+   - both: waiting -> chunked prefill -> running decode batch (no transfer).
+3. Every exit (finish, error, abort, timeout, dropped connection) goes through ``_release``, which
+   returns pages and aux slots to the pool and releases the KV sender/receiver.
+4. ``stop()`` ends the loop; live requests fail with ``shutting_down``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from transfer.types import KVPoll
+
+if TYPE_CHECKING:
+    from transfer import KVManager
+from workers.aux import AuxRecord, decode_aux, encode_aux
+from workers.engines.base import Engine, SeqInput, SeqOutput
+from workers.kv_pool import KVPool
+from workers.protocol import Error, LoadReport, Outputs, StepOutput, Submit
+from workers.request import Req
+
+log = logging.getLogger(__name__)
+
+BROADCAST = -1  # connection id meaning "every connection" in the sink
+Message = Outputs | Error | LoadReport
+Sink = Callable[[list[tuple[int, Message]]], None]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    role: str  # "prefill" | "decode" | "both"
+    chunk_size: int = 512
+    max_running: int = 64
+    max_queued: int = 4096
+    load_report_interval_s: float = 0.5
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        engine: Engine,
+        pool: KVPool,
+        sink: Sink,
+        kv: KVManager | None = None,
+    ) -> None:
+        if config.role not in ("prefill", "decode", "both"):
+            raise ValueError(f"unknown role {config.role!r}")
+        if config.role != "both" and kv is None:
+            raise ValueError(f"role {config.role} needs a KV transfer manager")
+        self.config = config
+        self.role = config.role
+        self.engine = engine
+        self.pool = pool
+        self.kv = kv
+        self._sink = sink
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.reqs: dict[tuple[int, int], Req] = {}
+        self._bootstrap: list[Req] = []  # prefill: waiting for the decode's page list
+        self._prealloc: list[Req] = []  # decode: waiting to connect / for pages
+        self._transfer: list[Req] = []  # decode: waiting for KV
+        self._waiting: list[Req] = []  # waiting for pages to start prefill
+        self._prefilling: list[Req] = []
+        self._inflight: list[Req] = []  # prefill: KV sent, waiting for completion
+        self._running: list[Req] = []  # decoding
+        self._out: list[tuple[int, Message]] = []
+        self._pending_steps: dict[tuple[int, int], StepOutput] = {}
+        self.rooms: deque[dict[str, Any]] = deque(maxlen=512)  # recent rooms, for /debug/rooms
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_load = 0.0
+        self.num_steps = 0
+        self.error: BaseException | None = None
+
+    # -- thread-safe API ---------------------------------------------------------------------
+    def submit(self, conn_id: int, msg: Submit) -> None:
+        self._inbox.put(("submit", (conn_id, msg)))
+
+    def abort(self, conn_id: int, rid: int, reason: str) -> None:
+        self._inbox.put(("abort", (conn_id, rid, reason)))
+
+    def drop_connection(self, conn_id: int) -> None:
+        self._inbox.put(("drop", conn_id))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"scheduler-{self.role}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    # -- loop ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                did_work = self.step()
+                if not did_work:
+                    self._wait_for_inbox(0.05 if not self.reqs else 0.0005)
+        except BaseException as exc:  # the worker's health turns red; requests must not hang
+            log.exception("scheduler loop crashed")
+            self.error = exc
+        finally:
+            for req in list(self.reqs.values()):
+                self._fail(req, "internal" if self.error else "shutting_down", "worker stopped")
+            self._flush()
+
+    def _wait_for_inbox(self, timeout_s: float) -> None:
+        try:
+            item = self._inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            return
+        self._handle(item)
+
+    def step(self) -> bool:
+        """One scheduler iteration; returns whether a batch ran."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            self._handle(item)
+        now = time.monotonic()
+        for req in [r for r in self.reqs.values() if now > r.deadline]:
+            self._fail(req, "timeout", f"request timed out in stage {req.stage}")
+        if self.role == "prefill":
+            self._advance_bootstrap()
+        elif self.role == "decode":
+            self._advance_prealloc()
+            self._advance_transfer()
+        self._admit_waiting()
+        ran = self._run_batch()
+        if self.role == "prefill":
+            self._advance_inflight()
+        if now - self._last_load >= self.config.load_report_interval_s:
+            self._last_load = now
+            self._out.append((BROADCAST, self.load_report()))
+        self._flush()
+        return ran
+
+    def _handle(self, item: tuple[str, Any]) -> None:
+        kind, payload = item
+        if kind == "submit":
+            self._admit(*payload)
+        elif kind == "abort":
+            conn_id, rid, reason = payload
+            req = self.reqs.get((conn_id, rid))
+            if req is not None:
+                self._fail(req, "aborted", reason)
+        elif kind == "drop":
+            for req in [r for r in self.reqs.values() if r.key[0] == payload]:
+                self._release(req, f"connection {payload} closed")
+
+    # -- admission ---------------------------------------------------------------------------
+    def _admit(self, conn_id: int, msg: Submit) -> None:
+        key = (conn_id, msg.rid)
+        problem = self._validate(msg)
+        if key in self.reqs:
+            problem = f"request id {msg.rid} is already in use on this connection"
+        if problem is not None:
+            self._out.append((conn_id, Error(msg.rid, "bad_request", problem)))
+            return
+        if len(self.reqs) >= self.config.max_queued:
+            self._out.append((conn_id, Error(msg.rid, "overloaded", "worker queue is full")))
+            return
+        req = Req(key, list(msg.input_ids), msg.params, time.monotonic() + msg.timeout_s, msg.bootstrap)
+        self.reqs[key] = req
+        assert self.kv is not None or self.role == "both"
+        if self.role == "prefill":
+            assert req.bootstrap is not None and self.kv is not None
+            req.kv_sender = self.kv.create_sender(req.bootstrap.room)
+            self._enter(req, "bootstrap", self._bootstrap)
+        elif self.role == "decode":
+            b = req.bootstrap
+            assert b is not None and self.kv is not None
+            req.kv_receiver = self.kv.create_receiver(b.room, b.host, b.port, b.instance_id)
+            self._enter(req, "prealloc", self._prealloc)
+        else:
+            self._enter(req, "waiting", self._waiting)
+
+    def _validate(self, msg: Submit) -> str | None:
+        info = self.engine.info
+        p = msg.params
+        if not msg.input_ids:
+            return "the prompt is empty"
+        if p.max_new_tokens < 1:
+            return "max_new_tokens must be at least 1"
+        total = len(msg.input_ids) + p.max_new_tokens
+        if total > info.max_context:
+            return (
+                f"prompt ({len(msg.input_ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds "
+                f"the context length {info.max_context}"
+            )
+        if self.pool.pages_for(total) > self.pool.num_pages:
+            return f"request needs {self.pool.pages_for(total)} KV pages; the pool has {self.pool.num_pages}"
+        if any(not 0 <= t < info.vocab_size for t in msg.input_ids):
+            return f"token ids must be in [0, {info.vocab_size})"
+        if self.role != "both" and msg.bootstrap is None:
+            return f"a {self.role} worker needs bootstrap_host/bootstrap_room"
+        if msg.timeout_s <= 0:
+            return "timeout_s must be positive"
+        return None
+
+    def _enter(self, req: Req, stage: str, queue_: list[Req]) -> None:
+        req.move(stage)
+        queue_.append(req)
+
+    # -- PD queues -----------------------------------------------------------------------------
+    def _advance_bootstrap(self) -> None:
+        keep = []
+        for req in self._bootstrap:
+            if req.done:
+                continue
+            state = req.kv_sender.poll()
+            if state == KVPoll.Failed:
+                self._fail(req, "transfer_failed", _reason(req.kv_sender, "bootstrap failed"))
+            elif state >= KVPoll.WaitingForInput:
+                reserved = req.kv_sender.num_dst_pages
+                needed = self.pool.pages_for(len(req.input_ids))
+                if reserved is not None and reserved < needed:
+                    self._fail(req, "transfer_failed", f"decode reserved {reserved} pages, prompt needs {needed}")
+                else:
+                    self._enter(req, "waiting", self._waiting)
+            else:
+                keep.append(req)
+        self._bootstrap = keep
+
+    def _advance_prealloc(self) -> None:
+        keep = []
+        blocked = False
+        for req in self._prealloc:
+            if req.done:
+                continue
+            rx = req.kv_receiver
+            state = rx.poll()
+            if state == KVPoll.Failed:
+                self._fail(req, "transfer_failed", _reason(rx, "bootstrap failed"))
+                continue
+            if state < KVPoll.WaitingForInput or blocked:
+                keep.append(req)
+                continue
+            pages = self.pool.alloc(self.pool.pages_for(len(req.input_ids) + req.params.max_new_tokens))
+            slot = self.pool.alloc_aux() if pages is not None else None
+            if pages is None or slot is None:
+                if pages is not None:
+                    self.pool.free(pages)
+                blocked = True  # FCFS: later requests wait behind this one
+                keep.append(req)
+                continue
+            req.pages, req.aux_slot = pages, slot
+            self.pool.aux[slot, :8] = 0  # a stale record must not pass for this room's
+            rx.send_metadata(pages, slot)
+            self._enter(req, "transfer", self._transfer)
+        self._prealloc = keep
+
+    def _advance_transfer(self) -> None:
+        keep = []
+        for req in self._transfer:
+            if req.done:
+                continue
+            state = req.kv_receiver.poll()
+            if state == KVPoll.Failed:
+                self._fail(req, "transfer_failed", _reason(req.kv_receiver, "KV transfer failed"))
+            elif state == KVPoll.Success:
+                self._import(req)
+            else:
+                keep.append(req)
+        self._transfer = keep
+
+    def _import(self, req: Req) -> None:
+        """Prebuilt extend: the prompt's KV and first token arrived; join the decode batch."""
+        assert req.aux_slot is not None
+        try:
+            record = decode_aux(self.pool.aux[req.aux_slot].data)
+        except ValueError as exc:
+            self._fail(req, "transfer_failed", f"room {req.room}: {exc}")
+            return
+        req.num_computed = len(req.input_ids)
+        verify = getattr(self.engine, "verify", None)
+        if verify is not None:
+            req.kv_verified = bool(verify(req.pages, req.input_ids))
+        self._accept_token(req, SeqOutput(record.first_token, record.logprob, record.top_logprobs))
+        self._record_room(req)
+        if not req.done:
+            self._enter(req, "running", self._running)
+
+    def _advance_inflight(self) -> None:
+        keep = []
+        for req in self._inflight:
+            if req.done:
+                continue
+            state = req.kv_sender.poll()
+            if state == KVPoll.Failed:
+                self._fail(req, "transfer_failed", _reason(req.kv_sender, "KV transfer failed"))
+            elif state == KVPoll.Success:
+                self._record_room(req)
+                self._emit(req, [], "transferred")
+                self._release(req)
+            else:
+                keep.append(req)
+        self._inflight = keep
+
+    def _admit_waiting(self) -> None:
+        keep = []
+        blocked = len(self._running) + len(self._prefilling) >= self.config.max_running
+        for req in self._waiting:
+            if req.done:
+                continue
+            if blocked:
+                keep.append(req)
+                continue
+            tokens = len(req.input_ids) + (req.params.max_new_tokens if self.role == "both" else 0)
+            pages = self.pool.alloc(self.pool.pages_for(tokens))
+            if pages is None:
+                blocked = True
+                keep.append(req)
+                continue
+            req.pages = pages
+            self._enter(req, "prefill", self._prefilling)
+            blocked = len(self._running) + len(self._prefilling) >= self.config.max_running
+        self._waiting = keep
+
+    # -- batches -----------------------------------------------------------------------------
+    def _run_batch(self) -> bool:
+        self._running = [r for r in self._running if not r.done]
+        self._prefilling = [r for r in self._prefilling if not r.done and r.stage == "prefill"]
+        reqs: list[Req] = []
+        batch: list[SeqInput] = []
+        for req in self._running:
+            n = len(req.input_ids) + len(req.output_ids)
+            batch.append(
+                SeqInput(req.rid, req.pages, n - 1, [req.all_ids[-1]], True, req.params,
+                         len(req.output_ids), None)
+            )
+            reqs.append(req)
+        budget = self.config.chunk_size
+        for req in self._prefilling:
+            if budget <= 0:
+                break
+            if self.role == "prefill" and req.kv_sender.poll() == KVPoll.Failed:
+                self._fail(req, "transfer_failed", _reason(req.kv_sender, "KV transfer failed"))
+                continue
+            start = req.num_computed
+            take = min(budget, len(req.input_ids) - start)
+            budget -= take
+            last = start + take == len(req.input_ids)
+            batch.append(SeqInput(req.rid, req.pages, start, req.input_ids[start : start + take], last,
+                                  req.params, 0, None))
+            reqs.append(req)
+        if not batch:
+            return False
+        outputs = self.engine.forward(batch)
+        self.num_steps += 1
+        for req, seq, out in zip(reqs, batch, outputs, strict=True):
+            if req.done:
+                continue
+            try:
+                if req.stage == "running":
+                    self._accept_token(req, out)
+                else:
+                    self._after_chunk(req, seq, out)
+            except Exception as exc:  # one request's failure must not stop the loop
+                log.exception("request %s failed after a forward step", req.key)
+                self._fail(req, "internal", f"{type(exc).__name__}: {exc}")
+        return True
+
+    def _after_chunk(self, req: Req, seq: SeqInput, out: SeqOutput) -> None:
+        req.num_computed += len(seq.token_ids)
+        if out.prompt_logprobs:
+            req.prompt_logprobs.extend(out.prompt_logprobs)
+        finished_prompt = req.num_computed == len(req.input_ids)
+        if self.role == "prefill":
+            full_pages = len(req.pages) if finished_prompt else req.num_computed // self.pool.page_size
+            chunk = req.pages[req.num_sent_pages : full_pages]
+            aux = None
+            if finished_prompt:
+                assert out.token_id is not None
+                req.output_ids.append(out.token_id)
+                record = AuxRecord(out.token_id, out.logprob, out.top_logprobs)
+                aux = encode_aux(record, self.pool.aux_slot_bytes)
+            if chunk or finished_prompt:
+                try:
+                    req.kv_sender.send(chunk, last=finished_prompt, aux=aux)
+                except (ValueError, RuntimeError) as exc:
+                    self._fail(req, "transfer_failed", str(exc))
+                    return
+                req.num_sent_pages += len(chunk)
+            if finished_prompt:
+                req.move("inflight")
+                self._inflight.append(req)
+        elif finished_prompt:
+            self._accept_token(req, out)
+            if not req.done:
+                req.move("running")
+                self._running.append(req)
+
+    def _accept_token(self, req: Req, out: SeqOutput) -> None:
+        assert out.token_id is not None
+        token = out.token_id
+        req.output_ids.append(token)
+        p = req.params
+        finish = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.engine.info.eos_token_ids):
+            finish = "stop"
+        elif len(req.output_ids) >= p.max_new_tokens:
+            finish = "length"
+        self._emit(req, [token], finish, out)
+        if finish is not None:
+            self._release(req)
+
+    # -- outputs and release -----------------------------------------------------------------
+    def _emit(self, req: Req, tokens: list[int], finish: str | None, out: SeqOutput | None = None) -> None:
+        item = StepOutput(req.rid, tokens, finish, prompt_tokens=len(req.input_ids))
+        if out is not None and req.params.logprobs and out.logprob is not None:
+            item.logprobs = [out.logprob]
+            if req.params.top_logprobs and out.top_logprobs is not None:
+                item.top_logprobs = [out.top_logprobs]
+        if finish is not None:
+            item.kv_verified = req.kv_verified
+            if req.params.prompt_logprobs and req.prompt_logprobs:
+                item.prompt_logprobs = req.prompt_logprobs
+            if self.role == "prefill" and req.output_ids:
+                item.token_ids = [req.output_ids[0]]
+        self._out.append((req.key[0], Outputs([item])))
+
+    def _fail(self, req: Req, code: str, message: str) -> None:
+        if req.done:
+            return
+        self._out.append((req.key[0], Error(req.rid, code, message)))
+        self._release(req, message)
+
+    def _release(self, req: Req, abort_reason: str | None = None) -> None:
+        if req.done:
+            return
+        req.done = True
+        self.reqs.pop(req.key, None)
+        for handle in (req.kv_sender, req.kv_receiver):
+            if handle is None:
+                continue
+            if abort_reason is not None and handle.poll() not in (KVPoll.Success, KVPoll.Failed):
+                handle.abort(abort_reason)
+            handle.release()
+        if req.pages:
+            self.pool.free(req.pages)
+            req.pages = []
+        if req.aux_slot is not None:
+            self.pool.free_aux(req.aux_slot)
+            req.aux_slot = None
+
+    def _record_room(self, req: Req) -> None:
+        digest = getattr(self.engine, "digest", None)
+        self.rooms.append({
+            "room": req.room,
+            "role": self.role,
+            "prompt_tokens": len(req.input_ids),
+            "kv_digest": digest(req.pages, len(req.input_ids)) if digest is not None else None,
+            "kv_verified": req.kv_verified,
+            "first_token": req.output_ids[0] if req.output_ids else None,
+        })
+
+    def _flush(self) -> None:
+        if self._out:
+            out, self._out = self._out, []
+            self._sink(out)
+
+    def load_report(self) -> LoadReport:
+        return LoadReport(
+            num_running=len(self._running) + len(self._prefilling),
+            num_waiting=len(self._waiting) + len(self._bootstrap) + len(self._prealloc),
+            num_free_pages=self.pool.num_free_pages,
+            num_total_pages=self.pool.num_pages,
+            num_inflight_transfers=len(self._inflight) + len(self._transfer),
+        )
+
+
+def _reason(handle: Any, default: str) -> str:
+    exc = handle.failure()
+    return str(exc) if exc is not None else default

@@ -1,0 +1,130 @@
+"""The worker's native server: gateway connections speaking ``workers.protocol`` frames.
+
+Lifecycle:
+1. ``NativeServer.start()`` listens on TCP (and optionally a Unix socket).
+2. Each connection gets an id; the first frame must be ``Hello`` with our protocol version (else
+   ``Rejected`` and close). Then ``Submit``/``Abort`` frames go to the scheduler's inbox.
+3. The scheduler thread hands each step's messages to ``deliver`` (thread-safe): they are grouped
+   per connection and written with one ``write`` call per connection per step.
+4. A closed connection drops its requests (pages freed); ``aclose()`` stops listening and closes
+   every connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable
+
+import msgspec
+
+from workers.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Hello,
+    HelloAck,
+    Rejected,
+    Submit,
+    read_frame,
+    worker_codec,
+)
+from workers.scheduler import BROADCAST, Message, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class NativeServer:
+    def __init__(self, scheduler: Scheduler, hello_ack: Callable[[], HelloAck], host: str, port: int) -> None:
+        self._scheduler = scheduler
+        self._hello_ack = hello_ack
+        self._host = host
+        self._port = port
+        self._codec = worker_codec()
+        self._writers: dict[int, asyncio.StreamWriter] = {}
+        self._ids = itertools.count(1)
+        self._server: asyncio.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return int(self._server.sockets[0].getsockname()[1])
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._writers)
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._server = await asyncio.start_server(self._on_connect, self._host, self._port)
+
+    def deliver(self, messages: list[tuple[int, Message]]) -> None:
+        """Called from the scheduler thread."""
+        if self._loop is not None and not self._loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # loop closing during shutdown
+                self._loop.call_soon_threadsafe(self._write_batch, messages)
+
+    def _write_batch(self, messages: list[tuple[int, Message]]) -> None:
+        frames: dict[int, list[bytes]] = {}
+        broadcast: list[bytes] = []
+        for conn_id, msg in messages:
+            frame = self._codec.encode(msg)
+            if conn_id == BROADCAST:
+                broadcast.append(frame)
+            else:
+                frames.setdefault(conn_id, []).append(frame)
+        if broadcast:
+            for conn_id in self._writers:
+                frames.setdefault(conn_id, []).extend(broadcast)
+        for conn_id, chunks in frames.items():
+            writer = self._writers.get(conn_id)
+            if writer is not None and not writer.is_closing():
+                writer.write(b"".join(chunks))
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)  # type: ignore[arg-type]
+        conn_id = next(self._ids)
+        try:
+            hello = self._codec.decode(await asyncio.wait_for(read_frame(reader), 10.0))
+            if not isinstance(hello, Hello) or hello.version != PROTOCOL_VERSION:
+                got = hello.version if isinstance(hello, Hello) else type(hello).__name__
+                writer.write(self._codec.encode(Rejected(f"protocol version {PROTOCOL_VERSION} required, got {got}")))
+                await writer.drain()
+                return
+            writer.write(self._codec.encode(self._hello_ack()))
+            self._writers[conn_id] = writer
+            while True:
+                body = await read_frame(reader)
+                match self._codec.decode(body):
+                    case Submit() as msg:
+                        self._scheduler.submit(conn_id, msg)
+                    case Abort(rid=rid, reason=reason):
+                        self._scheduler.abort(conn_id, rid, reason)
+                    case other:
+                        raise ValueError(f"unexpected message {type(other).__name__}")
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except (msgspec.DecodeError, ValueError) as exc:
+            log.warning("closing connection %d: protocol error: %s", conn_id, exc)
+        finally:
+            self._writers.pop(conn_id, None)
+            self._scheduler.drop_connection(conn_id)
+            writer.close()
+            self._tasks.discard(task)  # type: ignore[arg-type]
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._writers.values()):
+            writer.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()

@@ -1,0 +1,212 @@
+"""One worker process: engine + KV pool + transfer + scheduler thread + native and HTTP servers.
+
+Lifecycle:
+1. ``Worker(config)``; ``await start()`` builds the engine (may take seconds), sizes the KV pool
+   from the model shape, binds them, creates the transfer backend and KV manager (prefill and
+   decode roles), starts the scheduler thread, the native server and the HTTP side, and, for a
+   prefill worker, registers its KV control endpoint with the bootstrap registry (heartbeats).
+2. ``await serve_forever()`` until cancelled or a signal.
+3. ``await aclose()``: deregister, stop accepting, stop the scheduler (live requests fail),
+   close the KV manager, close the servers. Idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import uuid
+from typing import Any
+from urllib.parse import urlsplit
+
+import uvicorn
+
+from workers.config import WorkerConfig
+from workers.engines import EngineOptions, create_engine
+from workers.engines.base import Engine
+from workers.http_app import create_http_app
+from workers.kv_pool import KVPool
+from workers.protocol import PROTOCOL_VERSION, HelloAck
+from workers.scheduler import Scheduler, SchedulerConfig
+from workers.server import NativeServer
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.worker_id = f"{config.role}-{uuid.uuid4().hex[:8]}"
+        self.engine: Engine | None = None
+        self.pool: KVPool | None = None
+        self.kv: Any = None
+        self.scheduler: Scheduler | None = None
+        self.server: NativeServer | None = None
+        self._http: uvicorn.Server | None = None
+        self._http_task: asyncio.Task[None] | None = None
+        self._registrar: Any = None
+        self._resolver: Any = None
+        self._closed = False
+
+    # -- assembly ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        options = EngineOptions(
+            model=cfg.model, device=cfg.device, dtype=cfg.dtype, attention=cfg.attention,
+            num_threads=cfg.num_threads, extra=dict(cfg.engine_options),
+        )
+        self.engine = await asyncio.to_thread(create_engine, cfg.engine, options)
+        info = self.engine.info
+        self.pool = KVPool(
+            num_layers=info.num_layers, num_pages=cfg.num_pages, page_size=cfg.page_size,
+            num_kv_heads=info.num_kv_heads, head_dim=info.head_dim, dtype=info.kv_dtype,
+            num_aux_slots=max(256, cfg.max_running * 4),
+        )
+        self.engine.bind(self.pool)
+        if cfg.role != "both":
+            self.kv = self._create_kv_manager(self.pool)
+        sched_cfg = SchedulerConfig(role=cfg.role, chunk_size=cfg.chunk_size, max_running=cfg.max_running)
+        self.scheduler = Scheduler(sched_cfg, self.engine, self.pool, self._deliver, self.kv)
+        self.server = NativeServer(self.scheduler, self._hello_ack, cfg.host, cfg.port)
+        await self.server.start()
+        self.scheduler.start()
+        http_config = uvicorn.Config(
+            create_http_app(self), host=cfg.host, port=cfg.http_port, log_level="warning",
+            lifespan="off", access_log=False,
+        )
+        self._http = uvicorn.Server(http_config)
+        self._http.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self._http_task = asyncio.create_task(self._http.serve(), name="worker-http")
+        while not self._http.started:
+            if self._http_task.done():
+                self._http_task.result()
+                raise RuntimeError("worker HTTP server stopped during startup")
+            await asyncio.sleep(0.01)
+        if cfg.role == "prefill":
+            await self._register()
+        log.info("worker %s ready: native %s:%d http %d", self.worker_id, cfg.host, self.native_port,
+                 self.http_port)
+
+    def _create_kv_manager(self, pool: KVPool) -> Any:
+        from transfer import KVArgs, KVManager, KVTimeouts, create_backend
+
+        cfg = self.config
+        args = KVArgs(
+            kv_ptrs=pool.kv_ptrs(), kv_data_lens=pool.kv_data_lens(), kv_item_lens=pool.kv_item_lens(),
+            aux_ptrs=[int(pool.aux.ctypes.data)], aux_data_lens=[int(pool.aux.nbytes)],
+            aux_item_lens=[pool.aux_slot_bytes], page_size=pool.page_size, kv_dtype=pool.dtype,
+        )
+        timeouts = KVTimeouts(
+            bootstrap_s=cfg.bootstrap_timeout_s, waiting_s=cfg.waiting_timeout_s,
+            transfer_s=cfg.transfer_timeout_s, heartbeat_interval_s=cfg.heartbeat_interval_s,
+            heartbeat_timeout_s=3 * cfg.heartbeat_interval_s,
+        )
+        resolver = None
+        if cfg.role == "decode":
+            resolver = self._make_resolver()
+        return KVManager(cfg.role, args, create_backend(cfg.transfer), host=cfg.host, timeouts=timeouts,
+                         resolver=resolver)
+
+    def _make_resolver(self) -> Any:
+        from bootstrap.client import BootstrapResolver, check_compatible
+
+        resolver = BootstrapResolver(token=self.config.bootstrap_token)
+        self._resolver = resolver
+        assert self.pool is not None
+        page_size, dtype = self.pool.page_size, self.pool.dtype
+
+        def resolve(host: str, port: int | None, instance_id: str | None) -> tuple[str, int]:
+            topology = resolver.topology(host, port or 8998, instance_id)
+            check_compatible(topology, page_size=page_size, kv_cache_dtype=dtype)
+            return resolver.resolve(host, port, instance_id)
+
+        return resolve
+
+    async def _register(self) -> None:
+        from bootstrap.client import BootstrapRegistrar, RankRegistration
+
+        cfg = self.config
+        assert cfg.bootstrap and self.pool is not None
+        host, port = self.kv.control_address
+        registration = RankRegistration(
+            rank_ip=host, rank_port=port, page_size=self.pool.page_size, kv_cache_dtype=self.pool.dtype,
+            instance_id=self.instance_id, prefill_http_port=self.http_port,
+        )
+        self._registrar = BootstrapRegistrar(
+            cfg.bootstrap, registration, interval_s=cfg.heartbeat_interval_s, token=cfg.bootstrap_token
+        )
+        await self._registrar.start()
+
+    # -- views -------------------------------------------------------------------------------
+    @property
+    def native_port(self) -> int:
+        assert self.server is not None
+        return self.server.port
+
+    @property
+    def http_port(self) -> int:
+        assert self._http is not None
+        return int(self._http.servers[0].sockets[0].getsockname()[1])
+
+    @property
+    def instance_id(self) -> str:
+        return self.config.instance_id or f"{self.config.host}:{self.native_port}"
+
+    def _hello_ack(self) -> HelloAck:
+        assert self.engine is not None and self.pool is not None
+        info = self.engine.info
+        boot_host = boot_port = None
+        if self.config.bootstrap:
+            url = urlsplit(self.config.bootstrap)
+            boot_host, boot_port = url.hostname, url.port or 8998
+        return HelloAck(
+            version=PROTOCOL_VERSION, worker_id=self.worker_id, role=self.config.role,
+            engine=self.config.engine, model=info.name, tokenizer=info.tokenizer,
+            page_size=self.pool.page_size, max_context=info.max_context, num_pages=self.pool.num_pages,
+            bootstrap_host=boot_host if self.config.role == "prefill" else None,
+            bootstrap_port=boot_port if self.config.role == "prefill" else None,
+            instance_id=self.instance_id if self.config.role == "prefill" else None,
+            transfer=self.config.transfer if self.config.role != "both" else "",
+        )
+
+    def info(self) -> dict[str, Any]:
+        ack = self._hello_ack()
+        return {
+            "worker_id": self.worker_id, "role": ack.role, "engine": ack.engine, "model": ack.model,
+            "native_port": self.native_port, "http_port": self.http_port, "page_size": ack.page_size,
+            "num_pages": ack.num_pages, "max_context": ack.max_context, "transfer": ack.transfer,
+            "instance_id": ack.instance_id, "pid": os.getpid(),
+        }
+
+    def _deliver(self, messages: list[Any]) -> None:
+        if self.server is not None:
+            self.server.deliver(messages)
+
+    # -- run / close -------------------------------------------------------------------------
+    async def serve_forever(self) -> None:
+        assert self._http_task is not None
+        await self._http_task
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._registrar is not None:
+            with contextlib.suppress(Exception):
+                await self._registrar.aclose()
+        if self.scheduler is not None:
+            await asyncio.to_thread(self.scheduler.stop)
+        if self.server is not None:
+            await self.server.aclose()
+        if self.kv is not None:
+            await asyncio.to_thread(self.kv.close)
+        if self._resolver is not None:
+            self._resolver.close()
+        if self._http is not None:
+            self._http.should_exit = True
+            if self._http_task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await asyncio.wait_for(self._http_task, 5.0)
+        if self.engine is not None:
+            self.engine.close()
