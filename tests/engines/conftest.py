@@ -96,3 +96,56 @@ def make_engine() -> Iterator[Callable[..., EngineUnderTest]]:
     yield build
     for engine in made:
         engine.close()
+
+
+CHATML_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TOKENIZER_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France; Berlin is the capital of Germany.",
+    "東京は日本の首都です。北京是中国的首都。",
+    "Emoji: 😀 👍🏽 🎉 and flags 🇫🇷 with text around them.",
+    "Numbers like 12345 and 3.14159 appear in text.",
+] * 20
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A byte-level BPE (vocab 400) trained on a small corpus, with ChatML specials and template."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(TOKENIZER_CORPUS, trainer=trainer)
+    path = tmp_path_factory.mktemp("tiny-tokenizer")
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHATML_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """The converted SmolLM2-135M-Instruct directory (converted once per machine, then cached)."""
+    pytest.importorskip("gguf")
+    from workers.engines.llama.gguf_convert import default_model_dir
+
+    return default_model_dir()

@@ -222,7 +222,9 @@ def _write_tokenizer(meta: dict[str, Any], out_dir: str) -> None:
     tokenizer.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=True) if k == _CONTROL]
     )
-    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types, strict=True) if k == _USER_DEFINED]
+    user = [
+        AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types, strict=True) if k == _USER_DEFINED
+    ]
     if user:
         tokenizer.add_tokens(user)
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
