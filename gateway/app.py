@@ -31,7 +31,7 @@ from starlette.routing import Route
 from gateway.api import SSE_DONE, Frontend, Prepared, decode_body, error_event, new_id, now_s, sse
 from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from gateway.dispatch import DispatchConfig, Dispatcher
-from gateway.errors import APIError, BadRequest, NoWorkers, PayloadTooLarge
+from gateway.errors import APIError, NoWorkers, PayloadTooLarge
 from gateway.policies import create_policy
 from gateway.text import ChoiceState
 from gateway.tokenizer import load_tokenizer

@@ -50,10 +50,11 @@ class Cluster:
         while time.monotonic() < deadline:
             if child.proc.poll() is not None:
                 raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} during startup")
-            with contextlib.suppress(OSError, urllib.error.URLError):
-                with urllib.request.urlopen(child.health_url, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
+            with contextlib.suppress(OSError, urllib.error.URLError), urllib.request.urlopen(
+                child.health_url, timeout=2
+            ) as resp:
+                if resp.status == 200:
+                    return
             time.sleep(0.2)
         raise RuntimeError(f"{child.name} was not healthy at {child.health_url} within {timeout_s:.0f}s")
 

@@ -45,7 +45,7 @@ class ByteTokenizer:
     BOS = 256
     EOS = 257
     vocab_size = 258
-    eos_token_ids = (EOS,)
+    eos_token_ids: tuple[int, ...] = (EOS,)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

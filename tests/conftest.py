@@ -1,91 +1,12 @@
-"""Shared fixtures: free ports, real child processes that are always reaped, a local PD cluster."""
+"""Shared fixtures (the helpers live in ``pdtest`` so test modules can import them too)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def in_private_netns() -> bool:
-    """True inside a network namespace that holds only loopback (where Mooncake may run)."""
-    try:
-        return sorted(os.listdir("/sys/class/net")) == ["lo"]
-    except OSError:
-        return False
-
-
-def wait_http_ok(url: str, timeout_s: float = 60.0, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    last: object = None
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} while waiting for {url}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (OSError, urllib.error.URLError) as exc:
-            last = exc
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not healthy after {timeout_s}s (last: {last})")
-
-
-@dataclass
-class Procs:
-    """Child processes started by one test; every one is killed and reaped at teardown."""
-
-    tmp: Path
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        proc = subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                cwd=ROOT, start_new_session=True)
-        proc.name = name  # type: ignore[attr-defined]
-        self.procs.append(proc)
-        return proc
-
-    def log(self, name: str) -> str:
-        path = self.tmp / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def stop_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGCONT)
-                    proc.terminate()
-                except ProcessLookupError:
-                    pass
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+from pdtest import Procs, SimCluster, has_gpu, start_bootstrap, start_gateway, start_worker
 
 
 @pytest.fixture
@@ -95,80 +16,6 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         yield p
     finally:
         p.stop_all()
-
-
-@dataclass
-class Worker:
-    proc: subprocess.Popen[bytes]
-    role: str
-    port: int
-    http_port: int
-
-    @property
-    def url(self) -> str:
-        return f"pd://127.0.0.1:{self.port}"
-
-    def get(self, path: str) -> object:
-        import json
-
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}{path}", timeout=5) as resp:
-            return json.loads(resp.read())
-
-
-@dataclass
-class SimCluster:
-    procs: Procs
-    bootstrap_url: str
-    prefills: list[Worker]
-    decodes: list[Worker]
-    gateway_port: int
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.gateway_port}"
-
-    def workers(self) -> list[Worker]:
-        return self.prefills + self.decodes
-
-    def wait_pools_full(self, timeout_s: float = 20.0) -> None:
-        """Every worker's KV pool is back to all pages free (nothing leaked)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            loads = [w.get("/load") for w in self.workers()]
-            if all(ld["num_free_pages"] == ld["num_total_pages"] for ld in loads):  # type: ignore[index]
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"KV pages not returned: {loads}")
-            time.sleep(0.1)
-
-
-def start_worker(procs: Procs, role: str, *extra: str, bootstrap: str | None = None, name: str | None = None,
-                 env: dict[str, str] | None = None) -> Worker:
-    port, http_port = free_port(), free_port()
-    args = ["-m", "workers.cli", "--role", role, "--port", str(port), "--http-port", str(http_port),
-            "--log-level", "warning", *extra]
-    if bootstrap:
-        args += ["--bootstrap", bootstrap]
-    proc = procs.start(name or f"{role}-{port}", *args, env=env)
-    try:
-        wait_http_ok(f"http://127.0.0.1:{http_port}/health", 120, proc)
-    except Exception as exc:
-        raise RuntimeError(f"{role} worker failed to start: {exc}\n{procs.log(name or f'{role}-{port}')}") from exc
-    return Worker(proc, role, port, http_port)
-
-
-def start_bootstrap(procs: Procs, *extra: str) -> str:
-    port = free_port()
-    proc = procs.start(f"bootstrap-{port}", "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", str(port), *extra)
-    wait_http_ok(f"http://127.0.0.1:{port}/health", 30, proc)
-    return f"http://127.0.0.1:{port}"
-
-
-def start_gateway(procs: Procs, *args: str) -> int:
-    port = free_port()
-    proc = procs.start(f"gateway-{port}", "-m", "gateway.cli", "--port", str(port), "--log-level", "warning", *args)
-    wait_http_ok(f"http://127.0.0.1:{port}/health", 60, proc)
-    return port
 
 
 @pytest.fixture
@@ -189,15 +36,6 @@ def sim_cluster(procs: Procs) -> Callable[..., SimCluster]:
         return SimCluster(procs, boot, prefills, decodes, port)
 
     return make
-
-
-def has_gpu() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except ImportError:
-        return False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

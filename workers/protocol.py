@@ -135,7 +135,7 @@ class FrameCodec:
 
     def __init__(self, incoming: object) -> None:
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder: msgspec.msgpack.Decoder = msgspec.msgpack.Decoder(incoming)  # type: ignore[arg-type]
+        self._decoder: msgspec.msgpack.Decoder = msgspec.msgpack.Decoder(incoming)
 
     def encode(self, message: msgspec.Struct) -> bytes:
         body = self._encoder.encode(message)

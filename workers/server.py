@@ -87,7 +87,7 @@ class NativeServer:
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._tasks.add(task)  # type: ignore[arg-type]
+        self._tasks.add(task)
         conn_id = next(self._ids)
         try:
             hello = self._codec.decode(await asyncio.wait_for(read_frame(reader), 10.0))
@@ -115,7 +115,7 @@ class NativeServer:
             self._writers.pop(conn_id, None)
             self._scheduler.drop_connection(conn_id)
             writer.close()
-            self._tasks.discard(task)  # type: ignore[arg-type]
+            self._tasks.discard(task)
 
     async def aclose(self) -> None:
         if self._server is not None:

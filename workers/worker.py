@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import uuid
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import uvicorn
@@ -76,7 +76,8 @@ class Worker:
             lifespan="off", access_log=False,
         )
         self._http = uvicorn.Server(http_config)
-        self._http.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        # The worker owns SIGTERM/SIGINT (graceful close); uvicorn must not capture them.
+        self._http.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
         self._http_task = asyncio.create_task(self._http.serve(), name="worker-http")
         while not self._http.started:
             if self._http_task.done():
@@ -105,7 +106,8 @@ class Worker:
         resolver = None
         if cfg.role == "decode":
             resolver = self._make_resolver()
-        return KVManager(cfg.role, args, create_backend(cfg.transfer), host=cfg.host, timeouts=timeouts,
+        role: Literal["prefill", "decode"] = "prefill" if cfg.role == "prefill" else "decode"
+        return KVManager(role, args, create_backend(cfg.transfer), host=cfg.host, timeouts=timeouts,
                          resolver=resolver)
 
     def _make_resolver(self) -> Any:

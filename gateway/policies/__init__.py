@@ -17,4 +17,4 @@ def create_policy(name: str) -> Policy:
     policy = cls()
     if not callable(getattr(policy, "select", None)):
         raise TypeError(f"policy plugin {name!r} has no select() method; installed: {', '.join(available(GROUP))}")
-    return policy  # type: ignore[no-any-return]
+    return policy

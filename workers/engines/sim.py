@@ -14,6 +14,7 @@ Lifecycle: construct from ``EngineOptions`` (``extra`` may set ``layers``, ``kv_
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 import zlib
 
 import numpy as np
@@ -73,7 +74,7 @@ class SimEngine(Engine):
         with np.errstate(over="ignore"):
             return (seed[:, None] * _MIX + lanes[None, :] * _MIX) ^ (seed[:, None] >> np.uint64(29))
 
-    def _row_slices(self, page_ids: list[int], start: int, count: int):  # type: ignore[no-untyped-def]
+    def _row_slices(self, page_ids: list[int], start: int, count: int) -> Iterator[tuple[int, int, int, int]]:
         """Yield (page, first row, n rows, offset into the token range) covering the positions."""
         size = self.pool.page_size
         pos, done = start, 0

@@ -1,0 +1,160 @@
+"""The PD path through real processes: bootstrap, prefill and decode sim workers, gateway, openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from sim_reference import expected_tokens, text_of
+
+PROMPT = [ord(c) for c in "The KV cache of this prompt crosses two processes."]
+
+
+def client(cluster) -> openai.OpenAI:  # type: ignore[no-untyped-def]
+    return openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_pd_path_moves_the_exact_kv_and_output_depends_on_it(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = sim_cluster()
+    c = client(cluster)
+    out = c.completions.create(model="sim", prompt=PROMPT, max_tokens=12)
+    assert out.choices[0].text == text_of(expected_tokens(PROMPT, 12))
+    assert out.usage is not None and out.usage.prompt_tokens == len(PROMPT) and out.usage.completion_tokens == 12
+
+    (p_room,) = cluster.prefills[0].get("/debug/rooms")
+    (d_room,) = cluster.decodes[0].get("/debug/rooms")
+    assert p_room["room"] == d_room["room"], "both workers must have served the same bootstrap room"
+    assert d_room["kv_verified"] is True, "the decode checked its pages against the prompt"
+    assert d_room["kv_digest"] == p_room["kv_digest"], "decode holds exactly the bytes the prefill computed"
+    assert d_room["first_token"] == p_room["first_token"]
+    cluster.wait_pools_full()
+
+
+def test_output_changes_when_the_prefill_computes_other_kv(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = sim_cluster(prefill_args=("--engine-option", "kv_salt=7"))
+    out = client(cluster).completions.create(model="sim", prompt=PROMPT, max_tokens=12)
+    assert out.choices[0].text == text_of(expected_tokens(PROMPT, 12, prefill_salt=7))
+    assert out.choices[0].text != text_of(expected_tokens(PROMPT, 12))
+    (d_room,) = cluster.decodes[0].get("/debug/rooms")
+    assert d_room["kv_verified"] is False
+    cluster.wait_pools_full()
+
+
+def test_openai_chat_stream_and_non_stream(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = sim_cluster()
+    c = client(cluster)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = c.chat.completions.create(model="sim", messages=messages, max_tokens=20)  # type: ignore[arg-type]
+    text = whole.choices[0].message.content
+    assert text and whole.choices[0].finish_reason == "length"
+    chunks = list(c.chat.completions.create(model="sim", messages=messages, max_tokens=20, stream=True,  # type: ignore[arg-type]
+                                            stream_options={"include_usage": True}))
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed == text, "greedy sim output is deterministic across stream and non-stream"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    cluster.wait_pools_full()
+
+
+def test_concurrent_requests_over_two_pairs(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = sim_cluster(num_prefill=2, num_decode=2)
+
+    async def run() -> list[str]:
+        ac = openai.AsyncOpenAI(base_url=f"{cluster.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        prompts = [[*PROMPT, 65 + i] for i in range(24)]
+        outs = await asyncio.gather(*(ac.completions.create(model="sim", prompt=p, max_tokens=8) for p in prompts))
+        await ac.close()
+        for p, o in zip(prompts, outs, strict=True):
+            assert o.choices[0].text == text_of(expected_tokens(p, 8))
+        return [o.choices[0].text for o in outs]
+
+    asyncio.run(run())
+    rooms = [r["room"] for w in cluster.prefills for r in w.get("/debug/rooms")]  # type: ignore[attr-defined]
+    assert len(rooms) == 24 and len(set(rooms)) == 24, "a fresh room per request"
+    assert all(w.get("/debug/rooms") for w in cluster.workers()), "round robin used every worker"
+    cluster.wait_pools_full()
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        (b'{"prompt": "hi", "max_tokens": "many"}', "max_tokens"),
+        (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens"),
+        (b'{"prompt": "hi", "max_tokens": -3}', "max_tokens"),
+        (b'{"prompt": "hi", "max_tokens": 10000000000}', "max_tokens"),
+        (b'{"prompt": "", "max_tokens": 4}', "prompt"),
+        (b'{"prompt": "hi", "temperature": "hot"}', "temperature"),
+        (b'{"prompt": "hi", "n": 0}', "n"),
+        (b'{"prompt": [1, "x"]}', "prompt"),
+    ],
+)
+def test_bad_input_is_a_clear_400_and_loses_nothing(sim_cluster, body: bytes, param: str | None) -> None:  # type: ignore[no-untyped-def]
+    cluster = sim_cluster()
+    r = httpx.post(f"{cluster.base_url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert err["param"] == param
+    ok = httpx.post(f"{cluster.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
+    cluster.wait_pools_full()
+
+
+def test_decode_killed_mid_stream_ends_the_request_and_frees_prefill(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = sim_cluster(decode_args=("--engine-option", "decode_step_s=0.05"))
+    c = client(cluster)
+    stream = c.completions.create(model="sim", prompt=PROMPT, max_tokens=400, stream=True)
+    first = next(iter(stream))
+    assert first.choices[0].text
+    os.kill(cluster.decodes[0].proc.pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(openai.APIError) as info:
+        for _ in stream:
+            pass
+    assert time.monotonic() - started < 30
+    assert "decode" in str(info.value)
+    load = cluster.prefills[0].get("/load")
+    assert load["num_free_pages"] == load["num_total_pages"]  # type: ignore[index]
+    r = httpx.post(f"{cluster.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+
+
+def test_prefill_killed_before_transfer_fails_fast_and_frees_decode(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = sim_cluster(prefill_args=("--engine-option", "prefill_token_s=0.2", "--chunk-size", "4"))
+    c = client(cluster)
+    started = time.monotonic()
+
+    def kill_soon() -> None:
+        time.sleep(1.0)
+        os.kill(cluster.prefills[0].proc.pid, signal.SIGKILL)
+
+    import threading
+
+    threading.Thread(target=kill_soon, daemon=True).start()
+    with pytest.raises(openai.APIError):
+        c.completions.create(model="sim", prompt=PROMPT, max_tokens=4)
+    assert time.monotonic() - started < 30
+    deadline = time.monotonic() + 20
+    while True:
+        load = cluster.decodes[0].get("/load")
+        if load["num_free_pages"] == load["num_total_pages"]:  # type: ignore[index]
+            break
+        assert time.monotonic() < deadline, f"decode pages not returned: {load}"
+        time.sleep(0.1)
+
+
+def test_client_disconnect_mid_stream_frees_both_sides(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = sim_cluster(decode_args=("--engine-option", "decode_step_s=0.02"))
+    with httpx.stream("POST", f"{cluster.base_url}/v1/completions", timeout=30,
+                      json={"prompt": "hello", "max_tokens": 500, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break
+    cluster.wait_pools_full()
+    assert not any(w.get("/load")["num_running"] for w in cluster.workers())  # type: ignore[index]
