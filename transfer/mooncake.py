@@ -1,0 +1,261 @@
+"""Mooncake Transfer Engine backend (``mooncake-transfer-engine``; P2P handshake, ``tcp`` protocol here).
+
+Mooncake binds its listeners to 0.0.0.0 whatever host it is given: run it only inside a private network
+namespace (``unshare --net``) on a machine that must stay loopback-only.
+
+Lifecycle:
+1. ``MooncakeBackend(host="127.0.0.1", protocol="tcp")`` initializes one engine (P2PHANDSHAKE metadata).
+2. ``register(regions)`` batch-registers them plus a tiny scratch buffer used to warm up connections.
+3. ``endpoint()`` = msgpack ``{session "host:rpc_port", scratch address, registered regions}``.
+4. ``connect`` does one 8-byte sync write into the peer's scratch (pays the handshake now; an
+   unreachable peer raises PEER_UNREACHABLE).
+5. ``write`` range-checks the blocks against the peer's advertised regions, submits them with
+   ``batch_transfer_async_write`` and queues the batch id on the peer's status thread, which blocks in
+   ``get_batch_transfer_status`` (Mooncake has no non-blocking status for a multi-entry batch).
+6. ``close`` unregisters the memory; status threads end once their engine call returns.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from transfer.base import Block, PeerId, Region, TransferBackend, WriteHandle, WriteState, unknown_peer
+from transfer.blocks import RegionSet
+from transfer.errors import TransferError, TransferErrorKind
+
+log = logging.getLogger(__name__)
+
+_SCRATCH_BYTES = 64
+_PROBE_WAIT_S = 1.0  # send_probe blocks ~60 s on a frozen peer: give up waiting after this
+
+
+class _Endpoint(msgspec.Struct, array_like=True, frozen=True):
+    session: str
+    scratch: int
+    regions: list[tuple[int, int]]
+
+
+@dataclass
+class _Write:
+    peer: PeerId
+    state: WriteState = WriteState.PENDING
+    error: TransferError | None = None
+
+
+@dataclass
+class _Peer:
+    peer_id: PeerId
+    session: str
+    regions: RegionSet
+    jobs: queue.Queue[tuple[WriteHandle, int, float] | None] = field(default_factory=queue.Queue)
+    dead: TransferError | None = None
+    thread: threading.Thread | None = None
+
+
+def _transfer_timeout_s() -> float:
+    try:
+        return max(5.0, float(os.environ.get("MC_TRANSFER_TIMEOUT", "30")))
+    except ValueError:
+        return 30.0
+
+
+class MooncakeBackend(TransferBackend):
+    name = "mooncake"
+
+    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "") -> None:
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise TransferError(
+                TransferErrorKind.PEER_UNREACHABLE, f"mooncake: cannot import mooncake.engine: {exc}"
+            ) from exc
+        self._engine: Any = TransferEngine()
+        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        if rc != 0:
+            raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"mooncake: initialize({host}, {protocol}) -> {rc}")
+        self._session = f"{host}:{self._engine.get_rpc_port()}"
+        self._lock = threading.Lock()
+        self._writes: dict[WriteHandle, _Write] = {}
+        self._peers: dict[PeerId, _Peer] = {}
+        self._ids = itertools.count(1)
+        self._registered: list[int] = []
+        self._regions: list[Region] = []
+        self._scratch = (ctypes.c_ubyte * _SCRATCH_BYTES)()
+        self._closed = False
+
+    def register(self, regions: Sequence[Region]) -> None:
+        scratch = ctypes.addressof(self._scratch)
+        all_regions = [*regions, (scratch, _SCRATCH_BYTES)]
+        addrs = [addr for addr, _ in all_regions]
+        rc = self._engine.batch_register_memory(addrs, [length for _, length in all_regions])
+        if rc != 0:
+            raise TransferError(TransferErrorKind.RANGE_REJECTED, f"mooncake: batch_register_memory -> {rc}")
+        self._registered = addrs
+        self._regions = list(all_regions)
+
+    def endpoint(self) -> bytes:
+        return msgspec.msgpack.encode(
+            _Endpoint(self._session, ctypes.addressof(self._scratch), [(a, n) for a, n in self._regions])
+        )
+
+    def connect(self, endpoint: bytes) -> PeerId:
+        try:
+            remote = msgspec.msgpack.decode(endpoint, type=_Endpoint)
+        except msgspec.DecodeError as exc:
+            raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"mooncake: bad endpoint: {exc}") from exc
+        rc = self._engine.transfer_sync_write(remote.session, ctypes.addressof(self._scratch), remote.scratch, 8)
+        if rc != 0:
+            raise TransferError(
+                TransferErrorKind.PEER_UNREACHABLE, f"mooncake: warm-up write to {remote.session} -> {rc}"
+            )
+        with self._lock:
+            if self._closed:
+                raise TransferError(TransferErrorKind.ABORTED, "mooncake: backend closed")
+            peer = _Peer(next(self._ids), remote.session, RegionSet(remote.regions))
+            self._peers[peer.peer_id] = peer
+        peer.thread = threading.Thread(target=self._status_loop, args=(peer,), name="kv-mc-status", daemon=True)
+        peer.thread.start()
+        return peer.peer_id
+
+    def write(self, peer: PeerId, blocks: Sequence[Block]) -> WriteHandle:
+        with self._lock:
+            handle = next(self._ids)
+            record = _Write(peer)
+            self._writes[handle] = record
+            target = self._peers.get(peer)
+        if target is None or target.dead is not None:
+            record.state = WriteState.FAILED
+            record.error = target.dead if target is not None and target.dead else unknown_peer("mooncake", peer)
+            return handle
+        if not target.regions.all_contain([(dst, length) for _, dst, length in blocks]):
+            record.state = WriteState.FAILED
+            record.error = TransferError(
+                TransferErrorKind.RANGE_REJECTED,
+                f"mooncake: a block writes outside the memory {target.session} registered",
+            )
+            return handle
+        batch = self._engine.batch_transfer_async_write(
+            target.session, [b[0] for b in blocks], [b[1] for b in blocks], [b[2] for b in blocks]
+        )
+        if not batch:
+            record.state = WriteState.FAILED
+            record.error = TransferError(
+                TransferErrorKind.PEER_GONE, f"mooncake: submitting a batch to {target.session} failed"
+            )
+            return handle
+        target.jobs.put((handle, batch, time.monotonic()))
+        return handle
+
+    def _finish(self, handle: WriteHandle, state: WriteState, error: TransferError | None = None) -> None:
+        with self._lock:
+            record = self._writes.get(handle)
+            if record is not None and record.state == WriteState.PENDING:
+                record.state, record.error = state, error
+
+    def _status_loop(self, peer: _Peer) -> None:
+        timeout_s = _transfer_timeout_s()
+        while True:
+            job = peer.jobs.get()
+            if job is None:
+                return
+            handle, batch, posted = job
+            rc = self._engine.get_batch_transfer_status([batch])  # blocks until the batch ends
+            if peer.dead is not None:
+                self._finish(handle, WriteState.FAILED, peer.dead)
+            elif rc == 0:
+                self._finish(handle, WriteState.DONE)
+            else:
+                # -1 covers a dead peer, a reset connection, a server-side reject and the engine's own
+                # timeout; probing would block for a minute on a frozen peer, so tell them apart by time.
+                elapsed = time.monotonic() - posted
+                if elapsed >= timeout_s - 0.5:
+                    error = TransferError(
+                        TransferErrorKind.TIMEOUT, f"mooncake: batch to {peer.session} timed out after {elapsed:.1f}s"
+                    )
+                else:
+                    error = TransferError(
+                        TransferErrorKind.PEER_GONE,
+                        f"mooncake: batch to {peer.session} failed ({rc}): peer gone, reset or refusing",
+                    )
+                self._finish(handle, WriteState.FAILED, error)
+
+    def poll(self, handle: WriteHandle) -> WriteState:
+        with self._lock:
+            record = self._writes.get(handle)
+        if record is None:
+            raise KeyError(f"mooncake: unknown write handle {handle}")
+        return record.state
+
+    def error(self, handle: WriteHandle) -> TransferError | None:
+        with self._lock:
+            record = self._writes.get(handle)
+        return record.error if record is not None else None
+
+    def release(self, handle: WriteHandle) -> None:
+        with self._lock:
+            self._writes.pop(handle, None)
+
+    def probe(self, peer: PeerId) -> bool:
+        with self._lock:
+            target = self._peers.get(peer)
+        if target is None or target.dead is not None:
+            return False
+        result: list[int] = []
+        thread = threading.Thread(
+            target=lambda: result.append(self._engine.send_probe(target.session)), name="kv-mc-probe", daemon=True
+        )
+        thread.start()
+        thread.join(_PROBE_WAIT_S)
+        return bool(result) and result[0] == 0
+
+    def disconnect(self, peer: PeerId) -> None:
+        with self._lock:
+            target = self._peers.pop(peer, None)
+        if target is None:
+            return
+        self._drop(target, TransferError(TransferErrorKind.PEER_GONE, f"mooncake: peer {target.session} disconnected"))
+
+    def _drop(self, target: _Peer, error: TransferError) -> None:
+        """Fail the peer's pending batches now; its status thread ends after its current engine call."""
+        target.dead = target.dead or error
+        target.jobs.put(None)
+        with self._lock:
+            for record in self._writes.values():
+                if record.peer == target.peer_id and record.state == WriteState.PENDING:
+                    record.state, record.error = WriteState.FAILED, target.dead
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers = list(self._peers.values())
+            self._peers.clear()
+        for target in peers:
+            self._drop(target, TransferError(TransferErrorKind.ABORTED, "mooncake: backend closed"))
+        for target in peers:
+            if target.thread is not None:
+                target.thread.join(timeout=2.0)
+        with self._lock:
+            for record in self._writes.values():
+                if record.state == WriteState.PENDING:
+                    record.state = WriteState.FAILED
+                    record.error = TransferError(TransferErrorKind.ABORTED, "mooncake: backend closed")
+        if any(t.thread is not None and t.thread.is_alive() for t in peers):
+            # An engine call is still running against this memory: leave it registered (the engine is
+            # torn down with the process) rather than pull it from under the call.
+            log.warning("mooncake: closing with a batch still in flight; memory stays registered")
+        elif self._registered:
+            self._engine.batch_unregister_memory(self._registered)
+            self._registered = []

@@ -1,0 +1,245 @@
+"""NIXL backend (UCX, DRAM). ``nixl_cu12._api`` is imported directly so that torch is not pulled in.
+
+Lifecycle:
+1. ``NixlBackend()`` creates one agent (unique name, UCX, progress thread, no listener thread: the agent
+   metadata travels over our own control plane).
+2. ``register(regions)`` registers them as DRAM plus a small scratch buffer used for warm-up writes.
+3. ``endpoint()`` = msgpack ``{agent metadata, scratch address}``.
+4. ``connect`` loads the peer's metadata (``add_remote_agent``) and makes one tiny WRITE into the peer's
+   scratch, so the UCX wire-up (up to ~2 s) is paid here and not on a request's path.
+5. ``write`` = ``initialize_xfer("WRITE", ...)`` + ``transfer``; ``poll`` reads ``check_xfer_state``.
+   NIXL imposes no deadline on a frozen peer (the write stays "PROC"): the KV manager's timeouts do.
+   A write whose destination the peer never registered is refused by NIXL (RANGE_REJECTED).
+6. ``close`` releases every handle, removes the remote agents, deregisters memory, drops the agent.
+All agent calls are serialized by one lock.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from transfer.base import Block, PeerId, Region, TransferBackend, WriteHandle, WriteState, unknown_peer
+from transfer.errors import TransferError, TransferErrorKind
+
+_SCRATCH_BYTES = 64
+_WARMUP_TIMEOUT_S = 10.0
+
+
+class _Endpoint(msgspec.Struct, array_like=True, frozen=True):
+    metadata: bytes
+    scratch: int
+
+
+@dataclass
+class _Write:
+    peer: PeerId
+    xfer: Any = None  # the NIXL handle; None once released or when the write never started
+    state: WriteState = WriteState.PENDING
+    error: TransferError | None = None
+
+
+@dataclass
+class _Peer:
+    name: Any  # what add_remote_agent returned
+    dead: TransferError | None = None
+
+
+def _import_api() -> Any:
+    # The meta package ``nixl`` picks a CUDA flavour at import time via torch; the flavoured module does not.
+    errors = []
+    for module in ("nixl_cu12._api", "nixl_cu13._api", "nixl._api"):
+        try:
+            return importlib.import_module(module)
+        except ImportError as exc:
+            errors.append(f"{module}: {exc}")
+    raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"nixl: cannot import nixl ({'; '.join(errors)})")
+
+
+def _map_error(exc: Exception, what: str) -> TransferError:
+    name = type(exc).__name__
+    if name == "nixlNotFoundError":
+        kind = TransferErrorKind.RANGE_REJECTED
+    elif name in ("nixlRemoteDisconnectError", "nixlBackendError"):
+        kind = TransferErrorKind.PEER_GONE
+    else:
+        kind = TransferErrorKind.PROTOCOL
+    return TransferError(kind, f"nixl: {what}: {name}: {exc}")
+
+
+class NixlBackend(TransferBackend):
+    name = "nixl"
+
+    def __init__(self, num_threads: int = 0) -> None:
+        api = _import_api()
+        config = api.nixl_agent_config(
+            enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"], num_threads=num_threads
+        )
+        self._agent_name = f"pd-{uuid.uuid4().hex}"
+        try:
+            self._agent: Any = api.nixl_agent(self._agent_name, config)
+        except Exception as exc:
+            raise _map_error(exc, "creating the UCX agent") from exc
+        self._lock = threading.RLock()
+        self._writes: dict[WriteHandle, _Write] = {}
+        self._peers: dict[PeerId, _Peer] = {}
+        self._ids = itertools.count(1)
+        self._reg: Any = None
+        self._scratch = (ctypes.c_ubyte * _SCRATCH_BYTES)()
+        self._closed = False
+
+    def register(self, regions: Sequence[Region]) -> None:
+        entries = [(addr, length, 0, "") for addr, length in regions]
+        entries.append((ctypes.addressof(self._scratch), _SCRATCH_BYTES, 0, ""))
+        with self._lock:
+            try:
+                self._reg = self._agent.register_memory(entries, "DRAM")
+            except Exception as exc:
+                raise _map_error(exc, "register_memory") from exc
+
+    def endpoint(self) -> bytes:
+        with self._lock:
+            metadata = self._agent.get_agent_metadata()
+        return msgspec.msgpack.encode(_Endpoint(metadata, ctypes.addressof(self._scratch)))
+
+    def connect(self, endpoint: bytes) -> PeerId:
+        try:
+            remote = msgspec.msgpack.decode(endpoint, type=_Endpoint)
+        except msgspec.DecodeError as exc:
+            raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"nixl: bad endpoint: {exc}") from exc
+        with self._lock:
+            if self._closed:
+                raise TransferError(TransferErrorKind.ABORTED, "nixl: backend closed")
+            try:
+                name = self._agent.add_remote_agent(remote.metadata)
+            except Exception as exc:
+                raise TransferError(
+                    TransferErrorKind.PEER_UNREACHABLE, f"nixl: add_remote_agent failed: {exc!r}"
+                ) from exc
+            peer_id = next(self._ids)
+            self._peers[peer_id] = _Peer(name)
+        handle = self.write(peer_id, [(ctypes.addressof(self._scratch), remote.scratch, 8)])
+        deadline = time.monotonic() + _WARMUP_TIMEOUT_S
+        while (state := self.poll(handle)) == WriteState.PENDING and time.monotonic() < deadline:
+            time.sleep(0.001)
+        error = self.error(handle)
+        self.release(handle)
+        if state != WriteState.DONE:
+            self.disconnect(peer_id)
+            detail = error.message if error else f"no completion within {_WARMUP_TIMEOUT_S:g}s"
+            raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"nixl: warm-up write to {name!r} failed: {detail}")
+        return peer_id
+
+    def write(self, peer: PeerId, blocks: Sequence[Block]) -> WriteHandle:
+        with self._lock:
+            handle = next(self._ids)
+            record = _Write(peer)
+            self._writes[handle] = record
+            target = self._peers.get(peer)
+            if target is None or target.dead is not None:
+                record.state = WriteState.FAILED
+                record.error = target.dead if target is not None and target.dead else unknown_peer("nixl", peer)
+                return handle
+            if not blocks:
+                record.state = WriteState.DONE
+                return handle
+            try:
+                local = self._agent.get_xfer_descs([(src, n, 0) for src, _, n in blocks], "DRAM")
+                remote = self._agent.get_xfer_descs([(dst, n, 0) for _, dst, n in blocks], "DRAM")
+                record.xfer = self._agent.initialize_xfer("WRITE", local, remote, target.name, b"")
+                state = self._agent.transfer(record.xfer)
+            except Exception as exc:
+                record.state, record.error = WriteState.FAILED, _map_error(exc, f"write to {target.name!r}")
+                return handle
+            if state == "DONE":
+                record.state = WriteState.DONE
+            elif state == "ERR":
+                record.state = WriteState.FAILED
+                record.error = TransferError(TransferErrorKind.PEER_GONE, f"nixl: write to {target.name!r} failed")
+            return handle
+
+    def poll(self, handle: WriteHandle) -> WriteState:
+        with self._lock:
+            record = self._writes.get(handle)
+            if record is None:
+                raise KeyError(f"nixl: unknown write handle {handle}")
+            if record.state != WriteState.PENDING:
+                return record.state
+            try:
+                state = self._agent.check_xfer_state(record.xfer)
+            except Exception as exc:
+                record.state, record.error = WriteState.FAILED, _map_error(exc, "check_xfer_state")
+                return record.state
+            if state == "DONE":
+                record.state = WriteState.DONE
+            elif state == "ERR":
+                record.state = WriteState.FAILED
+                record.error = TransferError(TransferErrorKind.PEER_GONE, "nixl: write failed (ERR)")
+            return record.state
+
+    def error(self, handle: WriteHandle) -> TransferError | None:
+        with self._lock:
+            record = self._writes.get(handle)
+            return record.error if record is not None else None
+
+    def release(self, handle: WriteHandle) -> None:
+        with self._lock:
+            record = self._writes.pop(handle, None)
+            if record is not None and record.xfer is not None:
+                self._release_xfer(record)
+
+    def _release_xfer(self, record: _Write) -> None:
+        try:
+            self._agent.release_xfer_handle(record.xfer)
+        except Exception:
+            pass  # a handle of a broken connection may refuse release; nothing else to free
+        record.xfer = None
+
+    def probe(self, peer: PeerId) -> bool:
+        with self._lock:
+            target = self._peers.get(peer)
+            return target is not None and target.dead is None
+
+    def disconnect(self, peer: PeerId) -> None:
+        with self._lock:
+            target = self._peers.pop(peer, None)
+            if target is None:
+                return
+            target.dead = TransferError(TransferErrorKind.PEER_GONE, f"nixl: peer {target.name!r} disconnected")
+            for record in self._writes.values():
+                if record.peer == peer and record.state == WriteState.PENDING:
+                    record.state, record.error = WriteState.FAILED, target.dead
+            try:
+                self._agent.remove_remote_agent(target.name)
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for record in self._writes.values():
+                if record.state == WriteState.PENDING:
+                    record.state = WriteState.FAILED
+                    record.error = TransferError(TransferErrorKind.ABORTED, "nixl: backend closed")
+                if record.xfer is not None:
+                    self._release_xfer(record)
+            for peer_id in list(self._peers):
+                self.disconnect(peer_id)
+            if self._reg is not None:
+                try:
+                    self._agent.deregister_memory(self._reg)
+                except Exception:
+                    pass
+                self._reg = None
+            self._agent = None
