@@ -49,6 +49,7 @@ _REGISTER_DP_DECODER = msgspec.json.Decoder(RegisterDpRank)
 _QUERY_DP_DECODER = msgspec.json.Decoder(QueryDpRanks)
 _ROUTE_QUERY = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 _TEXT = "text/plain; charset=utf-8"
+MAX_EXTRA_BYTES = 4096  # unknown PUT fields are kept for operators, within this bound
 _JSON = "application/json"
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -113,6 +114,10 @@ def _decode_put(body: bytes) -> tuple[RankPut, dict[str, Any]]:
     except msgspec.ValidationError as exc:
         raise errors.bad_request("invalid_field", f"invalid registration: {exc}") from None
     extra = {k: v for k, v in raw.items() if k not in RANK_PUT_FIELDS}
+    if extra and len(_ENCODER.encode(extra)) > MAX_EXTRA_BYTES:
+        raise errors.bad_request(
+            "extra_fields_too_large", f"unknown fields {sorted(extra)[:8]} exceed {MAX_EXTRA_BYTES} bytes in all"
+        )
     return put, extra
 
 
@@ -140,8 +145,14 @@ def build_routes(state: RegistryState) -> list[Route]:
             logger.info(
                 "registered rank dp=%s cp=%s tp=%s pp=%s of %r at %s:%s (%d/%d)",
                 put.attn_dp_rank if put.system_dp_size == 1 else put.system_dp_rank,
-                put.attn_cp_rank, put.attn_tp_rank, put.pp_rank, instance.instance_id,
-                put.rank_ip, put.rank_port, len(instance.entries), instance.topology.num_ranks,
+                put.attn_cp_rank,
+                put.attn_tp_rank,
+                put.pp_rank,
+                instance.instance_id,
+                put.rank_ip,
+                put.rank_port,
+                len(instance.entries),
+                instance.topology.num_ranks,
             )
         return _ok()
 
@@ -240,8 +251,12 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
     code = {404: "unknown_route", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    return Response(errors.ApiError(exc.status_code, kind, code, message).body(), exc.status_code,
-                    media_type=_JSON, headers=exc.headers)
+    return Response(
+        errors.ApiError(exc.status_code, kind, code, message).body(),
+        exc.status_code,
+        media_type=_JSON,
+        headers=exc.headers,
+    )
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:

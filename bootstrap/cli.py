@@ -21,21 +21,39 @@ def parse_args(argv: Sequence[str] | None = None) -> BootstrapConfig:
     p = argparse.ArgumentParser(prog="pd-bootstrap", description="Bootstrap registry for prefill/decode workers")
     p.add_argument("--host", default=d.host, help="bind address (default %(default)s)")
     p.add_argument("--port", type=int, default=d.port, help="bind port (default %(default)s, SGLang's)")
-    p.add_argument("--ttl-s", type=float, default=d.ttl_s,
-                   help="a rank expires this long after its last PUT /route; 0 = never (default %(default)s)")
-    p.add_argument("--token", default=None,
-                   help=f"shared bearer token (or set ${TOKEN_ENV}); /health always stays open")
-    p.add_argument("--token-scope", choices=["all", "writes"], default=d.token_scope,
-                   help="'all': every route but /health needs the token; 'writes': only PUT/DELETE /route and "
-                        "/register_dp_rank (SGLang's policy, lets unmodified SGLang decodes read)")
-    p.add_argument("--room-ttl-s", type=float, default=d.room_ttl_s,
-                   help="lifetime of a /register_dp_rank entry (default %(default)s)")
-    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
-                   help="larger request bodies get 413 (default %(default)s)")
+    p.add_argument(
+        "--ttl-s",
+        type=float,
+        default=d.ttl_s,
+        help="a rank expires this long after its last PUT /route; 0 = never (default %(default)s)",
+    )
+    p.add_argument(
+        "--token", default=None, help=f"shared bearer token (or set ${TOKEN_ENV}); /health always stays open"
+    )
+    p.add_argument(
+        "--token-scope",
+        choices=["all", "writes"],
+        default=d.token_scope,
+        help="'all': every route but /health needs the token; 'writes': only PUT/DELETE /route and "
+        "/register_dp_rank (SGLang's policy, lets unmodified SGLang decodes read)",
+    )
+    p.add_argument(
+        "--room-ttl-s",
+        type=float,
+        default=d.room_ttl_s,
+        help="lifetime of a /register_dp_rank entry (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        help="larger request bodies get 413 (default %(default)s)",
+    )
     p.add_argument("--max-rooms", type=int, default=d.max_rooms, help="room table capacity (default %(default)s)")
     p.add_argument("--max-ranks", type=int, default=d.max_ranks, help="rank capacity (default %(default)s)")
-    p.add_argument("--log-level", default=d.log_level,
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument(
+        "--log-level", default=d.log_level, choices=["critical", "error", "warning", "info", "debug", "trace"]
+    )
     args = p.parse_args(argv)
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
     try:
@@ -58,8 +76,11 @@ def parse_args(argv: Sequence[str] | None = None) -> BootstrapConfig:
 
 def main(argv: Sequence[str] | None = None) -> None:
     config = parse_args(argv)
-    logging.basicConfig(level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     uvicorn.run(
         create_app(config),
         host=config.host,

@@ -249,8 +249,13 @@ class BootstrapRegistrar:
             self.num_failures += 1
             self.last_error = error
             if self.num_failures == 1 or self.num_failures % 30 == 0:
-                logger.warning("registering rank %s with %s failed (%d in a row): %s",
-                               self.registration.label, self.url, self.num_failures, error)
+                logger.warning(
+                    "registering rank %s with %s failed (%d in a row): %s",
+                    self.registration.label,
+                    self.url,
+                    self.num_failures,
+                    error,
+                )
         return status
 
     async def _heartbeat(self) -> None:
@@ -331,8 +336,14 @@ class BootstrapResolver:
             with self._lock:
                 self._cache[key] = (value, time.monotonic() + self.cache_ttl_s)
 
-    def _get(self, host: str, port: int | None, instance_id: str | None,
-             ranks: tuple[int, int, int, int], decoder: msgspec.json.Decoder[Any]) -> Any:
+    def _get(
+        self,
+        host: str,
+        port: int | None,
+        instance_id: str | None,
+        ranks: tuple[int, int, int, int],
+        decoder: msgspec.json.Decoder[Any],
+    ) -> Any:
         address = _host_port(host, port)
         params: dict[str, str | int] = {
             "prefill_dp_rank": ranks[0],
@@ -345,14 +356,17 @@ class BootstrapResolver:
         try:
             response = self._client.get(f"http://{address}/route", params=params)
         except httpx.HTTPError as exc:
-            raise BootstrapUnreachable(f"bootstrap registry {address} unreachable: {type(exc).__name__}: {exc}") \
-                from exc
+            raise BootstrapUnreachable(
+                f"bootstrap registry {address} unreachable: {type(exc).__name__}: {exc}"
+            ) from exc
         what = "topology" if ranks[0] == -1 else f"rank dp={ranks[0]} cp={ranks[1]} tp={ranks[2]} pp={ranks[3]}"
         if response.status_code == 503:
             raise BootstrapNotReady(f"{address}: {_reason(response)}", status_code=503)
         if response.status_code != 200:
-            raise BootstrapError(f"{address}: {what} lookup failed with HTTP {response.status_code}: "
-                                 f"{_reason(response)}", status_code=response.status_code)
+            raise BootstrapError(
+                f"{address}: {what} lookup failed with HTTP {response.status_code}: {_reason(response)}",
+                status_code=response.status_code,
+            )
         try:
             return decoder.decode(response.content)
         except msgspec.MsgspecError as exc:

@@ -36,8 +36,9 @@ class _EmbeddedServer(uvicorn.Server):
 class EmbeddedRegistry:
     """Handle on a registry served inside the caller's loop."""
 
-    def __init__(self, server: uvicorn.Server, sock: socket.socket, task: asyncio.Task[None],
-                 state: RegistryState) -> None:
+    def __init__(
+        self, server: uvicorn.Server, sock: socket.socket, task: asyncio.Task[None], state: RegistryState
+    ) -> None:
         self._server = server
         self._sock = sock
         self._task = task
@@ -77,7 +78,11 @@ async def serve_embedded(host: str, port: int, config: BootstrapConfig | None = 
         raise BootstrapError(f"cannot serve the bootstrap registry on {host}:{port}: {exc}") from exc
     app = create_app(config)
     uv_config = uvicorn.Config(
-        app, log_level=config.log_level, access_log=False, lifespan="on", http="httptools",
+        app,
+        log_level=config.log_level,
+        access_log=False,
+        lifespan="on",
+        http="httptools",
         timeout_graceful_shutdown=5,
     )
     server = _EmbeddedServer(uv_config)

@@ -58,8 +58,11 @@ class _RegistryCollector(Collector):
             latency.add_metric([method, route], count_value=int(count), sum_value=total)
         yield latency
         for name, doc, value in (
-            ("bootstrap_rank_registrations", "Accepted PUT /route (first registrations and heartbeats)",
-             reg.num_registrations),
+            (
+                "bootstrap_rank_registrations",
+                "Accepted PUT /route (first registrations and heartbeats)",
+                reg.num_registrations,
+            ),
             ("bootstrap_rank_replacements", "Registrations that replaced a rank's address", reg.num_replacements),
             ("bootstrap_rank_expirations", "Rank leases that expired", reg.num_expirations),
             ("bootstrap_rank_deregistrations", "Ranks removed by DELETE /route", reg.num_deregistrations),

@@ -98,18 +98,14 @@ def validate_put(put: RankPut) -> str:
         if not 1 <= size <= MAX_PARALLEL_SIZE:
             raise errors.bad_request("invalid_size", f"{size_name} must be in [1, {MAX_PARALLEL_SIZE}], got {size}")
         if not 0 <= rank < size:
-            raise errors.bad_request(
-                "invalid_rank", f"{rank_name} must be in [0, {size_name}={size}), got {rank}"
-            )
+            raise errors.bad_request("invalid_rank", f"{rank_name} must be in [0, {size_name}={size}), got {rank}")
     if put.attn_dp_size > 1 and put.system_dp_size > 1:
         raise errors.bad_request(
             "invalid_size", "attn_dp_size and system_dp_size cannot both be > 1 (DP attention is one or the other)"
         )
     num_ranks = topology_of(put).num_ranks
     if num_ranks > MAX_PARALLEL_SIZE:
-        raise errors.bad_request(
-            "invalid_size", f"dp x cp x tp x pp = {num_ranks} ranks exceeds {MAX_PARALLEL_SIZE}"
-        )
+        raise errors.bad_request("invalid_size", f"dp x cp x tp x pp = {num_ranks} ranks exceeds {MAX_PARALLEL_SIZE}")
     _check_text("rank_ip", put.rank_ip)
     _check_port("rank_port", put.rank_port)
     if put.page_size < 1:
@@ -301,7 +297,11 @@ class Registry:
             entry = instance.entries.pop(key)
             logger.warning(
                 "rank dp=%s cp=%s tp=%s pp=%s of %r at %s:%s expired (no heartbeat for %.1fs)",
-                *key, instance.instance_id, entry.address.rank_ip, entry.address.rank_port, now - entry.last_seen,
+                *key,
+                instance.instance_id,
+                entry.address.rank_ip,
+                entry.address.rank_port,
+                now - entry.last_seen,
             )
         self.num_ranks -= len(expired)
         self.num_expirations += len(expired)

@@ -16,6 +16,7 @@ from collections import deque
 from bootstrap import errors
 
 MAX_ROOM = (1 << 64) - 1
+MAX_DP_RANK = 65_535
 
 
 class RoomTable:
@@ -32,8 +33,8 @@ class RoomTable:
     def register(self, room: int, dp_rank: int, now: float) -> None:
         if not 0 <= room <= MAX_ROOM:
             raise errors.bad_request("invalid_field", f"bootstrap_room must be in [0, 2^64), got {room}")
-        if dp_rank < 0:
-            raise errors.bad_request("invalid_field", f"dp_rank must be >= 0, got {dp_rank}")
+        if not 0 <= dp_rank <= MAX_DP_RANK:
+            raise errors.bad_request("invalid_field", f"dp_rank must be in [0, {MAX_DP_RANK}], got {dp_rank}")
         if room not in self._rooms and len(self._rooms) >= self._max_rooms:
             self.sweep(now)
             if len(self._rooms) >= self._max_rooms:
