@@ -25,6 +25,7 @@ class Request:
     num_cached: int = 0  # prompt positions whose KV is already in page_ids (prefix hit / PD)
     start_step: int = 0
     params: Any = None  # SamplingParams; greedy when None
+    pass_all_ids: bool = True  # set SeqInput.all_token_ids (the scheduler may leave it None)
     outputs: list[int] | None = None
     logits: list[Any] | None = None
     prompt_logprobs: list[float] | None = None
@@ -80,7 +81,7 @@ def run_requests(engine: TorchEngine, pool: KVPool, requests: list[Request]) -> 
                     sample=sample,
                     params=params,
                     num_generated=len(req.outputs),
-                    all_token_ids=req.prompt + req.outputs,
+                    all_token_ids=req.prompt + req.outputs if req.pass_all_ids else None,
                 )
             )
             owners.append(req)

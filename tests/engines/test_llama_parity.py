@@ -6,8 +6,10 @@ Every test compares per-step logits (within 1e-4) and greedy tokens (identical) 
 
 from __future__ import annotations
 
+import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from llama_harness import Request, reference_greedy, run_requests
@@ -130,24 +132,70 @@ def test_pd_handoff_between_pools(variant, tiny_model, make_engine) -> None:
         assert (a - b).abs().max().item() < ATOL, f"step {step}"
 
 
-def test_prompt_logprobs_match_reference(tiny_model, make_engine) -> None:
+def _reference_prompt_logprobs(model, prompt: list[int]) -> list[float]:
+    with torch.no_grad():
+        ref = torch.log_softmax(model.reference(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    return [ref[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+
+
+@pytest.mark.parametrize("pass_all_ids", [True, False])
+def test_prompt_logprobs_across_chunks(pass_all_ids, tiny_model, make_engine) -> None:
     from workers.protocol import SamplingParams
 
     model = tiny_model("qwen3")
     eut = make_engine(model.path, page_size=4)
     prompt = _prompt(41, 17)
-    params = SamplingParams(temperature=0.0, prompt_logprobs=True, logprobs=True, top_logprobs=3)
-    # Chunks that start after cached positions need the previous position's token: the harness
-    # passes all_token_ids, as the scheduler must.
-    req = Request(rid=1, prompt=prompt, max_new_tokens=2, chunks=[5, 1, 11], params=params)
-    run_requests(eut.engine, eut.pool, [req])
-    with torch.no_grad():
-        ref = torch.log_softmax(model.reference(torch.tensor([prompt])).logits[0].float(), dim=-1)
-    expected = [ref[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
-    assert req.prompt_logprobs is not None and len(req.prompt_logprobs) == len(prompt)
-    assert req.prompt_logprobs[0] != req.prompt_logprobs[0]  # NaN: nothing precedes position 0
-    for got, want in zip(req.prompt_logprobs[1:], expected, strict=True):
-        assert abs(got - want) < ATOL
+    params = SamplingParams(temperature=0.0, prompt_logprobs=True)
+    # Chunk 2 starts after cached positions: its first entry comes from the carried row of chunk
+    # 1 (or, with all_token_ids, either way). A second request interleaves to mix the batches.
+    req = Request(rid=1, prompt=prompt, max_new_tokens=2, chunks=[5, 1, 11], params=params, pass_all_ids=pass_all_ids)
+    other = Request(rid=2, prompt=_prompt(42, 9), max_new_tokens=3, chunks=[4, 5], params=params)
+    run_requests(eut.engine, eut.pool, [req, other])
+    for r in (req, other):
+        assert r.prompt_logprobs is not None and len(r.prompt_logprobs) == len(r.prompt)
+        assert math.isnan(r.prompt_logprobs[0])  # nothing precedes position 0
+        expected = _reference_prompt_logprobs(model, r.prompt)
+        assert max(abs(a - b) for a, b in zip(r.prompt_logprobs[1:], expected, strict=True)) < ATOL
+    assert not eut.engine._prompt_carry  # nothing kept once the prompts finished
+
+
+def test_prompt_logprobs_on_prefix_hit(tiny_model, make_engine) -> None:
+    from workers.protocol import SamplingParams
+
+    model = tiny_model("llama")
+    eut = make_engine(model.path, page_size=4)
+    shared = _prompt(43, 8)
+    first = Request(rid=1, prompt=[*shared, 7, 7], max_new_tokens=1)
+    run_requests(eut.engine, eut.pool, [first])
+    assert first.page_ids is not None
+    params = SamplingParams(temperature=0.0, prompt_logprobs=True)
+    prompt = shared + _prompt(44, 6)
+    expected = _reference_prompt_logprobs(model, prompt)
+    for pass_all_ids in (True, False):
+        fresh = eut.pool.alloc(3)
+        assert fresh is not None
+        cached_before = [buf.copy() for buf in eut.pool.kv_buffers()]
+        hit = Request(
+            rid=5,
+            prompt=prompt,
+            max_new_tokens=1,
+            page_ids=first.page_ids[:2] + fresh,
+            num_cached=8,
+            params=params,
+            pass_all_ids=pass_all_ids,
+        )
+        run_requests(eut.engine, eut.pool, [hit])
+        assert hit.prompt_logprobs is not None and len(hit.prompt_logprobs) == 6
+        got = hit.prompt_logprobs
+        if pass_all_ids:  # position 7 re-run from all_token_ids
+            assert max(abs(a - b) for a, b in zip(got, expected[7:], strict=True)) < ATOL
+        else:  # nothing to condition the first entry on
+            assert math.isnan(got[0])
+            assert max(abs(a - b) for a, b in zip(got[1:], expected[8:], strict=True)) < ATOL
+        # The shared pages were only read: the re-run row did not rewrite position 7.
+        for before, after in zip(cached_before, eut.pool.kv_buffers(), strict=True):
+            for page in first.page_ids[:2]:
+                assert np.array_equal(before[page], after[page])
 
 
 def test_prefill_and_decode_sample_logprobs(tiny_model, make_engine) -> None:

@@ -143,19 +143,29 @@ def parse_rope(raw: dict[str, Any], where: str = "") -> RopeConfig:
         raise ModelConfigError(
             f"unsupported rope_type {rope_type!r}{where}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    factor = merged.get("factor", 1.0)
-    if rope_type != "default" and (isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0):
+    factor = merged.get("factor")
+    if rope_type == "default":
+        return RopeConfig(theta=float(theta))
+    if factor is None or isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0:
         raise ModelConfigError(f"bad rope factor {factor!r} for rope_type {rope_type!r}{where}")
-    if rope_type == "llama3":
-        return RopeConfig(
-            theta=float(theta),
-            rope_type=rope_type,
-            factor=float(factor),
-            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
-        )
-    return RopeConfig(theta=float(theta), rope_type=rope_type, factor=float(factor) if rope_type != "default" else 1.0)
+    if rope_type == "linear":
+        return RopeConfig(theta=float(theta), rope_type=rope_type, factor=float(factor))
+    try:
+        low = float(merged.get("low_freq_factor", 1.0))
+        high = float(merged.get("high_freq_factor", 4.0))
+        original = int(merged.get("original_max_position_embeddings", 8192))
+    except (TypeError, ValueError) as exc:
+        raise ModelConfigError(f"bad llama3 rope parameters {merged!r}{where}: {exc}") from exc
+    if not 0 < low < high or original <= 0:
+        raise ModelConfigError(f"bad llama3 rope parameters {merged!r}{where}: need 0 < low < high freq factor")
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(factor),
+        low_freq_factor=low,
+        high_freq_factor=high,
+        original_max_position_embeddings=original,
+    )
 
 
 def _check_full_attention(raw: dict[str, Any], where: str) -> None:

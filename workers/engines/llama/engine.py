@@ -17,8 +17,10 @@ Lifecycle:
 Prompt logprobs (``params.prompt_logprobs`` on a prefill chunk, i.e. ``num_generated == 0``):
 ``SeqOutput.prompt_logprobs[j]`` is the logprob of ``token_ids[j]`` given all earlier positions;
 NaN for position 0 (nothing precedes it; msgspec JSON writes NaN as null). For a chunk that starts
-after cached positions, the previous position's token is re-run as an extra query row (its KV is
-not rewritten), taken from ``all_token_ids``; without ``all_token_ids`` that entry is NaN too.
+after cached positions the first entry needs the previous position's final hidden state: after an
+earlier chunk of the same rid on this engine it is carried over (kept for at most 1024 requests
+mid-prefill); otherwise (prefix-cache hit) the previous token, from ``all_token_ids``, is re-run
+as an extra query row whose KV is not rewritten; with neither, that entry is NaN.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from workers.kv_pool import KVPool
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PROMPT_LOGPROB_BLOCK = 256  # rows per LM-head block when scoring a prompt chunk
+_MAX_PROMPT_CARRY = 1024  # prompt-logprob requests mid-prefill whose last hidden row is kept
 
 
 @dataclass
@@ -87,6 +90,8 @@ class TorchEngine(Engine):
         self.pool: KVPool | None = None
         self.last_logits: list[torch.Tensor | None] = []
         self._rng = torch.Generator(device="cpu")
+        # (rid, next position) -> final hidden row of the previous prompt chunk (prompt logprobs)
+        self._prompt_carry: dict[tuple[int, int], torch.Tensor] = {}
         self._rng.manual_seed(secrets.randbits(63))
 
     # -- Engine seam --------------------------------------------------------------------------
@@ -116,6 +121,7 @@ class TorchEngine(Engine):
     def close(self) -> None:
         self.pool = None
         self.last_logits = []
+        self._prompt_carry.clear()
 
     # -- one step -----------------------------------------------------------------------------
     def forward(self, batch: list[SeqInput]) -> list[SeqOutput]:
@@ -134,7 +140,12 @@ class TorchEngine(Engine):
         page_size = self.pool.page_size
         for seq in batch:
             start = len(tokens)
-            extra = self._wants_prompt_logprobs(seq) and seq.num_cached > 0 and seq.all_token_ids is not None
+            extra = (
+                self._wants_prompt_logprobs(seq)
+                and seq.num_cached > 0
+                and seq.all_token_ids is not None
+                and (seq.rid, seq.num_cached) not in self._prompt_carry
+            )
             if extra:
                 assert seq.all_token_ids is not None
                 tokens.append(seq.all_token_ids[seq.num_cached - 1])
@@ -221,17 +232,27 @@ class TorchEngine(Engine):
         """Logprob of each chunk token given its prefix (NaN where the prefix's row is unknown)."""
         n = len(seq.token_ids)
         result = [math.nan] * n
-        # Row r predicts the token at the next position: pairs (row, index into token_ids).
+        carried = self._prompt_carry.pop((seq.rid, seq.num_cached), None) if seq.num_cached > 0 else None
+        if not seq.sample:  # more prompt chunks follow: keep this chunk's last row for the next one
+            if len(self._prompt_carry) >= _MAX_PROMPT_CARRY:
+                self._prompt_carry.pop(next(iter(self._prompt_carry)))
+            last = hidden[rows.start + rows.num_rows - 1].clone()
+            self._prompt_carry[(seq.rid, seq.num_cached + n)] = last
+        # Row r predicts the token at the next position: pairs (hidden row, index into token_ids).
         if rows.extra_row:
-            pairs = [(rows.start + j, j) for j in range(n)]
+            sources = hidden[rows.start : rows.start + n]
+            targets = list(range(n))
         else:
-            pairs = [(rows.start + j, j + 1) for j in range(n - 1)]
-        for begin in range(0, len(pairs), _PROMPT_LOGPROB_BLOCK):
-            block = pairs[begin : begin + _PROMPT_LOGPROB_BLOCK]
-            idx = torch.tensor([r for r, _ in block], device=self.device)
-            targets = torch.tensor([seq.token_ids[j] for _, j in block], device=self.device)
-            logprobs = torch.log_softmax(self.model.logits(hidden.index_select(0, idx)), dim=-1)
-            picked = logprobs.gather(1, targets[:, None])[:, 0].tolist()
-            for (_, j), value in zip(block, picked, strict=True):
+            sources = hidden[rows.start : rows.start + n - 1]
+            targets = list(range(1, n))
+            if carried is not None:
+                sources = torch.cat([carried[None], sources])
+                targets = [0, *targets]
+        for begin in range(0, len(targets), _PROMPT_LOGPROB_BLOCK):
+            block = targets[begin : begin + _PROMPT_LOGPROB_BLOCK]
+            ids = torch.tensor([seq.token_ids[j] for j in block], device=self.device)
+            logprobs = torch.log_softmax(self.model.logits(sources[begin : begin + len(block)]), dim=-1)
+            picked = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+            for j, value in zip(block, picked, strict=True):
                 result[j] = float(value)
         return result

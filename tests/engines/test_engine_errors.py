@@ -1,0 +1,182 @@
+"""Bad model directories, bad pools and bad batches: clear errors that name the problem."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from llama_harness import Request, reference_greedy, run_requests
+
+from workers.engines.base import EngineOptions, SeqInput
+from workers.engines.llama import ModelConfigError, TorchEngine, load_config
+from workers.kv_pool import KVPool
+from workers.protocol import SamplingParams
+
+
+def _copy(src: str, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(path: Path, **changes: object) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_missing_directory_and_config(tmp_path) -> None:
+    with pytest.raises(ModelConfigError, match="does not exist"):
+        TorchEngine(EngineOptions(model=str(tmp_path / "nope")))
+    with pytest.raises(ModelConfigError, match=r"no config\.json"):
+        TorchEngine(EngineOptions(model=str(tmp_path)))
+    (tmp_path / "config.json").write_text("{broken")
+    with pytest.raises(ModelConfigError, match=r"cannot read .*config\.json"):
+        TorchEngine(EngineOptions(model=str(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"model_type": "gpt2"}, "unsupported model_type 'gpt2'"),
+        ({"model_type": None}, "unsupported model_type None"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
+            "unsupported rope_type 'yarn'",
+        ),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": -1}}, "bad rope_theta -1"),
+        ({"rope_parameters": "fast"}, "rope_parameters must be an object"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}, "rope_scaling": None}, "bad rope factor"),
+        ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+        ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
+        ({"hidden_size": None}, "'hidden_size' is missing"),
+        ({"num_hidden_layers": "2"}, "'num_hidden_layers' must be a positive integer"),
+        ({"use_sliding_window": True}, "use_sliding_window"),
+    ],
+)
+def test_bad_config_fields(tmp_path, tiny_model, changes, message) -> None:
+    model = _copy(tiny_model("llama").path, tmp_path / "m")
+    _edit_config(model, **changes)
+    with pytest.raises(ModelConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        TorchEngine(EngineOptions(model=str(model)))
+
+
+def test_both_rope_layouts_are_read(tmp_path, tiny_model, make_engine) -> None:
+    """Older files keep rope_theta at the top level; transformers 5 writes rope_parameters."""
+    src = tiny_model("llama")
+    model = _copy(src.path, tmp_path / "old-layout")
+    _edit_config(model, rope_parameters=None, rope_theta=10000.0)
+    assert load_config(str(model)).rope == load_config(src.path).rope
+    changed = _copy(src.path, tmp_path / "other-theta")
+    _edit_config(changed, rope_parameters=None, rope_theta=500.0)
+    assert load_config(str(changed)).rope.theta == 500.0
+    eut = make_engine(str(model))
+    req = Request(rid=1, prompt=[4, 5, 6, 7, 8], max_new_tokens=3)
+    run_requests(eut.engine, eut.pool, [req])
+    assert req.outputs == reference_greedy(src.reference, req.prompt, 3)[0]
+
+
+def test_missing_or_wrong_weights(tmp_path, tiny_model) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model = _copy(tiny_model("llama").path, tmp_path / "m")
+    tensors = load_file(model / "model.safetensors")
+    (model / "model.safetensors").unlink()
+    with pytest.raises(ModelConfigError, match=r"neither model\.safetensors nor model\.safetensors\.index\.json"):
+        TorchEngine(EngineOptions(model=str(model)))
+    without = {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    save_file(without, model / "model.safetensors")
+    with pytest.raises(ModelConfigError, match=r"no tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        TorchEngine(EngineOptions(model=str(model)))
+    save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, model / "model.safetensors")
+    with pytest.raises(ModelConfigError, match="lm_head"):
+        TorchEngine(EngineOptions(model=str(model)))  # not tied: the head must be there
+    bad = dict(tensors)
+    bad["model.norm.weight"] = torch.ones(63)
+    save_file(bad, model / "model.safetensors")
+    with pytest.raises(ModelConfigError, match=r"'model\.norm\.weight' has shape \(63,\)"):
+        TorchEngine(EngineOptions(model=str(model)))
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelConfigError, match="cannot open the safetensors checkpoint"):
+        TorchEngine(EngineOptions(model=str(model)))
+
+
+def test_sharded_checkpoint(tmp_path, tiny_model, make_engine) -> None:
+    src = tiny_model("qwen2")
+    sharded = tmp_path / "sharded"
+    src.reference.save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    eut = make_engine(str(sharded))
+    req = Request(rid=1, prompt=[9, 8, 7, 6, 5, 4], max_new_tokens=4)
+    run_requests(eut.engine, eut.pool, [req])
+    assert req.outputs == reference_greedy(src.reference, req.prompt, 4)[0]
+    next(sharded.glob("model-*.safetensors")).unlink()
+    with pytest.raises(ModelConfigError, match=r"names shard 'model-.*', which is missing"):
+        TorchEngine(EngineOptions(model=str(sharded)))
+
+
+def test_bad_options(tiny_model) -> None:
+    path = tiny_model("llama").path
+    with pytest.raises(ModelConfigError, match="unsupported dtype 'float8'"):
+        TorchEngine(EngineOptions(model=path, dtype="float8"))
+    with pytest.raises(ValueError, match="unknown attention backend 'magic'"):
+        TorchEngine(EngineOptions(model=path, attention="magic"))
+
+
+def test_pool_must_match_the_model(tiny_model) -> None:
+    engine = TorchEngine(EngineOptions(model=tiny_model("llama").path))
+    info = engine.info
+    for kwargs in ({"num_layers": 3}, {"head_dim": 8}, {"dtype": "float16"}):
+        shape = dict(num_layers=info.num_layers, num_pages=4, page_size=4, num_kv_heads=info.num_kv_heads)
+        shape.update(head_dim=info.head_dim, dtype=info.kv_dtype)
+        shape.update(kwargs)
+        with pytest.raises(ValueError, match="does not match the model"):
+            engine.bind(KVPool(**shape))  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="before bind"):
+        engine.forward([SeqInput(1, [0], 0, [1], True, SamplingParams())])
+
+
+def test_bad_batches_fail_cleanly_and_the_engine_keeps_working(tiny_model, make_engine) -> None:
+    model = tiny_model("llama")
+    eut = make_engine(model.path, num_pages=8, page_size=4)
+    greedy = SamplingParams(temperature=0.0)
+    snapshot = [buf.copy() for buf in eut.pool.kv_buffers()]
+    bad = [
+        (SeqInput(1, [0], 0, [1, 2, 3, 4, 5], True, greedy), "need 2 pages, the page table has 1"),
+        (SeqInput(1, [0, 1], 0, [1, 512], True, greedy), r"token id out of range \[0, 512\)"),
+        (SeqInput(1, [0, 99], 0, [1, 2], True, greedy), r"page id out of range \[0, 8\)"),
+        (SeqInput(1, [0], 0, [], True, greedy), "no new tokens"),
+        (SeqInput(1, [0], -1, [1], True, greedy), "num_cached must be >= 0"),
+    ]
+    for seq, message in bad:
+        good = SeqInput(2, [5], 0, [3, 4], True, greedy)
+        with pytest.raises(ValueError, match=message):
+            eut.engine.forward([good, seq])
+    # Validation runs before any KV write: the pool is untouched.
+    for before, after in zip(snapshot, eut.pool.kv_buffers(), strict=True):
+        assert np.array_equal(before, after)
+    req = Request(rid=3, prompt=[3, 4, 5], max_new_tokens=3)
+    run_requests(eut.engine, eut.pool, [req])
+    assert req.outputs == reference_greedy(model.reference, req.prompt, 3)[0]
+    assert eut.engine.forward([]) == []
+
+
+def test_bfloat16_engine_over_a_bfloat16_pool(tiny_model, make_engine) -> None:
+    model = tiny_model("llama")
+    eut = make_engine(model.path, dtype="bfloat16")
+    assert eut.pool.k[0].dtype == np.uint16  # bf16 words, viewed as torch.bfloat16 by the engine
+    req = Request(rid=1, prompt=[5, 17, 99, 3, 250, 7], max_new_tokens=4, chunks=[2, 4])
+    run_requests(eut.engine, eut.pool, [req])
+    assert req.page_ids is not None and np.any(eut.pool.k[0][req.page_ids[0]] != 0)
+    _, ref_logits = reference_greedy(model.reference, req.prompt, 1)
+    assert req.logits is not None
+    # bfloat16 keeps ~3 significant digits: the first step's logits stay close to float32's.
+    assert (req.logits[0] - ref_logits[0]).abs().max().item() < 0.05
