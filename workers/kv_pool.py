@@ -7,6 +7,8 @@ Lifecycle:
    with ``free(pages)``; every request path (finish, error, abort, timeout) ends in ``free``.
 3. Engines read and write the buffers in place (numpy here; the torch engine wraps the same memory
    with ``torch.from_numpy``), the transfer layer writes into them from other processes.
+   With ``device="cuda"`` (GPU engines) the buffers are torch tensors in device memory instead and
+   ``kv_ptrs()`` gives their device addresses; ``page_view`` is host-only.
 
 Page layout of one buffer: ``[num_pages, page_size, num_kv_heads, head_dim]``, so one page of one
 layer is one contiguous block of ``page_bytes`` bytes.
@@ -15,6 +17,7 @@ layer is one contiguous block of ``page_bytes`` bytes.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +43,7 @@ class KVPool:
         dtype: str = "float32",
         num_aux_slots: int = 256,
         aux_slot_bytes: int = 4096,
+        device: str = "cpu",
     ) -> None:
         if dtype not in _NUMPY_DTYPES:
             raise ValueError(f"kv dtype {dtype!r} is not one of {sorted(_NUMPY_DTYPES)}")
@@ -62,8 +66,12 @@ class KVPool:
         self.dtype = dtype
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         np_dtype = _NUMPY_DTYPES[dtype]
-        self.k = [np.zeros(shape, dtype=np_dtype) for _ in range(num_layers)]
-        self.v = [np.zeros(shape, dtype=np_dtype) for _ in range(num_layers)]
+        self.device = device
+        if device == "cpu":
+            self.k = [np.zeros(shape, dtype=np_dtype) for _ in range(num_layers)]
+            self.v = [np.zeros(shape, dtype=np_dtype) for _ in range(num_layers)]
+        else:
+            self.k, self.v = _device_buffers(shape, dtype, device, num_layers)
         self.page_bytes = int(self.k[0][0].nbytes)
         self.token_bytes = self.page_bytes // page_size
         self.aux = np.zeros((num_aux_slots, aux_slot_bytes), dtype=np.uint8)
@@ -118,6 +126,9 @@ class KVPool:
         return [*self.k, *self.v]
 
     def kv_ptrs(self) -> list[int]:
+        if self.device != "cpu":
+            tensors: list[Any] = self.kv_buffers()
+            return [int(buf.data_ptr()) for buf in tensors]
         return [int(buf.ctypes.data) for buf in self.kv_buffers()]
 
     def kv_data_lens(self) -> list[int]:
@@ -128,4 +139,16 @@ class KVPool:
 
     def page_view(self, buffer_index: int, page: int) -> np.ndarray:
         """Raw bytes of one page of one buffer (K layers first, then V layers)."""
+        if self.device != "cpu":
+            raise RuntimeError(f"page_view needs host memory; this pool lives on {self.device}")
         return self.kv_buffers()[buffer_index][page].view(np.uint8).reshape(-1)
+
+
+def _device_buffers(shape: tuple[int, ...], dtype: str, device: str, num_layers: int) -> tuple[list[Any], list[Any]]:
+    """Per-layer K and V buffers as torch tensors on ``device`` (e.g. GPU memory for flashinfer)."""
+    import torch
+
+    torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
+    k = [torch.zeros(shape, dtype=torch_dtype[dtype], device=device) for _ in range(num_layers)]
+    v = [torch.zeros(shape, dtype=torch_dtype[dtype], device=device) for _ in range(num_layers)]
+    return k, v

@@ -180,3 +180,38 @@ def test_bfloat16_engine_over_a_bfloat16_pool(tiny_model, make_engine) -> None:
     assert req.logits is not None
     # bfloat16 keeps ~3 significant digits: the first step's logits stay close to float32's.
     assert (req.logits[0] - ref_logits[0]).abs().max().item() < 0.05
+
+
+def test_attention_backend_choice_on_cpu(tiny_model) -> None:
+    from workers.engines.llama import make_backend
+
+    assert make_backend("auto", torch.device("cpu")).name == "torch_sdpa"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        make_backend("flashinfer", torch.device("cpu"))
+    engine = TorchEngine(EngineOptions(model=tiny_model("llama").path, attention="torch_sdpa"))
+    assert engine.attention.name == "torch_sdpa"
+
+
+def test_device_pool_option() -> None:
+    """KVPool(device=...) holds torch tensors (here on the 'meta' device, which needs no memory)."""
+    pool = KVPool(num_layers=2, num_pages=4, page_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16", device="meta")
+    assert isinstance(pool.k[0], torch.Tensor) and pool.k[0].dtype == torch.bfloat16
+    assert pool.page_bytes == 4 * 2 * 8 * 2 and len(pool.kv_ptrs()) == 4
+    assert pool.kv_data_lens() == [4 * pool.page_bytes] * 4
+    with pytest.raises(RuntimeError, match="host memory"):
+        pool.page_view(0, 0)
+
+
+def test_engine_refuses_a_pool_on_another_device(tiny_model) -> None:
+    engine = TorchEngine(EngineOptions(model=tiny_model("llama").path))
+    info = engine.info
+    pool = KVPool(
+        num_layers=info.num_layers,
+        num_pages=4,
+        page_size=4,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        device="meta",
+    )
+    with pytest.raises(ValueError, match="pool memory is on meta"):
+        engine.bind(pool)
