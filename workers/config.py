@@ -36,6 +36,8 @@ class WorkerConfig:
     engine_options: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.model == "default":  # the embedded SmolLM2 (torch engine)
+            object.__setattr__(self, "model", None)
         if self.role not in ("prefill", "decode", "both"):
             raise ConfigError(f"role: must be prefill, decode or both, got {self.role!r}")
         for name in ("page_size", "num_pages", "chunk_size", "max_running", "num_threads"):

@@ -20,6 +20,9 @@ class Req:
     pages: list[int] = field(default_factory=list)
     aux_slot: int | None = None
     num_computed: int = 0  # positions whose KV is in ``pages``
+    prefill_len: int = 0  # positions to compute before decoding (the prompt; more after a preemption)
+    is_recompute: bool = False  # preempted: recompute KV of prompt + outputs, then continue decoding
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported in usage)
     num_sent_pages: int = 0  # prefill: pages already handed to the KV sender
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -42,6 +45,9 @@ class Req:
     @property
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
+
+    def __post_init__(self) -> None:
+        self.prefill_len = self.prefill_len or len(self.input_ids)
 
     def move(self, stage: str) -> None:
         self.stage = stage

@@ -33,9 +33,11 @@ from transfer.types import KVPoll
 
 if TYPE_CHECKING:
     from transfer import KVManager
-from workers.aux import AuxRecord, decode_aux, encode_aux
+from workers.aux import AuxRecord, encode_aux
 from workers.engines.base import Engine, SeqInput, SeqOutput
 from workers.kv_pool import KVPool
+from workers.page_cache import PageCache
+from workers.pd_queues import PDQueues, _reason
 from workers.protocol import Error, LoadReport, Outputs, StepOutput, Submit
 from workers.request import Req
 
@@ -53,9 +55,10 @@ class SchedulerConfig:
     max_running: int = 64
     max_queued: int = 4096
     load_report_interval_s: float = 0.5
+    prefix_cache: bool = True
 
 
-class Scheduler:
+class Scheduler(PDQueues):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -73,6 +76,9 @@ class Scheduler:
         self.engine = engine
         self.pool = pool
         self.kv = kv
+        # Decode workers receive whole prompts from prefill workers: nothing to share there.
+        self.cache = PageCache(pool, enabled=config.prefix_cache and config.role != "decode")
+        self.num_preemptions = 0
         self._sink = sink
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.reqs: dict[tuple[int, int], Req] = {}
@@ -231,133 +237,71 @@ class Scheduler:
         req.move(stage)
         queue_.append(req)
 
-    # -- PD queues -----------------------------------------------------------------------------
-    def _advance_bootstrap(self) -> None:
-        keep = []
-        for req in self._bootstrap:
-            if req.done:
-                continue
-            state = req.kv_sender.poll()
-            if state == KVPoll.Failed:
-                self._fail(req, "transfer_failed", _reason(req.kv_sender, "bootstrap failed"))
-            elif state >= KVPoll.WaitingForInput:
-                reserved = req.kv_sender.num_dst_pages
-                needed = self.pool.pages_for(len(req.input_ids))
-                if reserved is not None and reserved < needed:
-                    self._fail(req, "transfer_failed", f"decode reserved {reserved} pages, prompt needs {needed}")
-                else:
-                    self._enter(req, "waiting", self._waiting)
-            else:
-                keep.append(req)
-        self._bootstrap = keep
-
-    def _advance_prealloc(self) -> None:
-        keep = []
-        blocked = False
-        for req in self._prealloc:
-            if req.done:
-                continue
-            rx = req.kv_receiver
-            state = rx.poll()
-            if state == KVPoll.Failed:
-                self._fail(req, "transfer_failed", _reason(rx, "bootstrap failed"))
-                continue
-            if state < KVPoll.WaitingForInput or blocked:
-                keep.append(req)
-                continue
-            pages = self.pool.alloc(self.pool.pages_for(len(req.input_ids) + req.params.max_new_tokens))
-            slot = self.pool.alloc_aux() if pages is not None else None
-            if pages is None or slot is None:
-                if pages is not None:
-                    self.pool.free(pages)
-                blocked = True  # FCFS: later requests wait behind this one
-                keep.append(req)
-                continue
-            req.pages, req.aux_slot = pages, slot
-            self.pool.aux[slot, :8] = 0  # a stale record must not pass for this room's
-            rx.send_metadata(pages, slot)
-            self._enter(req, "transfer", self._transfer)
-        self._prealloc = keep
-
-    def _advance_transfer(self) -> None:
-        keep = []
-        for req in self._transfer:
-            if req.done:
-                continue
-            state = req.kv_receiver.poll()
-            if state == KVPoll.Failed:
-                self._fail(req, "transfer_failed", _reason(req.kv_receiver, "KV transfer failed"))
-            elif state == KVPoll.Success:
-                self._import(req)
-            else:
-                keep.append(req)
-        self._transfer = keep
-
-    def _import(self, req: Req) -> None:
-        """Prebuilt extend: the prompt's KV and first token arrived; join the decode batch."""
-        assert req.aux_slot is not None
-        try:
-            record = decode_aux(self.pool.aux[req.aux_slot].data)
-        except ValueError as exc:
-            self._fail(req, "transfer_failed", f"room {req.room}: {exc}")
-            return
-        req.num_computed = len(req.input_ids)
-        verify = getattr(self.engine, "verify", None)
-        if verify is not None:
-            req.kv_verified = bool(verify(req.pages, req.input_ids))
-        self._accept_token(req, SeqOutput(record.first_token, record.logprob, record.top_logprobs))
-        self._record_room(req)
-        if not req.done:
-            self._enter(req, "running", self._running)
-
-    def _advance_inflight(self) -> None:
-        keep = []
-        for req in self._inflight:
-            if req.done:
-                continue
-            state = req.kv_sender.poll()
-            if state == KVPoll.Failed:
-                self._fail(req, "transfer_failed", _reason(req.kv_sender, "KV transfer failed"))
-            elif state == KVPoll.Success:
-                self._record_room(req)
-                self._emit(req, [], "transferred")
-                self._release(req)
-            else:
-                keep.append(req)
-        self._inflight = keep
-
     def _admit_waiting(self) -> None:
         keep = []
         blocked = len(self._running) + len(self._prefilling) >= self.config.max_running
         for req in self._waiting:
             if req.done:
                 continue
-            if blocked:
+            if blocked or not self._take_pages(req):
+                blocked = True  # FCFS: later requests wait behind this one
                 keep.append(req)
                 continue
-            tokens = len(req.input_ids) + (req.params.max_new_tokens if self.role == "both" else 0)
-            pages = self.pool.alloc(self.pool.pages_for(tokens))
-            if pages is None:
-                blocked = True
-                keep.append(req)
-                continue
-            req.pages = pages
             self._enter(req, "prefill", self._prefilling)
             blocked = len(self._running) + len(self._prefilling) >= self.config.max_running
         self._waiting = keep
 
+    def _take_pages(self, req: Req) -> bool:
+        """Pages for the positions to prefill: cached prefix pages first, fresh pages for the rest."""
+        tokens = req.all_ids[: req.prefill_len]
+        shared = self.cache.match(tokens)
+        fresh = self.cache.alloc(self.pool.pages_for(req.prefill_len) - len(shared))
+        if fresh is None:
+            self.cache.release(shared)
+            return False
+        req.pages = shared + fresh
+        req.num_computed = len(shared) * self.pool.page_size
+        if not req.is_recompute:
+            req.cached_tokens = req.num_computed
+        return True
+
+    def _grow_for_decode(self) -> None:
+        """Combined role: every running sequence needs a page for the position it writes next.
+
+        When the pool is out of pages, the most recently started sequence is preempted: its pages
+        are released and it is re-queued first in line to recompute prompt + outputs (its KV may
+        still be served from the prefix cache when it resumes).
+        """
+        for req in list(self._running):
+            while not req.done and req.stage == "running" and len(req.pages) * self.pool.page_size < len(req.all_ids):
+                page = self.cache.alloc(1)
+                if page is not None:
+                    req.pages += page
+                    continue
+                victim = next(r for r in reversed(self._running) if r.stage == "running" and not r.done)
+                self._preempt(victim)
+
+    def _preempt(self, req: Req) -> None:
+        self.num_preemptions += 1
+        self.cache.insert(req.all_ids, req.pages, req.num_computed)
+        self.cache.release(req.pages)
+        req.pages, req.num_computed = [], 0
+        req.is_recompute, req.prefill_len = True, len(req.all_ids) - 1
+        req.move("waiting")
+        self._waiting.insert(0, req)
+
     # -- batches -----------------------------------------------------------------------------
     def _run_batch(self) -> bool:
-        self._running = [r for r in self._running if not r.done]
+        if self.role == "both":
+            self._grow_for_decode()
+        self._running = [r for r in self._running if not r.done and r.stage == "running"]
         self._prefilling = [r for r in self._prefilling if not r.done and r.stage == "prefill"]
         reqs: list[Req] = []
         batch: list[SeqInput] = []
         for req in self._running:
-            n = len(req.input_ids) + len(req.output_ids)
-            batch.append(
-                SeqInput(req.rid, req.pages, n - 1, [req.all_ids[-1]], True, req.params,
-                         len(req.output_ids), None)
-            )
+            n = len(req.all_ids)
+            batch.append(SeqInput(req.rid, req.pages, n - 1, [req.all_ids[-1]], True, req.params,
+                                  len(req.output_ids), None))
             reqs.append(req)
         budget = self.config.chunk_size
         for req in self._prefilling:
@@ -367,11 +311,11 @@ class Scheduler:
                 self._fail(req, "transfer_failed", _reason(req.kv_sender, "KV transfer failed"))
                 continue
             start = req.num_computed
-            take = min(budget, len(req.input_ids) - start)
+            take = min(budget, req.prefill_len - start)
             budget -= take
-            last = start + take == len(req.input_ids)
-            batch.append(SeqInput(req.rid, req.pages, start, req.input_ids[start : start + take], last,
-                                  req.params, 0, None))
+            last = start + take == req.prefill_len
+            batch.append(SeqInput(req.rid, req.pages, start, req.all_ids[start : start + take],
+                                  last and not req.is_recompute, req.params, len(req.output_ids), None))
             reqs.append(req)
         if not batch:
             return False
@@ -392,33 +336,39 @@ class Scheduler:
 
     def _after_chunk(self, req: Req, seq: SeqInput, out: SeqOutput) -> None:
         req.num_computed += len(seq.token_ids)
+        self.cache.insert(req.all_ids, req.pages, req.num_computed)
         if out.prompt_logprobs:
             req.prompt_logprobs.extend(out.prompt_logprobs)
-        finished_prompt = req.num_computed == len(req.input_ids)
+        finished_prompt = req.num_computed == req.prefill_len
         if self.role == "prefill":
-            full_pages = len(req.pages) if finished_prompt else req.num_computed // self.pool.page_size
-            chunk = req.pages[req.num_sent_pages : full_pages]
-            aux = None
-            if finished_prompt:
-                assert out.token_id is not None
-                req.output_ids.append(out.token_id)
-                record = AuxRecord(out.token_id, out.logprob, out.top_logprobs)
-                aux = encode_aux(record, self.pool.aux_slot_bytes)
-            if chunk or finished_prompt:
-                try:
-                    req.kv_sender.send(chunk, last=finished_prompt, aux=aux)
-                except (ValueError, RuntimeError) as exc:
-                    self._fail(req, "transfer_failed", str(exc))
-                    return
-                req.num_sent_pages += len(chunk)
-            if finished_prompt:
-                req.move("inflight")
-                self._inflight.append(req)
+            self._send_chunk(req, out, finished_prompt)
         elif finished_prompt:
-            self._accept_token(req, out)
+            if not req.is_recompute:
+                self._accept_token(req, out)
             if not req.done:
                 req.move("running")
                 self._running.append(req)
+
+    def _send_chunk(self, req: Req, out: SeqOutput, finished_prompt: bool) -> None:
+        """Hand the pages this chunk completed to the KV sender; the last chunk carries the aux record."""
+        full_pages = len(req.pages) if finished_prompt else req.num_computed // self.pool.page_size
+        chunk = req.pages[req.num_sent_pages : full_pages]
+        aux = None
+        if finished_prompt:
+            assert out.token_id is not None
+            req.output_ids.append(out.token_id)
+            record = AuxRecord(out.token_id, out.logprob, out.top_logprobs, req.cached_tokens)
+            aux = encode_aux(record, self.pool.aux_slot_bytes)
+        if chunk or finished_prompt:
+            try:
+                req.kv_sender.send(chunk, last=finished_prompt, aux=aux)
+            except (ValueError, RuntimeError) as exc:
+                self._fail(req, "transfer_failed", str(exc))
+                return
+            req.num_sent_pages += len(chunk)
+        if finished_prompt:
+            req.move("inflight")
+            self._inflight.append(req)
 
     def _accept_token(self, req: Req, out: SeqOutput) -> None:
         assert out.token_id is not None
@@ -436,7 +386,7 @@ class Scheduler:
 
     # -- outputs and release -----------------------------------------------------------------
     def _emit(self, req: Req, tokens: list[int], finish: str | None, out: SeqOutput | None = None) -> None:
-        item = StepOutput(req.rid, tokens, finish, prompt_tokens=len(req.input_ids))
+        item = StepOutput(req.rid, tokens, finish, prompt_tokens=len(req.input_ids), cached_tokens=req.cached_tokens)
         if out is not None and req.params.logprobs and out.logprob is not None:
             item.logprobs = [out.logprob]
             if req.params.top_logprobs and out.top_logprobs is not None:
@@ -467,7 +417,7 @@ class Scheduler:
                 handle.abort(abort_reason)
             handle.release()
         if req.pages:
-            self.pool.free(req.pages)
+            self.cache.release(req.pages)
             req.pages = []
         if req.aux_slot is not None:
             self.pool.free_aux(req.aux_slot)
@@ -493,12 +443,8 @@ class Scheduler:
         return LoadReport(
             num_running=len(self._running) + len(self._prefilling),
             num_waiting=len(self._waiting) + len(self._bootstrap) + len(self._prealloc),
-            num_free_pages=self.pool.num_free_pages,
+            num_free_pages=self.cache.num_available,
             num_total_pages=self.pool.num_pages,
             num_inflight_transfers=len(self._inflight) + len(self._transfer),
         )
 
-
-def _reason(handle: Any, default: str) -> str:
-    exc = handle.failure()
-    return str(exc) if exc is not None else default

@@ -56,7 +56,7 @@ def test_batch_of_mixed_lengths_matches_one_by_one_and_frees_pages() -> None:
     run_until_idle(sched)
     batched = [tokens_of(sink, rid) for rid in range(len(prompts))]
     assert all(len(t) == 6 for t in batched)
-    assert pool.num_free_pages == pool.num_pages
+    assert sched.cache.num_available == pool.num_pages
     for rid, p in enumerate(prompts):
         solo, solo_sink, _ = make(chunk_size=1000)
         solo.submit(0, Submit(rid, p, SamplingParams(max_new_tokens=6)))
@@ -78,7 +78,7 @@ def test_stop_token_ends_early() -> None:
     out = tokens_of(sink2, 1)
     assert out == full[: full.index(stop_at) + 1]
     assert sink2.outputs(1)[-1].finish_reason == "stop"
-    assert pool2.num_free_pages == pool2.num_pages
+    assert sched2.cache.num_available == pool2.num_pages
 
 
 def test_bad_requests_get_errors_not_crashes() -> None:
@@ -92,7 +92,7 @@ def test_bad_requests_get_errors_not_crashes() -> None:
     for rid in range(1, 6):
         (err,) = sink.errors(rid)
         assert err.code == "bad_request" and err.message
-    assert pool.num_free_pages == pool.num_pages
+    assert sched.cache.num_available == pool.num_pages
 
 
 def test_abort_and_dropped_connection_release_pages() -> None:
@@ -101,11 +101,11 @@ def test_abort_and_dropped_connection_release_pages() -> None:
     sched.submit(7, Submit(1, list(range(40)), SamplingParams(max_new_tokens=200)))
     for _ in range(10):
         sched.step()
-    assert pool.num_free_pages < pool.num_pages
+    assert sched.cache.num_available < pool.num_pages
     sched.abort(0, 1, "client went away")
     sched.drop_connection(7)
     sched.step()
-    assert not sched.reqs and pool.num_free_pages == pool.num_pages
+    assert not sched.reqs and sched.cache.num_available == pool.num_pages
     assert sink.errors(1)[0].code == "aborted"
 
 
@@ -117,7 +117,7 @@ def test_deadline_fails_request_and_frees() -> None:
         sched.step()
         assert time.monotonic() < deadline
     assert sink.errors(1)[0].code == "timeout"
-    assert pool.num_free_pages == pool.num_pages
+    assert sched.cache.num_available == pool.num_pages
 
 
 def test_pool_pressure_queues_instead_of_failing() -> None:
@@ -126,7 +126,7 @@ def test_pool_pressure_queues_instead_of_failing() -> None:
         sched.submit(0, Submit(rid, list(range(8)), SamplingParams(max_new_tokens=12)))
     run_until_idle(sched, 2000)
     assert all(len(tokens_of(sink, rid)) == 12 for rid in range(6))
-    assert pool.num_free_pages == pool.num_pages
+    assert sched.cache.num_available == pool.num_pages
 
 
 def test_threaded_loop_serves_and_stops() -> None:
@@ -141,7 +141,7 @@ def test_threaded_loop_serves_and_stops() -> None:
         assert sched.is_alive
     finally:
         sched.stop()
-    assert not sched.is_alive and pool.num_free_pages == pool.num_pages
+    assert not sched.is_alive and sched.cache.num_available == pool.num_pages
 
 
 def test_scheduler_tokens_equal_a_plain_engine_loop() -> None:
@@ -168,3 +168,33 @@ def test_scheduler_tokens_equal_a_plain_engine_loop() -> None:
         (out,) = engine.forward([SeqInput(0, pages, len(seq) - 1, [seq[-1]], True, SamplingParams())])
         expected.append(out.token_id)
     assert tokens_of(sink, 9) == expected
+
+
+def test_prefix_cache_hit_skips_compute_and_keeps_output() -> None:
+    sched, sink, pool = make(chunk_size=64)
+    prompt = list(range(100, 130))  # 30 tokens: 7 full pages of 4 may be shared
+    sched.submit(0, Submit(1, prompt, SamplingParams(max_new_tokens=5)))
+    run_until_idle(sched)
+    sched.submit(0, Submit(2, prompt, SamplingParams(max_new_tokens=5)))
+    run_until_idle(sched)
+    assert tokens_of(sink, 2) == tokens_of(sink, 1)
+    first = next(o for o in sink.outputs(1) if o.finish_reason)
+    second = next(o for o in sink.outputs(2) if o.finish_reason)
+    assert first.cached_tokens == 0 and second.cached_tokens == 28
+    assert sched.cache.num_available == pool.num_pages
+
+
+def test_preemption_by_recompute_when_pages_run_out() -> None:
+    # 10 pages of 4 tokens; 3 requests of 8 + 20 tokens need 7 pages each at the end.
+    prompts = [list(range(i * 10, i * 10 + 8)) for i in range(3)]
+    sched, sink, pool = make(num_pages=10, chunk_size=64)
+    for rid, p in enumerate(prompts):
+        sched.submit(0, Submit(rid, p, SamplingParams(max_new_tokens=20)))
+    run_until_idle(sched, 5000)
+    assert sched.num_preemptions > 0
+    for rid, p in enumerate(prompts):
+        solo, solo_sink, _ = make(chunk_size=64)
+        solo.submit(0, Submit(rid, p, SamplingParams(max_new_tokens=20)))
+        run_until_idle(solo)
+        assert tokens_of(sink, rid) == tokens_of(solo_sink, rid), "preemption must not change outputs"
+    assert sched.cache.num_available == pool.num_pages

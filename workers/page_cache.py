@@ -1,0 +1,124 @@
+"""Page allocation with prefix caching: chained hashes of full pages, ref counts, LRU reuse.
+
+Lifecycle (owned by the scheduler thread; not thread-safe):
+1. ``match(token_ids)`` finds the longest run of full pages whose chained hash is cached, takes a
+   reference on each and returns them; the caller computes only the rest of the prompt.
+2. ``alloc(n)`` takes fresh pages from the pool, evicting least-recently-used unreferenced cached
+   pages when the free list is short (None if even that is not enough; nothing taken).
+3. ``insert(token_ids, pages, num_tokens)`` publishes the full pages a request has computed, so
+   later requests can share them.
+4. ``release(pages)`` drops one reference per page; a page nobody references stays cached (and
+   evictable) if it holds a published prefix, else goes back to the pool's free list.
+
+A page's hash covers its own tokens and every token before it (the chain), so equal hashes mean
+equal prefixes. With caching disabled, ``match`` finds nothing and ``insert`` does nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from workers.kv_pool import KVPool
+
+
+def page_hashes(token_ids: Sequence[int], page_size: int, num_pages: int | None = None) -> list[bytes]:
+    """Chained 16-byte hashes of the first ``num_pages`` full pages of ``token_ids``."""
+    full = len(token_ids) // page_size if num_pages is None else min(num_pages, len(token_ids) // page_size)
+    tokens = np.asarray(token_ids[: full * page_size], dtype=np.int64)
+    hashes, prev = [], b""
+    for i in range(full):
+        prev = hashlib.blake2b(prev + tokens[i * page_size : (i + 1) * page_size].tobytes(), digest_size=16).digest()
+        hashes.append(prev)
+    return hashes
+
+
+class PageCache:
+    def __init__(self, pool: KVPool, *, enabled: bool = True) -> None:
+        self.pool = pool
+        self.enabled = enabled
+        self._refs: dict[int, int] = {}
+        self._by_hash: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+        self.num_hit_tokens = 0
+        self.num_evictions = 0
+
+    @property
+    def num_available(self) -> int:
+        """Pages an ``alloc`` could hand out now (free + evictable)."""
+        return self.pool.num_free_pages + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._by_hash)
+
+    def match(self, token_ids: Sequence[int]) -> list[int]:
+        """Cached pages for the longest prefix of full pages, leaving at least one token to compute."""
+        if not self.enabled:
+            return []
+        pages = []
+        for h in page_hashes(token_ids, self.pool.page_size, (len(token_ids) - 1) // self.pool.page_size):
+            page = self._by_hash.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        for page in pages:
+            self._take(page)
+        self.num_hit_tokens += len(pages) * self.pool.page_size
+        return pages
+
+    def alloc(self, num_pages: int) -> list[int] | None:
+        if num_pages > self.num_available:
+            return None
+        while self.pool.num_free_pages < num_pages:
+            page, _ = self._evictable.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(page)]
+            self.pool.free([page])
+            self.num_evictions += 1
+        pages = self.pool.alloc(num_pages)
+        assert pages is not None
+        for page in pages:
+            self._refs[page] = 1
+        return pages
+
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int], num_tokens: int) -> None:
+        """Publish the full pages among the first ``num_tokens`` positions of a request."""
+        if not self.enabled:
+            return
+        for h, page in zip(page_hashes(token_ids, self.pool.page_size, num_tokens // self.pool.page_size), pages,
+                           strict=False):
+            if h in self._by_hash or page in self._hash_of:
+                continue  # an equal prefix is already published (or this page already is)
+            self._by_hash[h] = page
+            self._hash_of[page] = h
+
+    def release(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            refs = self._refs.get(page, 0) - 1
+            if refs < 0:
+                raise RuntimeError(f"page {page} released more often than taken")
+            if refs:
+                self._refs[page] = refs
+                continue
+            del self._refs[page]
+            if page in self._hash_of:
+                self._evictable[page] = None
+            else:
+                self.pool.free([page])
+
+    def _take(self, page: int) -> None:
+        self._refs[page] = self._refs.get(page, 0) + 1
+        self._evictable.pop(page, None)
+
+    def clear(self) -> int:
+        """Forget every unreferenced cached page (``/flush_cache``); returns how many were freed."""
+        freed = list(self._evictable)
+        self._evictable.clear()
+        for page in freed:
+            del self._by_hash[self._hash_of.pop(page)]
+        self.pool.free(freed)
+        return len(freed)
