@@ -1,0 +1,108 @@
+"""SmolLM2-135M through the PD path: real workers (torch engine), real gateway, the openai client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+from pdtest import Procs, Worker, start_bootstrap, start_gateway, start_worker
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "Write one sentence about the sea.",
+]
+
+
+@dataclass
+class Deployment:
+    pd_url: str
+    both_url: str
+    workers: list[Worker]
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    from workers.engines.llama.gguf_convert import default_model_dir
+
+    default_model_dir()  # convert once (cached) before four processes race for it
+    procs = Procs(tmp_path_factory.mktemp("smollm2"))
+    try:
+        boot = start_bootstrap(procs)
+        common = ("--engine", "torch", "--num-pages", "256", "--chunk-size", "32")
+        prefill = start_worker(procs, "prefill", *common, bootstrap=boot)
+        decode = start_worker(procs, "decode", *common, bootstrap=boot)
+        both = start_worker(procs, "both", *common)
+        pd_port = start_gateway(procs, "--prefill", prefill.url, "--decode", decode.url)
+        both_port = start_gateway(procs, "--worker", both.url)
+        yield Deployment(f"http://127.0.0.1:{pd_port}/v1", f"http://127.0.0.1:{both_port}/v1", [prefill, decode, both])
+    finally:
+        procs.stop_all()
+
+
+def chat(url: str, question: str, **kw: object) -> openai.types.chat.ChatCompletion:
+    c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+    return c.chat.completions.create(model="default", messages=[{"role": "user", "content": question}], **kw)  # type: ignore[call-overload, no-any-return]
+
+
+def test_capital_of_france_via_prefill_to_decode(deployment: Deployment) -> None:
+    out = chat(deployment.pd_url, QUESTIONS[0], max_tokens=24, temperature=0)
+    assert "Paris" in (out.choices[0].message.content or "")
+    c = openai.OpenAI(base_url=deployment.pd_url, api_key="none", max_retries=0, timeout=120)
+    stream = c.chat.completions.create(model="default", max_tokens=24, temperature=0, stream=True,
+                                       messages=[{"role": "user", "content": QUESTIONS[0]}])
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == out.choices[0].message.content
+
+
+@pytest.mark.parametrize("question", QUESTIONS)
+def test_pd_greedy_equals_combined_worker(deployment: Deployment, question: str) -> None:
+    pd = chat(deployment.pd_url, question, max_tokens=20, temperature=0)
+    both = chat(deployment.both_url, question, max_tokens=20, temperature=0)
+    assert pd.choices[0].message.content == both.choices[0].message.content
+    assert pd.usage and both.usage and pd.usage.completion_tokens == both.usage.completion_tokens
+
+
+def test_seeded_sampling_reproduces_across_the_split(deployment: Deployment) -> None:
+    kw = {"max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "seed": 1234}
+    pd = chat(deployment.pd_url, QUESTIONS[2], **kw)
+    both = chat(deployment.both_url, QUESTIONS[2], **kw)
+    assert pd.choices[0].message.content == both.choices[0].message.content
+
+
+def test_prefix_cache_hit_reports_cached_tokens(deployment: Deployment) -> None:
+    question = "Explain in one line why the sky looks blue to people standing outside on a sunny day."
+    first = chat(deployment.pd_url, question, max_tokens=8, temperature=0)
+    second = chat(deployment.pd_url, question, max_tokens=8, temperature=0)
+    assert second.choices[0].message.content == first.choices[0].message.content
+    assert second.usage and second.usage.prompt_tokens_details
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_bad_input_is_rejected_with_400(deployment: Deployment) -> None:
+    base = deployment.pd_url
+    too_long = httpx.post(f"{base}/completions", json={"prompt": [1] * 9000, "max_tokens": 4}, timeout=60)
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    beyond = httpx.post(f"{base}/completions", json={"prompt": "Hello", "max_tokens": 9000}, timeout=60)
+    assert beyond.status_code == 400 and beyond.json()["error"]["param"] == "max_tokens"
+    unknown = httpx.post(f"{base}/chat/completions", timeout=60,
+                         json={"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]})
+    assert unknown.status_code == 400 and unknown.json()["error"]["code"] == "model_not_found"
+    bad_ids = httpx.post(f"{base}/completions", json={"prompt": [10**9], "max_tokens": 2}, timeout=60)
+    assert bad_ids.status_code == 400
+
+
+def test_pools_back_to_full(deployment: Deployment) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    while True:
+        loads = [w.get("/load") for w in deployment.workers]
+        if all(ld["num_free_pages"] == ld["num_total_pages"] for ld in loads):  # type: ignore[index]
+            break
+        assert time.monotonic() < deadline, loads
+        time.sleep(0.2)
