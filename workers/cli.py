@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="native protocol port (0 = any free port)")
     p.add_argument("--http-port", type=int, default=0, help="HTTP side port (health, info, debug)")
     p.add_argument("--bootstrap", default=None, help="bootstrap registry URL, e.g. http://127.0.0.1:8998")
+    p.add_argument("--bootstrap-embedded", type=int, default=None, metavar="PORT",
+                   help="prefill only: serve the bootstrap registry inside this worker (SGLang-style)")
     p.add_argument("--bootstrap-token", default=os.environ.get("PD_BOOTSTRAP_TOKEN"))
     p.add_argument("--instance-id", default=None, help="prefill instance key in the registry")
     p.add_argument("--page-size", type=int, default=16)
@@ -53,7 +55,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(
         role=args.role, engine=args.engine, model=args.model, transfer=args.transfer, host=args.host,
         port=args.port, http_port=args.http_port, bootstrap=args.bootstrap,
-        bootstrap_token=args.bootstrap_token, instance_id=args.instance_id, page_size=args.page_size,
+        bootstrap_token=args.bootstrap_token, bootstrap_embedded=args.bootstrap_embedded,
+        instance_id=args.instance_id, page_size=args.page_size,
         num_pages=args.num_pages, chunk_size=args.chunk_size, max_running=args.max_running,
         device=args.device, dtype=args.dtype, attention=args.attention, num_threads=args.num_threads,
         bootstrap_timeout_s=args.bootstrap_timeout_s, waiting_timeout_s=args.waiting_timeout_s,

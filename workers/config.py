@@ -20,6 +20,7 @@ class WorkerConfig:
     http_port: int = 0
     bootstrap: str | None = None  # registry URL (prefill registers, decode looks up)
     bootstrap_token: str | None = None
+    bootstrap_embedded: int | None = None  # prefill: serve the registry in this process on this port
     instance_id: str | None = None
     page_size: int = 16
     num_pages: int = 2048
@@ -49,5 +50,12 @@ class WorkerConfig:
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s", "heartbeat_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive")
-        if self.role != "both" and not self.bootstrap:
+        if self.bootstrap_embedded is not None:
+            if self.role != "prefill":
+                raise ConfigError("bootstrap_embedded: only a prefill worker can embed the registry")
+            if self.bootstrap:
+                raise ConfigError("bootstrap_embedded: give either --bootstrap URL or --bootstrap-embedded PORT")
+            if not 0 <= self.bootstrap_embedded <= 65535:
+                raise ConfigError(f"bootstrap_embedded: not a TCP port: {self.bootstrap_embedded}")
+        elif self.role != "both" and not self.bootstrap:
             raise ConfigError(f"bootstrap: a {self.role} worker needs --bootstrap URL of the registry")

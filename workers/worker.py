@@ -46,6 +46,8 @@ class Worker:
         self._http: uvicorn.Server | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._registrar: Any = None
+        self._embedded: Any = None
+        self.bootstrap_url = config.bootstrap
         self._resolver: Any = None
         self._closed = False
 
@@ -56,6 +58,11 @@ class Worker:
             model=cfg.model, device=cfg.device, dtype=cfg.dtype, attention=cfg.attention,
             num_threads=cfg.num_threads, extra=dict(cfg.engine_options),
         )
+        if cfg.bootstrap_embedded is not None:
+            from bootstrap.client import serve_embedded
+
+            self._embedded = await serve_embedded(cfg.host, cfg.bootstrap_embedded)
+            self.bootstrap_url = self._embedded.url
         self.engine = await asyncio.to_thread(create_engine, cfg.engine, options)
         info = self.engine.info
         self.pool = KVPool(
@@ -129,14 +136,14 @@ class Worker:
         from bootstrap.client import BootstrapRegistrar, RankRegistration
 
         cfg = self.config
-        assert cfg.bootstrap and self.pool is not None
+        assert self.bootstrap_url and self.pool is not None
         host, port = self.kv.control_address
         registration = RankRegistration(
             rank_ip=host, rank_port=port, page_size=self.pool.page_size, kv_cache_dtype=self.pool.dtype,
             instance_id=self.instance_id, prefill_http_port=self.http_port,
         )
         self._registrar = BootstrapRegistrar(
-            cfg.bootstrap, registration, interval_s=cfg.heartbeat_interval_s, token=cfg.bootstrap_token
+            self.bootstrap_url, registration, interval_s=cfg.heartbeat_interval_s, token=cfg.bootstrap_token
         )
         await self._registrar.start()
 
@@ -159,8 +166,8 @@ class Worker:
         assert self.engine is not None and self.pool is not None
         info = self.engine.info
         boot_host = boot_port = None
-        if self.config.bootstrap:
-            url = urlsplit(self.config.bootstrap)
+        if self.bootstrap_url:
+            url = urlsplit(self.bootstrap_url)
             boot_host, boot_port = url.hostname, url.port or 8998
         return HelloAck(
             version=PROTOCOL_VERSION, worker_id=self.worker_id, role=self.config.role,
@@ -210,5 +217,8 @@ class Worker:
             if self._http_task is not None:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await asyncio.wait_for(self._http_task, 5.0)
+        if self._embedded is not None:
+            with contextlib.suppress(Exception):
+                await self._embedded.aclose()
         if self.engine is not None:
             self.engine.close()

@@ -158,3 +158,19 @@ def test_client_disconnect_mid_stream_frees_both_sides(sim_cluster) -> None:  # 
                 break
     cluster.wait_pools_full()
     assert not any(w.get("/load")["num_running"] for w in cluster.workers())  # type: ignore[index]
+
+
+def test_registry_embedded_in_the_prefill_worker(procs) -> None:  # type: ignore[no-untyped-def]
+    from pdtest import free_port, start_gateway, start_worker
+
+    boot_port = free_port()
+    common = ("--engine", "sim", "--num-pages", "64", "--page-size", "4")
+    prefill = start_worker(procs, "prefill", *common, "--bootstrap-embedded", str(boot_port))
+    decode = start_worker(procs, "decode", *common, bootstrap=f"http://127.0.0.1:{boot_port}")
+    port = start_gateway(procs, "--prefill", prefill.url, "--decode", decode.url)
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    out = c.completions.create(model="sim", prompt=PROMPT, max_tokens=6)
+    assert out.choices[0].text == text_of(expected_tokens(PROMPT, 6))
+    topology = httpx.get(f"http://127.0.0.1:{boot_port}/route", params={
+        "prefill_dp_rank": -1, "prefill_cp_rank": -1, "target_tp_rank": -1, "target_pp_rank": -1}).json()
+    assert topology["page_size"] == 4
