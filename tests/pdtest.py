@@ -26,9 +26,13 @@ def free_port() -> int:
 
 
 def in_private_netns() -> bool:
-    """True inside a network namespace that holds only loopback (where Mooncake may run)."""
+    """True inside a network namespace that holds only loopback (where Mooncake may run).
+
+    ``socket.if_nameindex`` asks the kernel about the caller's namespace (``/sys/class/net`` would
+    show the namespace sysfs was mounted in).
+    """
     try:
-        return sorted(os.listdir("/sys/class/net")) == ["lo"]
+        return sorted(name for _, name in socket.if_nameindex()) == ["lo"]
     except OSError:
         return False
 

@@ -13,7 +13,7 @@ def expected_tokens(prompt: list[int], max_tokens: int, prefill_salt: int = 0) -
     decode = SimEngine()
     prefill = SimEngine(EngineOptions(extra={"kv_salt": str(prefill_salt)}))
     info = decode.info
-    pool = KVPool(num_layers=info.num_layers, num_pages=64, page_size=4, num_kv_heads=info.num_kv_heads,
+    pool = KVPool(num_layers=info.num_layers, num_pages=512, page_size=4, num_kv_heads=info.num_kv_heads,
                   head_dim=info.head_dim)
     decode.bind(pool)
     prefill.bind(pool)

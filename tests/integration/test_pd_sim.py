@@ -35,6 +35,39 @@ def test_pd_path_moves_the_exact_kv_and_output_depends_on_it(sim_cluster) -> Non
     cluster.wait_pools_full()
 
 
+def _transfer_skip(name: str) -> str | None:
+    import importlib.util
+
+    from pdtest import in_private_netns
+
+    if name == "mooncake":
+        if importlib.util.find_spec("mooncake") is None:
+            return "mooncake-transfer-engine is not installed"
+        if not in_private_netns():
+            return "Mooncake listens on every interface: run inside a private network namespace (make pytest)"
+    if name == "nixl" and importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
+        return "nixl is not installed"
+    return None
+
+
+@pytest.mark.parametrize("transfer", ["tcp", "mooncake", "nixl"])
+def test_pd_path_over_each_transfer_backend(sim_cluster, transfer: str) -> None:  # type: ignore[no-untyped-def]
+    reason = _transfer_skip(transfer)
+    if reason:
+        pytest.skip(reason)
+    cluster = sim_cluster(transfer=transfer, env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"})
+    c = client(cluster)
+    long_prompt = PROMPT * 5  # several pages, several chunks
+    for prompt in (PROMPT, long_prompt):
+        out = c.completions.create(model="sim", prompt=prompt, max_tokens=10)
+        assert out.choices[0].text == text_of(expected_tokens(prompt, 10))
+    p_rooms = {r["room"]: r for r in cluster.prefills[0].get("/debug/rooms")}  # type: ignore[attr-defined]
+    for d_room in cluster.decodes[0].get("/debug/rooms"):  # type: ignore[attr-defined]
+        assert d_room["kv_verified"] is True
+        assert d_room["kv_digest"] == p_rooms[d_room["room"]]["kv_digest"]
+    cluster.wait_pools_full()
+
+
 def test_output_changes_when_the_prefill_computes_other_kv(sim_cluster) -> None:  # type: ignore[no-untyped-def]
     cluster = sim_cluster(prefill_args=("--engine-option", "kv_salt=7"))
     out = client(cluster).completions.create(model="sim", prompt=PROMPT, max_tokens=12)
