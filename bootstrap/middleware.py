@@ -29,6 +29,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 KNOWN_ROUTES = frozenset({"/route", "/register_dp_rank", "/query_dp_ranks", "/health", "/instances", "/metrics"})
 WRITE_ROUTES = frozenset({("PUT", "/route"), ("DELETE", "/route"), ("POST", "/register_dp_rank")})
 OPEN_ROUTES = frozenset({"/health"})
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 _JSON_HEADERS = [(b"content-type", b"application/json"), (b"cache-control", b"no-store")]
 
 
@@ -55,7 +56,8 @@ class RegistryMiddleware:
         start = time.perf_counter()
         method: str = scope["method"]
         path: str = scope["path"]
-        route = path if path in KNOWN_ROUTES else "other"
+        route = path if path in KNOWN_ROUTES else "other"  # bounded label sets
+        method_label = method if method in _METHODS else "OTHER"
         status = 500
 
         async def send_capturing(message: Message) -> None:
@@ -73,7 +75,7 @@ class RegistryMiddleware:
             else:
                 await self.app(scope, receive, send_capturing)
         finally:
-            self.stats.observe(method, route, status, time.perf_counter() - start)
+            self.stats.observe(method_label, route, status, time.perf_counter() - start)
 
     def _check_auth(self, scope: Scope, method: str, path: str) -> errors.ApiError | None:
         if self.expected_auth is None or path in OPEN_ROUTES:

@@ -13,7 +13,7 @@ from conftest import RegistryProc, free_port, topology, wait_until
 
 from bootstrap import BootstrapRegistrar, BootstrapResolver, RankRegistration
 
-TTL_S = 1.5
+TTL_S = 2.5  # heartbeats every 0.2 s: a loaded CPU must not expire live ranks
 
 
 def _rank(url: str, tp: int, instance_id: str | None = None) -> httpx.Response:

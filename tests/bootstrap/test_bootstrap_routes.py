@@ -383,3 +383,11 @@ def test_metrics_and_instances_listing(registry: RegistryProc) -> None:
     first = inst["ranks"][0]
     assert first["extra"] == {"custom_field": "kept"}
     assert (first["target_tp_rank"], first["rank_port"], first["expires_in_s"]) == (0, 46000, None)
+
+
+def test_odd_methods_do_not_grow_metric_labels(registry: RegistryProc) -> None:
+    for method in ("PROPFIND", "PURGE", "MKCOL"):  # methods the HTTP parser accepts but nobody uses here
+        r = httpx.request(method, f"{registry.url}/route", timeout=5)
+        assert r.status_code == 405
+    text = httpx.get(f"{registry.url}/metrics", timeout=5).text
+    assert 'method="OTHER",route="/route",status="405"} 3.0' in text and "PROPFIND" not in text
