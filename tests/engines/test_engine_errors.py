@@ -152,7 +152,7 @@ def test_bad_batches_fail_cleanly_and_the_engine_keeps_working(tiny_model, make_
     bad = [
         (SeqInput(1, [0], 0, [1, 2, 3, 4, 5], True, greedy), "need 2 pages, the page table has 1"),
         (SeqInput(1, [0, 1], 0, [1, 512], True, greedy), r"token id out of range \[0, 512\)"),
-        (SeqInput(1, [0, 99], 0, [1, 2], True, greedy), r"page id out of range \[0, 8\)"),
+        (SeqInput(1, [0, 99], 0, [1, 2, 3, 4, 5], True, greedy), r"page id out of range \[0, 8\)"),
         (SeqInput(1, [0], 0, [], True, greedy), "no new tokens"),
         (SeqInput(1, [0], -1, [1], True, greedy), "num_cached must be >= 0"),
     ]

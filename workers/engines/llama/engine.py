@@ -36,7 +36,7 @@ from workers.engines.base import Engine, EngineOptions, ModelInfo, SeqInput, Seq
 from workers.engines.llama.attention import AttentionBackend, StepLayout, make_backend
 from workers.engines.llama.config import ModelConfigError, load_config
 from workers.engines.llama.model import LlamaModel
-from workers.engines.llama.sampling import generator_for, sample, token_logprobs
+from workers.engines.llama.sampling import generator_for, is_greedy, sample, token_logprobs
 from workers.kv_pool import KVPool
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -196,9 +196,10 @@ class TorchEngine(Engine):
         if kv_len > self.cfg.max_context:
             raise ValueError(f"rid {seq.rid}: {kv_len} positions exceed max_context {self.cfg.max_context}")
         vocab = self.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in seq.token_ids):
+        if min(seq.token_ids) < 0 or max(seq.token_ids) >= vocab:
             raise ValueError(f"rid {seq.rid}: token id out of range [0, {vocab})")
-        if any(not 0 <= p < self.pool.num_pages for p in seq.page_ids):
+        used = seq.page_ids[: -(-kv_len // self.pool.page_size)]  # pages this step reads or writes
+        if min(used) < 0 or max(used) >= self.pool.num_pages:
             raise ValueError(f"rid {seq.rid}: page id out of range [0, {self.pool.num_pages})")
         cached_ids = seq.all_token_ids if self._wants_prompt_logprobs(seq) and seq.num_cached > 0 else None
         if cached_ids is not None and (
@@ -218,11 +219,14 @@ class TorchEngine(Engine):
             return
         last_rows = torch.tensor([rows[i].start + rows[i].num_rows - 1 for i in sampled], device=self.device)
         logits = self.model.logits(hidden.index_select(0, last_rows)).cpu()
+        argmax = logits.argmax(dim=-1).tolist()  # one call for every greedy sequence
         for j, i in enumerate(sampled):
             seq, row = batch[i], logits[j]
             self.last_logits[i] = row
-            gen = generator_for(seq.params, seq.num_generated, self._rng)
-            token = sample(row, seq.params, gen)
+            if is_greedy(seq.params):
+                token = argmax[j]
+            else:
+                token = sample(row, seq.params, generator_for(seq.params, seq.num_generated, self._rng))
             out = outputs[i]
             out.token_id = token
             if seq.params.logprobs or seq.params.top_logprobs > 0:

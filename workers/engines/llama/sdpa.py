@@ -38,39 +38,44 @@ class SdpaBackend(AttentionBackend):
         self._prefills: list[_Prefill] = []
         self._decode: _DecodeGroup | None = None
 
-    def _slots(self, pages: list[int], kv_len: int) -> torch.Tensor:
+    def _slot_table(self, tables: list[list[int]], kv_lens: list[int]) -> torch.Tensor:
+        """Flat cache slots ``[N, max_kv_len]`` for N sequences (padding reads slot 0, masked out)."""
         device = self.k_flat[0].device
-        table = torch.tensor(pages[: -(-kv_len // self.page_size)], dtype=torch.int64, device=device)
-        offsets = torch.arange(self.page_size, dtype=torch.int64, device=device)
-        return (table[:, None] * self.page_size + offsets).reshape(-1)[:kv_len]
+        ps = self.page_size
+        width = -(-max(kv_lens) // ps)
+        padded = [t[: -(-n // ps)] + [0] * (width - (-(-n // ps))) for t, n in zip(tables, kv_lens, strict=True)]
+        table = torch.tensor(padded, dtype=torch.int64, device=device)
+        offsets = torch.arange(ps, dtype=torch.int64, device=device)
+        return (table[:, :, None] * ps + offsets).reshape(len(tables), -1)[:, : max(kv_lens)]
 
     def plan(self, step: StepLayout) -> None:
         device = self.k_flat[0].device
         self._step = step
         self._prefills = []
         decode_rows: list[int] = []
-        decode_slots: list[torch.Tensor] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         start = 0
         for q_len, kv_len, pages in zip(step.query_lens, step.kv_lens, step.page_ids, strict=True):
-            slots = self._slots(pages, kv_len)
             if q_len == 1:
                 decode_rows.append(start)
-                decode_slots.append(slots)
+                decode_tables.append(pages)
+                decode_lens.append(kv_len)
             else:
                 mask = None
                 if q_len != kv_len:
                     mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
+                slots = self._slot_table([pages], [kv_len])[0]
                 self._prefills.append(_Prefill(slice(start, start + q_len), slots, mask))
             start += q_len
         self._decode = None
         if decode_rows:
-            lens = torch.tensor([s.numel() for s in decode_slots], device=device)
-            # Padding keys read slot 0 of the pool (valid memory) and are masked out.
-            padded = torch.nn.utils.rnn.pad_sequence(decode_slots, batch_first=True, padding_value=0)
-            mask = torch.arange(padded.shape[1], device=device)[None, :] < lens[:, None]
+            slots = self._slot_table(decode_tables, decode_lens)
+            lens = torch.tensor(decode_lens, device=device)
+            mask = torch.arange(slots.shape[1], device=device)[None, :] < lens[:, None]
             self._decode = _DecodeGroup(
                 rows=torch.tensor(decode_rows, dtype=torch.int64, device=device),
-                slots=padded,
+                slots=slots,
                 mask=mask[:, None, None, :],
             )
 
