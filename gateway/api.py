@@ -154,6 +154,7 @@ class Frontend:
             raise BadRequest("one of text or input_ids is required", param="text")
         shim = _GenerateShim(sp)
         params, stops = self._params(shim, input_ids, sp.max_new_tokens, req.return_logprob, 0)
+        params.prompt_logprobs = req.return_logprob
         return Prepared(input_ids, params, 1, stops, req.stream, False, req.return_logprob), sp
 
     # -- running choices ---------------------------------------------------------------------

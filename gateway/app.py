@@ -293,6 +293,11 @@ def create_app(config: GatewayConfig) -> Starlette:
             if prep.want_logprobs:
                 meta["output_token_logprobs"] = [[e["logprob"], t, None] for e, t in
                                                  zip(state.logprobs, state.token_ids, strict=False)]
+                if state.prompt_logprobs is not None:
+                    meta["input_token_logprobs"] = [
+                        [None if i == 0 or lp != lp else lp, t, None]  # lp != lp: NaN (no prefix row)
+                        for i, (lp, t) in enumerate(zip(state.prompt_logprobs, prep.input_ids, strict=False))
+                    ]
             return {"text": state.text, "output_ids": list(state.token_ids), "meta_info": meta}
 
         if prep.stream:

@@ -102,6 +102,10 @@ class Dispatcher:
             except ConnectionError as exc:
                 raise _Retryable(BadGateway(str(exc))) from None
             got_token = False
+            # Prompt logprobs come from the prefill; its report may trail the decode's last token.
+            want_prompt = params.prompt_logprobs and prefill is not None
+            prompt_logprobs: list[float] | None = None
+            held_final: StepOutput | None = None
             while True:
                 wait_s = self.config.stream_idle_timeout_s if got_token else self.config.first_token_timeout_s
                 try:
@@ -112,11 +116,21 @@ class Dispatcher:
                 if isinstance(event, StepOutput):
                     if side == "prefill":
                         open_rids.pop("prefill", None)  # KV handed over; the decode carries on
+                        prompt_logprobs = event.prompt_logprobs
+                        if held_final is not None:
+                            held_final.prompt_logprobs = prompt_logprobs
+                            yield held_final
+                            return
                         continue
                     got_token = got_token or bool(event.token_ids)
                     if event.finish_reason is not None:
                         open_rids.pop("decode", None)
                         finished = True
+                        if want_prompt:
+                            if "prefill" in open_rids:
+                                held_final = event
+                                continue
+                            event.prompt_logprobs = prompt_logprobs
                     yield event
                     if finished:
                         return

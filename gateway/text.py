@@ -52,6 +52,7 @@ class ChoiceState:
         self.logprobs: list[dict[str, Any]] = []
         self.finish_reason: str | None = None
         self.cached_tokens = 0
+        self.prompt_logprobs: list[float] | None = None
 
     @property
     def text(self) -> str:
@@ -61,6 +62,8 @@ class ChoiceState:
         """Apply one step; returns (new text, new logprob entries). Sets ``finish_reason`` when done."""
         self.token_ids.extend(event.token_ids)
         self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         text = self.decoder.push(event.token_ids)
         final = event.finish_reason is not None
         if final:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from workers.protocol import BootstrapTarget, SamplingParams, TokenLogprob
+
+_SEQ_IDS = itertools.count(1)
 
 
 @dataclass(eq=False)
@@ -33,6 +36,7 @@ class Req:
     kv_verified: bool | None = None
     stage_since: float = field(default_factory=time.monotonic)
     done: bool = False
+    seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))  # unique in this worker (engine key)
 
     @property
     def rid(self) -> int:

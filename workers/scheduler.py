@@ -300,7 +300,7 @@ class Scheduler(PDQueues):
         batch: list[SeqInput] = []
         for req in self._running:
             n = len(req.all_ids)
-            batch.append(SeqInput(req.rid, req.pages, n - 1, [req.all_ids[-1]], True, req.params,
+            batch.append(SeqInput(req.seq_id, req.pages, n - 1, [req.all_ids[-1]], True, req.params,
                                   len(req.output_ids), None))
             reqs.append(req)
         budget = self.config.chunk_size
@@ -314,8 +314,9 @@ class Scheduler(PDQueues):
             take = min(budget, req.prefill_len - start)
             budget -= take
             last = start + take == req.prefill_len
-            batch.append(SeqInput(req.rid, req.pages, start, req.all_ids[start : start + take],
-                                  last and not req.is_recompute, req.params, len(req.output_ids), None))
+            all_ids = req.all_ids
+            batch.append(SeqInput(req.seq_id, req.pages, start, all_ids[start : start + take],
+                                  last and not req.is_recompute, req.params, len(req.output_ids), all_ids))
             reqs.append(req)
         if not batch:
             return False

@@ -59,9 +59,11 @@ class Worker:
             num_threads=cfg.num_threads, extra=dict(cfg.engine_options),
         )
         if cfg.bootstrap_embedded is not None:
+            from bootstrap import BootstrapConfig
             from bootstrap.client import serve_embedded
 
-            self._embedded = await serve_embedded(cfg.host, cfg.bootstrap_embedded)
+            registry_config = BootstrapConfig(token=cfg.bootstrap_token)
+            self._embedded = await serve_embedded(cfg.host, cfg.bootstrap_embedded, registry_config)
             self.bootstrap_url = self._embedded.url
         self.engine = await asyncio.to_thread(create_engine, cfg.engine, options)
         info = self.engine.info

@@ -106,3 +106,36 @@ def test_pools_back_to_full(deployment: Deployment) -> None:
             break
         assert time.monotonic() < deadline, loads
         time.sleep(0.2)
+
+
+def test_chat_logprobs_through_the_split(deployment: Deployment) -> None:
+    kw = {"max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    pd = chat(deployment.pd_url, QUESTIONS[1], **kw)
+    both = chat(deployment.both_url, QUESTIONS[1], **kw)
+    pd_entries = pd.choices[0].logprobs.content  # type: ignore[union-attr]
+    both_entries = both.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert pd_entries and both_entries and len(pd_entries) == len(both_entries) == 6
+    for a, b in zip(pd_entries, both_entries, strict=True):
+        assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4
+        assert len(a.top_logprobs) == 3 and a.top_logprobs[0].token == a.token, "greedy picks the top token"
+        assert a.logprob <= 0 and a.top_logprobs[0].logprob >= a.top_logprobs[1].logprob
+
+
+def test_generate_returns_input_and_output_logprobs(deployment: Deployment) -> None:
+    body = {"text": "The quick brown fox jumps over the lazy dog.",
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0}, "return_logprob": True}
+    results = []
+    for url in (deployment.pd_url, deployment.both_url):
+        r = httpx.post(url.removesuffix("/v1") + "/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        results.append(r.json())
+    for res in results:
+        meta = res["meta_info"]
+        inputs = meta["input_token_logprobs"]
+        assert len(inputs) == meta["prompt_tokens"] and inputs[0][0] is None
+        assert all(lp is not None and lp <= 0 for lp, _, _ in inputs[1:])
+        assert len(meta["output_token_logprobs"]) == 4
+    pd_in = [lp for lp, _, _ in results[0]["meta_info"]["input_token_logprobs"][1:]]
+    both_in = [lp for lp, _, _ in results[1]["meta_info"]["input_token_logprobs"][1:]]
+    assert max(abs(a - b) for a, b in zip(pd_in, both_in, strict=True)) < 1e-4
+    assert results[0]["text"] == results[1]["text"]
