@@ -207,3 +207,31 @@ def test_registry_embedded_in_the_prefill_worker(procs) -> None:  # type: ignore
     topology = httpx.get(f"http://127.0.0.1:{boot_port}/route", params={
         "prefill_dp_rank": -1, "prefill_cp_rank": -1, "target_tp_rank": -1, "target_pp_rank": -1}).json()
     assert topology["page_size"] == 4
+
+
+def test_stop_strings_n_choices_and_generate_stream(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = sim_cluster(decode_args=("--engine-option", "decode_step_s=0.005"))
+    c = client(cluster)
+    full = text_of(expected_tokens(PROMPT, 40))
+    stop = full[10:13]
+    cut = full[: full.index(stop)]
+    out = c.completions.create(model="sim", prompt=PROMPT, max_tokens=40, stop=[stop])
+    assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
+    streamed = c.completions.create(model="sim", prompt=PROMPT, max_tokens=40, stop=stop, stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == cut
+
+    many = c.completions.create(model="sim", prompt=PROMPT, max_tokens=5, n=3)
+    assert sorted(ch.index for ch in many.choices) == [0, 1, 2]
+    assert {ch.text for ch in many.choices} == {full[:5]}
+    assert many.usage is not None and many.usage.completion_tokens == 15
+
+    events = []
+    with httpx.stream("POST", f"{cluster.base_url}/generate", timeout=30,
+                      json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6}, "stream": True}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    import json
+
+    last = json.loads(events[-2][6:])
+    assert last["text"] == full[:6] and last["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    cluster.wait_pools_full()

@@ -1,0 +1,45 @@
+from gateway.text import ChoiceState, StopMatcher
+from gateway.tokenizer import ByteTokenizer
+from workers.protocol import StepOutput, TokenLogprob
+
+
+def feed(matcher: StopMatcher, pieces: list[str]) -> str:
+    out = "".join(matcher.push(p) for p in pieces[:-1])
+    return out + matcher.push(pieces[-1], final=True)
+
+
+def test_stop_string_split_across_pieces_is_found_and_cut() -> None:
+    m = StopMatcher(["END"])
+    assert feed(m, ["abc E", "N", "Dxyz"]) == "abc "
+    assert m.matched == "END"
+
+
+def test_text_without_stop_passes_through_whole() -> None:
+    m = StopMatcher(["STOP", "##"])
+    assert feed(m, ["a#b", "cS", "TO", "x"]) == "a#bcSTOx"
+    assert m.matched is None
+
+
+def test_earliest_of_several_stops_wins() -> None:
+    m = StopMatcher(["bb", "a"])
+    assert feed(m, ["xxbba"]) == "xx"
+    assert m.matched == "bb"
+
+
+def test_choice_state_streams_utf8_safely_and_finishes_on_stop() -> None:
+    tok = ByteTokenizer()
+    state = ChoiceState(0, tok, ["!"], want_logprobs=True)
+    euro = list("€".encode())  # three bytes, split over two steps
+    text1, _ = state.accept(StepOutput(1, [euro[0], euro[1]], logprobs=[-0.1, -0.2]))
+    assert text1 == ""
+    text2, entries = state.accept(StepOutput(1, [euro[2], ord("a")], logprobs=[-0.3, -0.4],
+                                             top_logprobs=[[TokenLogprob(euro[2], -0.3)], [TokenLogprob(97, -0.4)]]))
+    assert text2 == "€a" and entries[1]["token"] == "a" and entries[1]["top_logprobs"][0]["logprob"] == -0.4
+    text3, _ = state.accept(StepOutput(1, [ord("!"), ord("z")]))
+    assert text3 == "" and state.finish_reason == "stop" and state.text == "€a"
+
+
+def test_length_finish_flushes_the_decoder() -> None:
+    state = ChoiceState(0, ByteTokenizer(), [], want_logprobs=False)
+    text, _ = state.accept(StepOutput(1, [ord("o"), ord("k")], finish_reason="length"))
+    assert text == "ok" and state.finish_reason == "length"
