@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -215,3 +216,12 @@ def test_engine_refuses_a_pool_on_another_device(tiny_model) -> None:
     )
     with pytest.raises(ValueError, match="pool memory is on meta"):
         engine.bind(pool)
+
+
+def test_registered_as_the_torch_engine_plugin(tiny_model) -> None:
+    from workers.engines import create_engine
+
+    engine = create_engine("torch", EngineOptions(model=tiny_model("qwen2").path))
+    assert isinstance(engine, TorchEngine)
+    assert engine.info.tokenizer == os.path.abspath(tiny_model("qwen2").path)
+    assert engine.info.eos_token_ids == ()  # tiny Qwen2 configs carry no EOS id

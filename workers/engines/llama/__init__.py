@@ -3,6 +3,7 @@
 from workers.engines.llama.attention import AttentionBackend, StepLayout, make_backend
 from workers.engines.llama.config import ModelConfig, ModelConfigError, RopeConfig, load_config, parse_config
 from workers.engines.llama.engine import TorchEngine
+from workers.engines.llama.gguf_convert import convert_gguf, default_model_dir
 from workers.engines.llama.model import LlamaModel
 from workers.engines.llama.sampling import derive_seed
 
@@ -14,6 +15,8 @@ __all__ = [
     "RopeConfig",
     "StepLayout",
     "TorchEngine",
+    "convert_gguf",
+    "default_model_dir",
     "derive_seed",
     "load_config",
     "make_backend",
