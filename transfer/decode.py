@@ -9,6 +9,9 @@ Lifecycle:
    scheduler calls ``send_metadata(page_ids, aux_index)`` -> ``RoomRequest``; ``metadata_sent`` True.
 3. The prefill writes the KV straight into our registered memory and then sends ``RoomStatus``:
    ok -> Success (every byte landed), else Failed with the prefill's reason.
+   After a failure (either side's abort, a timeout) a write already in flight may still land in the
+   room's pages: ``quiesced`` turns True once the prefill confirmed none is left (``Quiesced``), the
+   connection to it is gone, or it never had our page list. Free the pages only then.
 4. Connection loss fails the connection's rooms (PEER_GONE), a silent prefill fails them (TIMEOUT); the
    connection is dropped, so the next receiver for that address connects afresh (a recovered peer).
 5. ``release()`` forgets the room (aborting it first if it was still live).
@@ -32,6 +35,7 @@ from transfer.messages import (
     Message,
     Ping,
     Pong,
+    Quiesced,
     Register,
     RegisterAck,
     RoomRequest,
@@ -67,9 +71,17 @@ class KVReceiver:
         self._created = now
         self._metadata_at = 0.0
         self._released = False
+        self._quiet = False
 
     def poll(self) -> KVPoll:
         return self._state
+
+    @property
+    def quiesced(self) -> bool:
+        """True once no write of this room can land in our pages any more (Success; or Failed and the
+        prefill confirmed, or the connection to it is gone, or it never got our page list). Pages of a
+        Failed room should go back to the pool only when this is True."""
+        return self._state == KVPoll.Success or not self.metadata_sent or self._quiet
 
     def send_metadata(self, page_ids: Sequence[int], aux_index: int) -> None:
         """Tell the prefill where to write. Only in WaitingForInput before metadata was sent; ignored
@@ -173,8 +185,6 @@ class DecodeSide:
         if receiver._state in _TERMINAL:
             return
         receiver._state, receiver._error = KVPoll.Failed, error
-        if receiver._conn is not None:
-            receiver._conn.receivers.discard(receiver)
 
     def _fail_one(self, receiver: KVReceiver, error: TransferError) -> None:
         with self._ctx.lock:
@@ -188,6 +198,7 @@ class DecodeSide:
                 del self._conns[conn.address]
             for receiver in list(conn.receivers):
                 self._fail(receiver, room_error(receiver.room, error))
+                receiver._quiet = True  # no prefill connection, no more writes from it
             conn.receivers.clear()
 
     def send_metadata(self, receiver: KVReceiver, page_ids: list[int], aux_index: int) -> None:
@@ -277,6 +288,12 @@ class DecodeSide:
                         self._fail(receiver, TransferError(
                             TransferErrorKind.parse(kind), f"room {room}: {channel.name} reported: {reason}"
                         ))
+            case Quiesced(room=room):
+                with self._ctx.lock:
+                    target = self._receivers.get(room)
+                    if target is not None and target._conn is conn and target._state == KVPoll.Failed:
+                        target._quiet = True
+                        conn.receivers.discard(target)
             case Abort(room=room, reason=reason):
                 with self._ctx.lock:
                     target = self._receivers.get(room)
@@ -333,6 +350,7 @@ class DecodeSide:
                     del self._conns[conn.address]
                 for receiver in list(conn.receivers):
                     self._fail(receiver, room_error(receiver.room, error))
+                    receiver._quiet = True  # see docs/transfer.md: a prefill frozen mid-write is not fenced off
                 conn.receivers.clear()
                 silent.append((channel, error))
             else:

@@ -5,6 +5,8 @@ Frames: 4-byte big-endian length, then one msgpack-encoded ``Message`` (a tagged
 2. decode -> prefill ``RoomRequest`` per room (destination page ids + aux slot).
 3. prefill -> decode ``RoomStatus`` per room: ok only after every write of the room is DONE.
 4. ``Abort`` either way; ``Ping``/``Pong`` either way (any frame counts as a heartbeat).
+5. prefill -> decode ``Quiesced`` once a room that failed (or was aborted) after its page list arrived
+   has no write in flight any more: from then on no byte of it can land in the decode's pages.
 New fields go last with defaults; ``Register.version`` is checked by the prefill.
 """
 
@@ -62,6 +64,10 @@ class Abort(msgspec.Struct, tag="abort", array_like=True, gc=False, frozen=True)
     reason: str
 
 
+class Quiesced(msgspec.Struct, tag="quiesced", array_like=True, gc=False, frozen=True):
+    room: int
+
+
 class Ping(msgspec.Struct, tag="ping", array_like=True, gc=False, frozen=True):
     seq: int
 
@@ -70,7 +76,7 @@ class Pong(msgspec.Struct, tag="pong", array_like=True, gc=False, frozen=True):
     seq: int
 
 
-Message = Register | RegisterAck | RoomRequest | RoomStatus | Abort | Ping | Pong
+Message = Register | RegisterAck | RoomRequest | RoomStatus | Abort | Quiesced | Ping | Pong
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -9,7 +9,8 @@ Lifecycle:
    calls ``create_sender(room)``, or attached at once if the sender exists -> WaitingForInput.
 4. ``KVSender.send`` (scheduler thread) posts one backend batch per chunk; the monitor thread
    (``tick``) polls the handles, enforces timeouts and, once the last chunk and aux are DONE, sends
-   ``RoomStatus(ok)`` and marks the room Success. Failures are reported with ``RoomStatus(ok=False)``.
+   ``RoomStatus(ok)`` and marks the room Success. Failures are reported with ``RoomStatus(ok=False)``
+   (or ``Abort``), and once a failed room has no write in flight any more, with ``Quiesced``.
 5. ``release()`` forgets a room; writes still pending then go to a graveyard that ``tick`` drains.
 """
 
@@ -34,6 +35,7 @@ from transfer.messages import (
     Message,
     Ping,
     Pong,
+    Quiesced,
     Register,
     RegisterAck,
     RoomRequest,
@@ -66,6 +68,7 @@ class _Request:
 
 @dataclass
 class _Write:
+    room: int
     handle: WriteHandle
     posted: float
     staging_slot: int | None
@@ -117,6 +120,7 @@ class PrefillSide:
         self._requests: dict[int, _Request] = {}
         self._tombstones: dict[int, tuple[str, float]] = {}  # rooms the decode aborted before a sender
         self._graveyard: list[_Write] = []
+        self._unquiet: dict[int, _Link] = {}  # failed rooms whose decode awaits Quiesced
         slot_bytes = max(ctx.args.aux_slot_bytes, 1)
         self.staging = np.zeros((NUM_STAGING_SLOTS, slot_bytes), dtype=np.uint8)
         self._free_slots = list(range(NUM_STAGING_SLOTS - 1, -1, -1))
@@ -250,6 +254,7 @@ class PrefillSide:
                 problem = sender._error
             if problem is not None:
                 outbox.append((channel, RoomStatus(room, False, problem.kind.value, problem.message)))
+                outbox.append((channel, Quiesced(room)))
                 if sender is not None and sender._request is None:
                     self._fail(sender, problem, outbox, notify=False)
             else:
@@ -269,6 +274,9 @@ class PrefillSide:
                 self._tombstones[room] = (reason, time.monotonic() + self._ctx.timeouts.bootstrap_s)
             elif sender._request is None or sender._request.link is link:
                 self._fail(sender, error, [], notify=False)
+            # answered by tick() once no write of the room is in flight (at once if none ever was)
+            if sender is None or sender._request is None or sender._request.link is link:
+                self._unquiet[room] = link
 
     def _on_close(self, channel: ControlChannel, error: TransferError) -> None:
         with self._ctx.lock:
@@ -361,7 +369,7 @@ class PrefillSide:
                         self._free_slots.append(slot)
                     self._fail(sender, room_error(room, exc), outbox)
                 else:
-                    sender._writes.append(_Write(handle, time.monotonic(), slot))
+                    sender._writes.append(_Write(room, handle, time.monotonic(), slot))
             ctx.wake.notify_all()
         flush(outbox)
 
@@ -372,6 +380,8 @@ class PrefillSide:
         self._graveyard.extend(sender._writes)
         sender._writes = []
         request = sender._request
+        if request is not None and not request.link.closed:
+            self._unquiet[sender.room] = request.link
         if notify and request is not None and not request.link.closed:
             outbox.append((request.link.channel, RoomStatus(sender.room, False, error.kind.value, error.message)))
 
@@ -420,6 +430,7 @@ class PrefillSide:
                 del self._requests[room]
                 reason = f"room {room}: the prefill created no sender within {timeouts.bootstrap_s:g}s"
                 outbox.append((request.link.channel, RoomStatus(room, False, TransferErrorKind.TIMEOUT.value, reason)))
+                outbox.append((request.link.channel, Quiesced(room)))
         for room, (_, expiry) in list(self._tombstones.items()):
             if now > expiry:
                 del self._tombstones[room]
@@ -430,6 +441,13 @@ class PrefillSide:
             else:
                 self._retire(write)
         self._graveyard = still
+        if self._unquiet:
+            in_flight = {write.room for write in self._graveyard}
+            for room, link in list(self._unquiet.items()):
+                if room not in in_flight:
+                    del self._unquiet[room]
+                    if not link.closed:
+                        outbox.append((link.channel, Quiesced(room)))
         return busy
 
     def _retire(self, write: _Write) -> None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import base64
+import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -55,6 +57,39 @@ class Shape:
         ]
 
 
+def in_private_netns() -> bool:
+    """True inside a network namespace holding only loopback (``unshare --net``)."""
+    try:
+        return [name for _, name in socket.if_nameindex()] == ["lo"]
+    except OSError:
+        return False
+
+
+def skip_reason(name: str) -> str | None:
+    if importlib.util.find_spec(f"transfer.{name}") is None:
+        return f"transfer.{name} is not written yet"
+    if name == "mooncake":
+        if importlib.util.find_spec("mooncake") is None:
+            return "mooncake-transfer-engine is not installed"
+        if not in_private_netns():
+            return (
+                "Mooncake binds 0.0.0.0: its tests run only inside a private network namespace "
+                "(unshare --net -- sh -c 'ip link set lo up && exec python -m pytest ...')"
+            )
+    if name == "nixl" and importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
+        return "nixl is not installed"
+    return None
+
+
+BACKENDS = ["tcp", "mooncake", "nixl"]
+
+
+# Short timeouts so that failure tests end fast; heartbeats still tolerate a loaded 2-core machine.
+FAST = KVTimeouts(bootstrap_s=20.0, waiting_s=20.0, transfer_s=10.0, heartbeat_interval_s=0.25,
+                  heartbeat_timeout_s=2.0)
+SHAPE = Shape()
+
+
 def pattern(seed: int, buffer_index: int, page: int, nbytes: int) -> np.ndarray:
     """Deterministic bytes for one page of one buffer (source data both sides can recompute)."""
     return np.random.default_rng([seed, buffer_index, page]).integers(0, 256, nbytes, dtype=np.uint8)
@@ -64,6 +99,33 @@ def fill(pool: KVPool, seed: int) -> None:
     for b in range(2 * pool.num_layers):
         for p in range(pool.num_pages):
             pool.page_view(b, p)[:] = pattern(seed, b, p, pool.page_bytes)
+
+
+def expected_kv(shape: Shape, seed: int, src_pages: list[int], dst_pages: list[int],
+                base: np.ndarray | None = None) -> np.ndarray:
+    """The decode's whole KV memory as ``[buffer, page, page_bytes]`` after ``src_pages`` of a prefill
+    filled with ``seed`` landed on ``dst_pages`` (everything else as in ``base``, zeros by default)."""
+    page_bytes = shape.page_size * shape.num_kv_heads * shape.head_dim * np.dtype(
+        {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "uint8": np.uint8}[shape.dtype]
+    ).itemsize
+    kv = np.zeros((2 * shape.num_layers, shape.num_pages, page_bytes), np.uint8) if base is None else base.copy()
+    for b in range(2 * shape.num_layers):
+        for src, dst in zip(src_pages, dst_pages, strict=True):
+            kv[b, dst] = pattern(seed, b, src, page_bytes)
+    return kv
+
+
+def pool_kv(pool: KVPool) -> np.ndarray:
+    """A local pool's KV memory as ``[buffer, page, page_bytes]`` (a copy)."""
+    return np.stack([buf.view(np.uint8).reshape(pool.num_pages, -1) for buf in pool.kv_buffers()]).copy()
+
+
+def wait_for(handle: Any, states: tuple[KVPoll, ...], timeout_s: float = 30.0) -> KVPoll:
+    """Poll a local sender/receiver until its state is in ``states`` (or the time is up)."""
+    deadline = time.monotonic() + timeout_s
+    while handle.poll() not in states and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return KVPoll(handle.poll())
 
 
 def timeouts_argv(t: KVTimeouts) -> list[str]:
@@ -92,7 +154,8 @@ class _Peer:
         if op == "hello":
             endpoint = base64.b64encode(self.manager.backend.endpoint()).decode()
             info: dict[str, Any] = {"pid": os.getpid(), "endpoint": endpoint, "kv_ptrs": self.args.kv_ptrs,
-                                    "aux_ptrs": self.args.aux_ptrs, "page_bytes": self.pool.page_bytes}
+                                    "aux_ptrs": self.args.aux_ptrs, "page_bytes": self.pool.page_bytes,
+                                    "regions": self.args.regions()}
             if self.manager.role == "prefill":
                 info["control"] = list(self.manager.control_address)
             return info
@@ -225,6 +288,11 @@ class PeerProcess:
         self._cmd.write(msgspec.json.encode({"op": op, **fields}) + b"\n")
         return self._read(reply_timeout_s)
 
+    def wait(self, room: int, states: tuple[KVPoll, ...], timeout_s: float = 30.0) -> dict[str, Any]:
+        """Wait in the child until the room's state is in ``states``; returns its status dict."""
+        return dict(self.call("wait", reply_timeout_s=timeout_s + 30, room=room, states=[int(s) for s in states],
+                              timeout_s=timeout_s))
+
     def read_memory(self) -> tuple[np.ndarray, np.ndarray]:
         """(kv bytes as [buffer, page, page_bytes], aux as [slot, slot_bytes]) of the peer's pool."""
         got = self.call("read")
@@ -234,8 +302,25 @@ class PeerProcess:
         return kv.reshape(n_buf, self.shape.num_pages, -1), aux.reshape(self.shape.num_aux_slots, -1)
 
     def signal(self, sig: int) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
+        """Send ``sig``; for SIGSTOP, return only once every thread of the child is stopped."""
+        if self.proc.poll() is not None:
+            return
+        os.kill(self.proc.pid, sig)
+        if sig == signal.SIGSTOP:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not self._all_stopped():
+                time.sleep(0.005)
+
+    def _all_stopped(self) -> bool:
+        try:
+            tasks = os.listdir(f"/proc/{self.proc.pid}/task")
+            states = []
+            for tid in tasks:
+                with open(f"/proc/{self.proc.pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            return False
+        return all(state in ("T", "t") for state in states)
 
     def kill(self) -> None:
         """SIGKILL (after SIGCONT, in case it was stopped) and reap; safe to call twice."""
@@ -261,10 +346,6 @@ class PeerProcess:
             except (PeerError, OSError, subprocess.TimeoutExpired):
                 pass
         self.kill()
-
-
-def state(value: int) -> KVPoll:
-    return KVPoll(value)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,201 @@
+"""Contract of the ``TransferBackend`` seam itself, for every backend (fake where meaningful).
+
+Writes from this process into a peer process's registered memory, a write outside the peer's registered
+ranges rejected (and the connection still usable afterwards), unreachable endpoints, unknown peers,
+disconnect, idempotent close. Plus the prefill's own validation of what a decode sends it.
+"""
+
+from __future__ import annotations
+
+import base64
+import socket
+import time
+
+import numpy as np
+import pytest
+from kvpeer import SHAPE, fill, pattern, skip_reason
+
+from transfer import KVArgs, RegionSet, TransferError, TransferErrorKind, WriteState, create_backend
+from transfer.messages import (
+    PROTOCOL_VERSION,
+    FrameReader,
+    Register,
+    RegisterAck,
+    RoomRequest,
+    RoomStatus,
+    encode_frame,
+)
+
+
+def _wait(backend, handle, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while (state := backend.poll(handle)) == WriteState.PENDING and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return state
+
+
+@pytest.fixture
+def local_backend():
+    made = []
+
+    def make(name):
+        backend = create_backend(name)
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+def test_writes_land_and_bad_ranges_are_rejected(backend_name, spawn_peer, local_backend):
+    peer = spawn_peer("decode", backend_name)  # its manager registered its pool with its backend
+    pool = SHAPE.pool()
+    fill(pool, seed=21)
+    backend = local_backend(backend_name)
+    backend.register(KVArgs.from_pool(pool).regions())
+    peer_id = backend.connect(base64.b64decode(peer.info["endpoint"]))
+    assert backend.probe(peer_id)
+    page_bytes = pool.page_bytes
+    src = pool.kv_ptrs()
+    dst = peer.info["kv_ptrs"]
+    regions = RegionSet([tuple(r) for r in peer.info["regions"]])
+    bad_dst = dst[0] + SHAPE.num_pages * page_bytes  # just past buffer 0 of the peer...
+    if regions.contains(bad_dst, page_bytes):  # ...unless the allocator put another buffer right there
+        bad_dst = dst[0] - page_bytes
+    assert not regions.contains(bad_dst, page_bytes)
+    bad = backend.write(peer_id, [(src[0], bad_dst, page_bytes)])
+    assert _wait(backend, bad) == WriteState.FAILED
+    error = backend.error(bad)
+    assert error is not None and error.kind == TransferErrorKind.RANGE_REJECTED, error
+    backend.release(bad)
+    straddling = backend.write(peer_id, [(src[1], dst[1] + page_bytes, page_bytes),
+                                         (src[1], dst[1] + (SHAPE.num_pages - 1) * page_bytes, 2 * page_bytes)])
+    assert _wait(backend, straddling) == WriteState.FAILED
+    assert backend.error(straddling).kind == TransferErrorKind.RANGE_REJECTED
+    backend.release(straddling)
+    # the connection stays usable: a good batch (page 3 of every buffer -> page 8) lands
+    blocks = [(s + 3 * page_bytes, d + 8 * page_bytes, page_bytes) for s, d in zip(src, dst, strict=True)]
+    good = backend.write(peer_id, blocks)
+    assert _wait(backend, good) == WriteState.DONE, backend.error(good)
+    assert backend.error(good) is None
+    backend.release(good)
+    kv = peer.read_memory()[0].copy()
+    for b in range(2 * SHAPE.num_layers):
+        assert np.array_equal(kv[b, 8], pattern(21, b, 3, page_bytes))
+    kv[:, 8] = 0
+    assert not kv.any()  # nothing else was written, not even by the rejected batches
+    backend.disconnect(peer_id)
+    after = backend.write(peer_id, [(src[0], dst[0], 8)])
+    assert backend.poll(after) == WriteState.FAILED and backend.error(after).kind == TransferErrorKind.PEER_GONE
+    backend.close()
+    backend.close()  # idempotent
+
+
+@pytest.mark.parametrize("name", ["tcp", "mooncake", "nixl"])
+def test_connect_to_a_closed_peer_is_unreachable(name, local_backend):
+    if reason := skip_reason(name):
+        pytest.skip(reason)
+    buf = np.zeros(4096, np.uint8)
+    gone = local_backend(name)
+    gone.register([(int(buf.ctypes.data), buf.nbytes)])
+    endpoint = gone.endpoint()
+    gone.close()
+    backend = local_backend(name)
+    backend.register([(int(buf.ctypes.data), buf.nbytes)])
+    with pytest.raises(TransferError) as info:
+        backend.connect(endpoint)
+    assert info.value.kind == TransferErrorKind.PEER_UNREACHABLE
+
+
+@pytest.mark.parametrize("name", ["tcp", "mooncake", "nixl", "fake"])
+def test_unknown_peer_and_empty_batch(name, local_backend):
+    if reason := skip_reason(name):
+        pytest.skip(reason)
+    backend = local_backend(name)
+    buf = np.zeros(4096, np.uint8)
+    backend.register([(int(buf.ctypes.data), buf.nbytes)])
+    handle = backend.write(12345, [(int(buf.ctypes.data), int(buf.ctypes.data), 8)])
+    assert backend.poll(handle) == WriteState.FAILED
+    assert backend.error(handle).kind == TransferErrorKind.PEER_GONE
+    backend.release(handle)
+    backend.release(handle)  # releasing twice is harmless
+    assert not backend.probe(12345)
+
+
+# -- the prefill validates what a decode sends (raw protocol over a real socket) -----------------
+class _RawDecode:
+    def __init__(self, address):
+        self.sock = socket.create_connection(address, timeout=20)
+        self.reader = FrameReader(self.sock)
+
+    def send(self, msg):
+        self.sock.sendall(encode_frame(msg))
+
+    def read(self, kind):
+        while True:
+            msg = self.reader.read()
+            if msg is None or isinstance(msg, kind):
+                return msg
+
+
+def _register(args: KVArgs, endpoint: bytes, backend_: str, **changes) -> Register:
+    fields = dict(version=PROTOCOL_VERSION, backend=backend_, endpoint=endpoint, kv_ptrs=args.kv_ptrs,
+                  kv_data_lens=args.kv_data_lens, kv_item_lens=args.kv_item_lens, aux_ptrs=args.aux_ptrs,
+                  aux_data_lens=args.aux_data_lens, aux_item_lens=args.aux_item_lens, page_size=args.page_size,
+                  kv_dtype=args.kv_dtype)
+    fields.update(changes)
+    return Register(**fields)
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [({"page_size": 8}, "page_size"), ({"kv_dtype": "bfloat16"}, "kv_dtype"), ({"version": 99}, "version"),
+     ({"backend": "other"}, "backend"), ("layers", "layers")],
+)
+def test_prefill_rejects_a_mismatched_decode(backend_name, local_manager, local_backend, change, needle):
+    prefill = local_manager("prefill", backend_name)
+    pool = SHAPE.pool()
+    args = KVArgs.from_pool(pool)
+    data = local_backend(backend_name)
+    data.register(args.regions())
+    if change == "layers":
+        change = {"kv_ptrs": args.kv_ptrs[:2], "kv_data_lens": args.kv_data_lens[:2],
+                  "kv_item_lens": args.kv_item_lens[:2]}
+    raw = _RawDecode(prefill.manager.control_address)
+    raw.send(_register(args, data.endpoint(), backend_name, **change))
+    ack = raw.read(RegisterAck)
+    assert ack is not None and not ack.ok and needle in ack.reason, ack
+    raw.sock.close()
+
+
+def test_prefill_rejects_pages_outside_the_decode_pool(backend_name, local_manager, local_backend):
+    prefill = local_manager("prefill", backend_name)
+    pool = SHAPE.pool()
+    args = KVArgs.from_pool(pool)
+    data = local_backend(backend_name)
+    data.register(args.regions())
+    raw = _RawDecode(prefill.manager.control_address)
+    raw.send(_register(args, data.endpoint(), backend_name))
+    assert raw.read(RegisterAck).ok
+    sender = prefill.manager.create_sender(5)
+    raw.send(RoomRequest(5, [1, 2, SHAPE.num_pages], 0))
+    status = raw.read(RoomStatus)
+    assert status is not None and not status.ok and status.kind == TransferErrorKind.RANGE_REJECTED.value
+    assert "room 5" in status.reason
+    assert sender.poll() == 0 and sender.failure().kind == TransferErrorKind.RANGE_REJECTED
+    raw.send(RoomRequest(6, [1], SHAPE.num_aux_slots))  # aux slot out of range
+    status = raw.read(RoomStatus)
+    assert status.room == 6 and not status.ok and status.kind == "range_rejected"
+    # the connection is still fine: a valid room on it works
+    sender7 = prefill.manager.create_sender(7)
+    raw.send(RoomRequest(7, [0, 1], 1))
+    deadline = time.monotonic() + 10
+    while sender7.poll() != 2 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert sender7.poll() == 2 and sender7.num_dst_pages == 2
+    with pytest.raises(ValueError, match="reserved"):
+        sender7.send([0, 1, 2], last=True)
+    with pytest.raises(ValueError, match="source pages"):
+        sender7.send([SHAPE.num_pages], last=False)
+    raw.sock.close()
