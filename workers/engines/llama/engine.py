@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,7 @@ class TorchEngine(Engine):
     def __init__(self, options: EngineOptions) -> None:
         if options.num_threads > 0:
             torch.set_num_threads(options.num_threads)
+        self._threads_applied_in = threading.get_ident()
         if options.dtype not in DTYPES:
             raise ModelConfigError(f"unsupported dtype {options.dtype!r}; choose one of {', '.join(DTYPES)}")
         self.options = options
@@ -127,6 +129,10 @@ class TorchEngine(Engine):
     def forward(self, batch: list[SeqInput]) -> list[SeqOutput]:
         if self.pool is None:
             raise RuntimeError("TorchEngine.forward before bind(pool)")
+        if self._threads_applied_in != threading.get_ident() and self.options.num_threads > 0:
+            # OpenMP thread counts are per calling thread: apply ours in the scheduler's thread too.
+            torch.set_num_threads(self.options.num_threads)
+            self._threads_applied_in = threading.get_ident()
         self.last_logits = [None] * len(batch)
         if not batch:
             return []
