@@ -1,0 +1,252 @@
+"""KVManager state machine and API contract, in one process over real loopback sockets.
+
+The fake backend (moves no bytes) keeps these fast; byte movement is the contract suite's job.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from kvunit import make_args, wait_for
+
+from transfer import (
+    KVArgs,
+    KVManager,
+    KVPoll,
+    KVTimeouts,
+    TransferErrorKind,
+    WriteState,
+    create_backend,
+)
+from transfer.fake import FakeBackend
+
+QUICK = KVTimeouts(bootstrap_s=5.0, waiting_s=5.0, transfer_s=5.0, heartbeat_interval_s=0.1,
+                   heartbeat_timeout_s=2.0)
+
+
+@pytest.fixture
+def managers():
+    made = []
+
+    def make(role, *, timeouts=QUICK, backend=None, args=None, **kw):
+        manager = KVManager(role, args or make_args(), backend or FakeBackend(), timeouts=timeouts, **kw)
+        made.append(manager)
+        return manager
+
+    yield make
+    for manager in made:
+        manager.close()
+
+
+def open_pair(managers, room=1, pages=(3, 4, 5), **kw):
+    prefill, decode = managers("prefill", **kw), managers("decode", **kw)
+    sender = prefill.create_sender(room)
+    receiver = decode.create_receiver(room, *prefill.control_address)
+    assert wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput)
+    receiver.send_metadata(list(pages), 1)
+    assert wait_for(lambda: sender.poll() == KVPoll.WaitingForInput)
+    return prefill, decode, sender, receiver
+
+
+def test_happy_path_state_machine(managers):
+    prefill, decode = managers("prefill"), managers("decode")
+    sender = prefill.create_sender(7)
+    assert sender.poll() == KVPoll.Bootstrapping and sender.num_dst_pages is None and sender.failure() is None
+    receiver = decode.create_receiver(7, *prefill.control_address)
+    assert receiver.room == 7 and sender.room == 7
+    assert wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput)
+    assert not receiver.metadata_sent and receiver.quiesced  # nothing sent yet: nothing can land
+    assert sender.poll() == KVPoll.Bootstrapping  # no page list yet
+    receiver.send_metadata([2, 3, 9], 0)
+    assert receiver.metadata_sent and receiver.poll() == KVPoll.WaitingForInput and not receiver.quiesced
+    assert wait_for(lambda: sender.poll() == KVPoll.WaitingForInput) and sender.num_dst_pages == 3
+    sender.send([0, 1], last=False)
+    assert sender.poll() in (KVPoll.Transferring, KVPoll.Success)
+    sender.send([5], last=True, aux=b"xy")
+    assert wait_for(lambda: receiver.poll() == KVPoll.Success)
+    assert sender.poll() == KVPoll.Success and receiver.aux_len == 2 and receiver.quiesced
+    assert prefill.num_rooms() == 1 and decode.num_rooms() == 1
+    sender.release()
+    receiver.release()
+    receiver.release()
+    assert prefill.num_rooms() == 0 and decode.num_rooms() == 0
+    # one run per chunk ([0, 1] -> [2, 3], then [5] -> [9]) x 4 buffers, plus the aux block
+    assert prefill.backend.blocks_written == 4 + 4 + 1
+
+
+def test_blocks_per_chunk_merge_runs(managers):
+    backend = FakeBackend()
+    prefill = managers("prefill", backend=backend)
+    decode = managers("decode")
+    sender = prefill.create_sender(2)
+    receiver = decode.create_receiver(2, *prefill.control_address)
+    assert wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput)
+    receiver.send_metadata([3, 4, 5, 10], 0)
+    assert wait_for(lambda: sender.poll() == KVPoll.WaitingForInput)
+    sender.send([7, 8, 9, 11], last=True)  # runs: (7->3, 3 pages), (11->10, 1 page)
+    assert wait_for(lambda: receiver.poll() == KVPoll.Success)
+    n_buffers = 4  # 2 layers x (K, V)
+    assert backend.blocks_written == 2 * n_buffers
+    assert backend.bytes_written == 4 * n_buffers * prefill.args.kv_item_lens[0]
+
+
+def test_api_misuse_is_a_clear_error(managers):
+    prefill, decode, sender, receiver = open_pair(managers)
+    with pytest.raises(ValueError, match="already has a sender"):
+        prefill.create_sender(1)
+    with pytest.raises(ValueError, match="already has a receiver"):
+        decode.create_receiver(1, "127.0.0.1", 1)
+    with pytest.raises(RuntimeError, match="decode KVManager"):
+        decode.create_sender(5)
+    with pytest.raises(RuntimeError, match="prefill KVManager"):
+        prefill.create_receiver(5, "127.0.0.1", 1)
+    with pytest.raises(AttributeError, match="only a prefill"):
+        _ = decode.control_address
+    with pytest.raises(ValueError, match="role"):
+        KVManager("both", make_args(), FakeBackend())  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="called twice"):
+        receiver.send_metadata([1], 0)
+    with pytest.raises(ValueError, match="aux goes with the last chunk"):
+        sender.send([1], last=False, aux=b"x")
+    with pytest.raises(ValueError, match="aux of 33 bytes"):
+        sender.send([1], last=True, aux=bytes(33))
+    with pytest.raises(ValueError, match="reserved 3"):
+        sender.send([1, 2, 3, 4], last=True)
+    with pytest.raises(ValueError, match="source pages"):
+        sender.send([16], last=False)
+    sender.send([1, 2, 3], last=True)
+    with pytest.raises(RuntimeError, match="after the last chunk"):
+        sender.send([], last=True)
+    early = prefill.create_sender(9)
+    with pytest.raises(RuntimeError, match="before the decode's page list"):
+        early.send([1], last=True)
+    r2 = decode.create_receiver(10, *prefill.control_address)
+    with pytest.raises(ValueError, match="destination pages"):
+        assert wait_for(lambda: r2.poll() == KVPoll.WaitingForInput)
+        r2.send_metadata([0, 16], 0)
+    with pytest.raises(ValueError, match="aux slot 4"):
+        r2.send_metadata([0], 4)
+    assert not r2.metadata_sent  # rejected calls change nothing
+    r2.release()
+    with pytest.raises(RuntimeError, match="after release"):
+        r2.send_metadata([0], 0)
+
+
+def test_abort_before_metadata_and_tombstone(managers):
+    prefill, decode = managers("prefill"), managers("decode")
+    receiver = decode.create_receiver(3, *prefill.control_address)
+    assert wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput)
+    receiver.abort("gateway gave up")
+    assert receiver.poll() == KVPoll.Failed and receiver.quiesced
+    assert receiver.failure().kind == TransferErrorKind.ABORTED and "gateway gave up" in str(receiver.failure())
+    # the prefill's sender for that room, created later, fails at once instead of waiting 300 s
+    time.sleep(0.2)
+    sender = prefill.create_sender(3)
+    assert sender.poll() == KVPoll.Failed and sender.failure().kind == TransferErrorKind.ABORTED
+    receiver.abort("again")  # no effect on a finished room
+    assert "gateway gave up" in str(receiver.failure())
+
+
+def test_release_of_a_live_room_aborts_it(managers):
+    prefill, _decode, sender, receiver = open_pair(managers)
+    sender.release()
+    assert sender.poll() == KVPoll.Failed and prefill.num_rooms() == 0
+    assert wait_for(lambda: receiver.poll() == KVPoll.Failed)
+    assert receiver.failure().kind == TransferErrorKind.ABORTED and "released" in str(receiver.failure())
+    assert wait_for(lambda: receiver.quiesced)
+    with pytest.raises(RuntimeError, match="after release"):
+        sender.send([1], last=True)
+
+
+def test_close_fails_live_rooms_and_tells_the_peer(managers):
+    prefill, decode, sender, receiver = open_pair(managers)
+    other = decode.create_receiver(2, *prefill.control_address)
+    prefill.close()
+    prefill.close()  # idempotent
+    assert sender.poll() == KVPoll.Failed and sender.failure().kind == TransferErrorKind.ABORTED
+    assert wait_for(lambda: receiver.poll() == KVPoll.Failed and other.poll() == KVPoll.Failed)
+    assert receiver.failure().kind in (TransferErrorKind.ABORTED, TransferErrorKind.PEER_GONE)
+    assert receiver.quiesced
+    with pytest.raises(RuntimeError, match="closed"):
+        prefill.create_sender(99)
+    decode.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kv-") and t.is_alive()
+                and "mc" not in t.name]
+
+
+def test_resolver_runs_in_the_background(managers):
+    prefill = managers("prefill")
+    calls = []
+    caller = threading.get_ident()
+
+    def resolver(host, port, instance_id):
+        calls.append((host, port, instance_id, threading.get_ident() != caller))
+        return prefill.control_address
+
+    decode = managers("decode", resolver=resolver)
+    receiver = decode.create_receiver(4, "prefill-0.local", None, "inst-7")
+    assert wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput)
+    assert calls == [("prefill-0.local", None, "inst-7", True)]
+
+
+def test_bootstrap_failures(managers):
+    def broken(host, port, instance_id):
+        raise LookupError("no such prefill instance")
+
+    decode = managers("decode", resolver=broken)
+    receiver = decode.create_receiver(5, "h", 1, "x")
+    assert wait_for(lambda: receiver.poll() == KVPoll.Failed)
+    error = receiver.failure()
+    assert error.kind == TransferErrorKind.BOOTSTRAP
+    assert "no such prefill instance" in str(error) and "room 5" in str(error)
+    plain = managers("decode")
+    nowhere = plain.create_receiver(6, "127.0.0.1", None)
+    assert wait_for(lambda: nowhere.poll() == KVPoll.Failed)
+    assert nowhere.failure().kind == TransferErrorKind.BOOTSTRAP
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    refused = plain.create_receiver(7, "127.0.0.1", dead_port)
+    assert wait_for(lambda: refused.poll() == KVPoll.Failed)
+    assert refused.failure().kind == TransferErrorKind.PEER_UNREACHABLE
+
+
+def test_registration_mismatch_fails_the_room(managers):
+    prefill = managers("prefill")
+    decode = managers("decode", args=make_args(page_size=8))
+    receiver = decode.create_receiver(8, *prefill.control_address)
+    assert wait_for(lambda: receiver.poll() == KVPoll.Failed)
+    assert receiver.failure().kind == TransferErrorKind.PROTOCOL and "page_size" in str(receiver.failure())
+    other = managers("decode", backend=create_backend("tcp"))
+    receiver = other.create_receiver(9, *prefill.control_address)
+    assert wait_for(lambda: receiver.poll() == KVPoll.Failed)
+    assert "transfer backend 'tcp'" in str(receiver.failure())
+
+
+def test_kvargs_validation():
+    args = make_args()
+    assert args.num_pages == 16 and args.num_aux_slots == 4 and args.aux_slot_bytes == 32
+    with pytest.raises(ValueError, match="differ in length"):
+        KVArgs([1, 2], [8], [4, 4], [], [], [], 4)
+    with pytest.raises(ValueError, match="not a multiple"):
+        KVArgs([1, 2], [8, 9], [4, 4], [], [], [], 4)
+    with pytest.raises(ValueError, match="even count"):
+        KVArgs([1], [8], [4], [], [], [], 4)
+    with pytest.raises(ValueError, match="page_size"):
+        KVArgs([1, 2], [8, 8], [4, 4], [], [], [], 0)
+    assert KVArgs([1, 2], [8, 8], [4, 4], [], [], [], 1).num_aux_slots == 0
+
+
+def test_fake_backend_moves_nothing():
+    backend = FakeBackend()
+    buf = np.zeros(8, np.uint8)
+    backend.register([(int(buf.ctypes.data), 8)])
+    peer = backend.connect(b"anything")
+    handle = backend.write(peer, [(1, 2, 3)])
+    assert backend.poll(handle) == WriteState.DONE and backend.error(handle) is None
+    assert backend.bytes_written == 3 and not buf.any()

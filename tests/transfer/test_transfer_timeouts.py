@@ -1,0 +1,160 @@
+"""Every deadline of the control plane fires, with the right kind and a message naming the room."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+from kvunit import make_args, wait_for
+
+from transfer import KVManager, KVPoll, KVTimeouts, TransferErrorKind, WriteState
+from transfer.fake import FakeBackend
+
+
+class StuckBackend(FakeBackend):
+    """Writes stay PENDING until ``unstick()`` (a peer that stopped draining)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stuck = True
+        self.pending: set[int] = set()
+
+    def write(self, peer, blocks):
+        handle = super().write(peer, blocks)
+        self.pending.add(handle)
+        return handle
+
+    def poll(self, handle):
+        return WriteState.PENDING if self.stuck and handle in self.pending else super().poll(handle)
+
+    def unstick(self) -> None:
+        self.stuck = False
+
+
+@pytest.fixture
+def managers():
+    made = []
+
+    def make(role, timeouts, backend=None):
+        manager = KVManager(role, make_args(), backend or FakeBackend(), timeouts=timeouts)
+        made.append(manager)
+        return manager
+
+    yield make
+    for manager in made:
+        manager.close()
+
+
+def _t(**kw):
+    base = dict(bootstrap_s=5.0, waiting_s=5.0, transfer_s=5.0, heartbeat_interval_s=0.1, heartbeat_timeout_s=3.0)
+    return KVTimeouts(**{**base, **kw})
+
+
+def test_sender_bootstrap_timeout(managers):
+    prefill = managers("prefill", _t(bootstrap_s=0.3))
+    sender = prefill.create_sender(1)
+    assert wait_for(lambda: sender.poll() == KVPoll.Failed, 5)
+    error = sender.failure()
+    assert error.kind == TransferErrorKind.TIMEOUT and "room 1" in str(error) and "page list" in str(error)
+
+
+def test_room_request_ttl_without_sender(managers):
+    prefill = managers("prefill", _t(bootstrap_s=0.4))
+    decode = managers("decode", _t())
+    receiver = decode.create_receiver(2, *prefill.control_address)
+    assert wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput)
+    receiver.send_metadata([1], 0)
+    assert wait_for(lambda: receiver.poll() == KVPoll.Failed, 5)
+    assert receiver.failure().kind == TransferErrorKind.TIMEOUT and "no sender" in str(receiver.failure())
+    assert wait_for(lambda: receiver.quiesced)
+
+
+def test_receiver_waiting_timeout_aborts_the_prefill(managers):
+    prefill = managers("prefill", _t())
+    decode = managers("decode", _t(waiting_s=0.3))
+    sender = prefill.create_sender(3)
+    receiver = decode.create_receiver(3, *prefill.control_address)
+    assert wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput)
+    receiver.send_metadata([1, 2], 0)
+    assert wait_for(lambda: sender.poll() == KVPoll.WaitingForInput)
+    # the prefill never sends: the decode gives up and tells the prefill
+    assert wait_for(lambda: receiver.poll() == KVPoll.Failed, 5)
+    assert receiver.failure().kind == TransferErrorKind.TIMEOUT and "no KV" in str(receiver.failure())
+    assert wait_for(lambda: sender.poll() == KVPoll.Failed, 5)
+    assert sender.failure().kind == TransferErrorKind.ABORTED and "timed out" in str(sender.failure())
+    assert wait_for(lambda: receiver.quiesced)
+
+
+def test_receiver_bootstrap_timeout_on_a_mute_listener(managers):
+    mute = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    try:
+        decode = managers("decode", _t(bootstrap_s=0.4, heartbeat_timeout_s=30.0, heartbeat_interval_s=1.0))
+        receiver = decode.create_receiver(4, *mute.getsockname()[:2])
+        assert wait_for(lambda: receiver.poll() == KVPoll.Failed, 5)
+        error = receiver.failure()
+        assert error.kind == TransferErrorKind.TIMEOUT and "not connected to a prefill" in str(error)
+    finally:
+        mute.close()
+
+
+def test_silent_prefill_fails_rooms_by_heartbeat(managers):
+    """A 'prefill' that accepts the registration and then says nothing more."""
+    from transfer.messages import FrameReader, RegisterAck, encode_frame
+
+    server = socket.create_server(("127.0.0.1", 0))
+    conns = []
+
+    def serve():
+        sock, _ = server.accept()
+        conns.append(sock)
+        FrameReader(sock).read()  # Register
+        sock.sendall(encode_frame(RegisterAck(True)))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        decode = managers("decode", _t(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6))
+        receiver = decode.create_receiver(5, *server.getsockname()[:2])
+        assert wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput)
+        receiver.send_metadata([1], 0)
+        started = time.monotonic()
+        assert wait_for(lambda: receiver.poll() == KVPoll.Failed, 5)
+        assert time.monotonic() - started >= 0.3
+        error = receiver.failure()
+        assert error.kind == TransferErrorKind.TIMEOUT and "heartbeat" in str(error) and "room 5" in str(error)
+    finally:
+        thread.join(5)
+        for sock in conns:
+            sock.close()
+        server.close()
+
+
+def test_transfer_timeout_and_late_quiesce(managers):
+    stuck = StuckBackend()
+    prefill = managers("prefill", _t(transfer_s=0.3), backend=stuck)
+    decode = managers("decode", _t())
+    sender = prefill.create_sender(6)
+    receiver = decode.create_receiver(6, *prefill.control_address)
+    assert wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput)
+    receiver.send_metadata([1, 2], 0)
+    assert wait_for(lambda: sender.poll() == KVPoll.WaitingForInput)
+    sender.send([3, 4], last=True)
+    assert sender.poll() == KVPoll.Transferring
+    assert wait_for(lambda: sender.poll() == KVPoll.Failed, 5)
+    assert sender.failure().kind == TransferErrorKind.TIMEOUT and "still pending" in str(sender.failure())
+    assert wait_for(lambda: receiver.poll() == KVPoll.Failed, 5)
+    assert receiver.failure().kind == TransferErrorKind.TIMEOUT
+    time.sleep(0.3)
+    assert not receiver.quiesced  # the stuck write might still land
+    stuck.unstick()
+    assert wait_for(lambda: receiver.quiesced, 5)
+
+
+def test_timeouts_validation():
+    with pytest.raises(ValueError, match="bootstrap_s"):
+        KVTimeouts(bootstrap_s=0)
+    with pytest.raises(ValueError, match="heartbeat_timeout_s"):
+        KVTimeouts(heartbeat_interval_s=2.0, heartbeat_timeout_s=1.0)
+    assert KVTimeouts().bootstrap_s == 300.0
