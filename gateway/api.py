@@ -37,6 +37,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     want_logprobs: bool
+    echo: bool = False  # /v1/completions: the prompt is repeated before the completion
 
 
 def decode_body(body: bytes, kind: type[Any]) -> Any:
@@ -138,8 +139,9 @@ class Frontend:
             raise BadRequest("prompt must be a string or a list of token ids", param="prompt")
         logprobs = req.logprobs is not None
         params, stops = self._params(req, input_ids, req.max_tokens, logprobs, req.logprobs or 0)
+        params.prompt_logprobs = logprobs and req.echo
         return Prepared(input_ids, params, req.n, stops, req.stream,
-                        bool(req.stream_options and req.stream_options.include_usage), logprobs)
+                        bool(req.stream_options and req.stream_options.include_usage), logprobs, req.echo)
 
     def prepare_generate(self, req: GenerateRequest) -> tuple[Prepared, GenerateSampling]:
         try:

@@ -247,18 +247,23 @@ def create_app(config: GatewayConfig) -> Starlette:
         if prep.stream:
             return stream(prep, await first_event_or_error(completion_events(frontend, prep, rid, created)))
         choices = await collect(frontend, prep)
+        prompt_text = frontend.tokenizer.decode(prep.input_ids) if prep.echo else ""
         return _reply({
             "id": rid, "object": "text_completion", "created": created, "model": frontend.model_name,
             "choices": [{
-                "index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                "logprobs": _legacy_logprobs(c.logprobs) if prep.want_logprobs else None,
+                "index": c.index, "text": prompt_text + c.text, "finish_reason": c.finish_reason,
+                "logprobs": _legacy_logprobs(_echo_entries(frontend, prep, c) + c.logprobs)
+                if prep.want_logprobs else None,
             } for c in choices],
             "usage": _usage(len(prep.input_ids), choices),
         })
 
     async def completion_events(frontend: Frontend, prep: Prepared, rid: str, created: int) -> AsyncIterator[bytes]:
         states: dict[int, ChoiceState] = {}
+        prompt_text = frontend.tokenizer.decode(prep.input_ids) if prep.echo else ""
         async for state, text, entries in frontend.run_choices(prep):
+            if state.index not in states:
+                text = prompt_text + text
             states[state.index] = state
             if text or state.finish_reason is not None:
                 payload: dict[str, Any] = {
@@ -366,5 +371,19 @@ def _legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} if e["top_logprobs"] is not None
+                         else None for e in entries],
     }
+
+
+def _echo_entries(frontend: Frontend, prep: Prepared, choice: ChoiceState) -> list[dict[str, Any]]:
+    """Prompt-token entries for ``echo`` + ``logprobs`` (the first token has no logprob)."""
+    if not prep.echo:
+        return []
+    values = choice.prompt_logprobs or []
+    entries = []
+    for i, token_id in enumerate(prep.input_ids):
+        lp = values[i] if i < len(values) else None
+        entries.append({"token": frontend.tokenizer.decode([token_id]),
+                        "logprob": None if i == 0 or lp is None or lp != lp else lp, "top_logprobs": None})
+    return entries

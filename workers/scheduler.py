@@ -320,7 +320,13 @@ class Scheduler(PDQueues):
             reqs.append(req)
         if not batch:
             return False
-        outputs = self.engine.forward(batch)
+        try:
+            outputs = self.engine.forward(batch)
+        except Exception as exc:  # a bad batch fails its requests, not the worker
+            log.exception("engine step failed")
+            for req in reqs:
+                self._fail(req, "internal", f"engine step failed: {type(exc).__name__}: {exc}")
+            return True
         self.num_steps += 1
         for req, seq, out in zip(reqs, batch, outputs, strict=True):
             if req.done:

@@ -139,3 +139,17 @@ def test_generate_returns_input_and_output_logprobs(deployment: Deployment) -> N
     both_in = [lp for lp, _, _ in results[1]["meta_info"]["input_token_logprobs"][1:]]
     assert max(abs(a - b) for a, b in zip(pd_in, both_in, strict=True)) < 1e-4
     assert results[0]["text"] == results[1]["text"]
+
+
+def test_completions_echo_with_logprobs(deployment: Deployment) -> None:
+    prompt = "Roses are red, violets are"
+    r = httpx.post(f"{deployment.pd_url}/completions", timeout=120,
+                   json={"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"].startswith(prompt) and len(choice["text"]) > len(prompt)
+    lp = choice["logprobs"]
+    n_prompt = r.json()["usage"]["prompt_tokens"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == n_prompt + 3
+    assert lp["token_logprobs"][0] is None and all(v <= 0 for v in lp["token_logprobs"][1:])
+    assert "".join(lp["tokens"][:n_prompt]) == prompt

@@ -198,3 +198,23 @@ def test_preemption_by_recompute_when_pages_run_out() -> None:
         run_until_idle(solo)
         assert tokens_of(sink, rid) == tokens_of(solo_sink, rid), "preemption must not change outputs"
     assert sched.cache.num_available == pool.num_pages
+
+
+def test_engine_failure_fails_the_batch_not_the_worker() -> None:
+    sched, sink, pool = make()
+    real_forward = sched.engine.forward
+    calls = {"n": 0}
+
+    def flaky(batch):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ValueError("boom")
+        return real_forward(batch)
+
+    sched.engine.forward = flaky  # type: ignore[method-assign]
+    sched.submit(0, Submit(1, [1, 2, 3], SamplingParams(max_new_tokens=5)))
+    run_until_idle(sched)
+    assert sink.errors(1)[0].code == "internal" and "boom" in sink.errors(1)[0].message
+    sched.submit(0, Submit(2, [1, 2, 3], SamplingParams(max_new_tokens=5)))
+    run_until_idle(sched)
+    assert len(tokens_of(sink, 2)) == 5 and sched.cache.num_available == pool.num_pages
