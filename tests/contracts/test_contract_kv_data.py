@@ -8,7 +8,7 @@ memory is compared with what it must hold, untouched pages included.
 from __future__ import annotations
 
 import numpy as np
-from kvpeer import expected_kv, fill, pool_kv, wait_for
+from kvpeer import Shape, expected_kv, fill, pool_kv, wait_for
 
 from transfer import KVPoll
 
@@ -105,3 +105,26 @@ def test_concurrent_rooms_share_one_connection(backend_name, spawn_peer, local_m
         receivers[room].release()
         prefill.call("release", room=room)
     assert decode.manager.num_rooms() == 0 and prefill.call("num_rooms") == 0
+
+
+def test_many_small_blocks_in_flight(backend_name, spawn_peer, local_manager):
+    """Thousands of blocks per chunk and several chunks in flight at once (Mooncake's tcp transport
+    refuses more than 2048 entries in flight: the backend must split and throttle)."""
+    shape = Shape(num_layers=30, num_pages=256, page_size=1, num_kv_heads=1, head_dim=16, num_aux_slots=2)
+    prefill = local_manager("prefill", backend_name, shape=shape)
+    fill(prefill.pool, seed=13)
+    decode = spawn_peer("decode", backend_name, shape=shape)
+    host, port = prefill.manager.control_address
+    sender = prefill.manager.create_sender(5)
+    decode.call("create_receiver", room=5, host=host, port=port)
+    assert decode.wait(5, (KVPoll.WaitingForInput, KVPoll.Failed))["state"] == KVPoll.WaitingForInput
+    dst_pages = list(range(0, 256, 2))  # every other page: no run merges, 128 runs x 60 buffers
+    src_pages = list(range(255, 0, -2))
+    decode.call("send_metadata", room=5, pages=dst_pages, aux_index=1)
+    assert wait_for(sender, (KVPoll.WaitingForInput, KVPoll.Failed)) == KVPoll.WaitingForInput
+    for offset in range(0, 128, 40):  # chunks of 2400 blocks, posted back to back
+        sender.send(src_pages[offset : offset + 40], last=offset + 40 >= 128)
+    assert wait_for(sender, DONE, 60) == KVPoll.Success, sender.failure()
+    assert decode.wait(5, DONE)["state"] == KVPoll.Success
+    kv, _ = decode.read_memory()
+    assert np.array_equal(kv, expected_kv(shape, 13, src_pages, dst_pages))

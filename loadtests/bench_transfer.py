@@ -1,0 +1,307 @@
+"""KV transfer benchmark: GiB/s per backend for a realistic paged KV, next to a numpy memcpy baseline.
+
+The KV of one 2k-token prompt of a SmolLM2-135M-shaped model (30 layers, 3 KV heads x 64 dims, page size
+16, bf16 by default) moves from a prefill KVManager in this process into a decode KVManager in a child
+process, in chunks (chunked prefill), through the full control plane. Page lists are fragmented the way
+an allocator leaves them after churn. Printed per backend: room throughput (first send -> every write
+DONE), per-chunk latency (send -> that chunk's writes DONE), and the same bytes copied with numpy in this
+process (block by block, and as one contiguous copy) as the baseline measured in the same run.
+
+    python loadtests/bench_transfer.py                       # tcp and nixl (mooncake needs a netns)
+    unshare --net -- sh -c 'ip link set lo up && exec python loadtests/bench_transfer.py'   # + mooncake
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from transfer import (
+    KVArgs,
+    KVManager,
+    KVPoll,
+    KVTimeouts,
+    TransferBackend,
+    TransferError,
+    WriteState,
+    create_backend,
+)
+from transfer.base import Block, PeerId, Region, WriteHandle
+from transfer.blocks import kv_blocks, merge_runs
+from workers.kv_pool import KVPool
+
+GiB = 1024**3
+
+
+def in_private_netns() -> bool:
+    try:
+        return [name for _, name in socket.if_nameindex()] == ["lo"]
+    except OSError:
+        return False
+
+
+def make_pool(ns: argparse.Namespace) -> KVPool:
+    return KVPool(num_layers=ns.layers, num_pages=ns.pool_pages, page_size=ns.page_size, num_kv_heads=ns.kv_heads,
+                  head_dim=ns.head_dim, dtype=ns.dtype, num_aux_slots=16, aux_slot_bytes=4096)
+
+
+def fragmented_pages(rng: np.random.Generator, pool_pages: int, n: int) -> list[int]:
+    """``n`` distinct page ids in runs of 1-8 consecutive pages, runs in random order."""
+    starts = rng.permutation(pool_pages // 8) * 8
+    pages: list[int] = []
+    for start in starts:
+        run = int(rng.integers(1, 9))
+        pages.extend(range(int(start), int(start) + min(run, n - len(pages))))
+        if len(pages) == n:
+            return pages
+    raise ValueError("pool too small")
+
+
+class TimedBackend(TransferBackend):
+    """Delegates to a real backend and records, per write, post time and the first time it read DONE."""
+
+    def __init__(self, inner: TransferBackend) -> None:
+        self.inner = inner
+        self.name = inner.name  # type: ignore[misc]
+        self.posted: dict[WriteHandle, float] = {}
+        self.latencies_s: list[float] = []
+        self.blocks_per_write: list[int] = []
+
+    def register(self, regions: Sequence[Region]) -> None:
+        self.inner.register(regions)
+
+    def endpoint(self) -> bytes:
+        return self.inner.endpoint()
+
+    def connect(self, endpoint: bytes) -> PeerId:
+        return self.inner.connect(endpoint)
+
+    def write(self, peer: PeerId, blocks: Sequence[Block]) -> WriteHandle:
+        handle = self.inner.write(peer, blocks)
+        self.posted[handle] = time.perf_counter()
+        self.blocks_per_write.append(len(blocks))
+        return handle
+
+    def poll(self, handle: WriteHandle) -> WriteState:
+        state = self.inner.poll(handle)
+        if state == WriteState.DONE and handle in self.posted:
+            self.latencies_s.append(time.perf_counter() - self.posted.pop(handle))
+        return state
+
+    def error(self, handle: WriteHandle) -> TransferError | None:
+        return self.inner.error(handle)
+
+    def release(self, handle: WriteHandle) -> None:
+        self.posted.pop(handle, None)
+        self.inner.release(handle)
+
+    def probe(self, peer: PeerId) -> bool:
+        return self.inner.probe(peer)
+
+    def disconnect(self, peer: PeerId) -> None:
+        self.inner.disconnect(peer)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+# -- child: the decode -----------------------------------------------------------------------------
+def child_main(ns: argparse.Namespace) -> None:
+    pool = make_pool(ns)
+    manager = KVManager("decode", KVArgs.from_pool(pool), create_backend(ns.backend))
+    out = os.fdopen(ns.reply_fd, "wb", buffering=0)
+    out.write(b'"ready"\n')
+    for line in os.fdopen(ns.cmd_fd, "rb"):
+        cmd = msgspec.json.decode(line)
+        if cmd["op"] == "quit":
+            break
+        receiver = manager.create_receiver(cmd["room"], cmd["host"], cmd["port"])
+        while receiver.poll() == KVPoll.Bootstrapping:
+            time.sleep(0.0005)
+        receiver.send_metadata(cmd["pages"], 0)
+        while receiver.poll() not in (KVPoll.Success, KVPoll.Failed):
+            time.sleep(0.0005)
+        error = receiver.failure()
+        receiver.release()
+        out.write(msgspec.json.encode({"ok": error is None, "error": str(error) if error else None}) + b"\n")
+    manager.close()
+
+
+# -- parent: the prefill ---------------------------------------------------------------------------
+def spawn_decode(ns: argparse.Namespace, backend: str) -> tuple[subprocess.Popen[bytes], Any, Any]:
+    cmd_r, cmd_w = os.pipe()
+    reply_r, reply_w = os.pipe()
+    argv = [sys.executable, __file__, "--child", f"--backend={backend}", f"--cmd-fd={cmd_r}", f"--reply-fd={reply_w}",
+            *shape_argv(ns)]
+    proc = subprocess.Popen(argv, pass_fds=(cmd_r, reply_w), stdout=subprocess.DEVNULL)
+    os.close(cmd_r)
+    os.close(reply_w)
+    cmd, reply = os.fdopen(cmd_w, "wb", buffering=0), os.fdopen(reply_r, "rb")
+    if msgspec.json.decode(reply.readline()) != "ready":
+        raise RuntimeError("decode child failed to start")
+    return proc, cmd, reply
+
+
+def shape_argv(ns: argparse.Namespace) -> list[str]:
+    return [f"--layers={ns.layers}", f"--kv-heads={ns.kv_heads}", f"--head-dim={ns.head_dim}",
+            f"--page-size={ns.page_size}", f"--dtype={ns.dtype}", f"--pool-pages={ns.pool_pages}",
+            f"--tokens={ns.tokens}"]
+
+
+def bench_backend(ns: argparse.Namespace, backend_name: str, pool: KVPool) -> dict[str, Any]:
+    timed = TimedBackend(create_backend(backend_name))
+    manager = KVManager("prefill", KVArgs.from_pool(pool), timed, timeouts=KVTimeouts(transfer_s=120.0))
+    proc, cmd, reply = spawn_decode(ns, backend_name)
+    host, port = manager.control_address
+    rng = np.random.default_rng(1)
+    n_pages = ns.tokens // ns.page_size
+    chunk_pages = ns.chunk_tokens // ns.page_size
+    room_s: list[float] = []
+    try:
+        for i in range(ns.warmup + ns.rooms):
+            src = fragmented_pages(rng, ns.pool_pages, n_pages)
+            dst = fragmented_pages(rng, ns.pool_pages, n_pages)
+            sender = manager.create_sender(i)
+            cmd.write(msgspec.json.encode({"op": "room", "room": i, "host": host, "port": port, "pages": dst}) + b"\n")
+            while sender.poll() == KVPoll.Bootstrapping:
+                time.sleep(0.0002)
+            if i == ns.warmup:
+                timed.latencies_s.clear()
+                timed.blocks_per_write.clear()
+            started = time.perf_counter()
+            for offset in range(0, n_pages, chunk_pages):
+                last = offset + chunk_pages >= n_pages
+                sender.send(src[offset : offset + chunk_pages], last=last, aux=b"tok" if last else None)
+            while sender.poll() not in (KVPoll.Success, KVPoll.Failed):
+                time.sleep(0.0002)
+            elapsed = time.perf_counter() - started
+            if sender.poll() != KVPoll.Success:
+                raise RuntimeError(f"{backend_name}: room {i} failed: {sender.failure()}")
+            sender.release()
+            result = msgspec.json.decode(reply.readline())
+            if not result["ok"]:
+                raise RuntimeError(f"{backend_name}: decode side of room {i} failed: {result['error']}")
+            if i >= ns.warmup:
+                room_s.append(elapsed)
+        cmd.write(b'{"op": "quit"}\n')
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        manager.close()
+    room_bytes = n_pages * len(pool.kv_ptrs()) * pool.page_bytes
+    lat_ms = sorted(1000 * s for s in timed.latencies_s)
+    return {
+        "backend": backend_name,
+        "gibps": [room_bytes / s / GiB for s in room_s],
+        "room_ms": statistics.median(room_s) * 1000,
+        "chunk_p50_ms": lat_ms[len(lat_ms) // 2],
+        "chunk_p99_ms": lat_ms[min(len(lat_ms) - 1, int(len(lat_ms) * 0.99))],
+        "blocks_per_chunk": statistics.median(timed.blocks_per_write),
+    }
+
+
+def bench_memcpy(ns: argparse.Namespace, src_pool: KVPool) -> list[tuple[str, list[float]]]:
+    """The same bytes copied in this process with numpy: block by block (same fragmentation) and
+    as one contiguous buffer."""
+    dst_pool = make_pool(ns)
+    rng = np.random.default_rng(1)
+    n_pages = ns.tokens // ns.page_size
+    src_mem = [b.view(np.uint8).reshape(-1) for b in src_pool.kv_buffers()]
+    dst_mem = [b.view(np.uint8).reshape(-1) for b in dst_pool.kv_buffers()]
+    item = src_pool.page_bytes
+    total = n_pages * len(src_mem) * item
+    blockwise, contiguous = [], []
+    flat_src, flat_dst = np.ones(total, np.uint8), np.zeros(total, np.uint8)
+    for _ in range(ns.warmup + ns.rooms):
+        src = fragmented_pages(rng, ns.pool_pages, n_pages)
+        dst = fragmented_pages(rng, ns.pool_pages, n_pages)
+        runs = merge_runs(src, dst)
+        blocks = kv_blocks([0] * len(src_mem), [0] * len(dst_mem), [item] * len(src_mem), runs)
+        started = time.perf_counter()
+        for b in range(len(src_mem)):
+            per_buf = blocks[b * len(runs) : (b + 1) * len(runs)]
+            for s, d, n in per_buf:
+                dst_mem[b][d : d + n] = src_mem[b][s : s + n]
+        blockwise.append(total / (time.perf_counter() - started) / GiB)
+        started = time.perf_counter()
+        np.copyto(flat_dst, flat_src)
+        contiguous.append(total / (time.perf_counter() - started) / GiB)
+    return [("memcpy numpy, same blocks", blockwise[ns.warmup :]),
+            ("memcpy numpy, contiguous", contiguous[ns.warmup :])]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", default="tcp,mooncake,nixl")
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--chunk-tokens", type=int, default=512)
+    parser.add_argument("--pool-pages", type=int, default=1024)
+    parser.add_argument("--rooms", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--backend", help=argparse.SUPPRESS)
+    parser.add_argument("--cmd-fd", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--reply-fd", type=int, help=argparse.SUPPRESS)
+    ns = parser.parse_args()
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("UCX_TLS", "tcp")
+    if not in_private_netns():
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    if ns.child:
+        child_main(ns)
+        return
+    pool = make_pool(ns)
+    for buf in pool.kv_buffers():
+        buf.view(np.uint8)[...] = np.random.default_rng(0).integers(0, 256, buf.nbytes, np.uint8).reshape(
+            buf.view(np.uint8).shape)
+    n_pages = ns.tokens // ns.page_size
+    room_mib = n_pages * 2 * ns.layers * pool.page_bytes / 2**20
+    print(f"KV of a {ns.tokens}-token prompt: {ns.layers} layers x (K,V) x {n_pages} pages of {pool.page_bytes} B "
+          f"({ns.kv_heads} heads x {ns.head_dim} x {ns.page_size} tok, {ns.dtype}) = {room_mib:.1f} MiB per room; "
+          f"chunks of {ns.chunk_tokens} tokens; {ns.rooms} rooms (+{ns.warmup} warm-up); "
+          f"UCX_TLS={os.environ.get('UCX_TLS')}; cpus={os.cpu_count()}")
+    rows: list[tuple[str, str, str, str, str, str]] = []
+    for name in ns.backends.split(","):
+        if name == "mooncake" and not in_private_netns():
+            rows.append((name, "skipped: run under unshare --net (Mooncake binds 0.0.0.0)", "", "", "", ""))
+            continue
+        try:
+            r = bench_backend(ns, name, pool)
+        except (TransferError, RuntimeError, ValueError) as exc:
+            rows.append((name, f"failed: {exc}", "", "", "", ""))
+            continue
+        g = r["gibps"]
+        rows.append((name, f"{statistics.median(g):.2f} ({min(g):.2f}-{max(g):.2f})", f"{r['room_ms']:.1f}",
+                     f"{r['chunk_p50_ms']:.1f}", f"{r['chunk_p99_ms']:.1f}", f"{r['blocks_per_chunk']:.0f}"))
+    for label, g in bench_memcpy(ns, pool):
+        rows.append((label, f"{statistics.median(g):.2f} ({min(g):.2f}-{max(g):.2f})",
+                     f"{room_mib / 1024 / statistics.median(g) * 1000:.1f}", "", "", ""))
+    header = ("path", "GiB/s median (min-max)", "room ms", "chunk p50 ms", "chunk p99 ms", "blocks/chunk")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, tuple("-" * w for w in widths), *rows]:
+        print(" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
+
+
+if __name__ == "__main__":
+    main()
