@@ -19,8 +19,12 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 
 
 @pytest.fixture
-def sim_cluster(procs: Procs) -> Callable[..., SimCluster]:
-    """Factory: bootstrap + N prefill + M decode sim workers + gateway, all real processes."""
+def sim_cluster(procs: Procs) -> Iterator[Callable[..., SimCluster]]:
+    """Factory: bootstrap + N prefill + M decode sim workers + gateway, all real processes.
+
+    At teardown every worker still alive must have its KV pool back to full: no test may leak pages.
+    """
+    made: list[SimCluster] = []
 
     def make(num_prefill: int = 1, num_decode: int = 1, transfer: str = "tcp", worker_args: tuple[str, ...] = (),
              prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
@@ -33,9 +37,13 @@ def sim_cluster(procs: Procs) -> Callable[..., SimCluster]:
                    for _ in range(num_decode)]
         port = start_gateway(procs, "--prefill", *[w.url for w in prefills], "--decode", *[w.url for w in decodes],
                              *gateway_args)
-        return SimCluster(procs, boot, prefills, decodes, port)
+        cluster = SimCluster(procs, boot, prefills, decodes, port)
+        made.append(cluster)
+        return cluster
 
-    return make
+    yield make
+    for cluster in made:
+        cluster.wait_pools_full(alive_only=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
