@@ -5,8 +5,8 @@ from transfer.blocks import RegionSet, kv_blocks, merge_runs
 from transfer.decode import KVReceiver
 from transfer.errors import TransferError, TransferErrorKind
 from transfer.manager import KVManager
-from transfer.prefill import KVSender
 from transfer.registry import available_backends, create_backend
+from transfer.sender import KVSender
 from transfer.types import KVArgs, KVPoll, KVTimeouts
 
 __all__ = [

@@ -23,7 +23,8 @@ from typing import Literal
 from transfer.base import TransferBackend
 from transfer.context import Context, Outbox, flush
 from transfer.decode import DecodeSide, KVReceiver, Resolver
-from transfer.prefill import KVSender, PrefillSide
+from transfer.prefill import PrefillSide
+from transfer.sender import KVSender
 from transfer.types import KVArgs, KVTimeouts
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,398 @@
+"""Prefill-side rooms: ``KVSender`` and the table of senders, page-list requests and in-flight writes.
+
+Lifecycle of one room (the connections themselves live in ``transfer.prefill``):
+1. The decode's ``RoomRequest`` (page ids + aux slot) is kept until the scheduler calls
+   ``create_sender(room)`` (TTL = the bootstrap timeout), or attached at once if the sender exists ->
+   WaitingForInput. A room the decode aborted before any sender existed leaves a tombstone (same TTL).
+2. ``KVSender.send`` (scheduler thread, non-blocking) maps the chunk's source pages onto the decode's
+   next reserved pages, merges runs, and posts one backend batch (K and V of every layer, plus the aux
+   block with the last chunk, copied into a registered staging slot first).
+3. ``tick`` (monitor thread) polls the batches; once the last chunk and aux are DONE it sends
+   ``RoomStatus(ok)`` and the room is Success. A failed batch, the transfer timeout, an abort or the
+   decode's disappearance make it Failed (``RoomStatus(ok=False)`` or ``Abort`` tells the decode).
+4. Writes of a failed room go to a graveyard that ``tick`` drains; once none of the room's writes is in
+   flight any more the decode gets ``Quiesced(room)``: its pages are safe to reuse.
+5. ``release()`` forgets the room (aborting it first if it was still live).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from transfer.base import PeerId, WriteHandle, WriteState
+from transfer.blocks import check_pages, kv_blocks, merge_runs
+from transfer.channel import ControlChannel
+from transfer.context import Context, Outbox, flush, room_error
+from transfer.errors import TransferError, TransferErrorKind
+from transfer.messages import Abort, Quiesced, Register, RoomRequest, RoomStatus
+from transfer.types import KVPoll
+
+NUM_STAGING_SLOTS = 1024  # aux payloads waiting to be written (one per room between last send and DONE)
+_TERMINAL = (KVPoll.Failed, KVPoll.Success)
+
+
+@dataclass
+class Link:
+    """One decode's control connection and what it registered."""
+
+    channel: ControlChannel
+    peer: PeerId | None = None
+    reg: Register | None = None
+    num_pages: int = 0
+    num_aux_slots: int = 0
+    aux_slot_bytes: int = 0
+    closed: bool = False
+
+
+@dataclass
+class _Request:
+    link: Link
+    page_ids: list[int]
+    aux_index: int
+    arrived: float
+
+
+@dataclass
+class _Write:
+    room: int
+    handle: WriteHandle
+    posted: float
+    staging_slot: int | None
+
+
+class KVSender:
+    """One room on the prefill side. Every method is non-blocking (scheduler thread)."""
+
+    def __init__(self, side: SenderRooms, room: int, now: float) -> None:
+        self.room = room
+        self.num_dst_pages: int | None = None
+        self._side = side
+        self._state = KVPoll.Bootstrapping
+        self._error: TransferError | None = None
+        self._request: _Request | None = None
+        self._offset = 0
+        self._last_sent = False
+        self._writes: list[_Write] = []
+        self._aux_len = 0
+        self._created = now
+        self._released = False
+
+    def poll(self) -> KVPoll:
+        return self._state
+
+    def send(self, page_ids: Sequence[int], *, last: bool, aux: bytes | None = None) -> None:
+        """Write this chunk's source pages into the decode's next reserved pages (and ``aux`` with the
+        last chunk). Ignored once Failed; ValueError for more pages than reserved or bad ids."""
+        self._side.send(self, list(page_ids), last, aux)
+
+    def failure(self) -> TransferError | None:
+        return self._error
+
+    def abort(self, reason: str) -> None:
+        self._side.abort(self, reason)
+
+    def release(self) -> None:
+        self._side.release(self)
+
+    def __repr__(self) -> str:
+        return f"KVSender(room={self.room}, state={self._state.name})"
+
+
+class SenderRooms:
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
+        self._senders: dict[int, KVSender] = {}
+        self._requests: dict[int, _Request] = {}
+        self._tombstones: dict[int, tuple[str, float]] = {}  # rooms the decode aborted before a sender
+        self._graveyard: list[_Write] = []
+        self._unquiet: dict[int, Link] = {}  # failed rooms whose decode awaits Quiesced
+        slot_bytes = max(ctx.args.aux_slot_bytes, 1)
+        self.staging = np.zeros((NUM_STAGING_SLOTS, slot_bytes), dtype=np.uint8)
+        self._free_slots = list(range(NUM_STAGING_SLOTS - 1, -1, -1))
+
+    def staging_region(self) -> tuple[int, int]:
+        return int(self.staging.ctypes.data), int(self.staging.nbytes)
+
+    # -- control messages (reader threads) -------------------------------------------------------
+    def on_room_request(self, link: Link, msg: RoomRequest) -> None:
+        outbox: Outbox = []
+        channel, room = link.channel, msg.room
+        with self._ctx.lock:
+            sender = self._senders.get(room)
+            problem: TransferError | None = None
+            bad = [p for p in msg.page_ids if not 0 <= p < link.num_pages]
+            if bad:
+                problem = TransferError(
+                    TransferErrorKind.RANGE_REJECTED,
+                    f"room {room}: page ids {bad[:4]} outside the decode's {link.num_pages} pages",
+                )
+            elif link.num_aux_slots and not 0 <= msg.aux_index < link.num_aux_slots:
+                problem = TransferError(
+                    TransferErrorKind.RANGE_REJECTED,
+                    f"room {room}: aux slot {msg.aux_index} outside the decode's {link.num_aux_slots} slots",
+                )
+            elif room in self._requests or (sender is not None and sender._request is not None):
+                problem = TransferError(TransferErrorKind.PROTOCOL, f"room {room}: page list sent twice")
+            elif room in self._tombstones:
+                problem = TransferError(TransferErrorKind.ABORTED, f"room {room}: already aborted")
+            elif sender is not None and sender._state == KVPoll.Failed:
+                problem = sender._error
+            if problem is not None:
+                outbox.append((channel, RoomStatus(room, False, problem.kind.value, problem.message)))
+                outbox.append((channel, Quiesced(room)))
+                if sender is not None and sender._request is None:
+                    self._fail(sender, problem, outbox, notify=False)
+            else:
+                request = _Request(link, list(msg.page_ids), msg.aux_index, time.monotonic())
+                if sender is None:
+                    self._requests[room] = request
+                else:
+                    self._attach(sender, request)
+        flush(outbox)
+
+    def on_abort(self, link: Link, room: int, reason: str) -> None:
+        error = TransferError(TransferErrorKind.ABORTED, f"room {room}: aborted by the decode: {reason}")
+        with self._ctx.lock:
+            self._requests.pop(room, None)
+            sender = self._senders.get(room)
+            if sender is None:
+                self._tombstones[room] = (reason, time.monotonic() + self._ctx.timeouts.bootstrap_s)
+            elif sender._request is None or sender._request.link is link:
+                self._fail(sender, error, [], notify=False)
+            # answered by tick() once no write of the room is in flight (at once if none ever was)
+            if sender is None or sender._request is None or sender._request.link is link:
+                self._unquiet[room] = link
+
+    def on_link_closed(self, link: Link, error: TransferError) -> None:
+        """The decode behind ``link`` is gone: fail its rooms, forget its pending requests (lock held)."""
+        for sender in self._senders.values():
+            if sender._request is not None and sender._request.link is link:
+                self._fail(sender, room_error(sender.room, error), [], notify=False)
+        for room in [r for r, req in self._requests.items() if req.link is link]:
+            del self._requests[room]
+
+    def fail_link(self, link: Link, error: TransferError, outbox: Outbox) -> None:
+        """Fail every room of ``link`` (a silent decode); lock held."""
+        for sender in self._senders.values():
+            if sender._request is not None and sender._request.link is link:
+                self._fail(sender, room_error(sender.room, error), outbox, notify=False)
+
+    # -- rooms (scheduler thread) ----------------------------------------------------------------
+    # -- rooms -----------------------------------------------------------------------------------
+    def create_sender(self, room: int) -> KVSender:
+        with self._ctx.lock:
+            if self._ctx.closed:
+                raise RuntimeError("KVManager is closed")
+            if room in self._senders:
+                raise ValueError(f"room {room} already has a sender")
+            sender = KVSender(self, room, time.monotonic())
+            self._senders[room] = sender
+            tomb = self._tombstones.pop(room, None)
+            request = self._requests.pop(room, None)
+            if tomb is not None:
+                error = TransferError(TransferErrorKind.ABORTED, f"room {room}: aborted by the decode: {tomb[0]}")
+                self._fail(sender, error, [], notify=False)
+            elif request is not None:
+                self._attach(sender, request)
+            return sender
+
+    def _attach(self, sender: KVSender, request: _Request) -> None:
+        sender._request = request
+        sender.num_dst_pages = len(request.page_ids)
+        if request.link.closed:
+            error = TransferError(TransferErrorKind.PEER_GONE, f"room {sender.room}: the decode disconnected")
+            self._fail(sender, error, [], notify=False)
+        elif sender._state == KVPoll.Bootstrapping:
+            sender._state = KVPoll.WaitingForInput
+
+    def send(self, sender: KVSender, page_ids: list[int], last: bool, aux: bytes | None) -> None:
+        ctx, room = self._ctx, sender.room
+        outbox: Outbox = []
+        with ctx.lock:
+            if sender._released:
+                raise RuntimeError(f"room {room}: send() after release()")
+            if sender._state == KVPoll.Failed:
+                return
+            if sender._last_sent or sender._state == KVPoll.Success:
+                raise RuntimeError(f"room {room}: send() after the last chunk")
+            request = sender._request
+            if sender._state == KVPoll.Bootstrapping or request is None:
+                raise RuntimeError(f"room {room}: send() before the decode's page list arrived (Bootstrapping)")
+            link = request.link
+            assert link.reg is not None and link.peer is not None
+            end = sender._offset + len(page_ids)
+            if end > len(request.page_ids):
+                raise ValueError(
+                    f"room {room}: {end} pages sent in all, the decode reserved {len(request.page_ids)}"
+                )
+            check_pages(page_ids, ctx.args.num_pages, f"room {room}: source pages")
+            if aux is not None:
+                if not last:
+                    raise ValueError(f"room {room}: aux goes with the last chunk only")
+                limit = min(link.aux_slot_bytes, ctx.args.aux_slot_bytes)
+                if not link.num_aux_slots or len(aux) > limit:
+                    raise ValueError(f"room {room}: aux of {len(aux)} bytes, the slots hold {limit}")
+            dst_pages = request.page_ids[sender._offset : end]
+            blocks = kv_blocks(ctx.args.kv_ptrs, link.reg.kv_ptrs, ctx.args.kv_item_lens,
+                               merge_runs(page_ids, dst_pages))
+            slot: int | None = None
+            if aux:
+                if not self._free_slots:
+                    raise RuntimeError(f"room {room}: all {NUM_STAGING_SLOTS} aux staging slots are busy")
+                slot = self._free_slots.pop()
+                sender._aux_len = len(aux)
+                self.staging[slot, : len(aux)] = np.frombuffer(aux, dtype=np.uint8)
+                dst_aux = link.reg.aux_ptrs[0] + request.aux_index * link.reg.aux_item_lens[0]
+                blocks.append((int(self.staging[slot].ctypes.data), dst_aux, len(aux)))
+            sender._offset = end
+            sender._last_sent = last
+            sender._state = KVPoll.Transferring
+            if blocks:
+                try:
+                    handle = ctx.backend.write(link.peer, blocks)
+                except TransferError as exc:
+                    if slot is not None:
+                        self._free_slots.append(slot)
+                    self._fail(sender, room_error(room, exc), outbox)
+                else:
+                    sender._writes.append(_Write(room, handle, time.monotonic(), slot))
+            ctx.wake.notify_all()
+        flush(outbox)
+
+    def _fail(self, sender: KVSender, error: TransferError, outbox: Outbox, *, notify: bool = True) -> None:
+        if sender._state in _TERMINAL:
+            return
+        sender._state, sender._error = KVPoll.Failed, error
+        self._graveyard.extend(sender._writes)
+        sender._writes = []
+        request = sender._request
+        if request is not None and not request.link.closed:
+            self._unquiet[sender.room] = request.link
+        if notify and request is not None and not request.link.closed:
+            outbox.append((request.link.channel, RoomStatus(sender.room, False, error.kind.value, error.message)))
+
+    def abort(self, sender: KVSender, reason: str) -> None:
+        outbox: Outbox = []
+        with self._ctx.lock:
+            if sender._state in _TERMINAL:
+                return
+            request = sender._request
+            error = TransferError(TransferErrorKind.ABORTED, f"room {sender.room}: aborted by the prefill: {reason}")
+            self._fail(sender, error, outbox, notify=False)
+            if request is not None and not request.link.closed:
+                outbox.append((request.link.channel, Abort(sender.room, reason)))
+        flush(outbox)
+
+    def release(self, sender: KVSender) -> None:
+        if sender._released:
+            return
+        if sender._state not in _TERMINAL:
+            self.abort(sender, "released before completion")
+        with self._ctx.lock:
+            sender._released = True
+            if self._senders.get(sender.room) is sender:
+                del self._senders[sender.room]
+
+    def num_rooms(self) -> int:
+        with self._ctx.lock:
+            return len(self._senders)
+
+    # -- monitor thread --------------------------------------------------------------------------
+    def tick(self, now: float, outbox: Outbox) -> bool:
+        """Poll writes, complete or fail rooms, expire requests. Lock held. True if writes are pending."""
+        ctx, timeouts, busy = self._ctx, self._ctx.timeouts, False
+        for sender in list(self._senders.values()):
+            if sender._state == KVPoll.Transferring:
+                self._progress(sender, now, outbox)
+                busy = busy or bool(sender._writes)
+            elif sender._state == KVPoll.Bootstrapping and now - sender._created > timeouts.bootstrap_s:
+                error = TransferError(
+                    TransferErrorKind.TIMEOUT,
+                    f"room {sender.room}: no page list from a decode within {timeouts.bootstrap_s:g}s",
+                )
+                self._fail(sender, error, outbox)
+        for room, request in list(self._requests.items()):
+            if now - request.arrived > timeouts.bootstrap_s:
+                del self._requests[room]
+                reason = f"room {room}: the prefill created no sender within {timeouts.bootstrap_s:g}s"
+                outbox.append((request.link.channel, RoomStatus(room, False, TransferErrorKind.TIMEOUT.value, reason)))
+                outbox.append((request.link.channel, Quiesced(room)))
+        for room, (_, expiry) in list(self._tombstones.items()):
+            if now > expiry:
+                del self._tombstones[room]
+        still: list[_Write] = []
+        for write in self._graveyard:
+            if ctx.backend.poll(write.handle) == WriteState.PENDING:
+                still.append(write)
+            else:
+                self._retire(write)
+        self._graveyard = still
+        if self._unquiet:
+            in_flight = {write.room for write in self._graveyard}
+            for room, link in list(self._unquiet.items()):
+                if room not in in_flight:
+                    del self._unquiet[room]
+                    if not link.closed:
+                        outbox.append((link.channel, Quiesced(room)))
+        return busy
+
+    def _retire(self, write: _Write) -> None:
+        self._ctx.backend.release(write.handle)
+        if write.staging_slot is not None:
+            self._free_slots.append(write.staging_slot)
+
+    def _progress(self, sender: KVSender, now: float, outbox: Outbox) -> None:
+        backend, room = self._ctx.backend, sender.room
+        request = sender._request
+        assert request is not None
+        while sender._writes:
+            write = sender._writes[0]
+            state = backend.poll(write.handle)
+            if state == WriteState.PENDING:
+                if now - write.posted > self._ctx.timeouts.transfer_s:
+                    error = TransferError(
+                        TransferErrorKind.TIMEOUT,
+                        f"room {room}: a chunk to {request.link.channel.name} still pending after "
+                        f"{self._ctx.timeouts.transfer_s:g}s",
+                    )
+                    self._fail(sender, error, outbox)
+                return
+            sender._writes.pop(0)
+            if state == WriteState.FAILED:
+                cause = backend.error(write.handle)
+                self._retire(write)
+                kind = cause.kind if cause else TransferErrorKind.PEER_GONE
+                detail = cause.message if cause else "write failed"
+                self._fail(sender, TransferError(kind, f"room {room}: {detail}"), outbox)
+                return
+            self._retire(write)
+        if sender._last_sent:
+            sender._state = KVPoll.Success
+            outbox.append((request.link.channel, RoomStatus(room, True, aux_len=sender._aux_len)))
+
+    def fail_all(self, outbox: Outbox) -> None:
+        for sender in self._senders.values():
+            if sender._state not in _TERMINAL:
+                request = sender._request
+                self._fail(sender, TransferError(
+                    TransferErrorKind.ABORTED, f"room {sender.room}: the prefill's KV manager closed"
+                ), outbox, notify=False)
+                if request is not None and not request.link.closed:
+                    outbox.append((request.link.channel, Abort(sender.room, "prefill KV manager closed")))
+
+    def drain_graveyard(self, deadline_s: float) -> None:
+        """Release every leftover handle (waiting up to ``deadline_s`` for pending ones)."""
+        end = time.monotonic() + deadline_s
+        with self._ctx.lock:
+            writes = self._graveyard + [w for s in self._senders.values() for w in s._writes]
+            self._graveyard = []
+            for sender in self._senders.values():
+                sender._writes = []
+        for write in writes:
+            while self._ctx.backend.poll(write.handle) == WriteState.PENDING and time.monotonic() < end:
+                time.sleep(0.005)
+            self._retire(write)
