@@ -1,17 +1,20 @@
 """NIXL backend (UCX, DRAM). ``nixl_cu12._api`` is imported directly so that torch is not pulled in.
 
 Lifecycle:
-1. ``NixlBackend()`` creates one agent (unique name, UCX, progress thread, no listener thread: the agent
-   metadata travels over our own control plane).
+1. ``NixlBackend()`` creates one agent (unique name, UCX, NIXL's progress thread, no listener thread:
+   the agent metadata travels over our own control plane) and starts our own progress thread.
 2. ``register(regions)`` registers them as DRAM plus a small scratch buffer used for warm-up writes.
 3. ``endpoint()`` = msgpack ``{agent metadata, scratch address}``.
 4. ``connect`` loads the peer's metadata (``add_remote_agent``) and makes one tiny WRITE into the peer's
    scratch, so the UCX wire-up (up to ~2 s) is paid here and not on a request's path.
-5. ``write`` = ``initialize_xfer("WRITE", ...)`` + ``transfer``; ``poll`` reads ``check_xfer_state``.
-   NIXL imposes no deadline on a frozen peer (the write stays "PROC"): the KV manager's timeouts do.
-   A write whose destination the peer never registered is refused by NIXL (RANGE_REJECTED).
-6. ``close`` releases every handle, removes the remote agents, deregisters memory, drops the agent.
-All agent calls are serialized by one lock.
+5. ``write`` only queues the batch: building the descriptor lists, ``initialize_xfer("WRITE")`` and
+   ``transfer`` take milliseconds (UCX may even push the bytes inline), so the progress thread does them,
+   and polls ``check_xfer_state`` of every batch in flight, sleeping ~0.2 ms between rounds (spinning on
+   it was slower on 2 cores). ``poll`` only reads the state it recorded. A destination the peer never
+   registered is refused by NIXL (RANGE_REJECTED). NIXL imposes no deadline on a frozen peer (the
+   write stays "PROC"): the KV manager's timeouts do.
+6. ``close`` stops the thread, releases every handle, removes the remote agents, deregisters memory.
+Every agent call is made under one lock.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import itertools
+import queue
 import threading
 import time
 import uuid
@@ -33,6 +37,7 @@ from transfer.errors import TransferError, TransferErrorKind
 
 _SCRATCH_BYTES = 64
 _WARMUP_TIMEOUT_S = 10.0
+_POLL_SLEEP_S = 0.0002
 
 
 class _Endpoint(msgspec.Struct, array_like=True, frozen=True):
@@ -43,9 +48,12 @@ class _Endpoint(msgspec.Struct, array_like=True, frozen=True):
 @dataclass
 class _Write:
     peer: PeerId
-    xfer: Any = None  # the NIXL handle; None once released or when the write never started
+    blocks: list[Block]
+    xfer: Any = None  # the NIXL handle once posted
     state: WriteState = WriteState.PENDING
     error: TransferError | None = None
+    released: bool = False  # the caller let go of the handle
+    settled: bool = False  # the progress thread is done with it; whoever comes last frees the xfer
 
 
 @dataclass
@@ -89,25 +97,30 @@ class NixlBackend(TransferBackend):
             self._agent: Any = api.nixl_agent(self._agent_name, config)
         except Exception as exc:
             raise _map_error(exc, "creating the UCX agent") from exc
-        self._lock = threading.RLock()
+        self._agent_lock = threading.RLock()  # every agent call
+        self._lock = threading.Lock()  # the tables below
         self._writes: dict[WriteHandle, _Write] = {}
         self._peers: dict[PeerId, _Peer] = {}
         self._ids = itertools.count(1)
+        self._posts: queue.Queue[WriteHandle | None] = queue.Queue()
+        self._active: list[_Write] = []  # posted, still PENDING (progress thread only)
         self._reg: Any = None
         self._scratch = (ctypes.c_ubyte * _SCRATCH_BYTES)()
         self._closed = False
+        self._thread = threading.Thread(target=self._progress_loop, name="kv-nixl-progress", daemon=True)
+        self._thread.start()
 
     def register(self, regions: Sequence[Region]) -> None:
         entries = [(addr, length, 0, "") for addr, length in regions]
         entries.append((ctypes.addressof(self._scratch), _SCRATCH_BYTES, 0, ""))
-        with self._lock:
+        with self._agent_lock:
             try:
                 self._reg = self._agent.register_memory(entries, "DRAM")
             except Exception as exc:
                 raise _map_error(exc, "register_memory") from exc
 
     def endpoint(self) -> bytes:
-        with self._lock:
+        with self._agent_lock:
             metadata = self._agent.get_agent_metadata()
         return msgspec.msgpack.encode(_Endpoint(metadata, ctypes.addressof(self._scratch)))
 
@@ -116,7 +129,7 @@ class NixlBackend(TransferBackend):
             remote = msgspec.msgpack.decode(endpoint, type=_Endpoint)
         except msgspec.DecodeError as exc:
             raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"nixl: bad endpoint: {exc}") from exc
-        with self._lock:
+        with self._agent_lock:
             if self._closed:
                 raise TransferError(TransferErrorKind.ABORTED, "nixl: backend closed")
             try:
@@ -125,6 +138,7 @@ class NixlBackend(TransferBackend):
                 raise TransferError(
                     TransferErrorKind.PEER_UNREACHABLE, f"nixl: add_remote_agent failed: {exc!r}"
                 ) from exc
+        with self._lock:
             peer_id = next(self._ids)
             self._peers[peer_id] = _Peer(name)
         handle = self.write(peer_id, [(ctypes.addressof(self._scratch), remote.scratch, 8)])
@@ -142,7 +156,7 @@ class NixlBackend(TransferBackend):
     def write(self, peer: PeerId, blocks: Sequence[Block]) -> WriteHandle:
         with self._lock:
             handle = next(self._ids)
-            record = _Write(peer)
+            record = _Write(peer, list(blocks))
             self._writes[handle] = record
             target = self._peers.get(peer)
             if target is None or target.dead is not None:
@@ -152,39 +166,107 @@ class NixlBackend(TransferBackend):
             if not blocks:
                 record.state = WriteState.DONE
                 return handle
+        self._posts.put(handle)
+        return handle
+
+    # -- progress thread -------------------------------------------------------------------------
+    def _progress_loop(self) -> None:
+        while True:
             try:
+                handle = self._posts.get(timeout=0.05) if not self._active else self._posts.get_nowait()
+            except queue.Empty:
+                handle = -1
+            if handle is None:
+                return
+            if handle != -1:
+                self._post(handle)
+                continue  # post everything queued before polling
+            self._check_active()
+            if self._active:
+                time.sleep(_POLL_SLEEP_S)
+
+    def _post(self, handle: WriteHandle) -> None:
+        with self._lock:
+            record = self._writes.get(handle)
+            target = self._peers.get(record.peer) if record is not None else None
+            if record is None:
+                return  # released before it was posted
+            if record.state != WriteState.PENDING:  # failed by disconnect/close before it was posted
+                record.settled = True
+                return
+            if target is None or target.dead is not None:
+                record.state = WriteState.FAILED
+                record.error = target.dead if target is not None and target.dead else unknown_peer("nixl", record.peer)
+                record.settled = True
+                return
+        blocks = record.blocks
+        try:
+            with self._agent_lock:
                 local = self._agent.get_xfer_descs([(src, n, 0) for src, _, n in blocks], "DRAM")
                 remote = self._agent.get_xfer_descs([(dst, n, 0) for _, dst, n in blocks], "DRAM")
-                record.xfer = self._agent.initialize_xfer("WRITE", local, remote, target.name, b"")
-                state = self._agent.transfer(record.xfer)
-            except Exception as exc:
-                record.state, record.error = WriteState.FAILED, _map_error(exc, f"write to {target.name!r}")
-                return handle
-            if state == "DONE":
-                record.state = WriteState.DONE
-            elif state == "ERR":
-                record.state = WriteState.FAILED
-                record.error = TransferError(TransferErrorKind.PEER_GONE, f"nixl: write to {target.name!r} failed")
-            return handle
+                xfer = self._agent.initialize_xfer("WRITE", local, remote, target.name, b"")
+                record.xfer = xfer
+                state = self._agent.transfer(xfer)
+        except Exception as exc:
+            self._settle(record, WriteState.FAILED, _map_error(exc, f"write to {target.name!r}"))
+            return
+        record.blocks = []
+        if state == "DONE":
+            self._settle(record, WriteState.DONE)
+        elif state == "ERR":
+            self._settle(record, WriteState.FAILED,
+                         TransferError(TransferErrorKind.PEER_GONE, f"nixl: write to {target.name!r} failed"))
+        else:
+            self._active.append(record)
 
+    def _check_active(self) -> None:
+        still = []
+        for record in self._active:
+            if record.state != WriteState.PENDING:  # failed by disconnect/close meanwhile
+                self._settle(record, record.state, record.error)
+                continue
+            try:
+                with self._agent_lock:
+                    state = self._agent.check_xfer_state(record.xfer)
+            except Exception as exc:
+                self._settle(record, WriteState.FAILED, _map_error(exc, "check_xfer_state"))
+                continue
+            if state == "DONE":
+                self._settle(record, WriteState.DONE)
+            elif state == "ERR":
+                self._settle(record, WriteState.FAILED,
+                             TransferError(TransferErrorKind.PEER_GONE, "nixl: write failed (ERR)"))
+            else:
+                still.append(record)
+        self._active = still
+
+    def _settle(self, record: _Write, state: WriteState, error: TransferError | None = None) -> None:
+        """The batch ended (progress thread): record it; free the NIXL handle if nobody wants it."""
+        with self._lock:
+            if record.state == WriteState.PENDING:
+                record.state, record.error = state, error
+            record.settled = True
+            drop = record.released
+        if drop:
+            self._release_xfer(record)
+
+    def _release_xfer(self, record: _Write) -> None:
+        if record.xfer is None:
+            return
+        try:
+            with self._agent_lock:
+                self._agent.release_xfer_handle(record.xfer)
+        except Exception:
+            pass  # a handle of a broken connection may refuse release; nothing else to free
+        record.xfer = None
+
+    # -- queries ---------------------------------------------------------------------------------
     def poll(self, handle: WriteHandle) -> WriteState:
         with self._lock:
             record = self._writes.get(handle)
-            if record is None:
-                raise KeyError(f"nixl: unknown write handle {handle}")
-            if record.state != WriteState.PENDING:
-                return record.state
-            try:
-                state = self._agent.check_xfer_state(record.xfer)
-            except Exception as exc:
-                record.state, record.error = WriteState.FAILED, _map_error(exc, "check_xfer_state")
-                return record.state
-            if state == "DONE":
-                record.state = WriteState.DONE
-            elif state == "ERR":
-                record.state = WriteState.FAILED
-                record.error = TransferError(TransferErrorKind.PEER_GONE, "nixl: write failed (ERR)")
-            return record.state
+        if record is None:
+            raise KeyError(f"nixl: unknown write handle {handle}")
+        return record.state
 
     def error(self, handle: WriteHandle) -> TransferError | None:
         with self._lock:
@@ -194,15 +276,12 @@ class NixlBackend(TransferBackend):
     def release(self, handle: WriteHandle) -> None:
         with self._lock:
             record = self._writes.pop(handle, None)
-            if record is not None and record.xfer is not None:
-                self._release_xfer(record)
-
-    def _release_xfer(self, record: _Write) -> None:
-        try:
-            self._agent.release_xfer_handle(record.xfer)
-        except Exception:
-            pass  # a handle of a broken connection may refuse release; nothing else to free
-        record.xfer = None
+            if record is None:
+                return
+            record.released = True
+            settled = record.settled
+        if settled:
+            self._release_xfer(record)  # else the progress thread frees it when the batch ends
 
     def probe(self, peer: PeerId) -> bool:
         with self._lock:
@@ -218,24 +297,31 @@ class NixlBackend(TransferBackend):
             for record in self._writes.values():
                 if record.peer == peer and record.state == WriteState.PENDING:
                     record.state, record.error = WriteState.FAILED, target.dead
-            try:
+        try:
+            with self._agent_lock:
                 self._agent.remove_remote_agent(target.name)
-            except Exception:
-                pass
+        except Exception:
+            pass
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            for record in self._writes.values():
+        self._posts.put(None)
+        self._thread.join(timeout=10.0)
+        with self._lock:
+            records = list(self._writes.values()) + list(self._active)
+            for record in records:
                 if record.state == WriteState.PENDING:
                     record.state = WriteState.FAILED
                     record.error = TransferError(TransferErrorKind.ABORTED, "nixl: backend closed")
-                if record.xfer is not None:
-                    self._release_xfer(record)
-            for peer_id in list(self._peers):
-                self.disconnect(peer_id)
+            peers = list(self._peers)
+        for record in records:
+            self._release_xfer(record)
+        for peer_id in peers:
+            self.disconnect(peer_id)
+        with self._agent_lock:
             if self._reg is not None:
                 try:
                     self._agent.deregister_memory(self._reg)
