@@ -89,6 +89,7 @@ class Scheduler(PDQueues):
         self._prefilling: list[Req] = []
         self._inflight: list[Req] = []  # prefill: KV sent, waiting for completion
         self._running: list[Req] = []  # decoding
+        self._quarantine: list[Req] = []  # decode: ended, pages held until no late KV write can land
         self._out: list[tuple[int, Message]] = []
         self._pending_steps: dict[tuple[int, int], StepOutput] = {}
         self.rooms: deque[dict[str, Any]] = deque(maxlen=512)  # recent rooms, for /debug/rooms
@@ -158,6 +159,7 @@ class Scheduler(PDQueues):
         if self.role == "prefill":
             self._advance_bootstrap()
         elif self.role == "decode":
+            self._drain_quarantine()
             self._advance_prealloc()
             self._advance_transfer()
         self._admit_waiting()
@@ -418,17 +420,39 @@ class Scheduler(PDQueues):
         req.done = True
         self.reqs.pop(req.key, None)
         for handle in (req.kv_sender, req.kv_receiver):
-            if handle is None:
-                continue
-            if abort_reason is not None and handle.poll() not in (KVPoll.Success, KVPoll.Failed):
+            if handle is not None and abort_reason is not None and handle.poll() not in (KVPoll.Success,
+                                                                                          KVPoll.Failed):
                 handle.abort(abort_reason)
-            handle.release()
+        if req.kv_sender is not None:
+            req.kv_sender.release()
+        rx = req.kv_receiver
+        if rx is not None and not rx.quiesced:
+            # A write the prefill already posted may still land in these pages: hold them (and keep
+            # the receiver, which learns when none is left) until then.
+            self._quarantine.append(req)
+            return
+        self._free(req)
+
+    def _free(self, req: Req) -> None:
+        if req.kv_receiver is not None:
+            req.kv_receiver.release()
         if req.pages:
             self.cache.release(req.pages)
             req.pages = []
         if req.aux_slot is not None:
             self.pool.free_aux(req.aux_slot)
             req.aux_slot = None
+
+    def _drain_quarantine(self) -> None:
+        if not self._quarantine:
+            return
+        keep = []
+        for req in self._quarantine:
+            if req.kv_receiver.quiesced:
+                self._free(req)
+            else:
+                keep.append(req)
+        self._quarantine = keep
 
     def _record_room(self, req: Req) -> None:
         digest = getattr(self.engine, "digest", None)
@@ -452,6 +476,6 @@ class Scheduler(PDQueues):
             num_waiting=len(self._waiting) + len(self._bootstrap) + len(self._prealloc),
             num_free_pages=self.cache.num_available,
             num_total_pages=self.pool.num_pages,
-            num_inflight_transfers=len(self._inflight) + len(self._transfer),
+            num_inflight_transfers=len(self._inflight) + len(self._transfer) + len(self._quarantine),
         )
 
