@@ -14,8 +14,8 @@ Lifecycle: construct from ``EngineOptions`` (``extra`` may set ``layers``, ``kv_
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 import zlib
+from collections.abc import Iterator
 
 import numpy as np
 
