@@ -39,6 +39,17 @@ from gateway.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
+DISCONNECT_POLL_S = 0.5
+
+
+class ClientGone(APIError):
+    """The client closed the connection before a non-streaming response was ready (nginx's 499)."""
+
+    status = 499
+    type = "client_closed_request"
+
+    def __init__(self) -> None:
+        super().__init__("client closed the connection")
 
 
 @dataclass(frozen=True)
@@ -157,13 +168,27 @@ def create_app(config: GatewayConfig) -> Starlette:
 
         return endpoint
 
-    async def collect(frontend: Frontend, prep: Prepared) -> list[ChoiceState]:
+    async def collect(request: Request, frontend: Frontend, prep: Prepared) -> list[ChoiceState]:
+        """Run a non-streaming request to the end; a client that hangs up aborts it on both workers."""
         states: dict[int, ChoiceState] = {}
-        gw.active.inc()
-        try:
+
+        async def run() -> None:
             async for state, _, _ in frontend.run_choices(prep):
                 states[state.index] = state
+
+        gw.active.inc()
+        task = asyncio.create_task(run(), name="collect")
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    raise ClientGone()
+            task.result()
         finally:
+            if not task.done():
+                task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
             gw.active.dec()
         return [states[i] for i in sorted(states)]
 
@@ -184,7 +209,10 @@ def create_app(config: GatewayConfig) -> Starlette:
 
     async def first_event_or_error(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """Start the stream only after the first chunk, so early failures get a real status code."""
-        first = await events.__anext__()
+        try:
+            first = await events.__anext__()
+        except StopAsyncIteration:
+            first = b""
 
         async def chain() -> AsyncIterator[bytes]:
             yield first
@@ -201,7 +229,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         rid, created = new_id("chatcmpl"), now_s()
         if prep.stream:
             return stream(prep, await first_event_or_error(chat_events(frontend, prep, rid, created)))
-        choices = await collect(frontend, prep)
+        choices = await collect(request, frontend, prep)
         return _reply({
             "id": rid, "object": "chat.completion", "created": created, "model": frontend.model_name,
             "choices": [{
@@ -246,7 +274,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         rid, created = new_id("cmpl"), now_s()
         if prep.stream:
             return stream(prep, await first_event_or_error(completion_events(frontend, prep, rid, created)))
-        choices = await collect(frontend, prep)
+        choices = await collect(request, frontend, prep)
         prompt_text = frontend.tokenizer.decode(prep.input_ids) if prep.echo else ""
         return _reply({
             "id": rid, "object": "text_completion", "created": created, "model": frontend.model_name,
@@ -311,7 +339,7 @@ def create_app(config: GatewayConfig) -> Starlette:
                     yield sse(payload(state))
 
             return stream(prep, await first_event_or_error(events()))
-        return _reply(payload((await collect(frontend, prep))[0]))
+        return _reply(payload((await collect(request, frontend, prep))[0]))
 
     # -- models, health, metrics -----------------------------------------------------------------
     async def models(_: Request) -> Response:

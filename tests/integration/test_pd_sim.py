@@ -235,3 +235,14 @@ def test_stop_strings_n_choices_and_generate_stream(sim_cluster) -> None:  # typ
     last = json.loads(events[-2][6:])
     assert last["text"] == full[:6] and last["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
     cluster.wait_pools_full()
+
+
+def test_client_hanging_up_on_a_non_streaming_request_aborts_it(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = sim_cluster(decode_args=("--engine-option", "decode_step_s=0.05"))  # 500 tokens: ~25 s
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{cluster.base_url}/v1/completions", json={"prompt": "hello", "max_tokens": 500}, timeout=1.5)
+    deadline = time.monotonic() + 5
+    while cluster.decodes[0].get("/load")["num_running"]:  # type: ignore[index]
+        assert time.monotonic() < deadline, "the decode kept generating for a client that left"
+        time.sleep(0.1)
+    cluster.wait_pools_full(timeout_s=5)
