@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -40,6 +40,7 @@ from gateway.worker_client import WorkerClient
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
 DISCONNECT_POLL_S = 0.5
+T = TypeVar("T")
 
 
 class ClientGone(APIError):
@@ -177,18 +178,9 @@ def create_app(config: GatewayConfig) -> Starlette:
                 states[state.index] = state
 
         gw.active.inc()
-        task = asyncio.create_task(run(), name="collect")
         try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()
-                    raise ClientGone()
-            task.result()
+            await until_disconnect(request, run())
         finally:
-            if not task.done():
-                task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
             gw.active.dec()
         return [states[i] for i in sorted(states)]
 
@@ -207,10 +199,13 @@ def create_app(config: GatewayConfig) -> Starlette:
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def first_event_or_error(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """Start the stream only after the first chunk, so early failures get a real status code."""
+    async def first_event_or_error(request: Request, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """Start the stream only after the first chunk, so early failures get a real status code.
+
+        Until then no response exists and the server would not notice a client hanging up: watch.
+        """
         try:
-            first = await events.__anext__()
+            first = await until_disconnect(request, events.__anext__())
         except StopAsyncIteration:
             first = b""
 
@@ -228,7 +223,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         prep = frontend.prepare_chat(req)
         rid, created = new_id("chatcmpl"), now_s()
         if prep.stream:
-            return stream(prep, await first_event_or_error(chat_events(frontend, prep, rid, created)))
+            return stream(prep, await first_event_or_error(request, chat_events(frontend, prep, rid, created)))
         choices = await collect(request, frontend, prep)
         return _reply({
             "id": rid, "object": "chat.completion", "created": created, "model": frontend.model_name,
@@ -273,7 +268,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         prep = frontend.prepare_completion(req)
         rid, created = new_id("cmpl"), now_s()
         if prep.stream:
-            return stream(prep, await first_event_or_error(completion_events(frontend, prep, rid, created)))
+            return stream(prep, await first_event_or_error(request, completion_events(frontend, prep, rid, created)))
         choices = await collect(request, frontend, prep)
         prompt_text = frontend.tokenizer.decode(prep.input_ids) if prep.echo else ""
         return _reply({
@@ -338,7 +333,7 @@ def create_app(config: GatewayConfig) -> Starlette:
                 async for state, _, _ in frontend.run_choices(prep):
                     yield sse(payload(state))
 
-            return stream(prep, await first_event_or_error(events()))
+            return stream(prep, await first_event_or_error(request, events()))
         return _reply(payload((await collect(request, frontend, prep))[0]))
 
     # -- models, health, metrics -----------------------------------------------------------------
@@ -389,6 +384,21 @@ def create_app(config: GatewayConfig) -> Starlette:
     )
     app.state.gateway = gw
     return app
+
+
+async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable``; if the client hangs up first, cancel it and raise ``ClientGone``."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                raise ClientGone()
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 def _reply(body: Any, status: int = 200) -> Response:

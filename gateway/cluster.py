@@ -36,9 +36,14 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
 
 
+class Interrupted(RuntimeError):
+    pass
+
+
 @dataclass
 class Cluster:
     children: list[Child] = field(default_factory=list)
+    stopping: bool = False
 
     def spawn(self, child: Child) -> None:
         child.proc = subprocess.Popen(child.argv, start_new_session=True)
@@ -48,6 +53,8 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         assert child.proc is not None
         while time.monotonic() < deadline:
+            if self.stopping:
+                raise Interrupted("interrupted during startup")
             if child.proc.poll() is not None:
                 raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} during startup")
             with contextlib.suppress(OSError, urllib.error.URLError), urllib.request.urlopen(
@@ -131,11 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.prefill < 1 or args.decode < 1:
         sys.exit("pd-cluster: --prefill and --decode must be at least 1")
     cluster = Cluster()
-    stopping = False
 
     def on_signal(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
+        cluster.stopping = True
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -155,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
               "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "
               "\"max_tokens\": 32}'", flush=True)
         print("  Ctrl-C stops the cluster.", flush=True)
-        while not stopping:
+        while not cluster.stopping:
             failed = cluster.failed_child()
             if failed is not None:
                 assert failed.proc is not None
@@ -164,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
                 code = 1
                 break
             time.sleep(0.5)
+    except Interrupted:
+        code = 0
     except RuntimeError as exc:
         print(f"pd-cluster: {exc}", file=sys.stderr, flush=True)
         code = 1

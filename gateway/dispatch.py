@@ -136,6 +136,13 @@ class Dispatcher:
                         return
                 else:
                     open_rids.pop(side, None)
+                    if side == "prefill" and (got_token or held_final is not None):
+                        # The decode already has its KV: a late prefill failure (e.g. restarting) does
+                        # not concern it; only its prompt logprobs are lost.
+                        if held_final is not None:
+                            yield held_final
+                            return
+                        continue
                     raise _as_error(event, side)
         finally:
             if not finished:  # error, timeout or the client went away: free both sides now

@@ -73,6 +73,7 @@ class UpstreamTimeout(APIError):
 _BY_WORKER_CODE: dict[str, type[APIError]] = {
     "bad_request": BadRequest,
     "overloaded": Overloaded,
+    "shutting_down": NoWorkers,
     "timeout": UpstreamTimeout,
 }
 
@@ -80,4 +81,5 @@ _BY_WORKER_CODE: dict[str, type[APIError]] = {
 def from_worker_error(code: str, message: str, side: str) -> APIError:
     """Map a worker's ``Error`` message to the client-facing error."""
     cls = _BY_WORKER_CODE.get(code, BadGateway)
-    return cls(f"{side} worker: {message}", code=code)
+    retry_after_s = 1.0 if cls in (Overloaded, NoWorkers) else None
+    return cls(f"{side} worker: {message}", code=code, retry_after_s=retry_after_s)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.protocol import BootstrapTarget, SamplingParams, TokenLogprob
+from workers.protocol import BootstrapTarget, SamplingParams
 
 _SEQ_IDS = itertools.count(1)
 
@@ -28,13 +27,10 @@ class Req:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported in usage)
     num_sent_pages: int = 0  # prefill: pages already handed to the KV sender
     output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
-    pending_top: list[list[TokenLogprob]] | None = None
     kv_sender: Any = None
     kv_receiver: Any = None
     kv_verified: bool | None = None
-    stage_since: float = field(default_factory=time.monotonic)
     done: bool = False
     seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))  # unique in this worker (engine key)
 
@@ -55,4 +51,3 @@ class Req:
 
     def move(self, stage: str) -> None:
         self.stage = stage
-        self.stage_since = time.monotonic()

@@ -21,6 +21,7 @@ Lifecycle (one ``Scheduler`` per worker, its loop on a dedicated thread):
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -44,6 +45,8 @@ from workers.request import Req
 log = logging.getLogger(__name__)
 
 BROADCAST = -1  # connection id meaning "every connection" in the sink
+IDLE_WAIT_S = 0.05
+TRANSFER_POLL_S = 0.002
 Message = Outputs | Error | LoadReport
 Sink = Callable[[list[tuple[int, Message]]], None]
 
@@ -91,7 +94,6 @@ class Scheduler(PDQueues):
         self._running: list[Req] = []  # decoding
         self._quarantine: list[Req] = []  # decode: ended, pages held until no late KV write can land
         self._out: list[tuple[int, Message]] = []
-        self._pending_steps: dict[tuple[int, int], StepOutput] = {}
         self.rooms: deque[dict[str, Any]] = deque(maxlen=512)  # recent rooms, for /debug/rooms
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -113,11 +115,14 @@ class Scheduler(PDQueues):
         self._thread = threading.Thread(target=self._run, name=f"scheduler-{self.role}", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout_s: float = 5.0) -> None:
+    def stop(self, timeout_s: float = 60.0) -> bool:
+        """Stop the loop after its current step; returns whether the thread ended within the timeout."""
         self._stop.set()
         self._inbox.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout_s)
+            return not self._thread.is_alive()
+        return True
 
     @property
     def is_alive(self) -> bool:
@@ -129,7 +134,8 @@ class Scheduler(PDQueues):
             while not self._stop.is_set():
                 did_work = self.step()
                 if not did_work:
-                    self._wait_for_inbox(0.05 if not self.reqs else 0.0005)
+                    # Nothing to compute: requests (if any) wait on KV transfers or pages.
+                    self._wait_for_inbox(IDLE_WAIT_S if not self.reqs else TRANSFER_POLL_S)
         except BaseException as exc:  # the worker's health turns red; requests must not hang
             log.exception("scheduler loop crashed")
             self.error = exc
@@ -173,6 +179,19 @@ class Scheduler(PDQueues):
         return ran
 
     def _handle(self, item: tuple[str, Any]) -> None:
+        try:
+            self._handle_one(item)
+        except Exception:  # one bad message must not stop the loop
+            log.exception("failed to handle %s", item[0])
+            if item[0] == "submit":
+                conn_id, msg = item[1]
+                req = self.reqs.get((conn_id, msg.rid))
+                if req is not None:
+                    self._fail(req, "internal", "worker failed to admit the request")
+                else:
+                    self._out.append((conn_id, Error(msg.rid, "internal", "worker failed to admit the request")))
+
+    def _handle_one(self, item: tuple[str, Any]) -> None:
         kind, payload = item
         if kind == "submit":
             self._admit(*payload)
@@ -198,16 +217,24 @@ class Scheduler(PDQueues):
             self._out.append((conn_id, Error(msg.rid, "overloaded", "worker queue is full")))
             return
         req = Req(key, list(msg.input_ids), msg.params, time.monotonic() + msg.timeout_s, msg.bootstrap)
+        b = req.bootstrap
+        try:
+            if self.role == "prefill":
+                assert b is not None and self.kv is not None
+                req.kv_sender = self.kv.create_sender(b.room)
+            elif self.role == "decode":
+                assert b is not None and self.kv is not None
+                req.kv_receiver = self.kv.create_receiver(b.room, b.host, b.port, b.instance_id)
+        except ValueError as exc:  # e.g. a room already in use here
+            self._out.append((conn_id, Error(msg.rid, "bad_request", str(exc))))
+            return
+        except RuntimeError as exc:  # the KV manager is closing
+            self._out.append((conn_id, Error(msg.rid, "shutting_down", str(exc))))
+            return
         self.reqs[key] = req
-        assert self.kv is not None or self.role == "both"
         if self.role == "prefill":
-            assert req.bootstrap is not None and self.kv is not None
-            req.kv_sender = self.kv.create_sender(req.bootstrap.room)
             self._enter(req, "bootstrap", self._bootstrap)
         elif self.role == "decode":
-            b = req.bootstrap
-            assert b is not None and self.kv is not None
-            req.kv_receiver = self.kv.create_receiver(b.room, b.host, b.port, b.instance_id)
             self._enter(req, "prealloc", self._prealloc)
         else:
             self._enter(req, "waiting", self._waiting)
@@ -231,8 +258,8 @@ class Scheduler(PDQueues):
             return f"token ids must be in [0, {info.vocab_size})"
         if self.role != "both" and msg.bootstrap is None:
             return f"a {self.role} worker needs bootstrap_host/bootstrap_room"
-        if msg.timeout_s <= 0:
-            return "timeout_s must be positive"
+        if not math.isfinite(msg.timeout_s) or msg.timeout_s <= 0:
+            return "timeout_s must be a positive number"
         return None
 
     def _enter(self, req: Req, stage: str, queue_: list[Req]) -> None:
@@ -301,8 +328,8 @@ class Scheduler(PDQueues):
         reqs: list[Req] = []
         batch: list[SeqInput] = []
         for req in self._running:
-            n = len(req.all_ids)
-            batch.append(SeqInput(req.seq_id, req.pages, n - 1, [req.all_ids[-1]], True, req.params,
+            n = len(req.input_ids) + len(req.output_ids)
+            batch.append(SeqInput(req.seq_id, req.pages, n - 1, [req.output_ids[-1]], True, req.params,
                                   len(req.output_ids), None))
             reqs.append(req)
         budget = self.config.chunk_size
@@ -466,9 +493,20 @@ class Scheduler(PDQueues):
         })
 
     def _flush(self) -> None:
-        if self._out:
-            out, self._out = self._out, []
-            self._sink(out)
+        """Hand the step's messages to the sink: one ``Outputs`` per connection, then the rest in order."""
+        if not self._out:
+            return
+        out, self._out = self._out, []
+        merged: dict[int, Outputs] = {}
+        batch: list[tuple[int, Message]] = []
+        for conn_id, msg in out:
+            if isinstance(msg, Outputs):
+                if conn_id in merged:
+                    merged[conn_id].items.extend(msg.items)
+                    continue
+                merged[conn_id] = msg
+            batch.append((conn_id, msg))
+        self._sink(batch)
 
     def load_report(self) -> LoadReport:
         return LoadReport(

@@ -1,13 +1,14 @@
 """The worker's native server: gateway connections speaking ``workers.protocol`` frames.
 
 Lifecycle:
-1. ``NativeServer.start()`` listens on TCP (and optionally a Unix socket).
+1. ``NativeServer.start()`` listens on TCP.
 2. Each connection gets an id; the first frame must be ``Hello`` with our protocol version (else
    ``Rejected`` and close). Then ``Submit``/``Abort`` frames go to the scheduler's inbox.
 3. The scheduler thread hands each step's messages to ``deliver`` (thread-safe): they are grouped
    per connection and written with one ``write`` call per connection per step.
 4. A closed connection drops its requests (pages freed); ``aclose()`` stops listening and closes
-   every connection.
+   every connection. If the scheduler thread has died, handshakes are rejected and a submit gets an
+   ``Error`` and its connection is closed, so the gateway marks this worker down instead of waiting.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import msgspec
 from workers.protocol import (
     PROTOCOL_VERSION,
     Abort,
+    Error,
     Hello,
     HelloAck,
     Rejected,
@@ -96,12 +98,21 @@ class NativeServer:
                 writer.write(self._codec.encode(Rejected(f"protocol version {PROTOCOL_VERSION} required, got {got}")))
                 await writer.drain()
                 return
+            if not self._scheduler.is_alive:
+                writer.write(self._codec.encode(Rejected("the worker's scheduler is not running")))
+                await writer.drain()
+                return
             writer.write(self._codec.encode(self._hello_ack()))
             self._writers[conn_id] = writer
             while True:
                 body = await read_frame(reader)
                 match self._codec.decode(body):
                     case Submit() as msg:
+                        if not self._scheduler.is_alive:
+                            stopped = Error(msg.rid, "internal", "the worker's scheduler stopped")
+                            writer.write(self._codec.encode(stopped))
+                            await writer.drain()
+                            return
                         self._scheduler.submit(conn_id, msg)
                     case Abort(rid=rid, reason=reason):
                         self._scheduler.abort(conn_id, rid, reason)

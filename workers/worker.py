@@ -206,11 +206,14 @@ class Worker:
         if self._registrar is not None:
             with contextlib.suppress(Exception):
                 await self._registrar.aclose()
+        stopped = True
         if self.scheduler is not None:
-            await asyncio.to_thread(self.scheduler.stop)
+            stopped = await asyncio.to_thread(self.scheduler.stop)
+            if not stopped:
+                log.error("scheduler step still running after 60s; leaving the KV manager and engine open")
         if self.server is not None:
             await self.server.aclose()
-        if self.kv is not None:
+        if self.kv is not None and stopped:
             await asyncio.to_thread(self.kv.close)
         if self._resolver is not None:
             self._resolver.close()
@@ -222,5 +225,5 @@ class Worker:
         if self._embedded is not None:
             with contextlib.suppress(Exception):
                 await self._embedded.aclose()
-        if self.engine is not None:
+        if self.engine is not None and stopped:
             self.engine.close()

@@ -246,3 +246,17 @@ def test_client_hanging_up_on_a_non_streaming_request_aborts_it(sim_cluster) -> 
         assert time.monotonic() < deadline, "the decode kept generating for a client that left"
         time.sleep(0.1)
     cluster.wait_pools_full(timeout_s=5)
+
+
+def test_stream_abandoned_before_the_first_token_is_aborted(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = sim_cluster(prefill_args=("--engine-option", "prefill_token_s=0.05", "--chunk-size", "8"))
+    with pytest.raises(httpx.TimeoutException), httpx.stream(
+        "POST", f"{cluster.base_url}/v1/completions", timeout=1.5,
+        json={"prompt": "x" * 200, "max_tokens": 4, "stream": True},  # ~10 s of prefill
+    ) as r:
+        r.read()
+    deadline = time.monotonic() + 5
+    while cluster.prefills[0].get("/load")["num_running"]:  # type: ignore[index]
+        assert time.monotonic() < deadline, "the prefill kept computing for a client that left"
+        time.sleep(0.1)
+    cluster.wait_pools_full(timeout_s=5)

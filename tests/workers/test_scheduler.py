@@ -218,3 +218,43 @@ def test_engine_failure_fails_the_batch_not_the_worker() -> None:
     sched.submit(0, Submit(2, [1, 2, 3], SamplingParams(max_new_tokens=5)))
     run_until_idle(sched)
     assert len(tokens_of(sink, 2)) == 5 and sched.cache.num_available == pool.num_pages
+
+
+def test_nan_or_infinite_timeout_is_rejected() -> None:
+    sched, sink, _ = make()
+    sched.submit(0, Submit(1, [1, 2], SamplingParams(max_new_tokens=2), timeout_s=float("nan")))
+    sched.submit(0, Submit(2, [1, 2], SamplingParams(max_new_tokens=2), timeout_s=float("inf")))
+    run_until_idle(sched)
+    assert sink.errors(1)[0].code == "bad_request" and sink.errors(2)[0].code == "bad_request"
+
+
+def test_a_room_already_in_use_is_a_bad_request_not_a_dead_loop() -> None:
+    from transfer import KVArgs, KVManager, create_backend
+    from workers.protocol import BootstrapTarget
+
+    engine = SimEngine()
+    info = engine.info
+    pool = KVPool(num_layers=info.num_layers, num_pages=32, page_size=4, num_kv_heads=info.num_kv_heads,
+                  head_dim=info.head_dim)
+    engine.bind(pool)
+    args = KVArgs(kv_ptrs=pool.kv_ptrs(), kv_data_lens=pool.kv_data_lens(), kv_item_lens=pool.kv_item_lens(),
+                  aux_ptrs=[int(pool.aux.ctypes.data)], aux_data_lens=[int(pool.aux.nbytes)],
+                  aux_item_lens=[pool.aux_slot_bytes], page_size=4)
+    kv = KVManager("prefill", args, create_backend("fake"))
+    sink = Collector()
+    sched = Scheduler(SchedulerConfig("prefill"), engine, pool, sink, kv)
+    sched.start()
+    try:
+        target = BootstrapTarget("127.0.0.1", 1, 42)
+        sched.submit(1, Submit(1, [1, 2, 3], SamplingParams(), target, timeout_s=5))
+        sched.submit(2, Submit(1, [1, 2, 3], SamplingParams(), target, timeout_s=5))
+        deadline = time.monotonic() + 5
+        while not sink.errors(1):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        errors = [m for c, m in sink.items if isinstance(m, Error)]
+        assert errors[0].code == "bad_request" and "42" in errors[0].message
+        assert sched.is_alive
+    finally:
+        sched.stop()
+        kv.close()
