@@ -43,7 +43,13 @@ def test_output_depends_on_the_kv_bytes_held() -> None:
     assert pages
     prefill(engine, pages, tokens, chunk=8)
     before = engine.digest(pages, len(tokens))
-    outs = {engine.forward([SeqInput(1, pages, len(tokens) - 1, [tokens[-1]], True, SamplingParams())])[0].token_id}
+
+    def first_sample(rid: int) -> int | None:
+        """What a worker seeing this sequence for the first time (a decode after import) samples."""
+        out = engine.forward([SeqInput(rid, pages, len(tokens) - 1, [tokens[-1]], True, SamplingParams())])
+        return out[0].token_id
+
+    outs = {first_sample(100)}
     pool.v[2][pages[1], 2, 1, 3] += 1.0  # one value of one layer of one earlier position
     assert not engine.verify(pages, tokens)
     assert engine.digest(pages, len(tokens)) != before
@@ -51,9 +57,22 @@ def test_output_depends_on_the_kv_bytes_held() -> None:
     changed = set()
     for flip in range(4):
         pool.k[0][pages[0], flip, 0, 0] += 3.0
-        changed.add(engine.forward([SeqInput(1, pages, len(tokens) - 1, [tokens[-1]], True,
-                                             SamplingParams())])[0].token_id)
+        changed.add(first_sample(200 + flip))
     assert changed - outs, "output never changed although the KV did"
+
+
+def test_incremental_sampling_digest_equals_a_full_read() -> None:
+    engine, pool = setup()
+    pages = pool.alloc(8)
+    assert pages
+    seq = list(range(40, 47))
+    (out,) = engine.forward([SeqInput(1, pages, 0, seq, True, SamplingParams())])
+    for _ in range(12):
+        seq.append(out.token_id)  # type: ignore[arg-type]
+        (out,) = engine.forward([SeqInput(1, pages, len(seq) - 1, [seq[-1]], True, SamplingParams())])
+        (fresh,) = engine.forward([SeqInput(99, pages, len(seq) - 1, [seq[-1]], True, SamplingParams())])
+        engine._seen.pop(99)
+        assert out.token_id == fresh.token_id
 
 
 def test_salted_kv_differs() -> None:

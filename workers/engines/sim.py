@@ -2,8 +2,9 @@
 
 KV rows are a deterministic function of (buffer, position, token id), so any worker can recompute
 what a prompt's KV must be. Output tokens are a function of the KV bytes the worker actually holds
-(a CRC over every row of the sequence, read from the pool), so a decode worker that received wrong
-or missing KV produces different tokens. ``verify`` lets the decode side check imported KV against
+(a CRC over every row of the sequence, read from the pool at the sequence's first sample in this
+worker; later steps fold in only their new rows), so a decode worker that received wrong or missing
+KV produces different tokens. ``verify`` lets the decode side check imported KV against
 the prompt instead of assuming it arrived intact.
 
 Lifecycle: construct from ``EngineOptions`` (``extra`` may set ``layers``, ``kv_heads``,
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterator
 
 import numpy as np
@@ -25,6 +27,7 @@ from workers.kv_pool import KVPool
 # Output alphabet: printable, so sim completions read as text through the byte tokenizer.
 ALPHABET = b"abcdefghijklmnopqrstuvwxyz     ,."
 _MIX = np.uint64(0x9E3779B97F4A7C15)
+_MAX_SEEN = 8192  # sequences whose running digest is kept
 
 
 class SimEngine(Engine):
@@ -49,6 +52,7 @@ class SimEngine(Engine):
             tokenizer="byte",
         )
         self._pool: KVPool | None = None
+        self._seen: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()  # seq -> rows folded, CRCs
 
     @property
     def pool(self) -> KVPool:
@@ -93,15 +97,41 @@ class SimEngine(Engine):
             for page, row, n, off in self._row_slices(seq.page_ids, seq.num_cached, len(seq.token_ids)):
                 flat[page, row : row + n] = rows[off : off + n]
 
-    def digest(self, page_ids: list[int], num_tokens: int) -> int:
-        """CRC32 over every KV row of positions [0, num_tokens), as held in the pool."""
+    def _fold(self, page_ids: list[int], start: int, end: int, crcs: list[int]) -> list[int]:
+        """Extend one CRC32 per buffer with the rows of positions [start, end), as held in the pool."""
         pool = self.pool
-        crc = 0
-        for buf in pool.kv_buffers():
+        out = []
+        for buf, crc in zip(pool.kv_buffers(), crcs, strict=True):
             raw = buf.view(np.uint8).reshape(pool.num_pages, pool.page_size, -1)
-            for page, row, n, _ in self._row_slices(page_ids, 0, num_tokens):
+            for page, row, n, _ in self._row_slices(page_ids, start, end - start):
                 crc = zlib.crc32(raw[page, row : row + n].tobytes(), crc)
-        return crc
+            out.append(crc)
+        return out
+
+    @staticmethod
+    def _combine(crcs: list[int]) -> int:
+        return zlib.crc32(np.asarray(crcs, dtype=np.uint32).tobytes())
+
+    def digest(self, page_ids: list[int], num_tokens: int) -> int:
+        """A CRC over every KV row of positions [0, num_tokens), as held in the pool."""
+        return self._combine(self._fold(page_ids, 0, num_tokens, [0] * 2 * self.pool.num_layers))
+
+    def _sample_digest(self, seq: SeqInput) -> int:
+        """``digest`` of the sequence, folding in only rows not seen at its previous sample.
+
+        The first sample of a sequence in this worker (the prefill's last chunk, or the decode's
+        first step after importing KV) reads every row from the pool; later steps add their rows.
+        """
+        end = seq.num_cached + len(seq.token_ids)
+        seen = self._seen.pop(seq.rid, None)
+        if seen is not None and seen[0] <= end:
+            crcs = self._fold(seq.page_ids, seen[0], end, seen[1])
+        else:
+            crcs = self._fold(seq.page_ids, 0, end, [0] * 2 * self.pool.num_layers)
+        self._seen[seq.rid] = (end, crcs)
+        while len(self._seen) > _MAX_SEEN:
+            self._seen.popitem(last=False)
+        return self._combine(crcs)
 
     def verify(self, page_ids: list[int], token_ids: list[int]) -> bool:
         """Whether the pool holds exactly the KV these tokens produce at positions 0.."""
@@ -129,7 +159,7 @@ class SimEngine(Engine):
             else:
                 num_prefill_tokens += len(seq.token_ids)
             if seq.sample:
-                crc = self.digest(seq.page_ids, seq.num_cached + len(seq.token_ids))
+                crc = self._sample_digest(seq)
                 outputs.append(SeqOutput(token_id=ALPHABET[crc % len(ALPHABET)], logprob=0.0))
             else:
                 outputs.append(SeqOutput())
