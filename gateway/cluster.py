@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  OpenAI API: {url}/v1", flush=True)
         print(f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
               "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "
-              "\"max_tokens\": 32}'", flush=True)
+              "\"max_tokens\": 32, \"temperature\": 0}'", flush=True)
         print("  Ctrl-C stops the cluster.", flush=True)
         while not cluster.stopping:
             failed = cluster.failed_child()
