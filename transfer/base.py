@@ -16,10 +16,11 @@ Every method may be called from any thread. Library errors never escape: they be
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from enum import IntEnum
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from transfer.errors import TransferError, TransferErrorKind
 
@@ -88,3 +89,32 @@ class TransferBackend(ABC):
 def unknown_peer(backend: str, peer: PeerId) -> TransferError:
     """The error for a write/poll against a peer id the backend does not (or no longer) know."""
     return TransferError(TransferErrorKind.PEER_GONE, f"{backend}: unknown or disconnected peer {peer}")
+
+
+class WriteTable:
+    """``poll``/``error``/``release`` for backends that keep their writes in ``self._writes``
+    (handle -> a record with ``state`` and ``error``) under their own ``self._lock``.
+
+    Mix in before ``TransferBackend``; a backend with more to free on release overrides ``release``.
+    """
+
+    name: ClassVar[str]
+    _lock: threading.Lock
+    _writes: dict[WriteHandle, Any]
+
+    def poll(self, handle: WriteHandle) -> WriteState:
+        with self._lock:
+            record = self._writes.get(handle)
+        if record is None:
+            raise KeyError(f"{self.name}: unknown write handle {handle}")
+        state: WriteState = record.state
+        return state
+
+    def error(self, handle: WriteHandle) -> TransferError | None:
+        with self._lock:
+            record = self._writes.get(handle)
+            return record.error if record is not None else None
+
+    def release(self, handle: WriteHandle) -> None:
+        with self._lock:
+            self._writes.pop(handle, None)

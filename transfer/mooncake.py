@@ -33,7 +33,16 @@ from typing import Any
 
 import msgspec
 
-from transfer.base import Block, PeerId, Region, TransferBackend, WriteHandle, WriteState, unknown_peer
+from transfer.base import (
+    Block,
+    PeerId,
+    Region,
+    TransferBackend,
+    WriteHandle,
+    WriteState,
+    WriteTable,
+    unknown_peer,
+)
 from transfer.blocks import RegionSet
 from transfer.errors import TransferError, TransferErrorKind
 
@@ -74,7 +83,7 @@ def _transfer_timeout_s() -> float:
         return 30.0
 
 
-class MooncakeBackend(TransferBackend):
+class MooncakeBackend(WriteTable, TransferBackend):
     name = "mooncake"
 
     def __init__(
@@ -222,22 +231,6 @@ class MooncakeBackend(TransferBackend):
             TransferErrorKind.PEER_GONE,
             f"mooncake: batch to {peer.session} failed ({rc}): peer gone, reset or refusing",
         )
-
-    def poll(self, handle: WriteHandle) -> WriteState:
-        with self._lock:
-            record = self._writes.get(handle)
-        if record is None:
-            raise KeyError(f"mooncake: unknown write handle {handle}")
-        return record.state
-
-    def error(self, handle: WriteHandle) -> TransferError | None:
-        with self._lock:
-            record = self._writes.get(handle)
-        return record.error if record is not None else None
-
-    def release(self, handle: WriteHandle) -> None:
-        with self._lock:
-            self._writes.pop(handle, None)
 
     def probe(self, peer: PeerId) -> bool:
         with self._lock:

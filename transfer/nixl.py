@@ -32,7 +32,16 @@ from typing import Any
 
 import msgspec
 
-from transfer.base import Block, PeerId, Region, TransferBackend, WriteHandle, WriteState, unknown_peer
+from transfer.base import (
+    Block,
+    PeerId,
+    Region,
+    TransferBackend,
+    WriteHandle,
+    WriteState,
+    WriteTable,
+    unknown_peer,
+)
 from transfer.errors import TransferError, TransferErrorKind
 
 _SCRATCH_BYTES = 64
@@ -84,7 +93,7 @@ def _map_error(exc: Exception, what: str) -> TransferError:
     return TransferError(kind, f"nixl: {what}: {name}: {exc}")
 
 
-class NixlBackend(TransferBackend):
+class NixlBackend(WriteTable, TransferBackend):
     name = "nixl"
 
     def __init__(self, num_threads: int = 0) -> None:
@@ -261,18 +270,6 @@ class NixlBackend(TransferBackend):
         record.xfer = None
 
     # -- queries ---------------------------------------------------------------------------------
-    def poll(self, handle: WriteHandle) -> WriteState:
-        with self._lock:
-            record = self._writes.get(handle)
-        if record is None:
-            raise KeyError(f"nixl: unknown write handle {handle}")
-        return record.state
-
-    def error(self, handle: WriteHandle) -> TransferError | None:
-        with self._lock:
-            record = self._writes.get(handle)
-            return record.error if record is not None else None
-
     def release(self, handle: WriteHandle) -> None:
         with self._lock:
             record = self._writes.pop(handle, None)

@@ -26,7 +26,16 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from transfer.base import Block, PeerId, Region, TransferBackend, WriteHandle, WriteState, unknown_peer
+from transfer.base import (
+    Block,
+    PeerId,
+    Region,
+    TransferBackend,
+    WriteHandle,
+    WriteState,
+    WriteTable,
+    unknown_peer,
+)
 from transfer.blocks import RegionSet
 from transfer.errors import TransferError, TransferErrorKind
 
@@ -81,7 +90,7 @@ class _Peer:
     thread: threading.Thread | None = None
 
 
-class TcpBackend(TransferBackend):
+class TcpBackend(WriteTable, TransferBackend):
     name = "tcp"
 
     def __init__(self, host: str = "127.0.0.1", connect_timeout_s: float = 5.0) -> None:
@@ -251,22 +260,6 @@ class TcpBackend(TransferBackend):
             sock.close()
         except OSError:
             pass
-
-    def poll(self, handle: WriteHandle) -> WriteState:
-        with self._lock:
-            record = self._writes.get(handle)
-        if record is None:
-            raise KeyError(f"tcp: unknown write handle {handle}")
-        return record.state
-
-    def error(self, handle: WriteHandle) -> TransferError | None:
-        with self._lock:
-            record = self._writes.get(handle)
-        return record.error if record is not None else None
-
-    def release(self, handle: WriteHandle) -> None:
-        with self._lock:
-            self._writes.pop(handle, None)
 
     def probe(self, peer: PeerId) -> bool:
         with self._lock:
