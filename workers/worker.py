@@ -102,11 +102,7 @@ class Worker:
         from transfer import KVArgs, KVManager, KVTimeouts, create_backend
 
         cfg = self.config
-        args = KVArgs(
-            kv_ptrs=pool.kv_ptrs(), kv_data_lens=pool.kv_data_lens(), kv_item_lens=pool.kv_item_lens(),
-            aux_ptrs=[int(pool.aux.ctypes.data)], aux_data_lens=[int(pool.aux.nbytes)],
-            aux_item_lens=[pool.aux_slot_bytes], page_size=pool.page_size, kv_dtype=pool.dtype,
-        )
+        args = KVArgs.from_pool(pool)
         timeouts = KVTimeouts(
             bootstrap_s=cfg.bootstrap_timeout_s, waiting_s=cfg.waiting_timeout_s,
             transfer_s=cfg.transfer_timeout_s, heartbeat_interval_s=cfg.heartbeat_interval_s,

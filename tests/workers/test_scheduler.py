@@ -237,9 +237,7 @@ def test_a_room_already_in_use_is_a_bad_request_not_a_dead_loop() -> None:
     pool = KVPool(num_layers=info.num_layers, num_pages=32, page_size=4, num_kv_heads=info.num_kv_heads,
                   head_dim=info.head_dim)
     engine.bind(pool)
-    args = KVArgs(kv_ptrs=pool.kv_ptrs(), kv_data_lens=pool.kv_data_lens(), kv_item_lens=pool.kv_item_lens(),
-                  aux_ptrs=[int(pool.aux.ctypes.data)], aux_data_lens=[int(pool.aux.nbytes)],
-                  aux_item_lens=[pool.aux_slot_bytes], page_size=4)
+    args = KVArgs.from_pool(pool)
     kv = KVManager("prefill", args, create_backend("fake"))
     sink = Collector()
     sched = Scheduler(SchedulerConfig("prefill"), engine, pool, sink, kv)
