@@ -53,13 +53,12 @@ def decode_body(body: bytes, kind: type[Any]) -> Any:
 
 class Frontend:
     def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, model_name: str, max_context: int,
-                 default_max_tokens: int = 256, request_timeout_s: float = 600.0) -> None:
+                 default_max_tokens: int = 256) -> None:
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_context = max_context
         self.default_max_tokens = default_max_tokens
-        self.request_timeout_s = request_timeout_s
 
     # -- validation --------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:

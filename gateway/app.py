@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -70,7 +70,6 @@ class GatewayConfig:
     max_retries: int = 2
     max_body_bytes: int = 8 * 1024 * 1024
     default_max_tokens: int = 256
-    extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.worker and (self.prefill or self.decode):
@@ -119,7 +118,7 @@ class Gateway:
         tokenizer = load_tokenizer(self.config.tokenizer or info.tokenizer)
         max_context = min(c.info.max_context for c in self.clients if c.info is not None)
         self.frontend = Frontend(self.dispatcher, tokenizer, self.config.model_name or info.model, max_context,
-                                 self.config.default_max_tokens, self.config.request_timeout_s)
+                                 self.config.default_max_tokens)
 
     def require_frontend(self) -> Frontend:
         if self.frontend is None:

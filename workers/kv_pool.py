@@ -25,10 +25,6 @@ import numpy as np
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "uint8": np.uint8}
 
 
-class PoolExhausted(Exception):
-    """Raised where a caller needs pages that the pool cannot give."""
-
-
 class KVPool:
     """Per-layer K and V page buffers plus a free-page list and a slot buffer for aux data."""
 
