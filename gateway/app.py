@@ -2,7 +2,8 @@
 
 Lifecycle (``create_app(config)`` + the Starlette lifespan):
 1. Startup: one ``WorkerClient`` per configured worker (persistent native connections), the
-   policy, the dispatcher; wait up to ``startup_timeout_s`` for workers, then load the tokenizer
+   router (policies, validated options, prefix index fed by the workers' KV events), the
+   dispatcher; wait up to ``startup_timeout_s`` for workers, then load the tokenizer
    the first connected worker names.
 2. Requests: decode and validate the body -> ``Frontend`` -> dispatcher -> SSE or JSON response.
    Every error is one ``APIError`` mapped to an OpenAI-shaped body with its status code; once a
@@ -32,7 +33,8 @@ from gateway.api import SSE_DONE, Frontend, Prepared, decode_body, error_event, 
 from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from gateway.dispatch import DispatchConfig, Dispatcher
 from gateway.errors import APIError, NoWorkers, PayloadTooLarge
-from gateway.policies import create_policy
+from gateway.policies import parse_option_args
+from gateway.router import Router
 from gateway.text import ChoiceState
 from gateway.tokenizer import load_tokenizer
 from gateway.worker_client import WorkerClient
@@ -61,6 +63,11 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     policy: str = "round_robin"
+    prefill_policy: str | None = None  # default: ``policy``
+    decode_policy: str | None = None  # default: ``policy``
+    policy_options: tuple[str, ...] = ()  # K=V, prefill.K=V, decode.K=V
+    load_stale_s: float = 1.0  # a worker's load report older than this is ignored (own counts used)
+    assume_ttl_s: float = 2.0  # how long a routed prompt counts as cached on its prefill before events
     model_name: str | None = None
     tokenizer: str | None = None
     startup_timeout_s: float = 60.0
@@ -76,6 +83,10 @@ class GatewayConfig:
             raise ValueError("worker: use either --worker (combined) or --prefill/--decode, not both")
         if not self.worker and not (self.prefill and self.decode):
             raise ValueError("prefill/decode: give at least one --prefill and one --decode URL (or --worker)")
+        if not self.load_stale_s > 0:
+            raise ValueError("load_stale_s must be positive")
+        if not self.assume_ttl_s >= 0:
+            raise ValueError("assume_ttl_s must be >= 0")
 
 
 class Gateway:
@@ -83,12 +94,19 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self.prefills = [WorkerClient(u, "prefill") for u in config.prefill]
-        self.decodes = [WorkerClient(u, "decode") for u in config.decode] or [
-            WorkerClient(u, "both") for u in config.worker
+        stale_s = config.load_stale_s
+        self.prefills = [WorkerClient(u, "prefill", stale_after_s=stale_s) for u in config.prefill]
+        self.decodes = [WorkerClient(u, "decode", stale_after_s=stale_s) for u in config.decode] or [
+            WorkerClient(u, "both", stale_after_s=stale_s) for u in config.worker
         ]
+        self.router = Router.build(config.prefill_policy or config.policy, config.decode_policy or config.policy,
+                                   parse_option_args(config.policy_options), assume_ttl_s=config.assume_ttl_s)
+        for client in self.prefills + self.decodes:
+            client.on_up = lambda c: self.router.worker_added(c.state)
+            client.on_down = lambda c: self.router.worker_removed(c.state)
+            client.on_kv_events = lambda c, events: self.router.kv_events(c.state, events)
         self.dispatcher = Dispatcher(
-            self.prefills, self.decodes, create_policy(config.policy),
+            self.prefills, self.decodes, self.router,
             DispatchConfig(config.first_token_timeout_s, config.stream_idle_timeout_s, config.request_timeout_s,
                            config.max_retries),
         )
@@ -97,6 +115,7 @@ class Gateway:
         self.requests = Counter("pd_gateway_requests", "Requests by route and status", ["route", "status"],
                                 registry=self.registry)
         self.active = Gauge("pd_gateway_active_requests", "Requests in flight", registry=self.registry)
+        self.registry.register(RoutingCollector(self))
 
     @property
     def clients(self) -> list[WorkerClient]:
@@ -346,8 +365,9 @@ def create_app(config: GatewayConfig) -> Starlette:
         ok = bool(decodes) and (bool(prefills) or not gw.dispatcher.is_disaggregated)
         body = {
             "status": "ok" if ok else "unavailable",
-            "workers": [{"url": c.url, "role": c.role, "healthy": c.healthy, "active": c.num_active,
-                         "error": c.last_error} for c in gw.clients],
+            "policy": gw.router.name,
+            "workers": [{**c.state.describe(), "healthy": c.healthy, "error": c.last_error,
+                         "cached_pages": gw.router.index.num_pages(c.url)} for c in gw.clients],
         }
         return _reply(body, 200 if ok else 503)
 
@@ -398,6 +418,46 @@ async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+class RoutingCollector:
+    """Prometheus collector read at scrape time: per-worker load as routing sees it, policy figures."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        gauges = {
+            "prefill_tokens": "Prompt tokens queued or running (worker report + unacknowledged dispatches)",
+            "running_seqs": "Sequences holding KV on the worker",
+            "waiting_seqs": "Sequences admitted but waiting",
+            "free_pages": "KV pages free after admitted and reserved requests",
+            "active_requests": "Requests this gateway has open on the worker",
+        }
+        families = {k: GaugeMetricFamily(f"pd_gateway_worker_{k}", doc, labels=["worker", "role"])
+                    for k, doc in gauges.items()}
+        fresh = GaugeMetricFamily("pd_gateway_worker_load_fresh", "1 if the worker's load report is fresh",
+                                  labels=["worker", "role"])
+        for c in self.gw.clients:
+            st, labels = c.state, [c.url, c.role]
+            families["prefill_tokens"].add_metric(labels, st.num_prefill_tokens)
+            families["running_seqs"].add_metric(labels, st.num_running_seqs)
+            families["waiting_seqs"].add_metric(labels, st.num_waiting_seqs)
+            families["free_pages"].add_metric(labels, st.num_free_pages)
+            families["active_requests"].add_metric(labels, st.num_active)
+            fresh.add_metric(labels, 1.0 if st.is_load_fresh else 0.0)
+        yield from families.values()
+        yield fresh
+        stats = GaugeMetricFamily("pd_gateway_policy_stat", "Figures the routing policies report",
+                                  labels=["stat"])
+        for key, value in self.gw.router.stats().items():
+            stats.add_metric([key], value)
+        yield stats
 
 
 def _reply(body: Any, status: int = 200) -> Response:

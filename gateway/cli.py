@@ -19,7 +19,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="combined (--role both) workers, no disaggregation")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--policy", default="round_robin", help="pair-selection policy plugin name or module:attr")
+    p.add_argument("--policy", default="round_robin",
+                   help="pair-selection policy for both sides: random, round_robin, power_of_two, cache_aware, "
+                        "ratio_aware, or a plugin (entry point name or module:attr)")
+    p.add_argument("--prefill-policy", default=None, help="policy choosing the prefill worker (default: --policy)")
+    p.add_argument("--decode-policy", default=None, help="policy choosing the decode worker (default: --policy)")
+    p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="policy setting (repeatable); prefix prefill. or decode. for one side only, "
+                        "e.g. cache_weight=2 or prefill.balance_factor=1.3")
+    p.add_argument("--load-stale-s", type=float, default=1.0,
+                   help="ignore a worker load report older than this (use the gateway's own counts)")
+    p.add_argument("--assume-ttl-s", type=float, default=2.0,
+                   help="how long a routed prompt counts as cached on its prefill before the worker's events")
     p.add_argument("--model-name", default=None, help="served model name (default: the workers' model)")
     p.add_argument("--tokenizer", default=None, help="tokenizer override: 'byte' or a model directory")
     p.add_argument("--startup-timeout-s", type=float, default=60.0)
@@ -36,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         prefill=tuple(args.prefill), decode=tuple(args.decode), worker=tuple(args.worker), host=args.host,
-        port=args.port, policy=args.policy, model_name=args.model_name, tokenizer=args.tokenizer,
+        port=args.port, policy=args.policy, prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
+        policy_options=tuple(args.policy_option), load_stale_s=args.load_stale_s, assume_ttl_s=args.assume_ttl_s,
+        model_name=args.model_name, tokenizer=args.tokenizer,
         startup_timeout_s=args.startup_timeout_s, first_token_timeout_s=args.first_token_timeout_s,
         stream_idle_timeout_s=args.stream_idle_timeout_s, request_timeout_s=args.request_timeout_s,
         max_retries=args.max_retries, max_body_bytes=args.max_body_bytes,

@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument("--bootstrap-port", type=int, default=0, help="registry port (0 = any free port)")
-    p.add_argument("--policy", default="round_robin")
+    p.add_argument("--policy", default="round_robin", help="gateway routing policy (see gateway --help)")
+    p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=1024, help="KV pages per worker")
     p.add_argument("--chunk-size", type=int, default=512)
@@ -126,10 +127,11 @@ def plan(args: argparse.Namespace) -> list[Child]:
                 argv += ["--engine-option", opt]
             children.append(Child(f"{role}-{i}", argv, f"http://{host}:{http_port}/health"))
             urls[role].append(f"pd://{host}:{port}")
-    children.append(Child("gateway", [py, "-m", "gateway.cli", "--host", host, "--port", str(args.port),
-                                      "--policy", args.policy, "--log-level", args.log_level,
-                                      "--prefill", *urls["prefill"], "--decode", *urls["decode"]],
-                          f"http://{host}:{args.port}/health"))
+    gateway_argv = [py, "-m", "gateway.cli", "--host", host, "--port", str(args.port), "--policy", args.policy,
+                    "--log-level", args.log_level, "--prefill", *urls["prefill"], "--decode", *urls["decode"]]
+    for opt in args.policy_option:
+        gateway_argv += ["--policy-option", opt]
+    children.append(Child("gateway", gateway_argv, f"http://{host}:{args.port}/health"))
     return children
 
 

@@ -1,7 +1,8 @@
 """PD dispatch: pick a pair, give it a fresh bootstrap room, drive both sides, stream decode tokens.
 
 Lifecycle of one request (``Dispatcher.generate``, an async generator):
-1. Select a (prefill, decode) pair among healthy workers with the policy (sync, no I/O).
+1. Select a (prefill, decode) pair among healthy workers with the router's policies (sync, no
+   I/O; they read each worker's ``WorkerState`` and the prefix index through ``RequestInfo``).
 2. Draw a fresh ``bootstrap_room`` (random 63-bit) and submit to the decode and the prefill at
    once: awaiting one before the other would deadlock the KV handshake.
 3. Relay the decode's ``StepOutput`` events. The prefill's only event is "transferred" (or an
@@ -10,7 +11,9 @@ Lifecycle of one request (``Dispatcher.generate``, an async generator):
    with a new pair and a new room, at most ``max_retries`` times; after it, the error is final.
 5. Deadlines: ``first_token_timeout_s`` until the first token, then ``stream_idle_timeout_s``
    between events. Whatever ends the generator (finish, error, timeout, client gone), open
-   requests are aborted on both workers.
+   requests are aborted on both workers, and the policies hear how the attempt ended
+   (``on_finish``). The prefill's load (its prompt tokens) is released when its part ends, i.e.
+   when its KV is handed over, not when the decode's stream ends.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import APIError, BadGateway, NoWorkers, UpstreamTimeout, from_worker_error
-from gateway.policies import Policy, RequestInfo
+from gateway.policies import Pair, RequestInfo, WorkerView
+from gateway.router import Router
 from gateway.worker_client import Event, WorkerClient, WorkerGone
 from workers.protocol import BootstrapTarget, Error, SamplingParams, StepOutput, Submit
 
@@ -38,13 +42,13 @@ class DispatchConfig:
 
 
 class Dispatcher:
-    def __init__(self, prefills: Sequence[WorkerClient], decodes: Sequence[WorkerClient], policy: Policy,
+    def __init__(self, prefills: Sequence[WorkerClient], decodes: Sequence[WorkerClient], router: Router,
                  config: DispatchConfig | None = None) -> None:
         if not decodes:
             raise ValueError("the gateway needs at least one decode (or combined) worker")
         self.prefills = list(prefills)
         self.decodes = list(decodes)
-        self.policy = policy
+        self.router = router
         self.config = config or DispatchConfig()
         self.num_retries = 0
 
@@ -55,20 +59,21 @@ class Dispatcher:
     def healthy_workers(self) -> tuple[list[WorkerClient], list[WorkerClient]]:
         return [w for w in self.prefills if w.healthy], [w for w in self.decodes if w.healthy]
 
-    def _select(self, request: RequestInfo) -> tuple[WorkerClient | None, WorkerClient]:
-        prefills, decodes = self.healthy_workers()
+    def _select(self, request: RequestInfo) -> Pair:
+        prefills = [w.state for w in self.prefills if w.healthy]
+        decodes = [w.state for w in self.decodes if w.healthy]
         if not decodes or (self.is_disaggregated and not prefills):
             missing = "decode" if not decodes else "prefill"
             raise NoWorkers(f"no healthy {missing} worker", retry_after_s=1.0)
-        pair = self.policy.select(prefills, decodes, request)
-        return pair.prefill, pair.decode  # type: ignore[return-value]
+        return self.router.select(prefills, decodes, request)
 
     async def generate(self, input_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
         attempt = 0
+        request = self.router.request(input_ids, params.max_new_tokens)
         while True:
             started = False
             try:
-                async for item in self._attempt(input_ids, params):
+                async for item in self._attempt(request, input_ids, params):
                     started = True
                     yield item
                 return
@@ -78,12 +83,16 @@ class Dispatcher:
                 attempt += 1
                 self.num_retries += 1
 
-    async def _attempt(self, input_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
-        prefill, decode = self._select(RequestInfo(input_ids, params.max_new_tokens))
+    async def _attempt(self, request: RequestInfo, input_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[StepOutput]:
+        pair = self._select(request)
+        prefill = _client_of(pair.prefill, self.prefills) if pair.prefill is not None else None
+        decode = _client_of(pair.decode, self.decodes)
         sink: asyncio.Queue[tuple[Any, Event]] = asyncio.Queue()
         timeout_s = self.config.request_timeout_s
         open_rids: dict[str, tuple[WorkerClient, int]] = {}
         finished = False
+        outcome = "failed"
         try:
             target = None
             if prefill is not None:
@@ -93,14 +102,22 @@ class Dispatcher:
                     raise BadGateway(f"prefill worker {prefill.url} reported no bootstrap address")
                 target = BootstrapTarget(info.bootstrap_host, info.bootstrap_port, secrets.randbits(63),
                                          info.instance_id)
+            prompt_tokens = len(input_ids)
+            prefill_side = pair.prefill if pair.prefill is not None else pair.decode
+            if request.has_page_hashes:  # the policy consulted the prefix index: count only the uncached part
+                prompt_tokens -= request.num_cached_tokens(prefill_side)
+            pages = request.num_pages_needed(pair.decode.page_size)
             try:
-                rid = decode.submit(Submit(0, input_ids, params, target, timeout_s), sink, "decode")
+                rid = decode.submit(Submit(0, input_ids, params, target, timeout_s), sink, "decode",
+                                    prefill_tokens=0 if prefill is not None else prompt_tokens, pages=pages)
                 open_rids["decode"] = (decode, rid)
                 if prefill is not None:
-                    rid = prefill.submit(Submit(0, input_ids, params, target, timeout_s), sink, "prefill")
+                    rid = prefill.submit(Submit(0, input_ids, params, target, timeout_s), sink, "prefill",
+                                         prefill_tokens=prompt_tokens)
                     open_rids["prefill"] = (prefill, rid)
             except ConnectionError as exc:
                 raise _Retryable(BadGateway(str(exc))) from None
+            self.router.dispatched(pair, request)
             got_token = False
             # Prompt logprobs come from the prefill; its report may trail the decode's last token.
             want_prompt = params.prompt_logprobs and prefill is not None
@@ -144,10 +161,21 @@ class Dispatcher:
                             return
                         continue
                     raise _as_error(event, side)
+        except (GeneratorExit, asyncio.CancelledError):
+            outcome = "cancelled"
+            raise
         finally:
             if not finished:  # error, timeout or the client went away: free both sides now
                 for worker, rid in open_rids.values():
                     worker.abort(rid)
+            self.router.finished(pair, request, "finished" if finished else outcome)
+
+
+def _client_of(view: WorkerView, pool: list[WorkerClient]) -> WorkerClient:
+    client = getattr(view, "client", None)
+    if not isinstance(client, WorkerClient) or client not in pool:
+        raise APIError(f"the routing policy returned {view!r}, which is not one of the workers it was given")
+    return client
 
 
 class _Retryable(Exception):

@@ -7,8 +7,11 @@ Lifecycle:
 2. ``submit(msg, sink, tag)`` registers the request id and writes ``Submit``; the reader puts each
    ``StepOutput`` / ``Error`` for that id into ``sink`` as ``(tag, event)`` until the request ends.
    ``abort(rid)`` sends ``Abort`` and forgets the id.
-3. ``LoadReport`` frames update ``load`` (read by policies; never awaited on the hot path).
-4. ``aclose()`` cancels the task and closes the connection.
+3. ``LoadReport`` frames update ``state`` (a ``WorkerState``: what policies read; each request's
+   prefill tokens and decode pages are counted there from ``submit`` until its part here ends).
+   ``KVEvents`` frames go to ``on_kv_events`` (the gateway's prefix index).
+4. ``on_up`` / ``on_down`` are called when the connection becomes usable / is lost.
+5. ``aclose()`` cancels the task and closes the connection.
 """
 
 from __future__ import annotations
@@ -17,16 +20,19 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from gateway.worker_state import DEFAULT_STALE_AFTER_S, WorkerState
 from workers.protocol import (
     PROTOCOL_VERSION,
     Abort,
     Error,
     Hello,
     HelloAck,
+    KVEvents,
     LoadReport,
     Outputs,
     Rejected,
@@ -57,14 +63,17 @@ def parse_worker_url(url: str) -> tuple[str, int]:
 
 
 class WorkerClient:
-    def __init__(self, url: str, role: str, *, connect_timeout_s: float = 5.0, max_backoff_s: float = 2.0) -> None:
+    def __init__(self, url: str, role: str, *, connect_timeout_s: float = 5.0, max_backoff_s: float = 2.0,
+                 stale_after_s: float = DEFAULT_STALE_AFTER_S) -> None:
         self.url = url
         self.role = role  # what the gateway uses it as: prefill | decode | both
         self.host, self.port = parse_worker_url(url)
         self.info: HelloAck | None = None
-        self.load: LoadReport | None = None
+        self.state = WorkerState(url, role, self, stale_after_s=stale_after_s)
         self.last_error: str | None = None
-        self.num_active = 0  # requests this gateway has open on the worker
+        self.on_up: Callable[[WorkerClient], None] | None = None
+        self.on_down: Callable[[WorkerClient], None] | None = None
+        self.on_kv_events: Callable[[WorkerClient, KVEvents], None] | None = None
         self._connect_timeout_s = connect_timeout_s
         self._max_backoff_s = max_backoff_s
         self._codec = gateway_codec()
@@ -73,6 +82,11 @@ class WorkerClient:
         self._rids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
+
+    @property
+    def num_active(self) -> int:
+        """Requests this gateway has open on the worker."""
+        return self.state.num_active
 
     @property
     def healthy(self) -> bool:
@@ -114,8 +128,11 @@ class WorkerClient:
             if ack.role != self.role:
                 raise ConnectionError(f"worker at {self.url} is a {ack.role} worker, not {self.role}")
             self.info, self._writer, self.last_error = ack, writer, None
+            self.state.connected(ack)
             self._ready.set()
             log.info("connected to %s worker %s (%s)", ack.role, self.url, ack.worker_id)
+            if self.on_up is not None:
+                self.on_up(self)
             while True:
                 self._dispatch(self._codec.decode(await read_frame(reader)))
         finally:
@@ -136,11 +153,15 @@ class WorkerClient:
                     entry[0].put_nowait((entry[1], err))
                     self._forget(rid)
             case LoadReport() as load:
-                self.load = load
+                self.state.reported(load)
+            case KVEvents() as events:
+                if self.on_kv_events is not None:
+                    self.on_kv_events(self, events)
             case _:
                 raise ConnectionError(f"unexpected message {type(msg).__name__}")
 
     def _mark_down(self, reason: str) -> None:
+        was_up = self._ready.is_set()
         self._writer = None
         self._ready.clear()
         gone = WorkerGone(f"lost connection to {self.role} worker {self.url}: {reason}")
@@ -148,20 +169,27 @@ class WorkerClient:
             queue, tag = self._open[rid]
             queue.put_nowait((tag, gone))
             self._forget(rid)
+        if was_up and self.on_down is not None:
+            self.on_down(self)
 
     def _forget(self, rid: int) -> None:
         if self._open.pop(rid, None) is not None:
-            self.num_active -= 1
+            self.state.ended(rid)
 
-    def submit(self, msg_without_rid: Submit, sink: asyncio.Queue[tuple[Any, Event]], tag: Any) -> int:
-        """Send a request; its events go to ``sink``. Raises ConnectionError when not connected."""
+    def submit(self, msg_without_rid: Submit, sink: asyncio.Queue[tuple[Any, Event]], tag: Any, *,
+               prefill_tokens: int = 0, pages: int = 0) -> int:
+        """Send a request; its events go to ``sink``. Raises ConnectionError when not connected.
+
+        ``prefill_tokens`` / ``pages`` are what the request costs this worker, counted in ``state``
+        until the request's part here ends.
+        """
         writer = self._writer
         if writer is None or writer.is_closing():
             raise ConnectionError(f"{self.role} worker {self.url} is not connected")
         rid = next(self._rids)
         msg_without_rid.rid = rid
         self._open[rid] = (sink, tag)
-        self.num_active += 1
+        self.state.dispatched(rid, prefill_tokens, pages)
         writer.write(self._codec.encode(msg_without_rid))
         return rid
 

@@ -12,26 +12,37 @@ Lifecycle (owned by the scheduler thread; not thread-safe):
 
 A page's hash covers its own tokens and every token before it (the chain), so equal hashes mean
 equal prefixes. With caching disabled, ``match`` finds nothing and ``insert`` does nothing.
+
+Every hash published by ``insert`` and dropped by eviction or ``clear`` is logged; the scheduler
+takes the net changes once per step (``take_events``) and broadcasts them as ``KVEvents``, so
+gateways can keep an exact index of which worker holds which prefix (``gateway/prefix_index.py``
+computes the same hashes with ``page_hashes``).
 """
 
 from __future__ import annotations
 
-import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-
-import numpy as np
+from hashlib import blake2b
 
 from workers.kv_pool import KVPool
 
 
 def page_hashes(token_ids: Sequence[int], page_size: int, num_pages: int | None = None) -> list[bytes]:
-    """Chained 16-byte hashes of the first ``num_pages`` full pages of ``token_ids``."""
+    """Chained 16-byte hashes of the first ``num_pages`` full pages of ``token_ids``.
+
+    Page i's hash is blake2b-128 over (hash of page i-1) + its tokens as native int64. The gateway
+    computes the same function on its side, so this is part of the KV-events contract.
+    """
     full = len(token_ids) // page_size if num_pages is None else min(num_pages, len(token_ids) // page_size)
-    tokens = np.asarray(token_ids[: full * page_size], dtype=np.int64)
+    if full <= 0:
+        return []
+    raw = array("q", token_ids[: full * page_size]).tobytes()
+    step = page_size * 8
     hashes, prev = [], b""
-    for i in range(full):
-        prev = hashlib.blake2b(prev + tokens[i * page_size : (i + 1) * page_size].tobytes(), digest_size=16).digest()
+    for off in range(0, full * step, step):
+        prev = blake2b(prev + raw[off : off + step], digest_size=16).digest()
         hashes.append(prev)
     return hashes
 
@@ -46,6 +57,7 @@ class PageCache:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self.num_hit_tokens = 0
         self.num_evictions = 0
+        self._events: dict[bytes, bool] = {}  # hash -> published (True) / dropped (False), since take_events
 
     @property
     def num_available(self) -> int:
@@ -55,6 +67,17 @@ class PageCache:
     @property
     def num_cached(self) -> int:
         return len(self._by_hash)
+
+    def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens ``match`` would serve from the cache now (takes nothing)."""
+        if not self.enabled:
+            return 0
+        n = 0
+        for h in page_hashes(token_ids, self.pool.page_size, (len(token_ids) - 1) // self.pool.page_size):
+            if h not in self._by_hash:
+                break
+            n += 1
+        return n * self.pool.page_size
 
     def match(self, token_ids: Sequence[int]) -> list[int]:
         """Cached pages for the longest prefix of full pages, leaving at least one token to compute."""
@@ -76,7 +99,7 @@ class PageCache:
             return None
         while self.pool.num_free_pages < num_pages:
             page, _ = self._evictable.popitem(last=False)
-            del self._by_hash[self._hash_of.pop(page)]
+            self._drop_hash(self._hash_of.pop(page))
             self.pool.free([page])
             self.num_evictions += 1
         pages = self.pool.alloc(num_pages)
@@ -95,6 +118,8 @@ class PageCache:
                 continue  # an equal prefix is already published (or this page already is)
             self._by_hash[h] = page
             self._hash_of[page] = h
+            self._events.pop(h, None)
+            self._events[h] = True
 
     def release(self, pages: Sequence[int]) -> None:
         for page in pages:
@@ -119,6 +144,24 @@ class PageCache:
         freed = list(self._evictable)
         self._evictable.clear()
         for page in freed:
-            del self._by_hash[self._hash_of.pop(page)]
+            self._drop_hash(self._hash_of.pop(page))
         self.pool.free(freed)
         return len(freed)
+
+    def _drop_hash(self, h: bytes) -> None:
+        del self._by_hash[h]
+        self._events.pop(h, None)
+        self._events[h] = False
+
+    def take_events(self) -> tuple[list[bytes], list[bytes]]:
+        """(published, dropped) hashes since the last call, net per hash; clears the log."""
+        if not self._events:
+            return [], []
+        events, self._events = self._events, {}
+        stored = [h for h, published in events.items() if published]
+        removed = [h for h, published in events.items() if not published]
+        return stored, removed
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash held now (a snapshot for a new subscriber)."""
+        return list(self._by_hash)

@@ -7,7 +7,13 @@ Lifecycle of a connection:
 2. The gateway sends ``Submit`` / ``Abort`` at any time, multiplexed by ``rid`` (unique per
    connection). The worker answers with ``Outputs`` frames batched per engine step (new tokens,
    and ``finish_reason`` on the last item of a request) or one ``Error`` ending that request.
-3. The worker sends ``LoadReport`` periodically and after admission changes.
+3. The worker sends each connection a ``LoadReport`` when its load changed (admission, finish;
+   at most every ``REPORT_MIN_INTERVAL_S``), at least every 100 ms while it holds requests and every
+   0.5 s when idle. ``last_rid`` is the newest rid of that connection the worker had admitted when it
+   measured, so the gateway knows exactly which of its own dispatches the figures already include.
+4. Workers with a prefix cache broadcast ``KVEvents`` once per step in which pages were published
+   (``stored``) or evicted (``removed``), as the chained page hashes of ``workers.page_cache``. A new
+   connection first gets a snapshot (``reset=True``: every hash the worker holds now).
 
 A frame is a 4-byte big-endian length followed by one msgpack-encoded message. Unknown kinds are a
 protocol error. New fields go last with defaults; bump ``PROTOCOL_VERSION`` on breaking change.
@@ -20,7 +26,7 @@ import struct
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: KVEvents, LoadReport fields for routing
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 _LEN = struct.Struct(">I")
 
@@ -118,16 +124,37 @@ class Error(msgspec.Struct, tag="error"):
     message: str
 
 
-class LoadReport(msgspec.Struct, tag="load"):
-    num_running: int
-    num_waiting: int
-    num_free_pages: int
+class LoadReport(msgspec.Struct, tag="load", omit_defaults=True):
+    """A worker's load as it measured it at the end of a scheduler step (units in the names)."""
+
+    num_running: int  # sequences in a batch (prefilling or decoding)
+    num_waiting: int  # sequences admitted but not yet in a batch (bootstrap, prealloc, waiting)
+    num_free_pages: int  # KV pages an allocation could take now (free + evictable cached)
     num_total_pages: int
     num_inflight_transfers: int = 0
+    num_prefill_tokens: int = 0  # prompt tokens still to compute: queued (less their cached prefix) + running
+    last_rid: int = 0  # newest rid of the receiving connection admitted before this report
+    prefill_tokens_per_s: float = 0.0  # measured prefill throughput (EWMA; 0 = not measured yet)
+    max_running: int = 0  # the worker's batch limit (sequences)
+    num_transfer_seqs: int = 0  # decode: sequences holding pages while their KV arrives
+    num_queued_pages: int = 0  # decode: pages the admitted-but-not-yet-allocated requests will take
+    busy_fraction: float = 0.0  # share of recent wall time spent in engine steps (EWMA, ~1 s)
+
+
+class KVEvents(msgspec.Struct, tag="kv", gc=False, omit_defaults=True):
+    """Prefix-cache changes of one scheduler step: chained page hashes published and evicted.
+
+    Net effect per hash within the step (a hash is in at most one list). ``reset`` says: forget what
+    you knew of this worker's cache, ``stored`` is all of it (sent to a new connection).
+    """
+
+    stored: list[bytes] = []
+    removed: list[bytes] = []
+    reset: bool = False
 
 
 ToWorker = Hello | Submit | Abort
-ToGateway = HelloAck | Rejected | Outputs | Error | LoadReport
+ToGateway = HelloAck | Rejected | Outputs | Error | LoadReport | KVEvents
 
 
 class FrameCodec:

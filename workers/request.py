@@ -25,6 +25,7 @@ class Req:
     prefill_len: int = 0  # positions to compute before decoding (the prompt; more after a preemption)
     is_recompute: bool = False  # preempted: recompute KV of prompt + outputs, then continue decoding
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported in usage)
+    num_cached_estimate: int = 0  # at admission: prompt tokens the prefix cache held (for load reports)
     num_sent_pages: int = 0  # prefill: pages already handed to the KV sender
     output_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)

@@ -1,8 +1,9 @@
 """The worker's scheduler: admission, the PD queues, batching and the engine loop.
 
 Lifecycle (one ``Scheduler`` per worker, its loop on a dedicated thread):
-1. The network side calls ``submit`` / ``abort`` / ``drop_connection`` from the event loop; they
-   only enqueue (thread-safe, never block).
+1. The network side calls ``connect`` / ``submit`` / ``abort`` / ``drop_connection`` from the event
+   loop; they only enqueue (thread-safe, never block). A new connection gets a snapshot of the
+   prefix cache (``KVEvents(reset=True)``) and a ``LoadReport``.
 2. Each step the thread drains the inbox, expires requests past their deadline, advances the PD
    queues, runs one engine batch (decode tokens first, then prefill chunks up to ``chunk_size``
    tokens), and hands the step's outputs to ``sink`` in one call.
@@ -13,6 +14,10 @@ Lifecycle (one ``Scheduler`` per worker, its loop on a dedicated thread):
      pages, page-aligned, and an aux slot; send their ids) -> DecodeTransferQueue (poll until KV and
      the first token arrived) -> prebuilt extend (no forward pass) -> running decode batch.
    - both: waiting -> chunked prefill -> running decode batch (no transfer).
+   At the end of a step: the prefix cache's net changes as one broadcast ``KVEvents``, and, when the
+   load changed (at most every ``REPORT_MIN_INTERVAL_S``; at least every ``BUSY_REPORT_S`` while
+   requests are live, ``IDLE_REPORT_S`` otherwise), a ``LoadReport`` per connection carrying the
+   newest rid admitted from it.
 3. Every exit (finish, error, abort, timeout, dropped connection) goes through ``_release``, which
    returns pages and aux slots to the pool and releases the KV sender/receiver.
 4. ``stop()`` ends the loop; live requests fail with ``shutting_down``.
@@ -30,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from transfer.types import KVPoll
 
 if TYPE_CHECKING:
@@ -39,7 +46,7 @@ from workers.engines.base import Engine, SeqInput, SeqOutput
 from workers.kv_pool import KVPool
 from workers.page_cache import PageCache
 from workers.pd_queues import PDQueues, _reason
-from workers.protocol import Error, LoadReport, Outputs, StepOutput, Submit
+from workers.protocol import Error, KVEvents, LoadReport, Outputs, StepOutput, Submit
 from workers.request import Req
 
 log = logging.getLogger(__name__)
@@ -47,7 +54,12 @@ log = logging.getLogger(__name__)
 BROADCAST = -1  # connection id meaning "every connection" in the sink
 IDLE_WAIT_S = 0.05
 TRANSFER_POLL_S = 0.002
-Message = Outputs | Error | LoadReport
+REPORT_MIN_INTERVAL_S = 0.002  # a changed load is reported at most this often...
+BUSY_REPORT_S = 0.1  # ...and at least this often while requests are live
+IDLE_REPORT_S = 0.5
+THROUGHPUT_EWMA = 0.2  # weight of the newest batch in the prefill tokens/s estimate
+BUSY_WINDOW_S = 1.0  # time constant of the busy-fraction average
+Message = Outputs | Error | LoadReport | KVEvents
 Sink = Callable[[list[tuple[int, Message]]], None]
 
 
@@ -57,7 +69,6 @@ class SchedulerConfig:
     chunk_size: int = 512
     max_running: int = 64
     max_queued: int = 4096
-    load_report_interval_s: float = 0.5
     prefix_cache: bool = True
 
 
@@ -97,11 +108,20 @@ class Scheduler(PDQueues):
         self.rooms: deque[dict[str, Any]] = deque(maxlen=512)  # recent rooms, for /debug/rooms
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._conns: dict[int, int] = {}  # connection -> newest rid admitted from it
         self._last_load = 0.0
+        self._load_dirty = True
+        self.prefill_tokens_per_s = 0.0
+        self.busy_fraction = 0.0
+        self._busy_s = 0.0  # engine time since the last load report
         self.num_steps = 0
         self.error: BaseException | None = None
 
     # -- thread-safe API ---------------------------------------------------------------------
+    def connect(self, conn_id: int) -> None:
+        """A gateway finished its handshake: send it the cache snapshot and the current load."""
+        self._inbox.put(("connect", conn_id))
+
     def submit(self, conn_id: int, msg: Submit) -> None:
         self._inbox.put(("submit", (conn_id, msg)))
 
@@ -135,7 +155,10 @@ class Scheduler(PDQueues):
                 did_work = self.step()
                 if not did_work:
                     # Nothing to compute: requests (if any) wait on KV transfers or pages.
-                    self._wait_for_inbox(IDLE_WAIT_S if not self.reqs else TRANSFER_POLL_S)
+                    wait_s = IDLE_WAIT_S if not self.reqs else TRANSFER_POLL_S
+                    if self._load_dirty:
+                        wait_s = min(wait_s, REPORT_MIN_INTERVAL_S)
+                    self._wait_for_inbox(wait_s)
         except BaseException as exc:  # the worker's health turns red; requests must not hang
             log.exception("scheduler loop crashed")
             self.error = exc
@@ -172,9 +195,8 @@ class Scheduler(PDQueues):
         ran = self._run_batch()
         if self.role == "prefill":
             self._advance_inflight()
-        if now - self._last_load >= self.config.load_report_interval_s:
-            self._last_load = now
-            self._out.append((BROADCAST, self.load_report()))
+        self._publish_cache_events()
+        self._maybe_report_load(now)
         self._flush()
         return ran
 
@@ -201,12 +223,21 @@ class Scheduler(PDQueues):
             if req is not None:
                 self._fail(req, "aborted", reason)
         elif kind == "drop":
+            self._conns.pop(payload, None)
             for req in [r for r in self.reqs.values() if r.key[0] == payload]:
                 self._release(req, f"connection {payload} closed")
+        elif kind == "connect":
+            self._conns[payload] = 0
+            if self.cache.enabled:
+                self._out.append((payload, KVEvents(stored=self.cache.cached_hashes(), reset=True)))
+            self._out.append((payload, self.load_report()))
 
     # -- admission ---------------------------------------------------------------------------
     def _admit(self, conn_id: int, msg: Submit) -> None:
         key = (conn_id, msg.rid)
+        self._load_dirty = True
+        if msg.rid > self._conns.get(conn_id, 0):
+            self._conns[conn_id] = msg.rid
         problem = self._validate(msg)
         if key in self.reqs:
             problem = f"request id {msg.rid} is already in use on this connection"
@@ -232,6 +263,8 @@ class Scheduler(PDQueues):
             self._out.append((conn_id, Error(msg.rid, "shutting_down", str(exc))))
             return
         self.reqs[key] = req
+        if self.role != "decode":
+            req.num_cached_estimate = self.cache.num_cached_tokens(req.input_ids)
         if self.role == "prefill":
             self._enter(req, "bootstrap", self._bootstrap)
         elif self.role == "decode":
@@ -265,6 +298,7 @@ class Scheduler(PDQueues):
     def _enter(self, req: Req, stage: str, queue_: list[Req]) -> None:
         req.move(stage)
         queue_.append(req)
+        self._load_dirty = True
 
     def _admit_waiting(self) -> None:
         keep = []
@@ -349,6 +383,9 @@ class Scheduler(PDQueues):
             reqs.append(req)
         if not batch:
             return False
+        num_prefill_tokens = sum(len(seq.token_ids) for seq, req in zip(batch, reqs, strict=True)
+                                 if req.stage != "running")
+        started = time.perf_counter()
         try:
             outputs = self.engine.forward(batch)
         except Exception as exc:  # a bad batch fails its requests, not the worker
@@ -357,6 +394,10 @@ class Scheduler(PDQueues):
                 self._fail(req, "internal", f"engine step failed: {type(exc).__name__}: {exc}")
             return True
         self.num_steps += 1
+        elapsed_s = time.perf_counter() - started
+        self._busy_s += elapsed_s
+        if num_prefill_tokens:
+            self._measure_prefill(num_prefill_tokens, elapsed_s)
         for req, seq, out in zip(reqs, batch, outputs, strict=True):
             if req.done:
                 continue
@@ -445,6 +486,7 @@ class Scheduler(PDQueues):
         if req.done:
             return
         req.done = True
+        self._load_dirty = True
         self.reqs.pop(req.key, None)
         for handle in (req.kv_sender, req.kv_receiver):
             if handle is not None and abort_reason is not None and handle.poll() not in (KVPoll.Success,
@@ -508,6 +550,39 @@ class Scheduler(PDQueues):
             batch.append((conn_id, msg))
         self._sink(batch)
 
+    # -- load reports and cache events ---------------------------------------------------------
+    def _measure_prefill(self, num_tokens: int, elapsed_s: float) -> None:
+        if elapsed_s <= 0:
+            return
+        rate = num_tokens / elapsed_s
+        old = self.prefill_tokens_per_s
+        self.prefill_tokens_per_s = rate if old == 0 else old + THROUGHPUT_EWMA * (rate - old)
+
+    def _publish_cache_events(self) -> None:
+        if not self.cache.enabled:
+            return
+        stored, removed = self.cache.take_events()
+        if stored or removed:
+            self._out.append((BROADCAST, KVEvents(stored=stored, removed=removed)))
+
+    def _maybe_report_load(self, now: float) -> None:
+        since = now - self._last_load
+        due = since >= (BUSY_REPORT_S if self.reqs else IDLE_REPORT_S)
+        if not (due or (self._load_dirty and since >= REPORT_MIN_INTERVAL_S)) or not self._conns:
+            return
+        self._last_load, self._load_dirty = now, False
+        weight = min(1.0, since / BUSY_WINDOW_S)
+        self.busy_fraction += weight * (min(1.0, self._busy_s / since) - self.busy_fraction) if since > 0 else 0.0
+        self._busy_s = 0.0
+        report = self.load_report()
+        for conn_id, last_rid in self._conns.items():
+            self._out.append((conn_id, msgspec.structs.replace(report, last_rid=last_rid)))
+
+    def _num_prefill_tokens(self) -> int:
+        queued = sum(len(r.input_ids) - r.num_cached_estimate for r in (*self._bootstrap, *self._waiting) if not r.done)
+        running = sum(r.prefill_len - r.num_computed for r in self._prefilling if not r.done)
+        return queued + running
+
     def load_report(self) -> LoadReport:
         return LoadReport(
             num_running=len(self._running) + len(self._prefilling),
@@ -515,5 +590,12 @@ class Scheduler(PDQueues):
             num_free_pages=self.cache.num_available,
             num_total_pages=self.pool.num_pages,
             num_inflight_transfers=len(self._inflight) + len(self._transfer) + len(self._quarantine),
+            num_prefill_tokens=self._num_prefill_tokens() if self.role != "decode" else 0,
+            prefill_tokens_per_s=round(self.prefill_tokens_per_s, 1),
+            busy_fraction=round(self.busy_fraction, 4),
+            max_running=self.config.max_running,
+            num_transfer_seqs=len(self._transfer),
+            num_queued_pages=sum(self.pool.pages_for(len(r.input_ids) + r.params.max_new_tokens)
+                                 for r in self._prealloc if not r.done),
         )
 

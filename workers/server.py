@@ -104,6 +104,7 @@ class NativeServer:
                 return
             writer.write(self._codec.encode(self._hello_ack()))
             self._writers[conn_id] = writer
+            self._scheduler.connect(conn_id)
             while True:
                 body = await read_frame(reader)
                 match self._codec.decode(body):

@@ -1,20 +1,38 @@
-"""Pair-selection policies: built-ins and the plugin interface they share with third parties."""
+"""Pair-selection policies: built-ins and the plugin interface they share with third parties.
+
+Built-ins (each its own module): ``random``, ``round_robin`` (load-blind baselines),
+``power_of_two``, ``cache_aware``, ``ratio_aware``. See ``docs/policies.md`` for plugin authors.
+"""
 
 from __future__ import annotations
 
-from gateway.policies.base import Pair, Policy, RequestInfo, WorkerView
+from gateway.policies.base import (
+    OUTCOMES,
+    Pair,
+    Policy,
+    PolicyHooks,
+    PolicyStats,
+    PrefixLookup,
+    RequestInfo,
+    WorkerView,
+)
+from gateway.policies.loader import GROUP, PolicyError, create_policy, load_policy_class, parse_option_args
 from gateway.policies.simple import RandomPolicy, RoundRobinPolicy
-from workers.plugins import available, load_plugin
 
-__all__ = ["Pair", "Policy", "RandomPolicy", "RequestInfo", "RoundRobinPolicy", "WorkerView", "create_policy"]
-
-GROUP = "pd_gateway.policies"
-
-
-def create_policy(name: str) -> Policy:
-    """Instantiate the policy registered as ``name`` (or a ``module:attr`` path); validates it."""
-    cls = load_plugin(GROUP, name)
-    policy = cls()
-    if not callable(getattr(policy, "select", None)):
-        raise TypeError(f"policy plugin {name!r} has no select() method; installed: {', '.join(available(GROUP))}")
-    return policy
+__all__ = [
+    "GROUP",
+    "OUTCOMES",
+    "Pair",
+    "Policy",
+    "PolicyError",
+    "PolicyHooks",
+    "PolicyStats",
+    "PrefixLookup",
+    "RandomPolicy",
+    "RequestInfo",
+    "RoundRobinPolicy",
+    "WorkerView",
+    "create_policy",
+    "load_policy_class",
+    "parse_option_args",
+]

@@ -5,14 +5,21 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+import msgspec
+
 from gateway.policies.base import Pair, RequestInfo, WorkerView
 
 
 class RandomPolicy:
+    """Each side uniformly at random (``seed`` makes it repeatable)."""
+
     name = "random"
 
-    def __init__(self, seed: int | None = None) -> None:
-        self._rng = random.Random(seed)
+    class Options(msgspec.Struct, forbid_unknown_fields=True):
+        seed: int | None = None
+
+    def __init__(self, options: Options | None = None) -> None:
+        self._rng = random.Random((options or self.Options()).seed)
 
     def select(self, prefills: Sequence[WorkerView], decodes: Sequence[WorkerView], request: RequestInfo) -> Pair:
         prefill = self._rng.choice(prefills) if prefills else None
@@ -20,6 +27,8 @@ class RandomPolicy:
 
 
 class RoundRobinPolicy:
+    """Each side in turn, over whichever workers are healthy at the time."""
+
     name = "round_robin"
 
     def __init__(self) -> None:

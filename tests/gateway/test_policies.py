@@ -27,7 +27,7 @@ def test_round_robin_cycles_both_pools() -> None:
 
 def test_random_spreads_and_combined_mode_has_no_prefill() -> None:
     d = [W("d0"), W("d1")]
-    policy = RandomPolicy(seed=3)
+    policy = RandomPolicy(RandomPolicy.Options(seed=3))
     picks = Counter(policy.select([], d, REQ).decode.url for _ in range(200))
     assert set(picks) == {"d0", "d1"} and min(picks.values()) > 60
     assert policy.select([], d, REQ).prefill is None
@@ -50,5 +50,5 @@ def test_plugins_by_entry_point_and_module_path() -> None:
     assert type(create_policy(f"{__name__}:MyPolicy")).__name__ == "MyPolicy"
     with pytest.raises(PluginError, match="nope"):
         create_policy("nope")
-    with pytest.raises(TypeError, match="select"):
+    with pytest.raises(PluginError, match="select"):
         create_policy(f"{__name__}:NotAPolicy")

@@ -1,0 +1,81 @@
+"""``cache_aware``: send a prompt where its prefix is cached, unless that worker is a hot spot.
+
+Prefill cost per candidate, in seconds of prefill work (``gateway.policies.load``)::
+
+    cost = queued_tokens / rate  +  cache_weight * (prompt_tokens - cached_tokens) / rate
+
+``cached_tokens`` comes from the gateway's prefix index: the workers' own KV events (exact) plus a
+short-lived "assumed cached" entry for prompts the gateway just routed, so a burst of same-prefix
+requests lands together before the events arrive. ``cache_weight`` > 1 because recomputing a
+prefix costs more than this request's wait: it takes capacity from everyone and evicts other
+prefixes. Guard: a worker whose queued time exceeds the pool mean by ``balance_factor`` (and
+``balance_min_tokens`` of work) is skipped, so affinity never builds a hot spot. Ties (an idle pool,
+a new prefix) go to the prefix's rendezvous-hash home, so new tenants spread evenly and stick.
+
+Decode: the least pressured worker (KV pages and batch slots with this request placed).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping, Sequence
+
+import msgspec
+
+from gateway.policies.base import Pair, RequestInfo, WorkerView
+from gateway.policies.load import fallback_rate, least_pressured, rate_of
+
+
+class CacheAwarePolicy:
+    name = "cache_aware"
+
+    class Options(msgspec.Struct, forbid_unknown_fields=True):
+        cache_weight: float = 2.0
+        balance_factor: float = 1.5
+        balance_min_tokens: int = 4096
+
+        def __post_init__(self) -> None:
+            if not self.cache_weight >= 0:
+                raise ValueError("cache_weight must be >= 0")
+            if not self.balance_factor >= 1:
+                raise ValueError("balance_factor must be >= 1")
+            if self.balance_min_tokens < 0:
+                raise ValueError("balance_min_tokens must be >= 0")
+
+    def __init__(self, options: Options | None = None) -> None:
+        self.options = options or self.Options()
+        self.num_selected = 0
+        self.num_predicted_hits = 0  # selections where the chosen prefill held part of the prompt
+        self.num_skipped_hot = 0  # selections where the best-cached worker was skipped as a hot spot
+
+    def select(self, prefills: Sequence[WorkerView], decodes: Sequence[WorkerView], request: RequestInfo) -> Pair:
+        prefill = self._select_prefill(prefills, request) if prefills else None
+        return Pair(prefill, least_pressured(decodes, request))
+
+    def _select_prefill(self, prefills: Sequence[WorkerView], request: RequestInfo) -> WorkerView:
+        opts = self.options
+        fallback = fallback_rate(prefills)
+        rates = [rate_of(w, fallback) for w in prefills]
+        waits = [w.num_prefill_tokens / r for w, r in zip(prefills, rates, strict=True)]
+        limit = max(opts.balance_factor * sum(waits) / len(waits), opts.balance_min_tokens / fallback)
+        prompt = request.num_prompt_tokens
+        cached = [request.num_cached_tokens(w) for w in prefills]
+        costs = [waits[i] + opts.cache_weight * (prompt - cached[i]) / rates[i] if waits[i] <= limit else float("inf")
+                 for i in range(len(prefills))]
+        best_cost = min(costs)
+        ties = [i for i, c in enumerate(costs) if c == best_cost]
+        best = ties[0] if len(ties) == 1 else self._home(prefills, ties, request)
+        self.num_selected += 1
+        self.num_predicted_hits += cached[best] > 0
+        self.num_skipped_hot += max(cached) > cached[best] and costs[cached.index(max(cached))] == float("inf")
+        return prefills[best]
+
+    @staticmethod
+    def _home(prefills: Sequence[WorkerView], candidates: list[int], request: RequestInfo) -> int:
+        """Among equally good workers, the prompt's rendezvous-hash home (stable for a tenant)."""
+        seed = zlib.crc32(repr(list(request.input_ids[:64])).encode())
+        return max(candidates, key=lambda i: zlib.crc32(prefills[i].url.encode(), seed))
+
+    def stats(self) -> Mapping[str, float]:
+        n = max(1, self.num_selected)
+        return {"predicted_hit_share": self.num_predicted_hits / n, "hot_spot_skips": float(self.num_skipped_hot)}

@@ -1,0 +1,58 @@
+"""Load figures shared by the load-aware policies (pure functions over ``WorkerView``s).
+
+Prefill load is time: queued prompt tokens divided by the worker's measured throughput, so a worker
+three times slower looks three times as loaded for the same queue. Decode load is pressure: the
+share of the KV pool or of the batch slots in use once this request is placed, whichever is higher,
+plus a penalty when the request would have to wait for pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gateway.policies.base import RequestInfo, WorkerView
+
+UNKNOWN_RATE = 1.0  # tokens/s stand-in when no worker has measured its prefill throughput yet
+
+
+def fallback_rate(prefills: Sequence[WorkerView]) -> float:
+    """The rate to assume for workers that have not measured theirs: the median of those that have."""
+    rates = sorted(r for w in prefills if (r := w.prefill_tokens_per_s) > 0)
+    return rates[len(rates) // 2] if rates else UNKNOWN_RATE
+
+
+def rate_of(worker: WorkerView, fallback: float) -> float:
+    rate = worker.prefill_tokens_per_s
+    return rate if rate > 0 else fallback
+
+
+def prefill_wait_s(worker: WorkerView, fallback: float) -> float:
+    """Seconds of queued prefill work ahead of a new request on this worker."""
+    return worker.num_prefill_tokens / rate_of(worker, fallback)
+
+
+def decode_pressure(worker: WorkerView, need_pages: int) -> float:
+    """Utilization (0..1, more when over-committed) of a decode worker once this request is placed."""
+    total = worker.num_total_pages
+    free = worker.num_free_pages
+    kv = (total - free + need_pages) / total if total > 0 else 0.0
+    limit = worker.max_running_seqs
+    seqs = (worker.num_running_seqs + worker.num_waiting_seqs + 1) / limit if limit > 0 else 0.0
+    pressure = max(kv, seqs)
+    if need_pages > free:  # it would wait for pages: worse than any worker that can take it now
+        pressure += 1.0 + worker.num_waiting_seqs
+    return pressure
+
+
+def decode_need(request: RequestInfo, worker: WorkerView) -> int:
+    return request.num_pages_needed(worker.page_size or 16)
+
+
+def least_pressured(decodes: Sequence[WorkerView], request: RequestInfo) -> WorkerView:
+    """The decode with the lowest pressure for this request (ties: fewest of our requests open)."""
+    best, best_key = decodes[0], (float("inf"), 0)
+    for w in decodes:
+        key = (decode_pressure(w, decode_need(request, w)), w.num_active)
+        if key < best_key:
+            best, best_key = w, key
+    return best

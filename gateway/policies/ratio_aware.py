@@ -1,0 +1,60 @@
+"""``ratio_aware``: the pair chosen decode first, each pool loaded in proportion to its capacity.
+
+1. Decode: among the decodes whose free KV pages fit this request (prompt + max_tokens, which the
+   decode reserves up front), the one with the lowest pressure, i.e. the smallest share of its own
+   pool and batch slots in use once the request is placed; so a decode with twice the pages takes
+   about twice the sequences. If none fits now, the one with the shortest wait.
+2. Prefill: the one that finishes this prompt soonest, (queued + prompt tokens) / measured
+   throughput, so a prefill three times faster takes about three times the tokens.
+
+``stats()`` reports each pool's utilization and their ratio (``pd_load_ratio``): prefill busy
+share over decode KV/slot share. Well above 1 means the prefills are the bottleneck (add prefill
+workers or move one over); well below 1 means the decodes are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from gateway.policies.base import Pair, RequestInfo, WorkerView
+from gateway.policies.load import decode_need, decode_pressure, fallback_rate, rate_of
+
+
+class RatioAwarePolicy:
+    name = "ratio_aware"
+
+    def __init__(self) -> None:
+        self._prefills: Sequence[WorkerView] = ()
+        self._decodes: Sequence[WorkerView] = ()
+
+    def select(self, prefills: Sequence[WorkerView], decodes: Sequence[WorkerView], request: RequestInfo) -> Pair:
+        self._decodes = decodes
+        decode, best_key = decodes[0], (True, float("inf"))
+        for w in decodes:
+            need = decode_need(request, w)
+            key = (need > w.num_free_pages, decode_pressure(w, need))
+            if key < best_key:
+                decode, best_key = w, key
+        prefill = None
+        if prefills:
+            self._prefills = prefills
+            fallback = fallback_rate(prefills)
+            prompt = request.num_prompt_tokens
+            best = float("inf")
+            for w in prefills:
+                finish_s = (w.num_prefill_tokens + prompt) / rate_of(w, fallback)
+                if finish_s < best:
+                    prefill, best = w, finish_s
+        return Pair(prefill, decode)
+
+    def stats(self) -> Mapping[str, float]:
+        prefill_util = _mean([w.busy_fraction for w in self._prefills])
+        decode_util = _mean([decode_pressure(w, 0) for w in self._decodes])
+        out = {"prefill_utilization": prefill_util, "decode_utilization": decode_util}
+        if decode_util > 0:
+            out["pd_load_ratio"] = prefill_util / decode_util
+        return out
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

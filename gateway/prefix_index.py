@@ -1,0 +1,153 @@
+"""The gateway's exact prefix-cache index: chained page hash -> the workers holding that page.
+
+Lifecycle (event loop only; nothing here blocks):
+1. ``apply(url, events)`` for every ``KVEvents`` frame a worker sends (a ``reset`` snapshot first,
+   on each connection); ``drop_worker(url)`` when its connection is lost (a restarted worker comes
+   back with an empty cache and a new snapshot).
+2. ``assume(url, hashes)`` when the gateway routes a request to a prefill: for ``assume_ttl_s`` the
+   worker counts as holding the prompt's pages, so a burst of same-prefix requests lands together
+   before the worker's events arrive. Expired assumptions are dropped lazily.
+3. ``match(hashes)`` -> {url: leading pages held}: the longest run of consecutive hashes per worker
+   (a worker serves a prefix only up to its first missing page, as ``PageCache.match`` does).
+
+Workers are bits in an int mask, so a look-up costs one dict probe per matched page plus one step
+per worker that drops out, whatever the number of workers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from workers.protocol import KVEvents
+
+DEFAULT_ASSUME_TTL_S = 2.0
+
+
+class PrefixIndex:
+    def __init__(self, assume_ttl_s: float = DEFAULT_ASSUME_TTL_S) -> None:
+        self.assume_ttl_s = assume_ttl_s
+        self._bit_of: dict[str, int] = {}
+        self._urls: list[str] = []
+        self._held: dict[bytes, int] = {}  # hash -> mask of workers that reported it stored
+        self._by_worker: dict[int, set[bytes]] = {}
+        self._assumed: dict[bytes, int] = {}  # hash -> mask of workers assumed to hold it
+        self._assumed_refs: dict[tuple[bytes, int], int] = {}
+        self._expiry: deque[tuple[float, int, Sequence[bytes]]] = deque()
+        self.num_events = 0
+
+    def _bit(self, url: str) -> int:
+        bit = self._bit_of.get(url)
+        if bit is None:
+            bit = self._bit_of[url] = len(self._urls)
+            self._urls.append(url)
+            self._by_worker[bit] = set()
+        return bit
+
+    # -- updates ----------------------------------------------------------------------------------
+    def apply(self, url: str, events: KVEvents) -> None:
+        bit = self._bit(url)
+        if events.reset:
+            self._clear(bit)
+        mask = 1 << bit
+        held, mine = self._held, self._by_worker[bit]
+        for h in events.removed:
+            if h in mine:
+                mine.discard(h)
+                rest = held[h] & ~mask
+                if rest:
+                    held[h] = rest
+                else:
+                    del held[h]
+        for h in events.stored:
+            if h not in mine:
+                mine.add(h)
+                held[h] = held.get(h, 0) | mask
+        self.num_events += 1
+
+    def drop_worker(self, url: str) -> None:
+        bit = self._bit_of.get(url)
+        if bit is not None:
+            self._clear(bit)
+
+    def _clear(self, bit: int) -> None:
+        keep = ~(1 << bit)
+        held = self._held
+        for h in self._by_worker[bit]:
+            rest = held[h] & keep
+            if rest:
+                held[h] = rest
+            else:
+                del held[h]
+        self._by_worker[bit] = set()
+
+    def assume(self, url: str, hashes: Sequence[bytes], now: float | None = None) -> None:
+        if not hashes or self.assume_ttl_s <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        self._expire(now)
+        bit = self._bit(url)
+        mask = 1 << bit
+        refs, assumed = self._assumed_refs, self._assumed
+        for h in hashes:
+            key = (h, bit)
+            refs[key] = refs.get(key, 0) + 1
+            assumed[h] = assumed.get(h, 0) | mask
+        self._expiry.append((now + self.assume_ttl_s, bit, hashes))
+
+    def _expire(self, now: float) -> None:
+        expiry = self._expiry
+        refs, assumed = self._assumed_refs, self._assumed
+        while expiry and expiry[0][0] <= now:
+            _, bit, hashes = expiry.popleft()
+            keep = ~(1 << bit)
+            for h in hashes:
+                key = (h, bit)
+                n = refs[key] - 1
+                if n:
+                    refs[key] = n
+                    continue
+                del refs[key]
+                rest = assumed[h] & keep
+                if rest:
+                    assumed[h] = rest
+                else:
+                    del assumed[h]
+
+    # -- look-ups ---------------------------------------------------------------------------------
+    def match(self, hashes: Sequence[bytes], now: float | None = None) -> dict[str, int]:
+        """{url: leading pages held} for every worker holding at least the first page."""
+        if not hashes:
+            return {}
+        if self._expiry:
+            self._expire(time.monotonic() if now is None else now)
+        held, assumed = self._held, self._assumed
+        h = hashes[0]
+        alive = held.get(h, 0) | assumed.get(h, 0)
+        if not alive:
+            return {}
+        result: dict[str, int] = {}
+        depth = 1
+        for h in hashes[1:]:
+            nxt = alive & (held.get(h, 0) | assumed.get(h, 0))
+            if nxt != alive:
+                self._record(alive & ~nxt, depth, result)
+                alive = nxt
+                if not alive:
+                    return result
+            depth += 1
+        self._record(alive, depth, result)
+        return result
+
+    def _record(self, mask: int, depth: int, result: dict[str, int]) -> None:
+        urls = self._urls
+        while mask:
+            low = mask & -mask
+            result[urls[low.bit_length() - 1]] = depth
+            mask ^= low
+
+    def num_pages(self, url: str) -> int:
+        """Pages the worker reported holding (not counting assumptions)."""
+        bit = self._bit_of.get(url)
+        return len(self._by_worker[bit]) if bit is not None else 0

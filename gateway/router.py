@@ -1,0 +1,116 @@
+"""Pair selection for the dispatcher: the prefill and decode policies, the prefix index, the hooks.
+
+Lifecycle (event loop only):
+1. ``Router.build(prefill_name, decode_name, options)`` at start-up: one policy instance when both
+   sides name the same policy (so it can choose the pair jointly), else one per side; options are
+   validated there (unprefixed ones go to every policy that declares them; ``prefill.K`` /
+   ``decode.K`` to one side; an option nobody declares is an error).
+2. Workers joining and leaving: ``worker_added`` / ``worker_removed`` (index cleared, hooks).
+3. Per attempt: ``request(input_ids, max_new)`` -> ``RequestInfo`` wired to the index;
+   ``select(prefills, decodes, request)``; ``dispatched(pair, request)`` (if the policy looked at
+   the cache, the prompt's pages are assumed cached on the chosen prefill for a moment);
+   ``finished(pair, request, outcome)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from gateway.policies.base import OUTCOMES, Pair, Policy, PolicyHooks, PolicyStats, RequestInfo, WorkerView
+from gateway.policies.loader import PolicyError, create_policy, load_policy_class, option_names
+from gateway.prefix_index import PrefixIndex
+from workers.protocol import KVEvents
+
+
+class Router:
+    def __init__(self, prefill_policy: Policy, decode_policy: Policy, index: PrefixIndex | None = None) -> None:
+        self.prefill_policy = prefill_policy
+        self.decode_policy = decode_policy
+        self.index = index or PrefixIndex()
+        self.is_joint = prefill_policy is decode_policy
+        policies = [prefill_policy] if self.is_joint else [prefill_policy, decode_policy]
+        # Optional abilities, resolved once: the bound hooks each policy defines.
+        self._hooks: dict[str, list[Callable[..., None]]] = {
+            hook: [fn for p in policies if callable(fn := getattr(p, hook, None))] for hook in _HOOKS
+        }
+        self._stats = [p for p in policies if isinstance(p, PolicyStats)]
+        self.policies = policies
+
+    @classmethod
+    def build(cls, prefill_name: str, decode_name: str, options: Mapping[str, Mapping[str, str]] | None = None,
+              *, assume_ttl_s: float | None = None) -> Router:
+        options = options or {}
+        shared = dict(options.get("", {}))
+        sides = {"prefill": prefill_name, "decode": decode_name}
+        accepted = {side: option_names(load_policy_class(name)) for side, name in sides.items()}
+        unknown = [k for k in shared if not any(k in names for names in accepted.values())]
+        for side in sides:
+            unknown += [f"{side}.{k}" for k in options.get(side, {}) if k not in accepted[side]]
+        if unknown:
+            names = ", ".join(sorted(set(sides.values())))
+            raise PolicyError(f"unknown policy option(s) {', '.join(unknown)} for policy {names}")
+
+        def side_options(side: str) -> dict[str, str]:
+            mine = {k: v for k, v in shared.items() if k in accepted[side]}
+            mine.update(options.get(side, {}))
+            return mine
+
+        prefill = create_policy(prefill_name, side_options("prefill"))
+        if prefill_name == decode_name and side_options("prefill") == side_options("decode"):
+            decode = prefill
+        else:
+            decode = create_policy(decode_name, side_options("decode"))
+        index = PrefixIndex() if assume_ttl_s is None else PrefixIndex(assume_ttl_s)
+        return cls(prefill, decode, index)
+
+    @property
+    def name(self) -> str:
+        if self.is_joint:
+            return self.prefill_policy.name
+        return f"{self.prefill_policy.name}+{self.decode_policy.name}"
+
+    # -- per request ------------------------------------------------------------------------------
+    def request(self, input_ids: Sequence[int], max_new_tokens: int) -> RequestInfo:
+        return RequestInfo(input_ids, max_new_tokens, self.index)
+
+    def select(self, prefills: Sequence[WorkerView], decodes: Sequence[WorkerView], request: RequestInfo) -> Pair:
+        if self.is_joint:
+            return self.prefill_policy.select(prefills, decodes, request)
+        prefill = self.prefill_policy.select(prefills, decodes, request).prefill if prefills else None
+        # The decode policy sees a combined-mode call: it only picks the decode.
+        return Pair(prefill, self.decode_policy.select((), decodes, request).decode)
+
+    def dispatched(self, pair: Pair, request: RequestInfo) -> None:
+        target = pair.prefill if pair.prefill is not None else pair.decode
+        if request.has_page_hashes and target.page_size > 0:  # a policy looked at the cache
+            self.index.assume(target.url, request.page_hashes(target.page_size))
+        for fn in self._hooks["on_dispatch"]:
+            fn(pair, request)
+
+    def finished(self, pair: Pair, request: RequestInfo, outcome: str) -> None:
+        assert outcome in OUTCOMES, outcome
+        for fn in self._hooks["on_finish"]:
+            fn(pair, request, outcome)
+
+    # -- membership and events --------------------------------------------------------------------
+    def worker_added(self, worker: WorkerView) -> None:
+        for fn in self._hooks["on_worker_added"]:
+            fn(worker)
+
+    def worker_removed(self, worker: WorkerView) -> None:
+        self.index.drop_worker(worker.url)
+        for fn in self._hooks["on_worker_removed"]:
+            fn(worker)
+
+    def kv_events(self, worker: WorkerView, events: KVEvents) -> None:
+        self.index.apply(worker.url, events)
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for policy in self._stats:
+            for key, value in policy.stats().items():
+                out[f"{policy.name}.{key}"] = float(value)
+        return out
+
+
+_HOOKS = tuple(name for name in PolicyHooks.__dict__ if name.startswith("on_"))

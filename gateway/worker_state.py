@@ -1,0 +1,152 @@
+"""What the gateway knows about one worker's load: the worker's own reports plus its own dispatches.
+
+Lifecycle (one ``WorkerState`` per ``WorkerClient``, touched only on the event loop):
+1. ``connected(ack)`` on each handshake: shape of the worker (pages, page size); forgets the old
+   report and every unacknowledged dispatch (the connection that carried them is gone).
+2. ``dispatched(rid, prefill_tokens, pages)`` when the gateway submits a request; ``ended(rid)``
+   when the request's part on this worker ends (finish, "transferred", error, abort, disconnect).
+3. ``reported(load, now)`` for each ``LoadReport``: its ``last_rid`` says which dispatches the
+   figures include; the rest stay counted on top ("unacknowledged"), so a burst routed between two
+   reports is never invisible.
+4. Policies read the properties below (synchronously, in ``select``; nothing changes while they
+   run, so the object is a consistent snapshot for the duration of the call). When the newest
+   report is older than ``stale_after_s`` the figures fall back to the gateway's own counts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from workers.protocol import HelloAck, LoadReport
+
+DEFAULT_STALE_AFTER_S = 1.0
+
+
+class WorkerState:
+    """A worker as policies see it (implements ``gateway.policies.WorkerView``)."""
+
+    def __init__(self, url: str, role: str, client: Any = None, *, stale_after_s: float = DEFAULT_STALE_AFTER_S):
+        self.url = url
+        self.role = role  # prefill | decode | both
+        self.client = client  # the WorkerClient this state belongs to (the dispatcher's handle)
+        self.stale_after_s = stale_after_s
+        self.page_size = 0
+        self.num_total_pages = 0
+        self.report: LoadReport | None = None
+        self.report_at = 0.0  # time.monotonic() when the report arrived
+        # The gateway's own requests open on this worker.
+        self.num_active = 0
+        self.own_prefill_tokens = 0
+        self.own_pages = 0
+        self._open: dict[int, tuple[int, int]] = {}  # rid -> (prefill tokens, pages)
+        # Dispatches the newest report does not include yet: (rid, prefill tokens, pages), rid order.
+        self._unacked: deque[tuple[int, int, int]] = deque()
+        self._unacked_tokens = 0
+        self._unacked_pages = 0
+
+    # -- updates (event loop) -------------------------------------------------------------------
+    def connected(self, ack: HelloAck) -> None:
+        self.page_size, self.num_total_pages = ack.page_size, ack.num_pages
+        self.report = None
+        self._unacked.clear()
+        self._unacked_tokens = self._unacked_pages = 0
+
+    def dispatched(self, rid: int, prefill_tokens: int, pages: int) -> None:
+        self._open[rid] = (prefill_tokens, pages)
+        self.num_active += 1
+        self.own_prefill_tokens += prefill_tokens
+        self.own_pages += pages
+        self._unacked.append((rid, prefill_tokens, pages))
+        self._unacked_tokens += prefill_tokens
+        self._unacked_pages += pages
+
+    def ended(self, rid: int) -> None:
+        cost = self._open.pop(rid, None)
+        if cost is None:
+            return
+        self.num_active -= 1
+        self.own_prefill_tokens -= cost[0]
+        self.own_pages -= cost[1]
+
+    def reported(self, load: LoadReport, now: float | None = None) -> None:
+        self.report = load
+        self.report_at = time.monotonic() if now is None else now
+        unacked = self._unacked
+        while unacked and unacked[0][0] <= load.last_rid:
+            _, tokens, pages = unacked.popleft()
+            self._unacked_tokens -= tokens
+            self._unacked_pages -= pages
+
+    # -- the view policies read -----------------------------------------------------------------
+    @property
+    def report_age_s(self) -> float:
+        """Seconds since the newest load report (infinity before the first)."""
+        return time.monotonic() - self.report_at if self.report is not None else float("inf")
+
+    @property
+    def is_load_fresh(self) -> bool:
+        return self.report is not None and time.monotonic() - self.report_at <= self.stale_after_s
+
+    def _fresh(self) -> LoadReport | None:
+        report = self.report
+        if report is not None and time.monotonic() - self.report_at <= self.stale_after_s:
+            return report
+        return None
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens queued or running on this worker, less cached prefixes (prefill load)."""
+        report = self._fresh()
+        if report is None:
+            return self.own_prefill_tokens
+        return report.num_prefill_tokens + self._unacked_tokens
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """The worker's measured prefill throughput (0.0 until it has prefilled something)."""
+        return self.report.prefill_tokens_per_s if self.report is not None else 0.0
+
+    @property
+    def busy_fraction(self) -> float:
+        """Share of recent time the worker spent computing (0.0 when unknown or stale)."""
+        report = self._fresh()
+        return report.busy_fraction if report is not None else 0.0
+
+    @property
+    def num_running_seqs(self) -> int:
+        report = self._fresh()
+        return self.num_active if report is None else report.num_running + report.num_transfer_seqs
+
+    @property
+    def num_waiting_seqs(self) -> int:
+        report = self._fresh()
+        return 0 if report is None else report.num_waiting + len(self._unacked)
+
+    @property
+    def max_running_seqs(self) -> int:
+        """The worker's batch limit (0 = unknown)."""
+        return self.report.max_running if self.report is not None else 0
+
+    @property
+    def num_reserved_pages(self) -> int:
+        """KV pages the gateway's own requests will take that the worker's figures do not show yet."""
+        return self._unacked_pages if self._fresh() is not None else self.own_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        """KV pages still free for new requests after every admitted and reserved one is placed."""
+        report = self._fresh()
+        if report is None:
+            return max(0, self.num_total_pages - self.own_pages)
+        return max(0, report.num_free_pages - report.num_queued_pages - self._unacked_pages)
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able view for /health and debugging."""
+        return {
+            "url": self.url, "role": self.role, "active": self.num_active, "load_fresh": self.is_load_fresh,
+            "prefill_tokens": self.num_prefill_tokens, "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "running_seqs": self.num_running_seqs, "waiting_seqs": self.num_waiting_seqs,
+            "free_pages": self.num_free_pages, "total_pages": self.num_total_pages,
+        }
