@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from workers.protocol import KVEvents
 
@@ -26,8 +26,10 @@ DEFAULT_ASSUME_TTL_S = 2.0
 
 
 class PrefixIndex:
-    def __init__(self, assume_ttl_s: float = DEFAULT_ASSUME_TTL_S) -> None:
+    def __init__(self, assume_ttl_s: float = DEFAULT_ASSUME_TTL_S, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.assume_ttl_s = assume_ttl_s
+        self._clock = clock  # simulators pass their virtual clock
         self._bit_of: dict[str, int] = {}
         self._urls: list[str] = []
         self._held: dict[bytes, int] = {}  # hash -> mask of workers that reported it stored
@@ -85,7 +87,7 @@ class PrefixIndex:
     def assume(self, url: str, hashes: Sequence[bytes], now: float | None = None) -> None:
         if not hashes or self.assume_ttl_s <= 0:
             return
-        now = time.monotonic() if now is None else now
+        now = self._clock() if now is None else now
         self._expire(now)
         bit = self._bit(url)
         mask = 1 << bit
@@ -121,7 +123,7 @@ class PrefixIndex:
         if not hashes:
             return {}
         if self._expiry:
-            self._expire(time.monotonic() if now is None else now)
+            self._expire(self._clock() if now is None else now)
         held, assumed = self._held, self._assumed
         h = hashes[0]
         alive = held.get(h, 0) | assumed.get(h, 0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from workers.protocol import HelloAck, LoadReport
@@ -27,7 +28,9 @@ DEFAULT_STALE_AFTER_S = 1.0
 class WorkerState:
     """A worker as policies see it (implements ``gateway.policies.WorkerView``)."""
 
-    def __init__(self, url: str, role: str, client: Any = None, *, stale_after_s: float = DEFAULT_STALE_AFTER_S):
+    def __init__(self, url: str, role: str, client: Any = None, *, stale_after_s: float = DEFAULT_STALE_AFTER_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self._clock = clock  # simulators pass their virtual clock
         self.url = url
         self.role = role  # prefill | decode | both
         self.client = client  # the WorkerClient this state belongs to (the dispatcher's handle)
@@ -72,7 +75,7 @@ class WorkerState:
 
     def reported(self, load: LoadReport, now: float | None = None) -> None:
         self.report = load
-        self.report_at = time.monotonic() if now is None else now
+        self.report_at = self._clock() if now is None else now
         unacked = self._unacked
         while unacked and unacked[0][0] <= load.last_rid:
             _, tokens, pages = unacked.popleft()
@@ -83,15 +86,15 @@ class WorkerState:
     @property
     def report_age_s(self) -> float:
         """Seconds since the newest load report (infinity before the first)."""
-        return time.monotonic() - self.report_at if self.report is not None else float("inf")
+        return self._clock() - self.report_at if self.report is not None else float("inf")
 
     @property
     def is_load_fresh(self) -> bool:
-        return self.report is not None and time.monotonic() - self.report_at <= self.stale_after_s
+        return self.report is not None and self._clock() - self.report_at <= self.stale_after_s
 
     def _fresh(self) -> LoadReport | None:
         report = self.report
-        if report is not None and time.monotonic() - self.report_at <= self.stale_after_s:
+        if report is not None and self._clock() - self.report_at <= self.stale_after_s:
             return report
         return None
 

@@ -1,4 +1,4 @@
-"""The worker's small HTTP side (its own port): health, load, info and debug views."""
+"""The worker's small HTTP side (its own port): health, load, stats (counters), info and debug views."""
 
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ def create_http_app(worker: Worker) -> Starlette:
         assert worker.scheduler is not None
         return _reply(worker.scheduler.load_report())
 
+    async def stats(_: Request) -> Response:
+        assert worker.scheduler is not None
+        return _reply(worker.scheduler.stats())
+
     async def rooms(_: Request) -> Response:
         assert worker.scheduler is not None
         return _reply(list(worker.scheduler.rooms))
@@ -41,6 +45,7 @@ def create_http_app(worker: Worker) -> Starlette:
             Route("/health", health),
             Route("/info", info),
             Route("/load", load),
+            Route("/stats", stats),
             Route("/debug/rooms", rooms),
         ]
     )

@@ -93,6 +93,8 @@ class Scheduler(PDQueues):
         # Decode workers receive whole prompts from prefill workers: nothing to share there.
         self.cache = PageCache(pool, enabled=config.prefix_cache and config.role != "decode")
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # prompts prefilled here (prefill / both roles)
+        self.num_cached_prompt_tokens = 0  # of which served from the prefix cache
         self._sink = sink
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.reqs: dict[tuple[int, int], Req] = {}
@@ -326,6 +328,8 @@ class Scheduler(PDQueues):
         req.num_computed = len(shared) * self.pool.page_size
         if not req.is_recompute:
             req.cached_tokens = req.num_computed
+            self.num_prompt_tokens += len(req.input_ids)
+            self.num_cached_prompt_tokens += req.cached_tokens
         return True
 
     def _grow_for_decode(self) -> None:
@@ -582,6 +586,19 @@ class Scheduler(PDQueues):
         queued = sum(len(r.input_ids) - r.num_cached_estimate for r in (*self._bootstrap, *self._waiting) if not r.done)
         running = sum(r.prefill_len - r.num_computed for r in self._prefilling if not r.done)
         return queued + running
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since start (read from another thread: plain ints, no consistency promised)."""
+        return {
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_cached_prompt_tokens": self.num_cached_prompt_tokens,
+            "num_cached_pages": self.cache.num_cached,
+            "num_evictions": self.cache.num_evictions,
+            "num_preemptions": self.num_preemptions,
+            "num_steps": self.num_steps,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "busy_fraction": self.busy_fraction,
+        }
 
     def load_report(self) -> LoadReport:
         return LoadReport(
