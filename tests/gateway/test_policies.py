@@ -52,3 +52,144 @@ def test_plugins_by_entry_point_and_module_path() -> None:
         create_policy("nope")
     with pytest.raises(PluginError, match="select"):
         create_policy(f"{__name__}:NotAPolicy")
+
+
+# -- load-aware built-ins ----------------------------------------------------------------------------
+from gateway.policies import Pair, PolicyError  # noqa: E402
+from gateway.policies.contract import FakeLookup, FakeWorker  # noqa: E402
+from gateway.router import Router  # noqa: E402
+
+
+def prefill(name: str, tokens: int = 0, rate: float = 10_000.0) -> FakeWorker:
+    return FakeWorker(f"pd://{name}:1", "prefill", num_prefill_tokens=tokens, prefill_tokens_per_s=rate)
+
+
+def decode(name: str, total: int = 1000, free: int = 1000, running: int = 0) -> FakeWorker:
+    return FakeWorker(f"pd://{name}:1", "decode", num_total_pages=total, num_free_pages=free, num_running_seqs=running)
+
+
+def req(n: int = 320, cached: dict[str, int] | None = None, max_new: int = 16) -> RequestInfo:
+    return RequestInfo(list(range(n)), max_new, FakeLookup(cached or {}))
+
+
+def test_power_of_two_takes_the_less_loaded_by_time_not_tokens() -> None:
+    policy = create_policy("power_of_two", {"seed": "1"})
+    fast_busy, slow_idle = prefill("fast", tokens=4000, rate=40_000), prefill("slow", tokens=1000, rate=2_000)
+    d_full, d_free = decode("full", free=50, running=30), decode("free", free=900)
+    for _ in range(20):
+        pair = policy.select([fast_busy, slow_idle], [d_full, d_free], req())
+        assert pair.prefill is fast_busy, "0.1 s of queue beats 0.5 s"
+        assert pair.decode is d_free
+
+
+def test_cache_aware_follows_the_prefix_and_skips_hot_spots() -> None:
+    policy = create_policy("cache_aware")
+    a, b, c = prefill("a"), prefill("b"), prefill("c")
+    def long() -> RequestInfo:
+        return req(n=3200, cached={"pd://b:1": 199})
+
+    assert policy.select([a, b, c], [decode("d")], long()).prefill is b
+    b.num_prefill_tokens = 3000  # 0.3 s of queue: still better than recomputing 3200 tokens elsewhere
+    assert policy.select([a, b, c], [decode("d")], long()).prefill is b
+    assert policy.select([a, b, c], [decode("d")], req(n=320, cached={"pd://b:1": 19})).prefill is not b, (
+        "a short prompt is cheaper to recompute than to queue for")
+    b.num_prefill_tokens = 60_000  # a hot spot: far above the pool mean -> skipped despite the cache
+    assert policy.select([a, b, c], [decode("d")], long()).prefill is not b
+    assert policy.stats()["hot_spot_skips"] == 1
+
+
+def test_cache_aware_new_prefixes_spread_evenly_and_stick_to_their_home() -> None:
+    policy = create_policy("cache_aware")
+    workers = [prefill(f"p{i}") for i in range(4)]
+    homes = {}
+    for tenant in range(200):
+        ids = [tenant * 1000 + i for i in range(100)]
+        first = policy.select(workers, [decode("d")], RequestInfo(ids, 8, FakeLookup({}))).prefill
+        again = policy.select(workers, [decode("d")], RequestInfo([*ids, 1, 2], 8, FakeLookup({}))).prefill
+        assert first is again, "an idle pool sends the same prefix to the same home"
+        homes[tenant] = first
+    counts = Counter(w.url for w in homes.values())
+    assert len(counts) == 4 and min(counts.values()) > 30
+
+
+def test_ratio_aware_fills_decodes_in_proportion_to_capacity() -> None:
+    policy = create_policy("ratio_aware")
+    big, small = decode("big", total=4000, free=4000), decode("small", total=1000, free=1000)
+    picks = Counter()
+    for _ in range(100):  # each request takes 20 pages; place it and account for it
+        pair = policy.select([prefill("p")], [big, small], req(n=300, max_new=20))
+        pair.decode.num_free_pages -= 20  # type: ignore[attr-defined]
+        picks[pair.decode.url] += 1
+    assert 75 <= picks["pd://big:1"] <= 85, picks
+    small.num_free_pages = 5  # cannot take the next request now
+    big.num_free_pages = 30
+    assert policy.select([prefill("p")], [big, small], req(n=300, max_new=20)).decode is big
+    stats = policy.stats()
+    assert set(stats) == {"prefill_utilization", "decode_utilization", "pd_load_ratio"}
+
+
+def test_ratio_aware_prefill_by_throughput() -> None:
+    policy = create_policy("ratio_aware")
+    fast, slow = prefill("fast", tokens=0, rate=30_000), prefill("slow", tokens=0, rate=10_000)
+    picks = Counter()
+    for _ in range(400):
+        pair = policy.select([fast, slow], [decode("d")], req(n=100))
+        pair.prefill.num_prefill_tokens += 100  # type: ignore[union-attr]
+        picks[pair.prefill.url] += 1  # type: ignore[union-attr]
+    assert 280 <= picks["pd://fast:1"] <= 320, picks
+
+
+class Recorder:
+    name = "recorder"
+    calls: list[tuple[str, object]] = []
+
+    def select(self, prefills, decodes, request):  # type: ignore[no-untyped-def]
+        request.num_cached_tokens(prefills[0]) if prefills else None
+        return Pair(prefills[0] if prefills else None, decodes[-1])
+
+    def on_dispatch(self, pair, request):  # type: ignore[no-untyped-def]
+        self.calls.append(("dispatch", pair))
+
+    def on_finish(self, pair, request, outcome):  # type: ignore[no-untyped-def]
+        self.calls.append(("finish", outcome))
+
+    def on_worker_added(self, worker):  # type: ignore[no-untyped-def]
+        self.calls.append(("added", worker.url))
+
+    def on_worker_removed(self, worker):  # type: ignore[no-untyped-def]
+        self.calls.append(("removed", worker.url))
+
+
+def test_router_calls_hooks_and_assumes_the_routed_prefix() -> None:
+    router = Router.build(f"{__name__}:Recorder", f"{__name__}:Recorder")
+    assert router.is_joint
+    p, d = prefill("p"), decode("d")
+    router.worker_added(p)
+    request = router.request(list(range(100)), 4)
+    pair = router.select([p], [d], request)
+    router.dispatched(pair, request)
+    router.finished(pair, request, "finished")
+    router.worker_removed(p)
+    assert [c[0] for c in Recorder.calls] == ["added", "dispatch", "finish", "removed"]
+    assert Recorder.calls[2][1] == "finished"
+    # The policy looked at the cache, so the prompt counts as cached on the chosen prefill until events.
+    router.worker_added(p)
+    router.dispatched(pair, request)
+    assert router.request([*range(100), 5], 4).num_cached_tokens(p) == 96
+
+
+def test_router_sides_and_options() -> None:
+    router = Router.build("cache_aware", "ratio_aware", {"": {"cache_weight": "3"}, "prefill": {}, "decode": {}})
+    assert not router.is_joint and router.name == "cache_aware+ratio_aware"
+    assert router.prefill_policy.options.cache_weight == 3.0  # type: ignore[attr-defined]
+    p1, p2, d1, d2 = prefill("p1"), prefill("p2"), decode("d1", free=10), decode("d2", free=900)
+    pair = router.select([p1, p2], [d1, d2], router.request(list(range(50)), 4))
+    assert pair.decode is d2 and pair.prefill in (p1, p2)
+    with pytest.raises(PolicyError, match=r"unknown policy option.*bogus"):
+        Router.build("cache_aware", "cache_aware", {"": {"bogus": "1"}})
+    with pytest.raises(PolicyError, match=r"decode\.cache_weight"):
+        Router.build("cache_aware", "ratio_aware", {"decode": {"cache_weight": "1"}})
+    with pytest.raises(PolicyError, match=r"cache_aware.*balance_factor"):
+        Router.build("cache_aware", "cache_aware", {"": {"balance_factor": "0.2"}})
+    split = Router.build("power_of_two", "power_of_two", {"prefill": {"seed": "1"}, "decode": {"seed": "2"}})
+    assert not split.is_joint

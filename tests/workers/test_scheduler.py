@@ -256,3 +256,44 @@ def test_a_room_already_in_use_is_a_bad_request_not_a_dead_loop() -> None:
     finally:
         sched.stop()
         kv.close()
+
+
+def test_kv_events_and_acknowledging_load_reports() -> None:
+    from workers.page_cache import page_hashes
+    from workers.protocol import KVEvents, LoadReport
+
+    sched, sink, pool = make(num_pages=12)
+    sched.connect(7)
+    sched.step()
+    snapshot = [m for c, m in sink.items if isinstance(m, KVEvents)]
+    assert len(snapshot) == 1 and snapshot[0].reset and snapshot[0].stored == []
+    assert any(c == 7 and isinstance(m, LoadReport) for c, m in sink.items)
+
+    prompt = list(range(20, 37))  # 17 tokens, page size 4: 4 full pages
+    sched.submit(7, Submit(5, prompt, SamplingParams(max_new_tokens=3)))
+    run_until_idle(sched)
+    stored = [h for _, m in sink.items if isinstance(m, KVEvents) for h in m.stored]
+    assert stored and set(stored) <= set(page_hashes(prompt + [0] * 8, 4)) | set(page_hashes(
+        prompt + tokens_of(sink, 5), 4)), "events carry the same chained hashes the gateway computes"
+    assert set(page_hashes(prompt, 4)) <= set(stored)
+    reports = [m for c, m in sink.items if c == 7 and isinstance(m, LoadReport)]
+    assert reports[-1].last_rid == 5 and reports[-1].num_prefill_tokens == 0
+
+    # A prompt the cache holds shows up in num_prefill_tokens without its cached part.
+    sched.submit(7, Submit(6, prompt, SamplingParams(max_new_tokens=1)))
+    sched._handle(sched._inbox.get_nowait())
+    assert sched.load_report().num_prefill_tokens == len(prompt) - 16
+    run_until_idle(sched)
+
+    # Evictions are published as removals; a new connection gets the whole cache as a snapshot.
+    sink.items.clear()
+    other = [100 + i for i in range(40)]
+    sched.submit(7, Submit(8, other, SamplingParams(max_new_tokens=1)))
+    run_until_idle(sched)
+    removed = {h for _, m in sink.items if isinstance(m, KVEvents) for h in m.removed}
+    assert removed & set(page_hashes(prompt, 4)), "the old prompt's pages were evicted for the new one"
+    sched.connect(9)
+    sched.step()
+    (snap,) = [m for c, m in sink.items if c == 9 and isinstance(m, KVEvents)]
+    assert snap.reset and set(snap.stored) == set(sched.cache.cached_hashes())
+    assert sched.cache.num_available == pool.num_pages

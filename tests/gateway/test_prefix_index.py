@@ -1,0 +1,51 @@
+from gateway.prefix_index import PrefixIndex
+from workers.page_cache import page_hashes
+from workers.protocol import KVEvents
+
+H = page_hashes(list(range(64)), 16)  # 4 chained page hashes
+
+
+def test_match_is_the_longest_consecutive_run_per_worker() -> None:
+    index = PrefixIndex()
+    index.apply("a", KVEvents(stored=H[:3]))
+    index.apply("b", KVEvents(stored=[H[0], H[2], H[3]]))  # a hole at page 1: only page 0 counts
+    index.apply("c", KVEvents(stored=H[1:]))  # no first page: nothing
+    assert index.match(H) == {"a": 3, "b": 1}
+    assert index.match([]) == {}
+    assert index.match(page_hashes([9] * 32, 16)) == {}
+
+
+def test_removed_reset_and_drop_worker() -> None:
+    index = PrefixIndex()
+    index.apply("a", KVEvents(stored=H))
+    index.apply("b", KVEvents(stored=H[:2]))
+    index.apply("a", KVEvents(removed=[H[2]]))
+    assert index.match(H) == {"a": 2, "b": 2}
+    index.apply("a", KVEvents(stored=[H[0]], reset=True))
+    assert index.match(H) == {"a": 1, "b": 2}
+    index.drop_worker("b")
+    assert index.match(H) == {"a": 1}
+    assert index.num_pages("a") == 1 and index.num_pages("b") == 0 and index.num_pages("zz") == 0
+    index.apply("a", KVEvents(removed=[H[3]]))  # removing what it never had is harmless
+    assert index.match(H) == {"a": 1}
+
+
+def test_assumed_entries_count_until_they_expire() -> None:
+    now = [100.0]
+    index = PrefixIndex(assume_ttl_s=2.0, clock=lambda: now[0])
+    index.assume("a", H)
+    index.assume("a", H[:2])
+    assert index.match(H) == {"a": 4}
+    now[0] += 1.0
+    index.apply("b", KVEvents(stored=H[:1]))
+    assert index.match(H) == {"a": 4, "b": 1}
+    now[0] += 1.5  # both assumptions expired; nothing real for "a"
+    assert index.match(H) == {"b": 1}
+
+
+def test_many_workers_as_bits() -> None:
+    index = PrefixIndex()
+    for i in range(300):
+        index.apply(f"w{i}", KVEvents(stored=H[: 1 + i % 4]))
+    got = index.match(H)
+    assert len(got) == 300 and all(got[f"w{i}"] == 1 + i % 4 for i in range(300))

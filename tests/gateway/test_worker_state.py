@@ -1,0 +1,56 @@
+from gateway.worker_state import WorkerState
+from workers.protocol import HelloAck, LoadReport
+
+
+def make() -> tuple[WorkerState, list[float]]:
+    now = [10.0]
+    state = WorkerState("pd://w:1", "decode", stale_after_s=1.0, clock=lambda: now[0])
+    state.connected(HelloAck(2, "w", "decode", "sim", "m", "byte", page_size=16, max_context=4096, num_pages=100))
+    return state, now
+
+
+def test_before_any_report_the_gateway_counts_its_own() -> None:
+    state, _ = make()
+    assert not state.is_load_fresh and state.num_free_pages == 100
+    state.dispatched(1, 500, 10)
+    figures = (state.num_active, state.num_prefill_tokens, state.num_free_pages, state.num_reserved_pages)
+    assert figures == (1, 500, 90, 10)
+    state.ended(1)
+    state.ended(1)  # idempotent
+    assert (state.num_active, state.num_prefill_tokens, state.num_free_pages) == (0, 0, 100)
+
+
+def test_reports_ack_dispatches_by_rid() -> None:
+    state, now = make()
+    state.dispatched(1, 100, 5)
+    state.dispatched(2, 200, 7)
+    # The worker had admitted rid 1 when it measured: its figures include rid 1, not rid 2.
+    state.reported(LoadReport(num_running=1, num_waiting=0, num_free_pages=95, num_total_pages=100,
+                              num_prefill_tokens=100, last_rid=1, busy_fraction=0.5), now[0])
+    assert state.is_load_fresh
+    assert state.num_prefill_tokens == 300 and state.num_free_pages == 88 and state.num_reserved_pages == 7
+    assert state.num_waiting_seqs == 1 and state.busy_fraction == 0.5
+    state.reported(LoadReport(num_running=2, num_waiting=0, num_free_pages=80, num_total_pages=100,
+                              num_queued_pages=3, num_prefill_tokens=250, last_rid=2), now[0])
+    assert state.num_prefill_tokens == 250 and state.num_free_pages == 77 and state.num_reserved_pages == 0
+
+
+def test_a_stale_report_falls_back_to_own_counts() -> None:
+    state, now = make()
+    state.reported(LoadReport(num_running=9, num_waiting=4, num_free_pages=3, num_total_pages=100,
+                              num_prefill_tokens=9000, last_rid=0), now[0])
+    state.dispatched(1, 40, 2)
+    assert state.num_prefill_tokens == 9040
+    now[0] += 1.5
+    assert not state.is_load_fresh
+    assert (state.num_prefill_tokens, state.num_running_seqs, state.num_free_pages) == (40, 1, 98)
+
+
+def test_reconnect_forgets_unacknowledged_dispatches() -> None:
+    state, now = make()
+    state.dispatched(5, 100, 10)
+    state.reported(LoadReport(0, 0, 100, 100, last_rid=0), now[0])
+    assert state.num_reserved_pages == 10
+    state.connected(HelloAck(2, "w", "decode", "sim", "m", "byte", 16, 4096, 100))
+    state.reported(LoadReport(0, 0, 100, 100, last_rid=0), now[0])
+    assert state.num_reserved_pages == 0
