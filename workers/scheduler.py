@@ -601,17 +601,20 @@ class Scheduler(PDQueues):
         }
 
     def load_report(self) -> LoadReport:
+        def live(*queues: list[Req]) -> int:  # finished requests leave their lists at the next step
+            return sum(1 for q in queues for r in q if not r.done)
+
         return LoadReport(
-            num_running=len(self._running) + len(self._prefilling),
-            num_waiting=len(self._waiting) + len(self._bootstrap) + len(self._prealloc),
+            num_running=live(self._running, self._prefilling),
+            num_waiting=live(self._waiting, self._bootstrap, self._prealloc),
             num_free_pages=self.cache.num_available,
             num_total_pages=self.pool.num_pages,
-            num_inflight_transfers=len(self._inflight) + len(self._transfer) + len(self._quarantine),
+            num_inflight_transfers=live(self._inflight, self._transfer) + len(self._quarantine),
             num_prefill_tokens=self._num_prefill_tokens() if self.role != "decode" else 0,
             prefill_tokens_per_s=round(self.prefill_tokens_per_s, 1),
             busy_fraction=round(self.busy_fraction, 4),
             max_running=self.config.max_running,
-            num_transfer_seqs=len(self._transfer),
+            num_transfer_seqs=live(self._transfer),
             num_queued_pages=sum(self.pool.pages_for(len(r.input_ids) + r.params.max_new_tokens)
                                  for r in self._prealloc if not r.done),
         )
