@@ -38,6 +38,7 @@ from gateway.router import Router
 from gateway.text import ChoiceState
 from gateway.tokenizer import load_tokenizer
 from gateway.worker_client import WorkerClient
+from gateway.worker_state import REFRESH_INTERVAL_S
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -111,6 +112,7 @@ class Gateway:
                            config.max_retries),
         )
         self.frontend: Frontend | None = None
+        self._refresher: asyncio.Task[None] | None = None
         self.registry = CollectorRegistry()
         self.requests = Counter("pd_gateway_requests", "Requests by route and status", ["route", "status"],
                                 registry=self.registry)
@@ -124,6 +126,7 @@ class Gateway:
     async def start(self) -> None:
         for client in self.clients:
             client.start()
+        self._refresher = asyncio.create_task(self._refresh_load_states(), name="load-freshness")
         await asyncio.gather(*(c.wait_ready(self.config.startup_timeout_s) for c in self.clients))
         ready = [c for c in self.clients if c.info is not None]
         if not ready:
@@ -148,7 +151,17 @@ class Gateway:
         assert self.frontend is not None
         return self.frontend
 
+    async def _refresh_load_states(self) -> None:
+        """Workers report on change; a silent one must still turn stale (then own counts are used)."""
+        while True:
+            await asyncio.sleep(REFRESH_INTERVAL_S)
+            for client in self.clients:
+                client.state.refresh()
+
     async def aclose(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
         await asyncio.gather(*(c.aclose() for c in self.clients), return_exceptions=True)
 
 

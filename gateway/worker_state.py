@@ -8,9 +8,10 @@ Lifecycle (one ``WorkerState`` per ``WorkerClient``, touched only on the event l
 3. ``reported(load, now)`` for each ``LoadReport``: its ``last_rid`` says which dispatches the
    figures include; the rest stay counted on top ("unacknowledged"), so a burst routed between two
    reports is never invisible.
-4. Policies read the properties below (synchronously, in ``select``; nothing changes while they
+4. Policies read the attributes below (synchronously, in ``select``; nothing changes while they
    run, so the object is a consistent snapshot for the duration of the call). When the newest
-   report is older than ``stale_after_s`` the figures fall back to the gateway's own counts.
+   report is older than ``stale_after_s`` (checked by ``refresh``, which the gateway runs every
+   ``REFRESH_INTERVAL_S``) the figures fall back to the gateway's own counts.
 """
 
 from __future__ import annotations
@@ -23,10 +24,16 @@ from typing import Any
 from workers.protocol import HelloAck, LoadReport
 
 DEFAULT_STALE_AFTER_S = 1.0
+REFRESH_INTERVAL_S = 0.1
 
 
 class WorkerState:
-    """A worker as policies see it (implements ``gateway.policies.WorkerView``)."""
+    """A worker as policies see it (implements ``gateway.policies.WorkerView``).
+
+    The figures are plain attributes, recomputed on every update, so ``select`` over hundreds of
+    workers costs attribute loads only. Freshness is re-evaluated on each update and by
+    ``refresh(now)``, which the gateway calls every ``REFRESH_INTERVAL_S`` for every worker.
+    """
 
     def __init__(self, url: str, role: str, client: Any = None, *, stale_after_s: float = DEFAULT_STALE_AFTER_S,
                  clock: Callable[[], float] = time.monotonic):
@@ -38,7 +45,7 @@ class WorkerState:
         self.page_size = 0
         self.num_total_pages = 0
         self.report: LoadReport | None = None
-        self.report_at = 0.0  # time.monotonic() when the report arrived
+        self.report_at = 0.0  # clock() when the report arrived
         # The gateway's own requests open on this worker.
         self.num_active = 0
         self.own_prefill_tokens = 0
@@ -48,13 +55,24 @@ class WorkerState:
         self._unacked: deque[tuple[int, int, int]] = deque()
         self._unacked_tokens = 0
         self._unacked_pages = 0
+        # -- the view (see gateway.policies.WorkerView for meanings and units) --
+        self.is_load_fresh = False
+        self.num_prefill_tokens = 0
+        self.prefill_tokens_per_s = 0.0
+        self.busy_fraction = 0.0
+        self.num_running_seqs = 0
+        self.num_waiting_seqs = 0
+        self.max_running_seqs = 0
+        self.num_reserved_pages = 0
+        self.num_free_pages = 0
 
     # -- updates (event loop) -------------------------------------------------------------------
     def connected(self, ack: HelloAck) -> None:
         self.page_size, self.num_total_pages = ack.page_size, ack.num_pages
-        self.report = None
+        self.report, self.is_load_fresh = None, False
         self._unacked.clear()
         self._unacked_tokens = self._unacked_pages = 0
+        self._recompute()
 
     def dispatched(self, rid: int, prefill_tokens: int, pages: int) -> None:
         self._open[rid] = (prefill_tokens, pages)
@@ -64,6 +82,7 @@ class WorkerState:
         self._unacked.append((rid, prefill_tokens, pages))
         self._unacked_tokens += prefill_tokens
         self._unacked_pages += pages
+        self._recompute()
 
     def ended(self, rid: int) -> None:
         cost = self._open.pop(rid, None)
@@ -72,81 +91,55 @@ class WorkerState:
         self.num_active -= 1
         self.own_prefill_tokens -= cost[0]
         self.own_pages -= cost[1]
+        self._recompute()
 
     def reported(self, load: LoadReport, now: float | None = None) -> None:
         self.report = load
         self.report_at = self._clock() if now is None else now
+        self.is_load_fresh = True
         unacked = self._unacked
         while unacked and unacked[0][0] <= load.last_rid:
             _, tokens, pages = unacked.popleft()
             self._unacked_tokens -= tokens
             self._unacked_pages -= pages
+        self._recompute()
 
-    # -- the view policies read -----------------------------------------------------------------
+    def refresh(self, now: float | None = None) -> None:
+        """Re-check the report's age (called periodically; reports themselves arrive as events)."""
+        now = self._clock() if now is None else now
+        fresh = self.report is not None and now - self.report_at <= self.stale_after_s
+        if fresh != self.is_load_fresh:
+            self.is_load_fresh = fresh
+            self._recompute()
+
+    def _recompute(self) -> None:
+        report = self.report
+        if report is not None:
+            self.prefill_tokens_per_s = report.prefill_tokens_per_s  # a rate stays useful when stale
+            self.max_running_seqs = report.max_running
+        if report is None or not self.is_load_fresh:
+            self.num_prefill_tokens = self.own_prefill_tokens
+            self.num_running_seqs = self.num_active
+            self.num_waiting_seqs = 0
+            self.num_reserved_pages = self.own_pages
+            self.num_free_pages = max(0, self.num_total_pages - self.own_pages)
+            self.busy_fraction = 0.0
+            return
+        self.num_prefill_tokens = report.num_prefill_tokens + self._unacked_tokens
+        self.num_running_seqs = report.num_running + report.num_transfer_seqs
+        self.num_waiting_seqs = report.num_waiting + len(self._unacked)
+        self.num_reserved_pages = self._unacked_pages
+        self.num_free_pages = max(0, report.num_free_pages - report.num_queued_pages - self._unacked_pages)
+        self.busy_fraction = report.busy_fraction
+
     @property
     def report_age_s(self) -> float:
         """Seconds since the newest load report (infinity before the first)."""
         return self._clock() - self.report_at if self.report is not None else float("inf")
 
-    @property
-    def is_load_fresh(self) -> bool:
-        return self.report is not None and self._clock() - self.report_at <= self.stale_after_s
-
-    def _fresh(self) -> LoadReport | None:
-        report = self.report
-        if report is not None and self._clock() - self.report_at <= self.stale_after_s:
-            return report
-        return None
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        """Prompt tokens queued or running on this worker, less cached prefixes (prefill load)."""
-        report = self._fresh()
-        if report is None:
-            return self.own_prefill_tokens
-        return report.num_prefill_tokens + self._unacked_tokens
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        """The worker's measured prefill throughput (0.0 until it has prefilled something)."""
-        return self.report.prefill_tokens_per_s if self.report is not None else 0.0
-
-    @property
-    def busy_fraction(self) -> float:
-        """Share of recent time the worker spent computing (0.0 when unknown or stale)."""
-        report = self._fresh()
-        return report.busy_fraction if report is not None else 0.0
-
-    @property
-    def num_running_seqs(self) -> int:
-        report = self._fresh()
-        return self.num_active if report is None else report.num_running + report.num_transfer_seqs
-
-    @property
-    def num_waiting_seqs(self) -> int:
-        report = self._fresh()
-        return 0 if report is None else report.num_waiting + len(self._unacked)
-
-    @property
-    def max_running_seqs(self) -> int:
-        """The worker's batch limit (0 = unknown)."""
-        return self.report.max_running if self.report is not None else 0
-
-    @property
-    def num_reserved_pages(self) -> int:
-        """KV pages the gateway's own requests will take that the worker's figures do not show yet."""
-        return self._unacked_pages if self._fresh() is not None else self.own_pages
-
-    @property
-    def num_free_pages(self) -> int:
-        """KV pages still free for new requests after every admitted and reserved one is placed."""
-        report = self._fresh()
-        if report is None:
-            return max(0, self.num_total_pages - self.own_pages)
-        return max(0, report.num_free_pages - report.num_queued_pages - self._unacked_pages)
-
     def describe(self) -> dict[str, Any]:
         """A JSON-able view for /health and debugging."""
+        self.refresh()
         return {
             "url": self.url, "role": self.role, "active": self.num_active, "load_fresh": self.is_load_fresh,
             "prefill_tokens": self.num_prefill_tokens, "prefill_tokens_per_s": self.prefill_tokens_per_s,

@@ -9,8 +9,12 @@ Rows:
 - ``native -> combined worker``: the baseline, our native protocol straight to a worker (no HTTP).
 - ``gateway -> combined worker``: the HTTP/OpenAI layer on top of it (non-streaming and SSE).
 - ``gateway -> prefill + decode``: the full PD path (KV over the tcp backend).
+- ``PD, policy X``: the same PD path through one more gateway per ``--policies`` entry (default
+  ``random`` and ``cache_aware``), interleaved twice, so the routing policy's own cost (prefix
+  hashing, index look-ups, load state) shows as the difference between those rows. CPU time comes
+  in clock ticks (10 ms): use a few hundred requests or more per row.
 
-    .venv/bin/python loadtests/bench_gateway.py [--requests 400] [--concurrency 8]
+    .venv/bin/python loadtests/bench_gateway.py [--requests 400] [--concurrency 8] [--policies random,cache_aware]
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--policies", default="random,cache_aware", help="comma-separated: one extra PD gateway each")
     args = ap.parse_args()
     n, conc, mt = args.requests, args.concurrency, args.max_tokens
     procs = Procs(Path(os.environ.get("TMPDIR", "/tmp")))
@@ -111,9 +116,13 @@ def main() -> None:
         pd_port = start_gateway(procs, "--prefill", prefill.url, "--decode", decode.url)
         both_port = start_gateway(procs, "--worker", both.url)
         gw_pd, gw_both = procs.procs[-2].pid, procs.procs[-1].pid
+        by_policy = {}
+        for policy in filter(None, args.policies.split(",")):
+            port = start_gateway(procs, "--prefill", prefill.url, "--decode", decode.url, "--policy", policy)
+            by_policy[policy] = (port, procs.procs[-1].pid)
         warm = 20
-        asyncio.run(drive_http(f"http://127.0.0.1:{pd_port}", warm, conc, mt, False))
-        asyncio.run(drive_http(f"http://127.0.0.1:{both_port}", warm, conc, mt, False))
+        for port in [pd_port, both_port, *(p for p, _ in by_policy.values())]:
+            asyncio.run(drive_http(f"http://127.0.0.1:{port}", warm, conc, mt, False))
         rows = [
             ("native -> combined worker", None, both.proc.pid,
              measure("native", {"worker": both.proc.pid}, lambda: drive_native(both.url, n, conc, mt))),
@@ -130,6 +139,11 @@ def main() -> None:
              measure("pd-sse", {"gateway": gw_pd, "prefill": prefill.proc.pid, "decode": decode.proc.pid},
                      lambda: drive_http(f"http://127.0.0.1:{pd_port}", n, conc, mt, True))),
         ]
+        for _ in range(2):  # interleaved twice: the policies' rows share the machine's noise
+            for policy, (port, pid) in by_policy.items():
+                rows.append((f"PD, policy {policy}", pid, None,
+                             measure(policy, {"gateway": pid, "prefill": prefill.proc.pid, "decode": decode.proc.pid},
+                                     lambda port=port: drive_http(f"http://127.0.0.1:{port}", n, conc, mt, False))))
         print(f"\n{n} requests, concurrency {conc}, {len(PROMPT)}-token prompt, max_tokens {mt}, sim engine at zero "
               "cost (2-core shared machine: compare rows, not runs)\n")
         print(f"{'path':36} {'req/s':>8} {'gateway µs/req':>15} {'worker(s) µs/req':>17}")

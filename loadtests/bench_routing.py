@@ -72,6 +72,7 @@ class Request:
     max_tokens: int
     arrival_s: float  # offset from the start of the run
     tenant: int | None = None
+    prefix_len: int = 0  # tokens of the tenant's shared prefix
 
 
 @dataclass
@@ -114,7 +115,8 @@ def workload_tenants(rng: random.Random, n: int, rate: float, num_tenants: int =
         while len(prefixes[tenant]) + suffix_len in used:
             suffix_len += 1
         used.add(len(prefixes[tenant]) + suffix_len)
-        reqs.append(Request(prefixes[tenant] + random_tokens(rng, suffix_len), rng.randint(16, 32), arrival, tenant))
+        reqs.append(Request(prefixes[tenant] + random_tokens(rng, suffix_len), rng.randint(16, 32), arrival, tenant,
+                            len(prefixes[tenant])))
     return reqs
 
 
@@ -339,6 +341,7 @@ class RunReport:
     stats_cached: int = 0
     stickiness: float | None = None
     tenants_split: int = 0
+    per_tenant: dict[int, Counter[int]] = field(default_factory=dict)
     kv_unverified: int = 0
     leaks: list[str] = field(default_factory=list)
     log_issues: list[str] = field(default_factory=list)
@@ -392,6 +395,7 @@ def run_policy(scenario: Scenario, policy: str, reqs: list[Request], seed: int, 
             total = sum(sum(c.values()) for c in per_tenant.values())
             report.stickiness = sum(max(c.values()) for c in per_tenant.values()) / max(1, total)
             report.tenants_split = sum(1 for c in per_tenant.values() if len(c) > 1)
+            report.per_tenant = per_tenant
         report.policy_stats, report.gateway_statuses = parse_metrics(metrics)
         report.prefill_rates = [w["prefill_tokens_per_s"] for w in health["workers"] if w["role"] == "prefill"]
         report.log_issues = log_problems(procs)
@@ -419,15 +423,31 @@ def usage_hit_rate(results: list[Result]) -> float:
     return sum(x.cached_tokens for x in results) / max(1, sum(x.prompt_tokens for x in results))
 
 
+def ideal_hit_rate(reqs: Sequence[Request]) -> float:
+    """Hit rate with perfect affinity and unbounded caches: a tenant's first request misses, later ones hit
+    every full page of its prefix."""
+    seen: set[int] = set()
+    cached = 0
+    for r in reqs:
+        if r.tenant is not None and r.tenant in seen:
+            cached += r.prefix_len // PAGE_SIZE * PAGE_SIZE
+        if r.tenant is not None:
+            seen.add(r.tenant)
+    return cached / max(1, sum(len(r.prompt) for r in reqs))
+
+
 def ms(v: float) -> str:
     return "-" if math.isnan(v) else f"{v * 1e3:.0f}"
 
 
-def print_table(scenario: Scenario, reports: list[RunReport], rate: float, concurrency: int) -> None:
-    n = len(reports[0].results)
+def print_table(scenario: Scenario, reports: list[RunReport], reqs: Sequence[Request], rate: float, concurrency: int,
+                verbose: bool = False) -> None:
+    n = len(reqs)
     print(f"\n== scenario {scenario.key}: {scenario.title}")
     print(f"   {n} requests per policy, Poisson arrivals at {rate:g} req/s, at most {concurrency} in flight; "
           "latencies from scheduled arrival; fresh cluster per policy")
+    if scenario.key == "a":
+        print(f"   ideal hit rate (each tenant misses once, then always hits): {100 * ideal_hit_rate(reqs):.1f}%")
     rows: list[tuple[str, list[str]]] = []
 
     def row(name: str, fn: Callable[[RunReport], str]) -> None:
@@ -466,6 +486,11 @@ def print_table(scenario: Scenario, reports: list[RunReport], rate: float, concu
             print(f"   {r.policy} LEAK: {leak}")
         for issue in r.log_issues:
             print(f"   {r.policy} log: {issue}")
+        if verbose and r.per_tenant:
+            popularity = Counter(x.tenant for x in reqs)
+            split = [f"t{t}({popularity[t]} reqs): " + " ".join(f"P{i}x{c[i]}" for i in sorted(c))
+                     for t, c in sorted(r.per_tenant.items(), key=lambda kv: -popularity[kv[0]]) if len(c) > 1]
+            print(f"   {r.policy} tenants on >1 prefill: {'; '.join(split) or 'none'}")
         bad_status = {k: v for k, v in r.gateway_statuses.items() if k != "200"}
         if bad_status:
             print(f"   {r.policy} gateway non-200 statuses: {bad_status}")
@@ -482,6 +507,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=None, help="offered load in requests/s (default: per scenario)")
     ap.add_argument("--concurrency", type=int, default=None, help="max requests in flight (default: per scenario)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the process logs (their folder is printed)")
+    ap.add_argument("--verbose", action="store_true", help="scenario a: list the tenants served by several prefills")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     keys = ["a", "b", "c"] if args.scenario == "all" else [args.scenario]
@@ -498,7 +524,7 @@ def main() -> None:
             reqs = scenario.workload(random.Random(args.seed), n, rate)
             t = time.perf_counter()
             reports = [run_policy(scenario, p, reqs, args.seed, concurrency, tmp) for p in policies]
-            print_table(scenario, reports, rate, concurrency)
+            print_table(scenario, reports, reqs, rate, concurrency, args.verbose)
             print(f"   scenario {key} took {time.perf_counter() - t:.0f}s", flush=True)
     finally:
         if args.keep_logs:

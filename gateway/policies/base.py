@@ -32,41 +32,27 @@ OUTCOMES = ("finished", "failed", "cancelled")
 
 @runtime_checkable
 class WorkerView(Protocol):
-    """What a policy may read about a worker. Figures combine the worker's newest load report with
-    the gateway's own dispatches since; when the report is stale they are the gateway's own counts."""
+    """What a policy may read about a worker (read-only; units in the names).
+
+    Figures combine the worker's newest load report with the gateway's own dispatches since (the
+    report says which of them it includes); when the report is stale they are the gateway's own
+    counts (``is_load_fresh`` False). The gateway's ``WorkerState`` is the implementation.
+    """
 
     url: str
     role: str  # "prefill" | "decode" | "both"
     page_size: int  # tokens per KV page (0 until connected)
     num_total_pages: int  # KV pool size
     num_active: int  # requests this gateway has open on the worker
-
-    @property
-    def is_load_fresh(self) -> bool: ...  # the worker's load report is recent
-
-    @property
-    def num_prefill_tokens(self) -> int: ...  # prompt tokens queued + running, less cached prefixes
-
-    @property
-    def prefill_tokens_per_s(self) -> float: ...  # measured prefill throughput (0.0 = not measured)
-
-    @property
-    def busy_fraction(self) -> float: ...  # share of recent time spent computing, 0..1 (0.0 = unknown)
-
-    @property
-    def num_running_seqs(self) -> int: ...  # sequences holding KV (running, or receiving KV)
-
-    @property
-    def num_waiting_seqs(self) -> int: ...  # admitted sequences waiting for pages or a batch slot
-
-    @property
-    def max_running_seqs(self) -> int: ...  # the worker's batch limit (0 = unknown)
-
-    @property
-    def num_free_pages(self) -> int: ...  # KV pages free after every admitted and reserved request
-
-    @property
-    def num_reserved_pages(self) -> int: ...  # pages this gateway reserved that reports don't show yet
+    is_load_fresh: bool  # the worker's load report is recent
+    num_prefill_tokens: int  # prompt tokens queued + running, less cached prefixes
+    prefill_tokens_per_s: float  # measured prefill throughput (0.0 = not measured yet)
+    busy_fraction: float  # share of recent time spent computing, 0..1 (0.0 = unknown)
+    num_running_seqs: int  # sequences holding KV (running, or receiving KV)
+    num_waiting_seqs: int  # admitted sequences waiting for pages or a batch slot
+    max_running_seqs: int  # the worker's batch limit (0 = unknown)
+    num_free_pages: int  # KV pages free after every admitted and reserved request
+    num_reserved_pages: int  # pages this gateway reserved that the worker's figures don't show yet
 
 
 class PrefixLookup(Protocol):
@@ -109,11 +95,15 @@ class RequestInfo:
         page_size = worker.page_size
         if self._lookup is None or page_size <= 0:
             return 0
+        return self.cached_pages(page_size).get(worker.url, 0) * page_size
+
+    def cached_pages(self, page_size: int) -> Mapping[str, int]:
+        """{worker url: leading pages of this prompt it holds} for workers of this page size."""
         matches = self._matches.get(page_size)
         if matches is None:
-            matches = self._lookup.match(self.page_hashes(page_size))
+            matches = self._lookup.match(self.page_hashes(page_size)) if self._lookup is not None else {}
             self._matches[page_size] = matches
-        return matches.get(worker.url, 0) * page_size
+        return matches
 
     def num_pages_needed(self, page_size: int) -> int:
         """KV pages a decode worker reserves for this request (prompt + max_new_tokens)."""

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from gateway.policies.base import Pair, RequestInfo, WorkerView
-from gateway.policies.load import fallback_rate, least_pressured, rate_of
+from gateway.policies.load import fallback_rate, least_pressured
 
 
 class CacheAwarePolicy:
@@ -55,26 +55,45 @@ class CacheAwarePolicy:
     def _select_prefill(self, prefills: Sequence[WorkerView], request: RequestInfo) -> WorkerView:
         opts = self.options
         fallback = fallback_rate(prefills)
-        rates = [rate_of(w, fallback) for w in prefills]
-        waits = [w.num_prefill_tokens / r for w, r in zip(prefills, rates, strict=True)]
+        waits = [w.num_prefill_tokens / (w.prefill_tokens_per_s or fallback) for w in prefills]
         limit = max(opts.balance_factor * sum(waits) / len(waits), opts.balance_min_tokens / fallback)
-        prompt = request.num_prompt_tokens
-        cached = [request.num_cached_tokens(w) for w in prefills]
-        costs = [waits[i] + opts.cache_weight * (prompt - cached[i]) / rates[i] if waits[i] <= limit else float("inf")
-                 for i in range(len(prefills))]
-        best_cost = min(costs)
-        ties = [i for i, c in enumerate(costs) if c == best_cost]
-        best = ties[0] if len(ties) == 1 else self._home(prefills, ties, request)
+        prompt, weight = request.num_prompt_tokens, opts.cache_weight
+        page_size = prefills[0].page_size
+        held = request.cached_pages(page_size) if page_size > 0 else {}
+        best, best_cost, ties = 0, float("inf"), 1
+        for i, w in enumerate(prefills):
+            if waits[i] > limit:
+                continue
+            # (a pool mixing page sizes looks each other size up separately)
+            cached = held.get(w.url, 0) * page_size if w.page_size == page_size else request.num_cached_tokens(w)
+            cost = waits[i] + weight * (prompt - cached) / (w.prefill_tokens_per_s or fallback)
+            if cost < best_cost:
+                best, best_cost, ties = i, cost, 1
+            elif cost == best_cost:
+                ties += 1
+        if ties > 1:
+            best = self._home(prefills, waits, limit, best_cost, weight, fallback, request)
         self.num_selected += 1
-        self.num_predicted_hits += cached[best] > 0
-        self.num_skipped_hot += max(cached) > cached[best] and costs[cached.index(max(cached))] == float("inf")
+        chosen = request.num_cached_tokens(prefills[best])
+        self.num_predicted_hits += chosen > 0
+        self.num_skipped_hot += any(waits[i] > limit and request.num_cached_tokens(w) > chosen
+                                    for i, w in enumerate(prefills)) if held else 0
         return prefills[best]
 
     @staticmethod
-    def _home(prefills: Sequence[WorkerView], candidates: list[int], request: RequestInfo) -> int:
+    def _home(prefills: Sequence[WorkerView], waits: list[float], limit: float, best_cost: float, weight: float,
+              fallback: float, request: RequestInfo) -> int:
         """Among equally good workers, the prompt's rendezvous-hash home (stable for a tenant)."""
         seed = zlib.crc32(repr(list(request.input_ids[:64])).encode())
-        return max(candidates, key=lambda i: zlib.crc32(prefills[i].url.encode(), seed))
+        prompt = request.num_prompt_tokens
+        best, best_score = 0, -1
+        for i, w in enumerate(prefills):
+            if waits[i] > limit:
+                continue
+            cost = waits[i] + weight * (prompt - request.num_cached_tokens(w)) / (w.prefill_tokens_per_s or fallback)
+            if cost == best_cost and (score := zlib.crc32(w.url.encode(), seed)) > best_score:
+                best, best_score = i, score
+        return best
 
     def stats(self) -> Mapping[str, float]:
         n = max(1, self.num_selected)

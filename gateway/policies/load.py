@@ -16,9 +16,14 @@ UNKNOWN_RATE = 1.0  # tokens/s stand-in when no worker has measured its prefill 
 
 
 def fallback_rate(prefills: Sequence[WorkerView]) -> float:
-    """The rate to assume for workers that have not measured theirs: the median of those that have."""
-    rates = sorted(r for w in prefills if (r := w.prefill_tokens_per_s) > 0)
-    return rates[len(rates) // 2] if rates else UNKNOWN_RATE
+    """The rate to assume for workers that have not measured theirs: the mean of those that have."""
+    total, n = 0.0, 0
+    for w in prefills:
+        rate = w.prefill_tokens_per_s
+        if rate > 0:
+            total += rate
+            n += 1
+    return total / n if n else UNKNOWN_RATE
 
 
 def rate_of(worker: WorkerView, fallback: float) -> float:

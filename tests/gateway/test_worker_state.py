@@ -42,6 +42,8 @@ def test_a_stale_report_falls_back_to_own_counts() -> None:
     state.dispatched(1, 40, 2)
     assert state.num_prefill_tokens == 9040
     now[0] += 1.5
+    assert state.is_load_fresh, "until the periodic refresh notices"
+    state.refresh()
     assert not state.is_load_fresh
     assert (state.num_prefill_tokens, state.num_running_seqs, state.num_free_pages) == (40, 1, 98)
 
