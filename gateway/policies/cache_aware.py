@@ -12,7 +12,8 @@ prefixes. Guard: a worker whose queued time exceeds the pool mean by ``balance_f
 ``balance_min_tokens`` of work) is skipped, so affinity never builds a hot spot. Ties (an idle pool,
 a new prefix) go to the prefix's rendezvous-hash home, so new tenants spread evenly and stick.
 
-Decode: the least pressured worker (KV pages and batch slots with this request placed).
+Decode: the least pressured worker (KV pages and batch slots with this request placed). With
+combined workers (``--worker``, no prefills) the prefill rule above picks among them.
 """
 
 from __future__ import annotations
@@ -49,8 +50,11 @@ class CacheAwarePolicy:
         self.num_skipped_hot = 0  # selections where the best-cached worker was skipped as a hot spot
 
     def select(self, prefills: Sequence[WorkerView], decodes: Sequence[WorkerView], request: RequestInfo) -> Pair:
-        prefill = self._select_prefill(prefills, request) if prefills else None
-        return Pair(prefill, least_pressured(decodes, request))
+        if prefills:
+            return Pair(self._select_prefill(prefills, request), least_pressured(decodes, request))
+        if decodes[0].role == "both":  # combined workers prefill too: they hold the prefix caches
+            return Pair(None, self._select_prefill(decodes, request))
+        return Pair(None, least_pressured(decodes, request))  # the decode side of a split policy
 
     def _select_prefill(self, prefills: Sequence[WorkerView], request: RequestInfo) -> WorkerView:
         opts = self.options

@@ -193,3 +193,10 @@ def test_router_sides_and_options() -> None:
         Router.build("cache_aware", "cache_aware", {"": {"balance_factor": "0.2"}})
     split = Router.build("power_of_two", "power_of_two", {"prefill": {"seed": "1"}, "decode": {"seed": "2"}})
     assert not split.is_joint
+
+
+def test_cache_aware_with_combined_workers_follows_their_caches() -> None:
+    policy = create_policy("cache_aware")
+    a, b = FakeWorker("pd://a:1", "both"), FakeWorker("pd://b:1", "both")
+    request = RequestInfo(list(range(3200)), 8, FakeLookup({"pd://b:1": 199}))
+    assert policy.select([], [a, b], request) == Pair(None, b)
