@@ -121,3 +121,32 @@ def test_example_plugin_package_installs_and_routes(sim_cluster, tmp_path: Path,
     metrics = httpx.get(f"{cluster.base_url}/metrics").text
     assert 'pd_gateway_policy_stat{stat="sticky_prefix.home_share"} 1.0' in metrics
     cluster.wait_pools_full()
+
+
+def test_the_gateway_calls_every_hook(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = sim_cluster(num_prefill=1, num_decode=2,
+                          gateway_args=("--policy", "tests.integration.hook_policy:HookCounter"))
+    c = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+    for i in range(3):
+        c.completions.create(model="sim", prompt=tenant_prompt(i, 0), max_tokens=2)
+
+    def counts() -> dict[str, float]:
+        out = {}
+        for line in httpx.get(f"{cluster.base_url}/metrics").text.splitlines():
+            if line.startswith('pd_gateway_policy_stat{stat="hook_counter.'):
+                key = line.split('hook_counter.', 1)[1].split('"', 1)[0]
+                out[key] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    got = counts()
+    assert got["added_prefill"] == 1 and got["added_decode"] == 2
+    assert got["select"] == got["dispatch"] == got["finish_finished"] == 3
+    victim = cluster.decodes[1]
+    victim.proc.kill()
+    victim.proc.wait()
+    deadline = time.monotonic() + 10
+    while counts().get("removed_decode", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert counts().get("removed_decode") == 1
+    c.completions.create(model="sim", prompt=tenant_prompt(9, 0), max_tokens=2)  # the other decode serves
+    cluster.wait_pools_full(alive_only=True)
