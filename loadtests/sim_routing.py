@@ -23,26 +23,32 @@ Worker models:
   pages that doubles as an LRU prefix cache, modelled on ``PageCache``: at admission the longest run of
   the prompt's (len-1)//16 page hashes present is a hit (pinned), pages for the rest are allocated,
   evicting least-recently-used unpinned pages; at completion the prompt's full pages are published and
-  all its pages released in page order (so the first page of a prefix is the oldest: ``--evict tail``
-  releases them in reverse order instead, to show the difference). KV events reach the gateway 5 ms
+  all its pages released last page first, as ``PageCache.release`` does (so a prefix is evicted from
+  its end; ``--evict head`` releases them in page order instead, cutting prefixes at their head, to
+  show the difference). KV events reach the gateway 5 ms
   later; load reports on change (<= every 2 ms), every 100 ms while busy, every 500 ms idle, 1 ms later.
 - decode: KV pool of P pages; a request reserves ceil((prompt + max_tokens)/16) pages, FIFO, when its KV
   has arrived (it waits while there are not enough free pages or ``max_running`` sequences run); until
   then its pages count as ``num_queued_pages``. Steps take ``base + per_seq * batch``; each sequence in a
   step gets one token; new sequences join at the next step; pages are freed when the last token is out.
-- KV transfer: 1 ms + 1 us per prompt token. Gateway <-> worker messages: 0.5 ms.
+  (Simplified: a real decode reserves the pages before the prefill starts, in its prealloc queue.)
+- KV transfer: 1 ms + 1 us per prompt token. Gateway <-> worker messages: 0.5 ms. The gateway re-checks
+  report freshness every ``REFRESH_INTERVAL_S`` (``WorkerState.refresh``), as the real one does.
 
-Definitions (per policy run):
+Definitions (per policy run; "window" = first to last request arrival, so ramp-down is left out):
 - hit: cached prompt tokens at prefill admission / prompt tokens (all requests).
 - oracle: one pooled LRU cache with the sum of all prefill workers' pages, fed the same prompts in that
-  run's arrival order, computing instantly (no load limits); the reference line shows its mean over runs.
-- P-busy: mean over prefill workers of busy time / run length (run length = last request's completion).
+  run's arrival order, computing instantly (no load limits); the ORACLE line shows its mean over the runs.
+- P-busy: mean over prefill workers of their busy time in the window / the window's length.
 - P-imb: max/mean over prefill workers of that busy fraction; a slower worker is busier for the same
-  tokens, so this is load normalized by capacity (1.0 = every worker equally busy).
-- D-imb: max/mean over decode workers of the time-averaged share of their KV pages in use.
+  tokens, so this is load normalized by capacity (1.0 = every worker equally busy). An idle slow worker
+  raises it too, which is why its goal line is printed for scenario (a) only.
+- D-imb: max/mean over decode workers of the time-averaged share of their KV pages in use (window).
 - TTFT: arrival at the gateway -> first token back (prefill queue + compute + transfer + decode admission
   + first step); E2E: arrival -> last token back. p50/p99 over all requests, in ms.
 - share: percentage of requests per worker (prefill workers, then decode workers).
+Goal lines: cache_aware >= 90% of the oracle's hit rate (same run's arrival order) with P-imb <= 1.3 in
+(a); power_of_two and ratio_aware beat random on TTFT p99 or E2E p99 in every scenario.
 
 Run (all scenarios, the five built-in policies; any policy name or ``module:attr`` in ``--policies``):
 
@@ -78,8 +84,9 @@ from gateway.policies.base import Pair, PrefixLookup, RequestInfo, WorkerView  #
 from gateway.policies.loader import PolicyError, create_policy, load_policy_class, option_names  # noqa: E402
 from gateway.prefix_index import PrefixIndex  # noqa: E402
 from gateway.router import Router  # noqa: E402
-from gateway.worker_state import WorkerState  # noqa: E402
+from gateway.worker_state import REFRESH_INTERVAL_S, WorkerState  # noqa: E402
 from workers.page_cache import page_hashes  # noqa: E402
+from workers.plugins import PluginError  # noqa: E402
 from workers.protocol import PROTOCOL_VERSION, HelloAck, KVEvents, LoadReport  # noqa: E402
 
 PAGE = 16
@@ -132,29 +139,30 @@ class Scenario:
     decodes: tuple[DecodeSpec, ...]
     workload: WorkloadSpec
     requests: int
+    goals: tuple[str, ...] = ("power_of_two", "ratio_aware")  # policies whose goal lines this scenario prints
 
 
 SCENARIOS: dict[str, Scenario] = {
     "a": Scenario(
-        "a", "4 prefill + 2 decode; 60 tenants, system prompts ~2.4x one prefill cache, ~0.6x all four",
+        "a", "4 prefill + 2 decode; 60 tenants, system prompts ~3x one prefill cache, ~0.75x all four",
         prefills=(PrefillSpec(12000, 2500),) * 4,
         decodes=(DecodeSpec(16000),) * 2,
         workload=WorkloadSpec(num_tenants=60, zipf_s=0.9, system_tokens=(1000, 3000), turns=(1, 6),
-                              user_tokens=(30, 200), answer_tokens=(50, 250), think_s=4.0, conv_rate=14.0),
-        requests=2000),
+                              user_tokens=(30, 200), answer_tokens=(50, 250), think_s=4.0, conv_rate=11.0),
+        requests=2000, goals=("cache_aware", "power_of_two", "ratio_aware")),
     "b": Scenario(
-        "b", "3 prefill, p2 4x slower; 4 tenants sharing long system prompts",
+        "b", "3 prefill, prefill-2 4x slower; 4 tenants sharing long system prompts",
         prefills=(PrefillSpec(12000, 4000), PrefillSpec(12000, 4000), PrefillSpec(3000, 4000)),
         decodes=(DecodeSpec(16000),) * 2,
         workload=WorkloadSpec(num_tenants=4, zipf_s=1.0, system_tokens=(2000, 3000), turns=(1, 3),
-                              user_tokens=(200, 1200), answer_tokens=(50, 200), think_s=3.0, conv_rate=6.0),
+                              user_tokens=(200, 1200), answer_tokens=(50, 200), think_s=3.0, conv_rate=5.0),
         requests=1500),
     "c": Scenario(
         "c", "2 prefill + 2 decode, decode KV 3000 vs 12000 pages; long generations (decode-bound)",
         prefills=(PrefillSpec(20000, 4000),) * 2,
         decodes=(DecodeSpec(3000), DecodeSpec(12000)),
         workload=WorkloadSpec(num_tenants=8, zipf_s=1.0, system_tokens=(500, 1000), turns=(1, 2),
-                              user_tokens=(100, 500), answer_tokens=(800, 1600), think_s=5.0, conv_rate=2.2),
+                              user_tokens=(100, 500), answer_tokens=(800, 1600), think_s=5.0, conv_rate=1.8),
         requests=600),
 }
 
@@ -230,7 +238,7 @@ class Job:
     """One request (one conversation turn) through gateway, prefill and decode."""
 
     __slots__ = ("arrival_s", "conv", "d", "done_s", "est_cached", "first_s", "hit_tokens", "info",
-                 "max_tokens", "p", "pages", "pair", "prompt_len", "rid_d", "rid_p", "run_end_s", "run_s",
+                 "max_tokens", "p", "pages", "pair", "predicted", "prompt_len", "rid_d", "rid_p", "run_end_s", "run_s",
                  "turn", "uncached")
 
     def __init__(self, conv: Conversation, turn: int, arrival_s: float) -> None:
@@ -240,7 +248,7 @@ class Job:
         self.info: SimRequest | None = None
         self.pair: Pair | None = None
         self.p = self.d = self.rid_p = self.rid_d = self.pages = 0
-        self.est_cached = self.hit_tokens = self.uncached = 0
+        self.est_cached = self.hit_tokens = self.uncached = self.predicted = 0
         self.run_s = self.run_end_s = 0.0
         self.first_s = self.done_s = math.nan
 
@@ -624,7 +632,7 @@ def oracle_hit_rate(jobs: Sequence[Job], capacity: int, tail_first: bool = False
 
 class Sim:
     def __init__(self, scenario: Scenario, convs: list[Conversation], policy_name: str,
-                 options: dict[str, str] | None = None, *, seed: int = 0, evict_tail_first: bool = False) -> None:
+                 options: dict[str, str] | None = None, *, seed: int = 0, evict_tail_first: bool = True) -> None:
         self.scenario = scenario
         self.convs = convs
         self.loop = Loop()
@@ -641,6 +649,10 @@ class Sim:
         self.jobs: list[Job] = []
         self.remaining = sum(len(c.prompt_lens) for c in convs)
         self.end_s = 0.0
+        # Utilization is measured over the arrival window (first to last arrival): snapshots at each arrival.
+        self.window: tuple[float, float] | None = None
+        self.window_busy: list[float] = []
+        self.window_kv: list[float] = []
 
     def run(self) -> RunResult:
         wall = time.perf_counter()
@@ -651,6 +663,7 @@ class Sim:
             w.report()
         for conv in self.convs:
             loop.at(conv.start_s, self.arrive, conv, 0)
+        loop.at(REFRESH_INTERVAL_S, self._refresh)
         loop.run()
         return self._result(time.perf_counter() - wall)
 
@@ -659,6 +672,7 @@ class Sim:
         loop = self.loop
         job = Job(conv, turn, loop.now)
         self.jobs.append(job)
+        self._snapshot()
         info = SimRequest(conv.transcript[: job.prompt_len], job.max_tokens, self.index, job.lookup_hashes)
         pair = self.router.select(self._prefill_views, self._decode_views, info)
         if pair.prefill is None:
@@ -669,7 +683,8 @@ class Sim:
         job.info, job.pair, job.p, job.d = info, pair, prefill.idx, decode.idx
         prompt_tokens = job.prompt_len
         if info.has_page_hashes:  # as dispatch.py: count only the uncached part
-            prompt_tokens -= info.num_cached_tokens(prefill.state)
+            job.predicted = info.num_cached_tokens(prefill.state)
+            prompt_tokens -= job.predicted
         job.pages = info.num_pages_needed(decode.state.page_size)
         job.rid_d = next(decode.next_rid)
         decode.state.dispatched(job.rid_d, 0, job.pages)
@@ -681,6 +696,21 @@ class Sim:
         loop.at(loop.now + MSG_LAG_S, decode.receive, job)
         loop.at(loop.now + MSG_LAG_S, prefill.receive, job)
 
+    def _refresh(self) -> None:  # as the gateway's load-freshness task
+        if self.finished:
+            return
+        for w in (*self.prefills, *self.decodes):
+            w.state.refresh()
+        self.loop.at(self.loop.now + REFRESH_INTERVAL_S, self._refresh)
+
+    def _snapshot(self) -> None:
+        now = self.loop.now
+        self.window = (self.window[0] if self.window else now, now)
+        self.window_busy = [w.busy_until_now() for w in self.prefills]
+        for w in self.decodes:
+            w._account()
+        self.window_kv = [w.kv_area for w in self.decodes]
+
     def kv_events(self, worker: PrefillWorker, events: KVEvents) -> None:
         self.router.kv_events(worker.state, events)
 
@@ -690,6 +720,7 @@ class Sim:
         self.decodes[job.d].state.ended(job.rid_d)
         assert job.pair is not None and job.info is not None
         self.router.finished(job.pair, job.info, "finished")
+        job.info = None  # its prompt copy is no longer needed
         self.remaining -= 1
         self.end_s = max(self.end_s, now)
         conv = job.conv
@@ -701,17 +732,16 @@ class Sim:
     def _result(self, wall_s: float) -> RunResult:
         jobs = self.jobs
         n = len(jobs)
-        span = self.end_s or 1.0
-        for w in self.decodes:
-            w._account()
+        start, end = self.window or (0.0, 0.0)
+        span = end - start or 1.0
         capacity = sum(s.cache_pages for s in self.scenario.prefills)
         prompt = sum(w.prompt_tokens for w in self.prefills)
         return RunResult(
             policy=self.router.name, num_requests=n,
             hit_rate=sum(w.hit_tokens for w in self.prefills) / prompt if prompt else 0.0,
             oracle_hit_rate=oracle_hit_rate(jobs, capacity, self.evict_tail_first),
-            prefill_busy=[w.busy_until_now() / span for w in self.prefills],
-            decode_kv=[w.kv_area / (w.num_pages * span) for w in self.decodes],
+            prefill_busy=[b / span for b in self.window_busy],
+            decode_kv=[a / (w.num_pages * span) for a, w in zip(self.window_kv, self.decodes, strict=True)],
             ttft_ms=[(j.first_s - j.arrival_s) * 1e3 for j in jobs],
             e2e_ms=[(j.done_s - j.arrival_s) * 1e3 for j in jobs],
             prefill_share=[w.num_requests / n for w in self.prefills],
@@ -741,7 +771,7 @@ class ScenarioResult:
 
 
 def run_scenario(key: str, policies: Sequence[str] = DEFAULT_POLICIES, *, requests: int | None = None,
-                 seed: int = 0, options: dict[str, str] | None = None, evict_tail_first: bool = False,
+                 seed: int = 0, options: dict[str, str] | None = None, evict_tail_first: bool = True,
                  ) -> ScenarioResult:
     scenario = SCENARIOS[key]
     options = options or {}
@@ -768,17 +798,18 @@ def format_result(res: ScenarioResult) -> str:
     n = next(iter(res.runs.values())).num_requests if res.runs else 0
     lines = [f"== ({sc.key}) {sc.title}",
              f"   {n} requests; prefill tok/s {speeds}, cache pages {caches}; decode KV pages {kv}"]
-    head = (f"{'policy':<14}{'hit%':>6}{'P-busy':>7}{'P-imb':>6}{'D-imb':>6}{'TTFT50':>8}{'TTFT99':>8}"
+    wid = max(14, *(len(name) + 2 for name in res.runs))
+    head = (f"{'policy':<{wid}}{'hit%':>6}{'P-busy':>7}{'P-imb':>6}{'D-imb':>6}{'TTFT50':>8}{'TTFT99':>8}"
             f"{'E2E50':>8}{'E2E99':>8}  {'prefill%':<13}{'decode%':<8}")
     lines += [head, "-" * len(head)]
     for name, r in res.runs.items():
         busy = sum(r.prefill_busy) / len(r.prefill_busy)
-        lines.append(f"{name:<14}{100 * r.hit_rate:>6.1f}{100 * busy:>6.0f}%{r.prefill_imbalance:>6.2f}"
+        lines.append(f"{name:<{wid}}{100 * r.hit_rate:>6.1f}{100 * busy:>6.0f}%{r.prefill_imbalance:>6.2f}"
                      f"{r.decode_imbalance:>6.2f}{r.ttft(50):>8.0f}{r.ttft(99):>8.0f}{r.e2e(50):>8.0f}"
                      f"{r.e2e(99):>8.0f}  {_pct(r.prefill_share):<13}{_pct(r.decode_share):<8}")
     if res.runs:
         rates = [r.oracle_hit_rate for r in res.runs.values()]
-        lines.append(f"{'ORACLE':<14}{100 * res.oracle_hit_rate:>6.1f}  <- one pooled LRU of "
+        lines.append(f"{'ORACLE':<{wid}}{100 * res.oracle_hit_rate:>6.1f}  <- one pooled LRU of "
                      f"{sum(s.cache_pages for s in sc.prefills)} pages (sum of prefill caches), no load limits "
                      f"(range over runs {100 * min(rates):.1f}-{100 * max(rates):.1f})")
     lines += _goals(res)
@@ -788,7 +819,7 @@ def format_result(res: ScenarioResult) -> str:
 def _goals(res: ScenarioResult) -> list[str]:
     out = []
     ca = res.runs.get("cache_aware")
-    if ca is not None:
+    if ca is not None and "cache_aware" in res.scenario.goals:
         share = ca.hit_rate / ca.oracle_hit_rate if ca.oracle_hit_rate else 0.0
         ok = share >= 0.9 and ca.prefill_imbalance <= 1.3
         out.append(f"goal cache_aware hit >= 90% of oracle and P-imb <= 1.3: {100 * share:.0f}% of oracle, "
@@ -796,7 +827,7 @@ def _goals(res: ScenarioResult) -> list[str]:
     rnd = res.runs.get("random")
     for name in ("power_of_two", "ratio_aware"):
         r = res.runs.get(name)
-        if r is None or rnd is None:
+        if r is None or rnd is None or name not in res.scenario.goals:
             continue
         ok = r.ttft(99) < rnd.ttft(99) or r.e2e(99) < rnd.e2e(99)
         out.append(f"goal {name} beats random on TTFT p99 or E2E p99: TTFT99 {r.ttft(99):.0f} vs {rnd.ttft(99):.0f}"
@@ -812,8 +843,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated names or module:attr")
     ap.add_argument("--policy-option", action="append", default=[], metavar="K=V",
                     help="passed to every policy that declares K (repeatable)")
-    ap.add_argument("--evict", choices=["head", "tail"], default="head",
-                    help="prefix cache release order: head = page order as PageCache (first page evicted first)")
+    ap.add_argument("--evict", choices=["head", "tail"], default="tail",
+                    help="prefix cache release order: tail = last page first, as PageCache; head = page order")
     args = ap.parse_args(argv)
     options: dict[str, str] = {}
     for item in args.policy_option:
@@ -825,8 +856,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     keys = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     wall = time.perf_counter()
     for key in keys:
-        res = run_scenario(key, policies, requests=args.requests, seed=args.seed, options=options,
-                           evict_tail_first=args.evict == "tail")
+        try:
+            res = run_scenario(key, policies, requests=args.requests, seed=args.seed, options=options,
+                               evict_tail_first=args.evict == "tail")
+        except PluginError as exc:  # an unknown policy, or a bad option
+            ap.error(str(exc))
         print(format_result(res), "\n", flush=True)
     print(f"simulated in {time.perf_counter() - wall:.1f}s wall")
     return 0

@@ -8,7 +8,8 @@ Lifecycle (owned by the scheduler thread; not thread-safe):
 3. ``insert(token_ids, pages, num_tokens)`` publishes the full pages a request has computed, so
    later requests can share them.
 4. ``release(pages)`` drops one reference per page; a page nobody references stays cached (and
-   evictable) if it holds a published prefix, else goes back to the pool's free list.
+   evictable, tail pages of a prefix before its head) if it holds a published prefix, else goes
+   back to the pool's free list.
 
 A page's hash covers its own tokens and every token before it (the chain), so equal hashes mean
 equal prefixes. With caching disabled, ``match`` finds nothing and ``insert`` does nothing.
@@ -122,7 +123,10 @@ class PageCache:
             self._events[h] = True
 
     def release(self, pages: Sequence[int]) -> None:
-        for page in pages:
+        # Last page first: among pages released together the tail becomes the least recently used,
+        # so eviction shortens a cached prefix from its end instead of cutting its head (which
+        # would leave the rest cached but unreachable).
+        for page in reversed(pages):
             refs = self._refs.get(page, 0) - 1
             if refs < 0:
                 raise RuntimeError(f"page {page} released more often than taken")

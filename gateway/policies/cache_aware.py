@@ -33,7 +33,7 @@ class CacheAwarePolicy:
     class Options(msgspec.Struct, forbid_unknown_fields=True):
         cache_weight: float = 2.0
         balance_factor: float = 1.5
-        balance_min_tokens: int = 4096
+        balance_min_tokens: int = 3072
 
         def __post_init__(self) -> None:
             if not self.cache_weight >= 0:

@@ -26,11 +26,13 @@ class RatioAwarePolicy:
     def __init__(self) -> None:
         self._prefills: Sequence[WorkerView] = ()
         self._decodes: Sequence[WorkerView] = ()
+        self._turn = 0  # ties go round the pool (an idle pool must not herd onto its first worker)
 
     def select(self, prefills: Sequence[WorkerView], decodes: Sequence[WorkerView], request: RequestInfo) -> Pair:
+        self._turn += 1
         self._decodes = decodes
         decode, best_key = decodes[0], (True, float("inf"))
-        for w in decodes:
+        for w in _rotated(decodes, self._turn):
             need = decode_need(request, w)
             key = (need > w.num_free_pages, decode_pressure(w, need))
             if key < best_key:
@@ -41,7 +43,7 @@ class RatioAwarePolicy:
             fallback = fallback_rate(prefills)
             prompt = request.num_prompt_tokens
             best = float("inf")
-            for w in prefills:
+            for w in _rotated(prefills, self._turn):
                 finish_s = (w.num_prefill_tokens + prompt) / rate_of(w, fallback)
                 if finish_s < best:
                     prefill, best = w, finish_s
@@ -54,6 +56,11 @@ class RatioAwarePolicy:
         if decode_util > 0:
             out["pd_load_ratio"] = prefill_util / decode_util
         return out
+
+
+def _rotated(workers: Sequence[WorkerView], turn: int) -> Sequence[WorkerView]:
+    k = turn % len(workers)
+    return [*workers[k:], *workers[:k]] if k else workers
 
 
 def _mean(values: list[float]) -> float:
