@@ -83,7 +83,11 @@ class Router:
     def dispatched(self, pair: Pair, request: RequestInfo) -> None:
         target = pair.prefill if pair.prefill is not None else pair.decode
         if request.has_page_hashes and target.page_size > 0:  # a policy looked at the cache
-            self.index.assume(target.url, request.page_hashes(target.page_size))
+            # Only the pages it does not hold yet (a hit assumes nothing: the events already tell).
+            held = request.cached_pages(target.page_size).get(target.url, 0)
+            hashes = request.page_hashes(target.page_size)
+            if held < len(hashes):
+                self.index.assume(target.url, hashes[held:])
         for fn in self._hooks["on_dispatch"]:
             fn(pair, request)
 

@@ -29,7 +29,9 @@ every run ends with a leak check (each worker's KV pool back to all pages free o
 a scan of the process logs for errors.
 
     .venv/bin/python loadtests/bench_routing.py [--scenario a|b|c|all] [--requests N] [--seed 0]
-        [--policies random,cache_aware] [--rate R] [--concurrency C]
+        [--policies random,cache_aware] [--rate R] [--concurrency C] [--verbose] [--keep-logs]
+
+All three scenarios take about 2.5 minutes on a 2-core machine (a ~25 s, b ~65 s, c ~60 s).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -50,7 +53,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -63,6 +66,7 @@ from pdtest import Procs, Worker, start_bootstrap, start_gateway, start_worker  
 SMALL_MODEL = ("layers=2", "kv_heads=1", "head_dim=8")
 PAGE_SIZE = 16
 SEEDED_POLICIES = ("random", "power_of_two")  # the policies that take a seed option
+T = TypeVar("T")
 
 
 # -- workload ------------------------------------------------------------------------------------
@@ -214,18 +218,33 @@ class Cluster:
         return f"http://127.0.0.1:{self.gateway_port}"
 
 
+def retry_port_race(start: Callable[[], T], tries: int = 3) -> T:
+    """``free_port`` releases the port before the child binds it: a parallel start can lose the race."""
+    for attempt in range(tries):
+        try:
+            return start()
+        except (RuntimeError, TimeoutError):
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def start_cluster(procs: Procs, scenario: Scenario, policy: str, seed: int) -> Cluster:
-    boot = start_bootstrap(procs)
+    boot = retry_port_race(lambda: start_bootstrap(procs))
     specs = [*scenario.prefills, *scenario.decodes]
+
+    def one(s: WorkerSpec) -> Worker:
+        return retry_port_race(lambda: start_worker(procs, s.role, *s.args, bootstrap=boot,
+                                                    name=f"{scenario.key}-{policy}-{s.label}"))
+
     with ThreadPoolExecutor(len(specs)) as pool:  # workers start in parallel (each imports numpy etc.)
-        futures = [pool.submit(start_worker, procs, s.role, *s.args, bootstrap=boot,
-                               name=f"{scenario.key}-{policy}-{s.label}") for s in specs]
+        futures = [pool.submit(one, s) for s in specs]
         workers = [f.result() for f in futures]
     prefills, decodes = workers[: len(scenario.prefills)], workers[len(scenario.prefills):]
     gw_args = ["--prefill", *(w.url for w in prefills), "--decode", *(w.url for w in decodes), "--policy", policy]
     if policy in SEEDED_POLICIES:
         gw_args += ["--policy-option", f"seed={seed}"]
-    return Cluster(procs, prefills, decodes, start_gateway(procs, *gw_args))
+    return Cluster(procs, prefills, decodes, retry_port_race(lambda: start_gateway(procs, *gw_args)))
 
 
 @dataclass
@@ -257,15 +276,39 @@ def wait_pools_idle(cluster: Cluster, timeout_s: float = 10.0) -> list[str]:
         time.sleep(0.2)
 
 
-def log_problems(procs: Procs) -> list[str]:
-    out = []
+def index_drift(cluster: Cluster, timeout_s: float = 3.0) -> list[str]:
+    """Prefills whose cached page count differs between the gateway's prefix index and the worker itself."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        indexed = {w["url"]: w["cached_pages"] for w in http_json(cluster.gateway_port, "/health")["workers"]}
+        held = {w.url: w.get("/stats")["num_cached_pages"] for w in cluster.prefills}  # type: ignore[index]
+        bad = [f"{url}: gateway index {indexed.get(url)} pages, worker {n}" for url, n in held.items()
+               if indexed.get(url) != n]
+        if not bad or time.monotonic() > deadline:
+            return bad
+        time.sleep(0.2)
+
+
+def log_problems(procs: Procs) -> dict[str, str]:
+    """{process name: its first warning/error line, timestamp and addresses stripped}."""
+    out = {}
     for proc in procs.procs:
         name = proc.name  # type: ignore[attr-defined]
-        lines = [ln for ln in procs.log(name).splitlines()
-                 if any(k in ln for k in (" ERROR ", " WARNING ", "Traceback", "CRITICAL"))]
-        if lines:
-            out.append(f"{name}: {len(lines)} warning/error line(s), first: {lines[0][:200]}")
+        for line in procs.log(name).splitlines():
+            if any(k in line for k in (" ERROR ", " WARNING ", "Traceback", "CRITICAL")):
+                line = re.sub(r"^\d{4}-\d\d-\d\d [\d:,]+ ", "", line)
+                out[name] = re.sub(r" at 0x[0-9a-f]+", "", line)[:160]
+                break
     return out
+
+
+def summarize_logs(during: dict[str, str], after: dict[str, str]) -> list[str]:
+    """One line per distinct first problem: during the run, or only once the processes were stopped."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, line in after.items():
+        groups.setdefault(("during run" if name in during else "at shutdown", line), []).append(name)
+    return [f"{when}: {len(names)} process(es) ({', '.join(sorted(names)[:3])}{', ...' if len(names) > 3 else ''}) "
+            f"logged: {line}" for (when, line), names in sorted(groups.items())]
 
 
 # -- driving -------------------------------------------------------------------------------------
@@ -303,8 +346,10 @@ async def run_one(http: httpx.AsyncClient, req: Request, scheduled: float) -> Re
     return res
 
 
-async def drive(base_url: str, reqs: Sequence[Request], concurrency: int) -> tuple[list[Result], float]:
-    """Open loop: each request starts at its arrival time, or when a client slot frees up after it."""
+async def drive(base_url: str, reqs: Sequence[Request], concurrency: int) -> tuple[list[Result], float, str]:
+    """Open loop: each request starts at its arrival time, or when a client slot frees up after it.
+
+    Returns the results, the wall time and the gateway's ``/metrics`` scraped mid-run."""
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(120.0), limits=limits) as http:
@@ -316,14 +361,20 @@ async def drive(base_url: str, reqs: Sequence[Request], concurrency: int) -> tup
             async with sem:
                 return await run_one(http, req, scheduled)
 
+        async def probe() -> str:
+            await asyncio.sleep(reqs[len(reqs) // 2].arrival_s)
+            async with httpx.AsyncClient(base_url=base_url, timeout=10.0) as side:
+                return (await side.get("/metrics")).text
+
+        probe_task = asyncio.create_task(probe())
         results = await asyncio.gather(*(one(r) for r in reqs))
-        return list(results), time.perf_counter() - t0
+        return list(results), time.perf_counter() - t0, await probe_task
 
 
 def warmup(base_url: str, rng: random.Random, num_prefills: int) -> None:
     """A few short unique prompts so each prefill has measured its throughput (excluded from figures)."""
     reqs = [Request(random_tokens(rng, 64 + 16 * i), 4, 0.0) for i in range(4 * num_prefills)]
-    results, _ = asyncio.run(drive(base_url, reqs, 2 * num_prefills))
+    results, _, _ = asyncio.run(drive(base_url, reqs, 2 * num_prefills))
     errors = [r.error for r in results if r.error]
     if errors:
         raise RuntimeError(f"warm-up failed: {errors[:3]}")
@@ -339,10 +390,12 @@ class RunReport:
     decode_share: list[int]
     stats_prompt: int = 0
     stats_cached: int = 0
+    evictions: list[int] = field(default_factory=list)  # prefix-cache pages evicted, per prefill
     stickiness: float | None = None
     tenants_split: int = 0
     per_tenant: dict[int, Counter[int]] = field(default_factory=dict)
     kv_unverified: int = 0
+    index_drift: list[str] = field(default_factory=list)  # gateway prefix index vs the workers' caches
     leaks: list[str] = field(default_factory=list)
     log_issues: list[str] = field(default_factory=list)
     policy_stats: dict[str, float] = field(default_factory=dict)
@@ -371,18 +424,20 @@ def run_policy(scenario: Scenario, policy: str, reqs: list[Request], seed: int, 
         cluster = start_cluster(procs, scenario, policy, seed)
         warmup(cluster.base_url, random.Random(seed + 1), len(cluster.prefills))
         before = snapshot(cluster)
-        results, wall = asyncio.run(drive(cluster.base_url, reqs, concurrency))
+        results, wall, mid_metrics = asyncio.run(drive(cluster.base_url, reqs, concurrency))
         after = snapshot(cluster)
         metrics = http_text(cluster.gateway_port, "/metrics")
         health = http_json(cluster.gateway_port, "/health")
         leaks = wait_pools_idle(cluster)
+        drift = index_drift(cluster)
         np_ = len(cluster.prefills)
         served = [new_rooms(b, a) for b, a in zip(before.rooms, after.rooms, strict=True)]
         report = RunReport(policy, results, wall, [len(s) for s in served[:np_]], [len(s) for s in served[np_:]],
-                           leaks=leaks)
+                           leaks=leaks, index_drift=drift)
         for b, a in zip(before.stats[:np_], after.stats[:np_], strict=True):
             report.stats_prompt += a["num_prompt_tokens"] - b["num_prompt_tokens"]
             report.stats_cached += a["num_cached_prompt_tokens"] - b["num_cached_prompt_tokens"]
+            report.evictions.append(a["num_evictions"] - b["num_evictions"])
         report.kv_unverified = sum(1 for rooms in served[np_:] for r in rooms if r.get("kv_verified") is False)
         if any(r.tenant is not None for r in reqs):
             by_len = {len(r.prompt): r.tenant for r in reqs}
@@ -396,11 +451,12 @@ def run_policy(scenario: Scenario, policy: str, reqs: list[Request], seed: int, 
             report.stickiness = sum(max(c.values()) for c in per_tenant.values()) / max(1, total)
             report.tenants_split = sum(1 for c in per_tenant.values() if len(c) > 1)
             report.per_tenant = per_tenant
-        report.policy_stats, report.gateway_statuses = parse_metrics(metrics)
+        report.policy_stats = parse_metrics(mid_metrics)[0]
+        report.gateway_statuses = parse_metrics(metrics)[1]
         report.prefill_rates = [w["prefill_tokens_per_s"] for w in health["workers"] if w["role"] == "prefill"]
-        report.log_issues = log_problems(procs)
+        during = log_problems(procs)
         procs.stop_all()
-        report.log_issues += [f"at shutdown: {x}" for x in log_problems(procs) if x not in report.log_issues]
+        report.log_issues = summarize_logs(during, log_problems(procs))
         return report
     finally:
         procs.stop_all()
@@ -460,6 +516,7 @@ def print_table(scenario: Scenario, reports: list[RunReport], reqs: Sequence[Req
         row("hit rate, worker /stats", lambda r: f"{100 * r.stats_cached / max(1, r.stats_prompt):.1f}%")
         row("hit rate, usage.cached_tokens", lambda r: f"{100 * usage_hit_rate(r.results):.1f}%")
         row("prefill tokens computed", lambda r: f"{r.stats_prompt - r.stats_cached}")
+        row("evicted pages per prefill", lambda r: "/".join(map(str, r.evictions)))
         row("tenant stickiness / split", lambda r: f"{100 * (r.stickiness or 0):.0f}% / {r.tenants_split}")
     row("TTFT p50 / p99 ms", lambda r: f"{ms(lat(r, 'ttft_s', 50))} / {ms(lat(r, 'ttft_s', 99))}")
     row("E2E p50 / p99 ms", lambda r: f"{ms(lat(r, 'e2e_s', 50))} / {ms(lat(r, 'e2e_s', 99))}")
@@ -468,7 +525,7 @@ def print_table(scenario: Scenario, reports: list[RunReport], reqs: Sequence[Req
     row(f"decode share % ({'/'.join(s.label for s in scenario.decodes)})", lambda r: shares(r.decode_share))
     row("prefill tokens/s measured", lambda r: "/".join(f"{v / 1e3:.0f}k" for v in r.prefill_rates))
     row("errors", lambda r: str(sum(1 for x in r.results if x.error)))
-    row("KV unverified / leaks", lambda r: f"{r.kv_unverified} / {len(r.leaks)}")
+    row("KV unverified/leaks/drift", lambda r: f"{r.kv_unverified} / {len(r.leaks)} / {len(r.index_drift)}")
     name_w = max(len(name) for name, _ in rows)
     col_w = max(14, *(len(v) for _, vals in rows for v in vals), *(len(r.policy) for r in reports))
     print(f"   {'':{name_w}}  " + "  ".join(f"{r.policy:>{col_w}}" for r in reports))
@@ -478,12 +535,14 @@ def print_table(scenario: Scenario, reports: list[RunReport], reqs: Sequence[Req
     for r in reports:
         extra = [f"{k}={v:.3g}" for k, v in sorted(r.policy_stats.items())]
         if extra:
-            print(f"   {r.policy} policy stats: {', '.join(extra)}")
+            print(f"   {r.policy} policy stats (/metrics mid-run): {', '.join(extra)}")
         errors = Counter(x.error for x in r.results if x.error)
         for err, count in errors.most_common(3):
             print(f"   {r.policy} error x{count}: {err}")
         for leak in r.leaks:
             print(f"   {r.policy} LEAK: {leak}")
+        for drift in r.index_drift:
+            print(f"   {r.policy} prefix-index drift: {drift}")
         for issue in r.log_issues:
             print(f"   {r.policy} log: {issue}")
         if verbose and r.per_tenant:

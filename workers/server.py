@@ -121,6 +121,8 @@ class NativeServer:
                         raise ValueError(f"unexpected message {type(other).__name__}")
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             pass
+        except asyncio.CancelledError:
+            pass  # aclose(): end quietly (asyncio's stream callback would log a cancelled handler)
         except (msgspec.DecodeError, ValueError) as exc:
             log.warning("closing connection %d: protocol error: %s", conn_id, exc)
         finally:

@@ -9,8 +9,13 @@ short-lived "assumed cached" entry for prompts the gateway just routed, so a bur
 requests lands together before the events arrive. ``cache_weight`` > 1 because recomputing a
 prefix costs more than this request's wait: it takes capacity from everyone and evicts other
 prefixes. Guard: a worker whose queued time exceeds the pool mean by ``balance_factor`` (and
-``balance_min_tokens`` of work) is skipped, so affinity never builds a hot spot. Ties (an idle pool,
-a new prefix) go to the prefix's rendezvous-hash home, so new tenants spread evenly and stick.
+``balance_min_tokens`` of work) is skipped, so affinity never builds a hot spot.
+
+A prefix no candidate holds (a new tenant, or one evicted everywhere) picks a home: the worker
+with the least recent cache fill (prompt tokens it had to compute, decayed over the last
+``fill_window`` dispatches per worker), so tenants spread by how much cache they need rather than
+by count and a worker whose cache thrashes stops receiving newcomers; among equals, the prompt's
+rendezvous-hash home, so an idle pool places a tenant the same way every time.
 
 Decode: the least pressured worker (KV pages and batch slots with this request placed). With
 combined workers (``--worker``, no prefills) the prefill rule above picks among them.
@@ -34,6 +39,7 @@ class CacheAwarePolicy:
         cache_weight: float = 2.0
         balance_factor: float = 1.5
         balance_min_tokens: int = 3072
+        fill_window: int = 16
 
         def __post_init__(self) -> None:
             if not self.cache_weight >= 0:
@@ -42,12 +48,18 @@ class CacheAwarePolicy:
                 raise ValueError("balance_factor must be >= 1")
             if self.balance_min_tokens < 0:
                 raise ValueError("balance_min_tokens must be >= 0")
+            if self.fill_window < 1:
+                raise ValueError("fill_window must be >= 1")
 
     def __init__(self, options: Options | None = None) -> None:
         self.options = options or self.Options()
+        # Recent cache fill per worker: (decayed tokens, dispatch count when last updated).
+        self._fill: dict[str, tuple[float, int]] = {}
+        self._num_dispatched = 0
+        self._pool_size = 1
         self.num_selected = 0
         self.num_predicted_hits = 0  # selections where the chosen prefill held part of the prompt
-        self.num_skipped_hot = 0  # selections where the best-cached worker was skipped as a hot spot
+        self.num_skipped_hot = 0  # selections where a better-cached worker was skipped as a hot spot
 
     def select(self, prefills: Sequence[WorkerView], decodes: Sequence[WorkerView], request: RequestInfo) -> Pair:
         if prefills:
@@ -58,46 +70,58 @@ class CacheAwarePolicy:
 
     def _select_prefill(self, prefills: Sequence[WorkerView], request: RequestInfo) -> WorkerView:
         opts = self.options
+        self._pool_size = len(prefills)
         fallback = fallback_rate(prefills)
         waits = [w.num_prefill_tokens / (w.prefill_tokens_per_s or fallback) for w in prefills]
         limit = max(opts.balance_factor * sum(waits) / len(waits), opts.balance_min_tokens / fallback)
         prompt, weight = request.num_prompt_tokens, opts.cache_weight
         page_size = prefills[0].page_size
         held = request.cached_pages(page_size) if page_size > 0 else {}
-        best, best_cost, ties = 0, float("inf"), 1
+        costs = [float("inf")] * len(prefills)
+        best, best_cached, hot_cached = 0, 0, 0
         for i, w in enumerate(prefills):
-            if waits[i] > limit:
-                continue
             # (a pool mixing page sizes looks each other size up separately)
             cached = held.get(w.url, 0) * page_size if w.page_size == page_size else request.num_cached_tokens(w)
-            cost = waits[i] + weight * (prompt - cached) / (w.prefill_tokens_per_s or fallback)
-            if cost < best_cost:
-                best, best_cost, ties = i, cost, 1
-            elif cost == best_cost:
-                ties += 1
-        if ties > 1:
-            best = self._home(prefills, waits, limit, best_cost, weight, fallback, request)
+            if waits[i] > limit:
+                hot_cached = max(hot_cached, cached)
+                continue
+            costs[i] = waits[i] + weight * (prompt - cached) / (w.prefill_tokens_per_s or fallback)
+            if costs[i] < costs[best]:
+                best, best_cached = i, cached
+        if best_cached == 0:
+            # Nobody worth using holds this prefix: choose its home among the workers about as good as
+            # the best (within one more computation of this prompt).
+            slack = costs[best] + prompt / fallback
+            best = self._home(prefills, [i for i, c in enumerate(costs) if c <= slack], request)
         self.num_selected += 1
-        chosen = request.num_cached_tokens(prefills[best])
-        self.num_predicted_hits += chosen > 0
-        self.num_skipped_hot += any(waits[i] > limit and request.num_cached_tokens(w) > chosen
-                                    for i, w in enumerate(prefills)) if held else 0
+        self.num_predicted_hits += best_cached > 0
+        self.num_skipped_hot += hot_cached > best_cached
         return prefills[best]
 
-    @staticmethod
-    def _home(prefills: Sequence[WorkerView], waits: list[float], limit: float, best_cost: float, weight: float,
-              fallback: float, request: RequestInfo) -> int:
-        """Among equally good workers, the prompt's rendezvous-hash home (stable for a tenant)."""
+    def _home(self, prefills: Sequence[WorkerView], candidates: list[int], request: RequestInfo) -> int:
+        """The candidate with the least recent cache fill; ties by the prompt's rendezvous hash."""
         seed = zlib.crc32(repr(list(request.input_ids[:64])).encode())
-        prompt = request.num_prompt_tokens
-        best, best_score = 0, -1
-        for i, w in enumerate(prefills):
-            if waits[i] > limit:
-                continue
-            cost = waits[i] + weight * (prompt - request.num_cached_tokens(w)) / (w.prefill_tokens_per_s or fallback)
-            if cost == best_cost and (score := zlib.crc32(w.url.encode(), seed)) > best_score:
-                best, best_score = i, score
-        return best
+        return min(candidates, key=lambda i: (round(self._fill_of(prefills[i].url)),
+                                              -zlib.crc32(prefills[i].url.encode(), seed)))
+
+    def _decay(self) -> float:
+        return 0.5 ** (1.0 / (self.options.fill_window * self._pool_size))
+
+    def _fill_of(self, url: str) -> float:
+        value, at = self._fill.get(url, (0.0, 0))
+        return value * self._decay() ** (self._num_dispatched - at) if value else 0.0
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def on_dispatch(self, pair: Pair, request: RequestInfo) -> None:
+        worker = pair.prefill if pair.prefill is not None else pair.decode
+        if worker.page_size <= 0:
+            return
+        self._num_dispatched += 1
+        computed = request.num_prompt_tokens - request.num_cached_tokens(worker)
+        self._fill[worker.url] = (self._fill_of(worker.url) + computed, self._num_dispatched)
+
+    def on_worker_removed(self, worker: WorkerView) -> None:
+        self._fill.pop(worker.url, None)  # it comes back with an empty cache
 
     def stats(self) -> Mapping[str, float]:
         n = max(1, self.num_selected)

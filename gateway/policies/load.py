@@ -49,6 +49,14 @@ def decode_pressure(worker: WorkerView, need_pages: int) -> float:
     return pressure
 
 
+def decode_utilization(worker: WorkerView) -> float:
+    """Share of a decode worker's KV pool or batch slots in use now, whichever is higher."""
+    total, limit = worker.num_total_pages, worker.max_running_seqs
+    kv = (total - worker.num_free_pages) / total if total > 0 else 0.0
+    seqs = (worker.num_running_seqs + worker.num_waiting_seqs) / limit if limit > 0 else 0.0
+    return max(kv, seqs)
+
+
 def decode_need(request: RequestInfo, worker: WorkerView) -> int:
     return request.num_pages_needed(worker.page_size or 16)
 

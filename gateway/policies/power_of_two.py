@@ -1,7 +1,7 @@
 """``power_of_two``: per role, two distinct random candidates; the less loaded one wins.
 
-Prefill load is queued prefill time (tokens over measured throughput); decode load is KV/batch
-pressure with this request placed (``gateway.policies.load``). O(1) per call whatever the pool size,
+Prefill: when this prompt would be done, (queued + prompt tokens) / measured throughput; decode:
+KV/batch pressure with this request placed (``gateway.policies.load``). O(1) per call whatever the pool size,
 and it never herds: two gateways with the same stale view still spread their picks.
 """
 
@@ -35,12 +35,13 @@ class PowerOfTwoPolicy:
         prefill = None
         if prefills:
             a, b = self._two(prefills)
-            # Both rates known: compare queued time; otherwise queued tokens.
-            fallback = 1.0 if a.prefill_tokens_per_s > 0 and b.prefill_tokens_per_s > 0 else 0.0
-            if fallback:
-                prefill = a if a.num_prefill_tokens / rate_of(a, 1.0) <= b.num_prefill_tokens / rate_of(b, 1.0) else b
-            else:
-                prefill = a if a.num_prefill_tokens <= b.num_prefill_tokens else b
+            # When this prompt would be done on each: (queued + its own tokens) / rate, so an idle slow
+            # worker loses to an idle fast one. Unknown rates count as the other's (or as equal).
+            fallback = a.prefill_tokens_per_s or b.prefill_tokens_per_s or 1.0
+            prompt = request.num_prompt_tokens
+            a_s = (a.num_prefill_tokens + prompt) / rate_of(a, fallback)
+            b_s = (b.num_prefill_tokens + prompt) / rate_of(b, fallback)
+            prefill = a if a_s <= b_s else b
         c, d = self._two(decodes)
         decode = c if decode_pressure(c, decode_need(request, c)) <= decode_pressure(d, decode_need(request, d)) else d
         return Pair(prefill, decode)

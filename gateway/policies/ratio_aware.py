@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from gateway.policies.base import Pair, RequestInfo, WorkerView
-from gateway.policies.load import decode_need, decode_pressure, fallback_rate, rate_of
+from gateway.policies.load import decode_need, decode_pressure, decode_utilization, fallback_rate, rate_of
 
 
 class RatioAwarePolicy:
@@ -51,7 +51,7 @@ class RatioAwarePolicy:
 
     def stats(self) -> Mapping[str, float]:
         prefill_util = _mean([w.busy_fraction for w in self._prefills])
-        decode_util = _mean([decode_pressure(w, 0) for w in self._decodes])
+        decode_util = _mean([decode_utilization(w) for w in self._decodes])
         out = {"prefill_utilization": prefill_util, "decode_utilization": decode_util}
         if decode_util > 0:
             out["pd_load_ratio"] = prefill_util / decode_util
