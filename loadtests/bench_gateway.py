@@ -40,7 +40,17 @@ from workers.protocol import SamplingParams, StepOutput, Submit  # noqa: E402
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 ZERO_COST = ("--engine-option", "prefill_token_s=0", "--engine-option", "decode_step_s=0",
              "--engine-option", "decode_seq_s=0")
-PROMPT = "Benchmark prompt: the gateway's own cost per request, measured in CPU time. " * 2
+SENTENCE = "Benchmark prompt: the gateway's own cost per request, measured in CPU time. "
+PROMPT = SENTENCE * 2  # --prompt-repeat sets the count
+UNIQUE = [False]  # --unique: every request's prompt starts differently (no prefix-cache hits anywhere)
+_counter = [0]
+
+
+def prompt_text() -> str:
+    if not UNIQUE[0]:
+        return PROMPT
+    _counter[0] += 1
+    return f"{_counter[0]:08d} " + PROMPT
 
 
 def cpu_s(pid: int) -> float:
@@ -75,7 +85,7 @@ async def drive_http(base: str, requests: int, concurrency: int, max_tokens: int
     async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as http:
         async def one() -> None:
             async with sem:
-                body = {"prompt": PROMPT, "max_tokens": max_tokens, "stream": stream}
+                body = {"prompt": prompt_text(), "max_tokens": max_tokens, "stream": stream}
                 if stream:
                     async with http.stream("POST", "/v1/completions", json=body) as r:
                         assert r.status_code == 200
@@ -104,7 +114,13 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--policies", default="random,cache_aware", help="comma-separated: one extra PD gateway each")
+    ap.add_argument("--prompt-repeat", type=int, default=2, help="prompt length in copies of the benchmark sentence")
+    ap.add_argument("--unique", action="store_true",
+                    help="a different prompt start per request: no cache hits, every prompt's pages new to the index")
     args = ap.parse_args()
+    global PROMPT
+    PROMPT = SENTENCE * max(1, args.prompt_repeat)
+    UNIQUE[0] = args.unique
     n, conc, mt = args.requests, args.concurrency, args.max_tokens
     procs = Procs(Path(os.environ.get("TMPDIR", "/tmp")))
     try:
@@ -144,7 +160,8 @@ def main() -> None:
                 rows.append((f"PD, policy {policy}", pid, None,
                              measure(policy, {"gateway": pid, "prefill": prefill.proc.pid, "decode": decode.proc.pid},
                                      lambda port=port: drive_http(f"http://127.0.0.1:{port}", n, conc, mt, False))))
-        print(f"\n{n} requests, concurrency {conc}, {len(PROMPT)}-token prompt, max_tokens {mt}, sim engine at zero "
+        print(f"\n{n} requests, concurrency {conc}, {len(PROMPT)}-token prompt{' (unique)' if UNIQUE[0] else ''}, "
+              f"max_tokens {mt}, sim engine at zero "
               "cost (2-core shared machine: compare rows, not runs)\n")
         print(f"{'path':36} {'req/s':>8} {'gateway µs/req':>15} {'worker(s) µs/req':>17}")
         for name, _, _, row in rows:

@@ -61,6 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 from pdtest import Procs, Worker, start_bootstrap, start_gateway, start_worker  # noqa: E402
+from pdtest import SimCluster as Cluster  # noqa: E402
 
 # A small sim model (2 layers x 1 KV head x 8 dims: 32 bytes of KV per token per buffer).
 SMALL_MODEL = ("layers=2", "kv_heads=1", "head_dim=8")
@@ -206,18 +207,6 @@ def http_text(port: int, path: str) -> str:
         return str(resp.read().decode())
 
 
-@dataclass
-class Cluster:
-    procs: Procs
-    prefills: list[Worker]
-    decodes: list[Worker]
-    gateway_port: int
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.gateway_port}"
-
-
 def retry_port_race(start: Callable[[], T], tries: int = 3) -> T:
     """``free_port`` releases the port before the child binds it: a parallel start can lose the race."""
     for attempt in range(tries):
@@ -244,7 +233,7 @@ def start_cluster(procs: Procs, scenario: Scenario, policy: str, seed: int) -> C
     gw_args = ["--prefill", *(w.url for w in prefills), "--decode", *(w.url for w in decodes), "--policy", policy]
     if policy in SEEDED_POLICIES:
         gw_args += ["--policy-option", f"seed={seed}"]
-    return Cluster(procs, prefills, decodes, retry_port_race(lambda: start_gateway(procs, *gw_args)))
+    return Cluster(procs, boot, prefills, decodes, retry_port_race(lambda: start_gateway(procs, *gw_args)))
 
 
 @dataclass

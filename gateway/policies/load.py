@@ -62,10 +62,20 @@ def decode_need(request: RequestInfo, worker: WorkerView) -> int:
 
 
 def least_pressured(decodes: Sequence[WorkerView], request: RequestInfo) -> WorkerView:
-    """The decode with the lowest pressure for this request (ties: fewest of our requests open)."""
-    best, best_key = decodes[0], (float("inf"), 0)
+    """The decode with the lowest pressure for this request (ties: fewest of our requests open).
+
+    ``decode_pressure`` inlined: this loop runs over every decode worker for every request.
+    """
+    tokens = request.num_prompt_tokens + request.max_new_tokens
+    best, best_pressure, best_active = decodes[0], float("inf"), 0
     for w in decodes:
-        key = (decode_pressure(w, decode_need(request, w)), w.num_active)
-        if key < best_key:
-            best, best_key = w, key
+        total, free, limit = w.num_total_pages, w.num_free_pages, w.max_running_seqs
+        need = -(-tokens // (w.page_size or 16))
+        pressure = (total - free + need) / total if total > 0 else 0.0
+        if limit > 0:
+            pressure = max(pressure, (w.num_running_seqs + w.num_waiting_seqs + 1) / limit)
+        if need > free:
+            pressure += 1.0 + w.num_waiting_seqs
+        if pressure < best_pressure or (pressure == best_pressure and w.num_active < best_active):
+            best, best_pressure, best_active = w, pressure, w.num_active
     return best

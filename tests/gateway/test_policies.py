@@ -200,3 +200,19 @@ def test_cache_aware_with_combined_workers_follows_their_caches() -> None:
     a, b = FakeWorker("pd://a:1", "both"), FakeWorker("pd://b:1", "both")
     request = RequestInfo(list(range(3200)), 8, FakeLookup({"pd://b:1": 199}))
     assert policy.select([], [a, b], request) == Pair(None, b)
+
+
+def test_least_pressured_is_the_argmin_of_decode_pressure() -> None:
+    import random
+
+    from gateway.policies.contract import random_pool, random_request
+    from gateway.policies.load import decode_need, decode_pressure, least_pressured
+
+    rng = random.Random(11)
+    for _ in range(300):
+        _, decodes = random_pool(rng, 0, rng.randrange(1, 12))
+        request = random_request(rng, [])
+        best = min(decodes, key=lambda w: (decode_pressure(w, decode_need(request, w)), w.num_active))
+        got = least_pressured(decodes, request)
+        assert (decode_pressure(got, decode_need(request, got)), got.num_active) == (
+            decode_pressure(best, decode_need(request, best)), best.num_active)
