@@ -6,7 +6,9 @@ Lifecycle (event loop only; nothing here blocks):
    back with an empty cache and a new snapshot).
 2. ``assume(url, hashes)`` when the gateway routes a request to a prefill: for ``assume_ttl_s`` the
    worker counts as holding the prompt's pages, so a burst of same-prefix requests lands together
-   before the worker's events arrive. Expired assumptions are dropped lazily.
+   before the worker's events arrive. One (mask, expiry) per hash: re-assuming a hash for any
+   worker extends it for every worker assumed on it (a heuristic's cheap approximation; the
+   events are the truth). Expired entries are ignored by look-ups and swept in bulk.
 3. ``match(hashes)`` -> {url: leading pages held}: the longest run of consecutive hashes per worker
    (a worker serves a prefix only up to its first missing page, as ``PageCache.match`` does).
 
@@ -17,12 +19,12 @@ per worker that drops out, whatever the number of workers.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 
 from workers.protocol import KVEvents
 
 DEFAULT_ASSUME_TTL_S = 2.0
+SWEEP_MIN = 4096  # assumed entries kept before the first bulk sweep of expired ones
 
 
 class PrefixIndex:
@@ -34,9 +36,8 @@ class PrefixIndex:
         self._urls: list[str] = []
         self._held: dict[bytes, int] = {}  # hash -> mask of workers that reported it stored
         self._by_worker: dict[int, set[bytes]] = {}
-        self._assumed: dict[bytes, int] = {}  # hash -> mask of workers assumed to hold it
-        self._assumed_refs: dict[tuple[bytes, int], int] = {}
-        self._expiry: deque[tuple[float, int, Sequence[bytes]]] = deque()
+        self._assumed: dict[bytes, tuple[int, float]] = {}  # hash -> (mask of workers, until)
+        self._sweep_at = SWEEP_MIN
         self.num_events = 0
 
     def _bit(self, url: str) -> int:
@@ -88,58 +89,41 @@ class PrefixIndex:
         if not hashes or self.assume_ttl_s <= 0:
             return
         now = self._clock() if now is None else now
-        self._expire(now)
-        bit = self._bit(url)
-        mask = 1 << bit
-        refs, assumed = self._assumed_refs, self._assumed
+        until = now + self.assume_ttl_s
+        mask = 1 << self._bit(url)
+        assumed = self._assumed
         for h in hashes:
-            key = (h, bit)
-            refs[key] = refs.get(key, 0) + 1
-            assumed[h] = assumed.get(h, 0) | mask
-        self._expiry.append((now + self.assume_ttl_s, bit, hashes))
+            entry = assumed.get(h)
+            assumed[h] = (mask if entry is None or entry[1] <= now else entry[0] | mask, until)
+        if len(assumed) > self._sweep_at:
+            self._sweep(now)
 
-    def _expire(self, now: float) -> None:
-        expiry = self._expiry
-        refs, assumed = self._assumed_refs, self._assumed
-        while expiry and expiry[0][0] <= now:
-            _, bit, hashes = expiry.popleft()
-            keep = ~(1 << bit)
-            for h in hashes:
-                key = (h, bit)
-                n = refs[key] - 1
-                if n:
-                    refs[key] = n
-                    continue
-                del refs[key]
-                rest = assumed[h] & keep
-                if rest:
-                    assumed[h] = rest
-                else:
-                    del assumed[h]
+    def _sweep(self, now: float) -> None:
+        self._assumed = {h: e for h, e in self._assumed.items() if e[1] > now}
+        self._sweep_at = max(SWEEP_MIN, 2 * len(self._assumed))
 
     # -- look-ups ---------------------------------------------------------------------------------
     def match(self, hashes: Sequence[bytes], now: float | None = None) -> dict[str, int]:
         """{url: leading pages held} for every worker holding at least the first page."""
         if not hashes:
             return {}
-        if self._expiry:
-            self._expire(self._clock() if now is None else now)
+        now = self._clock() if now is None else now
         held, assumed = self._held, self._assumed
-        h = hashes[0]
-        alive = held.get(h, 0) | assumed.get(h, 0)
-        if not alive:
-            return {}
         result: dict[str, int] = {}
-        depth = 1
-        for h in hashes[1:]:
-            nxt = alive & (held.get(h, 0) | assumed.get(h, 0))
+        alive = -1  # every worker, until the first page says otherwise
+        for depth, h in enumerate(hashes):
+            mask = held.get(h, 0)
+            entry = assumed.get(h)
+            if entry is not None and entry[1] > now:
+                mask |= entry[0]
+            nxt = alive & mask
             if nxt != alive:
-                self._record(alive & ~nxt, depth, result)
+                if depth:
+                    self._record(alive & ~nxt, depth, result)
                 alive = nxt
                 if not alive:
                     return result
-            depth += 1
-        self._record(alive, depth, result)
+        self._record(alive, len(hashes), result)
         return result
 
     def _record(self, mask: int, depth: int, result: dict[str, int]) -> None:
