@@ -1,11 +1,22 @@
 """``pd-cluster``: a local PD cluster — bootstrap registry, prefill and decode workers, gateway.
 
 Lifecycle:
-1. Pick free loopback ports, start ``pd-bootstrap``, then every worker, each as its own process
-   (the same Python interpreter), and wait until each answers its health check.
-2. Start the gateway in front of them, wait for its health, print the URL and a curl example.
-3. Run until Ctrl-C / SIGTERM or until any child exits; then stop every child (SIGTERM, then
-   SIGKILL after a grace period) and exit non-zero if a child failed.
+1. Plan once: pick free loopback ports; each child keeps its argv (so its ports) and health URL for
+   the life of the cluster, so a restarted child comes back where the others expect it.
+2. Start ``pd-bootstrap`` and wait for its health, then every worker (each its own process, the
+   same Python interpreter, its own session) and wait for each one's health, then the gateway in
+   front of them; wait for its ``/readiness`` and print the URL and a curl example. A child that
+   exits or stays unhealthy during startup stops the cluster (exit 1).
+3. Supervise: a child that exits is restarted with the same argv after a backoff
+   (``--restart-backoff-s``, doubled for each of its restarts within ``--restart-window-s``, at
+   most 30 s), logged to stderr with its name, exit code and restart counter. A restarted child
+   must answer its health check within ``--startup-timeout-s``, or it is killed and that counts
+   as another failed run. The gateway reconnects to a restarted worker by itself; prefill workers
+   register again with a restarted registry through their heartbeats.
+4. Stop on Ctrl-C / SIGTERM (exit 0; also during startup or a restart's backoff) or when a child
+   would need more than ``--max-restarts`` restarts within ``--restart-window-s`` (a crash loop:
+   exit 1). Stopping sends SIGTERM to every child (gateway first, registry last), then SIGKILL to
+   whatever outlives the grace period, and reaps them all.
 """
 
 from __future__ import annotations
@@ -19,7 +30,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from dataclasses import dataclass, field
+
+MAX_BACKOFF_S = 30.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -28,45 +42,118 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def log(message: str) -> None:
+    print(f"pd-cluster: {message}", file=sys.stderr, flush=True)
+
+
+def exit_text(code: int) -> str:
+    try:
+        name = f" ({signal.Signals(-code).name})" if code < 0 else ""
+    except ValueError:
+        name = ""
+    return f"exited with code {code}{name}"
+
+
 @dataclass
 class Child:
     name: str
     argv: list[str]
     health_url: str
     proc: subprocess.Popen[bytes] | None = None
+    recent_restarts: deque[float] = field(default_factory=deque)  # monotonic times, within the window
+    num_restarts: int = 0
+    restart_at: float | None = None  # in backoff: respawn at this monotonic time
+    healthy_by: float | None = None  # restarted: must answer its health check by then
+
+    def is_healthy(self, timeout_s: float = 2.0) -> bool:
+        with contextlib.suppress(OSError, urllib.error.URLError), urllib.request.urlopen(
+            self.health_url, timeout=timeout_s
+        ) as resp:
+            return bool(resp.status == 200)
+        return False
 
 
 class Interrupted(RuntimeError):
     pass
 
 
+class CrashLoop(RuntimeError):
+    pass
+
+
 @dataclass
 class Cluster:
+    startup_timeout_s: float = 600.0
+    max_restarts: int = 5
+    restart_window_s: float = 60.0
+    restart_backoff_s: float = 0.5
     children: list[Child] = field(default_factory=list)
     stopping: bool = False
 
     def spawn(self, child: Child) -> None:
         child.proc = subprocess.Popen(child.argv, start_new_session=True)
-        self.children.append(child)
+        if child not in self.children:
+            self.children.append(child)
 
-    def wait_healthy(self, child: Child, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        assert child.proc is not None
+    def wait_healthy(self, child: Child) -> None:
+        """Startup: wait for ``child``'s health; any child exiting meanwhile is a startup failure."""
+        deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.stopping:
                 raise Interrupted("interrupted during startup")
-            if child.proc.poll() is not None:
-                raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} during startup")
-            with contextlib.suppress(OSError, urllib.error.URLError), urllib.request.urlopen(
-                child.health_url, timeout=2
-            ) as resp:
-                if resp.status == 200:
-                    return
+            for other in self.children:
+                if other.proc is not None and other.proc.poll() is not None:
+                    raise RuntimeError(f"{other.name} {exit_text(other.proc.returncode)} during startup")
+            if child.is_healthy():
+                return
             time.sleep(0.2)
-        raise RuntimeError(f"{child.name} was not healthy at {child.health_url} within {timeout_s:.0f}s")
+        raise RuntimeError(f"{child.name} was not healthy at {child.health_url} within {self.startup_timeout_s:g}s")
 
-    def failed_child(self) -> Child | None:
-        return next((c for c in self.children if c.proc is not None and c.proc.poll() is not None), None)
+    def supervise(self) -> None:
+        """One pass: respawn children whose backoff is over, check restarted ones, restart dead ones."""
+        for child in self.children:
+            if self.stopping:
+                return
+            assert child.proc is not None
+            now = time.monotonic()
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    child.restart_at, child.healthy_by = None, now + self.startup_timeout_s
+                    self.spawn(child)
+                continue
+            code = child.proc.poll()
+            if code is None and child.healthy_by is not None:
+                if child.is_healthy(timeout_s=1.0):
+                    child.healthy_by = None
+                    log(f"{child.name} is healthy again after restart {child.num_restarts}")
+                elif now >= child.healthy_by:
+                    self.restart(child, f"was not healthy within {self.startup_timeout_s:g}s of its restart")
+                continue
+            if code is not None:
+                self.restart(child, exit_text(code))
+
+    def restart(self, child: Child, what: str) -> None:
+        """Schedule ``child``'s restart after a backoff, or raise ``CrashLoop`` past the limit."""
+        assert child.proc is not None
+        if child.proc.poll() is None:
+            kill(child.proc)
+        now = time.monotonic()
+        while child.recent_restarts and child.recent_restarts[0] <= now - self.restart_window_s:
+            child.recent_restarts.popleft()
+        if self.max_restarts == 0:
+            raise CrashLoop(f"{child.name} {what}; restarts are off (--max-restarts 0), stopping the cluster")
+        if len(child.recent_restarts) >= self.max_restarts:
+            raise CrashLoop(
+                f"{child.name} {what} after {len(child.recent_restarts)} restarts within {self.restart_window_s:g}s "
+                f"(--max-restarts {self.max_restarts}): crash loop, stopping the cluster"
+            )
+        child.recent_restarts.append(now)
+        child.num_restarts += 1
+        delay = min(self.restart_backoff_s * 2 ** (len(child.recent_restarts) - 1),
+                    max(self.restart_backoff_s, MAX_BACKOFF_S))
+        child.restart_at, child.healthy_by = now + delay, None
+        log(f"{child.name} {what}; restart {child.num_restarts} "
+            f"({len(child.recent_restarts)}/{self.max_restarts} within {self.restart_window_s:g}s) in {delay:.1f}s")
 
     def stop(self, grace_s: float = 10.0) -> None:
         for child in reversed(self.children):  # gateway first, registry last
@@ -75,14 +162,18 @@ class Cluster:
                     child.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for child in self.children:
-            if child.proc is None:
-                continue
-            try:
-                child.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    child.proc.kill()
-                child.proc.wait()
+            if child.proc is not None:
+                kill(child.proc, max(0.1, deadline - time.monotonic()))
+
+
+def kill(proc: subprocess.Popen[bytes], grace_s: float = 0.0) -> None:
+    """Wait up to ``grace_s`` for ``proc`` to exit, then SIGKILL it; always reaps it."""
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,7 +193,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-pages", type=int, default=1024, help="KV pages per worker")
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--startup-timeout-s", type=float, default=600.0)
+    p.add_argument("--startup-timeout-s", type=float, default=600.0,
+                   help="how long a child may take to become healthy, at startup and after a restart")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="a child needing more restarts than this within --restart-window-s stops the cluster "
+                        "(exit 1); 0 = stop when any child exits")
+    p.add_argument("--restart-window-s", type=float, default=60.0)
+    p.add_argument("--restart-backoff-s", type=float, default=0.5,
+                   help=f"delay before a restart; doubles for each recent restart of that child, at most "
+                        f"{MAX_BACKOFF_S:g}s")
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -131,7 +230,7 @@ def plan(args: argparse.Namespace) -> list[Child]:
                     "--log-level", args.log_level, "--prefill", *urls["prefill"], "--decode", *urls["decode"]]
     for opt in args.policy_option:
         gateway_argv += ["--policy-option", opt]
-    children.append(Child("gateway", gateway_argv, f"http://{host}:{args.port}/health"))
+    children.append(Child("gateway", gateway_argv, f"http://{host}:{args.port}/readiness"))
     return children
 
 
@@ -139,7 +238,9 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.prefill < 1 or args.decode < 1:
         sys.exit("pd-cluster: --prefill and --decode must be at least 1")
-    cluster = Cluster()
+    if args.max_restarts < 0 or args.restart_window_s <= 0 or args.restart_backoff_s < 0:
+        sys.exit("pd-cluster: --max-restarts and --restart-backoff-s must be >= 0, --restart-window-s > 0")
+    cluster = Cluster(args.startup_timeout_s, args.max_restarts, args.restart_window_s, args.restart_backoff_s)
 
     def on_signal(signum: int, _frame: object) -> None:
         cluster.stopping = True
@@ -148,12 +249,15 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, on_signal)
     code = 0
     try:
-        for child in plan(args):
+        children = plan(args)
+        cluster.spawn(children[0])  # the registry, which the workers need first
+        cluster.wait_healthy(children[0])
+        for child in children[1:-1]:
             cluster.spawn(child)
-            if child.name == "bootstrap" or child.name == "gateway":
-                cluster.wait_healthy(child, args.startup_timeout_s)
-        for child in cluster.children:
-            cluster.wait_healthy(child, args.startup_timeout_s)
+        for child in children[1:-1]:
+            cluster.wait_healthy(child)
+        cluster.spawn(children[-1])  # the gateway
+        cluster.wait_healthy(children[-1])
         url = f"http://{args.host}:{args.port}"
         print(f"\npd-cluster ready: {args.prefill} prefill + {args.decode} decode ({args.engine}, {args.transfer})",
               flush=True)
@@ -163,18 +267,12 @@ def main(argv: list[str] | None = None) -> None:
               "\"max_tokens\": 32, \"temperature\": 0}'", flush=True)
         print("  Ctrl-C stops the cluster.", flush=True)
         while not cluster.stopping:
-            failed = cluster.failed_child()
-            if failed is not None:
-                assert failed.proc is not None
-                print(f"pd-cluster: {failed.name} exited with code {failed.proc.returncode}; stopping",
-                      file=sys.stderr, flush=True)
-                code = 1
-                break
-            time.sleep(0.5)
+            cluster.supervise()
+            time.sleep(0.2)
     except Interrupted:
         code = 0
-    except RuntimeError as exc:
-        print(f"pd-cluster: {exc}", file=sys.stderr, flush=True)
+    except RuntimeError as exc:  # a startup failure or a CrashLoop
+        log(str(exc))
         code = 1
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
