@@ -24,6 +24,10 @@ class Context:
     lock: threading.RLock = field(default_factory=threading.RLock)
     wake: threading.Condition = field(init=False)
     closed: bool = False
+    # Counters for metrics, changed under ``lock`` and read without it (``KVManager.counters``).
+    num_bytes_sent: int = 0  # prefill: bytes of KV pages and aux records posted to decodes
+    num_rooms_completed: int = 0  # rooms that reached Success
+    num_rooms_failed: int = 0  # rooms that reached Failed (aborts included)
 
     def __post_init__(self) -> None:
         self.wake = threading.Condition(self.lock)

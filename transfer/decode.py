@@ -185,6 +185,7 @@ class DecodeSide:
         if receiver._state in _TERMINAL:
             return
         receiver._state, receiver._error = KVPoll.Failed, error
+        self._ctx.num_rooms_failed += 1
 
     def _fail_one(self, receiver: KVReceiver, error: TransferError) -> None:
         with self._ctx.lock:
@@ -278,6 +279,7 @@ class DecodeSide:
                     if ok and receiver.metadata_sent:
                         receiver.aux_len = aux_len
                         receiver._state = KVPoll.Success
+                        self._ctx.num_rooms_completed += 1
                         conn.receivers.discard(receiver)
                     elif ok:
                         self._fail(receiver, TransferError(

@@ -54,6 +54,7 @@ class KVManager:
         self.backend = backend
         self.timeouts = timeouts
         self._ctx = Context(args, backend, timeouts)
+        self.counters = self._ctx  # num_bytes_sent, num_rooms_completed, num_rooms_failed (for metrics)
         self._prefill: PrefillSide | None = None
         self._decode: DecodeSide | None = None
         regions = args.regions()

@@ -80,6 +80,8 @@ class KVSender:
         self._aux_len = 0
         self._created = now
         self._released = False
+        self._first_send = 0.0  # monotonic time the first chunk was posted
+        self.latency_s: float | None = None  # first chunk posted -> every write DONE (at Success)
 
     def poll(self) -> KVPoll:
         return self._state
@@ -248,6 +250,7 @@ class SenderRooms:
                 self.staging[slot, : len(aux)] = np.frombuffer(aux, dtype=np.uint8)
                 dst_aux = link.reg.aux_ptrs[0] + request.aux_index * link.reg.aux_item_lens[0]
                 blocks.append((int(self.staging[slot].ctypes.data), dst_aux, len(aux)))
+            sender._first_send = sender._first_send or time.monotonic()
             sender._offset = end
             sender._last_sent = last
             sender._state = KVPoll.Transferring
@@ -260,6 +263,7 @@ class SenderRooms:
                     self._fail(sender, room_error(room, exc), outbox)
                 else:
                     sender._writes.append(_Write(room, handle, time.monotonic(), slot))
+                    ctx.num_bytes_sent += sum(length for _, _, length in blocks)
             ctx.wake.notify_all()
         flush(outbox)
 
@@ -267,6 +271,7 @@ class SenderRooms:
         if sender._state in _TERMINAL:
             return
         sender._state, sender._error = KVPoll.Failed, error
+        self._ctx.num_rooms_failed += 1
         self._graveyard.extend(sender._writes)
         sender._writes = []
         request = sender._request
@@ -372,6 +377,8 @@ class SenderRooms:
             self._retire(write)
         if sender._last_sent:
             sender._state = KVPoll.Success
+            sender.latency_s = now - sender._first_send
+            self._ctx.num_rooms_completed += 1
             outbox.append((request.link.channel, RoomStatus(room, True, aux_len=sender._aux_len)))
 
     def fail_all(self, outbox: Outbox) -> None:

@@ -1,14 +1,18 @@
-"""The worker's small HTTP side (its own port): health, load, stats (counters), info and debug views."""
+"""The worker's small HTTP side (its own port): health, load, stats (counters), Prometheus metrics, info and
+debug views."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import msgspec
+from prometheus_client import generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+
+from workers.metrics import CONTENT_TYPE, create_registry
 
 if TYPE_CHECKING:
     from workers.worker import Worker
@@ -21,6 +25,8 @@ def _reply(body: object, status: int = 200) -> Response:
 
 
 def create_http_app(worker: Worker) -> Starlette:
+    registry = create_registry(worker)
+
     async def health(_: Request) -> Response:
         ok = worker.scheduler is not None and worker.scheduler.is_alive
         return _reply({"status": "ok" if ok else "unhealthy", "role": worker.config.role}, 200 if ok else 503)
@@ -40,12 +46,17 @@ def create_http_app(worker: Worker) -> Starlette:
         assert worker.scheduler is not None
         return _reply(list(worker.scheduler.rooms))
 
+    async def metrics(_: Request) -> Response:
+        # Collected on the event loop: plain reads of the scheduler's counters, no lock, no thread hop.
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE)
+
     return Starlette(
         routes=[
             Route("/health", health),
             Route("/info", info),
             Route("/load", load),
             Route("/stats", stats),
+            Route("/metrics", metrics),
             Route("/debug/rooms", rooms),
         ]
     )
