@@ -10,15 +10,21 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest, GenerateSampling
+from gateway.api_models import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    GenerateRequest,
+    GenerateSampling,
+)
 from gateway.dispatch import Dispatcher
-from gateway.errors import APIError, BadRequest
+from gateway.errors import APIError, BadRequest, NotFound
 from gateway.text import ChoiceState
 from gateway.tokenizer import Tokenizer
 from workers.protocol import SamplingParams, StepOutput
@@ -40,6 +46,96 @@ class Prepared:
     echo: bool = False  # /v1/completions: the prompt is repeated before the completion
 
 
+# -- features the gateway does not implement -----------------------------------------------------
+# A request that asks for one of these would silently get something else, so it is a 400 naming the
+# field. Each rule: (field, honoured(value, request): is this value one we honour?, what is accepted,
+# for the message).
+Rule = tuple[str, Callable[[Any, Any], bool], str]
+
+
+def _unset(value: Any, _req: Any) -> bool:
+    return value is None or value is False or (isinstance(value, (str, list, dict)) and not value)
+
+
+def _is(*neutral: Any) -> Callable[[Any, Any], bool]:
+    return lambda value, _req: value is None or value in neutral
+
+
+def _text_format(value: Any, _req: Any) -> bool:
+    return value is None or (isinstance(value, dict) and value.get("type") == "text")
+
+
+_SAMPLING_RULES: tuple[Rule, ...] = (
+    ("logit_bias", _unset, ""),
+    ("presence_penalty", _is(0), "0"),
+    ("frequency_penalty", _is(0), "0"),
+    ("repetition_penalty", _is(1), "1"),
+    ("min_tokens", _is(0), "0"),
+    ("regex", _unset, ""),
+    ("ebnf", _unset, ""),
+    ("json_schema", _unset, ""),
+)
+CHAT_RULES: tuple[Rule, ...] = (
+    *_SAMPLING_RULES,
+    ("tools", _unset, ""),
+    ("tool_choice", _is("none"), '"none"'),
+    ("functions", _unset, ""),
+    ("function_call", _is("none"), '"none"'),
+    ("response_format", _text_format, '{"type": "text"}'),
+    ("modalities", lambda value, _req: value is None or value == ["text"], '["text"]'),
+    ("audio", _unset, ""),
+)
+COMPLETION_RULES: tuple[Rule, ...] = (
+    *_SAMPLING_RULES,
+    ("suffix", _unset, ""),
+    ("best_of", lambda value, req: value is None or value in (1, req.n), "1 or n"),
+)
+GENERATE_RULES: tuple[Rule, ...] = (
+    ("image_data", _unset, ""),
+    ("audio_data", _unset, ""),
+    ("video_data", _unset, ""),
+    ("input_embeds", _unset, ""),
+    ("lora_path", _unset, ""),
+    ("custom_logit_processor", _unset, ""),
+    ("return_hidden_states", _unset, ""),
+)
+GENERATE_SAMPLING_RULES: tuple[Rule, ...] = (
+    ("n", _is(1), "1"),
+    ("presence_penalty", _is(0), "0"),
+    ("frequency_penalty", _is(0), "0"),
+    ("repetition_penalty", _is(1), "1"),
+    ("min_new_tokens", _is(0), "0"),
+    ("logit_bias", _unset, ""),
+    ("regex", _unset, ""),
+    ("json_schema", _unset, ""),
+    ("ebnf", _unset, ""),
+    ("structural_tag", _unset, ""),
+)
+
+
+def reject_unsupported(obj: Any, rules: tuple[Rule, ...], prefix: str = "") -> None:
+    """400 naming the first field of ``obj`` set to a value the gateway would not honour."""
+    for name, honoured, accepted in rules:
+        if not honoured(getattr(obj, name), obj):
+            only = f" (only {accepted} is accepted)" if accepted else ""
+            raise BadRequest(f"{prefix}{name} is not supported{only}", param=prefix + name)
+
+
+def reject_non_text_content(messages: list[ChatMessage]) -> None:
+    """Message content may be a string or a list of text parts (concatenated); anything else is a 400."""
+    for i, message in enumerate(messages):
+        if not isinstance(message.content, list):
+            continue
+        for j, part in enumerate(message.content):
+            kind = part.get("type")
+            if kind != "text":
+                what = f"{kind} content parts are" if isinstance(kind, str) else "content parts without a type are"
+                raise BadRequest(f"{what} not supported; only text parts",
+                                 param=f"messages[{i}].content[{j}].type")
+            if not isinstance(part.get("text"), str):
+                raise BadRequest("a text content part needs a string text", param=f"messages[{i}].content[{j}].text")
+
+
 def decode_body(body: bytes, kind: type[Any]) -> Any:
     try:
         return msgspec.json.decode(body, type=kind)
@@ -49,6 +145,12 @@ def decode_body(body: bytes, kind: type[Any]) -> Any:
         raise BadRequest(f"invalid request: {message}", param=param) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
+
+
+class ModelNotFound(NotFound):
+    """OpenAI's answer to an unknown model: 404, invalid_request_error, code model_not_found."""
+
+    type = "invalid_request_error"
 
 
 class Frontend:
@@ -63,8 +165,8 @@ class Frontend:
     # -- validation --------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, "default"):
-            raise BadRequest(f"model {model!r} is not served here; use {self.model_name!r}",
-                             param="model", code="model_not_found")
+            raise ModelNotFound(f"The model {model!r} does not exist here; use {self.model_name!r}",
+                                param="model", code="model_not_found")
 
     def _params(self, req: Any, input_ids: list[int], max_tokens: int | None, logprobs: bool,
                 top_logprobs: int) -> tuple[SamplingParams, list[str]]:
@@ -109,8 +211,10 @@ class Frontend:
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self._check_model(req.model)
+        reject_unsupported(req, CHAT_RULES)
         if not req.messages:
             raise BadRequest("messages must be a non-empty list", param="messages")
+        reject_non_text_content(req.messages)
         try:
             messages = [msgspec.structs.asdict(m) for m in req.messages]
             input_ids = self.tokenizer.apply_chat_template(messages)
@@ -123,6 +227,7 @@ class Frontend:
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
         self._check_model(req.model)
+        reject_unsupported(req, COMPLETION_RULES)
         prompt: Any = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
             if len(prompt) != 1:
@@ -147,6 +252,8 @@ class Frontend:
             sp = msgspec.convert(req.sampling_params, GenerateSampling)
         except msgspec.ValidationError as exc:
             raise BadRequest(f"invalid sampling_params: {exc}", param="sampling_params") from None
+        reject_unsupported(req, GENERATE_RULES)
+        reject_unsupported(sp, GENERATE_SAMPLING_RULES, prefix="sampling_params.")
         if req.input_ids is not None:
             input_ids = list(req.input_ids)
         elif req.text is not None:

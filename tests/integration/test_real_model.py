@@ -91,7 +91,7 @@ def test_bad_input_is_rejected_with_400(deployment: Deployment) -> None:
     assert beyond.status_code == 400 and beyond.json()["error"]["param"] == "max_tokens"
     unknown = httpx.post(f"{base}/chat/completions", timeout=60,
                          json={"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]})
-    assert unknown.status_code == 400 and unknown.json()["error"]["code"] == "model_not_found"
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
     bad_ids = httpx.post(f"{base}/completions", json={"prompt": [10**9], "max_tokens": 2}, timeout=60)
     assert bad_ids.status_code == 400
 

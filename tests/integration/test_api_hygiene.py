@@ -1,0 +1,205 @@
+"""API hygiene: repeatable worker flags, and requests asking for what the gateway does not implement.
+
+A field that would change what a request means (penalties, logit bias, tools, structured output,
+non-text inputs...) is a 400 naming it, never silently dropped; its neutral values still work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.cli import build_parser, config_from_args
+
+A, B, C, D = "pd://127.0.0.1:7001", "pd://127.0.0.1:7002", "pd://127.0.0.1:7003", "pd://127.0.0.1:7004"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--prefill", A, "--prefill", B, "--decode", C, "--decode", D],
+        ["--prefill", A, B, "--decode", C, D],
+        ["--prefill", A, "--decode", C, "--prefill", B, "--decode", D],
+        ["--prefill", A, "--prefill", B, "--decode", C, D],
+    ],
+)
+def test_prefill_and_decode_flags_repeat_or_take_several_urls(argv: list[str]) -> None:
+    config = config_from_args(build_parser().parse_args(argv))
+    assert config.prefill == (A, B)
+    assert config.decode == (C, D)
+    assert config.worker == ()
+
+
+@pytest.mark.parametrize("argv", [["--worker", A, "--worker", B], ["--worker", A, B]])
+def test_worker_flag_repeats_or_takes_several_urls(argv: list[str]) -> None:
+    config = config_from_args(build_parser().parse_args(argv))
+    assert config.worker == (A, B)
+    assert config.prefill == config.decode == ()
+
+
+def test_worker_flag_defaults_are_not_shared() -> None:
+    parser = build_parser()
+    assert config_from_args(parser.parse_args(["--prefill", A, "--decode", C])).prefill == (A,)
+    assert config_from_args(parser.parse_args(["--prefill", B, "--decode", D])).prefill == (B,)
+    assert parser.parse_args([]).prefill == parser.parse_args([]).worker == []
+
+
+def client(cluster: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+MESSAGES = [{"role": "user", "content": "Say hello."}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+FUNCTION = {"name": "f", "parameters": {"type": "object", "properties": {}}}
+IMAGE_PART = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+AUDIO_PART = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+
+# (keyword arguments for chat.completions.create, expected param)
+CHAT_CASES: list[tuple[dict[str, Any], str]] = [
+    ({"logit_bias": {"65": 5}}, "logit_bias"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": -0.5}, "frequency_penalty"),
+    ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+    ({"extra_body": {"min_tokens": 5}}, "min_tokens"),
+    ({"extra_body": {"regex": "[a-z]+"}}, "regex"),
+    ({"extra_body": {"ebnf": 'root ::= "a"'}}, "ebnf"),
+    ({"extra_body": {"json_schema": '{"type": "object"}'}}, "json_schema"),
+    ({"tools": [TOOL]}, "tools"),
+    ({"tools": [TOOL], "tool_choice": "auto"}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"functions": [FUNCTION]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+     "response_format"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"extra_body": {"audio": {"voice": "alloy", "format": "wav"}}}, "audio"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, IMAGE_PART]}]},
+     "messages[0].content[1].type"),
+    ({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [AUDIO_PART]}]},
+     "messages[1].content[0].type"),
+]
+
+# (keyword arguments for completions.create, expected param)
+COMPLETION_CASES: list[tuple[dict[str, Any], str]] = [
+    ({"logit_bias": {"65": 5}}, "logit_bias"),
+    ({"presence_penalty": 1.0}, "presence_penalty"),
+    ({"frequency_penalty": 1.0}, "frequency_penalty"),
+    ({"extra_body": {"repetition_penalty": 0.9}}, "repetition_penalty"),
+    ({"extra_body": {"regex": "[a-z]+"}}, "regex"),
+    ({"suffix": " the end."}, "suffix"),
+    ({"best_of": 3}, "best_of"),
+]
+
+# (raw /generate body, expected param)
+GENERATE_CASES: list[tuple[dict[str, Any], str]] = [
+    ({"text": "hi", "image_data": "data:image/png;base64,iVBORw0KGgo="}, "image_data"),
+    ({"text": "hi", "image_data": ["https://example.invalid/cat.png"]}, "image_data"),
+    ({"text": "hi", "audio_data": "x.wav"}, "audio_data"),
+    ({"text": "hi", "return_hidden_states": True}, "return_hidden_states"),
+    ({"text": "hi", "lora_path": "adapter"}, "lora_path"),
+    ({"text": "hi", "sampling_params": {"regex": "[a-z]+"}}, "sampling_params.regex"),
+    ({"text": "hi", "sampling_params": {"json_schema": '{"type": "object"}'}}, "sampling_params.json_schema"),
+    ({"text": "hi", "sampling_params": {"ebnf": 'root ::= "a"'}}, "sampling_params.ebnf"),
+    ({"text": "hi", "sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag"),
+    ({"text": "hi", "sampling_params": {"n": 2}}, "sampling_params.n"),
+    ({"text": "hi", "sampling_params": {"presence_penalty": 0.3}}, "sampling_params.presence_penalty"),
+    ({"text": "hi", "sampling_params": {"frequency_penalty": 0.3}}, "sampling_params.frequency_penalty"),
+    ({"text": "hi", "sampling_params": {"repetition_penalty": 1.1}}, "sampling_params.repetition_penalty"),
+    ({"text": "hi", "sampling_params": {"min_new_tokens": 4}}, "sampling_params.min_new_tokens"),
+    ({"text": "hi", "sampling_params": {"logit_bias": {"65": 1.0}}}, "sampling_params.logit_bias"),
+]
+
+
+def _check_openai_400(info: pytest.ExceptionInfo[openai.BadRequestError], param: str) -> None:
+    err = info.value.response.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param and info.value.param == param, err
+    assert "not supported" in err["message"], err
+    assert param.rsplit(".", 1)[-1] in err["message"] or "content parts" in err["message"], err
+
+
+def test_unsupported_fields_are_a_400_naming_the_param(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = sim_cluster()
+    c = client(cluster)
+    for kwargs in CHAT_CASES:
+        args, param = dict(kwargs[0]), kwargs[1]
+        messages = args.pop("messages", MESSAGES)
+        with pytest.raises(openai.BadRequestError) as info:
+            c.chat.completions.create(model="sim", messages=messages, max_tokens=4, **args)
+        _check_openai_400(info, param)
+        with pytest.raises(openai.BadRequestError) as info:  # streaming requests are checked before any event
+            c.chat.completions.create(model="sim", messages=messages, max_tokens=4, stream=True, **args)
+        _check_openai_400(info, param)
+
+    for kwargs in COMPLETION_CASES:
+        args, param = dict(kwargs[0]), kwargs[1]
+        with pytest.raises(openai.BadRequestError) as info:
+            c.completions.create(model="sim", prompt="Once upon a time", max_tokens=4, **args)
+        _check_openai_400(info, param)
+
+    for body, param in GENERATE_CASES:
+        r = httpx.post(f"{cluster.base_url}/generate", json={**body, "stream": False}, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error", (body, err)
+        assert f"{param} is not supported" in err["message"], err
+
+    # raw bodies the openai client would not send as-is
+    url = f"{cluster.base_url}/v1/chat/completions"
+    raw: list[tuple[dict[str, Any], str]] = [
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text"),
+        ({"messages": [{"role": "user", "content": [{"text": "no type"}]}]}, "messages[0].content[0].type"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "image": "x"}]}], "logit_bias": {"1": 2}},
+         "logit_bias"),  # fields before content
+        ({"messages": MESSAGES, "presence_penalty": "high"}, "presence_penalty"),  # wrong type: still named
+    ]
+    for body, param in raw:
+        r = httpx.post(url, json={**body, "max_tokens": 4}, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param, (body, r.text)
+
+    assert c.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=4).choices[0].message.content  # type: ignore[arg-type]
+    cluster.wait_pools_full()
+
+
+def test_neutral_values_still_work(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = sim_cluster()
+    c = client(cluster)
+    plain = c.chat.completions.create(model="sim", messages=[{"role": "user", "content": "Hello, world"}],
+                                      max_tokens=8)
+    text = plain.choices[0].message.content
+    assert text
+
+    parts = [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]
+    neutral = c.chat.completions.create(
+        model="sim", messages=[{"role": "user", "content": parts}], max_tokens=8,  # type: ignore[list-item]
+        presence_penalty=0, frequency_penalty=0.0, logit_bias={}, response_format={"type": "text"},
+        tool_choice="none", function_call="none", modalities=["text"],
+        extra_body={"repetition_penalty": 1.0, "min_tokens": 0, "tools": [], "functions": []},
+    )
+    assert neutral.choices[0].message.content == text, "text parts are concatenated, neutral values change nothing"
+    streamed = c.chat.completions.create(model="sim", messages=[{"role": "user", "content": parts}],  # type: ignore[list-item]
+                                         max_tokens=8, stream=True, presence_penalty=0, tool_choice="none")
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == text
+
+    base = c.completions.create(model="sim", prompt="Once upon a time", max_tokens=6).choices[0].text
+    out = c.completions.create(model="sim", prompt="Once upon a time", max_tokens=6, presence_penalty=0,
+                               frequency_penalty=0, logit_bias={}, best_of=1, suffix="",
+                               extra_body={"repetition_penalty": 1})
+    assert out.choices[0].text == base
+    two = c.completions.create(model="sim", prompt="Once upon a time", max_tokens=6, n=2, best_of=2)
+    assert [ch.text for ch in two.choices] == [base, base]
+
+    r = httpx.post(f"{cluster.base_url}/generate", timeout=30, json={
+        "text": "Once upon a time", "image_data": None, "return_hidden_states": False,
+        "sampling_params": {"max_new_tokens": 6, "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0,
+                            "repetition_penalty": 1.0, "min_new_tokens": 0, "regex": None, "logit_bias": None},
+    })
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] == base
+    cluster.wait_pools_full()
