@@ -1,15 +1,17 @@
-"""The gateway's ASGI app: OpenAI routes, SGLang ``/generate``, health and metrics.
+"""The gateway's ASGI app: OpenAI routes, SGLang ``/generate``, health, metrics and the admin API.
 
 Lifecycle (``create_app(config)`` + the Starlette lifespan):
-1. Startup: one ``WorkerClient`` per configured worker (persistent native connections), the
-   router (policies, validated options, prefix index fed by the workers' KV events), the
-   dispatcher; wait up to ``startup_timeout_s`` for workers, then load the tokenizer
-   the first connected worker names.
-2. Requests: decode and validate the body -> ``Frontend`` -> dispatcher -> SSE or JSON response.
-   Every error is one ``APIError`` mapped to an OpenAI-shaped body with its status code; once a
-   stream has started, errors become an ``error`` event followed by ``[DONE]``.
-3. Shutdown: close every worker connection (open requests are aborted worker-side when the
-   connection drops).
+1. Startup: the ``Gateway`` runtime (``gateway/runtime.py``) connects to every worker and loads the
+   tokenizer. The app is wrapped in pure ASGI middleware (``gateway/middleware.py``): request id
+   and context, drain refusal, API keys.
+2. Requests: admission (a slot, or a bounded wait, or 429) -> decode and validate the body ->
+   ``Frontend`` -> dispatcher -> SSE or JSON response; the slot is released when the response (or
+   the stream) ends. Every error is one ``APIError`` mapped to an OpenAI-shaped body with its
+   status code; once a stream has started, errors become an ``error`` event followed by ``[DONE]``.
+3. ``/health``: the process is alive (200, with the workers' state); ``/readiness``: 200 only with
+   a selectable prefill and decode (or combined) worker and not draining.
+4. Shutdown (after the server's drain): close every worker connection (open requests are aborted
+   worker-side when the connection drops).
 """
 
 from __future__ import annotations
@@ -18,27 +20,23 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from gateway.admin import admin_routes
 from gateway.api import SSE_DONE, Frontend, Prepared, decode_body, error_event, new_id, now_s, sse
 from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from gateway.dispatch import DispatchConfig, Dispatcher
-from gateway.errors import APIError, NoWorkers, PayloadTooLarge
-from gateway.policies import parse_option_args
-from gateway.router import Router
+from gateway.errors import APIError, PayloadTooLarge
+from gateway.middleware import GatekeeperMiddleware, RequestContextMiddleware
+from gateway.runtime import Gateway, GatewayConfig
 from gateway.text import ChoiceState
-from gateway.tokenizer import load_tokenizer
-from gateway.worker_client import WorkerClient
-from gateway.worker_state import REFRESH_INTERVAL_S
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -56,115 +54,6 @@ class ClientGone(APIError):
         super().__init__("client closed the connection")
 
 
-@dataclass(frozen=True)
-class GatewayConfig:
-    prefill: tuple[str, ...] = ()
-    decode: tuple[str, ...] = ()
-    worker: tuple[str, ...] = ()  # combined (role both) workers, no disaggregation
-    host: str = "127.0.0.1"
-    port: int = 8000
-    policy: str = "round_robin"
-    prefill_policy: str | None = None  # default: ``policy``
-    decode_policy: str | None = None  # default: ``policy``
-    policy_options: tuple[str, ...] = ()  # K=V, prefill.K=V, decode.K=V
-    load_stale_s: float = 1.0  # a worker's load report older than this is ignored (own counts used)
-    assume_ttl_s: float = 2.0  # how long a routed prompt counts as cached on its prefill before events
-    model_name: str | None = None
-    tokenizer: str | None = None
-    startup_timeout_s: float = 60.0
-    first_token_timeout_s: float = 300.0
-    stream_idle_timeout_s: float = 120.0
-    request_timeout_s: float = 1800.0
-    max_retries: int = 2
-    max_body_bytes: int = 8 * 1024 * 1024
-    default_max_tokens: int = 256
-
-    def __post_init__(self) -> None:
-        if self.worker and (self.prefill or self.decode):
-            raise ValueError("worker: use either --worker (combined) or --prefill/--decode, not both")
-        if not self.worker and not (self.prefill and self.decode):
-            raise ValueError("prefill/decode: give at least one --prefill and one --decode URL (or --worker)")
-        if not self.load_stale_s > 0:
-            raise ValueError("load_stale_s must be positive")
-        if not self.assume_ttl_s >= 0:
-            raise ValueError("assume_ttl_s must be >= 0")
-
-
-class Gateway:
-    """Runtime state behind the app (separate from the frozen config)."""
-
-    def __init__(self, config: GatewayConfig) -> None:
-        self.config = config
-        stale_s = config.load_stale_s
-        self.prefills = [WorkerClient(u, "prefill", stale_after_s=stale_s) for u in config.prefill]
-        self.decodes = [WorkerClient(u, "decode", stale_after_s=stale_s) for u in config.decode] or [
-            WorkerClient(u, "both", stale_after_s=stale_s) for u in config.worker
-        ]
-        self.router = Router.build(config.prefill_policy or config.policy, config.decode_policy or config.policy,
-                                   parse_option_args(config.policy_options), assume_ttl_s=config.assume_ttl_s)
-        for client in self.prefills + self.decodes:
-            client.on_up = lambda c: self.router.worker_added(c.state)
-            client.on_down = lambda c: self.router.worker_removed(c.state)
-            client.on_kv_events = lambda c, events: self.router.kv_events(c.state, events)
-        self.dispatcher = Dispatcher(
-            self.prefills, self.decodes, self.router,
-            DispatchConfig(config.first_token_timeout_s, config.stream_idle_timeout_s, config.request_timeout_s,
-                           config.max_retries),
-        )
-        self.frontend: Frontend | None = None
-        self._refresher: asyncio.Task[None] | None = None
-        self.registry = CollectorRegistry()
-        self.requests = Counter("pd_gateway_requests", "Requests by route and status", ["route", "status"],
-                                registry=self.registry)
-        self.active = Gauge("pd_gateway_active_requests", "Requests in flight", registry=self.registry)
-        self.registry.register(RoutingCollector(self))
-
-    @property
-    def clients(self) -> list[WorkerClient]:
-        return self.prefills + self.decodes
-
-    async def start(self) -> None:
-        for client in self.clients:
-            client.start()
-        self._refresher = asyncio.create_task(self._refresh_load_states(), name="load-freshness")
-        await asyncio.gather(*(c.wait_ready(self.config.startup_timeout_s) for c in self.clients))
-        ready = [c for c in self.clients if c.info is not None]
-        if not ready:
-            log.warning("no worker answered within %.0fs; serving 503 until one does", self.config.startup_timeout_s)
-            return
-        self._init_frontend(ready[0])
-
-    def _init_frontend(self, client: WorkerClient) -> None:
-        info = client.info
-        assert info is not None
-        tokenizer = load_tokenizer(self.config.tokenizer or info.tokenizer)
-        max_context = min(c.info.max_context for c in self.clients if c.info is not None)
-        self.frontend = Frontend(self.dispatcher, tokenizer, self.config.model_name or info.model, max_context,
-                                 self.config.default_max_tokens)
-
-    def require_frontend(self) -> Frontend:
-        if self.frontend is None:
-            ready = [c for c in self.clients if c.info is not None]
-            if not ready:
-                raise NoWorkers("no worker is connected yet", retry_after_s=2.0)
-            self._init_frontend(ready[0])
-        assert self.frontend is not None
-        return self.frontend
-
-    async def _refresh_load_states(self) -> None:
-        """Workers report on change; a silent one must still turn stale (then own counts are used)."""
-        while True:
-            await asyncio.sleep(REFRESH_INTERVAL_S)
-            for client in self.clients:
-                client.state.refresh()
-
-    async def aclose(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            await asyncio.gather(self._refresher, return_exceptions=True)
-        await asyncio.gather(*(c.aclose() for c in self.clients), return_exceptions=True)
-
-
 def _usage(prompt_tokens: int, choices: list[ChoiceState]) -> dict[str, Any]:
     completion = sum(len(c.token_ids) for c in choices)
     cached = max((c.cached_tokens for c in choices), default=0)
@@ -174,7 +63,11 @@ def _usage(prompt_tokens: int, choices: list[ChoiceState]) -> dict[str, Any]:
     }
 
 
-def create_app(config: GatewayConfig) -> Starlette:
+__all__ = ["Gateway", "GatewayConfig", "create_app"]
+
+
+def create_app(config: GatewayConfig) -> Any:
+    """The ASGI app (middleware around Starlette); ``app.state.gateway`` is the ``Gateway``."""
     gw = Gateway(config)
 
     async def read_body(request: Request) -> bytes:
@@ -188,14 +81,30 @@ def create_app(config: GatewayConfig) -> Starlette:
                 raise PayloadTooLarge(f"request body exceeds {config.max_body_bytes} bytes")
         return body
 
-    def handler(route: str, run: Any) -> Any:
+    def handler(route: str, run: Any, *, admit: bool = True) -> Any:
         async def endpoint(request: Request) -> Response:
+            release = None
             try:
+                if admit:
+                    release = await gw.admission.admit()
                 response: Response = await run(request)
             except APIError as exc:
-                gw.requests.labels(route, str(exc.status)).inc()
+                if release is not None:
+                    release()
+                gw.metrics.requests.labels(route, str(exc.status)).inc()
+                log.log(logging.WARNING if exc.status >= 500 else logging.INFO, "%s -> %d %s: %s", route,
+                        exc.status, exc.type, exc.message)
                 return exc.to_response()
-            gw.requests.labels(route, str(response.status_code)).inc()
+            except BaseException:
+                if release is not None:
+                    release()
+                raise
+            gw.metrics.requests.labels(route, str(response.status_code)).inc()
+            if release is not None:
+                if isinstance(response, StreamingResponse):  # the slot is held until the stream ends
+                    response.body_iterator = _release_after(response.body_iterator, release)
+                else:
+                    release()
             return response
 
         return endpoint
@@ -208,23 +117,23 @@ def create_app(config: GatewayConfig) -> Starlette:
             async for state, _, _ in frontend.run_choices(prep):
                 states[state.index] = state
 
-        gw.active.inc()
+        gw.metrics.active.inc()
         try:
             await until_disconnect(request, run())
         finally:
-            gw.active.dec()
+            gw.metrics.active.dec()
         return [states[i] for i in sorted(states)]
 
     def stream(prep: Prepared, events: Any) -> StreamingResponse:
         async def body() -> AsyncIterator[bytes]:
-            gw.active.inc()
+            gw.metrics.active.inc()
             try:
                 async for chunk in events:
                     yield chunk
             except APIError as exc:
                 yield error_event(exc)
             finally:
-                gw.active.dec()
+                gw.metrics.active.dec()
             yield SSE_DONE
 
         return StreamingResponse(body(), media_type="text/event-stream",
@@ -373,19 +282,26 @@ def create_app(config: GatewayConfig) -> Starlette:
         return _reply({"object": "list", "data": [
             {"id": frontend.model_name, "object": "model", "created": now_s(), "owned_by": "pd-gateway"}]})
 
-    async def health(_: Request) -> Response:
-        prefills, decodes = gw.dispatcher.healthy_workers()
-        ok = bool(decodes) and (bool(prefills) or not gw.dispatcher.is_disaggregated)
-        body = {
-            "status": "ok" if ok else "unavailable",
+    def status() -> dict[str, Any]:
+        ready = gw.dispatcher.is_ready() and not gw.is_draining
+        return {
+            "status": "draining" if gw.is_draining else "ok" if ready else "unavailable",
+            "ready": ready,
             "policy": gw.router.name,
-            "workers": [{**c.state.describe(), "healthy": c.healthy, "error": c.last_error,
-                         "cached_pages": gw.router.index.num_pages(c.url)} for c in gw.clients],
+            "active_requests": gw.admission.num_active,
+            "queued_requests": gw.admission.num_queued,
+            "workers": [worker_status(gw, c) for c in gw.clients],
         }
-        return _reply(body, 200 if ok else 503)
+
+    async def health(_: Request) -> Response:
+        return _reply(status())  # liveness: this process answers
+
+    async def readiness(_: Request) -> Response:
+        body = status()
+        return _reply(body, 200 if body["ready"] else 503)
 
     async def metrics(_: Request) -> Response:
-        return Response(generate_latest(gw.registry), media_type="text/plain; version=0.0.4")
+        return Response(generate_latest(gw.metrics.registry), media_type="text/plain; version=0.0.4")
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 500)
@@ -406,16 +322,37 @@ def create_app(config: GatewayConfig) -> Starlette:
             Route("/v1/chat/completions", handler("chat", chat), methods=["POST"]),
             Route("/v1/completions", handler("completions", completions), methods=["POST"]),
             Route("/generate", handler("generate", generate), methods=["POST"]),
-            Route("/v1/models", handler("models", models), methods=["GET"]),
+            Route("/v1/models", handler("models", models, admit=False), methods=["GET"]),
             Route("/health", health, methods=["GET"]),
-            Route("/readiness", health, methods=["GET"]),
+            Route("/readiness", readiness, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            *admin_routes(gw, lambda c: worker_status(gw, c)),
         ],
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan,
     )
     app.state.gateway = gw
-    return app
+    guarded = GatekeeperMiddleware(app, api_keys=config.api_keys, admin_api_keys=config.admin_api_keys,
+                                   metrics_require_admin=config.metrics_require_admin,
+                                   is_draining=lambda: gw.is_draining)
+    outer = RequestContextMiddleware(guarded)
+    outer.state = app.state  # type: ignore[attr-defined]
+    return outer
+
+
+def worker_status(gw: Gateway, client: Any) -> dict[str, Any]:
+    """One worker as ``/health`` and ``GET /workers`` show it."""
+    return {**client.state.describe(), "healthy": client.healthy, "connected": client.is_connected,
+            "draining": client.is_draining, **client.health.describe(), "error": client.last_error,
+            "cached_pages": gw.router.index.num_pages(client.url)}
+
+
+async def _release_after(body: Any, release: Any) -> AsyncIterator[Any]:
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        release()
 
 
 async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
@@ -431,46 +368,6 @@ async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-
-
-class RoutingCollector:
-    """Prometheus collector read at scrape time: per-worker load as routing sees it, policy figures."""
-
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
-
-    def describe(self) -> list[Any]:
-        return []
-
-    def collect(self) -> Any:
-        from prometheus_client.core import GaugeMetricFamily
-
-        gauges = {
-            "prefill_tokens": "Prompt tokens queued or running (worker report + unacknowledged dispatches)",
-            "running_seqs": "Sequences holding KV on the worker",
-            "waiting_seqs": "Sequences admitted but waiting",
-            "free_pages": "KV pages free after admitted and reserved requests",
-            "active_requests": "Requests this gateway has open on the worker",
-        }
-        families = {k: GaugeMetricFamily(f"pd_gateway_worker_{k}", doc, labels=["worker", "role"])
-                    for k, doc in gauges.items()}
-        fresh = GaugeMetricFamily("pd_gateway_worker_load_fresh", "1 if the worker's load report is fresh",
-                                  labels=["worker", "role"])
-        for c in self.gw.clients:
-            st, labels = c.state, [c.url, c.role]
-            families["prefill_tokens"].add_metric(labels, st.num_prefill_tokens)
-            families["running_seqs"].add_metric(labels, st.num_running_seqs)
-            families["waiting_seqs"].add_metric(labels, st.num_waiting_seqs)
-            families["free_pages"].add_metric(labels, st.num_free_pages)
-            families["active_requests"].add_metric(labels, st.num_active)
-            fresh.add_metric(labels, 1.0 if st.is_load_fresh else 0.0)
-        yield from families.values()
-        yield fresh
-        stats = GaugeMetricFamily("pd_gateway_policy_stat", "Figures the routing policies report",
-                                  labels=["stat"])
-        for key, value in self.gw.router.stats().items():
-            stats.add_metric([key], value)
-        yield stats
 
 
 def _reply(body: Any, status: int = 200) -> Response:

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import uvicorn
 
 from gateway.app import GatewayConfig, create_app
+from gateway.context import configure_logging
+from gateway.health import HealthConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gateway", description=__doc__)
-    p.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill workers, pd://HOST:PORT")
-    p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode workers, pd://HOST:PORT")
-    p.add_argument("--worker", nargs="+", default=[], metavar="URL",
+    p.add_argument("--prefill", action="extend", nargs="+", default=[], metavar="URL",
+                   help="prefill workers, pd://HOST:PORT (repeatable)")
+    p.add_argument("--decode", action="extend", nargs="+", default=[], metavar="URL",
+                   help="decode workers, pd://HOST:PORT (repeatable)")
+    p.add_argument("--worker", action="extend", nargs="+", default=[], metavar="URL",
                    help="combined (--role both) workers, no disaggregation")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -40,8 +46,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-retries", type=int, default=2)
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument("--retry-backoff-s", type=float, default=0.05,
+                   help="delay before the first retry (doubles per retry, +-50%% jitter)")
+    ops = p.add_argument_group("operations")
+    ops.add_argument("--max-concurrent-requests", type=int, default=0, help="requests served at once (0: no limit)")
+    ops.add_argument("--max-queued-requests", type=int, default=256, help="requests waiting for a slot; more: 429")
+    ops.add_argument("--queue-timeout-s", type=float, default=30.0, help="longest wait for a slot; then 429")
+    ops.add_argument("--drain-timeout-s", type=float, default=30.0,
+                     help="on SIGTERM (or a removed worker): how long open requests may finish")
+    ops.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                     help="client API key (repeatable); requests need 'Authorization: Bearer KEY'")
+    ops.add_argument("--api-key-file", default=None, help="file with one client API key per line")
+    ops.add_argument("--admin-api-key", action="append", default=[], metavar="KEY",
+                     help="key for the admin API (/workers ...); repeatable")
+    ops.add_argument("--metrics-require-admin", action="store_true", help="/metrics needs the admin key")
+    ops.add_argument("--health-interval-s", type=float, default=1.0, help="probe each worker this often")
+    ops.add_argument("--health-timeout-s", type=float, default=2.0, help="a probe not answered by then fails")
+    ops.add_argument("--unhealthy-after", type=int, default=2, help="consecutive failed probes -> unhealthy")
+    ops.add_argument("--healthy-after", type=int, default=2, help="consecutive passed probes -> healthy again")
+    ops.add_argument("--stall-timeout-s", type=float, default=60.0,
+                     help="a worker whose scheduler made no progress this long (with requests) is unhealthy")
+    ops.add_argument("--breaker-failures", type=int, default=5, help="consecutive failures that open a breaker")
+    ops.add_argument("--breaker-cooldown-s", type=float, default=30.0, help="open -> half-open after this")
+    ops.add_argument("--breaker-successes", type=int, default=2, help="half-open -> closed after this many")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", choices=["text", "json"], default="text")
     return p
+
+
+def _read_keys(path: str | None) -> list[str]:
+    if path is None:
+        return []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"api_key_file: cannot read {path}: {exc.strerror}") from None
+    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -52,14 +92,37 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         model_name=args.model_name, tokenizer=args.tokenizer,
         startup_timeout_s=args.startup_timeout_s, first_token_timeout_s=args.first_token_timeout_s,
         stream_idle_timeout_s=args.stream_idle_timeout_s, request_timeout_s=args.request_timeout_s,
-        max_retries=args.max_retries, max_body_bytes=args.max_body_bytes,
-        default_max_tokens=args.default_max_tokens,
+        max_retries=args.max_retries, retry_backoff_s=args.retry_backoff_s, max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.default_max_tokens, max_concurrent_requests=args.max_concurrent_requests,
+        max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s,
+        drain_timeout_s=args.drain_timeout_s, api_keys=tuple(args.api_key + _read_keys(args.api_key_file)),
+        admin_api_keys=tuple(args.admin_api_key), metrics_require_admin=args.metrics_require_admin,
+        health=HealthConfig(
+            probe_interval_s=args.health_interval_s, probe_timeout_s=args.health_timeout_s,
+            unhealthy_after=args.unhealthy_after, healthy_after=args.healthy_after,
+            stall_timeout_s=args.stall_timeout_s, breaker_failures=args.breaker_failures,
+            breaker_cooldown_s=args.breaker_cooldown_s, breaker_successes=args.breaker_successes,
+        ),
     )
+
+
+class DrainingServer(uvicorn.Server):
+    """SIGTERM/SIGINT: the gateway refuses new requests at once (503, Connection: close), then uvicorn
+    closes the listeners and waits up to ``--drain-timeout-s`` for open requests before cancelling them
+    (the dispatcher then aborts them on both workers)."""
+
+    def __init__(self, config: uvicorn.Config, app: Any) -> None:
+        super().__init__(config)
+        self.gateway = app.state.gateway
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.gateway.begin_drain()
+        super().handle_exit(sig, frame)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     try:
         config = config_from_args(args)
         app = create_app(config)
@@ -67,8 +130,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"gateway: bad configuration: {exc}")
     except Exception as exc:  # plugin errors name the plugin
         sys.exit(f"gateway: {exc}")
-    uvicorn.run(app, host=config.host, port=config.port, loop="uvloop", http="httptools",
-                log_level=args.log_level.lower(), access_log=False, timeout_graceful_shutdown=5)
+    server_config = uvicorn.Config(app, host=config.host, port=config.port, loop="uvloop", http="httptools",
+                                   log_level=args.log_level.lower(), access_log=False, log_config=None,
+                                   timeout_graceful_shutdown=max(1, round(config.drain_timeout_s)))
+    DrainingServer(server_config, app).run()
 
 
 if __name__ == "__main__":

@@ -7,8 +7,12 @@ Lifecycle of one request (``Dispatcher.generate``, an async generator):
    once: awaiting one before the other would deadlock the KV handshake.
 3. Relay the decode's ``StepOutput`` events. The prefill's only event is "transferred" (or an
    error). Failure coupling: a prefill error aborts the decode, a decode error aborts the prefill.
-4. Before the first token, a retryable failure (worker gone, transfer failed, overloaded) retries
-   with a new pair and a new room, at most ``max_retries`` times; after it, the error is final.
+4. Before the first token, a retryable failure (worker gone or unhealthy, transfer failed,
+   overloaded) retries with a new pair and a new room, at most ``max_retries`` times, after a
+   jittered exponential backoff, avoiding the worker that failed; after the first token (and for
+   any 4xx) the error is final. Each side's outcome feeds its worker's circuit breaker: success
+   when its part completes, failure when it reports an error of its own (not a client abort, not
+   a bad request, not overload).
 5. Deadlines: ``first_token_timeout_s`` until the first token, then ``stream_idle_timeout_s``
    between events. Whatever ends the generator (finish, error, timeout, client gone), open
    requests are aborted on both workers, and the policies hear how the attempt ended
@@ -19,18 +23,24 @@ Lifecycle of one request (``Dispatcher.generate``, an async generator):
 from __future__ import annotations
 
 import asyncio
+import random
 import secrets
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.context import REQUEST_ID, REQUEST_T0
 from gateway.errors import APIError, BadGateway, NoWorkers, UpstreamTimeout, from_worker_error
+from gateway.metrics import GatewayMetrics
 from gateway.policies import Pair, RequestInfo, WorkerView
 from gateway.router import Router
 from gateway.worker_client import Event, WorkerClient, WorkerGone
 from workers.protocol import BootstrapTarget, Error, SamplingParams, StepOutput, Submit
 
 RETRYABLE_CODES = frozenset({"transfer_failed", "overloaded", "shutting_down"})
+BLAMED_CODES = frozenset({"transfer_failed", "internal", "timeout", "shutting_down"})  # count against the worker
+MAX_BACKOFF_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -39,53 +49,97 @@ class DispatchConfig:
     stream_idle_timeout_s: float = 120.0
     request_timeout_s: float = 1800.0
     max_retries: int = 2
+    retry_backoff_s: float = 0.05  # first retry's mean delay; doubles per retry, +-50% jitter
 
 
 class Dispatcher:
-    def __init__(self, prefills: Sequence[WorkerClient], decodes: Sequence[WorkerClient], router: Router,
-                 config: DispatchConfig | None = None) -> None:
-        if not decodes:
-            raise ValueError("the gateway needs at least one decode (or combined) worker")
-        self.prefills = list(prefills)
-        self.decodes = list(decodes)
+    def __init__(self, prefills: list[WorkerClient], decodes: list[WorkerClient], router: Router,
+                 config: DispatchConfig | None = None, metrics: GatewayMetrics | None = None,
+                 combined: bool | None = None) -> None:
+        # The owner's lists, not copies: workers added or removed there (admin API) count here at once.
+        self.prefills = prefills
+        self.decodes = decodes
         self.router = router
         self.config = config or DispatchConfig()
+        self.metrics = metrics or GatewayMetrics()
+        # Disaggregated unless the gateway was started with combined workers (``--worker``).
+        self.combined = (not self.prefills) if combined is None else combined
         self.num_retries = 0
 
     @property
     def is_disaggregated(self) -> bool:
-        return bool(self.prefills)
+        return not self.combined
 
     def healthy_workers(self) -> tuple[list[WorkerClient], list[WorkerClient]]:
         return [w for w in self.prefills if w.healthy], [w for w in self.decodes if w.healthy]
 
-    def _select(self, request: RequestInfo) -> Pair:
-        prefills = [w.state for w in self.prefills if w.healthy]
-        decodes = [w.state for w in self.decodes if w.healthy]
+    def is_ready(self) -> bool:
+        """At least one selectable decode (or combined) worker, and a prefill when disaggregated."""
+        prefills, decodes = self.healthy_workers()
+        return bool(decodes) and (bool(prefills) or not self.is_disaggregated)
+
+    def _select(self, request: RequestInfo, avoid: set[WorkerClient]) -> Pair:
+        def pick(pool: list[WorkerClient]) -> list[Any]:
+            healthy = [w for w in pool if w.healthy]
+            preferred = [w.state for w in healthy if w not in avoid]
+            return preferred or [w.state for w in healthy]  # a failed worker beats none at all
+
+        prefills, decodes = pick(self.prefills), pick(self.decodes)
         if not decodes or (self.is_disaggregated and not prefills):
             missing = "decode" if not decodes else "prefill"
             raise NoWorkers(f"no healthy {missing} worker", retry_after_s=1.0)
         return self.router.select(prefills, decodes, request)
 
     async def generate(self, input_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
+        """Run one completion choice; yields the decode's ``StepOutput`` events (see the module doc)."""
+        metrics = self.metrics
+        t0 = REQUEST_T0.get() or time.monotonic()
         attempt = 0
         request = self.router.request(input_ids, params.max_new_tokens)
-        while True:
-            started = False
-            try:
-                async for item in self._attempt(request, input_ids, params):
-                    started = True
-                    yield item
-                return
-            except _Retryable as exc:
-                if started or attempt >= self.config.max_retries:
-                    raise exc.error from None
-                attempt += 1
-                self.num_retries += 1
+        avoid: set[WorkerClient] = set()
+        last_t = 0.0
+        num_tokens = 0
+        cached_tokens = 0
+        completed = False  # finished, or the consumer stopped early (a stop string): counts as served
+        try:
+            while True:
+                try:
+                    async for item in self._attempt(request, input_ids, params, avoid):
+                        if item.token_ids:
+                            now = time.monotonic()
+                            if num_tokens == 0:
+                                metrics.ttft.observe(now - t0)
+                            else:
+                                metrics.itl.observe((now - last_t) / len(item.token_ids))
+                            last_t = now
+                            num_tokens += len(item.token_ids)
+                        cached_tokens = item.cached_tokens
+                        completed = item.finish_reason is not None
+                        yield item
+                    return
+                except _Retryable as exc:
+                    if num_tokens or attempt >= self.config.max_retries:
+                        raise exc.error from None
+                    attempt += 1
+                    self.num_retries += 1
+                    metrics.retries.labels(exc.error.code or exc.error.type).inc()
+                    if exc.blamed is not None:
+                        avoid.add(exc.blamed)
+                    delay = self.config.retry_backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
+                    await asyncio.sleep(min(delay, MAX_BACKOFF_S))
+        except (GeneratorExit, asyncio.CancelledError):  # a stop string ended it (or the client left)
+            completed = num_tokens > 0
+            raise
+        finally:
+            if completed:
+                metrics.e2e.observe(time.monotonic() - t0)
+                metrics.prompt_tokens.inc(len(input_ids))
+                metrics.cached_tokens.inc(cached_tokens)
+                metrics.generation_tokens.inc(num_tokens)
 
-    async def _attempt(self, request: RequestInfo, input_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[StepOutput]:
-        pair = self._select(request)
+    async def _attempt(self, request: RequestInfo, input_ids: list[int], params: SamplingParams,
+                       avoid: set[WorkerClient]) -> AsyncIterator[StepOutput]:
+        pair = self._select(request, avoid)
         prefill = _client_of(pair.prefill, self.prefills) if pair.prefill is not None else None
         decode = _client_of(pair.decode, self.decodes)
         sink: asyncio.Queue[tuple[Any, Event]] = asyncio.Queue()
@@ -107,13 +161,14 @@ class Dispatcher:
             if request.has_page_hashes:  # the policy consulted the prefix index: count only the uncached part
                 prompt_tokens -= request.num_cached_tokens(prefill_side)
             pages = request.num_pages_needed(pair.decode.page_size)
+            request_id = REQUEST_ID.get()
             try:
-                rid = decode.submit(Submit(0, input_ids, params, target, timeout_s), sink, "decode",
+                rid = decode.submit(Submit(0, input_ids, params, target, timeout_s, request_id), sink, "decode",
                                     prefill_tokens=0 if prefill is not None else prompt_tokens, pages=pages)
                 open_rids["decode"] = (decode, rid)
                 if prefill is not None:
-                    rid = prefill.submit(Submit(0, input_ids, params, target, timeout_s), sink, "prefill",
-                                         prefill_tokens=prompt_tokens)
+                    rid = prefill.submit(Submit(0, input_ids, params, target, timeout_s, request_id), sink,
+                                         "prefill", prefill_tokens=prompt_tokens)
                     open_rids["prefill"] = (prefill, rid)
             except ConnectionError as exc:
                 raise _Retryable(BadGateway(str(exc))) from None
@@ -133,6 +188,8 @@ class Dispatcher:
                 if isinstance(event, StepOutput):
                     if side == "prefill":
                         open_rids.pop("prefill", None)  # KV handed over; the decode carries on
+                        assert prefill is not None
+                        prefill.health.breaker.record_success()
                         prompt_logprobs = event.prompt_logprobs
                         if held_final is not None:
                             held_final.prompt_logprobs = prompt_logprobs
@@ -142,6 +199,7 @@ class Dispatcher:
                     got_token = got_token or bool(event.token_ids)
                     if event.finish_reason is not None:
                         open_rids.pop("decode", None)
+                        decode.health.breaker.record_success()
                         finished = True
                         if want_prompt:
                             if "prefill" in open_rids:
@@ -152,7 +210,10 @@ class Dispatcher:
                     if finished:
                         return
                 else:
+                    worker = decode if side == "decode" else prefill
+                    assert worker is not None
                     open_rids.pop(side, None)
+                    self._blame(worker, event)
                     if side == "prefill" and (got_token or held_final is not None):
                         # The decode already has its KV: a late prefill failure (e.g. restarting) does
                         # not concern it; only its prompt logprobs are lost.
@@ -160,7 +221,7 @@ class Dispatcher:
                             yield held_final
                             return
                         continue
-                    raise _as_error(event, side)
+                    raise _as_error(event, side, worker)
         except (GeneratorExit, asyncio.CancelledError):
             outcome = "cancelled"
             raise
@@ -171,6 +232,15 @@ class Dispatcher:
             self.router.finished(pair, request, "finished" if finished else outcome)
 
 
+    def _blame(self, worker: WorkerClient, event: Event) -> None:
+        code = event.code if isinstance(event, Error) else "worker_gone"
+        if code == "transfer_failed":
+            self.metrics.transfer_failures.labels(worker.role).inc()
+        if code == "worker_gone" or code in BLAMED_CODES:
+            worker.health.breaker.record_failure()
+            self.metrics.worker_failures.labels(worker.url, worker.role, code).inc()
+
+
 def _client_of(view: WorkerView, pool: list[WorkerClient]) -> WorkerClient:
     client = getattr(view, "client", None)
     if not isinstance(client, WorkerClient) or client not in pool:
@@ -179,16 +249,17 @@ def _client_of(view: WorkerView, pool: list[WorkerClient]) -> WorkerClient:
 
 
 class _Retryable(Exception):
-    def __init__(self, error: APIError) -> None:
+    def __init__(self, error: APIError, blamed: WorkerClient | None = None) -> None:
         super().__init__(error.message)
         self.error = error
+        self.blamed = blamed  # the worker to avoid on the next attempt
 
 
-def _as_error(event: Event, side: str) -> Exception:
+def _as_error(event: Event, side: str, worker: WorkerClient) -> Exception:
     if isinstance(event, WorkerGone):
-        return _Retryable(BadGateway(event.message, code="worker_gone"))
+        return _Retryable(BadGateway(event.message, code="worker_gone"), worker)
     assert isinstance(event, Error)
     error = from_worker_error(event.code, event.message, side)
     if event.code in RETRYABLE_CODES:
-        return _Retryable(error)
+        return _Retryable(error, worker if event.code != "overloaded" else None)
     return error

@@ -10,8 +10,13 @@ Lifecycle:
 3. ``LoadReport`` frames update ``state`` (a ``WorkerState``: what policies read; each request's
    prefill tokens and decode pages are counted there from ``submit`` until its part here ends).
    ``KVEvents`` frames go to ``on_kv_events`` (the gateway's prefix index).
-4. ``on_up`` / ``on_down`` are called when the connection becomes usable / is lost.
-5. ``aclose()`` cancels the task and closes the connection.
+4. While connected, a probe task sends ``Ping`` every ``probe_interval_s``; outcomes go to
+   ``health`` (``gateway/health.py``). A worker failing its probes (frozen, or its scheduler
+   stalled) is unhealthy: its open requests get ``WorkerGone`` (so the dispatcher fails them over
+   or ends them) and are aborted on the worker; passing probes bring it back.
+5. ``on_up`` / ``on_down`` are called when the worker joins / leaves the routable set (connected
+   and passing probes), each exactly once per transition.
+6. ``aclose()`` cancels the tasks and closes the connection.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from gateway.health import HealthConfig, WorkerHealth
 from gateway.worker_state import DEFAULT_STALE_AFTER_S, WorkerState
 from workers.protocol import (
     PROTOCOL_VERSION,
@@ -35,6 +41,8 @@ from workers.protocol import (
     KVEvents,
     LoadReport,
     Outputs,
+    Ping,
+    Pong,
     Rejected,
     StepOutput,
     Submit,
@@ -64,12 +72,14 @@ def parse_worker_url(url: str) -> tuple[str, int]:
 
 class WorkerClient:
     def __init__(self, url: str, role: str, *, connect_timeout_s: float = 5.0, max_backoff_s: float = 2.0,
-                 stale_after_s: float = DEFAULT_STALE_AFTER_S) -> None:
+                 stale_after_s: float = DEFAULT_STALE_AFTER_S, health: HealthConfig | None = None) -> None:
         self.url = url
         self.role = role  # what the gateway uses it as: prefill | decode | both
         self.host, self.port = parse_worker_url(url)
         self.info: HelloAck | None = None
         self.state = WorkerState(url, role, self, stale_after_s=stale_after_s)
+        self.health = WorkerHealth(health or HealthConfig())
+        self.is_draining = False  # removed through the admin API: no new requests, open ones finish
         self.last_error: str | None = None
         self.on_up: Callable[[WorkerClient], None] | None = None
         self.on_down: Callable[[WorkerClient], None] | None = None
@@ -81,6 +91,10 @@ class WorkerClient:
         self._open: dict[int, tuple[asyncio.Queue[tuple[Any, Event]], Any]] = {}
         self._rids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
+        self._prober: asyncio.Task[None] | None = None
+        self._pongs: dict[int, asyncio.Future[Pong]] = {}
+        self._nonces = itertools.count(1)
+        self._is_up = False  # announced through on_up (and not yet through on_down)
         self._ready = asyncio.Event()
 
     @property
@@ -89,8 +103,13 @@ class WorkerClient:
         return self.state.num_active
 
     @property
-    def healthy(self) -> bool:
+    def is_connected(self) -> bool:
         return self._writer is not None and not self._writer.is_closing() and self.info is not None
+
+    @property
+    def healthy(self) -> bool:
+        """Selectable: connected, passing probes, breaker not open, not being removed."""
+        return self.is_connected and self.health.is_selectable and not self.is_draining
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"worker-client {self.url}")
@@ -129,14 +148,55 @@ class WorkerClient:
                 raise ConnectionError(f"worker at {self.url} is a {ack.role} worker, not {self.role}")
             self.info, self._writer, self.last_error = ack, writer, None
             self.state.connected(ack)
+            self.health.connected()
             self._ready.set()
             log.info("connected to %s worker %s (%s)", ack.role, self.url, ack.worker_id)
-            if self.on_up is not None:
-                self.on_up(self)
+            self._announce(True)
+            self._prober = asyncio.create_task(self._probe_loop(), name=f"worker-probe {self.url}")
             while True:
                 self._dispatch(self._codec.decode(await read_frame(reader)))
         finally:
+            if self._prober is not None:
+                self._prober.cancel()
+                self._prober = None
             writer.close()
+
+    def _announce(self, up: bool) -> None:
+        if up == self._is_up:
+            return
+        self._is_up = up
+        callback = self.on_up if up else self.on_down
+        if callback is not None:
+            callback(self)
+
+    async def _probe_loop(self) -> None:
+        config = self.health.config
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(config.probe_interval_s)
+            writer = self._writer
+            if writer is None or writer.is_closing():
+                return
+            nonce = next(self._nonces)
+            future: asyncio.Future[Pong] = loop.create_future()
+            self._pongs[nonce] = future
+            writer.write(self._codec.encode(Ping(nonce)))
+            try:
+                pong = await asyncio.wait_for(future, config.probe_timeout_s)
+            except TimeoutError:
+                self.health.probe_failed(f"no answer to a health probe within {config.probe_timeout_s:g}s")
+            else:
+                self.health.probe_passed(pong.stalled_s)
+            finally:
+                self._pongs.pop(nonce, None)
+            if not self.health.is_probe_healthy and self._is_up:
+                reason = self.health.last_probe_error or "failed health probes"
+                log.warning("%s worker %s is unhealthy: %s", self.role, self.url, reason)
+                self._fail_open(f"{self.role} worker {self.url} is unhealthy: {reason}", abort=True)
+                self._announce(False)
+            elif self.health.is_probe_healthy and not self._is_up:
+                log.warning("%s worker %s is healthy again", self.role, self.url)
+                self._announce(True)
 
     def _dispatch(self, msg: object) -> None:
         match msg:
@@ -157,20 +217,29 @@ class WorkerClient:
             case KVEvents() as events:
                 if self.on_kv_events is not None:
                     self.on_kv_events(self, events)
+            case Pong() as pong:
+                future = self._pongs.get(pong.nonce)
+                if future is not None and not future.done():
+                    future.set_result(pong)
             case _:
                 raise ConnectionError(f"unexpected message {type(msg).__name__}")
 
     def _mark_down(self, reason: str) -> None:
-        was_up = self._ready.is_set()
         self._writer = None
         self._ready.clear()
-        gone = WorkerGone(f"lost connection to {self.role} worker {self.url}: {reason}")
+        self._fail_open(f"lost connection to {self.role} worker {self.url}: {reason}", abort=False)
+        self._announce(False)
+
+    def _fail_open(self, message: str, *, abort: bool) -> None:
+        """Every open request gets ``WorkerGone`` (and, if the connection stands, an ``Abort``)."""
+        gone = WorkerGone(message)
         for rid in list(self._open):
             queue, tag = self._open[rid]
             queue.put_nowait((tag, gone))
-            self._forget(rid)
-        if was_up and self.on_down is not None:
-            self.on_down(self)
+            if abort:
+                self.abort(rid, message)
+            else:
+                self._forget(rid)
 
     def _forget(self, rid: int) -> None:
         if self._open.pop(rid, None) is not None:
@@ -202,6 +271,8 @@ class WorkerClient:
             writer.write(self._codec.encode(Abort(rid, reason)))
 
     async def aclose(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -160,7 +160,7 @@ def start_bootstrap(procs: Procs, *extra: str) -> str:
 def start_gateway(procs: Procs, *args: str) -> int:
     port = free_port()
     proc = procs.start(f"gateway-{port}", "-m", "gateway.cli", "--port", str(port), "--log-level", "warning", *args)
-    wait_http_ok(f"http://127.0.0.1:{port}/health", 60, proc)
+    wait_http_ok(f"http://127.0.0.1:{port}/readiness", 60, proc)  # /health only says the process is up
     return port
 
 

@@ -11,7 +11,9 @@ Lifecycle of a connection:
    at most every ``REPORT_MIN_INTERVAL_S``), at least every 100 ms while it holds requests and every
    0.5 s when idle. ``last_rid`` is the newest rid of that connection the worker had admitted when it
    measured, so the gateway knows exactly which of its own dispatches the figures already include.
-4. Workers with a prefix cache broadcast ``KVEvents`` once per step in which pages were published
+4. ``Ping`` at any time: the worker's event loop answers ``Pong`` with the scheduler's progress
+   (a frozen process answers nothing; a stuck scheduler shows a growing ``stalled_s``).
+5. Workers with a prefix cache broadcast ``KVEvents`` once per step in which pages were published
    (``stored``) or evicted (``removed``), as the chained page hashes of ``workers.page_cache``. A new
    connection first gets a snapshot (``reset=True``: every hash the worker holds now).
 
@@ -88,11 +90,24 @@ class Submit(msgspec.Struct, tag="submit", omit_defaults=True):
     params: SamplingParams
     bootstrap: BootstrapTarget | None = None
     timeout_s: float = 600.0
+    request_id: str = ""  # the client's x-request-id, for the worker's logs
 
 
 class Abort(msgspec.Struct, tag="abort"):
     rid: int
     reason: str = "aborted by client"
+
+
+class Ping(msgspec.Struct, tag="ping"):
+    """Health probe; the worker's event loop answers at once (a frozen process does not)."""
+
+    nonce: int
+
+
+class Pong(msgspec.Struct, tag="pong"):
+    nonce: int
+    num_steps: int = 0  # scheduler steps run so far
+    stalled_s: float = 0.0  # seconds since the scheduler last finished a step while holding requests
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
@@ -153,8 +168,8 @@ class KVEvents(msgspec.Struct, tag="kv", gc=False, omit_defaults=True):
     reset: bool = False
 
 
-ToWorker = Hello | Submit | Abort
-ToGateway = HelloAck | Rejected | Outputs | Error | LoadReport | KVEvents
+ToWorker = Hello | Submit | Abort | Ping
+ToGateway = HelloAck | Rejected | Outputs | Error | LoadReport | KVEvents | Pong
 
 
 class FrameCodec:

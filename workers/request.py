@@ -18,6 +18,7 @@ class Req:
     params: SamplingParams
     deadline: float
     bootstrap: BootstrapTarget | None = None
+    request_id: str = ""  # the client's x-request-id (for log lines)
     stage: str = "new"
     pages: list[int] = field(default_factory=list)
     aux_slot: int | None = None

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 from workers.aux import AuxRecord, encode_aux
 from workers.engines.base import Engine, SeqInput, SeqOutput
 from workers.kv_pool import KVPool
+from workers.metrics import SchedulerMetrics
 from workers.page_cache import PageCache
 from workers.pd_queues import PDQueues, _reason
 from workers.protocol import Error, KVEvents, LoadReport, Outputs, StepOutput, Submit
@@ -112,11 +113,13 @@ class Scheduler(PDQueues):
         self._thread: threading.Thread | None = None
         self._conns: dict[int, int] = {}  # connection -> newest rid admitted from it
         self._last_load = 0.0
+        self._last_progress = time.monotonic()  # end of the newest step (read by health probes)
         self._load_dirty = True
         self.prefill_tokens_per_s = 0.0
         self.busy_fraction = 0.0
         self._busy_s = 0.0  # engine time since the last load report
         self.num_steps = 0
+        self.metrics = SchedulerMetrics()  # histograms and outcome counters for /metrics
         self.error: BaseException | None = None
 
     # -- thread-safe API ---------------------------------------------------------------------
@@ -147,6 +150,13 @@ class Scheduler(PDQueues):
         return True
 
     @property
+    def stalled_s(self) -> float:
+        """Seconds since the loop last finished a step while requests wait (0 when idle; inf if dead)."""
+        if not self.is_alive:
+            return float("inf")
+        return time.monotonic() - self._last_progress if self.reqs else 0.0
+
+    @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
@@ -155,6 +165,7 @@ class Scheduler(PDQueues):
         try:
             while not self._stop.is_set():
                 did_work = self.step()
+                self._last_progress = time.monotonic()
                 if not did_work:
                     # Nothing to compute: requests (if any) wait on KV transfers or pages.
                     wait_s = IDLE_WAIT_S if not self.reqs else TRANSFER_POLL_S
@@ -249,7 +260,8 @@ class Scheduler(PDQueues):
         if len(self.reqs) >= self.config.max_queued:
             self._out.append((conn_id, Error(msg.rid, "overloaded", "worker queue is full")))
             return
-        req = Req(key, list(msg.input_ids), msg.params, time.monotonic() + msg.timeout_s, msg.bootstrap)
+        req = Req(key, list(msg.input_ids), msg.params, time.monotonic() + msg.timeout_s, msg.bootstrap,
+                  msg.request_id)
         b = req.bootstrap
         try:
             if self.role == "prefill":
@@ -399,6 +411,7 @@ class Scheduler(PDQueues):
             return True
         self.num_steps += 1
         elapsed_s = time.perf_counter() - started
+        self.metrics.on_step(len(batch), elapsed_s)
         self._busy_s += elapsed_s
         if num_prefill_tokens:
             self._measure_prefill(num_prefill_tokens, elapsed_s)
@@ -473,6 +486,7 @@ class Scheduler(PDQueues):
             if req.params.top_logprobs and out.top_logprobs is not None:
                 item.top_logprobs = [out.top_logprobs]
         if finish is not None:
+            self.metrics.on_finish(finish)
             item.kv_verified = req.kv_verified
             if req.params.prompt_logprobs and req.prompt_logprobs:
                 item.prompt_logprobs = req.prompt_logprobs
@@ -483,6 +497,8 @@ class Scheduler(PDQueues):
     def _fail(self, req: Req, code: str, message: str) -> None:
         if req.done:
             return
+        log.log(logging.INFO if code == "aborted" else logging.WARNING, "request %s (room %s, %s) failed: %s: %s",
+                req.request_id or req.rid, req.room, req.stage, code, message)
         self._out.append((req.key[0], Error(req.rid, code, message)))
         self._release(req, message)
 
@@ -528,6 +544,7 @@ class Scheduler(PDQueues):
         self._quarantine = keep
 
     def _record_room(self, req: Req) -> None:
+        self.metrics.on_room(req, self.pool)
         digest = getattr(self.engine, "digest", None)
         self.rooms.append({
             "room": req.room,
@@ -546,6 +563,8 @@ class Scheduler(PDQueues):
         merged: dict[int, Outputs] = {}
         batch: list[tuple[int, Message]] = []
         for conn_id, msg in out:
+            if isinstance(msg, Error):
+                self.metrics.on_error(msg.code)
             if isinstance(msg, Outputs):
                 if conn_id in merged:
                     merged[conn_id].items.extend(msg.items)

@@ -27,6 +27,8 @@ from workers.protocol import (
     Error,
     Hello,
     HelloAck,
+    Ping,
+    Pong,
     Rejected,
     Submit,
     read_frame,
@@ -117,6 +119,9 @@ class NativeServer:
                         self._scheduler.submit(conn_id, msg)
                     case Abort(rid=rid, reason=reason):
                         self._scheduler.abort(conn_id, rid, reason)
+                    case Ping(nonce=nonce):
+                        sched = self._scheduler
+                        writer.write(self._codec.encode(Pong(nonce, sched.num_steps, sched.stalled_s)))
                     case other:
                         raise ValueError(f"unexpected message {type(other).__name__}")
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):

@@ -1,0 +1,103 @@
+"""The worker admin API (behind ``--admin-api-key`` when one is set).
+
+- ``GET /workers``: every worker with role, health, breaker and load.
+- ``POST /workers`` with ``{"url": "pd://HOST:PORT", "role": "prefill|decode|both"}``: start routing
+  to it (201; it is selectable once connected and passing probes).
+- ``DELETE /workers?url=...``: drain it (202): no new requests, open ones finish (up to
+  ``--drain-timeout-s``), then the connection closes and it disappears from the list.
+- SGLang router's names as aliases: ``GET /list_workers``, ``POST /add_worker?url=...&role=...``,
+  ``POST /remove_worker?url=...``.
+Errors are OpenAI-shaped JSON: 400 for a bad URL or role, 404 for an unknown worker, 409 when the
+worker is already there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.errors import APIError, BadRequest, NotFound
+
+if TYPE_CHECKING:
+    from gateway.runtime import Gateway
+
+_json = msgspec.json.Encoder()
+
+
+class Conflict(APIError):
+    status = 409
+    type = "invalid_request_error"
+
+
+class NewWorker(msgspec.Struct, forbid_unknown_fields=True):
+    url: str
+    role: str
+
+
+def admin_routes(gw: Gateway, describe: Callable[[Any], dict[str, Any]]) -> list[Route]:
+    def reply(body: Any, status: int = 200) -> Response:
+        return Response(_json.encode(body), status_code=status, media_type="application/json")
+
+    def guarded(fn: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except APIError as exc:
+                return exc.to_response()
+
+        return endpoint
+
+    def add(url: str | None, role: str | None) -> Response:
+        if not url or not role:
+            raise BadRequest("give the worker's url and role", param="url" if not url else "role")
+        existing = gw.find(url)
+        if existing is not None and not existing.is_draining:
+            raise Conflict(f"worker {url} is already configured", param="url")
+        try:
+            client = gw.add_worker(url, role)
+        except ValueError as exc:
+            raise BadRequest(str(exc), param="url" if "URL" in str(exc) or "url" in str(exc) else "role") from None
+        return reply(describe(client), 201)
+
+    def remove(url: str | None) -> Response:
+        if not url:
+            raise BadRequest("give the worker's url as ?url=...", param="url")
+        try:
+            client = gw.remove_worker(url)
+        except KeyError:
+            raise NotFound(f"no worker {url}", param="url") from None
+        return reply(describe(client), 202)
+
+    async def list_workers(_: Request) -> Response:
+        return reply({"workers": [describe(c) for c in gw.clients]})
+
+    async def post_worker(request: Request) -> Response:
+        try:
+            body = msgspec.json.decode(await request.body(), type=NewWorker)
+        except msgspec.DecodeError as exc:
+            raise BadRequest(f"invalid body: {exc}") from None
+        return add(body.url, body.role)
+
+    async def delete_worker(request: Request) -> Response:
+        return remove(request.query_params.get("url"))
+
+    async def add_alias(request: Request) -> Response:
+        role = request.query_params.get("role") or ("both" if gw.is_combined else None)
+        return add(request.query_params.get("url"), role)
+
+    async def remove_alias(request: Request) -> Response:
+        return remove(request.query_params.get("url"))
+
+    return [
+        Route("/workers", guarded(list_workers), methods=["GET"]),
+        Route("/workers", guarded(post_worker), methods=["POST"]),
+        Route("/workers", guarded(delete_worker), methods=["DELETE"]),
+        Route("/list_workers", guarded(list_workers), methods=["GET"]),
+        Route("/add_worker", guarded(add_alias), methods=["POST"]),
+        Route("/remove_worker", guarded(remove_alias), methods=["POST"]),
+    ]

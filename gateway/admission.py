@@ -1,0 +1,90 @@
+"""Admission control: at most ``max_concurrent`` requests served, a bounded queue for the rest.
+
+Lifecycle (event loop only): ``await admit()`` either returns at once (a free slot), waits in FIFO
+order for a slot up to ``queue_timeout_s``, or raises ``Overloaded`` (429 with ``Retry-After``)
+when the queue is full or the wait timed out. The caller must call the returned release function
+exactly once when the request ends (a stream: when its body ends or the client leaves).
+``max_concurrent = 0`` disables the limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+
+from gateway.errors import Overloaded
+from gateway.metrics import GatewayMetrics
+
+
+class Admission:
+    def __init__(self, max_concurrent: int, max_queued: int, queue_timeout_s: float, metrics: GatewayMetrics) -> None:
+        if max_concurrent < 0 or max_queued < 0 or not queue_timeout_s > 0:
+            raise ValueError("admission: limits must be >= 0 and the queue timeout positive")
+        self.max_concurrent = max_concurrent
+        self.max_queued = max_queued
+        self.queue_timeout_s = queue_timeout_s
+        self.metrics = metrics
+        self.num_active = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._waiters)
+
+    async def admit(self) -> Callable[[], None]:
+        if not self.max_concurrent or (self.num_active < self.max_concurrent and not self._waiters):
+            return self._take()
+        if len(self._waiters) >= self.max_queued:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise Overloaded(f"the gateway is at capacity ({self.max_concurrent} requests, {self.max_queued} queued)",
+                             retry_after_s=1.0)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(future)
+        self.metrics.queued.set(len(self._waiters))
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(asyncio.shield(future), self.queue_timeout_s)
+        except TimeoutError:
+            if future.done() and not future.cancelled():  # a slot arrived just as the wait expired
+                return self._granted(started)
+            self.metrics.rejected.labels("queue_timeout").inc()
+            raise Overloaded(f"waited {self.queue_timeout_s:g}s for a free slot", retry_after_s=1.0) from None
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self._release()  # the slot was handed to us: pass it on
+            raise
+        finally:
+            if future in self._waiters:
+                self._waiters.remove(future)
+            self.metrics.queued.set(len(self._waiters))
+        return self._granted(started)
+
+    def _granted(self, started: float) -> Callable[[], None]:
+        self.metrics.queue_time.observe(time.monotonic() - started)
+        return self._release_once()  # the slot was transferred by _release: already counted
+
+    def _take(self) -> Callable[[], None]:
+        self.num_active += 1
+        return self._release_once()
+
+    def _release_once(self) -> Callable[[], None]:
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self._release()
+
+        return release
+
+    def _release(self) -> None:
+        """Hand the slot to the oldest live waiter, or free it."""
+        while self._waiters:
+            future = self._waiters.popleft()
+            if not future.done():
+                future.set_result(None)  # num_active unchanged: the slot moves to the waiter
+                return
+        self.num_active -= 1

@@ -1,0 +1,51 @@
+"""Per-request context carried through the gateway's tasks: the request id and arrival time.
+
+Set by ``RequestContextMiddleware`` for each HTTP request; ``contextvars`` copy into every task the
+request spawns, so the dispatcher and log lines see them without passing them around. The logging
+filter adds ``request_id`` to every record (``-`` outside a request).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextvars import ContextVar
+
+REQUEST_ID: ContextVar[str] = ContextVar("request_id", default="")
+REQUEST_T0: ContextVar[float] = ContextVar("request_t0", default=0.0)  # time.monotonic() at arrival
+
+
+class RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = REQUEST_ID.get() or "-"
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, request id, message (and the exception)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        import json
+
+        entry = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+            "level": record.levelname,
+            "logger": record.name,
+            "request_id": getattr(record, "request_id", "-"),
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def configure_logging(level: str, fmt: str) -> None:
+    """Root logging for the gateway process: ``text`` or ``json``, every record with its request id."""
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"))
+    handler.addFilter(RequestIdFilter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())

@@ -1,0 +1,139 @@
+"""Worker health as the gateway judges it: active probes and a circuit breaker per worker.
+
+Lifecycle (event loop only):
+1. ``WorkerClient`` sends ``Ping`` every ``probe_interval_s`` while connected and reports each
+   outcome here: ``probe_passed(stalled_s)`` or ``probe_failed(reason)`` (no ``Pong`` within
+   ``probe_timeout_s``). ``unhealthy_after`` consecutive failures (or a scheduler stalled longer
+   than ``stall_timeout_s``) make the worker unhealthy: it leaves selection and its open requests
+   fail over; ``healthy_after`` consecutive passes bring it back. A frozen (SIGSTOPped) worker is
+   caught this way, not only a closed socket.
+2. The dispatcher reports each request's outcome on this worker (``request_succeeded`` /
+   ``request_failed``) to its ``CircuitBreaker``: closed -> open after ``breaker_failures``
+   consecutive failures -> half-open after ``breaker_cooldown_s`` (requests may try it) -> closed
+   after ``breaker_successes`` successes (a failure while half-open opens it again).
+3. ``is_selectable`` = probes healthy and the breaker not open. Prefill and decode outcomes are
+   counted separately because each worker has one role: a request that fails on its prefill is not
+   held against its decode (the dispatcher blames only the side that reported the failure).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    probe_interval_s: float = 1.0
+    probe_timeout_s: float = 2.0
+    unhealthy_after: int = 2
+    healthy_after: int = 2
+    stall_timeout_s: float = 60.0
+    breaker_failures: int = 5
+    breaker_cooldown_s: float = 30.0
+    breaker_successes: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("probe_interval_s", "probe_timeout_s", "stall_timeout_s", "breaker_cooldown_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+        for name in ("unhealthy_after", "healthy_after", "breaker_failures", "breaker_successes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+
+class BreakerState(StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class CircuitBreaker:
+    def __init__(self, failures_to_open: int, cooldown_s: float, successes_to_close: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.failures_to_open = failures_to_open
+        self.cooldown_s = cooldown_s
+        self.successes_to_close = successes_to_close
+        self._clock = clock
+        self._state = BreakerState.CLOSED
+        self._failures = 0  # consecutive
+        self._successes = 0  # consecutive, while half-open
+        self._opened_at = 0.0
+        self.num_opened = 0
+
+    @property
+    def state(self) -> BreakerState:
+        if self._state is BreakerState.OPEN and self._clock() - self._opened_at >= self.cooldown_s:
+            self._state, self._successes = BreakerState.HALF_OPEN, 0
+        return self._state
+
+    @property
+    def allows(self) -> bool:
+        return self.state is not BreakerState.OPEN
+
+    def record_success(self) -> None:
+        self._failures = 0
+        if self.state is BreakerState.HALF_OPEN:
+            self._successes += 1
+            if self._successes >= self.successes_to_close:
+                self._state = BreakerState.CLOSED
+
+    def record_failure(self) -> None:
+        state = self.state
+        self._failures += 1
+        tripped = state is BreakerState.CLOSED and self._failures >= self.failures_to_open
+        if state is BreakerState.HALF_OPEN or tripped:
+            self._state, self._opened_at = BreakerState.OPEN, self._clock()
+            self.num_opened += 1
+
+    def reset(self) -> None:
+        self._state, self._failures, self._successes = BreakerState.CLOSED, 0, 0
+
+
+class WorkerHealth:
+    """Probe verdicts and the breaker of one worker."""
+
+    def __init__(self, config: HealthConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s, config.breaker_successes,
+                                      clock)
+        self.is_probe_healthy = True
+        self.last_probe_error: str | None = None
+        self._fails = 0
+        self._passes = 0
+        self.num_probe_failures = 0
+
+    @property
+    def is_selectable(self) -> bool:
+        return self.is_probe_healthy and self.breaker.allows
+
+    def probe_passed(self, stalled_s: float) -> bool:
+        """Record a ``Pong``; returns True when this turned the worker unhealthy (a stalled scheduler)."""
+        if stalled_s > self.config.stall_timeout_s:
+            return self.probe_failed(f"scheduler made no progress for {stalled_s:.0f}s")
+        self._fails = 0
+        self._passes += 1
+        if not self.is_probe_healthy and self._passes >= self.config.healthy_after:
+            self.is_probe_healthy, self.last_probe_error = True, None
+        return False
+
+    def probe_failed(self, reason: str) -> bool:
+        """Record a failed probe; returns True when this turned the worker unhealthy."""
+        self.num_probe_failures += 1
+        self._passes = 0
+        self._fails += 1
+        self.last_probe_error = reason
+        if self.is_probe_healthy and self._fails >= self.config.unhealthy_after:
+            self.is_probe_healthy = False
+            return True
+        return False
+
+    def connected(self) -> None:
+        """A fresh handshake: the process answers; the breaker keeps its memory of failures."""
+        self.is_probe_healthy, self._fails, self._passes = True, 0, 0
+
+    def describe(self) -> dict[str, object]:
+        return {"probe_healthy": self.is_probe_healthy, "probe_error": self.last_probe_error,
+                "breaker": self.breaker.state.value}

@@ -1,0 +1,114 @@
+"""Pure ASGI middleware in front of the gateway's routes (outermost first):
+
+1. ``RequestContextMiddleware``: takes ``x-request-id`` from the client (or makes one), echoes it
+   on the response, and sets the request's context (``gateway.context``) so the dispatcher passes
+   it to the workers and every log line about the request carries it.
+2. ``GatekeeperMiddleware``: while the gateway drains, new requests get 503 with
+   ``Connection: close``; then API keys: the client API (``/v1/*``, ``/generate``) needs one of
+   the client keys, the admin API (``/workers`` and SGLang's aliases) one of the admin keys,
+   ``/metrics`` the admin key only if so configured; ``/health`` and ``/readiness`` are open.
+   Keys are compared in constant time and never logged. Errors are OpenAI-shaped JSON.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+import msgspec
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.context import REQUEST_ID, REQUEST_T0
+
+ADMIN_PATHS = ("/workers", "/add_worker", "/remove_worker", "/list_workers")
+OPEN_PATHS = ("/health", "/readiness")
+_json = msgspec.json.Encoder()
+MAX_REQUEST_ID_LEN = 128
+
+
+class RequestContextMiddleware:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _header(scope, b"x-request-id")
+        if not request_id or len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
+            request_id = uuid.uuid4().hex
+        REQUEST_ID.set(request_id)
+        REQUEST_T0.set(time.monotonic())
+        raw_id = request_id.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", raw_id)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class GatekeeperMiddleware:
+    def __init__(self, app: ASGIApp, *, api_keys: Sequence[str], admin_api_keys: Sequence[str],
+                 metrics_require_admin: bool, is_draining: Callable[[], bool]) -> None:
+        self.app = app
+        self.api_keys = [k.encode() for k in api_keys]
+        self.admin_api_keys = [k.encode() for k in admin_api_keys]
+        self.metrics_require_admin = metrics_require_admin
+        self.is_draining = is_draining
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        if path in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.is_draining():
+            await _error(send, 503, "the gateway is shutting down", "service_unavailable", None,
+                         [(b"connection", b"close"), (b"retry-after", b"1")])
+            return
+        if path in ADMIN_PATHS or (path == "/metrics" and self.metrics_require_admin):
+            keys, what = self.admin_api_keys, "admin"
+        elif path == "/metrics":
+            keys, what = [], ""
+        else:
+            keys, what = self.api_keys, "API"
+        if keys and not _key_ok(_bearer(scope), keys):
+            await _error(send, 401, f"Incorrect or missing {what} key: send 'Authorization: Bearer <key>'",
+                         "invalid_request_error", "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+            return
+        await self.app(scope, receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return ""
+
+
+def _bearer(scope: Scope) -> bytes:
+    value = _header(scope, b"authorization")
+    scheme, _, token = value.partition(" ")
+    return token.strip().encode("latin-1") if scheme.lower() == "bearer" else b""
+
+
+def _key_ok(given: bytes, keys: Sequence[bytes]) -> bool:
+    ok = False
+    for key in keys:  # no early exit: the time taken does not say which key came close
+        ok |= hmac.compare_digest(given, key)
+    return bool(given) and ok
+
+
+async def _error(send: Send, status: int, message: str, kind: str, code: str | None,
+                 headers: list[tuple[bytes, bytes]]) -> None:
+    body = _json.encode({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})

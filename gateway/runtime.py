@@ -1,0 +1,230 @@
+"""The gateway's configuration and its runtime state (workers, router, dispatcher, admission, metrics).
+
+Lifecycle (``Gateway``, owned by the app's lifespan; event loop only):
+1. ``Gateway(config)``: one ``WorkerClient`` per configured worker, the router (policies, validated
+   options), the dispatcher, admission control, metrics. Nothing connects yet.
+2. ``await start()``: connect to every worker (each client reconnects by itself for ever after),
+   start the load-freshness task, wait up to ``startup_timeout_s``, load the tokenizer the first
+   connected worker names.
+3. Running: ``add_worker`` / ``remove_worker`` (admin API; a removed worker drains: no new
+   requests, open ones finish, then its connection closes); ``begin_drain()`` on SIGTERM.
+4. ``await aclose()``: stop the tasks, close every worker connection (workers abort what was open).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+from gateway.admission import Admission
+from gateway.api import Frontend
+from gateway.dispatch import DispatchConfig, Dispatcher
+from gateway.errors import NoWorkers
+from gateway.health import HealthConfig
+from gateway.metrics import GatewayMetrics, WorkerCollector
+from gateway.policies import parse_option_args
+from gateway.router import Router
+from gateway.tokenizer import load_tokenizer
+from gateway.worker_client import WorkerClient, parse_worker_url
+from gateway.worker_state import REFRESH_INTERVAL_S
+
+log = logging.getLogger(__name__)
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    worker: tuple[str, ...] = ()  # combined (role both) workers, no disaggregation
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "round_robin"
+    prefill_policy: str | None = None  # default: ``policy``
+    decode_policy: str | None = None  # default: ``policy``
+    policy_options: tuple[str, ...] = ()  # K=V, prefill.K=V, decode.K=V
+    load_stale_s: float = 1.0  # a worker's load report older than this is ignored (own counts used)
+    assume_ttl_s: float = 2.0  # how long a routed prompt counts as cached on its prefill before events
+    model_name: str | None = None
+    tokenizer: str | None = None
+    startup_timeout_s: float = 60.0
+    first_token_timeout_s: float = 300.0
+    stream_idle_timeout_s: float = 120.0
+    request_timeout_s: float = 1800.0
+    max_retries: int = 2
+    retry_backoff_s: float = 0.05
+    max_body_bytes: int = 8 * 1024 * 1024
+    default_max_tokens: int = 256
+    # Operations
+    max_concurrent_requests: int = 0  # 0 = no limit
+    max_queued_requests: int = 256
+    queue_timeout_s: float = 30.0
+    drain_timeout_s: float = 30.0
+    api_keys: tuple[str, ...] = ()
+    admin_api_keys: tuple[str, ...] = ()
+    metrics_require_admin: bool = False
+    health: HealthConfig = field(default_factory=HealthConfig)
+
+    def __post_init__(self) -> None:
+        if self.worker and (self.prefill or self.decode):
+            raise ValueError("worker: use either --worker (combined) or --prefill/--decode, not both")
+        if not self.worker and not (self.prefill and self.decode):
+            raise ValueError("prefill/decode: give at least one --prefill and one --decode URL (or --worker)")
+        for url in (*self.prefill, *self.decode, *self.worker):
+            parse_worker_url(url)
+        if len(set(self.prefill + self.decode + self.worker)) != len(self.prefill + self.decode + self.worker):
+            raise ValueError("prefill/decode/worker: a worker URL is listed twice")
+        for name in ("load_stale_s", "queue_timeout_s", "drain_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+        if not self.assume_ttl_s >= 0 or not self.retry_backoff_s >= 0:
+            raise ValueError("assume_ttl_s and retry_backoff_s must be >= 0")
+        if self.max_retries < 0 or self.max_concurrent_requests < 0 or self.max_queued_requests < 0:
+            raise ValueError("max_retries, max_concurrent_requests and max_queued_requests must be >= 0")
+        if any(not k for k in self.api_keys + self.admin_api_keys):
+            raise ValueError("api_key: empty keys are not allowed")
+
+
+class Gateway:
+    """Runtime state behind the app (separate from the frozen config)."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.router = Router.build(config.prefill_policy or config.policy, config.decode_policy or config.policy,
+                                   parse_option_args(config.policy_options), assume_ttl_s=config.assume_ttl_s)
+        self.is_combined = bool(config.worker)
+        self.prefills: list[WorkerClient] = []
+        self.decodes: list[WorkerClient] = []
+        self.dispatcher = Dispatcher(
+            self.prefills, self.decodes, self.router,
+            DispatchConfig(config.first_token_timeout_s, config.stream_idle_timeout_s, config.request_timeout_s,
+                           config.max_retries, config.retry_backoff_s),
+            self.metrics, combined=self.is_combined,
+        )
+        for url in config.prefill:
+            self._new_client(url, "prefill")
+        for url in config.decode:
+            self._new_client(url, "decode")
+        for url in config.worker:
+            self._new_client(url, "both")
+        self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests,
+                                   config.queue_timeout_s, self.metrics)
+        self.metrics.add_collector(WorkerCollector(lambda: self.clients, self.router.stats))
+        self.frontend: Frontend | None = None
+        self.is_draining = False
+        self._started = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._refresher: asyncio.Task[None] | None = None
+
+    @property
+    def clients(self) -> list[WorkerClient]:
+        return self.prefills + self.decodes
+
+    def _new_client(self, url: str, role: str) -> WorkerClient:
+        client = WorkerClient(url, role, stale_after_s=self.config.load_stale_s, health=self.config.health)
+        client.on_up = lambda c: self.router.worker_added(c.state)
+        client.on_down = lambda c: self.router.worker_removed(c.state)
+        client.on_kv_events = lambda c, events: self.router.kv_events(c.state, events)
+        # The dispatcher holds these same lists: a worker added here is selectable once it connects.
+        (self.prefills if role == "prefill" else self.decodes).append(client)
+        return client
+
+    async def start(self) -> None:
+        self._started = True
+        for client in self.clients:
+            client.start()
+        self._refresher = asyncio.create_task(self._refresh_load_states(), name="load-freshness")
+        await asyncio.gather(*(c.wait_ready(self.config.startup_timeout_s) for c in self.clients))
+        ready = [c for c in self.clients if c.info is not None]
+        if not ready:
+            log.warning("no worker answered within %.0fs; serving 503 until one does", self.config.startup_timeout_s)
+            return
+        self._init_frontend(ready[0])
+
+    def _init_frontend(self, client: WorkerClient) -> None:
+        info = client.info
+        assert info is not None
+        tokenizer = load_tokenizer(self.config.tokenizer or info.tokenizer)
+        max_context = min(c.info.max_context for c in self.clients if c.info is not None)
+        self.frontend = Frontend(self.dispatcher, tokenizer, self.config.model_name or info.model, max_context,
+                                 self.config.default_max_tokens)
+
+    def require_frontend(self) -> Frontend:
+        if self.frontend is None:
+            ready = [c for c in self.clients if c.info is not None]
+            if not ready:
+                raise NoWorkers("no worker is connected yet", retry_after_s=2.0)
+            self._init_frontend(ready[0])
+        assert self.frontend is not None
+        return self.frontend
+
+    # -- membership (admin API) -----------------------------------------------------------------
+    def find(self, url: str) -> WorkerClient | None:
+        return next((c for c in self.clients if c.url == url), None)
+
+    def add_worker(self, url: str, role: str) -> WorkerClient:
+        """Start routing to a new worker (it becomes selectable once connected and healthy)."""
+        parse_worker_url(url)
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if (role == "both") != self.is_combined:
+            mode = "combined (--worker)" if self.is_combined else "disaggregated (--prefill/--decode)"
+            raise ValueError(f"this gateway runs {mode} workers; a {role} worker does not fit")
+        existing = self.find(url)
+        if existing is not None:
+            if existing.is_draining:
+                raise ValueError(f"worker {url} is being removed; add it again once it is gone")
+            raise ValueError(f"worker {url} is already configured (as {existing.role})")
+        client = self._new_client(url, role)
+        if self._started:
+            client.start()
+        log.info("added %s worker %s", role, url)
+        return client
+
+    def remove_worker(self, url: str) -> WorkerClient:
+        """Drain a worker: no new requests; once its open ones end, close and forget it."""
+        client = self.find(url)
+        if client is None:
+            raise KeyError(url)
+        if not client.is_draining:
+            client.is_draining = True
+            log.info("removing %s worker %s (%d requests open)", client.role, url, client.num_active)
+            task = asyncio.create_task(self._drain_worker(client), name=f"drain-worker {url}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return client
+
+    async def _drain_worker(self, client: WorkerClient) -> None:
+        deadline = asyncio.get_running_loop().time() + self.config.drain_timeout_s
+        while client.num_active and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        for pool in (self.prefills, self.decodes):
+            if client in pool:
+                pool.remove(client)
+        with contextlib.suppress(Exception):  # (closing announces on_worker_removed if it was up)
+            await client.aclose()  # requests still open past the drain timeout are aborted worker-side
+        log.info("removed %s worker %s", client.role, client.url)
+
+    # -- shutdown ---------------------------------------------------------------------------------
+    def begin_drain(self) -> None:
+        """SIGTERM: refuse new requests (503, Connection: close); open ones carry on."""
+        if not self.is_draining:
+            self.is_draining = True
+            log.warning("draining: %d requests in flight", self.admission.num_active)
+
+    async def _refresh_load_states(self) -> None:
+        """Workers report on change; a silent one must still turn stale (then own counts are used)."""
+        while True:
+            await asyncio.sleep(REFRESH_INTERVAL_S)
+            for client in self.clients:
+                client.state.refresh()
+
+    async def aclose(self) -> None:
+        tasks = [t for t in (self._refresher, *self._tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(c.aclose() for c in self.clients), return_exceptions=True)
