@@ -267,7 +267,24 @@ class Frontend:
 
     # -- running choices ---------------------------------------------------------------------
     async def run_choices(self, prep: Prepared) -> AsyncIterator[tuple[ChoiceState, str, list[dict[str, Any]]]]:
-        """Yield (choice, new text, new logprob entries) as tokens arrive, across all n choices."""
+        """Yield (choice, new text, new logprob entries) as tokens arrive, across all n choices.
+
+        One choice (the common case) reads the dispatcher's generator in place; several run as one
+        task each, merged through a queue. Either way, a choice whose stop string matched is closed
+        at once, which aborts it on its workers.
+        """
+        if prep.n == 1:
+            state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs)
+            events = self.dispatcher.generate(prep.input_ids, prep.params)
+            try:
+                async for event in events:
+                    text, entries = state.accept(event)
+                    yield state, text, entries
+                    if state.finish_reason is not None:
+                        return
+            finally:
+                await events.aclose()
+            return
         states = [ChoiceState(i, self.tokenizer, prep.stops, prep.want_logprobs) for i in range(prep.n)]
         queue: asyncio.Queue[tuple[int, StepOutput | BaseException | None]] = asyncio.Queue()
 

@@ -14,19 +14,23 @@ Lifecycle of one request (``Dispatcher.generate``, an async generator):
    when its part completes, failure when it reports an error of its own (not a client abort, not
    a bad request, not overload).
 5. Deadlines: ``first_token_timeout_s`` until the first token, then ``stream_idle_timeout_s``
-   between events. Whatever ends the generator (finish, error, timeout, client gone), open
-   requests are aborted on both workers, and the policies hear how the attempt ended
-   (``on_finish``). The prefill's load (its prompt tokens) is released when its part ends, i.e.
-   when its KV is handed over, not when the decode's stream ends.
+   between events: one timer per attempt (``EventSink``), moved forward per event, not a
+   ``wait_for`` per event. Decode outputs that are already queued when the consumer gets to them
+   are merged into one ``StepOutput`` (several tokens, one SSE chunk). Whatever ends the generator
+   (finish, error, timeout, client gone), open requests are aborted on both workers, and the
+   policies hear how the attempt ended (``on_finish``). The prefill's load (its prompt tokens) is
+   released when its part ends, i.e. when its KV is handed over, not when the decode's stream ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +94,7 @@ class Dispatcher:
             raise NoWorkers(f"no healthy {missing} worker", retry_after_s=1.0)
         return self.router.select(prefills, decodes, request)
 
-    async def generate(self, input_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
+    async def generate(self, input_ids: list[int], params: SamplingParams) -> AsyncGenerator[StepOutput, None]:
         """Run one completion choice; yields the decode's ``StepOutput`` events (see the module doc)."""
         metrics = self.metrics
         t0 = REQUEST_T0.get() or time.monotonic()
@@ -142,7 +146,7 @@ class Dispatcher:
         pair = self._select(request, avoid)
         prefill = _client_of(pair.prefill, self.prefills) if pair.prefill is not None else None
         decode = _client_of(pair.decode, self.decodes)
-        sink: asyncio.Queue[tuple[Any, Event]] = asyncio.Queue()
+        sink = EventSink()
         timeout_s = self.config.request_timeout_s
         open_rids: dict[str, tuple[WorkerClient, int]] = {}
         finished = False
@@ -178,13 +182,17 @@ class Dispatcher:
             want_prompt = params.prompt_logprobs and prefill is not None
             prompt_logprobs: list[float] | None = None
             held_final: StepOutput | None = None
+            idle_s, first_s = self.config.stream_idle_timeout_s, self.config.first_token_timeout_s
             while True:
-                wait_s = self.config.stream_idle_timeout_s if got_token else self.config.first_token_timeout_s
+                sink.set_deadline(idle_s if got_token else first_s)
                 try:
-                    side, event = await asyncio.wait_for(sink.get(), wait_s)
+                    side, event = await sink.get()
                 except TimeoutError:
+                    wait_s = idle_s if got_token else first_s
                     stage = "between tokens" if got_token else "before the first token"
                     raise UpstreamTimeout(f"no progress from the workers for {wait_s:g}s {stage}") from None
+                if isinstance(event, StepOutput) and side == "decode" and event.finish_reason is None:
+                    event = sink.merge_ready(event)
                 if isinstance(event, StepOutput):
                     if side == "prefill":
                         open_rids.pop("prefill", None)  # KV handed over; the decode carries on
@@ -226,11 +234,11 @@ class Dispatcher:
             outcome = "cancelled"
             raise
         finally:
+            sink.close()
             if not finished:  # error, timeout or the client went away: free both sides now
                 for worker, rid in open_rids.values():
                     worker.abort(rid)
             self.router.finished(pair, request, "finished" if finished else outcome)
-
 
     def _blame(self, worker: WorkerClient, event: Event) -> None:
         code = event.code if isinstance(event, Error) else "worker_gone"
@@ -263,3 +271,83 @@ def _as_error(event: Event, side: str, worker: WorkerClient) -> Exception:
     if event.code in RETRYABLE_CODES:
         return _Retryable(error, worker if event.code != "overloaded" else None)
     return error
+
+
+class EventSink:
+    """Where the worker connections deliver one attempt's ``(side, event)`` pairs.
+
+    ``put_nowait`` is a plain call from the connection's reader (no task switch, no queue object);
+    ``get`` returns a queued event at once or waits for the next. One timer per attempt holds the
+    deadline: ``set_deadline`` only moves a number, and the timer re-arms itself when it fires
+    early, so a busy stream costs no timer work per event.
+    """
+
+    __slots__ = ("_deadline", "_items", "_loop", "_timer", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[tuple[Any, Event]] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._loop = asyncio.get_running_loop()
+        self._deadline = math.inf
+        self._timer: asyncio.TimerHandle | None = None
+
+    def put_nowait(self, item: tuple[Any, Event]) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def set_deadline(self, timeout_s: float) -> None:
+        """No event for ``timeout_s`` from now makes ``get`` raise ``TimeoutError``."""
+        self._deadline = self._loop.time() + timeout_s
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._deadline, self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        if self._loop.time() < self._deadline:  # moved since armed: wait for the new one
+            self._timer = self._loop.call_at(self._deadline, self._expire)
+            return
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(TimeoutError())
+
+    async def get(self) -> tuple[Any, Event]:
+        while not self._items:
+            if self._loop.time() >= self._deadline:
+                raise TimeoutError
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+    def merge_ready(self, first: StepOutput) -> StepOutput:
+        """``first`` plus the decode outputs queued right behind it, as one ``StepOutput``."""
+        items = self._items
+        merged = first
+        while items and items[0][0] == "decode" and isinstance(items[0][1], StepOutput):
+            nxt = items.popleft()[1]
+            assert isinstance(nxt, StepOutput)
+            merged = _merge(merged, nxt)
+            if merged.finish_reason is not None:
+                break
+        return merged
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+def _merge(a: StepOutput, b: StepOutput) -> StepOutput:
+    """Two consecutive outputs of one request as one (``a`` is not final)."""
+    logprobs = a.logprobs + b.logprobs if a.logprobs is not None and b.logprobs is not None else None
+    top = a.top_logprobs + b.top_logprobs if a.top_logprobs is not None and b.top_logprobs is not None else None
+    return StepOutput(
+        a.rid, a.token_ids + b.token_ids, b.finish_reason, b.prompt_tokens or a.prompt_tokens,
+        max(a.cached_tokens, b.cached_tokens), logprobs, top,
+        b.prompt_logprobs if b.prompt_logprobs is not None else a.prompt_logprobs,
+        b.kv_verified if b.kv_verified is not None else a.kv_verified,
+    )

@@ -2,10 +2,12 @@
 
 Lifecycle:
 1. ``WorkerClient(url, role)``; ``start()`` launches a named connect task: connect, ``Hello`` ->
-   ``HelloAck`` (role checked), then a reader loop. On any disconnect every open request gets a
-   ``WorkerGone`` event and the task reconnects with capped exponential backoff.
-2. ``submit(msg, sink, tag)`` registers the request id and writes ``Submit``; the reader puts each
-   ``StepOutput`` / ``Error`` for that id into ``sink`` as ``(tag, event)`` until the request ends.
+   ``HelloAck`` (role checked), then wait for the connection to drop. Frames are parsed in the
+   transport's ``data_received`` (``_FrameProtocol``): every whole frame of a read is decoded and
+   dispatched in one synchronous pass, no reader coroutine per frame. On any disconnect every open
+   request gets a ``WorkerGone`` event and the task reconnects with capped exponential backoff.
+2. ``submit(msg, sink, tag)`` registers the request id and writes ``Submit``; each ``StepOutput`` /
+   ``Error`` for that id goes to ``sink.put_nowait((tag, event))`` until the request ends.
    ``abort(rid)`` sends ``Abort`` and forgets the id.
 3. ``LoadReport`` frames update ``state`` (a ``WorkerState``: what policies read; each request's
    prefill tokens and decode pages are counted there from ``submit`` until its part here ends).
@@ -27,12 +29,13 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from gateway.health import HealthConfig, WorkerHealth
 from gateway.worker_state import DEFAULT_STALE_AFTER_S, WorkerState
 from workers.protocol import (
+    MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Abort,
     Error,
@@ -47,7 +50,6 @@ from workers.protocol import (
     StepOutput,
     Submit,
     gateway_codec,
-    read_frame,
 )
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,76 @@ class WorkerGone:
 
 
 Event = StepOutput | Error | WorkerGone
+
+
+class Sink(Protocol):
+    """Where a request's events go (``gateway.dispatch.EventSink``; an ``asyncio.Queue`` also fits)."""
+
+    def put_nowait(self, item: tuple[Any, Event]) -> None: ...
+
+
+class _FrameProtocol(asyncio.Protocol):
+    """Splits the byte stream into frames and hands each decoded message to ``on_message``.
+
+    Messages that arrive before ``on_message`` is set (the handshake) wait in ``backlog``. A handler
+    error closes the connection; ``closed`` resolves with the reason when the connection is gone.
+    """
+
+    def __init__(self, decode: Callable[[Any], object]) -> None:
+        self._decode = decode
+        self._buf = bytearray()
+        self.on_message: Callable[[object], None] | None = None
+        self.backlog: list[object] = []
+        self.arrived = asyncio.Event()  # something is in the backlog
+        self.closed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport subclass
+
+    def data_received(self, data: bytes) -> None:
+        if self._buf:
+            self._buf += data
+            used = self._frames(self._buf)
+            del self._buf[:used]
+        else:  # the common case: nothing left over, parse straight from ``data``
+            used = self._frames(data)
+            if used < len(data):
+                self._buf += memoryview(data)[used:]
+
+    def _frames(self, buf: bytes | bytearray) -> int:
+        pos, end = 0, len(buf)
+        with memoryview(buf) as view:
+            while end - pos >= 4:
+                size = int.from_bytes(view[pos:pos + 4], "big")
+                if size > MAX_FRAME_BYTES:
+                    self._close(f"frame of {size} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+                    return end
+                if end - pos - 4 < size:
+                    break
+                try:
+                    message = self._decode(view[pos + 4:pos + 4 + size])
+                    if self.on_message is not None:
+                        self.on_message(message)
+                    else:
+                        self.backlog.append(message)
+                        self.arrived.set()
+                except Exception as exc:  # a bad frame or an unexpected message: drop the connection
+                    self._close(f"{type(exc).__name__}: {exc}")
+                    return end
+                pos += 4 + size
+        return pos
+
+    def _close(self, reason: str) -> None:
+        if not self.closed.done():
+            self.closed.set_result(reason)
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(f"{type(exc).__name__}: {exc}" if exc else "connection closed by the worker")
+        self.arrived.set()
 
 
 def parse_worker_url(url: str) -> tuple[str, int]:
@@ -87,8 +159,8 @@ class WorkerClient:
         self._connect_timeout_s = connect_timeout_s
         self._max_backoff_s = max_backoff_s
         self._codec = gateway_codec()
-        self._writer: asyncio.StreamWriter | None = None
-        self._open: dict[int, tuple[asyncio.Queue[tuple[Any, Event]], Any]] = {}
+        self._transport: asyncio.Transport | None = None
+        self._open: dict[int, tuple[Sink, Any]] = {}
         self._rids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self._prober: asyncio.Task[None] | None = None
@@ -104,7 +176,7 @@ class WorkerClient:
 
     @property
     def is_connected(self) -> bool:
-        return self._writer is not None and not self._writer.is_closing() and self.info is not None
+        return self._transport is not None and not self._transport.is_closing() and self.info is not None
 
     @property
     def healthy(self) -> bool:
@@ -134,32 +206,46 @@ class WorkerClient:
             backoff = min(backoff * 2, self._max_backoff_s)
 
     async def _connect_and_read(self) -> None:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(self.host, self.port), self._connect_timeout_s
+        loop = asyncio.get_running_loop()
+        proto = _FrameProtocol(self._codec.decode)
+        transport, _ = await asyncio.wait_for(
+            loop.create_connection(lambda: proto, self.host, self.port), self._connect_timeout_s
         )
         try:
-            writer.write(self._codec.encode(Hello(PROTOCOL_VERSION)))
-            ack = self._codec.decode(await asyncio.wait_for(read_frame(reader), self._connect_timeout_s))
+            transport.write(self._codec.encode(Hello(PROTOCOL_VERSION)))
+            ack = await asyncio.wait_for(self._first_message(proto), self._connect_timeout_s)
             if isinstance(ack, Rejected):
                 raise ConnectionError(f"worker rejected the handshake: {ack.reason}")
             if not isinstance(ack, HelloAck):
                 raise ConnectionError(f"expected HelloAck, got {type(ack).__name__}")
             if ack.role != self.role:
                 raise ConnectionError(f"worker at {self.url} is a {ack.role} worker, not {self.role}")
-            self.info, self._writer, self.last_error = ack, writer, None
+            self.info, self._transport, self.last_error = ack, transport, None
             self.state.connected(ack)
             self.health.connected()
             self._ready.set()
             log.info("connected to %s worker %s (%s)", ack.role, self.url, ack.worker_id)
             self._announce(True)
             self._prober = asyncio.create_task(self._probe_loop(), name=f"worker-probe {self.url}")
-            while True:
-                self._dispatch(self._codec.decode(await read_frame(reader)))
+            for message in proto.backlog:  # what came in the same reads as the HelloAck
+                self._dispatch(message)
+            proto.backlog.clear()
+            proto.on_message = self._dispatch
+            raise ConnectionError(await proto.closed)
         finally:
             if self._prober is not None:
                 self._prober.cancel()
                 self._prober = None
-            writer.close()
+            transport.close()
+
+    @staticmethod
+    async def _first_message(proto: _FrameProtocol) -> object:
+        while not proto.backlog:
+            if proto.closed.done():
+                raise ConnectionError(proto.closed.result())
+            proto.arrived.clear()
+            await proto.arrived.wait()
+        return proto.backlog.pop(0)
 
     def _announce(self, up: bool) -> None:
         if up == self._is_up:
@@ -174,7 +260,7 @@ class WorkerClient:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(config.probe_interval_s)
-            writer = self._writer
+            writer = self._transport
             if writer is None or writer.is_closing():
                 return
             nonce = next(self._nonces)
@@ -225,7 +311,7 @@ class WorkerClient:
                 raise ConnectionError(f"unexpected message {type(msg).__name__}")
 
     def _mark_down(self, reason: str) -> None:
-        self._writer = None
+        self._transport = None
         self._ready.clear()
         self._fail_open(f"lost connection to {self.role} worker {self.url}: {reason}", abort=False)
         self._announce(False)
@@ -245,14 +331,14 @@ class WorkerClient:
         if self._open.pop(rid, None) is not None:
             self.state.ended(rid)
 
-    def submit(self, msg_without_rid: Submit, sink: asyncio.Queue[tuple[Any, Event]], tag: Any, *,
+    def submit(self, msg_without_rid: Submit, sink: Sink, tag: Any, *,
                prefill_tokens: int = 0, pages: int = 0) -> int:
         """Send a request; its events go to ``sink``. Raises ConnectionError when not connected.
 
         ``prefill_tokens`` / ``pages`` are what the request costs this worker, counted in ``state``
         until the request's part here ends.
         """
-        writer = self._writer
+        writer = self._transport
         if writer is None or writer.is_closing():
             raise ConnectionError(f"{self.role} worker {self.url} is not connected")
         rid = next(self._rids)
@@ -266,7 +352,7 @@ class WorkerClient:
         if rid not in self._open:
             return
         self._forget(rid)
-        writer = self._writer
+        writer = self._transport
         if writer is not None and not writer.is_closing():
             writer.write(self._codec.encode(Abort(rid, reason)))
 
@@ -277,6 +363,6 @@ class WorkerClient:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        if self._writer is not None:
-            self._writer.close()
+        if self._transport is not None:
+            self._transport.close()
         self._mark_down("gateway shutting down")

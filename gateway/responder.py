@@ -1,0 +1,428 @@
+"""The generation routes as raw ASGI: one responder for chat, completions and SGLang ``/generate``.
+
+These three routes carry all the traffic, so they skip Starlette's request, routing and response
+layers (the rest of the app stays on Starlette). Per request (``Responder.__call__``):
+1. Admission (a slot, a bounded wait, or 429), then the body (capped at ``max_body_bytes``),
+   decoded by msgspec into the route's request struct; the route's ``Shape`` validates it into a
+   ``Prepared`` (token ids + sampling parameters).
+2. From then on a watcher task waits on ``receive()`` for the client's disconnect and cancels the
+   request's task; the cancellation is caught here and counted as 499, and the dispatcher's
+   cleanup aborts the request on both workers.
+3. Non-streaming: every choice runs to the end, then one JSON body. Streaming: the response starts
+   only with the first chunk, so a failure before it gets a real status code. Chunks are built
+   from per-request byte templates (per token only the new text is JSON-encoded); an error after
+   the start becomes an ``error`` event; ``data: [DONE]`` ends the stream.
+4. The admission slot is released when the response has been sent (or the client left).
+
+A ``Shape`` is what differs between the routes: request struct, validation, and the JSON of the
+whole response and of a stream chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from gateway.api import SSE_DONE, Frontend, Prepared, decode_body, error_event, new_id, now_s, sse
+from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from gateway.errors import APIError, PayloadTooLarge
+from gateway.text import ChoiceState
+
+if TYPE_CHECKING:
+    from starlette.types import Message, Receive, Scope, Send
+
+    from gateway.runtime import Gateway
+
+log = logging.getLogger(__name__)
+_json = msgspec.json.Encoder()
+_JSON_HEADERS = (b"content-type", b"application/json")
+_SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no"))
+
+
+class Run:
+    """One request being answered: what the shapes need to build its JSON."""
+
+    __slots__ = ("created", "frontend", "prep", "rid", "started", "templates")
+
+    def __init__(self, frontend: Frontend, prep: Prepared, rid: str) -> None:
+        self.frontend = frontend
+        self.prep = prep
+        self.rid = rid
+        self.created = now_s()
+        self.templates: dict[int, tuple[bytes, bytes]] = {}  # choice index -> (before text, after text)
+        self.started = False  # the response has started (streaming): errors are events from here on
+
+
+class Shape:
+    """What differs between the generation routes (see the module doc)."""
+
+    route = ""
+    body_type: type[Any] = object
+    id_prefix = ""
+
+    def prepare(self, frontend: Frontend, req: Any) -> tuple[Prepared, str | None]:
+        """Validate the decoded body; returns the prepared request and the client's id, if any."""
+        raise NotImplementedError
+
+    def whole(self, run: Run, choices: list[ChoiceState]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def events(self, run: Run) -> AsyncGenerator[bytes, None]:
+        raise NotImplementedError
+
+
+class ChatShape(Shape):
+    route = "chat"
+    body_type = ChatCompletionRequest
+    id_prefix = "chatcmpl"
+
+    def prepare(self, frontend: Frontend, req: Any) -> tuple[Prepared, str | None]:
+        return frontend.prepare_chat(req), None
+
+    def whole(self, run: Run, choices: list[ChoiceState]) -> dict[str, Any]:
+        prep = run.prep
+        return {
+            "id": run.rid, "object": "chat.completion", "created": run.created, "model": run.frontend.model_name,
+            "choices": [{
+                "index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": {"content": c.logprobs} if prep.want_logprobs else None,
+                "finish_reason": c.finish_reason,
+            } for c in choices],
+            "usage": usage(len(prep.input_ids), choices),
+        }
+
+    def _chunk(self, run: Run, choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> bytes:
+        payload: dict[str, Any] = {"id": run.rid, "object": "chat.completion.chunk", "created": run.created,
+                                   "model": run.frontend.model_name, "choices": choices}
+        if run.prep.include_usage:
+            payload["usage"] = usage_
+        return sse(payload)
+
+    async def events(self, run: Run) -> AsyncGenerator[bytes, None]:
+        prep = run.prep
+        states: dict[int, ChoiceState] = {}
+        async for state, text, entries in run.frontend.run_choices(prep):
+            first = state.index not in states
+            states[state.index] = state
+            if not first and not prep.want_logprobs and state.finish_reason is None:
+                if text:  # the common case: a few more tokens of text
+                    before, after = run.templates.get(state.index) or self._template(run, state.index)
+                    yield before + _json.encode(text) + after
+                continue
+            delta: dict[str, Any] = {"content": text}
+            if first:
+                delta["role"] = "assistant"
+            yield self._chunk(run, [{
+                "index": state.index, "delta": delta,
+                "logprobs": {"content": entries} if prep.want_logprobs else None,
+                "finish_reason": state.finish_reason,
+            }])
+        if prep.include_usage:
+            yield self._chunk(run, [], usage(len(prep.input_ids), list(states.values())))
+
+    def _template(self, run: Run, index: int) -> tuple[bytes, bytes]:
+        marker = "\x00text\x00"
+        whole = self._chunk(run, [{"index": index, "delta": {"content": marker},
+                                   "logprobs": None, "finish_reason": None}])
+        before, _, after = whole.partition(_json.encode(marker))
+        run.templates[index] = (before, after)
+        return before, after
+
+
+class CompletionShape(Shape):
+    route = "completions"
+    body_type = CompletionRequest
+    id_prefix = "cmpl"
+
+    def prepare(self, frontend: Frontend, req: Any) -> tuple[Prepared, str | None]:
+        return frontend.prepare_completion(req), None
+
+    def whole(self, run: Run, choices: list[ChoiceState]) -> dict[str, Any]:
+        prep, frontend = run.prep, run.frontend
+        prompt_text = frontend.tokenizer.decode(prep.input_ids) if prep.echo else ""
+        return {
+            "id": run.rid, "object": "text_completion", "created": run.created, "model": frontend.model_name,
+            "choices": [{
+                "index": c.index, "text": prompt_text + c.text, "finish_reason": c.finish_reason,
+                "logprobs": legacy_logprobs(echo_entries(frontend, prep, c) + c.logprobs)
+                if prep.want_logprobs else None,
+            } for c in choices],
+            "usage": usage(len(prep.input_ids), choices),
+        }
+
+    def _chunk(self, run: Run, index: int, text: str, finish: str | None, logprobs: Any) -> bytes:
+        return sse({"id": run.rid, "object": "text_completion", "created": run.created,
+                    "model": run.frontend.model_name,
+                    "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}]})
+
+    async def events(self, run: Run) -> AsyncGenerator[bytes, None]:
+        prep, frontend = run.prep, run.frontend
+        states: dict[int, ChoiceState] = {}
+        prompt_text = frontend.tokenizer.decode(prep.input_ids) if prep.echo else ""
+        async for state, text, entries in frontend.run_choices(prep):
+            if state.index not in states:
+                text = prompt_text + text
+            states[state.index] = state
+            if not text and state.finish_reason is None:
+                continue
+            if state.finish_reason is None and not prep.want_logprobs:
+                before, after = run.templates.get(state.index) or self._template(run, state.index)
+                yield before + _json.encode(text) + after
+                continue
+            yield self._chunk(run, state.index, text, state.finish_reason,
+                              legacy_logprobs(entries) if prep.want_logprobs else None)
+        if prep.include_usage:
+            yield sse({"id": run.rid, "object": "text_completion", "created": run.created,
+                       "model": frontend.model_name, "choices": [],
+                       "usage": usage(len(prep.input_ids), list(states.values()))})
+
+    def _template(self, run: Run, index: int) -> tuple[bytes, bytes]:
+        marker = "\x00text\x00"
+        before, _, after = self._chunk(run, index, marker, None, None).partition(_json.encode(marker))
+        run.templates[index] = (before, after)
+        return before, after
+
+
+class GenerateShape(Shape):
+    """SGLang's ``/generate``: ``text``, ``output_ids`` and ``meta_info`` (cumulative per chunk)."""
+
+    route = "generate"
+    body_type = GenerateRequest
+    id_prefix = "gen"
+
+    def prepare(self, frontend: Frontend, req: Any) -> tuple[Prepared, str | None]:
+        prep, _ = frontend.prepare_generate(req)
+        return prep, req.rid
+
+    def whole(self, run: Run, choices: list[ChoiceState]) -> dict[str, Any]:
+        return self._payload(run, choices[0])
+
+    async def events(self, run: Run) -> AsyncGenerator[bytes, None]:
+        async for state, _, _ in run.frontend.run_choices(run.prep):
+            yield sse(self._payload(run, state))
+
+    @staticmethod
+    def _payload(run: Run, state: ChoiceState) -> dict[str, Any]:
+        prep = run.prep
+        meta: dict[str, Any] = {
+            "id": run.rid, "prompt_tokens": len(prep.input_ids), "completion_tokens": len(state.token_ids),
+            "cached_tokens": state.cached_tokens, "finish_reason": None,
+        }
+        if state.finish_reason is not None:
+            if state.stop.matched is not None:
+                meta["finish_reason"] = {"type": "stop", "matched": state.stop.matched}
+            elif state.finish_reason == "stop":
+                meta["finish_reason"] = {"type": "stop", "matched": state.token_ids[-1]}
+            else:
+                meta["finish_reason"] = {"type": "length", "length": len(state.token_ids)}
+        if prep.want_logprobs:
+            meta["output_token_logprobs"] = [[e["logprob"], t, None] for e, t in
+                                             zip(state.logprobs, state.token_ids, strict=False)]
+            if state.prompt_logprobs is not None:
+                meta["input_token_logprobs"] = [
+                    [None if i == 0 or lp != lp else lp, t, None]  # lp != lp: NaN (no prefix row)
+                    for i, (lp, t) in enumerate(zip(state.prompt_logprobs, prep.input_ids, strict=False))
+                ]
+        return {"text": state.text, "output_ids": list(state.token_ids), "meta_info": meta}
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the response was complete."""
+
+
+class Responder:
+    """Raw ASGI endpoint for one generation route (``POST`` only)."""
+
+    def __init__(self, gw: Gateway, shape: Shape) -> None:
+        self.gw = gw
+        self.shape = shape
+        self._counters: dict[int, Any] = {}  # status -> the route's request counter child
+
+    def _count(self, status: int) -> None:
+        counter = self._counters.get(status)
+        if counter is None:
+            counter = self._counters[status] = self.gw.metrics.requests.labels(self.shape.route, str(status))
+        counter.inc()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] != "POST":
+            await send_json(send, {"error": {"message": f"Method Not Allowed: {scope['method']} {scope['path']}",
+                                             "type": "invalid_request_error", "param": None, "code": None}}, 405)
+            return
+        gw, shape = self.gw, self.shape
+        release = None
+        watcher: asyncio.Task[None] | None = None
+        task = asyncio.current_task()
+        assert task is not None
+        gone = [False]
+        run: Run | None = None
+        try:
+            try:
+                release = await gw.admission.admit()
+                body = await read_body(scope, receive, gw.config.max_body_bytes)
+                frontend = gw.require_frontend()
+                prep, client_id = shape.prepare(frontend, decode_body(body, shape.body_type))
+                run = Run(frontend, prep, client_id or new_id(shape.id_prefix))
+                watcher = asyncio.create_task(_watch_disconnect(receive, task, gone))
+                if prep.stream:
+                    await self._stream(run, send, watcher)
+                else:
+                    choices = await self._collect(run)
+                    watcher.cancel()
+                    await send_json(send, shape.whole(run, choices))
+                self._count(200)
+            except APIError as exc:
+                self._count(exc.status)
+                log.log(logging.WARNING if exc.status >= 500 else logging.INFO, "%s -> %d %s: %s", shape.route,
+                        exc.status, exc.type, exc.message)
+                if watcher is not None:
+                    watcher.cancel()
+                await send_error(send, exc)
+            except Exception:
+                if run is not None and run.started:
+                    raise  # mid-stream: nothing to answer with; the server closes the connection
+                log.exception("%s failed", shape.route)
+                self._count(500)
+                if watcher is not None:
+                    watcher.cancel()
+                await send_error(send, APIError("internal error in the gateway"))
+        except asyncio.CancelledError:
+            if not gone[0]:
+                raise
+            task.uncancel()
+            self._count(499)
+            log.info("%s -> 499: the client closed the connection", shape.route)
+        except ClientGone:
+            self._count(499)
+            log.info("%s -> 499: the client closed the connection while sending its request", shape.route)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            if release is not None:
+                release()
+
+    async def _collect(self, run: Run) -> list[ChoiceState]:
+        states: dict[int, ChoiceState] = {}
+        active = self.gw.metrics.active
+        active.inc()
+        try:
+            async for state, _, _ in run.frontend.run_choices(run.prep):
+                states[state.index] = state
+        finally:
+            active.dec()
+        return [states[i] for i in sorted(states)]
+
+    async def _stream(self, run: Run, send: Send, watcher: asyncio.Task[None]) -> None:
+        events = self.shape.events(run)
+        active = self.gw.metrics.active
+        active.inc()
+        try:
+            try:
+                first = await anext(events)
+            except StopAsyncIteration:
+                first = b""
+            # From here on the status is 200: errors are events in the stream.
+            run.started = True
+            await send({"type": "http.response.start", "status": 200, "headers": list(_SSE_HEADERS)})
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+            try:
+                async for chunk in events:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except APIError as exc:
+                log.warning("%s stream ended by %d %s: %s", self.shape.route, exc.status, exc.type, exc.message)
+                await send({"type": "http.response.body", "body": error_event(exc), "more_body": True})
+            watcher.cancel()  # the response is complete next; the client leaving now changes nothing
+            await send({"type": "http.response.body", "body": SSE_DONE, "more_body": False})
+        finally:
+            active.dec()
+            await events.aclose()
+
+
+async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], gone: list[bool]) -> None:
+    """Cancel ``task`` when the client disconnects (the request body has been read by then)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            gone[0] = True
+            task.cancel()
+            return
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    for key, value in scope["headers"]:
+        if key == b"content-length":
+            if value.isdigit() and int(value) > limit:
+                raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+            break
+    message = await receive()
+    body = message.get("body", b"")
+    if not message.get("more_body", False):
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        if len(body) > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        return body
+    parts = [body]
+    size = len(body)
+    while message.get("more_body", False):
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def send_json(send: Send, body: Any, status: int = 200,
+                    headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    data = _json.encode(body)
+    start: Message = {"type": "http.response.start", "status": status,
+                      "headers": [_JSON_HEADERS, (b"content-length", b"%d" % len(data)), *(headers or ())]}
+    await send(start)
+    await send({"type": "http.response.body", "body": data})
+
+
+async def send_error(send: Send, exc: APIError) -> None:
+    headers = []
+    if exc.retry_after_s is not None:
+        headers.append((b"retry-after", b"%d" % max(1, round(exc.retry_after_s))))
+    await send_json(send, exc.body(), exc.status, headers)
+
+
+def usage(prompt_tokens: int, choices: list[ChoiceState]) -> dict[str, Any]:
+    completion = sum(len(c.token_ids) for c in choices)
+    cached = max((c.cached_tokens for c in choices), default=0)
+    return {
+        "prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} if e["top_logprobs"] is not None
+                         else None for e in entries],
+    }
+
+
+def echo_entries(frontend: Frontend, prep: Prepared, choice: ChoiceState) -> list[dict[str, Any]]:
+    """Prompt-token entries for ``echo`` + ``logprobs`` (the first token has no logprob)."""
+    if not prep.echo:
+        return []
+    values = choice.prompt_logprobs or []
+    entries = []
+    for i, token_id in enumerate(prep.input_ids):
+        lp = values[i] if i < len(values) else None
+        entries.append({"token": frontend.tokenizer.decode([token_id]),
+                        "logprob": None if i == 0 or lp is None or lp != lp else lp, "top_logprobs": None})
+    return entries
