@@ -1,0 +1,157 @@
+"""Unit tests for the gateway's hot-path pieces: the event sink, output merging, frame parsing and
+the SSE byte templates (each must give exactly what the plain, slower construction gives)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from typing import Any
+
+import pytest
+
+from gateway.api import Prepared
+from gateway.dispatch import EventSink
+from gateway.responder import ChatShape, CompletionShape, Run
+from gateway.worker_client import _FrameProtocol
+from workers.protocol import Error, KVEvents, LoadReport, Outputs, SamplingParams, StepOutput, gateway_codec
+
+
+def _tokens(item: tuple[Any, object]) -> list[int]:
+    event = item[1]
+    assert isinstance(event, StepOutput)
+    return event.token_ids
+
+
+def test_sink_returns_queued_events_in_order_and_wakes_a_waiter() -> None:
+    async def main() -> None:
+        sink = EventSink()
+        sink.set_deadline(10)
+        sink.put_nowait(("decode", StepOutput(1, [5])))
+        assert await sink.get() == ("decode", StepOutput(1, [5]))
+        getter = asyncio.ensure_future(sink.get())
+        await asyncio.sleep(0)
+        assert not getter.done()
+        sink.put_nowait(("prefill", Error(1, "internal", "x")))
+        assert await getter == ("prefill", Error(1, "internal", "x"))
+        sink.close()
+
+    asyncio.run(main())
+
+
+def test_sink_deadline_expires_and_moving_it_rearms_the_one_timer() -> None:
+    async def main() -> None:
+        sink = EventSink()
+        sink.set_deadline(0.05)
+        with pytest.raises(TimeoutError):
+            await sink.get()
+        # A deadline moved forward by each event: get() keeps working while events arrive in time,
+        # and times out once they stop.
+        sink = EventSink()
+        sink.set_deadline(0.2)
+        for i in range(5):
+            await asyncio.sleep(0.1)  # half the deadline: each event arrives in time
+            sink.put_nowait(("decode", StepOutput(1, [i])))
+            assert _tokens(await sink.get()) == [i]
+            sink.set_deadline(0.2)
+        with pytest.raises(TimeoutError):
+            await sink.get()
+        sink.close()
+
+    asyncio.run(main())
+
+
+def test_sink_merges_only_queued_decode_outputs_up_to_the_final_one() -> None:
+    async def main() -> None:
+        sink = EventSink()
+        for item in [("decode", StepOutput(1, [2], logprobs=[-0.2], cached_tokens=3)),
+                     ("decode", StepOutput(1, [3, 4], logprobs=[-0.3, -0.4])),
+                     ("decode", StepOutput(1, [5], "length", logprobs=[-0.5], prompt_tokens=9)),
+                     ("decode", StepOutput(1, [6]))]:
+            sink.put_nowait(item)
+        merged = sink.merge_ready(StepOutput(1, [1], logprobs=[-0.1]))
+        assert merged.token_ids == [1, 2, 3, 4, 5]
+        assert merged.logprobs == [-0.1, -0.2, -0.3, -0.4, -0.5]
+        assert (merged.finish_reason, merged.cached_tokens, merged.prompt_tokens) == ("length", 3, 9)
+        assert _tokens(await sink.get()) == [6]  # after the final one: left alone
+
+        sink.put_nowait(("prefill", StepOutput(1, [], "transferred")))
+        sink.put_nowait(("decode", StepOutput(1, [8])))
+        assert sink.merge_ready(StepOutput(1, [7])).token_ids == [7]  # a prefill event stops the merge
+        sink.close()
+
+    asyncio.run(main())
+
+
+def test_frame_protocol_parses_any_split_of_the_byte_stream() -> None:
+    async def main() -> None:
+        codec = gateway_codec()
+        messages: list[Any] = [
+            Outputs([StepOutput(i, list(range(i % 7)), None if i % 5 else "stop") for i in range(1, 4)]),
+            LoadReport(num_running=3, num_waiting=1, num_free_pages=10, num_total_pages=20),
+            KVEvents(stored=[b"\x01" * 16, b"\x02" * 16]),
+            Error(4, "timeout", "late"),
+        ] * 20
+        stream = b"".join(codec.encode(m) for m in messages)
+        rng = random.Random(7)
+        for _ in range(30):
+            got: list[object] = []
+            proto = _FrameProtocol(codec.decode)
+            proto.on_message = got.append
+            pos = 0
+            while pos < len(stream):
+                step = rng.choice([1, 2, 3, 5, 17, 64, 1000])
+                proto.data_received(stream[pos:pos + step])
+                pos += step
+            assert got == messages
+            assert not proto.closed.done()
+
+    asyncio.run(main())
+
+
+def test_frame_protocol_closes_on_an_oversized_or_garbled_frame() -> None:
+    class Transport:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    async def main() -> None:
+        for data in [(1 << 31).to_bytes(4, "big"), (3).to_bytes(4, "big") + b"\xc1\xc1\xc1"]:
+            proto = _FrameProtocol(gateway_codec().decode)
+            transport = Transport()
+            proto.connection_made(transport)  # type: ignore[arg-type]
+            proto.data_received(data)
+            assert transport.closed and proto.closed.done()
+
+    asyncio.run(main())
+
+
+class _Frontend:
+    model_name = 'model "with" quotes/ünïcode'
+
+
+def _run(include_usage: bool, want_logprobs: bool = False) -> Run:
+    prep = Prepared([1, 2, 3], SamplingParams(), 1, [], True, include_usage, want_logprobs)
+    return Run(_Frontend(), prep, "chatcmpl-abc")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("text", ["plain", 'quote " backslash \\ newline \n', "ünïcödé 漢字 🎉", "\x00\x1f ctrl"])
+def test_chat_chunk_template_equals_the_plain_chunk(include_usage: bool, text: str) -> None:
+    shape, run = ChatShape(), _run(include_usage)
+    for index in (0, 3):
+        before, after = shape._template(run, index)
+        fast = before + json.dumps(text).encode() + after
+        plain = shape._chunk(run, [{"index": index, "delta": {"content": text}, "logprobs": None,
+                                    "finish_reason": None}])
+        assert fast.startswith(b"data: ") and fast.endswith(b"\n\n")
+        assert json.loads(fast[6:]) == json.loads(plain[6:])
+
+
+@pytest.mark.parametrize("text", ["plain", 'q"uote', "🎉"])
+def test_completion_chunk_template_equals_the_plain_chunk(text: str) -> None:
+    shape, run = CompletionShape(), _run(False)
+    before, after = shape._template(run, 1)
+    fast = before + json.dumps(text).encode() + after
+    assert json.loads(fast[6:]) == json.loads(shape._chunk(run, 1, text, None, None)[6:])
