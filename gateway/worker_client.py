@@ -8,7 +8,8 @@ Lifecycle:
    request gets a ``WorkerGone`` event and the task reconnects with capped exponential backoff.
 2. ``submit(msg, sink, tag)`` registers the request id and writes ``Submit``; each ``StepOutput`` /
    ``Error`` for that id goes to ``sink.put_nowait((tag, event))`` until the request ends.
-   ``abort(rid)`` sends ``Abort`` and forgets the id.
+   ``abort(rid)`` sends ``Abort`` and forgets the id. Frames queued in one loop iteration go out in
+   one write (``_send``/``_flush``).
 3. ``LoadReport`` frames update ``state`` (a ``WorkerState``: what policies read; each request's
    prefill tokens and decode pages are counted there from ``submit`` until its part here ends).
    ``KVEvents`` frames go to ``on_kv_events`` (the gateway's prefix index).
@@ -161,6 +162,8 @@ class WorkerClient:
         self._codec = gateway_codec()
         self._transport: asyncio.Transport | None = None
         self._open: dict[int, tuple[Sink, Any]] = {}
+        self._outbox: list[bytes] = []  # frames to write at the end of this loop iteration...
+        self._outbox_to: asyncio.Transport | None = None  # ...on this connection
         self._rids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self._prober: asyncio.Task[None] | None = None
@@ -345,8 +348,27 @@ class WorkerClient:
         msg_without_rid.rid = rid
         self._open[rid] = (sink, tag)
         self.state.dispatched(rid, prefill_tokens, pages)
-        writer.write(self._codec.encode(msg_without_rid))
+        self._send(writer, self._codec.encode(msg_without_rid))
         return rid
+
+    def _send(self, transport: asyncio.Transport, frame: bytes) -> None:
+        """Queue a frame; every frame queued in this loop iteration goes out in one write."""
+        if self._outbox and self._outbox_to is transport:
+            self._outbox.append(frame)
+            return
+        if self._outbox:  # queued for a connection that has since been replaced
+            self._flush()
+        self._outbox.append(frame)
+        self._outbox_to = transport
+        asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        frames, transport = self._outbox, self._outbox_to
+        if not frames or transport is None:
+            return
+        self._outbox, self._outbox_to = [], None
+        if not transport.is_closing():
+            transport.write(frames[0] if len(frames) == 1 else b"".join(frames))
 
     def abort(self, rid: int, reason: str = "aborted by gateway") -> None:
         if rid not in self._open:
@@ -354,7 +376,7 @@ class WorkerClient:
         self._forget(rid)
         writer = self._transport
         if writer is not None and not writer.is_closing():
-            writer.write(self._codec.encode(Abort(rid, reason)))
+            self._send(writer, self._codec.encode(Abort(rid, reason)))
 
     async def aclose(self) -> None:
         if self._prober is not None:
