@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from gateway.api_models import (
     GenerateRequest,
     GenerateSampling,
 )
+from gateway.context import random_hex
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError, BadRequest, NotFound
 from gateway.text import ChoiceState
@@ -333,7 +333,7 @@ class _GenerateShim:
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}-{random_hex()}"
 
 
 def now_s() -> int:

@@ -8,7 +8,16 @@ filter adds ``request_id`` to every record (``-`` outside a request).
 from __future__ import annotations
 
 import logging
+import random
 from contextvars import ContextVar
+
+_ids = random.Random()  # seeded from the OS once; ids must be unique, not secret
+
+
+def random_hex() -> str:
+    """128 random bits as 32 hex digits (for ids: ~20x cheaper than ``uuid4().hex``)."""
+    return f"{_ids.getrandbits(128):032x}"
+
 
 REQUEST_ID: ContextVar[str] = ContextVar("request_id", default="")
 REQUEST_T0: ContextVar[float] = ContextVar("request_t0", default=0.0)  # time.monotonic() at arrival

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import hmac
 import time
-import uuid
 from collections.abc import Callable, Sequence
 
 import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.context import REQUEST_ID, REQUEST_T0
+from gateway.context import REQUEST_ID, REQUEST_T0, random_hex
 
 ADMIN_PATHS = ("/workers", "/add_worker", "/remove_worker", "/list_workers")
 OPEN_PATHS = ("/health", "/readiness")
@@ -38,7 +37,7 @@ class RequestContextMiddleware:
             return
         request_id = _header(scope, b"x-request-id")
         if not request_id or len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
-            request_id = uuid.uuid4().hex
+            request_id = random_hex()
         REQUEST_ID.set(request_id)
         REQUEST_T0.set(time.monotonic())
         raw_id = request_id.encode()
