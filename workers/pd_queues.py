@@ -17,7 +17,7 @@ from workers.engines.base import SeqOutput
 from workers.request import Req
 
 if TYPE_CHECKING:
-    from workers.engines.base import Engine
+    from workers.engines.base import Engine, KVChecker
     from workers.kv_pool import KVPool
     from workers.page_cache import PageCache
 
@@ -27,6 +27,7 @@ class PDQueues:
 
     if TYPE_CHECKING:
         engine: Engine
+        kv_checker: KVChecker | None
         pool: KVPool
         cache: PageCache
         _bootstrap: list[Req]
@@ -130,9 +131,8 @@ class PDQueues:
             return
         req.num_computed = len(req.input_ids)
         req.cached_tokens = record.cached_tokens
-        verify = getattr(self.engine, "verify", None)
-        if verify is not None:
-            req.kv_verified = bool(verify(req.pages, req.input_ids))
+        if self.kv_checker is not None:
+            req.kv_verified = self.kv_checker.verify(req.pages, req.input_ids)
         self._accept_token(req, SeqOutput(record.first_token, record.logprob, record.top_logprobs))
         self._record_room(req)
         if not req.done:

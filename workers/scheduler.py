@@ -42,7 +42,7 @@ from transfer.types import KVPoll
 if TYPE_CHECKING:
     from transfer import KVManager
 from workers.aux import AuxRecord, encode_aux
-from workers.engines.base import Engine, SeqInput, SeqOutput
+from workers.engines.base import Engine, KVChecker, SeqInput, SeqOutput
 from workers.kv_pool import KVPool
 from workers.metrics import SchedulerMetrics
 from workers.page_cache import PageCache
@@ -89,6 +89,7 @@ class Scheduler(PDQueues):
         self.config = config
         self.role = config.role
         self.engine = engine
+        self.kv_checker = engine if isinstance(engine, KVChecker) else None  # optional ability, checked once
         self.pool = pool
         self.kv = kv
         # Decode workers receive whole prompts from prefill workers: nothing to share there.
@@ -545,12 +546,12 @@ class Scheduler(PDQueues):
 
     def _record_room(self, req: Req) -> None:
         self.metrics.on_room(req, self.pool)
-        digest = getattr(self.engine, "digest", None)
+        checker = self.kv_checker
         self.rooms.append({
             "room": req.room,
             "role": self.role,
             "prompt_tokens": len(req.input_ids),
-            "kv_digest": digest(req.pages, len(req.input_ids)) if digest is not None else None,
+            "kv_digest": checker.digest(req.pages, len(req.input_ids)) if checker is not None else None,
             "kv_verified": req.kv_verified,
             "first_token": req.output_ids[0] if req.output_ids else None,
         })

@@ -8,10 +8,11 @@ from workers.kv_pool import KVPool
 from workers.protocol import SamplingParams
 
 
-def expected_tokens(prompt: list[int], max_tokens: int, prefill_salt: int = 0) -> list[int]:
+def expected_tokens(prompt: list[int], max_tokens: int, prefill_salt: int = 0, verify_kv: bool = True) -> list[int]:
     """Prefill (optionally with salted KV) then decode unsalted on the same memory."""
-    decode = SimEngine()
-    prefill = SimEngine(EngineOptions(extra={"kv_salt": str(prefill_salt)}))
+    verify = {"verify_kv": "1" if verify_kv else "0"}
+    decode = SimEngine(EngineOptions(extra=verify))
+    prefill = SimEngine(EngineOptions(extra={"kv_salt": str(prefill_salt), **verify}))
     info = decode.info
     pool = KVPool(num_layers=info.num_layers, num_pages=512, page_size=4, num_kv_heads=info.num_kv_heads,
                   head_dim=info.head_dim)

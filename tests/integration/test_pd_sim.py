@@ -78,6 +78,17 @@ def test_output_changes_when_the_prefill_computes_other_kv(sim_cluster) -> None:
     cluster.wait_pools_full()
 
 
+def test_pd_path_with_kv_verification_off(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = sim_cluster(worker_args=("--engine-option", "verify_kv=0"))
+    out = client(cluster).completions.create(model="sim", prompt=PROMPT, max_tokens=12)
+    assert out.choices[0].text == text_of(expected_tokens(PROMPT, 12, verify_kv=False))
+    (p_room,) = cluster.prefills[0].get("/debug/rooms")
+    (d_room,) = cluster.decodes[0].get("/debug/rooms")
+    assert d_room["kv_verified"] is None and d_room["kv_digest"] is None, "nothing checked: reported as such"
+    assert d_room["first_token"] == p_room["first_token"]
+    cluster.wait_pools_full()
+
+
 def test_openai_chat_stream_and_non_stream(sim_cluster) -> None:  # type: ignore[no-untyped-def]
     cluster = sim_cluster()
     c = client(cluster)

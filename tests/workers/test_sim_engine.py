@@ -86,3 +86,41 @@ def test_salted_kv_differs() -> None:
     assert pages
     prefill(salted, pages, tokens, chunk=5)
     assert salted.verify(pages, tokens) and not plain.verify(pages, tokens)
+
+
+def test_verify_kv_off_writes_no_kv_and_stays_deterministic() -> None:
+    import numpy as np
+    import pytest
+
+    from workers.engines.base import EngineOptions, KVChecker
+
+    fast = SimEngine(EngineOptions(extra={"verify_kv": "0"}))
+    info = fast.info
+    pool = KVPool(num_layers=info.num_layers, num_pages=32, page_size=4, num_kv_heads=info.num_kv_heads,
+                  head_dim=info.head_dim)
+    fast.bind(pool)
+    tokens = list(range(40, 63))
+    a, b = pool.alloc(12), pool.alloc(12)
+    assert a and b
+    # chunking and page ids do not matter; the pool is left as it was
+    first = {prefill(fast, a, tokens, chunk=23), prefill(fast, list(reversed(b)), tokens, chunk=5)}
+    assert len(first) == 1
+    assert all(not np.any(buf) for buf in pool.kv_buffers())
+    # decode steps chain from the previous token and its position, whoever samples them first
+    seq = [*tokens, first.pop()]
+    for rid in (1, 2):
+        (out,) = fast.forward([SeqInput(rid, a, len(seq) - 1, [seq[-1]], True, SamplingParams())])
+        (other,) = fast.forward([SeqInput(7, b, len(seq) - 1, [seq[-1]], True, SamplingParams())])
+        assert out.token_id == other.token_id
+    outputs = []
+    for _ in range(16):
+        (out,) = fast.forward([SeqInput(1, a, len(seq) - 1, [seq[-1]], True, SamplingParams())])
+        assert out.token_id is not None
+        seq.append(out.token_id)
+        outputs.append(out.token_id)
+    assert len(set(outputs)) > 3, "the chain must not collapse to one letter"
+    # still a KV checker, answering "not checked"
+    assert isinstance(fast, KVChecker)
+    assert fast.verify(a, tokens) is None and fast.digest(a, len(tokens)) is None
+    with pytest.raises(ValueError, match="verify_kv"):
+        SimEngine(EngineOptions(extra={"verify_kv": "maybe"}))

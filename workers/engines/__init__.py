@@ -1,9 +1,9 @@
 """Engines: the model behind a worker (``sim`` built in, ``torch`` for real models, or plugins)."""
 
-from workers.engines.base import Engine, EngineOptions, ModelInfo, SeqInput, SeqOutput
+from workers.engines.base import Engine, EngineOptions, KVChecker, ModelInfo, SeqInput, SeqOutput
 from workers.plugins import load_plugin
 
-__all__ = ["Engine", "EngineOptions", "ModelInfo", "SeqInput", "SeqOutput", "create_engine"]
+__all__ = ["Engine", "EngineOptions", "KVChecker", "ModelInfo", "SeqInput", "SeqOutput", "create_engine"]
 
 
 def create_engine(name: str, options: EngineOptions) -> Engine:

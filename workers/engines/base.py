@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from workers.kv_pool import KVPool
 from workers.protocol import SamplingParams, TokenLogprob
@@ -82,3 +83,21 @@ class Engine(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources."""
+
+
+@runtime_checkable
+class KVChecker(Protocol):
+    """Optional engine ability: recompute what a prompt's KV must be and check the pool against it.
+
+    The scheduler checks for it once at start-up (``isinstance``). The decode side calls ``verify``
+    on every imported prompt (reported as ``kv_verified``), both roles call ``digest`` for
+    ``/debug/rooms``. Either may answer None: "not checked" (e.g. ``sim`` with ``verify_kv=0``).
+    """
+
+    def verify(self, page_ids: list[int], token_ids: list[int]) -> bool | None:
+        """Whether the pool holds exactly the KV ``token_ids`` produce at positions 0.."""
+        ...
+
+    def digest(self, page_ids: list[int], num_tokens: int) -> int | None:
+        """A checksum of the KV of positions [0, num_tokens) as held in the pool."""
+        ...

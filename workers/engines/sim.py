@@ -7,9 +7,19 @@ worker; later steps fold in only their new rows), so a decode worker that receiv
 KV produces different tokens. ``verify`` lets the decode side check imported KV against
 the prompt instead of assuming it arrived intact.
 
-Lifecycle: construct from ``EngineOptions`` (``extra`` may set ``layers``, ``kv_heads``,
-``head_dim``, ``prefill_token_s``, ``decode_step_s``, ``decode_seq_s``, ``kv_salt``) -> ``bind`` ->
-``forward`` per step (sleeps for the modelled compute time) -> ``close``.
+Options (``EngineOptions.extra``, ``--engine-option KEY=VALUE`` on the worker):
+- ``layers`` (4), ``kv_heads`` (2), ``head_dim`` (16), ``max_context`` (8192): the model's shape.
+- ``prefill_token_s`` (2e-5), ``decode_step_s`` (5e-4), ``decode_seq_s`` (5e-5): the latency
+  model; a step sleeps for what it would have cost. 0 everywhere leaves the serving stack's own cost.
+- ``kv_salt`` (0): mixed into every KV row (tests make workers whose KV disagree).
+- ``verify_kv`` (1): 0 skips writing KV rows, reading them back and verifying imported KV (for
+  benchmarks of the stack: at zero model cost that work is most of a worker's CPU). Output tokens
+  are then a function of the sequence's previous token and its position: still deterministic, the
+  same on a combined worker as through prefill + decode, but blind to the KV bytes held; ``verify``
+  and ``digest`` answer None (not checked) and pages hold whatever they held before.
+
+Lifecycle: construct from ``EngineOptions`` -> ``bind`` -> ``forward`` per step (sleeps for the
+modelled compute time) -> ``close``.
 """
 
 from __future__ import annotations
@@ -40,6 +50,10 @@ class SimEngine(Engine):
         self.decode_step_s = float(extra.get("decode_step_s", 5e-4))
         self.decode_seq_s = float(extra.get("decode_seq_s", 5e-5))
         self.kv_salt = int(extra.get("kv_salt", 0))
+        verify_kv = str(extra.get("verify_kv", "1")).strip().lower()
+        if verify_kv not in ("0", "1", "false", "true"):
+            raise ValueError(f"sim engine option verify_kv must be 0 or 1, got {extra['verify_kv']!r}")
+        self.verify_kv = verify_kv in ("1", "true")
         self.info = ModelInfo(
             name=options.model or "sim",
             num_layers=int(extra.get("layers", 4)),
@@ -112,8 +126,10 @@ class SimEngine(Engine):
     def _combine(crcs: list[int]) -> int:
         return zlib.crc32(np.asarray(crcs, dtype=np.uint32).tobytes())
 
-    def digest(self, page_ids: list[int], num_tokens: int) -> int:
-        """A CRC over every KV row of positions [0, num_tokens), as held in the pool."""
+    def digest(self, page_ids: list[int], num_tokens: int) -> int | None:
+        """A CRC over every KV row of positions [0, num_tokens), as held in the pool (None: not checked)."""
+        if not self.verify_kv:
+            return None
         return self._combine(self._fold(page_ids, 0, num_tokens, [0] * 2 * self.pool.num_layers))
 
     def _sample_digest(self, seq: SeqInput) -> int:
@@ -133,8 +149,10 @@ class SimEngine(Engine):
             self._seen.popitem(last=False)
         return self._combine(crcs)
 
-    def verify(self, page_ids: list[int], token_ids: list[int]) -> bool:
-        """Whether the pool holds exactly the KV these tokens produce at positions 0.."""
+    def verify(self, page_ids: list[int], token_ids: list[int]) -> bool | None:
+        """Whether the pool holds exactly the KV these tokens produce at positions 0.. (None: not checked)."""
+        if not self.verify_kv:
+            return None
         pool = self.pool
         for b, buf in enumerate(pool.kv_buffers()):
             expected = self.expected_rows(b, 0, token_ids)
@@ -153,13 +171,14 @@ class SimEngine(Engine):
         for seq in batch:
             if seq.num_cached + len(seq.token_ids) > len(seq.page_ids) * self.pool.page_size:
                 raise ValueError(f"request {seq.rid}: page table too short for its positions")
-            self._write(seq)
+            if self.verify_kv:
+                self._write(seq)
             if len(seq.token_ids) == 1 and seq.num_cached > 0:
                 num_decode += 1
             else:
                 num_prefill_tokens += len(seq.token_ids)
             if seq.sample:
-                crc = self._sample_digest(seq)
+                crc = self._sample_digest(seq) if self.verify_kv else _chain(seq)
                 outputs.append(SeqOutput(token_id=ALPHABET[crc % len(ALPHABET)], logprob=0.0))
             else:
                 outputs.append(SeqOutput())
@@ -170,3 +189,10 @@ class SimEngine(Engine):
         if remaining > 0:
             time.sleep(remaining)
         return outputs
+
+
+def _chain(seq: SeqInput) -> int:
+    """``verify_kv=0``: a 32-bit mix of the sequence's last token and its position (no KV read)."""
+    position = seq.num_cached + len(seq.token_ids) - 1
+    h = ((seq.token_ids[-1] + 1) * 1_000_003 + position * 7919) * 0x9E3779B1 & 0xFFFFFFFF
+    return h ^ (h >> 16)
