@@ -1,6 +1,6 @@
 """KV transfer: engine-neutral backends, page -> block math, and the KV manager/sender/receiver."""
 
-from transfer.base import Block, PeerId, TransferBackend, WriteHandle, WriteState
+from transfer.base import Block, NotifiesCompletion, PeerId, TransferBackend, WriteHandle, WriteState
 from transfer.blocks import RegionSet, kv_blocks, merge_runs
 from transfer.decode import KVReceiver
 from transfer.errors import TransferError, TransferErrorKind
@@ -17,6 +17,7 @@ __all__ = [
     "KVReceiver",
     "KVSender",
     "KVTimeouts",
+    "NotifiesCompletion",
     "PeerId",
     "RegionSet",
     "TransferBackend",

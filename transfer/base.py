@@ -12,15 +12,18 @@ Lifecycle of a backend (the KV manager drives it; backends never see rooms or pa
 
 Every method may be called from any thread. Library errors never escape: they become
 ``TransferError`` with a ``TransferErrorKind`` at this boundary.
+
+Optional ability: ``NotifiesCompletion`` (a listener called when a write leaves PENDING), so the KV
+manager waits for completions instead of polling pending writes. ``WriteTable`` provides it.
 """
 
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import IntEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from transfer.errors import TransferError, TransferErrorKind
 
@@ -86,6 +89,15 @@ class TransferBackend(ABC):
         """Drop every peer, unregister memory, join threads. Idempotent."""
 
 
+@runtime_checkable
+class NotifiesCompletion(Protocol):
+    """Optional backend ability: it calls ``listener()`` each time a write leaves PENDING (DONE or
+    FAILED, also when a disconnect or close fails it), from any of its threads, holding none of its
+    locks. The listener must not block for long and must not call back into the backend."""
+
+    def set_completion_listener(self, listener: Callable[[], None] | None) -> None: ...
+
+
 def unknown_peer(backend: str, peer: PeerId) -> TransferError:
     """The error for a write/poll against a peer id the backend does not (or no longer) know."""
     return TransferError(TransferErrorKind.PEER_GONE, f"{backend}: unknown or disconnected peer {peer}")
@@ -93,7 +105,8 @@ def unknown_peer(backend: str, peer: PeerId) -> TransferError:
 
 class WriteTable:
     """``poll``/``error``/``release`` for backends that keep their writes in ``self._writes``
-    (handle -> a record with ``state`` and ``error``) under their own ``self._lock``.
+    (handle -> a record with ``state`` and ``error``) under their own ``self._lock``, and
+    ``NotifiesCompletion``: the backend calls ``_settled()`` (without its lock) after a write left PENDING.
 
     Mix in before ``TransferBackend``; a backend with more to free on release overrides ``release``.
     """
@@ -101,6 +114,15 @@ class WriteTable:
     name: ClassVar[str]
     _lock: threading.Lock
     _writes: dict[WriteHandle, Any]
+    _on_settled: Callable[[], None] | None = None
+
+    def set_completion_listener(self, listener: Callable[[], None] | None) -> None:
+        self._on_settled = listener
+
+    def _settled(self) -> None:
+        listener = self._on_settled
+        if listener is not None:
+            listener()
 
     def poll(self, handle: WriteHandle) -> WriteState:
         with self._lock:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from transfer.base import TransferBackend
@@ -19,18 +20,33 @@ class Context:
     args: KVArgs
     backend: TransferBackend
     timeouts: KVTimeouts
-    # One re-entrant lock guards every room and connection of the manager; the condition wakes the
-    # monitor thread when writes were posted.
+    # One re-entrant lock guards every room and connection of the manager; ``kick()`` wakes the
+    # monitor thread (writes posted or completed, a room to quiesce).
     lock: threading.RLock = field(default_factory=threading.RLock)
     wake: threading.Condition = field(init=False)
+    kicked: bool = False  # a kick since the monitor's last tick began (read and cleared under ``lock``)
     closed: bool = False
     # Counters for metrics, changed under ``lock`` and read without it (``KVManager.counters``).
     num_bytes_sent: int = 0  # prefill: bytes of KV pages and aux records posted to decodes
     num_rooms_completed: int = 0  # rooms that reached Success
     num_rooms_failed: int = 0  # rooms that reached Failed (aborts included)
+    # Called (from whichever thread, lock held) after a room's state or ``quiesced`` changed, so the
+    # scheduler wakes at once instead of polling: it must not block.
+    on_change: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         self.wake = threading.Condition(self.lock)
+
+    def changed(self) -> None:
+        """A room's poll() or quiesced answer changed: tell the listener (call it after the whole change)."""
+        if self.on_change is not None:
+            self.on_change()
+
+    def kick(self) -> None:
+        """Wake the monitor thread for a tick now (any thread; takes the lock briefly)."""
+        with self.lock:
+            self.kicked = True
+            self.wake.notify_all()
 
 
 def flush(outbox: Outbox) -> None:

@@ -155,6 +155,7 @@ class DecodeSide:
             conn.receivers.add(receiver)
             if conn.ready and receiver._state == KVPoll.Bootstrapping:
                 receiver._state = KVPoll.WaitingForInput
+                self._ctx.changed()
         if created:
             self._open(conn)
 
@@ -180,12 +181,17 @@ class DecodeSide:
             args.aux_ptrs, args.aux_data_lens, args.aux_item_lens, args.page_size, args.kv_dtype,
         ))
 
-    def _fail(self, receiver: KVReceiver, error: TransferError) -> None:
-        """Lock held."""
+    def _fail(self, receiver: KVReceiver, error: TransferError, *, quiet: bool = False) -> None:
+        """Lock held. ``quiet``: no write of the prefill can land any more (its connection is gone)."""
+        if quiet:
+            receiver._quiet = True
         if receiver._state in _TERMINAL:
+            if quiet:
+                self._ctx.changed()
             return
         receiver._state, receiver._error = KVPoll.Failed, error
         self._ctx.num_rooms_failed += 1
+        self._ctx.changed()
 
     def _fail_one(self, receiver: KVReceiver, error: TransferError) -> None:
         with self._ctx.lock:
@@ -198,8 +204,8 @@ class DecodeSide:
             if self._conns.get(conn.address) is conn:
                 del self._conns[conn.address]
             for receiver in list(conn.receivers):
-                self._fail(receiver, room_error(receiver.room, error))
-                receiver._quiet = True  # no prefill connection, no more writes from it
+                # no prefill connection, no more writes from it
+                self._fail(receiver, room_error(receiver.room, error), quiet=True)
             conn.receivers.clear()
 
     def send_metadata(self, receiver: KVReceiver, page_ids: list[int], aux_index: int) -> None:
@@ -266,6 +272,7 @@ class DecodeSide:
                     for receiver in conn.receivers:
                         if receiver._state == KVPoll.Bootstrapping:
                             receiver._state = KVPoll.WaitingForInput
+                    self._ctx.changed()
             case RegisterAck(ok=False, reason=reason, kind=kind):
                 error = TransferError(TransferErrorKind.parse(kind), f"{channel.name} refused registration: {reason}")
                 self._conn_failed(conn, error)
@@ -280,6 +287,7 @@ class DecodeSide:
                         receiver.aux_len = aux_len
                         receiver._state = KVPoll.Success
                         self._ctx.num_rooms_completed += 1
+                        self._ctx.changed()
                         conn.receivers.discard(receiver)
                     elif ok:
                         self._fail(receiver, TransferError(
@@ -296,6 +304,7 @@ class DecodeSide:
                     if target is not None and target._conn is conn and target._state == KVPoll.Failed:
                         target._quiet = True
                         conn.receivers.discard(target)
+                        self._ctx.changed()
             case Abort(room=room, reason=reason):
                 with self._ctx.lock:
                     target = self._receivers.get(room)
@@ -351,8 +360,8 @@ class DecodeSide:
                 if self._conns.get(conn.address) is conn:
                     del self._conns[conn.address]
                 for receiver in list(conn.receivers):
-                    self._fail(receiver, room_error(receiver.room, error))
-                    receiver._quiet = True  # see docs/transfer.md: a prefill frozen mid-write is not fenced off
+                    # see docs/transfer.md: a prefill frozen mid-write is not fenced off
+                    self._fail(receiver, room_error(receiver.room, error), quiet=True)
                 conn.receivers.clear()
                 silent.append((channel, error))
             else:

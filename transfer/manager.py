@@ -7,7 +7,11 @@ Lifecycle:
    heartbeats).
 2. Prefill: ``create_sender(room)`` per request; decode: ``create_receiver(room, host, port, instance_id)``.
    The scheduler thread then polls the room and calls its non-blocking methods (see ``KVSender`` and
-   ``KVReceiver``); background threads do every blocking step.
+   ``KVReceiver``); background threads do every blocking step. ``set_listener(fn)``: ``fn()`` runs
+   whenever a room's ``poll()`` or ``quiesced`` changes, so the scheduler waits for that instead of
+   polling. The monitor thread ticks when kicked (a write posted, completed or failed, a room to
+   quiesce) and otherwise every ``_IDLE_POLL_S`` for timeouts; it polls every ``_BUSY_POLL_S`` while
+   writes are in flight only on a backend that cannot notify completions (``NotifiesCompletion``).
 3. ``release()`` each room when done; ``num_rooms()`` counts rooms not yet released.
 4. ``close()`` (idempotent): fails live rooms (ABORTED, telling the peers), closes connections, joins
    threads, closes the backend (which unregisters the memory). The manager owns the backend.
@@ -18,9 +22,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Literal
 
-from transfer.base import TransferBackend
+from transfer.base import NotifiesCompletion, TransferBackend
 from transfer.context import Context, Outbox, flush
 from transfer.decode import DecodeSide, KVReceiver, Resolver
 from transfer.prefill import PrefillSide
@@ -29,8 +34,8 @@ from transfer.types import KVArgs, KVTimeouts
 
 log = logging.getLogger(__name__)
 
-_BUSY_POLL_S = 0.0005  # monitor tick while writes are in flight
-_IDLE_POLL_S = 0.05
+_BUSY_POLL_S = 0.0005  # monitor tick while writes are in flight on a backend that does not notify
+_IDLE_POLL_S = 0.05  # otherwise: timeouts and heartbeats
 
 
 class KVManager:
@@ -71,6 +76,9 @@ class KVManager:
             raise
         self._closed = False
         self._close_lock = threading.Lock()
+        self._notified = isinstance(backend, NotifiesCompletion)
+        if isinstance(backend, NotifiesCompletion):
+            backend.set_completion_listener(self._ctx.kick)
         if self._prefill is not None:
             self._prefill.start()
         self._monitor = threading.Thread(target=self._monitor_loop, name=f"kv-monitor-{role}", daemon=True)
@@ -95,6 +103,11 @@ class KVManager:
             raise RuntimeError("create_receiver() on a prefill KVManager")
         return self._decode.create_receiver(room, host, port, instance_id)
 
+    def set_listener(self, on_change: Callable[[], None] | None) -> None:
+        """``on_change()`` is called after a room's ``poll()`` or ``quiesced`` changed (from whichever
+        thread made the change, with the manager's lock held: it must not block or call back in)."""
+        self._ctx.on_change = on_change
+
     def num_rooms(self) -> int:
         side = self._prefill or self._decode
         assert side is not None
@@ -110,6 +123,7 @@ class KVManager:
             with ctx.lock:
                 if ctx.closed:
                     return
+                ctx.kicked = False  # kicks from now on are seen by the wait below
                 now = time.monotonic()
                 try:
                     busy = side.tick(now, outbox)
@@ -126,7 +140,8 @@ class KVManager:
             with ctx.lock:
                 if ctx.closed:
                     return
-                ctx.wake.wait(_BUSY_POLL_S if busy else _IDLE_POLL_S)
+                if not ctx.kicked:
+                    ctx.wake.wait(_BUSY_POLL_S if busy and not self._notified else _IDLE_POLL_S)
 
     def close(self) -> None:
         with self._close_lock:

@@ -180,8 +180,11 @@ class MooncakeBackend(WriteTable, TransferBackend):
     def _finish(self, handle: WriteHandle, state: WriteState, error: TransferError | None = None) -> None:
         with self._lock:
             record = self._writes.get(handle)
-            if record is not None and record.state == WriteState.PENDING:
+            changed = record is not None and record.state == WriteState.PENDING
+            if record is not None and changed:
                 record.state, record.error = state, error
+        if changed:
+            self._settled()
 
     def _send_loop(self, peer: _Peer) -> None:
         timeout_s = _transfer_timeout_s()
@@ -260,6 +263,7 @@ class MooncakeBackend(WriteTable, TransferBackend):
             for record in self._writes.values():
                 if record.peer == target.peer_id and record.state == WriteState.PENDING:
                     record.state, record.error = WriteState.FAILED, target.dead
+        self._settled()
 
     def close(self) -> None:
         with self._lock:
@@ -278,6 +282,7 @@ class MooncakeBackend(WriteTable, TransferBackend):
                 if record.state == WriteState.PENDING:
                     record.state = WriteState.FAILED
                     record.error = TransferError(TransferErrorKind.ABORTED, "mooncake: backend closed")
+        self._settled()
         if any(t.thread is not None and t.thread.is_alive() for t in peers):
             # An engine call is still running against this memory: leave it registered (the engine is
             # torn down with the process) rather than pull it from under the call.

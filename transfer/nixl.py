@@ -252,12 +252,15 @@ class NixlBackend(WriteTable, TransferBackend):
     def _settle(self, record: _Write, state: WriteState, error: TransferError | None = None) -> None:
         """The batch ended (progress thread): record it; free the NIXL handle if nobody wants it."""
         with self._lock:
-            if record.state == WriteState.PENDING:
+            changed = record.state == WriteState.PENDING
+            if changed:
                 record.state, record.error = state, error
             record.settled = True
             drop = record.released
         if drop:
             self._release_xfer(record)
+        if changed:
+            self._settled()
 
     def _release_xfer(self, record: _Write) -> None:
         if record.xfer is None:
@@ -294,6 +297,7 @@ class NixlBackend(WriteTable, TransferBackend):
             for record in self._writes.values():
                 if record.peer == peer and record.state == WriteState.PENDING:
                     record.state, record.error = WriteState.FAILED, target.dead
+        self._settled()
         try:
             with self._agent_lock:
                 self._agent.remove_remote_agent(target.name)
@@ -314,6 +318,7 @@ class NixlBackend(WriteTable, TransferBackend):
                     record.state = WriteState.FAILED
                     record.error = TransferError(TransferErrorKind.ABORTED, "nixl: backend closed")
             peers = list(self._peers)
+        self._settled()
         for record in records:
             self._release_xfer(record)
         for peer_id in peers:

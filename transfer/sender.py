@@ -168,6 +168,7 @@ class SenderRooms:
             # answered by tick() once no write of the room is in flight (at once if none ever was)
             if sender is None or sender._request is None or sender._request.link is link:
                 self._unquiet[room] = link
+                self._ctx.kick()
 
     def on_link_closed(self, link: Link, error: TransferError) -> None:
         """The decode behind ``link`` is gone: fail its rooms, forget its pending requests (lock held)."""
@@ -210,6 +211,7 @@ class SenderRooms:
             self._fail(sender, error, [], notify=False)
         elif sender._state == KVPoll.Bootstrapping:
             sender._state = KVPoll.WaitingForInput
+            self._ctx.changed()
 
     def send(self, sender: KVSender, page_ids: list[int], last: bool, aux: bytes | None) -> None:
         ctx, room = self._ctx, sender.room
@@ -264,7 +266,7 @@ class SenderRooms:
                 else:
                     sender._writes.append(_Write(room, handle, time.monotonic(), slot))
                     ctx.num_bytes_sent += sum(length for _, _, length in blocks)
-            ctx.wake.notify_all()
+            ctx.kick()
         flush(outbox)
 
     def _fail(self, sender: KVSender, error: TransferError, outbox: Outbox, *, notify: bool = True) -> None:
@@ -272,11 +274,13 @@ class SenderRooms:
             return
         sender._state, sender._error = KVPoll.Failed, error
         self._ctx.num_rooms_failed += 1
+        self._ctx.changed()
         self._graveyard.extend(sender._writes)
         sender._writes = []
         request = sender._request
         if request is not None and not request.link.closed:
             self._unquiet[sender.room] = request.link
+            self._ctx.kick()  # the next tick tells the decode once none of the room's writes is in flight
         if notify and request is not None and not request.link.closed:
             outbox.append((request.link.channel, RoomStatus(sender.room, False, error.kind.value, error.message)))
 
@@ -377,6 +381,7 @@ class SenderRooms:
             self._retire(write)
         if sender._last_sent:
             sender._state = KVPoll.Success
+            self._ctx.changed()
             sender.latency_s = now - sender._first_send
             self._ctx.num_rooms_completed += 1
             outbox.append((request.link.channel, RoomStatus(room, True, aux_len=sender._aux_len)))

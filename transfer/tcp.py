@@ -210,8 +210,11 @@ class TcpBackend(WriteTable, TransferBackend):
     def _finish(self, handle: WriteHandle, state: WriteState, error: TransferError | None = None) -> None:
         with self._lock:
             record = self._writes.get(handle)
-            if record is not None and record.state == WriteState.PENDING:
+            changed = record is not None and record.state == WriteState.PENDING
+            if record is not None and changed:
                 record.state, record.error = state, error
+        if changed:
+            self._settled()
 
     def _send_loop(self, peer: _Peer) -> None:
         sock = peer.sock
@@ -313,3 +316,4 @@ class TcpBackend(WriteTable, TransferBackend):
                 if record.state == WriteState.PENDING:
                     record.state = WriteState.FAILED
                     record.error = TransferError(TransferErrorKind.ABORTED, "tcp: backend closed")
+        self._settled()

@@ -9,13 +9,22 @@ from __future__ import annotations
 
 import base64
 import socket
+import threading
 import time
 
 import numpy as np
 import pytest
 from kvpeer import SHAPE, fill, pattern, skip_reason
 
-from transfer import KVArgs, RegionSet, TransferError, TransferErrorKind, WriteState, create_backend
+from transfer import (
+    KVArgs,
+    NotifiesCompletion,
+    RegionSet,
+    TransferError,
+    TransferErrorKind,
+    WriteState,
+    create_backend,
+)
 from transfer.messages import (
     PROTOCOL_VERSION,
     FrameReader,
@@ -90,6 +99,44 @@ def test_writes_land_and_bad_ranges_are_rejected(backend_name, spawn_peer, local
     assert backend.poll(after) == WriteState.FAILED and backend.error(after).kind == TransferErrorKind.PEER_GONE
     backend.close()
     backend.close()  # idempotent
+
+
+def test_completion_listener_fires_when_a_write_settles(backend_name, spawn_peer, local_backend):
+    """A backend that notifies completions calls its listener after every write left PENDING (DONE or
+    FAILED): the KV manager then sleeps until told instead of polling pending writes."""
+    backend = local_backend(backend_name)
+    if not isinstance(backend, NotifiesCompletion):
+        pytest.skip(f"{backend_name} does not notify completions (the KV manager polls it)")
+    peer = spawn_peer("decode", backend_name)
+    pool = SHAPE.pool()
+    backend.register(KVArgs.from_pool(pool).regions())
+    peer_id = backend.connect(base64.b64decode(peer.info["endpoint"]))
+    fired = threading.Event()
+    backend.set_completion_listener(fired.set)
+    src, dst, page_bytes = pool.kv_ptrs(), peer.info["kv_ptrs"], pool.page_bytes
+
+    def settles(handle: int) -> WriteState:
+        """Wait on the listener alone (re-check only when it fired)."""
+        deadline = time.monotonic() + 30
+        while True:
+            fired.clear()
+            if (state := backend.poll(handle)) != WriteState.PENDING:
+                return state
+            if not fired.wait(max(0.0, deadline - time.monotonic())):
+                return WriteState.PENDING  # settled without a call, or never: both break the contract
+
+    good = backend.write(peer_id, [(s, d + 2 * page_bytes, page_bytes) for s, d in zip(src, dst, strict=True)])
+    assert settles(good) == WriteState.DONE, backend.error(good)
+    regions = RegionSet([tuple(r) for r in peer.info["regions"]])
+    bad_dst = next(a for a in (dst[0] + SHAPE.num_pages * page_bytes, dst[0] - page_bytes, 1 << 40)
+                   if not regions.contains(a, page_bytes))
+    bad = backend.write(peer_id, [(src[0], bad_dst, page_bytes)])
+    assert settles(bad) == WriteState.FAILED
+    backend.set_completion_listener(None)
+    after = backend.write(peer_id, [(src[0], dst[0], page_bytes)])
+    assert _wait(backend, after) == WriteState.DONE  # without a listener nothing is called, all still works
+    for handle in (good, bad, after):
+        backend.release(handle)
 
 
 @pytest.mark.parametrize("name", ["tcp", "mooncake", "nixl"])

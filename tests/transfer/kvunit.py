@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,3 +27,28 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
     while not predicate() and time.monotonic() < deadline:
         time.sleep(0.002)
     return predicate()
+
+
+class Waker:
+    """A KV manager listener that waits the way the scheduler does: on notifications only, no polling.
+
+    ``until(predicate)`` re-checks only when the listener fired since its last check, so a state change
+    that is not notified makes it time out (the scheduler would sleep through it)."""
+
+    def __init__(self) -> None:
+        self._fired = threading.Event()
+        self.num_calls = 0
+
+    def __call__(self) -> None:
+        self.num_calls += 1
+        self._fired.set()
+
+    def until(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._fired.clear()
+            if predicate():
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._fired.wait(remaining):
+                return False  # even if it holds by now: nothing said so

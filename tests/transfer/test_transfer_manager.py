@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from kvunit import make_args, wait_for
+from kvunit import Waker, make_args, wait_for
 
 from transfer import (
     KVArgs,
@@ -75,6 +75,49 @@ def test_happy_path_state_machine(managers):
     assert prefill.num_rooms() == 0 and decode.num_rooms() == 0
     # one run per chunk ([0, 1] -> [2, 3], then [5] -> [9]) x 4 buffers, plus the aux block
     assert prefill.backend.blocks_written == 4 + 4 + 1
+
+
+def test_every_change_the_scheduler_waits_for_is_notified(managers):
+    """The scheduler sleeps until the manager's listener fires: each transition it waits for must fire it."""
+    prefill, decode = managers("prefill"), managers("decode")
+    p_wake, d_wake = Waker(), Waker()
+    prefill.set_listener(p_wake)
+    decode.set_listener(d_wake)
+    address = prefill.control_address
+    sender = prefill.create_sender(1)
+    receiver = decode.create_receiver(1, *address)
+    assert d_wake.until(lambda: receiver.poll() == KVPoll.WaitingForInput)  # connected and registered
+    receiver.send_metadata([3, 4], 0)
+    assert p_wake.until(lambda: sender.poll() == KVPoll.WaitingForInput)  # the page list arrived
+    sender.send([1, 2], last=True, aux=b"a")
+    assert p_wake.until(lambda: sender.poll() == KVPoll.Success)  # the monitor saw every write done
+    assert d_wake.until(lambda: receiver.poll() == KVPoll.Success)
+    # a room on the ready connection; the prefill aborts it after the page list: Failed, then quiesced
+    receiver2 = decode.create_receiver(2, *address)
+    assert d_wake.until(lambda: receiver2.poll() == KVPoll.WaitingForInput)
+    receiver2.send_metadata([5], 1)
+    sender2 = prefill.create_sender(2)
+    assert p_wake.until(lambda: sender2.poll() == KVPoll.WaitingForInput)
+    sender2.abort("test")
+    assert d_wake.until(lambda: receiver2.poll() == KVPoll.Failed)
+    assert d_wake.until(lambda: receiver2.quiesced)
+    # the decode aborts a room whose page list the prefill holds: the prefill's sender fails
+    sender3 = prefill.create_sender(3)
+    receiver3 = decode.create_receiver(3, *address)
+    assert d_wake.until(lambda: receiver3.poll() == KVPoll.WaitingForInput)
+    receiver3.send_metadata([6], 2)
+    assert p_wake.until(lambda: sender3.poll() == KVPoll.WaitingForInput)
+    receiver3.abort("test")
+    assert p_wake.until(lambda: sender3.poll() == KVPoll.Failed)
+    assert d_wake.until(lambda: receiver3.quiesced)
+    # the prefill goes away: its rooms fail and quiesce on the decode
+    receiver4 = decode.create_receiver(4, *address)
+    assert d_wake.until(lambda: receiver4.poll() == KVPoll.WaitingForInput)
+    receiver4.send_metadata([7], 3)
+    prefill.close()
+    assert d_wake.until(lambda: receiver4.poll() == KVPoll.Failed and receiver4.quiesced)
+    for room in (sender, sender2, sender3, receiver, receiver2, receiver3, receiver4):
+        room.release()
 
 
 def test_blocks_per_chunk_merge_runs(managers):
