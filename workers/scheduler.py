@@ -18,6 +18,9 @@ Lifecycle (one ``Scheduler`` per worker, its loop on a dedicated thread):
    load changed (at most every ``REPORT_MIN_INTERVAL_S``; at least every ``BUSY_REPORT_S`` while
    requests are live, ``IDLE_REPORT_S`` otherwise), a ``LoadReport`` per connection carrying the
    newest rid admitted from it.
+   A step that ran no batch is followed by a sleep on the inbox until a message arrives (from the
+   network side, or a wake-up the KV manager's listener queues when a room changed state) or the
+   next load report or request deadline is due; ``IDLE_WAIT_S`` at most. Nothing is polled.
 3. Every exit (finish, error, abort, timeout, dropped connection) goes through ``_release``, which
    returns pages and aux slots to the pool and releases the KV sender/receiver.
 4. ``stop()`` ends the loop; live requests fail with ``shutting_down``.
@@ -53,8 +56,7 @@ from workers.request import Req
 log = logging.getLogger(__name__)
 
 BROADCAST = -1  # connection id meaning "every connection" in the sink
-IDLE_WAIT_S = 0.05
-TRANSFER_POLL_S = 0.002
+IDLE_WAIT_S = 0.05  # the longest idle sleep; a message, a KV room's change or a due time ends it sooner
 REPORT_MIN_INTERVAL_S = 0.002  # a changed load is reported at most this often...
 BUSY_REPORT_S = 0.1  # ...and at least this often while requests are live
 IDLE_REPORT_S = 0.5
@@ -122,6 +124,9 @@ class Scheduler(PDQueues):
         self.num_steps = 0
         self.metrics = SchedulerMetrics()  # histograms and outcome counters for /metrics
         self.error: BaseException | None = None
+        self._wake_pending = False
+        if kv is not None:
+            kv.set_listener(self._on_kv_change)
 
     # -- thread-safe API ---------------------------------------------------------------------
     def connect(self, conn_id: int) -> None:
@@ -136,6 +141,12 @@ class Scheduler(PDQueues):
 
     def drop_connection(self, conn_id: int) -> None:
         self._inbox.put(("drop", conn_id))
+
+    def _on_kv_change(self) -> None:
+        """A transfer thread changed a room's state (its lock held): wake the loop, one wake-up queued at most."""
+        if not self._wake_pending:
+            self._wake_pending = True
+            self._inbox.put(("wake", None))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"scheduler-{self.role}", daemon=True)
@@ -166,13 +177,11 @@ class Scheduler(PDQueues):
         try:
             while not self._stop.is_set():
                 did_work = self.step()
-                self._last_progress = time.monotonic()
+                self._last_progress = now = time.monotonic()
                 if not did_work:
-                    # Nothing to compute: requests (if any) wait on KV transfers or pages.
-                    wait_s = IDLE_WAIT_S if not self.reqs else TRANSFER_POLL_S
-                    if self._load_dirty:
-                        wait_s = min(wait_s, REPORT_MIN_INTERVAL_S)
-                    self._wait_for_inbox(wait_s)
+                    # Nothing to compute: requests (if any) wait on KV transfers, whose changes wake us
+                    # through the inbox (``_on_kv_change``), or on pages that only a step frees.
+                    self._wait_for_inbox(self._idle_wait_s(now))
         except BaseException as exc:  # the worker's health turns red; requests must not hang
             log.exception("scheduler loop crashed")
             self.error = exc
@@ -180,6 +189,17 @@ class Scheduler(PDQueues):
             for req in list(self.reqs.values()):
                 self._fail(req, "internal" if self.error else "shutting_down", "worker stopped")
             self._flush()
+
+    def _idle_wait_s(self, now: float) -> float:
+        """How long the loop may sleep: until the next load report or request deadline is due."""
+        wait_s = IDLE_WAIT_S
+        if self._conns:
+            since = now - self._last_load
+            every = REPORT_MIN_INTERVAL_S if self._load_dirty else BUSY_REPORT_S if self.reqs else IDLE_REPORT_S
+            wait_s = min(wait_s, every - since)
+        if self.reqs:
+            wait_s = min(wait_s, min(r.deadline for r in self.reqs.values()) - now)
+        return max(wait_s, 0.0)
 
     def _wait_for_inbox(self, timeout_s: float) -> None:
         try:
@@ -229,7 +249,9 @@ class Scheduler(PDQueues):
 
     def _handle_one(self, item: tuple[str, Any]) -> None:
         kind, payload = item
-        if kind == "submit":
+        if kind == "wake":
+            self._wake_pending = False  # the step that follows sees every change made before this
+        elif kind == "submit":
             self._admit(*payload)
         elif kind == "abort":
             conn_id, rid, reason = payload

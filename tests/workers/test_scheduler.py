@@ -297,3 +297,24 @@ def test_kv_events_and_acknowledging_load_reports() -> None:
     (snap,) = [m for c, m in sink.items if c == 9 and isinstance(m, KVEvents)]
     assert snap.reset and set(snap.stored) == set(sched.cache.cached_hashes())
     assert sched.cache.num_available == pool.num_pages
+
+
+def test_idle_sleep_ends_when_a_report_or_a_deadline_is_due() -> None:
+    from workers import scheduler as mod
+
+    sched, _, _ = make()
+    now = time.monotonic()
+    assert sched._idle_wait_s(now) == mod.IDLE_WAIT_S  # no connection, no request: only the safety net
+    sched.connect(1)
+    sched.step()  # the new connection got its first report
+    sched._load_dirty = True
+    assert sched._idle_wait_s(sched._last_load) == mod.REPORT_MIN_INTERVAL_S
+    sched._load_dirty = False
+    assert sched._idle_wait_s(sched._last_load) == mod.IDLE_WAIT_S
+    assert sched._idle_wait_s(sched._last_load + mod.IDLE_REPORT_S) == 0.0
+    sched.submit(1, Submit(1, [1, 2, 3], SamplingParams(max_new_tokens=5), timeout_s=0.01))
+    sched._handle(sched._inbox.get())
+    req = next(iter(sched.reqs.values()))
+    sched._load_dirty, sched._last_load = False, req.deadline - 0.004  # no report due for a while
+    assert abs(sched._idle_wait_s(req.deadline - 0.004) - 0.004) < 1e-9  # wake for the deadline
+    assert sched._idle_wait_s(req.deadline + 1) == 0.0
