@@ -14,6 +14,8 @@ Decode side, ``BootstrapResolver`` (sync, thread-safe, shared by the KV-transfer
 1. ``topology(host, port, instance_id)`` and ``resolve(...)`` GET ``/route`` and cache replies for
    ``cache_ttl_s``; errors are never cached. 503 raises ``BootstrapNotReady``, no reply raises
    ``BootstrapUnreachable``, anything else unexpected ``BootstrapError``.
+   ``cached_topology(...)`` / ``cached_address(...)`` answer from the cache alone (None on a miss):
+   they never block, so a caller on a hot thread can skip a hand-off to a thread that may.
 2. ``invalidate(host, port, instance_id)`` drops the cached replies of one prefill instance (call
    it when a transfer to it fails). ``close()`` closes the one HTTP client.
 """
@@ -311,6 +313,16 @@ class BootstrapResolver:
         result = (address.rank_ip, address.rank_port)
         self._store(key, result)
         return result
+
+    def cached_topology(self, host: str, port: int | None, instance_id: str | None = None) -> Topology | None:
+        """What ``topology`` would return from its cache now; None if it would ask the registry."""
+        topology: Topology | None = self._cached((host, port, instance_id))
+        return topology
+
+    def cached_address(self, host: str, port: int | None, instance_id: str | None = None) -> tuple[str, int] | None:
+        """What ``resolve`` (rank 0 everywhere) would return from its cache now; None if it would ask."""
+        address: tuple[str, int] | None = self._cached((host, port, instance_id, 0, 0, 0, 0))
+        return address
 
     def invalidate(self, host: str, port: int | None, instance_id: str | None = None) -> None:
         prefix = (host, port, instance_id)

@@ -5,6 +5,9 @@ Lifecycle:
    and hands the bootstrap to a small thread pool: ``resolver(host, port, instance_id)`` (may block on
    HTTP) -> the prefill's control address -> the one connection kept per address (opened on first use:
    TCP connect, ``Register`` with our data endpoint and memory, wait for ``RegisterAck``).
+   Fast path: when the address is known without blocking (no resolver and a port given, or a
+   ``CachingResolver`` with the answer cached) and its connection is registered, the receiver is
+   WaitingForInput before ``create_receiver`` returns, with no hand-off.
 2. Once the connection is registered the receiver is WaitingForInput with ``metadata_sent`` False: the
    scheduler calls ``send_metadata(page_ids, aux_index)`` -> ``RoomRequest``; ``metadata_sent`` True.
 3. The prefill writes the KV straight into our registered memory and then sends ``RoomStatus``:
@@ -24,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from transfer.blocks import check_pages
 from transfer.channel import ControlChannel
@@ -44,6 +48,19 @@ from transfer.messages import (
 from transfer.types import KVPoll
 
 Resolver = Callable[[str, int | None, str | None], tuple[str, int]]
+
+
+@runtime_checkable
+class CachingResolver(Protocol):
+    """Optional resolver ability: answer from what it already knows, without blocking."""
+
+    def __call__(self, host: str, port: int | None, instance_id: str | None) -> tuple[str, int]: ...
+
+    def cached(self, host: str, port: int | None, instance_id: str | None) -> tuple[str, int] | None:
+        """What ``__call__`` would answer now if that needs no I/O; None when it would have to ask.
+        Never blocks; may raise (the receiver then takes the ordinary path, which reports the error)."""
+        ...
+
 _TERMINAL = (KVPoll.Failed, KVPoll.Success)
 _MAX_CONNECT_S = 10.0
 
@@ -119,8 +136,27 @@ class DecodeSide:
                 raise ValueError(f"room {room} already has a receiver")
             receiver = KVReceiver(self, room, time.monotonic())
             self._receivers[room] = receiver
+            conn = self._conns.get(self._known_address(host, port, instance_id) or ("", 0))
+            if conn is not None and conn.ready:  # fast path: nothing to resolve, connect or register
+                receiver._conn = conn
+                conn.receivers.add(receiver)
+                receiver._state = KVPoll.WaitingForInput
+                self._ctx.changed()
+                return receiver
         self._pool.submit(self._bootstrap, receiver, host, port, instance_id)
         return receiver
+
+    def _known_address(self, host: str, port: int | None, instance_id: str | None) -> tuple[str, int] | None:
+        """The prefill's control address if known without blocking (see ``_bootstrap`` for the slow path)."""
+        if self._resolver is None:
+            return (host, port) if port is not None else None
+        if not isinstance(self._resolver, CachingResolver):
+            return None
+        try:
+            address = self._resolver.cached(host, port, instance_id)
+        except Exception:
+            return None
+        return (str(address[0]), int(address[1])) if address is not None else None
 
     def _bootstrap(self, receiver: KVReceiver, host: str, port: int | None, instance_id: str | None) -> None:
         room = receiver.room

@@ -115,20 +115,13 @@ class Worker:
         return KVManager(role, args, create_backend(cfg.transfer), host=cfg.host, timeouts=timeouts,
                          resolver=resolver)
 
-    def _make_resolver(self) -> Any:
-        from bootstrap.client import BootstrapResolver, check_compatible
+    def _make_resolver(self) -> _RegistryResolver:
+        from bootstrap.client import BootstrapResolver
 
         resolver = BootstrapResolver(token=self.config.bootstrap_token)
         self._resolver = resolver
         assert self.pool is not None
-        page_size, dtype = self.pool.page_size, self.pool.dtype
-
-        def resolve(host: str, port: int | None, instance_id: str | None) -> tuple[str, int]:
-            topology = resolver.topology(host, port or 8998, instance_id)
-            check_compatible(topology, page_size=page_size, kv_cache_dtype=dtype)
-            return resolver.resolve(host, port, instance_id)
-
-        return resolve
+        return _RegistryResolver(resolver, self.pool.page_size, self.pool.dtype)
 
     async def _register(self) -> None:
         from bootstrap.client import BootstrapRegistrar, RankRegistration
@@ -223,3 +216,33 @@ class Worker:
                 await self._embedded.aclose()
         if self.engine is not None and stopped:
             self.engine.close()
+
+
+class _RegistryResolver:
+    """The decode's KV resolver: a prefill's control address from the bootstrap registry, once its KV
+    layout checked out against ours. ``cached`` answers from the registry client's cache alone (a
+    ``transfer.decode.CachingResolver``: the KV manager then skips its bootstrap thread)."""
+
+    def __init__(self, resolver: Any, page_size: int, kv_cache_dtype: str) -> None:
+        from bootstrap.client import check_compatible
+        from bootstrap.messages import DEFAULT_BOOTSTRAP_PORT
+
+        self._resolver = resolver  # bootstrap.client.BootstrapResolver
+        self._check = check_compatible
+        self._default_port = DEFAULT_BOOTSTRAP_PORT
+        self._page_size = page_size
+        self._dtype = kv_cache_dtype
+
+    def __call__(self, host: str, port: int | None, instance_id: str | None) -> tuple[str, int]:
+        topology = self._resolver.topology(host, port or self._default_port, instance_id)
+        self._check(topology, page_size=self._page_size, kv_cache_dtype=self._dtype)
+        address: tuple[str, int] = self._resolver.resolve(host, port, instance_id)
+        return address
+
+    def cached(self, host: str, port: int | None, instance_id: str | None) -> tuple[str, int] | None:
+        topology = self._resolver.cached_topology(host, port or self._default_port, instance_id)
+        if topology is None:
+            return None
+        self._check(topology, page_size=self._page_size, kv_cache_dtype=self._dtype)
+        address: tuple[str, int] | None = self._resolver.cached_address(host, port, instance_id)
+        return address

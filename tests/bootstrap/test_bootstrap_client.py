@@ -107,14 +107,20 @@ def test_resolver_caches_until_invalidated(start_registry: Callable[..., Registr
     resolver = BootstrapResolver(cache_ttl_s=60)
     fresh = BootstrapResolver(cache_ttl_s=0)
     try:
+        assert resolver.cached_address("127.0.0.1", reg.port, "c") is None  # never asked: a miss, no I/O
         assert resolver.resolve("127.0.0.1", reg.port, "c") == ("127.0.0.1", 52000)
+        assert resolver.cached_topology("127.0.0.1", reg.port, "c") is None
         assert resolver.topology("127.0.0.1", reg.port, "c").page_size == 16
+        assert resolver.cached_address("127.0.0.1", reg.port, "c") == ("127.0.0.1", 52000)
+        assert resolver.cached_topology("127.0.0.1", reg.port, "c").page_size == 16  # type: ignore[union-attr]
         httpx.put(f"{reg.url}/route", json=rank_body(instance_id="c", rank_port=52001, page_size=32), timeout=5)
         assert resolver.resolve("127.0.0.1", reg.port, "c") == ("127.0.0.1", 52000)  # cached
         assert fresh.resolve("127.0.0.1", reg.port, "c") == ("127.0.0.1", 52001)
+        assert fresh.cached_address("127.0.0.1", reg.port, "c") is None  # caching off
         resolver.invalidate("127.0.0.1", reg.port, "other")  # another instance: no effect
         assert resolver.resolve("127.0.0.1", reg.port, "c") == ("127.0.0.1", 52000)
         resolver.invalidate("127.0.0.1", reg.port, "c")
+        assert resolver.cached_address("127.0.0.1", reg.port, "c") is None
         assert resolver.resolve("127.0.0.1", reg.port, "c") == ("127.0.0.1", 52001)
         assert resolver.topology("127.0.0.1", reg.port, "c").page_size == 32
     finally:

@@ -235,6 +235,42 @@ def test_resolver_runs_in_the_background(managers):
     assert calls == [("prefill-0.local", None, "inst-7", True)]
 
 
+def test_a_known_address_skips_the_bootstrap_thread(managers):
+    prefill = managers("prefill")
+    address = prefill.control_address
+
+    class Caching:
+        """A CachingResolver: it knows the answer once asked."""
+
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, host, port, instance_id):
+            self.calls += 1
+            return address
+
+        def cached(self, host, port, instance_id):
+            return address if self.calls else None
+
+    resolver = Caching()
+    decode = managers("decode", resolver=resolver)
+    first = decode.create_receiver(1, "prefill-0.local", None, "inst")
+    assert wait_for(lambda: first.poll() == KVPoll.WaitingForInput)
+    second = decode.create_receiver(2, "prefill-0.local", None, "inst")
+    assert second.poll() == KVPoll.WaitingForInput, "ready before create_receiver returned"
+    assert resolver.calls == 1
+    second.send_metadata([1], 0)
+    sender = prefill.create_sender(2)
+    assert wait_for(lambda: sender.poll() == KVPoll.WaitingForInput)
+    sender.send([2], last=True)
+    assert wait_for(lambda: second.poll() == KVPoll.Success)
+    # no resolver: host and port are the address, known at once
+    plain = managers("decode")
+    third = plain.create_receiver(3, *address)
+    assert wait_for(lambda: third.poll() == KVPoll.WaitingForInput)
+    assert plain.create_receiver(4, *address).poll() == KVPoll.WaitingForInput
+
+
 def test_bootstrap_failures(managers):
     def broken(host, port, instance_id):
         raise LookupError("no such prefill instance")
