@@ -4,8 +4,9 @@ Lifecycle:
 1. ``NativeServer.start()`` listens on TCP.
 2. Each connection gets an id; the first frame must be ``Hello`` with our protocol version (else
    ``Rejected`` and close). Then ``Submit``/``Abort`` frames go to the scheduler's inbox.
-3. The scheduler thread hands each step's messages to ``deliver`` (thread-safe): they are grouped
-   per connection and written with one ``write`` call per connection per step.
+3. The scheduler thread hands each step's messages to ``deliver`` (thread-safe): they queue up until
+   the event loop gets to them (one ``call_soon_threadsafe`` per batch of steps, not per step), then
+   are grouped per connection and written with one ``write`` call per connection.
 4. A closed connection drops its requests (pages freed); ``aclose()`` stops listening and closes
    every connection. If the scheduler thread has died, handshakes are rejected and a submit gets an
    ``Error`` and its connection is closed, so the gateway marks this worker down instead of waiting.
@@ -17,6 +18,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import threading
 from collections.abc import Callable
 
 import msgspec
@@ -51,6 +53,8 @@ class NativeServer:
         self._server: asyncio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._pending: list[tuple[int, Message]] = []  # delivered, not yet written (guarded by the lock)
+        self._pending_lock = threading.Lock()
 
     @property
     def port(self) -> int:
@@ -66,10 +70,18 @@ class NativeServer:
         self._server = await asyncio.start_server(self._on_connect, self._host, self._port)
 
     def deliver(self, messages: list[tuple[int, Message]]) -> None:
-        """Called from the scheduler thread."""
-        if self._loop is not None and not self._loop.is_closed():
+        """Called from the scheduler thread: the event loop is woken only if it has nothing queued yet."""
+        with self._pending_lock:
+            wake = not self._pending
+            self._pending += messages
+        if wake and self._loop is not None and not self._loop.is_closed():
             with contextlib.suppress(RuntimeError):  # loop closing during shutdown
-                self._loop.call_soon_threadsafe(self._write_batch, messages)
+                self._loop.call_soon_threadsafe(self._write_pending)
+
+    def _write_pending(self) -> None:
+        with self._pending_lock:
+            messages, self._pending = self._pending, []
+        self._write_batch(messages)
 
     def _write_batch(self, messages: list[tuple[int, Message]]) -> None:
         frames: dict[int, list[bytes]] = {}
