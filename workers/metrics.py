@@ -13,7 +13,7 @@ transfer latency per room (first chunk posted -> every write done, measured by t
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry
@@ -34,10 +34,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4"
 # Scheduler stages per role: (label, attribute). Live requests are counted (finished ones leave
 # their lists at the next step), except quarantine, which only holds ended requests' pages.
 QUEUES = {
-    "prefill": (("bootstrap", "_bootstrap"), ("waiting", "_waiting"), ("prefilling", "_prefilling"),
-                ("inflight", "_inflight")),
-    "decode": (("prealloc", "_prealloc"), ("transfer", "_transfer"), ("running", "_running"),
-               ("quarantine", "_quarantine")),
+    "prefill": (("bootstrap", "bootstrap_queue"), ("waiting", "_waiting"), ("prefilling", "_prefilling"),
+                ("inflight", "inflight_queue")),
+    "decode": (("prealloc", "prealloc_queue"), ("transfer", "transfer_queue"), ("running", "_running"),
+               ("quarantine", "quarantine")),
     "both": (("waiting", "_waiting"), ("prefilling", "_prefilling"), ("running", "_running")),
 }
 
@@ -154,7 +154,7 @@ def _histogram(name: str, doc: str, role: str, hist: PlainHistogram) -> Histogra
     return family
 
 
-def _live(reqs: list[Req]) -> int:
+def _live(reqs: Iterable[Req]) -> int:
     return sum(1 for r in list(reqs) if not r.done)
 
 
@@ -162,7 +162,7 @@ def _scheduler_metrics(role: str, s: Scheduler) -> Iterator[Metric]:
     queues = GaugeMetricFamily("pd_worker_queue_requests", "Requests in each scheduler stage",
                                labels=["role", "queue"])
     for label, attr in QUEUES.get(role, ()):
-        reqs: list[Req] = getattr(s, attr)
+        reqs = getattr(s, attr)  # a list or a workers.pd_queues queue
         queues.add_metric([role, label], float(len(reqs) if label == "quarantine" else _live(reqs)))
     yield queues
     yield _gauge("pd_worker_running_batch_size", "Sequences in the batch (decoding + prefilling)", role,

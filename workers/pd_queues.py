@@ -1,144 +1,211 @@
-"""The scheduler's disaggregation queues (mixed into ``Scheduler``; runs on its thread).
+"""The scheduler's disaggregation queues: each owns its list of requests and an ``advance()``.
 
-Prefill role: PrefillBootstrapQueue (``_bootstrap``: the decode's page list arrives) and the
-inflight queue (``_inflight``: KV written, waiting for the transfer to complete before the pages
-are released). Decode role: DecodePreallocQueue (``_prealloc``: connect to the prefill, reserve
-``prompt + max_new_tokens`` pages and an aux slot, send their ids) and DecodeTransferQueue
-(``_transfer``: poll until the KV and the first token arrived, then "prebuilt extend").
+Lifecycle (all on the scheduler thread, once per step):
+1. The scheduler ``append``s a request when it enters the stage (``Scheduler._enter``).
+2. ``advance()`` polls each request's KV handle and returns a ``Moved``: the requests ready for the
+   next stage and the ones that failed, each with a reason. Requests that ended elsewhere
+   (``req.done``) are dropped; the rest stay, in order. A queue never calls back into the scheduler:
+   the scheduler acts on what moved (fail it, enter the next stage).
+3. Readers on other threads (``/metrics``, load reports) use ``num_live`` and iterate a snapshot.
+
+Prefill role: ``PrefillBootstrapQueue`` (the decode's page list arrives) -> waiting -> chunked
+prefill -> ``PrefillInflightQueue`` (KV written; pages freed only when the transfer completed).
+Decode role: ``DecodePreallocQueue`` (connected to the prefill; reserve ``prompt + max_new_tokens``
+pages, page-aligned, and an aux slot; send their ids) -> ``DecodeTransferQueue`` (until the KV and
+the first token arrived) -> prebuilt extend -> running. A decode request that ended while a write
+could still land waits in ``DecodeQuarantine`` until its receiver is quiesced.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from transfer.types import KVPoll
-from workers.aux import decode_aux
-from workers.engines.base import SeqOutput
 from workers.request import Req
 
 if TYPE_CHECKING:
-    from workers.engines.base import Engine, KVChecker
     from workers.kv_pool import KVPool
     from workers.page_cache import PageCache
 
 
-class PDQueues:
-    """Mixin: the scheduler provides the state and helpers declared here."""
+@dataclass
+class Moved:
+    """What one ``advance()`` moved on: ``ready`` for the next stage, ``failed`` with a reason each."""
 
-    if TYPE_CHECKING:
-        engine: Engine
-        kv_checker: KVChecker | None
-        pool: KVPool
-        cache: PageCache
-        _bootstrap: list[Req]
-        _prealloc: list[Req]
-        _transfer: list[Req]
-        _waiting: list[Req]
-        _inflight: list[Req]
-        _running: list[Req]
+    ready: list[Req] = field(default_factory=list)
+    failed: list[tuple[Req, str]] = field(default_factory=list)
 
-        def _fail(self, req: Req, code: str, message: str) -> None: ...
-        def _enter(self, req: Req, stage: str, queue_: list[Req]) -> None: ...
-        def _emit(self, req: Req, tokens: list[int], finish: str | None, out: SeqOutput | None = None) -> None: ...
-        def _release(self, req: Req, abort_reason: str | None = None) -> None: ...
-        def _record_room(self, req: Req) -> None: ...
-        def _accept_token(self, req: Req, out: SeqOutput) -> None: ...
 
-    def _advance_bootstrap(self) -> None:
+class StageQueue:
+    """The requests in one PD stage, in arrival order."""
+
+    stage = ""
+
+    def __init__(self) -> None:
+        self._reqs: list[Req] = []
+
+    def append(self, req: Req) -> None:
+        self._reqs.append(req)
+
+    def __iter__(self) -> Iterator[Req]:
+        return iter(list(self._reqs))  # a snapshot: safe while the scheduler thread replaces the list
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    @property
+    def num_live(self) -> int:
+        """Requests not yet ended (ended ones leave at the next ``advance``)."""
+        return sum(1 for r in list(self._reqs) if not r.done)
+
+    def advance(self) -> Moved:
+        """Poll every live request once; see the module docstring."""
+        moved = Moved()
         keep = []
-        for req in self._bootstrap:
+        for req in self._reqs:
             if req.done:
                 continue
-            state = req.kv_sender.poll()
+            handle = self._handle(req)
+            state = handle.poll()
             if state == KVPoll.Failed:
-                self._fail(req, "transfer_failed", _reason(req.kv_sender, "bootstrap failed"))
-            elif state >= KVPoll.WaitingForInput:
-                reserved = req.kv_sender.num_dst_pages
-                needed = self.pool.pages_for(len(req.input_ids))
-                if reserved is not None and reserved < needed:
-                    self._fail(req, "transfer_failed", f"decode reserved {reserved} pages, prompt needs {needed}")
-                else:
-                    self._enter(req, "waiting", self._waiting)
+                moved.failed.append((req, failure_reason(handle, self._failure_default)))
+            elif self._is_ready(req, state, moved):
+                moved.ready.append(req)
             else:
                 keep.append(req)
-        self._bootstrap = keep
+        self._reqs = keep
+        return moved
 
-    def _advance_inflight(self) -> None:
-        keep = []
-        for req in self._inflight:
-            if req.done:
-                continue
-            state = req.kv_sender.poll()
-            if state == KVPoll.Failed:
-                self._fail(req, "transfer_failed", _reason(req.kv_sender, "KV transfer failed"))
-            elif state == KVPoll.Success:
-                self._record_room(req)
-                self._emit(req, [], "transferred")
-                self._release(req)
-            else:
-                keep.append(req)
-        self._inflight = keep
+    _failure_default = "KV transfer failed"
 
-    def _advance_prealloc(self) -> None:
-        keep = []
-        blocked = False
-        for req in self._prealloc:
-            if req.done:
-                continue
-            rx = req.kv_receiver
-            state = rx.poll()
-            if state == KVPoll.Failed:
-                self._fail(req, "transfer_failed", _reason(rx, "bootstrap failed"))
-                continue
-            if state < KVPoll.WaitingForInput or blocked:
-                keep.append(req)
-                continue
-            pages = self.cache.alloc(self.pool.pages_for(len(req.input_ids) + req.params.max_new_tokens))
-            slot = self.pool.alloc_aux() if pages is not None else None
-            if pages is None or slot is None:
-                if pages is not None:
-                    self.cache.release(pages)
-                blocked = True  # FCFS: later requests wait behind this one
-                keep.append(req)
-                continue
-            req.pages, req.aux_slot = pages, slot
-            self.pool.aux[slot, :8] = 0  # a stale record must not pass for this room's
-            rx.send_metadata(pages, slot)
-            self._enter(req, "transfer", self._transfer)
-        self._prealloc = keep
+    def _handle(self, req: Req) -> Any:
+        raise NotImplementedError
 
-    def _advance_transfer(self) -> None:
-        keep = []
-        for req in self._transfer:
-            if req.done:
-                continue
-            state = req.kv_receiver.poll()
-            if state == KVPoll.Failed:
-                self._fail(req, "transfer_failed", _reason(req.kv_receiver, "KV transfer failed"))
-            elif state == KVPoll.Success:
-                self._import(req)
-            else:
-                keep.append(req)
-        self._transfer = keep
-
-    def _import(self, req: Req) -> None:
-        """Prebuilt extend: the prompt's KV and first token arrived; join the decode batch."""
-        assert req.aux_slot is not None
-        try:
-            record = decode_aux(self.pool.aux[req.aux_slot].data)
-        except ValueError as exc:
-            self._fail(req, "transfer_failed", f"room {req.room}: {exc}")
-            return
-        req.num_computed = len(req.input_ids)
-        req.cached_tokens = record.cached_tokens
-        if self.kv_checker is not None:
-            req.kv_verified = self.kv_checker.verify(req.pages, req.input_ids)
-        self._accept_token(req, SeqOutput(record.first_token, record.logprob, record.top_logprobs))
-        self._record_room(req)
-        if not req.done:
-            self._enter(req, "running", self._running)
+    def _is_ready(self, req: Req, state: KVPoll, moved: Moved) -> bool:
+        """Whether ``req`` (not failed) moves on; may instead append it to ``moved.failed``."""
+        raise NotImplementedError
 
 
-def _reason(handle: Any, default: str) -> str:
+class PrefillBootstrapQueue(StageQueue):
+    """Prefill: waits until the decode sent its page list (the sender is WaitingForInput)."""
+
+    stage = "bootstrap"
+    _failure_default = "bootstrap failed"
+
+    def __init__(self, pool: KVPool) -> None:
+        super().__init__()
+        self._pool = pool
+
+    def _handle(self, req: Req) -> Any:
+        return req.kv_sender
+
+    def _is_ready(self, req: Req, state: KVPoll, moved: Moved) -> bool:
+        if state < KVPoll.WaitingForInput:
+            return False
+        reserved = req.kv_sender.num_dst_pages
+        needed = self._pool.pages_for(len(req.input_ids))
+        if reserved is not None and reserved < needed:
+            moved.failed.append((req, f"decode reserved {reserved} pages, prompt needs {needed}"))
+            return False
+        return True
+
+    def num_prompt_tokens(self) -> int:
+        """Uncached prompt tokens waiting here (load reports)."""
+        return sum(len(r.input_ids) - r.num_cached_estimate for r in self if not r.done)
+
+
+class PrefillInflightQueue(StageQueue):
+    """Prefill: the whole prompt's KV is posted; ready once the transfer succeeded."""
+
+    stage = "inflight"
+
+    def _handle(self, req: Req) -> Any:
+        return req.kv_sender
+
+    def _is_ready(self, req: Req, state: KVPoll, moved: Moved) -> bool:
+        return state == KVPoll.Success
+
+
+class DecodePreallocQueue(StageQueue):
+    """Decode: once connected to the prefill, reserve pages and an aux slot and send their ids.
+
+    First come, first served: when the pool cannot hold a request, later ones wait behind it.
+    """
+
+    stage = "prealloc"
+    _failure_default = "bootstrap failed"
+
+    def __init__(self, pool: KVPool, cache: PageCache) -> None:
+        super().__init__()
+        self._pool = pool
+        self._cache = cache
+        self._blocked = False
+
+    def advance(self) -> Moved:
+        self._blocked = False
+        return super().advance()
+
+    def _handle(self, req: Req) -> Any:
+        return req.kv_receiver
+
+    def _is_ready(self, req: Req, state: KVPoll, moved: Moved) -> bool:
+        if state < KVPoll.WaitingForInput or self._blocked:
+            return False
+        pool = self._pool
+        pages = self._cache.alloc(pool.pages_for(len(req.input_ids) + req.params.max_new_tokens))
+        slot = pool.alloc_aux() if pages is not None else None
+        if pages is None or slot is None:
+            if pages is not None:
+                self._cache.release(pages)
+            self._blocked = True
+            return False
+        req.pages, req.aux_slot = pages, slot
+        pool.aux[slot, :8] = 0  # a stale record must not pass for this room's
+        req.kv_receiver.send_metadata(pages, slot)
+        return True
+
+    def num_queued_pages(self) -> int:
+        """Pages the live requests here will reserve (load reports)."""
+        pool = self._pool
+        return sum(pool.pages_for(len(r.input_ids) + r.params.max_new_tokens) for r in self if not r.done)
+
+
+class DecodeTransferQueue(StageQueue):
+    """Decode: page ids sent; ready once the KV and the first token arrived."""
+
+    stage = "transfer"
+
+    def _handle(self, req: Req) -> Any:
+        return req.kv_receiver
+
+    def _is_ready(self, req: Req, state: KVPoll, moved: Moved) -> bool:
+        return state == KVPoll.Success
+
+
+class DecodeQuarantine:
+    """Decode: ended requests whose pages a late KV write could still reach; freed once quiesced."""
+
+    def __init__(self) -> None:
+        self._reqs: list[Req] = []
+
+    def append(self, req: Req) -> None:
+        self._reqs.append(req)
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def take_quiesced(self) -> list[Req]:
+        """Remove and return the requests no write can reach any more."""
+        ready: list[Req] = []
+        keep: list[Req] = []
+        for req in self._reqs:
+            (ready if req.kv_receiver.quiesced else keep).append(req)
+        self._reqs = keep
+        return ready
+
+
+def failure_reason(handle: Any, default: str) -> str:
     exc = handle.failure()
     return str(exc) if exc is not None else default

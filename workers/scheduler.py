@@ -44,12 +44,20 @@ from transfer.types import KVPoll
 
 if TYPE_CHECKING:
     from transfer import KVManager
-from workers.aux import AuxRecord, encode_aux
+from workers.aux import AuxRecord, decode_aux, encode_aux
 from workers.engines.base import Engine, KVChecker, SeqInput, SeqOutput
 from workers.kv_pool import KVPool
 from workers.metrics import SchedulerMetrics
 from workers.page_cache import PageCache
-from workers.pd_queues import PDQueues, _reason
+from workers.pd_queues import (
+    DecodePreallocQueue,
+    DecodeQuarantine,
+    DecodeTransferQueue,
+    PrefillBootstrapQueue,
+    PrefillInflightQueue,
+    StageQueue,
+    failure_reason,
+)
 from workers.protocol import Error, KVEvents, LoadReport, Outputs, StepOutput, Submit
 from workers.request import Req
 
@@ -75,7 +83,7 @@ class SchedulerConfig:
     prefix_cache: bool = True
 
 
-class Scheduler(PDQueues):
+class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
@@ -102,14 +110,15 @@ class Scheduler(PDQueues):
         self._sink = sink
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.reqs: dict[tuple[int, int], Req] = {}
-        self._bootstrap: list[Req] = []  # prefill: waiting for the decode's page list
-        self._prealloc: list[Req] = []  # decode: waiting to connect / for pages
-        self._transfer: list[Req] = []  # decode: waiting for KV
+        # PD stages (see workers/pd_queues.py); each role uses its own two.
+        self.bootstrap_queue = PrefillBootstrapQueue(pool)  # prefill: waiting for the decode's page list
+        self.inflight_queue = PrefillInflightQueue()  # prefill: KV sent, waiting for completion
+        self.prealloc_queue = DecodePreallocQueue(pool, self.cache)  # decode: waiting to connect / for pages
+        self.transfer_queue = DecodeTransferQueue()  # decode: waiting for KV
+        self.quarantine = DecodeQuarantine()  # decode: ended, pages held until no late KV write can land
         self._waiting: list[Req] = []  # waiting for pages to start prefill
         self._prefilling: list[Req] = []
-        self._inflight: list[Req] = []  # prefill: KV sent, waiting for completion
         self._running: list[Req] = []  # decoding
-        self._quarantine: list[Req] = []  # decode: ended, pages held until no late KV write can land
         self._out: list[tuple[int, Message]] = []
         self.rooms: deque[dict[str, Any]] = deque(maxlen=512)  # recent rooms, for /debug/rooms
         self._stop = threading.Event()
@@ -220,15 +229,16 @@ class Scheduler(PDQueues):
         for req in [r for r in self.reqs.values() if now > r.deadline]:
             self._fail(req, "timeout", f"request timed out in stage {req.stage}")
         if self.role == "prefill":
-            self._advance_bootstrap()
+            self._advance(self.bootstrap_queue, self._to_waiting)
         elif self.role == "decode":
-            self._drain_quarantine()
-            self._advance_prealloc()
-            self._advance_transfer()
+            for req in self.quarantine.take_quiesced():
+                self._free(req)
+            self._advance(self.prealloc_queue, self._to_transfer)
+            self._advance(self.transfer_queue, self._import)
         self._admit_waiting()
         ran = self._run_batch()
         if self.role == "prefill":
-            self._advance_inflight()
+            self._advance(self.inflight_queue, self._transferred)
         self._publish_cache_events()
         self._maybe_report_load(now)
         self._flush()
@@ -303,9 +313,9 @@ class Scheduler(PDQueues):
         if self.role != "decode":
             req.num_cached_estimate = self.cache.num_cached_tokens(req.input_ids)
         if self.role == "prefill":
-            self._enter(req, "bootstrap", self._bootstrap)
+            self._enter(req, "bootstrap", self.bootstrap_queue)
         elif self.role == "decode":
-            self._enter(req, "prealloc", self._prealloc)
+            self._enter(req, "prealloc", self.prealloc_queue)
         else:
             self._enter(req, "waiting", self._waiting)
 
@@ -332,10 +342,47 @@ class Scheduler(PDQueues):
             return "timeout_s must be a positive number"
         return None
 
-    def _enter(self, req: Req, stage: str, queue_: list[Req]) -> None:
+    def _enter(self, req: Req, stage: str, queue_: list[Req] | StageQueue) -> None:
         req.move(stage)
         queue_.append(req)
         self._load_dirty = True
+
+    # -- PD stages -----------------------------------------------------------------------------
+    def _advance(self, queue_: StageQueue, on_ready: Callable[[Req], None]) -> None:
+        moved = queue_.advance()
+        for req, reason in moved.failed:
+            self._fail(req, "transfer_failed", reason)
+        for req in moved.ready:
+            on_ready(req)
+
+    def _to_waiting(self, req: Req) -> None:
+        self._enter(req, "waiting", self._waiting)
+
+    def _to_transfer(self, req: Req) -> None:
+        self._enter(req, "transfer", self.transfer_queue)
+
+    def _transferred(self, req: Req) -> None:
+        """Prefill: the decode holds the whole KV; this side is done."""
+        self._record_room(req)
+        self._emit(req, [], "transferred")
+        self._release(req)
+
+    def _import(self, req: Req) -> None:
+        """Decode, prebuilt extend: the prompt's KV and first token arrived; join the decode batch."""
+        assert req.aux_slot is not None
+        try:
+            record = decode_aux(self.pool.aux[req.aux_slot].data)
+        except ValueError as exc:
+            self._fail(req, "transfer_failed", f"room {req.room}: {exc}")
+            return
+        req.num_computed = len(req.input_ids)
+        req.cached_tokens = record.cached_tokens
+        if self.kv_checker is not None:
+            req.kv_verified = self.kv_checker.verify(req.pages, req.input_ids)
+        self._accept_token(req, SeqOutput(record.first_token, record.logprob, record.top_logprobs))
+        self._record_room(req)
+        if not req.done:
+            self._enter(req, "running", self._running)
 
     def _admit_waiting(self) -> None:
         keep = []
@@ -374,8 +421,10 @@ class Scheduler(PDQueues):
         are released and it is re-queued first in line to recompute prompt + outputs (its KV may
         still be served from the prefix cache when it resumes).
         """
+        page_size = self.pool.page_size
         for req in list(self._running):
-            while not req.done and req.stage == "running" and len(req.pages) * self.pool.page_size < len(req.all_ids):
+            while (not req.done and req.stage == "running"
+                   and len(req.pages) * page_size < len(req.input_ids) + len(req.output_ids)):
                 page = self.cache.alloc(1)
                 if page is not None:
                     req.pages += page
@@ -410,7 +459,7 @@ class Scheduler(PDQueues):
             if budget <= 0:
                 break
             if self.role == "prefill" and req.kv_sender.poll() == KVPoll.Failed:
-                self._fail(req, "transfer_failed", _reason(req.kv_sender, "KV transfer failed"))
+                self._fail(req, "transfer_failed", failure_reason(req.kv_sender, "KV transfer failed"))
                 continue
             start = req.num_computed
             take = min(budget, req.prefill_len - start)
@@ -484,8 +533,7 @@ class Scheduler(PDQueues):
                 return
             req.num_sent_pages += len(chunk)
         if finished_prompt:
-            req.move("inflight")
-            self._inflight.append(req)
+            self._enter(req, "inflight", self.inflight_queue)
 
     def _accept_token(self, req: Req, out: SeqOutput) -> None:
         assert out.token_id is not None
@@ -541,7 +589,7 @@ class Scheduler(PDQueues):
         if rx is not None and not rx.quiesced:
             # A write the prefill already posted may still land in these pages: hold them (and keep
             # the receiver, which learns when none is left) until then.
-            self._quarantine.append(req)
+            self.quarantine.append(req)
             return
         self._free(req)
 
@@ -554,17 +602,6 @@ class Scheduler(PDQueues):
         if req.aux_slot is not None:
             self.pool.free_aux(req.aux_slot)
             req.aux_slot = None
-
-    def _drain_quarantine(self) -> None:
-        if not self._quarantine:
-            return
-        keep = []
-        for req in self._quarantine:
-            if req.kv_receiver.quiesced:
-                self._free(req)
-            else:
-                keep.append(req)
-        self._quarantine = keep
 
     def _record_room(self, req: Req) -> None:
         self.metrics.on_room(req, self.pool)
@@ -625,7 +662,8 @@ class Scheduler(PDQueues):
             self._out.append((conn_id, msgspec.structs.replace(report, last_rid=last_rid)))
 
     def _num_prefill_tokens(self) -> int:
-        queued = sum(len(r.input_ids) - r.num_cached_estimate for r in (*self._bootstrap, *self._waiting) if not r.done)
+        queued = self.bootstrap_queue.num_prompt_tokens()
+        queued += sum(len(r.input_ids) - r.num_cached_estimate for r in self._waiting if not r.done)
         running = sum(r.prefill_len - r.num_computed for r in self._prefilling if not r.done)
         return queued + running
 
@@ -648,16 +686,15 @@ class Scheduler(PDQueues):
 
         return LoadReport(
             num_running=live(self._running, self._prefilling),
-            num_waiting=live(self._waiting, self._bootstrap, self._prealloc),
+            num_waiting=live(self._waiting) + self.bootstrap_queue.num_live + self.prealloc_queue.num_live,
             num_free_pages=self.cache.num_available,
             num_total_pages=self.pool.num_pages,
-            num_inflight_transfers=live(self._inflight, self._transfer) + len(self._quarantine),
+            num_inflight_transfers=(self.inflight_queue.num_live + self.transfer_queue.num_live
+                                    + len(self.quarantine)),
             num_prefill_tokens=self._num_prefill_tokens() if self.role != "decode" else 0,
             prefill_tokens_per_s=round(self.prefill_tokens_per_s, 1),
             busy_fraction=round(self.busy_fraction, 4),
             max_running=self.config.max_running,
-            num_transfer_seqs=live(self._transfer),
-            num_queued_pages=sum(self.pool.pages_for(len(r.input_ids) + r.params.max_new_tokens)
-                                 for r in self._prealloc if not r.done),
+            num_transfer_seqs=self.transfer_queue.num_live,
+            num_queued_pages=self.prealloc_queue.num_queued_pages(),
         )
-
