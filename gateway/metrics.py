@@ -1,55 +1,138 @@
 """The gateway's Prometheus metrics: request instruments, and a collector for worker and policy state.
 
 Instruments are observed on the hot path (a few per request, one histogram observation per token
-event for inter-token latency); per-worker figures (load as routing sees it, health, breaker) are
-read at scrape time by ``WorkerCollector``, so they cost nothing between scrapes.
+event for inter-token latency). Everything that touches them runs on the one event loop, scrapes
+included, so they are plain numbers with no lock (prometheus_client's own instruments take a lock
+per increment and walk the buckets in Python: a few µs per request and per token); ``_Instruments``
+turns them into metric families at scrape time. Per-worker figures (load as routing sees it, health,
+breaker) are read at scrape time by ``WorkerCollector``, so they cost nothing between scrapes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from workers.metrics import PlainHistogram
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TOKEN_GAP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BREAKER_STATES = ("closed", "half_open", "open")
+_I = TypeVar("_I", "Family", "Histogram")
+
+
+class Value:
+    """One counter or gauge sample: a plain number (event-loop thread only)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.value -= amount
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+
+class Family:
+    """A counter or gauge: unlabelled (``inc``/``dec``/``set`` on the family) or by ``labels(...)``."""
+
+    def __init__(self, kind: str, name: str, doc: str, labelnames: Sequence[str] = ()) -> None:
+        self.kind, self.name, self.doc, self.labelnames = kind, name, doc, tuple(labelnames)
+        self._children: dict[tuple[str, ...], Value] = {}
+        self._value = Value()
+        if not self.labelnames:
+            self._children[()] = self._value
+        self.inc, self.dec, self.set = self._value.inc, self._value.dec, self._value.set
+
+    def labels(self, *values: str) -> Value:
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = Value()
+        return child
+
+    def family(self) -> Metric:
+        cls = CounterMetricFamily if self.kind == "counter" else GaugeMetricFamily
+        family = cls(self.name, self.doc, labels=list(self.labelnames))
+        for values, child in list(self._children.items()):
+            family.add_metric(list(values), child.value)
+        return family
+
+
+class Histogram(PlainHistogram):
+    """An unlabelled histogram (``observe``: one bisect and two adds)."""
+
+    def __init__(self, name: str, doc: str, buckets: Sequence[float]) -> None:
+        super().__init__(buckets)
+        self.name, self.doc = name, doc
+
+    def family(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.doc, labels=[])
+        buckets, total = self.buckets()
+        family.add_metric([], buckets, total)
+        return family
 
 
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("pd_gateway_requests", "Requests by route and HTTP status", ["route", "status"],
-                                registry=r)
-        self.active = Gauge("pd_gateway_active_requests", "Requests being served", registry=r)
-        self.queued = Gauge("pd_gateway_queued_requests", "Requests waiting for admission", registry=r)
-        self.queue_time = Histogram("pd_gateway_queue_time_seconds", "Time waiting for admission",
-                                    buckets=LATENCY_BUCKETS_S, registry=r)
-        self.rejected = Counter("pd_gateway_rejected_requests", "Requests refused by admission or drain",
-                                ["reason"], registry=r)
-        self.ttft = Histogram("pd_gateway_time_to_first_token_seconds", "Request arrival to its first token",
-                              buckets=LATENCY_BUCKETS_S, registry=r)
-        self.itl = Histogram("pd_gateway_inter_token_latency_seconds", "Gap between a stream's tokens",
-                             buckets=TOKEN_GAP_BUCKETS_S, registry=r)
-        self.e2e = Histogram("pd_gateway_e2e_request_latency_seconds", "Request arrival to its last token",
-                             buckets=LATENCY_BUCKETS_S, registry=r)
-        self.prompt_tokens = Counter("pd_gateway_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.cached_tokens = Counter("pd_gateway_cached_prompt_tokens", "Prompt tokens served from prefix caches",
-                                     registry=r)
-        self.generation_tokens = Counter("pd_gateway_generation_tokens", "Tokens generated", registry=r)
-        self.retries = Counter("pd_gateway_retries", "Attempts retried on a new pair before the first token",
-                               ["reason"], registry=r)
-        self.worker_failures = Counter("pd_gateway_worker_failures", "Request failures blamed on a worker",
-                                       ["worker", "role", "code"], registry=r)
-        self.transfer_failures = Counter("pd_gateway_kv_transfer_failures", "Requests whose KV transfer failed",
-                                         ["role"], registry=r)
+        self._instruments: list[Family | Histogram] = []
+        add = self._add
+        self.requests = add(Family("counter", "pd_gateway_requests", "Requests by route and HTTP status",
+                                   ["route", "status"]))
+        self.active = add(Family("gauge", "pd_gateway_active_requests", "Requests being served"))
+        self.queued = add(Family("gauge", "pd_gateway_queued_requests", "Requests waiting for admission"))
+        self.queue_time = add(Histogram("pd_gateway_queue_time_seconds", "Time waiting for admission",
+                                        LATENCY_BUCKETS_S))
+        self.rejected = add(Family("counter", "pd_gateway_rejected_requests", "Requests refused by admission or drain",
+                                   ["reason"]))
+        self.ttft = add(Histogram("pd_gateway_time_to_first_token_seconds", "Request arrival to its first token",
+                                  LATENCY_BUCKETS_S))
+        self.itl = add(Histogram("pd_gateway_inter_token_latency_seconds", "Gap between a stream's tokens",
+                                 TOKEN_GAP_BUCKETS_S))
+        self.e2e = add(Histogram("pd_gateway_e2e_request_latency_seconds", "Request arrival to its last token",
+                                 LATENCY_BUCKETS_S))
+        self.prompt_tokens = add(Family("counter", "pd_gateway_prompt_tokens", "Prompt tokens of finished requests"))
+        self.cached_tokens = add(Family("counter", "pd_gateway_cached_prompt_tokens",
+                                        "Prompt tokens served from prefix caches"))
+        self.generation_tokens = add(Family("counter", "pd_gateway_generation_tokens", "Tokens generated"))
+        self.retries = add(Family("counter", "pd_gateway_retries",
+                                  "Attempts retried on a new pair before the first token", ["reason"]))
+        self.worker_failures = add(Family("counter", "pd_gateway_worker_failures",
+                                          "Request failures blamed on a worker", ["worker", "role", "code"]))
+        self.transfer_failures = add(Family("counter", "pd_gateway_kv_transfer_failures",
+                                            "Requests whose KV transfer failed", ["role"]))
+        self.registry.register(_Instruments(self._instruments))
+
+    def _add(self, instrument: _I) -> _I:
+        self._instruments.append(instrument)
+        return instrument
 
     def add_collector(self, collector: Collector) -> None:
         self.registry.register(collector)
+
+
+class _Instruments(Collector):
+    def __init__(self, instruments: list[Family | Histogram]) -> None:
+        self._instruments = instruments
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        for instrument in self._instruments:
+            yield instrument.family()
 
 
 class WorkerCollector(Collector):
