@@ -52,7 +52,7 @@ class TimedEngine(SimEngine):
 def measure(batch_size: int, num_steps: int, prompt_tokens: int, page_size: int) -> dict[str, float]:
     engine = TimedEngine(EngineOptions(extra=dict(ZERO_COST)))
     info = engine.info
-    max_new = num_steps + 64
+    max_new = num_steps + 256  # fill and warm-up steps too: nobody finishes while timed
     pages_each = -(-(prompt_tokens + max_new) // page_size)
     pool = KVPool(num_layers=info.num_layers, num_pages=batch_size * pages_each + 8, page_size=page_size,
                   num_kv_heads=info.num_kv_heads, head_dim=info.head_dim, num_aux_slots=batch_size + 1)
