@@ -28,6 +28,7 @@ Lifecycle (one ``Scheduler`` per worker, its loop on a dedicated thread):
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import queue
@@ -151,6 +152,12 @@ class Scheduler:
     def drop_connection(self, conn_id: int) -> None:
         self._inbox.put(("drop", conn_id))
 
+    def flush_cache(self) -> concurrent.futures.Future[int]:
+        """Forget every cached prefix page no request holds; the future gets how many were freed."""
+        future: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._inbox.put(("flush", future))
+        return future
+
     def _on_kv_change(self) -> None:
         """A transfer thread changed a room's state (its lock held): wake the loop, one wake-up queued at most."""
         if not self._wake_pending:
@@ -272,6 +279,9 @@ class Scheduler:
             self._conns.pop(payload, None)
             for req in [r for r in self.reqs.values() if r.key[0] == payload]:
                 self._release(req, f"connection {payload} closed")
+        elif kind == "flush":
+            payload.set_result(self.cache.clear())
+            self._load_dirty = True
         elif kind == "connect":
             self._conns[payload] = 0
             if self.cache.enabled:
@@ -353,7 +363,11 @@ class Scheduler:
         for req, reason in moved.failed:
             self._fail(req, "transfer_failed", reason)
         for req in moved.ready:
-            on_ready(req)
+            try:
+                on_ready(req)
+            except Exception as exc:  # one request's failure must not stop the loop
+                log.exception("request %s failed entering its next stage", req.key)
+                self._fail(req, "internal", f"{type(exc).__name__}: {exc}")
 
     def _to_waiting(self, req: Req) -> None:
         self._enter(req, "waiting", self._waiting)
@@ -379,8 +393,8 @@ class Scheduler:
         req.cached_tokens = record.cached_tokens
         if self.kv_checker is not None:
             req.kv_verified = self.kv_checker.verify(req.pages, req.input_ids)
+        self._record_room(req, record.first_token)  # first: the token may finish the request (pages freed)
         self._accept_token(req, SeqOutput(record.first_token, record.logprob, record.top_logprobs))
-        self._record_room(req)
         if not req.done:
             self._enter(req, "running", self._running)
 
@@ -603,7 +617,7 @@ class Scheduler:
             self.pool.free_aux(req.aux_slot)
             req.aux_slot = None
 
-    def _record_room(self, req: Req) -> None:
+    def _record_room(self, req: Req, first_token: int | None = None) -> None:
         self.metrics.on_room(req, self.pool)
         checker = self.kv_checker
         self.rooms.append({
@@ -612,7 +626,7 @@ class Scheduler:
             "prompt_tokens": len(req.input_ids),
             "kv_digest": checker.digest(req.pages, len(req.input_ids)) if checker is not None else None,
             "kv_verified": req.kv_verified,
-            "first_token": req.output_ids[0] if req.output_ids else None,
+            "first_token": first_token if first_token is not None else req.output_ids[0] if req.output_ids else None,
         })
 
     def _flush(self) -> None:

@@ -35,6 +35,24 @@ def test_pd_path_moves_the_exact_kv_and_output_depends_on_it(sim_cluster) -> Non
     cluster.wait_pools_full()
 
 
+def test_one_token_requests_finish_at_the_kv_import(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    """max_tokens=1: the decode's only token is the one the prefill sampled, so the request ends the
+    moment its KV arrives (a regression: the decode recorded the room after freeing its pages, and
+    its scheduler loop died)."""
+    cluster = sim_cluster()
+    c = client(cluster)
+    for _ in range(3):
+        out = c.completions.create(model="sim", prompt=PROMPT, max_tokens=1)
+        assert out.choices[0].text == text_of(expected_tokens(PROMPT, 1))
+        assert out.choices[0].finish_reason == "length"
+    d_rooms = cluster.decodes[0].get("/debug/rooms")
+    assert len(d_rooms) == 3 and all(r["kv_verified"] for r in d_rooms)
+    assert cluster.decodes[0].get("/health")["status"] == "ok"
+    assert c.completions.create(model="sim", prompt=PROMPT, max_tokens=4).choices[0].text == text_of(
+        expected_tokens(PROMPT, 4))
+    cluster.wait_pools_full()
+
+
 def _transfer_skip(name: str) -> str | None:
     import importlib.util
 
