@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -23,7 +23,6 @@ from gateway.api_models import (
     GenerateSampling,
 )
 from gateway.context import random_hex
-from gateway.dispatch import Dispatcher
 from gateway.errors import APIError, BadRequest, NotFound
 from gateway.text import ChoiceState
 from gateway.tokenizer import Tokenizer
@@ -32,6 +31,25 @@ from workers.protocol import SamplingParams, StepOutput
 MAX_N = 16
 MAX_STOP_STRINGS = 8
 _json = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True)
+class ClientBootstrap:
+    """SGLang's PD fields as the client (an SGLang router) sent them: scalars, or one per item.
+
+    Our gateway assigns rooms itself and ignores them; a worker serving SGLang's HTTP protocol
+    (``workers/sglang_api.py``) takes its room and its prefill's address from them.
+    """
+
+    host: Any = None
+    port: Any = None
+    room: Any = None
+
+    @classmethod
+    def of(cls, req: Any) -> ClientBootstrap | None:
+        if req.bootstrap_host is None and req.bootstrap_port is None and req.bootstrap_room is None:
+            return None
+        return cls(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
 
 
 @dataclass
@@ -44,6 +62,17 @@ class Prepared:
     include_usage: bool
     want_logprobs: bool
     echo: bool = False  # /v1/completions: the prompt is repeated before the completion
+    bootstrap: ClientBootstrap | None = None
+
+
+class ChoiceDispatcher(Protocol):
+    """What runs one completion choice for ``Frontend``: the gateway's ``Dispatcher`` (a pair of its
+    workers, a fresh room), or a worker's own relay to its scheduler (``workers/sglang_api.py``)."""
+
+    def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
+                 bootstrap: ClientBootstrap | None = None) -> AsyncGenerator[StepOutput, None]:
+        """The choice's ``StepOutput`` events until the final one; errors as ``APIError``."""
+        ...
 
 
 # -- features the gateway does not implement -----------------------------------------------------
@@ -154,7 +183,7 @@ class ModelNotFound(NotFound):
 
 
 class Frontend:
-    def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, model_name: str, max_context: int,
+    def __init__(self, dispatcher: ChoiceDispatcher, tokenizer: Tokenizer, model_name: str, max_context: int,
                  default_max_tokens: int = 256) -> None:
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
@@ -223,7 +252,8 @@ class Frontend:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params, stops = self._params(req, input_ids, max_tokens, req.logprobs, req.top_logprobs or 0)
         return Prepared(input_ids, params, req.n, stops, req.stream,
-                        bool(req.stream_options and req.stream_options.include_usage), req.logprobs)
+                        bool(req.stream_options and req.stream_options.include_usage), req.logprobs,
+                        bootstrap=ClientBootstrap.of(req))
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
         self._check_model(req.model)
@@ -245,7 +275,8 @@ class Frontend:
         params, stops = self._params(req, input_ids, req.max_tokens, logprobs, req.logprobs or 0)
         params.prompt_logprobs = logprobs and req.echo
         return Prepared(input_ids, params, req.n, stops, req.stream,
-                        bool(req.stream_options and req.stream_options.include_usage), logprobs, req.echo)
+                        bool(req.stream_options and req.stream_options.include_usage), logprobs, req.echo,
+                        ClientBootstrap.of(req))
 
     def prepare_generate(self, req: GenerateRequest) -> tuple[Prepared, GenerateSampling]:
         try:
@@ -263,7 +294,8 @@ class Frontend:
         shim = _GenerateShim(sp)
         params, stops = self._params(shim, input_ids, sp.max_new_tokens, req.return_logprob, 0)
         params.prompt_logprobs = req.return_logprob
-        return Prepared(input_ids, params, 1, stops, req.stream, False, req.return_logprob), sp
+        return Prepared(input_ids, params, 1, stops, req.stream, False, req.return_logprob,
+                        bootstrap=ClientBootstrap.of(req)), sp
 
     # -- running choices ---------------------------------------------------------------------
     async def run_choices(self, prep: Prepared) -> AsyncIterator[tuple[ChoiceState, str, list[dict[str, Any]]]]:
@@ -275,7 +307,7 @@ class Frontend:
         """
         if prep.n == 1:
             state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs)
-            events = self.dispatcher.generate(prep.input_ids, prep.params)
+            events = self.dispatcher.generate(prep.input_ids, prep.params, bootstrap=prep.bootstrap)
             try:
                 async for event in events:
                     text, entries = state.accept(event)
@@ -293,7 +325,8 @@ class Frontend:
             if params.seed is not None and index:
                 params = msgspec.structs.replace(params, seed=params.seed + index)
             try:
-                async for event in self.dispatcher.generate(prep.input_ids, params):
+                async for event in self.dispatcher.generate(prep.input_ids, params, choice=index,
+                                                            bootstrap=prep.bootstrap):
                     queue.put_nowait((index, event))
             except Exception as exc:
                 queue.put_nowait((index, exc))

@@ -41,6 +41,11 @@ class _Sampling(msgspec.Struct):
     stream_options: StreamOptions | None = None
     user: str | None = None
     timeout_s: float | None = None  # ours: per-request deadline
+    # SGLang's PD fields, set by an SGLang router in front of our workers; the gateway assigns its
+    # own rooms and ignores them (see ``gateway.api.ClientBootstrap``).
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
     # not supported: a 400 unless absent or at the neutral value (see gateway.api)
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
@@ -85,7 +90,7 @@ class GenerateRequest(msgspec.Struct):
     stream: bool = False
     return_logprob: bool = False
     rid: str | None = None
-    bootstrap_host: Any = None  # accepted and ignored: the gateway assigns rooms itself
+    bootstrap_host: Any = None  # SGLang's PD fields: see ``_Sampling``
     bootstrap_port: Any = None
     bootstrap_room: Any = None
     # not supported: a 400 when set

@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.context import REQUEST_ID, REQUEST_T0
 from gateway.errors import APIError, BadGateway, NoWorkers, UpstreamTimeout, from_worker_error
@@ -41,6 +41,9 @@ from gateway.policies import Pair, RequestInfo, WorkerView
 from gateway.router import Router
 from gateway.worker_client import Event, WorkerClient, WorkerGone
 from workers.protocol import BootstrapTarget, Error, SamplingParams, StepOutput, Submit
+
+if TYPE_CHECKING:
+    from gateway.api import ClientBootstrap
 
 RETRYABLE_CODES = frozenset({"transfer_failed", "overloaded", "shutting_down"})
 BLAMED_CODES = frozenset({"transfer_failed", "internal", "timeout", "shutting_down"})  # count against the worker
@@ -94,8 +97,13 @@ class Dispatcher:
             raise NoWorkers(f"no healthy {missing} worker", retry_after_s=1.0)
         return self.router.select(prefills, decodes, request)
 
-    async def generate(self, input_ids: list[int], params: SamplingParams) -> AsyncGenerator[StepOutput, None]:
-        """Run one completion choice; yields the decode's ``StepOutput`` events (see the module doc)."""
+    async def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
+                       bootstrap: ClientBootstrap | None = None) -> AsyncGenerator[StepOutput, None]:
+        """Run one completion choice; yields the decode's ``StepOutput`` events (see the module doc).
+
+        ``choice`` and the client's ``bootstrap`` fields do not matter here: every attempt gets a
+        pair and a fresh room of the gateway's own choosing.
+        """
         metrics = self.metrics
         t0 = REQUEST_T0.get() or time.monotonic()
         attempt = 0
@@ -323,11 +331,11 @@ class EventSink:
                 self._waiter = None
         return self._items.popleft()
 
-    def merge_ready(self, first: StepOutput) -> StepOutput:
-        """``first`` plus the decode outputs queued right behind it, as one ``StepOutput``."""
+    def merge_ready(self, first: StepOutput, side: Any = "decode") -> StepOutput:
+        """``first`` plus the outputs of ``side`` queued right behind it, as one ``StepOutput``."""
         items = self._items
         merged = first
-        while items and items[0][0] == "decode" and isinstance(items[0][1], StepOutput):
+        while items and items[0][0] == side and isinstance(items[0][1], StepOutput):
             nxt = items.popleft()[1]
             assert isinstance(nxt, StepOutput)
             merged = _merge(merged, nxt)

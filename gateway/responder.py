@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -35,7 +35,8 @@ from gateway.text import ChoiceState
 if TYPE_CHECKING:
     from starlette.types import Message, Receive, Scope, Send
 
-    from gateway.runtime import Gateway
+    from gateway.admission import Admission
+    from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -235,10 +236,23 @@ class ClientGone(Exception):
     """The client closed the connection before the response was complete."""
 
 
+class Host(Protocol):
+    """What a responder needs from the server it runs in: the gateway (``gateway.runtime.Gateway``)
+    or a worker serving SGLang's HTTP protocol (``workers.sglang_api``)."""
+
+    admission: Admission
+    metrics: GatewayMetrics
+
+    @property
+    def max_body_bytes(self) -> int: ...
+
+    def require_frontend(self) -> Frontend: ...
+
+
 class Responder:
     """Raw ASGI endpoint for one generation route (``POST`` only)."""
 
-    def __init__(self, gw: Gateway, shape: Shape) -> None:
+    def __init__(self, gw: Host, shape: Shape) -> None:
         self.gw = gw
         self.shape = shape
         self._counters: dict[int, Any] = {}  # status -> the route's request counter child
@@ -264,7 +278,7 @@ class Responder:
         try:
             try:
                 release = await gw.admission.admit()
-                body = await read_body(scope, receive, gw.config.max_body_bytes)
+                body = await read_body(scope, receive, gw.max_body_bytes)
                 frontend = gw.require_frontend()
                 prep, client_id = shape.prepare(frontend, decode_body(body, shape.body_type))
                 run = Run(frontend, prep, client_id or new_id(shape.id_prefix))

@@ -152,6 +152,10 @@ class Gateway:
         self.frontend = Frontend(self.dispatcher, tokenizer, self.config.model_name or info.model, max_context,
                                  self.config.default_max_tokens)
 
+    @property
+    def max_body_bytes(self) -> int:
+        return self.config.max_body_bytes
+
     def require_frontend(self) -> Frontend:
         if self.frontend is None:
             ready = [c for c in self.clients if c.info is not None]

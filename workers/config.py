@@ -57,5 +57,7 @@ class WorkerConfig:
                 raise ConfigError("bootstrap_embedded: give either --bootstrap URL or --bootstrap-embedded PORT")
             if not 0 <= self.bootstrap_embedded <= 65535:
                 raise ConfigError(f"bootstrap_embedded: not a TCP port: {self.bootstrap_embedded}")
-        elif self.role != "both" and not self.bootstrap:
-            raise ConfigError(f"bootstrap: a {self.role} worker needs --bootstrap URL of the registry")
+        elif self.role == "prefill" and not self.bootstrap:
+            # A decode needs none: each request names its prefill's registry (host and port).
+            raise ConfigError("bootstrap: a prefill worker needs --bootstrap URL of the registry (or "
+                              "--bootstrap-embedded PORT)")

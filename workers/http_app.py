@@ -1,5 +1,6 @@
-"""The worker's small HTTP side (its own port): health, load, stats (counters), Prometheus metrics, info and
-debug views."""
+"""The worker's HTTP side (its own port): health, load, stats (counters), Prometheus metrics, info and
+debug views, and SGLang's PD HTTP protocol (``workers/sglang_api.py``: generation, model and server
+info, cache flush), so SGLang's router can drive the worker."""
 
 from __future__ import annotations
 
@@ -50,8 +51,10 @@ def create_http_app(worker: Worker) -> Starlette:
         # Collected on the event loop: plain reads of the scheduler's counters, no lock, no thread hop.
         return Response(generate_latest(registry), media_type=CONTENT_TYPE)
 
+    sglang = worker.sglang.routes() if worker.sglang is not None else []
     return Starlette(
         routes=[
+            *sglang,  # SGLang's PD HTTP protocol (workers/sglang_api.py)
             Route("/health", health),
             Route("/info", info),
             Route("/load", load),

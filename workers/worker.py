@@ -3,10 +3,11 @@
 Lifecycle:
 1. ``Worker(config)``; ``await start()`` builds the engine (may take seconds), sizes the KV pool
    from the model shape, binds them, creates the transfer backend and KV manager (prefill and
-   decode roles), starts the scheduler thread, the native server and the HTTP side, and, for a
-   prefill worker, registers its KV control endpoint with the bootstrap registry (heartbeats).
+   decode roles), starts the scheduler thread, the native server, SGLang's HTTP API (one native
+   connection to itself, ``workers/sglang_api.py``) and the HTTP side, and, for a prefill worker,
+   registers its KV control endpoint with the bootstrap registry (heartbeats).
 2. ``await serve_forever()`` until cancelled or a signal.
-3. ``await aclose()``: deregister, stop accepting, stop the scheduler (live requests fail),
+3. ``await aclose()``: deregister, close the SGLang API, stop the scheduler (live requests fail),
    close the KV manager, close the servers. Idempotent.
 """
 
@@ -30,6 +31,7 @@ from workers.kv_pool import KVPool
 from workers.protocol import PROTOCOL_VERSION, HelloAck
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.server import NativeServer
+from workers.sglang_api import SGLangAPI
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class Worker:
         self.scheduler: Scheduler | None = None
         self.server: NativeServer | None = None
         self._http: uvicorn.Server | None = None
+        self.sglang: SGLangAPI | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._registrar: Any = None
         self._embedded: Any = None
@@ -80,6 +83,8 @@ class Worker:
         self.server = NativeServer(self.scheduler, self._hello_ack, cfg.host, cfg.port)
         await self.server.start()
         self.scheduler.start()
+        self.sglang = SGLangAPI(self)
+        await self.sglang.start()
         http_config = uvicorn.Config(
             create_http_app(self), host=cfg.host, port=cfg.http_port, log_level="warning",
             lifespan="off", access_log=False,
@@ -195,6 +200,8 @@ class Worker:
         if self._registrar is not None:
             with contextlib.suppress(Exception):
                 await self._registrar.aclose()
+        if self.sglang is not None:
+            await self.sglang.aclose()
         stopped = True
         if self.scheduler is not None:
             stopped = await asyncio.to_thread(self.scheduler.stop)

@@ -1,0 +1,197 @@
+"""SGLang's own router in front of our workers, over SGLang's HTTP PD protocol (``workers/sglang_api.py``).
+
+``sglang-router`` is installed from the package index into a temporary directory (the test skips,
+saying why, only if that fails). Its Rust router and its Python ``--mini-lb`` each run in PD mode in
+front of one sim prefill (registry embedded, ``--prefill URL PORT``) and one sim decode; our own
+gateway runs in front of the same two workers over the native protocol. For greedy (and seeded)
+requests every route, streamed or not, must give what our gateway gives for the same prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from pdtest import Procs, Worker, free_port, start_gateway, start_worker, wait_http_ok
+
+SGLANG_ROUTER = "sglang-router==0.3.2"
+SIM = ("--engine", "sim", "--num-pages", "256", "--page-size", "4")
+MESSAGES = [{"role": "user", "content": "Tell me about disaggregated serving."}]
+PROMPT = "Prefill and decode run on separate workers, and"
+
+
+@dataclass
+class Stack:
+    prefill: Worker
+    decode: Worker
+    gateway: str  # our gateway, native protocol
+    routers: dict[str, str]  # "rust" / "mini_lb" -> base URL
+
+    def pools_full(self) -> bool:
+        return all(w.get("/load")["num_free_pages"] == w.get("/load")["num_total_pages"]  # type: ignore[index]
+                   for w in (self.prefill, self.decode))
+
+
+@pytest.fixture(scope="module")
+def router_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where ``sglang_router`` is importable from: ``make install`` puts it in ``.venv/sglang-router``
+    (tests run in a network namespace without the package index); else pip installs it here."""
+    installed = Path(sys.prefix) / "sglang-router"
+    if (installed / "sglang_router").is_dir():
+        return installed
+    target = tmp_path_factory.mktemp("sglang-router")
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                           "--target", str(target), SGLANG_ROUTER], capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot install {SGLANG_ROUTER} from the package index: {proc.stderr.strip()[-400:]}")
+    return target
+
+
+def start_router(procs: Procs, site: Path, prefill: Worker, bootstrap_port: int, decode: Worker,
+                 *extra: str) -> str:
+    port = free_port()
+    name = f"sglang-router-{port}"
+    proc = procs.start(name, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                       "--prefill", f"http://127.0.0.1:{prefill.http_port}", str(bootstrap_port),
+                       "--decode", f"http://127.0.0.1:{decode.http_port}",
+                       "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin", *extra,
+                       env={"PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1", "NO_PROXY": "*"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ok(f"{url}/health", 60, proc)
+        deadline = time.monotonic() + 30  # the Rust router marks workers healthy after its first checks
+        while True:
+            reply = httpx.post(f"{url}/generate", json={"text": "warm", "sampling_params": {"max_new_tokens": 1}},
+                               timeout=30)
+            if reply.status_code == 200 or time.monotonic() > deadline:
+                reply.raise_for_status()
+                break
+            time.sleep(0.2)
+    except Exception as exc:
+        raise RuntimeError(f"SGLang router did not start: {exc}\n{procs.log(name)[-3000:]}") from exc
+    return url
+
+
+@pytest.fixture(scope="module")
+def stack(router_site: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    procs = Procs(tmp_path_factory.mktemp("sglang-stack"))
+    try:
+        bootstrap_port = free_port()
+        prefill = start_worker(procs, "prefill", *SIM, "--bootstrap-embedded", str(bootstrap_port))
+        decode = start_worker(procs, "decode", *SIM)
+        gateway = start_gateway(procs, "--prefill", prefill.url, "--decode", decode.url)
+        routers = {
+            "rust": start_router(procs, router_site, prefill, bootstrap_port, decode),
+            "mini_lb": start_router(procs, router_site, prefill, bootstrap_port, decode, "--mini-lb"),
+        }
+        yield Stack(prefill, decode, f"http://127.0.0.1:{gateway}", routers)
+    finally:
+        procs.stop_all()
+
+
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=30)
+
+
+def chat(base_url: str, stream: bool, **extra: object) -> list[str]:
+    c = client(base_url)
+    if not stream:
+        out = c.chat.completions.create(model="sim", messages=MESSAGES, **extra)  # type: ignore[call-overload]
+        return [choice.message.content for choice in sorted(out.choices, key=lambda ch: ch.index)]
+    texts: dict[int, str] = {}
+    for chunk in c.chat.completions.create(model="sim", messages=MESSAGES, stream=True,  # type: ignore[call-overload]
+                                           **extra):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    return [texts[i] for i in sorted(texts)]
+
+
+def completion(base_url: str, stream: bool) -> str:
+    c = client(base_url)
+    if not stream:
+        return c.completions.create(model="sim", prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+    return "".join(chunk.choices[0].text for chunk in
+                   c.completions.create(model="sim", prompt=PROMPT, max_tokens=24, temperature=0, stream=True)
+                   if chunk.choices)
+
+
+def generate(base_url: str, stream: bool) -> tuple[str, list[int]]:
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 20, "temperature": 0}, "stream": stream}
+    if not stream:
+        reply = httpx.post(f"{base_url}/generate", json=body, timeout=30)
+        assert reply.status_code == 200, reply.text
+        out = reply.json()
+        return out["text"], out["output_ids"]
+    last = None
+    with httpx.stream("POST", f"{base_url}/generate", json=body, timeout=30) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                last = json.loads(line[6:])  # cumulative: the last event holds everything
+    assert last is not None, "no events"
+    return last["text"], last["output_ids"]
+
+
+@pytest.mark.parametrize("router", ["rust", "mini_lb"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_equals_our_gateway(stack: Stack, router: str, stream: bool) -> None:
+    want = chat(stack.gateway, stream, max_tokens=32, temperature=0)
+    got = chat(stack.routers[router], stream, max_tokens=32, temperature=0)
+    assert len(want[0]) == 32, "the sim engine emits one character per token"
+    assert got == want
+
+
+@pytest.mark.parametrize("router", ["rust", "mini_lb"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completions_equal_our_gateway(stack: Stack, router: str, stream: bool) -> None:
+    want = completion(stack.gateway, stream)
+    assert len(want) == 24
+    assert completion(stack.routers[router], stream) == want
+
+
+@pytest.mark.parametrize("router", ["rust", "mini_lb"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_generate_equals_our_gateway(stack: Stack, router: str, stream: bool) -> None:
+    want = generate(stack.gateway, stream)
+    assert len(want[1]) == 20
+    assert generate(stack.routers[router], stream) == want
+
+
+@pytest.mark.parametrize("router", ["rust", "mini_lb"])
+def test_several_choices_each_get_their_own_room(stack: Stack, router: str) -> None:
+    """n=2: the Rust router sends a room per choice, mini_lb one room (choice i uses room + i); each
+    choice is its own prefill + decode pair of requests, on rooms that prefill and decode agree on."""
+    want = chat(stack.gateway, False, max_tokens=16, temperature=1.0, seed=7, n=2)
+    assert len(want) == 2 and all(len(text) == 16 for text in want)
+    assert chat(stack.routers[router], False, max_tokens=16, temperature=1.0, seed=7, n=2) == want
+    prefill_rooms = [r["room"] for r in stack.prefill.get("/debug/rooms")][-2:]  # type: ignore[index, union-attr]
+    decode_rooms = [r["room"] for r in stack.decode.get("/debug/rooms")][-2:]  # type: ignore[index, union-attr]
+    assert len(set(decode_rooms)) == 2 and sorted(prefill_rooms) == sorted(decode_rooms)
+
+
+def test_pools_full_after_the_routers_requests(stack: Stack) -> None:
+    deadline = time.monotonic() + 20
+    while not stack.pools_full():
+        assert time.monotonic() < deadline, "a KV page leaked"
+        time.sleep(0.1)
+
+
+def test_worker_metadata_routes(stack: Stack) -> None:
+    info = stack.decode.get("/get_server_info")
+    assert isinstance(info, dict) and info["disaggregation_mode"] == "decode"
+    prefill_info = stack.prefill.get("/server_info")
+    assert isinstance(prefill_info, dict) and prefill_info["disaggregation_mode"] == "prefill"
+    assert prefill_info["disaggregation_bootstrap_port"] is not None
+    assert stack.prefill.get("/get_model_info")["is_generation"] is True  # type: ignore[index]
+    assert stack.decode.get("/v1/models")["data"][0]["id"] == "sim"  # type: ignore[index]
+    assert stack.decode.get("/health_generate") == {"status": "ok"}
+    flushed = httpx.post(f"http://127.0.0.1:{stack.prefill.http_port}/flush_cache", timeout=10)
+    assert flushed.status_code == 200 and flushed.json()["status"] == "ok"

@@ -1,0 +1,262 @@
+"""SGLang's HTTP PD protocol on a worker's HTTP port: what SGLang's router (Rust or mini_lb) calls.
+
+The native protocol stays the fast path; this is the compatibility path, on the same scheduler.
+
+Lifecycle:
+1. ``SGLangAPI(worker)`` once the worker's scheduler and native server run; ``await start()`` opens
+   one native connection to the worker's own native port (a gateway ``WorkerClient``, so requests
+   take exactly the path a gateway's do) and loads the tokenizer the engine names.
+2. Per request (``POST /generate``, ``/v1/completions``, ``/v1/chat/completions``): the gateway's own
+   responders and shapes (validation, chat template, detokenizing, stop strings, SSE and JSON), with
+   ``RelayDispatcher`` in place of the gateway's dispatcher: no routing, this worker only, and the
+   bootstrap room and the prefill's registry address taken from the body's ``bootstrap_host``,
+   ``bootstrap_port`` and ``bootstrap_room`` (scalars, or lists with one item per choice; choice
+   ``i`` of a scalar room uses ``room + i``, on the prefill and the decode alike). A prefill worker
+   answers once its KV is handed over (its text is the first token; ``meta_info`` carries the
+   prompt logprobs a router merges); a decode worker answers with the whole generation, streamed
+   or not. A combined worker (``--role both``) needs no bootstrap fields.
+3. Metadata and admin routes: ``/health_generate``, ``/get_model_info`` (``/model_info``),
+   ``/get_server_info`` (``/server_info``), ``/v1/models``, ``/flush_cache``.
+4. ``aclose()`` closes the connection; requests still open end with a 502.
+
+A decode finds its prefill through the registry at ``bootstrap_host:bootstrap_port`` (null: 8998),
+the only prefill instance registered there: start each prefill with ``--bootstrap-embedded PORT``
+and give the router ``--prefill URL PORT``. SGLang's fake bootstrap host (``2.2.2.2``, its warm-up
+requests run without a peer) is refused with a 400: our workers always move real KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from gateway.admission import Admission
+from gateway.api import ClientBootstrap, Frontend
+from gateway.context import REQUEST_ID
+from gateway.dispatch import EventSink
+from gateway.errors import APIError, BadGateway, BadRequest, UpstreamTimeout, from_worker_error
+from gateway.metrics import GatewayMetrics
+from gateway.responder import ChatShape, CompletionShape, GenerateShape, Responder
+from gateway.tokenizer import load_tokenizer
+from gateway.worker_client import WorkerClient
+from workers.protocol import BootstrapTarget, Error, SamplingParams, StepOutput, Submit
+
+if TYPE_CHECKING:
+    from workers.worker import Worker
+
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_ROOM = 2**63 - 1
+SERVER_VERSION = "pd-gateway-0.1.0"
+_json = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    first_token_timeout_s: float = 300.0  # prefill: until its KV is handed over; decode: its first token
+    stream_idle_timeout_s: float = 120.0
+    request_timeout_s: float = 1800.0  # the scheduler's own deadline for the request
+
+
+class RelayDispatcher:
+    """Runs a choice on this worker alone, with the room and prefill address the client sent."""
+
+    def __init__(self, client: WorkerClient, role: str, config: RelayConfig | None = None) -> None:
+        self.client = client
+        self.role = role
+        self.config = config or RelayConfig()
+
+    async def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
+                       bootstrap: ClientBootstrap | None = None) -> AsyncGenerator[StepOutput, None]:
+        target = self.target(bootstrap, choice)
+        sink = EventSink()
+        cfg = self.config
+        try:
+            rid = self.client.submit(Submit(0, input_ids, params, target, cfg.request_timeout_s, REQUEST_ID.get()),
+                                     sink, "self")
+        except ConnectionError as exc:
+            raise BadGateway(str(exc), code="worker_gone") from None
+        done = got_token = False
+        try:
+            while True:
+                sink.set_deadline(cfg.stream_idle_timeout_s if got_token else cfg.first_token_timeout_s)
+                try:
+                    _, event = await sink.get()
+                except TimeoutError:
+                    stage = "between tokens" if got_token else "before the first token"
+                    raise UpstreamTimeout(f"{self.role} worker: no progress {stage}") from None
+                if isinstance(event, StepOutput):
+                    if event.finish_reason is None:
+                        event = sink.merge_ready(event, "self")
+                    got_token = got_token or bool(event.token_ids)
+                    done = event.finish_reason is not None
+                    yield event
+                    if done:
+                        return
+                elif isinstance(event, Error):
+                    done = True
+                    raise from_worker_error(event.code, event.message, self.role)
+                else:  # WorkerGone: our own scheduler's connection dropped
+                    done = True
+                    raise BadGateway(f"{self.role} worker: {event.message}", code="worker_gone")
+        finally:
+            sink.close()
+            if not done:  # the client left, or a stop string ended the choice
+                self.client.abort(rid)
+
+    def target(self, bootstrap: ClientBootstrap | None, choice: int) -> BootstrapTarget | None:
+        """This choice's bootstrap target from the client's fields (400 naming the bad one)."""
+        if self.role == "both":
+            return None
+        if bootstrap is None or bootstrap.room is None:
+            needs = "bootstrap_room" if self.role == "prefill" else "bootstrap_host and bootstrap_room"
+            raise BadRequest(f"a {self.role} worker serves SGLang's PD protocol: the request needs {needs}",
+                             param="bootstrap_room")
+        host = _item(bootstrap.host, choice, "bootstrap_host")
+        port = _item(bootstrap.port, choice, "bootstrap_port")
+        room = _item(bootstrap.room, choice, "bootstrap_room")
+        if type(room) is not int or not 0 <= room <= MAX_ROOM:
+            raise BadRequest(f"bootstrap_room must be an integer in [0, 2^63-1], got {room!r}",
+                             param="bootstrap_room")
+        if not isinstance(bootstrap.room, list):
+            room = (room + choice) % (MAX_ROOM + 1)
+        if port is not None and (type(port) is not int or not 0 < port < 65536):
+            raise BadRequest(f"bootstrap_port must be a TCP port or null, got {port!r}", param="bootstrap_port")
+        if host is not None and not isinstance(host, str):
+            raise BadRequest(f"bootstrap_host must be a string, got {host!r}", param="bootstrap_host")
+        if host == FAKE_BOOTSTRAP_HOST:
+            raise BadRequest("the fake bootstrap host (a peer-less warm-up) is not supported: our workers always "
+                             "move real KV", param="bootstrap_host")
+        if self.role == "decode" and not host:
+            raise BadRequest("a decode worker needs bootstrap_host: the prefill's host", param="bootstrap_host")
+        return BootstrapTarget(host.strip("[]") if host else "", port, room)
+
+
+def _item(value: Any, choice: int, name: str) -> Any:
+    if not isinstance(value, list):
+        return value
+    if choice >= len(value):
+        raise BadRequest(f"{name} has {len(value)} items; choice {choice} needs one of its own", param=name)
+    return value[choice]
+
+
+class SGLangAPI:
+    """The host of the SGLang-protocol responders on one worker (see the module docstring)."""
+
+    def __init__(self, worker: Worker, config: RelayConfig | None = None) -> None:
+        cfg = worker.config
+        self.worker = worker
+        self.metrics = GatewayMetrics()
+        self.admission = Admission(0, 0, 1.0, self.metrics)  # the scheduler's own queue limits apply
+        host = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host
+        self.client = WorkerClient(f"pd://{host}:{worker.native_port}", cfg.role)
+        self.dispatcher = RelayDispatcher(self.client, cfg.role, config)
+        self.frontend: Frontend | None = None
+
+    @property
+    def max_body_bytes(self) -> int:
+        return MAX_BODY_BYTES
+
+    def require_frontend(self) -> Frontend:
+        if self.frontend is None or not self.client.is_connected:
+            from gateway.errors import NoWorkers
+
+            raise NoWorkers("the worker is starting or stopping", retry_after_s=1.0)
+        return self.frontend
+
+    async def start(self, timeout_s: float = 30.0) -> None:
+        engine = self.worker.engine
+        assert engine is not None
+        info = engine.info
+        tokenizer = await asyncio.to_thread(load_tokenizer, info.tokenizer)
+        self.frontend = Frontend(self.dispatcher, tokenizer, info.name, info.max_context)
+        self.client.start()
+        if not await self.client.wait_ready(timeout_s):
+            raise RuntimeError(f"SGLang API: could not connect to the worker's own native port: "
+                               f"{self.client.last_error}")
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    def routes(self) -> list[BaseRoute]:
+        chat, completions, generate = (Responder(self, ChatShape()), Responder(self, CompletionShape()),
+                                       Responder(self, GenerateShape()))
+        return [
+            Route("/generate", generate, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/health_generate", self.health_generate, methods=["GET"]),
+            Route("/get_model_info", self.model_info, methods=["GET"]),
+            Route("/model_info", self.model_info, methods=["GET"]),
+            Route("/get_server_info", self.server_info, methods=["GET"]),
+            Route("/server_info", self.server_info, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/flush_cache", self.flush_cache, methods=["POST", "GET"]),
+        ]
+
+    # -- metadata and admin ------------------------------------------------------------------
+    async def health_generate(self, _: Request) -> Response:
+        """200 while the scheduler runs and makes progress: in PD mode SGLang's check runs a peer-less
+        generation, which our workers do not have; a combined worker runs a real one-token one."""
+        sched = self.worker.scheduler
+        if sched is None or not sched.is_alive or sched.stalled_s > 60.0 or not self.client.is_connected:
+            return _reply({"status": "unhealthy"}, 503)
+        if self.worker.config.role == "both":
+            try:
+                async for _event in self.dispatcher.generate([0], SamplingParams(max_new_tokens=1, temperature=0)):
+                    pass
+            except APIError as exc:
+                return _reply({"status": "unhealthy", "error": exc.message}, 503)
+        return _reply({"status": "ok"})
+
+    async def model_info(self, _: Request) -> Response:
+        engine = self.worker.engine
+        assert engine is not None
+        info = engine.info
+        return _reply({
+            "model_path": self.worker.config.model or info.name, "tokenizer_path": info.tokenizer,
+            "is_generation": True, "model_type": self.worker.config.engine, "architectures": None,
+            "weight_version": "default", "served_model_name": info.name,
+        })
+
+    async def server_info(self, _: Request) -> Response:
+        w = self.worker
+        engine, pool = w.engine, w.pool
+        assert engine is not None and pool is not None
+        cfg, info = w.config, engine.info
+        return _reply({
+            "model_path": cfg.model or info.name, "served_model_name": info.name, "tokenizer_path": info.tokenizer,
+            "version": SERVER_VERSION, "disaggregation_mode": cfg.role if cfg.role != "both" else "null",
+            "disaggregation_bootstrap_port": cfg.bootstrap_embedded,
+            "disaggregation_transfer_backend": cfg.transfer, "dp_size": 1, "tp_size": 1, "pp_size": 1,
+            "page_size": pool.page_size, "max_total_num_tokens": pool.num_pages * pool.page_size,
+            "max_running_requests": cfg.max_running, "context_length": info.max_context,
+            "internal_states": [{"last_gen_throughput": 0.0, "avg_spec_accept_length": None}],
+        })
+
+    async def models(self, _: Request) -> Response:
+        frontend = self.require_frontend()
+        return _reply({"object": "list", "data": [{"id": frontend.model_name, "object": "model", "created": 0,
+                                                   "owned_by": "pd-gateway", "root": frontend.model_name,
+                                                   "max_model_len": frontend.max_context}]})
+
+    async def flush_cache(self, _: Request) -> Response:
+        sched = self.worker.scheduler
+        if sched is None or not sched.is_alive:
+            return _reply({"status": "unhealthy"}, 503)
+        try:
+            freed = await asyncio.wait_for(asyncio.wrap_future(sched.flush_cache()), 10.0)
+        except TimeoutError:
+            return _reply({"status": "unhealthy", "error": "the scheduler did not answer"}, 503)
+        return _reply({"status": "ok", "num_freed_pages": freed})
+
+
+def _reply(body: Any, status: int = 200) -> Response:
+    return Response(_json.encode(body), status_code=status, media_type="application/json")
