@@ -29,6 +29,7 @@ from gateway.tokenizer import Tokenizer
 from workers.protocol import SamplingParams, StepOutput
 
 MAX_N = 16
+CHAT_ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP_STRINGS = 8
 _json = msgspec.json.Encoder()
 
@@ -174,6 +175,8 @@ def decode_body(body: bytes, kind: type[Any]) -> Any:
         raise BadRequest(f"invalid request: {message}", param=param) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:  # msgspec checks UTF-8 inside strings lazily
+        raise BadRequest(f"request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
 
 
 class ModelNotFound(NotFound):
@@ -244,6 +247,11 @@ class Frontend:
         if not req.messages:
             raise BadRequest("messages must be a non-empty list", param="messages")
         reject_non_text_content(req.messages)
+        for i, message in enumerate(req.messages):
+            if message.role not in CHAT_ROLES:
+                hint = " (tool calls are not supported)" if message.role in ("tool", "function") else ""
+                raise BadRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got "
+                                 f"{message.role!r}{hint}", param=f"messages[{i}].role")
         try:
             messages = [msgspec.structs.asdict(m) for m in req.messages]
             input_ids = self.tokenizer.apply_chat_template(messages)

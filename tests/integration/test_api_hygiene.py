@@ -203,3 +203,32 @@ def test_neutral_values_still_work(sim_cluster) -> None:  # type: ignore[no-unty
     assert r.status_code == 200, r.text
     assert r.json()["text"] == base
     cluster.wait_pools_full()
+
+
+def test_malformed_bodies_are_a_400_and_the_gateway_keeps_serving(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    """Invalid UTF-8 (inside a string, where msgspec checks it lazily), a JSON array or scalar instead of
+    an object, and chat messages with a role the template does not know: each a clear 400."""
+    cluster = sim_cluster()
+    routes = ("/v1/chat/completions", "/v1/completions", "/generate")
+    bodies: list[tuple[bytes, str | None]] = [
+        (b'{"messages": [{"role": "user", "content": "ab\xff\xfe"}], "prompt": "x\xffy", "text": "x\xffy"}', None),
+        (b"\xff\xfe{}", None),
+        (b'[{"role": "user", "content": "hi"}]', None),
+        (b'"just a string"', None),
+        (b"null", None),
+        (b'{"messages": [{"role": "user", "content": "hi"}]' + b"]" * 3, None),
+    ]
+    with httpx.Client(base_url=cluster.base_url, timeout=30) as http:
+        for route in routes:
+            for body, param in bodies:
+                r = http.post(route, content=body, headers={"content-type": "application/json"})
+                assert r.status_code == 400, (route, body, r.text)
+                err = r.json()["error"]
+                assert err["type"] == "invalid_request_error" and err["param"] == param, (route, body, err)
+        for role in ("wizard", "tool", "", "USER"):
+            r = http.post("/v1/chat/completions", json={"messages": [{"role": role, "content": "hi"}], "max_tokens": 4})
+            assert r.status_code == 400, (role, r.text)
+            assert r.json()["error"]["param"] == "messages[0].role", r.text
+        r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    cluster.wait_pools_full()
