@@ -102,53 +102,55 @@ async def measure(name: str, post: Callable[[], Awaitable[None]], n: int, concur
     return (time.process_time() - started) / n * 1e6
 
 
-async def run(port: int, n: int) -> list[tuple[str, int, float]]:
+async def run_at(port: int, n: int, concurrency: int) -> list[tuple[str, int, float]]:
     import aiohttp
     import httpx
 
     url = f"http://127.0.0.1:{port}/generate"
     rows = []
-    for concurrency in (1, 32):
-        conns = []
-        for _ in range(concurrency):
-            transport, proto = await asyncio.get_running_loop().create_connection(_RawClient, "127.0.0.1", port)
-            transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conns.append(proto)
-        request = (b"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-                   b"content-length: %d\r\n\r\n" % len(BODY)) + BODY
-        free = list(conns)
+    conns = []
+    for _ in range(concurrency):
+        transport, proto = await asyncio.get_running_loop().create_connection(_RawClient, "127.0.0.1", port)
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conns.append(proto)
+    request = (b"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+               b"content-length: %d\r\n\r\n" % len(BODY)) + BODY
+    free = list(conns)
 
-        async def raw_post() -> None:
-            conn = free.pop()
-            try:
-                await conn.post(request)
-            finally:
-                free.append(conn)
+    async def raw_post() -> None:
+        conn = free.pop()
+        try:
+            await conn.post(request)
+        finally:
+            free.append(conn)
 
-        rows.append(("raw socket (baseline)", concurrency, await measure("raw", raw_post, n, concurrency)))
-        for conn in conns:
-            conn.transport.close()
+    rows.append(("raw socket (baseline)", concurrency, await measure("raw", raw_post, n, concurrency)))
+    for conn in conns:
+        conn.transport.close()
 
-        connector = aiohttp.TCPConnector(limit=64, keepalive_timeout=30)
-        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30)) as session:
-            headers = {"content-type": "application/json"}
+    headers = {"content-type": "application/json"}
+    connector = aiohttp.TCPConnector(limit=64, keepalive_timeout=30)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async def aiohttp_post() -> None:
+            async with session.post(url, data=BODY, headers=headers) as reply:
+                await reply.read()
 
-            async def aiohttp_post() -> None:
-                async with session.post(url, data=BODY, headers=headers) as reply:
-                    await reply.read()
+        rows.append((f"aiohttp {aiohttp.__version__}", concurrency,
+                     await measure("aiohttp", aiohttp_post, n, concurrency)))
 
-            rows.append((f"aiohttp {aiohttp.__version__}", concurrency,
-                         await measure("aiohttp", aiohttp_post, n, concurrency)))
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(limits=limits, timeout=30) as client:
+        async def httpx_post() -> None:
+            reply = await client.post(url, content=BODY, headers=headers)
+            reply.read()
 
-        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-        async with httpx.AsyncClient(limits=limits, timeout=30) as client:
-            async def httpx_post() -> None:
-                reply = await client.post(url, content=BODY, headers={"content-type": "application/json"})
-                reply.read()
-
-            rows.append((f"httpx {httpx.__version__} (http/1.1, httpcore)", concurrency,
-                         await measure("httpx", httpx_post, max(n // 4, 64), concurrency)))
+        rows.append((f"httpx {httpx.__version__} (http/1.1, httpcore)", concurrency,
+                     await measure("httpx", httpx_post, max(n // 4, 64), concurrency)))
     return rows
+
+
+async def run(port: int, n: int) -> list[tuple[str, int, float]]:
+    return [row for concurrency in (1, 32) for row in await run_at(port, n, concurrency)]
 
 
 def main() -> None:
