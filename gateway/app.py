@@ -32,10 +32,11 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.admin import admin_routes
 from gateway.api import now_s
-from gateway.errors import APIError
+from gateway.errors import APIError, NoWorkers
 from gateway.middleware import GatekeeperMiddleware, RequestContextMiddleware
 from gateway.responder import ChatShape, CompletionShape, GenerateShape, Responder
 from gateway.runtime import Gateway, GatewayConfig
+from gateway.sglang_relay import SGLangResponder
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -83,11 +84,17 @@ class GatewayApp:
 
     def __init__(self, gw: Gateway, rest: Starlette) -> None:
         self.rest = rest
-        self.responders = {
+        self.responders: dict[str, Any] = {
             "/v1/chat/completions": Responder(gw, ChatShape()),
             "/v1/completions": Responder(gw, CompletionShape()),
             "/generate": Responder(gw, GenerateShape()),
         }
+        if gw.fleet is not None:  # SGLang workers: the body goes through as is (gateway/sglang_relay.py)
+            self.responders = {
+                f"/{path}": SGLangResponder(gw.fleet, route, path, gw.admission, gw.metrics, gw.max_body_bytes)
+                for route, path in (("chat", "v1/chat/completions"), ("completions", "v1/completions"),
+                                    ("generate", "generate"))
+            }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -118,20 +125,26 @@ def _guarded(gw: Gateway, route: str, endpoint: Callable[[Request], Awaitable[Re
 
 
 async def models(request: Request) -> Response:
-    frontend = _gateway(request).require_frontend()
+    gw = _gateway(request)
+    if gw.fleet is not None:  # SGLang workers: the name they report (or --model-name)
+        name = gw.config.model_name or gw.fleet.model_name
+        if name is None:
+            raise NoWorkers("no SGLang worker has reported its model yet", retry_after_s=2.0)
+    else:
+        name = gw.require_frontend().model_name
     return _reply({"object": "list", "data": [
-        {"id": frontend.model_name, "object": "model", "created": now_s(), "owned_by": "pd-gateway"}]})
+        {"id": name, "object": "model", "created": now_s(), "owned_by": "pd-gateway"}]})
 
 
 def status(gw: Gateway) -> dict[str, Any]:
-    ready = gw.dispatcher.is_ready() and not gw.is_draining
+    ready = gw.is_ready() and not gw.is_draining
     return {
         "status": "draining" if gw.is_draining else "ok" if ready else "unavailable",
         "ready": ready,
         "policy": gw.router.name,
         "active_requests": gw.admission.num_active,
         "queued_requests": gw.admission.num_queued,
-        "workers": [worker_status(gw, c) for c in gw.clients],
+        "workers": [worker_status(gw, c) for c in (gw.clients if gw.fleet is None else gw.fleet.workers)],
     }
 
 

@@ -18,9 +18,12 @@ from gateway.health import HealthConfig
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gateway", description=__doc__)
     p.add_argument("--prefill", action="extend", nargs="+", default=[], metavar="URL",
-                   help="prefill workers, pd://HOST:PORT (repeatable)")
+                   help="prefill workers, pd://HOST:PORT (ours, native) or http://HOST:PORT [BOOTSTRAP_PORT|none] "
+                        "(SGLang's HTTP PD protocol; the port of its bootstrap server follows the URL) (repeatable)")
     p.add_argument("--decode", action="extend", nargs="+", default=[], metavar="URL",
-                   help="decode workers, pd://HOST:PORT (repeatable)")
+                   help="decode workers, pd://HOST:PORT or http://HOST:PORT (repeatable)")
+    p.add_argument("--pd-disaggregation", action="store_true",
+                   help="accepted for SGLang router command lines (--prefill/--decode mean disaggregation)")
     p.add_argument("--worker", action="extend", nargs="+", default=[], metavar="URL",
                    help="combined (--role both) workers, no disaggregation")
     p.add_argument("--host", default="127.0.0.1")
@@ -84,9 +87,28 @@ def _read_keys(path: str | None) -> list[str]:
     return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
 
 
+def split_prefill_args(values: list[str]) -> tuple[tuple[str, ...], tuple[int | None, ...]]:
+    """SGLang's form ``--prefill URL [BOOTSTRAP_PORT|none] ...``: URLs, and each one's bootstrap port."""
+    urls: list[str] = []
+    ports: list[int | None] = []
+    for value in values:
+        if value.isdigit() or value.lower() == "none":
+            if not urls or ports[-1] is not None or value == "":
+                raise ValueError(f"prefill: a bootstrap port ({value}) must follow a prefill URL")
+            ports[-1] = None if value.lower() == "none" else int(value)
+            if ports[-1] is not None and not 0 < int(value) < 65536:
+                raise ValueError(f"prefill: not a TCP port: {value}")
+            continue
+        urls.append(value)
+        ports.append(None)
+    return tuple(urls), tuple(ports)
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    prefill, bootstrap_ports = split_prefill_args(args.prefill)
     return GatewayConfig(
-        prefill=tuple(args.prefill), decode=tuple(args.decode), worker=tuple(args.worker), host=args.host,
+        prefill=prefill, prefill_bootstrap_ports=bootstrap_ports if any(p is not None for p in bootstrap_ports)
+        else (), decode=tuple(args.decode), worker=tuple(args.worker), host=args.host,
         port=args.port, policy=args.policy, prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         policy_options=tuple(args.policy_option), load_stale_s=args.load_stale_s, assume_ttl_s=args.assume_ttl_s,
         model_name=args.model_name, tokenizer=args.tokenizer,

@@ -224,11 +224,12 @@ class GenerateShape(Shape):
         if prep.want_logprobs:
             meta["output_token_logprobs"] = [[e["logprob"], t, None] for e, t in
                                              zip(state.logprobs, state.token_ids, strict=False)]
-            if state.prompt_logprobs is not None:
-                meta["input_token_logprobs"] = [
-                    [None if i == 0 or lp != lp else lp, t, None]  # lp != lp: NaN (no prefix row)
-                    for i, (lp, t) in enumerate(zip(state.prompt_logprobs, prep.input_ids, strict=False))
-                ]
+            # Always a list: an SGLang router in front of a decode worker puts the prefill's in front
+            # of it (the prompt's logprobs come from the prefill; the decode's own part is empty).
+            meta["input_token_logprobs"] = [
+                [None if i == 0 or lp != lp else lp, t, None]  # lp != lp: NaN (no prefix row)
+                for i, (lp, t) in enumerate(zip(state.prompt_logprobs or [], prep.input_ids, strict=False))
+            ]
         return {"text": state.text, "output_ids": list(state.token_ids), "meta_info": meta}
 
 
@@ -282,7 +283,7 @@ class Responder:
                 frontend = gw.require_frontend()
                 prep, client_id = shape.prepare(frontend, decode_body(body, shape.body_type))
                 run = Run(frontend, prep, client_id or new_id(shape.id_prefix))
-                watcher = asyncio.create_task(_watch_disconnect(receive, task, gone))
+                watcher = asyncio.create_task(watch_disconnect(receive, task, gone))
                 if prep.stream:
                     await self._stream(run, send, watcher)
                 else:
@@ -357,7 +358,7 @@ class Responder:
             await events.aclose()
 
 
-async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], gone: list[bool]) -> None:
+async def watch_disconnect(receive: Receive, task: asyncio.Task[Any], gone: list[bool]) -> None:
     """Cancel ``task`` when the client disconnects (the request body has been read by then)."""
     while True:
         message = await receive()

@@ -26,6 +26,7 @@ from gateway.health import HealthConfig
 from gateway.metrics import GatewayMetrics, WorkerCollector
 from gateway.policies import parse_option_args
 from gateway.router import Router
+from gateway.sglang_relay import RelayConfig, SGLangFleet, check_http_url, is_http_url
 from gateway.tokenizer import load_tokenizer
 from gateway.worker_client import WorkerClient, parse_worker_url
 from gateway.worker_state import REFRESH_INTERVAL_S
@@ -38,6 +39,8 @@ ROLES = ("prefill", "decode", "both")
 class GatewayConfig:
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
+    # SGLang prefills (http:// URLs): each one's bootstrap port (None: the worker's default, 8998)
+    prefill_bootstrap_ports: tuple[int | None, ...] = ()
     worker: tuple[str, ...] = ()  # combined (role both) workers, no disaggregation
     host: str = "127.0.0.1"
     port: int = 8000
@@ -72,8 +75,20 @@ class GatewayConfig:
             raise ValueError("worker: use either --worker (combined) or --prefill/--decode, not both")
         if not self.worker and not (self.prefill and self.decode):
             raise ValueError("prefill/decode: give at least one --prefill and one --decode URL (or --worker)")
-        for url in (*self.prefill, *self.decode, *self.worker):
-            parse_worker_url(url)
+        urls = (*self.prefill, *self.decode, *self.worker)
+        http = [url for url in urls if is_http_url(url)]
+        if http and len(http) != len(urls):
+            raise ValueError("prefill/decode: native (pd://) and SGLang (http://) workers cannot share a gateway "
+                             "yet; run one gateway per kind")
+        if http and self.worker:
+            raise ValueError("worker: SGLang workers run disaggregated here: give --prefill and --decode URLs")
+        for url in urls:
+            check_http_url(url) if http else parse_worker_url(url)
+        if self.prefill_bootstrap_ports and len(self.prefill_bootstrap_ports) != len(self.prefill):
+            raise ValueError("prefill_bootstrap_ports: one per prefill URL")
+        if not http and any(p is not None for p in self.prefill_bootstrap_ports):
+            raise ValueError("prefill: a bootstrap port follows only an SGLang (http://) prefill URL; ours "
+                             "report theirs in the handshake")
         if len(set(self.prefill + self.decode + self.worker)) != len(self.prefill + self.decode + self.worker):
             raise ValueError("prefill/decode/worker: a worker URL is listed twice")
         for name in ("load_stale_s", "queue_timeout_s", "drain_timeout_s"):
@@ -98,15 +113,24 @@ class Gateway:
         self.is_combined = bool(config.worker)
         self.prefills: list[WorkerClient] = []
         self.decodes: list[WorkerClient] = []
+        self.fleet: SGLangFleet | None = None  # SGLang workers over HTTP (gateway/sglang_relay.py)
+        if config.prefill and is_http_url(config.prefill[0]):
+            ports = config.prefill_bootstrap_ports or (None,) * len(config.prefill)
+            self.fleet = SGLangFleet(list(zip(config.prefill, ports, strict=True)), list(config.decode), self.router,
+                                     config.health, RelayConfig(
+                                         first_byte_timeout_s=config.first_token_timeout_s,
+                                         read_timeout_s=config.stream_idle_timeout_s,
+                                         request_timeout_s=config.request_timeout_s,
+                                         max_retries=config.max_retries, retry_backoff_s=config.retry_backoff_s))
         self.dispatcher = Dispatcher(
             self.prefills, self.decodes, self.router,
             DispatchConfig(config.first_token_timeout_s, config.stream_idle_timeout_s, config.request_timeout_s,
                            config.max_retries, config.retry_backoff_s),
             self.metrics, combined=self.is_combined,
         )
-        for url in config.prefill:
+        for url in config.prefill if self.fleet is None else ():
             self._new_client(url, "prefill")
-        for url in config.decode:
+        for url in config.decode if self.fleet is None else ():
             self._new_client(url, "decode")
         for url in config.worker:
             self._new_client(url, "both")
@@ -134,6 +158,9 @@ class Gateway:
 
     async def start(self) -> None:
         self._started = True
+        if self.fleet is not None:
+            await self.fleet.start(self.config.startup_timeout_s)
+            return
         for client in self.clients:
             client.start()
         self._refresher = asyncio.create_task(self._refresh_load_states(), name="load-freshness")
@@ -226,7 +253,13 @@ class Gateway:
             for client in self.clients:
                 client.state.refresh()
 
+    def is_ready(self) -> bool:
+        """A healthy pair (or combined worker) is selectable."""
+        return self.fleet.is_ready() if self.fleet is not None else self.dispatcher.is_ready()
+
     async def aclose(self) -> None:
+        if self.fleet is not None:
+            await self.fleet.aclose()
         tasks = [t for t in (self._refresher, *self._tasks) if t is not None]
         for task in tasks:
             task.cancel()

@@ -133,6 +133,17 @@ class Stack:
     def url(self, name: str) -> str:
         return f"pd://127.0.0.1:{self.ports[name]}"
 
+    def sglang_router(self, name: str, site: Path, prefill_http: int, bootstrap_port: int, decode_http: int) -> None:
+        """SGLang's Rust router in PD mode in front of our workers' SGLang HTTP side."""
+        port = free_port()
+        proc = self.procs.start(name, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                                "--prefill", f"http://127.0.0.1:{prefill_http}", str(bootstrap_port),
+                                "--decode", f"http://127.0.0.1:{decode_http}", "--host", "127.0.0.1",
+                                "--port", str(port), "--policy", "round_robin", "--log-level", "warn",
+                                env={"PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"})
+        self.pids[name], self.ports[name] = proc.pid, port
+        self.pending.append(name)
+
     def wait(self) -> None:
         by_pid = {p.pid: p for p in self.procs.procs}
         names, self.pending = self.pending, []
@@ -141,6 +152,9 @@ class Stack:
             try:
                 if name.startswith("gw"):
                     wait_http_ok(f"http://127.0.0.1:{port}/readiness", 60, proc)
+                elif name.startswith("rust"):
+                    wait_http_ok(f"http://127.0.0.1:{port}/health", 60, proc)
+                    wait_generate_ok(port, proc)
                 elif name == "floor":
                     wait_http_ok(f"http://127.0.0.1:{port}/", 30, proc)
                 else:
@@ -149,10 +163,39 @@ class Stack:
                 raise RuntimeError(f"{name} did not start: {exc}\n{self.procs.log(name)[-2000:]}") from exc
 
     def pin(self) -> None:
-        """Gateways and the floor on core 0; everything else this stack started on core 1."""
+        """Gateways, routers and the floor on core 0; everything else this stack started on core 1."""
         for proc in self.procs.procs:
             name = next((k for k, v in self.pids.items() if v == proc.pid), "")
-            pin(proc.pid, {0} if name.startswith("gw") or name == "floor" else {1})
+            pin(proc.pid, {0} if name.startswith(("gw", "rust")) or name == "floor" else {1})
+
+
+def wait_generate_ok(port: int, proc: Any, timeout_s: float = 30.0) -> None:
+    """The Rust router answers /health before its first worker checks passed: wait for a real answer."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    data = json.dumps({"text": "warm", "sampling_params": {"max_new_tokens": 1}}).encode()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited with {proc.returncode}")
+        try:
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=data,
+                                             headers={"content-type": "application/json"})
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"router on port {port} did not answer /generate")
+        time.sleep(0.2)
+
+
+def sglang_router_site() -> Path | None:
+    """Where ``make install`` put SGLang's router (``.venv/sglang-router``), if it did."""
+    site = Path(sys.prefix) / "sglang-router"
+    return site if (site / "sglang_router").is_dir() else None
 
 
 # -- points -----------------------------------------------------------------------------------------
@@ -339,6 +382,17 @@ async def sim_section(stack: Stack, scale: float) -> list[Point]:
         Point("sim.pd.c64", "gateway -> sim prefill + decode (zero cost) · chat non-stream 16 tokens",
               http_target(p["gw-sim-pd"], chat, 16, False), pd, max(128, int(640 * scale)), 64),
     ]
+    # The same workers over SGLang's HTTP PD protocol: our gateway's HTTP path, and SGLang's Rust router.
+    for name, title in (("gw-sim-http", "gateway -(SGLang HTTP)->"), ("rust-sim", "SGLang Rust router ->")):
+        if name not in p:
+            continue
+        procs_ = {k: pid[k] for k in (name, "sim-prefill", "sim-decode")}
+        points += [
+            Point(f"sim.{name}.c1", f"{title} sim prefill + decode · chat non-stream 16 tokens",
+                  http_target(p[name], chat, 16, False), procs_, n(300)),
+            Point(f"sim.{name}.c64", f"{title} sim prefill + decode · chat non-stream 16 tokens",
+                  http_target(p[name], chat, 16, False), procs_, max(128, int(640 * scale)), 64),
+        ]
     for point in points:
         await run_point(point, warm=2 * point.concurrency if point.concurrency > 1 else 20)
     return points
@@ -381,6 +435,14 @@ def derived(points: dict[str, Point]) -> dict[str, Any]:
         "pd_p50_ms": fig("sim.pd.c1", "latency_ms_p50"), "both_p50_ms": fig("sim.both.c1", "latency_ms_p50"),
         "pd_above_both_p50_ms": diff(fig("sim.pd.c1", "latency_ms_p50"), fig("sim.both.c1", "latency_ms_p50")),
     }
+    # Router CPU per request in front of the same sim workers: native protocol, SGLang HTTP, Rust router.
+    out["router_cpu_us_per_req"] = {
+        f"{label}.{conc}": cpu(f"{key}.{conc}", proc)
+        for label, key, proc in (("gateway_native", "sim.pd", "gw-sim-pd"),
+                                 ("gateway_sglang_http", "sim.gw-sim-http", "gw-sim-http"),
+                                 ("sglang_rust_router", "sim.rust-sim", "rust-sim"))
+        for conc in ("c1", "c64")
+    }
     return out
 
 
@@ -402,6 +464,10 @@ def print_derived(d: dict[str, Any]) -> None:
     s = d["sim"]
     print(f"sim stack, one at a time, 16 tokens: PD p50 {fmt(s['pd_p50_ms'])} ms (<=3), combined p50 "
           f"{fmt(s['both_p50_ms'])} ms, PD above combined {fmt(s['pd_above_both_p50_ms'])} ms (<=1)")
+    r = d["router_cpu_us_per_req"]
+    print("router CPU µs/request in front of the same sim prefill + decode (chat 16 tokens; c1, c64): "
+          + "; ".join(f"{label} {fmt(r[f'{label}.c1'], 0)}, {fmt(r[f'{label}.c64'], 0)}"
+                      for label in ("gateway_native", "gateway_sglang_http", "sglang_rust_router")))
 
 
 # -- main -------------------------------------------------------------------------------------------
@@ -442,12 +508,22 @@ async def run(args: argparse.Namespace, tmp: Path) -> list[Point]:
         stack = Stack(Procs(tmp))
         try:
             boot = start_bootstrap(stack.procs)
+            http_ports: dict[str, int] = {}
             for name, role, extra in (("sim-prefill", "prefill", boot), ("sim-decode", "decode", boot),
                                       ("sim-both", "both", None)):
                 worker = start_worker(stack.procs, role, *SIM_OPTIONS, bootstrap=extra, name=name)
                 stack.pids[name], stack.ports[name] = worker.proc.pid, worker.port
+                http_ports[name] = worker.http_port
             stack.gateway("gw-sim-pd", ("prefill", "sim-prefill"), ("decode", "sim-decode"))
             stack.gateway("gw-sim-both", ("worker", "sim-both"))
+            boot_port = int(boot.rsplit(":", 1)[1])
+            stack.http("gw-sim-http", "-m", "gateway.cli", "--prefill", f"http://127.0.0.1:{http_ports['sim-prefill']}",
+                       str(boot_port), "--decode", f"http://127.0.0.1:{http_ports['sim-decode']}")
+            site = sglang_router_site()
+            if site is not None:
+                stack.sglang_router("rust-sim", site, http_ports["sim-prefill"], boot_port, http_ports["sim-decode"])
+            else:
+                print("!! SGLang's router is not installed (make install puts it in .venv/sglang-router): no rust rows")
             stack.wait()
             if can_pin:
                 stack.pin()

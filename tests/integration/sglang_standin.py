@@ -1,0 +1,128 @@
+"""A stand-in SGLang PD worker, written from SGLang's HTTP protocol, for the gateway's SGLang path tests.
+
+It speaks only HTTP (no native protocol, no KV): ``GET /health``, ``GET /get_model_info``, and
+``POST /generate``, ``/v1/completions``, ``/v1/chat/completions``. Every request's bootstrap fields
+are appended as one JSON line to ``--log`` (``{"event": "request", "route", "bootstrap_host",
+"bootstrap_port", "bootstrap_room", "text"}``), and a decode whose client went away before it
+answered logs ``{"event": "cancelled", "bootstrap_room"}``.
+
+Behaviour, chosen by the prompt (``text``, ``prompt`` or the last message's ``content``):
+- contains ``PREFILL_400`` / ``PREFILL_500`` / ``DECODE_500``: that side answers with that status;
+- contains ``DECODE_WAITS`` or ``PREFILL_``: the decode waits up to 30 s before answering (a decode
+  left waiting for KV that never comes);
+- otherwise the prefill answers at once with ``meta_info.input_token_logprobs`` (one entry per
+  prompt character; as SSE when streaming), and the decode answers ``"decoded <room>"`` (streamed as
+  one event per word for ``/generate``, cumulative; OpenAI chunks for the OpenAI routes).
+
+    python tests/integration/sglang_standin.py --role prefill|decode --port N --log FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+
+def prompt_of(body: dict[str, Any]) -> str:
+    if isinstance(body.get("text"), str):
+        return body["text"]
+    if isinstance(body.get("prompt"), str):
+        return body["prompt"]
+    messages = body.get("messages") or [{}]
+    return str(messages[-1].get("content", ""))
+
+
+def make_app(role: str, log_path: Path) -> Starlette:
+    def log(**entry: Any) -> None:
+        with log_path.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    async def health(_: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def model_info(_: Request) -> Response:
+        return JSONResponse({"model_path": "standin-model", "tokenizer_path": "standin-model", "is_generation": True})
+
+    async def generate(request: Request) -> Response:
+        body = await request.json()
+        route = request.url.path.strip("/")
+        text = prompt_of(body)
+        room = body.get("bootstrap_room")
+        log(event="request", route=route, bootstrap_host=body.get("bootstrap_host"),
+            bootstrap_port=body.get("bootstrap_port"), bootstrap_room=room, text=text, stream=body.get("stream"))
+        if f"{role.upper()}_400" in text:
+            return JSONResponse({"error": {"message": f"{role} refuses", "type": "invalid_request_error"}}, 400)
+        if f"{role.upper()}_500" in text:
+            return JSONResponse({"error": {"message": f"{role} broke", "type": "internal_error"}}, 500)
+        stream = bool(body.get("stream"))
+        if role == "prefill":
+            meta = {"input_token_logprobs": [[-0.5, ord(c), None] for c in text]}
+            if stream:
+                event = json.dumps({"text": "", "meta_info": meta})
+                return Response(f"data: {event}\n\ndata: [DONE]\n\n", media_type="text/event-stream")
+            return JSONResponse({"text": "", "meta_info": meta})
+        if "DECODE_WAITS" in text or "PREFILL_" in text:  # its KV would never come
+            for _ in range(300):
+                if await request.is_disconnected():
+                    log(event="cancelled", bootstrap_room=room)
+                    return Response(status_code=499)
+                await asyncio.sleep(0.1)
+        words = ["decoded", str(room)]
+        if route == "generate":
+            if not stream:
+                return JSONResponse({"text": " ".join(words), "meta_info": {"input_token_logprobs": []}})
+
+            async def events() -> Any:
+                for i in range(len(words)):
+                    event = {"text": " ".join(words[: i + 1]), "meta_info": {"input_token_logprobs": []}}
+                    yield f"data: {json.dumps(event)}\n\n"
+                    await asyncio.sleep(0.01)
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        chat = route.endswith("chat/completions")
+        if not stream:
+            choice = {"index": 0, "finish_reason": "stop",
+                      **({"message": {"role": "assistant", "content": " ".join(words)}} if chat
+                         else {"text": " ".join(words)})}
+            return JSONResponse({"id": "standin", "object": "chat.completion" if chat else "text_completion",
+                                 "model": "standin-model", "choices": [choice]})
+
+        async def chunks() -> Any:
+            for i, word in enumerate(words):
+                piece = word if i == 0 else " " + word
+                choice = {"index": 0, "finish_reason": "stop" if i == len(words) - 1 else None,
+                          **({"delta": {"content": piece}} if chat else {"text": piece})}
+                yield f"data: {json.dumps({'id': 'standin', 'choices': [choice]})}\n\n"
+                await asyncio.sleep(0.01)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    return Starlette(routes=[
+        Route("/health", health), Route("/get_model_info", model_info),
+        Route("/generate", generate, methods=["POST"]), Route("/v1/completions", generate, methods=["POST"]),
+        Route("/v1/chat/completions", generate, methods=["POST"]),
+    ])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--role", choices=["prefill", "decode"], required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--log", required=True)
+    args = ap.parse_args()
+    uvicorn.run(make_app(args.role, Path(args.log)), host="127.0.0.1", port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Our gateway in front of workers that speak only SGLang's HTTP PD protocol (``gateway/sglang_relay.py``).
+
+The workers are stand-ins written from the protocol (``sglang_standin.py``: HTTP only, no KV) that
+log the bootstrap fields of every request, so the tests check that the prefill and the decode got
+the same room and valid bootstrap fields, streamed and not, per item for ``n > 1`` and batches,
+the logprob merge, and the failure coupling: a prefill that fails cancels the decode's request, a
+failing side is retried on new rooms and then answered with a clear error. One more test puts the
+gateway in front of our own workers through their SGLang HTTP side, giving what the native path
+gives.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from pdtest import Procs, free_port, start_gateway, start_worker, wait_http_ok
+
+MAX_ROOM = 2**63 - 1
+
+
+@dataclass
+class Fleet:
+    base_url: str
+    prefill_logs: list[Path]
+    decode_log: Path
+    bootstrap_ports: list[int | None]
+
+    def entries(self, path: Path, event: str = "request") -> list[dict]:  # type: ignore[type-arg]
+        if not path.exists():
+            return []
+        return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == event]
+
+    def prefill_requests(self) -> list[dict]:  # type: ignore[type-arg]
+        return [e for log in self.prefill_logs for e in self.entries(log)]
+
+    def prefill_port_of(self, room: object) -> list[int | None]:
+        return [port for log, port in zip(self.prefill_logs, self.bootstrap_ports, strict=True)
+                for e in self.entries(log) if e["bootstrap_room"] == room]
+
+
+def start_standin(procs: Procs, role: str, log: Path) -> int:
+    port = free_port()
+    proc = procs.start(f"standin-{role}-{port}", "tests/integration/sglang_standin.py", "--role", role,
+                       "--port", str(port), "--log", str(log))
+    wait_http_ok(f"http://127.0.0.1:{port}/health", 30, proc)
+    return port
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    tmp = tmp_path_factory.mktemp("sglang-fleet")
+    procs = Procs(tmp)
+    try:
+        logs = [tmp / "prefill-0.jsonl", tmp / "prefill-1.jsonl"]
+        p0, p1 = (start_standin(procs, "prefill", log) for log in logs)
+        decode_log = tmp / "decode.jsonl"
+        d = start_standin(procs, "decode", decode_log)
+        port = start_gateway(procs, "--pd-disaggregation", "--prefill", f"http://127.0.0.1:{p0}", "7001",
+                             "--prefill", f"http://127.0.0.1:{p1}", "none", "--decode", f"http://127.0.0.1:{d}",
+                             "--retry-backoff-s", "0.01", "--health-interval-s", "0.2",
+                             "--breaker-failures", "1000")  # the failure tests must not open a breaker
+        yield Fleet(f"http://127.0.0.1:{port}", logs, decode_log, [7001, None])
+    finally:
+        procs.stop_all()
+
+
+def post(fleet: Fleet, path: str, body: dict, **kwargs: object) -> httpx.Response:  # type: ignore[type-arg]
+    return httpx.post(f"{fleet.base_url}{path}", json=body, timeout=30, **kwargs)  # type: ignore[arg-type]
+
+
+def check_pair(fleet: Fleet, room: object) -> None:
+    """The prefill and the decode got this room, with the chosen prefill's host and bootstrap port."""
+    (d_entry,) = [e for e in fleet.entries(fleet.decode_log) if e["bootstrap_room"] == room]
+    assert isinstance(room, int) and 0 <= room <= MAX_ROOM
+    ports = fleet.prefill_port_of(room)
+    assert len(ports) == 1, "exactly one prefill got the room"
+    assert d_entry["bootstrap_host"] == "127.0.0.1" and d_entry["bootstrap_port"] == ports[0]
+
+
+def test_generate_whole_and_streamed_same_room_on_both(fleet: Fleet) -> None:
+    r = post(fleet, "/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 4}})
+    assert r.status_code == 200, r.text
+    room = int(r.json()["text"].split()[1])
+    check_pair(fleet, room)
+    with httpx.stream("POST", f"{fleet.base_url}/generate", json={"text": "hello", "stream": True},
+                      timeout=30) as reply:
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) == 3
+    room = int(json.loads(events[-2])["text"].split()[1])
+    check_pair(fleet, room)
+    assert {p for e in fleet.prefill_requests() for p in [e["bootstrap_port"]]} <= {7001, None}
+
+
+def test_both_prefills_take_turns_with_their_own_bootstrap_ports(fleet: Fleet) -> None:
+    rooms = [int(post(fleet, "/generate", {"text": "turns"}).json()["text"].split()[1]) for _ in range(4)]
+    ports = [fleet.prefill_port_of(room)[0] for room in rooms]
+    assert sorted(ports, key=str) == sorted([7001, 7001, None, None], key=str), ports
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_openai_routes_pass_through(fleet: Fleet, stream: bool) -> None:
+    client = openai.OpenAI(base_url=f"{fleet.base_url}/v1", api_key="none", max_retries=0, timeout=30)
+    messages = [{"role": "user", "content": "hi there"}]
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in
+                       client.chat.completions.create(model="standin-model", messages=messages, stream=True)  # type: ignore[arg-type]
+                       if c.choices)
+        completion = "".join(c.choices[0].text for c in
+                             client.completions.create(model="standin-model", prompt="once", stream=True)
+                             if c.choices)
+    else:
+        text = client.chat.completions.create(model="standin-model", messages=messages).choices[0].message.content  # type: ignore[arg-type,assignment]
+        completion = client.completions.create(model="standin-model", prompt="once").choices[0].text
+    for out in (text, completion):
+        word, room = out.split()
+        assert word == "decoded"
+        check_pair(fleet, int(room))
+    assert client.models.list().data[0].id == "standin-model"
+
+
+def test_n_and_batches_get_a_room_per_item(fleet: Fleet) -> None:
+    r = post(fleet, "/v1/chat/completions", {"messages": [{"role": "user", "content": "two please"}], "n": 2})
+    assert r.status_code == 200, r.text
+    r = post(fleet, "/generate", {"text": ["first", "second", "third"]})
+    assert r.status_code == 200, r.text
+    lists = [e for e in fleet.entries(fleet.decode_log) if isinstance(e["bootstrap_room"], list)]
+    by_size = {len(e["bootstrap_room"]): e for e in lists}
+    for size in (2, 3):
+        entry = by_size[size]
+        assert len(set(entry["bootstrap_room"])) == size, "one fresh room per item"
+        assert entry["bootstrap_host"] == ["127.0.0.1"] * size and len(entry["bootstrap_port"]) == size
+        prefill = [e for e in fleet.prefill_requests() if e["bootstrap_room"] == entry["bootstrap_room"]]
+        assert len(prefill) == 1 and prefill[0]["bootstrap_port"] == entry["bootstrap_port"]
+
+
+def test_prefill_input_logprobs_are_merged(fleet: Fleet) -> None:
+    r = post(fleet, "/generate", {"text": "abc", "return_logprob": True})
+    assert r.json()["meta_info"]["input_token_logprobs"] == [[-0.5, ord(c), None] for c in "abc"]
+    with httpx.stream("POST", f"{fleet.base_url}/generate", json={"text": "abcd", "return_logprob": True,
+                                                                 "stream": True}, timeout=30) as reply:
+        events = [json.loads(line[6:]) for line in reply.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert len(events) == 2, "the prefill's SSE reply was read, the decode's events kept"
+    for event in events:
+        assert event["meta_info"]["input_token_logprobs"] == [[-0.5, ord(c), None] for c in "abcd"]
+
+
+def test_a_prefill_4xx_is_the_clients_and_cancels_the_decode(fleet: Fleet) -> None:
+    started = time.monotonic()
+    r = post(fleet, "/generate", {"text": "PREFILL_400 DECODE_WAITS"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "prefill refuses"
+    assert time.monotonic() - started < 10, "the decode's 30 s wait was not awaited"
+    (entry,) = [e for e in fleet.entries(fleet.decode_log) if e["text"] == "PREFILL_400 DECODE_WAITS"]
+    deadline = time.monotonic() + 10
+    room = entry["bootstrap_room"]
+    while not [e for e in fleet.entries(fleet.decode_log, "cancelled") if e["bootstrap_room"] == room]:
+        assert time.monotonic() < deadline, "the decode's request was not cancelled"
+        time.sleep(0.1)
+    assert len([e for e in fleet.prefill_requests() if e["text"] == "PREFILL_400 DECODE_WAITS"]) == 1, "no retry"
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_failing_side_is_retried_on_new_rooms_then_a_502(fleet: Fleet, side: str, stream: bool) -> None:
+    text = f"{side.upper()}_500 {'s' if stream else 'w'}"
+    r = post(fleet, "/generate", {"text": text, "stream": stream})
+    assert r.status_code == 502, r.text
+    err = r.json()["error"]
+    assert err["type"] == "upstream_error" and f"SGLang {side} worker" in err["message"]
+    log = fleet.decode_log if side == "decode" else None
+    attempts = [e for e in (fleet.entries(log) if log else fleet.prefill_requests()) if e["text"] == text]
+    assert len(attempts) == 3, "--max-retries 2: three attempts"
+    assert len({e["bootstrap_room"] for e in attempts}) == 3, "a new room per attempt"
+
+
+def test_health_reports_the_sglang_workers(fleet: Fleet) -> None:
+    body = httpx.get(f"{fleet.base_url}/readiness", timeout=10).json()
+    assert body["ready"] is True
+    assert sorted(w["role"] for w in body["workers"]) == ["decode", "prefill", "prefill"]
+    assert all(w["healthy"] for w in body["workers"])
+
+
+def test_gateway_over_our_workers_sglang_side_matches_the_native_path(procs: Procs) -> None:
+    bootstrap_port = free_port()
+    sim = ("--engine", "sim", "--num-pages", "256", "--page-size", "4")
+    prefill = start_worker(procs, "prefill", *sim, "--bootstrap-embedded", str(bootstrap_port))
+    decode = start_worker(procs, "decode", *sim)
+    native = start_gateway(procs, "--prefill", prefill.url, "--decode", decode.url)
+    http = start_gateway(procs, "--prefill", f"http://127.0.0.1:{prefill.http_port}", str(bootstrap_port),
+                         "--decode", f"http://127.0.0.1:{decode.http_port}")
+    messages = [{"role": "user", "content": "Which path is this?"}]
+    answers = []
+    for port in (native, http):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
+        whole = client.chat.completions.create(model="sim", messages=messages, max_tokens=24, temperature=0)  # type: ignore[arg-type]
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="sim", messages=messages, max_tokens=24, temperature=0, stream=True) if c.choices)  # type: ignore[arg-type]
+        answers.append((whole.choices[0].message.content, streamed))
+    assert answers[0] == answers[1] and len(answers[0][0] or "") == 24
