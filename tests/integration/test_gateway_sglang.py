@@ -205,3 +205,54 @@ def test_gateway_over_our_workers_sglang_side_matches_the_native_path(procs: Pro
             model="sim", messages=messages, max_tokens=24, temperature=0, stream=True) if c.choices)  # type: ignore[arg-type]
         answers.append((whole.choices[0].message.content, streamed))
     assert answers[0] == answers[1] and len(answers[0][0] or "") == 24
+
+
+def test_a_mixed_fleet_serves_from_both_kinds(procs: Procs, tmp_path: Path) -> None:
+    """Our sim prefill + decode (native) and a stand-in SGLang pair (HTTP) under one gateway: requests go to
+    both kinds, each to a pair of its own kind, and every one is answered."""
+    sim = ("--engine", "sim", "--num-pages", "256", "--page-size", "4")
+    prefill = start_worker(procs, "prefill", *sim, "--bootstrap-embedded", str(free_port()))
+    decode = start_worker(procs, "decode", *sim)
+    p_log, d_log = tmp_path / "p.jsonl", tmp_path / "d.jsonl"
+    sp, sd = start_standin(procs, "prefill", p_log), start_standin(procs, "decode", d_log)
+    port = start_gateway(procs, "--prefill", prefill.url, f"http://127.0.0.1:{sp}", "9000",
+                         "--decode", decode.url, f"http://127.0.0.1:{sd}")
+    texts = []
+    for _ in range(24):
+        r = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=30,
+                       json={"text": "mixed", "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["text"])
+    relayed = [t for t in texts if t.startswith("decoded ")]
+    native = [t for t in texts if not t.startswith("decoded ")]
+    assert relayed and native, "both kinds served"
+    assert len(set(native)) == 1 and len(native[0]) == 8, "our workers: the same greedy answer each time"
+    standin_rooms = {json.loads(line)["bootstrap_room"] for line in d_log.read_text().splitlines()}
+    assert {int(t.split()[1]) for t in relayed} <= standin_rooms
+    assert len(decode.get("/debug/rooms")) == len(native)  # type: ignore[arg-type]
+    body = httpx.get(f"http://127.0.0.1:{port}/readiness", timeout=10).json()
+    assert body["ready"] and len(body["workers"]) == 4
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--prefill", "http://127.0.0.1:1", "--decode", "pd://127.0.0.1:2"], "one prefill and one decode of their kind"),
+    (["--prefill", "pd://127.0.0.1:1", "8998", "--decode", "pd://127.0.0.1:2"], "follows only an SGLang"),
+    (["--prefill", "8998", "--decode", "pd://127.0.0.1:2"], "must follow a prefill URL"),
+    (["--worker", "http://127.0.0.1:1"], "run disaggregated"),
+])
+def test_bad_sglang_worker_flags_are_refused(argv: list[str], error: str) -> None:
+    from gateway.cli import build_parser, config_from_args
+
+    with pytest.raises(ValueError, match=error):
+        config_from_args(build_parser().parse_args(argv))
+
+
+def test_sglang_cli_form_is_parsed() -> None:
+    from gateway.cli import build_parser, config_from_args
+
+    config = config_from_args(build_parser().parse_args([
+        "--pd-disaggregation", "--prefill", "http://a:30000", "8998", "--prefill", "http://b:30000", "none",
+        "--prefill", "http://c:30000", "--decode", "http://d:30001", "pd://e:1", "--prefill", "pd://f:2"]))
+    assert config.prefill == ("http://a:30000", "http://b:30000", "http://c:30000", "pd://f:2")
+    assert config.prefill_bootstrap_ports == (8998, None, None, None)
+    assert config.decode == ("http://d:30001", "pd://e:1")
