@@ -9,13 +9,15 @@ Lifecycle:
    pool bounded per worker, TCP_NODELAY, connect/read timeouts; aiohttp measured ~4-8x cheaper per
    request than httpx here, ``loadtests/bench_http_client.py``) and one probe task per worker:
    ``GET /health`` every ``probe_interval_s``, unhealthy after ``unhealthy_after`` failures, healthy
-   after ``healthy_after`` passes; the router hears joins and leaves. The served model name is the
-   first worker's ``/get_model_info`` ``model_path`` (or ``--model-name``).
+   after ``healthy_after`` passes; the router hears joins and leaves. After each passed probe,
+   ``GET /v1/loads`` (where the worker serves it) becomes the worker's load report for the
+   policies. The served model name is the first worker's ``/get_model_info`` ``model_path`` (or
+   ``--model-name``).
 2. Per request (``SGLangResponder``, raw ASGI for chat, completions and ``/generate``): admission,
-   the body (capped) as a JSON object, a pair from the router's policies (the gateway's own counts
-   of open requests: no tokenizer, no load reports), a fresh ``bootstrap_room`` per item (a list
-   for batched ``/generate`` and for ``n > 1``, else a scalar), POSTed to the prefill and the decode
-   at the same time.
+   the body (capped) as a JSON object, a pair from the router's policies (the workers' ``/v1/loads``
+   plus the gateway's own open requests; no tokenizer, so no prefix matching), a fresh
+   ``bootstrap_room`` per item (a list for batched ``/generate`` and for ``n > 1``, else a scalar),
+   POSTed to the prefill and the decode at the same time.
 3. Failure coupling before the decode's first byte: a prefill that fails (non-2xx, connection
    error) cancels the decode request (closing its connection aborts it on the worker); a decode
    that fails cancels the prefill request. A 4xx goes to the client as the worker wrote it; a 5xx
@@ -46,6 +48,7 @@ from gateway.errors import APIError, BadGateway, BadRequest, NoWorkers, Upstream
 from gateway.health import HealthConfig, WorkerHealth
 from gateway.responder import ClientGone, read_body, send_error, watch_disconnect
 from gateway.worker_state import WorkerState
+from workers.protocol import LoadReport
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
@@ -101,6 +104,7 @@ class HttpWorker:
         self.state = WorkerState(self.url, role, self)
         self.health = WorkerHealth(health)
         self.is_up = False  # passing /health probes
+        self.has_loads: bool | None = None  # serves /v1/loads (None: not known yet)
         self.is_draining = False  # (the admin API does not manage SGLang workers yet)
         self.last_error: str | None = None
         self._rids = 0
@@ -112,6 +116,10 @@ class HttpWorker:
     @property
     def is_connected(self) -> bool:
         return self.is_up
+
+    @property
+    def last_rid(self) -> int:
+        return self._rids
 
     def opened(self) -> int:
         self._rids += 1
@@ -180,6 +188,8 @@ class SGLangFleet:
                 worker.last_error = None
                 if self.model_name is None:
                     await self._learn_model(worker)
+                if worker.has_loads is not False:
+                    await self._poll_load(worker)
             else:
                 worker.health.probe_failed(reason)
                 worker.last_error = reason
@@ -190,6 +200,27 @@ class SGLangFleet:
                         worker.url, "up" if healthy else f"unhealthy: {reason}")
                 (self.router.worker_added if healthy else self.router.worker_removed)(worker.state)
             await asyncio.sleep(config.probe_interval_s)
+
+    async def _poll_load(self, worker: HttpWorker) -> None:
+        """``GET /v1/loads`` into the worker's routing view, where the worker has it (a 404 stops asking)."""
+        assert self.session is not None
+        last_rid = worker.last_rid  # our requests sent before this poll are counted in its answer
+        try:
+            async with self.session.get(f"{worker.url}/v1/loads?include=core",
+                                        timeout=aiohttp.ClientTimeout(total=worker.health.config.probe_timeout_s)) \
+                    as reply:
+                if reply.status in (404, 405):
+                    worker.has_loads = False
+                    return
+                loads = msgspec.json.decode(await reply.read()).get("loads") if reply.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, OSError, msgspec.DecodeError, AttributeError):
+            return
+        report = load_report_of(loads, last_rid)
+        if report is not None:
+            worker.has_loads = True
+            state = worker.state
+            state.page_size, state.num_total_pages = 1, report.num_total_pages  # (no handshake to say so)
+            state.reported(report)
 
     async def _learn_model(self, worker: HttpWorker) -> None:
         assert self.session is not None
@@ -214,6 +245,24 @@ class SGLangFleet:
         pair = self.router.select(prefills, decodes, self.router.request([], 0))
         assert pair.prefill is not None
         return pair.prefill.client, pair.decode.client  # type: ignore[attr-defined]
+
+
+def load_report_of(loads: Any, last_rid: int) -> LoadReport | None:
+    """``/v1/loads``' ranks summed into one ``LoadReport`` (tokens stand for pages: page size 1)."""
+    if not isinstance(loads, list) or not loads or not all(isinstance(r, dict) for r in loads):
+        return None
+
+    def total(key: str) -> int:
+        return sum(int(r.get(key) or 0) for r in loads)
+
+    try:
+        capacity, used = total("max_total_num_tokens"), total("num_used_tokens")
+        return LoadReport(num_running=total("num_running_reqs"), num_waiting=total("num_waiting_reqs"),
+                          num_free_pages=max(0, capacity - used), num_total_pages=capacity,
+                          num_prefill_tokens=max(0, total("num_total_tokens") - used), last_rid=last_rid,
+                          max_running=total("max_running_requests"))
+    except (TypeError, ValueError):
+        return None
 
 
 def batch_size(route: str, body: dict[str, Any]) -> int | None:

@@ -16,7 +16,8 @@ Lifecycle:
    prompt logprobs a router merges); a decode worker answers with the whole generation, streamed
    or not. A combined worker (``--role both``) needs no bootstrap fields.
 3. Metadata and admin routes: ``/health_generate``, ``/get_model_info`` (``/model_info``),
-   ``/get_server_info`` (``/server_info``), ``/v1/models``, ``/flush_cache``.
+   ``/get_server_info`` (``/server_info``), ``/v1/models``, ``/get_load`` and ``/v1/loads`` (the
+   scheduler's load report in SGLang's shapes), ``/flush_cache``.
 4. ``aclose()`` closes the connection; requests still open end with a 502.
 
 A decode finds its prefill through the registry at ``bootstrap_host:bootstrap_port`` (null: 8998),
@@ -28,6 +29,7 @@ requests run without a peer) is refused with a 400: our workers always move real
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -198,6 +200,8 @@ class SGLangAPI:
             Route("/get_server_info", self.server_info, methods=["GET"]),
             Route("/server_info", self.server_info, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/get_load", self.get_load, methods=["GET"]),
+            Route("/v1/loads", self.loads, methods=["GET"]),
             Route("/flush_cache", self.flush_cache, methods=["POST", "GET"]),
         ]
 
@@ -246,6 +250,33 @@ class SGLangAPI:
         return _reply({"object": "list", "data": [{"id": frontend.model_name, "object": "model", "created": 0,
                                                    "owned_by": "pd-gateway", "root": frontend.model_name,
                                                    "max_model_len": frontend.max_context}]})
+
+    def _load(self) -> dict[str, Any]:
+        """The scheduler's load in ``/v1/loads``' per-rank shape (tokens = pages x page size)."""
+        sched, pool = self.worker.scheduler, self.worker.pool
+        assert sched is not None and pool is not None
+        report = sched.load_report()
+        total = report.num_total_pages * pool.page_size
+        used = (report.num_total_pages - report.num_free_pages) * pool.page_size
+        return {
+            "dp_rank": 0, "num_running_reqs": report.num_running + report.num_transfer_seqs,
+            "num_waiting_reqs": report.num_waiting, "num_used_tokens": used,
+            "num_total_tokens": used + report.num_prefill_tokens, "max_total_num_tokens": total,
+            "token_usage": used / total if total else 0.0, "gen_throughput": 0.0,
+            "cache_hit_rate": 0.0, "utilization": report.busy_fraction,
+            "max_running_requests": report.max_running,
+        }
+
+    async def get_load(self, _: Request) -> Response:
+        """SGLang's older load route: occupied plus waiting tokens."""
+        load = self._load()
+        return _reply({"load": load["num_total_tokens"], "num_reqs": load["num_running_reqs"],
+                       "num_waiting_reqs": load["num_waiting_reqs"]})
+
+    async def loads(self, _: Request) -> Response:
+        """SGLang's ``/v1/loads`` (the ``core`` fields, one rank)."""
+        return _reply({"timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "version": SERVER_VERSION,
+                       "loads": [self._load()]})
 
     async def flush_cache(self, _: Request) -> Response:
         sched = self.worker.scheduler

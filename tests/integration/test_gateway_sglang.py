@@ -186,6 +186,7 @@ def test_health_reports_the_sglang_workers(fleet: Fleet) -> None:
     assert body["ready"] is True
     assert sorted(w["role"] for w in body["workers"]) == ["decode", "prefill", "prefill"]
     assert all(w["healthy"] for w in body["workers"])
+    assert not any(w["load_fresh"] for w in body["workers"]), "no /v1/loads on the stand-ins: own counts"
 
 
 def test_gateway_over_our_workers_sglang_side_matches_the_native_path(procs: Procs) -> None:
@@ -205,6 +206,16 @@ def test_gateway_over_our_workers_sglang_side_matches_the_native_path(procs: Pro
             model="sim", messages=messages, max_tokens=24, temperature=0, stream=True) if c.choices)  # type: ignore[arg-type]
         answers.append((whole.choices[0].message.content, streamed))
     assert answers[0] == answers[1] and len(answers[0][0] or "") == 24
+    loads = decode.get("/v1/loads")["loads"]  # type: ignore[index]
+    assert loads[0]["max_total_num_tokens"] == 256 * 4 and loads[0]["num_running_reqs"] == 0
+    assert decode.get("/get_load")["load"] == 0  # type: ignore[index]
+    deadline = time.monotonic() + 10  # the gateway polls /v1/loads after each passed /health probe
+    while True:
+        workers = httpx.get(f"http://127.0.0.1:{http}/readiness", timeout=10).json()["workers"]
+        if all(w["load_fresh"] and w["total_pages"] == 256 * 4 for w in workers):
+            break
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.2)
 
 
 def test_a_mixed_fleet_serves_from_both_kinds(procs: Procs, tmp_path: Path) -> None:
