@@ -288,6 +288,7 @@ class SGLangResponder:
                  max_body_bytes: int) -> None:
         self.fleet, self.route, self.path = fleet, route, path
         self.admission, self.metrics, self.max_body_bytes = admission, metrics, max_body_bytes
+        self._background: set[asyncio.Task[_PrefillReply]] = set()  # prefill replies trailing an answer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         release = None
@@ -363,14 +364,18 @@ class SGLangResponder:
         session = self.fleet.session
         assert session is not None
         cfg = self.fleet.config
+        loop = asyncio.get_running_loop()
         headers = {"content-type": "application/json", "x-request-id": REQUEST_ID.get()}
         # A stream's decode answers when its first token is out, a whole one at its end.
         wait_s = cfg.first_byte_timeout_s if stream else cfg.request_timeout_s
+        deadline = loop.time() + wait_s
         read = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s,
                                      sock_read=cfg.read_timeout_s if stream else None)
-        rids = prefill.opened(), decode.opened()
+        p_rid, d_rid = prefill.opened(), decode.opened()
         p_task = asyncio.create_task(_post(session, f"{prefill.url}/{self.path}", data, headers, merge_logprobs))
+        p_task.add_done_callback(lambda task: _prefill_done(task, prefill, p_rid))
         d_task = asyncio.create_task(_open(session, f"{decode.url}/{self.path}", data, headers, read))
+        answered = False
         try:
             done, _ = await asyncio.wait({p_task, d_task}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
             if p_task in done and not d_task.done():
@@ -379,45 +384,56 @@ class SGLangResponder:
                     d_task.cancel()
                     return await self._failed(failure, send)
             try:
-                decode_reply_or_failure = await asyncio.wait_for(_settle(d_task, decode), wait_s)
+                decode_reply_or_failure = await asyncio.wait_for(_settle(d_task, decode),
+                                                                 max(0.0, deadline - loop.time()))
             except TimeoutError:
                 raise UpstreamTimeout(f"the SGLang decode worker did not answer within {wait_s:g}s") from None
             if isinstance(decode_reply_or_failure, _Failure):
                 p_task.cancel()
+                breaker = decode.health.breaker
+                (breaker.record_success if _is_request_fault(decode_reply_or_failure.status)
+                 else breaker.record_failure)()
                 return await self._failed(decode_reply_or_failure, send)
             reply = decode_reply_or_failure
-            decode.health.breaker.record_success()
             try:
-                return await self._answer(reply, p_task, prefill, stream, merge_logprobs, send)
+                status = await self._answer(reply, p_task, stream, merge_logprobs, send)
             finally:
                 reply.release()
+            decode.health.breaker.record_success()
+            answered = True
+            return status
         finally:
-            for task in (p_task, d_task):
-                if not task.done():
-                    task.cancel()
-            prefill.closed(rids[0])
-            decode.closed(rids[1])
+            if not d_task.done():
+                d_task.cancel()
+            decode.closed(d_rid)
+            if answered and not p_task.done():
+                # The prefill's reply may trail its KV hand-over: let it end on its own (request timeout).
+                self._background.add(p_task)
+                p_task.add_done_callback(self._background.discard)
+            elif not p_task.done():
+                p_task.cancel()  # closing its connection aborts it on the worker
 
     async def _failed(self, failure: _Failure, send: Send) -> int | _Retry:
-        worker = failure.worker
-        if failure.status is not None and 400 <= failure.status < 500 and failure.status not in RETRY_STATUSES:
-            worker.health.breaker.record_success()  # the worker is fine: the request is not
-            await _send_whole(send, failure.status, failure.content_type, failure.body)
-            return failure.status
-        worker.health.breaker.record_failure()
+        """A side failed before the client got anything: its 4xx is the client's, the rest is retried."""
+        worker, status = failure.worker, failure.status
+        if status is not None and _is_request_fault(status):
+            await _send_whole(send, status, failure.content_type, failure.body)
+            return status
         message = f"SGLang {worker.role} worker {worker.url}: {failure.reason}"
         log.warning("%s", message)
         return _Retry(BadGateway(message, code="worker_failed"), worker)
 
-    async def _answer(self, reply: aiohttp.ClientResponse, p_task: asyncio.Task[_PrefillReply], prefill: HttpWorker,
-                      stream: bool, merge_logprobs: bool, send: Send) -> int:
+    async def _answer(self, reply: aiohttp.ClientResponse, p_task: asyncio.Task[_PrefillReply], stream: bool,
+                      merge_logprobs: bool, send: Send) -> int:
         content_type = reply.headers.get("content-type", "application/json")
         if not stream or not content_type.startswith("text/event-stream"):
-            data = await reply.read()
+            try:
+                data = await reply.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise BadGateway(f"the SGLang decode worker's response broke: {type(exc).__name__}: {exc}") from None
             if merge_logprobs and reply.status == 200:
                 data = _merge_whole(await _prefill_logprobs(p_task), data)
             await _send_whole(send, reply.status, content_type, data)
-            self._close_out(p_task, prefill)
             return reply.status
         await send({"type": "http.response.start", "status": reply.status,
                     "headers": [(b"content-type", content_type.encode()), (b"cache-control", b"no-cache"),
@@ -439,20 +455,26 @@ class SGLangResponder:
             error = BadGateway(f"SGLang decode worker stream broke: {type(exc).__name__}")
             pending += b"data: " + _json.encode(error.body()) + b"\n\n"
         await send({"type": "http.response.body", "body": pending, "more_body": False})
-        self._close_out(p_task, prefill)
         return reply.status
 
-    @staticmethod
-    def _close_out(p_task: asyncio.Task[_PrefillReply], prefill: HttpWorker) -> None:
-        """The prefill's outcome feeds its breaker once it is in (its body is read in its task)."""
-        def record(task: asyncio.Task[_PrefillReply]) -> None:
-            if task.cancelled():
-                return
-            exc = task.exception()
-            ok = exc is None and 200 <= task.result().status < 300
-            (prefill.health.breaker.record_success if ok else prefill.health.breaker.record_failure)()
 
-        p_task.add_done_callback(record)
+def _prefill_done(task: asyncio.Task[_PrefillReply], prefill: HttpWorker, rid: int) -> None:
+    """The prefill's request ended: it leaves the worker's view, its outcome feeds the breaker (a 4xx is
+    the request's fault, a cancellation nobody's)."""
+    prefill.closed(rid)
+    if task.cancelled():
+        return
+    exc = task.exception()
+    status = task.result().status if exc is None else None
+    if status is not None and (200 <= status < 300 or _is_request_fault(status)):
+        prefill.health.breaker.record_success()
+    else:
+        prefill.health.breaker.record_failure()
+
+
+def _is_request_fault(status: int | None) -> bool:
+    """A 4xx (other than the retryable 408/429): the request's fault, not the worker's; the client's answer."""
+    return status is not None and 400 <= status < 500 and status not in RETRY_STATUSES
 
 
 @dataclass

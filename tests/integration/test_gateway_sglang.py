@@ -267,3 +267,20 @@ def test_sglang_cli_form_is_parsed() -> None:
     assert config.prefill == ("http://a:30000", "http://b:30000", "http://c:30000", "pd://f:2")
     assert config.prefill_bootstrap_ports == (8998, None, None, None)
     assert config.decode == ("http://d:30001", "pd://e:1")
+
+
+def test_breakers_count_worker_failures_not_bad_requests(procs: Procs, tmp_path: Path) -> None:
+    sp = start_standin(procs, "prefill", tmp_path / "p.jsonl")
+    sd = start_standin(procs, "decode", tmp_path / "d.jsonl")
+    port = start_gateway(procs, "--prefill", f"http://127.0.0.1:{sp}", "--decode", f"http://127.0.0.1:{sd}",
+                         "--max-retries", "0", "--breaker-failures", "2", "--breaker-cooldown-s", "60")
+    url = f"http://127.0.0.1:{port}/generate"
+    for _ in range(4):  # the request's fault: the workers stay selectable
+        assert httpx.post(url, json={"text": "PREFILL_400"}, timeout=30).status_code == 400
+    assert httpx.post(url, json={"text": "fine"}, timeout=30).status_code == 200
+    for _ in range(2):
+        assert httpx.post(url, json={"text": "DECODE_500"}, timeout=30).status_code == 502
+    r = httpx.post(url, json={"text": "fine"}, timeout=30)
+    assert r.status_code == 503 and "decode" in r.json()["error"]["message"], r.text
+    workers = httpx.get(f"http://127.0.0.1:{port}/readiness", timeout=10).json()["workers"]
+    assert {w["role"]: w["breaker"] for w in workers} == {"prefill": "closed", "decode": "open"}
