@@ -79,13 +79,15 @@ class StageQueue:
         return moved
 
     _failure_default = "KV transfer failed"
+    _side = "kv_sender"  # the request's KV handle this stage polls
 
     def _handle(self, req: Req) -> Any:
-        raise NotImplementedError
+        return getattr(req, self._side)
 
     def _is_ready(self, req: Req, state: KVPoll, moved: Moved) -> bool:
-        """Whether ``req`` (not failed) moves on; may instead append it to ``moved.failed``."""
-        raise NotImplementedError
+        """Whether ``req`` (not failed) moves on; may instead append it to ``moved.failed``. Here: its
+        transfer succeeded."""
+        return state == KVPoll.Success
 
 
 class PrefillBootstrapQueue(StageQueue):
@@ -97,9 +99,6 @@ class PrefillBootstrapQueue(StageQueue):
     def __init__(self, pool: KVPool) -> None:
         super().__init__()
         self._pool = pool
-
-    def _handle(self, req: Req) -> Any:
-        return req.kv_sender
 
     def _is_ready(self, req: Req, state: KVPoll, moved: Moved) -> bool:
         if state < KVPoll.WaitingForInput:
@@ -121,12 +120,6 @@ class PrefillInflightQueue(StageQueue):
 
     stage = "inflight"
 
-    def _handle(self, req: Req) -> Any:
-        return req.kv_sender
-
-    def _is_ready(self, req: Req, state: KVPoll, moved: Moved) -> bool:
-        return state == KVPoll.Success
-
 
 class DecodePreallocQueue(StageQueue):
     """Decode: once connected to the prefill, reserve pages and an aux slot and send their ids.
@@ -136,6 +129,7 @@ class DecodePreallocQueue(StageQueue):
 
     stage = "prealloc"
     _failure_default = "bootstrap failed"
+    _side = "kv_receiver"
 
     def __init__(self, pool: KVPool, cache: PageCache) -> None:
         super().__init__()
@@ -146,9 +140,6 @@ class DecodePreallocQueue(StageQueue):
     def advance(self) -> Moved:
         self._blocked = False
         return super().advance()
-
-    def _handle(self, req: Req) -> Any:
-        return req.kv_receiver
 
     def _is_ready(self, req: Req, state: KVPoll, moved: Moved) -> bool:
         if state < KVPoll.WaitingForInput or self._blocked:
@@ -176,12 +167,7 @@ class DecodeTransferQueue(StageQueue):
     """Decode: page ids sent; ready once the KV and the first token arrived."""
 
     stage = "transfer"
-
-    def _handle(self, req: Req) -> Any:
-        return req.kv_receiver
-
-    def _is_ready(self, req: Req, state: KVPoll, moved: Moved) -> bool:
-        return state == KVPoll.Success
+    _side = "kv_receiver"
 
 
 class DecodeQuarantine:
