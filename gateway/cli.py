@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-idle-timeout-s", type=float, default=120.0)
     p.add_argument("--request-timeout-s", type=float, default=1800.0)
     p.add_argument("--max-retries", type=int, default=2)
+    p.add_argument("--max-migrations", type=int, default=2,
+                   help="a stream whose decode fails after its first token continues on a new pair (prompt + "
+                        "tokens so far as the new prompt) at most this often; 0 turns migration off")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     p.add_argument("--default-max-tokens", type=int, default=256)
     p.add_argument("--retry-backoff-s", type=float, default=0.05,
@@ -114,7 +117,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         model_name=args.model_name, tokenizer=args.tokenizer,
         startup_timeout_s=args.startup_timeout_s, first_token_timeout_s=args.first_token_timeout_s,
         stream_idle_timeout_s=args.stream_idle_timeout_s, request_timeout_s=args.request_timeout_s,
-        max_retries=args.max_retries, retry_backoff_s=args.retry_backoff_s, max_body_bytes=args.max_body_bytes,
+        max_retries=args.max_retries, retry_backoff_s=args.retry_backoff_s, max_migrations=args.max_migrations,
+        max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens, max_concurrent_requests=args.max_concurrent_requests,
         max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s,
         drain_timeout_s=args.drain_timeout_s, api_keys=tuple(args.api_key + _read_keys(args.api_key_file)),

@@ -9,8 +9,12 @@ Lifecycle of one request (``Dispatcher.generate``, an async generator):
    error). Failure coupling: a prefill error aborts the decode, a decode error aborts the prefill.
 4. Before the first token, a retryable failure (worker gone or unhealthy, transfer failed,
    overloaded) retries with a new pair and a new room, at most ``max_retries`` times, after a
-   jittered exponential backoff, avoiding the worker that failed; after the first token (and for
-   any 4xx) the error is final. Each side's outcome feeds its worker's circuit breaker: success
+   jittered exponential backoff, avoiding the worker that failed; any 4xx is final. After the first
+   token a decode failure (gone, transfer/engine/timeout error, silent past the idle deadline)
+   migrates the stream, at most ``max_migrations`` times: prompt + every token yielded so far are
+   the new prompt of a new pair (the failed decode avoided) with the remaining budget and
+   ``output_offset`` for seeded draws; the consumer sees one uninterrupted stream. Otherwise the
+   error is final. Each side's outcome feeds its worker's circuit breaker: success
    when its part completes, failure when it reports an error of its own (not a client abort, not
    a bad request, not overload).
 5. Deadlines: ``first_token_timeout_s`` until the first token, then ``stream_idle_timeout_s``
@@ -25,6 +29,7 @@ Lifecycle of one request (``Dispatcher.generate``, an async generator):
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import random
 import secrets
@@ -33,6 +38,8 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from gateway.context import REQUEST_ID, REQUEST_T0
 from gateway.errors import APIError, BadGateway, NoWorkers, UpstreamTimeout, from_worker_error
@@ -46,6 +53,9 @@ if TYPE_CHECKING:
     from gateway.api import ClientBootstrap
 
 RETRYABLE_CODES = frozenset({"transfer_failed", "overloaded", "shutting_down"})
+# A decode failing this way after the first token: the stream can continue elsewhere (migration).
+MIGRATABLE_CODES = frozenset({"worker_gone", "transfer_failed", "internal", "timeout", "shutting_down"})
+log = logging.getLogger(__name__)
 BLAMED_CODES = frozenset({"transfer_failed", "internal", "timeout", "shutting_down"})  # count against the worker
 MAX_BACKOFF_S = 2.0
 
@@ -57,6 +67,7 @@ class DispatchConfig:
     request_timeout_s: float = 1800.0
     max_retries: int = 2
     retry_backoff_s: float = 0.05  # first retry's mean delay; doubles per retry, +-50% jitter
+    max_migrations: int = 2  # a stream whose decode failed continues on a new pair this often (0: off)
 
 
 class Dispatcher:
@@ -106,31 +117,51 @@ class Dispatcher:
         """
         metrics = self.metrics
         t0 = REQUEST_T0.get() or time.monotonic()
-        attempt = 0
+        attempt = migrations = 0
         request = self.router.request(input_ids, params.max_new_tokens)
         avoid: set[WorkerClient] = set()
         last_t = 0.0
-        num_tokens = 0
+        generated: list[int] = []  # every token yielded so far (a migration's new prompt is input_ids + these)
+        prompt, attempt_params = input_ids, params
         cached_tokens = 0
         completed = False  # finished, or the consumer stopped early (a stop string): counts as served
         try:
             while True:
                 try:
-                    async for item in self._attempt(request, input_ids, params, avoid):
+                    async for item in self._attempt(request, prompt, attempt_params, avoid):
                         if item.token_ids:
                             now = time.monotonic()
-                            if num_tokens == 0:
+                            if not generated:
                                 metrics.ttft.observe(now - t0)
                             else:
                                 metrics.itl.observe((now - last_t) / len(item.token_ids))
                             last_t = now
-                            num_tokens += len(item.token_ids)
+                            generated += item.token_ids
+                        if migrations:  # the new prompt's cache hits include our own output: not the client's
+                            item.cached_tokens = cached_tokens
                         cached_tokens = item.cached_tokens
                         completed = item.finish_reason is not None
                         yield item
                     return
                 except _Retryable as exc:
-                    if num_tokens or attempt >= self.config.max_retries:
+                    if generated:
+                        left = params.max_new_tokens - len(generated)
+                        if not exc.migratable or migrations >= self.config.max_migrations or left <= 0:
+                            raise exc.error from None
+                        # Migration: the prompt and every token streamed so far are the new prompt of a new
+                        # pair; the client's stream goes on as if nothing happened.
+                        migrations += 1
+                        metrics.migrations.inc()
+                        if exc.blamed is not None:
+                            avoid.add(exc.blamed)
+                        log.warning("stream migrated after %d tokens (%d of %d): %s", len(generated), migrations,
+                                    self.config.max_migrations, exc.error.message)
+                        prompt = input_ids + generated
+                        attempt_params = msgspec.structs.replace(
+                            params, max_new_tokens=left, output_offset=params.output_offset + len(generated))
+                        request = self.router.request(prompt, left)
+                        continue
+                    if attempt >= self.config.max_retries:
                         raise exc.error from None
                     attempt += 1
                     self.num_retries += 1
@@ -140,14 +171,14 @@ class Dispatcher:
                     delay = self.config.retry_backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
                     await asyncio.sleep(min(delay, MAX_BACKOFF_S))
         except (GeneratorExit, asyncio.CancelledError):  # a stop string ended it (or the client left)
-            completed = num_tokens > 0
+            completed = bool(generated)
             raise
         finally:
             if completed:
                 metrics.e2e.observe(time.monotonic() - t0)
                 metrics.prompt_tokens.inc(len(input_ids))
                 metrics.cached_tokens.inc(cached_tokens)
-                metrics.generation_tokens.inc(num_tokens)
+                metrics.generation_tokens.inc(len(generated))
 
     async def _attempt(self, request: RequestInfo, input_ids: list[int], params: SamplingParams,
                        avoid: set[WorkerClient]) -> AsyncIterator[StepOutput]:
@@ -198,7 +229,10 @@ class Dispatcher:
                 except TimeoutError:
                     wait_s = idle_s if got_token else first_s
                     stage = "between tokens" if got_token else "before the first token"
-                    raise UpstreamTimeout(f"no progress from the workers for {wait_s:g}s {stage}") from None
+                    error = UpstreamTimeout(f"no progress from the workers for {wait_s:g}s {stage}")
+                    if got_token:  # a frozen decode: the stream may continue elsewhere
+                        raise _Retryable(error, decode, migratable=True) from None
+                    raise error from None
                 if isinstance(event, StepOutput) and side == "decode" and event.finish_reason is None:
                     event = sink.merge_ready(event)
                 if isinstance(event, StepOutput):
@@ -237,7 +271,7 @@ class Dispatcher:
                             yield held_final
                             return
                         continue
-                    raise _as_error(event, side, worker)
+                    raise _as_error(event, side, worker, after_first_token=got_token)
         except (GeneratorExit, asyncio.CancelledError):
             outcome = "cancelled"
             raise
@@ -265,19 +299,24 @@ def _client_of(view: WorkerView, pool: list[WorkerClient]) -> WorkerClient:
 
 
 class _Retryable(Exception):
-    def __init__(self, error: APIError, blamed: WorkerClient | None = None) -> None:
+    """Before the first token: try another pair. After it, if ``migratable``: continue the stream elsewhere."""
+
+    def __init__(self, error: APIError, blamed: WorkerClient | None = None, *, migratable: bool = False) -> None:
         super().__init__(error.message)
         self.error = error
         self.blamed = blamed  # the worker to avoid on the next attempt
+        self.migratable = migratable
 
 
-def _as_error(event: Event, side: str, worker: WorkerClient) -> Exception:
+def _as_error(event: Event, side: str, worker: WorkerClient, *, after_first_token: bool = False) -> Exception:
+    decode_failed_mid_stream = after_first_token and side == "decode"
     if isinstance(event, WorkerGone):
-        return _Retryable(BadGateway(event.message, code="worker_gone"), worker)
+        return _Retryable(BadGateway(event.message, code="worker_gone"), worker, migratable=decode_failed_mid_stream)
     assert isinstance(event, Error)
+    migratable = decode_failed_mid_stream and event.code in MIGRATABLE_CODES
     error = from_worker_error(event.code, event.message, side)
-    if event.code in RETRYABLE_CODES:
-        return _Retryable(error, worker if event.code != "overloaded" else None)
+    if event.code in RETRYABLE_CODES or migratable:
+        return _Retryable(error, worker if event.code != "overloaded" else None, migratable=migratable)
     return error
 
 

@@ -107,6 +107,8 @@ class GatewayMetrics:
         self.cached_tokens = add(Family("counter", "pd_gateway_cached_prompt_tokens",
                                         "Prompt tokens served from prefix caches"))
         self.generation_tokens = add(Family("counter", "pd_gateway_generation_tokens", "Tokens generated"))
+        self.migrations = add(Family("counter", "pd_gateway_migrations",
+                                     "Streams continued on a new pair after their decode failed"))
         self.retries = add(Family("counter", "pd_gateway_retries",
                                   "Attempts retried on a new pair before the first token", ["reason"]))
         self.worker_failures = add(Family("counter", "pd_gateway_worker_failures",

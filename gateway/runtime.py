@@ -58,6 +58,7 @@ class GatewayConfig:
     request_timeout_s: float = 1800.0
     max_retries: int = 2
     retry_backoff_s: float = 0.05
+    max_migrations: int = 2  # a stream whose decode failed mid-way continues on a new pair (0: off)
     max_body_bytes: int = 8 * 1024 * 1024
     default_max_tokens: int = 256
     # Operations
@@ -97,8 +98,9 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be positive")
         if not self.assume_ttl_s >= 0 or not self.retry_backoff_s >= 0:
             raise ValueError("assume_ttl_s and retry_backoff_s must be >= 0")
-        if self.max_retries < 0 or self.max_concurrent_requests < 0 or self.max_queued_requests < 0:
-            raise ValueError("max_retries, max_concurrent_requests and max_queued_requests must be >= 0")
+        if min(self.max_retries, self.max_migrations, self.max_concurrent_requests, self.max_queued_requests) < 0:
+            raise ValueError("max_retries, max_migrations, max_concurrent_requests and max_queued_requests must "
+                             "be >= 0")
         if any(not k for k in self.api_keys + self.admin_api_keys):
             raise ValueError("api_key: empty keys are not allowed")
 
@@ -127,7 +129,7 @@ class Gateway:
         self.dispatcher = Dispatcher(
             self.prefills, self.decodes, self.router,
             DispatchConfig(config.first_token_timeout_s, config.stream_idle_timeout_s, config.request_timeout_s,
-                           config.max_retries, config.retry_backoff_s),
+                           config.max_retries, config.retry_backoff_s, config.max_migrations),
             self.metrics, combined=self.is_combined,
         )
         for url in config.prefill:

@@ -47,6 +47,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: bool = False
+    # Outputs generated before this request (a migrated stream): seeded draws continue at their true
+    # output position (``workers/engines/llama/sampling.py``).
+    output_offset: int = 0
 
 
 class Hello(msgspec.Struct, tag="hello"):

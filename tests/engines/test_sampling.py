@@ -8,7 +8,7 @@ import pytest
 import torch
 from llama_harness import Request, run_requests
 
-from workers.engines.llama.sampling import derive_seed, filtered_logits, sample, token_logprobs
+from workers.engines.llama.sampling import derive_seed, filtered_logits, generator_for, sample, token_logprobs
 from workers.protocol import SamplingParams
 
 
@@ -127,3 +127,18 @@ def test_seeded_sampling_reproduces_in_a_batch_and_across_a_pd_split(tiny_model,
 
 def _as_dict(params: SamplingParams) -> dict:
     return {f: getattr(params, f) for f in params.__struct_fields__}
+
+
+def test_a_migrated_request_draws_what_the_original_would_have() -> None:
+    """A stream resubmitted after k outputs (``output_offset=k``) samples output n with the generator the
+    original request would have used for output k + n."""
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    original = SamplingParams(temperature=1.0, seed=1234)
+    migrated = SamplingParams(temperature=1.0, seed=1234, output_offset=5)
+    fallback = torch.Generator().manual_seed(0)
+    for n in range(4):
+        a = sample(logits, original, generator_for(original, 5 + n, fallback))
+        b = sample(logits, migrated, generator_for(migrated, n, fallback))
+        assert a == b
+    draws = {sample(logits, original, generator_for(original, i, fallback)) for i in range(16)}
+    assert len(draws) > 1, "different positions draw differently (the check above can fail)"

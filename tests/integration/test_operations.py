@@ -100,7 +100,8 @@ def test_prefill_killed_before_the_first_token_is_retried_on_another_pair(sim_cl
 
 
 def test_decode_killed_after_the_first_token_is_not_retried(sim_cluster) -> None:  # type: ignore[no-untyped-def]
-    cluster = sim_cluster(num_decode=2, decode_args=SLOW_DECODE)
+    """Migration off: the stream ends with an error (tests/integration/test_migration.py has it on)."""
+    cluster = sim_cluster(num_decode=2, decode_args=SLOW_DECODE, gateway_args=("--max-migrations", "0"))
     stream = client(cluster).completions.create(model="sim", prompt=PROMPT, max_tokens=200, stream=True)
     assert next(iter(stream)).choices[0].text
     os.kill(cluster.decodes[0].proc.pid, signal.SIGKILL)

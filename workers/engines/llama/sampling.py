@@ -68,7 +68,7 @@ def generator_for(params: SamplingParams, output_index: int, fallback: torch.Gen
     if params.seed is None:
         return fallback
     gen = torch.Generator(device="cpu")
-    gen.manual_seed(derive_seed(params.seed, output_index))
+    gen.manual_seed(derive_seed(params.seed, output_index + params.output_offset))
     return gen
 
 
