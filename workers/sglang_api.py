@@ -29,6 +29,7 @@ requests run without a peer) is refused with a 400: our workers always move real
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from gateway.admission import Admission
 from gateway.api import ClientBootstrap, Frontend
 from gateway.context import REQUEST_ID
 from gateway.dispatch import EventSink
-from gateway.errors import APIError, BadGateway, BadRequest, UpstreamTimeout, from_worker_error
+from gateway.errors import APIError, BadGateway, BadRequest, NoWorkers, UpstreamTimeout, from_worker_error
 from gateway.metrics import GatewayMetrics
 from gateway.responder import ChatShape, CompletionShape, GenerateShape, Responder
 from gateway.tokenizer import load_tokenizer
@@ -53,6 +54,7 @@ from workers.protocol import BootstrapTarget, Error, SamplingParams, StepOutput,
 if TYPE_CHECKING:
     from workers.worker import Worker
 
+log = logging.getLogger(__name__)
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_ROOM = 2**63 - 1
@@ -168,16 +170,19 @@ class SGLangAPI:
 
     def require_frontend(self) -> Frontend:
         if self.frontend is None or not self.client.is_connected:
-            from gateway.errors import NoWorkers
-
-            raise NoWorkers("the worker is starting or stopping", retry_after_s=1.0)
+            raise NoWorkers("the worker's SGLang HTTP API is not available (starting, stopping, or no tokenizer "
+                            "it can load)", retry_after_s=1.0)
         return self.frontend
 
     async def start(self, timeout_s: float = 30.0) -> None:
         engine = self.worker.engine
         assert engine is not None
         info = engine.info
-        tokenizer = await asyncio.to_thread(load_tokenizer, info.tokenizer)
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, info.tokenizer)
+        except Exception as exc:  # e.g. a plugin engine naming a tokenizer we cannot load: serve natively only
+            log.warning("SGLang HTTP API off: cannot load tokenizer %r: %s", info.tokenizer, exc)
+            return
         self.frontend = Frontend(self.dispatcher, tokenizer, info.name, info.max_context)
         self.client.start()
         if not await self.client.wait_ready(timeout_s):
