@@ -195,3 +195,34 @@ def test_worker_metadata_routes(stack: Stack) -> None:
     assert stack.decode.get("/health_generate") == {"status": "ok"}
     flushed = httpx.post(f"http://127.0.0.1:{stack.prefill.http_port}/flush_cache", timeout=10)
     assert flushed.status_code == 200 and flushed.json()["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_real_model_through_the_rust_router(router_site: Path, procs: Procs) -> None:
+    """SmolLM2 (torch engine) prefill + decode behind SGLang's Rust router: a correct answer, equal to our
+    gateway's for the same greedy request, and the prompt's logprobs merged from the prefill."""
+    from workers.engines.llama.gguf_convert import default_model_dir
+
+    default_model_dir()  # convert once (cached) before two processes race for it
+    bootstrap_port = free_port()
+    common = ("--engine", "torch", "--num-pages", "256", "--chunk-size", "32")
+    prefill = start_worker(procs, "prefill", *common, "--bootstrap-embedded", str(bootstrap_port))
+    decode = start_worker(procs, "decode", *common)
+    ours = f"http://127.0.0.1:{start_gateway(procs, '--prefill', prefill.url, '--decode', decode.url)}"
+    rust = start_router(procs, router_site, prefill, bootstrap_port, decode)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    answers = []
+    for base in (ours, rust):
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+        out = c.chat.completions.create(model="default", messages=question, max_tokens=24, temperature=0)  # type: ignore[arg-type]
+        answers.append(out.choices[0].message.content or "")
+    assert "Paris" in answers[0] and answers[1] == answers[0]
+    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            "return_logprob": True}
+    mine = httpx.post(f"{ours}/generate", json=body, timeout=120).json()
+    theirs = httpx.post(f"{rust}/generate", json=body, timeout=120).json()
+    assert theirs["text"] == mine["text"]
+    prompt_lps = theirs["meta_info"]["input_token_logprobs"]
+    assert len(prompt_lps) == len(mine["meta_info"]["input_token_logprobs"]) > 1, "merged from the prefill"
+    for (a, t1, _), (b, t2, _) in zip(prompt_lps[1:], mine["meta_info"]["input_token_logprobs"][1:], strict=True):
+        assert t1 == t2 and abs(a - b) < 1e-3
