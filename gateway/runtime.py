@@ -142,7 +142,8 @@ class Gateway:
             self._new_client(url, "both")
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests,
                                    config.queue_timeout_s, self.metrics)
-        self.metrics.add_collector(WorkerCollector(lambda: self.clients, self.router.stats))
+        self.metrics.add_collector(WorkerCollector(
+            lambda: [*self.clients, *(self.fleet.workers if self.fleet is not None else ())], self.router.stats))
         self.frontend: Frontend | None = None
         self.is_draining = False
         self._started = False

@@ -187,6 +187,9 @@ def test_health_reports_the_sglang_workers(fleet: Fleet) -> None:
     assert sorted(w["role"] for w in body["workers"]) == ["decode", "prefill", "prefill"]
     assert all(w["healthy"] for w in body["workers"])
     assert not any(w["load_fresh"] for w in body["workers"]), "no /v1/loads on the stand-ins: own counts"
+    metrics = httpx.get(f"{fleet.base_url}/metrics", timeout=10).text
+    healthy = [line for line in metrics.splitlines() if line.startswith("pd_gateway_worker_healthy{")]
+    assert len(healthy) == 3 and all(line.endswith(" 1.0") and "http://127.0.0.1:" in line for line in healthy)
 
 
 def test_gateway_over_our_workers_sglang_side_matches_the_native_path(procs: Procs) -> None:
