@@ -140,6 +140,7 @@ class Stack:
                                 "--prefill", f"http://127.0.0.1:{prefill_http}", str(bootstrap_port),
                                 "--decode", f"http://127.0.0.1:{decode_http}", "--host", "127.0.0.1",
                                 "--port", str(port), "--policy", "round_robin", "--log-level", "warn",
+                                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                                 env={"PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"})
         self.pids[name], self.ports[name] = proc.pid, port
         self.pending.append(name)

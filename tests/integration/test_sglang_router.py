@@ -62,7 +62,9 @@ def start_router(procs: Procs, site: Path, prefill: Worker, bootstrap_port: int,
     proc = procs.start(name, "-m", "sglang_router.launch_router", "--pd-disaggregation",
                        "--prefill", f"http://127.0.0.1:{prefill.http_port}", str(bootstrap_port),
                        "--decode", f"http://127.0.0.1:{decode.http_port}",
-                       "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin", *extra,
+                       "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+                       # its metrics exporter: a port of its own (the default one is shared by every router)
+                       "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *extra,
                        env={"PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1", "NO_PROXY": "*"})
     url = f"http://127.0.0.1:{port}"
     try:
