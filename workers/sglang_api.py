@@ -63,7 +63,9 @@ _json = msgspec.json.Encoder()
 
 
 @dataclass(frozen=True)
-class RelayConfig:
+class SGLangAPIConfig:
+    """Deadlines of the worker's SGLang API (the gateway's relay to SGLang workers has its own)."""
+
     first_token_timeout_s: float = 300.0  # prefill: until its KV is handed over; decode: its first token
     stream_idle_timeout_s: float = 120.0
     request_timeout_s: float = 1800.0  # the scheduler's own deadline for the request
@@ -72,10 +74,10 @@ class RelayConfig:
 class RelayDispatcher:
     """Runs a choice on this worker alone, with the room and prefill address the client sent."""
 
-    def __init__(self, client: WorkerClient, role: str, config: RelayConfig | None = None) -> None:
+    def __init__(self, client: WorkerClient, role: str, config: SGLangAPIConfig | None = None) -> None:
         self.client = client
         self.role = role
-        self.config = config or RelayConfig()
+        self.config = config or SGLangAPIConfig()
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
                        bootstrap: ClientBootstrap | None = None) -> AsyncGenerator[StepOutput, None]:
@@ -154,7 +156,7 @@ def _item(value: Any, choice: int, name: str) -> Any:
 class SGLangAPI:
     """The host of the SGLang-protocol responders on one worker (see the module docstring)."""
 
-    def __init__(self, worker: Worker, config: RelayConfig | None = None) -> None:
+    def __init__(self, worker: Worker, config: SGLangAPIConfig | None = None) -> None:
         cfg = worker.config
         self.worker = worker
         self.metrics = GatewayMetrics()
