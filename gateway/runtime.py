@@ -26,7 +26,7 @@ from gateway.health import HealthConfig
 from gateway.metrics import GatewayMetrics, WorkerCollector
 from gateway.policies import parse_option_args
 from gateway.router import Router
-from gateway.sglang_relay import RelayConfig, SGLangFleet, check_http_url, is_http_url
+from gateway.sglang_fleet import RelayConfig, SGLangFleet, check_http_url, is_http_url
 from gateway.tokenizer import load_tokenizer
 from gateway.worker_client import WorkerClient, parse_worker_url
 from gateway.worker_state import REFRESH_INTERVAL_S
@@ -116,7 +116,7 @@ class Gateway:
         self.is_combined = bool(config.worker)
         self.prefills: list[WorkerClient] = []
         self.decodes: list[WorkerClient] = []
-        self.fleet: SGLangFleet | None = None  # SGLang workers over HTTP (gateway/sglang_relay.py)
+        self.fleet: SGLangFleet | None = None  # SGLang workers over HTTP (gateway/sglang_fleet.py)
         ports = config.prefill_bootstrap_ports or (None,) * len(config.prefill)
         http_prefills = [(url, port) for url, port in zip(config.prefill, ports, strict=True) if is_http_url(url)]
         if http_prefills:
