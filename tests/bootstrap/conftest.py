@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,9 +26,9 @@ TOPOLOGY_QUERY = {"prefill_dp_rank": -1, "prefill_cp_rank": -1, "target_tp_rank"
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    from pdtest import free_port as pick  # below the ephemeral range (see there)
+
+    return pick()
 
 
 def child_env() -> dict[str, str]:
