@@ -40,6 +40,7 @@ from workers.protocol import (
     PROTOCOL_VERSION,
     Abort,
     Error,
+    FramedProtocol,
     Hello,
     HelloAck,
     KVEvents,
@@ -72,7 +73,7 @@ class Sink(Protocol):
     def put_nowait(self, item: tuple[Any, Event]) -> None: ...
 
 
-class _FrameProtocol(asyncio.Protocol):
+class _FrameProtocol(FramedProtocol):
     """Splits the byte stream into frames and hands each decoded message to ``on_message``.
 
     Messages that arrive before ``on_message`` is set (the handshake) wait in ``backlog``. A handler
@@ -80,8 +81,8 @@ class _FrameProtocol(asyncio.Protocol):
     """
 
     def __init__(self, decode: Callable[[Any], object]) -> None:
+        super().__init__()
         self._decode = decode
-        self._buf = bytearray()
         self.on_message: Callable[[object], None] | None = None
         self.backlog: list[object] = []
         self.arrived = asyncio.Event()  # something is in the backlog
@@ -90,16 +91,6 @@ class _FrameProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport subclass
-
-    def data_received(self, data: bytes) -> None:
-        if self._buf:
-            self._buf += data
-            used = self._frames(self._buf)
-            del self._buf[:used]
-        else:  # the common case: nothing left over, parse straight from ``data``
-            used = self._frames(data)
-            if used < len(data):
-                self._buf += memoryview(data)[used:]
 
     def _frames(self, buf: bytes | bytearray) -> int:
         pos, end = 0, len(buf)

@@ -44,6 +44,7 @@ from workers.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Abort,
+    FramedProtocol,
     Hello,
     HelloAck,
     Outputs,
@@ -156,14 +157,14 @@ def token_ids(start: int, count: int) -> list[int]:
     return [TOKENS[i % len(TOKENS)] for i in range(start, start + count)]
 
 
-class _Conn(asyncio.Protocol):
+class _Conn(FramedProtocol):
     """One gateway connection: frames parsed in ``data_received``, one write per read."""
 
     def __init__(self, worker: FastWorker) -> None:
+        super().__init__()
         self.worker = worker
         self.conn_id = worker.new_conn_id()
         self.transport: asyncio.Transport | None = None
-        self._buf = bytearray()
         self._greeted = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -177,16 +178,6 @@ class _Conn(asyncio.Protocol):
     def send(self, message: msgspec.Struct) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(self.worker.codec.encode(message))
-
-    def data_received(self, data: bytes) -> None:
-        if self._buf:
-            self._buf += data
-            used = self._frames(self._buf)
-            del self._buf[:used]
-        else:  # the common case: nothing left over, parse straight from ``data``
-            used = self._frames(data)
-            if used < len(data):
-                self._buf += memoryview(data)[used:]
 
     def _frames(self, buf: bytes | bytearray) -> int:
         """Handle every whole frame in ``buf``; returns the bytes used. All replies go in one write."""

@@ -205,3 +205,24 @@ async def read_frame(reader: asyncio.StreamReader) -> bytes:
     if length > MAX_FRAME_BYTES:
         raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
     return await reader.readexactly(length)
+
+
+class FramedProtocol(asyncio.Protocol):
+    """Frames parsed in ``data_received``, no reader coroutine: subclasses handle every whole frame of a
+    read in ``_frames(buf) -> bytes used``; a partial frame waits in a buffer for the next read."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        if self._buf:
+            self._buf += data
+            used = self._frames(self._buf)
+            del self._buf[:used]
+        else:  # the common case: nothing left over, parse straight from ``data``
+            used = self._frames(data)
+            if used < len(data):
+                self._buf += memoryview(data)[used:]
+
+    def _frames(self, buf: bytes | bytearray) -> int:
+        raise NotImplementedError
