@@ -162,7 +162,8 @@ class SGLangFleet:
             else:
                 worker.health.probe_failed(reason)
                 worker.last_error = reason
-            healthy = worker.health.is_probe_healthy if worker.is_up else worker.health.is_probe_healthy and ok
+            # Up on a passed probe, down when the probe thresholds say so (a worker starts probe-healthy).
+            healthy = worker.health.is_probe_healthy and (worker.is_up or ok)
             if healthy != worker.is_up:
                 worker.is_up = healthy
                 log.log(logging.INFO if healthy else logging.WARNING, "SGLang %s worker %s is %s", worker.role,
