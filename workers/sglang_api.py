@@ -3,9 +3,11 @@
 The native protocol stays the fast path; this is the compatibility path, on the same scheduler.
 
 Lifecycle:
-1. ``SGLangAPI(worker)`` once the worker's scheduler and native server run; ``await start()`` opens
-   one native connection to the worker's own native port (a gateway ``WorkerClient``, so requests
-   take exactly the path a gateway's do) and loads the tokenizer the engine names.
+1. ``SGLangAPI(worker)`` with the worker; nothing is loaded or connected until a route needs it. The
+   first request that does (``ensure_ready``) loads the tokenizer the engine names and opens one
+   native connection to the worker's own native port (a gateway ``WorkerClient``, so requests take
+   exactly the path a gateway's do). A worker nobody drives over SGLang's protocol pays nothing:
+   no tokenizer in memory, no extra connection getting load reports every few ms.
 2. Per request (``POST /generate``, ``/v1/completions``, ``/v1/chat/completions``): the gateway's own
    responders and shapes (validation, chat template, detokenizing, stop strings, SSE and JSON), with
    ``RelayDispatcher`` in place of the gateway's dispatcher: no routing, this worker only, and the
@@ -52,6 +54,8 @@ from gateway.worker_client import WorkerClient
 from workers.protocol import BootstrapTarget, Error, SamplingParams, StepOutput, Submit
 
 if TYPE_CHECKING:
+    from starlette.types import Receive, Scope, Send
+
     from workers.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -165,6 +169,9 @@ class SGLangAPI:
         self.client = WorkerClient(f"pd://{host}:{worker.native_port}", cfg.role)
         self.dispatcher = RelayDispatcher(self.client, cfg.role, config)
         self.frontend: Frontend | None = None
+        self._unavailable: str | None = None  # why the API cannot serve (a tokenizer it cannot load)
+        self._started = False
+        self._lock = asyncio.Lock()
 
     @property
     def max_body_bytes(self) -> int:
@@ -172,31 +179,39 @@ class SGLangAPI:
 
     def require_frontend(self) -> Frontend:
         if self.frontend is None or not self.client.is_connected:
-            raise NoWorkers("the worker's SGLang HTTP API is not available (starting, stopping, or no tokenizer "
-                            "it can load)", retry_after_s=1.0)
+            why = self._unavailable or "starting or stopping"
+            raise NoWorkers(f"the worker's SGLang HTTP API is not available: {why}", retry_after_s=1.0)
         return self.frontend
 
-    async def start(self, timeout_s: float = 30.0) -> None:
-        engine = self.worker.engine
-        assert engine is not None
-        info = engine.info
-        try:
-            tokenizer = await asyncio.to_thread(load_tokenizer, info.tokenizer)
-        except Exception as exc:  # e.g. a plugin engine naming a tokenizer we cannot load: serve natively only
-            log.warning("SGLang HTTP API off: cannot load tokenizer %r: %s", info.tokenizer, exc)
+    async def ensure_ready(self, timeout_s: float = 30.0) -> None:
+        """Load the tokenizer and connect, once; a failure leaves ``require_frontend`` answering 503."""
+        if self.frontend is not None and self.client.is_connected:
             return
-        self.frontend = Frontend(self.dispatcher, tokenizer, info.name, info.max_context)
-        self.client.start()
-        if not await self.client.wait_ready(timeout_s):
-            raise RuntimeError(f"SGLang API: could not connect to the worker's own native port: "
-                               f"{self.client.last_error}")
+        async with self._lock:
+            if self.frontend is None and self._unavailable is None:
+                engine = self.worker.engine
+                assert engine is not None
+                info = engine.info
+                try:
+                    tokenizer = await asyncio.to_thread(load_tokenizer, info.tokenizer)
+                except Exception as exc:  # e.g. a plugin engine naming a tokenizer we cannot load
+                    self._unavailable = f"cannot load the engine's tokenizer {info.tokenizer!r}: {exc}"
+                    log.warning("SGLang HTTP API off: %s", self._unavailable)
+                    return
+                self.frontend = Frontend(self.dispatcher, tokenizer, info.name, info.max_context)
+            if self.frontend is not None and not self._started:
+                self._started = True
+                self.client.start()
+            if self.frontend is not None:
+                await self.client.wait_ready(timeout_s)
 
     async def aclose(self) -> None:
         await self.client.aclose()
 
     def routes(self) -> list[BaseRoute]:
-        chat, completions, generate = (Responder(self, ChatShape()), Responder(self, CompletionShape()),
-                                       Responder(self, GenerateShape()))
+        chat, completions, generate = (_WhenReady(self, Responder(self, ChatShape())),
+                                       _WhenReady(self, Responder(self, CompletionShape())),
+                                       _WhenReady(self, Responder(self, GenerateShape())))
         return [
             Route("/generate", generate, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
@@ -217,8 +232,11 @@ class SGLangAPI:
         """200 while the scheduler runs and makes progress: in PD mode SGLang's check runs a peer-less
         generation, which our workers do not have; a combined worker runs a real one-token one."""
         sched = self.worker.scheduler
-        if sched is None or not sched.is_alive or sched.stalled_s > 60.0 or not self.client.is_connected:
+        if sched is None or not sched.is_alive or sched.stalled_s > 60.0:
             return _reply({"status": "unhealthy"}, 503)
+        await self.ensure_ready()
+        if not self.client.is_connected:
+            return _reply({"status": "unhealthy", "error": self._unavailable}, 503)
         if self.worker.config.role == "both":
             try:
                 async for _event in self.dispatcher.generate([0], SamplingParams(max_new_tokens=1, temperature=0)):
@@ -253,6 +271,7 @@ class SGLangAPI:
         })
 
     async def models(self, _: Request) -> Response:
+        await self.ensure_ready()
         frontend = self.require_frontend()
         return _reply({"object": "list", "data": [{"id": frontend.model_name, "object": "model", "created": 0,
                                                    "owned_by": "pd-gateway", "root": frontend.model_name,
@@ -294,6 +313,17 @@ class SGLangAPI:
         except TimeoutError:
             return _reply({"status": "unhealthy", "error": "the scheduler did not answer"}, 503)
         return _reply({"status": "ok", "num_freed_pages": freed})
+
+
+class _WhenReady:
+    """An ASGI app run once the API is ready (``ensure_ready``; if it cannot be, the app answers 503)."""
+
+    def __init__(self, api: SGLangAPI, app: Responder) -> None:
+        self.api, self.app = api, app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.api.ensure_ready()
+        await self.app(scope, receive, send)
 
 
 def _reply(body: Any, status: int = 200) -> Response:

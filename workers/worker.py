@@ -3,9 +3,9 @@
 Lifecycle:
 1. ``Worker(config)``; ``await start()`` builds the engine (may take seconds), sizes the KV pool
    from the model shape, binds them, creates the transfer backend and KV manager (prefill and
-   decode roles), starts the scheduler thread, the native server, SGLang's HTTP API (one native
-   connection to itself, ``workers/sglang_api.py``) and the HTTP side, and, for a prefill worker,
-   registers its KV control endpoint with the bootstrap registry (heartbeats).
+   decode roles), starts the scheduler thread, the native server and the HTTP side (with SGLang's
+   HTTP API, ``workers/sglang_api.py``, which connects to the native port on first use), and, for a
+   prefill worker, registers its KV control endpoint with the bootstrap registry (heartbeats).
 2. ``await serve_forever()`` until cancelled or a signal.
 3. ``await aclose()``: deregister, close the SGLang API, stop the scheduler (live requests fail),
    close the KV manager, close the servers. Idempotent.
@@ -83,8 +83,7 @@ class Worker:
         self.server = NativeServer(self.scheduler, self._hello_ack, cfg.host, cfg.port)
         await self.server.start()
         self.scheduler.start()
-        self.sglang = SGLangAPI(self)
-        await self.sglang.start()
+        self.sglang = SGLangAPI(self)  # loads and connects on first use
         http_config = uvicorn.Config(
             create_http_app(self), host=cfg.host, port=cfg.http_port, log_level="warning",
             lifespan="off", access_log=False,
