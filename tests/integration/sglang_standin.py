@@ -7,7 +7,8 @@ are appended as one JSON line to ``--log`` (``{"event": "request", "route", "boo
 answered logs ``{"event": "cancelled", "bootstrap_room"}``.
 
 Behaviour, chosen by the prompt (``text``, ``prompt`` or the last message's ``content``):
-- contains ``PREFILL_400`` / ``PREFILL_500`` / ``DECODE_500``: that side answers with that status;
+- contains ``PREFILL_400`` / ``PREFILL_500`` / ``DECODE_500``: that side answers with that status (a
+  400 after 0.5 s, so that the decode, asked concurrently, has received the request by then);
 - contains ``DECODE_WAITS`` or ``PREFILL_``: the decode waits up to 30 s before answering (a decode
   left waiting for KV that never comes);
 - otherwise the prefill answers at once with ``meta_info.input_token_logprobs`` (one entry per
@@ -60,6 +61,7 @@ def make_app(role: str, log_path: Path) -> Starlette:
         log(event="request", route=route, bootstrap_host=body.get("bootstrap_host"),
             bootstrap_port=body.get("bootstrap_port"), bootstrap_room=room, text=text, stream=body.get("stream"))
         if f"{role.upper()}_400" in text:
+            await asyncio.sleep(0.5)  # refuse after a moment, so the concurrent decode surely holds the request
             return JSONResponse({"error": {"message": f"{role} refuses", "type": "invalid_request_error"}}, 400)
         if f"{role.upper()}_500" in text:
             return JSONResponse({"error": {"message": f"{role} broke", "type": "internal_error"}}, 500)
