@@ -39,7 +39,7 @@ from transfer import (
     WriteState,
     create_backend,
 )
-from transfer.base import Block, PeerId, Region, WriteHandle
+from transfer.base import UNFENCED, Block, Fence, PeerId, Region, WriteHandle
 from transfer.blocks import kv_blocks, merge_runs
 from workers.kv_pool import KVPool
 
@@ -89,8 +89,8 @@ class TimedBackend(TransferBackend):
     def connect(self, endpoint: bytes) -> PeerId:
         return self.inner.connect(endpoint)
 
-    def write(self, peer: PeerId, blocks: Sequence[Block]) -> WriteHandle:
-        handle = self.inner.write(peer, blocks)
+    def write(self, peer: PeerId, blocks: Sequence[Block], fence: Fence = UNFENCED) -> WriteHandle:
+        handle = self.inner.write(peer, blocks, fence)
         self.posted[handle] = time.perf_counter()
         self.blocks_per_write.append(len(blocks))
         return handle

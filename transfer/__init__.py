@@ -1,6 +1,16 @@
 """KV transfer: engine-neutral backends, page -> block math, and the KV manager/sender/receiver."""
 
-from transfer.base import Block, NotifiesCompletion, PeerId, TransferBackend, WriteHandle, WriteState
+from transfer.base import (
+    UNFENCED,
+    Block,
+    Fence,
+    FencesWrites,
+    NotifiesCompletion,
+    PeerId,
+    TransferBackend,
+    WriteHandle,
+    WriteState,
+)
 from transfer.blocks import RegionSet, kv_blocks, merge_runs
 from transfer.decode import KVReceiver
 from transfer.errors import TransferError, TransferErrorKind
@@ -10,7 +20,10 @@ from transfer.sender import KVSender
 from transfer.types import KVArgs, KVPoll, KVTimeouts
 
 __all__ = [
+    "UNFENCED",
     "Block",
+    "Fence",
+    "FencesWrites",
     "KVArgs",
     "KVManager",
     "KVPoll",

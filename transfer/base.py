@@ -5,16 +5,21 @@ Lifecycle of a backend (the KV manager drives it; backends never see rooms or pa
 2. ``register(regions)`` once, with every memory region it will read from or be written into.
 3. ``endpoint()`` -> opaque bytes the peer needs to reach this side; it travels over the control plane.
 4. The initiator calls ``connect(peer_endpoint)`` once per peer (may block briefly; pays wire-up).
-5. ``write(peer, blocks)`` posts one batch and never blocks; ``poll(handle)`` until DONE or FAILED,
-   ``error(handle)`` says why, ``release(handle)`` forgets it (also while still pending).
+5. ``write(peer, blocks, fence)`` posts one batch and never blocks; ``poll(handle)`` until DONE or
+   FAILED, ``error(handle)`` says why, ``release(handle)`` forgets it (also while still pending). The
+   ``Fence`` names the room incarnation the bytes belong to; a backend checks ``fence.live()`` right
+   before bytes go on the wire and fails the write (ABORTED) once the room is dead on the writer's side.
 6. ``disconnect(peer)`` drops one peer (pending writes to it fail); ``close()`` drops everything,
    unregisters the memory and joins the backend's threads. ``close()`` is idempotent.
 
 Every method may be called from any thread. Library errors never escape: they become
 ``TransferError`` with a ``TransferErrorKind`` at this boundary.
 
-Optional ability: ``NotifiesCompletion`` (a listener called when a write leaves PENDING), so the KV
-manager waits for completions instead of polling pending writes. ``WriteTable`` provides it.
+Optional abilities: ``NotifiesCompletion`` (a listener called when a write leaves PENDING), so the KV
+manager waits for completions instead of polling pending writes (``WriteTable`` provides it); and, on
+the receiving side, ``FencesWrites``: the backend admits only writes whose fence the decode opened, so a
+room the decode gave up on can take no late byte (the decode then frees its pages without waiting for
+the prefill to confirm).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -31,6 +37,24 @@ PeerId = int
 WriteHandle = int
 Block = tuple[int, int, int]  # (local source address, remote destination address, length in bytes)
 Region = tuple[int, int]  # (address, length)
+
+
+def _always_live() -> bool:
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """The room incarnation a write belongs to: the decode's room id and the generation the decode gave
+    this room's page list (unique per decode manager, so a reused room id is another incarnation).
+    ``live()`` is the writer's own view: False once the room failed on its side."""
+
+    room: int
+    generation: int
+    live: Callable[[], bool] = _always_live
+
+
+UNFENCED = Fence(0, 0)  # a write outside any room (a backend's warm-up, tests of the bare seam)
 
 
 class WriteState(IntEnum):
@@ -60,9 +84,12 @@ class TransferBackend(ABC):
         Raises ``TransferError(PEER_UNREACHABLE)`` when the peer cannot be reached."""
 
     @abstractmethod
-    def write(self, peer: PeerId, blocks: Sequence[Block]) -> WriteHandle:
+    def write(self, peer: PeerId, blocks: Sequence[Block], fence: Fence = UNFENCED) -> WriteHandle:
         """Post one batch of writes into the peer's memory; never blocks. Errors show up through
-        ``poll`` (FAILED) and ``error``, not as exceptions (except for an unknown peer id)."""
+        ``poll`` (FAILED) and ``error``, not as exceptions (except for an unknown peer id). Check
+        ``fence.live()`` before bytes of the batch go out (before each sub-batch, if it is split) and
+        fail the write with ``fenced(...)`` when it is False; carry ``fence`` to the peer if the peer
+        ``FencesWrites``."""
 
     @abstractmethod
     def poll(self, handle: WriteHandle) -> WriteState:
@@ -96,6 +123,36 @@ class NotifiesCompletion(Protocol):
     locks. The listener must not block for long and must not call back into the backend."""
 
     def set_completion_listener(self, listener: Callable[[], None] | None) -> None: ...
+
+
+@runtime_checkable
+class FencesWrites(Protocol):
+    """Optional receiving-side ability: the backend refuses every incoming write whose fence is not
+    open, and knows whether a write of a fence is being received at this moment. The decode opens a
+    room's fence before it sends the page list and closes it when the room ends; a closed fence takes
+    no byte any more once ``close_fence`` returned True or the listener was called for it."""
+
+    def set_fence_listener(self, listener: Callable[[int, int], None] | None) -> None:
+        """``listener(room, generation)``: a fence closed while one of its writes was being received is
+        quiet now (no byte of it can land any more). Called from a backend thread holding no lock."""
+        ...
+
+    def open_fence(self, room: int, generation: int) -> None:
+        """Admit writes of this room incarnation from now on (before its page list leaves)."""
+        ...
+
+    def close_fence(self, room: int, generation: int, *, cut: bool) -> bool:
+        """Refuse this fence's writes from now on. True: none can land any more. False: a write of it
+        is being received right now; the listener is called once it is out (``cut``: shut that
+        connection down rather than let the write finish, because its writer is silent)."""
+        ...
+
+
+def fenced(backend: str, fence: Fence) -> TransferError:
+    """The error of a write refused because its room is dead (writer's view) or its fence closed."""
+    return TransferError(
+        TransferErrorKind.ABORTED, f"{backend}: room {fence.room} (generation {fence.generation}) is fenced off"
+    )
 
 
 def unknown_peer(backend: str, peer: PeerId) -> TransferError:

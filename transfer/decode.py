@@ -13,15 +13,22 @@ Lifecycle:
 3. The prefill writes the KV straight into our registered memory and then sends ``RoomStatus``:
    ok -> Success (every byte landed), else Failed with the prefill's reason.
    After a failure (either side's abort, a timeout) a write already in flight may still land in the
-   room's pages: ``quiesced`` turns True once the prefill confirmed none is left (``Quiesced``), the
-   connection to it is gone, or it never had our page list. Free the pages only then.
+   room's pages: ``quiesced`` turns True once no byte can land any more. With a backend that
+   ``FencesWrites`` (tcp) the decode knows it itself: every page list opens a fence (room, generation),
+   every failure closes it, and the backend refuses the fence's writes from then on (quiesced at once,
+   or once a write being received is out). Otherwise: once the prefill confirmed it (``Quiesced``), the
+   connection to it closed, or it never had our page list. Free the pages only then.
 4. Connection loss fails the connection's rooms (PEER_GONE), a silent prefill fails them (TIMEOUT); the
-   connection is dropped, so the next receiver for that address connects afresh (a recovered peer).
+   connection is dropped for new rooms, so the next receiver for that address connects afresh (a
+   recovered peer). A silent prefill may be frozen mid-write, not dead: without fencing its connection
+   stays open, draining, until it answers ``Quiesced`` for every room it might still write (after it
+   resumes) or closes; its rooms' pages wait for that.
 5. ``release()`` forgets the room (aborting it first if it was still live).
 """
 
 from __future__ import annotations
 
+import itertools
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from transfer.base import FencesWrites
 from transfer.blocks import check_pages
 from transfer.channel import ControlChannel
 from transfer.context import Context, Outbox, room_error
@@ -71,7 +79,8 @@ class _Conn:
     channel: ControlChannel | None = None
     ready: bool = False
     error: TransferError | None = None
-    receivers: set[KVReceiver] = field(default_factory=set)
+    receivers: set[KVReceiver] = field(default_factory=set)  # live, or failed and not yet quiesced
+    draining: bool = False  # silent prefill, no fencing: kept open only to hear its Quiesced
 
 
 class KVReceiver:
@@ -89,6 +98,8 @@ class KVReceiver:
         self._metadata_at = 0.0
         self._released = False
         self._quiet = False
+        self._generation = 0  # of our page list (the fence of the prefill's writes)
+        self._fence_open = False
 
     def poll(self) -> KVPoll:
         return self._state
@@ -126,6 +137,12 @@ class DecodeSide:
         self._conns: dict[tuple[str, int], _Conn] = {}
         self._by_channel: dict[ControlChannel, _Conn] = {}
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-bootstrap")
+        self._generations = itertools.count(1)
+        self._last_beat = time.monotonic()
+        backend = ctx.backend
+        self._fences: FencesWrites | None = backend if isinstance(backend, FencesWrites) else None
+        if self._fences is not None:
+            self._fences.set_fence_listener(self._on_fence_quiet)
 
     # -- rooms -----------------------------------------------------------------------------------
     def create_receiver(self, room: int, host: str, port: int | None, instance_id: str | None) -> KVReceiver:
@@ -217,17 +234,38 @@ class DecodeSide:
             args.aux_ptrs, args.aux_data_lens, args.aux_item_lens, args.page_size, args.kv_dtype,
         ))
 
-    def _fail(self, receiver: KVReceiver, error: TransferError, *, quiet: bool = False) -> None:
-        """Lock held. ``quiet``: no write of the prefill can land any more (its connection is gone)."""
-        if quiet:
-            receiver._quiet = True
-        if receiver._state in _TERMINAL:
-            if quiet:
-                self._ctx.changed()
+    def _fail(self, receiver: KVReceiver, error: TransferError, *, gone: bool = False, cut: bool = False) -> None:
+        """Lock held. ``gone``: the control connection to the prefill closed; ``cut``: the prefill may be
+        frozen mid-write (silent, or its connection gone), so a write of it being received is cut off."""
+        was_quiet = receiver.quiesced
+        if receiver._state not in _TERMINAL:
+            receiver._state, receiver._error = KVPoll.Failed, error
+            self._ctx.num_rooms_failed += 1
+        if self._fences is not None:
+            self._close_fence(receiver, cut=cut or gone)
+        elif gone:
+            receiver._quiet = True  # (a prefill that closed the connection while alive: see docs/transfer.md)
+        if receiver._state == KVPoll.Failed or receiver.quiesced != was_quiet:
+            self._ctx.changed()
+
+    def _close_fence(self, receiver: KVReceiver, *, cut: bool) -> None:
+        """Refuse the room's writes from now on (lock held); quiesced once none can land."""
+        if self._fences is None or not receiver.metadata_sent or receiver._quiet:
             return
-        receiver._state, receiver._error = KVPoll.Failed, error
-        self._ctx.num_rooms_failed += 1
-        self._ctx.changed()
+        if receiver._fence_open or cut:
+            receiver._fence_open = False
+            if self._fences.close_fence(receiver.room, receiver._generation, cut=cut):
+                receiver._quiet = True
+
+    def _on_fence_quiet(self, room: int, generation: int) -> None:
+        """Backend thread: a closed fence's last write being received is out."""
+        with self._ctx.lock:
+            receiver = self._receivers.get(room)
+            if receiver is not None and receiver._generation == generation and not receiver._quiet:
+                receiver._quiet = True
+                if receiver._conn is not None:
+                    receiver._conn.receivers.discard(receiver)
+                self._ctx.changed()
 
     def _fail_one(self, receiver: KVReceiver, error: TransferError) -> None:
         with self._ctx.lock:
@@ -240,8 +278,7 @@ class DecodeSide:
             if self._conns.get(conn.address) is conn:
                 del self._conns[conn.address]
             for receiver in list(conn.receivers):
-                # no prefill connection, no more writes from it
-                self._fail(receiver, room_error(receiver.room, error), quiet=True)
+                self._fail(receiver, room_error(receiver.room, error), gone=True)
             conn.receivers.clear()
 
     def send_metadata(self, receiver: KVReceiver, page_ids: list[int], aux_index: int) -> None:
@@ -261,8 +298,12 @@ class DecodeSide:
                 raise ValueError(f"room {room}: aux slot {aux_index} outside [0, {args.num_aux_slots})")
             receiver.metadata_sent = True
             receiver._metadata_at = time.monotonic()
+            receiver._generation = next(self._generations)
+            if self._fences is not None:
+                self._fences.open_fence(room, receiver._generation)
+                receiver._fence_open = True
             channel = conn.channel
-        channel.send(RoomRequest(room, page_ids, aux_index))
+        channel.send(RoomRequest(room, page_ids, aux_index, receiver._generation))
 
     def abort(self, receiver: KVReceiver, reason: str) -> None:
         with self._ctx.lock:
@@ -323,6 +364,7 @@ class DecodeSide:
                         receiver.aux_len = aux_len
                         receiver._state = KVPoll.Success
                         self._ctx.num_rooms_completed += 1
+                        self._close_fence(receiver, cut=False)  # every write was acknowledged
                         self._ctx.changed()
                         conn.receivers.discard(receiver)
                     elif ok:
@@ -384,10 +426,18 @@ class DecodeSide:
         return False
 
     def heartbeat(self, now: float, outbox: Outbox) -> list[tuple[ControlChannel, TransferError]]:
-        silent = []
+        """Ping every prefill; fail the rooms of silent ones. Returns the connections to close now: silent
+        ones whose rooms are all quiesced, and draining ones once they are (the caller closes them)."""
+        to_close = []
         limit = self._ctx.timeouts.heartbeat_timeout_s
+        # after a stall of our own (SIGSTOP, a starved machine) every peer looks silent: judge next beat
+        stalled, self._last_beat = now - self._last_beat > limit, now
         for channel, conn in list(self._by_channel.items()):
-            if now - channel.last_rx > limit:
+            if conn.draining:
+                if not any(not r.quiesced for r in conn.receivers):
+                    to_close.append((channel, conn.error or TransferError(TransferErrorKind.TIMEOUT, "drained")))
+                    continue
+            elif now - channel.last_rx > limit and not stalled:
                 error = TransferError(
                     TransferErrorKind.TIMEOUT, f"{channel.name}: no heartbeat for {now - channel.last_rx:.1f}s"
                 )
@@ -396,13 +446,15 @@ class DecodeSide:
                 if self._conns.get(conn.address) is conn:
                     del self._conns[conn.address]
                 for receiver in list(conn.receivers):
-                    # see docs/transfer.md: a prefill frozen mid-write is not fenced off
-                    self._fail(receiver, room_error(receiver.room, error), quiet=True)
-                conn.receivers.clear()
-                silent.append((channel, error))
-            else:
-                outbox.append((channel, Ping(int(now * 1000))))
-        return silent
+                    self._fail(receiver, room_error(receiver.room, error), cut=True)
+                    if receiver.metadata_sent and not receiver.quiesced:
+                        outbox.append((channel, Abort(receiver.room, "the prefill went silent")))
+                if self._fences is not None or all(r.quiesced for r in conn.receivers):
+                    to_close.append((channel, error))  # fenced: nothing it still sends can land
+                    continue
+                conn.draining = True  # it may be frozen mid-write: wait for its Quiesced or its end
+            outbox.append((channel, Ping(int(now * 1000))))
+        return to_close
 
     # -- shutdown --------------------------------------------------------------------------------
     def fail_all(self, outbox: Outbox) -> None:

@@ -6,7 +6,17 @@ import itertools
 import threading
 from collections.abc import Sequence
 
-from transfer.base import Block, PeerId, Region, TransferBackend, WriteHandle, WriteState, unknown_peer
+from transfer.base import (
+    UNFENCED,
+    Block,
+    Fence,
+    PeerId,
+    Region,
+    TransferBackend,
+    WriteHandle,
+    WriteState,
+    unknown_peer,
+)
 from transfer.errors import TransferError
 
 
@@ -35,7 +45,7 @@ class FakeBackend(TransferBackend):
             self._peers.add(peer)
             return peer
 
-    def write(self, peer: PeerId, blocks: Sequence[Block]) -> WriteHandle:
+    def write(self, peer: PeerId, blocks: Sequence[Block], fence: Fence = UNFENCED) -> WriteHandle:
         with self._lock:
             handle = next(self._ids)
             if peer in self._peers:

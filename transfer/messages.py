@@ -2,7 +2,8 @@
 
 Frames: 4-byte big-endian length, then one msgpack-encoded ``Message`` (a tagged union). Flow:
 1. decode -> prefill ``Register`` once per connection; prefill answers ``RegisterAck`` (ok or a reason).
-2. decode -> prefill ``RoomRequest`` per room (destination page ids + aux slot).
+2. decode -> prefill ``RoomRequest`` per room (destination page ids + aux slot, and the generation the
+   decode gave this page list: the prefill's writes carry ``(room, generation)`` as their fence).
 3. prefill -> decode ``RoomStatus`` per room: ok only after every write of the room is DONE.
 4. ``Abort`` either way; ``Ping``/``Pong`` either way (any frame counts as a heartbeat).
 5. prefill -> decode ``Quiesced`` once a room that failed (or was aborted) after its page list arrived
@@ -20,7 +21,7 @@ import msgspec
 
 from transfer.errors import TransferError, TransferErrorKind
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: RoomRequest.generation, fenced writes
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 _LEN = struct.Struct(">I")
 
@@ -49,6 +50,7 @@ class RoomRequest(msgspec.Struct, tag="room", array_like=True, gc=False, frozen=
     room: int
     page_ids: list[int]
     aux_index: int
+    generation: int = 0
 
 
 class RoomStatus(msgspec.Struct, tag="status", array_like=True, gc=False, frozen=True):

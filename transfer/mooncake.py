@@ -34,13 +34,16 @@ from typing import Any
 import msgspec
 
 from transfer.base import (
+    UNFENCED,
     Block,
+    Fence,
     PeerId,
     Region,
     TransferBackend,
     WriteHandle,
     WriteState,
     WriteTable,
+    fenced,
     unknown_peer,
 )
 from transfer.blocks import RegionSet
@@ -71,7 +74,7 @@ class _Peer:
     peer_id: PeerId
     session: str
     regions: RegionSet
-    jobs: queue.Queue[tuple[WriteHandle, list[Block]] | None] = field(default_factory=queue.Queue)
+    jobs: queue.Queue[tuple[WriteHandle, list[Block], Fence] | None] = field(default_factory=queue.Queue)
     dead: TransferError | None = None
     thread: threading.Thread | None = None
 
@@ -157,7 +160,7 @@ class MooncakeBackend(WriteTable, TransferBackend):
         peer.thread.start()
         return peer.peer_id
 
-    def write(self, peer: PeerId, blocks: Sequence[Block]) -> WriteHandle:
+    def write(self, peer: PeerId, blocks: Sequence[Block], fence: Fence = UNFENCED) -> WriteHandle:
         with self._lock:
             handle = next(self._ids)
             record = _Write(peer)
@@ -174,7 +177,7 @@ class MooncakeBackend(WriteTable, TransferBackend):
                 f"mooncake: a block writes outside the memory {target.session} registered",
             )
             return handle
-        target.jobs.put((handle, list(blocks)))
+        target.jobs.put((handle, list(blocks), fence))
         return handle
 
     def _finish(self, handle: WriteHandle, state: WriteState, error: TransferError | None = None) -> None:
@@ -192,11 +195,14 @@ class MooncakeBackend(WriteTable, TransferBackend):
             job = peer.jobs.get()
             if job is None:
                 return
-            handle, blocks = job
+            handle, blocks, fence = job
             error: TransferError | None = None
             for start in range(0, len(blocks), self._max_batch):
                 if peer.dead is not None:
                     error = peer.dead
+                    break
+                if not fence.live():  # the room died on our side: send none of the rest
+                    error = fenced("mooncake", fence)
                     break
                 part = blocks[start : start + self._max_batch]
                 with self._budget:

@@ -33,13 +33,16 @@ from typing import Any
 import msgspec
 
 from transfer.base import (
+    UNFENCED,
     Block,
+    Fence,
     PeerId,
     Region,
     TransferBackend,
     WriteHandle,
     WriteState,
     WriteTable,
+    fenced,
     unknown_peer,
 )
 from transfer.errors import TransferError, TransferErrorKind
@@ -58,6 +61,7 @@ class _Endpoint(msgspec.Struct, array_like=True, frozen=True):
 class _Write:
     peer: PeerId
     blocks: list[Block]
+    fence: Fence = UNFENCED
     xfer: Any = None  # the NIXL handle once posted
     state: WriteState = WriteState.PENDING
     error: TransferError | None = None
@@ -162,10 +166,10 @@ class NixlBackend(WriteTable, TransferBackend):
             raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"nixl: warm-up write to {name!r} failed: {detail}")
         return peer_id
 
-    def write(self, peer: PeerId, blocks: Sequence[Block]) -> WriteHandle:
+    def write(self, peer: PeerId, blocks: Sequence[Block], fence: Fence = UNFENCED) -> WriteHandle:
         with self._lock:
             handle = next(self._ids)
-            record = _Write(peer, list(blocks))
+            record = _Write(peer, list(blocks), fence)
             self._writes[handle] = record
             target = self._peers.get(peer)
             if target is None or target.dead is not None:
@@ -208,6 +212,9 @@ class NixlBackend(WriteTable, TransferBackend):
                 record.error = target.dead if target is not None and target.dead else unknown_peer("nixl", record.peer)
                 record.settled = True
                 return
+        if not record.fence.live():  # the room died on our side while this waited to be posted
+            self._settle(record, WriteState.FAILED, fenced("nixl", record.fence))
+            return
         blocks = record.blocks
         try:
             with self._agent_lock:

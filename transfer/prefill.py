@@ -8,7 +8,8 @@ Lifecycle:
    (blocking, in the reader thread), then ``RegisterAck``. A mismatch is refused with the reason.
 3. Room messages (``RoomRequest``, ``Abort``) go to ``SenderRooms`` (``transfer.sender``).
 4. The monitor thread pings every decode; one silent for the heartbeat timeout has its rooms failed
-   (TIMEOUT) and its connection closed; a closed connection fails its rooms (PEER_GONE) and the backend
+   (TIMEOUT) and its connection closed (never at the first beat after a stall of our own: the decode's
+   frames are then still unread); a closed connection fails its rooms (PEER_GONE) and the backend
    drops the peer. A decode that comes back connects and registers afresh.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 from transfer.channel import ControlChannel
 from transfer.context import Context, Outbox
@@ -39,6 +41,7 @@ class PrefillSide:
         self._ctx = ctx
         self._links: dict[ControlChannel, Link] = {}
         self.rooms = SenderRooms(ctx)
+        self._last_beat = time.monotonic()
         self._listener = socket.create_server((host, port))
         self.control_address: tuple[str, int] = self._listener.getsockname()[:2]
         self._accept_thread = threading.Thread(target=self._accept_loop, name="kv-ctl-accept", daemon=True)
@@ -176,8 +179,12 @@ class PrefillSide:
         """Ping every decode; return the silent ones (the caller closes them outside the lock)."""
         silent = []
         limit = self._ctx.timeouts.heartbeat_timeout_s
+        # after a stall of our own (SIGSTOP, a starved machine) every decode looks silent, and their
+        # frames are waiting unread: judge at the next beat. (Closing now would also lose the chance to
+        # tell a decode that this room's writes are over: it holds those pages until it hears that.)
+        stalled, self._last_beat = now - self._last_beat > limit, now
         for channel, link in self._links.items():
-            if now - channel.last_rx > limit:
+            if now - channel.last_rx > limit and not stalled:
                 error = TransferError(
                     TransferErrorKind.TIMEOUT, f"{channel.name}: no heartbeat for {now - channel.last_rx:.1f}s"
                 )

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from transfer.base import PeerId, WriteHandle, WriteState
+from transfer.base import UNFENCED, Fence, PeerId, WriteHandle, WriteState
 from transfer.blocks import check_pages, kv_blocks, merge_runs
 from transfer.channel import ControlChannel
 from transfer.context import Context, Outbox, flush, room_error
@@ -54,6 +54,7 @@ class _Request:
     page_ids: list[int]
     aux_index: int
     arrived: float
+    generation: int
 
 
 @dataclass
@@ -80,6 +81,7 @@ class KVSender:
         self._aux_len = 0
         self._created = now
         self._released = False
+        self._fence = UNFENCED  # (room, the decode's generation for its page list, our liveness)
         self._first_send = 0.0  # monotonic time the first chunk was posted
         self.latency_s: float | None = None  # first chunk posted -> every write DONE (at Success)
 
@@ -99,6 +101,10 @@ class KVSender:
 
     def release(self) -> None:
         self._side.release(self)
+
+    def _live(self) -> bool:
+        """The fence's view of this room (any thread, no lock): no byte is worth sending once Failed."""
+        return self._state != KVPoll.Failed
 
     def __repr__(self) -> str:
         return f"KVSender(room={self.room}, state={self._state.name})"
@@ -149,7 +155,7 @@ class SenderRooms:
                 if sender is not None and sender._request is None:
                     self._fail(sender, problem, outbox, notify=False)
             else:
-                request = _Request(link, list(msg.page_ids), msg.aux_index, time.monotonic())
+                request = _Request(link, list(msg.page_ids), msg.aux_index, time.monotonic(), msg.generation)
                 if sender is None:
                     self._requests[room] = request
                 else:
@@ -205,6 +211,7 @@ class SenderRooms:
 
     def _attach(self, sender: KVSender, request: _Request) -> None:
         sender._request = request
+        sender._fence = Fence(sender.room, request.generation, sender._live)
         sender.num_dst_pages = len(request.page_ids)
         if request.link.closed:
             error = TransferError(TransferErrorKind.PEER_GONE, f"room {sender.room}: the decode disconnected")
@@ -258,7 +265,7 @@ class SenderRooms:
             sender._state = KVPoll.Transferring
             if blocks:
                 try:
-                    handle = ctx.backend.write(link.peer, blocks)
+                    handle = ctx.backend.write(link.peer, blocks, sender._fence)
                 except TransferError as exc:
                     if slot is not None:
                         self._free_slots.append(slot)

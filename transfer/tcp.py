@@ -7,11 +7,17 @@ Lifecycle:
 3. ``endpoint()`` is ``b"host:port"``; ``connect(endpoint)`` opens one persistent connection per peer
    and starts a sender thread for it.
 4. ``write`` queues a batch on the peer's sender thread and returns at once. Wire format per batch:
-   header ``(seq u64, n u32)``, ``n`` entries ``(dst u64, len u64)``, then the payload bytes, sent
-   zero-copy from the source memory. The receiver range-checks every entry against its regions, then
-   ``recv_into`` the destination memory directly (or drains and rejects the batch: the connection stays
-   usable) and answers ``(seq u64, status u8)``.
-5. ``disconnect``/``close`` shut the sockets down (unblocking a sender stuck on a frozen peer) and join.
+   header ``(seq u64, room u64, generation u64, n u32)``, ``n`` entries ``(dst u64, len u64)``, then
+   the payload bytes, sent zero-copy from the source memory (unless ``fence.live()`` is False by then:
+   the write fails without a byte sent). The receiver range-checks every entry against its regions and,
+   once fencing is on (``set_fence_listener``), checks that the batch's ``(room, generation)`` fence is
+   open; then it ``recv_into`` the destination memory directly, checking the fence again between
+   blocks (or drains and rejects the batch: the connection stays usable) and answers
+   ``(seq u64, status u8)``.
+5. Fences (``FencesWrites``): ``close_fence`` refuses the room's later batches at once; a batch of it
+   being received finishes into scratch, or, with ``cut``, has its connection shut down (a frozen
+   writer would otherwise complete it whenever it resumes); the listener hears when it is out.
+6. ``disconnect``/``close`` shut the sockets down (unblocking a sender stuck on a frozen peer) and join.
 """
 
 from __future__ import annotations
@@ -23,17 +29,20 @@ import queue
 import socket
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from transfer.base import (
+    UNFENCED,
     Block,
+    Fence,
     PeerId,
     Region,
     TransferBackend,
     WriteHandle,
     WriteState,
     WriteTable,
+    fenced,
     unknown_peer,
 )
 from transfer.blocks import RegionSet
@@ -41,10 +50,10 @@ from transfer.errors import TransferError, TransferErrorKind
 
 log = logging.getLogger(__name__)
 
-_HEADER = struct.Struct(">QI")
+_HEADER = struct.Struct(">QQQI")  # seq, room, generation, number of entries
 _ENTRY = struct.Struct(">QQ")
 _ACK = struct.Struct(">QB")
-_ACK_OK, _ACK_REJECTED = 0, 1
+_ACK_OK, _ACK_REJECTED, _ACK_FENCED = 0, 1, 2
 _MAX_BLOCKS = 1 << 22
 _MAX_BATCH_BYTES = 1 << 40
 _DRAIN_CHUNK = 1 << 20
@@ -85,9 +94,17 @@ class _Peer:
     peer_id: PeerId
     address: str
     sock: socket.socket
-    jobs: queue.Queue[tuple[WriteHandle, list[Block]] | None] = field(default_factory=queue.Queue)
+    jobs: queue.Queue[tuple[WriteHandle, list[Block], Fence] | None] = field(default_factory=queue.Queue)
     dead: TransferError | None = None
     thread: threading.Thread | None = None
+
+
+def _drain(sock: socket.socket, total: int) -> None:
+    scratch = memoryview(bytearray(min(total, _DRAIN_CHUNK) or 1))
+    while total:
+        step = min(total, len(scratch))
+        _recv_into(sock, scratch[:step])
+        total -= step
 
 
 class TcpBackend(WriteTable, TransferBackend):
@@ -104,6 +121,11 @@ class TcpBackend(WriteTable, TransferBackend):
         self._peer_ids = itertools.count(1)
         self._closed = False
         self._inbound: list[tuple[socket.socket, threading.Thread]] = []
+        # fencing (receiving side), under ``_lock``: on once a listener is set
+        self._fence_listener: Callable[[int, int], None] | None = None
+        self._open_fences: set[tuple[int, int]] = set()
+        self._receiving: dict[socket.socket, tuple[int, int]] = {}  # connection -> fence of the batch it is in
+        self._awaited: set[tuple[int, int]] = set()  # closed while being received: tell the listener when out
         self._listener = socket.create_server((host, 0))
         self._port = self._listener.getsockname()[1]
         self._accept_thread = threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True)
@@ -131,6 +153,30 @@ class TcpBackend(WriteTable, TransferBackend):
                 self._inbound.append((sock, thread))
             thread.start()
 
+    def set_fence_listener(self, listener: Callable[[int, int], None] | None) -> None:
+        with self._lock:
+            self._fence_listener = listener
+
+    def open_fence(self, room: int, generation: int) -> None:
+        with self._lock:
+            self._open_fences.add((room, generation))
+
+    def close_fence(self, room: int, generation: int, *, cut: bool) -> bool:
+        fence = (room, generation)
+        with self._lock:
+            self._open_fences.discard(fence)
+            busy = [sock for sock, f in self._receiving.items() if f == fence]
+            if not busy:
+                return True
+            self._awaited.add(fence)
+        if cut:
+            for sock in busy:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        return False
+
     def _serve(self, sock: socket.socket) -> None:
         try:
             while True:
@@ -142,7 +188,7 @@ class TcpBackend(WriteTable, TransferBackend):
                     return
                 if len(head) < _HEADER.size:
                     head += _recv_exact(sock, _HEADER.size - len(head))
-                seq, count = _HEADER.unpack(head)
+                seq, room, generation, count = _HEADER.unpack(head)
                 if count > _MAX_BLOCKS:
                     log.warning("tcp backend: batch of %d blocks refused, closing the connection", count)
                     return
@@ -152,18 +198,19 @@ class TcpBackend(WriteTable, TransferBackend):
                 if total > _MAX_BATCH_BYTES:
                     log.warning("tcp backend: batch of %d bytes refused, closing the connection", total)
                     return
-                if self._regions.all_contain(entries):
-                    for dst, length in entries:
-                        if length:
-                            _recv_into(sock, _memory(dst, length))
+                fence = (room, generation)
+                with self._lock:
                     status = _ACK_OK
+                    if not self._regions.all_contain(entries):
+                        status = _ACK_REJECTED
+                    elif self._fence_listener is not None and fence not in self._open_fences:
+                        status = _ACK_FENCED
+                    else:
+                        self._receiving[sock] = fence
+                if status == _ACK_OK:
+                    status = self._receive(sock, entries, fence)
                 else:
-                    scratch = memoryview(bytearray(min(total, _DRAIN_CHUNK) or 1))
-                    left = total
-                    while left:
-                        _recv_into(sock, scratch[: min(left, len(scratch))])
-                        left -= min(left, len(scratch))
-                    status = _ACK_REJECTED
+                    _drain(sock, total)
                 sock.sendall(_ACK.pack(seq, status))
         except OSError:
             return
@@ -171,6 +218,28 @@ class TcpBackend(WriteTable, TransferBackend):
             sock.close()
             with self._lock:
                 self._inbound = [(s, t) for s, t in self._inbound if s is not sock]
+
+    def _receive(self, sock: socket.socket, entries: list[tuple[int, int]], fence: tuple[int, int]) -> int:
+        """One admitted batch straight into our memory; the rest into scratch if its fence closes."""
+        status = _ACK_OK
+        try:
+            for i, (dst, length) in enumerate(entries):
+                if self._fence_listener is not None and fence not in self._open_fences:
+                    _drain(sock, sum(n for _, n in entries[i:]))
+                    status = _ACK_FENCED
+                    break
+                if length:
+                    _recv_into(sock, _memory(dst, length))
+        finally:
+            with self._lock:
+                del self._receiving[sock]
+                quiet = fence in self._awaited and fence not in self._receiving.values()
+                if quiet:
+                    self._awaited.discard(fence)
+                listener = self._fence_listener
+            if quiet and listener is not None:
+                listener(*fence)
+        return status
 
     # -- initiator side --------------------------------------------------------------------------
     def connect(self, endpoint: bytes) -> PeerId:
@@ -194,7 +263,7 @@ class TcpBackend(WriteTable, TransferBackend):
         peer.thread.start()
         return peer.peer_id
 
-    def write(self, peer: PeerId, blocks: Sequence[Block]) -> WriteHandle:
+    def write(self, peer: PeerId, blocks: Sequence[Block], fence: Fence = UNFENCED) -> WriteHandle:
         with self._lock:
             handle = next(self._handle_ids)
             record = _Write()
@@ -204,7 +273,7 @@ class TcpBackend(WriteTable, TransferBackend):
                 record.state = WriteState.FAILED
                 record.error = target.dead if target is not None and target.dead else unknown_peer("tcp", peer)
                 return handle
-        target.jobs.put((handle, list(blocks)))
+        target.jobs.put((handle, list(blocks), fence))
         return handle
 
     def _finish(self, handle: WriteHandle, state: WriteState, error: TransferError | None = None) -> None:
@@ -224,10 +293,13 @@ class TcpBackend(WriteTable, TransferBackend):
                 if job is not None:
                     self._finish(job[0], WriteState.FAILED, peer.dead)
                 break
-            handle, blocks = job
+            handle, blocks, fence = job
+            if not fence.live():
+                self._finish(handle, WriteState.FAILED, fenced("tcp", fence))
+                continue
             try:
                 entries = b"".join(_ENTRY.pack(dst, length) for _, dst, length in blocks)
-                sock.sendall(_HEADER.pack(handle, len(blocks)) + entries)
+                sock.sendall(_HEADER.pack(handle, fence.room, fence.generation, len(blocks)) + entries)
                 for src, _, length in blocks:
                     if length:
                         sock.sendall(_memory(src, length))
@@ -242,6 +314,8 @@ class TcpBackend(WriteTable, TransferBackend):
                 break
             if status == _ACK_OK:
                 self._finish(handle, WriteState.DONE)
+            elif status == _ACK_FENCED:
+                self._finish(handle, WriteState.FAILED, fenced("tcp", fence))
             else:
                 self._finish(
                     handle,

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from transfer import KVArgs, KVManager, KVPoll, KVTimeouts, create_backend  # noqa: E402
+from transfer import FencesWrites, KVArgs, KVManager, KVPoll, KVTimeouts, create_backend  # noqa: E402
 from workers.kv_pool import KVPool  # noqa: E402
 
 
@@ -185,6 +185,16 @@ class _Peer:
         if op == "release":
             self.rooms.pop(room).release()
             return None
+        if op == "open_fence":  # a decode peer admits raw writes of (room, generation); False: no fencing
+            backend = self.manager.backend
+            if not isinstance(backend, FencesWrites):
+                return False
+            backend.open_fence(cmd["room"], cmd["generation"])
+            return True
+        if op == "close_fence":
+            backend = self.manager.backend
+            assert isinstance(backend, FencesWrites)
+            return backend.close_fence(cmd["room"], cmd["generation"], cut=cmd.get("cut", False))
         if op == "num_rooms":
             return self.manager.num_rooms()
         if op == "read":

@@ -17,6 +17,7 @@ import pytest
 from kvpeer import SHAPE, fill, pattern, skip_reason
 
 from transfer import (
+    Fence,
     KVArgs,
     NotifiesCompletion,
     RegionSet,
@@ -57,8 +58,16 @@ def local_backend():
         backend.close()
 
 
+def _fence(peer, room=1, generation=1):
+    """A fence the decode peer admits (it is a KV manager's backend: with fencing on, it refuses every
+    write outside a room it opened)."""
+    peer.call("open_fence", room=room, generation=generation)
+    return Fence(room, generation)
+
+
 def test_writes_land_and_bad_ranges_are_rejected(backend_name, spawn_peer, local_backend):
     peer = spawn_peer("decode", backend_name)  # its manager registered its pool with its backend
+    fence = _fence(peer)
     pool = SHAPE.pool()
     fill(pool, seed=21)
     backend = local_backend(backend_name)
@@ -73,19 +82,20 @@ def test_writes_land_and_bad_ranges_are_rejected(backend_name, spawn_peer, local
     if regions.contains(bad_dst, page_bytes):  # ...unless the allocator put another buffer right there
         bad_dst = dst[0] - page_bytes
     assert not regions.contains(bad_dst, page_bytes)
-    bad = backend.write(peer_id, [(src[0], bad_dst, page_bytes)])
+    bad = backend.write(peer_id, [(src[0], bad_dst, page_bytes)], fence)
     assert _wait(backend, bad) == WriteState.FAILED
     error = backend.error(bad)
     assert error is not None and error.kind == TransferErrorKind.RANGE_REJECTED, error
     backend.release(bad)
     straddling = backend.write(peer_id, [(src[1], dst[1] + page_bytes, page_bytes),
-                                         (src[1], dst[1] + (SHAPE.num_pages - 1) * page_bytes, 2 * page_bytes)])
+                                         (src[1], dst[1] + (SHAPE.num_pages - 1) * page_bytes, 2 * page_bytes)],
+                               fence)
     assert _wait(backend, straddling) == WriteState.FAILED
     assert backend.error(straddling).kind == TransferErrorKind.RANGE_REJECTED
     backend.release(straddling)
     # the connection stays usable: a good batch (page 3 of every buffer -> page 8) lands
     blocks = [(s + 3 * page_bytes, d + 8 * page_bytes, page_bytes) for s, d in zip(src, dst, strict=True)]
-    good = backend.write(peer_id, blocks)
+    good = backend.write(peer_id, blocks, fence)
     assert _wait(backend, good) == WriteState.DONE, backend.error(good)
     assert backend.error(good) is None
     backend.release(good)
@@ -108,6 +118,7 @@ def test_completion_listener_fires_when_a_write_settles(backend_name, spawn_peer
     if not isinstance(backend, NotifiesCompletion):
         pytest.skip(f"{backend_name} does not notify completions (the KV manager polls it)")
     peer = spawn_peer("decode", backend_name)
+    fence = _fence(peer)
     pool = SHAPE.pool()
     backend.register(KVArgs.from_pool(pool).regions())
     peer_id = backend.connect(base64.b64decode(peer.info["endpoint"]))
@@ -125,15 +136,16 @@ def test_completion_listener_fires_when_a_write_settles(backend_name, spawn_peer
             if not fired.wait(max(0.0, deadline - time.monotonic())):
                 return WriteState.PENDING  # settled without a call, or never: both break the contract
 
-    good = backend.write(peer_id, [(s, d + 2 * page_bytes, page_bytes) for s, d in zip(src, dst, strict=True)])
+    good = backend.write(peer_id, [(s, d + 2 * page_bytes, page_bytes) for s, d in zip(src, dst, strict=True)],
+                         fence)
     assert settles(good) == WriteState.DONE, backend.error(good)
     regions = RegionSet([tuple(r) for r in peer.info["regions"]])
     bad_dst = next(a for a in (dst[0] + SHAPE.num_pages * page_bytes, dst[0] - page_bytes, 1 << 40)
                    if not regions.contains(a, page_bytes))
-    bad = backend.write(peer_id, [(src[0], bad_dst, page_bytes)])
+    bad = backend.write(peer_id, [(src[0], bad_dst, page_bytes)], fence)
     assert settles(bad) == WriteState.FAILED
     backend.set_completion_listener(None)
-    after = backend.write(peer_id, [(src[0], dst[0], page_bytes)])
+    after = backend.write(peer_id, [(src[0], dst[0], page_bytes)], fence)
     assert _wait(backend, after) == WriteState.DONE  # without a listener nothing is called, all still works
     for handle in (good, bad, after):
         backend.release(handle)
@@ -153,6 +165,44 @@ def test_connect_to_a_closed_peer_is_unreachable(name, local_backend):
     with pytest.raises(TransferError) as info:
         backend.connect(endpoint)
     assert info.value.kind == TransferErrorKind.PEER_UNREACHABLE
+
+
+def test_a_write_lands_only_under_an_open_fence(backend_name, spawn_peer, local_backend):
+    """A receiving backend that fences admits a write only while the decode holds its (room, generation)
+    open: a closed fence, another generation of the room, or a room the writer itself knows is dead
+    takes no byte, and the connection keeps serving open fences."""
+    peer = spawn_peer("decode", backend_name)
+    if not peer.call("open_fence", room=2, generation=7):
+        pytest.skip(f"{backend_name} does not fence writes (the decode waits for the prefill's Quiesced)")
+    pool = SHAPE.pool()
+    fill(pool, seed=23)
+    backend = local_backend(backend_name)
+    backend.register(KVArgs.from_pool(pool).regions())
+    peer_id = backend.connect(base64.b64decode(peer.info["endpoint"]))
+    src, dst, page_bytes = pool.kv_ptrs(), peer.info["kv_ptrs"], pool.page_bytes
+
+    def write_page(page: int, fence: Fence) -> WriteState:
+        handle = backend.write(peer_id, [(src[0] + page * page_bytes, dst[0] + page * page_bytes, page_bytes)], fence)
+        state = _wait(backend, handle)
+        if state == WriteState.FAILED:
+            error = backend.error(handle)
+            assert error is not None and error.kind == TransferErrorKind.ABORTED and "fenced" in error.message, error
+        backend.release(handle)
+        return state
+
+    assert write_page(1, Fence(2, 7)) == WriteState.DONE
+    assert write_page(2, Fence(2, 8)) == WriteState.FAILED, "another generation of the room"
+    assert write_page(3, Fence(5, 1)) == WriteState.FAILED, "a room never opened"
+    assert write_page(4, Fence(2, 7, live=lambda: False)) == WriteState.FAILED, "dead on the writer's side"
+    assert peer.call("close_fence", room=2, generation=7) is True, "nothing of it was being received"
+    assert write_page(5, Fence(2, 7)) == WriteState.FAILED, "closed"
+    peer.call("open_fence", room=9, generation=9)
+    assert write_page(6, Fence(9, 9)) == WriteState.DONE, "the connection still serves open fences"
+    kv = peer.read_memory()[0]
+    written = [p for p in range(SHAPE.num_pages) if kv[0, p].any()]
+    assert written == [1, 6]
+    for page in written:
+        assert np.array_equal(kv[0, page], pattern(23, 0, page, page_bytes))
 
 
 @pytest.mark.parametrize("name", ["tcp", "mooncake", "nixl", "fake"])

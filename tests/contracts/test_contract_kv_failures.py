@@ -10,9 +10,9 @@ import signal
 import time
 
 import numpy as np
-from kvpeer import FAST, expected_kv, fill, pool_kv, wait_for
+from kvpeer import FAST, Shape, expected_kv, fill, pool_kv, wait_for
 
-from transfer import KVPoll, TransferErrorKind
+from transfer import FencesWrites, KVPoll, TransferErrorKind
 
 DONE = (KVPoll.Success, KVPoll.Failed)
 READY = (KVPoll.WaitingForInput, KVPoll.Failed)
@@ -154,6 +154,41 @@ def test_prefill_frozen_times_out(backend_name, spawn_peer, local_manager):
         prefill.signal(signal.SIGCONT)
     receiver.release()
     _full_room(spawn_peer("prefill", backend_name, seed=8), decode, 41, seed=8)
+
+
+# pages of 256 KiB: a room of 48 pages is 72 MiB, still on the wire when the prefill is frozen
+BIG = Shape(page_size=16, num_kv_heads=8, head_dim=512)
+
+
+def test_prefill_frozen_mid_write_lands_nothing_once_quiesced(backend_name, spawn_peer, local_manager):
+    """A prefill frozen mid-write, given up on by the decode, then resumed: no byte of its room lands
+    after the decode called the room quiesced (its pages would be another request's by then). A
+    fencing backend quiesces at once, with the prefill still frozen; the others hold the pages until
+    the resumed prefill confirms its writes are over."""
+    prefill = spawn_peer("prefill", backend_name, shape=BIG, seed=12)
+    decode = local_manager("decode", backend_name, shape=BIG)
+    receiver = _open_room(prefill, decode.manager, 70, list(range(48)))
+    prefill.call("send", room=70, pages=list(range(16, 64)), last=True)
+    prefill.signal(signal.SIGSTOP)
+    try:
+        assert receiver.poll() != KVPoll.Success, "the room was written before the freeze: nothing tested"
+        assert wait_for(receiver, DONE, DETECT_S) == KVPoll.Failed
+        error = receiver.failure()
+        assert error is not None and error.kind == TransferErrorKind.TIMEOUT, error
+        quiet_while_frozen = _wait_quiesced(receiver, timeout_s=3.0)
+        if isinstance(decode.manager.backend, FencesWrites):
+            assert quiet_while_frozen, "a fencing backend needs nothing from the frozen prefill"
+        snapshot = pool_kv(decode.pool) if quiet_while_frozen else None
+    finally:
+        prefill.signal(signal.SIGCONT)
+    if snapshot is None:
+        assert _wait_quiesced(receiver), "the resumed prefill never confirmed that its writes are over"
+        snapshot = pool_kv(decode.pool)
+    time.sleep(1.0)  # what the resumed prefill still had on the wire or queued would land now
+    assert np.array_equal(pool_kv(decode.pool), snapshot), "a write landed after the room was quiesced"
+    receiver.release()
+    prefill.call("release", room=70)
+    _full_room(prefill, decode, 71, seed=12)  # the resumed prefill and the decode work together again
 
 
 def test_decode_frozen_times_out(backend_name, spawn_peer, local_manager):

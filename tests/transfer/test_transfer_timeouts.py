@@ -9,7 +9,7 @@ import time
 import pytest
 from kvunit import make_args, wait_for
 
-from transfer import KVManager, KVPoll, KVTimeouts, TransferErrorKind, WriteState
+from transfer import UNFENCED, KVManager, KVPoll, KVTimeouts, TransferErrorKind, WriteState
 from transfer.fake import FakeBackend
 
 
@@ -21,8 +21,8 @@ class StuckBackend(FakeBackend):
         self.stuck = True
         self.pending: set[int] = set()
 
-    def write(self, peer, blocks):
-        handle = super().write(peer, blocks)
+    def write(self, peer, blocks, fence=UNFENCED):
+        handle = super().write(peer, blocks, fence)
         self.pending.add(handle)
         return handle
 
