@@ -37,6 +37,7 @@ from gateway.health import HealthConfig, WorkerHealth
 from gateway.worker_state import DEFAULT_STALE_AFTER_S, WorkerState
 from workers.protocol import (
     MAX_FRAME_BYTES,
+    MAX_UNREAD_BYTES,
     PROTOCOL_VERSION,
     Abort,
     Error,
@@ -136,7 +137,8 @@ def parse_worker_url(url: str) -> tuple[str, int]:
 
 class WorkerClient:
     def __init__(self, url: str, role: str, *, connect_timeout_s: float = 5.0, max_backoff_s: float = 2.0,
-                 stale_after_s: float = DEFAULT_STALE_AFTER_S, health: HealthConfig | None = None) -> None:
+                 stale_after_s: float = DEFAULT_STALE_AFTER_S, health: HealthConfig | None = None,
+                 max_unread_bytes: int = MAX_UNREAD_BYTES) -> None:
         self.url = url
         self.role = role  # what the gateway uses it as: prefill | decode | both
         self.host, self.port = parse_worker_url(url)
@@ -150,6 +152,7 @@ class WorkerClient:
         self.on_kv_events: Callable[[WorkerClient, KVEvents], None] | None = None
         self._connect_timeout_s = connect_timeout_s
         self._max_backoff_s = max_backoff_s
+        self._max_unread = max_unread_bytes
         self._codec = gateway_codec()
         self._transport: asyncio.Transport | None = None
         self._open: dict[int, tuple[Sink, Any]] = {}
@@ -360,6 +363,12 @@ class WorkerClient:
         self._outbox, self._outbox_to = [], None
         if not transport.is_closing():
             transport.write(frames[0] if len(frames) == 1 else b"".join(frames))
+            if (unread := transport.get_write_buffer_size()) > self._max_unread:
+                # a worker that stopped reading (frozen, wedged): drop it rather than buffer for it;
+                # its open requests fail over (retries, stream migration) and it is reconnected later
+                log.warning("dropping the connection to %s: %d bytes of requests unread (limit %d)",
+                            self.url, unread, self._max_unread)
+                transport.abort()
 
     def abort(self, rid: int, reason: str = "aborted by gateway") -> None:
         if rid not in self._open:

@@ -11,6 +11,7 @@ import signal
 import sys
 
 from workers.config import ConfigError, WorkerConfig
+from workers.protocol import MAX_UNREAD_BYTES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval-s", type=float, default=2.0)
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                    help="engine-specific setting (repeatable), e.g. decode_step_s=0.002 for sim")
+    p.add_argument("--max-unread-mib", type=float, default=MAX_UNREAD_BYTES / 2**20,
+                   help="output a gateway connection may leave unread before it is dropped (its requests end)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -61,7 +64,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         device=args.device, dtype=args.dtype, attention=args.attention, num_threads=args.num_threads,
         bootstrap_timeout_s=args.bootstrap_timeout_s, waiting_timeout_s=args.waiting_timeout_s,
         transfer_timeout_s=args.transfer_timeout_s, heartbeat_interval_s=args.heartbeat_interval_s,
-        engine_options=extra,
+        max_unread_bytes=int(args.max_unread_mib * 2**20), engine_options=extra,
     )
 
 

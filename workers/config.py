@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from workers.protocol import MAX_UNREAD_BYTES
+
 
 class ConfigError(ValueError):
     """A bad setting; the message names the field."""
@@ -34,6 +36,7 @@ class WorkerConfig:
     waiting_timeout_s: float = 300.0
     transfer_timeout_s: float = 60.0
     heartbeat_interval_s: float = 2.0
+    max_unread_bytes: int = MAX_UNREAD_BYTES  # per gateway connection: past it the gateway is not reading
     engine_options: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -47,6 +50,8 @@ class WorkerConfig:
         for name in ("port", "http_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ConfigError(f"{name}: not a TCP port: {getattr(self, name)}")
+        if self.max_unread_bytes < 1 << 16:
+            raise ConfigError("max_unread_bytes: must be at least 64 KiB")
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s", "heartbeat_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive")

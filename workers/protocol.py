@@ -18,7 +18,10 @@ Lifecycle of a connection:
    connection first gets a snapshot (``reset=True``: every hash the worker holds now).
 
 A frame is a 4-byte big-endian length followed by one msgpack-encoded message. Unknown kinds are a
-protocol error. New fields go last with defaults; bump ``PROTOCOL_VERSION`` on breaking change.
+protocol error. Backpressure: neither side blocks on a slow reader; each bounds what it has written and
+the peer has not read (``MAX_UNREAD_BYTES``, on top of the kernel's socket buffers) and past it drops
+the connection, which ends that connection's requests on both sides (pages freed, the gateway's
+retries and stream migration take over). New fields go last with defaults; bump ``PROTOCOL_VERSION`` on breaking change.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import msgspec
 
 PROTOCOL_VERSION = 2  # 2: KVEvents, LoadReport fields for routing
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+MAX_UNREAD_BYTES = 64 * 1024 * 1024  # written, still unread by the peer: past it the peer is not reading
 _LEN = struct.Struct(">I")
 
 

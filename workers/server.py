@@ -6,7 +6,9 @@ Lifecycle:
    ``Rejected`` and close). Then ``Submit``/``Abort`` frames go to the scheduler's inbox.
 3. The scheduler thread hands each step's messages to ``deliver`` (thread-safe): they queue up until
    the event loop gets to them (one ``call_soon_threadsafe`` per batch of steps, not per step), then
-   are grouped per connection and written with one ``write`` call per connection.
+   are grouped per connection and written with one ``write`` call per connection. A connection that
+   leaves more than ``max_unread_bytes`` unread (a gateway that stopped reading) is dropped, never
+   waited on: the scheduler goes on for everyone else.
 4. A closed connection drops its requests (pages freed); ``aclose()`` stops listening and closes
    every connection. If the scheduler thread has died, handshakes are rejected and a submit gets an
    ``Error`` and its connection is closed, so the gateway marks this worker down instead of waiting.
@@ -24,6 +26,7 @@ from collections.abc import Callable
 import msgspec
 
 from workers.protocol import (
+    MAX_UNREAD_BYTES,
     PROTOCOL_VERSION,
     Abort,
     Error,
@@ -42,8 +45,10 @@ log = logging.getLogger(__name__)
 
 
 class NativeServer:
-    def __init__(self, scheduler: Scheduler, hello_ack: Callable[[], HelloAck], host: str, port: int) -> None:
+    def __init__(self, scheduler: Scheduler, hello_ack: Callable[[], HelloAck], host: str, port: int, *,
+                 max_unread_bytes: int = MAX_UNREAD_BYTES) -> None:
         self._scheduler = scheduler
+        self._max_unread = max_unread_bytes
         self._hello_ack = hello_ack
         self._host = host
         self._port = port
@@ -99,6 +104,10 @@ class NativeServer:
             writer = self._writers.get(conn_id)
             if writer is not None and not writer.is_closing():
                 writer.write(b"".join(chunks))
+                if (unread := writer.transport.get_write_buffer_size()) > self._max_unread:
+                    log.warning("dropping gateway connection %d: %d bytes of output unread (limit %d); "
+                                "its requests end", conn_id, unread, self._max_unread)
+                    writer.transport.abort()
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()

@@ -80,7 +80,8 @@ class Worker:
             self.kv = self._create_kv_manager(self.pool)
         sched_cfg = SchedulerConfig(role=cfg.role, chunk_size=cfg.chunk_size, max_running=cfg.max_running)
         self.scheduler = Scheduler(sched_cfg, self.engine, self.pool, self._deliver, self.kv)
-        self.server = NativeServer(self.scheduler, self._hello_ack, cfg.host, cfg.port)
+        self.server = NativeServer(self.scheduler, self._hello_ack, cfg.host, cfg.port,
+                                   max_unread_bytes=cfg.max_unread_bytes)
         await self.server.start()
         self.scheduler.start()
         self.sglang = SGLangAPI(self)  # loads and connects on first use
