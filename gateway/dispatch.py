@@ -24,6 +24,10 @@ Lifecycle of one request (``Dispatcher.generate``, an async generator):
    (finish, error, timeout, client gone), open requests are aborted on both workers, and the
    policies hear how the attempt ended (``on_finish``). The prefill's load (its prompt tokens) is
    released when its part ends, i.e. when its KV is handed over, not when the decode's stream ends.
+6. Backpressure: a consumer (an SSE client) that falls behind leaves events queued in the attempt's
+   ``EventSink``; past ``max_unread_events`` the attempt is aborted on both workers at once and the
+   stream ends with a clear error when the consumer gets back (``SlowClient``), so a client that
+   stops reading costs neither worker time nor gateway memory.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import random
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +51,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.policies import Pair, RequestInfo, WorkerView
 from gateway.router import Router
 from gateway.worker_client import Event, WorkerClient, WorkerGone
-from workers.protocol import BootstrapTarget, Error, SamplingParams, StepOutput, Submit
+from workers.protocol import BootstrapTarget, Error, Fault, SamplingParams, StepOutput, Submit
 
 if TYPE_CHECKING:
     from gateway.api import ClientBootstrap
@@ -68,6 +72,14 @@ class DispatchConfig:
     max_retries: int = 2
     retry_backoff_s: float = 0.05  # first retry's mean delay; doubles per retry, +-50% jitter
     max_migrations: int = 2  # a stream whose decode failed continues on a new pair this often (0: off)
+    max_unread_events: int = 4096  # worker events a slow consumer may leave unread before its stream ends
+
+
+class SlowClient(APIError):
+    """The client read its stream too slowly: the gateway stopped generating for it."""
+
+    status = 503
+    type = "client_too_slow"
 
 
 class Dispatcher:
@@ -185,9 +197,18 @@ class Dispatcher:
         pair = self._select(request, avoid)
         prefill = _client_of(pair.prefill, self.prefills) if pair.prefill is not None else None
         decode = _client_of(pair.decode, self.decodes)
-        sink = EventSink()
-        timeout_s = self.config.request_timeout_s
         open_rids: dict[str, tuple[WorkerClient, int]] = {}
+
+        def overflow() -> None:  # the consumer stopped reading: stop both workers now, not at its next read
+            self.metrics.slow_clients.inc()
+            log.warning("request %s: its client left %d events unread; stopping its generation",
+                        REQUEST_ID.get() or "-", self.config.max_unread_events)
+            for worker, rid in open_rids.values():
+                worker.abort(rid, "the client reads too slowly")
+            open_rids.clear()
+
+        sink = EventSink(self.config.max_unread_events, overflow)
+        timeout_s = self.config.request_timeout_s
         finished = False
         outcome = "failed"
         try:
@@ -226,6 +247,9 @@ class Dispatcher:
                 sink.set_deadline(idle_s if got_token else first_s)
                 try:
                     side, event = await sink.get()
+                except SinkOverflow:
+                    raise SlowClient(f"the client read its stream too slowly ({sink.limit} events unread); "
+                                     "generation was stopped") from None
                 except TimeoutError:
                     wait_s = idle_s if got_token else first_s
                     stage = "between tokens" if got_token else "before the first token"
@@ -263,7 +287,8 @@ class Dispatcher:
                     worker = decode if side == "decode" else prefill
                     assert worker is not None
                     open_rids.pop(side, None)
-                    self._blame(worker, event)
+                    culprit = _culprit(event, side, prefill, decode)
+                    self._blame(worker, culprit, event)
                     if side == "prefill" and (got_token or held_final is not None):
                         # The decode already has its KV: a late prefill failure (e.g. restarting) does
                         # not concern it; only its prompt logprobs are lost.
@@ -271,7 +296,7 @@ class Dispatcher:
                             yield held_final
                             return
                         continue
-                    raise _as_error(event, side, worker, after_first_token=got_token)
+                    raise _as_error(event, side, culprit, after_first_token=got_token)
         except (GeneratorExit, asyncio.CancelledError):
             outcome = "cancelled"
             raise
@@ -282,13 +307,13 @@ class Dispatcher:
                     worker.abort(rid)
             self.router.finished(pair, request, "finished" if finished else outcome)
 
-    def _blame(self, worker: WorkerClient, event: Event) -> None:
+    def _blame(self, reporter: WorkerClient, culprit: WorkerClient | None, event: Event) -> None:
         code = event.code if isinstance(event, Error) else "worker_gone"
         if code == "transfer_failed":
-            self.metrics.transfer_failures.labels(worker.role).inc()
-        if code == "worker_gone" or code in BLAMED_CODES:
-            worker.health.breaker.record_failure()
-            self.metrics.worker_failures.labels(worker.url, worker.role, code).inc()
+            self.metrics.transfer_failures.labels(reporter.role).inc()
+        if culprit is not None and (code == "worker_gone" or code in BLAMED_CODES):
+            culprit.health.breaker.record_failure()
+            self.metrics.worker_failures.labels(culprit.url, culprit.role, code).inc()
 
 
 def _client_of(view: WorkerView, pool: list[WorkerClient]) -> WorkerClient:
@@ -308,15 +333,27 @@ class _Retryable(Exception):
         self.migratable = migratable
 
 
-def _as_error(event: Event, side: str, worker: WorkerClient, *, after_first_token: bool = False) -> Exception:
+def _culprit(event: Event, side: str, prefill: WorkerClient | None, decode: WorkerClient) -> WorkerClient | None:
+    """The worker a failure is held against (its breaker; the retry avoids it): the one that reported it,
+    its KV peer (``Fault.PEER``: the peer went away, fell silent or could not be reached), or neither
+    (``Fault.NONE``: the registry failed, or the peer aborted and reports its own failure)."""
+    fault = event.fault if isinstance(event, Error) else Fault.OWN
+    if fault == Fault.PEER:
+        return prefill if side == "decode" else decode
+    if fault == Fault.NONE:
+        return None
+    return decode if side == "decode" else prefill
+
+
+def _as_error(event: Event, side: str, blamed: WorkerClient | None, *, after_first_token: bool = False) -> Exception:
     decode_failed_mid_stream = after_first_token and side == "decode"
     if isinstance(event, WorkerGone):
-        return _Retryable(BadGateway(event.message, code="worker_gone"), worker, migratable=decode_failed_mid_stream)
+        return _Retryable(BadGateway(event.message, code="worker_gone"), blamed, migratable=decode_failed_mid_stream)
     assert isinstance(event, Error)
     migratable = decode_failed_mid_stream and event.code in MIGRATABLE_CODES
     error = from_worker_error(event.code, event.message, side)
     if event.code in RETRYABLE_CODES or migratable:
-        return _Retryable(error, worker if event.code != "overloaded" else None, migratable=migratable)
+        return _Retryable(error, blamed if event.code != "overloaded" else None, migratable=migratable)
     return error
 
 
@@ -329,9 +366,12 @@ class EventSink:
     early, so a busy stream costs no timer work per event.
     """
 
-    __slots__ = ("_deadline", "_items", "_loop", "_timer", "_waiter")
+    __slots__ = ("_deadline", "_items", "_loop", "_on_overflow", "_timer", "_waiter", "limit", "overflowed")
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = 4096, on_overflow: Callable[[], None] | None = None) -> None:
+        self.limit = limit  # events queued unread past this: ``on_overflow()``, then ``get`` raises
+        self.overflowed = False
+        self._on_overflow = on_overflow
         self._items: deque[tuple[Any, Event]] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._loop = asyncio.get_running_loop()
@@ -339,7 +379,14 @@ class EventSink:
         self._timer: asyncio.TimerHandle | None = None
 
     def put_nowait(self, item: tuple[Any, Event]) -> None:
+        if self.overflowed:
+            return
         self._items.append(item)
+        if len(self._items) > self.limit:
+            self.overflowed = True
+            self._items.clear()
+            if self._on_overflow is not None:
+                self._on_overflow()
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -361,6 +408,8 @@ class EventSink:
 
     async def get(self) -> tuple[Any, Event]:
         while not self._items:
+            if self.overflowed:
+                raise SinkOverflow
             if self._loop.time() >= self._deadline:
                 raise TimeoutError
             self._waiter = self._loop.create_future()
@@ -386,6 +435,10 @@ class EventSink:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+class SinkOverflow(Exception):
+    """``EventSink.get``: the consumer left more than ``limit`` events unread; they were dropped."""
 
 
 def _merge(a: StepOutput, b: StepOutput) -> StepOutput:

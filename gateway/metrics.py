@@ -115,6 +115,8 @@ class GatewayMetrics:
                                           "Request failures blamed on a worker", ["worker", "role", "code"]))
         self.transfer_failures = add(Family("counter", "pd_gateway_kv_transfer_failures",
                                             "Requests whose KV transfer failed", ["role"]))
+        self.slow_clients = add(Family("counter", "pd_gateway_slow_client_aborts",
+                                       "Streams stopped because their client left too many events unread"))
         self.registry.register(_Instruments(self._instruments))
 
     def _add(self, instrument: _I) -> _I:

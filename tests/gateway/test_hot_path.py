@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.api import Prepared
-from gateway.dispatch import EventSink
+from gateway.dispatch import EventSink, SinkOverflow
 from gateway.responder import ChatShape, CompletionShape, Run
 from gateway.worker_client import _FrameProtocol
 from workers.protocol import Error, KVEvents, LoadReport, Outputs, SamplingParams, StepOutput, gateway_codec
@@ -34,6 +34,28 @@ def test_sink_returns_queued_events_in_order_and_wakes_a_waiter() -> None:
         assert not getter.done()
         sink.put_nowait(("prefill", Error(1, "internal", "x")))
         assert await getter == ("prefill", Error(1, "internal", "x"))
+        sink.close()
+
+    asyncio.run(main())
+
+
+def test_sink_overflow_stops_the_producers_once_and_fails_the_reader() -> None:
+    async def main() -> None:
+        calls: list[int] = []
+        sink = EventSink(limit=3, on_overflow=lambda: calls.append(1))
+        sink.set_deadline(10)
+        for i in range(3):
+            sink.put_nowait(("decode", StepOutput(1, [i])))
+        assert _tokens(await sink.get()) == [0] and not calls, "at the limit, not past it: nothing lost"
+        getter = asyncio.ensure_future(sink.get())
+        assert _tokens(await getter) == [1]
+        for i in range(3, 6):  # 4 unread now: past the limit
+            sink.put_nowait(("decode", StepOutput(1, [i])))
+        assert calls == [1] and sink.overflowed
+        sink.put_nowait(("decode", StepOutput(1, [9])))  # late events are dropped, no second call
+        assert calls == [1]
+        with pytest.raises(SinkOverflow):
+            await sink.get()
         sink.close()
 
     asyncio.run(main())

@@ -11,12 +11,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import struct
 import time
+from collections.abc import Callable
 
 import httpx
-from pdtest import Procs, start_gateway, start_worker
+from pdtest import Procs, SimCluster, start_gateway, start_worker
 
 from gateway.worker_client import WorkerClient, WorkerGone
 from workers.protocol import (
@@ -141,3 +143,40 @@ async def _gateway_drops_a_worker_that_stops_reading() -> None:
             writer.close()
         server.close()
         await server.wait_closed()
+
+
+def _gateway_metric(base_url: str, name: str) -> float:
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
+def test_an_sse_client_that_stops_reading_stops_its_generation(sim_cluster: Callable[..., SimCluster]) -> None:
+    """A streaming client that stops reading: once the gateway holds ``max_unread_events`` of its events
+    the request is aborted on both workers (no generating for nobody), and everyone else is served."""
+    fast_sim = [f"--engine-option={k}=0" for k in ("verify_kv", "prefill_token_s", "decode_step_s", "decode_seq_s")]
+    cluster = sim_cluster(worker_args=("--num-pages", "16384", "--engine-option=max_context=65536", *fast_sim))
+    gateway_pid = next(p for p in cluster.procs.procs if p.name.startswith("gateway")).pid  # type: ignore[attr-defined]
+    rss_before = _rss_kib(gateway_pid)
+    body = json.dumps({"model": "sim", "messages": [{"role": "user", "content": "go"}], "stream": True,
+                       "max_tokens": 60000, "logprobs": True, "top_logprobs": 20}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", cluster.gateway_port))
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n" % len(body) + body)
+        assert sock.recv(512).startswith(b"HTTP/1.1 200")  # the stream began; now never read again
+        deadline = time.monotonic() + 120
+        while _gateway_metric(cluster.base_url, "pd_gateway_slow_client_aborts_total") < 1:
+            assert time.monotonic() < deadline, f"still generating for a client that reads nothing: " \
+                                                f"{cluster.decodes[0].get('/load')}"
+            time.sleep(0.2)
+        cluster.wait_pools_full()
+        growth_mib = (_rss_kib(gateway_pid) - rss_before) / 1024
+        assert growth_mib < 100, f"the gateway's memory grew by {growth_mib:.0f} MiB for one slow client"
+        r = httpx.post(f"{cluster.base_url}/v1/completions", json={"model": "sim", "prompt": "hi", "max_tokens": 4},
+                       timeout=30)
+        assert r.status_code == 200, r.text
+    finally:
+        sock.close()
