@@ -13,7 +13,9 @@ Prefill side, ``BootstrapRegistrar`` (async, owned by the prefill worker's event
 Decode side, ``BootstrapResolver`` (sync, thread-safe, shared by the KV-transfer threads):
 1. ``topology(host, port, instance_id)`` and ``resolve(...)`` GET ``/route`` and cache replies for
    ``cache_ttl_s``; errors are never cached. 503 raises ``BootstrapNotReady``, no reply raises
-   ``BootstrapUnreachable``, anything else unexpected ``BootstrapError``.
+   ``BootstrapUnreachable``, anything else unexpected ``BootstrapError``. When the registry does not
+   answer at all, a reply that expired less than ``stale_if_unreachable_s`` ago answers instead (a
+   registry restart must not fail every room of prefills that have not moved).
    ``cached_topology(...)`` / ``cached_address(...)`` answer from the cache alone (None on a miss):
    they never block, so a caller on a hot thread can skip a hand-off to a thread that may.
 2. ``invalidate(host, port, instance_id)`` drops the cached replies of one prefill instance (call
@@ -272,8 +274,10 @@ class BootstrapRegistrar:
 class BootstrapResolver:
     """Looks up prefill topologies and rank addresses (see the module docstring)."""
 
-    def __init__(self, *, token: str | None = None, timeout_s: float = 5.0, cache_ttl_s: float = 5.0) -> None:
+    def __init__(self, *, token: str | None = None, timeout_s: float = 5.0, cache_ttl_s: float = 5.0,
+                 stale_if_unreachable_s: float = 60.0) -> None:
         self.cache_ttl_s = cache_ttl_s
+        self.stale_if_unreachable_s = stale_if_unreachable_s
         self._client = httpx.Client(
             timeout=httpx.Timeout(timeout_s),
             limits=httpx.Limits(max_connections=32, max_keepalive_connections=8),
@@ -287,7 +291,13 @@ class BootstrapResolver:
         cached = self._cached(key)
         if cached is not None:
             return cached
-        topology: Topology = self._get(host, port, instance_id, (-1, -1, -1, -1), _TOPOLOGY_DECODER)
+        try:
+            topology: Topology = self._get(host, port, instance_id, (-1, -1, -1, -1), _TOPOLOGY_DECODER)
+        except BootstrapUnreachable:
+            stale: Topology | None = self._stale(key)
+            if stale is None:
+                raise
+            return stale
         self._store(key, topology)
         return topology
 
@@ -309,7 +319,13 @@ class BootstrapResolver:
         cached = self._cached(key)
         if cached is not None:
             return cached
-        address: RankAddress = self._get(host, port, instance_id, ranks, _ADDRESS_DECODER)
+        try:
+            address: RankAddress = self._get(host, port, instance_id, ranks, _ADDRESS_DECODER)
+        except BootstrapUnreachable:
+            stale: tuple[str, int] | None = self._stale(key)
+            if stale is None:
+                raise
+            return stale
         result = (address.rank_ip, address.rank_port)
         self._store(key, result)
         return result
@@ -338,8 +354,18 @@ class BootstrapResolver:
             hit = self._cache.get(key)
             if hit is None:
                 return None
-            if hit[1] <= time.monotonic():
-                del self._cache[key]
+            now = time.monotonic()
+            if hit[1] <= now:
+                if hit[1] + self.stale_if_unreachable_s <= now:  # too old even to answer for a silent registry
+                    del self._cache[key]
+                return None
+            return hit[0]
+
+    def _stale(self, key: tuple[Any, ...]) -> Any:
+        """The cached reply, expired or not, unless it expired ``stale_if_unreachable_s`` ago or more."""
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is None or hit[1] + self.stale_if_unreachable_s <= time.monotonic():
                 return None
             return hit[0]
 

@@ -7,16 +7,18 @@ Lifecycle of one request (``Dispatcher.generate``, an async generator):
    once: awaiting one before the other would deadlock the KV handshake.
 3. Relay the decode's ``StepOutput`` events. The prefill's only event is "transferred" (or an
    error). Failure coupling: a prefill error aborts the decode, a decode error aborts the prefill.
-4. Before the first token, a retryable failure (worker gone or unhealthy, transfer failed,
-   overloaded) retries with a new pair and a new room, at most ``max_retries`` times, after a
-   jittered exponential backoff, avoiding the worker that failed; any 4xx is final. After the first
+4. Before an attempt's first token (a new request's, or a migrated stream's new pair), a retryable
+   failure (worker gone or unhealthy, transfer failed, overloaded) retries with a new pair and a new
+   room, at most ``max_retries`` times per request, after a jittered exponential backoff, avoiding
+   the worker the failure is held against (``_culprit``); any 4xx is final. After the first
    token a decode failure (gone, transfer/engine/timeout error, silent past the idle deadline)
    migrates the stream, at most ``max_migrations`` times: prompt + every token yielded so far are
    the new prompt of a new pair (the failed decode avoided) with the remaining budget and
    ``output_offset`` for seeded draws; the consumer sees one uninterrupted stream. Otherwise the
-   error is final. Each side's outcome feeds its worker's circuit breaker: success
-   when its part completes, failure when it reports an error of its own (not a client abort, not
-   a bad request, not overload).
+   error is final. Each side's outcome feeds a circuit breaker: success when its part completes;
+   a failure counts against the worker it concerns (``Error.fault``): the reporter's own error, or
+   its KV peer's when the peer went away, fell silent or could not be reached, or nobody's (the
+   registry failed, an abort; never a client abort, a bad request or overload).
 5. Deadlines: ``first_token_timeout_s`` until the first token, then ``stream_idle_timeout_s``
    between events: one timer per attempt (``EventSink``), moved forward per event, not a
    ``wait_for`` per event. Decode outputs that are already queued when the consumer gets to them
@@ -139,6 +141,7 @@ class Dispatcher:
         completed = False  # finished, or the consumer stopped early (a stop string): counts as served
         try:
             while True:
+                num_before = len(generated)
                 try:
                     async for item in self._attempt(request, prompt, attempt_params, avoid):
                         if item.token_ids:
@@ -156,7 +159,7 @@ class Dispatcher:
                         yield item
                     return
                 except _Retryable as exc:
-                    if generated:
+                    if len(generated) > num_before:  # this attempt had streamed: only a migration goes on
                         left = params.max_new_tokens - len(generated)
                         if not exc.migratable or migrations >= self.config.max_migrations or left <= 0:
                             raise exc.error from None
@@ -173,6 +176,8 @@ class Dispatcher:
                             params, max_new_tokens=left, output_offset=params.output_offset + len(generated))
                         request = self.router.request(prompt, left)
                         continue
+                    # Before this attempt's first token (a new request's, or a migrated stream's new pair:
+                    # the client's stream waits): a new pair, the same prompt.
                     if attempt >= self.config.max_retries:
                         raise exc.error from None
                     attempt += 1

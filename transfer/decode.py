@@ -20,14 +20,18 @@ Lifecycle:
    connection to it closed, or it never had our page list. Free the pages only then.
 4. Connection loss fails the connection's rooms (PEER_GONE), a silent prefill fails them (TIMEOUT); the
    connection is dropped for new rooms, so the next receiver for that address connects afresh (a
-   recovered peer). A silent prefill may be frozen mid-write, not dead: without fencing its connection
-   stays open, draining, until it answers ``Quiesced`` for every room it might still write (after it
-   resumes) or closes; its rooms' pages wait for that.
+   recovered peer). A connection that breaks or cannot be opened also makes an ``InvalidatingResolver``
+   forget the address it answered: a restarted prefill listens on a new port, and the next room asks
+   the registry instead of the dead one for the rest of the cache's lifetime. A silent prefill may be
+   frozen mid-write, not dead: without fencing its connection stays open, draining, until it answers
+   ``Quiesced`` for every room it might still write (after it resumes) or closes; its rooms' pages
+   wait for that.
 5. ``release()`` forgets the room (aborting it first if it was still live).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import socket
 import time
@@ -69,6 +73,17 @@ class CachingResolver(Protocol):
         Never blocks; may raise (the receiver then takes the ordinary path, which reports the error)."""
         ...
 
+
+@runtime_checkable
+class InvalidatingResolver(Protocol):
+    """Optional resolver ability: forget what it cached of one prefill. The KV manager calls it when the
+    connection to the address it answered fails or breaks (a restarted prefill listens elsewhere)."""
+
+    def __call__(self, host: str, port: int | None, instance_id: str | None) -> tuple[str, int]: ...
+
+    def invalidate(self, host: str, port: int | None, instance_id: str | None) -> None: ...
+
+
 _TERMINAL = (KVPoll.Failed, KVPoll.Success)
 _MAX_CONNECT_S = 10.0
 
@@ -81,6 +96,7 @@ class _Conn:
     error: TransferError | None = None
     receivers: set[KVReceiver] = field(default_factory=set)  # live, or failed and not yet quiesced
     draining: bool = False  # silent prefill, no fencing: kept open only to hear its Quiesced
+    targets: set[tuple[str, int | None, str | None]] = field(default_factory=set)  # resolved to this address
 
 
 class KVReceiver:
@@ -133,6 +149,7 @@ class DecodeSide:
     def __init__(self, ctx: Context, resolver: Resolver | None) -> None:
         self._ctx = ctx
         self._resolver = resolver
+        self._invalidate = resolver.invalidate if isinstance(resolver, InvalidatingResolver) else None
         self._receivers: dict[int, KVReceiver] = {}
         self._conns: dict[tuple[str, int], _Conn] = {}
         self._by_channel: dict[ControlChannel, _Conn] = {}
@@ -156,6 +173,7 @@ class DecodeSide:
             conn = self._conns.get(self._known_address(host, port, instance_id) or ("", 0))
             if conn is not None and conn.ready:  # fast path: nothing to resolve, connect or register
                 receiver._conn = conn
+                conn.targets.add((host, port, instance_id))
                 conn.receivers.add(receiver)
                 receiver._state = KVPoll.WaitingForInput
                 self._ctx.changed()
@@ -205,6 +223,7 @@ class DecodeSide:
                 self._conns[address] = conn
             assert conn is not None
             receiver._conn = conn
+            conn.targets.add((host, port, instance_id))
             conn.receivers.add(receiver)
             if conn.ready and receiver._state == KVPoll.Bootstrapping:
                 receiver._state = KVPoll.WaitingForInput
@@ -280,6 +299,11 @@ class DecodeSide:
             for receiver in list(conn.receivers):
                 self._fail(receiver, room_error(receiver.room, error), gone=True)
             conn.receivers.clear()
+            targets = list(conn.targets)
+        if self._invalidate is not None:  # the next room asks the registry again instead of a dead address
+            for target in targets:
+                with contextlib.suppress(Exception):
+                    self._invalidate(*target)
 
     def send_metadata(self, receiver: KVReceiver, page_ids: list[int], aux_index: int) -> None:
         args, room = self._ctx.args, receiver.room

@@ -22,7 +22,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from transfer.errors import TransferErrorKind
 from transfer.types import KVPoll
+from workers.protocol import Fault
 from workers.request import Req
 
 if TYPE_CHECKING:
@@ -195,3 +197,17 @@ class DecodeQuarantine:
 def failure_reason(handle: Any, default: str) -> str:
     exc = handle.failure()
     return str(exc) if exc is not None else default
+
+
+_PEER_KINDS = frozenset({TransferErrorKind.PEER_UNREACHABLE, TransferErrorKind.PEER_GONE, TransferErrorKind.TIMEOUT})
+_NOBODYS_KINDS = frozenset({TransferErrorKind.BOOTSTRAP, TransferErrorKind.ABORTED})
+
+
+def failure_fault(handle: Any) -> Fault:
+    """Whose failure a failed KV handle's is: a peer that went away, fell silent or could not be reached
+    (a timeout waits on the peer), neither worker's (the registry, the peer's abort), else our own."""
+    exc = handle.failure() if handle is not None else None
+    kind = getattr(exc, "kind", None)
+    if kind in _PEER_KINDS:
+        return Fault.PEER
+    return Fault.NONE if kind in _NOBODYS_KINDS else Fault.OWN

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from enum import StrEnum
 
 import msgspec
 
@@ -140,10 +141,19 @@ class Outputs(msgspec.Struct, tag="out", gc=False):
     items: list[StepOutput]
 
 
+class Fault(StrEnum):
+    """Whose failure an ``Error`` reports (what the gateway's circuit breakers hold it against)."""
+
+    OWN = "own"  # the sending worker's own
+    PEER = "peer"  # its KV-transfer peer's: the peer went away, fell silent or could not be reached
+    NONE = "none"  # neither worker's: the bootstrap registry failed, or the peer aborted (it reports its own)
+
+
 class Error(msgspec.Struct, tag="error"):
     rid: int
     code: str  # "bad_request" | "transfer_failed" | "timeout" | "aborted" | "overloaded" | "internal"
     message: str
+    fault: str = Fault.OWN  # a ``Fault`` (a plain str on the wire: an unknown value from a newer worker decodes)
 
 
 class LoadReport(msgspec.Struct, tag="load", omit_defaults=True):

@@ -57,9 +57,10 @@ from workers.pd_queues import (
     PrefillBootstrapQueue,
     PrefillInflightQueue,
     StageQueue,
+    failure_fault,
     failure_reason,
 )
-from workers.protocol import Error, KVEvents, LoadReport, Outputs, StepOutput, Submit
+from workers.protocol import Error, Fault, KVEvents, LoadReport, Outputs, StepOutput, Submit
 from workers.request import Req
 
 log = logging.getLogger(__name__)
@@ -361,7 +362,7 @@ class Scheduler:
     def _advance(self, queue_: StageQueue, on_ready: Callable[[Req], None]) -> None:
         moved = queue_.advance()
         for req, reason in moved.failed:
-            self._fail(req, "transfer_failed", reason)
+            self._fail(req, "transfer_failed", reason, failure_fault(req.kv_receiver or req.kv_sender))
         for req in moved.ready:
             try:
                 on_ready(req)
@@ -473,7 +474,8 @@ class Scheduler:
             if budget <= 0:
                 break
             if self.role == "prefill" and req.kv_sender.poll() == KVPoll.Failed:
-                self._fail(req, "transfer_failed", failure_reason(req.kv_sender, "KV transfer failed"))
+                self._fail(req, "transfer_failed", failure_reason(req.kv_sender, "KV transfer failed"),
+                           failure_fault(req.kv_sender))
                 continue
             start = req.num_computed
             take = min(budget, req.prefill_len - start)
@@ -579,12 +581,12 @@ class Scheduler:
                 item.token_ids = [req.output_ids[0]]
         self._out.append((req.key[0], Outputs([item])))
 
-    def _fail(self, req: Req, code: str, message: str) -> None:
+    def _fail(self, req: Req, code: str, message: str, fault: Fault = Fault.OWN) -> None:
         if req.done:
             return
         log.log(logging.INFO if code == "aborted" else logging.WARNING, "request %s (room %s, %s) failed: %s: %s",
                 req.request_id or req.rid, req.room, req.stage, code, message)
-        self._out.append((req.key[0], Error(req.rid, code, message)))
+        self._out.append((req.key[0], Error(req.rid, code, message, fault)))
         self._release(req, message)
 
     def _release(self, req: Req, abort_reason: str | None = None) -> None:

@@ -228,28 +228,47 @@ class Worker:
 class _RegistryResolver:
     """The decode's KV resolver: a prefill's control address from the bootstrap registry, once its KV
     layout checked out against ours. ``cached`` answers from the registry client's cache alone (a
-    ``transfer.decode.CachingResolver``: the KV manager then skips its bootstrap thread)."""
+    ``transfer.decode.CachingResolver``: the KV manager then skips its bootstrap thread); ``invalidate``
+    drops it when the address failed (a ``transfer.decode.InvalidatingResolver``)."""
 
     def __init__(self, resolver: Any, page_size: int, kv_cache_dtype: str) -> None:
         from bootstrap.client import check_compatible
+        from bootstrap.exceptions import BootstrapError
         from bootstrap.messages import DEFAULT_BOOTSTRAP_PORT
+        from transfer import TransferError, TransferErrorKind
 
         self._resolver = resolver  # bootstrap.client.BootstrapResolver
         self._check = check_compatible
+        self._layout_error = BootstrapError  # what check_compatible raises
+        self._transfer_error = TransferError
+        self._protocol = TransferErrorKind.PROTOCOL
         self._default_port = DEFAULT_BOOTSTRAP_PORT
         self._page_size = page_size
         self._dtype = kv_cache_dtype
 
     def __call__(self, host: str, port: int | None, instance_id: str | None) -> tuple[str, int]:
         topology = self._resolver.topology(host, port or self._default_port, instance_id)
-        self._check(topology, page_size=self._page_size, kv_cache_dtype=self._dtype)
+        self._check_layout(topology)
         address: tuple[str, int] = self._resolver.resolve(host, port, instance_id)
         return address
+
+    def _check_layout(self, topology: Any) -> None:
+        """Incompatible KV layouts are a shape mismatch of the pair (PROTOCOL, held against this decode),
+        not a registry failure (BOOTSTRAP, held against no worker)."""
+        try:
+            self._check(topology, page_size=self._page_size, kv_cache_dtype=self._dtype)
+        except self._layout_error as exc:
+            raise self._transfer_error(self._protocol, str(exc)) from None
+
+    def invalidate(self, host: str, port: int | None, instance_id: str | None) -> None:
+        """The prefill's address failed (``transfer.decode.InvalidatingResolver``): ask the registry next time."""
+        self._resolver.invalidate(host, port, instance_id)
+        self._resolver.invalidate(host, port or self._default_port, instance_id)
 
     def cached(self, host: str, port: int | None, instance_id: str | None) -> tuple[str, int] | None:
         topology = self._resolver.cached_topology(host, port or self._default_port, instance_id)
         if topology is None:
             return None
-        self._check(topology, page_size=self._page_size, kv_cache_dtype=self._dtype)
+        self._check_layout(topology)
         address: tuple[str, int] | None = self._resolver.cached_address(host, port, instance_id)
         return address

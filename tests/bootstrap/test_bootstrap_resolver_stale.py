@@ -1,0 +1,52 @@
+"""BootstrapResolver while the registry is down (found by the chaos runner, loadtests/chaos.py).
+
+Before: once a cached reply expired (``cache_ttl_s``, 5 s), a registry that did not answer failed every
+decode room whose prefill had not been looked up in the last seconds, although the prefill had not
+moved; a registry restart cost every such request a 502. Now an expired reply still answers while
+the registry does not (for ``stale_if_unreachable_s``); a registry that answers is always believed.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+from conftest import RegistryProc, rank_body
+
+from bootstrap import BootstrapNotReady, BootstrapResolver, BootstrapUnreachable
+
+
+def test_an_expired_reply_answers_while_the_registry_is_down(start_registry: Callable[..., RegistryProc]) -> None:
+    reg = start_registry("--ttl-s", "0")
+    httpx.put(f"{reg.url}/route", json=rank_body(instance_id="p", rank_port=52100), timeout=5)
+    httpx.put(f"{reg.url}/route", json=rank_body(instance_id="r", rank_port=52101), timeout=5)
+    resolver = BootstrapResolver(cache_ttl_s=0.2, timeout_s=2)
+    strict = BootstrapResolver(cache_ttl_s=0.2, timeout_s=2, stale_if_unreachable_s=0)
+    try:
+        for r in (resolver, strict):
+            assert r.resolve("127.0.0.1", reg.port, "p") == ("127.0.0.1", 52100)
+            assert r.topology("127.0.0.1", reg.port, "p").page_size == 16
+        assert resolver.resolve("127.0.0.1", reg.port, "r") == ("127.0.0.1", 52101)
+        reg.stop(signal.SIGKILL)
+        time.sleep(0.3)  # both replies expired
+        assert resolver.cached_address("127.0.0.1", reg.port, "p") is None, "expired: the fast path asks"
+        assert resolver.resolve("127.0.0.1", reg.port, "p") == ("127.0.0.1", 52100)
+        assert resolver.topology("127.0.0.1", reg.port, "p").page_size == 16
+        with pytest.raises(BootstrapUnreachable):
+            strict.resolve("127.0.0.1", reg.port, "p")
+        with pytest.raises(BootstrapUnreachable):
+            resolver.resolve("127.0.0.1", reg.port, "never-seen")
+        resolver.invalidate("127.0.0.1", reg.port, "p")  # its address failed: nothing stale to offer
+        with pytest.raises(BootstrapUnreachable):
+            resolver.resolve("127.0.0.1", reg.port, "p")
+
+        assert resolver.resolve("127.0.0.1", reg.port, "r") == ("127.0.0.1", 52101)
+        reg.start()  # back and empty: an answer wins over anything cached
+        with pytest.raises(BootstrapNotReady):
+            resolver.resolve("127.0.0.1", reg.port, "r")
+    finally:
+        resolver.close()
+        strict.close()

@@ -1,0 +1,92 @@
+"""The decode's resolver cache and a restarted prefill (found by the chaos runner, loadtests/chaos.py).
+
+A restarted prefill listens on a new control port. The decode's registry client caches the old
+address for ``cache_ttl_s``; before the fix nothing ever called its ``invalidate``, so every room sent
+to that prefill within the cache's lifetime failed with ``peer_unreachable`` (and the gateway held
+those failures against the decodes, whose breakers opened: the whole cluster answered 503).
+"""
+
+from __future__ import annotations
+
+from kvunit import make_args, wait_for
+
+from transfer import KVManager, KVPoll, KVTimeouts
+from transfer.fake import FakeBackend
+
+QUICK = KVTimeouts(bootstrap_s=5.0, waiting_s=5.0, transfer_s=5.0, heartbeat_interval_s=0.1,
+                   heartbeat_timeout_s=2.0)
+
+
+class CachingRegistry:
+    """A resolver that caches like ``bootstrap.client.BootstrapResolver`` (no expiry within a test):
+    ``registered`` is what the registry holds, ``cache`` what the decode remembers."""
+
+    def __init__(self, address: tuple[str, int]) -> None:
+        self.registered = address
+        self.cache: dict[tuple[str, int | None, str | None], tuple[str, int]] = {}
+        self.invalidated: list[tuple[str, int | None, str | None]] = []
+
+    def __call__(self, host: str, port: int | None, instance_id: str | None) -> tuple[str, int]:
+        return self.cache.setdefault((host, port, instance_id), self.registered)
+
+    def cached(self, host: str, port: int | None, instance_id: str | None) -> tuple[str, int] | None:
+        return self.cache.get((host, port, instance_id))
+
+    def invalidate(self, host: str, port: int | None, instance_id: str | None) -> None:
+        self.invalidated.append((host, port, instance_id))
+        self.cache.pop((host, port, instance_id), None)
+
+
+def test_a_restarted_prefill_is_found_at_its_new_address() -> None:
+    made: list[KVManager] = []
+
+    def manager(role: str, **kw: object) -> KVManager:
+        made.append(KVManager(role, make_args(), FakeBackend(), timeouts=QUICK, **kw))  # type: ignore[arg-type]
+        return made[-1]
+
+    try:
+        old = manager("prefill")
+        registry = CachingRegistry(old.control_address)
+        decode = manager("decode", resolver=registry)
+        first = decode.create_receiver(1, "registry.local", 8998, "prefill-0")
+        assert wait_for(lambda: first.poll() == KVPoll.WaitingForInput)
+
+        old.close()  # the prefill dies: its connection breaks, its rooms fail
+        assert wait_for(lambda: first.poll() == KVPoll.Failed)
+        new = manager("prefill")  # restarted: same instance, another control port, registered again
+        registry.registered = new.control_address
+        assert wait_for(lambda: bool(registry.invalidated))
+        assert registry.invalidated[0] == ("registry.local", 8998, "prefill-0")
+
+        second = decode.create_receiver(2, "registry.local", 8998, "prefill-0")
+        assert wait_for(lambda: second.poll() != KVPoll.Bootstrapping)
+        assert second.poll() == KVPoll.WaitingForInput, second.failure()
+    finally:
+        for m in made:
+            m.close()
+
+
+def test_an_address_that_refuses_connections_is_forgotten() -> None:
+    """The prefill died between two rooms (no connection open to see it break): the first room to its
+    old address fails, and the one after asks the registry again."""
+    made: list[KVManager] = []
+    try:
+        old = KVManager("prefill", make_args(), FakeBackend(), timeouts=QUICK)
+        made.append(old)
+        registry = CachingRegistry(old.control_address)
+        registry.cache[("registry.local", 8998, "prefill-0")] = old.control_address
+        old.close()
+        new = KVManager("prefill", make_args(), FakeBackend(), timeouts=QUICK)
+        made.append(new)
+        registry.registered = new.control_address
+        decode = KVManager("decode", make_args(), FakeBackend(), timeouts=QUICK, resolver=registry)
+        made.append(decode)
+
+        stale = decode.create_receiver(1, "registry.local", 8998, "prefill-0")
+        assert wait_for(lambda: stale.poll() == KVPoll.Failed)
+        fresh = decode.create_receiver(2, "registry.local", 8998, "prefill-0")
+        assert wait_for(lambda: fresh.poll() != KVPoll.Bootstrapping)
+        assert fresh.poll() == KVPoll.WaitingForInput, fresh.failure()
+    finally:
+        for m in made:
+            m.close()
