@@ -101,7 +101,7 @@ def _decode(body: bytes, decoder: msgspec.json.Decoder[Any]) -> Any:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
         raise errors.bad_request("invalid_field", f"invalid request body: {exc}") from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise errors.bad_request("invalid_json", f"request body is not valid JSON: {exc}") from None
 
 

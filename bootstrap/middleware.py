@@ -6,7 +6,8 @@ Per HTTP request, in order:
    ``"writes"``: only the routes that change state). Failure: 401, the app never runs.
 3. A declared ``Content-Length`` above the limit is refused (413) before reading; otherwise the
    body is read here, up to the limit (413 past it, also for chunked bodies), and replayed to the
-   app as one message, so handlers never see more than ``max_body_bytes``.
+   app as one message, so handlers never see more than ``max_body_bytes``. A client that leaves
+   before its body is complete is recorded as 499; the app never runs for it.
 4. When the response is done, (method, route, status, seconds) goes to ``RequestStats``.
 """
 
@@ -31,6 +32,8 @@ WRITE_ROUTES = frozenset({("PUT", "/route"), ("DELETE", "/route"), ("POST", "/re
 OPEN_ROUTES = frozenset({"/health"})
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 _JSON_HEADERS = [(b"content-type", b"application/json"), (b"cache-control", b"no-store")]
+CLIENT_GONE = errors.ApiError(499, "invalid_request_error", "client_closed_request",
+                              "the client closed the connection while sending its body")
 
 
 class RegistryMiddleware:
@@ -70,7 +73,9 @@ class RegistryMiddleware:
             error = self._check_auth(scope, method, path)
             if error is None:
                 receive, error = await self._limit_body(scope, method, receive)
-            if error is not None:
+            if error is CLIENT_GONE:
+                status = 499  # nobody to answer
+            elif error is not None:
                 await _send_error(send_capturing, error)
             else:
                 await self.app(scope, receive, send_capturing)
@@ -110,7 +115,7 @@ class RegistryMiddleware:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return _replay(b"", receive, disconnected=True), None
+                return receive, CLIENT_GONE
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
@@ -126,14 +131,12 @@ def _auth_matches(value: bytes, expected: bytes) -> bool:
     return scheme.lower() == b"bearer" and hmac.compare_digest(b"Bearer " + token.strip(), expected)
 
 
-def _replay(body: bytes, original: Receive, *, disconnected: bool = False) -> Receive:
+def _replay(body: bytes, original: Receive) -> Receive:
     """A ``receive`` that yields the buffered body once, then defers to the server's."""
     sent = False
 
     async def receive() -> Message:
         nonlocal sent
-        if disconnected:
-            return {"type": "http.disconnect"}
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}

@@ -8,20 +8,22 @@
 - SGLang router's names as aliases: ``GET /list_workers``, ``POST /add_worker?url=...&role=...``,
   ``POST /remove_worker?url=...``.
 Errors are OpenAI-shaped JSON: 400 for a bad URL or role, 404 for an unknown worker, 409 when the
-worker is already there.
+worker is already there, 413 for a body over ``MAX_BODY_BYTES`` (it is never buffered whole).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway.api import decode_body
 from gateway.errors import APIError, BadRequest, NotFound
+from gateway.responder import ClientGone, read_body
 
 if TYPE_CHECKING:
     from gateway.runtime import Gateway
@@ -34,9 +36,13 @@ class Conflict(APIError):
     type = "invalid_request_error"
 
 
+MAX_BODY_BYTES = 16 * 1024
+MAX_URL_CHARS = 2048
+
+
 class NewWorker(msgspec.Struct, forbid_unknown_fields=True):
-    url: str
-    role: str
+    url: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_URL_CHARS, description="pd://HOST:PORT")]
+    role: Annotated[str, msgspec.Meta(extra_json_schema={"enum": ["prefill", "decode", "both"]})]  # checked by add
 
 
 def admin_routes(gw: Gateway, describe: Callable[[Any], dict[str, Any]]) -> list[Route]:
@@ -49,6 +55,8 @@ def admin_routes(gw: Gateway, describe: Callable[[Any], dict[str, Any]]) -> list
                 return await fn(request)
             except APIError as exc:
                 return exc.to_response()
+            except ClientGone:
+                return Response(status_code=499)  # nobody reads it: the client left while sending its body
 
         return endpoint
 
@@ -77,10 +85,8 @@ def admin_routes(gw: Gateway, describe: Callable[[Any], dict[str, Any]]) -> list
         return reply({"workers": [describe(c) for c in gw.clients]})
 
     async def post_worker(request: Request) -> Response:
-        try:
-            body = msgspec.json.decode(await request.body(), type=NewWorker)
-        except msgspec.DecodeError as exc:
-            raise BadRequest(f"invalid body: {exc}") from None
+        raw = await read_body(request.scope, request.receive, MAX_BODY_BYTES, gw.body_timeout_s)
+        body: NewWorker = decode_body(raw, NewWorker)
         return add(body.url, body.role)
 
     async def delete_worker(request: Request) -> Response:
@@ -93,10 +99,13 @@ def admin_routes(gw: Gateway, describe: Callable[[Any], dict[str, Any]]) -> list
     async def remove_alias(request: Request) -> Response:
         return remove(request.query_params.get("url"))
 
+    by_method = {"GET": list_workers, "POST": post_worker, "DELETE": delete_worker}
+
+    async def workers(request: Request) -> Response:  # one route, so that a 405 lists every method in Allow
+        return await by_method[request.method if request.method != "HEAD" else "GET"](request)
+
     return [
-        Route("/workers", guarded(list_workers), methods=["GET"]),
-        Route("/workers", guarded(post_worker), methods=["POST"]),
-        Route("/workers", guarded(delete_worker), methods=["DELETE"]),
+        Route("/workers", guarded(workers), methods=list(by_method)),
         Route("/list_workers", guarded(list_workers), methods=["GET"]),
         Route("/add_worker", guarded(add_alias), methods=["POST"]),
         Route("/remove_worker", guarded(remove_alias), methods=["POST"]),

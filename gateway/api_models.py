@@ -1,7 +1,11 @@
 """Client request bodies (OpenAI and SGLang ``/generate``), decoded and type-checked by msgspec.
 
 Unknown fields are ignored (clients send many optional ones); known fields with the wrong type
-are a 400 naming the field. Semantic checks live in ``gateway.api``.
+or out of range are a 400 naming the field. These structs are also what ``GET /openapi.json``
+publishes (``gateway/openapi.py``), so a constraint lives here once: enforced by msgspec where it
+can be (``Meta`` bounds), otherwise stated in ``extra_json_schema`` and checked in ``gateway.api``
+(a chat role, ``top_k != 0``, text-only content parts, the shapes of ``prompt``). Checks that need
+the model (its name, the context length, the vocabulary) live in ``gateway.api`` only.
 
 Fields that would change what a request means but that the gateway does not implement (penalties,
 logit bias, tools, structured output, non-text inputs...) are declared here only so that
@@ -10,9 +14,42 @@ logit bias, tools, structured output, non-text inputs...) are declared here only
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
+
+MAX_N = 16  # choices per request
+MAX_STOP_STRINGS = 8
+MAX_TOP_LOGPROBS = 20
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+Count = Annotated[int, Meta(ge=1)]
+MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; larger ints do not fit the workers' wire format
+TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, Meta(ge=-1, le=MAX_TOKEN_ID, description="-1 (off) or positive",
+                            extra_json_schema={"not": {"const": 0}})]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # (choice i of n uses seed + i)
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+NumChoices = Annotated[int, Meta(ge=1, le=MAX_N)]
+NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+StopString = Annotated[str, Meta(min_length=1)]
+ModelName = Annotated[str, Meta(description="the served model (GET /v1/models) or 'default'; another is a 404")]
+IgnoredTimeout = Annotated[float, Meta(description="accepted and not used: --request-timeout-s bounds every request")]
+Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] | None
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+# Text parts only (``gateway.api.reject_non_text_content``).
+ContentParts = Annotated[list[dict[str, Any]], Meta(extra_json_schema={"allOf": [{"items": _TEXT_PART}]})]
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": _TOKEN_ID}
+# A prompt is text, token ids, or a one-element batch of either; msgspec allows one array type per
+# union, so ``list[Any]`` whose items ``gateway.api.Frontend.prepare_completion`` checks.
+PromptList = Annotated[list[Any], Meta(min_length=1, extra_json_schema={"anyOf": [
+    {"items": _TOKEN_ID},
+    {"maxItems": 1, "items": {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS]}}]})]
 
 
 class StreamOptions(msgspec.Struct):
@@ -20,27 +57,27 @@ class StreamOptions(msgspec.Struct):
 
 
 class ChatMessage(msgspec.Struct):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: Annotated[str, Meta(extra_json_schema={"enum": list(CHAT_ROLES)})]  # checked in gateway.api
+    content: str | ContentParts | None = None
     name: str | None = None
 
 
 class _Sampling(msgspec.Struct):
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    model: ModelName | None = None
+    max_tokens: Count | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    seed: Seed | None = None
+    stop: Stop = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: NumChoices = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    timeout_s: float | None = None  # ours: per-request deadline
+    timeout_s: IgnoredTimeout | None = None
     # SGLang's PD fields, set by an SGLang router in front of our workers; the gateway assigns its
     # own rooms and ignores them (see ``gateway.api.ClientBootstrap``).
     bootstrap_host: Any = None
@@ -58,10 +95,10 @@ class _Sampling(msgspec.Struct):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = []
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] = []
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
     # not supported: a 400 unless absent or neutral
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -73,20 +110,43 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[Any] | None = None  # str, token ids, or a one-element batch of either
-    logprobs: int | None = None
+    prompt: Annotated[str, Meta(min_length=1)] | PromptList | None = None
+    logprobs: NumLogprobs | None = None
     echo: bool = False
     # not supported: a 400 unless absent or neutral
     suffix: str | None = None
     best_of: int | None = None
 
 
+class GenerateSampling(msgspec.Struct):
+    max_new_tokens: Count = 128
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    min_p: MinP = 0.0
+    stop: Stop = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    seed: Seed | None = msgspec.field(default=None, name="sampling_seed")
+    # not supported: a 400 unless absent or neutral
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    logit_bias: Any = None
+    regex: Any = None
+    json_schema: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
+
+
 class GenerateRequest(msgspec.Struct):
     """SGLang's native ``/generate`` body (single request)."""
 
     text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] = {}
+    input_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
+    sampling_params: GenerateSampling = msgspec.field(default_factory=GenerateSampling)
     stream: bool = False
     return_logprob: bool = False
     rid: str | None = None
@@ -102,25 +162,3 @@ class GenerateRequest(msgspec.Struct):
     custom_logit_processor: Any = None
     return_hidden_states: bool = False
 
-
-class GenerateSampling(msgspec.Struct):
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    seed: int | None = msgspec.field(default=None, name="sampling_seed")
-    # not supported: a 400 unless absent or neutral
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
-    logit_bias: Any = None
-    regex: Any = None
-    json_schema: Any = None
-    ebnf: Any = None
-    structural_tag: Any = None

@@ -7,10 +7,13 @@ Layout (``create_app(config)``), outermost first:
    body, validation, dispatch, JSON or SSE); everything else goes to Starlette.
 3. Starlette: ``/v1/models``, ``/health`` (the process is alive, with the workers' state),
    ``/readiness`` (200 only with a selectable prefill and decode, or combined, worker and not
-   draining), ``/metrics`` and the admin API; its lifespan starts the ``Gateway`` runtime
+   draining), ``/metrics``, ``/openapi.json`` (``gateway/openapi.py``, built here once) and the
+   admin API; its lifespan starts the ``Gateway`` runtime
    (``gateway/runtime.py``: connects to every worker, loads the tokenizer) and, after the server's
    drain, closes every worker connection (open requests are aborted worker-side when it drops).
-Every error is one ``APIError`` mapped to an OpenAI-shaped body with its status code.
+Every error is one ``APIError`` mapped to an OpenAI-shaped body with its status code (an unexpected
+exception in a Starlette route too: a 500 of the same shape). Limits on the client below the app
+(request heads, slow connections) are in ``gateway/http_protocol.py``, installed by ``gateway.cli``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from gateway.admin import admin_routes
 from gateway.api import now_s
 from gateway.errors import APIError, NoWorkers
 from gateway.middleware import GatekeeperMiddleware, RequestContextMiddleware
+from gateway.openapi import openapi_document
 from gateway.responder import ChatShape, CompletionShape, GenerateShape, Responder
 from gateway.runtime import Gateway, GatewayConfig
 from gateway.sglang_relay import SGLangResponder
@@ -65,12 +69,14 @@ def create_app(config: GatewayConfig) -> Any:
             Route("/health", health, methods=["GET"]),
             Route("/readiness", readiness, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/openapi.json", openapi, methods=["GET"]),
             *admin_routes(gw, lambda c: worker_status(gw, c)),
         ],
-        exception_handlers={HTTPException: http_error},
+        exception_handlers={HTTPException: http_error, Exception: server_error},
         lifespan=lifespan,
     )
     rest.state.gateway = gw
+    rest.state.openapi = openapi_document(config)
     app = GatewayApp(gw, rest)
     guarded = GatekeeperMiddleware(app, api_keys=config.api_keys, admin_api_keys=config.admin_api_keys,
                                    metrics_require_admin=config.metrics_require_admin,
@@ -92,7 +98,8 @@ class GatewayApp:
         }
         if gw.fleet is not None:  # SGLang workers: the body goes through as is (gateway/sglang_relay.py)
             relays = {
-                f"/{path}": SGLangResponder(gw.fleet, route, path, gw.admission, gw.metrics, gw.max_body_bytes)
+                f"/{path}": SGLangResponder(gw.fleet, route, path, gw.admission, gw.metrics, gw.max_body_bytes,
+                                            gw.body_timeout_s)
                 for route, path in (("chat", "v1/chat/completions"), ("completions", "v1/completions"),
                                     ("generate", "generate"))
             }
@@ -183,11 +190,23 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(_gateway(request).metrics.registry), media_type="text/plain; version=0.0.4")
 
 
+async def openapi(request: Request) -> Response:
+    return Response(request.app.state.openapi, media_type="application/json")
+
+
 async def http_error(request: Request, exc: Exception) -> Response:
-    code = getattr(exc, "status_code", 500)
+    assert isinstance(exc, HTTPException)
+    code = exc.status_code
     kind = {404: "not_found_error", 405: "invalid_request_error"}.get(code, "internal_error")
-    return _reply({"error": {"message": f"{getattr(exc, 'detail', 'error')}: {request.method} {request.url.path}",
-                             "type": kind, "param": None, "code": None}}, code)
+    response = _reply({"error": {"message": f"{exc.detail}: {request.method} {request.url.path}",
+                                 "type": kind, "param": None, "code": None}}, code)
+    response.headers.update(exc.headers or {})  # 405: Allow
+    return response
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    # (Starlette re-raises the exception after this response: uvicorn logs it)
+    return APIError("internal error in the gateway").to_response()
 
 
 def worker_status(gw: Gateway, client: Any) -> dict[str, Any]:

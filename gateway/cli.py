@@ -13,6 +13,7 @@ import uvicorn
 from gateway.app import GatewayConfig, create_app
 from gateway.context import configure_logging
 from gateway.health import HealthConfig
+from gateway.http_protocol import ClientLimits, protocol_class
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a stream whose decode fails after its first token continues on a new pair (prompt + "
                         "tokens so far as the new prompt) at most this often; 0 turns migration off")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    p.add_argument("--body-timeout-s", type=float, default=60.0,
+                   help="a request body must arrive within this once the gateway reads it (else 408)")
+    p.add_argument("--max-header-bytes", type=int, default=64 * 1024,
+                   help="largest request head (request line + headers); larger: 431")
+    p.add_argument("--header-timeout-s", type=float, default=20.0,
+                   help="a request head must arrive within this (else 408; also for a silent new connection)")
     p.add_argument("--default-max-tokens", type=int, default=256)
     p.add_argument("--retry-backoff-s", type=float, default=0.05,
                    help="delay before the first retry (doubles per retry, +-50%% jitter)")
@@ -118,7 +125,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         startup_timeout_s=args.startup_timeout_s, first_token_timeout_s=args.first_token_timeout_s,
         stream_idle_timeout_s=args.stream_idle_timeout_s, request_timeout_s=args.request_timeout_s,
         max_retries=args.max_retries, retry_backoff_s=args.retry_backoff_s, max_migrations=args.max_migrations,
-        max_body_bytes=args.max_body_bytes,
+        max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s,
+        max_header_bytes=args.max_header_bytes, header_timeout_s=args.header_timeout_s,
         default_max_tokens=args.default_max_tokens, max_concurrent_requests=args.max_concurrent_requests,
         max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s,
         drain_timeout_s=args.drain_timeout_s, api_keys=tuple(args.api_key + _read_keys(args.api_key_file)),
@@ -156,7 +164,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"gateway: bad configuration: {exc}")
     except Exception as exc:  # plugin errors name the plugin
         sys.exit(f"gateway: {exc}")
-    server_config = uvicorn.Config(app, host=config.host, port=config.port, loop="uvloop", http="httptools",
+    limits = ClientLimits(max_head_bytes=config.max_header_bytes, head_timeout_s=config.header_timeout_s,
+                          body_timeout_s=config.body_timeout_s)
+    server_config = uvicorn.Config(app, host=config.host, port=config.port, loop="uvloop",
+                                   http=protocol_class(limits),  # httptools, with limits on slow or huge heads
                                    log_level=args.log_level.lower(), access_log=False, log_config=None,
                                    proxy_headers=False,  # nothing reads the client address; saves a pass per request
                                    timeout_graceful_shutdown=max(1, round(config.drain_timeout_s)))

@@ -13,6 +13,7 @@ class APIError(Exception):
 
     status = 500
     type = "internal_error"
+    close_connection = False  # the request could not be read to its end: the connection closes after the answer
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
                  retry_after_s: float | None = None) -> None:
@@ -25,12 +26,17 @@ class APIError(Exception):
     def body(self) -> dict[str, object]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def to_response(self) -> Response:
-        headers = {}
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        out = []
         if self.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
+            out.append((b"retry-after", b"%d" % max(1, round(self.retry_after_s))))
+        if self.close_connection:
+            out.append((b"connection", b"close"))
+        return out
+
+    def to_response(self) -> Response:
         return Response(_json.encode(self.body()), status_code=self.status, media_type="application/json",
-                        headers=headers)
+                        headers={name.decode(): value.decode() for name, value in self.headers()})
 
 
 class BadRequest(APIError):
@@ -43,8 +49,21 @@ class NotFound(APIError):
     type = "not_found_error"
 
 
+class RequestTimeout(APIError):
+    """The client did not send its request (head or body) in time."""
+
+    status = 408
+    type = "invalid_request_error"
+    close_connection = True
+
+
 class PayloadTooLarge(APIError):
     status = 413
+    type = "invalid_request_error"
+
+
+class HeadersTooLarge(APIError):
+    status = 431
     type = "invalid_request_error"
 
 

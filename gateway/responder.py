@@ -2,7 +2,8 @@
 
 These three routes carry all the traffic, so they skip Starlette's request, routing and response
 layers (the rest of the app stays on Starlette). Per request (``Responder.__call__``):
-1. Admission (a slot, a bounded wait, or 429), then the body (capped at ``max_body_bytes``),
+1. Admission (a slot, a bounded wait, or 429), then the body (capped at ``max_body_bytes``, in
+   ``body_timeout_s``: else 413 / 408),
    decoded by msgspec into the route's request struct; the route's ``Shape`` validates it into a
    ``Prepared`` (token ids + sampling parameters).
 2. From then on a watcher task waits on ``receive()`` for the client's disconnect and cancels the
@@ -29,7 +30,7 @@ import msgspec
 
 from gateway.api import SSE_DONE, Frontend, Prepared, decode_body, error_event, new_id, now_s, sse
 from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from gateway.errors import APIError, PayloadTooLarge
+from gateway.errors import APIError, PayloadTooLarge, RequestTimeout
 from gateway.text import ChoiceState
 
 if TYPE_CHECKING:
@@ -247,6 +248,9 @@ class Host(Protocol):
     @property
     def max_body_bytes(self) -> int: ...
 
+    @property
+    def body_timeout_s(self) -> float: ...
+
     def require_frontend(self) -> Frontend: ...
 
 
@@ -267,7 +271,8 @@ class Responder:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
             await send_json(send, {"error": {"message": f"Method Not Allowed: {scope['method']} {scope['path']}",
-                                             "type": "invalid_request_error", "param": None, "code": None}}, 405)
+                                             "type": "invalid_request_error", "param": None, "code": None}}, 405,
+                            [(b"allow", b"POST")])
             return
         gw, shape = self.gw, self.shape
         release = None
@@ -279,7 +284,7 @@ class Responder:
         try:
             try:
                 release = await gw.admission.admit()
-                body = await read_body(scope, receive, gw.max_body_bytes)
+                body = await read_body(scope, receive, gw.max_body_bytes, gw.body_timeout_s)
                 frontend = gw.require_frontend()
                 prep, client_id = shape.prepare(frontend, decode_body(body, shape.body_type))
                 run = Run(frontend, prep, client_id or new_id(shape.id_prefix))
@@ -298,6 +303,8 @@ class Responder:
                 if watcher is not None:
                     watcher.cancel()
                 await send_error(send, exc)
+            except ClientGone:
+                raise  # (below: not an error of ours)
             except Exception:
                 if run is not None and run.started:
                     raise  # mid-stream: nothing to answer with; the server closes the connection
@@ -368,12 +375,21 @@ async def watch_disconnect(receive: Receive, task: asyncio.Task[Any], gone: list
             return
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+async def read_body(scope: Scope, receive: Receive, limit: int, timeout_s: float) -> bytes:
+    """The whole request body: at most ``limit`` bytes (else 413), all of it within ``timeout_s`` (else 408)."""
     for key, value in scope["headers"]:
         if key == b"content-length":
             if value.isdigit() and int(value) > limit:
                 raise PayloadTooLarge(f"request body exceeds {limit} bytes")
             break
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _receive_body(receive, limit)
+    except TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {timeout_s:g}s") from None
+
+
+async def _receive_body(receive: Receive, limit: int) -> bytes:
     message = await receive()
     body = message.get("body", b"")
     if not message.get("more_body", False):
@@ -406,10 +422,7 @@ async def send_json(send: Send, body: Any, status: int = 200,
 
 
 async def send_error(send: Send, exc: APIError) -> None:
-    headers = []
-    if exc.retry_after_s is not None:
-        headers.append((b"retry-after", b"%d" % max(1, round(exc.retry_after_s))))
-    await send_json(send, exc.body(), exc.status, headers)
+    await send_json(send, exc.body(), exc.status, exc.headers())
 
 
 def usage(prompt_tokens: int, choices: list[ChoiceState]) -> dict[str, Any]:

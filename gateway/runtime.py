@@ -60,6 +60,9 @@ class GatewayConfig:
     retry_backoff_s: float = 0.05
     max_migrations: int = 2  # a stream whose decode failed mid-way continues on a new pair (0: off)
     max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout_s: float = 60.0  # a request body must arrive within this once reading starts (else 408)
+    max_header_bytes: int = 64 * 1024  # a request head (request line + headers) larger than this: 431
+    header_timeout_s: float = 20.0  # a request head must arrive within this (else 408)
     default_max_tokens: int = 256
     # Operations
     max_concurrent_requests: int = 0  # 0 = no limit
@@ -93,7 +96,7 @@ class GatewayConfig:
                                  "their kind (a prefill and its decode must speak the same KV protocol)")
         if len(set(self.prefill + self.decode + self.worker)) != len(self.prefill + self.decode + self.worker):
             raise ValueError("prefill/decode/worker: a worker URL is listed twice")
-        for name in ("load_stale_s", "queue_timeout_s", "drain_timeout_s"):
+        for name in ("load_stale_s", "queue_timeout_s", "drain_timeout_s", "body_timeout_s", "header_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
         if not self.assume_ttl_s >= 0 or not self.retry_backoff_s >= 0:
@@ -101,6 +104,8 @@ class GatewayConfig:
         if min(self.max_retries, self.max_migrations, self.max_concurrent_requests, self.max_queued_requests) < 0:
             raise ValueError("max_retries, max_migrations, max_concurrent_requests and max_queued_requests must "
                              "be >= 0")
+        if self.max_header_bytes < 1024:
+            raise ValueError("max_header_bytes must be at least 1024")
         if any(not k for k in self.api_keys + self.admin_api_keys):
             raise ValueError("api_key: empty keys are not allowed")
 
@@ -190,6 +195,10 @@ class Gateway:
     @property
     def max_body_bytes(self) -> int:
         return self.config.max_body_bytes
+
+    @property
+    def body_timeout_s(self) -> float:
+        return self.config.body_timeout_s
 
     def require_frontend(self) -> Frontend:
         if self.frontend is None:

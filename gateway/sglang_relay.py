@@ -54,6 +54,9 @@ class MethodNotAllowed(APIError):
     status = 405
     type = "invalid_request_error"
 
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [*super().headers(), (b"allow", b"POST")]
+
 
 def batch_size(route: str, body: dict[str, Any]) -> int | None:
     """How many rooms the request needs as a list (None: one scalar room), as SGLang's routers count."""
@@ -75,9 +78,10 @@ class SGLangResponder:
     """Raw ASGI endpoint relaying one generation route to a prefill + decode pair (see the module doc)."""
 
     def __init__(self, fleet: SGLangFleet, route: str, path: str, admission: Admission, metrics: GatewayMetrics,
-                 max_body_bytes: int) -> None:
+                 max_body_bytes: int, body_timeout_s: float) -> None:
         self.fleet, self.route, self.path = fleet, route, path
         self.admission, self.metrics, self.max_body_bytes = admission, metrics, max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self._background: set[asyncio.Task[_PrefillReply]] = set()  # prefill replies trailing an answer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -92,10 +96,10 @@ class SGLangResponder:
                 if scope["method"] != "POST":
                     raise MethodNotAllowed(f"Method Not Allowed: {scope['method']} {scope['path']}")
                 release = await self.admission.admit()
-                raw = await read_body(scope, receive, self.max_body_bytes)
+                raw = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
                 try:
                     body = msgspec.json.decode(raw)
-                except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+                except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
                     raise BadRequest(f"request body is not valid JSON: {exc}") from None
                 if not isinstance(body, dict):
                     raise BadRequest("the request body must be a JSON object")

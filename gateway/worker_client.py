@@ -215,6 +215,12 @@ class WorkerClient:
                 raise ConnectionError(f"worker rejected the handshake: {ack.reason}")
             if not isinstance(ack, HelloAck):
                 raise ConnectionError(f"expected HelloAck, got {type(ack).__name__}")
+            if ack.version != PROTOCOL_VERSION:
+                raise ConnectionError(f"worker at {self.url} speaks protocol version {ack.version}, this gateway "
+                                      f"{PROTOCOL_VERSION}")
+            if min(ack.page_size, ack.num_pages, ack.max_context) < 1:
+                raise ConnectionError(f"worker at {self.url} reported page_size {ack.page_size}, num_pages "
+                                      f"{ack.num_pages}, max_context {ack.max_context}: each must be positive")
             if ack.role != self.role:
                 raise ConnectionError(f"worker at {self.url} is a {ack.role} worker, not {self.role}")
             self.info, self._transport, self.last_error = ack, transport, None
@@ -340,9 +346,10 @@ class WorkerClient:
             raise ConnectionError(f"{self.role} worker {self.url} is not connected")
         rid = next(self._rids)
         msg_without_rid.rid = rid
+        frame = self._codec.encode(msg_without_rid)  # first: a message that cannot be encoded leaves nothing open
         self._open[rid] = (sink, tag)
         self.state.dispatched(rid, prefill_tokens, pages)
-        self._send(writer, self._codec.encode(msg_without_rid))
+        self._send(writer, frame)
         return rid
 
     def _send(self, transport: asyncio.Transport, frame: bytes) -> None:

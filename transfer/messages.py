@@ -23,6 +23,7 @@ from transfer.errors import TransferError, TransferErrorKind
 
 PROTOCOL_VERSION = 2  # 2: RoomRequest.generation, fenced writes
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+_RECV_BYTES = 1024 * 1024  # most one recv takes
 _LEN = struct.Struct(">I")
 
 
@@ -92,7 +93,7 @@ def encode_frame(msg: Message) -> bytes:
 def decode_body(body: bytes | memoryview) -> Message:
     try:
         return _decoder.decode(body)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # (RecursionError: nested too deeply)
         raise TransferError(TransferErrorKind.PROTOCOL, f"undecodable control message: {exc}") from exc
 
 
@@ -105,21 +106,20 @@ class FrameReader:
         self._keep_going = keep_going
 
     def _read_exact(self, n: int, allow_eof: bool) -> bytes | None:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
+        # The buffer grows with what arrives: a header alone must not make us allocate its claimed length.
+        buf = bytearray()
+        while len(buf) < n:
             try:
-                r = self._sock.recv_into(view[got:])
+                chunk = self._sock.recv(min(n - len(buf), _RECV_BYTES))
             except TimeoutError:
                 if self._keep_going is not None and not self._keep_going():
                     raise
                 continue
-            if r == 0:
-                if got == 0 and allow_eof:
+            if not chunk:
+                if not buf and allow_eof:
                     return None
                 raise ConnectionResetError("control connection closed mid-frame")
-            got += r
+            buf += chunk
         return bytes(buf)
 
     def read(self) -> Message | None:

@@ -149,7 +149,7 @@ class NativeServer:
             pass
         except asyncio.CancelledError:
             pass  # aclose(): end quietly (asyncio's stream callback would log a cancelled handler)
-        except (msgspec.DecodeError, ValueError) as exc:
+        except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # (RecursionError: nested too deeply)
             log.warning("closing connection %d: protocol error: %s", conn_id, exc)
         finally:
             self._writers.pop(conn_id, None)

@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 MAX_BODY_BYTES = 8 * 1024 * 1024
+BODY_TIMEOUT_S = 60.0  # a request body must arrive within this (else 408)
 MAX_ROOM = 2**63 - 1
 SERVER_VERSION = "pd-gateway-0.1.0"
 _json = msgspec.json.Encoder()
@@ -176,6 +177,10 @@ class SGLangAPI:
     @property
     def max_body_bytes(self) -> int:
         return MAX_BODY_BYTES
+
+    @property
+    def body_timeout_s(self) -> float:
+        return BODY_TIMEOUT_S
 
     def require_frontend(self) -> Frontend:
         if self.frontend is None or not self.client.is_connected:

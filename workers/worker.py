@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 import uvicorn
 
+from gateway.http_protocol import ClientLimits, protocol_class
 from workers.config import WorkerConfig
 from workers.engines import EngineOptions, create_engine
 from workers.engines.base import Engine
@@ -88,6 +89,7 @@ class Worker:
         http_config = uvicorn.Config(
             create_http_app(self), host=cfg.host, port=cfg.http_port, log_level="warning",
             lifespan="off", access_log=False,
+            http=protocol_class(ClientLimits()),  # the gateway's limits on slow or huge request heads
         )
         self._http = uvicorn.Server(http_config)
         # The worker owns SIGTERM/SIGINT (graceful close); uvicorn must not capture them.

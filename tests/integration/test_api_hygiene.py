@@ -1,14 +1,19 @@
-"""API hygiene: repeatable worker flags, and requests asking for what the gateway does not implement.
+"""API hygiene: repeatable worker flags, requests asking for what the gateway does not implement, and
+bodies that are malformed (invalid UTF-8, not an object, wrong JSON types at every level, deep nesting).
 
 A field that would change what a request means (penalties, logit bias, tools, structured output,
 non-text inputs...) is a 400 naming it, never silently dropped; its neutral values still work.
+Transport-level abuse (huge or slow bodies and heads) is in tests/integration/test_http_abuse.py.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 
@@ -231,4 +236,105 @@ def test_malformed_bodies_are_a_400_and_the_gateway_keeps_serving(sim_cluster) -
             assert r.json()["error"]["param"] == "messages[0].role", r.text
         r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    cluster.wait_pools_full()
+
+
+# Valid bodies per route; every field the published document gives a type gets a value of another type.
+BASES: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                             "stream_options": {"include_usage": False}},
+    "/v1/completions": {"prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": False}},
+    "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 2}},
+}
+_OF_TYPE: dict[str, Any] = {"object": {"x": 1}, "array": [1], "string": "s", "integer": 7, "number": 1.5,
+                            "boolean": True, "null": None}
+
+
+def _json_types(schema: dict[str, Any]) -> set[str] | None:
+    """The JSON types ``schema`` allows, None for any (a field typed ``Any``)."""
+    if "type" in schema:
+        kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        return set(kinds) | ({"integer"} if "number" in kinds else set())
+    if "anyOf" in schema:
+        found: set[str] = set()
+        for option in schema["anyOf"]:
+            kinds = _json_types(option)
+            if kinds is None:
+                return None
+            found |= kinds
+        return found
+    if "enum" in schema:
+        return {"string"}
+    return None
+
+
+def _wrong_type_cases(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
+    components = doc["components"]["schemas"]
+
+    def resolve(schema: dict[str, Any]) -> dict[str, Any]:
+        return components[schema["$ref"].rsplit("/", 1)[1]] if "$ref" in schema else schema
+
+    def nested(schema: dict[str, Any]) -> dict[str, Any] | None:
+        """The object schema inside a property (directly, nullable, or as array items), if any."""
+        schema = resolve(schema)
+        for option in schema.get("anyOf", [schema]):
+            option = resolve(option)
+            if option.get("type") == "object" and "properties" in option:
+                return option
+            if option.get("type") == "array" and "$ref" in option.get("items", {}):
+                return resolve(option["items"])
+        return None
+
+    cases = []
+
+    def walk(route: str, body: dict[str, Any], target: dict[str, Any], schema: dict[str, Any], path: str) -> None:
+        for name, prop in schema["properties"].items():
+            kinds = _json_types(resolve(prop))
+            if kinds is not None:
+                wrong = next(v for k, v in _OF_TYPE.items() if k not in kinds)
+                saved, target[name] = target.get(name, msgspec.UNSET), wrong
+                cases.append((route, copy.deepcopy(body), f"{path}{name}"))
+                if saved is msgspec.UNSET:
+                    del target[name]
+                else:
+                    target[name] = saved
+            inner = nested(prop)
+            if inner is not None and name in target:
+                child = target[name][0] if isinstance(target[name], list) else target[name]
+                walk(route, body, child, inner, f"{path}{name}[0]." if isinstance(target[name], list)
+                     else f"{path}{name}.")
+
+    for route, base in BASES.items():
+        request = doc["paths"][route]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        body = copy.deepcopy(base)
+        walk(route, body, body, resolve(request), "")
+    return cases
+
+
+def test_wrong_json_types_at_every_level_and_deep_nesting_are_a_400(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    """Every typed field of the published document (top level, messages[0], stream_options, sampling_params),
+    given a value of another JSON type: a 400 naming exactly that field. Bodies nested deeper than the
+    decoder recurses (inside fields typed Any, where nothing stops it early): a 400, not a 500."""
+    cluster = sim_cluster()
+    with httpx.Client(base_url=cluster.base_url, timeout=30) as http:
+        cases = _wrong_type_cases(http.get("/openapi.json").json())
+        assert len(cases) > 70, len(cases)
+        assert {param for _, _, param in cases} >= {"messages[0].role", "messages[0].content",
+                                                   "stream_options.include_usage", "sampling_params.top_k"}
+        for route, body, param in cases:
+            r = http.post(route, json=body)
+            assert r.status_code == 400, (route, body, r.text)
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and err["param"] == param, (route, param, err)
+        deep = 5000  # (10 kB: within the admin API's body limit too)
+        for route, field in (("/v1/chat/completions", "tool_choice"), ("/v1/completions", "bootstrap_room"),
+                             ("/generate", "lora_path"), ("/workers", "url")):
+            body = json.dumps(BASES.get(route, {"role": "decode"}))[:-1].encode()
+            r = http.post(route, content=body + b', "' + field.encode() + b'": ' + b"[" * deep + b"]" * deep + b"}")
+            assert r.status_code == 400, (route, r.text)
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        for route, base in BASES.items():
+            assert http.post(route, json=base).status_code == 200
+    log = cluster.procs.log(f"gateway-{cluster.gateway_port}")
+    assert "Traceback" not in log, log[-3000:]
     cluster.wait_pools_full()

@@ -1,0 +1,152 @@
+"""uvicorn's httptools protocol with the limits on the client that uvicorn lacks.
+
+uvicorn bounds neither the size of a request head (request line + headers: httptools buffers a
+header of any size) nor the time a client may take to send it, and once a response is sent it
+reads and discards whatever is left of the request body for as long as the client sends it. So,
+per connection (``GuardedHttpProtocol``, event loop only):
+1. ``connection_made`` and the first byte of every request start the head timer; the end of the
+   headers stops it. A head larger than ``max_head_bytes`` is answered 431 and one that has not
+   arrived within ``head_timeout_s`` 408 (a connection that sends nothing is closed that way too).
+2. A response that completes before its request body has arrived starts a timer of ``body_timeout_s``
+   for the rest of the body (read and discarded); past it the connection is closed.
+3. Every refusal, and uvicorn's own 400 for a request it cannot parse, is OpenAI-shaped JSON with
+   ``Connection: close``; the connection then half-closes and drops what the client still sends for
+   ``LINGER_S`` before closing, so a client still writing reads the answer instead of a reset.
+The body of a request being read by the app is bounded by the app (``gateway.responder.read_body``:
+``--max-body-bytes``, ``--body-timeout-s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from gateway.errors import APIError, BadRequest, HeadersTooLarge, RequestTimeout
+
+LINGER_S = 2.0
+_json = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True)
+class ClientLimits:
+    max_head_bytes: int = 64 * 1024
+    head_timeout_s: float = 20.0
+    body_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_head_bytes < 1024 or not self.head_timeout_s > 0 or not self.body_timeout_s > 0:
+            raise ValueError("max_header_bytes must be at least 1024, header_timeout_s and body_timeout_s positive")
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """``HttpToolsProtocol`` enforcing ``limits`` (see the module doc); make one with ``protocol_class``."""
+
+    limits = ClientLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True  # waiting for, or reading, a request head
+        self._head_bytes = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._waiting_for = ""  # what the timer waits for: "head" or "body"
+        self._refused = False
+
+    # -- connection ------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm("head")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # lingering: what the client still sends is dropped
+        counting = self._in_head  # a read that starts a head is not counted: at most one read over
+        super().data_received(data)
+        if counting and self._in_head and not self._refused:
+            self._head_bytes += len(data)
+            if self._head_bytes > self.limits.max_head_bytes:
+                self._refuse(HeadersTooLarge(f"the request head exceeds {self.limits.max_head_bytes} bytes"))
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(BadRequest(f"{msg} (not parsable as HTTP/1.1)"))
+
+    # -- parser callbacks --------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head, self._head_bytes = True, 0
+        self._arm("head")
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._disarm()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        if self._waiting_for == "body":
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.more_body and not self.transport.is_closing():
+            self._arm("body")  # the rest of the body is being discarded: not for ever
+
+    # -- timer and refusals --------------------------------------------------------------------------
+    def _arm(self, what: str) -> None:
+        self._disarm()
+        self._waiting_for = what
+        limits = self.limits
+        self._timer = self.loop.call_later(limits.head_timeout_s if what == "head" else limits.body_timeout_s,
+                                           self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._waiting_for = ""
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self.transport.is_closing() or self._refused:
+            return
+        if self._waiting_for == "body":
+            self.transport.close()
+        elif self.cycle is not None and not self.cycle.response_complete:
+            self._arm("head")  # a pipelined request's head behind a response still going out
+        else:
+            self._refuse(RequestTimeout(f"the request head did not arrive within {self.limits.head_timeout_s:g}s"))
+
+    def _refuse(self, error: APIError) -> None:
+        """Answer ``error`` (unless a response has started: then just close), linger and close."""
+        self._refused = True
+        self._disarm()
+        transport = self.transport
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:  # the app sees a disconnect; its sends go nowhere
+            cycle.disconnected = True
+            cycle.message_event.set()
+            if cycle.response_started:
+                transport.close()
+        if transport.is_closing():
+            return
+        body = _json.encode(error.body())
+        head = [STATUS_LINE[error.status]]
+        head += [b"%s: %s\r\n" % (name, value) for name, value in self.server_state.default_headers]
+        head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+        transport.write(b"".join(head) + body)
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.loop.call_later(LINGER_S, transport.close)
+
+
+def protocol_class(limits: ClientLimits) -> type[GuardedHttpProtocol]:
+    """A ``GuardedHttpProtocol`` bound to ``limits``, for ``uvicorn.Config(http=...)``."""
+    return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {"limits": limits})

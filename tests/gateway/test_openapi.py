@@ -1,0 +1,83 @@
+"""The gateway's OpenAPI document: valid, loadable by schemathesis, covering every route, built once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import schemathesis
+from schemathesis.core.result import Ok
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from gateway.api_models import ChatCompletionRequest
+from gateway.app import create_app
+from gateway.runtime import GatewayConfig
+
+REF = "#/components/schemas/{name}"
+WORKERS = {"prefill": ("pd://127.0.0.1:1",), "decode": ("pd://127.0.0.1:2",)}
+
+
+def document(**config: Any) -> dict[str, Any]:
+    app = create_app(GatewayConfig(**WORKERS, **config))
+    return msgspec.json.decode(app.state.openapi)
+
+
+def served_routes(app: Any) -> dict[str, set[str]]:
+    """path -> methods of the ASGI app ``create_app`` builds (raw generation routes and Starlette's)."""
+    gateway_app = app.app.app  # RequestContextMiddleware -> GatekeeperMiddleware -> GatewayApp
+    routes = {path: {"POST"} for path in gateway_app.responders}
+    for route in gateway_app.rest.routes:
+        assert isinstance(route, Route)
+        routes.setdefault(route.path, set()).update(m for m in (route.methods or ()) if m != "HEAD")
+    return routes
+
+
+def test_every_route_and_method_is_documented() -> None:
+    app = create_app(GatewayConfig(**WORKERS))
+    doc = msgspec.json.decode(app.state.openapi)
+    assert doc["openapi"].startswith("3.1")
+    documented = {path: {m.upper() for m in ops} for path, ops in doc["paths"].items()}
+    assert documented == served_routes(app)
+
+
+def test_schemathesis_loads_every_operation() -> None:
+    schema = schemathesis.openapi.from_dict(document())
+    results = list(schema.get_all_operations())
+    assert results and all(isinstance(r, Ok) for r in results), [r for r in results if not isinstance(r, Ok)]
+
+
+def test_request_bodies_are_the_decoders_schemas_and_errors_one_shape() -> None:
+    doc = document()
+    schemas = doc["components"]["schemas"]
+    (_, decoder) = msgspec.json.schema_components([ChatCompletionRequest], ref_template=REF)
+    chat, decoded = dict(schemas["ChatCompletionRequest"]), dict(decoder["ChatCompletionRequest"])
+    assert chat.pop("required") == ["messages"]  # (a default stands in, for a clearer 400 than the decoder's)
+    decoded.pop("required")
+    assert chat == decoded
+    assert schemas["ChatMessage"]["properties"]["role"]["enum"] == ["system", "developer", "user", "assistant"]
+    for path, operations in doc["paths"].items():
+        for method, operation in operations.items():
+            for status, response in operation["responses"].items():
+                if int(status) >= 400 and path != "/readiness":  # (its 503 is the status itself: not ready)
+                    error = {"$ref": REF.format(name="Error")}
+                    assert response["content"] == {"application/json": {"schema": error}}, (method, path, status)
+
+
+def test_security_schemes_follow_the_configuration() -> None:
+    assert "securitySchemes" not in document()["components"]
+    doc = document(api_keys=("k",), admin_api_keys=("a",))
+    assert set(doc["components"]["securitySchemes"]) == {"apiKey", "adminKey"}
+    assert doc["paths"]["/v1/completions"]["post"]["security"] == [{"apiKey": []}]
+    assert doc["paths"]["/workers"]["delete"]["security"] == [{"adminKey": []}]
+    assert "401" in doc["paths"]["/workers"]["delete"]["responses"]
+    assert "security" not in doc["paths"]["/health"]["get"]
+    assert "security" not in doc["paths"]["/metrics"]["get"]
+
+
+def test_the_document_is_served_as_built() -> None:
+    app = create_app(GatewayConfig(**WORKERS))
+    client = TestClient(app)  # no lifespan: nothing connects
+    first, second = client.get("/openapi.json"), client.get("/openapi.json")
+    assert first.status_code == 200 and first.headers["content-type"] == "application/json"
+    assert first.content == second.content == app.state.openapi
