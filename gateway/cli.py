@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-migrations", type=int, default=2,
                    help="a stream whose decode fails after its first token continues on a new pair (prompt + "
                         "tokens so far as the new prompt) at most this often; 0 turns migration off")
+    p.add_argument("--max-unread-events", type=int, default=4096,
+                   help="worker events a streaming client may leave unread before its stream is stopped")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     p.add_argument("--body-timeout-s", type=float, default=60.0,
                    help="a request body must arrive within this once the gateway reads it (else 408)")
@@ -58,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request head (request line + headers); larger: 431")
     p.add_argument("--header-timeout-s", type=float, default=20.0,
                    help="a request head must arrive within this (else 408; also for a silent new connection)")
+    p.add_argument("--write-timeout-s", type=float, default=60.0,
+                   help="a client that reads nothing of its response for this long is disconnected")
     p.add_argument("--default-max-tokens", type=int, default=256)
     p.add_argument("--retry-backoff-s", type=float, default=0.05,
                    help="delay before the first retry (doubles per retry, +-50%% jitter)")
@@ -127,6 +131,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_retries=args.max_retries, retry_backoff_s=args.retry_backoff_s, max_migrations=args.max_migrations,
         max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s,
         max_header_bytes=args.max_header_bytes, header_timeout_s=args.header_timeout_s,
+        write_timeout_s=args.write_timeout_s, max_unread_events=args.max_unread_events,
         default_max_tokens=args.default_max_tokens, max_concurrent_requests=args.max_concurrent_requests,
         max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s,
         drain_timeout_s=args.drain_timeout_s, api_keys=tuple(args.api_key + _read_keys(args.api_key_file)),
@@ -165,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # plugin errors name the plugin
         sys.exit(f"gateway: {exc}")
     limits = ClientLimits(max_head_bytes=config.max_header_bytes, head_timeout_s=config.header_timeout_s,
-                          body_timeout_s=config.body_timeout_s)
+                          body_timeout_s=config.body_timeout_s, write_timeout_s=config.write_timeout_s)
     server_config = uvicorn.Config(app, host=config.host, port=config.port, loop="uvloop",
                                    http=protocol_class(limits),  # httptools, with limits on slow or huge heads
                                    log_level=args.log_level.lower(), access_log=False, log_config=None,

@@ -12,6 +12,10 @@ per connection (``GuardedHttpProtocol``, event loop only):
 3. Every refusal, and uvicorn's own 400 for a request it cannot parse, is OpenAI-shaped JSON with
    ``Connection: close``; the connection then half-closes and drops what the client still sends for
    ``LINGER_S`` before closing, so a client still writing reads the answer instead of a reset.
+4. Writes: once the transport's buffer passes its high-water mark (the client stopped reading),
+   uvicorn makes the app's ``send`` wait; if the client has read nothing more within
+   ``write_timeout_s`` the connection is aborted, which the app sees as a disconnect (its requests are
+   aborted on the workers), so a stuck client holds neither memory nor an admission slot for ever.
 The body of a request being read by the app is bounded by the app (``gateway.responder.read_body``:
 ``--max-body-bytes``, ``--body-timeout-s``).
 """
@@ -19,6 +23,7 @@ The body of a request being read by the app is bounded by the app (``gateway.res
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +33,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from gateway.errors import APIError, BadRequest, HeadersTooLarge, RequestTimeout
 
 LINGER_S = 2.0
+log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
 
 
@@ -36,10 +42,11 @@ class ClientLimits:
     max_head_bytes: int = 64 * 1024
     head_timeout_s: float = 20.0
     body_timeout_s: float = 60.0
+    write_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.max_head_bytes < 1024 or not self.head_timeout_s > 0 or not self.body_timeout_s > 0:
-            raise ValueError("max_header_bytes must be at least 1024, header_timeout_s and body_timeout_s positive")
+        if self.max_head_bytes < 1024 or not min(self.head_timeout_s, self.body_timeout_s, self.write_timeout_s) > 0:
+            raise ValueError("max_header_bytes must be at least 1024; header, body and write timeouts positive")
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -54,6 +61,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._waiting_for = ""  # what the timer waits for: "head" or "body"
         self._refused = False
+        self._write_timer: asyncio.TimerHandle | None = None
 
     # -- connection ------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -62,7 +70,26 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.limits.write_timeout_s, self._write_stalled)
+
+    def resume_writing(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+        super().resume_writing()
+
+    def _write_stalled(self) -> None:
+        self._write_timer = None
+        log.warning("client %s read nothing for %gs: disconnecting it", self.client, self.limits.write_timeout_s)
+        self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:

@@ -63,6 +63,8 @@ class GatewayConfig:
     body_timeout_s: float = 60.0  # a request body must arrive within this once reading starts (else 408)
     max_header_bytes: int = 64 * 1024  # a request head (request line + headers) larger than this: 431
     header_timeout_s: float = 20.0  # a request head must arrive within this (else 408)
+    write_timeout_s: float = 60.0  # a client whose response is stuck unread this long is disconnected
+    max_unread_events: int = 4096  # worker events a slow streaming client may leave unread (then it ends)
     default_max_tokens: int = 256
     # Operations
     max_concurrent_requests: int = 0  # 0 = no limit
@@ -96,11 +98,14 @@ class GatewayConfig:
                                  "their kind (a prefill and its decode must speak the same KV protocol)")
         if len(set(self.prefill + self.decode + self.worker)) != len(self.prefill + self.decode + self.worker):
             raise ValueError("prefill/decode/worker: a worker URL is listed twice")
-        for name in ("load_stale_s", "queue_timeout_s", "drain_timeout_s", "body_timeout_s", "header_timeout_s"):
+        for name in ("load_stale_s", "queue_timeout_s", "drain_timeout_s", "body_timeout_s", "header_timeout_s",
+                     "write_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
         if not self.assume_ttl_s >= 0 or not self.retry_backoff_s >= 0:
             raise ValueError("assume_ttl_s and retry_backoff_s must be >= 0")
+        if self.max_unread_events < 1:
+            raise ValueError("max_unread_events must be at least 1")
         if min(self.max_retries, self.max_migrations, self.max_concurrent_requests, self.max_queued_requests) < 0:
             raise ValueError("max_retries, max_migrations, max_concurrent_requests and max_queued_requests must "
                              "be >= 0")
@@ -134,7 +139,8 @@ class Gateway:
         self.dispatcher = Dispatcher(
             self.prefills, self.decodes, self.router,
             DispatchConfig(config.first_token_timeout_s, config.stream_idle_timeout_s, config.request_timeout_s,
-                           config.max_retries, config.retry_backoff_s, config.max_migrations),
+                           config.max_retries, config.retry_backoff_s, config.max_migrations,
+                           config.max_unread_events),
             self.metrics, combined=self.is_combined,
         )
         for url in config.prefill:

@@ -155,7 +155,8 @@ def test_an_sse_client_that_stops_reading_stops_its_generation(sim_cluster: Call
     """A streaming client that stops reading: once the gateway holds ``max_unread_events`` of its events
     the request is aborted on both workers (no generating for nobody), and everyone else is served."""
     fast_sim = [f"--engine-option={k}=0" for k in ("verify_kv", "prefill_token_s", "decode_step_s", "decode_seq_s")]
-    cluster = sim_cluster(worker_args=("--num-pages", "16384", "--engine-option=max_context=65536", *fast_sim))
+    cluster = sim_cluster(worker_args=("--num-pages", "16384", "--engine-option=max_context=65536", *fast_sim),
+                          gateway_args=("--write-timeout-s", "600"))
     gateway_pid = next(p for p in cluster.procs.procs if p.name.startswith("gateway")).pid  # type: ignore[attr-defined]
     rss_before = _rss_kib(gateway_pid)
     body = json.dumps({"model": "sim", "messages": [{"role": "user", "content": "go"}], "stream": True,
@@ -178,5 +179,34 @@ def test_an_sse_client_that_stops_reading_stops_its_generation(sim_cluster: Call
         r = httpx.post(f"{cluster.base_url}/v1/completions", json={"model": "sim", "prompt": "hi", "max_tokens": 4},
                        timeout=30)
         assert r.status_code == 200, r.text
+    finally:
+        sock.close()
+
+
+def test_a_client_that_reads_nothing_for_the_write_timeout_is_cut(sim_cluster: Callable[..., SimCluster]) -> None:
+    """With the event bound out of the way, a response stuck in the gateway's buffers: after
+    ``--write-timeout-s`` of the client reading nothing, the connection is cut and its request ends
+    on the workers; its admission slot is free again."""
+    fast_sim = [f"--engine-option={k}=0" for k in ("verify_kv", "prefill_token_s", "decode_step_s", "decode_seq_s")]
+    cluster = sim_cluster(worker_args=("--num-pages", "16384", "--engine-option=max_context=65536", *fast_sim),
+                          gateway_args=("--write-timeout-s", "3", "--max-unread-events", "100000000"))
+    body = json.dumps({"model": "sim", "messages": [{"role": "user", "content": "go"}], "stream": True,
+                       "max_tokens": 60000, "logprobs": True, "top_logprobs": 20}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", cluster.gateway_port))
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n" % len(body) + body)
+        assert sock.recv(512).startswith(b"HTTP/1.1 200")  # the stream began; now never read again
+        deadline = time.monotonic() + 60
+        while "read nothing for 3s: disconnecting it" not in cluster.procs.log(f"gateway-{cluster.gateway_port}"):
+            assert time.monotonic() < deadline, "the stuck connection was never cut"
+            time.sleep(0.2)
+        while _gateway_metric(cluster.base_url, "pd_gateway_active_requests") > 0:
+            assert time.monotonic() < deadline, "the cut client's request is still active"
+            time.sleep(0.2)
+        cluster.wait_pools_full()
+        assert _gateway_metric(cluster.base_url, "pd_gateway_slow_client_aborts_total") == 0
     finally:
         sock.close()
