@@ -151,23 +151,35 @@ def _gateway_metric(base_url: str, name: str) -> float:
                if line.startswith(name) and not line.startswith("#"))
 
 
-def test_an_sse_client_that_stops_reading_stops_its_generation(sim_cluster: Callable[..., SimCluster]) -> None:
-    """A streaming client that stops reading: once the gateway holds ``max_unread_events`` of its events
-    the request is aborted on both workers (no generating for nobody), and everyone else is served."""
+def _long_stream_cluster(sim_cluster: Callable[..., SimCluster], *gateway_args: str) -> SimCluster:
+    """Workers at zero model cost with room for one 60k-token stream."""
     fast_sim = [f"--engine-option={k}=0" for k in ("verify_kv", "prefill_token_s", "decode_step_s", "decode_seq_s")]
-    cluster = sim_cluster(worker_args=("--num-pages", "16384", "--engine-option=max_context=65536", *fast_sim),
-                          gateway_args=("--write-timeout-s", "600"))
-    gateway_pid = next(p for p in cluster.procs.procs if p.name.startswith("gateway")).pid  # type: ignore[attr-defined]
-    rss_before = _rss_kib(gateway_pid)
+    return sim_cluster(worker_args=("--num-pages", "16384", "--engine-option=max_context=65536", *fast_sim),
+                       gateway_args=gateway_args)
+
+
+def _start_unread_stream(cluster: SimCluster) -> socket.socket:
+    """A streaming chat request (~1.5 KB per token with 20 top logprobs) from a socket with a 4 KiB
+    window that, once the response began, reads nothing more."""
     body = json.dumps({"model": "sim", "messages": [{"role": "user", "content": "go"}], "stream": True,
                        "max_tokens": 60000, "logprobs": True, "top_logprobs": 20}).encode()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", cluster.gateway_port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n" % len(body) + body)
+    assert sock.recv(512).startswith(b"HTTP/1.1 200")
+    return sock
+
+
+def test_an_sse_client_that_stops_reading_stops_its_generation(sim_cluster: Callable[..., SimCluster]) -> None:
+    """A streaming client that stops reading: once the gateway holds ``max_unread_events`` of its events
+    the request is aborted on both workers (no generating for nobody), and everyone else is served."""
+    cluster = _long_stream_cluster(sim_cluster, "--write-timeout-s", "600")
+    gateway_pid = next(p for p in cluster.procs.procs if p.name.startswith("gateway")).pid  # type: ignore[attr-defined]
+    rss_before = _rss_kib(gateway_pid)
+    sock = _start_unread_stream(cluster)
     try:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: %d\r\n\r\n" % len(body) + body)
-        assert sock.recv(512).startswith(b"HTTP/1.1 200")  # the stream began; now never read again
         deadline = time.monotonic() + 120
         while _gateway_metric(cluster.base_url, "pd_gateway_slow_client_aborts_total") < 1:
             assert time.monotonic() < deadline, f"still generating for a client that reads nothing: " \
@@ -187,18 +199,9 @@ def test_a_client_that_reads_nothing_for_the_write_timeout_is_cut(sim_cluster: C
     """With the event bound out of the way, a response stuck in the gateway's buffers: after
     ``--write-timeout-s`` of the client reading nothing, the connection is cut and its request ends
     on the workers; its admission slot is free again."""
-    fast_sim = [f"--engine-option={k}=0" for k in ("verify_kv", "prefill_token_s", "decode_step_s", "decode_seq_s")]
-    cluster = sim_cluster(worker_args=("--num-pages", "16384", "--engine-option=max_context=65536", *fast_sim),
-                          gateway_args=("--write-timeout-s", "3", "--max-unread-events", "100000000"))
-    body = json.dumps({"model": "sim", "messages": [{"role": "user", "content": "go"}], "stream": True,
-                       "max_tokens": 60000, "logprobs": True, "top_logprobs": 20}).encode()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", cluster.gateway_port))
+    cluster = _long_stream_cluster(sim_cluster, "--write-timeout-s", "3", "--max-unread-events", "100000000")
+    sock = _start_unread_stream(cluster)
     try:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: %d\r\n\r\n" % len(body) + body)
-        assert sock.recv(512).startswith(b"HTTP/1.1 200")  # the stream began; now never read again
         deadline = time.monotonic() + 60
         while "read nothing for 3s: disconnecting it" not in cluster.procs.log(f"gateway-{cluster.gateway_port}"):
             assert time.monotonic() < deadline, "the stuck connection was never cut"
