@@ -40,6 +40,7 @@ from wire import (
     send_all,
     tagged_arrays,
     tagged_maps,
+    whole_frames,
 )
 
 from transfer import messages as ctl
@@ -101,22 +102,17 @@ TO_WORKER = st.one_of(
 def _worker_must_close(data: bytes) -> bool:
     """Whether a worker must end the connection on ``data``: its first whole frame is not our Hello, or
     a later whole frame does not decode or is not Submit/Abort/Ping (a partial frame may yet complete)."""
-    pos, first = 0, True
-    while len(data) - pos >= 4:
-        size = int.from_bytes(data[pos:pos + 4], "big")
-        if size > native.MAX_FRAME_BYTES:
+    for i, body in enumerate(whole_frames(data, native.MAX_FRAME_BYTES)):
+        if body is None:
             return True
-        if len(data) - pos - 4 < size:
-            return False
         try:
-            msg = _to_worker.decode(data[pos + 4:pos + 4 + size])
+            msg = _to_worker.decode(body)
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
             return True
-        if first and not (isinstance(msg, native.Hello) and msg.version == native.PROTOCOL_VERSION):
+        if i == 0 and not (isinstance(msg, native.Hello) and msg.version == native.PROTOCOL_VERSION):
             return True
-        if not first and not isinstance(msg, native.Submit | native.Abort | native.Ping):
+        if i > 0 and not isinstance(msg, native.Submit | native.Abort | native.Ping):
             return True
-        pos, first = pos + 4 + size, False
     return False
 
 
@@ -212,24 +208,20 @@ TO_GATEWAY = st.one_of(
 
 def _gateway_must_close(data: bytes) -> bool:
     """Whether the gateway must end the connection: a first whole frame that is no good HelloAck (protocol
-    version, role decode, a positive KV shape), or a later one that does not decode or is a handshake message."""
-    pos, first = 0, True
-    while len(data) - pos >= 4:
-        size = int.from_bytes(data[pos:pos + 4], "big")
-        if size > native.MAX_FRAME_BYTES:
+    version, role decode, a positive KV shape), or a later one that does not decode or is a handshake message.
+    (A partial frame may yet complete; the handshake's times out in 5 s.)"""
+    for i, body in enumerate(whole_frames(data, native.MAX_FRAME_BYTES)):
+        if body is None:
             return True
-        if len(data) - pos - 4 < size:
-            return False  # a partial frame may yet complete (the handshake's times out in 5 s)
         try:
-            msg = _to_gateway.decode(data[pos + 4:pos + 4 + size])
+            msg = _to_gateway.decode(body)
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
             return True
-        if first and not (isinstance(msg, native.HelloAck) and msg.version == native.PROTOCOL_VERSION
-                          and msg.role == "decode" and min(msg.page_size, msg.num_pages, msg.max_context) > 0):
+        if i == 0 and not (isinstance(msg, native.HelloAck) and msg.version == native.PROTOCOL_VERSION
+                           and msg.role == "decode" and min(msg.page_size, msg.num_pages, msg.max_context) > 0):
             return True
-        if not first and isinstance(msg, native.HelloAck | native.Rejected):
+        if i > 0 and isinstance(msg, native.HelloAck | native.Rejected):
             return True
-        pos, first = pos + 4 + size, False
     return False
 
 
@@ -326,20 +318,15 @@ TO_PREFILL = st.one_of(
 def _prefill_must_close(data: bytes) -> bool:
     """A whole frame that does not decode, or is a message a prefill never gets, or a Register (none of
     ours is valid) or a room before registering, ends the connection."""
-    pos = 0
-    while len(data) - pos >= 4:
-        size = int.from_bytes(data[pos:pos + 4], "big")
-        if size > ctl.MAX_FRAME_BYTES:
+    for body in whole_frames(data, ctl.MAX_FRAME_BYTES):
+        if body is None:
             return True
-        if len(data) - pos - 4 < size:
-            return False
         try:
-            msg = ctl.decode_body(data[pos + 4:pos + 4 + size])
+            msg = ctl.decode_body(body)
         except Exception:
             return True
         if not isinstance(msg, ctl.Ping | ctl.Pong | ctl.Abort):
             return True
-        pos += 4 + size
     return False
 
 

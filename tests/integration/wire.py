@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -22,6 +23,22 @@ def frame(body: bytes) -> bytes:
 def encode(msg: Any) -> bytes:
     """A frame holding ``msg`` (a Struct, or any msgpack-able value)."""
     return frame(_encoder.encode(msg))
+
+
+def whole_frames(data: bytes, max_bytes: int) -> Iterator[bytes | None]:
+    """The bodies of the whole length-prefixed frames at the start of ``data``, in order; None for a
+    length past ``max_bytes`` (a reader ends the connection there). A trailing partial frame is left
+    out: it may yet complete."""
+    pos = 0
+    while len(data) - pos >= 4:
+        size = int.from_bytes(data[pos:pos + 4], "big")
+        if size > max_bytes:
+            yield None
+            return
+        if len(data) - pos - 4 < size:
+            return
+        yield data[pos + 4:pos + 4 + size]
+        pos += 4 + size
 
 
 def connect(port: int, timeout_s: float = 5.0) -> socket.socket:
