@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import random
 import signal
 import socket
 import subprocess
@@ -32,12 +33,39 @@ import urllib.error
 import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 MAX_BACKOFF_S = 30.0
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_EPHEMERAL_LOW = _ephemeral_low()
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
+    """A free port below the kernel's ephemeral range. A port the kernel hands out for port 0 can be
+    taken again, before the child binds it (or rebinds it on a restart), by the local end of any
+    outgoing connection, which draws from that same range. Also what the tests and load tests use."""
+    low = 10000 if _EPHEMERAL_LOW > 12000 else 1024
+    for _ in range(1000):
+        port = random.randrange(low, _EPHEMERAL_LOW)
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as sock:  # the range is full: fall back to any free port
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
 

@@ -20,9 +20,7 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,30 +31,9 @@ from typing import Any
 
 import aiohttp
 
+from gateway.cluster import free_port
+
 BIN = Path(sys.executable).parent  # the console scripts of this environment (pd-worker, gateway, pd-bootstrap)
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A free loopback port below the kernel's ephemeral range (a port there could be taken by the
-    local end of some outgoing connection between planning and a restart's bind)."""
-    try:
-        low_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low_ephemeral = 32768
-    low = 10000 if low_ephemeral > 12000 else 1024
-    for _ in range(1000):
-        port = random.randrange(low, low_ephemeral)
-        if port in _handed_out:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 @dataclass

@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,15 +33,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from gateway.cluster import free_port  # noqa: E402
 from loadtests.load_client import HttpTarget, Result, closed_loop, percentile  # noqa: E402
 
 PROMPT = "Tell me about the history of the bicycle in a few sentences."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get_json(url: str) -> object:

@@ -1,9 +1,8 @@
-"""Test support: free ports, real child processes that are always reaped, local sim clusters."""
+"""Test support: free ports (``gateway.cluster.free_port``), child processes always reaped, sim clusters."""
 
 from __future__ import annotations
 
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -14,42 +13,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.cluster import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-_EPHEMERAL_LOW = _ephemeral_low()
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A free loopback port below the kernel's ephemeral range: a port the kernel hands out for port 0
-    (as the old way did) can be taken again, before the server binds it, by the local end of any
-    outgoing connection (a gateway's, a worker's own), which draws from that same range."""
-    low = 10000 if _EPHEMERAL_LOW > 12000 else 1024
-    for _ in range(1000):
-        port = random.randrange(low, _EPHEMERAL_LOW)
-        if port in _handed_out:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    with socket.socket() as sock:  # the range is full: fall back to any free port
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def in_private_netns() -> bool:
