@@ -9,6 +9,14 @@ process (block by block, and as one contiguous copy) as the baseline measured in
 
     python loadtests/bench_transfer.py                       # tcp and nixl (mooncake needs a netns)
     unshare --net -- sh -c 'ip link set lo up && exec python loadtests/bench_transfer.py'   # + mooncake
+    python loadtests/bench_transfer.py --json                # one JSON object per line (below)
+
+``--json`` prints one object per row: ``{"backend", "gib_per_s" (median; null when skipped or failed),
+"gib_per_s_min", "gib_per_s_max", "vs_memcpy" (over the ``memcpy`` row: the same blocks copied in one
+process), "room_ms", "chunk_p50_ms", "chunk_p99_ms", "blocks_per_chunk", "room_mib", "env", "error"}``.
+Backend names may carry a variant: ``nixl`` runs with ``UCX_TLS=tcp`` (the network-like path),
+``nixl-ucx-auto`` with ``UCX_TLS`` unset (UCX picks shared memory / cma on one host),
+``nixl-cma`` with ``UCX_TLS=tcp,cma,self`` and ``nixl-posix`` with ``UCX_TLS=tcp,posix,self``.
 """
 
 from __future__ import annotations
@@ -44,6 +52,41 @@ from transfer.blocks import kv_blocks, merge_runs
 from workers.kv_pool import KVPool
 
 GiB = 1024**3
+# bench variants: (backend plugin, environment for both processes; None unsets the variable)
+VARIANTS: dict[str, tuple[str, dict[str, str | None]]] = {
+    "nixl": ("nixl", {"UCX_TLS": "tcp"}),
+    "nixl-ucx-auto": ("nixl", {"UCX_TLS": None}),
+    "nixl-cma": ("nixl", {"UCX_TLS": "tcp,cma,self"}),
+    "nixl-posix": ("nixl", {"UCX_TLS": "tcp,posix,self"}),
+}
+DEFAULT_BACKENDS = "tcp,mooncake,nixl,nixl-ucx-auto,nixl-cma,nixl-posix"
+
+
+def variant(name: str) -> tuple[str, dict[str, str | None]]:
+    return VARIANTS.get(name, (name, {}))
+
+
+class scoped_env:
+    """Set (or unset, for None) environment variables for a block; restores them after."""
+
+    def __init__(self, changes: dict[str, str | None]) -> None:
+        self.changes = changes
+        self.saved: dict[str, str | None] = {}
+
+    def __enter__(self) -> None:
+        for key, value in self.changes.items():
+            self.saved[key] = os.environ.get(key)
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+    def __exit__(self, *exc: object) -> None:
+        for key, value in self.saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def in_private_netns() -> bool:
@@ -161,7 +204,13 @@ def shape_argv(ns: argparse.Namespace) -> list[str]:
             f"--tokens={ns.tokens}"]
 
 
-def bench_backend(ns: argparse.Namespace, backend_name: str, pool: KVPool) -> dict[str, Any]:
+def bench_backend(ns: argparse.Namespace, row_name: str, pool: KVPool) -> dict[str, Any]:
+    backend_name, env = variant(row_name)
+    with scoped_env(env):
+        return _bench_backend(ns, backend_name, pool)
+
+
+def _bench_backend(ns: argparse.Namespace, backend_name: str, pool: KVPool) -> dict[str, Any]:
     timed = TimedBackend(create_backend(backend_name))
     manager = KVManager("prefill", KVArgs.from_pool(pool), timed, timeouts=KVTimeouts(transfer_s=120.0))
     proc, cmd, reply = spawn_decode(ns, backend_name)
@@ -241,13 +290,14 @@ def bench_memcpy(ns: argparse.Namespace, src_pool: KVPool) -> list[tuple[str, li
         started = time.perf_counter()
         np.copyto(flat_dst, flat_src)
         contiguous.append(total / (time.perf_counter() - started) / GiB)
-    return [("memcpy numpy, same blocks", blockwise[ns.warmup :]),
-            ("memcpy numpy, contiguous", contiguous[ns.warmup :])]
+    return [("memcpy", blockwise[ns.warmup :]), ("memcpy-contiguous", contiguous[ns.warmup :])]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", default="tcp,mooncake,nixl")
+    parser.add_argument("--backends", default=DEFAULT_BACKENDS,
+                        help=f"comma-separated backends or variants (default {DEFAULT_BACKENDS})")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
@@ -280,28 +330,52 @@ def main() -> None:
     print(f"KV of a {ns.tokens}-token prompt: {ns.layers} layers x (K,V) x {n_pages} pages of {pool.page_bytes} B "
           f"({ns.kv_heads} heads x {ns.head_dim} x {ns.page_size} tok, {ns.dtype}) = {room_mib:.1f} MiB per room; "
           f"chunks of {ns.chunk_tokens} tokens; {ns.rooms} rooms (+{ns.warmup} warm-up); "
-          f"UCX_TLS={os.environ.get('UCX_TLS')}; cpus={os.cpu_count()}")
-    rows: list[tuple[str, str, str, str, str, str]] = []
+          f"cpus={os.cpu_count()}", file=sys.stderr if ns.json else sys.stdout)
+    results: list[dict[str, Any]] = []
     for name in ns.backends.split(","):
-        if name == "mooncake" and not in_private_netns():
-            rows.append((name, "skipped: run under unshare --net (Mooncake binds 0.0.0.0)", "", "", "", ""))
+        backend_name, env = variant(name)
+        row: dict[str, Any] = {"backend": name, "gib_per_s": None, "room_mib": round(room_mib, 2),
+                               "env": {k: v for k, v in env.items()}}
+        results.append(row)
+        if backend_name == "mooncake" and not in_private_netns():
+            row["error"] = "skipped: run under unshare --net (Mooncake binds 0.0.0.0)"
             continue
         try:
             r = bench_backend(ns, name, pool)
         except (TransferError, RuntimeError, ValueError) as exc:
-            rows.append((name, f"failed: {exc}", "", "", "", ""))
+            row["error"] = f"failed: {exc}"
             continue
         g = r["gibps"]
-        rows.append((name, f"{statistics.median(g):.2f} ({min(g):.2f}-{max(g):.2f})", f"{r['room_ms']:.1f}",
-                     f"{r['chunk_p50_ms']:.1f}", f"{r['chunk_p99_ms']:.1f}", f"{r['blocks_per_chunk']:.0f}"))
+        row.update(gib_per_s=statistics.median(g), gib_per_s_min=min(g), gib_per_s_max=max(g),
+                   room_ms=r["room_ms"], chunk_p50_ms=r["chunk_p50_ms"], chunk_p99_ms=r["chunk_p99_ms"],
+                   blocks_per_chunk=r["blocks_per_chunk"])
+    memcpy_rows = []
     for label, g in bench_memcpy(ns, pool):
-        rows.append((label, f"{statistics.median(g):.2f} ({min(g):.2f}-{max(g):.2f})",
-                     f"{room_mib / 1024 / statistics.median(g) * 1000:.1f}", "", "", ""))
-    header = ("path", "GiB/s median (min-max)", "room ms", "chunk p50 ms", "chunk p99 ms", "blocks/chunk")
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    for row in [header, tuple("-" * w for w in widths), *rows]:
-        print(" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
-
+        memcpy_rows.append({"backend": label, "gib_per_s": statistics.median(g), "gib_per_s_min": min(g),
+                            "gib_per_s_max": max(g), "room_mib": round(room_mib, 2),
+                            "room_ms": room_mib / 1024 / statistics.median(g) * 1000})
+    baseline = memcpy_rows[0]["gib_per_s"]
+    for row in [*results, *memcpy_rows]:
+        if row["gib_per_s"] is not None:
+            row["vs_memcpy"] = row["gib_per_s"] / baseline
+    if ns.json:
+        for row in [*results, *memcpy_rows]:
+            print(msgspec.json.encode({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}).decode(),
+                  flush=True)
+        return
+    table: list[tuple[str, ...]] = []
+    for row in [*results, *memcpy_rows]:
+        if row["gib_per_s"] is None:
+            table.append((row["backend"], row.get("error", ""), "", "", "", "", ""))
+            continue
+        chunk = (f"{row['chunk_p50_ms']:.1f}", f"{row['chunk_p99_ms']:.1f}", f"{row['blocks_per_chunk']:.0f}") \
+            if "chunk_p50_ms" in row else ("", "", "")
+        table.append((row["backend"], f"{row['gib_per_s']:.2f} ({row['gib_per_s_min']:.2f}-{row['gib_per_s_max']:.2f})",
+                      f"{row['vs_memcpy']:.2f}", f"{row['room_ms']:.1f}", *chunk))
+    header = ("path", "GiB/s median (min-max)", "x memcpy", "room ms", "chunk p50 ms", "chunk p99 ms", "blocks/chunk")
+    widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
+    for cells in [header, tuple("-" * w for w in widths), *table]:
+        print(" | ".join(cell.ljust(w) for cell, w in zip(cells, widths, strict=True)))
 
 if __name__ == "__main__":
     main()
