@@ -4,7 +4,11 @@ Mooncake binds its listeners to 0.0.0.0 whatever host it is given: run it only i
 namespace (``unshare --net``) on a machine that must stay loopback-only.
 
 Lifecycle:
-1. ``MooncakeBackend(host="127.0.0.1", protocol="tcp")`` initializes one engine (P2PHANDSHAKE metadata).
+1. ``MooncakeBackend(host="127.0.0.1", protocol="tcp", advertise_host=None, options=None)`` initializes
+   one engine whose ``local_hostname`` (what peers connect to) is ``advertise_host`` (default ``host``);
+   metadata by P2P handshake unless ``options["metadata_server"]`` names a server. ``options``
+   (``--transfer-option``, ``OPTIONS``): protocol (tcp, rdma), RDMA device names, metadata server,
+   batch sizes.
 2. ``register(regions)`` batch-registers them plus a tiny scratch buffer used to warm up connections.
 3. ``endpoint()`` = msgpack ``{session "host:rpc_port", scratch address, registered regions}``.
 4. ``connect`` does one 8-byte sync write into the peer's scratch (pays the handshake now; an
@@ -48,6 +52,8 @@ from transfer.base import (
 )
 from transfer.blocks import RegionSet
 from transfer.errors import TransferError, TransferErrorKind
+from transfer.netaddr import is_wildcard
+from transfer.options import Option, choice, name_list, parse_options, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +92,23 @@ def _transfer_timeout_s() -> float:
         return 30.0
 
 
+def _metadata_server(raw: object) -> str:
+    text = str(raw).strip()
+    if text != "P2PHANDSHAKE" and not text.startswith(("etcd://", "http://", "https://", "redis://")):
+        raise ValueError("must be P2PHANDSHAKE or a URL etcd://host:port, http(s)://host:port/path, redis://...")
+    return text
+
+
 class MooncakeBackend(WriteTable, TransferBackend):
     name = "mooncake"
+    OPTIONS = (
+        Option("protocol", choice("tcp", "rdma"), "Mooncake transport (default tcp)"),
+        Option("device_name", lambda raw: ",".join(name_list(raw, what="RDMA device")),
+               "RDMA devices to use, comma-separated (e.g. mlx5_0,mlx5_1; rdma only; default: all)"),
+        Option("metadata_server", _metadata_server, "P2PHANDSHAKE (default) or the metadata server's URL"),
+        Option("max_batch_blocks", positive_int, "entries per sub-batch (default 1024)"),
+        Option("max_inflight_blocks", positive_int, "entries in flight engine-wide (default 2048)"),
+    )
 
     def __init__(
         self,
@@ -96,7 +117,19 @@ class MooncakeBackend(WriteTable, TransferBackend):
         device_name: str = "",
         max_batch_blocks: int = 1024,
         max_inflight_blocks: int = ENGINE_MAX_ENTRIES,
+        *,
+        advertise_host: str | None = None,
+        options: dict[str, object] | None = None,
     ) -> None:
+        opts = parse_options(self.name, options, self.OPTIONS)
+        protocol = opts.get("protocol", protocol)
+        device_name = opts.get("device_name", device_name)
+        metadata = opts.get("metadata_server", "P2PHANDSHAKE")
+        max_batch_blocks = opts.get("max_batch_blocks", max_batch_blocks)
+        max_inflight_blocks = opts.get("max_inflight_blocks", max_inflight_blocks)
+        if advertise_host is None and is_wildcard(host):
+            raise ValueError(f"mooncake: bound to {host!r}, so it needs an advertise_host peers can reach")
+        local = (advertise_host or host).strip("[]")
         if not 0 < max_batch_blocks <= max_inflight_blocks:
             raise ValueError(
                 f"mooncake: need 0 < max_batch_blocks ({max_batch_blocks}) <= max_inflight_blocks "
@@ -113,10 +146,15 @@ class MooncakeBackend(WriteTable, TransferBackend):
                 TransferErrorKind.PEER_UNREACHABLE, f"mooncake: cannot import mooncake.engine: {exc}"
             ) from exc
         self._engine: Any = TransferEngine()
-        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        rc = self._engine.initialize(local, metadata, protocol, device_name)
         if rc != 0:
-            raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"mooncake: initialize({host}, {protocol}) -> {rc}")
-        self._session = f"{host}:{self._engine.get_rpc_port()}"
+            raise TransferError(
+                TransferErrorKind.PEER_UNREACHABLE,
+                f"mooncake: initialize(local_hostname={local}, metadata_server={metadata}, protocol={protocol}, "
+                f"device_name={device_name!r}) -> {rc}",
+            )
+        # P2P handshake: peers name us "host:rpc_port"; with a metadata server, by our segment name.
+        self._session = f"{local}:{self._engine.get_rpc_port()}" if metadata == "P2PHANDSHAKE" else local
         self._lock = threading.Lock()
         self._writes: dict[WriteHandle, _Write] = {}
         self._peers: dict[PeerId, _Peer] = {}

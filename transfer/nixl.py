@@ -1,8 +1,12 @@
 """NIXL backend (UCX, DRAM). ``nixl_cu12._api`` is imported directly so that torch is not pulled in.
 
 Lifecycle:
-1. ``NixlBackend()`` creates one agent (unique name, UCX, NIXL's progress thread, no listener thread:
-   the agent metadata travels over our own control plane) and starts our own progress thread.
+1. ``NixlBackend(advertise_host=None, options=None)`` creates one agent (unique name, NIXL's progress
+   thread, no listener thread: the agent metadata travels over our own control plane) with the NIXL
+   backends of ``options["backends"]`` (default UCX) and starts our own progress thread. UCX settings
+   come from ``options`` (``--transfer-option``, ``OPTIONS``): transports (``ucx_tls``), net devices
+   (``ucx_net_devices``; by default the interface holding ``advertise_host``, so the addresses in our
+   metadata are the ones the worker advertises), error handling mode, workers.
 2. ``register(regions)`` registers them as DRAM plus a small scratch buffer used for warm-up writes.
 3. ``endpoint()`` = msgpack ``{agent metadata, scratch address}``.
 4. ``connect`` loads the peer's metadata (``add_remote_agent``) and makes one tiny WRITE into the peer's
@@ -22,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import itertools
+import os
 import queue
 import threading
 import time
@@ -46,6 +51,16 @@ from transfer.base import (
     unknown_peer,
 )
 from transfer.errors import TransferError, TransferErrorKind
+from transfer.netaddr import interface_of
+from transfer.options import (
+    Option,
+    TransferOptionError,
+    choice,
+    name_list,
+    non_negative_int,
+    parse_options,
+    positive_int,
+)
 
 _SCRATCH_BYTES = 64
 _WARMUP_TIMEOUT_S = 10.0
@@ -97,19 +112,69 @@ def _map_error(exc: Exception, what: str) -> TransferError:
     return TransferError(kind, f"nixl: {what}: {name}: {exc}")
 
 
+# UCX transport names accepted in ``ucx_tls`` (a leading ^ excludes; see ``ucx_info -d``).
+UCX_TRANSPORTS = (
+    "all", "tcp", "self", "sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "ib", "rc", "rc_v", "rc_x",
+    "rc_mlx5", "ud", "ud_v", "ud_x", "ud_mlx5", "dc", "dc_x", "dc_mlx5", "cuda", "cuda_copy", "cuda_ipc",
+    "gdr_copy", "rocm", "rocm_copy", "rocm_ipc", "mm",
+)
+
+
+def _backend_params(opts: dict[str, Any], num_threads: int, advertise_host: str | None) -> dict[str, str]:
+    """The UCX plugin's init parameters for ``opts`` (its ``engine_config`` carries UCX settings)."""
+    params: dict[str, str] = {}
+    threads = opts.get("num_threads", num_threads)
+    if threads:
+        params["num_threads"] = str(threads)
+    if "ucx_num_workers" in opts:
+        params["num_workers"] = str(opts["ucx_num_workers"])
+    if "ucx_error_handling_mode" in opts:
+        params["ucx_error_handling_mode"] = opts["ucx_error_handling_mode"]
+    devices = opts.get("ucx_net_devices")
+    if devices is None and advertise_host is not None and "UCX_NET_DEVICES" not in os.environ:
+        devices = interface_of(advertise_host)  # our metadata then holds the advertised address only
+    if devices:
+        params["ucx_devices"] = devices
+    if "ucx_tls" in opts:
+        params["engine_config"] = f"TLS={opts['ucx_tls']}"
+    return params
+
+
 class NixlBackend(WriteTable, TransferBackend):
     name = "nixl"
+    OPTIONS = (
+        Option("backends", name_list, "NIXL backends (plugins) to create, comma-separated (default UCX)"),
+        Option("ucx_tls", lambda raw: ",".join(name_list(raw, allowed=UCX_TRANSPORTS, what="UCX transport")),
+               "UCX transports, comma-separated, as UCX_TLS (e.g. tcp; rc,cuda_copy,cuda_ipc); default: UCX's"),
+        Option("ucx_net_devices", lambda raw: ",".join(name_list(raw, what="net device")),
+               "UCX net devices, as UCX_NET_DEVICES (e.g. eth0, mlx5_0:1); default: the advertised interface"),
+        Option("ucx_error_handling_mode", choice("peer", "none"),
+               "peer (default: a dead peer fails its writes) or none (needed by shared-memory-only UCX_TLS)"),
+        Option("ucx_num_workers", positive_int, "UCX workers of the agent (default 1)"),
+        Option("num_threads", non_negative_int, "NIXL backend threads (default 0: none)"),
+    )
 
-    def __init__(self, num_threads: int = 0) -> None:
+    def __init__(self, num_threads: int = 0, *, host: str | None = None, advertise_host: str | None = None,
+                 options: dict[str, object] | None = None) -> None:
+        opts = parse_options(self.name, options, self.OPTIONS)
         api = _import_api()
-        config = api.nixl_agent_config(
-            enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"], num_threads=num_threads
-        )
+        config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[])
         self._agent_name = f"pd-{uuid.uuid4().hex}"
         try:
             self._agent: Any = api.nixl_agent(self._agent_name, config)
         except Exception as exc:
-            raise _map_error(exc, "creating the UCX agent") from exc
+            raise _map_error(exc, "creating the agent") from exc
+        params = _backend_params(opts, num_threads, advertise_host or host)
+        for backend in opts.get("backends", ["UCX"]):
+            if backend not in self._agent.plugin_list:
+                available = ", ".join(self._agent.plugin_list)
+                raise TransferOptionError(
+                    f"transfer backend 'nixl': option backends: no NIXL plugin {backend!r} (available: {available})"
+                )
+            try:
+                self._agent.create_backend(backend, params if backend == "UCX" else {})
+            except Exception as exc:
+                raise _map_error(exc, f"creating backend {backend} with {params}") from exc
         self._agent_lock = threading.RLock()  # every agent call
         self._lock = threading.Lock()  # the tables below
         self._writes: dict[WriteHandle, _Write] = {}

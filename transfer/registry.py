@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import inspect
+from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Any
 
 from transfer.base import TransferBackend
+from transfer.options import TransferOptionError, parse_options
 
 GROUP = "pd_gateway.transfer"
 # The built-ins also register as entry points (pyproject.toml); this table lets a source checkout that
@@ -64,3 +67,37 @@ def create_backend(name: str, **options: Any) -> TransferBackend:
             f"transfer backend plugin {name!r} built {type(backend).__name__}, not a TransferBackend"
         )
     return backend
+
+
+def check_options(name: str, options: Mapping[str, str]) -> None:
+    """Start-up check of ``--transfer-option`` values against the backend's ``OPTIONS``, without building
+    it: ``TransferOptionError`` names the backend and the option (a backend that declares no ``OPTIONS``
+    takes none)."""
+    factory = _load(name)
+    spec = getattr(factory, "OPTIONS", None)
+    if spec is None:
+        if options:
+            raise TransferOptionError(f"transfer backend {name!r} takes no options (got {', '.join(options)})")
+        return
+    parse_options(name, options, spec)
+
+
+def build_backend(
+    name: str, *, host: str, advertise_host: str, options: Mapping[str, str] | None = None
+) -> TransferBackend:
+    """The worker's way to create its backend: ``host`` (bind address) and ``advertise_host`` (what
+    peers connect to) go to a backend that accepts them, ``options`` (``--transfer-option``) to one
+    with ``OPTIONS``."""
+    check_options(name, options or {})
+    factory = _load(name)
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}  # type: ignore[assignment]
+    kwargs: dict[str, Any] = {}
+    for key, value in (("host", host), ("advertise_host", advertise_host)):
+        if key in params:
+            kwargs[key] = value
+    if options:
+        kwargs["options"] = dict(options)
+    return create_backend(name, **kwargs)

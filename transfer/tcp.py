@@ -1,10 +1,13 @@
 """Stdlib TCP data plane: always available, loopback by default.
 
 Lifecycle:
-1. ``TcpBackend(host="127.0.0.1")`` listens on an ephemeral port of ``host``; an accept thread serves
-   every incoming connection with its own receive thread.
+1. ``TcpBackend(host="127.0.0.1", advertise_host=None, options=None)`` listens on an ephemeral port of
+   ``host`` (``0.0.0.0`` for every interface); an accept thread serves every incoming connection with
+   its own receive thread. ``options`` (``--transfer-option``, ``OPTIONS``): socket buffer sizes and
+   the connect timeout.
 2. ``register(regions)``: incoming batches may only write inside these regions.
-3. ``endpoint()`` is ``b"host:port"``; ``connect(endpoint)`` opens one persistent connection per peer
+3. ``endpoint()`` is ``b"advertise_host:port"`` (``advertise_host`` defaults to ``host``; a wildcard
+   ``host`` needs one); ``connect(endpoint)`` opens one persistent connection per peer
    and starts a sender thread for it.
 4. ``write`` queues a batch on the peer's sender thread and returns at once. Wire format per batch:
    header ``(seq u64, room u64, generation u64, n u32)``, ``n`` entries ``(dst u64, len u64)``, then
@@ -47,6 +50,8 @@ from transfer.base import (
 )
 from transfer.blocks import RegionSet
 from transfer.errors import TransferError, TransferErrorKind
+from transfer.netaddr import is_wildcard, join_host_port, split_host_port
+from transfer.options import Option, parse_options, positive_float, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +114,22 @@ def _drain(sock: socket.socket, total: int) -> None:
 
 class TcpBackend(WriteTable, TransferBackend):
     name = "tcp"
+    OPTIONS = (
+        Option("sndbuf_bytes", positive_int, "SO_SNDBUF of outgoing data connections (default: the kernel's)"),
+        Option("rcvbuf_bytes", positive_int, "SO_RCVBUF of incoming data connections (default: the kernel's)"),
+        Option("connect_timeout_s", positive_float, "connecting to a peer's data port (default 5)"),
+    )
 
-    def __init__(self, host: str = "127.0.0.1", connect_timeout_s: float = 5.0) -> None:
+    def __init__(self, host: str = "127.0.0.1", connect_timeout_s: float = 5.0, *,
+                 advertise_host: str | None = None, options: dict[str, object] | None = None) -> None:
+        opts = parse_options(self.name, options, self.OPTIONS)
+        if advertise_host is None and is_wildcard(host):
+            raise ValueError(f"tcp: bound to {host!r}, so it needs an advertise_host peers can reach")
         self._host = host
-        self._connect_timeout_s = connect_timeout_s
+        self._advertise = advertise_host or host
+        self._connect_timeout_s = float(opts.get("connect_timeout_s", connect_timeout_s))
+        self._sndbuf: int | None = opts.get("sndbuf_bytes")
+        self._rcvbuf: int | None = opts.get("rcvbuf_bytes")
         self._lock = threading.Lock()
         self._regions = RegionSet([])
         self._writes: dict[WriteHandle, _Write] = {}
@@ -126,7 +143,10 @@ class TcpBackend(WriteTable, TransferBackend):
         self._open_fences: set[tuple[int, int]] = set()
         self._receiving: dict[socket.socket, tuple[int, int]] = {}  # connection -> fence of the batch it is in
         self._awaited: set[tuple[int, int]] = set()  # closed while being received: tell the listener when out
-        self._listener = socket.create_server((host, 0))
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host.strip("[]"), 0), family=family)
+        if self._rcvbuf is not None:  # inherited by accepted sockets (must be set before the handshake)
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._rcvbuf)
         self._port = self._listener.getsockname()[1]
         self._accept_thread = threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True)
         self._accept_thread.start()
@@ -136,7 +156,7 @@ class TcpBackend(WriteTable, TransferBackend):
         self._regions = RegionSet(regions)
 
     def endpoint(self) -> bytes:
-        return f"{self._host}:{self._port}".encode()
+        return join_host_port(self._advertise, self._port).encode()
 
     def _accept_loop(self) -> None:
         while True:
@@ -244,15 +264,16 @@ class TcpBackend(WriteTable, TransferBackend):
     # -- initiator side --------------------------------------------------------------------------
     def connect(self, endpoint: bytes) -> PeerId:
         address = endpoint.decode(errors="replace")
-        host, _, port = address.rpartition(":")
         try:
-            sock = socket.create_connection((host, int(port)), timeout=self._connect_timeout_s)
+            sock = socket.create_connection(split_host_port(address), timeout=self._connect_timeout_s)
         except (OSError, ValueError) as exc:
             raise TransferError(
                 TransferErrorKind.PEER_UNREACHABLE, f"tcp: cannot connect to {address}: {exc}"
             ) from exc
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._sndbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._sndbuf)
         with self._lock:
             if self._closed:
                 sock.close()

@@ -1,0 +1,88 @@
+"""Small address helpers shared by the worker and the backends (IPv4 and IPv6, Linux).
+
+Every lookup asks the kernel about the caller's network namespace (ioctl on a socket, ``/proc/self/net``),
+never ``/sys/class/net``, which shows the namespace sysfs was mounted in.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import socket
+import struct
+
+_SIOCGIFADDR = 0x8915
+
+
+def is_wildcard(host: str) -> bool:
+    return host in ("", "0.0.0.0", "::", "[::]")
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def join_host_port(host: str, port: int) -> str:
+    """``host:port`` with an IPv6 literal in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def is_local_address(host: str) -> bool:
+    """True when ``host`` is an address of an interface of this network namespace (it can be bound)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.bind((host.strip("[]"), 0))
+        return True
+    except OSError:
+        return False
+
+
+def interface_of(host: str) -> str | None:
+    """The name of the interface holding address ``host`` (None if no interface of ours has it)."""
+    try:
+        wanted = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    if wanted.version == 6:
+        try:
+            with open("/proc/self/net/if_inet6") as f:
+                for line in f:
+                    fields = line.split()
+                    if len(fields) >= 6 and ipaddress.ip_address(int(fields[0], 16)) == wanted:
+                        return fields[5]
+        except OSError:
+            return None
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on it
+            if socket.inet_ntoa(raw[20:24]) == str(wanted):
+                return name
+    return None
+
+
+def route_source(host: str, port: int = 9) -> str:
+    """The local address the kernel would use to reach ``host`` (a UDP connect: no packet is sent).
+    ``OSError`` when there is no route."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    last: OSError | None = None
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.connect(sockaddr)
+                return str(sock.getsockname()[0])
+        except OSError as exc:
+            last = exc
+    raise last or OSError(f"no address for {host}")
