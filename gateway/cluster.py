@@ -212,7 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="model directory for the torch engine (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--transfer", default="tcp", help="KV transfer backend (tcp, mooncake, nixl)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address every child binds (0.0.0.0: all interfaces)")
+    p.add_argument("--advertise-host", default=None,
+                   help="address the workers advertise and the gateway and registry are reached at (default: --host, "
+                        "or 127.0.0.1 when that is 0.0.0.0)")
+    p.add_argument("--transfer-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="transfer-backend setting for every worker (repeatable; see docs/transfer.md)")
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument("--bootstrap-port", type=int, default=0, help="registry port (0 = any free port)")
     p.add_argument("--policy", default="round_robin", help="gateway routing policy (see gateway --help)")
@@ -236,8 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def plan(args: argparse.Namespace) -> list[Child]:
     py, host = sys.executable, args.host
+    # where the children reach each other (and are advertised)
+    reach = args.advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "::") else host)
     boot_port = args.bootstrap_port or free_port(host)
-    boot_url = f"http://{host}:{boot_port}"
+    boot_url = f"http://{reach}:{boot_port}"
     children = [Child("bootstrap", [py, "-m", "bootstrap.cli", "--host", host, "--port", str(boot_port)],
                       f"{boot_url}/health")]
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
@@ -252,13 +259,17 @@ def plan(args: argparse.Namespace) -> list[Child]:
                 argv += ["--model", args.model]
             for opt in args.engine_option:
                 argv += ["--engine-option", opt]
-            children.append(Child(f"{role}-{i}", argv, f"http://{host}:{http_port}/health"))
-            urls[role].append(f"pd://{host}:{port}")
+            for opt in args.transfer_option:
+                argv += ["--transfer-option", opt]
+            if args.advertise_host:
+                argv += ["--advertise-host", args.advertise_host]
+            children.append(Child(f"{role}-{i}", argv, f"http://{reach}:{http_port}/health"))
+            urls[role].append(f"pd://{reach}:{port}")
     gateway_argv = [py, "-m", "gateway.cli", "--host", host, "--port", str(args.port), "--policy", args.policy,
                     "--log-level", args.log_level, "--prefill", *urls["prefill"], "--decode", *urls["decode"]]
     for opt in args.policy_option:
         gateway_argv += ["--policy-option", opt]
-    children.append(Child("gateway", gateway_argv, f"http://{host}:{args.port}/readiness"))
+    children.append(Child("gateway", gateway_argv, f"http://{reach}:{args.port}/readiness"))
     return children
 
 

@@ -3,7 +3,8 @@
 Lifecycle:
 1. ``KVManager(role, args, backend, ...)`` registers ``args``' memory with the backend once (the prefill
    also registers a small staging area for aux payloads) and starts its threads: the prefill listens on
-   ``control_address`` (127.0.0.1 by default); both run a monitor thread (write progress, timeouts,
+   ``host`` (127.0.0.1 by default) and names ``advertise_host`` (default: the bound address) in
+   ``control_address``; both run a monitor thread (write progress, timeouts,
    heartbeats).
 2. Prefill: ``create_sender(room)`` per request; decode: ``create_receiver(room, host, port, instance_id)``.
    The scheduler thread then polls the room and calls its non-blocking methods (see ``KVSender`` and
@@ -49,6 +50,7 @@ class KVManager:
         control_port: int = 0,
         timeouts: KVTimeouts = KVTimeouts(),
         resolver: Resolver | None = None,
+        advertise_host: str | None = None,
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"KVManager role must be 'prefill' or 'decode', got {role!r}")
@@ -58,6 +60,7 @@ class KVManager:
         self.args = args
         self.backend = backend
         self.timeouts = timeouts
+        self._advertise_host = advertise_host  # what control_address names (default: the bound address)
         self._ctx = Context(args, backend, timeouts)
         self.counters = self._ctx  # num_bytes_sent, num_rooms_completed, num_rooms_failed (for metrics)
         self._prefill: PrefillSide | None = None
@@ -89,7 +92,8 @@ class KVManager:
         """Prefill: where decodes connect (goes into the bootstrap registry as rank_ip/rank_port)."""
         if self._prefill is None:
             raise AttributeError("control_address: only a prefill KVManager listens")
-        return self._prefill.control_address
+        host, port = self._prefill.control_address
+        return (self._advertise_host or host, port)
 
     def create_sender(self, room: int) -> KVSender:
         if self._prefill is None:

@@ -20,7 +20,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="sim", help="engine plugin name (sim, torch) or module:attr")
     p.add_argument("--model", default=None, help="model directory (torch engine); 'default' = SmolLM2")
     p.add_argument("--transfer", default="tcp", help="KV transfer backend (tcp, mooncake, nixl, fake)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address every socket binds (0.0.0.0: all interfaces)")
+    p.add_argument("--advertise-host", default=None,
+                   help="address peers are told (registry entry, KV control, data endpoint); default: --host, "
+                        "or when that is 0.0.0.0 the address of the interface that routes to the registry")
     p.add_argument("--port", type=int, default=0, help="native protocol port (0 = any free port)")
     p.add_argument("--http-port", type=int, default=0, help="HTTP side port (health, info, debug)")
     p.add_argument("--bootstrap", default=None, help="bootstrap registry URL, e.g. http://127.0.0.1:8998")
@@ -42,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval-s", type=float, default=2.0)
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                    help="engine-specific setting (repeatable), e.g. decode_step_s=0.002 for sim")
+    p.add_argument("--transfer-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="transfer-backend setting (repeatable), e.g. protocol=rdma for mooncake, ucx_tls=tcp for "
+                        "nixl; see docs/transfer.md")
     p.add_argument("--max-unread-mib", type=float, default=MAX_UNREAD_BYTES / 2**20,
                    help="output a gateway connection may leave unread before it is dropped (its requests end)")
     p.add_argument("--log-level", default="info")
@@ -55,6 +61,12 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         if not sep or not key:
             raise ConfigError(f"engine_option: expected KEY=VALUE, got {item!r}")
         extra[key] = value
+    from transfer.options import split_pairs
+
+    try:
+        transfer_options = split_pairs(args.transfer_option)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return WorkerConfig(
         role=args.role, engine=args.engine, model=args.model, transfer=args.transfer, host=args.host,
         port=args.port, http_port=args.http_port, bootstrap=args.bootstrap,
@@ -65,6 +77,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         bootstrap_timeout_s=args.bootstrap_timeout_s, waiting_timeout_s=args.waiting_timeout_s,
         transfer_timeout_s=args.transfer_timeout_s, heartbeat_interval_s=args.heartbeat_interval_s,
         max_unread_bytes=int(args.max_unread_mib * 2**20), engine_options=extra,
+        advertise_host=args.advertise_host, transfer_options=transfer_options,
     )
 
 

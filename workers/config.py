@@ -17,7 +17,8 @@ class WorkerConfig:
     engine: str = "sim"
     model: str | None = None
     transfer: str = "tcp"
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # what every socket binds (0.0.0.0: every interface)
+    advertise_host: str | None = None  # what peers are told (default: host, or the route to the registry)
     port: int = 0  # native protocol
     http_port: int = 0
     bootstrap: str | None = None  # registry URL (prefill registers, decode looks up)
@@ -38,6 +39,7 @@ class WorkerConfig:
     heartbeat_interval_s: float = 2.0
     max_unread_bytes: int = MAX_UNREAD_BYTES  # per gateway connection: past it the gateway is not reading
     engine_options: dict[str, str] = field(default_factory=dict)
+    transfer_options: dict[str, str] = field(default_factory=dict)  # --transfer-option, checked by the backend
 
     def __post_init__(self) -> None:
         if self.model == "default":  # the embedded SmolLM2 (torch engine)

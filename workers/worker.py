@@ -1,11 +1,13 @@
 """One worker process: engine + KV pool + transfer + scheduler thread + native and HTTP servers.
 
 Lifecycle:
-1. ``Worker(config)``; ``await start()`` builds the engine (may take seconds), sizes the KV pool
-   from the model shape, binds them, creates the transfer backend and KV manager (prefill and
-   decode roles), starts the scheduler thread, the native server and the HTTP side (with SGLang's
-   HTTP API, ``workers/sglang_api.py``, which connects to the native port on first use), and, for a
-   prefill worker, registers its KV control endpoint with the bootstrap registry (heartbeats).
+1. ``Worker(config)``; ``await start()`` settles the address it advertises (``workers/addresses.py``:
+   ``--advertise-host``, else ``--host``, else the route to the registry; clear errors for one that
+   cannot work) and checks ``--transfer-option`` against the backend, then builds the engine (may
+   take seconds), sizes the KV pool from the model shape, binds them, creates the transfer backend
+   and KV manager (prefill and decode roles), starts the scheduler thread, the native server and the
+   HTTP side (with SGLang's HTTP API, ``workers/sglang_api.py``, which connects to the native port on
+   first use), and, for a prefill worker, registers its KV control endpoint with the bootstrap registry (heartbeats).
 2. ``await serve_forever()`` until cancelled or a signal.
 3. ``await aclose()``: deregister, close the SGLang API, stop the scheduler (live requests fail),
    close the KV manager, close the servers. Idempotent.
@@ -24,6 +26,8 @@ from urllib.parse import urlsplit
 import uvicorn
 
 from gateway.http_protocol import ClientLimits, protocol_class
+from transfer.netaddr import is_wildcard, join_host_port
+from workers.addresses import advertised_host
 from workers.config import WorkerConfig
 from workers.engines import EngineOptions, create_engine
 from workers.engines.base import Engine
@@ -54,10 +58,18 @@ class Worker:
         self.bootstrap_url = config.bootstrap
         self._resolver: Any = None
         self._closed = False
+        self.advertise_host = config.advertise_host or config.host  # settled in start()
 
     # -- assembly ----------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
+        registry = cfg.bootstrap or (f"http://{cfg.host}:{cfg.bootstrap_embedded}"
+                                     if cfg.bootstrap_embedded is not None else None)
+        self.advertise_host = advertised_host(cfg.host, cfg.advertise_host, registry)
+        if cfg.role != "both":
+            from transfer.registry import check_options
+
+            check_options(cfg.transfer, cfg.transfer_options)  # before the engine takes its seconds to load
         options = EngineOptions(
             model=cfg.model, device=cfg.device, dtype=cfg.dtype, attention=cfg.attention,
             num_threads=cfg.num_threads, extra=dict(cfg.engine_options),
@@ -102,11 +114,12 @@ class Worker:
             await asyncio.sleep(0.01)
         if cfg.role == "prefill":
             await self._register()
-        log.info("worker %s ready: native %s:%d http %d", self.worker_id, cfg.host, self.native_port,
-                 self.http_port)
+        log.info("worker %s ready: native %s:%d http %d (advertised as %s)", self.worker_id, cfg.host,
+                 self.native_port, self.http_port, self.advertise_host)
 
     def _create_kv_manager(self, pool: KVPool) -> Any:
-        from transfer import KVArgs, KVManager, KVTimeouts, create_backend
+        from transfer import KVArgs, KVManager, KVTimeouts
+        from transfer.registry import build_backend
 
         cfg = self.config
         args = KVArgs.from_pool(pool)
@@ -119,8 +132,10 @@ class Worker:
         if cfg.role == "decode":
             resolver = self._make_resolver()
         role: Literal["prefill", "decode"] = "prefill" if cfg.role == "prefill" else "decode"
-        return KVManager(role, args, create_backend(cfg.transfer), host=cfg.host, timeouts=timeouts,
-                         resolver=resolver)
+        backend = build_backend(cfg.transfer, host=cfg.host, advertise_host=self.advertise_host,
+                                options=cfg.transfer_options)
+        return KVManager(role, args, backend, host=cfg.host, advertise_host=self.advertise_host,
+                         timeouts=timeouts, resolver=resolver)
 
     def _make_resolver(self) -> _RegistryResolver:
         from bootstrap.client import BootstrapResolver
@@ -158,7 +173,7 @@ class Worker:
 
     @property
     def instance_id(self) -> str:
-        return self.config.instance_id or f"{self.config.host}:{self.native_port}"
+        return self.config.instance_id or join_host_port(self.advertise_host, self.native_port)
 
     def _hello_ack(self) -> HelloAck:
         assert self.engine is not None and self.pool is not None
@@ -167,6 +182,8 @@ class Worker:
         if self.bootstrap_url:
             url = urlsplit(self.bootstrap_url)
             boot_host, boot_port = url.hostname, url.port or 8998
+            if boot_host is None or is_wildcard(boot_host):  # our embedded registry on every interface
+                boot_host = self.advertise_host
         return HelloAck(
             version=PROTOCOL_VERSION, worker_id=self.worker_id, role=self.config.role,
             engine=self.config.engine, model=info.name, tokenizer=info.tokenizer,

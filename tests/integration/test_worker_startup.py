@@ -36,3 +36,29 @@ def test_a_prefill_needs_a_registry() -> None:
     out = subprocess.run([sys.executable, "-m", "workers.cli", "--role", "prefill"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode != 0 and "bootstrap" in out.stderr
+
+
+def run_role(role: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "workers.cli", "--role", role, "--log-level", "error", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_bad_transfer_option_names_backend_and_option() -> None:
+    out = run_role("decode", "--transfer", "tcp", "--transfer-option", "warp_factor=9")
+    assert out.returncode != 0 and "'tcp'" in out.stderr and "warp_factor" in out.stderr
+    out = run_role("decode", "--transfer", "nixl", "--transfer-option", "ucx_tls=carrier_pigeon")
+    assert out.returncode != 0 and "'nixl'" in out.stderr and "ucx_tls" in out.stderr
+    out = run_role("decode", "--transfer-option", "novalue")
+    assert out.returncode != 0 and "KEY=VALUE" in out.stderr
+
+
+def test_unusable_addresses_are_refused_at_startup() -> None:
+    out = run_role("decode", "--host", "192.0.2.7")  # TEST-NET-1: no interface of ours has it
+    assert out.returncode != 0 and "--host 192.0.2.7: not an address of this machine" in out.stderr
+    out = run_role("decode", "--host", "127.0.0.1", "--advertise-host", "127.0.0.2")
+    assert out.returncode != 0 and "does not match --host 127.0.0.1" in out.stderr
+    out = run_role("decode", "--host", "0.0.0.0", "--advertise-host", "192.0.2.7")
+    assert out.returncode != 0 and "--advertise-host 192.0.2.7: not an address of this machine" in out.stderr
+    # loopback advertised while the registry is on another host: nobody there could reach us
+    out = run_role("prefill", "--host", "127.0.0.1", "--bootstrap", "http://192.0.2.8:8998")
+    assert out.returncode != 0 and "loopback" in out.stderr and "192.0.2.8" in out.stderr
