@@ -176,6 +176,9 @@ class Gateway:
 
     async def start(self) -> None:
         self._started = True
+        if self.fleet is not None and self.config.tokenizer:
+            # SGLang workers tokenize for themselves: a tokenizer here only lets the policies see prompts.
+            self.fleet.tokenizer = load_tokenizer(self.config.tokenizer)
         for client in self.clients:
             client.start()
         self._refresher = asyncio.create_task(self._refresh_load_states(), name="load-freshness")

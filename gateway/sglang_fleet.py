@@ -28,11 +28,14 @@ import msgspec
 
 from gateway.errors import NoWorkers
 from gateway.health import HealthConfig, WorkerHealth
+from gateway.sglang_routing import ROUTING_PAGE_TOKENS
 from gateway.worker_state import WorkerState
 from workers.protocol import LoadReport
 
 if TYPE_CHECKING:
+    from gateway.policies.base import RequestInfo
     from gateway.router import Router
+    from gateway.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,7 @@ class HttpWorker:
         host = urlsplit(url).hostname or ""
         self.bootstrap_host = f"[{host}]" if ":" in host else host
         self.state = WorkerState(self.url, role, self)
+        self.state.page_size = ROUTING_PAGE_TOKENS  # (no handshake to say; prefixes and loads count in these)
         self.health = WorkerHealth(health)
         self.is_up = False  # passing /health probes
         self.has_loads: bool | None = None  # serves /v1/loads (None: not known yet)
@@ -109,6 +113,7 @@ class SGLangFleet:
         self.router = router
         self.config = config or RelayConfig()
         self.model_name: str | None = None
+        self.tokenizer: Tokenizer | None = None  # --tokenizer: prompts tokenized for routing only
         self.session: aiohttp.ClientSession | None = None
         self._probes: list[asyncio.Task[None]] = []
 
@@ -189,7 +194,7 @@ class SGLangFleet:
         if report is not None:
             worker.has_loads = True
             state = worker.state
-            state.page_size, state.num_total_pages = 1, report.num_total_pages  # (no handshake to say so)
+            state.num_total_pages = report.num_total_pages
             state.reported(report)
 
     async def _learn_model(self, worker: HttpWorker) -> None:
@@ -204,7 +209,9 @@ class SGLangFleet:
         if isinstance(name, str) and name:
             self.model_name = name
 
-    def select(self, num_items: int, avoid: set[HttpWorker]) -> tuple[HttpWorker, HttpWorker]:
+    def select(self, request: RequestInfo, avoid: set[HttpWorker]) -> tuple[HttpWorker, HttpWorker]:
+        """A healthy pair for one attempt (avoiding the workers that failed it before, while others are up);
+        the prompt counts as cached on the chosen prefill for a moment (``Router.dispatched``)."""
         def pick(pool: list[HttpWorker]) -> list[WorkerState]:
             healthy = [w for w in pool if w.healthy]
             return [w.state for w in healthy if w not in avoid] or [w.state for w in healthy]
@@ -212,13 +219,15 @@ class SGLangFleet:
         prefills, decodes = pick(self.prefills), pick(self.decodes)
         if not prefills or not decodes:
             raise NoWorkers(f"no healthy SGLang {'decode' if prefills else 'prefill'} worker", retry_after_s=1.0)
-        pair = self.router.select(prefills, decodes, self.router.request([], 0))
+        pair = self.router.select(prefills, decodes, request)
         assert pair.prefill is not None
+        self.router.dispatched(pair, request)
         return pair.prefill.client, pair.decode.client  # type: ignore[attr-defined]
 
 
 def load_report_of(loads: Any, last_rid: int) -> LoadReport | None:
-    """``/v1/loads``' ranks summed into one ``LoadReport`` (tokens stand for pages: page size 1)."""
+    """``/v1/loads``' ranks summed into one ``LoadReport`` (KV tokens counted in pages of
+    ``ROUTING_PAGE_TOKENS``)."""
     if not isinstance(loads, list) or not loads or not all(isinstance(r, dict) for r in loads):
         return None
 
@@ -228,7 +237,8 @@ def load_report_of(loads: Any, last_rid: int) -> LoadReport | None:
     try:
         capacity, used = total("max_total_num_tokens"), total("num_used_tokens")
         return LoadReport(num_running=total("num_running_reqs"), num_waiting=total("num_waiting_reqs"),
-                          num_free_pages=max(0, capacity - used), num_total_pages=capacity,
+                          num_free_pages=max(0, capacity - used) // ROUTING_PAGE_TOKENS,
+                          num_total_pages=capacity // ROUTING_PAGE_TOKENS,
                           num_prefill_tokens=max(0, total("num_total_tokens") - used), last_rid=last_rid,
                           max_running=total("max_running_requests"))
     except (TypeError, ValueError):

@@ -8,7 +8,8 @@ Lifecycle (the workers, their health, load and HTTP session: ``gateway/sglang_fl
 1. ``SGLangResponder(fleet, route, path, ...)``, one per generation route, made with the app.
 2. Per request (``SGLangResponder``, raw ASGI for chat, completions and ``/generate``): admission,
    the body (capped) as a JSON object, a pair from the router's policies (the workers' ``/v1/loads``
-   plus the gateway's own open requests; no tokenizer, so no prefix matching), a fresh
+   plus the gateway's own open requests; with ``--tokenizer``, the prompt's tokens for prefix
+   matching, ``gateway/sglang_routing.py``), a fresh
    ``bootstrap_room`` per item (a list for batched ``/generate`` and for ``n > 1``, else a scalar),
    POSTed to the prefill and the decode at the same time.
 3. Failure coupling before the decode's first byte: a prefill that fails (non-2xx, connection
@@ -35,8 +36,10 @@ import msgspec
 
 from gateway.context import REQUEST_ID
 from gateway.errors import APIError, BadGateway, BadRequest, UpstreamTimeout
+from gateway.policies.base import Pair
 from gateway.responder import ClientGone, read_body, send_error, watch_disconnect
 from gateway.sglang_fleet import HttpWorker, SGLangFleet
+from gateway.sglang_routing import routing_request
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
@@ -130,10 +133,11 @@ class SGLangResponder:
         num_items = batch_size(self.route, body)
         stream = bool(body.get("stream"))
         merge_logprobs = self.route == "generate" and bool(body.get("return_logprob"))
+        request = routing_request(fleet.router, fleet.tokenizer, self.route, body)
         avoid: set[HttpWorker] = set()
         attempt = 0
         while True:
-            prefill, decode = fleet.select(num_items or 1, avoid)
+            prefill, decode = fleet.select(request, avoid)
             rooms = [secrets.randbits(63) for _ in range(num_items or 1)]
             payload = dict(body)
             if num_items is None:
@@ -142,7 +146,15 @@ class SGLangResponder:
             else:
                 payload.update(bootstrap_host=[prefill.bootstrap_host] * num_items,
                                bootstrap_port=[prefill.bootstrap_port] * num_items, bootstrap_room=rooms)
-            outcome = await self._attempt(prefill, decode, _json.encode(payload), stream, merge_logprobs, send)
+            pair, result = Pair(prefill.state, decode.state), "cancelled"
+            try:
+                outcome = await self._attempt(prefill, decode, _json.encode(payload), stream, merge_logprobs, send)
+                result = "finished" if isinstance(outcome, int) and outcome < 400 else "failed"
+            except APIError:
+                result = "failed"
+                raise
+            finally:
+                fleet.router.finished(pair, request, result)
             if isinstance(outcome, int):
                 return outcome
             if attempt >= cfg.max_retries:

@@ -55,6 +55,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # Outputs generated before this request (a migrated stream): seeded draws continue at their true
     # output position (``workers/engines/llama/sampling.py``).
     output_offset: int = 0
+    # Logit adjustments from the request's own history (``workers/engines/llama/penalties.py``); an
+    # engine that does not implement one refuses a request that sets it (``Engine.supported_sampling``).
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # SGLang/HF: positive logits of prompt + output tokens divided, negative multiplied
+    min_new_tokens: int = 0  # EOS and stop_token_ids are masked until this many outputs (incl. output_offset)
 
 
 class Hello(msgspec.Struct, tag="hello"):

@@ -46,7 +46,7 @@ from transfer.types import KVPoll
 if TYPE_CHECKING:
     from transfer import KVManager
 from workers.aux import AuxRecord, decode_aux, encode_aux
-from workers.engines.base import Engine, KVChecker, SeqInput, SeqOutput
+from workers.engines.base import Engine, KVChecker, SeqInput, SeqOutput, SequenceState, check_sampling, needs_history
 from workers.kv_pool import KVPool
 from workers.metrics import SchedulerMetrics
 from workers.page_cache import PageCache
@@ -102,6 +102,7 @@ class Scheduler:
         self.role = config.role
         self.engine = engine
         self.kv_checker = engine if isinstance(engine, KVChecker) else None  # optional ability, checked once
+        self.seq_state = engine if isinstance(engine, SequenceState) else None  # told of every release
         self.pool = pool
         self.kv = kv
         # Decode workers receive whole prompts from prefill workers: nothing to share there.
@@ -351,7 +352,7 @@ class Scheduler:
             return f"a {self.role} worker needs bootstrap_host/bootstrap_room"
         if not math.isfinite(msg.timeout_s) or msg.timeout_s <= 0:
             return "timeout_s must be a positive number"
-        return None
+        return check_sampling(p, self.engine)
 
     def _enter(self, req: Req, stage: str, queue_: list[Req] | StageQueue) -> None:
         req.move(stage)
@@ -467,7 +468,7 @@ class Scheduler:
         for req in self._running:
             n = len(req.input_ids) + len(req.output_ids)
             batch.append(SeqInput(req.seq_id, req.pages, n - 1, [req.output_ids[-1]], True, req.params,
-                                  len(req.output_ids), None))
+                                  len(req.output_ids), req.all_ids if needs_history(req.params) else None))
             reqs.append(req)
         budget = self.config.chunk_size
         for req in self._prefilling:
@@ -595,6 +596,8 @@ class Scheduler:
         req.done = True
         self._load_dirty = True
         self.reqs.pop(req.key, None)
+        if self.seq_state is not None:
+            self.seq_state.forget(req.seq_id)
         for handle in (req.kv_sender, req.kv_receiver):
             if handle is not None and abort_reason is not None and handle.poll() not in (KVPoll.Success,
                                                                                           KVPoll.Failed):

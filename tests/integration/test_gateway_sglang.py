@@ -22,6 +22,8 @@ import openai
 import pytest
 from pdtest import Procs, free_port, start_gateway, start_worker, wait_http_ok
 
+from gateway.sglang_routing import ROUTING_PAGE_TOKENS
+
 MAX_ROOM = 2**63 - 1
 
 
@@ -215,10 +217,34 @@ def test_gateway_over_our_workers_sglang_side_matches_the_native_path(procs: Pro
     deadline = time.monotonic() + 10  # the gateway polls /v1/loads after each passed /health probe
     while True:
         workers = httpx.get(f"http://127.0.0.1:{http}/readiness", timeout=10).json()["workers"]
-        if all(w["load_fresh"] and w["total_pages"] == 256 * 4 for w in workers):
+        if all(w["load_fresh"] and w["total_pages"] == 256 * 4 // ROUTING_PAGE_TOKENS for w in workers):
             break
         assert time.monotonic() < deadline, workers
         time.sleep(0.2)
+
+
+def test_a_tokenizer_lets_cache_aware_route_sglang_prompts_by_prefix(procs: Procs, tmp_path: Path) -> None:
+    """SGLang workers publish no KV events, but with ``--tokenizer`` the gateway matches each prompt against
+    the prefixes it sent to each prefill: every tenant's requests stay on one prefill, and new tenants
+    spread over both (without a tokenizer cache_aware routes these idle workers by load alone)."""
+    logs = [tmp_path / "p0.jsonl", tmp_path / "p1.jsonl"]
+    p0, p1 = (start_standin(procs, "prefill", log) for log in logs)
+    d = start_standin(procs, "decode", tmp_path / "d.jsonl")
+    port = start_gateway(procs, "--prefill", f"http://127.0.0.1:{p0}", "none", "--prefill", f"http://127.0.0.1:{p1}",
+                         "none", "--decode", f"http://127.0.0.1:{d}", "--policy", "cache_aware",
+                         "--tokenizer", "byte", "--assume-ttl-s", "600")
+    tenants = [f"tenant {t}: " + f"the shared system prompt of tenant number {t}, long enough for pages. " * 4
+               for t in range(4)]
+    for turn in range(3):
+        for prefix in tenants:
+            r = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=30,
+                           json={"text": f"{prefix}question {turn}", "sampling_params": {"max_new_tokens": 4}})
+            assert r.status_code == 200, r.text
+    served = [{e["text"].split(":")[0] for e in map(json.loads, log.read_text().splitlines() if log.exists() else [])
+               if e["event"] == "request"} for log in logs]
+    assert served[0].isdisjoint(served[1]), f"a tenant's prompts went to both prefills: {served}"
+    assert served[0] and served[1], f"the tenants did not spread over both prefills: {served}"
+    assert served[0] | served[1] == {f"tenant {t}" for t in range(4)}
 
 
 def test_a_mixed_fleet_serves_from_both_kinds(procs: Procs, tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ Engines never allocate pages and never talk to the network: the scheduler owns b
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -56,7 +57,8 @@ class SeqInput:
     sample: bool
     params: SamplingParams
     num_generated: int = 0  # index of the output token this step samples (seeded sampling)
-    all_token_ids: list[int] | None = None  # prompt + outputs so far (penalties, sim verification)
+    # Prompt + outputs so far: on prefill chunks, and on decode steps of requests that ``needs_history``.
+    all_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -67,11 +69,74 @@ class SeqOutput:
     prompt_logprobs: list[float] | None = None
 
 
+# Optional sampling fields of ``SamplingParams`` and their neutral values. An engine implements those
+# its ``supported_sampling`` names; a request that sets another to a non-neutral value is refused
+# (``check_sampling``), never served as if it had not asked.
+OPTIONAL_SAMPLING: dict[str, object] = {
+    "logit_bias": {},
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+}
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's, for presence_penalty and frequency_penalty
+
+
+def requested_sampling(params: SamplingParams) -> list[str]:
+    """The optional sampling fields ``params`` sets to a non-neutral value."""
+    return [name for name, neutral in OPTIONAL_SAMPLING.items() if getattr(params, name) != neutral]
+
+
+def needs_history(params: SamplingParams) -> bool:
+    """Whether sampling depends on the tokens before (penalties): the scheduler then passes
+    ``SeqInput.all_token_ids`` on every step."""
+    return params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
+
+
+def banned_by_min_tokens(params: SamplingParams, num_outputs: int, eos_token_ids: tuple[int, ...]) -> list[int]:
+    """Token ids ``min_new_tokens`` forbids after ``num_outputs`` outputs (including ``output_offset``)."""
+    if num_outputs >= params.min_new_tokens:
+        return []
+    banned = list(params.stop_token_ids)
+    if not params.ignore_eos:
+        banned += eos_token_ids
+    return banned
+
+
+def check_sampling(params: SamplingParams, engine: Engine) -> str | None:
+    """Why ``engine`` cannot serve these optional sampling fields (a field named first), or None."""
+    for name in requested_sampling(params):
+        if name not in engine.supported_sampling:
+            return f"{name} is not supported by the {engine.name} engine"
+    vocab = engine.info.vocab_size
+    low, high = LOGIT_BIAS_RANGE
+    for token, bias in params.logit_bias.items():
+        if not 0 <= token < vocab:
+            return f"logit_bias: token id {token} is outside the vocabulary [0, {vocab})"
+        if not low <= bias <= high:
+            return f"logit_bias: the bias of token {token} must be in [{low:g}, {high:g}], got {bias}"
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
+            return f"{name} must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}], got {value}"
+    if not (math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0):
+        return f"repetition_penalty must be a positive number, got {params.repetition_penalty}"
+    if params.min_new_tokens < 0:
+        return f"min_new_tokens must be >= 0, got {params.min_new_tokens}"
+    return None
+
+
 class Engine(ABC):
-    """A model behind the scheduler. Subclasses set ``info`` in ``__init__``."""
+    """A model behind the scheduler. Subclasses set ``info`` in ``__init__``.
+
+    ``supported_sampling``: the ``OPTIONAL_SAMPLING`` fields the engine implements; the scheduler
+    refuses a request that sets any other (a plugin that knows none of them refuses them all).
+    """
 
     name: str = "engine"
     info: ModelInfo
+    supported_sampling: frozenset[str] = frozenset()
 
     @abstractmethod
     def bind(self, pool: KVPool) -> None:
@@ -100,4 +165,17 @@ class KVChecker(Protocol):
 
     def digest(self, page_ids: list[int], num_tokens: int) -> int | None:
         """A checksum of the KV of positions [0, num_tokens) as held in the pool."""
+        ...
+
+
+@runtime_checkable
+class SequenceState(Protocol):
+    """Optional engine ability: state kept per sequence between steps (e.g. penalty counts).
+
+    The scheduler checks for it once at start-up (``isinstance``) and calls ``forget`` once for every
+    sequence it releases (finished, failed, aborted), from its own thread.
+    """
+
+    def forget(self, seq_id: int) -> None:
+        """Drop what is kept for ``seq_id`` (``SeqInput.rid``); unknown ids are ignored."""
         ...

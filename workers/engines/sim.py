@@ -20,6 +20,10 @@ Options (``EngineOptions.extra``, ``--engine-option KEY=VALUE`` on the worker):
 
 Lifecycle: construct from ``EngineOptions`` -> ``bind`` -> ``forward`` per step (sleeps for the
 modelled compute time) -> ``close``.
+
+Sampling fields: ``min_new_tokens`` is honoured (a stop token id the digest picks before it is replaced by the
+next unbanned one; the sim never emits EOS); ``logit_bias`` and the penalties need logits, which the sim
+does not have: requests that set them are refused with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from workers.engines.base import Engine, EngineOptions, ModelInfo, SeqInput, SeqOutput
+from workers.engines.base import Engine, EngineOptions, ModelInfo, SeqInput, SeqOutput, banned_by_min_tokens
 from workers.kv_pool import KVPool
 
 # Output alphabet: printable, so sim completions read as text through the byte tokenizer.
@@ -42,6 +46,8 @@ _MAX_SEEN = 8192  # sequences whose running digest is kept
 
 class SimEngine(Engine):
     name = "sim"
+    # No logits, so no logit_bias or penalties (refused: ``check_sampling``); min_new_tokens is honoured.
+    supported_sampling = frozenset({"min_new_tokens"})
 
     def __init__(self, options: EngineOptions | None = None) -> None:
         options = options or EngineOptions()
@@ -179,7 +185,7 @@ class SimEngine(Engine):
                 num_prefill_tokens += len(seq.token_ids)
             if seq.sample:
                 crc = self._sample_digest(seq) if self.verify_kv else _chain(seq)
-                outputs.append(SeqOutput(token_id=ALPHABET[crc % len(ALPHABET)], logprob=0.0))
+                outputs.append(SeqOutput(token_id=self._pick(seq, crc), logprob=0.0))
             else:
                 outputs.append(SeqOutput())
         modelled = num_prefill_tokens * self.prefill_token_s
@@ -189,6 +195,19 @@ class SimEngine(Engine):
         if remaining > 0:
             time.sleep(remaining)
         return outputs
+
+
+    def _pick(self, seq: SeqInput, crc: int) -> int:
+        """The output token for this digest; under ``min_new_tokens`` the next one not banned."""
+        token = ALPHABET[crc % len(ALPHABET)]
+        p = seq.params
+        if not p.min_new_tokens:
+            return token
+        banned = set(banned_by_min_tokens(p, seq.num_generated + p.output_offset, self.info.eos_token_ids))
+        if token not in banned:
+            return token
+        candidates = [ALPHABET[(crc + k) % len(ALPHABET)] for k in range(len(ALPHABET))] + list(range(256))
+        return next((t for t in candidates if t not in banned), token)
 
 
 def _chain(seq: SeqInput) -> int:

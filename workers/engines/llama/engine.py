@@ -11,8 +11,10 @@ Lifecycle:
    over every sequence's new tokens at once (KV written to the pages the scheduler named),
    samples where asked, and returns one ``SeqOutput`` per ``SeqInput``. After each call
    ``last_logits[i]`` holds the float32 logits ``[vocab]`` that sequence i's token was sampled
-   from (None where ``sample`` was False): tests compare them with a reference.
-4. ``close()`` drops the weights and the cache views.
+   from (None where ``sample`` was False): tests compare them with a reference. They are the model's
+   raw logits; ``logit_bias``, penalties and ``min_new_tokens`` (``penalties.py``) are applied after.
+4. ``forget(seq_id)`` from the scheduler when it releases a sequence (its penalty counts).
+5. ``close()`` drops the weights and the cache views.
 
 Prompt logprobs (``params.prompt_logprobs`` on a prefill chunk, i.e. ``num_generated == 0``):
 ``SeqOutput.prompt_logprobs[j]`` is the logprob of ``token_ids[j]`` given all earlier positions;
@@ -33,10 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engines.base import Engine, EngineOptions, ModelInfo, SeqInput, SeqOutput
+from workers.engines.base import OPTIONAL_SAMPLING, Engine, EngineOptions, ModelInfo, SeqInput, SeqOutput
 from workers.engines.llama.attention import AttentionBackend, StepLayout, make_backend
 from workers.engines.llama.config import ModelConfigError, load_config
 from workers.engines.llama.model import LlamaModel
+from workers.engines.llama.penalties import LogitAdjuster
 from workers.engines.llama.sampling import generator_for, is_greedy, sample, token_logprobs
 from workers.kv_pool import KVPool
 
@@ -56,6 +59,7 @@ class TorchEngine(Engine):
     """A real Llama-family transformer over the worker's paged KV pool."""
 
     name = "torch"
+    supported_sampling = frozenset(OPTIONAL_SAMPLING)
 
     def __init__(self, options: EngineOptions) -> None:
         if options.num_threads > 0:
@@ -92,6 +96,7 @@ class TorchEngine(Engine):
         self.pool: KVPool | None = None
         self.last_logits: list[torch.Tensor | None] = []
         self._rng = torch.Generator(device="cpu")
+        self.adjuster = LogitAdjuster(self.cfg.vocab_size, self.cfg.eos_token_ids)
         # (rid, next position) -> final hidden row of the previous prompt chunk (prompt logprobs)
         self._prompt_carry: dict[tuple[int, int], torch.Tensor] = {}
         self._rng.manual_seed(secrets.randbits(63))
@@ -119,6 +124,10 @@ class TorchEngine(Engine):
                 "build the pool on the engine's device"
             )
         return tensor
+
+    def forget(self, seq_id: int) -> None:
+        """The scheduler released ``seq_id``: drop its penalty counts (``SequenceState``)."""
+        self.adjuster.forget(seq_id)
 
     def close(self) -> None:
         self.pool = None
@@ -225,14 +234,16 @@ class TorchEngine(Engine):
             return
         last_rows = torch.tensor([rows[i].start + rows[i].num_rows - 1 for i in sampled], device=self.device)
         logits = self.model.logits(hidden.index_select(0, last_rows)).cpu()
-        argmax = logits.argmax(dim=-1).tolist()  # one call for every greedy sequence
+        # logit_bias, penalties, min_new_tokens over every sampled row at once (raw logits kept for logprobs)
+        scores = self.adjuster.adjust(logits, [batch[i] for i in sampled])
+        argmax = scores.argmax(dim=-1).tolist()  # one call for every greedy sequence
         for j, i in enumerate(sampled):
             seq, row = batch[i], logits[j]
             self.last_logits[i] = row
             if is_greedy(seq.params):
                 token = argmax[j]
             else:
-                token = sample(row, seq.params, generator_for(seq.params, seq.num_generated, self._rng))
+                token = sample(scores[j], seq.params, generator_for(seq.params, seq.num_generated, self._rng))
             out = outputs[i]
             out.token_id = token
             if seq.params.logprobs or seq.params.top_logprobs > 0:

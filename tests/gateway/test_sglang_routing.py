@@ -1,0 +1,54 @@
+"""The prompt tokens and output budget the policies see for requests bound for SGLang workers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gateway.router import Router
+from gateway.sglang_routing import DEFAULT_MAX_NEW_TOKENS, max_new_tokens, prompt_ids, routing_request
+from gateway.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+
+
+@pytest.mark.parametrize(("route", "body", "expected"), [
+    ("generate", {"text": "abc"}, list(b"abc")),
+    ("generate", {"text": ["abc", "xyz"]}, list(b"abc")),
+    ("generate", {"input_ids": [5, 6, 7]}, [5, 6, 7]),
+    ("generate", {"input_ids": [[5, 6], [7]]}, [5, 6]),
+    ("completions", {"prompt": "hi"}, list(b"hi")),
+    ("completions", {"prompt": [[1, 2], [3]]}, [1, 2]),
+    ("completions", {"prompt": [9, 8]}, [9, 8]),
+    ("completions", {}, []),
+    ("generate", {"input_ids": [1, "x"]}, []),
+])
+def test_prompt_ids_of_each_route_shape(route: str, body: dict[str, Any], expected: list[int]) -> None:
+    assert prompt_ids(TOK, route, body) == expected
+
+
+def test_chat_goes_through_the_chat_template() -> None:
+    messages = [{"role": "user", "content": "hello"}]
+    assert prompt_ids(TOK, "chat", {"messages": messages}) == TOK.apply_chat_template(messages)
+    assert prompt_ids(TOK, "chat", {"messages": []}) == []
+
+
+@pytest.mark.parametrize(("route", "body", "expected"), [
+    ("generate", {"sampling_params": {"max_new_tokens": 7}}, 7),
+    ("generate", {"sampling_params": None}, DEFAULT_MAX_NEW_TOKENS),
+    ("chat", {"max_completion_tokens": 9, "max_tokens": 3}, 9),
+    ("completions", {"max_tokens": 3}, 3),
+    ("completions", {"max_tokens": -1}, DEFAULT_MAX_NEW_TOKENS),
+    ("chat", {"max_tokens": True}, DEFAULT_MAX_NEW_TOKENS),
+])
+def test_max_new_tokens(route: str, body: dict[str, Any], expected: int) -> None:
+    assert max_new_tokens(route, body) == expected
+
+
+def test_an_unreadable_prompt_routes_without_tokens() -> None:
+    router = Router.build("cache_aware", "cache_aware")
+    bad = routing_request(router, TOK, "chat", {"messages": [{"role": "user", "content": 5}]})
+    assert list(bad.input_ids) == [] and bad.max_new_tokens == DEFAULT_MAX_NEW_TOKENS
+    assert list(routing_request(router, None, "generate", {"text": "abc"}).input_ids) == []
+    assert list(routing_request(router, TOK, "generate", {"text": "abc"}).input_ids) == list(b"abc")

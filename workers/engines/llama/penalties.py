@@ -1,0 +1,193 @@
+"""Logit adjustments from a request's own settings and history: logit_bias, penalties, min_new_tokens.
+
+Applied to the raw logits of the sequences a step samples, in this order, before the temperature and
+the filters of ``sampling.py`` (reported logprobs stay those of the raw logits):
+1. ``logit_bias``: ``bias[token]`` is added to the token's logit.
+2. ``repetition_penalty`` r (as in transformers, SGLang and vLLM): every token that occurs in the
+   prompt or the output so far has its logit divided by r when positive, multiplied by r otherwise.
+3. ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI's formula):
+   ``logit -= count * f + (count > 0) * p``, ``count`` = the token's occurrences in the output so far
+   (the prompt is not counted).
+4. ``min_new_tokens`` m: while fewer than m outputs exist, EOS (unless ``ignore_eos``) and every
+   ``stop_token_ids`` entry are at -inf.
+
+"The output so far" is every token after the prompt the client sent: on a decode worker it includes
+the first token, sampled on the prefill; for a migrated stream (``output_offset`` k) the last k tokens
+of the prompt it was resubmitted with. So a request split across prefill and decode (or migrated)
+samples what one engine would.
+
+Lifecycle (one ``LogitAdjuster`` per engine; every call from the scheduler thread):
+1. ``adjust(logits, seqs)`` once per step for the sequences it samples (one row each). A sequence with
+   a repetition, presence or frequency penalty has a record — a row of the prompt-token mask and a row
+   of the output-token counts, slots of two ``[slots, vocab]`` tensors — brought up to its history
+   first: built from ``all_token_ids`` at its first sample in this engine, then extended by the tokens
+   each step feeds. Then each adjustment runs once over all the rows that use it (index_put /
+   index_select / where on ``[rows, vocab]``). Returns new logits, or the input when no row asks for
+   anything.
+2. ``forget(seq_id)`` when the scheduler releases a sequence frees its slot. Records are also bounded
+   (``MAX_RECORDS``, least recently used first): one evicted while live is rebuilt from
+   ``all_token_ids`` at its next step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from workers.engines.base import SeqInput, banned_by_min_tokens, needs_history
+
+MAX_RECORDS = 1024  # penalised sequences whose counts are kept at once
+
+
+@dataclass
+class _Record:
+    slot: int  # row of the count tensors
+    length: int  # history tokens counted (positions 0..length-1)
+    output_start: int  # history index where the output begins
+
+
+class LogitAdjuster:
+    """Applies the four adjustments to a step's logits, keeping per-sequence counts between steps."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._records: OrderedDict[int, _Record] = OrderedDict()
+        self._free: list[int] = []
+        self._in_prompt = torch.zeros(0, vocab_size, dtype=torch.bool)  # [slots, vocab]
+        self._counts = torch.zeros(0, vocab_size, dtype=torch.float32)  # [slots, vocab]
+
+    @property
+    def num_records(self) -> int:
+        return len(self._records)
+
+    def forget(self, seq_id: int) -> None:
+        record = self._records.pop(seq_id, None)
+        if record is not None:
+            self._free.append(record.slot)
+
+    def adjust(self, logits: torch.Tensor, seqs: list[SeqInput]) -> torch.Tensor:
+        """``logits`` ``[len(seqs), vocab]`` (float32) with each row's adjustments applied."""
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        ban_rows: list[int] = []
+        ban_ids: list[int] = []
+        pen_rows: list[int] = []
+        pen_seqs: list[SeqInput] = []
+        for row, seq in enumerate(seqs):
+            p = seq.params
+            if p.logit_bias:
+                bias_rows += [row] * len(p.logit_bias)
+                bias_ids += p.logit_bias.keys()
+                bias_values += p.logit_bias.values()
+            if needs_history(p):
+                pen_rows.append(row)
+                pen_seqs.append(seq)
+            if p.min_new_tokens:
+                banned = banned_by_min_tokens(p, seq.num_generated + p.output_offset, self.eos_token_ids)
+                ban_rows += [row] * len(banned)
+                ban_ids += banned
+        if not (bias_rows or pen_rows or ban_rows):
+            return logits
+        device = logits.device
+        out = logits.to(torch.float32, copy=True)
+        if bias_rows:
+            index = (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device))
+            out.index_put_(index, torch.tensor(bias_values, dtype=torch.float32, device=device), accumulate=True)
+        if pen_rows:
+            self._penalize(out, pen_rows, pen_seqs)
+        if ban_rows:
+            index = (torch.tensor(ban_rows, device=device), torch.tensor(ban_ids, device=device))
+            out.index_put_(index, torch.tensor(float("-inf"), device=device))
+        return out
+
+    # -- penalties -----------------------------------------------------------------------------
+    def _penalize(self, out: torch.Tensor, rows: list[int], seqs: list[SeqInput]) -> None:
+        if self._counts.device != out.device:
+            self._in_prompt, self._counts = self._in_prompt.to(out.device), self._counts.to(out.device)
+        slots = self._sync(seqs)
+        device = out.device
+        row_index = torch.tensor(rows, device=device)
+        slot_index = torch.tensor(slots, device=device)
+        scores = out.index_select(0, row_index)
+        counts = self._counts.index_select(0, slot_index)
+        in_output = counts > 0
+        seen = self._in_prompt.index_select(0, slot_index) | in_output
+
+        def column(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(s.params, name) for s in seqs], dtype=torch.float32, device=device)[:, None]
+
+        repetition = column("repetition_penalty")
+        scores = torch.where(seen, torch.where(scores > 0, scores / repetition, scores * repetition), scores)
+        scores = scores - counts * column("frequency_penalty") - in_output * column("presence_penalty")
+        out.index_copy_(0, row_index, scores)
+
+    def _sync(self, seqs: list[SeqInput]) -> list[int]:
+        """Bring every sequence's record up to its history; their slots, in order."""
+        slots: list[int] = []
+        prompt_slots: list[int] = []
+        prompt_ids: list[int] = []
+        output_slots: list[int] = []
+        output_ids: list[int] = []
+        for seq in seqs:
+            end = seq.num_cached + len(seq.token_ids)
+            output_start = end - seq.num_generated - seq.params.output_offset
+            if output_start < 0:
+                raise ValueError(f"rid {seq.rid}: {seq.num_generated} + output_offset outputs exceed its {end} tokens")
+            record = self._records.get(seq.rid)
+            if record is not None and (record.output_start != output_start or record.length > end):
+                self.forget(seq.rid)  # not this sequence's history any more: recount
+                record = None
+            if record is None:
+                record = self._new_record(seq.rid, output_start)
+            else:
+                self._records.move_to_end(seq.rid)
+            new = self._new_tokens(seq, record.length, end)
+            split = max(0, min(len(new), output_start - record.length))
+            prompt_slots += [record.slot] * split
+            prompt_ids += new[:split]
+            output_slots += [record.slot] * (len(new) - split)
+            output_ids += new[split:]
+            record.length = end
+            slots.append(record.slot)
+        device = self._counts.device
+        if prompt_ids:
+            index = (torch.tensor(prompt_slots, device=device), torch.tensor(prompt_ids, device=device))
+            self._in_prompt.index_put_(index, torch.tensor(True, device=device))
+        if output_ids:
+            index = (torch.tensor(output_slots, device=device), torch.tensor(output_ids, device=device))
+            self._counts.index_put_(index, torch.ones(len(output_ids), device=device), accumulate=True)
+        return slots
+
+    @staticmethod
+    def _new_tokens(seq: SeqInput, start: int, end: int) -> list[int]:
+        """History tokens at positions [start, end)."""
+        if seq.all_token_ids is not None:
+            if len(seq.all_token_ids) < end:
+                raise ValueError(f"rid {seq.rid}: all_token_ids has {len(seq.all_token_ids)} tokens, needs {end}")
+            return seq.all_token_ids[start:end]
+        if start < seq.num_cached:
+            raise ValueError(f"rid {seq.rid}: a penalty needs all_token_ids (the engine has no record of its history)")
+        return seq.token_ids[start - seq.num_cached :]
+
+    def _new_record(self, seq_id: int, output_start: int) -> _Record:
+        while len(self._records) >= MAX_RECORDS:
+            self.forget(next(iter(self._records)))
+        if not self._free:
+            grown = max(8, 2 * self._counts.shape[0])
+            old = self._counts.shape[0]
+            device = self._counts.device
+            self._in_prompt = torch.cat(
+                [self._in_prompt, torch.zeros(grown - old, self.vocab_size, dtype=torch.bool, device=device)])
+            self._counts = torch.cat(
+                [self._counts, torch.zeros(grown - old, self.vocab_size, dtype=torch.float32, device=device)])
+            self._free += range(grown - 1, old - 1, -1)
+        slot = self._free.pop()
+        self._in_prompt[slot] = False
+        self._counts[slot] = 0.0
+        record = _Record(slot, 0, output_start)
+        self._records[seq_id] = record
+        return record
