@@ -5,7 +5,8 @@ Lifecycle (``Gateway``, owned by the app's lifespan; event loop only):
    options), the dispatcher, admission control, metrics. Nothing connects yet.
 2. ``await start()``: connect to every worker (each client reconnects by itself for ever after),
    start the load-freshness task, wait up to ``startup_timeout_s``, load the tokenizer the first
-   connected worker names.
+   connected worker names (fetched from that worker, ``gateway/remote_tokenizer.py``, when its
+   directory is not on this machine).
 3. Running: ``add_worker`` / ``remove_worker`` (admin API; a removed worker drains: no new
    requests, open ones finish, then its connection closes); ``begin_drain()`` on SIGTERM.
 4. ``await aclose()``: stop the tasks, close every worker connection (workers abort what was open).
@@ -25,6 +26,7 @@ from gateway.errors import NoWorkers
 from gateway.health import HealthConfig
 from gateway.metrics import GatewayMetrics, WorkerCollector
 from gateway.policies import parse_option_args
+from gateway.remote_tokenizer import RemoteTokenizerError, fetch_tokenizer, needs_fetch
 from gateway.router import Router
 from gateway.sglang_fleet import RelayConfig, SGLangFleet, check_http_url, is_http_url
 from gateway.tokenizer import load_tokenizer
@@ -156,6 +158,8 @@ class Gateway:
         self.metrics.add_collector(WorkerCollector(
             lambda: [*self.clients, *(self.fleet.workers if self.fleet is not None else ())], self.router.stats))
         self.frontend: Frontend | None = None
+        self._tokenizer_dir: str | None = None  # the worker's tokenizer, fetched (no local copy of the model)
+        self._tokenizer_fetch: asyncio.Task[None] | None = None
         self.is_draining = False
         self._started = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -191,12 +195,36 @@ class Gateway:
         if not ready:
             log.warning("no worker answered within %.0fs; serving 503 until one does", self.config.startup_timeout_s)
             return
+        try:
+            await self._fetch_tokenizer(ready[0])
+        except RemoteTokenizerError as exc:
+            log.warning("%s; serving 503 until a worker sends it", exc)
+            return
         self._init_frontend(ready[0])
+
+    async def _fetch_tokenizer(self, client: WorkerClient) -> None:
+        """A worker's tokenizer directory that is not on this machine comes from the worker itself."""
+        info = client.info
+        if info is None or self.config.tokenizer or self._tokenizer_dir or not needs_fetch(info.tokenizer, info):
+            return
+        self._tokenizer_dir = await fetch_tokenizer(client.host, client.port, self.config.startup_timeout_s)
+        log.info("tokenizer %s fetched from worker %s into %s", info.tokenizer, client.url, self._tokenizer_dir)
+
+    async def _fetch_tokenizer_quietly(self, client: WorkerClient) -> None:
+        try:
+            await self._fetch_tokenizer(client)
+        except RemoteTokenizerError as exc:
+            log.warning("%s; serving 503 until a worker sends it", exc)
 
     def _init_frontend(self, client: WorkerClient) -> None:
         info = client.info
         assert info is not None
-        tokenizer = load_tokenizer(self.config.tokenizer or info.tokenizer)
+        if not self.config.tokenizer and self._tokenizer_dir is None and needs_fetch(info.tokenizer, info):
+            if self._tokenizer_fetch is None or self._tokenizer_fetch.done():
+                self._tokenizer_fetch = asyncio.get_running_loop().create_task(
+                    self._fetch_tokenizer_quietly(client), name="tokenizer-fetch")
+            raise NoWorkers(f"fetching the tokenizer from worker {client.url}", retry_after_s=1.0)
+        tokenizer = load_tokenizer(self.config.tokenizer or self._tokenizer_dir or info.tokenizer)
         max_context = min(c.info.max_context for c in self.clients if c.info is not None)
         self.frontend = Frontend(self.dispatcher, tokenizer, self.config.model_name or info.model, max_context,
                                  self.config.default_max_tokens)

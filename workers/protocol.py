@@ -13,7 +13,10 @@ Lifecycle of a connection:
    measured, so the gateway knows exactly which of its own dispatches the figures already include.
 4. ``Ping`` at any time: the worker's event loop answers ``Pong`` with the scheduler's progress
    (a frozen process answers nothing; a stuck scheduler shows a growing ``stalled_s``).
-5. Workers with a prefix cache broadcast ``KVEvents`` once per step in which pages were published
+5. ``GetTokenizer`` (only to a worker whose ``HelloAck.tokenizer_files`` is >= 1): the worker answers
+   ``TokenizerFiles`` with the files of its tokenizer directory, so a gateway on another host needs no
+   copy of the model (``gateway/remote_tokenizer.py`` asks on a connection of its own).
+6. Workers with a prefix cache broadcast ``KVEvents`` once per step in which pages were published
    (``stored``) or evicted (``removed``), as the chained page hashes of ``workers.page_cache``. A new
    connection first gets a snapshot (``reset=True``: every hash the worker holds now).
 
@@ -84,6 +87,30 @@ class HelloAck(msgspec.Struct, tag="hello_ack"):
     bootstrap_port: int | None = None
     instance_id: str | None = None
     transfer: str = ""
+    # Version of the tokenizer-files exchange this worker serves (``GetTokenizer`` -> ``TokenizerFiles``);
+    # 0: none (an older worker). A gateway without a local copy of ``tokenizer`` asks for the files.
+    tokenizer_files: int = 0
+
+
+TOKENIZER_FILES_VERSION = 1
+# What a worker serves of its tokenizer directory (everything ``gateway.hf_tokenizer`` reads).
+TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                        "config.json", "special_tokens_map.json")
+
+
+class GetTokenizer(msgspec.Struct, tag="get_tokenizer"):
+    """Gateway -> worker, only to a worker whose ``HelloAck.tokenizer_files`` >= 1: send your tokenizer."""
+
+    version: int = TOKENIZER_FILES_VERSION
+
+
+class TokenizerFiles(msgspec.Struct, tag="tokenizer_files"):
+    """Worker -> gateway: the files of its tokenizer directory (names from ``TOKENIZER_FILE_NAMES``), or
+    none with ``tokenizer == "byte"``; ``error`` when they could not be read."""
+
+    tokenizer: str
+    files: dict[str, bytes] = {}
+    error: str = ""
 
 
 class Rejected(msgspec.Struct, tag="rejected"):
@@ -192,8 +219,8 @@ class KVEvents(msgspec.Struct, tag="kv", gc=False, omit_defaults=True):
     reset: bool = False
 
 
-ToWorker = Hello | Submit | Abort | Ping
-ToGateway = HelloAck | Rejected | Outputs | Error | LoadReport | KVEvents | Pong
+ToWorker = Hello | Submit | Abort | Ping | GetTokenizer
+ToGateway = HelloAck | Rejected | Outputs | Error | LoadReport | KVEvents | Pong | TokenizerFiles
 
 
 class FrameCodec:

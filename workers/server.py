@@ -3,7 +3,8 @@
 Lifecycle:
 1. ``NativeServer.start()`` listens on TCP.
 2. Each connection gets an id; the first frame must be ``Hello`` with our protocol version (else
-   ``Rejected`` and close). Then ``Submit``/``Abort`` frames go to the scheduler's inbox.
+   ``Rejected`` and close). Then ``Submit``/``Abort`` frames go to the scheduler's inbox; ``Ping`` and
+   ``GetTokenizer`` (the tokenizer directory's files, read in a thread) are answered here.
 3. The scheduler thread hands each step's messages to ``deliver`` (thread-safe): they queue up until
    the event loop gets to them (one ``call_soon_threadsafe`` per batch of steps, not per step), then
    are grouped per connection and written with one ``write`` call per connection. A connection that
@@ -30,12 +31,14 @@ from workers.protocol import (
     PROTOCOL_VERSION,
     Abort,
     Error,
+    GetTokenizer,
     Hello,
     HelloAck,
     Ping,
     Pong,
     Rejected,
     Submit,
+    TokenizerFiles,
     read_frame,
     worker_codec,
 )
@@ -46,10 +49,12 @@ log = logging.getLogger(__name__)
 
 class NativeServer:
     def __init__(self, scheduler: Scheduler, hello_ack: Callable[[], HelloAck], host: str, port: int, *,
-                 max_unread_bytes: int = MAX_UNREAD_BYTES) -> None:
+                 max_unread_bytes: int = MAX_UNREAD_BYTES,
+                 tokenizer_files: Callable[[], TokenizerFiles] | None = None) -> None:
         self._scheduler = scheduler
         self._max_unread = max_unread_bytes
         self._hello_ack = hello_ack
+        self._tokenizer_files = tokenizer_files  # answers GetTokenizer (read in a thread: files may be MBs)
         self._host = host
         self._port = port
         self._codec = worker_codec()
@@ -140,6 +145,11 @@ class NativeServer:
                         self._scheduler.submit(conn_id, msg)
                     case Abort(rid=rid, reason=reason):
                         self._scheduler.abort(conn_id, rid, reason)
+                    case GetTokenizer():
+                        if self._tokenizer_files is None:
+                            raise ValueError("GetTokenizer: this worker serves no tokenizer files")
+                        files = await asyncio.to_thread(self._tokenizer_files)
+                        writer.write(self._codec.encode(files))
                     case Ping(nonce=nonce):
                         sched = self._scheduler
                         writer.write(self._codec.encode(Pong(nonce, sched.num_steps, sched.stalled_s)))

@@ -33,7 +33,13 @@ from workers.engines import EngineOptions, create_engine
 from workers.engines.base import Engine
 from workers.http_app import create_http_app
 from workers.kv_pool import KVPool
-from workers.protocol import PROTOCOL_VERSION, HelloAck
+from workers.protocol import (
+    PROTOCOL_VERSION,
+    TOKENIZER_FILE_NAMES,
+    TOKENIZER_FILES_VERSION,
+    HelloAck,
+    TokenizerFiles,
+)
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.server import NativeServer
 from workers.sglang_api import SGLangAPI
@@ -94,7 +100,7 @@ class Worker:
         sched_cfg = SchedulerConfig(role=cfg.role, chunk_size=cfg.chunk_size, max_running=cfg.max_running)
         self.scheduler = Scheduler(sched_cfg, self.engine, self.pool, self._deliver, self.kv)
         self.server = NativeServer(self.scheduler, self._hello_ack, cfg.host, cfg.port,
-                                   max_unread_bytes=cfg.max_unread_bytes)
+                                   max_unread_bytes=cfg.max_unread_bytes, tokenizer_files=self._tokenizer_files)
         await self.server.start()
         self.scheduler.start()
         self.sglang = SGLangAPI(self)  # loads and connects on first use
@@ -192,7 +198,27 @@ class Worker:
             bootstrap_port=boot_port if self.config.role == "prefill" else None,
             instance_id=self.instance_id if self.config.role == "prefill" else None,
             transfer=self.config.transfer if self.config.role != "both" else "",
+            tokenizer_files=TOKENIZER_FILES_VERSION,
         )
+
+    def _tokenizer_files(self) -> TokenizerFiles:
+        """The tokenizer directory's files for a gateway that has no copy (``GetTokenizer``)."""
+        assert self.engine is not None
+        spec = self.engine.info.tokenizer
+        if spec == "byte":
+            return TokenizerFiles(spec)
+        files: dict[str, bytes] = {}
+        try:
+            for name in TOKENIZER_FILE_NAMES:
+                path = os.path.join(spec, name)
+                if os.path.isfile(path):
+                    with open(path, "rb") as f:
+                        files[name] = f.read()
+        except OSError as exc:
+            return TokenizerFiles(spec, error=f"cannot read the tokenizer at {spec}: {exc}")
+        if "tokenizer.json" not in files:
+            return TokenizerFiles(spec, error=f"{spec} has no tokenizer.json")
+        return TokenizerFiles(spec, files)
 
     def info(self) -> dict[str, Any]:
         ack = self._hello_ack()
