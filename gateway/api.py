@@ -26,6 +26,7 @@ from gateway.api_models import (
 )
 from gateway.context import random_hex
 from gateway.errors import APIError, BadRequest, NotFound
+from gateway.structured_output import grammar_for
 from gateway.text import ChoiceState
 from gateway.tokenizer import Tokenizer
 from workers.protocol import SamplingParams, StepOutput
@@ -90,19 +91,12 @@ def _is(*neutral: Any) -> Callable[[Any, Any], bool]:
     return lambda value, _req: value is None or value in neutral
 
 
-def _text_format(value: Any, _req: Any) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type") == "text")
-
-
 _SAMPLING_RULES: tuple[Rule, ...] = (
     ("logit_bias", _unset, ""),
     ("presence_penalty", _is(0), "0"),
     ("frequency_penalty", _is(0), "0"),
     ("repetition_penalty", _is(1), "1"),
     ("min_tokens", _is(0), "0"),
-    ("regex", _unset, ""),
-    ("ebnf", _unset, ""),
-    ("json_schema", _unset, ""),
 )
 CHAT_RULES: tuple[Rule, ...] = (
     *_SAMPLING_RULES,
@@ -110,7 +104,6 @@ CHAT_RULES: tuple[Rule, ...] = (
     ("tool_choice", _is("none"), '"none"'),
     ("functions", _unset, ""),
     ("function_call", _is("none"), '"none"'),
-    ("response_format", _text_format, '{"type": "text"}'),
     ("modalities", lambda value, _req: value is None or value == ["text"], '["text"]'),
     ("audio", _unset, ""),
 )
@@ -135,9 +128,6 @@ GENERATE_SAMPLING_RULES: tuple[Rule, ...] = (
     ("repetition_penalty", _is(1), "1"),
     ("min_new_tokens", _is(0), "0"),
     ("logit_bias", _unset, ""),
-    ("regex", _unset, ""),
-    ("json_schema", _unset, ""),
-    ("ebnf", _unset, ""),
     ("structural_tag", _unset, ""),
 )
 
@@ -246,6 +236,7 @@ class Frontend:
             raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params, stops = self._params(req, input_ids, max_tokens, req.logprobs, req.top_logprobs or 0)
+        params.grammar = grammar_for(req)
         return Prepared(input_ids, params, req.n, stops, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage), req.logprobs,
                         bootstrap=ClientBootstrap.of(req))
@@ -270,6 +261,7 @@ class Frontend:
         logprobs = req.logprobs is not None
         params, stops = self._params(req, input_ids, req.max_tokens, logprobs, req.logprobs or 0)
         params.prompt_logprobs = logprobs and req.echo
+        params.grammar = grammar_for(req)
         return Prepared(input_ids, params, req.n, stops, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage), logprobs, req.echo,
                         ClientBootstrap.of(req))
@@ -287,6 +279,7 @@ class Frontend:
         shim = _GenerateShim(sp)
         params, stops = self._params(shim, input_ids, sp.max_new_tokens, req.return_logprob, 0)
         params.prompt_logprobs = req.return_logprob
+        params.grammar = grammar_for(sp, prefix="sampling_params.")
         return Prepared(input_ids, params, 1, stops, req.stream, False, req.return_logprob,
                         bootstrap=ClientBootstrap.of(req)), sp
 

@@ -89,9 +89,10 @@ class _Sampling(msgspec.Struct):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
-    regex: Any = None
-    ebnf: Any = None
-    json_schema: Any = None
+    # SGLang's structured output (gateway/structured_output.py): at most one, with response_format
+    regex: str | None = None
+    ebnf: str | None = None  # GBNF
+    json_schema: str | dict[str, Any] | None = None  # a JSON Schema, as text or an object
 
 
 class ChatCompletionRequest(_Sampling):
@@ -99,12 +100,13 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}
+    response_format: dict[str, Any] | None = None
     # not supported: a 400 unless absent or neutral
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: Any = None
     modalities: list[str] | None = None
     audio: Any = None
 
@@ -135,9 +137,9 @@ class GenerateSampling(msgspec.Struct):
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
     logit_bias: Any = None
-    regex: Any = None
-    json_schema: Any = None
-    ebnf: Any = None
+    regex: str | None = None  # structured output (gateway/structured_output.py): at most one of three
+    json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None
     structural_tag: Any = None
 
 

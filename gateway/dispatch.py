@@ -356,7 +356,7 @@ def _as_error(event: Event, side: str, blamed: WorkerClient | None, *, after_fir
         return _Retryable(BadGateway(event.message, code="worker_gone"), blamed, migratable=decode_failed_mid_stream)
     assert isinstance(event, Error)
     migratable = decode_failed_mid_stream and event.code in MIGRATABLE_CODES
-    error = from_worker_error(event.code, event.message, side)
+    error = from_worker_error(event.code, event.message, side, event.param)
     if event.code in RETRYABLE_CODES or migratable:
         return _Retryable(error, blamed if event.code != "overloaded" else None, migratable=migratable)
     return error

@@ -97,8 +97,8 @@ _BY_WORKER_CODE: dict[str, type[APIError]] = {
 }
 
 
-def from_worker_error(code: str, message: str, side: str) -> APIError:
-    """Map a worker's ``Error`` message to the client-facing error."""
+def from_worker_error(code: str, message: str, side: str, param: str | None = None) -> APIError:
+    """Map a worker's ``Error`` message to the client-facing error (``param``: the field it names)."""
     cls = _BY_WORKER_CODE.get(code, BadGateway)
     retry_after_s = 1.0 if cls in (Overloaded, NoWorkers) else None
-    return cls(f"{side} worker: {message}", code=code, retry_after_s=retry_after_s)
+    return cls(f"{side} worker: {message}", param=param, code=code, retry_after_s=retry_after_s)

@@ -41,6 +41,21 @@ MAX_UNREAD_BYTES = 64 * 1024 * 1024  # written, still unread by the peer: past i
 _LEN = struct.Struct(">I")
 
 
+class Grammar(msgspec.Struct, frozen=True, array_like=True):
+    """A constraint on a request's output; hashable, so compiled grammars are cached by it.
+
+    ``kind``: "json_object" (any JSON object; ``source`` unused), "json_schema" (``source`` a JSON
+    Schema document), "regex" or "ebnf" (GBNF, as SGLang takes it). ``strict``: unsupported JSON
+    Schema keywords are an error (False: ignored). ``param``: the client's name for the field, for
+    error messages (e.g. ``response_format.json_schema.schema``).
+    """
+
+    kind: str
+    source: str = ""
+    strict: bool = True
+    param: str = "grammar"
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     """Per-request generation settings; the same struct is used by the gateway and every engine."""
 
@@ -65,6 +80,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # SGLang/HF: positive logits of prompt + output tokens divided, negative multiplied
     min_new_tokens: int = 0  # EOS and stop_token_ids are masked until this many outputs (incl. output_offset)
+    # Constrained decoding (``workers/grammar.py``): every sampled token, on the prefill and the decode,
+    # keeps the output a prefix of the grammar's language; None = unconstrained.
+    grammar: Grammar | None = None
 
 
 class Hello(msgspec.Struct, tag="hello"):
@@ -188,6 +206,7 @@ class Error(msgspec.Struct, tag="error"):
     code: str  # "bad_request" | "transfer_failed" | "timeout" | "aborted" | "overloaded" | "internal"
     message: str
     fault: str = Fault.OWN  # a ``Fault`` (a plain str on the wire: an unknown value from a newer worker decodes)
+    param: str | None = None  # bad_request: the client's field at fault (e.g. "response_format"), when known
 
 
 class LoadReport(msgspec.Struct, tag="load", omit_defaults=True):

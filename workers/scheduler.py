@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from transfer import KVManager
 from workers.aux import AuxRecord, decode_aux, encode_aux
 from workers.engines.base import Engine, KVChecker, SeqInput, SeqOutput, SequenceState, check_sampling, needs_history
+from workers.grammar import GrammarCompiling, GrammarWait
 from workers.kv_pool import KVPool
 from workers.metrics import SchedulerMetrics
 from workers.page_cache import PageCache
@@ -103,6 +104,8 @@ class Scheduler:
         self.engine = engine
         self.kv_checker = engine if isinstance(engine, KVChecker) else None  # optional ability, checked once
         self.seq_state = engine if isinstance(engine, SequenceState) else None  # told of every release
+        # Constrained decoding (optional ability): requests wait here while their grammar compiles.
+        self.grammar_wait = GrammarWait(engine, self._on_kv_change) if isinstance(engine, GrammarCompiling) else None
         self.pool = pool
         self.kv = kv
         # Decode workers receive whole prompts from prefill workers: nothing to share there.
@@ -244,6 +247,12 @@ class Scheduler:
                 self._free(req)
             self._advance(self.prealloc_queue, self._to_transfer)
             self._advance(self.transfer_queue, self._import)
+        if self.grammar_wait is not None:
+            ready, failed = self.grammar_wait.advance()
+            for req, problem in failed:
+                self._fail(req, "bad_request", problem, param=req.params.grammar.param)
+            for req in ready:
+                self._first_stage(req)
         self._admit_waiting()
         ran = self._run_batch()
         if self.role == "prefill":
@@ -299,8 +308,12 @@ class Scheduler:
         problem = self._validate(msg)
         if key in self.reqs:
             problem = f"request id {msg.rid} is already in use on this connection"
+        grammar = msg.params.grammar
+        if problem is None and grammar is not None and self.grammar_wait is None:
+            problem = f"{grammar.param} is not supported by the {self.engine.name} engine (no constrained decoding)"
         if problem is not None:
-            self._out.append((conn_id, Error(msg.rid, "bad_request", problem)))
+            param = grammar.param if grammar is not None and problem.startswith(grammar.param) else None
+            self._out.append((conn_id, Error(msg.rid, "bad_request", problem, param=param)))
             return
         if len(self.reqs) >= self.config.max_queued:
             self._out.append((conn_id, Error(msg.rid, "overloaded", "worker queue is full")))
@@ -324,6 +337,11 @@ class Scheduler:
         self.reqs[key] = req
         if self.role != "decode":
             req.num_cached_estimate = self.cache.num_cached_tokens(req.input_ids)
+        if req.params.grammar is not None and self.grammar_wait is not None and self.grammar_wait.hold(req):
+            return  # compiling its grammar: ``_first_stage`` once done (workers/grammar.py)
+        self._first_stage(req)
+
+    def _first_stage(self, req: Req) -> None:
         if self.role == "prefill":
             self._enter(req, "bootstrap", self.bootstrap_queue)
         elif self.role == "decode":
@@ -468,7 +486,8 @@ class Scheduler:
         for req in self._running:
             n = len(req.input_ids) + len(req.output_ids)
             batch.append(SeqInput(req.seq_id, req.pages, n - 1, [req.output_ids[-1]], True, req.params,
-                                  len(req.output_ids), req.all_ids if needs_history(req.params) else None))
+                                  len(req.output_ids),
+                                  req.all_ids if needs_history(req.params) or req.params.grammar else None))
             reqs.append(req)
         budget = self.config.chunk_size
         for req in self._prefilling:
@@ -582,12 +601,12 @@ class Scheduler:
                 item.token_ids = [req.output_ids[0]]
         self._out.append((req.key[0], Outputs([item])))
 
-    def _fail(self, req: Req, code: str, message: str, fault: Fault = Fault.OWN) -> None:
+    def _fail(self, req: Req, code: str, message: str, fault: Fault = Fault.OWN, param: str | None = None) -> None:
         if req.done:
             return
         log.log(logging.INFO if code == "aborted" else logging.WARNING, "request %s (room %s, %s) failed: %s: %s",
                 req.request_id or req.rid, req.room, req.stage, code, message)
-        self._out.append((req.key[0], Error(req.rid, code, message, fault)))
+        self._out.append((req.key[0], Error(req.rid, code, message, fault, param)))
         self._release(req, message)
 
     def _release(self, req: Req, abort_reason: str | None = None) -> None:

@@ -80,7 +80,7 @@ CHAT_CASES: list[tuple[dict[str, Any], str]] = [
     ({"function_call": "auto"}, "function_call"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
-     "response_format"),
+     "response_format.json_schema.schema"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"extra_body": {"audio": {"voice": "alloy", "format": "wav"}}}, "audio"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, IMAGE_PART]}]},

@@ -12,7 +12,8 @@ Lifecycle:
    samples where asked, and returns one ``SeqOutput`` per ``SeqInput``. After each call
    ``last_logits[i]`` holds the float32 logits ``[vocab]`` that sequence i's token was sampled
    from (None where ``sample`` was False): tests compare them with a reference. They are the model's
-   raw logits; ``logit_bias``, penalties and ``min_new_tokens`` (``penalties.py``) are applied after.
+   raw logits; ``logit_bias``, penalties and ``min_new_tokens`` (``penalties.py``) are applied after,
+   then a request's grammar (``constrained.py``) bans every token its output may not continue with.
 4. ``forget(seq_id)`` from the scheduler when it releases a sequence (its penalty counts).
 5. ``close()`` drops the weights and the cache views.
 
@@ -27,6 +28,7 @@ as an extra query row whose KV is not rewritten; with neither, that entry is NaN
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 import secrets
@@ -38,10 +40,12 @@ import torch
 from workers.engines.base import OPTIONAL_SAMPLING, Engine, EngineOptions, ModelInfo, SeqInput, SeqOutput
 from workers.engines.llama.attention import AttentionBackend, StepLayout, make_backend
 from workers.engines.llama.config import ModelConfigError, load_config
+from workers.engines.llama.constrained import Constraints
 from workers.engines.llama.model import LlamaModel
 from workers.engines.llama.penalties import LogitAdjuster
 from workers.engines.llama.sampling import generator_for, is_greedy, sample, token_logprobs
 from workers.kv_pool import KVPool
+from workers.protocol import Grammar
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PROMPT_LOGPROB_BLOCK = 256  # rows per LM-head block when scoring a prompt chunk
@@ -97,6 +101,7 @@ class TorchEngine(Engine):
         self.last_logits: list[torch.Tensor | None] = []
         self._rng = torch.Generator(device="cpu")
         self.adjuster = LogitAdjuster(self.cfg.vocab_size, self.cfg.eos_token_ids)
+        self.constraints = Constraints(self.model_dir, self.cfg.vocab_size, self.cfg.eos_token_ids)
         # (rid, next position) -> final hidden row of the previous prompt chunk (prompt logprobs)
         self._prompt_carry: dict[tuple[int, int], torch.Tensor] = {}
         self._rng.manual_seed(secrets.randbits(63))
@@ -128,11 +133,17 @@ class TorchEngine(Engine):
     def forget(self, seq_id: int) -> None:
         """The scheduler released ``seq_id``: drop its penalty counts (``SequenceState``)."""
         self.adjuster.forget(seq_id)
+        self.constraints.forget(seq_id)
+
+    def prepare(self, grammar: Grammar) -> concurrent.futures.Future[None]:
+        """Compile ``grammar`` off the scheduler thread (``workers.grammar.GrammarCompiling``)."""
+        return self.constraints.prepare(grammar)
 
     def close(self) -> None:
         self.pool = None
         self.last_logits = []
         self._prompt_carry.clear()
+        self.constraints.close()
 
     # -- one step -----------------------------------------------------------------------------
     def forward(self, batch: list[SeqInput]) -> list[SeqOutput]:
@@ -235,7 +246,9 @@ class TorchEngine(Engine):
         last_rows = torch.tensor([rows[i].start + rows[i].num_rows - 1 for i in sampled], device=self.device)
         logits = self.model.logits(hidden.index_select(0, last_rows)).cpu()
         # logit_bias, penalties, min_new_tokens over every sampled row at once (raw logits kept for logprobs)
-        scores = self.adjuster.adjust(logits, [batch[i] for i in sampled])
+        seqs = [batch[i] for i in sampled]
+        scores = self.adjuster.adjust(logits, seqs)
+        scores = self.constraints.mask(seqs, scores)  # grammars: banned tokens at -inf
         argmax = scores.argmax(dim=-1).tolist()  # one call for every greedy sequence
         for j, i in enumerate(sampled):
             seq, row = batch[i], logits[j]
@@ -248,6 +261,7 @@ class TorchEngine(Engine):
             out.token_id = token
             if seq.params.logprobs or seq.params.top_logprobs > 0:
                 out.logprob, out.top_logprobs = token_logprobs(row, token, seq.params.top_logprobs)
+        self.constraints.accept(seqs, [outputs[i].token_id for i in sampled])
 
     def _prompt_logprobs(self, seq: SeqInput, rows: _SeqRows, hidden: torch.Tensor) -> list[float]:
         """Logprob of each chunk token given its prefix (NaN where the prefix's row is unknown)."""

@@ -1,0 +1,134 @@
+"""Constrained decoding in the torch engine: a random tiny model's output follows the grammar.
+
+A random model left alone emits garbage, so an output that matches the regex / parses and validates
+against the schema is the mask at work. The split test runs the first token on one engine and the
+rest on another (whose matcher is rebuilt and advanced by that token), as a P/D pair does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from workers.engines.base import SeqInput
+from workers.grammar import GrammarError, check
+from workers.protocol import Grammar, SamplingParams
+
+pytest.importorskip("llguidance")
+jsonschema_rs = pytest.importorskip("jsonschema_rs")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Berlin"]},
+        "population": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
+    },
+    "required": ["city", "population", "tags"],
+    "additionalProperties": False,
+}
+REGEX = r"(ab|cd)[0-9]{2}-[a-z]{3}"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model: Callable[[str], Any], tiny_tokenizer_dir: str,
+              tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny random llama with the tiny BPE tokenizer beside it (ids < 400 of its 512)."""
+    path = tmp_path_factory.mktemp("tiny-constrained")
+    shutil.copytree(tiny_model("llama").path, path, dirs_exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tiny_tokenizer_dir}/{name}", path / name)
+    return str(path)
+
+
+def generate(engine: Any, pool: Any, rid: int, prompt: list[int], params: SamplingParams,
+             max_new_tokens: int = 48, split: bool = False) -> list[int]:
+    """Greedy-ish generation until EOS; ``split``: after the first token the matcher is new (a decode)."""
+    pages = pool.alloc(pool.pages_for(len(prompt) + max_new_tokens))
+    assert pages is not None
+    engine.prepare(params.grammar).result()
+    out = engine.forward([SeqInput(rid, pages, 0, prompt, True, params, 0, prompt)])[0]
+    outputs = [out.token_id]
+    if split:
+        engine.forget(rid)  # the decode worker's engine never saw this sequence
+    eos = engine.info.eos_token_ids
+    while outputs[-1] not in eos and len(outputs) < max_new_tokens:
+        n = len(prompt) + len(outputs)
+        seq = SeqInput(rid, pages, n - 1, [outputs[-1]], True, params, len(outputs), None)
+        outputs.append(engine.forward([seq])[0].token_id)
+    engine.forget(rid)
+    pool.free(pages)
+    return outputs
+
+
+def text_of(model_dir: str, tokens: list[int], eos: tuple[int, ...]) -> str:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
+    assert tokens[-1] in eos, "the grammar's language ended: the only allowed token was EOS"
+    return tok.decode(tokens[:-1])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_regex_and_schema_hold_on_a_random_model(make_engine: Any, model_dir: str, temperature: float) -> None:
+    e = make_engine(model_dir)
+    eos = e.engine.info.eos_token_ids
+    regex = SamplingParams(temperature=temperature, seed=7, grammar=Grammar("regex", REGEX))
+    text = text_of(model_dir, generate(e.engine, e.pool, 1, [5, 6, 7], regex), eos)
+    assert re.fullmatch(REGEX, text), text
+    schema = SamplingParams(temperature=temperature, seed=7, max_new_tokens=64,
+                            grammar=Grammar("json_schema", json.dumps(SCHEMA)))
+    text = text_of(model_dir, generate(e.engine, e.pool, 2, [8, 9], schema, max_new_tokens=120), eos)
+    jsonschema_rs.validate(SCHEMA, json.loads(text))
+    if temperature > 0:  # (greedy, this random model writes one endless string of an object's key)
+        obj = SamplingParams(temperature=temperature, seed=7, grammar=Grammar("json_object"))
+        text = text_of(model_dir, generate(e.engine, e.pool, 3, [10], obj, max_new_tokens=400), eos)
+        assert isinstance(json.loads(text), dict)
+
+
+def test_ebnf(make_engine: Any, model_dir: str) -> None:
+    e = make_engine(model_dir)
+    ebnf = 'root ::= "yes" | "no" | "maybe " [0-9]'
+    params = SamplingParams(temperature=0.0, grammar=Grammar("ebnf", ebnf))
+    text = text_of(model_dir, generate(e.engine, e.pool, 1, [11, 12], params), e.engine.info.eos_token_ids)
+    assert re.fullmatch(r"yes|no|maybe [0-9]", text), text
+
+
+def test_split_equals_one_engine_and_masks_stay_per_row(make_engine: Any, model_dir: str) -> None:
+    e = make_engine(model_dir)
+    params = SamplingParams(temperature=0.0, grammar=Grammar("json_schema", json.dumps(SCHEMA)))
+    whole = generate(e.engine, e.pool, 1, [3, 4, 5], params, max_new_tokens=120)
+    split = generate(e.engine, e.pool, 2, [3, 4, 5], params, max_new_tokens=120, split=True)
+    assert split == whole
+    # An unconstrained row batched with a constrained one samples what it samples alone.
+    free = SamplingParams(temperature=0.0)
+    pages = e.pool.alloc(8)
+    rows = [SeqInput(10, pages[:4], 0, [3, 4, 5], True, params, 0, [3, 4, 5]),
+            SeqInput(11, pages[4:], 0, [3, 4, 5], True, free, 0, [3, 4, 5])]
+    both = e.engine.forward(rows)
+    solo = e.engine.forward([SeqInput(12, pages[4:], 0, [3, 4, 5], True, free, 0, [3, 4, 5])])
+    assert both[1].token_id == solo[0].token_id
+    assert both[0].token_id == whole[0]
+
+
+def test_rejected_grammars_name_the_field(make_engine: Any, model_dir: str) -> None:
+    bad = [
+        Grammar("regex", "(unclosed", param="sampling_params.regex"),
+        Grammar("json_schema", "{not json", param="response_format.json_schema.schema"),
+        Grammar("ebnf", "root ::= (", param="sampling_params.ebnf"),
+        Grammar("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "wat"}}}),
+                param="sampling_params.json_schema"),
+    ]
+    e = make_engine(model_dir)
+    for grammar in bad:
+        with pytest.raises(GrammarError) as gateway_side:
+            check(grammar)
+        assert gateway_side.value.param == grammar.param
+        with pytest.raises(GrammarError) as worker_side:
+            e.engine.prepare(grammar).result()
+        assert worker_side.value.param == grammar.param

@@ -1,0 +1,165 @@
+"""Structured output through real P->D processes with SmolLM2: JSON Schema, JSON object, regex, EBNF.
+
+The prefill samples the first token under the grammar; the decode rebuilds the matcher, advances it by
+that token and continues. Greedy answers through P->D equal those of a ``--role both`` worker, streamed
+or not; a grammar the library rejects is a 400 naming the field and no KV page is ever taken.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from pdtest import Procs, Worker, start_bootstrap, start_gateway, start_worker
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("llguidance")
+jsonschema_rs = pytest.importorskip("jsonschema_rs")
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "country": {"type": "string", "maxLength": 24},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 100},
+    },
+    "required": ["city", "country", "population_millions"],
+    "additionalProperties": False,
+}
+CITY_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}}
+CITY_QUESTION = "Give the capital of France as JSON with its country and population in millions."
+REGEX = r"The capital of France is (Paris|Lyon|Nice)\."
+
+
+@dataclass
+class Deployment:
+    pd_url: str
+    both_url: str
+    workers: list[Worker]
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    from workers.engines.llama.gguf_convert import default_model_dir
+
+    default_model_dir()  # convert once (cached) before the processes race for it
+    procs = Procs(tmp_path_factory.mktemp("structured"))
+    try:
+        boot = start_bootstrap(procs)
+        common = ("--engine", "torch", "--num-pages", "256", "--chunk-size", "64")
+        prefill = start_worker(procs, "prefill", *common, bootstrap=boot)
+        decode = start_worker(procs, "decode", *common, bootstrap=boot)
+        both = start_worker(procs, "both", *common)
+        pd_port = start_gateway(procs, "--prefill", prefill.url, "--decode", decode.url)
+        both_port = start_gateway(procs, "--worker", both.url)
+        yield Deployment(f"http://127.0.0.1:{pd_port}", f"http://127.0.0.1:{both_port}", [prefill, decode, both])
+    finally:
+        procs.stop_all()
+
+
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=180)
+
+
+def chat(base: str, question: str, **kw: Any) -> Any:
+    return client(base).chat.completions.create(model="default", messages=[{"role": "user", "content": question}],
+                                                **kw)
+
+
+def streamed_chat(base: str, question: str, **kw: Any) -> tuple[str, str | None]:
+    chunks = list(chat(base, question, stream=True, **kw))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    return text, finish[-1] if finish else None
+
+
+def generate(base: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(f"{base}/generate", json=body, timeout=180)
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def generate_streamed(base: str, body: dict[str, Any]) -> str:
+    text = ""
+    with httpx.stream("POST", f"{base}/generate", json={**body, "stream": True}, timeout=180) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text = json.loads(line[6:])["text"]  # SGLang streams the text so far
+    return text
+
+
+def test_json_schema_answer_parses_validates_and_crosses_the_split(deployment: Deployment) -> None:
+    kw = {"max_tokens": 60, "temperature": 0, "response_format": CITY_FORMAT}
+    pd = chat(deployment.pd_url, CITY_QUESTION, **kw)
+    text = pd.choices[0].message.content
+    jsonschema_rs.validate(CITY_SCHEMA, json.loads(text))
+    assert pd.choices[0].finish_reason == "stop"
+    both = chat(deployment.both_url, CITY_QUESTION, **kw)
+    assert both.choices[0].message.content == text, "P->D equals one worker, token for token"
+    assert pd.usage.completion_tokens == both.usage.completion_tokens
+    assert streamed_chat(deployment.pd_url, CITY_QUESTION, **kw) == (text, "stop")
+
+
+def test_json_object_mode(deployment: Deployment) -> None:
+    kw = {"max_tokens": 60, "temperature": 0, "response_format": {"type": "json_object"}}
+    pd = chat(deployment.pd_url, "Describe a cat as a JSON object with two fields.", **kw)
+    text = pd.choices[0].message.content
+    assert pd.choices[0].finish_reason == "stop", text
+    assert isinstance(json.loads(text), dict)
+
+
+def test_regex_generate_crosses_the_split(deployment: Deployment) -> None:
+    body = {"text": "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+            "sampling_params": {"max_new_tokens": 20, "temperature": 0, "regex": REGEX}}
+    pd = generate(deployment.pd_url, body)
+    assert re.fullmatch(REGEX, pd["text"]), pd["text"]
+    assert pd["meta_info"]["finish_reason"]["type"] == "stop"
+    assert generate(deployment.both_url, body)["text"] == pd["text"]
+    assert generate_streamed(deployment.pd_url, body) == pd["text"]
+
+
+def test_ebnf_generate(deployment: Deployment) -> None:
+    ebnf = 'root ::= "Answer: " ("yes" | "no") "."'
+    body = {"text": "Is Paris in France? ", "sampling_params": {"max_new_tokens": 10, "temperature": 0.7,
+                                                                  "sampling_seed": 3, "ebnf": ebnf}}
+    pd = generate(deployment.pd_url, body)
+    assert re.fullmatch(r"Answer: (yes|no)\.", pd["text"]), pd["text"]
+    assert generate(deployment.both_url, body)["text"] == pd["text"], "seeded sampling: P->D equals one worker"
+
+
+def test_rejected_grammars_are_a_400_naming_the_field(deployment: Deployment) -> None:
+    cases = [
+        ("/generate", {"text": "hi", "sampling_params": {"regex": "(unclosed"}}, "sampling_params.regex"),
+        ("/generate", {"text": "hi", "sampling_params": {"ebnf": "root ::= ("}}, "sampling_params.ebnf"),
+        ("/generate", {"text": "hi", "sampling_params": {"json_schema": "{nope"}}, "sampling_params.json_schema"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+                "a": {"type": "no-such-type"}}}}}}, "response_format.json_schema.schema"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                  "response_format": {"type": "xml"}}, "response_format.type"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "regex": "a+",
+                                  "response_format": {"type": "json_object"}}, "regex"),
+    ]
+    for route, body, param in cases:
+        r = httpx.post(f"{deployment.pd_url}{route}", json={**body, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 400, (route, body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error", (body, err)
+
+
+def test_pools_back_to_full(deployment: Deployment) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        loads = [w.get("/load") for w in deployment.workers]
+        if all(ld["num_free_pages"] == ld["num_total_pages"] for ld in loads):  # type: ignore[index]
+            break
+        assert time.monotonic() < deadline, loads
+        time.sleep(0.2)

@@ -1,0 +1,142 @@
+"""Constrained decoding in the torch engine: compiled grammars, per-sequence matchers, batch masks.
+
+Lifecycle (one ``Constraints`` per ``TorchEngine``):
+1. ``prepare(grammar)`` from the scheduler thread at admission: a future, done at once when the
+   grammar is cached; otherwise the compile (and, the first time, the llguidance tokenizer, ~1 s)
+   runs on this object's own thread; the scheduler holds the request until it is done
+   (``workers/grammar.py``). A rejected grammar fails the future with ``GrammarError``.
+2. ``mask(seqs, scores)`` in ``TorchEngine._sample``, once per step, over the sampled rows: each
+   constrained sequence gets its matcher (a copy of the cached compiled one) and is brought up to
+   date with the outputs it has not seen: on a decode worker the first token came from the prefill
+   (the last of the step's ``token_ids``); for a migrated stream the ``output_offset`` outputs ending
+   the prompt (``all_token_ids``). Then one bitmask row per constrained sequence is filled and all
+   are applied to ``scores`` at once (banned tokens -> -inf). Returns the masked copy.
+3. ``accept(seqs, tokens)`` after sampling advances each matcher by its sequence's new token.
+4. ``forget(seq_id)`` when the scheduler releases the sequence.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from workers.engines.base import SeqInput
+from workers.grammar import GrammarError, to_llguidance
+from workers.protocol import Grammar
+
+MAX_CACHED_GRAMMARS = 256
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+class _Matcher:
+    __slots__ = ("matcher", "num_outputs")
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+        self.num_outputs = 0  # outputs consumed (output_offset included)
+
+
+class Constraints:
+    def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.vocab_size = vocab_size
+        self._tokenizer_dir = tokenizer_dir
+        self._eos = list(eos_token_ids)
+        self._tokenizer: Any = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()  # the cache is read by the scheduler thread, filled by the compile thread
+        self._cache: OrderedDict[Grammar, concurrent.futures.Future[Any]] = OrderedDict()
+        self._seqs: dict[int, _Matcher] = {}
+
+    # -- compiling ----------------------------------------------------------------------------
+    def prepare(self, grammar: Grammar) -> concurrent.futures.Future[None]:
+        return self._compiled(grammar)  # its value (a matcher) is ours, not the caller's
+
+    def _compiled(self, grammar: Grammar) -> concurrent.futures.Future[Any]:
+        with self._lock:
+            future = self._cache.get(grammar)
+            if future is not None:
+                self._cache.move_to_end(grammar)
+                return future
+            future = self._pool.submit(self._compile, grammar)
+            self._cache[grammar] = future
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+            return future
+
+    def _compile(self, grammar: Grammar) -> Any:
+        """A matcher in its start state (copied per sequence); runs on the compile thread."""
+        import llguidance
+
+        if self._tokenizer is None:
+            path = os.path.join(self._tokenizer_dir, "tokenizer.json")
+            if not os.path.isfile(path):
+                raise GrammarError("constrained decoding needs the model's tokenizer.json", grammar.param)
+            with open(path, encoding="utf-8") as f:
+                self._tokenizer = llguidance.LLTokenizer(f.read(), n_vocab=self.vocab_size, eos_token=self._eos)
+        matcher = llguidance.LLMatcher(self._tokenizer, to_llguidance(grammar), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"invalid {grammar.kind}: {matcher.get_error()}", grammar.param)
+        return matcher
+
+    # -- per step ------------------------------------------------------------------------------
+    def mask(self, seqs: list[SeqInput], scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` ``[len(seqs), vocab]`` with every constrained row's banned tokens at -inf (a copy)."""
+        rows = [i for i, seq in enumerate(seqs) if seq.params.grammar is not None]
+        if not rows:
+            return scores
+        words = (scores.shape[1] + 31) // 32
+        bitmask = torch.empty((len(rows), words), dtype=torch.int32)
+        for j, i in enumerate(rows):
+            state = self._catch_up(seqs[i])
+            row = bitmask[j]
+            state.matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
+            if state.matcher.is_error():
+                raise RuntimeError(f"rid {seqs[i].rid}: grammar matcher failed: {state.matcher.get_error()}")
+        allowed = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).view(len(rows), words * 32)[:, : scores.shape[1]]
+        index = torch.tensor(rows, device=scores.device)
+        out = scores.clone()
+        picked = out.index_select(0, index).masked_fill_(allowed.to(scores.device) == 0, float("-inf"))
+        out.index_copy_(0, index, picked)
+        return out
+
+    def accept(self, seqs: list[SeqInput], tokens: list[int | None]) -> None:
+        for seq, token in zip(seqs, tokens, strict=True):
+            state = self._seqs.get(seq.rid) if seq.params.grammar is not None else None
+            if state is not None and token is not None:
+                state.matcher.consume_token(token)
+                state.num_outputs += 1
+
+    def forget(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._seqs.clear()
+
+    def _catch_up(self, seq: SeqInput) -> _Matcher:
+        """The sequence's matcher, advanced by every output before the one this step samples."""
+        grammar = seq.params.grammar
+        assert grammar is not None
+        state = self._seqs.get(seq.rid)
+        if state is None:
+            # Normally compiled already (the scheduler waited); else this step waits for it.
+            state = self._seqs[seq.rid] = _Matcher(self._compiled(grammar).result().deep_copy())
+        target = seq.num_generated + seq.params.output_offset
+        missing = target - state.num_outputs
+        if missing <= 0:
+            return state
+        if seq.all_token_ids is not None and len(seq.all_token_ids) >= missing:
+            known = seq.all_token_ids[len(seq.all_token_ids) - missing :]
+        elif missing == 1:
+            known = seq.token_ids[-1:]  # a decode's first step: the prefill's sampled token
+        else:
+            raise RuntimeError(f"rid {seq.rid}: {missing} earlier outputs are unknown to its grammar matcher")
+        if not state.matcher.consume_tokens(known):
+            raise RuntimeError(f"rid {seq.rid}: earlier outputs do not match its grammar: {state.matcher.get_error()}")
+        state.num_outputs = target
+        return state
