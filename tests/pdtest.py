@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -167,3 +168,32 @@ def has_gpu() -> bool:
         return bool(torch.cuda.is_available())
     except ImportError:
         return False
+
+
+_CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_CORPUS = ["What is the capital of France?", "Paris is the capital of France.", "hello world, tokens and bytes"] * 20
+
+
+def tiny_model_with_tokenizer(path: Path) -> None:
+    """A random 2-layer llama (vocab 512) with a small byte-level BPE tokenizer and a ChatML template."""
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_CORPUS, trainer=trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    cfg = transformers.AutoConfig.for_model("llama", vocab_size=512, hidden_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                                            max_position_embeddings=512)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": _CHATML}))

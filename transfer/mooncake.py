@@ -25,6 +25,7 @@ Lifecycle:
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import itertools
 import logging
 import os
@@ -52,6 +53,7 @@ from transfer.base import (
 )
 from transfer.blocks import RegionSet
 from transfer.errors import TransferError, TransferErrorKind
+from transfer.memkind import device_regions
 from transfer.netaddr import is_wildcard
 from transfer.options import Option, choice, name_list, parse_options, positive_int
 
@@ -97,6 +99,14 @@ def _metadata_server(raw: object) -> str:
     if text != "P2PHANDSHAKE" and not text.startswith(("etcd://", "http://", "https://", "redis://")):
         raise ValueError("must be P2PHANDSHAKE or a URL etcd://host:port, http(s)://host:port/path, redis://...")
     return text
+
+
+def _cpu_only_build() -> bool:
+    try:
+        importlib.metadata.distribution("mooncake-transfer-engine-non-cuda")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 class MooncakeBackend(WriteTable, TransferBackend):
@@ -165,6 +175,14 @@ class MooncakeBackend(WriteTable, TransferBackend):
         self._closed = False
 
     def register(self, regions: Sequence[Region]) -> None:
+        on_device = device_regions(regions)  # a KV pool built with --device cuda
+        if on_device and _cpu_only_build():
+            raise TransferError(
+                TransferErrorKind.PROTOCOL,
+                f"mooncake: the KV pool is in GPU memory (cuda:{on_device[0][2]}) but the installed Mooncake is "
+                "the CPU build (mooncake-transfer-engine-non-cuda): install mooncake-transfer-engine instead",
+            )
+        # Location "*" (the batch call's): Mooncake's CUDA build finds each buffer's device itself.
         scratch = ctypes.addressof(self._scratch)
         all_regions = [*regions, (scratch, _SCRATCH_BYTES)]
         addrs = [addr for addr, _ in all_regions]

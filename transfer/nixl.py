@@ -1,4 +1,5 @@
-"""NIXL backend (UCX, DRAM). ``nixl_cu12._api`` is imported directly so that torch is not pulled in.
+"""NIXL backend (UCX; DRAM, and VRAM for a KV pool on a GPU). ``nixl_cu12._api`` is imported directly,
+so that torch is not pulled in.
 
 Lifecycle:
 1. ``NixlBackend(advertise_host=None, options=None)`` creates one agent (unique name, NIXL's progress
@@ -7,7 +8,10 @@ Lifecycle:
    come from ``options`` (``--transfer-option``, ``OPTIONS``): transports (``ucx_tls``), net devices
    (``ucx_net_devices``; by default the interface holding ``advertise_host``, so the addresses in our
    metadata are the ones the worker advertises), error handling mode, workers.
-2. ``register(regions)`` registers them as DRAM plus a small scratch buffer used for warm-up writes.
+2. ``register(regions)`` registers them plus a small scratch buffer used for warm-up writes: host memory
+   as DRAM, device memory (``transfer.memkind``: a KV pool built with ``--device cuda``) as VRAM with its
+   device id. The endpoint lists the VRAM regions, so a writer knows the memory type of each destination;
+   a batch mixing types (GPU KV pages and the host aux slot) becomes one NIXL transfer per pair of types.
 3. ``endpoint()`` = msgpack ``{agent metadata, scratch address}``.
 4. ``connect`` loads the peer's metadata (``add_remote_agent``) and makes one tiny WRITE into the peer's
    scratch, so the UCX wire-up (up to ~2 s) is paid here and not on a request's path.
@@ -32,7 +36,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -51,6 +55,7 @@ from transfer.base import (
     unknown_peer,
 )
 from transfer.errors import TransferError, TransferErrorKind
+from transfer.memkind import DeviceRegion, device_regions, find_device
 from transfer.netaddr import interface_of
 from transfer.options import (
     Option,
@@ -70,6 +75,22 @@ _POLL_SLEEP_S = 0.0002
 class _Endpoint(msgspec.Struct, array_like=True, frozen=True):
     metadata: bytes
     scratch: int
+    vram: list[tuple[int, int, int]] = []  # (addr, length, device) of registered device memory
+
+
+def xfer_groups(
+    blocks: Sequence[Block], local_vram: Sequence[DeviceRegion], remote_vram: Sequence[DeviceRegion]
+) -> list[tuple[tuple[str, int, str, int], list[Block]]]:
+    """Blocks grouped by (local memory type, device, remote memory type, device), in first-seen order:
+    NIXL takes one memory type per descriptor list. On a CPU pool: one group, DRAM to DRAM."""
+    groups: dict[tuple[str, int, str, int], list[Block]] = {}
+    for block in blocks:
+        src, dst, length = block
+        local = find_device(local_vram, src, length)
+        remote = find_device(remote_vram, dst, length)
+        key = ("DRAM" if local is None else "VRAM", local or 0, "DRAM" if remote is None else "VRAM", remote or 0)
+        groups.setdefault(key, []).append(block)
+    return list(groups.items())
 
 
 @dataclass
@@ -77,7 +98,7 @@ class _Write:
     peer: PeerId
     blocks: list[Block]
     fence: Fence = UNFENCED
-    xfer: Any = None  # the NIXL handle once posted
+    xfers: list[Any] = field(default_factory=list)  # the NIXL handles once posted (one per memory-type pair)
     state: WriteState = WriteState.PENDING
     error: TransferError | None = None
     released: bool = False  # the caller let go of the handle
@@ -87,6 +108,7 @@ class _Write:
 @dataclass
 class _Peer:
     name: Any  # what add_remote_agent returned
+    vram: list[DeviceRegion] = field(default_factory=list)  # the peer's device memory (from its endpoint)
     dead: TransferError | None = None
 
 
@@ -182,25 +204,31 @@ class NixlBackend(WriteTable, TransferBackend):
         self._ids = itertools.count(1)
         self._posts: queue.Queue[WriteHandle | None] = queue.Queue()
         self._active: list[_Write] = []  # posted, still PENDING (progress thread only)
-        self._reg: Any = None
+        self._reg: list[Any] | None = None
+        self._vram: list[DeviceRegion] = []  # our registered device memory
         self._scratch = (ctypes.c_ubyte * _SCRATCH_BYTES)()
         self._closed = False
         self._thread = threading.Thread(target=self._progress_loop, name="kv-nixl-progress", daemon=True)
         self._thread.start()
 
     def register(self, regions: Sequence[Region]) -> None:
-        entries = [(addr, length, 0, "") for addr, length in regions]
+        self._vram = device_regions(regions)
+        on_device = {addr for addr, _, _ in self._vram}
+        entries = [(addr, length, 0, "") for addr, length in regions if addr not in on_device]
         entries.append((ctypes.addressof(self._scratch), _SCRATCH_BYTES, 0, ""))
         with self._agent_lock:
             try:
-                self._reg = self._agent.register_memory(entries, "DRAM")
+                self._reg = [self._agent.register_memory(entries, "DRAM")]
+                if self._vram:
+                    vram = [(addr, length, device, "") for addr, length, device in self._vram]
+                    self._reg.append(self._agent.register_memory(vram, "VRAM"))
             except Exception as exc:
                 raise _map_error(exc, "register_memory") from exc
 
     def endpoint(self) -> bytes:
         with self._agent_lock:
             metadata = self._agent.get_agent_metadata()
-        return msgspec.msgpack.encode(_Endpoint(metadata, ctypes.addressof(self._scratch)))
+        return msgspec.msgpack.encode(_Endpoint(metadata, ctypes.addressof(self._scratch), self._vram))
 
     def connect(self, endpoint: bytes) -> PeerId:
         try:
@@ -218,7 +246,7 @@ class NixlBackend(WriteTable, TransferBackend):
                 ) from exc
         with self._lock:
             peer_id = next(self._ids)
-            self._peers[peer_id] = _Peer(name)
+            self._peers[peer_id] = _Peer(name, [tuple(r) for r in remote.vram])  # type: ignore[misc]
         handle = self.write(peer_id, [(ctypes.addressof(self._scratch), remote.scratch, 8)])
         deadline = time.monotonic() + _WARMUP_TIMEOUT_S
         while (state := self.poll(handle)) == WriteState.PENDING and time.monotonic() < deadline:
@@ -280,21 +308,22 @@ class NixlBackend(WriteTable, TransferBackend):
         if not record.fence.live():  # the room died on our side while this waited to be posted
             self._settle(record, WriteState.FAILED, fenced("nixl", record.fence))
             return
-        blocks = record.blocks
+        states = []
         try:
-            with self._agent_lock:
-                local = self._agent.get_xfer_descs([(src, n, 0) for src, _, n in blocks], "DRAM")
-                remote = self._agent.get_xfer_descs([(dst, n, 0) for _, dst, n in blocks], "DRAM")
-                xfer = self._agent.initialize_xfer("WRITE", local, remote, target.name, b"")
-                record.xfer = xfer
-                state = self._agent.transfer(xfer)
+            for (lkind, ldev, rkind, rdev), part in xfer_groups(record.blocks, self._vram, target.vram):
+                with self._agent_lock:
+                    local = self._agent.get_xfer_descs([(src, n, ldev) for src, _, n in part], lkind)
+                    remote = self._agent.get_xfer_descs([(dst, n, rdev) for _, dst, n in part], rkind)
+                    xfer = self._agent.initialize_xfer("WRITE", local, remote, target.name, b"")
+                    record.xfers.append(xfer)
+                    states.append(self._agent.transfer(xfer))
         except Exception as exc:
             self._settle(record, WriteState.FAILED, _map_error(exc, f"write to {target.name!r}"))
             return
         record.blocks = []
-        if state == "DONE":
+        if all(state == "DONE" for state in states):
             self._settle(record, WriteState.DONE)
-        elif state == "ERR":
+        elif "ERR" in states:
             self._settle(record, WriteState.FAILED,
                          TransferError(TransferErrorKind.PEER_GONE, f"nixl: write to {target.name!r} failed"))
         else:
@@ -308,10 +337,11 @@ class NixlBackend(WriteTable, TransferBackend):
                 continue
             try:
                 with self._agent_lock:
-                    state = self._agent.check_xfer_state(record.xfer)
+                    states = [self._agent.check_xfer_state(xfer) for xfer in record.xfers]
             except Exception as exc:
                 self._settle(record, WriteState.FAILED, _map_error(exc, "check_xfer_state"))
                 continue
+            state = "ERR" if "ERR" in states else "DONE" if all(st == "DONE" for st in states) else "PROC"
             if state == "DONE":
                 self._settle(record, WriteState.DONE)
             elif state == "ERR":
@@ -335,14 +365,13 @@ class NixlBackend(WriteTable, TransferBackend):
             self._settled()
 
     def _release_xfer(self, record: _Write) -> None:
-        if record.xfer is None:
-            return
-        try:
-            with self._agent_lock:
-                self._agent.release_xfer_handle(record.xfer)
-        except Exception:
-            pass  # a handle of a broken connection may refuse release; nothing else to free
-        record.xfer = None
+        xfers, record.xfers = record.xfers, []
+        for xfer in xfers:
+            try:
+                with self._agent_lock:
+                    self._agent.release_xfer_handle(xfer)
+            except Exception:
+                pass  # a handle of a broken connection may refuse release; nothing else to free
 
     # -- queries ---------------------------------------------------------------------------------
     def release(self, handle: WriteHandle) -> None:
@@ -396,10 +425,10 @@ class NixlBackend(WriteTable, TransferBackend):
         for peer_id in peers:
             self.disconnect(peer_id)
         with self._agent_lock:
-            if self._reg is not None:
+            for reg in self._reg or []:
                 try:
-                    self._agent.deregister_memory(self._reg)
+                    self._agent.deregister_memory(reg)
                 except Exception:
                     pass
-                self._reg = None
+            self._reg = None
             self._agent = None

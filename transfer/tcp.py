@@ -50,6 +50,7 @@ from transfer.base import (
 )
 from transfer.blocks import RegionSet
 from transfer.errors import TransferError, TransferErrorKind
+from transfer.memkind import device_regions
 from transfer.netaddr import is_wildcard, join_host_port, split_host_port
 from transfer.options import Option, parse_options, positive_float, positive_int
 
@@ -153,6 +154,13 @@ class TcpBackend(WriteTable, TransferBackend):
 
     # -- target side -----------------------------------------------------------------------------
     def register(self, regions: Sequence[Region]) -> None:
+        on_device = device_regions(regions)
+        if on_device:  # recv_into and sendall need host memory
+            raise TransferError(
+                TransferErrorKind.PROTOCOL,
+                f"tcp: moves host memory only, and the KV pool is in GPU memory (cuda:{on_device[0][2]}): "
+                "use --transfer nixl or mooncake (its CUDA build) with --device cuda",
+            )
         self._regions = RegionSet(regions)
 
     def endpoint(self) -> bytes:

@@ -52,6 +52,12 @@ class WorkerConfig:
         for name in ("port", "http_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ConfigError(f"{name}: not a TCP port: {getattr(self, name)}")
+        if self.device == "cuda":  # one spelling, so the engine's device and the pool's tensors compare equal
+            object.__setattr__(self, "device", "cuda:0")
+        if self.engine == "sim" and self.device != "cpu":
+            raise ConfigError(f"device: the sim engine runs on the CPU, got {self.device!r}")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ConfigError(f"device: must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.max_unread_bytes < 1 << 16:
             raise ConfigError("max_unread_bytes: must be at least 64 KiB")
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s", "heartbeat_interval_s"):

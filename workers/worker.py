@@ -93,6 +93,7 @@ class Worker:
             num_layers=info.num_layers, num_pages=cfg.num_pages, page_size=cfg.page_size,
             num_kv_heads=info.num_kv_heads, head_dim=info.head_dim, dtype=info.kv_dtype,
             num_aux_slots=max(256, cfg.max_running * 4),
+            device=cfg.device,  # cuda: K and V pages in GPU memory (aux slots stay on the host)
         )
         self.engine.bind(self.pool)
         if cfg.role != "both":

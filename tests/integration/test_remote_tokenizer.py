@@ -3,7 +3,6 @@ native protocol (``GetTokenizer`` -> ``TokenizerFiles``), and a worker that pred
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -13,36 +12,11 @@ from pathlib import Path
 import msgspec
 import openai
 import pytest
-from pdtest import ROOT, Procs, start_worker, wait_http_ok
+from pdtest import ROOT, Procs, start_worker, tiny_model_with_tokenizer, wait_http_ok
 
 from gateway.cluster import free_port
 from gateway.remote_tokenizer import needs_fetch
 from workers.protocol import HelloAck, ToGateway
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-CORPUS = ["What is the capital of France?", "Paris is the capital of France.", "hello world, tokens and bytes"] * 20
-
-
-def _tiny_model_with_tokenizer(path: Path) -> None:
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainer=trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    cfg = transformers.AutoConfig.for_model("llama", vocab_size=512, hidden_size=64, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                                            max_position_embeddings=512)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": CHATML}))
 
 
 def test_an_older_worker_is_not_asked() -> None:
@@ -60,7 +34,7 @@ def test_gateway_without_the_model_fetches_the_tokenizer(tmp_path: Path) -> None
         pytest.skip("hiding the model from the gateway needs a mount namespace (root, unshare)")
     model = tmp_path / "model"
     model.mkdir()
-    _tiny_model_with_tokenizer(model)
+    tiny_model_with_tokenizer(model)
     probe = subprocess.run(["unshare", "--mount", "--", "sh", "-c", f"mount -t tmpfs none {model}"],
                            capture_output=True, text=True, timeout=30)
     if probe.returncode != 0:
