@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -30,9 +30,6 @@ from gateway.structured_output import grammar_for
 from gateway.text import ChoiceState
 from gateway.tokenizer import Tokenizer
 from workers.protocol import SamplingParams, StepOutput
-
-if TYPE_CHECKING:
-    from gateway.dispatch import DirectConsumer
 
 _json = msgspec.json.Encoder()
 
@@ -67,6 +64,19 @@ class Prepared:
     want_logprobs: bool
     echo: bool = False  # /v1/completions: the prompt is repeated before the completion
     bootstrap: ClientBootstrap | None = None
+    param_prefix: str = ""  # where the route's sampling fields live ("sampling_params." on /generate)
+
+    def name_for_client(self, exc: BaseException) -> None:
+        """A worker's 400 names a ``SamplingParams`` field it refused (``check_sampling``): the client's
+        name for it on this route instead."""
+        if isinstance(exc, BadRequest) and exc.param in _CLIENT_NAMES:
+            exc.param = self.param_prefix + exc.param if self.param_prefix else _CLIENT_NAMES[exc.param]
+
+
+# ``SamplingParams`` fields a worker may refuse -> the OpenAI routes' names for them
+_CLIENT_NAMES = {"logit_bias": "logit_bias", "presence_penalty": "presence_penalty",
+                 "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
+                 "min_new_tokens": "min_tokens"}
 
 
 class ChoiceDispatcher(Protocol):
@@ -74,39 +84,9 @@ class ChoiceDispatcher(Protocol):
     workers, a fresh room), or a worker's own relay to its scheduler (``workers/sglang_api.py``)."""
 
     def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
-                 bootstrap: ClientBootstrap | None = None,
-                 direct: DirectConsumer | None = None) -> AsyncGenerator[StepOutput, None]:
-        """The choice's ``StepOutput`` events until the final one; errors as ``APIError``. A dispatcher
-        may hand middle outputs to ``direct`` instead of yielding them (``gateway.dispatch``), or ignore it."""
+                 bootstrap: ClientBootstrap | None = None) -> AsyncGenerator[StepOutput, None]:
+        """The choice's ``StepOutput`` events until the final one; errors as ``APIError``."""
         ...
-
-
-class TextEmitter(Protocol):
-    """Where a stream's middle text goes when it skips the generator layers (``run_choices``'s ``emit``)."""
-
-    def ready(self) -> bool:
-        """Can a chunk be written now?"""
-        ...
-
-    def emit(self, state: ChoiceState, text: str) -> None:
-        """Write the chunk for ``text``, new in ``state`` (not its first output, not its last)."""
-        ...
-
-
-class _DirectChoice:
-    """One choice's middle outputs straight from the dispatcher to ``emit``: detokenized, then written."""
-
-    __slots__ = ("emitter", "state")
-
-    def __init__(self, state: ChoiceState, emitter: TextEmitter) -> None:
-        self.state, self.emitter = state, emitter
-
-    def ready(self) -> bool:
-        return self.emitter.ready()
-
-    def take(self, output: StepOutput) -> None:
-        text, _ = self.state.accept(output)
-        self.emitter.emit(self.state, text)
 
 
 # -- features the gateway does not implement -----------------------------------------------------
@@ -124,13 +104,7 @@ def _is(*neutral: Any) -> Callable[[Any, Any], bool]:
     return lambda value, _req: value is None or value in neutral
 
 
-_SAMPLING_RULES: tuple[Rule, ...] = (
-    ("logit_bias", _unset, ""),
-    ("presence_penalty", _is(0), "0"),
-    ("frequency_penalty", _is(0), "0"),
-    ("repetition_penalty", _is(1), "1"),
-    ("min_tokens", _is(0), "0"),
-)
+_SAMPLING_RULES: tuple[Rule, ...] = ()  # (structured output: gateway/structured_output.py)
 CHAT_RULES: tuple[Rule, ...] = (
     *_SAMPLING_RULES,
     ("tools", _unset, ""),
@@ -156,11 +130,6 @@ GENERATE_RULES: tuple[Rule, ...] = (
 )
 GENERATE_SAMPLING_RULES: tuple[Rule, ...] = (
     ("n", _is(1), "1"),
-    ("presence_penalty", _is(0), "0"),
-    ("frequency_penalty", _is(0), "0"),
-    ("repetition_penalty", _is(1), "1"),
-    ("min_new_tokens", _is(0), "0"),
-    ("logit_bias", _unset, ""),
     ("structural_tag", _unset, ""),
 )
 
@@ -193,7 +162,8 @@ def decode_body(body: bytes, kind: type[Any]) -> Any:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         message = str(exc)
-        param = message.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in message else None
+        # "... - at `$.a.b`", or for a bad mapping key "... - at `key` in `$.a.b`"
+        param = message.rsplit("`$.", 1)[1].rstrip("`").removesuffix("[...]") if "`$." in message else None
         raise BadRequest(f"invalid request: {message}", param=param) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
@@ -225,7 +195,7 @@ class Frontend:
                                 param="model", code="model_not_found")
 
     def _params(self, req: Any, input_ids: list[int], max_tokens: int | None, logprobs: bool,
-                top_logprobs: int) -> tuple[SamplingParams, list[str]]:
+                top_logprobs: int, prefix: str = "") -> tuple[SamplingParams, list[str]]:
         if not input_ids:
             raise BadRequest("the prompt is empty", param="prompt")
         room = self.max_context - len(input_ids)
@@ -244,10 +214,18 @@ class Frontend:
             raise BadRequest("top_k must be -1 (off) or positive", param="top_k")
         min_p = 0.0 if req.min_p is None else req.min_p
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        min_tokens = req.min_tokens or 0
+        if min_tokens > max_tokens:
+            name = "min_new_tokens" if prefix else "min_tokens"
+            raise BadRequest(f"{name} ({min_tokens}) must not exceed max_tokens ({max_tokens})", param=prefix + name)
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
             seed=req.seed, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
             logprobs=logprobs, top_logprobs=top_logprobs,
+            logit_bias={int(token): bias for token, bias in (req.logit_bias or {}).items()},
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            min_new_tokens=min_tokens,
         )
         return params, stops
 
@@ -310,34 +288,32 @@ class Frontend:
         else:
             raise BadRequest("one of text or input_ids is required", param="text")
         shim = _GenerateShim(sp)
-        params, stops = self._params(shim, input_ids, sp.max_new_tokens, req.return_logprob, 0)
+        params, stops = self._params(shim, input_ids, sp.max_new_tokens, req.return_logprob, 0, "sampling_params.")
         params.prompt_logprobs = req.return_logprob
         params.grammar = grammar_for(sp, prefix="sampling_params.")
         return Prepared(input_ids, params, 1, stops, req.stream, False, req.return_logprob,
-                        bootstrap=ClientBootstrap.of(req)), sp
+                        bootstrap=ClientBootstrap.of(req), param_prefix="sampling_params."), sp
 
     # -- running choices ---------------------------------------------------------------------
-    async def run_choices(self, prep: Prepared, emitter: TextEmitter | None = None,
-                          ) -> AsyncIterator[tuple[ChoiceState, str, list[dict[str, Any]]]]:
+    async def run_choices(self, prep: Prepared) -> AsyncIterator[tuple[ChoiceState, str, list[dict[str, Any]]]]:
         """Yield (choice, new text, new logprob entries) as tokens arrive, across all n choices.
 
         One choice (the common case) reads the dispatcher's generator in place; several run as one
         task each, merged through a queue. Either way, a choice whose stop string matched is closed
-        at once, which aborts it on its workers. ``emitter`` (a stream of one choice without stop
-        strings or logprobs): middle outputs may go to it from the worker connection's callback,
-        detokenized here, instead of being yielded.
+        at once, which aborts it on its workers.
         """
         if prep.n == 1:
             state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs)
-            direct = _DirectChoice(state, emitter) if emitter is not None and not prep.stops and \
-                not prep.want_logprobs else None
-            events = self.dispatcher.generate(prep.input_ids, prep.params, bootstrap=prep.bootstrap, direct=direct)
+            events = self.dispatcher.generate(prep.input_ids, prep.params, bootstrap=prep.bootstrap)
             try:
                 async for event in events:
                     text, entries = state.accept(event)
                     yield state, text, entries
                     if state.finish_reason is not None:
                         return
+            except BadRequest as exc:
+                prep.name_for_client(exc)
+                raise
             finally:
                 await events.aclose()
             return
@@ -367,6 +343,7 @@ class Frontend:
                     remaining -= 1
                     continue
                 if isinstance(item, BaseException):
+                    prep.name_for_client(item)
                     raise item
                 if state.finish_reason is not None:
                     continue
@@ -386,6 +363,9 @@ class _GenerateShim:
     def __init__(self, sp: GenerateSampling) -> None:
         self.temperature, self.top_p, self.top_k, self.min_p = sp.temperature, sp.top_p, sp.top_k, sp.min_p
         self.seed, self.stop, self.stop_token_ids, self.ignore_eos = sp.seed, sp.stop, sp.stop_token_ids, sp.ignore_eos
+        self.logit_bias, self.presence_penalty, self.frequency_penalty = sp.logit_bias, sp.presence_penalty, \
+            sp.frequency_penalty
+        self.repetition_penalty, self.min_tokens = sp.repetition_penalty, sp.min_new_tokens
         self.n = 1
 
 

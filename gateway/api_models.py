@@ -7,8 +7,8 @@ can be (``Meta`` bounds), otherwise stated in ``extra_json_schema`` and checked 
 (a chat role, ``top_k != 0``, text-only content parts, the shapes of ``prompt``). Checks that need
 the model (its name, the context length, the vocabulary) live in ``gateway.api`` only.
 
-Fields that would change what a request means but that the gateway does not implement (penalties,
-logit bias, tools, structured output, non-text inputs...) are declared here only so that
+Fields that would change what a request means but that the gateway does not implement (tools,
+structured output, non-text inputs...) are declared here only so that
 ``gateway.api.reject_unsupported`` can answer a 400 naming them instead of silently dropping them.
 """
 
@@ -39,6 +39,12 @@ StopString = Annotated[str, Meta(min_length=1)]
 ModelName = Annotated[str, Meta(description="the served model (GET /v1/models) or 'default'; another is a 404")]
 IgnoredTimeout = Annotated[float, Meta(description="accepted and not used: --request-timeout-s bounds every request")]
 Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] | None
+# OpenAI's ranges; token ids as strings (JSON keys), checked against the vocabulary by the workers
+LogitBias = dict[Annotated[str, Meta(pattern=r"^[0-9]{1,10}$", description="a token id")],
+                 Annotated[float, Meta(ge=-100.0, le=100.0)]]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=1e6, description="1 is off; > 1 discourages repeats")]
+MinTokens = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 # Text parts only (``gateway.api.reject_non_text_content``).
@@ -83,12 +89,11 @@ class _Sampling(msgspec.Struct):
     bootstrap_host: Any = None
     bootstrap_port: Any = None
     bootstrap_room: Any = None
-    # not supported: a 400 unless absent or at the neutral value (see gateway.api)
-    logit_bias: dict[str, float] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    logit_bias: LogitBias | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None  # SGLang/vLLM extension
+    min_tokens: MinTokens | None = None  # vLLM/SGLang extension: EOS and stop_token_ids banned before
     # SGLang's structured output (gateway/structured_output.py): at most one, with response_format
     regex: str | None = None
     ebnf: str | None = None  # GBNF
@@ -130,16 +135,16 @@ class GenerateSampling(msgspec.Struct):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     seed: Seed | None = msgspec.field(default=None, name="sampling_seed")
-    # not supported: a 400 unless absent or neutral
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
-    logit_bias: Any = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    min_new_tokens: MinTokens = 0
+    logit_bias: LogitBias | None = None
     regex: str | None = None  # structured output (gateway/structured_output.py): at most one of three
     json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None
+    # not supported: a 400 unless absent or neutral
+    n: int = 1
     structural_tag: Any = None
 
 

@@ -46,7 +46,16 @@ from transfer.types import KVPoll
 if TYPE_CHECKING:
     from transfer import KVManager
 from workers.aux import AuxRecord, decode_aux, encode_aux
-from workers.engines.base import Engine, KVChecker, SeqInput, SeqOutput, SequenceState, check_sampling, needs_history
+from workers.engines.base import (
+    OPTIONAL_SAMPLING,
+    Engine,
+    KVChecker,
+    SeqInput,
+    SeqOutput,
+    SequenceState,
+    check_sampling,
+    needs_history,
+)
 from workers.grammar import GrammarCompiling, GrammarWait
 from workers.kv_pool import KVPool
 from workers.metrics import SchedulerMetrics
@@ -312,7 +321,8 @@ class Scheduler:
         if problem is None and grammar is not None and self.grammar_wait is None:
             problem = f"{grammar.param} is not supported by the {self.engine.name} engine (no constrained decoding)"
         if problem is not None:
-            param = grammar.param if grammar is not None and problem.startswith(grammar.param) else None
+            param = grammar.param if grammar is not None and problem.startswith(grammar.param) else next(
+                (name for name in OPTIONAL_SAMPLING if problem.startswith(name)), None)  # (check_sampling's)
             self._out.append((conn_id, Error(msg.rid, "bad_request", problem, param=param)))
             return
         if len(self.reqs) >= self.config.max_queued:

@@ -1,0 +1,225 @@
+"""logit_bias, presence/frequency/repetition penalties and min_tokens through real gateways and workers.
+
+Sim workers: min_tokens is honoured, what needs logits is refused by name, bad values are 400s naming the
+field, and every KV page comes back. SmolLM2 (slow): greedy requests with the fields give the same
+tokens through prefill -> decode as on one ``--role both`` worker, and the fields visibly act.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from pdtest import Procs, Worker, start_bootstrap, start_gateway, start_worker
+
+from workers.engines.sim import ALPHABET
+
+MESSAGES = [{"role": "user", "content": "Say hello."}]
+STOPS = sorted(set(ALPHABET))  # every token the sim emits
+
+
+def _client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_sim_honours_min_tokens(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = sim_cluster()
+    c = _client(cluster.base_url)
+    plain = c.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=16,  # type: ignore[arg-type]
+                                      extra_body={"stop_token_ids": STOPS})
+    assert plain.usage and plain.usage.completion_tokens == 1 and plain.choices[0].finish_reason == "stop"
+    held = c.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=16,  # type: ignore[arg-type]
+                                     extra_body={"stop_token_ids": STOPS, "min_tokens": 5})
+    # outputs 0-4 (the first sampled on the prefill) are forced off the stop ids; output 5 is the sim's own
+    assert held.usage and held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
+    streamed = c.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=16, stream=True,  # type: ignore[arg-type]
+                                         extra_body={"stop_token_ids": STOPS, "min_tokens": 5})
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == \
+        held.choices[0].message.content
+    r = httpx.post(f"{cluster.base_url}/generate", timeout=30, json={
+        "text": "Say hello.", "sampling_params": {"max_new_tokens": 16, "stop_token_ids": STOPS,
+                                                  "min_new_tokens": 3}})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["output_ids"]) == 4 and r.json()["meta_info"]["finish_reason"]["type"] == "stop"
+    cluster.wait_pools_full()
+
+
+REFUSED_BY_SIM: list[tuple[dict[str, Any], str]] = [
+    ({"logit_bias": {"65": 5}}, "logit_bias"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": -0.5}, "frequency_penalty"),
+    ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+]
+
+
+def test_sim_refuses_what_needs_logits_by_name(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = sim_cluster()
+    c = _client(cluster.base_url)
+    for kwargs, field in REFUSED_BY_SIM:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as info:
+                c.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=4, stream=stream,  # type: ignore[call-overload]
+                                          **kwargs)
+            err = info.value.response.json()["error"]
+            assert f"{field} is not supported by the sim engine" in err["message"], err
+            assert err["param"] == field, err
+        with pytest.raises(openai.BadRequestError) as info:
+            c.completions.create(model="sim", prompt="Once upon a time", max_tokens=4, **kwargs)
+        assert info.value.response.json()["error"]["param"] == field
+        r = httpx.post(f"{cluster.base_url}/generate", timeout=30, json={
+            "text": "hi", "sampling_params": {"max_new_tokens": 4, **kwargs.get("extra_body", kwargs)}})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == f"sampling_params.{field}", r.text
+    cluster.wait_pools_full()
+
+
+BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
+    ("chat", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("chat", {"frequency_penalty": -2.01}, "frequency_penalty"),
+    ("chat", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("chat", {"repetition_penalty": -1.0}, "repetition_penalty"),
+    ("chat", {"logit_bias": {"65": 100.5}}, "logit_bias"),
+    ("chat", {"logit_bias": {"sixty-five": 1}}, "logit_bias"),
+    ("chat", {"logit_bias": {"-3": 1}}, "logit_bias"),
+    ("chat", {"logit_bias": [65]}, "logit_bias"),
+    ("chat", {"min_tokens": -1}, "min_tokens"),
+    ("chat", {"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+    ("completions", {"presence_penalty": "high"}, "presence_penalty"),
+    ("completions", {"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ("generate", {"presence_penalty": 3}, "sampling_params.presence_penalty"),
+    ("generate", {"repetition_penalty": 0.0}, "sampling_params.repetition_penalty"),
+    ("generate", {"logit_bias": {"1": -101}}, "sampling_params.logit_bias"),
+    ("generate", {"min_new_tokens": 9, "max_new_tokens": 8}, "sampling_params.min_new_tokens"),
+]
+
+
+def test_bad_values_are_a_400_naming_the_field(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = sim_cluster()
+    for route, fields, param in BAD_VALUES:
+        if route == "generate":
+            body: dict[str, Any] = {"text": "hi", "sampling_params": {"max_new_tokens": 4, **fields}}
+            url = f"{cluster.base_url}/generate"
+        elif route == "chat":
+            body, url = {"messages": MESSAGES, "max_tokens": 4, **fields}, f"{cluster.base_url}/v1/chat/completions"
+        else:
+            body, url = {"prompt": "hi", "max_tokens": 4, **fields}, f"{cluster.base_url}/v1/completions"
+        r = httpx.post(url, json=body, timeout=30)
+        assert r.status_code == 400, (fields, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error", (fields, err)
+    cluster.wait_pools_full()
+
+
+# -- SmolLM2 through prefill -> decode and on one combined worker ------------------------------------
+
+
+@dataclass
+class Deployment:
+    pd_url: str
+    both_url: str
+    workers: list[Worker]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    from workers.engines.llama.gguf_convert import default_model_dir
+
+    default_model_dir()  # convert once (cached) before three processes race for it
+    procs = Procs(tmp_path_factory.mktemp("sampling-surface"))
+    try:
+        boot = start_bootstrap(procs)
+        common = ("--engine", "torch", "--num-pages", "256", "--chunk-size", "32")
+        prefill = start_worker(procs, "prefill", *common, bootstrap=boot)
+        decode = start_worker(procs, "decode", *common, bootstrap=boot)
+        both = start_worker(procs, "both", *common)
+        pd_port = start_gateway(procs, "--prefill", prefill.url, "--decode", decode.url)
+        both_port = start_gateway(procs, "--worker", both.url)
+        yield Deployment(f"http://127.0.0.1:{pd_port}", f"http://127.0.0.1:{both_port}", [prefill, decode, both])
+    finally:
+        procs.stop_all()
+
+
+def _generate(base_url: str, question: str = "List some fruits.", **sampling: Any) -> dict[str, Any]:
+    body = {"text": f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n",
+            "sampling_params": {"max_new_tokens": 24, "temperature": 0, **sampling}}
+    r = httpx.post(f"{base_url}/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+PENALTIES = {"presence_penalty": 1.0, "frequency_penalty": 0.8, "repetition_penalty": 1.3}
+
+
+@pytest.mark.slow
+def test_penalties_through_the_split_equal_one_worker_and_change_the_output(smollm2: Deployment) -> None:
+    plain = _generate(smollm2.pd_url)["output_ids"]
+    for sampling in ({"repetition_penalty": 1.3}, {"presence_penalty": 1.5, "frequency_penalty": 1.0}, PENALTIES):
+        pd = _generate(smollm2.pd_url, **sampling)["output_ids"]
+        assert pd == _generate(smollm2.both_url, **sampling)["output_ids"], sampling
+        assert pd != plain, f"{sampling} changes a 24-token greedy answer that repeats tokens"
+    chat_kw: dict[str, Any] = {"model": "default", "max_tokens": 20, "temperature": 0, "presence_penalty": 0.8,
+                               "frequency_penalty": 0.5, "extra_body": {"repetition_penalty": 1.2},
+                               "messages": [{"role": "user", "content": "Write one sentence about the sea."}]}
+    pd_chat = _client(smollm2.pd_url).chat.completions.create(**chat_kw)
+    both_chat = _client(smollm2.both_url).chat.completions.create(**chat_kw)
+    assert pd_chat.choices[0].message.content == both_chat.choices[0].message.content
+    stream = _client(smollm2.pd_url).chat.completions.create(**chat_kw, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == \
+        pd_chat.choices[0].message.content
+
+
+@pytest.mark.slow
+def test_logit_bias_forces_and_bans_tokens(smollm2: Deployment) -> None:
+    plain = _generate(smollm2.pd_url)["output_ids"]
+    forced_id = 9690  # a token the plain answer does not use
+    assert forced_id not in plain
+    forced = _generate(smollm2.pd_url, max_new_tokens=6, logit_bias={str(forced_id): 100})["output_ids"]
+    assert forced == [forced_id] * 6, "a +100 bias wins every greedy step, the prefill's first token too"
+    banned = {str(t): -100 for t in plain[:3]}
+    pd = _generate(smollm2.pd_url, logit_bias=banned)["output_ids"]
+    assert not set(pd) & set(plain[:3])
+    assert pd == _generate(smollm2.both_url, logit_bias=banned)["output_ids"]
+    c = _client(smollm2.pd_url)
+    out = c.completions.create(model="default", prompt="The capital of France is", max_tokens=4, temperature=0,
+                               logit_bias={str(forced_id): 100})
+    both = _client(smollm2.both_url).completions.create(model="default", prompt="The capital of France is",
+                                                         max_tokens=4, temperature=0, logit_bias={str(forced_id): 100})
+    assert out.choices[0].text == both.choices[0].text and out.usage and out.usage.completion_tokens == 4
+
+
+@pytest.mark.slow
+def test_min_tokens_holds_back_the_end_of_sequence(smollm2: Deployment) -> None:
+    question = "What is the capital of France?"
+    short = _generate(smollm2.pd_url, question, max_new_tokens=64)
+    n = len(short["output_ids"])
+    assert short["meta_info"]["finish_reason"]["type"] == "stop" and n < 40, "the plain answer ends with EOS"
+    held = _generate(smollm2.pd_url, question, max_new_tokens=64, min_new_tokens=n + 8)
+    assert len(held["output_ids"]) >= n + 8
+    assert held["output_ids"] == _generate(smollm2.both_url, question, max_new_tokens=64,
+                                           min_new_tokens=n + 8)["output_ids"]
+    # EOS (id 2) pushed up by +100 is still banned while min_new_tokens holds: on the first token, which the
+    # prefill samples, and on the decode's
+    first = _generate(smollm2.pd_url, max_new_tokens=4, min_new_tokens=4, logit_bias={"2": 100})
+    assert 2 not in first["output_ids"] and len(first["output_ids"]) == 4
+
+
+@pytest.mark.slow
+def test_a_token_outside_the_vocabulary_is_a_400_and_pools_are_full(smollm2: Deployment) -> None:
+    import time
+
+    for url in (smollm2.pd_url, smollm2.both_url):
+        r = httpx.post(f"{url}/v1/completions", timeout=60,
+                       json={"prompt": "Hello", "max_tokens": 2, "logit_bias": {"49152": 1}})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "logit_bias" and "vocabulary" in r.json()["error"]["message"]
+    deadline = time.monotonic() + 30
+    while True:
+        loads = [w.get("/load") for w in smollm2.workers]
+        if all(ld["num_free_pages"] == ld["num_total_pages"] for ld in loads):  # type: ignore[index]
+            break
+        assert time.monotonic() < deadline, loads
+        time.sleep(0.2)
