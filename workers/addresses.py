@@ -9,7 +9,7 @@ change:
   mismatch (peers would connect where nothing listens);
 * with a wildcard ``--host``, ``--advertise-host`` (a name is resolved once) must be an address of this
   machine; by default it is the source address of the route to the registry (or, with no registry, of
-  the default route);
+  the default route; 127.0.0.1 where loopback is the only interface);
 * a loopback address is refused as soon as the registry is on another host (nobody there could reach it).
 """
 
@@ -36,6 +36,13 @@ def _literal(name: str, flag: str) -> str:
     return str(infos[0][4][0])
 
 
+def _only_loopback() -> bool:
+    try:
+        return [name for _, name in socket.if_nameindex()] == ["lo"]
+    except OSError:
+        return False
+
+
 def advertised_host(host: str, advertise_host: str | None, registry_url: str | None) -> str:
     registry_host = urlsplit(registry_url).hostname if registry_url else None
     if not is_wildcard(host) and not is_local_address(_literal(host, "--host")):
@@ -58,6 +65,8 @@ def advertised_host(host: str, advertise_host: str | None, registry_url: str | N
         try:
             advertised = route_source(target.strip("[]"))
         except OSError as exc:
+            if registry_host is None and _only_loopback():
+                return "127.0.0.1"  # nothing but loopback here: nobody elsewhere could reach us anyway
             where = f"the registry {registry_host}" if registry_host else "a default route"
             raise AddressError(f"--host {host}: cannot pick an address to advertise: no route to {where} "
                                f"({exc}); give --advertise-host") from None

@@ -71,7 +71,10 @@ class Worker:
         cfg = self.config
         registry = cfg.bootstrap or (f"http://{cfg.host}:{cfg.bootstrap_embedded}"
                                      if cfg.bootstrap_embedded is not None else None)
-        self.advertise_host = advertised_host(cfg.host, cfg.advertise_host, registry)
+        if cfg.role == "both" and not cfg.advertise_host:  # no peers: only the gateway, at the bound address
+            self.advertise_host = "127.0.0.1" if is_wildcard(cfg.host) else cfg.host
+        else:
+            self.advertise_host = advertised_host(cfg.host, cfg.advertise_host, registry)
         if cfg.role != "both":
             from transfer.registry import check_options
 

@@ -29,3 +29,11 @@ def test_wildcard_host_advertises_the_route_to_the_registry() -> None:
 def test_unusable_combinations(host: str, advertise: str | None, registry: str | None, needle: str) -> None:
     with pytest.raises(AddressError, match=needle):
         advertised_host(host, advertise, registry)
+
+
+def test_no_route_and_only_loopback_means_loopback() -> None:
+    import socket
+
+    if [name for _, name in socket.if_nameindex()] != ["lo"]:
+        pytest.skip("needs a network namespace holding only loopback (make pytest)")
+    assert advertised_host("0.0.0.0", None, None) == "127.0.0.1"
