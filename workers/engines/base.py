@@ -4,7 +4,9 @@ Lifecycle:
 1. The worker builds an engine from its name (entry point group ``pd_gateway.engines``) and an
    ``EngineOptions``; construction loads weights and may take seconds.
 2. The worker reads ``engine.info`` to size the ``KVPool`` and calls ``bind(pool)`` once.
-3. The scheduler thread calls ``forward(batch)`` once per step; it blocks for the step's compute.
+3. The scheduler thread calls ``forward(batch)`` once per step; it blocks for the step's compute: when
+   it returns, the step's KV is in the pool's memory (a GPU engine waits for its kernels), because the
+   transfer layer may read those pages at once.
    Each ``SeqInput`` names a sequence's page table, how many of its positions already hold KV,
    the new token ids whose KV this step writes, and whether to sample one token after them.
 4. ``close()`` at shutdown.

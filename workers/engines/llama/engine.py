@@ -205,6 +205,10 @@ class TorchEngine(Engine):
         for i, seq in enumerate(batch):
             if self._wants_prompt_logprobs(seq):
                 outputs[i].prompt_logprobs = self._prompt_logprobs(seq, rows[i], hidden)
+        if device.type == "cuda":
+            # A chunk that samples nothing has not waited for its kernels, and the transfer layer reads its
+            # KV pages (another stream, another process) as soon as forward returns.
+            torch.cuda.current_stream(device).synchronize()
         return outputs
 
     def _validate(self, seq: SeqInput) -> None:
