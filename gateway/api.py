@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -30,6 +30,9 @@ from gateway.structured_output import grammar_for
 from gateway.text import ChoiceState
 from gateway.tokenizer import Tokenizer
 from workers.protocol import SamplingParams, StepOutput
+
+if TYPE_CHECKING:
+    from gateway.dispatch import DirectConsumer
 
 _json = msgspec.json.Encoder()
 
@@ -84,9 +87,39 @@ class ChoiceDispatcher(Protocol):
     workers, a fresh room), or a worker's own relay to its scheduler (``workers/sglang_api.py``)."""
 
     def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
-                 bootstrap: ClientBootstrap | None = None) -> AsyncGenerator[StepOutput, None]:
-        """The choice's ``StepOutput`` events until the final one; errors as ``APIError``."""
+                 bootstrap: ClientBootstrap | None = None,
+                 direct: DirectConsumer | None = None) -> AsyncGenerator[StepOutput, None]:
+        """The choice's ``StepOutput`` events until the final one; errors as ``APIError``. A dispatcher
+        may hand middle outputs to ``direct`` instead of yielding them (``gateway.dispatch``), or ignore it."""
         ...
+
+
+class TextEmitter(Protocol):
+    """Where a stream's middle text goes when it skips the generator layers (``run_choices``'s ``emit``)."""
+
+    def ready(self) -> bool:
+        """Can a chunk be written now?"""
+        ...
+
+    def emit(self, state: ChoiceState, text: str) -> None:
+        """Write the chunk for ``text``, new in ``state`` (not its first output, not its last)."""
+        ...
+
+
+class _DirectChoice:
+    """One choice's middle outputs straight from the dispatcher to ``emit``: detokenized, then written."""
+
+    __slots__ = ("emitter", "state")
+
+    def __init__(self, state: ChoiceState, emitter: TextEmitter) -> None:
+        self.state, self.emitter = state, emitter
+
+    def ready(self) -> bool:
+        return self.emitter.ready()
+
+    def take(self, output: StepOutput) -> None:
+        text, _ = self.state.accept(output)
+        self.emitter.emit(self.state, text)
 
 
 # -- features the gateway does not implement -----------------------------------------------------
@@ -295,16 +328,21 @@ class Frontend:
                         bootstrap=ClientBootstrap.of(req), param_prefix="sampling_params."), sp
 
     # -- running choices ---------------------------------------------------------------------
-    async def run_choices(self, prep: Prepared) -> AsyncIterator[tuple[ChoiceState, str, list[dict[str, Any]]]]:
+    async def run_choices(self, prep: Prepared, emitter: TextEmitter | None = None,
+                          ) -> AsyncIterator[tuple[ChoiceState, str, list[dict[str, Any]]]]:
         """Yield (choice, new text, new logprob entries) as tokens arrive, across all n choices.
 
         One choice (the common case) reads the dispatcher's generator in place; several run as one
         task each, merged through a queue. Either way, a choice whose stop string matched is closed
-        at once, which aborts it on its workers.
+        at once, which aborts it on its workers. ``emitter`` (a stream of one choice without stop
+        strings or logprobs): middle outputs may go to it from the worker connection's callback,
+        detokenized here, instead of being yielded.
         """
         if prep.n == 1:
             state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs)
-            events = self.dispatcher.generate(prep.input_ids, prep.params, bootstrap=prep.bootstrap)
+            direct = _DirectChoice(state, emitter) if emitter is not None and not prep.stops and \
+                not prep.want_logprobs else None
+            events = self.dispatcher.generate(prep.input_ids, prep.params, bootstrap=prep.bootstrap, direct=direct)
             try:
                 async for event in events:
                     text, entries = state.accept(event)

@@ -140,11 +140,11 @@ class GenerateSampling(msgspec.Struct):
     repetition_penalty: RepetitionPenalty = 1.0
     min_new_tokens: MinTokens = 0
     logit_bias: LogitBias | None = None
+    # not supported: a 400 unless absent or neutral
+    n: int = 1
     regex: str | None = None  # structured output (gateway/structured_output.py): at most one of three
     json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None
-    # not supported: a 400 unless absent or neutral
-    n: int = 1
     structural_tag: Any = None
 
 

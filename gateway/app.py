@@ -11,6 +11,9 @@ Layout (``create_app(config)``), outermost first:
    admin API; its lifespan starts the ``Gateway`` runtime
    (``gateway/runtime.py``: connects to every worker, loads the tokenizer) and, after the server's
    drain, closes every worker connection (open requests are aborted worker-side when it drops).
+With native workers only, ``gateway.cli`` installs ``app.hot_routes`` in the HTTP protocol: the generation
+routes' ``POST``s are then answered on the gateway's own cycle (``gateway/hot_cycle.py``: the same
+request id, gatekeeper checks and responders, no ASGI); other methods and paths come here as above.
 Every error is one ``APIError`` mapped to an OpenAI-shaped body with its status code (an unexpected
 exception in a Starlette route too: a 500 of the same shape). Limits on the client below the app
 (request heads, slow connections) are in ``gateway/http_protocol.py``, installed by ``gateway.cli``.
@@ -37,6 +40,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.admin import admin_routes
 from gateway.api import now_s
 from gateway.errors import APIError, NoWorkers
+from gateway.hot_cycle import HotRoutes
 from gateway.middleware import GatekeeperMiddleware, RequestContextMiddleware
 from gateway.openapi import openapi_document
 from gateway.responder import ChatShape, CompletionShape, GenerateShape, Responder
@@ -83,6 +87,8 @@ def create_app(config: GatewayConfig) -> Any:
                                    is_draining=lambda: gw.is_draining)
     outer = RequestContextMiddleware(guarded)
     outer.state = rest.state  # type: ignore[attr-defined]
+    # Native workers only: the generation routes' POSTs skip ASGI (gateway/hot_cycle.py; gateway.cli installs it)
+    outer.hot_routes = HotRoutes(app.responders, guarded) if gw.fleet is None else None  # type: ignore[attr-defined]
     return outer
 
 

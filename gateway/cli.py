@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     limits = ClientLimits(max_head_bytes=config.max_header_bytes, head_timeout_s=config.header_timeout_s,
                           body_timeout_s=config.body_timeout_s, write_timeout_s=config.write_timeout_s)
     server_config = uvicorn.Config(app, host=config.host, port=config.port, loop="uvloop",
-                                   http=protocol_class(limits),  # httptools, with limits on slow or huge heads
+                                   # httptools, with limits on slow or huge heads; generation routes on our own cycle
+                                   http=protocol_class(limits, app.hot_routes),
                                    log_level=args.log_level.lower(), access_log=False, log_config=None,
                                    proxy_headers=False,  # nothing reads the client address; saves a pass per request
                                    timeout_graceful_shutdown=max(1, round(config.drain_timeout_s)))

@@ -22,7 +22,11 @@ Lifecycle of one request (``Dispatcher.generate``, an async generator):
 5. Deadlines: ``first_token_timeout_s`` until the first token, then ``stream_idle_timeout_s``
    between events: one timer per attempt (``EventSink``), moved forward per event, not a
    ``wait_for`` per event. Decode outputs that are already queued when the consumer gets to them
-   are merged into one ``StepOutput`` (several tokens, one SSE chunk). Whatever ends the generator
+   are merged into one ``StepOutput`` (several tokens, one SSE chunk). A consumer that passes
+   ``direct`` gets an attempt's middle decode outputs (after its first token, not final, none queued
+   before them) from the worker connection's callback (``EventSink.tap``), with the same bookkeeping
+   (deadline, latency figures, tokens kept for migration), without waking this generator; when
+   ``direct`` is not ready (the client's socket is full) they queue as usual. Whatever ends the generator
    (finish, error, timeout, client gone), open requests are aborted on both workers, and the
    policies hear how the attempt ended (``on_finish``). The prefill's load (its prompt tokens) is
    released when its part ends, i.e. when its KV is handed over, not when the decode's stream ends.
@@ -43,7 +47,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -75,6 +79,18 @@ class DispatchConfig:
     retry_backoff_s: float = 0.05  # first retry's mean delay; doubles per retry, +-50% jitter
     max_migrations: int = 2  # a stream whose decode failed continues on a new pair this often (0: off)
     max_unread_events: int = 4096  # worker events a slow consumer may leave unread before its stream ends
+
+
+class DirectConsumer(Protocol):
+    """Takes a stream's middle outputs from the worker connection's callback (``Dispatcher.generate``).
+
+    ``ready()``: can it take one now (e.g. the client's socket has room)? ``take(output)``: handle it
+    completely (it is not yielded); must not raise and must not end the stream (no stop strings).
+    """
+
+    def ready(self) -> bool: ...
+
+    def take(self, output: StepOutput) -> None: ...
 
 
 class SlowClient(APIError):
@@ -123,11 +139,14 @@ class Dispatcher:
         return self.router.select(prefills, decodes, request)
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
-                       bootstrap: ClientBootstrap | None = None) -> AsyncGenerator[StepOutput, None]:
+                       bootstrap: ClientBootstrap | None = None,
+                       direct: DirectConsumer | None = None) -> AsyncGenerator[StepOutput, None]:
         """Run one completion choice; yields the decode's ``StepOutput`` events (see the module doc).
 
         ``choice`` and the client's ``bootstrap`` fields do not matter here: every attempt gets a
-        pair and a fresh room of the gateway's own choosing.
+        pair and a fresh room of the gateway's own choosing. ``direct``: after an attempt's first
+        token, non-final decode outputs that arrive while none is queued go to ``direct.take`` from
+        the worker connection's callback (when ``direct.ready()``) instead of through this generator.
         """
         metrics = self.metrics
         t0 = REQUEST_T0.get() or time.monotonic()
@@ -139,23 +158,38 @@ class Dispatcher:
         prompt, attempt_params = input_ids, params
         cached_tokens = 0
         completed = False  # finished, or the consumer stopped early (a stop string): counts as served
+
+        def record(item: StepOutput) -> None:
+            """An output on its way to the consumer: latency figures, tokens so far, cache hits."""
+            nonlocal last_t, cached_tokens, completed
+            if item.token_ids:
+                now = time.monotonic()
+                if not generated:
+                    metrics.ttft.observe(now - t0)
+                else:
+                    metrics.itl.observe((now - last_t) / len(item.token_ids))
+                last_t = now
+                generated.extend(item.token_ids)
+            if migrations:  # the new prompt's cache hits include our own output: not the client's
+                item.cached_tokens = cached_tokens
+            cached_tokens = item.cached_tokens
+            completed = item.finish_reason is not None
+
+        def tap(item: StepOutput) -> bool:
+            assert direct is not None
+            if not direct.ready():
+                return False
+            record(item)
+            direct.take(item)
+            return True
+
         try:
             while True:
                 num_before = len(generated)
                 try:
-                    async for item in self._attempt(request, prompt, attempt_params, avoid):
-                        if item.token_ids:
-                            now = time.monotonic()
-                            if not generated:
-                                metrics.ttft.observe(now - t0)
-                            else:
-                                metrics.itl.observe((now - last_t) / len(item.token_ids))
-                            last_t = now
-                            generated += item.token_ids
-                        if migrations:  # the new prompt's cache hits include our own output: not the client's
-                            item.cached_tokens = cached_tokens
-                        cached_tokens = item.cached_tokens
-                        completed = item.finish_reason is not None
+                    async for item in self._attempt(request, prompt, attempt_params, avoid,
+                                                    tap if direct is not None else None):
+                        record(item)
                         yield item
                     return
                 except _Retryable as exc:
@@ -198,7 +232,8 @@ class Dispatcher:
                 metrics.generation_tokens.inc(len(generated))
 
     async def _attempt(self, request: RequestInfo, input_ids: list[int], params: SamplingParams,
-                       avoid: set[WorkerClient]) -> AsyncIterator[StepOutput]:
+                       avoid: set[WorkerClient], tap: Callable[[StepOutput], bool] | None = None,
+                       ) -> AsyncIterator[StepOutput]:
         pair = self._select(request, avoid)
         prefill = _client_of(pair.prefill, self.prefills) if pair.prefill is not None else None
         decode = _client_of(pair.decode, self.decodes)
@@ -248,7 +283,22 @@ class Dispatcher:
             prompt_logprobs: list[float] | None = None
             held_final: StepOutput | None = None
             idle_s, first_s = self.config.stream_idle_timeout_s, self.config.first_token_timeout_s
+
+            def sink_tap(item: tuple[Any, Event]) -> bool:
+                """A middle-of-stream decode output straight to the consumer (the generator is suspended in
+                ``sink.get`` with nothing queued, so the order holds)."""
+                side, event = item
+                if side != "decode" or type(event) is not StepOutput or event.finish_reason is not None:
+                    return False
+                assert tap is not None
+                if not tap(event):
+                    return False
+                sink.set_deadline(idle_s)
+                return True
+
             while True:
+                if got_token and tap is not None and sink.tap is None:
+                    sink.tap = sink_tap  # the consumer has handled the first token: the rest may go direct
                 sink.set_deadline(idle_s if got_token else first_s)
                 try:
                     side, event = await sink.get()
@@ -371,11 +421,13 @@ class EventSink:
     early, so a busy stream costs no timer work per event.
     """
 
-    __slots__ = ("_deadline", "_items", "_loop", "_on_overflow", "_timer", "_waiter", "limit", "overflowed")
+    __slots__ = ("_deadline", "_items", "_loop", "_on_overflow", "_timer", "_waiter", "limit", "overflowed", "tap")
 
     def __init__(self, limit: int = 4096, on_overflow: Callable[[], None] | None = None) -> None:
         self.limit = limit  # events queued unread past this: ``on_overflow()``, then ``get`` raises
         self.overflowed = False
+        # Offered each event while none is queued; True: it took the event (nothing is queued, nobody woken).
+        self.tap: Callable[[tuple[Any, Event]], bool] | None = None
         self._on_overflow = on_overflow
         self._items: deque[tuple[Any, Event]] = deque()
         self._waiter: asyncio.Future[None] | None = None
@@ -385,6 +437,8 @@ class EventSink:
 
     def put_nowait(self, item: tuple[Any, Event]) -> None:
         if self.overflowed:
+            return
+        if self.tap is not None and not self._items and self.tap(item):
             return
         self._items.append(item)
         if len(self._items) > self.limit:
@@ -437,6 +491,7 @@ class EventSink:
         return merged
 
     def close(self) -> None:
+        self.tap = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -18,6 +18,9 @@ per connection (``GuardedHttpProtocol``, event loop only):
    aborted on the workers), so a stuck client holds neither memory nor an admission slot for ever.
 The body of a request being read by the app is bounded by the app (``gateway.responder.read_body``:
 ``--max-body-bytes``, ``--body-timeout-s``).
+5. ``hot_routes`` (the gateway's, with native workers only): a ``POST`` to a generation route gets the
+   gateway's own cycle (``gateway.hot_cycle.HotCycle``) in place of uvicorn's ASGI cycle, started or
+   queued behind a response still going out exactly as uvicorn's cycles are; every limit above holds.
 """
 
 from __future__ import annotations
@@ -25,12 +28,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import httptools
 import msgspec
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from gateway.errors import APIError, BadRequest, HeadersTooLarge, RequestTimeout
+
+if TYPE_CHECKING:
+    from gateway.hot_cycle import HotRoutes
 
 LINGER_S = 2.0
 log = logging.getLogger(__name__)
@@ -53,13 +60,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     """``HttpToolsProtocol`` enforcing ``limits`` (see the module doc); make one with ``protocol_class``."""
 
     limits = ClientLimits()
+    hot_routes: HotRoutes | None = None  # routes answered by the gateway's own cycle instead of the ASGI app
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._in_head = True  # waiting for, or reading, a request head
         self._head_bytes = 0
         self._timer: asyncio.TimerHandle | None = None
-        self._waiting_for = ""  # what the timer waits for: "head" or "body"
+        self._waiting_for = ""  # what the timer waits for: "head" or "body" ("": nothing)
+        self._deadline = 0.0  # loop time by which it must have arrived
         self._refused = False
         self._write_timer: asyncio.TimerHandle | None = None
 
@@ -70,6 +79,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._write_timer is not None:
             self._write_timer.cancel()
             self._write_timer = None
@@ -113,6 +125,20 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._disarm()
+        hot = self.hot_routes
+        if hot is not None and self.parser.get_method() == b"POST" and not self.parser.should_upgrade():
+            keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+            cycle = hot.cycle(httptools.parse_url(self.url).path, self, self.headers, keep_alive,
+                              self.expect_100_continue)
+            if cycle is not None:  # a generation route: the gateway's own cycle (gateway/hot_cycle.py)
+                existing = self.cycle
+                self.cycle = cycle  # type: ignore[assignment]
+                if existing is None or existing.response_complete:
+                    self._start_asgi_task(cycle, self.app)  # type: ignore[arg-type]
+                else:  # pipelined behind a response still going out: as uvicorn queues its own cycles
+                    self.flow.pause_reading()
+                    self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]
+                return
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
@@ -128,21 +154,26 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     # -- timer and refusals --------------------------------------------------------------------------
     def _arm(self, what: str) -> None:
-        self._disarm()
+        """Wait for ``what`` (its timeout from now). One timer per connection, moved lazily: arming and
+        disarming per request only set numbers; the timer re-arms itself when it fires early."""
         self._waiting_for = what
         limits = self.limits
-        self._timer = self.loop.call_later(limits.head_timeout_s if what == "head" else limits.body_timeout_s,
-                                           self._expired)
+        self._deadline = self.loop.time() + (limits.head_timeout_s if what == "head" else limits.body_timeout_s)
+        timer = self._timer
+        if timer is None or timer.when() > self._deadline:  # (a head's timeout may be shorter than a body's)
+            if timer is not None:
+                timer.cancel()
+            self._timer = self.loop.call_at(self._deadline, self._expired)
 
     def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         self._waiting_for = ""
 
     def _expired(self) -> None:
         self._timer = None
-        if self.transport.is_closing() or self._refused:
+        if self.transport.is_closing() or self._refused or not self._waiting_for:
+            return
+        if self.loop.time() < self._deadline:  # re-armed since: wait for the new deadline
+            self._timer = self.loop.call_at(self._deadline, self._expired)
             return
         if self._waiting_for == "body":
             self.transport.close()
@@ -174,6 +205,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.loop.call_later(LINGER_S, transport.close)
 
 
-def protocol_class(limits: ClientLimits) -> type[GuardedHttpProtocol]:
-    """A ``GuardedHttpProtocol`` bound to ``limits``, for ``uvicorn.Config(http=...)``."""
-    return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {"limits": limits})
+def protocol_class(limits: ClientLimits, hot_routes: HotRoutes | None = None) -> type[GuardedHttpProtocol]:
+    """A ``GuardedHttpProtocol`` bound to ``limits`` (and ``hot_routes``), for ``uvicorn.Config(http=...)``."""
+    return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {"limits": limits, "hot_routes": hot_routes})

@@ -8,6 +8,8 @@
    the client keys, the admin API (``/workers`` and SGLang's aliases) one of the admin keys,
    ``/metrics`` the admin key only if so configured; ``/health`` and ``/readiness`` are open.
    Keys are compared in constant time and never logged. Errors are OpenAI-shaped JSON.
+The generation routes' own cycle (``gateway/hot_cycle.py``) applies the same two: ``request_id_of``
+and ``GatekeeperMiddleware.refusal``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ ADMIN_PATHS = ("/workers", "/add_worker", "/remove_worker", "/list_workers")
 OPEN_PATHS = ("/health", "/readiness")
 _json = msgspec.json.Encoder()
 MAX_REQUEST_ID_LEN = 128
+Headers = list[tuple[bytes, bytes]]
 
 
 class RequestContextMiddleware:
@@ -35,9 +38,7 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = _header(scope, b"x-request-id")
-        if not request_id or len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
-            request_id = random_hex()
+        request_id = request_id_of(scope["headers"])
         REQUEST_ID.set(request_id)
         REQUEST_T0.set(time.monotonic())
         raw_id = request_id.encode()
@@ -63,36 +64,52 @@ class GatekeeperMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path: str = scope["path"]
+        refusal = self.refusal(scope["path"], scope["headers"])
+        if refusal is not None:
+            status, body, headers = refusal
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode()), *headers]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
+
+    def refusal(self, path: str, headers: Headers) -> tuple[int, bytes, Headers] | None:
+        """(status, JSON body, extra headers) refusing this request, or None to let it through."""
         if path in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
+            return None
         if self.is_draining():
-            await _error(send, 503, "the gateway is shutting down", "service_unavailable", None,
-                         [(b"connection", b"close"), (b"retry-after", b"1")])
-            return
+            return _error(503, "the gateway is shutting down", "service_unavailable", None,
+                          [(b"connection", b"close"), (b"retry-after", b"1")])
         if path in ADMIN_PATHS or (path == "/metrics" and self.metrics_require_admin):
             keys, what = self.admin_api_keys, "admin"
         elif path == "/metrics":
             keys, what = [], ""
         else:
             keys, what = self.api_keys, "API"
-        if keys and not _key_ok(_bearer(scope), keys):
-            await _error(send, 401, f"Incorrect or missing {what} key: send 'Authorization: Bearer <key>'",
-                         "invalid_request_error", "invalid_api_key", [(b"www-authenticate", b"Bearer")])
-            return
-        await self.app(scope, receive, send)
+        if keys and not _key_ok(_bearer(headers), keys):
+            return _error(401, f"Incorrect or missing {what} key: send 'Authorization: Bearer <key>'",
+                          "invalid_request_error", "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+        return None
 
 
-def _header(scope: Scope, name: bytes) -> str:
-    for key, value in scope["headers"]:
+def request_id_of(headers: Headers) -> str:
+    """The client's ``x-request-id`` if it is usable (printable, at most 128 characters), else a new one."""
+    request_id = _header(headers, b"x-request-id")
+    if not request_id or len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
+        request_id = random_hex()
+    return request_id
+
+
+def _header(headers: Headers, name: bytes) -> str:
+    for key, value in headers:
         if key == name:
             return str(value.decode("latin-1"))
     return ""
 
 
-def _bearer(scope: Scope) -> bytes:
-    value = _header(scope, b"authorization")
+def _bearer(headers: Headers) -> bytes:
+    value = _header(headers, b"authorization")
     scheme, _, token = value.partition(" ")
     return token.strip().encode("latin-1") if scheme.lower() == "bearer" else b""
 
@@ -104,10 +121,6 @@ def _key_ok(given: bytes, keys: Sequence[bytes]) -> bool:
     return bool(given) and ok
 
 
-async def _error(send: Send, status: int, message: str, kind: str, code: str | None,
-                 headers: list[tuple[bytes, bytes]]) -> None:
-    body = _json.encode({"error": {"message": message, "type": kind, "param": None, "code": code}})
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *headers]})
-    await send({"type": "http.response.body", "body": body})
+def _error(status: int, message: str, kind: str, code: str | None,
+           headers: Headers) -> tuple[int, bytes, Headers]:
+    return status, _json.encode({"error": {"message": message, "type": kind, "param": None, "code": code}}), headers

@@ -1,7 +1,10 @@
 """The generation routes as raw ASGI: one responder for chat, completions and SGLang ``/generate``.
 
 These three routes carry all the traffic, so they skip Starlette's request, routing and response
-layers (the rest of the app stays on Starlette). Per request (``Responder.__call__``):
+layers (the rest of the app stays on Starlette). A responder talks to its client through an
+``Exchange``: the ASGI cycle (``AsgiExchange``: SGLang relays, a worker's SGLang API), or the
+gateway's own cycle on the connection (``gateway.hot_cycle.HotCycle``: native workers). Per request
+(``Responder.serve``):
 1. Admission (a slot, a bounded wait, or 429), then the body (capped at ``max_body_bytes``, in
    ``body_timeout_s``: else 413 / 408),
    decoded by msgspec into the route's request struct; the route's ``Shape`` validates it into a
@@ -12,7 +15,10 @@ layers (the rest of the app stays on Starlette). Per request (``Responder.__call
 3. Non-streaming: every choice runs to the end, then one JSON body. Streaming: the response starts
    only with the first chunk, so a failure before it gets a real status code. Chunks are built
    from per-request byte templates (per token only the new text is JSON-encoded); an error after
-   the start becomes an ``error`` event; ``data: [DONE]`` ends the stream.
+   the start becomes an ``error`` event; ``data: [DONE]`` ends the stream. On an exchange that can
+   write from outside the task, middle chunks (after the first, before the last) are written by the
+   worker connection's callback (``_StreamEmitter``, ``Frontend.run_choices``' emitter) while the
+   client's socket has room; otherwise, and for every other chunk, they go through the task.
 4. The admission slot is released when the response has been sent (or the client left).
 
 A ``Shape`` is what differs between the routes: request struct, validation, and the JSON of the
@@ -28,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from gateway.api import SSE_DONE, Frontend, Prepared, decode_body, error_event, new_id, now_s, sse
+from gateway.api import SSE_DONE, Frontend, Prepared, TextEmitter, decode_body, error_event, new_id, now_s, sse
 from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from gateway.errors import APIError, PayloadTooLarge, RequestTimeout
 from gateway.text import ChoiceState
@@ -42,14 +48,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
 _JSON_HEADERS = (b"content-type", b"application/json")
-_SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no"))
 
 
 class Run:
     """One request being answered: what the shapes need to build its JSON."""
 
-    __slots__ = ("created", "frontend", "prep", "rid", "started", "templates")
+    __slots__ = ("created", "emitter", "frontend", "prep", "rid", "started", "templates")
 
     def __init__(self, frontend: Frontend, prep: Prepared, rid: str) -> None:
         self.frontend = frontend
@@ -58,6 +64,7 @@ class Run:
         self.created = now_s()
         self.templates: dict[int, tuple[bytes, bytes]] = {}  # choice index -> (before text, after text)
         self.started = False  # the response has started (streaming): errors are events from here on
+        self.emitter: TextEmitter | None = None  # a stream's middle chunks, written from outside its task
 
 
 class Shape:
@@ -75,6 +82,10 @@ class Shape:
         raise NotImplementedError
 
     def events(self, run: Run) -> AsyncGenerator[bytes, None]:
+        raise NotImplementedError
+
+    def middle(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
+        """The chunk for ``text`` new in ``state``, neither its first output nor its last, no logprobs."""
         raise NotImplementedError
 
 
@@ -108,13 +119,13 @@ class ChatShape(Shape):
     async def events(self, run: Run) -> AsyncGenerator[bytes, None]:
         prep = run.prep
         states: dict[int, ChoiceState] = {}
-        async for state, text, entries in run.frontend.run_choices(prep):
+        async for state, text, entries in run.frontend.run_choices(prep, run.emitter):
             first = state.index not in states
             states[state.index] = state
             if not first and not prep.want_logprobs and state.finish_reason is None:
-                if text:  # the common case: a few more tokens of text
-                    before, after = run.templates.get(state.index) or self._template(run, state.index)
-                    yield before + _json.encode(text) + after
+                chunk = self.middle(run, state, text)  # the common case: a few more tokens of text
+                if chunk:
+                    yield chunk
                 continue
             delta: dict[str, Any] = {"content": text}
             if first:
@@ -126,6 +137,12 @@ class ChatShape(Shape):
             }])
         if prep.include_usage:
             yield self._chunk(run, [], usage(len(prep.input_ids), list(states.values())))
+
+    def middle(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
+        if not text:
+            return None
+        before, after = run.templates.get(state.index) or self._template(run, state.index)
+        return before + _json.encode(text) + after
 
     def _template(self, run: Run, index: int) -> tuple[bytes, bytes]:
         marker = "\x00text\x00"
@@ -166,7 +183,7 @@ class CompletionShape(Shape):
         prep, frontend = run.prep, run.frontend
         states: dict[int, ChoiceState] = {}
         prompt_text = frontend.tokenizer.decode(prep.input_ids) if prep.echo else ""
-        async for state, text, entries in frontend.run_choices(prep):
+        async for state, text, entries in frontend.run_choices(prep, run.emitter):
             if state.index not in states:
                 text = prompt_text + text
             states[state.index] = state
@@ -182,6 +199,12 @@ class CompletionShape(Shape):
             yield sse({"id": run.rid, "object": "text_completion", "created": run.created,
                        "model": frontend.model_name, "choices": [],
                        "usage": usage(len(prep.input_ids), list(states.values()))})
+
+    def middle(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
+        if not text:
+            return None
+        before, after = run.templates.get(state.index) or self._template(run, state.index)
+        return before + _json.encode(text) + after
 
     def _template(self, run: Run, index: int) -> tuple[bytes, bytes]:
         marker = "\x00text\x00"
@@ -205,8 +228,11 @@ class GenerateShape(Shape):
         return self._payload(run, choices[0])
 
     async def events(self, run: Run) -> AsyncGenerator[bytes, None]:
-        async for state, _, _ in run.frontend.run_choices(run.prep):
+        async for state, _, _ in run.frontend.run_choices(run.prep, run.emitter):
             yield sse(self._payload(run, state))
+
+    def middle(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
+        return sse(self._payload(run, state))
 
     @staticmethod
     def _payload(run: Run, state: ChoiceState) -> dict[str, Any]:
@@ -254,8 +280,43 @@ class Host(Protocol):
     def require_frontend(self) -> Frontend: ...
 
 
+class Exchange(Protocol):
+    """One HTTP request/response as a responder sees it: the ASGI cycle (``AsgiExchange``) or the
+    gateway's own cycle on the connection (``gateway.hot_cycle.HotCycle``)."""
+
+    async def read_body(self, limit: int, timeout_s: float) -> bytes:
+        """The whole body: at most ``limit`` bytes (else 413), within ``timeout_s`` (else 408); ClientGone."""
+        ...
+
+    def watch_disconnect(self, task: asyncio.Task[Any], gone: list[bool]) -> None:
+        """From now on the client leaving sets ``gone[0]`` and cancels ``task``."""
+        ...
+
+    def stop_watching(self) -> None: ...
+
+    async def send_json(self, body: bytes, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
+
+    async def start_stream(self, first: bytes) -> None:
+        """Status 200, the SSE headers and the first chunk."""
+        ...
+
+    async def send_chunk(self, chunk: bytes) -> None:
+        """One more chunk of the stream (waits while the client's socket is full)."""
+        ...
+
+    async def end_stream(self, last: bytes) -> None: ...
+
+    def is_writable(self) -> bool:
+        """Can ``write_now`` write a chunk (the stream started and not ended, the client's socket has room)?"""
+        ...
+
+    def write_now(self, chunk: bytes) -> None:
+        """One more chunk of the stream, written at once from outside the request's task (``is_writable``)."""
+        ...
+
+
 class Responder:
-    """Raw ASGI endpoint for one generation route (``POST`` only)."""
+    """One generation route (``POST`` only): raw ASGI (``__call__``) or any ``Exchange`` (``serve``)."""
 
     def __init__(self, gw: Host, shape: Shape) -> None:
         self.gw = gw
@@ -274,9 +335,11 @@ class Responder:
                                              "type": "invalid_request_error", "param": None, "code": None}}, 405,
                             [(b"allow", b"POST")])
             return
+        await self.serve(AsgiExchange(scope, receive, send))
+
+    async def serve(self, exchange: Exchange) -> None:
         gw, shape = self.gw, self.shape
         release = None
-        watcher: asyncio.Task[None] | None = None
         task = asyncio.current_task()
         assert task is not None
         gone = [False]
@@ -284,25 +347,24 @@ class Responder:
         try:
             try:
                 release = await gw.admission.admit()
-                body = await read_body(scope, receive, gw.max_body_bytes, gw.body_timeout_s)
+                body = await exchange.read_body(gw.max_body_bytes, gw.body_timeout_s)
                 frontend = gw.require_frontend()
                 prep, client_id = shape.prepare(frontend, decode_body(body, shape.body_type))
                 run = Run(frontend, prep, client_id or new_id(shape.id_prefix))
-                watcher = asyncio.create_task(watch_disconnect(receive, task, gone))
+                exchange.watch_disconnect(task, gone)
                 if prep.stream:
-                    await self._stream(run, send, watcher)
+                    await self._stream(run, exchange)
                 else:
                     choices = await self._collect(run)
-                    watcher.cancel()
-                    await send_json(send, shape.whole(run, choices))
+                    exchange.stop_watching()
+                    await exchange.send_json(_json.encode(shape.whole(run, choices)), 200, [])
                 self._count(200)
             except APIError as exc:
                 self._count(exc.status)
                 log.log(logging.WARNING if exc.status >= 500 else logging.INFO, "%s -> %d %s: %s", shape.route,
                         exc.status, exc.type, exc.message)
-                if watcher is not None:
-                    watcher.cancel()
-                await send_error(send, exc)
+                exchange.stop_watching()
+                await exchange.send_json(_json.encode(exc.body()), exc.status, exc.headers())
             except ClientGone:
                 raise  # (below: not an error of ours)
             except Exception:
@@ -310,9 +372,9 @@ class Responder:
                     raise  # mid-stream: nothing to answer with; the server closes the connection
                 log.exception("%s failed", shape.route)
                 self._count(500)
-                if watcher is not None:
-                    watcher.cancel()
-                await send_error(send, APIError("internal error in the gateway"))
+                exchange.stop_watching()
+                error = APIError("internal error in the gateway")
+                await exchange.send_json(_json.encode(error.body()), error.status, error.headers())
         except asyncio.CancelledError:
             if not gone[0]:
                 raise
@@ -323,8 +385,7 @@ class Responder:
             self._count(499)
             log.info("%s -> 499: the client closed the connection while sending its request", shape.route)
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            exchange.stop_watching()
             if release is not None:
                 release()
 
@@ -339,7 +400,9 @@ class Responder:
             active.dec()
         return [states[i] for i in sorted(states)]
 
-    async def _stream(self, run: Run, send: Send, watcher: asyncio.Task[None]) -> None:
+    async def _stream(self, run: Run, exchange: Exchange) -> None:
+        if not isinstance(exchange, AsgiExchange):  # (ASGI's send is a coroutine: no writes from outside)
+            run.emitter = _StreamEmitter(run, self.shape, exchange)
         events = self.shape.events(run)
         active = self.gw.metrics.active
         active.inc()
@@ -350,19 +413,78 @@ class Responder:
                 first = b""
             # From here on the status is 200: errors are events in the stream.
             run.started = True
-            await send({"type": "http.response.start", "status": 200, "headers": list(_SSE_HEADERS)})
-            await send({"type": "http.response.body", "body": first, "more_body": True})
+            await exchange.start_stream(first)
             try:
                 async for chunk in events:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    await exchange.send_chunk(chunk)
             except APIError as exc:
                 log.warning("%s stream ended by %d %s: %s", self.shape.route, exc.status, exc.type, exc.message)
-                await send({"type": "http.response.body", "body": error_event(exc), "more_body": True})
-            watcher.cancel()  # the response is complete next; the client leaving now changes nothing
-            await send({"type": "http.response.body", "body": SSE_DONE, "more_body": False})
+                await exchange.send_chunk(error_event(exc))
+            exchange.stop_watching()  # the response is complete next; the client leaving now changes nothing
+            await exchange.end_stream(SSE_DONE)
         finally:
             active.dec()
             await events.aclose()
+
+
+class AsgiExchange:
+    """``Exchange`` over an ASGI ``(scope, receive, send)``: the body from ``receive``, a watcher task
+    for the disconnect, every write through ``send``."""
+
+    __slots__ = ("receive", "scope", "send", "watcher")
+
+    def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.scope, self.receive, self.send = scope, receive, send
+        self.watcher: asyncio.Task[None] | None = None
+
+    async def read_body(self, limit: int, timeout_s: float) -> bytes:
+        return await read_body(self.scope, self.receive, limit, timeout_s)
+
+    def watch_disconnect(self, task: asyncio.Task[Any], gone: list[bool]) -> None:
+        self.watcher = asyncio.create_task(watch_disconnect(self.receive, task, gone))
+
+    def stop_watching(self) -> None:
+        if self.watcher is not None:
+            self.watcher.cancel()
+            self.watcher = None
+
+    async def send_json(self, body: bytes, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        await self.send({"type": "http.response.start", "status": status,
+                         "headers": [_JSON_HEADERS, (b"content-length", b"%d" % len(body)), *headers]})
+        await self.send({"type": "http.response.body", "body": body})
+
+    async def start_stream(self, first: bytes) -> None:
+        await self.send({"type": "http.response.start", "status": 200, "headers": list(SSE_HEADERS)})
+        await self.send({"type": "http.response.body", "body": first, "more_body": True})
+
+    async def send_chunk(self, chunk: bytes) -> None:
+        await self.send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    async def end_stream(self, last: bytes) -> None:
+        await self.send({"type": "http.response.body", "body": last, "more_body": False})
+
+    def is_writable(self) -> bool:
+        return False  # ASGI's send is a coroutine: every chunk goes through the request's task
+
+    def write_now(self, chunk: bytes) -> None:
+        raise RuntimeError("an ASGI stream is written through its task")
+
+
+class _StreamEmitter:
+    """A stream's middle chunks from outside its task (``Frontend.run_choices``' ``emitter``)."""
+
+    __slots__ = ("exchange", "run", "shape")
+
+    def __init__(self, run: Run, shape: Shape, exchange: Exchange) -> None:
+        self.run, self.shape, self.exchange = run, shape, exchange
+
+    def ready(self) -> bool:
+        return self.run.started and self.exchange.is_writable()
+
+    def emit(self, state: ChoiceState, text: str) -> None:
+        chunk = self.shape.middle(self.run, state, text)
+        if chunk:
+            self.exchange.write_now(chunk)
 
 
 async def watch_disconnect(receive: Receive, task: asyncio.Task[Any], gone: list[bool]) -> None:

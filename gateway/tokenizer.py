@@ -61,9 +61,12 @@ class ByteTokenizer:
         return _ByteDecoder()
 
 
+_Utf8Decoder = codecs.getincrementaldecoder("utf-8")  # looked up once: the lookup costs more than the decoder
+
+
 class _ByteDecoder:
     def __init__(self) -> None:
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._utf8 = _Utf8Decoder(errors="replace")
 
     def push(self, token_ids: Sequence[int]) -> str:
         return self._utf8.decode(bytes(t for t in token_ids if 0 <= t < 256))

@@ -1,0 +1,260 @@
+"""The generation routes' own request cycle on the HTTP connection: no ASGI, no middleware stack.
+
+``/v1/chat/completions``, ``/v1/completions`` and ``/generate`` carry all the traffic, so when the
+gateway's workers are all native (no SGLang relay), their ``POST``s skip uvicorn's ASGI request
+cycle, the middleware and ``send``'s message dicts: the connection's protocol
+(``gateway.http_protocol.GuardedHttpProtocol``) gives such a request a ``HotCycle`` in place of
+uvicorn's ``RequestResponseCycle``, and the cycle is the route's ``Responder``'s ``Exchange``.
+Lifecycle of one request (event loop only):
+1. The protocol, at the end of the request head, asks ``HotRoutes.cycle(...)`` for the path and
+   makes the cycle; it starts it as a task (or queues it behind a response still going out on the
+   connection: pipelining, as uvicorn does). The body is collected by the protocol's ``on_body``.
+2. ``run_asgi`` (the name the protocol starts cycles by): the request id (``x-request-id``, checked
+   as ``RequestContextMiddleware`` does) and arrival time go into the task's context; the
+   gatekeeper's checks (draining: 503; API keys: 401) are the middleware's own
+   (``GatekeeperMiddleware.refusal``); then ``Responder.serve(self)``.
+3. The responder reads the body (``read_body``: its limits, ``100 Continue``), has the disconnect
+   watched (``watch_disconnect``: the protocol's ``connection_lost`` sets ``disconnected`` and
+   signals ``message_event``, which cancels the request's task), and writes its answer: whole JSON
+   with a content length, or a chunked SSE stream. Every write waits while the client's socket is
+   full (``flow.drain``; the protocol's write timeout aborts a client that stops reading);
+   ``write_now`` is the stream's write from outside the task (``Responder``'s direct path), refused
+   while the socket is full so that such chunks queue in order behind the task instead.
+4. The response's end calls the protocol's ``on_response_complete`` (keep-alive timer, the next
+   pipelined request), or closes the connection when it is not kept alive.
+Responses carry uvicorn's default headers (``server``, ``date``) and ``x-request-id``, as the ASGI
+path's do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+
+from gateway.context import REQUEST_ID, REQUEST_T0
+from gateway.errors import PayloadTooLarge, RequestTimeout
+from gateway.middleware import GatekeeperMiddleware, request_id_of
+from gateway.responder import SSE_HEADERS, ClientGone, Responder
+
+if TYPE_CHECKING:
+    from gateway.http_protocol import GuardedHttpProtocol
+
+log = logging.getLogger(__name__)
+Headers = list[tuple[bytes, bytes]]
+_JSON_HEAD = b"content-type: application/json\r\n"
+_SSE_HEAD = b"".join(b"%s: %s\r\n" % pair for pair in SSE_HEADERS) + b"transfer-encoding: chunked\r\n"
+_LAST_CHUNK = b"0\r\n\r\n"
+
+
+def _noop() -> None:
+    pass
+
+
+_defaults: tuple[Headers | None, bytes] = (None, b"")
+
+
+def _default_headers(headers: Headers) -> bytes:
+    """uvicorn's default headers as bytes (the server renews the list, with its ``date``, once a second)."""
+    global _defaults
+    if _defaults[0] is not headers:
+        _defaults = (headers, b"".join(b"%s: %s\r\n" % pair for pair in headers))
+    return _defaults[1]
+
+
+class HotRoutes:
+    """The generation routes that get a ``HotCycle``: path -> responder, behind the gatekeeper's checks."""
+
+    def __init__(self, responders: dict[str, Responder], gatekeeper: GatekeeperMiddleware) -> None:
+        self.responders = {path.encode(): responder for path, responder in responders.items()}
+        self.gatekeeper = gatekeeper
+
+    def cycle(self, raw_path: bytes, protocol: GuardedHttpProtocol, headers: Headers, keep_alive: bool,
+              expect_100_continue: bool) -> HotCycle | None:
+        responder = self.responders.get(raw_path)
+        if responder is None:
+            return None
+        return HotCycle(protocol, responder, self.gatekeeper, raw_path.decode("ascii"), headers, keep_alive,
+                        expect_100_continue)
+
+
+class _Signal:
+    """``message_event`` as the protocol uses it (``set()`` on body, end of body, disconnect)."""
+
+    __slots__ = ("cycle",)
+
+    def __init__(self, cycle: HotCycle) -> None:
+        self.cycle = cycle
+
+    def set(self) -> None:
+        self.cycle.signalled()
+
+
+class HotCycle:
+    """One request to a generation route, answered on the connection's transport (see the module doc)."""
+
+    __slots__ = ("_waiter", "_watch", "body", "default_headers", "disconnected", "flow", "gatekeeper", "headers",
+                 "keep_alive", "message_event", "more_body", "on_response", "path", "request_id", "responder",
+                 "response_complete", "response_started", "t0", "transport", "waiting_for_100_continue")
+
+    def __init__(self, protocol: GuardedHttpProtocol, responder: Responder, gatekeeper: GatekeeperMiddleware,
+                 path: str, headers: Headers, keep_alive: bool, expect_100_continue: bool) -> None:
+        self.transport = protocol.transport
+        self.flow = protocol.flow
+        self.default_headers = _default_headers(protocol.server_state.default_headers)
+        self.on_response = protocol.on_response_complete
+        self.responder = responder
+        self.gatekeeper = gatekeeper
+        self.path = path
+        self.headers = headers
+        self.keep_alive = keep_alive
+        self.waiting_for_100_continue = expect_100_continue
+        self.t0 = time.monotonic()
+        self.message_event = _Signal(self)
+        self.disconnected = False
+        self.body = bytearray()
+        self.more_body = True
+        self.response_started = False
+        self.response_complete = False
+        self.request_id = b""
+        self._waiter: asyncio.Future[None] | None = None
+        self._watch: tuple[asyncio.Task[Any], list[bool]] | None = None
+
+    # -- the protocol's side -----------------------------------------------------------------------
+    def signalled(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        if self.disconnected and self._watch is not None and not self.response_complete:
+            task, gone = self._watch
+            self._watch = None
+            gone[0] = True
+            task.cancel()
+
+    async def run_asgi(self, _app: Any) -> None:
+        try:
+            request_id = request_id_of(self.headers)
+            self.request_id = request_id.encode()
+            REQUEST_ID.set(request_id)
+            REQUEST_T0.set(self.t0)
+            refusal = self.gatekeeper.refusal(self.path, self.headers)
+            if refusal is not None:
+                status, body, headers = refusal
+                await self.send_json(body, status, headers)
+                return
+            await self.responder.serve(self)
+        except asyncio.CancelledError:  # the server is shutting down past its drain
+            if not self.response_complete:
+                self.transport.close()
+            raise
+        except Exception:
+            log.exception("exception answering %s", self.path)
+            if not self.response_started:
+                await self.send_json(b'{"error": {"message": "internal error in the gateway", "type": '
+                                     b'"internal_error", "param": null, "code": null}}', 500, [])
+            else:
+                self.transport.close()
+        else:
+            if not self.response_complete and not self.disconnected:
+                log.error("%s returned without completing its response", self.path)
+                self.transport.close()
+        finally:
+            self.on_response = _noop
+            self._watch = None
+
+    # -- Exchange ----------------------------------------------------------------------------------
+    async def read_body(self, limit: int, timeout_s: float) -> bytes:
+        for key, value in self.headers:
+            if key == b"content-length":
+                if value.isdigit() and int(value) > limit:
+                    raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+                break
+        if self.waiting_for_100_continue and not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.waiting_for_100_continue = False
+        if self.more_body and not self.disconnected:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    while self.more_body and not self.disconnected and len(self.body) <= limit:
+                        self.flow.resume_reading()
+                        self._waiter = asyncio.get_running_loop().create_future()
+                        try:
+                            await self._waiter
+                        finally:
+                            self._waiter = None
+            except TimeoutError:
+                raise RequestTimeout(f"the request body did not arrive within {timeout_s:g}s") from None
+        if self.disconnected:
+            raise ClientGone
+        if len(self.body) > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        return bytes(self.body)
+
+    def watch_disconnect(self, task: asyncio.Task[Any], gone: list[bool]) -> None:
+        self._watch = (task, gone)
+        if self.disconnected:
+            self.signalled()
+
+    def stop_watching(self) -> None:
+        self._watch = None
+
+    async def send_json(self, body: bytes, status: int, headers: Headers) -> None:
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.disconnected or self.response_started:
+            return
+        self.response_started = True
+        self.transport.write(self._head(status, headers, _JSON_HEAD + b"content-length: %d\r\n" % len(body)) + body)
+        self._complete()
+
+    async def start_stream(self, first: bytes) -> None:
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.disconnected or self.response_started:
+            return
+        self.response_started = True
+        self.transport.write(self._head(200, [], _SSE_HEAD) + (b"%x\r\n%b\r\n" % (len(first), first) if first else b""))
+
+    async def send_chunk(self, chunk: bytes) -> None:
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if not self.disconnected and not self.response_complete and chunk:
+            self.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+
+    async def end_stream(self, last: bytes) -> None:
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.disconnected or self.response_complete:
+            return
+        self.transport.write(b"%x\r\n%b\r\n%b" % (len(last), last, _LAST_CHUNK) if last else _LAST_CHUNK)
+        self._complete()
+
+    def is_writable(self) -> bool:
+        return self.response_started and not (self.flow.write_paused or self.disconnected or self.response_complete)
+
+    def write_now(self, chunk: bytes) -> None:
+        self.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _head(self, status: int, headers: Headers, content: bytes) -> bytes:
+        parts = [STATUS_LINE[status], self.default_headers, content]
+        close = False
+        for name, value in headers:
+            if name == b"connection" and b"close" in value.lower():
+                close = True
+            parts.append(b"%s: %s\r\n" % (name, value))
+        if close:
+            self.keep_alive = False
+        elif not self.keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts.append(b"x-request-id: %s\r\n\r\n" % self.request_id)
+        return b"".join(parts)
+
+    def _complete(self) -> None:
+        self.response_complete = True
+        if not self.keep_alive:
+            self.transport.close()
+        self.on_response()
