@@ -14,9 +14,11 @@ process (block by block, and as one contiguous copy) as the baseline measured in
 ``--json`` prints one object per row: ``{"backend", "gib_per_s" (median; null when skipped or failed),
 "gib_per_s_min", "gib_per_s_max", "vs_memcpy" (over the ``memcpy`` row: the same blocks copied in one
 process), "room_ms", "chunk_p50_ms", "chunk_p99_ms", "blocks_per_chunk", "room_mib", "env", "error"}``.
-Backend names may carry a variant: ``nixl`` runs with ``UCX_TLS=tcp`` (the network-like path),
-``nixl-ucx-auto`` with ``UCX_TLS`` unset (UCX picks shared memory / cma on one host),
-``nixl-cma`` with ``UCX_TLS=tcp,cma,self`` and ``nixl-posix`` with ``UCX_TLS=tcp,posix,self``.
+``shm`` is the same-host path (``transfer.shm``: the decode's pool in ``/dev/shm``, the prefill copies
+into it; it reports ``"path"``, what the prefill actually used). Variants: ``nixl`` runs with
+``UCX_TLS=tcp`` (the network-like path), ``nixl-ucx-auto`` with ``UCX_TLS`` unset (UCX picks shared
+memory / cma on one host), ``nixl-cma`` with ``UCX_TLS=tcp,cma,self`` and ``nixl-posix``
+with ``UCX_TLS=tcp,posix,self``.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from transfer import (
 )
 from transfer.base import UNFENCED, Block, Fence, PeerId, Region, WriteHandle
 from transfer.blocks import kv_blocks, merge_runs
+from transfer.registry import wants_shared_pool
 from workers.kv_pool import KVPool
 
 GiB = 1024**3
@@ -59,7 +62,7 @@ VARIANTS: dict[str, tuple[str, dict[str, str | None]]] = {
     "nixl-cma": ("nixl", {"UCX_TLS": "tcp,cma,self"}),
     "nixl-posix": ("nixl", {"UCX_TLS": "tcp,posix,self"}),
 }
-DEFAULT_BACKENDS = "tcp,mooncake,nixl,nixl-ucx-auto,nixl-cma,nixl-posix"
+DEFAULT_BACKENDS = "shm,tcp,mooncake,nixl,nixl-ucx-auto,nixl-cma,nixl-posix"
 
 
 def variant(name: str) -> tuple[str, dict[str, str | None]]:
@@ -96,9 +99,9 @@ def in_private_netns() -> bool:
         return False
 
 
-def make_pool(ns: argparse.Namespace) -> KVPool:
+def make_pool(ns: argparse.Namespace, shared: bool = False) -> KVPool:
     return KVPool(num_layers=ns.layers, num_pages=ns.pool_pages, page_size=ns.page_size, num_kv_heads=ns.kv_heads,
-                  head_dim=ns.head_dim, dtype=ns.dtype, num_aux_slots=16, aux_slot_bytes=4096)
+                  head_dim=ns.head_dim, dtype=ns.dtype, num_aux_slots=16, aux_slot_bytes=4096, shared=shared)
 
 
 def fragmented_pages(rng: np.random.Generator, pool_pages: int, n: int) -> list[int]:
@@ -122,6 +125,8 @@ class TimedBackend(TransferBackend):
         self.posted: dict[WriteHandle, float] = {}
         self.latencies_s: list[float] = []
         self.blocks_per_write: list[int] = []
+        self.peer: PeerId = 0
+        self.path = inner.name  # the data path the last connect chose (shm: "shm" or its network backend)
 
     def register(self, regions: Sequence[Region]) -> None:
         self.inner.register(regions)
@@ -130,7 +135,11 @@ class TimedBackend(TransferBackend):
         return self.inner.endpoint()
 
     def connect(self, endpoint: bytes) -> PeerId:
-        return self.inner.connect(endpoint)
+        peer = self.inner.connect(endpoint)
+        self.peer = peer
+        path_of = getattr(self.inner, "path_of", None)
+        self.path = path_of(peer) if path_of is not None else self.inner.name
+        return peer
 
     def write(self, peer: PeerId, blocks: Sequence[Block], fence: Fence = UNFENCED) -> WriteHandle:
         handle = self.inner.write(peer, blocks, fence)
@@ -163,7 +172,7 @@ class TimedBackend(TransferBackend):
 
 # -- child: the decode -----------------------------------------------------------------------------
 def child_main(ns: argparse.Namespace) -> None:
-    pool = make_pool(ns)
+    pool = make_pool(ns, shared=wants_shared_pool(ns.backend))  # shm: the decode's pool in /dev/shm
     manager = KVManager("decode", KVArgs.from_pool(pool), create_backend(ns.backend))
     out = os.fdopen(ns.reply_fd, "wb", buffering=0)
     out.write(b'"ready"\n')
@@ -181,6 +190,7 @@ def child_main(ns: argparse.Namespace) -> None:
         receiver.release()
         out.write(msgspec.json.encode({"ok": error is None, "error": str(error) if error else None}) + b"\n")
     manager.close()
+    pool.close()
 
 
 # -- parent: the prefill ---------------------------------------------------------------------------
@@ -210,6 +220,16 @@ def bench_backend(ns: argparse.Namespace, row_name: str, pool: KVPool) -> dict[s
         return _bench_backend(ns, backend_name, pool)
 
 
+def wait_warm(timed: TimedBackend, limit_s: float = 120.0) -> float:
+    """Steady state before measuring: wait while the backend still pre-faults its mapping of the decode's
+    pool (``shm``: first touches of pages cost page faults until then). Returns the seconds waited."""
+    is_warm = getattr(timed.inner, "is_warm", None)
+    started = time.perf_counter()
+    while is_warm is not None and not is_warm(timed.peer) and time.perf_counter() - started < limit_s:
+        time.sleep(0.01)
+    return time.perf_counter() - started
+
+
 def _bench_backend(ns: argparse.Namespace, backend_name: str, pool: KVPool) -> dict[str, Any]:
     timed = TimedBackend(create_backend(backend_name))
     manager = KVManager("prefill", KVArgs.from_pool(pool), timed, timeouts=KVTimeouts(transfer_s=120.0))
@@ -219,6 +239,7 @@ def _bench_backend(ns: argparse.Namespace, backend_name: str, pool: KVPool) -> d
     n_pages = ns.tokens // ns.page_size
     chunk_pages = ns.chunk_tokens // ns.page_size
     room_s: list[float] = []
+    warm_wait_s = 0.0
     try:
         for i in range(ns.warmup + ns.rooms):
             src = fragmented_pages(rng, ns.pool_pages, n_pages)
@@ -228,6 +249,7 @@ def _bench_backend(ns: argparse.Namespace, backend_name: str, pool: KVPool) -> d
             while sender.poll() == KVPoll.Bootstrapping:
                 time.sleep(0.0002)
             if i == ns.warmup:
+                warm_wait_s = wait_warm(timed)
                 timed.latencies_s.clear()
                 timed.blocks_per_write.clear()
             started = time.perf_counter()
@@ -261,6 +283,8 @@ def _bench_backend(ns: argparse.Namespace, backend_name: str, pool: KVPool) -> d
         "chunk_p50_ms": lat_ms[len(lat_ms) // 2],
         "chunk_p99_ms": lat_ms[min(len(lat_ms) - 1, int(len(lat_ms) * 0.99))],
         "blocks_per_chunk": statistics.median(timed.blocks_per_write),
+        "path": timed.path,
+        "warm_wait_s": warm_wait_s,
     }
 
 
@@ -348,7 +372,7 @@ def main() -> None:
         g = r["gibps"]
         row.update(gib_per_s=statistics.median(g), gib_per_s_min=min(g), gib_per_s_max=max(g),
                    room_ms=r["room_ms"], chunk_p50_ms=r["chunk_p50_ms"], chunk_p99_ms=r["chunk_p99_ms"],
-                   blocks_per_chunk=r["blocks_per_chunk"])
+                   blocks_per_chunk=r["blocks_per_chunk"], path=r["path"], warm_wait_s=r["warm_wait_s"])
     memcpy_rows = []
     for label, g in bench_memcpy(ns, pool):
         memcpy_rows.append({"backend": label, "gib_per_s": statistics.median(g), "gib_per_s_min": min(g),

@@ -67,6 +67,14 @@ class TransferBackend(ABC):
     """Moves (src, dst, length) blocks from this process's registered memory into a peer's."""
 
     name: ClassVar[str] = "abstract"
+    # False for a backend that moves no bytes (``fake``): the contract suite's data tests skip it.
+    MOVES_BYTES: ClassVar[bool] = True
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this backend cannot run on this machine (a missing library, a network namespace it needs),
+        or None. The contract suite skips a backend with its reason; override where it applies."""
+        return None
 
     @abstractmethod
     def register(self, regions: Sequence[Region]) -> None:
@@ -130,7 +138,8 @@ class FencesWrites(Protocol):
     """Optional receiving-side ability: the backend refuses every incoming write whose fence is not
     open, and knows whether a write of a fence is being received at this moment. The decode opens a
     room's fence before it sends the page list and closes it when the room ends; a closed fence takes
-    no byte any more once ``close_fence`` returned True or the listener was called for it."""
+    no byte any more once ``close_fence`` returned True or the listener was called for it. A backend
+    whose ``cut`` cannot stop a silent (frozen) writer says so with ``CUTS_SILENT_WRITERS = False``."""
 
     def set_fence_listener(self, listener: Callable[[int, int], None] | None) -> None:
         """``listener(room, generation)``: a fence closed while one of its writes was being received is

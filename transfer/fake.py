@@ -22,6 +22,7 @@ from transfer.errors import TransferError
 
 class FakeBackend(TransferBackend):
     name = "fake"
+    MOVES_BYTES = False
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import ctypes
 import importlib.metadata
+import importlib.util
 import itertools
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -101,6 +103,14 @@ def _metadata_server(raw: object) -> str:
     return text
 
 
+def in_private_netns() -> bool:
+    """True inside a network namespace holding only loopback (``unshare --net``)."""
+    try:
+        return [name for _, name in socket.if_nameindex()] == ["lo"]
+    except OSError:
+        return False
+
+
 def _cpu_only_build() -> bool:
     try:
         importlib.metadata.distribution("mooncake-transfer-engine-non-cuda")
@@ -111,6 +121,16 @@ def _cpu_only_build() -> bool:
 
 class MooncakeBackend(WriteTable, TransferBackend):
     name = "mooncake"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if importlib.util.find_spec("mooncake") is None:
+            return "mooncake-transfer-engine is not installed"
+        if not in_private_netns():
+            return ("Mooncake binds 0.0.0.0: run it only inside a private network namespace "
+                    "(unshare --net -- sh -c 'ip link set lo up && exec ...')")
+        return None
+
     OPTIONS = (
         Option("protocol", choice("tcp", "rdma"), "Mooncake transport (default tcp)"),
         Option("device_name", lambda raw: ",".join(name_list(raw, what="RDMA device")),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import importlib.util
 import itertools
 import os
 import queue
@@ -164,6 +165,13 @@ def _backend_params(opts: dict[str, Any], num_threads: int, advertise_host: str 
 
 class NixlBackend(WriteTable, TransferBackend):
     name = "nixl"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if not any(importlib.util.find_spec(m) is not None for m in ("nixl_cu12", "nixl_cu13", "nixl")):
+            return "nixl is not installed"
+        return None
+
     OPTIONS = (
         Option("backends", name_list, "NIXL backends (plugins) to create, comma-separated (default UCX)"),
         Option("ucx_tls", lambda raw: ",".join(name_list(raw, allowed=UCX_TRANSPORTS, what="UCX transport")),

@@ -19,6 +19,7 @@ _BUILTIN = {
     "fake": "transfer.fake:FakeBackend",
     "mooncake": "transfer.mooncake:MooncakeBackend",
     "nixl": "transfer.nixl:NixlBackend",
+    "shm": "transfer.shm:create_shm_backend",
 }
 
 
@@ -67,6 +68,18 @@ def create_backend(name: str, **options: Any) -> TransferBackend:
             f"transfer backend plugin {name!r} built {type(backend).__name__}, not a TransferBackend"
         )
     return backend
+
+
+def load_backend(name: str) -> Any:
+    """The class or factory registered as ``name`` (or ``"module:attr"``), not yet built: its class
+    attributes (``OPTIONS``, ``SHARED_POOL``, ``MOVES_BYTES``, ``unavailable_reason()``) describe it."""
+    return _load(name)
+
+
+def wants_shared_pool(name: str) -> bool:
+    """Whether a decode using backend ``name`` should keep its KV pool in shared memory (the plugin's
+    ``SHARED_POOL``: a co-located prefill then copies into it, ``transfer.shm``)."""
+    return bool(getattr(_load(name), "SHARED_POOL", False))
 
 
 def check_options(name: str, options: Mapping[str, str]) -> None:

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transfer-option", action="append", default=[], metavar="KEY=VALUE",
                    help="transfer-backend setting (repeatable), e.g. protocol=rdma for mooncake, ucx_tls=tcp for "
                         "nixl; see docs/transfer.md")
+    p.add_argument("--same-host-kv", choices=["auto", "off"], default="auto",
+                   help="auto: KV goes through shared memory to a peer on this host that proves it maps the "
+                        "decode's pool, else over --transfer; off: always over --transfer (docs/transfer.md)")
     p.add_argument("--max-unread-mib", type=float, default=MAX_UNREAD_BYTES / 2**20,
                    help="output a gateway connection may leave unread before it is dropped (its requests end)")
     p.add_argument("--log-level", default="info")
@@ -77,7 +80,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         bootstrap_timeout_s=args.bootstrap_timeout_s, waiting_timeout_s=args.waiting_timeout_s,
         transfer_timeout_s=args.transfer_timeout_s, heartbeat_interval_s=args.heartbeat_interval_s,
         max_unread_bytes=int(args.max_unread_mib * 2**20), engine_options=extra,
-        advertise_host=args.advertise_host, transfer_options=transfer_options,
+        advertise_host=args.advertise_host, transfer_options=transfer_options, same_host_kv=args.same_host_kv,
     )
 
 

@@ -40,6 +40,9 @@ class WorkerConfig:
     max_unread_bytes: int = MAX_UNREAD_BYTES  # per gateway connection: past it the gateway is not reading
     engine_options: dict[str, str] = field(default_factory=dict)
     transfer_options: dict[str, str] = field(default_factory=dict)  # --transfer-option, checked by the backend
+    # auto: KV moves through shared memory to a co-located peer that proves it maps the decode's pool
+    # (transfer.shm; a decode's pool then lives in /dev/shm); off: always the --transfer backend
+    same_host_kv: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model == "default":  # the embedded SmolLM2 (torch engine)
@@ -58,6 +61,8 @@ class WorkerConfig:
             raise ConfigError(f"device: the sim engine runs on the CPU, got {self.device!r}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise ConfigError(f"device: must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.same_host_kv not in ("auto", "off"):
+            raise ConfigError(f"same_host_kv: must be auto or off, got {self.same_host_kv!r}")
         if self.max_unread_bytes < 1 << 16:
             raise ConfigError("max_unread_bytes: must be at least 64 KiB")
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s", "heartbeat_interval_s"):

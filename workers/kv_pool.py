@@ -9,6 +9,9 @@ Lifecycle:
    with ``torch.from_numpy``), the transfer layer writes into them from other processes.
    With ``device="cuda"`` (GPU engines) the buffers are torch tensors in device memory instead and
    ``kv_ptrs()`` gives their device addresses; ``page_view`` is host-only.
+   With ``shared=True`` (a decode whose co-located prefills may copy into it, ``transfer.shm``) the host
+   buffers and the aux slots live in one file in ``/dev/shm`` instead of private memory; ``close()``
+   unlinks it (a crashed worker's file is swept by the next pool made on the machine).
 
 Page layout of one buffer: ``[num_pages, page_size, num_kv_heads, head_dim]``, so one page of one
 layer is one contiguous block of ``page_bytes`` bytes.
@@ -16,10 +19,13 @@ layer is one contiguous block of ``page_bytes`` bytes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 # numpy has no bfloat16: it is stored as raw 16-bit words and viewed by the engine.
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "uint8": np.uint8}
@@ -40,6 +46,7 @@ class KVPool:
         num_aux_slots: int = 256,
         aux_slot_bytes: int = 4096,
         device: str = "cpu",
+        shared: bool = False,
     ) -> None:
         if dtype not in _NUMPY_DTYPES:
             raise ValueError(f"kv dtype {dtype!r} is not one of {sorted(_NUMPY_DTYPES)}")
@@ -63,17 +70,48 @@ class KVPool:
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         np_dtype = _NUMPY_DTYPES[dtype]
         self.device = device
-        if device == "cpu":
+        self.shared_file: Any = None  # transfer.shm_files.SharedFile when shared
+        aux_shape = (num_aux_slots, aux_slot_bytes)
+        if device == "cpu" and shared:
+            try:
+                self.k, self.v, self.aux = self._shared_buffers(shape, np.dtype(np_dtype), num_layers, aux_shape)
+            except OSError as exc:  # e.g. a container's small /dev/shm: private memory, no same-host path
+                log.warning("KV pool: shared memory unavailable (%s); using private memory", exc)
+                shared = False
+        if device != "cpu":
+            self.k, self.v = _device_buffers(shape, dtype, device, num_layers)
+            self.aux = np.zeros(aux_shape, dtype=np.uint8)
+        elif not shared:
             self.k = [np.zeros(shape, dtype=np_dtype) for _ in range(num_layers)]
             self.v = [np.zeros(shape, dtype=np_dtype) for _ in range(num_layers)]
-        else:
-            self.k, self.v = _device_buffers(shape, dtype, device, num_layers)
+            self.aux = np.zeros(aux_shape, dtype=np.uint8)
         self.page_bytes = int(self.k[0][0].nbytes)
         self.token_bytes = self.page_bytes // page_size
-        self.aux = np.zeros((num_aux_slots, aux_slot_bytes), dtype=np.uint8)
         self.aux_slot_bytes = aux_slot_bytes
         self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
         self._free_slots: list[int] = list(range(num_aux_slots - 1, -1, -1))
+
+    def _shared_buffers(
+        self, shape: tuple[int, ...], np_dtype: np.dtype[Any], num_layers: int, aux_shape: tuple[int, int]
+    ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+        """K, V and aux as views of one shared-memory file (each buffer page-aligned in it)."""
+        from transfer.shm_files import SharedFile
+
+        align = 4096
+        buf_bytes = int(np.prod(shape)) * np_dtype.itemsize
+        stride = -(-buf_bytes // align) * align
+        aux_at = 2 * num_layers * stride
+        self.shared_file = SharedFile.create("pd-kv-pool-", aux_at + aux_shape[0] * aux_shape[1], allocate=True)
+        mm = self.shared_file.mm
+        views = [np.frombuffer(mm, np_dtype, int(np.prod(shape)), i * stride).reshape(shape)
+                 for i in range(2 * num_layers)]
+        aux = np.frombuffer(mm, np.uint8, aux_shape[0] * aux_shape[1], aux_at).reshape(aux_shape)
+        return views[:num_layers], views[num_layers:], aux
+
+    def close(self) -> None:
+        """Unlink a shared pool's file (the memory stays mapped while anything uses it). Idempotent."""
+        if self.shared_file is not None:
+            self.shared_file.close()
 
     # -- pages -------------------------------------------------------------------------------
     @property

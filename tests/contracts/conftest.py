@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Iterator
 
 import pytest
-from kvpeer import BACKENDS, FAST, SHAPE, PeerProcess, Shape, in_private_netns, skip_reason
+from kvpeer import BACKENDS, FAST, SHAPE, PeerProcess, Shape, in_private_netns, shared_pool, skip_reason
 
 from transfer import KVArgs, KVManager, KVTimeouts, create_backend
 from workers.kv_pool import KVPool
@@ -26,8 +26,6 @@ def backend_name(request: pytest.FixtureRequest) -> str:
     if reason:
         pytest.skip(reason)
     return str(request.param)
-
-
 
 
 @pytest.fixture
@@ -49,7 +47,7 @@ class Local:
     """An in-process manager with its pool."""
 
     def __init__(self, role: str, backend: str, shape: Shape, timeouts: KVTimeouts) -> None:
-        self.pool: KVPool = shape.pool()
+        self.pool: KVPool = shape.pool(shared=shared_pool(role, backend))
         self.args = KVArgs.from_pool(self.pool)
         self.manager = KVManager(role, self.args, create_backend(backend), timeouts=timeouts)  # type: ignore[arg-type]
 
@@ -66,3 +64,4 @@ def local_manager() -> Iterator[Callable[..., Local]]:
     yield make
     for local in made:
         local.manager.close()
+        local.pool.close()

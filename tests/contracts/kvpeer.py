@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import importlib.util
 import os
 import signal
 import socket
@@ -28,6 +27,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from transfer import FencesWrites, KVArgs, KVManager, KVPoll, KVTimeouts, create_backend  # noqa: E402
+from transfer.registry import available_backends, load_backend, wants_shared_pool  # noqa: E402
 from workers.kv_pool import KVPool  # noqa: E402
 
 
@@ -42,11 +42,11 @@ class Shape:
     num_aux_slots: int = 8
     aux_slot_bytes: int = 64
 
-    def pool(self) -> KVPool:
+    def pool(self, shared: bool = False) -> KVPool:
         return KVPool(
             num_layers=self.num_layers, num_pages=self.num_pages, page_size=self.page_size,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype,
-            num_aux_slots=self.num_aux_slots, aux_slot_bytes=self.aux_slot_bytes,
+            num_aux_slots=self.num_aux_slots, aux_slot_bytes=self.aux_slot_bytes, shared=shared,
         )
 
     def argv(self) -> list[str]:
@@ -66,22 +66,36 @@ def in_private_netns() -> bool:
 
 
 def skip_reason(name: str) -> str | None:
-    if importlib.util.find_spec(f"transfer.{name}") is None:
-        return f"transfer.{name} is not written yet"
-    if name == "mooncake":
-        if importlib.util.find_spec("mooncake") is None:
-            return "mooncake-transfer-engine is not installed"
-        if not in_private_netns():
-            return (
-                "Mooncake binds 0.0.0.0: its tests run only inside a private network namespace "
-                "(unshare --net -- sh -c 'ip link set lo up && exec python -m pytest ...')"
-            )
-    if name == "nixl" and importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
-        return "nixl is not installed"
-    return None
+    """Why backend ``name`` cannot run here: it fails to load, or its own ``unavailable_reason()`` says
+    so (a missing library, a network namespace it needs). Nothing about any backend is listed here."""
+    try:
+        factory = load_backend(name)
+    except ValueError as exc:
+        return str(exc)
+    check = getattr(factory, "unavailable_reason", None)
+    return check() if check is not None else None
 
 
-BACKENDS = ["tcp", "mooncake", "nixl"]
+def moves_bytes(name: str) -> bool:
+    """False for a backend that declares it moves nothing (``MOVES_BYTES``; the fake)."""
+    try:
+        return bool(getattr(load_backend(name), "MOVES_BYTES", True))
+    except ValueError:
+        return True
+
+
+def shared_pool(role: str, backend: str) -> bool:
+    """Whether a peer's pool goes in shared memory: a decode whose backend asks for it (``SHARED_POOL``)."""
+    try:
+        return role == "decode" and wants_shared_pool(backend)
+    except ValueError:
+        return False
+
+
+# Every backend registered by entry point (group pd_gateway.transfer), built-ins included: an
+# out-of-tree backend joins the suite by being installed.
+ALL_BACKENDS = available_backends()
+BACKENDS = [name for name in ALL_BACKENDS if moves_bytes(name)]
 
 
 # Short timeouts so that failure tests end fast; heartbeats still tolerate a loaded 2-core machine.
@@ -140,7 +154,7 @@ class _Peer:
     def __init__(self, ns: argparse.Namespace) -> None:
         self.shape = Shape(ns.layers, ns.pages, ns.page_size, ns.heads, ns.head_dim, ns.dtype, ns.aux_slots,
                            ns.aux_bytes)
-        self.pool = self.shape.pool()
+        self.pool = self.shape.pool(shared=shared_pool(ns.role, ns.backend))
         if ns.role == "prefill":
             fill(self.pool, ns.seed)
         timeouts = KVTimeouts(ns.bootstrap_s, ns.waiting_s, ns.transfer_s, ns.hb_interval_s, ns.hb_timeout_s)
@@ -246,6 +260,7 @@ def _child_main() -> None:
         if cmd["op"] == "close":
             break
     peer.manager.close()
+    peer.pool.close()
 
 
 # -- test side -----------------------------------------------------------------------------------

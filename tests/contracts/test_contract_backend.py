@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from kvpeer import SHAPE, fill, pattern, skip_reason
+from kvpeer import ALL_BACKENDS, BACKENDS, SHAPE, fill, pattern, skip_reason
 
 from transfer import (
     Fence,
@@ -151,7 +151,7 @@ def test_completion_listener_fires_when_a_write_settles(backend_name, spawn_peer
         backend.release(handle)
 
 
-@pytest.mark.parametrize("name", ["tcp", "mooncake", "nixl"])
+@pytest.mark.parametrize("name", BACKENDS)
 def test_connect_to_a_closed_peer_is_unreachable(name, local_backend):
     if reason := skip_reason(name):
         pytest.skip(reason)
@@ -205,7 +205,7 @@ def test_a_write_lands_only_under_an_open_fence(backend_name, spawn_peer, local_
         assert np.array_equal(kv[0, page], pattern(23, 0, page, page_bytes))
 
 
-@pytest.mark.parametrize("name", ["tcp", "mooncake", "nixl", "fake"])
+@pytest.mark.parametrize("name", ALL_BACKENDS)
 def test_unknown_peer_and_empty_batch(name, local_backend):
     if reason := skip_reason(name):
         pytest.skip(reason)

@@ -1,0 +1,230 @@
+"""The skeleton the thread-per-peer backends share: peers with a sender thread and a job queue, write
+records, disconnect and close. A backend subclasses ``PeerThreadBackend`` and overrides what differs.
+
+Lifecycle:
+1. The subclass's ``connect`` opens its data path, builds its peer (a ``SenderPeer`` subclass holding
+   the socket, session, mapping...) and calls ``_add_peer``: the peer gets an id and a sender thread.
+2. ``write`` records the batch (PENDING), asks ``_refuse`` whether to fail it at once (e.g. destinations
+   outside what the peer registered), else queues it; it never blocks.
+3. The peer's thread takes jobs in order: a job whose fence is dead fails (ABORTED, "fenced") without a
+   byte sent; else ``_send(peer, blocks, fence)`` moves it (blocking) and answers None (DONE) or the
+   ``TransferError``. ``_send`` marks the peer dead (``peer.dead = error``) when its data path broke; the
+   thread then fails the rest of its queue and ends, and ``_peer_ended`` frees the peer's resources.
+4. ``disconnect``/``close`` drop peers: queued writes fail at once; a write already being sent fails
+   when ``_send`` returns (its bytes may still be landing until then), or at once when the subclass
+   sets ``fail_inflight_on_drop`` (its engine call may outlive the drop); ``_interrupt`` unblocks a
+   sender stuck on a frozen peer (tcp shuts its socket down). ``close`` then calls ``_close_resources``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from transfer.base import (
+    UNFENCED,
+    Block,
+    Fence,
+    PeerId,
+    TransferBackend,
+    WriteHandle,
+    WriteState,
+    WriteTable,
+    fenced,
+    unknown_peer,
+)
+from transfer.errors import TransferError, TransferErrorKind
+
+log = logging.getLogger(__name__)
+
+Job = tuple[WriteHandle, list[Block], Fence]
+
+
+@dataclass(eq=False)
+class SenderPeer:
+    """One connected peer; subclasses add what their data path needs."""
+
+    label: str  # for messages: an address, a session, a path
+    peer_id: PeerId = 0
+    jobs: queue.Queue[Job | None] = field(default_factory=queue.Queue)
+    dead: TransferError | None = None
+    thread: threading.Thread | None = None
+
+
+@dataclass
+class WriteRecord:
+    peer: PeerId
+    state: WriteState = WriteState.PENDING
+    error: TransferError | None = None
+    sending: bool = False  # the peer's thread took it
+
+
+class PeerThreadBackend(WriteTable, TransferBackend):
+    """A backend with one sender thread per peer. Subclasses implement ``connect`` (ending in
+    ``_add_peer``), ``_send``, and the target side (``register``, ``endpoint``)."""
+
+    thread_name: ClassVar[str] = "kv-send"
+    fail_inflight_on_drop: ClassVar[bool] = False
+    join_timeout_s: ClassVar[float] = 5.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._writes: dict[WriteHandle, WriteRecord] = {}
+        self._peers: dict[PeerId, SenderPeer] = {}
+        self._handle_ids = itertools.count(1)
+        self._peer_ids = itertools.count(1)
+        self._closed = False
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _send(self, peer: SenderPeer, blocks: list[Block], fence: Fence) -> TransferError | None:
+        """Move one batch (peer's thread; may block). None = every byte is in the peer's memory. Check
+        ``fence.live()`` again between sub-batches if the batch is split."""
+        raise NotImplementedError
+
+    def _refuse(self, peer: SenderPeer, blocks: Sequence[Block]) -> TransferError | None:
+        """A reason to fail a batch at once, before it is queued (caller's thread; cheap)."""
+        return None
+
+    def _interrupt(self, peer: SenderPeer) -> None:
+        """Unblock the peer's thread if it waits on the peer (called once the peer is dropped)."""
+
+    def _peer_ended(self, peer: SenderPeer) -> None:
+        """The peer's thread is ending: free its resources (socket, mapping...)."""
+
+    def _close_resources(self, threads_ended: bool) -> None:
+        """After every peer was dropped: unregister memory, stop listeners. ``threads_ended`` is False
+        when a sender thread outlived its join timeout (it may still touch registered memory)."""
+
+    # -- peers -----------------------------------------------------------------------------------
+    def _add_peer(self, peer: SenderPeer) -> PeerId:
+        """Give the connected peer an id and start its sender thread (raises ABORTED once closed)."""
+        with self._lock:
+            if self._closed:
+                closed = True
+            else:
+                closed = False
+                peer.peer_id = next(self._peer_ids)
+                self._peers[peer.peer_id] = peer
+        if closed:
+            self._peer_ended(peer)
+            raise TransferError(TransferErrorKind.ABORTED, f"{self.name}: backend closed")
+        peer.thread = threading.Thread(target=self._send_loop, args=(peer,), name=self.thread_name, daemon=True)
+        peer.thread.start()
+        return peer.peer_id
+
+    def _peer(self, peer: PeerId) -> SenderPeer | None:
+        with self._lock:
+            return self._peers.get(peer)
+
+    def write(self, peer: PeerId, blocks: Sequence[Block], fence: Fence = UNFENCED) -> WriteHandle:
+        with self._lock:
+            handle = next(self._handle_ids)
+            record = WriteRecord(peer)
+            self._writes[handle] = record
+            target = self._peers.get(peer)
+            if target is None or target.dead is not None:
+                record.state = WriteState.FAILED
+                record.error = target.dead if target is not None and target.dead else unknown_peer(self.name, peer)
+                return handle
+        refused = self._refuse(target, blocks)
+        if refused is not None:
+            with self._lock:
+                record.state, record.error = WriteState.FAILED, refused
+            return handle
+        target.jobs.put((handle, list(blocks), fence))
+        return handle
+
+    def _finish(self, handle: WriteHandle, state: WriteState, error: TransferError | None = None) -> None:
+        with self._lock:
+            record = self._writes.get(handle)
+            changed = record is not None and record.state == WriteState.PENDING
+            if record is not None and changed:
+                record.state, record.error = state, error
+        if changed:
+            self._settled()
+
+    def _send_loop(self, peer: SenderPeer) -> None:
+        try:
+            while peer.dead is None:
+                job = peer.jobs.get()
+                if job is None:
+                    break
+                handle, blocks, fence = job
+                with self._lock:
+                    record = self._writes.get(handle)
+                    if record is not None:
+                        record.sending = True
+                if peer.dead is not None:
+                    self._finish(handle, WriteState.FAILED, peer.dead)
+                    break
+                if not fence.live():  # the room died on our side: send nothing of it
+                    self._finish(handle, WriteState.FAILED, fenced(self.name, fence))
+                    continue
+                try:
+                    error = self._send(peer, blocks, fence)
+                except Exception as exc:  # a bug in _send must not leave the write PENDING forever
+                    log.exception("%s: sending a batch to %s failed", self.name, peer.label)
+                    error = peer.dead = TransferError(TransferErrorKind.PEER_GONE, f"{self.name}: {exc!r}")
+                if error is None:
+                    self._finish(handle, WriteState.DONE)
+                else:
+                    self._finish(handle, WriteState.FAILED, error)
+        finally:
+            dead = peer.dead or TransferError(TransferErrorKind.PEER_GONE, f"{self.name}: peer {peer.label} dropped")
+            while True:  # fail whatever is still queued
+                try:
+                    job = peer.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    self._finish(job[0], WriteState.FAILED, dead)
+            self._peer_ended(peer)
+
+    def probe(self, peer: PeerId) -> bool:
+        target = self._peer(peer)
+        return target is not None and target.dead is None and target.thread is not None and target.thread.is_alive()
+
+    def disconnect(self, peer: PeerId) -> None:
+        with self._lock:
+            target = self._peers.pop(peer, None)
+        if target is not None:
+            error = TransferError(TransferErrorKind.PEER_GONE, f"{self.name}: peer {target.label} disconnected")
+            self._drop(target, error)
+
+    def _drop(self, target: SenderPeer, error: TransferError) -> None:
+        """Fail the peer's writes (queued ones now; one being sent when ``_send`` returns, or now with
+        ``fail_inflight_on_drop``), stop its thread and wait for it (up to ``join_timeout_s``)."""
+        target.dead = target.dead or error
+        target.jobs.put(None)
+        with self._lock:
+            for record in self._writes.values():
+                if record.peer == target.peer_id and record.state == WriteState.PENDING and (
+                    not record.sending or self.fail_inflight_on_drop
+                ):
+                    record.state, record.error = WriteState.FAILED, target.dead
+        self._settled()
+        self._interrupt(target)
+        if target.thread is not None and target.thread is not threading.current_thread():
+            target.thread.join(timeout=self.join_timeout_s)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers = list(self._peers.values())
+            self._peers.clear()
+        for target in peers:
+            self._drop(target, TransferError(TransferErrorKind.ABORTED, f"{self.name}: backend closed"))
+        with self._lock:
+            for record in self._writes.values():
+                if record.state == WriteState.PENDING:
+                    record.state = WriteState.FAILED
+                    record.error = TransferError(TransferErrorKind.ABORTED, f"{self.name}: backend closed")
+        self._settled()
+        self._close_resources(not any(t.thread is not None and t.thread.is_alive() for t in peers))

@@ -1,0 +1,526 @@
+"""Same-host KV path: a co-located prefill copies straight into the decode's pool in shared memory.
+
+It wraps the configured network backend (tcp, mooncake, nixl...) and takes over per peer when the peer
+proves it maps the decode's memory; every other peer goes over the network backend unchanged.
+
+Lifecycle:
+1. ``ShmBackend(network="tcp", same_host=True, **network_options)`` (or ``create_shm_backend``, which
+   picks the fencing flavour when the network backend fences) builds the network backend.
+2. ``register(regions)`` registers them with the network backend too. ``endpoint()`` (the decode's)
+   carries the network endpoint plus, when every region lies in a shared file mapping (the worker puts
+   a decode's pool in ``/dev/shm``) and ``same_host`` is on, an *offer*: the path of a fence board
+   holding a random nonce (``transfer.shm_fences``), each pool file's path with the same nonce written
+   just past its end, and where each region lies in its file.
+3. ``connect(endpoint)`` (the prefill's) maps the offered files and reads the nonce back from each: the
+   same bytes the decode sent over the control plane prove this process maps the decode's memory (a
+   private ``/dev/shm``, another host, a stale path all fail it). Then the peer is a shared-memory peer
+   with a sender thread; otherwise (no offer, proof failed, ``same_host`` off) the network backend
+   connects and carries every write to that peer. ``path_of(peer)`` says which.
+4. ``write`` on a shared-memory peer queues the batch; the sender thread range-checks every block
+   against the decode's registered regions (RANGE_REJECTED, nothing copied), then copies sub-batches of
+   at most ``SUB_BATCH_BYTES`` with ``memmove`` (the GIL is released while copying), each under the
+   fence board's ``enter``/``leave`` (a closed fence or a dead room copies nothing more). DONE means
+   every byte is in the decode's memory.
+5. ``close`` drops the peers (joining their threads), closes the network backend, unmaps and unlinks.
+Fencing: with a network backend that ``FencesWrites`` (tcp), ``FencingShmBackend`` fences both paths:
+``close_fence`` is True once neither path can land a byte of the fence (a shared-memory writer still
+inside the fence, maybe frozen mid-copy, makes it False until it leaves or dies; it cannot be cut).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from transfer.base import (
+    UNFENCED,
+    Block,
+    Fence,
+    FencesWrites,
+    NotifiesCompletion,
+    PeerId,
+    Region,
+    TransferBackend,
+    WriteHandle,
+    WriteState,
+    fenced,
+)
+from transfer.errors import TransferError, TransferErrorKind
+from transfer.peer_threads import PeerThreadBackend, SenderPeer
+from transfer.shm_fences import FenceBoard
+from transfer.shm_files import SHM_DIR, mapping_of
+
+log = logging.getLogger(__name__)
+
+SUB_BATCH_BYTES = 4 << 20  # bytes copied between two fence checks
+PREFAULT_STEP_BYTES = 32 << 20
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_WATCH_S = 0.001  # how often the decode re-reads the marks of fences it waits on
+
+
+class _Offer(msgspec.Struct, array_like=True, frozen=True):
+    board: str
+    nonce: bytes
+    files: list[tuple[str, int]]  # (path, offset of the nonce)
+    regions: list[tuple[int, int, int, int]]  # (decode address, length, file index, file offset)
+
+
+class _Endpoint(msgspec.Struct, array_like=True, frozen=True):
+    network: str
+    net: bytes
+    offer: _Offer | None = None
+
+
+@dataclass(eq=False)
+class _ShmPeer(SenderPeer):
+    board: FenceBoard | None = None
+    slot: int = 0
+    maps: list[mmap.mmap] = field(default_factory=list)
+    anchors: list[Any] = field(default_factory=list)  # ctypes views pinning the maps' addresses
+    starts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    ends: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    deltas: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # local = decode address + delta
+    spans: list[tuple[int, int, int]] = field(default_factory=list)  # (map index, file offset, length) to pre-fault
+    prefaulted: threading.Event = field(default_factory=threading.Event)
+    stop: threading.Event = field(default_factory=threading.Event)
+    prefaulter: threading.Thread | None = None
+
+
+def _prefault(peer: _ShmPeer) -> None:
+    """Map every page of the decode's regions into our page tables ahead of the writes (a first touch
+    costs a page fault, several microseconds on a VM: most of a cold copy). Runs in its own thread after
+    connect, in steps, until done or the peer is dropped; writes meanwhile fault what they touch first."""
+    try:
+        for index, offset, length in peer.spans:
+            mm = peer.maps[index]
+            start = offset - offset % mmap.PAGESIZE
+            end = offset + length
+            while start < end and not peer.stop.is_set():
+                step = min(PREFAULT_STEP_BYTES, end - start)
+                try:
+                    mm.madvise(_MADV_POPULATE_WRITE, start, step)
+                except OSError:  # (Linux < 5.14) read one byte per page: a read fault maps it writable
+                    int(np.frombuffer(mm, np.uint8, step, start)[:: mmap.PAGESIZE].max())
+                start += step
+    except (OSError, ValueError) as exc:
+        log.info("shm: pre-faulting %s stopped: %s", peer.label, exc)
+    finally:
+        peer.prefaulted.set()
+
+
+def _parse_same_host(value: object) -> bool:
+    text = str(value).strip().lower()
+    if text in ("1", "true", "on", "auto", "yes"):
+        return True
+    if text in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"same_host must be auto or off, got {value!r}")
+
+
+class ShmBackend(PeerThreadBackend):
+    name = "shm"
+    thread_name = "kv-shm-send"
+    # a copy into shared memory needs no CPU of the decode: a write to a frozen decode completes
+    WRITES_WITHOUT_TARGET = True
+
+    def __init__(self, network: str | TransferBackend = "tcp", *, same_host: bool | str = True,
+                 directory: str | None = None, **network_options: Any) -> None:
+        super().__init__()
+        self.same_host = _parse_same_host(same_host)  # (before the network backend exists: no leak)
+        if isinstance(network, str):
+            from transfer.registry import create_backend
+
+            network = create_backend(network, **network_options)
+        self.network: TransferBackend = network
+        self._directory = directory
+        self._regions: list[Region] = []
+        self._offer: _Offer | None = None
+        self._fencing = False  # the decode fences (applied to the board once it exists)
+        self.board: FenceBoard | None = None
+        self._net_peers: dict[PeerId, int] = {}  # our peer id -> the network backend's
+        self._net_writes: dict[WriteHandle, int] = {}  # our handle -> the network backend's
+
+    # -- target side -----------------------------------------------------------------------------
+    def register(self, regions: Sequence[Region]) -> None:
+        self.network.register(regions)
+        self._regions = list(regions)
+        if self.same_host and self._offer is None:
+            self._offer = self._make_offer()
+            if self.board is not None:
+                self.board.set_fencing(self._fencing)
+
+    def endpoint(self) -> bytes:
+        return msgspec.msgpack.encode(_Endpoint(self.network.name, self.network.endpoint(), self._offer))
+
+    def _make_offer(self) -> _Offer | None:
+        """Offer our memory when every registered region lies in a shared file mapping."""
+        files: list[str] = []
+        placed: list[tuple[int, int, int, int]] = []
+        for addr, length in self._regions:
+            where = mapping_of(addr)
+            if where is None or addr + length > where.end:
+                log.info("shm: region at %#x is not in a shared file mapping: no same-host offer", addr)
+                return None
+            if where.path not in files:
+                files.append(where.path)
+            placed.append((addr, length, files.index(where.path), where.file_offset(addr)))
+        try:
+            self.board = FenceBoard.create(self._directory)
+            nonce = self.board.nonce
+            stamped = []
+            for path in files:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+                try:
+                    size = os.fstat(fd).st_size
+                    os.pwrite(fd, nonce, size)  # just past the pool: proves a peer maps this very file
+                finally:
+                    os.close(fd)
+                stamped.append((path, size))
+        except (OSError, ValueError) as exc:
+            log.warning("shm: cannot offer same-host transfer: %s", exc)
+            return None
+        return _Offer(self.board.path, nonce, stamped, placed)
+
+    # -- initiator side --------------------------------------------------------------------------
+    def connect(self, endpoint: bytes) -> PeerId:
+        try:
+            remote = msgspec.msgpack.decode(endpoint, type=_Endpoint)
+        except msgspec.DecodeError as exc:
+            raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"shm: bad endpoint: {exc}") from exc
+        if remote.network != self.network.name:
+            raise TransferError(
+                TransferErrorKind.PROTOCOL,
+                f"shm: the peer's network backend is {remote.network!r}, ours {self.network.name!r}",
+            )
+        if self.same_host and remote.offer is not None:
+            try:
+                peer = self._map(remote.offer)
+            except (OSError, ValueError) as exc:
+                log.info("shm: no same-host path to the peer (%s): using %s", exc, self.network.name)
+            else:
+                peer_id = self._add_peer(peer)
+                peer.prefaulter = threading.Thread(target=_prefault, args=(peer,), name="kv-shm-prefault",
+                                                   daemon=True)
+                peer.prefaulter.start()
+                return peer_id
+        inner = self.network.connect(remote.net)
+        with self._lock:
+            if self._closed:
+                closed = True
+            else:
+                closed = False
+                peer_id = next(self._peer_ids)
+                self._net_peers[peer_id] = inner
+        if closed:
+            self.network.disconnect(inner)
+            raise TransferError(TransferErrorKind.ABORTED, "shm: backend closed")
+        return peer_id
+
+    def _map(self, offer: _Offer) -> _ShmPeer:
+        """Map the decode's board and files; ValueError/OSError unless each holds the nonce."""
+        board = FenceBoard.attach(offer.board, offer.nonce)
+        peer = _ShmPeer(label=offer.board, board=board)
+        try:
+            peer.slot = board.claim()
+            bases = []
+            for path, nonce_at in offer.files:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+                try:
+                    if os.fstat(fd).st_size < nonce_at + len(offer.nonce):
+                        raise ValueError(f"{path} is shorter than the decode's")
+                    mm = mmap.mmap(fd, nonce_at + len(offer.nonce), mmap.MAP_SHARED,
+                                   mmap.PROT_READ | mmap.PROT_WRITE)
+                finally:
+                    os.close(fd)
+                peer.maps.append(mm)
+                if mm[nonce_at : nonce_at + len(offer.nonce)] != offer.nonce:
+                    raise ValueError(f"{path} does not hold the decode's nonce: not the decode's memory")
+                anchor = ctypes.c_char.from_buffer(mm)
+                peer.anchors.append(anchor)
+                bases.append(ctypes.addressof(anchor))
+            regions = sorted(offer.regions)
+            for (addr, length, index, offset) in regions:
+                if not 0 <= index < len(offer.files) or offset + length > offer.files[index][1]:
+                    raise ValueError(f"region at {addr:#x} lies outside its file")
+            peer.starts = np.array([r[0] for r in regions], np.int64)
+            peer.ends = np.array([r[0] + r[1] for r in regions], np.int64)
+            peer.deltas = np.array([bases[r[2]] + r[3] - r[0] for r in regions], np.int64)
+            peer.spans = [(index, offset, length) for (_, length, index, offset) in regions]
+        except BaseException:
+            self._unmap(peer)
+            raise
+        return peer
+
+    @staticmethod
+    def _unmap(peer: _ShmPeer) -> None:
+        peer.anchors.clear()
+        for mm in peer.maps:
+            try:
+                mm.close()
+            except (BufferError, ValueError):
+                log.warning("shm: a mapping of %s is still in use; left mapped", peer.label)
+        peer.maps.clear()
+        if peer.board is not None:
+            peer.board.close()
+
+    def path_of(self, peer: PeerId) -> str:
+        """``"shm"`` for a peer written through shared memory, else the network backend's name."""
+        with self._lock:
+            if peer in self._net_peers:
+                return self.network.name
+            if peer in self._peers:
+                return "shm"
+        raise KeyError(f"shm: unknown peer {peer}")
+
+    # -- writes ----------------------------------------------------------------------------------
+    def write(self, peer: PeerId, blocks: Sequence[Block], fence: Fence = UNFENCED) -> WriteHandle:
+        with self._lock:
+            inner_peer = self._net_peers.get(peer)
+        if inner_peer is None:
+            return super().write(peer, blocks, fence)
+        inner = self.network.write(inner_peer, blocks, fence)
+        with self._lock:
+            handle = next(self._handle_ids)
+            self._net_writes[handle] = inner
+        return handle
+
+    def poll(self, handle: WriteHandle) -> WriteState:
+        with self._lock:
+            inner = self._net_writes.get(handle)
+        return super().poll(handle) if inner is None else self.network.poll(inner)
+
+    def error(self, handle: WriteHandle) -> TransferError | None:
+        with self._lock:
+            inner = self._net_writes.get(handle)
+        return super().error(handle) if inner is None else self.network.error(inner)
+
+    def release(self, handle: WriteHandle) -> None:
+        with self._lock:
+            inner = self._net_writes.pop(handle, None)
+        if inner is None:
+            super().release(handle)
+        else:
+            self.network.release(inner)
+
+    def set_completion_listener(self, listener: Callable[[], None] | None) -> None:
+        super().set_completion_listener(listener)
+        if isinstance(self.network, NotifiesCompletion):
+            self.network.set_completion_listener(listener)
+
+    def _send(self, peer: SenderPeer, blocks: list[Block], fence: Fence) -> TransferError | None:
+        assert isinstance(peer, _ShmPeer) and peer.board is not None
+        if not blocks:
+            return None
+        table = np.array(blocks, dtype=np.int64).reshape(-1, 3)
+        dst, lengths = table[:, 1], table[:, 2]
+        index = np.searchsorted(peer.starts, dst, side="right") - 1
+        inside = (index >= 0) & (lengths >= 0) & (dst + lengths <= peer.ends[np.maximum(index, 0)])
+        if not inside.all():
+            return TransferError(
+                TransferErrorKind.RANGE_REJECTED,
+                f"shm: a block writes outside the memory {peer.label} registered",
+            )
+        local = (dst + peer.deltas[index]).tolist()
+        sources, sizes = table[:, 0].tolist(), lengths.tolist()
+        cuts = np.searchsorted(np.cumsum(lengths), np.arange(SUB_BATCH_BYTES, int(lengths.sum()), SUB_BATCH_BYTES),
+                               side="left").tolist()
+        given_up = lambda: peer.dead is not None  # noqa: E731
+        start = 0
+        for end in [*[c + 1 for c in cuts], len(sizes)]:
+            if end <= start:
+                continue
+            if peer.dead is not None:
+                return peer.dead
+            if not fence.live():
+                return fenced(self.name, fence)
+            entered = peer.board.enter(peer.slot, fence.room, fence.generation, given_up)
+            if entered is None:
+                return peer.dead or TransferError(TransferErrorKind.PEER_GONE, f"shm: {peer.label} dropped")
+            if not entered:
+                return fenced(self.name, fence)
+            try:
+                for i in range(start, end):
+                    ctypes.memmove(local[i], sources[i], sizes[i])
+            finally:
+                peer.board.leave(peer.slot, given_up)
+            start = end
+        return None
+
+    # -- peers and shutdown ----------------------------------------------------------------------
+    def probe(self, peer: PeerId) -> bool:
+        with self._lock:
+            inner = self._net_peers.get(peer)
+        return super().probe(peer) if inner is None else self.network.probe(inner)
+
+    def disconnect(self, peer: PeerId) -> None:
+        with self._lock:
+            inner = self._net_peers.pop(peer, None)
+        if inner is None:
+            super().disconnect(peer)
+        else:
+            self.network.disconnect(inner)
+
+    def _peer_ended(self, peer: SenderPeer) -> None:
+        if isinstance(peer, _ShmPeer):
+            peer.stop.set()
+            if peer.prefaulter is not None:
+                peer.prefaulter.join(timeout=5.0)
+            self._unmap(peer)
+
+    def is_warm(self, peer: PeerId) -> bool:
+        """Whether a shared-memory peer's mapping is fully pre-faulted (network peers: always True)."""
+        with self._lock:
+            target = self._peers.get(peer)
+        return not isinstance(target, _ShmPeer) or target.prefaulted.is_set()
+
+    def _close_resources(self, threads_ended: bool) -> None:
+        with self._lock:
+            self._net_peers.clear()
+        self.network.close()
+        if self.board is not None:
+            self.board.close()
+
+
+class FencingShmBackend(ShmBackend):
+    """``ShmBackend`` over a network backend that fences (tcp): the decode fences both paths. A writer
+    frozen mid-copy cannot be cut off from shared memory: ``close_fence(cut=True)`` answers False until
+    it resumes and leaves the fence (or dies), hence ``CUTS_SILENT_WRITERS = False``."""
+
+    CUTS_SILENT_WRITERS = False
+
+    def __init__(self, network: str | TransferBackend = "tcp", **kwargs: Any) -> None:
+        super().__init__(network, **kwargs)
+        if not isinstance(self.network, FencesWrites):
+            raise TypeError(f"FencingShmBackend needs a network backend that fences, not {self.network.name!r}")
+        self._fenced_net: FencesWrites = self.network
+        self._fence_listener: Callable[[int, int], None] | None = None
+        self._awaited: dict[tuple[int, int], set[str]] = {}  # fence -> parts still landing: shm, retry, net
+        self._watch_wake = threading.Condition(self._lock)
+        self._watcher: threading.Thread | None = None
+
+    def set_fence_listener(self, listener: Callable[[int, int], None] | None) -> None:
+        self._fence_listener = listener
+        self._fenced_net.set_fence_listener(self._on_net_quiet if listener is not None else None)
+        self._fencing = listener is not None
+        if self.board is not None:
+            self.board.set_fencing(listener is not None)
+
+    def open_fence(self, room: int, generation: int) -> None:
+        if self.board is not None:
+            self.board.open_fence(room, generation)
+        self._fenced_net.open_fence(room, generation)
+
+    def close_fence(self, room: int, generation: int, *, cut: bool) -> bool:
+        fence = (room, generation)
+        with self._lock:
+            parts: set[str] = set()
+            if self.board is not None:
+                writers = self.board.close_fence(room, generation)
+                if writers is None:
+                    parts.add("retry")
+                elif writers:
+                    parts.add("shm")
+            if not self._fenced_net.close_fence(room, generation, cut=cut):
+                parts.add("net")
+            if not parts:
+                return True
+            self._awaited[fence] = parts
+            if parts - {"net"}:
+                self._start_watcher()
+            return False
+
+    def _on_net_quiet(self, room: int, generation: int) -> None:
+        self._part_quiet((room, generation), "net")
+
+    def _part_quiet(self, fence: tuple[int, int], part: str) -> None:
+        with self._lock:
+            parts = self._awaited.get(fence)
+            if parts is None:
+                return
+            parts.discard(part)
+            quiet = not parts
+            if quiet:
+                del self._awaited[fence]
+        listener = self._fence_listener
+        if quiet and listener is not None:
+            listener(*fence)
+
+    def _start_watcher(self) -> None:
+        """(lock held) Run the thread that re-reads the board for fences still being written."""
+        if self._watcher is None or not self._watcher.is_alive():
+            self._watcher = threading.Thread(target=self._watch, name="kv-shm-fences", daemon=True)
+            self._watcher.start()
+        self._watch_wake.notify_all()
+
+    def _watch(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and not any(parts - {"net"} for parts in self._awaited.values()):
+                    self._watch_wake.wait()
+                if self._closed:
+                    return
+                todo = [(fence, set(parts)) for fence, parts in self._awaited.items() if parts - {"net"}]
+            board = self.board
+            assert board is not None
+            for fence, parts in todo:
+                if "retry" in parts:
+                    writers = board.close_fence(*fence)
+                    if writers is None:
+                        continue
+                    with self._lock:
+                        if fence in self._awaited:
+                            self._awaited[fence].discard("retry")
+                            if writers:
+                                self._awaited[fence].add("shm")
+                    if not writers:
+                        self._part_quiet(fence, "shm")
+                elif not board.writers_of(*fence):
+                    self._part_quiet(fence, "shm")
+            time.sleep(_WATCH_S)
+
+    def _close_resources(self, threads_ended: bool) -> None:
+        with self._lock:
+            self._watch_wake.notify_all()
+        if self._watcher is not None:
+            self._watcher.join(timeout=2.0)
+        super()._close_resources(threads_ended)
+
+
+class ShmPlugin:
+    """The ``shm`` entry point: ``create_backend("shm", network="tcp", same_host="auto", **network
+    options)`` builds a ``FencingShmBackend`` when the network backend fences, else a ``ShmBackend``.
+    ``SHARED_POOL``: a decode using it should put its KV pool in shared memory (``KVPool(shared=True)``)."""
+
+    name = "shm"
+    SHARED_POOL = True
+
+    def __call__(self, network: str | TransferBackend = "tcp", **kwargs: Any) -> ShmBackend:
+        _parse_same_host(kwargs.get("same_host", True))
+        if isinstance(network, str):
+            from transfer.registry import create_backend
+
+            options = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("same_host", "directory")}
+            network = create_backend(network, **options)
+        if isinstance(network, FencesWrites):
+            return FencingShmBackend(network, **kwargs)
+        return ShmBackend(network, **kwargs)
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        """Why the same-host path cannot work on this machine (None: it can)."""
+        if not os.access(SHM_DIR, os.W_OK):
+            return f"{SHM_DIR} is not writable"
+        return None
+
+
+create_shm_backend = ShmPlugin()
