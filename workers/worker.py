@@ -97,6 +97,7 @@ class Worker:
             num_kv_heads=info.num_kv_heads, head_dim=info.head_dim, dtype=info.kv_dtype,
             num_aux_slots=max(256, cfg.max_running * 4),
             device=cfg.device,  # cuda: K and V pages in GPU memory (aux slots stay on the host)
+            shared=self._same_host() and cfg.role == "decode",  # co-located prefills copy into it
         )
         self.engine.bind(self.pool)
         if cfg.role != "both":
@@ -127,6 +128,10 @@ class Worker:
         log.info("worker %s ready: native %s:%d http %d (advertised as %s)", self.worker_id, cfg.host,
                  self.native_port, self.http_port, self.advertise_host)
 
+    def _same_host(self) -> bool:
+        """Whether KV may move through shared memory with co-located peers (``--same-host-kv auto``)."""
+        return self.config.same_host_kv == "auto" and self.config.transfer != "fake"
+
     def _create_kv_manager(self, pool: KVPool) -> Any:
         from transfer import KVArgs, KVManager, KVTimeouts
         from transfer.registry import build_backend
@@ -144,6 +149,11 @@ class Worker:
         role: Literal["prefill", "decode"] = "prefill" if cfg.role == "prefill" else "decode"
         backend = build_backend(cfg.transfer, host=cfg.host, advertise_host=self.advertise_host,
                                 options=cfg.transfer_options)
+        if cfg.transfer not in ("shm", "fake"):
+            # always wrapped (inert when off), so workers with and without the same-host path still pair
+            from transfer.shm import create_shm_backend
+
+            backend = create_shm_backend(backend, same_host=self._same_host())
         return KVManager(role, args, backend, host=cfg.host, advertise_host=self.advertise_host,
                          timeouts=timeouts, resolver=resolver)
 
@@ -260,6 +270,8 @@ class Worker:
             await self.server.aclose()
         if self.kv is not None and stopped:
             await asyncio.to_thread(self.kv.close)
+        if self.pool is not None:
+            self.pool.close()  # a shared pool's file is unlinked (its memory lives while mapped)
         if self._resolver is not None:
             self._resolver.close()
         if self._http is not None:
