@@ -74,6 +74,8 @@ def test_pd_chat_crosses_the_veth(hosts: TwoHosts, transfer: str) -> None:
     if reason:
         pytest.skip(reason)
     a, b = hosts.a, hosts.b
+    a.python("open('/dev/shm/pd-two-hosts-probe', 'w').close()")  # the sides share no /dev/shm
+    assert b.python("import os; print(os.path.exists('/dev/shm/pd-two-hosts-probe'))").strip() == "False"
     # Nothing UCX-wide is inherited: --transfer-option and the advertised address decide.
     clean: dict[str, str | None] = {"NIXL_LOG_LEVEL": "WARN", "MC_LOG_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1",
                                     "UCX_TLS": None, "UCX_NET_DEVICES": None}
