@@ -118,8 +118,7 @@ class _DirectChoice:
         return self.emitter.ready()
 
     def take(self, output: StepOutput) -> None:
-        text, _ = self.state.accept(output)
-        self.emitter.emit(self.state, text)
+        self.emitter.emit(self.state, self.state.accept_middle(output))
 
 
 # -- features the gateway does not implement -----------------------------------------------------

@@ -26,7 +26,8 @@ Lifecycle of one request (``Dispatcher.generate``, an async generator):
    ``direct`` gets an attempt's middle decode outputs (after its first token, not final, none queued
    before them) from the worker connection's callback (``EventSink.tap``), with the same bookkeeping
    (deadline, latency figures, tokens kept for migration), without waking this generator; when
-   ``direct`` is not ready (the client's socket is full) they queue as usual. Whatever ends the generator
+   ``direct`` is not ready (the client's socket is full) they queue as usual. The prefill's hand-over
+   is recorded in that callback too (the generator is not woken for it). Whatever ends the generator
    (finish, error, timeout, client gone), open requests are aborted on both workers, and the
    policies hear how the attempt ended (``on_finish``). The prefill's load (its prompt tokens) is
    released when its part ends, i.e. when its KV is handed over, not when the decode's stream ends.
@@ -285,20 +286,28 @@ class Dispatcher:
             idle_s, first_s = self.config.stream_idle_timeout_s, self.config.first_token_timeout_s
 
             def sink_tap(item: tuple[Any, Event]) -> bool:
-                """A middle-of-stream decode output straight to the consumer (the generator is suspended in
-                ``sink.get`` with nothing queued, so the order holds)."""
+                """Outputs handled in the worker connection's callback, not waking this generator (it is
+                suspended in ``sink.get`` with nothing queued, so the order holds): the prefill's hand-over
+                (unless a final output waits for its prompt logprobs), and after the first token, middle
+                decode outputs to the consumer's ``tap`` when it is ready for them."""
+                nonlocal prompt_logprobs
                 side, event = item
-                if side != "decode" or type(event) is not StepOutput or event.finish_reason is not None:
+                if type(event) is not StepOutput:
                     return False
-                assert tap is not None
-                if not tap(event):
+                if side == "prefill":
+                    if held_final is not None:
+                        return False
+                    open_rids.pop("prefill", None)  # KV handed over; the decode carries on
+                    assert prefill is not None
+                    prefill.health.breaker.record_success()
+                    prompt_logprobs = event.prompt_logprobs
+                elif not got_token or tap is None or event.finish_reason is not None or not tap(event):
                     return False
-                sink.set_deadline(idle_s)
+                sink.set_deadline(idle_s if got_token else first_s)
                 return True
 
+            sink.tap = sink_tap
             while True:
-                if got_token and tap is not None and sink.tap is None:
-                    sink.tap = sink_tap  # the consumer has handled the first token: the rest may go direct
                 sink.set_deadline(idle_s if got_token else first_s)
                 try:
                     side, event = await sink.get()
@@ -426,7 +435,7 @@ class EventSink:
     def __init__(self, limit: int = 4096, on_overflow: Callable[[], None] | None = None) -> None:
         self.limit = limit  # events queued unread past this: ``on_overflow()``, then ``get`` raises
         self.overflowed = False
-        # Offered each event while none is queued; True: it took the event (nothing is queued, nobody woken).
+        # Offered each event while ``get`` waits with none queued; True: it took the event (nobody is woken).
         self.tap: Callable[[tuple[Any, Event]], bool] | None = None
         self._on_overflow = on_overflow
         self._items: deque[tuple[Any, Event]] = deque()
@@ -438,7 +447,7 @@ class EventSink:
     def put_nowait(self, item: tuple[Any, Event]) -> None:
         if self.overflowed:
             return
-        if self.tap is not None and not self._items and self.tap(item):
+        if self.tap is not None and self._waiter is not None and not self._items and self.tap(item):
             return
         self._items.append(item)
         if len(self._items) > self.limit:

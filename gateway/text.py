@@ -78,6 +78,17 @@ class ChoiceState:
         self.logprobs.extend(entries)
         return new_text, entries
 
+    def accept_middle(self, event: StepOutput) -> str:
+        """``accept`` for a non-final output of a choice without stop strings or logprobs: its new text."""
+        self.token_ids.extend(event.token_ids)
+        if event.cached_tokens > self.cached_tokens:
+            self.cached_tokens = event.cached_tokens
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
+        text = self.decoder.push(event.token_ids)
+        self.text_parts.append(text)
+        return text
+
     def _logprob_entries(self, event: StepOutput) -> list[dict[str, Any]]:
         if event.logprobs is None:
             return []

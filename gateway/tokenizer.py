@@ -69,7 +69,11 @@ class _ByteDecoder:
         self._utf8 = _Utf8Decoder(errors="replace")
 
     def push(self, token_ids: Sequence[int]) -> str:
-        return self._utf8.decode(bytes(t for t in token_ids if 0 <= t < 256))
+        try:
+            data = bytes(token_ids)  # every id a byte: the common case, without a Python loop
+        except ValueError:
+            data = bytes(t for t in token_ids if 0 <= t < 256)
+        return self._utf8.decode(data)
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)

@@ -177,3 +177,49 @@ def test_completion_chunk_template_equals_the_plain_chunk(text: str) -> None:
     before, after = shape._template(run, 1)
     fast = before + json.dumps(text).encode() + after
     assert json.loads(fast[6:]) == json.loads(shape._chunk(run, 1, text, None, None)[6:])
+
+
+def test_sink_tap_takes_events_only_while_the_reader_waits_with_none_queued() -> None:
+    """The tap (the direct path) must never overtake an event the reader has not handled yet."""
+    async def main() -> None:
+        taken: list[list[int]] = []
+        accept = [True]
+        sink = EventSink()
+        sink.set_deadline(10)
+        sink.tap = lambda item: accept[0] and not taken.append(_tokens(item))  # type: ignore[func-returns-value]
+        sink.put_nowait(("decode", StepOutput(1, [1])))  # nobody waits in get(): queued
+        assert taken == [] and await sink.get() == ("decode", StepOutput(1, [1]))
+        getter = asyncio.ensure_future(sink.get())
+        await asyncio.sleep(0)
+        sink.put_nowait(("decode", StepOutput(1, [2])))  # the reader waits, nothing queued: the tap takes it
+        assert taken == [[2]] and not getter.done()
+        accept[0] = False
+        sink.put_nowait(("decode", StepOutput(1, [3])))  # the tap declines: queued, the reader woken
+        accept[0] = True
+        sink.put_nowait(("decode", StepOutput(1, [4])))  # one is queued: behind it, not to the tap
+        assert _tokens(await getter) == [3] and _tokens(await sink.get()) == [4] and taken == [[2]]
+        sink.close()
+        assert sink.tap is None
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_accept_middle_equals_accept(seed: int) -> None:
+    """The direct path's detokenizing (``ChoiceState.accept_middle``) gives what ``accept`` gives, split
+    UTF-8 sequences and non-byte ids included."""
+    from gateway.text import ChoiceState
+    from gateway.tokenizer import ByteTokenizer
+
+    rng = random.Random(seed)
+    ids = [*"día ☃ — 火 ok".encode(), 256, 257, *b"end"]
+    plain, fast = ChoiceState(0, ByteTokenizer(), [], False), ChoiceState(0, ByteTokenizer(), [], False)
+    pos = 0
+    while pos < len(ids):
+        step = ids[pos:pos + rng.randint(1, 3)]
+        pos += len(step)
+        event = StepOutput(1, step, cached_tokens=rng.randint(0, 9))
+        text, _ = plain.accept(StepOutput(1, step, cached_tokens=event.cached_tokens))
+        assert fast.accept_middle(event) == text
+    assert fast.text == plain.text and fast.token_ids == plain.token_ids
+    assert fast.cached_tokens == plain.cached_tokens

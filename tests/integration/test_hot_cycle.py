@@ -1,0 +1,160 @@
+"""The generation routes on the gateway's own HTTP cycle (gateway/hot_cycle.py), at the byte level, against
+a real gateway over sim workers: HTTP/1.1 as a client may speak it (pipelining, ``Expect: 100-continue``,
+chunked request bodies, HTTP/1.0), request ids and the gatekeeper's refusals on these routes, and streams
+whose middle chunks are written from the worker connection's callback arriving whole and in order.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import httptools
+from pdtest import SimCluster
+from sim_reference import expected_tokens, text_of
+
+PROMPT = [ord(c) for c in "Hot cycle: the gateway answers on its own."]
+TIMEOUT_S = 30.0
+
+
+class _Responses:
+    """Responses parsed off one connection, in order: (status, headers, body)."""
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.done: list[tuple[int, dict[str, str], bytes]] = []
+        self._headers: dict[str, str] = {}
+        self._body = b""
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.decode().lower()] = value.decode()
+
+    def on_body(self, body: bytes) -> None:
+        self._body += body
+
+    def on_message_complete(self) -> None:
+        self.done.append((self.parser.get_status_code(), self._headers, self._body))
+        self._headers, self._body = {}, b""
+
+
+def talk(port: int, data: bytes, num_responses: int, *, then: bytes = b"") -> tuple[list[Any], bytes]:
+    """Send ``data`` (and ``then`` once something came back), read ``num_responses`` responses (or until the
+    server closes); returns them and every byte read."""
+    raw = b""
+    parsed = _Responses()
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as sock:
+        sock.sendall(data)
+        while len(parsed.done) < num_responses:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            raw += chunk
+            if then and b"100 Continue" in raw:
+                sock.sendall(then)
+                then = b""
+                raw = raw.split(b"\r\n\r\n", 1)[1]  # the interim response is not one of ours to parse
+                chunk = raw
+            parsed.parser.feed_data(chunk)
+    return parsed.done, raw
+
+
+def post(path: str, body: dict[str, Any], headers: dict[str, str] | None = None, version: str = "1.1") -> bytes:
+    data = json.dumps(body).encode()
+    head = [f"POST {path} HTTP/{version}", "Host: x", "Content-Type: application/json",
+            f"Content-Length: {len(data)}", *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + data
+
+
+def sse_text(body: bytes, key: str) -> str:
+    events = [line[6:] for line in body.decode().split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    text = ""
+    for event in events[:-1]:
+        choice = json.loads(event)["choices"][0]
+        text += (choice["delta"].get("content") or "") if key == "delta" else choice["text"]
+    return text
+
+
+def test_pipelined_requests_ids_and_refusals(sim_cluster: Callable[..., SimCluster]) -> None:
+    cluster = sim_cluster(gateway_args=("--api-key", "sekret"))
+    port, auth = cluster.gateway_port, {"Authorization": "Bearer sekret"}
+    want = text_of(expected_tokens(PROMPT, 24))
+    # Three requests in one write: answered in order, each whole, each with its own id.
+    data = b"".join([
+        post("/v1/completions", {"prompt": PROMPT, "max_tokens": 24}, {**auth, "X-Request-Id": "first"}),
+        post("/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "stream": True}, {**auth, "X-Request-Id": "2nd"}),
+        post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5},
+             {**auth, "X-Request-Id": "third"}),
+    ])
+    (first, second, third), _ = talk(port, data, 3)
+    assert [r[0] for r in (first, second, third)] == [200, 200, 200]
+    assert [r[1]["x-request-id"] for r in (first, second, third)] == ["first", "2nd", "third"]
+    assert json.loads(first[2])["choices"][0]["text"] == want
+    assert second[1]["content-type"].startswith("text/event-stream") and second[1]["transfer-encoding"] == "chunked"
+    assert sse_text(second[2], "text") == want
+    assert json.loads(third[2])["usage"]["completion_tokens"] == 5
+
+    # The gatekeeper's refusal on a generation route: 401 naming the key, an id, the connection kept.
+    (refused, again), _ = talk(port, post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}) +
+                               post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}, auth), 2)
+    assert refused[0] == 401 and refused[1]["www-authenticate"] == "Bearer"
+    assert json.loads(refused[2])["error"]["code"] == "invalid_api_key" and len(refused[1]["x-request-id"]) == 32
+    assert again[0] == 200
+
+    # A bad body is the responder's 400, on this cycle as on the ASGI one.
+    ((bad_status, _, bad_body),), _ = talk(port, post("/v1/chat/completions", {"messages": "nope"}, auth), 1)
+    assert bad_status == 400 and json.loads(bad_body)["error"]["param"] == "messages"
+    cluster.wait_pools_full()
+
+
+def test_continue_chunked_bodies_and_http_1_0(sim_cluster: Callable[..., SimCluster]) -> None:
+    cluster = sim_cluster()
+    port = cluster.gateway_port
+    want = text_of(expected_tokens(PROMPT, 8))
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 8}).encode()
+
+    # Expect: 100-continue: the body is sent only after the interim response.
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n").encode()
+    ((status, _, answer),), _ = talk(port, head, 1, then=body)
+    assert status == 200 and json.loads(answer)["choices"][0]["text"] == want
+
+    # A chunked request body, in three chunks.
+    parts = [body[:5], body[5:20], body[20:]]
+    chunked = b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    ((status, _, answer),), _ = talk(port, head + chunked, 1)
+    assert status == 200 and json.loads(answer)["choices"][0]["text"] == want
+
+    # HTTP/1.0: the answer says it closes, and it does (the read ends without a timeout).
+    ((status, headers, answer),), _ = talk(port, post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8},
+                                                       version="1.0"), 2)
+    assert status == 200 and headers["connection"] == "close" and json.loads(answer)["choices"][0]["text"] == want
+    cluster.wait_pools_full()
+
+
+def test_many_concurrent_streams_arrive_whole_and_in_order(sim_cluster: Callable[..., SimCluster]) -> None:
+    """Middle chunks go from the worker connection's callback straight to each client's socket: with 16 streams
+    sharing one decode's frames, every stream is exactly the reference text, with one [DONE]."""
+    cluster = sim_cluster()
+    port = cluster.gateway_port
+    want = text_of(expected_tokens(PROMPT, 48))
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) for _ in range(16)]
+    try:
+        for sock in socks:
+            sock.sendall(post("/v1/completions", {"prompt": PROMPT, "max_tokens": 48, "stream": True}))
+        for sock in socks:
+            parsed = _Responses()
+            while not parsed.done:
+                chunk = sock.recv(65536)
+                assert chunk, "the gateway closed a stream early"
+                parsed.parser.feed_data(chunk)
+            status, _, body = parsed.done[0]
+            assert status == 200 and sse_text(body, "text") == want
+            assert body.count(b"data: [DONE]") == 1
+    finally:
+        for sock in socks:
+            sock.close()
+    cluster.wait_pools_full()
