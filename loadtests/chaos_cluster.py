@@ -126,7 +126,11 @@ class ChaosCluster:
         self.registry = self._child("registry", [str(BIN / "pd-bootstrap"), "--host", "127.0.0.1", "--port",
                                                  str(port), "--log-level", "warning"], f"http://127.0.0.1:{port}/health")
         self.bootstrap_url = f"http://127.0.0.1:{port}"
-        common = ["--engine", "sim", "--transfer", config.transfer, "--page-size", str(config.page_size),
+        # "shm": the same-host path over tcp (the workers' default); a network backend named alone is run
+        # with the same-host path off, so that its own bytes cross the loopback
+        transfer = ["--transfer", "tcp"] if config.transfer == "shm" else \
+            ["--transfer", config.transfer, "--same-host-kv", "off"]
+        common = ["--engine", "sim", *transfer, "--page-size", str(config.page_size),
                   "--num-pages", str(config.num_pages), "--log-level", "warning", *config.worker_args]
         self.prefills = [self._worker("prefill", i, [*common, "--bootstrap", self.bootstrap_url,
                                                      *config.prefill_args]) for i in range(config.num_prefill)]

@@ -208,6 +208,8 @@ class ShmBackend(PeerThreadBackend):
             except (OSError, ValueError) as exc:
                 log.info("shm: no same-host path to the peer (%s): using %s", exc, self.network.name)
             else:
+                log.info("shm: the peer's memory is mapped (nonce read back from %s): KV goes through shared "
+                         "memory", remote.offer.board)
                 peer_id = self._add_peer(peer)
                 peer.prefaulter = threading.Thread(target=_prefault, args=(peer,), name="kv-shm-prefault",
                                                    daemon=True)
@@ -281,6 +283,11 @@ class ShmBackend(PeerThreadBackend):
             if peer in self._peers:
                 return "shm"
         raise KeyError(f"shm: unknown peer {peer}")
+
+    def peer_paths(self) -> dict[str, int]:
+        """Connected peers by data path: ``{"shm": n, <network backend>: m}`` (for metrics)."""
+        with self._lock:
+            return {"shm": len(self._peers), self.network.name: len(self._net_peers)}
 
     # -- writes ----------------------------------------------------------------------------------
     def write(self, peer: PeerId, blocks: Sequence[Block], fence: Fence = UNFENCED) -> WriteHandle:

@@ -219,6 +219,13 @@ def _transfer_metrics(role: str, s: Scheduler, kv: Any) -> Iterator[Metric]:
     rooms.add_metric([role, "completed"], int(getattr(counters, "num_rooms_completed", 0)))
     rooms.add_metric([role, "failed"], int(getattr(counters, "num_rooms_failed", 0)))
     yield rooms
+    paths = getattr(getattr(kv, "backend", None), "peer_paths", None)
+    if role == "prefill" and paths is not None:  # transfer.shm: decodes written through shared memory or not
+        peers = GaugeMetricFamily("pd_worker_kv_peers", "Decodes connected for KV, by data path (shm = same host)",
+                                  labels=["role", "path"])
+        for path, n in sorted(paths().items()):
+            peers.add_metric([role, path], n)
+        yield peers
     if role == "prefill":
         yield _histogram("pd_worker_kv_transfer_duration_seconds",
                          "KV transfer of a room, first chunk posted to every write done", role,

@@ -51,7 +51,7 @@ def _skip_reason(transfer: str) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("transfer", ["tcp", "nixl", pytest.param("mooncake", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("transfer", ["tcp", "nixl", "shm", pytest.param("mooncake", marks=pytest.mark.slow)])
 def test_ci_sized_chaos_run_keeps_every_invariant(transfer: str, tmp_path: Path) -> None:
     reason = _skip_reason(transfer)
     if reason:

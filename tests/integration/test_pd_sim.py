@@ -73,7 +73,9 @@ def test_pd_path_over_each_transfer_backend(sim_cluster, transfer: str) -> None:
     reason = _transfer_skip(transfer)
     if reason:
         pytest.skip(reason)
-    cluster = sim_cluster(transfer=transfer, env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"})
+    # the same-host path off: this backend's own bytes cross the loopback
+    cluster = sim_cluster(transfer=transfer, env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"},
+                          worker_args=("--same-host-kv", "off"))
     c = client(cluster)
     long_prompt = PROMPT * 5  # several pages, several chunks
     for prompt in (PROMPT, long_prompt):
@@ -83,6 +85,23 @@ def test_pd_path_over_each_transfer_backend(sim_cluster, transfer: str) -> None:
     for d_room in cluster.decodes[0].get("/debug/rooms"):  # type: ignore[attr-defined]
         assert d_room["kv_verified"] is True
         assert d_room["kv_digest"] == p_rooms[d_room["room"]]["kv_digest"]
+    cluster.wait_pools_full()
+
+
+def test_pd_path_through_shared_memory_on_one_host(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    """Workers on one host (the default --same-host-kv auto): the prefill proves it maps the decode's
+    pool and copies the KV into it; the bytes are exact; the prefill counts its decode under path shm."""
+    cluster = sim_cluster()
+    c = client(cluster)
+    for prompt in (PROMPT, PROMPT * 5):
+        out = c.completions.create(model="sim", prompt=prompt, max_tokens=10)
+        assert out.choices[0].text == text_of(expected_tokens(prompt, 10))
+    p_rooms = {r["room"]: r for r in cluster.prefills[0].get("/debug/rooms")}  # type: ignore[attr-defined]
+    for d_room in cluster.decodes[0].get("/debug/rooms"):  # type: ignore[attr-defined]
+        assert d_room["kv_verified"] is True and d_room["kv_digest"] == p_rooms[d_room["room"]]["kv_digest"]
+    metrics = httpx.get(f"http://127.0.0.1:{cluster.prefills[0].http_port}/metrics", timeout=10).text
+    assert 'pd_worker_kv_peers{path="shm",role="prefill"} 1.0' in metrics, metrics
+    assert 'pd_worker_kv_peers{path="tcp",role="prefill"} 0.0' in metrics
     cluster.wait_pools_full()
 
 
