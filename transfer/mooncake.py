@@ -27,10 +27,8 @@ from __future__ import annotations
 import ctypes
 import importlib.metadata
 import importlib.util
-import itertools
 import logging
 import os
-import queue
 import socket
 import threading
 import time
@@ -41,23 +39,18 @@ from typing import Any
 import msgspec
 
 from transfer.base import (
-    UNFENCED,
     Block,
     Fence,
     PeerId,
     Region,
-    TransferBackend,
-    WriteHandle,
-    WriteState,
-    WriteTable,
     fenced,
-    unknown_peer,
 )
 from transfer.blocks import RegionSet
 from transfer.errors import TransferError, TransferErrorKind
 from transfer.memkind import device_regions
 from transfer.netaddr import is_wildcard
 from transfer.options import Option, choice, name_list, parse_options, positive_int
+from transfer.peer_threads import PeerThreadBackend, SenderPeer
 
 log = logging.getLogger(__name__)
 
@@ -72,21 +65,13 @@ class _Endpoint(msgspec.Struct, array_like=True, frozen=True):
     regions: list[tuple[int, int]]
 
 
-@dataclass
-class _Write:
-    peer: PeerId
-    state: WriteState = WriteState.PENDING
-    error: TransferError | None = None
+@dataclass(eq=False)
+class _McPeer(SenderPeer):
+    regions: RegionSet = field(default_factory=lambda: RegionSet([]))  # what the peer registered
 
-
-@dataclass
-class _Peer:
-    peer_id: PeerId
-    session: str
-    regions: RegionSet
-    jobs: queue.Queue[tuple[WriteHandle, list[Block], Fence] | None] = field(default_factory=queue.Queue)
-    dead: TransferError | None = None
-    thread: threading.Thread | None = None
+    @property
+    def session(self) -> str:
+        return self.label
 
 
 def _transfer_timeout_s() -> float:
@@ -119,8 +104,14 @@ def _cpu_only_build() -> bool:
     return True
 
 
-class MooncakeBackend(WriteTable, TransferBackend):
+class MooncakeBackend(PeerThreadBackend):
     name = "mooncake"
+    thread_name = "kv-mc-send"
+    # a sync engine call may run for MC_TRANSFER_TIMEOUT on a frozen peer: fail its write at once, and
+    # let disconnect return without waiting for it (close waits 2 s, then leaves the memory registered)
+    fail_inflight_on_drop = True
+    join_on_disconnect = False
+    join_timeout_s = 2.0
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -185,14 +176,10 @@ class MooncakeBackend(WriteTable, TransferBackend):
             )
         # P2P handshake: peers name us "host:rpc_port"; with a metadata server, by our segment name.
         self._session = f"{local}:{self._engine.get_rpc_port()}" if metadata == "P2PHANDSHAKE" else local
-        self._lock = threading.Lock()
-        self._writes: dict[WriteHandle, _Write] = {}
-        self._peers: dict[PeerId, _Peer] = {}
-        self._ids = itertools.count(1)
+        super().__init__()  # peers, sender threads, write records (transfer.peer_threads)
         self._registered: list[int] = []
         self._regions: list[Region] = []
         self._scratch = (ctypes.c_ubyte * _SCRATCH_BYTES)()
-        self._closed = False
 
     def register(self, regions: Sequence[Region]) -> None:
         on_device = device_regions(regions)  # a KV pool built with --device cuda
@@ -227,100 +214,58 @@ class MooncakeBackend(WriteTable, TransferBackend):
             raise TransferError(
                 TransferErrorKind.PEER_UNREACHABLE, f"mooncake: warm-up write to {remote.session} -> {rc}"
             )
-        with self._lock:
-            if self._closed:
-                raise TransferError(TransferErrorKind.ABORTED, "mooncake: backend closed")
-            peer = _Peer(next(self._ids), remote.session, RegionSet(remote.regions))
-            self._peers[peer.peer_id] = peer
-        peer.thread = threading.Thread(target=self._send_loop, args=(peer,), name="kv-mc-send", daemon=True)
-        peer.thread.start()
-        return peer.peer_id
+        return self._add_peer(_McPeer(label=remote.session, regions=RegionSet(remote.regions)))
 
-    def write(self, peer: PeerId, blocks: Sequence[Block], fence: Fence = UNFENCED) -> WriteHandle:
-        with self._lock:
-            handle = next(self._ids)
-            record = _Write(peer)
-            self._writes[handle] = record
-            target = self._peers.get(peer)
-        if target is None or target.dead is not None:
-            record.state = WriteState.FAILED
-            record.error = target.dead if target is not None and target.dead else unknown_peer("mooncake", peer)
-            return handle
-        if not target.regions.all_contain([(dst, length) for _, dst, length in blocks]):
-            record.state = WriteState.FAILED
-            record.error = TransferError(
-                TransferErrorKind.RANGE_REJECTED,
-                f"mooncake: a block writes outside the memory {target.session} registered",
-            )
-            return handle
-        target.jobs.put((handle, list(blocks), fence))
-        return handle
+    def _refuse(self, peer: SenderPeer, blocks: Sequence[Block]) -> TransferError | None:
+        # (after a target rejects a write, the next one to it stalls ~1 s: check here instead)
+        assert isinstance(peer, _McPeer)
+        if peer.regions.all_contain([(dst, length) for _, dst, length in blocks]):
+            return None
+        return TransferError(
+            TransferErrorKind.RANGE_REJECTED, f"mooncake: a block writes outside the memory {peer.session} registered"
+        )
 
-    def _finish(self, handle: WriteHandle, state: WriteState, error: TransferError | None = None) -> None:
-        with self._lock:
-            record = self._writes.get(handle)
-            changed = record is not None and record.state == WriteState.PENDING
-            if record is not None and changed:
-                record.state, record.error = state, error
-        if changed:
-            self._settled()
-
-    def _send_loop(self, peer: _Peer) -> None:
+    def _send(self, peer: SenderPeer, blocks: list[Block], fence: Fence) -> TransferError | None:
         timeout_s = _transfer_timeout_s()
-        while True:
-            job = peer.jobs.get()
-            if job is None:
-                return
-            handle, blocks, fence = job
-            error: TransferError | None = None
-            for start in range(0, len(blocks), self._max_batch):
-                if peer.dead is not None:
-                    error = peer.dead
-                    break
-                if not fence.live():  # the room died on our side: send none of the rest
-                    error = fenced("mooncake", fence)
-                    break
-                part = blocks[start : start + self._max_batch]
-                with self._budget:
-                    while self._inflight + len(part) > self._max_inflight:
-                        self._budget.wait()
-                    self._inflight += len(part)
-                started = time.monotonic()
-                try:
-                    rc = self._engine.batch_transfer_sync_write(
-                        peer.session, [b[0] for b in part], [b[1] for b in part], [b[2] for b in part]
-                    )
-                finally:
-                    with self._budget:
-                        self._inflight -= len(part)
-                        self._budget.notify_all()
-                if rc != 0:
-                    error = self._classify(peer, rc, time.monotonic() - started, timeout_s)
-                    break
+        for start in range(0, len(blocks), self._max_batch):
             if peer.dead is not None:
-                self._finish(handle, WriteState.FAILED, peer.dead)
-            elif error is not None:
-                self._finish(handle, WriteState.FAILED, error)
-            else:
-                self._finish(handle, WriteState.DONE)
+                return peer.dead
+            if not fence.live():  # the room died on our side: send none of the rest
+                return fenced("mooncake", fence)
+            part = blocks[start : start + self._max_batch]
+            with self._budget:
+                while self._inflight + len(part) > self._max_inflight:
+                    self._budget.wait()
+                self._inflight += len(part)
+            started = time.monotonic()
+            try:
+                rc = self._engine.batch_transfer_sync_write(
+                    peer.label, [b[0] for b in part], [b[1] for b in part], [b[2] for b in part]
+                )
+            finally:
+                with self._budget:
+                    self._inflight -= len(part)
+                    self._budget.notify_all()
+            if rc != 0:
+                return self._classify(peer.label, rc, time.monotonic() - started, timeout_s)
+        return peer.dead
 
     @staticmethod
-    def _classify(peer: _Peer, rc: int, elapsed: float, timeout_s: float) -> TransferError:
+    def _classify(session: str, rc: int, elapsed: float, timeout_s: float) -> TransferError:
         # -1 covers a dead peer, a reset connection, a server-side reject and the engine's own timeout;
         # probing would block for a minute on a frozen peer, so tell them apart by time.
         if elapsed >= timeout_s - 0.5:
             return TransferError(
-                TransferErrorKind.TIMEOUT, f"mooncake: batch to {peer.session} timed out after {elapsed:.1f}s"
+                TransferErrorKind.TIMEOUT, f"mooncake: batch to {session} timed out after {elapsed:.1f}s"
             )
         return TransferError(
             TransferErrorKind.PEER_GONE,
-            f"mooncake: batch to {peer.session} failed ({rc}): peer gone, reset or refusing",
+            f"mooncake: batch to {session} failed ({rc}): peer gone, reset or refusing",
         )
 
     def probe(self, peer: PeerId) -> bool:
-        with self._lock:
-            target = self._peers.get(peer)
-        if target is None or target.dead is not None:
+        target = self._peer(peer)
+        if not isinstance(target, _McPeer) or target.dead is not None:
             return False
         result: list[int] = []
         thread = threading.Thread(
@@ -330,42 +275,8 @@ class MooncakeBackend(WriteTable, TransferBackend):
         thread.join(_PROBE_WAIT_S)
         return bool(result) and result[0] == 0
 
-    def disconnect(self, peer: PeerId) -> None:
-        with self._lock:
-            target = self._peers.pop(peer, None)
-        if target is None:
-            return
-        self._drop(target, TransferError(TransferErrorKind.PEER_GONE, f"mooncake: peer {target.session} disconnected"))
-
-    def _drop(self, target: _Peer, error: TransferError) -> None:
-        """Fail the peer's pending batches now; its sender thread ends after its current engine call."""
-        target.dead = target.dead or error
-        target.jobs.put(None)
-        with self._lock:
-            for record in self._writes.values():
-                if record.peer == target.peer_id and record.state == WriteState.PENDING:
-                    record.state, record.error = WriteState.FAILED, target.dead
-        self._settled()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            peers = list(self._peers.values())
-            self._peers.clear()
-        for target in peers:
-            self._drop(target, TransferError(TransferErrorKind.ABORTED, "mooncake: backend closed"))
-        for target in peers:
-            if target.thread is not None:
-                target.thread.join(timeout=2.0)
-        with self._lock:
-            for record in self._writes.values():
-                if record.state == WriteState.PENDING:
-                    record.state = WriteState.FAILED
-                    record.error = TransferError(TransferErrorKind.ABORTED, "mooncake: backend closed")
-        self._settled()
-        if any(t.thread is not None and t.thread.is_alive() for t in peers):
+    def _close_resources(self, threads_ended: bool) -> None:
+        if not threads_ended:
             # An engine call is still running against this memory: leave it registered (the engine is
             # torn down with the process) rather than pull it from under the call.
             log.warning("mooncake: closing with a batch still in flight; memory stays registered")

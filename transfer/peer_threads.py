@@ -70,6 +70,7 @@ class PeerThreadBackend(WriteTable, TransferBackend):
 
     thread_name: ClassVar[str] = "kv-send"
     fail_inflight_on_drop: ClassVar[bool] = False
+    join_on_disconnect: ClassVar[bool] = True  # False: disconnect returns without waiting for the thread
     join_timeout_s: ClassVar[float] = 5.0
 
     def __init__(self) -> None:
@@ -194,9 +195,9 @@ class PeerThreadBackend(WriteTable, TransferBackend):
             target = self._peers.pop(peer, None)
         if target is not None:
             error = TransferError(TransferErrorKind.PEER_GONE, f"{self.name}: peer {target.label} disconnected")
-            self._drop(target, error)
+            self._drop(target, error, join=self.join_on_disconnect)
 
-    def _drop(self, target: SenderPeer, error: TransferError) -> None:
+    def _drop(self, target: SenderPeer, error: TransferError, *, join: bool = True) -> None:
         """Fail the peer's writes (queued ones now; one being sent when ``_send`` returns, or now with
         ``fail_inflight_on_drop``), stop its thread and wait for it (up to ``join_timeout_s``)."""
         target.dead = target.dead or error
@@ -209,7 +210,7 @@ class PeerThreadBackend(WriteTable, TransferBackend):
                     record.state, record.error = WriteState.FAILED, target.dead
         self._settled()
         self._interrupt(target)
-        if target.thread is not None and target.thread is not threading.current_thread():
+        if join and target.thread is not None and target.thread is not threading.current_thread():
             target.thread.join(timeout=self.join_timeout_s)
 
     def close(self) -> None:

@@ -21,38 +21,27 @@ Lifecycle:
    being received finishes into scratch, or, with ``cut``, has its connection shut down (a frozen
    writer would otherwise complete it whenever it resumes); the listener hears when it is out.
 6. ``disconnect``/``close`` shut the sockets down (unblocking a sender stuck on a frozen peer) and join.
+Peers, sender threads, write records and their failure on disconnect/close are the shared skeleton of
+``transfer.peer_threads``; this module adds the wire format (``_send``) and the receiving side.
 """
 
 from __future__ import annotations
 
 import ctypes
-import itertools
 import logging
-import queue
 import socket
 import struct
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from transfer.base import (
-    UNFENCED,
-    Block,
-    Fence,
-    PeerId,
-    Region,
-    TransferBackend,
-    WriteHandle,
-    WriteState,
-    WriteTable,
-    fenced,
-    unknown_peer,
-)
+from transfer.base import Block, Fence, PeerId, Region, fenced
 from transfer.blocks import RegionSet
 from transfer.errors import TransferError, TransferErrorKind
 from transfer.memkind import device_regions
 from transfer.netaddr import is_wildcard, join_host_port, split_host_port
 from transfer.options import Option, parse_options, positive_float, positive_int
+from transfer.peer_threads import PeerThreadBackend, SenderPeer
 
 log = logging.getLogger(__name__)
 
@@ -89,20 +78,10 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         view = view[r:]
 
 
-@dataclass
-class _Write:
-    state: WriteState = WriteState.PENDING
-    error: TransferError | None = None
-
-
-@dataclass
-class _Peer:
-    peer_id: PeerId
-    address: str
-    sock: socket.socket
-    jobs: queue.Queue[tuple[WriteHandle, list[Block], Fence] | None] = field(default_factory=queue.Queue)
-    dead: TransferError | None = None
-    thread: threading.Thread | None = None
+@dataclass(eq=False)
+class _TcpPeer(SenderPeer):
+    sock: socket.socket | None = None
+    seq: int = 0  # of the last batch sent (its ack must echo it)
 
 
 def _drain(sock: socket.socket, total: int) -> None:
@@ -113,8 +92,9 @@ def _drain(sock: socket.socket, total: int) -> None:
         total -= step
 
 
-class TcpBackend(WriteTable, TransferBackend):
+class TcpBackend(PeerThreadBackend):
     name = "tcp"
+    thread_name = "kv-tcp-send"
     OPTIONS = (
         Option("sndbuf_bytes", positive_int, "SO_SNDBUF of outgoing data connections (default: the kernel's)"),
         Option("rcvbuf_bytes", positive_int, "SO_RCVBUF of incoming data connections (default: the kernel's)"),
@@ -131,13 +111,8 @@ class TcpBackend(WriteTable, TransferBackend):
         self._connect_timeout_s = float(opts.get("connect_timeout_s", connect_timeout_s))
         self._sndbuf: int | None = opts.get("sndbuf_bytes")
         self._rcvbuf: int | None = opts.get("rcvbuf_bytes")
-        self._lock = threading.Lock()
+        super().__init__()  # peers, sender threads, write records (transfer.peer_threads)
         self._regions = RegionSet([])
-        self._writes: dict[WriteHandle, _Write] = {}
-        self._peers: dict[PeerId, _Peer] = {}
-        self._handle_ids = itertools.count(1)
-        self._peer_ids = itertools.count(1)
-        self._closed = False
         self._inbound: list[tuple[socket.socket, threading.Thread]] = []
         # fencing (receiving side), under ``_lock``: on once a listener is set
         self._fence_listener: Callable[[int, int], None] | None = None
@@ -282,125 +257,52 @@ class TcpBackend(WriteTable, TransferBackend):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._sndbuf is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._sndbuf)
-        with self._lock:
-            if self._closed:
-                sock.close()
-                raise TransferError(TransferErrorKind.ABORTED, "tcp: backend closed")
-            peer = _Peer(next(self._peer_ids), address, sock)
-            self._peers[peer.peer_id] = peer
-        peer.thread = threading.Thread(target=self._send_loop, args=(peer,), name="kv-tcp-send", daemon=True)
-        peer.thread.start()
-        return peer.peer_id
+        return self._add_peer(_TcpPeer(label=address, sock=sock))
 
-    def write(self, peer: PeerId, blocks: Sequence[Block], fence: Fence = UNFENCED) -> WriteHandle:
-        with self._lock:
-            handle = next(self._handle_ids)
-            record = _Write()
-            self._writes[handle] = record
-            target = self._peers.get(peer)
-            if target is None or target.dead is not None:
-                record.state = WriteState.FAILED
-                record.error = target.dead if target is not None and target.dead else unknown_peer("tcp", peer)
-                return handle
-        target.jobs.put((handle, list(blocks), fence))
-        return handle
-
-    def _finish(self, handle: WriteHandle, state: WriteState, error: TransferError | None = None) -> None:
-        with self._lock:
-            record = self._writes.get(handle)
-            changed = record is not None and record.state == WriteState.PENDING
-            if record is not None and changed:
-                record.state, record.error = state, error
-        if changed:
-            self._settled()
-
-    def _send_loop(self, peer: _Peer) -> None:
-        sock = peer.sock
-        while True:
-            job = peer.jobs.get()
-            if job is None or peer.dead is not None:
-                if job is not None:
-                    self._finish(job[0], WriteState.FAILED, peer.dead)
-                break
-            handle, blocks, fence = job
-            if not fence.live():
-                self._finish(handle, WriteState.FAILED, fenced("tcp", fence))
-                continue
-            try:
-                entries = b"".join(_ENTRY.pack(dst, length) for _, dst, length in blocks)
-                sock.sendall(_HEADER.pack(handle, fence.room, fence.generation, len(blocks)) + entries)
-                for src, _, length in blocks:
-                    if length:
-                        sock.sendall(_memory(src, length))
-                seq, status = _ACK.unpack(_recv_exact(sock, _ACK.size))
-                if seq != handle:
-                    raise ConnectionError(f"ack for batch {seq}, expected {handle}")
-            except OSError as exc:
-                peer.dead = peer.dead or TransferError(
-                    TransferErrorKind.PEER_GONE, f"tcp: connection to {peer.address} broke: {exc}"
-                )
-                self._finish(handle, WriteState.FAILED, peer.dead)
-                break
-            if status == _ACK_OK:
-                self._finish(handle, WriteState.DONE)
-            elif status == _ACK_FENCED:
-                self._finish(handle, WriteState.FAILED, fenced("tcp", fence))
-            else:
-                self._finish(
-                    handle,
-                    WriteState.FAILED,
-                    TransferError(
-                        TransferErrorKind.RANGE_REJECTED,
-                        f"tcp: {peer.address} rejected a batch writing outside its registered memory",
-                    ),
-                )
-        # fail whatever is still queued
-        while True:
-            try:
-                job = peer.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                self._finish(job[0], WriteState.FAILED, peer.dead)
+    def _send(self, peer: SenderPeer, blocks: list[Block], fence: Fence) -> TransferError | None:
+        assert isinstance(peer, _TcpPeer) and peer.sock is not None
+        peer.seq += 1
+        sock, seq = peer.sock, peer.seq
         try:
-            sock.close()
-        except OSError:
-            pass
+            entries = b"".join(_ENTRY.pack(dst, length) for _, dst, length in blocks)
+            sock.sendall(_HEADER.pack(seq, fence.room, fence.generation, len(blocks)) + entries)
+            for src, _, length in blocks:
+                if length:
+                    sock.sendall(_memory(src, length))
+            acked, status = _ACK.unpack(_recv_exact(sock, _ACK.size))
+            if acked != seq:
+                raise ConnectionError(f"ack for batch {acked}, expected {seq}")
+        except OSError as exc:
+            peer.dead = peer.dead or TransferError(
+                TransferErrorKind.PEER_GONE, f"tcp: connection to {peer.label} broke: {exc}"
+            )
+            return peer.dead
+        if status == _ACK_OK:
+            return None
+        if status == _ACK_FENCED:
+            return fenced("tcp", fence)
+        return TransferError(TransferErrorKind.RANGE_REJECTED,
+                             f"tcp: {peer.label} rejected a batch writing outside its registered memory")
 
-    def probe(self, peer: PeerId) -> bool:
+    def _interrupt(self, peer: SenderPeer) -> None:
+        """Unblock a sender stuck on a frozen peer."""
+        if isinstance(peer, _TcpPeer) and peer.sock is not None:
+            try:
+                peer.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _peer_ended(self, peer: SenderPeer) -> None:
+        if isinstance(peer, _TcpPeer) and peer.sock is not None:
+            try:
+                peer.sock.close()
+            except OSError:
+                pass
+
+    def _close_resources(self, threads_ended: bool) -> None:
         with self._lock:
-            target = self._peers.get(peer)
-        return target is not None and target.dead is None and target.thread is not None and target.thread.is_alive()
-
-    def disconnect(self, peer: PeerId) -> None:
-        with self._lock:
-            target = self._peers.pop(peer, None)
-        if target is None:
-            return
-        self._kill(target, TransferError(TransferErrorKind.PEER_GONE, f"tcp: peer {target.address} disconnected"))
-
-    @staticmethod
-    def _kill(target: _Peer, error: TransferError) -> None:
-        target.dead = target.dead or error
-        try:
-            target.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        target.jobs.put(None)
-        if target.thread is not None and target.thread is not threading.current_thread():
-            target.thread.join(timeout=5.0)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            peers = list(self._peers.values())
-            self._peers.clear()
             inbound = list(self._inbound)
             self._inbound.clear()
-        for target in peers:
-            self._kill(target, TransferError(TransferErrorKind.ABORTED, "tcp: backend closed"))
         # shutdown() wakes a thread blocked in accept(); close() alone may not on Linux
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
@@ -414,9 +316,3 @@ class TcpBackend(WriteTable, TransferBackend):
             except OSError:
                 pass
             thread.join(timeout=5.0)
-        with self._lock:
-            for record in self._writes.values():
-                if record.state == WriteState.PENDING:
-                    record.state = WriteState.FAILED
-                    record.error = TransferError(TransferErrorKind.ABORTED, "tcp: backend closed")
-        self._settled()
