@@ -29,6 +29,7 @@ from gateway.errors import APIError, BadRequest, NotFound
 from gateway.structured_output import grammar_for
 from gateway.text import ChoiceState
 from gateway.tokenizer import Tokenizer
+from gateway.tool_calls import ToolPlan, plan_tools, render_prompt
 from workers.protocol import SamplingParams, StepOutput
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class Prepared:
     echo: bool = False  # /v1/completions: the prompt is repeated before the completion
     bootstrap: ClientBootstrap | None = None
     param_prefix: str = ""  # where the route's sampling fields live ("sampling_params." on /generate)
+    tools: ToolPlan | None = None  # chat with tools (gateway/tool_calls.py)
 
     def name_for_client(self, exc: BaseException) -> None:
         """A worker's 400 names a ``SamplingParams`` field it refused (``check_sampling``): the client's
@@ -139,8 +141,6 @@ def _is(*neutral: Any) -> Callable[[Any, Any], bool]:
 _SAMPLING_RULES: tuple[Rule, ...] = ()  # (structured output: gateway/structured_output.py)
 CHAT_RULES: tuple[Rule, ...] = (
     *_SAMPLING_RULES,
-    ("tools", _unset, ""),
-    ("tool_choice", _is("none"), '"none"'),
     ("functions", _unset, ""),
     ("function_call", _is("none"), '"none"'),
     ("modalities", lambda value, _req: value is None or value == ["text"], '["text"]'),
@@ -272,17 +272,23 @@ class Frontend:
                 hint = " (tool calls are not supported)" if message.role in ("tool", "function") else ""
                 raise BadRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got "
                                  f"{message.role!r}{hint}", param=f"messages[{i}].role")
+        tools = plan_tools(req, getattr(self.tokenizer, "chat_template", None))
         try:
             messages = [msgspec.structs.asdict(m) for m in req.messages]
-            input_ids = self.tokenizer.apply_chat_template(messages)
+            input_ids = render_prompt(self.tokenizer, messages, tools)
         except (ValueError, TypeError) as exc:
             raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params, stops = self._params(req, input_ids, max_tokens, req.logprobs, req.top_logprobs or 0)
         params.grammar = grammar_for(req)
+        if tools is not None and tools.grammar is not None:
+            if params.grammar is not None:
+                raise BadRequest(f"tool_choice {tools.mode} cannot be combined with {params.grammar.param}",
+                                 param="tool_choice")
+            params.grammar = tools.grammar
         return Prepared(input_ids, params, req.n, stops, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage), req.logprobs,
-                        bootstrap=ClientBootstrap.of(req))
+                        bootstrap=ClientBootstrap.of(req), tools=tools)
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
         self._check_model(req.model)

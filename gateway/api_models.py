@@ -22,7 +22,7 @@ from msgspec import Meta
 MAX_N = 16  # choices per request
 MAX_STOP_STRINGS = 8
 MAX_TOP_LOGPROBS = 20
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 Count = Annotated[int, Meta(ge=1)]
 MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; larger ints do not fit the workers' wire format
@@ -66,6 +66,8 @@ class ChatMessage(msgspec.Struct):
     role: Annotated[str, Meta(extra_json_schema={"enum": list(CHAT_ROLES)})]  # checked in gateway.api
     content: str | ContentParts | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: the calls it made (gateway/tool_calls.py)
+    tool_call_id: str | None = None  # tool: the call this message answers
 
 
 class _Sampling(msgspec.Struct):
@@ -107,9 +109,10 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: NumLogprobs | None = None
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}
     response_format: dict[str, Any] | None = None
+    # function tools: "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     # not supported: a 400 unless absent or neutral
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
@@ -140,11 +143,11 @@ class GenerateSampling(msgspec.Struct):
     repetition_penalty: RepetitionPenalty = 1.0
     min_new_tokens: MinTokens = 0
     logit_bias: LogitBias | None = None
-    # not supported: a 400 unless absent or neutral
-    n: int = 1
     regex: str | None = None  # structured output (gateway/structured_output.py): at most one of three
     json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None
+    # not supported: a 400 unless absent or neutral
+    n: int = 1
     structural_tag: Any = None
 
 

@@ -87,8 +87,9 @@ class HFTokenizer:
         ids: list[int] = self._tok.encode(text, add_special_tokens=True).ids
         return ids
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        text = self.render_chat(messages)
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                            ) -> list[int]:
+        text = self.render_chat(messages, tools=tools)
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
         return ids
 
@@ -100,7 +101,8 @@ class HFTokenizer:
         return HFIncrementalDecoder(self)
 
     # -- helpers ------------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         """The chat template's text for ``messages`` (content parts flattened to their text)."""
         if self.chat_template is None:
             raise ValueError(f"tokenizer {self.name!r} has no chat template")
@@ -114,7 +116,10 @@ class HFTokenizer:
             item["content"] = _content_text(message.get("content"))
             normalized.append(item)
         specials = {k: (v if v is not None else "") for k, v in self.special_tokens.items()}
-        return str(self._template.render(messages=normalized, add_generation_prompt=add_generation_prompt, **specials))
+        context: dict[str, Any] = dict(specials)
+        if tools is not None:  # (templates that know tools; gateway/tool_calls.py)
+            context["tools"] = tools
+        return str(self._template.render(messages=normalized, add_generation_prompt=add_generation_prompt, **context))
 
     def token_to_id(self, token: str) -> int | None:
         result: int | None = self._tok.token_to_id(token)

@@ -38,6 +38,7 @@ from gateway.api import SSE_DONE, Frontend, Prepared, TextEmitter, decode_body, 
 from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from gateway.errors import APIError, PayloadTooLarge, RequestTimeout
 from gateway.text import ChoiceState
+from gateway.tool_calls import shape_choices, tool_events
 
 if TYPE_CHECKING:
     from starlette.types import Message, Receive, Scope, Send
@@ -99,7 +100,7 @@ class ChatShape(Shape):
 
     def whole(self, run: Run, choices: list[ChoiceState]) -> dict[str, Any]:
         prep = run.prep
-        return {
+        result = {
             "id": run.rid, "object": "chat.completion", "created": run.created, "model": run.frontend.model_name,
             "choices": [{
                 "index": c.index, "message": {"role": "assistant", "content": c.text},
@@ -108,6 +109,9 @@ class ChatShape(Shape):
             } for c in choices],
             "usage": usage(len(prep.input_ids), choices),
         }
+        if prep.tools is not None:
+            shape_choices(prep.tools, result)  # calls -> message.tool_calls (gateway/tool_calls.py)
+        return result
 
     def _chunk(self, run: Run, choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> bytes:
         payload: dict[str, Any] = {"id": run.rid, "object": "chat.completion.chunk", "created": run.created,
@@ -118,6 +122,10 @@ class ChatShape(Shape):
 
     async def events(self, run: Run) -> AsyncGenerator[bytes, None]:
         prep = run.prep
+        if prep.tools is not None:  # tool_calls deltas (gateway/tool_calls.py)
+            async for event in tool_events(run, self._chunk, usage):
+                yield event
+            return
         states: dict[int, ChoiceState] = {}
         async for state, text, entries in run.frontend.run_choices(prep, run.emitter):
             first = state.index not in states

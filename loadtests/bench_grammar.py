@@ -8,7 +8,12 @@ first compile of a cold compiler and a warm recompile of a fresh schema, then th
 compute the allowed-token mask per generated token while a valid answer (the canonical tokenization
 of an instance) is fed through the matcher, and the time to apply that mask to a [1, vocab] logits row.
 Also a regex (``sampling_params.regex``) compile. A library that is not importable is skipped.
-The engine uses the one with the lowest per-token mask time whose compile stays off the step loop.
+
+    python loadtests/bench_grammar.py --decode [--batches 1,16] [--steps 24]
+
+measures instead what a constraint costs the torch engine: SmolLM2 greedy decode tokens/s at each batch
+size, every sequence unconstrained, then every sequence under the JSON Schema above (llguidance), in
+the same process one after the other (compile done before the timing).
 """
 
 from __future__ import annotations
@@ -221,12 +226,81 @@ def _bytes_to_unicode() -> dict[int, str]:
 LIBS: dict[str, Callable[..., Lib]] = {"xgrammar": XGrammar, "llguidance": LLGuidance, "outlines-core": OutlinesCore}
 
 
+def bench_decode(batches: list[int], steps: int, repeats: int) -> None:
+    """The torch engine on SmolLM2: greedy decode tokens/s per batch size, unconstrained and under SCHEMA."""
+    from workers.engines.base import EngineOptions, SeqInput
+    from workers.engines.llama import TorchEngine
+    from workers.kv_pool import KVPool
+    from workers.protocol import Grammar, SamplingParams
+
+    engine = TorchEngine(EngineOptions(num_threads=1))
+    info = engine.info
+    length, page_size = 32, 16
+    pool = KVPool(num_layers=info.num_layers, num_pages=max(batches) * -(-(length + steps + 1) // page_size),
+                  page_size=page_size, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim, dtype=info.kv_dtype)
+    engine.bind(pool)
+    free = SamplingParams(temperature=0.0)
+    constrained = SamplingParams(temperature=0.0, grammar=Grammar("json_schema", json.dumps(SCHEMA)))
+    engine.prepare(constrained.grammar).result()  # type: ignore[arg-type]  # compile outside the timing
+    constraint_s = [0.0]  # time inside the engine's grammar calls (mask + accept), summed
+
+    def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                constraint_s[0] += time.perf_counter() - start
+        return call
+
+    engine.constraints.mask = timed(engine.constraints.mask)  # type: ignore[method-assign]
+    engine.constraints.accept = timed(engine.constraints.accept)  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(0)
+    print(f"decode tokens/s, SmolLM2-135M, {steps} greedy steps after a {length}-token prompt, median of {repeats}"
+          " (the two modes interleaved); grammar_ms: the constraint's own time per step (mask + accept)")
+    print(f"{'batch':>5} {'unconstrained':>14} {'json_schema':>12} {'ratio':>6} {'grammar_ms':>11}")
+    rid = 0
+    for batch in batches:
+        prompts = [torch.randint(3, info.vocab_size, (length,), generator=gen).tolist() for _ in range(batch)]
+        times: dict[int, list[float]] = {0: [], 1: []}
+        for _ in range(repeats):
+            for mode, params in enumerate((free, constrained)):
+                pages = [pool.alloc(pool.pages_for(length + steps + 1)) or [] for _ in prompts]
+                rids = list(range(rid, rid + batch))
+                rid += batch
+                out = engine.forward([SeqInput(r, pg, 0, p, True, params, 0, p)
+                                      for r, pg, p in zip(rids, pages, prompts, strict=True)])
+                last = [o.token_id or 0 for o in out]
+                constraint_s[0] = 0.0
+                start = time.perf_counter()
+                for step in range(steps):
+                    out = engine.forward([SeqInput(r, pg, length + step, [t], True, params, step + 1)
+                                          for r, pg, t in zip(rids, pages, last, strict=True)])
+                    last = [o.token_id or 0 for o in out]
+                times[mode].append(time.perf_counter() - start)
+                grammar_ms = constraint_s[0] / steps * 1e3
+                for r, pg in zip(rids, pages, strict=True):
+                    engine.forget(r)
+                    pool.free(pg)
+        free_rate, constrained_rate = (batch * steps / statistics.median(times[m]) for m in (0, 1))
+        print(f"{batch:>5} {free_rate:>14.1f} {constrained_rate:>12.1f} {constrained_rate / free_rate:>6.2f} "
+              f"{grammar_ms:>11.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--libs", default=",".join(LIBS))
     parser.add_argument("--rounds", type=int, default=5, help="instances fed per library (mask times pooled)")
+    parser.add_argument("--decode", action="store_true",
+                        help="instead: decode tokens/s of the torch engine with and without a JSON-schema constraint")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.decode:
+        bench_decode([int(b) for b in args.batches.split(",")], args.steps, args.repeats)
+        return
     from transformers import AutoTokenizer
 
     from workers.engines.llama.gguf_convert import default_model_dir

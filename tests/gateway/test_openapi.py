@@ -55,7 +55,7 @@ def test_request_bodies_are_the_decoders_schemas_and_errors_one_shape() -> None:
     assert chat.pop("required") == ["messages"]  # (a default stands in, for a clearer 400 than the decoder's)
     decoded.pop("required")
     assert chat == decoded
-    assert schemas["ChatMessage"]["properties"]["role"]["enum"] == ["system", "developer", "user", "assistant"]
+    assert schemas["ChatMessage"]["properties"]["role"]["enum"] == ["system", "developer", "user", "assistant", "tool"]
     for path, operations in doc["paths"].items():
         for method, operation in operations.items():
             for status, response in operation["responses"].items():

@@ -68,8 +68,9 @@ CHAT_CASES: list[tuple[dict[str, Any], str]] = [
     ({"extra_body": {"regex": "[a-z]+"}}, "regex"),
     ({"extra_body": {"ebnf": 'root ::= "a"'}}, "ebnf"),
     ({"extra_body": {"json_schema": '{"type": "object"}'}}, "json_schema"),
-    ({"tools": [TOOL]}, "tools"),
-    ({"tools": [TOOL], "tool_choice": "auto"}, "tools"),
+    ({"tools": [TOOL], "tool_choice": "required"}, "tools"),  # constrained decoding: the sim engine has none
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tools[0].function.parameters"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ({"functions": [FUNCTION]}, "functions"),

@@ -1,8 +1,10 @@
-"""Structured output through real P->D processes with SmolLM2: JSON Schema, JSON object, regex, EBNF.
+"""Structured output and tool calls through real P->D processes with SmolLM2.
 
 The prefill samples the first token under the grammar; the decode rebuilds the matcher, advances it by
 that token and continues. Greedy answers through P->D equal those of a ``--role both`` worker, streamed
-or not; a grammar the library rejects is a 400 naming the field and no KV page is ever taken.
+or not; a grammar the library rejects is a 400 naming the field and no KV page is ever taken. A forced
+tool call (named, or ``required``) is constrained to the function's parameters, so even this small
+model answers with arguments that validate; streamed, they arrive as OpenAI ``tool_calls`` deltas.
 """
 
 from __future__ import annotations
@@ -153,6 +155,81 @@ def test_rejected_grammars_are_a_400_naming_the_field(deployment: Deployment) ->
         assert r.status_code == 400, (route, body, r.text)
         err = r.json()["error"]
         assert err["param"] == param and err["type"] == "invalid_request_error", (body, err)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.", "strict": True,
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                   "required": ["city"], "additionalProperties": False}}}
+WEATHER_QUESTION = "What is the weather like in Paris right now?"
+
+
+def _streamed_calls(chunks: list[Any]) -> tuple[dict[int, dict[str, Any]], str | None]:
+    """Tool-call deltas merged by index, as OpenAI clients do; and the finish reason."""
+    calls: dict[int, dict[str, Any]] = {}
+    finish = None
+    for ch in chunks:
+        if not ch.choices:
+            continue
+        delta = ch.choices[0].delta
+        for call in delta.tool_calls or []:
+            merged = calls.setdefault(call.index, {"id": None, "name": "", "arguments": ""})
+            merged["id"] = merged["id"] or call.id
+            if call.function and call.function.name:
+                merged["name"] += call.function.name
+            if call.function and call.function.arguments:
+                merged["arguments"] += call.function.arguments
+        finish = ch.choices[0].finish_reason or finish
+    return calls, finish
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_forced_tool_call_validates_across_the_split(deployment: Deployment, tool_choice: Any) -> None:
+    kw = {"max_tokens": 40, "temperature": 0, "tools": [WEATHER_TOOL, TIME_TOOL], "tool_choice": tool_choice}
+    pd = chat(deployment.pd_url, WEATHER_QUESTION, **kw)
+    choice = pd.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "get_weather"
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER_TOOL, TIME_TOOL)}
+    jsonschema_rs.validate(schema[call.function.name], json.loads(call.function.arguments))
+    both = chat(deployment.both_url, WEATHER_QUESTION, **kw).choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in both] == [(call.function.name, call.function.arguments)]
+    calls, finish = _streamed_calls(list(chat(deployment.pd_url, WEATHER_QUESTION, stream=True, **kw)))
+    assert finish == "tool_calls" and list(calls) == [0]
+    assert calls[0]["name"] == call.function.name and calls[0]["arguments"] == call.function.arguments
+    assert calls[0]["id"].startswith("call_")
+
+
+def test_tool_results_continue_the_conversation(deployment: Deployment) -> None:
+    messages = [
+        {"role": "user", "content": WEATHER_QUESTION},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "sunny"}'},
+    ]
+    c = client(deployment.pd_url)
+    out = c.chat.completions.create(model="default", messages=messages, tools=[WEATHER_TOOL], tool_choice="none",
+                                    max_tokens=24, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length") and out.choices[0].message.content
+    r = httpx.post(f"{deployment.pd_url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "tool", "tool_call_id": "x", "content": "21"}], "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role"
+    for bad, param in [({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                        "tool_choice.function.name"),
+                       ({"tool_choice": "sometimes"}, "tool_choice"),
+                       ({"tools": [{"type": "retrieval"}]}, "tools[0].type")]:
+        body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER_TOOL], "max_tokens": 4, **bad}
+        r = httpx.post(f"{deployment.pd_url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_pools_back_to_full(deployment: Deployment) -> None:

@@ -1,0 +1,296 @@
+"""Tool calls on ``/v1/chat/completions``: ``tools`` + ``tool_choice`` in, OpenAI ``tool_calls`` out.
+
+Lifecycle of a request with tools (hooks in ``gateway.api.Frontend.prepare_chat`` and
+``gateway.responder.ChatShape``):
+1. ``plan_tools(req)`` checks ``tools`` and ``tool_choice`` (400 naming the field) and picks the mode:
+   - ``none`` (or no tools): plain chat; the tools are not shown to the model.
+   - a named function: the output is constrained (``Grammar``) to the function's ``parameters`` schema,
+     so it is exactly the call's ``arguments`` JSON.
+   - ``required``: constrained to ``{"name": <one of the tools>, "arguments": <its parameters>}``.
+   - ``auto``: unconstrained; the answer is a call when it is in the model's own format: Hermes/Qwen
+     ``<tool_call>{"name", "arguments"}</tool_call>`` blocks where the chat template defines them,
+     else the JSON object the tool note asks for (below); anything else is plain content.
+2. ``render_prompt`` builds the prompt: a template that uses ``tools`` gets them; otherwise (e.g.
+   SmolLM2's) a system note lists them and the answer format. Assistant ``tool_calls`` and ``tool``
+   messages of the conversation are accepted (a ``tool`` message must answer an assistant's calls).
+3. ``shape_choices`` rewrites a whole response's choices: ``message.tool_calls`` (ids ``call_...``),
+   ``content`` null, ``finish_reason: "tool_calls"``. ``tool_events`` streams: forced calls stream
+   their ``arguments`` text as it arrives (the first delta carries index, id, type and name); ``auto``
+   holds back an answer that starts like a call until it is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.context import random_hex
+from gateway.errors import BadRequest
+from gateway.structured_output import checked
+from workers.protocol import Grammar
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_CALL_START = ("<tool_call>", "{")
+
+
+@dataclass
+class ToolPlan:
+    mode: str  # "auto" | "required" | "named"
+    tools: list[dict[str, Any]]  # the functions: {"name", "description"?, "parameters"}
+    name: str | None = None  # the named function
+    grammar: Grammar | None = None
+    hermes: bool = False  # the chat template defines <tool_call> blocks
+    ids: dict[int, str] = field(default_factory=dict)  # choice index -> call id of a forced call
+
+    @property
+    def names(self) -> list[str]:
+        return [t["name"] for t in self.tools]
+
+
+def _functions(tools: Any) -> list[dict[str, Any]]:
+    functions = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise BadRequest(f'{where}.type must be "function"', param=f"{where}.type")
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise BadRequest(f"{where}.function.name must be a non-empty string", param=f"{where}.function.name")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise BadRequest(f"{where}.function.parameters must be a JSON Schema object",
+                             param=f"{where}.function.parameters")
+        functions.append({"name": fn["name"], "description": fn.get("description", ""), "parameters": params,
+                          "strict": bool(fn.get("strict"))})
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise BadRequest("function names in tools must be unique", param="tools")
+    return functions
+
+
+def plan_tools(req: Any, chat_template: str | None) -> ToolPlan | None:
+    """What ``tools`` / ``tool_choice`` ask for; None for a plain chat."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none", "auto"):
+            raise BadRequest(f"tool_choice {choice!r} is not supported without tools", param="tool_choice")
+        return None
+    tools = _functions(req.tools)
+    hermes = chat_template is not None and "<tool_call>" in chat_template
+    if choice is None or choice == "auto":
+        return ToolPlan("auto", tools, hermes=hermes)
+    if choice == "none":
+        return None
+    if choice == "required":
+        options = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
+                    "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+        schema = options[0] if len(options) == 1 else {"anyOf": options}
+        strict = all(t["strict"] for t in tools)
+        return ToolPlan("required", tools, grammar=checked(Grammar("json_schema", json.dumps(schema), strict,
+                                                                   param="tools")), hermes=hermes)
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+        raise BadRequest('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                         '{"name": ...}}', param="tool_choice")
+    tool = next((t for t in tools if t["name"] == name), None)
+    if tool is None:
+        raise BadRequest(f"tool_choice names {name!r}, which is not in tools", param="tool_choice.function.name")
+    grammar = Grammar("json_schema", json.dumps(tool["parameters"]), tool["strict"],
+                      param=f"tools[{tools.index(tool)}].function.parameters")
+    return ToolPlan("named", tools, name=name, grammar=checked(grammar), hermes=hermes)
+
+
+# -- the prompt ----------------------------------------------------------------------------------
+def check_messages(messages: list[dict[str, Any]]) -> None:
+    """A ``tool`` message must follow an assistant message with ``tool_calls`` (or another tool message)."""
+    answering = False
+    for i, message in enumerate(messages):
+        role = message["role"]
+        if role == "tool":
+            if not answering:
+                raise BadRequest("a message with role 'tool' must answer a preceding assistant message's "
+                                 "tool_calls", param=f"messages[{i}].role")
+            if not isinstance(message.get("tool_call_id"), str):
+                raise BadRequest("a tool message needs its tool_call_id", param=f"messages[{i}].tool_call_id")
+            continue
+        answering = role == "assistant" and bool(message.get("tool_calls"))
+
+
+def _call_json(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function")
+    fn = fn if isinstance(fn, dict) else {}
+    arguments = fn.get("arguments", "{}")
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        pass
+    return {"name": fn.get("name", ""), "arguments": arguments}
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[int]:
+    """The prompt ids: the template gets ``tools`` when it uses them, else a system note describes them."""
+    check_messages(messages)
+    template = getattr(tokenizer, "chat_template", None) or ""
+    native = "tools" in template
+    converted = []
+    for message in messages:
+        message = {k: v for k, v in message.items() if v is not None}
+        calls = message.get("tool_calls")
+        if calls and native:
+            message["tool_calls"] = [{**c, "function": _call_json(c)} for c in calls]
+        elif calls:  # shown as the model was asked to answer
+            shown = [json.dumps(_call_json(c)) for c in calls]
+            message["content"] = "\n".join([message.get("content") or "", *shown]).strip()
+        converted.append(message)
+    if plan is not None and native:
+        tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
+                 for t in plan.tools]
+        return tokenizer.apply_chat_template(converted, tools=tools)
+    if plan is not None:
+        note = _tool_note(plan)
+        if converted and converted[0]["role"] == "system":
+            converted[0] = {**converted[0], "content": f"{converted[0].get('content') or ''}\n\n{note}".strip()}
+        else:
+            converted.insert(0, {"role": "system", "content": note})
+    return tokenizer.apply_chat_template(converted)
+
+
+def _tool_note(plan: ToolPlan) -> str:
+    listed = json.dumps([{k: t[k] for k in ("name", "description", "parameters")} for t in plan.tools])
+    if plan.mode == "named":
+        return f"Call the function {plan.name}. Answer with its arguments as one JSON object.\nFunctions: {listed}"
+    return ("You can call these functions. To call one, answer with only a JSON object "
+            '{"name": <function name>, "arguments": <arguments object>}.\n' + f"Functions: {listed}")
+
+
+# -- the answer ----------------------------------------------------------------------------------
+def _new_call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"call_{random_hex()[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def parse_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
+    """The tool calls in a complete answer, or None when it is plain content."""
+    if plan.mode == "named":
+        assert plan.name is not None
+        return [_new_call(plan.name, text)]
+    bodies = _HERMES.findall(text) if plan.hermes and "<tool_call>" in text else [text]
+    calls = []
+    for body in bodies:
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or obj.get("name") not in plan.names or not isinstance(obj.get("arguments"),
+                                                                                             dict):
+            return None
+        calls.append(_new_call(obj["name"], json.dumps(obj["arguments"])))
+    return calls or None
+
+
+def shape_choices(plan: ToolPlan, result: dict[str, Any]) -> None:
+    """Rewrite a whole chat response's choices whose text is a call into OpenAI's ``tool_calls`` shape."""
+    for choice in result["choices"]:
+        message = choice["message"]
+        calls = parse_calls(plan, message["content"] or "")
+        if calls is None:
+            continue
+        message["content"] = None
+        message["tool_calls"] = calls
+        if choice["finish_reason"] == "stop":
+            choice["finish_reason"] = "tool_calls"
+
+
+class _ChoiceStream:
+    """One streamed choice's text -> deltas: a forced call's arguments as they come, else held back."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.text = ""
+        self.sent = 0  # characters of ``text`` already sent (as content or as arguments)
+        self.call_id: str | None = None
+        self.args_start: int | None = None  # where the arguments begin in ``text`` (required mode)
+        self.name = plan.name or ""
+
+    def feed(self, new: str) -> list[dict[str, Any]]:
+        self.text += new
+        plan = self.plan
+        if plan.mode == "named":
+            return self._arguments(0, len(self.text), self.name)
+        if plan.mode == "required":
+            if self.args_start is None:
+                match = re.match(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ', self.text)
+                if match is None:
+                    return []
+                self.args_start, self.name = match.end(), json.loads(f'"{match.group(1)}"')
+                self.sent = self.args_start
+            return self._arguments(self.args_start, len(self.text) - 1, self.name)  # the last char may be "}"
+        if self.sent < 0:
+            return []  # auto, an answer that started like a call: held until the end
+        stripped = self.text.lstrip()
+        if self.sent == 0 and any(stripped.startswith(p) for p in _CALL_START):
+            self.sent = -1
+            return []
+        if self.sent == 0 and any(p.startswith(stripped) for p in _CALL_START):
+            return []  # nothing yet, or a prefix of "<tool_call>": wait for more
+        delta = [{"content": self.text[self.sent :]}] if len(self.text) > self.sent else []
+        self.sent = len(self.text)
+        return delta
+
+    def _arguments(self, start: int, end: int, name: str) -> list[dict[str, Any]]:
+        piece = self.text[max(self.sent, start) : end]
+        self.sent = max(self.sent, end)
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": piece}}
+        if self.call_id is None:
+            self.call_id = f"call_{random_hex()[:24]}"
+            call.update(id=self.call_id, type="function", function={"name": name, "arguments": piece})
+        elif not piece:
+            return []
+        return [{"tool_calls": [call]}]
+
+    def finish(self, reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
+        plan = self.plan
+        if plan.mode == "required" and self.args_start is not None:
+            end = self.text.rfind("}") if reason == "stop" else len(self.text)
+            deltas = self._arguments(self.args_start, max(end, self.sent), self.name)
+            return deltas, "tool_calls" if reason == "stop" else reason
+        if plan.mode in ("named", "required"):
+            return [], "tool_calls" if reason == "stop" and self.call_id else reason
+        if self.sent >= 0:
+            return [], reason
+        calls = parse_calls(plan, self.text) if reason == "stop" else None
+        if calls is None:
+            return [{"content": self.text}], reason
+        return [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(calls)], "tool_calls"
+
+
+async def tool_events(run: Any, chunk: Callable[..., bytes], usage: Callable[..., dict[str, Any]],
+                      ) -> AsyncGenerator[bytes, None]:
+    """A streamed chat completion with tools (``ChatShape.events`` for ``prep.tools``)."""
+    prep = run.prep
+    plan: ToolPlan = prep.tools
+    streams: dict[int, _ChoiceStream] = {}
+    states: dict[int, Any] = {}
+    async for state, text, entries in run.frontend.run_choices(prep, None):
+        first = state.index not in streams
+        stream = streams.setdefault(state.index, _ChoiceStream(plan))
+        states[state.index] = state
+        deltas = stream.feed(text)
+        if first:
+            deltas = [{"role": "assistant", "content": None}, *deltas]
+        finish = None
+        if state.finish_reason is not None:
+            more, finish = stream.finish(state.finish_reason)
+            deltas += more
+        logprobs = {"content": entries} if prep.want_logprobs else None
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            yield chunk(run, [{"index": state.index, "delta": delta, "logprobs": logprobs if last else None,
+                               "finish_reason": finish if last else None}])
+        if not deltas and finish is not None:
+            yield chunk(run, [{"index": state.index, "delta": {}, "logprobs": logprobs, "finish_reason": finish}])
+    if prep.include_usage:
+        yield chunk(run, [], usage(len(prep.input_ids), list(states.values())))

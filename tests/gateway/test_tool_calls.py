@@ -1,0 +1,103 @@
+"""Unit tests of gateway/tool_calls.py: plans, answer parsing and the streamed deltas, text fed in pieces."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from gateway.errors import BadRequest
+from gateway.tool_calls import _ChoiceStream, parse_calls, plan_tools, shape_choices
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+HERMES_TEMPLATE = "{% for m in messages %}...{% endfor %}<tool_call>"
+
+
+def req(tools: Any = None, tool_choice: Any = None) -> Any:
+    return SimpleNamespace(tools=tools, tool_choice=tool_choice)
+
+
+def feed(stream: _ChoiceStream, text: str, finish: str = "stop", size: int = 3) -> tuple[list[dict[str, Any]], Any]:
+    deltas: list[dict[str, Any]] = []
+    for i in range(0, len(text), size):
+        deltas += stream.feed(text[i : i + size])
+    more, reason = stream.finish(finish)
+    return deltas + more, reason
+
+
+def merged_calls(deltas: list[dict[str, Any]]) -> dict[int, dict[str, str]]:
+    calls: dict[int, dict[str, str]] = {}
+    for delta in deltas:
+        for call in delta.get("tool_calls", []):
+            merged = calls.setdefault(call["index"], {"name": "", "arguments": "", "id": ""})
+            merged["id"] = merged["id"] or call.get("id", "")
+            merged["name"] += call["function"].get("name", "")
+            merged["arguments"] += call["function"].get("arguments", "")
+    return calls
+
+
+def test_plans() -> None:
+    pytest.importorskip("llguidance")
+    assert plan_tools(req(), None) is None
+    assert plan_tools(req([WEATHER], "none"), None) is None
+    auto = plan_tools(req([WEATHER]), HERMES_TEMPLATE)
+    assert auto is not None and auto.mode == "auto" and auto.grammar is None and auto.hermes
+    named = plan_tools(req([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}}), None)
+    assert named is not None and named.grammar is not None
+    assert json.loads(named.grammar.source) == WEATHER["function"]["parameters"]  # type: ignore[index]
+    required = plan_tools(req([WEATHER, TIME], "required"), None)
+    assert required is not None and "anyOf" in json.loads(required.grammar.source)  # type: ignore[union-attr]
+    for bad, param in [((None, "required"), "tool_choice"), (([WEATHER], "maybe"), "tool_choice"),
+                       (([WEATHER], {"type": "function", "function": {"name": "x"}}), "tool_choice.function.name"),
+                       (([{"type": "function", "function": {}}], None), "tools[0].function.name"),
+                       (([WEATHER, WEATHER], None), "tools")]:
+        with pytest.raises(BadRequest) as info:
+            plan_tools(req(*bad), None)
+        assert info.value.param == param
+
+
+def test_streamed_required_call_equals_the_whole_answer() -> None:
+    plan = plan_tools(req([WEATHER, TIME], "required"), None)
+    assert plan is not None
+    text = '{"name": "get_weather", "arguments": {"city": "Paris \\"15e\\""}}'
+    deltas, reason = feed(_ChoiceStream(plan), text)
+    assert reason == "tool_calls"
+    calls = merged_calls(deltas)
+    assert list(calls) == [0] and calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert json.loads(calls[0]["arguments"]) == {"city": 'Paris "15e"'}
+    assert len([d for d in deltas if "tool_calls" in d]) > 3, "arguments arrive in pieces"
+    result = {"choices": [{"message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
+    shape_choices(plan, result)
+    (whole,) = result["choices"][0]["message"]["tool_calls"]  # type: ignore[index]
+    assert whole["function"]["arguments"] == calls[0]["arguments"]
+
+
+def test_named_call_streams_its_arguments_and_a_cut_answer_keeps_length() -> None:
+    plan = plan_tools(req([WEATHER], {"type": "function", "function": {"name": "get_weather"}}), None)
+    assert plan is not None
+    deltas, reason = feed(_ChoiceStream(plan), '{"city": "Oslo"}')
+    assert reason == "tool_calls" and merged_calls(deltas)[0]["arguments"] == '{"city": "Oslo"}'
+    _, reason = feed(_ChoiceStream(plan), '{"city": "Os', finish="length")
+    assert reason == "length"
+
+
+def test_auto_parses_the_models_own_format_and_streams_plain_text() -> None:
+    plan = plan_tools(req([WEATHER, TIME]), HERMES_TEMPLATE)
+    assert plan is not None
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    calls = parse_calls(plan, text)
+    assert calls is not None and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    deltas, reason = feed(_ChoiceStream(plan), text)
+    assert reason == "tool_calls" and [c["name"] for c in merged_calls(deltas).values()] == ["get_weather",
+                                                                                             "get_time"]
+    deltas, reason = feed(_ChoiceStream(plan), "It is sunny in Rome.")
+    assert reason == "stop" and "".join(d.get("content") or "" for d in deltas) == "It is sunny in Rome."
+    assert len(deltas) > 2, "plain text streams as it comes"
+    deltas, reason = feed(_ChoiceStream(plan), "<tool_call>{not json</tool_call>")
+    assert reason == "stop" and deltas[-1]["content"] == "<tool_call>{not json</tool_call>"
+    assert parse_calls(plan, '{"name": "unknown", "arguments": {}}') is None
