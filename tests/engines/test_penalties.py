@@ -144,6 +144,24 @@ def test_counts_kept_step_by_step_equal_counts_from_scratch() -> None:
         kept.adjust(torch.zeros(1, VOCAB), [_seq(1, prompt + outputs, len(outputs), params, feed_all=False)])
 
 
+def test_reused_and_evicted_slots_count_from_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot freed by ``forget`` (or by eviction past MAX_RECORDS) holds nothing of its old sequence."""
+    import workers.engines.llama.penalties as penalties
+
+    monkeypatch.setattr(penalties, "MAX_RECORDS", 2)
+    params = SamplingParams(repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.5)
+    adjuster = LogitAdjuster(VOCAB, EOS)
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(5))
+    for rid in range(6):  # each new sequence evicts or reuses the slot of an older one
+        history = _tokens(rid, 30 + rid)
+        seq = _seq(rid, history, 10, params)
+        fresh = LogitAdjuster(VOCAB, EOS).adjust(logits, [seq])
+        torch.testing.assert_close(adjuster.adjust(logits, [seq]), fresh, rtol=0, atol=0)
+        if rid % 2:
+            adjuster.forget(rid)
+    assert adjuster.num_records <= 2
+
+
 def _prompt(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, VOCAB) for _ in range(n)]

@@ -18,15 +18,18 @@ samples what one engine would.
 
 Lifecycle (one ``LogitAdjuster`` per engine; every call from the scheduler thread):
 1. ``adjust(logits, seqs)`` once per step for the sequences it samples (one row each). A sequence with
-   a repetition, presence or frequency penalty has a record — a row of the prompt-token mask and a row
-   of the output-token counts, slots of two ``[slots, vocab]`` tensors — brought up to its history
-   first: built from ``all_token_ids`` at its first sample in this engine, then extended by the tokens
-   each step feeds. Then each adjustment runs once over all the rows that use it (index_put /
-   index_select / where on ``[rows, vocab]``). Returns new logits, or the input when no row asks for
-   anything.
-2. ``forget(seq_id)`` when the scheduler releases a sequence frees its slot. Records are also bounded
-   (``MAX_RECORDS``, least recently used first): one evicted while live is rebuilt from
-   ``all_token_ids`` at its next step.
+   a repetition, presence or frequency penalty has a record in a slot: a row of a ``[slots, vocab]``
+   seen-token mask (prompt or output), a row of ``[slots, vocab]`` output counts, and the distinct
+   tokens it has seen, in order, in a row of ``[slots, capacity]`` ids. The record is built from
+   ``all_token_ids`` at the sequence's first sample in this engine, then extended by the tokens each
+   step feeds (one mask gather for the whole batch finds the new distinct ones). The penalties then
+   touch only the seen tokens: one gather of their logits and counts for every penalised row at once,
+   the formulas on that flat vector, one scatter back — O(distinct tokens), not O(batch x vocab).
+   ``logit_bias`` and ``min_new_tokens`` are one ``index_put`` each. Returns new logits, or the input
+   when no row asks for anything.
+2. ``forget(seq_id)`` when the scheduler releases a sequence clears the entries its record set and
+   frees its slot. Records are also bounded (``MAX_RECORDS``, least recently used first): one evicted
+   while live is rebuilt from ``all_token_ids`` at its next step.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ MAX_RECORDS = 1024  # penalised sequences whose counts are kept at once
 
 @dataclass
 class _Record:
-    slot: int  # row of the count tensors
+    slot: int  # row of the record tensors
     length: int  # history tokens counted (positions 0..length-1)
     output_start: int  # history index where the output begins
 
@@ -56,8 +59,10 @@ class LogitAdjuster:
         self.eos_token_ids = eos_token_ids
         self._records: OrderedDict[int, _Record] = OrderedDict()
         self._free: list[int] = []
-        self._in_prompt = torch.zeros(0, vocab_size, dtype=torch.bool)  # [slots, vocab]
-        self._counts = torch.zeros(0, vocab_size, dtype=torch.float32)  # [slots, vocab]
+        self._seen = torch.zeros(0, vocab_size, dtype=torch.bool)  # [slots, vocab]: in the prompt or output
+        self._counts = torch.zeros(0, vocab_size, dtype=torch.float32)  # [slots, vocab]: output occurrences
+        self._ids = torch.zeros(0, 0, dtype=torch.int64)  # [slots, capacity]: distinct seen tokens, in order
+        self._num_ids: list[int] = []  # per slot: valid entries of its ``_ids`` row
 
     @property
     def num_records(self) -> int:
@@ -65,8 +70,14 @@ class LogitAdjuster:
 
     def forget(self, seq_id: int) -> None:
         record = self._records.pop(seq_id, None)
-        if record is not None:
-            self._free.append(record.slot)
+        if record is None:
+            return
+        slot, n = record.slot, self._num_ids[record.slot]
+        ids = self._ids[slot, :n]
+        self._seen[slot, ids] = False  # only what this record set: O(its distinct tokens)
+        self._counts[slot, ids] = 0.0
+        self._num_ids[slot] = 0
+        self._free.append(slot)
 
     def adjust(self, logits: torch.Tensor, seqs: list[SeqInput]) -> torch.Tensor:
         """``logits`` ``[len(seqs), vocab]`` (float32) with each row's adjustments applied."""
@@ -93,7 +104,7 @@ class LogitAdjuster:
         if not (bias_rows or pen_rows or ban_rows):
             return logits
         device = logits.device
-        out = logits.to(torch.float32, copy=True)
+        out = logits.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
         if bias_rows:
             index = (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device))
             out.index_put_(index, torch.tensor(bias_values, dtype=torch.float32, device=device), accumulate=True)
@@ -106,30 +117,38 @@ class LogitAdjuster:
 
     # -- penalties -----------------------------------------------------------------------------
     def _penalize(self, out: torch.Tensor, rows: list[int], seqs: list[SeqInput]) -> None:
-        if self._counts.device != out.device:
-            self._in_prompt, self._counts = self._in_prompt.to(out.device), self._counts.to(out.device)
-        slots = self._sync(seqs)
+        """Repetition, frequency and presence penalties on the seen tokens of ``rows``, in place."""
         device = out.device
-        row_index = torch.tensor(rows, device=device)
-        slot_index = torch.tensor(slots, device=device)
-        scores = out.index_select(0, row_index)
-        counts = self._counts.index_select(0, slot_index)
-        in_output = counts > 0
-        seen = self._in_prompt.index_select(0, slot_index) | in_output
+        if self._counts.device != device:
+            self._seen, self._counts, self._ids = (t.to(device) for t in (self._seen, self._counts, self._ids))
+        slots = self._sync(seqs)
+        sizes = [self._num_ids[slot] for slot in slots]
+        if not sum(sizes):
+            return
+        per_row = torch.tensor(sizes, device=device)
+        cols = torch.cat([self._ids[slot, :n] for slot, n in zip(slots, sizes, strict=True)])
+        row_of = torch.repeat_interleave(torch.tensor(rows, device=device), per_row)
+        slot_of = torch.repeat_interleave(torch.tensor(slots, device=device), per_row)
 
-        def column(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(s.params, name) for s in seqs], dtype=torch.float32, device=device)[:, None]
+        def param(name: str) -> torch.Tensor:
+            values = torch.tensor([getattr(s.params, name) for s in seqs], dtype=torch.float32, device=device)
+            return torch.repeat_interleave(values, per_row)
 
-        repetition = column("repetition_penalty")
-        scores = torch.where(seen, torch.where(scores > 0, scores / repetition, scores * repetition), scores)
-        scores = scores - counts * column("frequency_penalty") - in_output * column("presence_penalty")
-        out.index_copy_(0, row_index, scores)
+        at = row_of * self.vocab_size + cols  # flat positions: 1-d index_select / index_copy_ are the fast paths
+        flat = out.view(-1)
+        scores = flat.index_select(0, at)
+        counts = self._counts.view(-1).index_select(0, slot_of * self.vocab_size + cols)
+        repetition = param("repetition_penalty")  # every seen token: prompt or output
+        scores = torch.where(scores > 0, scores / repetition, scores * repetition)
+        scores = scores - counts * param("frequency_penalty") - (counts > 0).to(torch.float32) * param(
+            "presence_penalty")
+        flat.index_copy_(0, at, scores)
 
     def _sync(self, seqs: list[SeqInput]) -> list[int]:
         """Bring every sequence's record up to its history; their slots, in order."""
         slots: list[int] = []
-        prompt_slots: list[int] = []
-        prompt_ids: list[int] = []
+        new_slots: list[int] = []
+        new_ids: list[int] = []
         output_slots: list[int] = []
         output_ids: list[int] = []
         for seq in seqs:
@@ -147,20 +166,41 @@ class LogitAdjuster:
                 self._records.move_to_end(seq.rid)
             new = self._new_tokens(seq, record.length, end)
             split = max(0, min(len(new), output_start - record.length))
-            prompt_slots += [record.slot] * split
-            prompt_ids += new[:split]
+            new_slots += [record.slot] * len(new)
+            new_ids += new
             output_slots += [record.slot] * (len(new) - split)
             output_ids += new[split:]
             record.length = end
             slots.append(record.slot)
         device = self._counts.device
-        if prompt_ids:
-            index = (torch.tensor(prompt_slots, device=device), torch.tensor(prompt_ids, device=device))
-            self._in_prompt.index_put_(index, torch.tensor(True, device=device))
         if output_ids:
             index = (torch.tensor(output_slots, device=device), torch.tensor(output_ids, device=device))
             self._counts.index_put_(index, torch.ones(len(output_ids), device=device), accumulate=True)
+        if new_ids:
+            self._see(torch.tensor(new_slots, device=device), torch.tensor(new_ids, device=device))
         return slots
+
+    def _see(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
+        """Mark (slot, token) pairs seen; append the ones new to their slot to its distinct-token row."""
+        keys = torch.unique(slots * self.vocab_size + ids)  # sorted: grouped by slot
+        slots, ids = keys // self.vocab_size, keys % self.vocab_size
+        fresh = ~self._seen[slots, ids]
+        slots, ids = slots[fresh], ids[fresh]
+        if not len(ids):
+            return
+        self._seen[slots, ids] = True
+        groups, sizes = torch.unique_consecutive(slots, return_counts=True)
+        start = 0
+        for slot, size in zip(groups.tolist(), sizes.tolist(), strict=True):
+            n = self._num_ids[slot]
+            if n + size > self._ids.shape[1]:
+                grown = max(64, 2 * self._ids.shape[1], n + size)
+                wider = torch.zeros(self._ids.shape[0], grown, dtype=torch.int64, device=self._ids.device)
+                wider[:, : self._ids.shape[1]] = self._ids
+                self._ids = wider
+            self._ids[slot, n : n + size] = ids[start : start + size]
+            self._num_ids[slot] = n + size
+            start += size
 
     @staticmethod
     def _new_tokens(seq: SeqInput, start: int, end: int) -> list[int]:
@@ -177,17 +217,16 @@ class LogitAdjuster:
         while len(self._records) >= MAX_RECORDS:
             self.forget(next(iter(self._records)))
         if not self._free:
-            grown = max(8, 2 * self._counts.shape[0])
             old = self._counts.shape[0]
+            grown = max(8, 2 * old)
             device = self._counts.device
-            self._in_prompt = torch.cat(
-                [self._in_prompt, torch.zeros(grown - old, self.vocab_size, dtype=torch.bool, device=device)])
-            self._counts = torch.cat(
-                [self._counts, torch.zeros(grown - old, self.vocab_size, dtype=torch.float32, device=device)])
+            self._seen = torch.cat([self._seen, torch.zeros(grown - old, self.vocab_size, dtype=torch.bool,
+                                                            device=device)])
+            self._counts = torch.cat([self._counts, torch.zeros(grown - old, self.vocab_size, device=device)])
+            self._ids = torch.cat([self._ids, torch.zeros(grown - old, self._ids.shape[1], dtype=torch.int64,
+                                                          device=device)])
+            self._num_ids += [0] * (grown - old)
             self._free += range(grown - 1, old - 1, -1)
-        slot = self._free.pop()
-        self._in_prompt[slot] = False
-        self._counts[slot] = 0.0
-        record = _Record(slot, 0, output_start)
+        record = _Record(self._free.pop(), 0, output_start)  # a free slot's rows are clear (``forget``)
         self._records[seq_id] = record
         return record
