@@ -42,7 +42,8 @@ class PrefillSide:
         self._links: dict[ControlChannel, Link] = {}
         self.rooms = SenderRooms(ctx)
         self._last_beat = time.monotonic()
-        self._listener = socket.create_server((host, port))
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host.strip("[]"), port), family=family)
         self.control_address: tuple[str, int] = self._listener.getsockname()[:2]
         self._accept_thread = threading.Thread(target=self._accept_loop, name="kv-ctl-accept", daemon=True)
 

@@ -51,6 +51,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.responder import ChatShape, CompletionShape, GenerateShape, Responder
 from gateway.tokenizer import load_tokenizer
 from gateway.worker_client import WorkerClient
+from transfer.netaddr import join_host_port
 from workers.protocol import BootstrapTarget, Error, SamplingParams, StepOutput, Submit
 
 if TYPE_CHECKING:
@@ -167,8 +168,8 @@ class SGLangAPI:
         self.worker = worker
         self.metrics = GatewayMetrics()
         self.admission = Admission(0, 0, 1.0, self.metrics)  # the scheduler's own queue limits apply
-        host = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host
-        self.client = WorkerClient(f"pd://{host}:{worker.native_port}", cfg.role)
+        host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(cfg.host, cfg.host)
+        self.client = WorkerClient(f"pd://{join_host_port(host, worker.native_port)}", cfg.role)
         self.dispatcher = RelayDispatcher(self.client, cfg.role, config)
         self.frontend: Frontend | None = None
         self._unavailable: str | None = None  # why the API cannot serve (a tokenizer it cannot load)

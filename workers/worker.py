@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import uvicorn
 
 from gateway.http_protocol import ClientLimits, protocol_class
-from transfer.netaddr import is_wildcard, join_host_port
+from transfer.netaddr import is_wildcard
 from workers.addresses import advertised_host
 from workers.config import WorkerConfig
 from workers.engines import EngineOptions, create_engine
@@ -193,7 +193,10 @@ class Worker:
 
     @property
     def instance_id(self) -> str:
-        return self.config.instance_id or join_host_port(self.advertise_host, self.native_port)
+        if self.config.instance_id:
+            return self.config.instance_id
+        host = self.advertise_host
+        return f"ip6-{host}:{self.native_port}" if ":" in host else f"{host}:{self.native_port}"  # registry charset
 
     def _hello_ack(self) -> HelloAck:
         assert self.engine is not None and self.pool is not None

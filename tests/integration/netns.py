@@ -5,8 +5,8 @@ Lifecycle:
    process per side with ``unshare --net --mount``: the side gets its own network stack (only ``lo`` up),
    its own private ``/dev/shm`` (a tmpfs) and a sysfs mounted for its own namespace (so
    ``/sys/class/net/<if>/statistics`` shows its interfaces). A veth pair is made and one end moved into
-   each side, with ``a.addr``/``b.addr`` on a /24. ``Unavailable`` says why when any step is impossible
-   (the test then skips with that reason).
+   each side, with ``a.addr``/``b.addr`` on a /24 (and ``addr6`` on a /64 where IPv6 is on).
+   ``Unavailable`` says why when any step is impossible (the test then skips with that reason).
 2. ``side.start(name, *args)`` runs ``python *args`` inside the side (``nsenter`` into both namespaces;
    the Python process itself, not a wrapper, so it is killed by pid); ``side.python(code)`` runs a snippet
    there and answers its stdout; ``side.counters(ifname)`` reads the interface's rx/tx byte counters.
@@ -47,6 +47,7 @@ class Side:
     addr: str
     ifname: str
     tmp: Path
+    addr6: str | None = None  # its IPv6 address on the veth (None where IPv6 is off)
     holder: subprocess.Popen[bytes] | None = None
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -127,7 +128,8 @@ class TwoHosts:
             if shutil.which(tool) is None:
                 raise Unavailable(f"{tool} is not installed")
         tag = f"{os.getpid() % 100000}"
-        hosts = cls(Side("a", f"{subnet}.1", f"pdv{tag}a", tmp), Side("b", f"{subnet}.2", f"pdv{tag}b", tmp))
+        hosts = cls(Side("a", f"{subnet}.1", f"pdv{tag}a", tmp, "fd00:213::1"),
+                    Side("b", f"{subnet}.2", f"pdv{tag}b", tmp, "fd00:213::2"))
         try:
             for side in (hosts.a, hosts.b):
                 side.holder = subprocess.Popen(
@@ -149,6 +151,11 @@ class TwoHosts:
             for side in (hosts.a, hosts.b):
                 _run(*side._enter(), "ip", "addr", "add", f"{side.addr}/24", "dev", side.ifname)
                 _run(*side._enter(), "ip", "link", "set", side.ifname, "up")
+                if side.addr6 is not None:
+                    v6 = subprocess.run([*side._enter(), "ip", "-6", "addr", "add", f"{side.addr6}/64", "dev",
+                                         side.ifname, "nodad"], capture_output=True, timeout=30)
+                    if v6.returncode != 0:
+                        side.addr6 = None
         except BaseException:
             hosts.close()
             raise

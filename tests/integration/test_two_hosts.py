@@ -61,44 +61,53 @@ import json, urllib.request, openai
 c = openai.OpenAI(base_url="http://127.0.0.1:{PORTS['gateway']}/v1", api_key="none", max_retries=0, timeout=120)
 out = c.chat.completions.create(model="sim", max_tokens={MAX_TOKENS},
                                 messages=[{{"role": "user", "content": {QUESTION!r}}}])
-url = "http://{hosts.b.addr}:{PORTS['decode_http']}/debug/rooms"
+url = "http://{_url_host(hosts.b.addr)}:{PORTS['decode_http']}/debug/rooms"
 rooms = json.loads(urllib.request.urlopen(url, timeout=10).read())
 print(json.dumps({{"text": out.choices[0].message.content, "prompt_tokens": out.usage.prompt_tokens, "rooms": rooms}}))
 """
     return dict(json.loads(hosts.b.python(code).strip().splitlines()[-1]))
 
 
-@pytest.mark.parametrize("transfer", ["tcp", "mooncake", "nixl"])
-def test_pd_chat_crosses_the_veth(hosts: TwoHosts, transfer: str) -> None:
+def _url_host(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr else addr
+
+
+@pytest.mark.parametrize(("transfer", "family"), [("tcp", 4), ("mooncake", 4), ("nixl", 4), ("tcp", 6)])
+def test_pd_chat_crosses_the_veth(hosts: TwoHosts, transfer: str, family: int) -> None:
     reason = _missing(transfer)
     if reason:
         pytest.skip(reason)
     a, b = hosts.a, hosts.b
+    if family == 6:
+        if a.addr6 is None or b.addr6 is None:
+            pytest.skip("IPv6 is off in this kernel")
+        a.addr, b.addr = a.addr6, b.addr6
     a.python("open('/dev/shm/pd-two-hosts-probe', 'w').close()")  # the sides share no /dev/shm
     assert b.python("import os; print(os.path.exists('/dev/shm/pd-two-hosts-probe'))").strip() == "False"
     # Nothing UCX-wide is inherited: --transfer-option and the advertised address decide.
     clean: dict[str, str | None] = {"NIXL_LOG_LEVEL": "WARN", "MC_LOG_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1",
                                     "UCX_TLS": None, "UCX_NET_DEVICES": None}
     transfer_args = [arg for opt in OPTIONS[transfer] for arg in ("--transfer-option", opt)]
-    registry = f"http://{a.addr}:{PORTS['registry']}"
+    registry = f"http://{_url_host(a.addr)}:{PORTS['registry']}"
     a.start("registry", "-m", "bootstrap.cli", "--host", a.addr, "--port", str(PORTS["registry"]), env=clean)
     a.wait_http_ok(f"{registry}/health")
     # The prefill binds every interface and advertises the address that routes to the registry (a.addr).
-    a.start("prefill", "-m", "workers.cli", "--role", "prefill", "--host", "0.0.0.0", "--port", str(PORTS["prefill"]),
+    wildcard = "0.0.0.0" if family == 4 else "::"
+    a.start("prefill", "-m", "workers.cli", "--role", "prefill", "--host", wildcard, "--port", str(PORTS["prefill"]),
             "--http-port", str(PORTS["prefill_http"]), "--bootstrap", registry, "--transfer", transfer,
             *transfer_args, *SIM, env=clean)
     b.start("decode", "-m", "workers.cli", "--role", "decode", "--host", b.addr, "--port", str(PORTS["decode"]),
             "--http-port", str(PORTS["decode_http"]), "--transfer", transfer, *transfer_args, *SIM, env=clean)
     try:
-        a.wait_http_ok(f"http://{a.addr}:{PORTS['prefill_http']}/health")
-        b.wait_http_ok(f"http://{b.addr}:{PORTS['decode_http']}/health")
+        a.wait_http_ok(f"http://{_url_host(a.addr)}:{PORTS['prefill_http']}/health")
+        b.wait_http_ok(f"http://{_url_host(b.addr)}:{PORTS['decode_http']}/health")
         b.start("gateway", "-m", "gateway.cli", "--host", "127.0.0.1", "--port", str(PORTS["gateway"]),
-                "--log-level", "warning", "--prefill", f"pd://{a.addr}:{PORTS['prefill']}",
-                "--decode", f"pd://{b.addr}:{PORTS['decode']}", env=clean)
+                "--log-level", "warning", "--prefill", f"pd://{_url_host(a.addr)}:{PORTS['prefill']}",
+                "--decode", f"pd://{_url_host(b.addr)}:{PORTS['decode']}", env=clean)
         b.wait_http_ok(f"http://127.0.0.1:{PORTS['gateway']}/readiness")
         info = json.loads(a.python(f"import urllib.request; print(urllib.request.urlopen("
-                                   f"'http://{a.addr}:{PORTS['prefill_http']}/info').read().decode())"))
-        assert info["instance_id"] == f"{a.addr}:{PORTS['prefill']}", "the prefill advertises its veth address"
+                                   f"'http://{_url_host(a.addr)}:{PORTS['prefill_http']}/info').read().decode())"))
+        assert info["instance_id"].endswith(f"{a.addr}:{PORTS['prefill']}"), "the prefill advertises its veth address"
 
         before = {"a_veth": a.counters(a.ifname), "a_lo": a.counters("lo"),
                   "b_veth": b.counters(b.ifname), "b_lo": b.counters("lo")}
@@ -121,7 +130,7 @@ def test_pd_chat_crosses_the_veth(hosts: TwoHosts, transfer: str) -> None:
     received = after["b_veth"]["rx"] - before["b_veth"]["rx"]
     lo_a = after["a_lo"]["tx"] - before["a_lo"]["tx"]
     lo_b = after["b_lo"]["tx"] - before["b_lo"]["tx"]
-    print(f"{transfer}: KV >= {kv_bytes} B; veth prefill->decode {sent} B sent, {received} B received; "
+    print(f"{transfer} (IPv{family}): KV >= {kv_bytes} B; veth prefill->decode {sent} B sent, {received} B received; "
           f"loopback prefill side {lo_a} B, decode side {lo_b} B")
     assert sent >= kv_bytes and received >= kv_bytes, "the KV crossed the veth"
     assert lo_a < kv_bytes // 4 and lo_b < kv_bytes // 4, "the KV did not go over loopback on either side"
