@@ -170,6 +170,8 @@ def test_penalties_through_the_split_equal_one_worker_and_change_the_output(smol
     stream = _client(smollm2.pd_url).chat.completions.create(**chat_kw, stream=True)
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == \
         pd_chat.choices[0].message.content
+    seeded = {**PENALTIES, "temperature": 0.9, "sampling_seed": 7, "logit_bias": {"30": 2.0}, "min_new_tokens": 12}
+    assert _generate(smollm2.pd_url, **seeded)["output_ids"] == _generate(smollm2.both_url, **seeded)["output_ids"]
 
 
 @pytest.mark.slow
