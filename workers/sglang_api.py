@@ -115,7 +115,7 @@ class RelayDispatcher:
                         return
                 elif isinstance(event, Error):
                     done = True
-                    raise from_worker_error(event.code, event.message, self.role)
+                    raise from_worker_error(event.code, event.message, self.role, event.param)
                 else:  # WorkerGone: our own scheduler's connection dropped
                     done = True
                     raise BadGateway(f"{self.role} worker: {event.message}", code="worker_gone")
