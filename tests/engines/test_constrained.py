@@ -132,3 +132,21 @@ def test_rejected_grammars_name_the_field(make_engine: Any, model_dir: str) -> N
         with pytest.raises(GrammarError) as worker_side:
             e.engine.prepare(grammar).result()
         assert worker_side.value.param == grammar.param
+
+
+def test_after_the_grammar_ends_only_eos_follows(make_engine: Any, model_dir: str) -> None:
+    """With ignore_eos a request goes on past the grammar's end: EOS again, no failed step."""
+    e = make_engine(model_dir)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, grammar=Grammar("regex", "ab"))
+    e.engine.prepare(params.grammar).result()
+    prompt = [5, 6]
+    pages = e.pool.alloc(e.pool.pages_for(len(prompt) + 8))
+    outputs = [e.engine.forward([SeqInput(1, pages, 0, prompt, True, params, 0, prompt)])[0].token_id]
+    free = SamplingParams(temperature=0.0)
+    for _ in range(5):
+        n = len(prompt) + len(outputs)
+        steps = e.engine.forward([SeqInput(1, pages, n - 1, [outputs[-1]], True, params, len(outputs), None),
+                                  SeqInput(2, pages, n - 1, [outputs[-1]], True, free, len(outputs), None)])
+        outputs.append(steps[0].token_id)
+    eos = e.engine.info.eos_token_ids
+    assert outputs[-3:] == [eos[0]] * 3 and outputs.index(eos[0]) <= 3

@@ -18,6 +18,7 @@ Lifecycle (one ``Constraints`` per ``TorchEngine``):
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -29,6 +30,7 @@ from workers.engines.base import SeqInput
 from workers.grammar import GrammarError, to_llguidance
 from workers.protocol import Grammar
 
+log = logging.getLogger(__name__)
 MAX_CACHED_GRAMMARS = 256
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
@@ -92,11 +94,18 @@ class Constraints:
         words = (scores.shape[1] + 31) // 32
         bitmask = torch.empty((len(rows), words), dtype=torch.int32)
         for j, i in enumerate(rows):
-            state = self._catch_up(seqs[i])
             row = bitmask[j]
-            state.matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
-            if state.matcher.is_error():
-                raise RuntimeError(f"rid {seqs[i].rid}: grammar matcher failed: {state.matcher.get_error()}")
+            try:
+                state = self._catch_up(seqs[i])
+                if state.matcher.is_stopped():  # the grammar ended (EOS taken) and the request goes on
+                    self._only_eos(row)         # (ignore_eos): EOS again, as after the grammar's end
+                    continue
+                state.matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
+                if state.matcher.is_error():
+                    raise RuntimeError(state.matcher.get_error())
+            except RuntimeError as exc:  # this sequence ends (EOS only); the batch goes on
+                log.warning("rid %s: grammar matcher failed, only EOS allowed: %s", seqs[i].rid, exc)
+                self._only_eos(row)
         allowed = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).view(len(rows), words * 32)[:, : scores.shape[1]]
         index = torch.tensor(rows, device=scores.device)
         out = scores.clone()
@@ -104,11 +113,18 @@ class Constraints:
         out.index_copy_(0, index, picked)
         return out
 
+    def _only_eos(self, row: torch.Tensor) -> None:
+        row.zero_()
+        for eos in self._eos:
+            word = int(row[eos // 32]) & 0xFFFFFFFF | (1 << (eos % 32))
+            row[eos // 32] = word - (1 << 32) if word >= 1 << 31 else word
+
     def accept(self, seqs: list[SeqInput], tokens: list[int | None]) -> None:
         for seq, token in zip(seqs, tokens, strict=True):
             state = self._seqs.get(seq.rid) if seq.params.grammar is not None else None
             if state is not None and token is not None:
-                state.matcher.consume_token(token)
+                if not state.matcher.is_stopped():
+                    state.matcher.consume_token(token)
                 state.num_outputs += 1
 
     def forget(self, seq_id: int) -> None:
