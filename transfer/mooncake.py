@@ -49,7 +49,7 @@ from transfer.blocks import RegionSet
 from transfer.errors import TransferError, TransferErrorKind
 from transfer.memkind import device_regions
 from transfer.netaddr import is_wildcard
-from transfer.options import Option, choice, name_list, parse_options, positive_int
+from transfer.options import Option, TransferOptionError, choice, name_list, parse_options, positive_int
 from transfer.peer_threads import PeerThreadBackend, SenderPeer
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,19 @@ def in_private_netns() -> bool:
         return [name for _, name in socket.if_nameindex()] == ["lo"]
     except OSError:
         return False
+
+
+def _check_rdma_devices(device_name: str, root: str = "/sys/class/infiniband") -> None:
+    """protocol=rdma needs RDMA devices, and the ones named must exist (Mooncake itself would initialize
+    without any and fail every transfer later)."""
+    have = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    if not have:
+        raise TransferOptionError(f"transfer backend 'mooncake': option protocol=rdma: this machine has no RDMA "
+                                  f"device ({root} is empty); use protocol=tcp")
+    missing = [dev for dev in device_name.split(",") if dev and dev not in have]
+    if missing:
+        raise TransferOptionError(f"transfer backend 'mooncake': option device_name: no RDMA device "
+                                  f"{', '.join(missing)} here (have: {', '.join(have)})")
 
 
 def _cpu_only_build() -> bool:
@@ -151,6 +164,8 @@ class MooncakeBackend(PeerThreadBackend):
         if advertise_host is None and is_wildcard(host):
             raise ValueError(f"mooncake: bound to {host!r}, so it needs an advertise_host peers can reach")
         local = (advertise_host or host).strip("[]")
+        if protocol == "rdma":
+            _check_rdma_devices(device_name)
         if not 0 < max_batch_blocks <= max_inflight_blocks:
             raise ValueError(
                 f"mooncake: need 0 < max_batch_blocks ({max_batch_blocks}) <= max_inflight_blocks "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -110,3 +111,16 @@ def test_netaddr_helpers() -> None:
     assert route_source("127.0.0.1") == "127.0.0.1"
     assert join_host_port("::1", 5) == "[::1]:5" and split_host_port("[::1]:5") == ("::1", 5)
     assert join_host_port("10.0.0.1", 5) == "10.0.0.1:5" and split_host_port("10.0.0.1:5") == ("10.0.0.1", 5)
+
+
+def test_mooncake_rdma_needs_the_devices_it_names(tmp_path: Path) -> None:
+    from transfer.mooncake import _check_rdma_devices
+
+    with pytest.raises(TransferOptionError, match="protocol=rdma: this machine has no RDMA device"):
+        _check_rdma_devices("", root=str(tmp_path / "none"))
+    (tmp_path / "mlx5_0").mkdir()
+    (tmp_path / "mlx5_1").mkdir()
+    _check_rdma_devices("", root=str(tmp_path))
+    _check_rdma_devices("mlx5_1", root=str(tmp_path))
+    with pytest.raises(TransferOptionError, match="no RDMA device mlx5_7 here \\(have: mlx5_0, mlx5_1\\)"):
+        _check_rdma_devices("mlx5_0,mlx5_7", root=str(tmp_path))
