@@ -18,7 +18,7 @@ Lifecycle of one room (the connections themselves live in ``transfer.prefill``):
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,11 +66,15 @@ class _Write:
 
 
 class KVSender:
-    """One room on the prefill side. Every method is non-blocking (scheduler thread)."""
+    """One room on the prefill side. It owns its state: the scheduler calls its public methods (each
+    non-blocking); ``SenderRooms`` moves it only through the transitions below, with the manager's lock
+    held (the room table, connections, graveyard and outbox stay with ``SenderRooms``)."""
 
     def __init__(self, side: SenderRooms, room: int, now: float) -> None:
         self.room = room
         self.num_dst_pages: int | None = None
+        self.latency_s: float | None = None  # first chunk posted -> every write DONE (at Success)
+        self.created = now
         self._side = side
         self._state = KVPoll.Bootstrapping
         self._error: TransferError | None = None
@@ -79,12 +83,11 @@ class KVSender:
         self._last_sent = False
         self._writes: list[_Write] = []
         self._aux_len = 0
-        self._created = now
         self._released = False
         self._fence = UNFENCED  # (room, the decode's generation for its page list, our liveness)
         self._first_send = 0.0  # monotonic time the first chunk was posted
-        self.latency_s: float | None = None  # first chunk posted -> every write DONE (at Success)
 
+    # -- the scheduler's API ---------------------------------------------------------------------
     def poll(self) -> KVPoll:
         return self._state
 
@@ -101,6 +104,121 @@ class KVSender:
 
     def release(self) -> None:
         self._side.release(self)
+
+    # -- what SenderRooms reads (lock held) ------------------------------------------------------
+    @property
+    def request(self) -> _Request | None:
+        """The decode's page list, once it arrived."""
+        return self._request
+
+    @property
+    def is_terminal(self) -> bool:
+        return self._state in _TERMINAL
+
+    @property
+    def is_released(self) -> bool:
+        return self._released
+
+    @property
+    def fence(self) -> Fence:
+        return self._fence
+
+    @property
+    def aux_len(self) -> int:
+        return self._aux_len
+
+    def belongs_to(self, link: Link) -> bool:
+        return self._request is not None and self._request.link is link
+
+    # -- transitions (SenderRooms, lock held) ----------------------------------------------------
+    def attach(self, request: _Request) -> bool:
+        """The decode's page list arrived: WaitingForInput. True if ``poll()`` changed."""
+        self._request = request
+        self._fence = Fence(self.room, request.generation, self._live)
+        self.num_dst_pages = len(request.page_ids)
+        if self._state != KVPoll.Bootstrapping:
+            return False
+        self._state = KVPoll.WaitingForInput
+        return True
+
+    def fail(self, error: TransferError) -> list[_Write] | None:
+        """-> Failed. Answers the writes still in flight (for the graveyard), or None if already ended."""
+        if self._state in _TERMINAL:
+            return None
+        self._state, self._error = KVPoll.Failed, error
+        writes, self._writes = self._writes, []
+        return writes
+
+    def next_chunk(self, page_ids: list[int], last: bool, aux: bytes | None, aux_limit: int) -> list[int] | None:
+        """Validate a chunk (ValueError, RuntimeError as ``send`` documents) and answer the decode pages it
+        goes to; None when the room is Failed (the chunk is ignored). Changes nothing."""
+        room = self.room
+        if self._released:
+            raise RuntimeError(f"room {room}: send() after release()")
+        if self._state == KVPoll.Failed:
+            return None
+        if self._last_sent or self._state == KVPoll.Success:
+            raise RuntimeError(f"room {room}: send() after the last chunk")
+        request = self._request
+        if self._state == KVPoll.Bootstrapping or request is None:
+            raise RuntimeError(f"room {room}: send() before the decode's page list arrived (Bootstrapping)")
+        end = self._offset + len(page_ids)
+        if end > len(request.page_ids):
+            raise ValueError(f"room {room}: {end} pages sent in all, the decode reserved {len(request.page_ids)}")
+        if aux is not None:
+            if not last:
+                raise ValueError(f"room {room}: aux goes with the last chunk only")
+            if len(aux) > aux_limit:
+                raise ValueError(f"room {room}: aux of {len(aux)} bytes, the slots hold {aux_limit}")
+        return request.page_ids[self._offset : end]
+
+    def chunk_posted(self, num_pages: int, last: bool, aux_len: int | None, write: _Write | None, now: float) -> None:
+        """A chunk validated by ``next_chunk`` went out (``write``: its batch, None when it had no block)."""
+        if aux_len is not None:
+            self._aux_len = aux_len
+        self._first_send = self._first_send or now
+        self._offset += num_pages
+        self._last_sent = last
+        self._state = KVPoll.Transferring
+        if write is not None:
+            self._writes.append(write)
+
+    def settle(self, poll: Callable[[WriteHandle], WriteState], now: float,
+               transfer_s: float) -> tuple[list[_Write], _Write | None, bool]:
+        """Progress of the posted writes, oldest first: (writes DONE and done with, the first FAILED one
+        or None, whether one is still PENDING past ``transfer_s``). Stops at the first PENDING or FAILED."""
+        done: list[_Write] = []
+        while self._writes:
+            write = self._writes[0]
+            state = poll(write.handle)
+            if state == WriteState.PENDING:
+                return done, None, now - write.posted > transfer_s
+            self._writes.pop(0)
+            if state == WriteState.FAILED:
+                return done, write, False
+            done.append(write)
+        return done, None, False
+
+    @property
+    def has_writes(self) -> bool:
+        return bool(self._writes)
+
+    @property
+    def is_complete(self) -> bool:
+        """Every chunk sent, the last one included, and every write DONE."""
+        return self._state == KVPoll.Transferring and self._last_sent and not self._writes
+
+    def succeed(self, now: float) -> None:
+        self._state = KVPoll.Success
+        self.latency_s = now - self._first_send
+
+    def mark_released(self) -> None:
+        self._released = True
+
+    def take_writes(self) -> list[_Write]:
+        """Every write still listed (the manager is closing)."""
+        writes, self._writes = self._writes, []
+        return writes
 
     def _live(self) -> bool:
         """The fence's view of this room (any thread, no lock): no byte is worth sending once Failed."""
@@ -143,16 +261,16 @@ class SenderRooms:
                     TransferErrorKind.RANGE_REJECTED,
                     f"room {room}: aux slot {msg.aux_index} outside the decode's {link.num_aux_slots} slots",
                 )
-            elif room in self._requests or (sender is not None and sender._request is not None):
+            elif room in self._requests or (sender is not None and sender.request is not None):
                 problem = TransferError(TransferErrorKind.PROTOCOL, f"room {room}: page list sent twice")
             elif room in self._tombstones:
                 problem = TransferError(TransferErrorKind.ABORTED, f"room {room}: already aborted")
-            elif sender is not None and sender._state == KVPoll.Failed:
-                problem = sender._error
+            elif sender is not None and sender.poll() == KVPoll.Failed:
+                problem = sender.failure()
             if problem is not None:
                 outbox.append((channel, RoomStatus(room, False, problem.kind.value, problem.message)))
                 outbox.append((channel, Quiesced(room)))
-                if sender is not None and sender._request is None:
+                if sender is not None and sender.request is None:
                     self._fail(sender, problem, outbox, notify=False)
             else:
                 request = _Request(link, list(msg.page_ids), msg.aux_index, time.monotonic(), msg.generation)
@@ -169,17 +287,17 @@ class SenderRooms:
             sender = self._senders.get(room)
             if sender is None:
                 self._tombstones[room] = (reason, time.monotonic() + self._ctx.timeouts.bootstrap_s)
-            elif sender._request is None or sender._request.link is link:
+            elif sender.request is None or sender.belongs_to(link):
                 self._fail(sender, error, [], notify=False)
             # answered by tick() once no write of the room is in flight (at once if none ever was)
-            if sender is None or sender._request is None or sender._request.link is link:
+            if sender is None or sender.request is None or sender.belongs_to(link):
                 self._unquiet[room] = link
                 self._ctx.kick()
 
     def on_link_closed(self, link: Link, error: TransferError) -> None:
         """The decode behind ``link`` is gone: fail its rooms, forget its pending requests (lock held)."""
         for sender in self._senders.values():
-            if sender._request is not None and sender._request.link is link:
+            if sender.belongs_to(link):
                 self._fail(sender, room_error(sender.room, error), [], notify=False)
         for room in [r for r, req in self._requests.items() if req.link is link]:
             del self._requests[room]
@@ -187,7 +305,7 @@ class SenderRooms:
     def fail_link(self, link: Link, error: TransferError, outbox: Outbox) -> None:
         """Fail every room of ``link`` (a silent decode); lock held."""
         for sender in self._senders.values():
-            if sender._request is not None and sender._request.link is link:
+            if sender.belongs_to(link):
                 self._fail(sender, room_error(sender.room, error), outbox, notify=False)
 
     # -- rooms (scheduler thread) ----------------------------------------------------------------
@@ -210,44 +328,25 @@ class SenderRooms:
             return sender
 
     def _attach(self, sender: KVSender, request: _Request) -> None:
-        sender._request = request
-        sender._fence = Fence(sender.room, request.generation, sender._live)
-        sender.num_dst_pages = len(request.page_ids)
+        changed = sender.attach(request)
         if request.link.closed:
             error = TransferError(TransferErrorKind.PEER_GONE, f"room {sender.room}: the decode disconnected")
             self._fail(sender, error, [], notify=False)
-        elif sender._state == KVPoll.Bootstrapping:
-            sender._state = KVPoll.WaitingForInput
+        elif changed:
             self._ctx.changed()
 
     def send(self, sender: KVSender, page_ids: list[int], last: bool, aux: bytes | None) -> None:
         ctx, room = self._ctx, sender.room
         outbox: Outbox = []
         with ctx.lock:
-            if sender._released:
-                raise RuntimeError(f"room {room}: send() after release()")
-            if sender._state == KVPoll.Failed:
+            request = sender.request
+            link = request.link if request is not None else None
+            aux_limit = min(link.aux_slot_bytes, ctx.args.aux_slot_bytes) if link and link.num_aux_slots else 0
+            dst_pages = sender.next_chunk(page_ids, last, aux, aux_limit)  # raises for a bad chunk
+            if dst_pages is None:  # Failed: ignored
                 return
-            if sender._last_sent or sender._state == KVPoll.Success:
-                raise RuntimeError(f"room {room}: send() after the last chunk")
-            request = sender._request
-            if sender._state == KVPoll.Bootstrapping or request is None:
-                raise RuntimeError(f"room {room}: send() before the decode's page list arrived (Bootstrapping)")
-            link = request.link
-            assert link.reg is not None and link.peer is not None
-            end = sender._offset + len(page_ids)
-            if end > len(request.page_ids):
-                raise ValueError(
-                    f"room {room}: {end} pages sent in all, the decode reserved {len(request.page_ids)}"
-                )
+            assert link is not None and request is not None and link.reg is not None and link.peer is not None
             check_pages(page_ids, ctx.args.num_pages, f"room {room}: source pages")
-            if aux is not None:
-                if not last:
-                    raise ValueError(f"room {room}: aux goes with the last chunk only")
-                limit = min(link.aux_slot_bytes, ctx.args.aux_slot_bytes)
-                if not link.num_aux_slots or len(aux) > limit:
-                    raise ValueError(f"room {room}: aux of {len(aux)} bytes, the slots hold {limit}")
-            dst_pages = request.page_ids[sender._offset : end]
             blocks = kv_blocks(ctx.args.kv_ptrs, link.reg.kv_ptrs, ctx.args.kv_item_lens,
                                merge_runs(page_ids, dst_pages))
             slot: int | None = None
@@ -255,36 +354,35 @@ class SenderRooms:
                 if not self._free_slots:
                     raise RuntimeError(f"room {room}: all {NUM_STAGING_SLOTS} aux staging slots are busy")
                 slot = self._free_slots.pop()
-                sender._aux_len = len(aux)
                 self.staging[slot, : len(aux)] = np.frombuffer(aux, dtype=np.uint8)
                 dst_aux = link.reg.aux_ptrs[0] + request.aux_index * link.reg.aux_item_lens[0]
                 blocks.append((int(self.staging[slot].ctypes.data), dst_aux, len(aux)))
-            sender._first_send = sender._first_send or time.monotonic()
-            sender._offset = end
-            sender._last_sent = last
-            sender._state = KVPoll.Transferring
+            write: _Write | None = None
+            error: TransferError | None = None
             if blocks:
                 try:
-                    handle = ctx.backend.write(link.peer, blocks, sender._fence)
+                    handle = ctx.backend.write(link.peer, blocks, sender.fence)
                 except TransferError as exc:
                     if slot is not None:
                         self._free_slots.append(slot)
-                    self._fail(sender, room_error(room, exc), outbox)
+                    error = exc
                 else:
-                    sender._writes.append(_Write(room, handle, time.monotonic(), slot))
+                    write = _Write(room, handle, time.monotonic(), slot)
                     ctx.num_bytes_sent += sum(length for _, _, length in blocks)
+            sender.chunk_posted(len(page_ids), last, len(aux) if aux else None, write, time.monotonic())
+            if error is not None:
+                self._fail(sender, room_error(room, error), outbox)
             ctx.kick()
         flush(outbox)
 
     def _fail(self, sender: KVSender, error: TransferError, outbox: Outbox, *, notify: bool = True) -> None:
-        if sender._state in _TERMINAL:
+        in_flight = sender.fail(error)
+        if in_flight is None:  # already ended
             return
-        sender._state, sender._error = KVPoll.Failed, error
         self._ctx.num_rooms_failed += 1
         self._ctx.changed()
-        self._graveyard.extend(sender._writes)
-        sender._writes = []
-        request = sender._request
+        self._graveyard.extend(in_flight)
+        request = sender.request
         if request is not None and not request.link.closed:
             self._unquiet[sender.room] = request.link
             self._ctx.kick()  # the next tick tells the decode once none of the room's writes is in flight
@@ -294,9 +392,9 @@ class SenderRooms:
     def abort(self, sender: KVSender, reason: str) -> None:
         outbox: Outbox = []
         with self._ctx.lock:
-            if sender._state in _TERMINAL:
+            if sender.is_terminal:
                 return
-            request = sender._request
+            request = sender.request
             error = TransferError(TransferErrorKind.ABORTED, f"room {sender.room}: aborted by the prefill: {reason}")
             self._fail(sender, error, outbox, notify=False)
             if request is not None and not request.link.closed:
@@ -304,12 +402,12 @@ class SenderRooms:
         flush(outbox)
 
     def release(self, sender: KVSender) -> None:
-        if sender._released:
+        if sender.is_released:
             return
-        if sender._state not in _TERMINAL:
+        if not sender.is_terminal:
             self.abort(sender, "released before completion")
         with self._ctx.lock:
-            sender._released = True
+            sender.mark_released()
             if self._senders.get(sender.room) is sender:
                 del self._senders[sender.room]
 
@@ -322,10 +420,10 @@ class SenderRooms:
         """Poll writes, complete or fail rooms, expire requests. Lock held. True if writes are pending."""
         ctx, timeouts, busy = self._ctx, self._ctx.timeouts, False
         for sender in list(self._senders.values()):
-            if sender._state == KVPoll.Transferring:
+            if sender.poll() == KVPoll.Transferring:
                 self._progress(sender, now, outbox)
-                busy = busy or bool(sender._writes)
-            elif sender._state == KVPoll.Bootstrapping and now - sender._created > timeouts.bootstrap_s:
+                busy = busy or sender.has_writes
+            elif sender.poll() == KVPoll.Bootstrapping and now - sender.created > timeouts.bootstrap_s:
                 error = TransferError(
                     TransferErrorKind.TIMEOUT,
                     f"room {sender.room}: no page list from a decode within {timeouts.bootstrap_s:g}s",
@@ -363,40 +461,34 @@ class SenderRooms:
 
     def _progress(self, sender: KVSender, now: float, outbox: Outbox) -> None:
         backend, room = self._ctx.backend, sender.room
-        request = sender._request
+        request = sender.request
         assert request is not None
-        while sender._writes:
-            write = sender._writes[0]
-            state = backend.poll(write.handle)
-            if state == WriteState.PENDING:
-                if now - write.posted > self._ctx.timeouts.transfer_s:
-                    error = TransferError(
-                        TransferErrorKind.TIMEOUT,
-                        f"room {room}: a chunk to {request.link.channel.name} still pending after "
-                        f"{self._ctx.timeouts.transfer_s:g}s",
-                    )
-                    self._fail(sender, error, outbox)
-                return
-            sender._writes.pop(0)
-            if state == WriteState.FAILED:
-                cause = backend.error(write.handle)
-                self._retire(write)
-                kind = cause.kind if cause else TransferErrorKind.PEER_GONE
-                detail = cause.message if cause else "write failed"
-                self._fail(sender, TransferError(kind, f"room {room}: {detail}"), outbox)
-                return
+        done, failed, overdue = sender.settle(backend.poll, now, self._ctx.timeouts.transfer_s)
+        for write in done:
             self._retire(write)
-        if sender._last_sent:
-            sender._state = KVPoll.Success
+        if overdue:
+            error = TransferError(
+                TransferErrorKind.TIMEOUT,
+                f"room {room}: a chunk to {request.link.channel.name} still pending after "
+                f"{self._ctx.timeouts.transfer_s:g}s",
+            )
+            self._fail(sender, error, outbox)
+        elif failed is not None:
+            cause = backend.error(failed.handle)
+            self._retire(failed)
+            kind = cause.kind if cause else TransferErrorKind.PEER_GONE
+            detail = cause.message if cause else "write failed"
+            self._fail(sender, TransferError(kind, f"room {room}: {detail}"), outbox)
+        elif sender.is_complete:
+            sender.succeed(now)
             self._ctx.changed()
-            sender.latency_s = now - sender._first_send
             self._ctx.num_rooms_completed += 1
-            outbox.append((request.link.channel, RoomStatus(room, True, aux_len=sender._aux_len)))
+            outbox.append((request.link.channel, RoomStatus(room, True, aux_len=sender.aux_len)))
 
     def fail_all(self, outbox: Outbox) -> None:
         for sender in self._senders.values():
-            if sender._state not in _TERMINAL:
-                request = sender._request
+            if not sender.is_terminal:
+                request = sender.request
                 self._fail(sender, TransferError(
                     TransferErrorKind.ABORTED, f"room {sender.room}: the prefill's KV manager closed"
                 ), outbox, notify=False)
@@ -407,10 +499,8 @@ class SenderRooms:
         """Release every leftover handle (waiting up to ``deadline_s`` for pending ones)."""
         end = time.monotonic() + deadline_s
         with self._ctx.lock:
-            writes = self._graveyard + [w for s in self._senders.values() for w in s._writes]
+            writes = self._graveyard + [w for s in self._senders.values() for w in s.take_writes()]
             self._graveyard = []
-            for sender in self._senders.values():
-                sender._writes = []
         for write in writes:
             while self._ctx.backend.poll(write.handle) == WriteState.PENDING and time.monotonic() < end:
                 time.sleep(0.005)
