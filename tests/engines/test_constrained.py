@@ -150,3 +150,47 @@ def test_after_the_grammar_ends_only_eos_follows(make_engine: Any, model_dir: st
         outputs.append(steps[0].token_id)
     eos = e.engine.info.eos_token_ids
     assert outputs[-3:] == [eos[0]] * 3 and outputs.index(eos[0]) <= 3
+
+
+def test_scheduler_waits_for_the_compile_and_refuses_what_the_library_rejects(make_engine: Any,
+                                                                             model_dir: str) -> None:
+    import time
+
+    from workers.engines.sim import SimEngine
+    from workers.kv_pool import KVPool
+    from workers.protocol import Error, Outputs, Submit
+    from workers.scheduler import Scheduler, SchedulerConfig
+
+    e = make_engine(model_dir)
+    sink: list[tuple[int, Any]] = []
+    sched = Scheduler(SchedulerConfig("both", chunk_size=16), e.engine, e.pool, sink.extend)
+    sched.submit(0, Submit(1, [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=24,
+                                                        grammar=Grammar("regex", REGEX))))
+    sched.submit(0, Submit(2, [5, 6], SamplingParams(max_new_tokens=4, grammar=Grammar(
+        "regex", "(x", param="sampling_params.regex"))))
+    sched.submit(0, Submit(3, [8, 9], SamplingParams(temperature=0.0, max_new_tokens=4)))
+    deadline = time.monotonic() + 60
+    sched.step()
+    while sched.reqs:
+        assert time.monotonic() < deadline, "requests did not finish"
+        if not sched.step():
+            time.sleep(0.005)
+    outputs = {rid: [t for _, m in sink if isinstance(m, Outputs) for i in m.items if i.rid == rid for t in i.token_ids]
+               for rid in (1, 3)}
+    errors = [m for _, m in sink if isinstance(m, Error)]
+    assert [(m.rid, m.code, m.param) for m in errors] == [(2, "bad_request", "sampling_params.regex")]
+    assert re.fullmatch(REGEX, text_of(model_dir, outputs[1], e.engine.info.eos_token_ids))
+    assert len(outputs[3]) == 4
+    assert sched.cache.num_available == e.pool.num_pages
+
+    sim = SimEngine()
+    pool = KVPool(num_layers=sim.info.num_layers, num_pages=16, page_size=4, num_kv_heads=sim.info.num_kv_heads,
+                  head_dim=sim.info.head_dim)
+    sim.bind(pool)
+    sink.clear()
+    sched = Scheduler(SchedulerConfig("both"), sim, pool, sink.extend)
+    sched.submit(0, Submit(4, [1, 2], SamplingParams(grammar=Grammar("json_object", param="response_format"))))
+    sched.step()
+    (refusal,) = [m for _, m in sink if isinstance(m, Error)]
+    assert refusal.rid == 4 and refusal.param == "response_format" and "sim engine" in refusal.message
+    assert pool.num_free_pages == pool.num_pages
