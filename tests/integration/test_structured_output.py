@@ -209,6 +209,30 @@ def test_forced_tool_call_validates_across_the_split(deployment: Deployment, too
     assert calls[0]["id"].startswith("call_")
 
 
+def test_auto_tool_choice_crosses_the_split(deployment: Deployment) -> None:
+    """Unconstrained: the answer is a call only when the model wrote one; P->D equals one worker either way."""
+    kw = {"max_tokens": 40, "temperature": 0, "tools": [WEATHER_TOOL, TIME_TOOL]}
+    pd = chat(deployment.pd_url, WEATHER_QUESTION, **kw).choices[0]
+    both = chat(deployment.both_url, WEATHER_QUESTION, **kw).choices[0]
+    assert pd.message.content == both.message.content and pd.finish_reason == both.finish_reason
+
+    def calls(choice: Any) -> list[tuple[str, str]]:
+        return [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+
+    assert calls(pd) == calls(both)
+    if pd.message.tool_calls:
+        assert pd.finish_reason == "tool_calls" and pd.message.content is None
+        assert all(isinstance(json.loads(arguments), dict) for _, arguments in calls(pd))
+    else:
+        assert pd.message.content
+    streamed = list(chat(deployment.pd_url, WEATHER_QUESTION, stream=True, **kw))
+    merged, finish = _streamed_calls(streamed)
+    assert finish == pd.finish_reason
+    assert [(c["name"], c["arguments"]) for c in merged.values()] == calls(pd)
+    text = "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)
+    assert text == (pd.message.content or "")
+
+
 def test_tool_results_continue_the_conversation(deployment: Deployment) -> None:
     messages = [
         {"role": "user", "content": WEATHER_QUESTION},
