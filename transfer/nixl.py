@@ -143,6 +143,18 @@ UCX_TRANSPORTS = (
 )
 
 
+def rdma_ports(root: str = "/sys/class/infiniband") -> list[str]:
+    """Every RDMA device port of this machine as UCX names it (``mlx5_0:1``)."""
+    if not os.path.isdir(root):
+        return []
+    ports = []
+    for device in sorted(os.listdir(root)):
+        port_dir = os.path.join(root, device, "ports")
+        if os.path.isdir(port_dir):
+            ports += [f"{device}:{port}" for port in sorted(os.listdir(port_dir), key=lambda p: (len(p), p))]
+    return ports
+
+
 def _backend_params(opts: dict[str, Any], num_threads: int, advertise_host: str | None) -> dict[str, str]:
     """The UCX plugin's init parameters for ``opts`` (its ``engine_config`` carries UCX settings)."""
     params: dict[str, str] = {}
@@ -155,7 +167,9 @@ def _backend_params(opts: dict[str, Any], num_threads: int, advertise_host: str 
         params["ucx_error_handling_mode"] = opts["ucx_error_handling_mode"]
     devices = opts.get("ucx_net_devices")
     if devices is None and advertise_host is not None and "UCX_NET_DEVICES" not in os.environ:
-        devices = interface_of(advertise_host)  # our metadata then holds the advertised address only
+        # Our metadata then holds the advertised address as the only IP one; RDMA ports stay usable.
+        iface = interface_of(advertise_host)
+        devices = ",".join([iface, *rdma_ports()]) if iface else None
     if devices:
         params["ucx_devices"] = devices
     if "ucx_tls" in opts:
@@ -177,7 +191,8 @@ class NixlBackend(WriteTable, TransferBackend):
         Option("ucx_tls", lambda raw: ",".join(name_list(raw, allowed=UCX_TRANSPORTS, what="UCX transport")),
                "UCX transports, comma-separated, as UCX_TLS (e.g. tcp; rc,cuda_copy,cuda_ipc); default: UCX's"),
         Option("ucx_net_devices", lambda raw: ",".join(name_list(raw, what="net device")),
-               "UCX net devices, as UCX_NET_DEVICES (e.g. eth0, mlx5_0:1); default: the advertised interface"),
+               "UCX net devices, as UCX_NET_DEVICES (e.g. eth0, mlx5_0:1); default: the advertised interface "
+               "and every RDMA port"),
         Option("ucx_error_handling_mode", choice("peer", "none"),
                "peer (default: a dead peer fails its writes) or none (needed by shared-memory-only UCX_TLS)"),
         Option("ucx_num_workers", positive_int, "UCX workers of the agent (default 1)"),

@@ -124,3 +124,21 @@ def test_mooncake_rdma_needs_the_devices_it_names(tmp_path: Path) -> None:
     _check_rdma_devices("mlx5_1", root=str(tmp_path))
     with pytest.raises(TransferOptionError, match="no RDMA device mlx5_7 here \\(have: mlx5_0, mlx5_1\\)"):
         _check_rdma_devices("mlx5_0,mlx5_7", root=str(tmp_path))
+
+
+def test_nixl_default_devices_are_the_advertised_interface_and_every_rdma_port(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import transfer.nixl as nixl
+
+    for device, ports in (("mlx5_0", ["1"]), ("mlx5_1", ["1", "2"])):
+        for port in ports:
+            (tmp_path / device / "ports" / port).mkdir(parents=True)
+    assert nixl.rdma_ports(str(tmp_path)) == ["mlx5_0:1", "mlx5_1:1", "mlx5_1:2"]
+    assert nixl.rdma_ports(str(tmp_path / "none")) == []
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    monkeypatch.setattr(nixl, "rdma_ports", lambda: ["mlx5_0:1"])
+    assert nixl._backend_params({}, 0, "127.0.0.1")["ucx_devices"] == "lo,mlx5_0:1"
+    assert "ucx_devices" not in nixl._backend_params({}, 0, "192.0.2.7")  # not ours: UCX decides
+    assert nixl._backend_params({"ucx_net_devices": "eth9"}, 0, "127.0.0.1")["ucx_devices"] == "eth9"
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    assert "ucx_devices" not in nixl._backend_params({}, 0, "127.0.0.1")  # the environment decides
