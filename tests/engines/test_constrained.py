@@ -194,3 +194,17 @@ def test_scheduler_waits_for_the_compile_and_refuses_what_the_library_rejects(ma
     (refusal,) = [m for _, m in sink if isinstance(m, Error)]
     assert refusal.rid == 4 and refusal.param == "response_format" and "sim engine" in refusal.message
     assert pool.num_free_pages == pool.num_pages
+
+
+def test_a_migrated_stream_continues_its_grammar(make_engine: Any, model_dir: str) -> None:
+    """A stream that moved pairs restarts with prompt + its outputs and ``output_offset``: the new engine's
+    matcher consumes those outputs (from ``all_token_ids``) and samples what one engine would have."""
+    import msgspec
+
+    e = make_engine(model_dir)
+    params = SamplingParams(temperature=0.0, grammar=Grammar("json_schema", json.dumps(SCHEMA)))
+    whole = generate(e.engine, e.pool, 1, [3, 4, 5], params, max_new_tokens=120)
+    for k in (1, 5, 11):
+        moved = msgspec.structs.replace(params, output_offset=k)
+        rest = generate(e.engine, e.pool, 2, [3, 4, 5, *whole[:k]], moved, max_new_tokens=120)
+        assert rest == whole[k:], k
