@@ -19,6 +19,11 @@ def random_hex() -> str:
     return f"{_ids.getrandbits(128):032x}"
 
 
+def random_room() -> int:
+    """A fresh 63-bit bootstrap room (unique per attempt with overwhelming odds; a syscall cheaper than ``secrets``)."""
+    return _ids.getrandbits(63)
+
+
 REQUEST_ID: ContextVar[str] = ContextVar("request_id", default="")
 REQUEST_T0: ContextVar[float] = ContextVar("request_t0", default=0.0)  # time.monotonic() at arrival
 

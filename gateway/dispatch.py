@@ -43,7 +43,6 @@ import asyncio
 import logging
 import math
 import random
-import secrets
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -52,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from gateway.context import REQUEST_ID, REQUEST_T0
+from gateway.context import REQUEST_ID, REQUEST_T0, random_room
 from gateway.errors import APIError, BadGateway, NoWorkers, UpstreamTimeout, from_worker_error
 from gateway.metrics import GatewayMetrics
 from gateway.policies import Pair, RequestInfo, WorkerView
@@ -259,7 +258,7 @@ class Dispatcher:
                 assert info is not None
                 if info.bootstrap_host is None:
                     raise BadGateway(f"prefill worker {prefill.url} reported no bootstrap address")
-                target = BootstrapTarget(info.bootstrap_host, info.bootstrap_port, secrets.randbits(63),
+                target = BootstrapTarget(info.bootstrap_host, info.bootstrap_port, random_room(),
                                          info.instance_id)
             prompt_tokens = len(input_ids)
             prefill_side = pair.prefill if pair.prefill is not None else pair.decode

@@ -118,7 +118,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     # -- parser callbacks --------------------------------------------------------------------------
     def on_message_begin(self) -> None:
-        super().on_message_begin()
+        if self.hot_routes is None:
+            super().on_message_begin()
+        else:  # the ASGI scope is made only for a request that goes to the app (on_headers_complete)
+            self.url, self.headers, self.expect_100_continue = b"", [], False
         self._in_head, self._head_bytes = True, 0
         self._arm("head")
 
@@ -139,6 +142,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                     self.flow.pause_reading()
                     self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]
                 return
+        if hot is not None:  # uvicorn's start of a message (its scope) with what was parsed since
+            url, headers, expect_100_continue = self.url, self.headers, self.expect_100_continue
+            super().on_message_begin()
+            self.url, self.headers, self.expect_100_continue = url, headers, expect_100_continue
+            self.scope["headers"] = headers
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
