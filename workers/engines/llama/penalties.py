@@ -125,23 +125,21 @@ class LogitAdjuster:
         sizes = [self._num_ids[slot] for slot in slots]
         if not sum(sizes):
             return
-        per_row = torch.tensor(sizes, device=device)
+        vocab = self.vocab_size
+        # One row per sequence (flat offsets of its logits row and counts row, r, f, p), expanded to one row per
+        # seen token with a single repeat_interleave (float64 holds the offsets exactly).
+        meta = torch.tensor([[row * vocab, slot * vocab, s.params.repetition_penalty, s.params.frequency_penalty,
+                              s.params.presence_penalty] for row, slot, s in zip(rows, slots, seqs, strict=True)],
+                            dtype=torch.float64, device=device)
+        per_token = meta.repeat_interleave(torch.tensor(sizes, device=device), dim=0)
         cols = torch.cat([self._ids[slot, :n] for slot, n in zip(slots, sizes, strict=True)])
-        row_of = torch.repeat_interleave(torch.tensor(rows, device=device), per_row)
-        slot_of = torch.repeat_interleave(torch.tensor(slots, device=device), per_row)
-
-        def param(name: str) -> torch.Tensor:
-            values = torch.tensor([getattr(s.params, name) for s in seqs], dtype=torch.float32, device=device)
-            return torch.repeat_interleave(values, per_row)
-
-        at = row_of * self.vocab_size + cols  # flat positions: 1-d index_select / index_copy_ are the fast paths
+        at = per_token[:, 0].long() + cols  # flat positions: 1-d index_select / index_copy_ are the fast paths
         flat = out.view(-1)
         scores = flat.index_select(0, at)
-        counts = self._counts.view(-1).index_select(0, slot_of * self.vocab_size + cols)
-        repetition = param("repetition_penalty")  # every seen token: prompt or output
-        scores = torch.where(scores > 0, scores / repetition, scores * repetition)
-        scores = scores - counts * param("frequency_penalty") - (counts > 0).to(torch.float32) * param(
-            "presence_penalty")
+        counts = self._counts.view(-1).index_select(0, per_token[:, 1].long() + cols)
+        repetition, frequency, presence = per_token[:, 2:].to(torch.float32).unbind(1)
+        scores = torch.where(scores > 0, scores / repetition, scores * repetition)  # every seen token
+        scores = scores - counts * frequency - (counts > 0).to(torch.float32) * presence
         flat.index_copy_(0, at, scores)
 
     def _sync(self, seqs: list[SeqInput]) -> list[int]:
@@ -177,21 +175,28 @@ class LogitAdjuster:
             index = (torch.tensor(output_slots, device=device), torch.tensor(output_ids, device=device))
             self._counts.index_put_(index, torch.ones(len(output_ids), device=device), accumulate=True)
         if new_ids:
-            self._see(torch.tensor(new_slots, device=device), torch.tensor(new_ids, device=device))
+            distinct = len(new_ids) == len(seqs) and len(set(new_slots)) == len(seqs)
+            self._see(torch.tensor(new_slots, device=device), torch.tensor(new_ids, device=device), distinct)
         return slots
 
-    def _see(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
-        """Mark (slot, token) pairs seen; append the ones new to their slot to its distinct-token row."""
-        keys = torch.unique(slots * self.vocab_size + ids)  # sorted: grouped by slot
-        slots, ids = keys // self.vocab_size, keys % self.vocab_size
+    def _see(self, slots: torch.Tensor, ids: torch.Tensor, distinct: bool) -> None:
+        """Mark (slot, token) pairs seen; append the ones new to their slot to its distinct-token row.
+        ``distinct``: no pair repeats (a decode step: one token per slot), so no de-duplication."""
+        if not distinct:
+            keys = torch.unique(slots * self.vocab_size + ids)  # sorted: grouped by slot
+            slots, ids = keys // self.vocab_size, keys % self.vocab_size
         fresh = ~self._seen[slots, ids]
         slots, ids = slots[fresh], ids[fresh]
         if not len(ids):
             return
         self._seen[slots, ids] = True
-        groups, sizes = torch.unique_consecutive(slots, return_counts=True)
+        if distinct:
+            groups, sizes = slots.tolist(), [1] * len(ids)
+        else:
+            unique, counts = torch.unique_consecutive(slots, return_counts=True)
+            groups, sizes = unique.tolist(), counts.tolist()
         start = 0
-        for slot, size in zip(groups.tolist(), sizes.tolist(), strict=True):
+        for slot, size in zip(groups, sizes, strict=True):
             n = self._num_ids[slot]
             if n + size > self._ids.shape[1]:
                 grown = max(64, 2 * self._ids.shape[1], n + size)
