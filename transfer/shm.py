@@ -56,6 +56,7 @@ from transfer.base import (
     fenced,
 )
 from transfer.errors import TransferError, TransferErrorKind
+from transfer.memkind import device_regions
 from transfer.peer_threads import PeerThreadBackend, SenderPeer
 from transfer.shm_fences import FenceBoard
 from transfer.shm_files import SHM_DIR, mapping_of
@@ -202,7 +203,10 @@ class ShmBackend(PeerThreadBackend):
                 TransferErrorKind.PROTOCOL,
                 f"shm: the peer's network backend is {remote.network!r}, ours {self.network.name!r}",
             )
-        if self.same_host and remote.offer is not None:
+        on_device = device_regions(self._regions)  # our KV in GPU memory: memmove cannot read it
+        if on_device and remote.offer is not None:
+            log.info("shm: our KV is in GPU memory (cuda:%d): using %s", on_device[0][2], self.network.name)
+        if self.same_host and remote.offer is not None and not on_device:
             try:
                 peer = self._map(remote.offer)
             except (OSError, ValueError) as exc:

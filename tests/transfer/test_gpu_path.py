@@ -132,3 +132,30 @@ def test_pd_workers_on_cuda_serve_a_chat_over_nixl(tmp_path: Path) -> None:
         assert out.usage is not None and out.usage.completion_tokens >= 1
     finally:
         procs.stop_all()
+
+
+def test_a_prefill_with_its_kv_on_a_gpu_does_not_take_the_shared_memory_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """memmove cannot read device memory: a co-located decode's shared-memory offer is declined and the
+    network backend carries the writes (device memory faked: the CPU cannot make any)."""
+    import base64
+    import sys
+
+    import transfer.shm as shm
+    from transfer import KVArgs
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "contracts"))
+    from kvpeer import FAST, SHAPE, PeerProcess, skip_reason
+
+    if skip_reason("shm"):
+        pytest.skip(str(skip_reason("shm")))
+    decode = PeerProcess("decode", "shm", SHAPE, FAST)  # its pool lives in /dev/shm and is offered
+    backend = create_backend("shm")
+    try:
+        pool = SHAPE.pool()
+        monkeypatch.setattr(shm, "device_regions", lambda regions: [(a, n, 0) for a, n in regions])
+        backend.register(KVArgs.from_pool(pool).regions())
+        peer = backend.connect(base64.b64decode(decode.info["endpoint"]))
+        assert backend.path_of(peer) == "tcp"  # type: ignore[attr-defined]
+    finally:
+        backend.close()
+        decode.close()
