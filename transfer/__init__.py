@@ -12,9 +12,9 @@ from transfer.base import (
     WriteState,
 )
 from transfer.blocks import RegionSet, kv_blocks, merge_runs
-from transfer.decode import KVReceiver
 from transfer.errors import TransferError, TransferErrorKind
 from transfer.manager import KVManager
+from transfer.receiver import KVReceiver
 from transfer.registry import available_backends, create_backend
 from transfer.sender import KVSender
 from transfer.types import KVArgs, KVPoll, KVTimeouts

@@ -35,9 +35,8 @@ import contextlib
 import itertools
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from transfer.base import FencesWrites
@@ -57,6 +56,7 @@ from transfer.messages import (
     RoomRequest,
     RoomStatus,
 )
+from transfer.receiver import KVReceiver, PrefillConn
 from transfer.types import KVPoll
 
 Resolver = Callable[[str, int | None, str | None], tuple[str, int]]
@@ -88,71 +88,14 @@ _TERMINAL = (KVPoll.Failed, KVPoll.Success)
 _MAX_CONNECT_S = 10.0
 
 
-@dataclass(eq=False)
-class _Conn:
-    address: tuple[str, int]
-    channel: ControlChannel | None = None
-    ready: bool = False
-    error: TransferError | None = None
-    receivers: set[KVReceiver] = field(default_factory=set)  # live, or failed and not yet quiesced
-    draining: bool = False  # silent prefill, no fencing: kept open only to hear its Quiesced
-    targets: set[tuple[str, int | None, str | None]] = field(default_factory=set)  # resolved to this address
-
-
-class KVReceiver:
-    """One room on the decode side. Every method is non-blocking (scheduler thread)."""
-
-    def __init__(self, side: DecodeSide, room: int, now: float) -> None:
-        self.room = room
-        self.metadata_sent = False
-        self.aux_len: int | None = None  # bytes the prefill wrote into the aux slot (known at Success)
-        self._side = side
-        self._state = KVPoll.Bootstrapping
-        self._error: TransferError | None = None
-        self._conn: _Conn | None = None
-        self._created = now
-        self._metadata_at = 0.0
-        self._released = False
-        self._quiet = False
-        self._generation = 0  # of our page list (the fence of the prefill's writes)
-        self._fence_open = False
-
-    def poll(self) -> KVPoll:
-        return self._state
-
-    @property
-    def quiesced(self) -> bool:
-        """True once no write of this room can land in our pages any more (Success; or Failed and the
-        prefill confirmed, or the connection to it is gone, or it never got our page list). Pages of a
-        Failed room should go back to the pool only when this is True."""
-        return self._state == KVPoll.Success or not self.metadata_sent or self._quiet
-
-    def send_metadata(self, page_ids: Sequence[int], aux_index: int) -> None:
-        """Tell the prefill where to write. Only in WaitingForInput before metadata was sent; ignored
-        once Failed; ValueError for page ids or an aux slot outside our pool."""
-        self._side.send_metadata(self, list(page_ids), aux_index)
-
-    def failure(self) -> TransferError | None:
-        return self._error
-
-    def abort(self, reason: str) -> None:
-        self._side.abort(self, reason)
-
-    def release(self) -> None:
-        self._side.release(self)
-
-    def __repr__(self) -> str:
-        return f"KVReceiver(room={self.room}, state={self._state.name}, metadata_sent={self.metadata_sent})"
-
-
 class DecodeSide:
     def __init__(self, ctx: Context, resolver: Resolver | None) -> None:
         self._ctx = ctx
         self._resolver = resolver
         self._invalidate = resolver.invalidate if isinstance(resolver, InvalidatingResolver) else None
         self._receivers: dict[int, KVReceiver] = {}
-        self._conns: dict[tuple[str, int], _Conn] = {}
-        self._by_channel: dict[ControlChannel, _Conn] = {}
+        self._conns: dict[tuple[str, int], PrefillConn] = {}
+        self._by_channel: dict[ControlChannel, PrefillConn] = {}
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-bootstrap")
         self._generations = itertools.count(1)
         self._last_beat = time.monotonic()
@@ -172,10 +115,9 @@ class DecodeSide:
             self._receivers[room] = receiver
             conn = self._conns.get(self._known_address(host, port, instance_id) or ("", 0))
             if conn is not None and conn.ready:  # fast path: nothing to resolve, connect or register
-                receiver._conn = conn
+                receiver.join(conn)
                 conn.targets.add((host, port, instance_id))
                 conn.receivers.add(receiver)
-                receiver._state = KVPoll.WaitingForInput
                 self._ctx.changed()
                 return receiver
         self._pool.submit(self._bootstrap, receiver, host, port, instance_id)
@@ -214,24 +156,22 @@ class DecodeSide:
             self._fail_one(receiver, error)
             return
         with self._ctx.lock:
-            if receiver._state in _TERMINAL or self._ctx.closed:
+            if receiver.is_terminal or self._ctx.closed:
                 return
             conn = self._conns.get(address)
             created = conn is None or conn.error is not None
             if created:
-                conn = _Conn(address)
+                conn = PrefillConn(address)
                 self._conns[address] = conn
             assert conn is not None
-            receiver._conn = conn
             conn.targets.add((host, port, instance_id))
             conn.receivers.add(receiver)
-            if conn.ready and receiver._state == KVPoll.Bootstrapping:
-                receiver._state = KVPoll.WaitingForInput
+            if receiver.join(conn):
                 self._ctx.changed()
         if created:
             self._open(conn)
 
-    def _open(self, conn: _Conn) -> None:
+    def _open(self, conn: PrefillConn) -> None:
         host, port = conn.address
         timeout = min(self._ctx.timeouts.bootstrap_s, _MAX_CONNECT_S)
         try:
@@ -257,40 +197,39 @@ class DecodeSide:
         """Lock held. ``gone``: the control connection to the prefill closed; ``cut``: the prefill may be
         frozen mid-write (silent, or its connection gone), so a write of it being received is cut off."""
         was_quiet = receiver.quiesced
-        if receiver._state not in _TERMINAL:
-            receiver._state, receiver._error = KVPoll.Failed, error
+        if receiver.fail(error):
             self._ctx.num_rooms_failed += 1
         if self._fences is not None:
             self._close_fence(receiver, cut=cut or gone)
         elif gone:
-            receiver._quiet = True  # (a prefill that closed the connection while alive: see docs/transfer.md)
-        if receiver._state == KVPoll.Failed or receiver.quiesced != was_quiet:
+            receiver.quiet()  # (a prefill that closed the connection while alive: see docs/transfer.md)
+        if receiver.poll() == KVPoll.Failed or receiver.quiesced != was_quiet:
             self._ctx.changed()
 
     def _close_fence(self, receiver: KVReceiver, *, cut: bool) -> None:
         """Refuse the room's writes from now on (lock held); quiesced once none can land."""
-        if self._fences is None or not receiver.metadata_sent or receiver._quiet:
+        if self._fences is None or not receiver.metadata_sent or receiver.is_quiet:
             return
-        if receiver._fence_open or cut:
-            receiver._fence_open = False
-            if self._fences.close_fence(receiver.room, receiver._generation, cut=cut):
-                receiver._quiet = True
+        if receiver.fence_open or cut:
+            receiver.fence_open = False
+            if self._fences.close_fence(receiver.room, receiver.generation, cut=cut):
+                receiver.quiet()
 
     def _on_fence_quiet(self, room: int, generation: int) -> None:
         """Backend thread: a closed fence's last write being received is out."""
         with self._ctx.lock:
             receiver = self._receivers.get(room)
-            if receiver is not None and receiver._generation == generation and not receiver._quiet:
-                receiver._quiet = True
-                if receiver._conn is not None:
-                    receiver._conn.receivers.discard(receiver)
+            if receiver is not None and receiver.generation == generation and not receiver.is_quiet:
+                receiver.quiet()
+                if receiver.conn is not None:
+                    receiver.conn.receivers.discard(receiver)
                 self._ctx.changed()
 
     def _fail_one(self, receiver: KVReceiver, error: TransferError) -> None:
         with self._ctx.lock:
             self._fail(receiver, error)
 
-    def _conn_failed(self, conn: _Conn, error: TransferError) -> None:
+    def _conn_failed(self, conn: PrefillConn, error: TransferError) -> None:
         with self._ctx.lock:
             conn.error = conn.error or error
             conn.ready = False
@@ -308,32 +247,30 @@ class DecodeSide:
     def send_metadata(self, receiver: KVReceiver, page_ids: list[int], aux_index: int) -> None:
         args, room = self._ctx.args, receiver.room
         with self._ctx.lock:
-            if receiver._released:
+            if receiver.is_released:
                 raise RuntimeError(f"room {room}: send_metadata() after release()")
-            if receiver._state == KVPoll.Failed:
+            if receiver.poll() == KVPoll.Failed:
                 return
             if receiver.metadata_sent:
                 raise RuntimeError(f"room {room}: send_metadata() called twice")
-            conn = receiver._conn
-            if receiver._state != KVPoll.WaitingForInput or conn is None or conn.channel is None:
+            conn = receiver.conn
+            if receiver.poll() != KVPoll.WaitingForInput or conn is None or conn.channel is None:
                 raise RuntimeError(f"room {room}: send_metadata() before the prefill connection is ready")
             check_pages(page_ids, args.num_pages, f"room {room}: destination pages")
             if args.num_aux_slots and not 0 <= aux_index < args.num_aux_slots:
                 raise ValueError(f"room {room}: aux slot {aux_index} outside [0, {args.num_aux_slots})")
-            receiver.metadata_sent = True
-            receiver._metadata_at = time.monotonic()
-            receiver._generation = next(self._generations)
+            receiver.metadata_leaving(next(self._generations), time.monotonic())
             if self._fences is not None:
-                self._fences.open_fence(room, receiver._generation)
-                receiver._fence_open = True
+                self._fences.open_fence(room, receiver.generation)
+                receiver.fence_open = True
             channel = conn.channel
-        channel.send(RoomRequest(room, page_ids, aux_index, receiver._generation))
+        channel.send(RoomRequest(room, page_ids, aux_index, receiver.generation))
 
     def abort(self, receiver: KVReceiver, reason: str) -> None:
         with self._ctx.lock:
-            if receiver._state in _TERMINAL:
+            if receiver.is_terminal:
                 return
-            conn = receiver._conn
+            conn = receiver.conn
             self._fail(receiver, TransferError(
                 TransferErrorKind.ABORTED, f"room {receiver.room}: aborted by the decode: {reason}"
             ))
@@ -342,16 +279,16 @@ class DecodeSide:
             channel.send(Abort(receiver.room, reason))
 
     def release(self, receiver: KVReceiver) -> None:
-        if receiver._released:
+        if receiver.is_released:
             return
-        if receiver._state not in _TERMINAL:
+        if not receiver.is_terminal:
             self.abort(receiver, "released before completion")
         with self._ctx.lock:
-            receiver._released = True
+            receiver.mark_released()
             if self._receivers.get(receiver.room) is receiver:
                 del self._receivers[receiver.room]
-            if receiver._conn is not None:
-                receiver._conn.receivers.discard(receiver)
+            if receiver.conn is not None:
+                receiver.conn.receivers.discard(receiver)
 
     def num_rooms(self) -> int:
         with self._ctx.lock:
@@ -371,8 +308,7 @@ class DecodeSide:
                 with self._ctx.lock:
                     conn.ready = True
                     for receiver in conn.receivers:
-                        if receiver._state == KVPoll.Bootstrapping:
-                            receiver._state = KVPoll.WaitingForInput
+                        receiver.connection_ready()
                     self._ctx.changed()
             case RegisterAck(ok=False, reason=reason, kind=kind):
                 error = TransferError(TransferErrorKind.parse(kind), f"{channel.name} refused registration: {reason}")
@@ -381,12 +317,11 @@ class DecodeSide:
             case RoomStatus(room=room, ok=ok, kind=kind, reason=reason, aux_len=aux_len):
                 with self._ctx.lock:
                     found = self._receivers.get(room)
-                    if found is None or found._conn is not conn or found._state in _TERMINAL:
+                    if found is None or found.conn is not conn or found.is_terminal:
                         return
                     receiver = found
                     if ok and receiver.metadata_sent:
-                        receiver.aux_len = aux_len
-                        receiver._state = KVPoll.Success
+                        receiver.succeed(aux_len)
                         self._ctx.num_rooms_completed += 1
                         self._close_fence(receiver, cut=False)  # every write was acknowledged
                         self._ctx.changed()
@@ -403,14 +338,14 @@ class DecodeSide:
             case Quiesced(room=room):
                 with self._ctx.lock:
                     target = self._receivers.get(room)
-                    if target is not None and target._conn is conn and target._state == KVPoll.Failed:
-                        target._quiet = True
+                    if target is not None and target.conn is conn and target.poll() == KVPoll.Failed:
+                        target.quiet()
                         conn.receivers.discard(target)
                         self._ctx.changed()
             case Abort(room=room, reason=reason):
                 with self._ctx.lock:
                     target = self._receivers.get(room)
-                    if target is not None and target._conn is conn:
+                    if target is not None and target.conn is conn:
                         self._fail(target, TransferError(
                             TransferErrorKind.ABORTED, f"room {room}: aborted by the prefill: {reason}"
                         ))
@@ -430,17 +365,17 @@ class DecodeSide:
         """Enforce bootstrap and waiting timeouts (lock held). Never busy."""
         timeouts = self._ctx.timeouts
         for receiver in list(self._receivers.values()):
-            if receiver._state == KVPoll.Bootstrapping and now - receiver._created > timeouts.bootstrap_s:
+            if receiver.poll() == KVPoll.Bootstrapping and now - receiver.created > timeouts.bootstrap_s:
                 self._fail(receiver, TransferError(
                     TransferErrorKind.TIMEOUT,
                     f"room {receiver.room}: not connected to a prefill within {timeouts.bootstrap_s:g}s",
                 ))
             elif (
-                receiver._state == KVPoll.WaitingForInput
+                receiver.poll() == KVPoll.WaitingForInput
                 and receiver.metadata_sent
-                and now - receiver._metadata_at > timeouts.waiting_s
+                and now - receiver.metadata_at > timeouts.waiting_s
             ):
-                conn = receiver._conn
+                conn = receiver.conn
                 self._fail(receiver, TransferError(
                     TransferErrorKind.TIMEOUT,
                     f"room {receiver.room}: no KV from the prefill within {timeouts.waiting_s:g}s",
@@ -483,9 +418,9 @@ class DecodeSide:
     # -- shutdown --------------------------------------------------------------------------------
     def fail_all(self, outbox: Outbox) -> None:
         for receiver in self._receivers.values():
-            if receiver._state in _TERMINAL:
+            if receiver.is_terminal:
                 continue
-            conn = receiver._conn
+            conn = receiver.conn
             self._fail(receiver, TransferError(
                 TransferErrorKind.ABORTED, f"room {receiver.room}: the decode's KV manager closed"
             ))

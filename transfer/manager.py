@@ -28,8 +28,9 @@ from typing import Literal
 
 from transfer.base import NotifiesCompletion, TransferBackend
 from transfer.context import Context, Outbox, flush
-from transfer.decode import DecodeSide, KVReceiver, Resolver
+from transfer.decode import DecodeSide, Resolver
 from transfer.prefill import PrefillSide
+from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
 from transfer.types import KVArgs, KVTimeouts
 

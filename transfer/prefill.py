@@ -6,7 +6,7 @@ Lifecycle:
 2. A decode sends ``Register`` once: the shape is validated against ours (protocol version, backend,
    page size, dtype, layer count, page bytes), then the backend connects to the decode's data endpoint
    (blocking, in the reader thread), then ``RegisterAck``. A mismatch is refused with the reason.
-3. Room messages (``RoomRequest``, ``Abort``) go to ``SenderRooms`` (``transfer.sender``).
+3. Room messages (``RoomRequest``, ``Abort``) go to ``SenderRooms`` (``transfer.sender_rooms``).
 4. The monitor thread pings every decode; one silent for the heartbeat timeout has its rooms failed
    (TIMEOUT) and its connection closed (never at the first beat after a stall of our own: the decode's
    frames are then still unread); a closed connection fails its rooms (PEER_GONE) and the backend
@@ -32,7 +32,8 @@ from transfer.messages import (
     RegisterAck,
     RoomRequest,
 )
-from transfer.sender import KVSender, Link, SenderRooms
+from transfer.sender import KVSender, Link
+from transfer.sender_rooms import SenderRooms
 from transfer.types import KVArgs
 
 

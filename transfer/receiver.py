@@ -1,0 +1,138 @@
+"""Decode side of one room: ``KVReceiver`` (it owns its state) and the record of a prefill connection.
+
+Lifecycle: ``DecodeSide.create_receiver`` (``transfer.decode``) makes it Bootstrapping; ``join`` (the
+connection to its prefill) / ``connection_ready`` -> WaitingForInput; ``metadata_leaving`` as its page
+list goes out; ``succeed`` on the prefill's ok ``RoomStatus``; ``fail`` at any time; ``quiet`` once no
+write of the room can land any more (``quiesced``); ``release`` forgets it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from transfer.channel import ControlChannel
+from transfer.errors import TransferError
+from transfer.types import KVPoll
+
+if TYPE_CHECKING:
+    from transfer.decode import DecodeSide
+
+_TERMINAL = (KVPoll.Failed, KVPoll.Success)
+
+
+@dataclass(eq=False)
+class PrefillConn:
+    """One control connection to a prefill and the rooms that use it."""
+
+    address: tuple[str, int]
+    channel: ControlChannel | None = None
+    ready: bool = False
+    error: TransferError | None = None
+    receivers: set[KVReceiver] = field(default_factory=set)  # live, or failed and not yet quiesced
+    draining: bool = False  # silent prefill, no fencing: kept open only to hear its Quiesced
+    targets: set[tuple[str, int | None, str | None]] = field(default_factory=set)  # resolved to this address
+
+
+class KVReceiver:
+    """One room on the decode side. It owns its state: the scheduler calls its public methods (each
+    non-blocking); ``DecodeSide`` moves it only through the transitions below, with the manager's lock
+    held (connections, fences and the room table stay with ``DecodeSide``)."""
+
+    def __init__(self, side: DecodeSide, room: int, now: float) -> None:
+        self.room = room
+        self.metadata_sent = False
+        self.aux_len: int | None = None  # bytes the prefill wrote into the aux slot (known at Success)
+        self.created = now
+        self.metadata_at = 0.0  # when the page list left
+        self.generation = 0  # of our page list (the fence of the prefill's writes)
+        self.fence_open = False  # (DecodeSide's bookkeeping of our fence in the backend)
+        self._side = side
+        self._state = KVPoll.Bootstrapping
+        self._error: TransferError | None = None
+        self._conn: PrefillConn | None = None
+        self._released = False
+        self._quiet = False
+
+    # -- the scheduler's API ---------------------------------------------------------------------
+    def poll(self) -> KVPoll:
+        return self._state
+
+    @property
+    def quiesced(self) -> bool:
+        """True once no write of this room can land in our pages any more (Success; or Failed and the
+        prefill confirmed, or the connection to it is gone, or it never got our page list). Pages of a
+        Failed room should go back to the pool only when this is True."""
+        return self._state == KVPoll.Success or not self.metadata_sent or self._quiet
+
+    def send_metadata(self, page_ids: Sequence[int], aux_index: int) -> None:
+        """Tell the prefill where to write. Only in WaitingForInput before metadata was sent; ignored
+        once Failed; ValueError for page ids or an aux slot outside our pool."""
+        self._side.send_metadata(self, list(page_ids), aux_index)
+
+    def failure(self) -> TransferError | None:
+        return self._error
+
+    def abort(self, reason: str) -> None:
+        self._side.abort(self, reason)
+
+    def release(self) -> None:
+        self._side.release(self)
+
+    # -- what DecodeSide reads (lock held) -------------------------------------------------------
+    @property
+    def conn(self) -> PrefillConn | None:
+        return self._conn
+
+    @property
+    def is_terminal(self) -> bool:
+        return self._state in _TERMINAL
+
+    @property
+    def is_released(self) -> bool:
+        return self._released
+
+    @property
+    def is_quiet(self) -> bool:
+        """Told (or known) that no write of ours can land any more."""
+        return self._quiet
+
+    # -- transitions (DecodeSide, lock held); each answers whether poll() or quiesced changed -----
+    def join(self, conn: PrefillConn) -> bool:
+        """Attach to the prefill connection; WaitingForInput when it is registered already."""
+        self._conn = conn
+        return self.connection_ready() if conn.ready else False
+
+    def connection_ready(self) -> bool:
+        if self._state != KVPoll.Bootstrapping:
+            return False
+        self._state = KVPoll.WaitingForInput
+        return True
+
+    def metadata_leaving(self, generation: int, now: float) -> None:
+        self.metadata_sent = True
+        self.metadata_at = now
+        self.generation = generation
+
+    def fail(self, error: TransferError) -> bool:
+        if self._state in _TERMINAL:
+            return False
+        self._state, self._error = KVPoll.Failed, error
+        return True
+
+    def succeed(self, aux_len: int) -> None:
+        self.aux_len = aux_len
+        self._state = KVPoll.Success
+
+    def quiet(self) -> bool:
+        """No byte of ours can land any more. True if ``quiesced`` changed."""
+        was = self.quiesced
+        self._quiet = True
+        return self.quiesced != was
+
+    def mark_released(self) -> None:
+        self._released = True
+
+    def __repr__(self) -> str:
+        return f"KVReceiver(room={self.room}, state={self._state.name}, metadata_sent={self.metadata_sent})"

@@ -1,0 +1,312 @@
+"""Prefill-side room table (``SenderRooms``): senders, page-list requests, aux staging, in-flight writes.
+
+Lifecycle of one room (``KVSender`` in ``transfer.sender`` holds its own state; the connections live in
+``transfer.prefill``):
+1. The decode's ``RoomRequest`` (page ids + aux slot) is kept until the scheduler calls
+   ``create_sender(room)`` (TTL = the bootstrap timeout), or attached at once if the sender exists ->
+   WaitingForInput. A room the decode aborted before any sender existed leaves a tombstone (same TTL).
+2. ``send`` (scheduler thread, non-blocking) maps the chunk's source pages onto the decode's next
+   reserved pages, merges runs, and posts one backend batch (K and V of every layer, plus the aux block
+   with the last chunk, copied into a registered staging slot first).
+3. ``tick`` (monitor thread) polls the batches; once the last chunk and aux are DONE it sends
+   ``RoomStatus(ok)`` and the room is Success. A failed batch, the transfer timeout, an abort or the
+   decode's disappearance make it Failed (``RoomStatus(ok=False)`` or ``Abort`` tells the decode).
+4. Writes of a failed room go to a graveyard that ``tick`` drains; once none of the room's writes is in
+   flight any more the decode gets ``Quiesced(room)``: its pages are safe to reuse.
+5. ``release`` forgets the room (aborting it first if it was still live).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from transfer.base import WriteState
+from transfer.blocks import check_pages, kv_blocks, merge_runs
+from transfer.context import Context, Outbox, flush, room_error
+from transfer.errors import TransferError, TransferErrorKind
+from transfer.messages import Abort, Quiesced, RoomRequest, RoomStatus
+from transfer.sender import KVSender, Link, PageList, PostedWrite
+from transfer.types import KVPoll
+
+NUM_STAGING_SLOTS = 1024  # aux payloads waiting to be written (one per room between last send and DONE)
+
+
+class SenderRooms:
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
+        self._senders: dict[int, KVSender] = {}
+        self._requests: dict[int, PageList] = {}
+        self._tombstones: dict[int, tuple[str, float]] = {}  # rooms the decode aborted before a sender
+        self._graveyard: list[PostedWrite] = []
+        self._unquiet: dict[int, Link] = {}  # failed rooms whose decode awaits Quiesced
+        slot_bytes = max(ctx.args.aux_slot_bytes, 1)
+        self.staging = np.zeros((NUM_STAGING_SLOTS, slot_bytes), dtype=np.uint8)
+        self._free_slots = list(range(NUM_STAGING_SLOTS - 1, -1, -1))
+
+    def staging_region(self) -> tuple[int, int]:
+        return int(self.staging.ctypes.data), int(self.staging.nbytes)
+
+    # -- control messages (reader threads) -------------------------------------------------------
+    def on_room_request(self, link: Link, msg: RoomRequest) -> None:
+        outbox: Outbox = []
+        channel, room = link.channel, msg.room
+        with self._ctx.lock:
+            sender = self._senders.get(room)
+            problem: TransferError | None = None
+            bad = [p for p in msg.page_ids if not 0 <= p < link.num_pages]
+            if bad:
+                problem = TransferError(
+                    TransferErrorKind.RANGE_REJECTED,
+                    f"room {room}: page ids {bad[:4]} outside the decode's {link.num_pages} pages",
+                )
+            elif link.num_aux_slots and not 0 <= msg.aux_index < link.num_aux_slots:
+                problem = TransferError(
+                    TransferErrorKind.RANGE_REJECTED,
+                    f"room {room}: aux slot {msg.aux_index} outside the decode's {link.num_aux_slots} slots",
+                )
+            elif room in self._requests or (sender is not None and sender.request is not None):
+                problem = TransferError(TransferErrorKind.PROTOCOL, f"room {room}: page list sent twice")
+            elif room in self._tombstones:
+                problem = TransferError(TransferErrorKind.ABORTED, f"room {room}: already aborted")
+            elif sender is not None and sender.poll() == KVPoll.Failed:
+                problem = sender.failure()
+            if problem is not None:
+                outbox.append((channel, RoomStatus(room, False, problem.kind.value, problem.message)))
+                outbox.append((channel, Quiesced(room)))
+                if sender is not None and sender.request is None:
+                    self._fail(sender, problem, outbox, notify=False)
+            else:
+                request = PageList(link, list(msg.page_ids), msg.aux_index, time.monotonic(), msg.generation)
+                if sender is None:
+                    self._requests[room] = request
+                else:
+                    self._attach(sender, request)
+        flush(outbox)
+
+    def on_abort(self, link: Link, room: int, reason: str) -> None:
+        error = TransferError(TransferErrorKind.ABORTED, f"room {room}: aborted by the decode: {reason}")
+        with self._ctx.lock:
+            self._requests.pop(room, None)
+            sender = self._senders.get(room)
+            if sender is None:
+                self._tombstones[room] = (reason, time.monotonic() + self._ctx.timeouts.bootstrap_s)
+            elif sender.request is None or sender.belongs_to(link):
+                self._fail(sender, error, [], notify=False)
+            # answered by tick() once no write of the room is in flight (at once if none ever was)
+            if sender is None or sender.request is None or sender.belongs_to(link):
+                self._unquiet[room] = link
+                self._ctx.kick()
+
+    def on_link_closed(self, link: Link, error: TransferError) -> None:
+        """The decode behind ``link`` is gone: fail its rooms, forget its pending requests (lock held)."""
+        for sender in self._senders.values():
+            if sender.belongs_to(link):
+                self._fail(sender, room_error(sender.room, error), [], notify=False)
+        for room in [r for r, req in self._requests.items() if req.link is link]:
+            del self._requests[room]
+
+    def fail_link(self, link: Link, error: TransferError, outbox: Outbox) -> None:
+        """Fail every room of ``link`` (a silent decode); lock held."""
+        for sender in self._senders.values():
+            if sender.belongs_to(link):
+                self._fail(sender, room_error(sender.room, error), outbox, notify=False)
+
+    # -- rooms (scheduler thread) ----------------------------------------------------------------
+    # -- rooms -----------------------------------------------------------------------------------
+    def create_sender(self, room: int) -> KVSender:
+        with self._ctx.lock:
+            if self._ctx.closed:
+                raise RuntimeError("KVManager is closed")
+            if room in self._senders:
+                raise ValueError(f"room {room} already has a sender")
+            sender = KVSender(self, room, time.monotonic())
+            self._senders[room] = sender
+            tomb = self._tombstones.pop(room, None)
+            request = self._requests.pop(room, None)
+            if tomb is not None:
+                error = TransferError(TransferErrorKind.ABORTED, f"room {room}: aborted by the decode: {tomb[0]}")
+                self._fail(sender, error, [], notify=False)
+            elif request is not None:
+                self._attach(sender, request)
+            return sender
+
+    def _attach(self, sender: KVSender, request: PageList) -> None:
+        changed = sender.attach(request)
+        if request.link.closed:
+            error = TransferError(TransferErrorKind.PEER_GONE, f"room {sender.room}: the decode disconnected")
+            self._fail(sender, error, [], notify=False)
+        elif changed:
+            self._ctx.changed()
+
+    def send(self, sender: KVSender, page_ids: list[int], last: bool, aux: bytes | None) -> None:
+        ctx, room = self._ctx, sender.room
+        outbox: Outbox = []
+        with ctx.lock:
+            request = sender.request
+            link = request.link if request is not None else None
+            aux_limit = min(link.aux_slot_bytes, ctx.args.aux_slot_bytes) if link and link.num_aux_slots else 0
+            dst_pages = sender.next_chunk(page_ids, last, aux, aux_limit)  # raises for a bad chunk
+            if dst_pages is None:  # Failed: ignored
+                return
+            assert link is not None and request is not None and link.reg is not None and link.peer is not None
+            check_pages(page_ids, ctx.args.num_pages, f"room {room}: source pages")
+            blocks = kv_blocks(ctx.args.kv_ptrs, link.reg.kv_ptrs, ctx.args.kv_item_lens,
+                               merge_runs(page_ids, dst_pages))
+            slot: int | None = None
+            if aux:
+                if not self._free_slots:
+                    raise RuntimeError(f"room {room}: all {NUM_STAGING_SLOTS} aux staging slots are busy")
+                slot = self._free_slots.pop()
+                self.staging[slot, : len(aux)] = np.frombuffer(aux, dtype=np.uint8)
+                dst_aux = link.reg.aux_ptrs[0] + request.aux_index * link.reg.aux_item_lens[0]
+                blocks.append((int(self.staging[slot].ctypes.data), dst_aux, len(aux)))
+            write: PostedWrite | None = None
+            error: TransferError | None = None
+            if blocks:
+                try:
+                    handle = ctx.backend.write(link.peer, blocks, sender.fence)
+                except TransferError as exc:
+                    if slot is not None:
+                        self._free_slots.append(slot)
+                    error = exc
+                else:
+                    write = PostedWrite(room, handle, time.monotonic(), slot)
+                    ctx.num_bytes_sent += sum(length for _, _, length in blocks)
+            sender.chunk_posted(len(page_ids), last, len(aux) if aux else None, write, time.monotonic())
+            if error is not None:
+                self._fail(sender, room_error(room, error), outbox)
+            ctx.kick()
+        flush(outbox)
+
+    def _fail(self, sender: KVSender, error: TransferError, outbox: Outbox, *, notify: bool = True) -> None:
+        in_flight = sender.fail(error)
+        if in_flight is None:  # already ended
+            return
+        self._ctx.num_rooms_failed += 1
+        self._ctx.changed()
+        self._graveyard.extend(in_flight)
+        request = sender.request
+        if request is not None and not request.link.closed:
+            self._unquiet[sender.room] = request.link
+            self._ctx.kick()  # the next tick tells the decode once none of the room's writes is in flight
+        if notify and request is not None and not request.link.closed:
+            outbox.append((request.link.channel, RoomStatus(sender.room, False, error.kind.value, error.message)))
+
+    def abort(self, sender: KVSender, reason: str) -> None:
+        outbox: Outbox = []
+        with self._ctx.lock:
+            if sender.is_terminal:
+                return
+            request = sender.request
+            error = TransferError(TransferErrorKind.ABORTED, f"room {sender.room}: aborted by the prefill: {reason}")
+            self._fail(sender, error, outbox, notify=False)
+            if request is not None and not request.link.closed:
+                outbox.append((request.link.channel, Abort(sender.room, reason)))
+        flush(outbox)
+
+    def release(self, sender: KVSender) -> None:
+        if sender.is_released:
+            return
+        if not sender.is_terminal:
+            self.abort(sender, "released before completion")
+        with self._ctx.lock:
+            sender.mark_released()
+            if self._senders.get(sender.room) is sender:
+                del self._senders[sender.room]
+
+    def num_rooms(self) -> int:
+        with self._ctx.lock:
+            return len(self._senders)
+
+    # -- monitor thread --------------------------------------------------------------------------
+    def tick(self, now: float, outbox: Outbox) -> bool:
+        """Poll writes, complete or fail rooms, expire requests. Lock held. True if writes are pending."""
+        ctx, timeouts, busy = self._ctx, self._ctx.timeouts, False
+        for sender in list(self._senders.values()):
+            if sender.poll() == KVPoll.Transferring:
+                self._progress(sender, now, outbox)
+                busy = busy or sender.has_writes
+            elif sender.poll() == KVPoll.Bootstrapping and now - sender.created > timeouts.bootstrap_s:
+                error = TransferError(
+                    TransferErrorKind.TIMEOUT,
+                    f"room {sender.room}: no page list from a decode within {timeouts.bootstrap_s:g}s",
+                )
+                self._fail(sender, error, outbox)
+        for room, request in list(self._requests.items()):
+            if now - request.arrived > timeouts.bootstrap_s:
+                del self._requests[room]
+                reason = f"room {room}: the prefill created no sender within {timeouts.bootstrap_s:g}s"
+                outbox.append((request.link.channel, RoomStatus(room, False, TransferErrorKind.TIMEOUT.value, reason)))
+                outbox.append((request.link.channel, Quiesced(room)))
+        for room, (_, expiry) in list(self._tombstones.items()):
+            if now > expiry:
+                del self._tombstones[room]
+        still: list[PostedWrite] = []
+        for write in self._graveyard:
+            if ctx.backend.poll(write.handle) == WriteState.PENDING:
+                still.append(write)
+            else:
+                self._retire(write)
+        self._graveyard = still
+        if self._unquiet:
+            in_flight = {write.room for write in self._graveyard}
+            for room, link in list(self._unquiet.items()):
+                if room not in in_flight:
+                    del self._unquiet[room]
+                    if not link.closed:
+                        outbox.append((link.channel, Quiesced(room)))
+        return busy
+
+    def _retire(self, write: PostedWrite) -> None:
+        self._ctx.backend.release(write.handle)
+        if write.staging_slot is not None:
+            self._free_slots.append(write.staging_slot)
+
+    def _progress(self, sender: KVSender, now: float, outbox: Outbox) -> None:
+        backend, room = self._ctx.backend, sender.room
+        request = sender.request
+        assert request is not None
+        done, failed, overdue = sender.settle(backend.poll, now, self._ctx.timeouts.transfer_s)
+        for write in done:
+            self._retire(write)
+        if overdue:
+            error = TransferError(
+                TransferErrorKind.TIMEOUT,
+                f"room {room}: a chunk to {request.link.channel.name} still pending after "
+                f"{self._ctx.timeouts.transfer_s:g}s",
+            )
+            self._fail(sender, error, outbox)
+        elif failed is not None:
+            cause = backend.error(failed.handle)
+            self._retire(failed)
+            kind = cause.kind if cause else TransferErrorKind.PEER_GONE
+            detail = cause.message if cause else "write failed"
+            self._fail(sender, TransferError(kind, f"room {room}: {detail}"), outbox)
+        elif sender.is_complete:
+            sender.succeed(now)
+            self._ctx.changed()
+            self._ctx.num_rooms_completed += 1
+            outbox.append((request.link.channel, RoomStatus(room, True, aux_len=sender.aux_len)))
+
+    def fail_all(self, outbox: Outbox) -> None:
+        for sender in self._senders.values():
+            if not sender.is_terminal:
+                request = sender.request
+                self._fail(sender, TransferError(
+                    TransferErrorKind.ABORTED, f"room {sender.room}: the prefill's KV manager closed"
+                ), outbox, notify=False)
+                if request is not None and not request.link.closed:
+                    outbox.append((request.link.channel, Abort(sender.room, "prefill KV manager closed")))
+
+    def drain_graveyard(self, deadline_s: float) -> None:
+        """Release every leftover handle (waiting up to ``deadline_s`` for pending ones)."""
+        end = time.monotonic() + deadline_s
+        with self._ctx.lock:
+            writes = self._graveyard + [w for s in self._senders.values() for w in s.take_writes()]
+            self._graveyard = []
+        for write in writes:
+            while self._ctx.backend.poll(write.handle) == WriteState.PENDING and time.monotonic() < end:
+                time.sleep(0.005)
+            self._retire(write)
