@@ -7,6 +7,11 @@ tokens through prefill -> decode as on one ``--role both`` worker, and the field
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +51,52 @@ def test_sim_honours_min_tokens(sim_cluster) -> None:  # type: ignore[no-untyped
     assert r.status_code == 200, r.text
     assert len(r.json()["output_ids"]) == 4 and r.json()["meta_info"]["finish_reason"]["type"] == "stop"
     cluster.wait_pools_full()
+
+
+async def _streams(base_url: str, body: dict[str, Any], n: int, kill_pid: int) -> list[dict[str, Any]]:
+    """``n`` concurrent streams of ``body``; once every one has text, SIGKILL ``kill_pid`` (a decode)."""
+    progress = [0] * n
+
+    async def one(client: httpx.AsyncClient, index: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"text": "", "usage": None, "error": None}
+        async with client.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                                   "stream_options": {"include_usage": True}}) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                out["error"] = event.get("error", out["error"])
+                out["usage"] = event.get("usage") or out["usage"]
+                out["text"] += "".join(c["text"] for c in event.get("choices", []))
+                progress[index] = len(out["text"])
+        return out
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        tasks = [asyncio.create_task(one(client, i)) for i in range(n)]
+        deadline = time.monotonic() + 30
+        while min(progress) < 2:
+            assert time.monotonic() < deadline, progress
+            await asyncio.sleep(0.02)
+        os.kill(kill_pid, signal.SIGKILL)
+        return await asyncio.gather(*tasks)
+
+
+def test_a_migrated_stream_counts_its_earlier_outputs_for_min_tokens(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    """A stream moved to a new pair mid-way (its outputs so far now part of the prompt, output_offset k) stops
+    where it would have: min_tokens counts the k outputs it already had, not from zero again."""
+    cluster = sim_cluster(num_prefill=2, num_decode=2, decode_args=("--engine-option", "decode_step_s=0.03"))
+    body = {"model": "sim", "prompt": "A stream that outlives its decode.", "max_tokens": 60, "min_tokens": 24,
+            "stop_token_ids": STOPS}
+    results = asyncio.run(_streams(cluster.base_url, body, 8, cluster.decodes[0].proc.pid))
+    want = httpx.post(f"{cluster.base_url}/v1/completions", json=body, timeout=60).json()
+    assert want["usage"]["completion_tokens"] == 25, want  # 24 held off the stops, the 25th is the sim's own
+    for out in results:
+        assert out["error"] is None, out
+        assert out["text"] == want["choices"][0]["text"] and out["usage"]["completion_tokens"] == 25, out
+    migrations = httpx.get(f"{cluster.base_url}/metrics", timeout=10).text
+    assert any(line.startswith("pd_gateway_migrations_total ") and float(line.split()[-1]) >= 1
+               for line in migrations.splitlines()), "some streams moved (else this test could not fail)"
+    cluster.wait_pools_full(alive_only=True)
 
 
 REFUSED_BY_SIM: list[tuple[dict[str, Any], str]] = [
