@@ -126,6 +126,9 @@ def test_regex_generate_crosses_the_split(deployment: Deployment) -> None:
     assert pd["meta_info"]["finish_reason"]["type"] == "stop"
     assert generate(deployment.both_url, body)["text"] == pd["text"]
     assert generate_streamed(deployment.pd_url, body) == pd["text"]
+    completion = client(deployment.pd_url).completions.create(  # the same field on /v1/completions
+        model="default", prompt=body["text"], max_tokens=20, temperature=0, extra_body={"regex": REGEX})
+    assert completion.choices[0].text == pd["text"]
 
 
 def test_ebnf_generate(deployment: Deployment) -> None:
