@@ -1,0 +1,86 @@
+"""The gateway's side of the sampling surface: request fields -> SamplingParams, and a worker's refusal renamed
+to the client's field on each route. (Unit tests: a dispatcher that refuses like a worker does.)"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import msgspec
+import pytest
+
+from gateway.api import Frontend, decode_body
+from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from gateway.errors import BadRequest, from_worker_error
+from gateway.tokenizer import ByteTokenizer
+from workers.protocol import StepOutput
+
+
+class RefusingDispatcher:
+    """Answers every choice as a worker whose engine refuses ``field`` (``check_sampling``) would."""
+
+    def __init__(self, field: str) -> None:
+        self.field = field
+
+    async def generate(self, input_ids: list[int], params: Any, **_: Any) -> AsyncGenerator[StepOutput, None]:
+        raise from_worker_error("bad_request", f"{self.field} is not supported by the plugin engine", "decode",
+                                self.field)
+        yield StepOutput(0, [])  # pragma: no cover - makes this an async generator
+
+
+def frontend(field: str = "logit_bias") -> Frontend:
+    return Frontend(RefusingDispatcher(field), ByteTokenizer(), "sim", 4096)  # type: ignore[arg-type]
+
+
+def chat(**fields: Any) -> ChatCompletionRequest:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **fields}
+    return decode_body(msgspec.json.encode(body), ChatCompletionRequest)  # type: ignore[no-any-return]
+
+
+def generate(**sampling: Any) -> GenerateRequest:
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 8, **sampling}}
+    return decode_body(msgspec.json.encode(body), GenerateRequest)  # type: ignore[no-any-return]
+
+
+def test_fields_reach_sampling_params_on_every_route() -> None:
+    fe = frontend()
+    p = fe.prepare_chat(chat(logit_bias={"65": 5, "7": -100}, presence_penalty=0.5, frequency_penalty=-1,
+                             repetition_penalty=1.3, min_tokens=4)).params
+    assert (p.logit_bias, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_new_tokens) == \
+        ({65: 5.0, 7: -100.0}, 0.5, -1.0, 1.3, 4)
+    body = {"prompt": "hi", "max_tokens": 8, "presence_penalty": 2, "min_tokens": 8}
+    p = fe.prepare_completion(decode_body(msgspec.json.encode(body), CompletionRequest)).params
+    assert (p.presence_penalty, p.min_new_tokens, p.repetition_penalty, p.logit_bias) == (2.0, 8, 1.0, {})
+    p = fe.prepare_generate(generate(repetition_penalty=0.7, min_new_tokens=3, logit_bias={"1": 1.5},
+                                     frequency_penalty=0.25))[0].params
+    assert (p.repetition_penalty, p.min_new_tokens, p.logit_bias, p.frequency_penalty) == (0.7, 3, {1: 1.5}, 0.25)
+    assert fe.prepare_chat(chat()).params == fe.prepare_chat(chat(presence_penalty=0, logit_bias={},
+                                                                  repetition_penalty=1, min_tokens=0)).params
+
+
+def test_min_tokens_above_max_tokens_is_a_400_naming_it() -> None:
+    with pytest.raises(BadRequest) as info:
+        frontend().prepare_chat(chat(min_tokens=9))
+    assert info.value.param == "min_tokens"
+    with pytest.raises(BadRequest) as info:
+        frontend().prepare_generate(generate(min_new_tokens=9))
+    assert info.value.param == "sampling_params.min_new_tokens"
+
+
+@pytest.mark.parametrize(("field", "chat_name"), [
+    ("logit_bias", "logit_bias"), ("presence_penalty", "presence_penalty"), ("min_new_tokens", "min_tokens")])
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_worker_refusal_names_the_clients_field(field: str, chat_name: str, n: int) -> None:
+    fe = frontend(field)
+
+    async def run(prep: Any) -> None:
+        async for _ in fe.run_choices(prep):
+            pass
+
+    with pytest.raises(BadRequest) as info:
+        asyncio.run(run(fe.prepare_chat(chat(n=n))))
+    assert info.value.param == chat_name
+    with pytest.raises(BadRequest) as info:
+        asyncio.run(run(fe.prepare_generate(generate())[0]))
+    assert info.value.param == f"sampling_params.{field}"
