@@ -352,8 +352,8 @@ class Frontend:
                 async for event in events:
                     text, entries = state.accept(event)
                     yield state, text, entries
-                    if state.finish_reason is not None:
-                        return
+                    if state.finish_reason is not None and event.finish_reason is None:
+                        return  # a stop string: the generator is closed below (its request aborted)
             except BadRequest as exc:
                 prep.name_for_client(exc)
                 raise

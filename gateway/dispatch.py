@@ -45,7 +45,7 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -186,9 +186,9 @@ class Dispatcher:
         try:
             while True:
                 num_before = len(generated)
+                outputs = self._attempt(request, prompt, attempt_params, avoid, tap if direct is not None else None)
                 try:
-                    async for item in self._attempt(request, prompt, attempt_params, avoid,
-                                                    tap if direct is not None else None):
+                    async for item in outputs:
                         record(item)
                         yield item
                     return
@@ -221,6 +221,10 @@ class Dispatcher:
                         avoid.add(exc.blamed)
                     delay = self.config.retry_backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
                     await asyncio.sleep(min(delay, MAX_BACKOFF_S))
+                finally:
+                    # Closed here, at once: an attempt left suspended (its consumer stopped after the final
+                    # output, or a stop string) would otherwise be closed by the loop's finalizer in a task.
+                    await outputs.aclose()
         except (GeneratorExit, asyncio.CancelledError):  # a stop string ended it (or the client left)
             completed = bool(generated)
             raise
@@ -233,7 +237,7 @@ class Dispatcher:
 
     async def _attempt(self, request: RequestInfo, input_ids: list[int], params: SamplingParams,
                        avoid: set[WorkerClient], tap: Callable[[StepOutput], bool] | None = None,
-                       ) -> AsyncIterator[StepOutput]:
+                       ) -> AsyncGenerator[StepOutput, None]:
         pair = self._select(request, avoid)
         prefill = _client_of(pair.prefill, self.prefills) if pair.prefill is not None else None
         decode = _client_of(pair.decode, self.decodes)
