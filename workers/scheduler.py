@@ -497,7 +497,7 @@ class Scheduler:
             n = len(req.input_ids) + len(req.output_ids)
             batch.append(SeqInput(req.seq_id, req.pages, n - 1, [req.output_ids[-1]], True, req.params,
                                   len(req.output_ids),
-                                  req.all_ids if needs_history(req.params) or req.params.grammar else None))
+                                  req.all_ids if needs_history(req.params) or self._grammar_catch_up(req) else None))
             reqs.append(req)
         budget = self.config.chunk_size
         for req in self._prefilling:
@@ -545,6 +545,11 @@ class Scheduler:
                 log.exception("request %s failed after a forward step", req.key)
                 self._fail(req, "internal", f"{type(exc).__name__}: {exc}")
         return True
+
+    @staticmethod
+    def _grammar_catch_up(req: Req) -> bool:
+        """A migrated constrained stream's first decode step: its matcher needs the outputs ending its prompt."""
+        return req.params.grammar is not None and req.params.output_offset > 0 and len(req.output_ids) == 1
 
     def _after_chunk(self, req: Req, seq: SeqInput, out: SeqOutput) -> None:
         req.num_computed += len(seq.token_ids)

@@ -48,7 +48,8 @@ def model_dir(tiny_model: Callable[[str], Any], tiny_tokenizer_dir: str,
 
 def generate(engine: Any, pool: Any, rid: int, prompt: list[int], params: SamplingParams,
              max_new_tokens: int = 48, split: bool = False) -> list[int]:
-    """Greedy-ish generation until EOS; ``split``: after the first token the matcher is new (a decode)."""
+    """Greedy-ish generation until EOS; ``split``: after the first token the matcher is new (a decode; as the
+    scheduler does, its first step has ``all_token_ids`` when the stream migrated, i.e. ``output_offset``)."""
     pages = pool.alloc(pool.pages_for(len(prompt) + max_new_tokens))
     assert pages is not None
     engine.prepare(params.grammar).result()
@@ -59,7 +60,8 @@ def generate(engine: Any, pool: Any, rid: int, prompt: list[int], params: Sampli
     eos = engine.info.eos_token_ids
     while outputs[-1] not in eos and len(outputs) < max_new_tokens:
         n = len(prompt) + len(outputs)
-        seq = SeqInput(rid, pages, n - 1, [outputs[-1]], True, params, len(outputs), None)
+        history = prompt + outputs if split and len(outputs) == 1 and params.output_offset else None
+        seq = SeqInput(rid, pages, n - 1, [outputs[-1]], True, params, len(outputs), history)
         outputs.append(engine.forward([seq])[0].token_id)
     engine.forget(rid)
     pool.free(pages)
@@ -208,3 +210,5 @@ def test_a_migrated_stream_continues_its_grammar(make_engine: Any, model_dir: st
         moved = msgspec.structs.replace(params, output_offset=k)
         rest = generate(e.engine, e.pool, 2, [3, 4, 5, *whole[:k]], moved, max_new_tokens=120)
         assert rest == whole[k:], k
+        rest = generate(e.engine, e.pool, 3, [3, 4, 5, *whole[:k]], moved, max_new_tokens=120, split=True)
+        assert rest == whole[k:], ("moved and split", k)
