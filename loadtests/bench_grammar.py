@@ -7,7 +7,12 @@ arrays, enums, a pattern and optional fields) against SmolLM2-135M's tokenizer (
 first compile of a cold compiler and a warm recompile of a fresh schema, then the mean and p99 time to
 compute the allowed-token mask per generated token while a valid answer (the canonical tokenization
 of an instance) is fed through the matcher, and the time to apply that mask to a [1, vocab] logits row.
-Also a regex (``sampling_params.regex``) compile. A library that is not importable is skipped.
+Also a regex (``sampling_params.regex``) compile. A library that is not importable is skipped; only
+llguidance is a project dependency. To compare, install the others beside the venv without their
+dependencies (xgrammar's would pull triton) and put them on the path:
+
+    pip install --no-deps --target /tmp/gramlib xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 outlines-core==0.2.14
+    PYTHONPATH=/tmp/gramlib:. python loadtests/bench_grammar.py
 
     python loadtests/bench_grammar.py --decode [--batches 1,16] [--steps 24]
 
