@@ -7,8 +7,8 @@ can be (``Meta`` bounds), otherwise stated in ``extra_json_schema`` and checked 
 (a chat role, ``top_k != 0``, text-only content parts, the shapes of ``prompt``). Checks that need
 the model (its name, the context length, the vocabulary) live in ``gateway.api`` only.
 
-Fields that would change what a request means but that the gateway does not implement (tools,
-structured output, non-text inputs...) are declared here only so that
+Fields that would change what a request means but that the gateway does not implement (legacy
+``functions``, ``structural_tag``, non-text inputs...) are declared here only so that
 ``gateway.api.reject_unsupported`` can answer a 400 naming them instead of silently dropping them.
 """
 

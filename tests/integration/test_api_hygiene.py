@@ -3,7 +3,8 @@ bodies that are malformed (invalid UTF-8, not an object, wrong JSON types at eve
 
 A field that would change what a request means and that is not implemented (non-text inputs, ...) is a
 400 naming it, never silently dropped; its neutral values still work. (Penalties, logit_bias and min_tokens
-are implemented: tests/integration/test_sampling_surface.py.)
+are implemented: tests/integration/test_sampling_surface.py; structured output and tools, which the sim
+engine refuses by name: tests/integration/test_structured_output.py.)
 Transport-level abuse (huge or slow bodies and heads) is in tests/integration/test_http_abuse.py.
 """
 
