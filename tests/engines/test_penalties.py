@@ -227,3 +227,50 @@ def test_a_pd_split_samples_what_one_engine_does(tiny_model, make_engine) -> Non
                     num_cached=len(prompt), chunks=[], outputs=list(p_req.outputs))
     run_requests(decode.engine, decode.pool, [d_req])
     assert d_req.outputs == alone.outputs
+
+
+def test_penalties_and_logit_bias_leave_a_grammar_in_force(tiny_model, tiny_tokenizer_dir, make_engine,
+                                                            tmp_path) -> None:
+    """The grammar's mask comes after the adjustments: a +100 bias on tokens the regex forbids, strong
+    penalties and min_new_tokens still give text in the regex's language (and the adjustments did act)."""
+    import re
+    import shutil
+
+    pytest.importorskip("llguidance")
+    from tokenizers import Tokenizer
+
+    from workers.protocol import Grammar
+
+    shutil.copytree(tiny_model("llama").path, tmp_path, dirs_exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tiny_tokenizer_dir}/{name}", tmp_path / name)
+    regex = r"(ab|cd)[0-9]{2}-[a-z]{3}"
+    under = make_engine(str(tmp_path))
+    engine, pool = under.engine, under.pool
+    eos = engine.info.eos_token_ids
+
+    def run(rid: int, params: SamplingParams) -> list[int]:
+        prompt = [5, 6, 7]
+        pages = pool.alloc(pool.pages_for(len(prompt) + 48))
+        assert pages is not None
+        engine.prepare(params.grammar).result()
+        outputs = [engine.forward([SeqInput(rid, pages, 0, prompt, True, params, 0, prompt)])[0].token_id]
+        while outputs[-1] not in eos and len(outputs) < 48:
+            history = prompt + outputs  # as the scheduler passes it to a request that needs_history
+            seq = SeqInput(rid, pages, len(history) - 1, [outputs[-1]], True, params, len(outputs), history)
+            outputs.append(engine.forward([seq])[0].token_id)
+        engine.forget(rid)
+        return outputs
+
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    grammar = Grammar("regex", regex)
+    plain = run(1, SamplingParams(temperature=0.0, grammar=grammar))
+    banned_first = {plain[0]: -100.0}
+    forced_elsewhere = {t: 100.0 for t in range(300, 320)}  # ids the regex's language has no use for here
+    adjusted = run(2, SamplingParams(temperature=0.0, grammar=grammar, repetition_penalty=1.8, presence_penalty=2.0,
+                                     frequency_penalty=2.0, min_new_tokens=3,
+                                     logit_bias={**banned_first, **forced_elsewhere}))
+    for tokens in (plain, adjusted):
+        assert tokens[-1] in eos
+        assert re.fullmatch(regex, tok.decode(tokens[:-1])), tok.decode(tokens[:-1])
+    assert adjusted != plain, "the bias against the plain first token acted within the grammar"
