@@ -4,7 +4,7 @@ so that torch is not pulled in.
 Lifecycle:
 1. ``NixlBackend(advertise_host=None, options=None)`` creates one agent (unique name, NIXL's progress
    thread, no listener thread: the agent metadata travels over our own control plane) with the NIXL
-   backends of ``options["backends"]`` (default UCX) and starts our own progress thread. UCX settings
+   backends of ``options["backends"]`` (default UCX). UCX settings
    come from ``options`` (``--transfer-option``, ``OPTIONS``): transports (``ucx_tls``), net devices
    (``ucx_net_devices``; by default the interface holding ``advertise_host``, so the addresses in our
    metadata are the ones the worker advertises), error handling mode, workers.
@@ -16,12 +16,14 @@ Lifecycle:
 4. ``connect`` loads the peer's metadata (``add_remote_agent``) and makes one tiny WRITE into the peer's
    scratch, so the UCX wire-up (up to ~2 s) is paid here and not on a request's path.
 5. ``write`` only queues the batch: building the descriptor lists, ``initialize_xfer("WRITE")`` and
-   ``transfer`` take milliseconds (UCX may even push the bytes inline), so the progress thread does them,
-   and polls ``check_xfer_state`` of every batch in flight, sleeping ~0.2 ms between rounds (spinning on
-   it was slower on 2 cores). ``poll`` only reads the state it recorded. A destination the peer never
+   ``transfer`` take milliseconds (UCX may even push the bytes inline), so the peer's sender thread
+   (``transfer.peer_threads``, pipelined) does them for every queued batch, then polls
+   ``check_xfer_state`` of every batch in flight, sleeping ~0.2 ms between rounds (spinning on it was
+   slower on 2 cores). ``poll`` only reads the state it recorded. A destination the peer never
    registered is refused by NIXL (RANGE_REJECTED). NIXL imposes no deadline on a frozen peer (the
    write stays "PROC"): the KV manager's timeouts do.
-6. ``close`` stops the thread, releases every handle, removes the remote agents, deregisters memory.
+6. ``disconnect`` fails the peer's writes at once; its thread releases their handles and removes the
+   remote agent. ``close`` does that for every peer, then deregisters memory.
 Every agent call is made under one lock.
 """
 
@@ -30,9 +32,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import importlib.util
-import itertools
 import os
-import queue
 import threading
 import time
 import uuid
@@ -43,17 +43,11 @@ from typing import Any
 import msgspec
 
 from transfer.base import (
-    UNFENCED,
     Block,
     Fence,
     PeerId,
     Region,
-    TransferBackend,
-    WriteHandle,
     WriteState,
-    WriteTable,
-    fenced,
-    unknown_peer,
 )
 from transfer.errors import TransferError, TransferErrorKind
 from transfer.memkind import DeviceRegion, device_regions, find_device
@@ -67,6 +61,7 @@ from transfer.options import (
     parse_options,
     positive_int,
 )
+from transfer.peer_threads import PeerThreadBackend, SenderPeer
 
 _SCRATCH_BYTES = 64
 _WARMUP_TIMEOUT_S = 10.0
@@ -94,23 +89,10 @@ def xfer_groups(
     return list(groups.items())
 
 
-@dataclass
-class _Write:
-    peer: PeerId
-    blocks: list[Block]
-    fence: Fence = UNFENCED
-    xfers: list[Any] = field(default_factory=list)  # the NIXL handles once posted (one per memory-type pair)
-    state: WriteState = WriteState.PENDING
-    error: TransferError | None = None
-    released: bool = False  # the caller let go of the handle
-    settled: bool = False  # the progress thread is done with it; whoever comes last frees the xfer
-
-
-@dataclass
-class _Peer:
-    name: Any  # what add_remote_agent returned
+@dataclass(eq=False)
+class _NixlPeer(SenderPeer):
+    name: Any = None  # what add_remote_agent returned
     vram: list[DeviceRegion] = field(default_factory=list)  # the peer's device memory (from its endpoint)
-    dead: TransferError | None = None
 
 
 def _import_api() -> Any:
@@ -177,8 +159,13 @@ def _backend_params(opts: dict[str, Any], num_threads: int, advertise_host: str 
     return params
 
 
-class NixlBackend(WriteTable, TransferBackend):
+class NixlBackend(PeerThreadBackend):
     name = "nixl"
+    thread_name = "kv-nixl-send"
+    # NIXL progresses transfers itself: the peer's thread starts every queued batch, then polls
+    pipelined = True
+    poll_sleep_s = _POLL_SLEEP_S
+    fail_inflight_on_drop = True  # (a frozen peer's write stays PROC: a drop fails it at once)
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -221,18 +208,10 @@ class NixlBackend(WriteTable, TransferBackend):
             except Exception as exc:
                 raise _map_error(exc, f"creating backend {backend} with {params}") from exc
         self._agent_lock = threading.RLock()  # every agent call
-        self._lock = threading.Lock()  # the tables below
-        self._writes: dict[WriteHandle, _Write] = {}
-        self._peers: dict[PeerId, _Peer] = {}
-        self._ids = itertools.count(1)
-        self._posts: queue.Queue[WriteHandle | None] = queue.Queue()
-        self._active: list[_Write] = []  # posted, still PENDING (progress thread only)
+        super().__init__()  # peers, sender threads, write records (transfer.peer_threads)
         self._reg: list[Any] | None = None
         self._vram: list[DeviceRegion] = []  # our registered device memory
         self._scratch = (ctypes.c_ubyte * _SCRATCH_BYTES)()
-        self._closed = False
-        self._thread = threading.Thread(target=self._progress_loop, name="kv-nixl-progress", daemon=True)
-        self._thread.start()
 
     def register(self, regions: Sequence[Region]) -> None:
         self._vram = device_regions(regions)
@@ -259,7 +238,7 @@ class NixlBackend(WriteTable, TransferBackend):
         except msgspec.DecodeError as exc:
             raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"nixl: bad endpoint: {exc}") from exc
         with self._agent_lock:
-            if self._closed:
+            if self._closed or self._agent is None:
                 raise TransferError(TransferErrorKind.ABORTED, "nixl: backend closed")
             try:
                 name = self._agent.add_remote_agent(remote.metadata)
@@ -267,9 +246,8 @@ class NixlBackend(WriteTable, TransferBackend):
                 raise TransferError(
                     TransferErrorKind.PEER_UNREACHABLE, f"nixl: add_remote_agent failed: {exc!r}"
                 ) from exc
-        with self._lock:
-            peer_id = next(self._ids)
-            self._peers[peer_id] = _Peer(name, [tuple(r) for r in remote.vram])  # type: ignore[misc]
+        vram = [tuple(r) for r in remote.vram]
+        peer_id = self._add_peer(_NixlPeer(label=repr(name), name=name, vram=vram))  # type: ignore[arg-type]
         handle = self.write(peer_id, [(ctypes.addressof(self._scratch), remote.scratch, 8)])
         deadline = time.monotonic() + _WARMUP_TIMEOUT_S
         while (state := self.poll(handle)) == WriteState.PENDING and time.monotonic() < deadline:
@@ -282,171 +260,58 @@ class NixlBackend(WriteTable, TransferBackend):
             raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"nixl: warm-up write to {name!r} failed: {detail}")
         return peer_id
 
-    def write(self, peer: PeerId, blocks: Sequence[Block], fence: Fence = UNFENCED) -> WriteHandle:
-        with self._lock:
-            handle = next(self._ids)
-            record = _Write(peer, list(blocks), fence)
-            self._writes[handle] = record
-            target = self._peers.get(peer)
-            if target is None or target.dead is not None:
-                record.state = WriteState.FAILED
-                record.error = target.dead if target is not None and target.dead else unknown_peer("nixl", peer)
-                return handle
-            if not blocks:
-                record.state = WriteState.DONE
-                return handle
-        self._posts.put(handle)
-        return handle
-
-    # -- progress thread -------------------------------------------------------------------------
-    def _progress_loop(self) -> None:
-        while True:
-            try:
-                handle = self._posts.get(timeout=0.05) if not self._active else self._posts.get_nowait()
-            except queue.Empty:
-                handle = -1
-            if handle is None:
-                return
-            if handle != -1:
-                self._post(handle)
-                continue  # post everything queued before polling
-            self._check_active()
-            if self._active:
-                time.sleep(_POLL_SLEEP_S)
-
-    def _post(self, handle: WriteHandle) -> None:
-        with self._lock:
-            record = self._writes.get(handle)
-            target = self._peers.get(record.peer) if record is not None else None
-            if record is None:
-                return  # released before it was posted
-            if record.state != WriteState.PENDING:  # failed by disconnect/close before it was posted
-                record.settled = True
-                return
-            if target is None or target.dead is not None:
-                record.state = WriteState.FAILED
-                record.error = target.dead if target is not None and target.dead else unknown_peer("nixl", record.peer)
-                record.settled = True
-                return
-        if not record.fence.live():  # the room died on our side while this waited to be posted
-            self._settle(record, WriteState.FAILED, fenced("nixl", record.fence))
-            return
+    # -- the peer's thread (pipelined) -----------------------------------------------------------
+    def _post(
+        self, peer: SenderPeer, blocks: list[Block], fence: Fence
+    ) -> tuple[Any, TransferError | None, bool]:
+        """``initialize_xfer`` + ``transfer``: one NIXL transfer per memory-type pair of the batch."""
+        assert isinstance(peer, _NixlPeer)
+        xfers: list[Any] = []
         states = []
         try:
-            for (lkind, ldev, rkind, rdev), part in xfer_groups(record.blocks, self._vram, target.vram):
+            for (lkind, ldev, rkind, rdev), part in xfer_groups(blocks, self._vram, peer.vram):
                 with self._agent_lock:
                     local = self._agent.get_xfer_descs([(src, n, ldev) for src, _, n in part], lkind)
                     remote = self._agent.get_xfer_descs([(dst, n, rdev) for _, dst, n in part], rkind)
-                    xfer = self._agent.initialize_xfer("WRITE", local, remote, target.name, b"")
-                    record.xfers.append(xfer)
+                    xfer = self._agent.initialize_xfer("WRITE", local, remote, peer.name, b"")
+                    xfers.append(xfer)
                     states.append(self._agent.transfer(xfer))
         except Exception as exc:
-            self._settle(record, WriteState.FAILED, _map_error(exc, f"write to {target.name!r}"))
-            return
-        record.blocks = []
+            return xfers, _map_error(exc, f"write to {peer.name!r}"), False
+        if "ERR" in states:
+            return xfers, TransferError(TransferErrorKind.PEER_GONE, f"nixl: write to {peer.name!r} failed"), False
+        return xfers, None, all(state == "DONE" for state in states)
+
+    def _check(self, peer: SenderPeer, token: Any) -> tuple[WriteState, TransferError | None]:
+        try:
+            with self._agent_lock:
+                states = [self._agent.check_xfer_state(xfer) for xfer in token]
+        except Exception as exc:
+            return WriteState.FAILED, _map_error(exc, "check_xfer_state")
+        if "ERR" in states:
+            return WriteState.FAILED, TransferError(TransferErrorKind.PEER_GONE, "nixl: write failed (ERR)")
         if all(state == "DONE" for state in states):
-            self._settle(record, WriteState.DONE)
-        elif "ERR" in states:
-            self._settle(record, WriteState.FAILED,
-                         TransferError(TransferErrorKind.PEER_GONE, f"nixl: write to {target.name!r} failed"))
-        else:
-            self._active.append(record)
+            return WriteState.DONE, None
+        return WriteState.PENDING, None
 
-    def _check_active(self) -> None:
-        still = []
-        for record in self._active:
-            if record.state != WriteState.PENDING:  # failed by disconnect/close meanwhile
-                self._settle(record, record.state, record.error)
-                continue
-            try:
-                with self._agent_lock:
-                    states = [self._agent.check_xfer_state(xfer) for xfer in record.xfers]
-            except Exception as exc:
-                self._settle(record, WriteState.FAILED, _map_error(exc, "check_xfer_state"))
-                continue
-            state = "ERR" if "ERR" in states else "DONE" if all(st == "DONE" for st in states) else "PROC"
-            if state == "DONE":
-                self._settle(record, WriteState.DONE)
-            elif state == "ERR":
-                self._settle(record, WriteState.FAILED,
-                             TransferError(TransferErrorKind.PEER_GONE, "nixl: write failed (ERR)"))
-            else:
-                still.append(record)
-        self._active = still
-
-    def _settle(self, record: _Write, state: WriteState, error: TransferError | None = None) -> None:
-        """The batch ended (progress thread): record it; free the NIXL handle if nobody wants it."""
-        with self._lock:
-            changed = record.state == WriteState.PENDING
-            if changed:
-                record.state, record.error = state, error
-            record.settled = True
-            drop = record.released
-        if drop:
-            self._release_xfer(record)
-        if changed:
-            self._settled()
-
-    def _release_xfer(self, record: _Write) -> None:
-        xfers, record.xfers = record.xfers, []
-        for xfer in xfers:
+    def _forget(self, peer: SenderPeer, token: Any) -> None:
+        for xfer in token or []:
             try:
                 with self._agent_lock:
                     self._agent.release_xfer_handle(xfer)
             except Exception:
                 pass  # a handle of a broken connection may refuse release; nothing else to free
 
-    # -- queries ---------------------------------------------------------------------------------
-    def release(self, handle: WriteHandle) -> None:
-        with self._lock:
-            record = self._writes.pop(handle, None)
-            if record is None:
-                return
-            record.released = True
-            settled = record.settled
-        if settled:
-            self._release_xfer(record)  # else the progress thread frees it when the batch ends
+    def _peer_ended(self, peer: SenderPeer) -> None:
+        if isinstance(peer, _NixlPeer) and peer.name is not None:
+            try:
+                with self._agent_lock:
+                    if self._agent is not None:
+                        self._agent.remove_remote_agent(peer.name)
+            except Exception:
+                pass
 
-    def probe(self, peer: PeerId) -> bool:
-        with self._lock:
-            target = self._peers.get(peer)
-            return target is not None and target.dead is None
-
-    def disconnect(self, peer: PeerId) -> None:
-        with self._lock:
-            target = self._peers.pop(peer, None)
-            if target is None:
-                return
-            target.dead = TransferError(TransferErrorKind.PEER_GONE, f"nixl: peer {target.name!r} disconnected")
-            for record in self._writes.values():
-                if record.peer == peer and record.state == WriteState.PENDING:
-                    record.state, record.error = WriteState.FAILED, target.dead
-        self._settled()
-        try:
-            with self._agent_lock:
-                self._agent.remove_remote_agent(target.name)
-        except Exception:
-            pass
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._posts.put(None)
-        self._thread.join(timeout=10.0)
-        with self._lock:
-            records = list(self._writes.values()) + list(self._active)
-            for record in records:
-                if record.state == WriteState.PENDING:
-                    record.state = WriteState.FAILED
-                    record.error = TransferError(TransferErrorKind.ABORTED, "nixl: backend closed")
-            peers = list(self._peers)
-        self._settled()
-        for record in records:
-            self._release_xfer(record)
-        for peer_id in peers:
-            self.disconnect(peer_id)
+    def _close_resources(self, threads_ended: bool) -> None:
         with self._agent_lock:
             for reg in self._reg or []:
                 try:

@@ -8,7 +8,9 @@ Lifecycle:
    outside what the peer registered), else queues it; it never blocks.
 3. The peer's thread takes jobs in order: a job whose fence is dead fails (ABORTED, "fenced") without a
    byte sent; else ``_send(peer, blocks, fence)`` moves it (blocking) and answers None (DONE) or the
-   ``TransferError``. ``_send`` marks the peer dead (``peer.dead = error``) when its data path broke; the
+   ``TransferError``. A ``pipelined`` backend (nixl) instead starts each batch with ``_post`` and
+   polls the ones in flight with ``_check`` between new ones (``_forget`` frees each at its end).
+   ``_send`` marks the peer dead (``peer.dead = error``) when its data path broke; the
    thread then fails the rest of its queue and ends, and ``_peer_ended`` frees the peer's resources.
 4. ``disconnect``/``close`` drop peers: queued writes fail at once; a write already being sent fails
    when ``_send`` returns (its bytes may still be landing until then), or at once when the subclass
@@ -22,9 +24,10 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from transfer.base import (
     UNFENCED,
@@ -69,6 +72,10 @@ class PeerThreadBackend(WriteTable, TransferBackend):
     ``_add_peer``), ``_send``, and the target side (``register``, ``endpoint``)."""
 
     thread_name: ClassVar[str] = "kv-send"
+    # pipelined: the thread starts each batch (``_post``) and polls those in flight (``_check``) between
+    # new ones, instead of sending one batch at a time (``_send``); for engines with their own progress
+    pipelined: ClassVar[bool] = False
+    poll_sleep_s: ClassVar[float] = 0.0002  # between polls of batches in flight (spinning was slower)
     fail_inflight_on_drop: ClassVar[bool] = False
     join_on_disconnect: ClassVar[bool] = True  # False: disconnect returns without waiting for the thread
     join_timeout_s: ClassVar[float] = 5.0
@@ -86,6 +93,18 @@ class PeerThreadBackend(WriteTable, TransferBackend):
         """Move one batch (peer's thread; may block). None = every byte is in the peer's memory. Check
         ``fence.live()`` again between sub-batches if the batch is split."""
         raise NotImplementedError
+
+    def _post(self, peer: SenderPeer, blocks: list[Block], fence: Fence) -> tuple[Any, TransferError | None, bool]:
+        """Pipelined backends: start one batch (peer's thread). Answers (token, error, done): ``error`` it
+        failed at once, ``done`` it completed inline; else ``_check(peer, token)`` follows it."""
+        raise NotImplementedError
+
+    def _check(self, peer: SenderPeer, token: Any) -> tuple[WriteState, TransferError | None]:
+        """Pipelined backends: the state of a started batch (cheap, non-blocking)."""
+        raise NotImplementedError
+
+    def _forget(self, peer: SenderPeer, token: Any) -> None:
+        """Pipelined backends: free a batch's token (it ended, or the peer's thread is ending)."""
 
     def _refuse(self, peer: SenderPeer, blocks: Sequence[Block]) -> TransferError | None:
         """A reason to fail a batch at once, before it is queued (caller's thread; cheap)."""
@@ -149,34 +168,51 @@ class PeerThreadBackend(WriteTable, TransferBackend):
         if changed:
             self._settled()
 
+    def _take(self, peer: SenderPeer, job: Job) -> bool:
+        """Mark a job taken by the peer's thread; False (job failed) when the peer is dead or its fence
+        is (nothing of it is sent)."""
+        handle, _, fence = job
+        with self._lock:
+            record = self._writes.get(handle)
+            if record is not None:
+                record.sending = True
+        if peer.dead is not None:
+            self._finish(handle, WriteState.FAILED, peer.dead)
+            return False
+        if not fence.live():  # the room died on our side: send nothing of it
+            self._finish(handle, WriteState.FAILED, fenced(self.name, fence))
+            return False
+        return True
+
+    def _bug(self, peer: SenderPeer, exc: Exception) -> TransferError:
+        """A bug in a hook must not leave a write PENDING forever: the peer is dropped."""
+        log.exception("%s: sending a batch to %s failed", self.name, peer.label)
+        peer.dead = peer.dead or TransferError(TransferErrorKind.PEER_GONE, f"{self.name}: {exc!r}")
+        return peer.dead
+
     def _send_loop(self, peer: SenderPeer) -> None:
+        active: list[tuple[WriteHandle, Any]] = []  # pipelined: batches started, not ended
         try:
+            if self.pipelined:
+                self._pipeline(peer, active)
+                return
             while peer.dead is None:
                 job = peer.jobs.get()
                 if job is None:
                     break
-                handle, blocks, fence = job
-                with self._lock:
-                    record = self._writes.get(handle)
-                    if record is not None:
-                        record.sending = True
-                if peer.dead is not None:
-                    self._finish(handle, WriteState.FAILED, peer.dead)
-                    break
-                if not fence.live():  # the room died on our side: send nothing of it
-                    self._finish(handle, WriteState.FAILED, fenced(self.name, fence))
+                if not self._take(peer, job):
                     continue
+                handle, blocks, fence = job
                 try:
                     error = self._send(peer, blocks, fence)
-                except Exception as exc:  # a bug in _send must not leave the write PENDING forever
-                    log.exception("%s: sending a batch to %s failed", self.name, peer.label)
-                    error = peer.dead = TransferError(TransferErrorKind.PEER_GONE, f"{self.name}: {exc!r}")
-                if error is None:
-                    self._finish(handle, WriteState.DONE)
-                else:
-                    self._finish(handle, WriteState.FAILED, error)
+                except Exception as exc:
+                    error = self._bug(peer, exc)
+                self._finish(handle, WriteState.DONE if error is None else WriteState.FAILED, error)
         finally:
             dead = peer.dead or TransferError(TransferErrorKind.PEER_GONE, f"{self.name}: peer {peer.label} dropped")
+            for handle, token in active:
+                self._finish(handle, WriteState.FAILED, dead)
+                self._forget(peer, token)
             while True:  # fail whatever is still queued
                 try:
                     job = peer.jobs.get_nowait()
@@ -185,6 +221,49 @@ class PeerThreadBackend(WriteTable, TransferBackend):
                 if job is not None:
                     self._finish(job[0], WriteState.FAILED, dead)
             self._peer_ended(peer)
+
+    def _pipeline(self, peer: SenderPeer, active: list[tuple[WriteHandle, Any]]) -> None:
+        """The pipelined loop: start every queued batch, then poll those in flight, until dropped."""
+        while peer.dead is None:
+            try:
+                job = peer.jobs.get(timeout=0.05) if not active else peer.jobs.get_nowait()
+            except queue.Empty:
+                job = ()  # type: ignore[assignment]
+            if job is None:
+                return
+            if job:
+                if self._take(peer, job):
+                    handle, blocks, fence = job
+                    try:
+                        token, error, done = self._post(peer, blocks, fence)
+                    except Exception as exc:
+                        token, error, done = None, self._bug(peer, exc), False
+                    if error is not None or done:
+                        self._finish(handle, WriteState.FAILED if error else WriteState.DONE, error)
+                        self._forget(peer, token)
+                    else:
+                        active.append((handle, token))
+                continue  # start everything queued before polling
+            still = []
+            for handle, token in active:
+                with self._lock:
+                    record = self._writes.get(handle)
+                    dropped = record is not None and record.state != WriteState.PENDING  # failed by a drop
+                if dropped:
+                    self._forget(peer, token)
+                    continue  # (a released write is still polled: its token is freed once it ended)
+                try:
+                    state, error = self._check(peer, token)
+                except Exception as exc:
+                    state, error = WriteState.FAILED, self._bug(peer, exc)
+                if state == WriteState.PENDING:
+                    still.append((handle, token))
+                else:
+                    self._finish(handle, state, error)
+                    self._forget(peer, token)
+            active[:] = still
+            if active:
+                time.sleep(self.poll_sleep_s)
 
     def probe(self, peer: PeerId) -> bool:
         target = self._peer(peer)
