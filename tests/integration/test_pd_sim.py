@@ -85,6 +85,9 @@ def test_pd_path_over_each_transfer_backend(sim_cluster, transfer: str) -> None:
     for d_room in cluster.decodes[0].get("/debug/rooms"):  # type: ignore[attr-defined]
         assert d_room["kv_verified"] is True
         assert d_room["kv_digest"] == p_rooms[d_room["room"]]["kv_digest"]
+    metrics = httpx.get(f"http://127.0.0.1:{cluster.prefills[0].http_port}/metrics", timeout=10).text
+    assert f'pd_worker_kv_peers{{path="{transfer}",role="prefill"}} 1.0' in metrics, metrics
+    assert 'pd_worker_kv_peers{path="shm",role="prefill"} 0.0' in metrics, "--same-host-kv off: no shm"
     cluster.wait_pools_full()
 
 
