@@ -19,7 +19,6 @@ Bugs the runs found (each test below failed before its fix):
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import signal
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from pdtest import ROOT, Worker, in_private_netns, wait_http_ok
+from pdtest import ROOT, Worker, wait_http_ok
 from sim_reference import expected_tokens, text_of
 
 sys.path.insert(0, str(ROOT / "loadtests"))  # loadtests is not a package
@@ -41,14 +40,11 @@ KV_HEARTBEAT = ("--heartbeat-interval-s", "0.5")  # a silent KV peer is noticed 
 
 
 def _skip_reason(transfer: str) -> str | None:
-    if transfer == "mooncake":
-        if importlib.util.find_spec("mooncake") is None:
-            return "mooncake-transfer-engine is not installed"
-        if not in_private_netns():
-            return "Mooncake listens on every interface: run inside a private network namespace (make pytest)"
-    if transfer == "nixl" and not (importlib.util.find_spec("nixl_cu12") or importlib.util.find_spec("nixl")):
-        return "nixl is not installed"
-    return None
+    """The backend's own reason it cannot run here (``unavailable_reason()``), or None."""
+    from transfer.registry import load_backend
+
+    check = getattr(load_backend(transfer), "unavailable_reason", None)
+    return check() if check is not None else None
 
 
 @pytest.mark.parametrize("transfer", ["tcp", "nixl", "shm", pytest.param("mooncake", marks=pytest.mark.slow)])

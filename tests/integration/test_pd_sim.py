@@ -54,18 +54,12 @@ def test_one_token_requests_finish_at_the_kv_import(sim_cluster) -> None:  # typ
 
 
 def _transfer_skip(name: str) -> str | None:
-    import importlib.util
+    """The backend's own reason it cannot run here (``unavailable_reason()``: a missing library,
+    Mooncake's private network namespace), or None."""
+    from transfer.registry import load_backend
 
-    from pdtest import in_private_netns
-
-    if name == "mooncake":
-        if importlib.util.find_spec("mooncake") is None:
-            return "mooncake-transfer-engine is not installed"
-        if not in_private_netns():
-            return "Mooncake listens on every interface: run inside a private network namespace (make pytest)"
-    if name == "nixl" and importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
-        return "nixl is not installed"
-    return None
+    check = getattr(load_backend(name), "unavailable_reason", None)
+    return check() if check is not None else None
 
 
 @pytest.mark.parametrize("transfer", ["tcp", "mooncake", "nixl"])
