@@ -204,7 +204,7 @@ class HotCycle:
     async def send_json(self, body: bytes, status: int, headers: Headers) -> None:
         if self.flow.write_paused and not self.disconnected:
             await self.flow.drain()
-        if self.disconnected or self.response_started:
+        if self.disconnected or self.response_started or self.transport.is_closing():
             return
         self.response_started = True
         self.transport.write(self._head(status, headers, _JSON_HEAD + b"content-length: %d\r\n" % len(body)) + body)
@@ -213,7 +213,7 @@ class HotCycle:
     async def start_stream(self, first: bytes) -> None:
         if self.flow.write_paused and not self.disconnected:
             await self.flow.drain()
-        if self.disconnected or self.response_started:
+        if self.disconnected or self.response_started or self.transport.is_closing():
             return
         self.response_started = True
         self.transport.write(self._head(200, [], _SSE_HEAD) + (b"%x\r\n%b\r\n" % (len(first), first) if first else b""))
@@ -221,19 +221,20 @@ class HotCycle:
     async def send_chunk(self, chunk: bytes) -> None:
         if self.flow.write_paused and not self.disconnected:
             await self.flow.drain()
-        if not self.disconnected and not self.response_complete and chunk:
+        if not (self.disconnected or self.response_complete or self.transport.is_closing()) and chunk:
             self.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
 
     async def end_stream(self, last: bytes) -> None:
         if self.flow.write_paused and not self.disconnected:
             await self.flow.drain()
-        if self.disconnected or self.response_complete:
+        if self.disconnected or self.response_complete or self.transport.is_closing():
             return
         self.transport.write(b"%x\r\n%b\r\n%b" % (len(last), last, _LAST_CHUNK) if last else _LAST_CHUNK)
         self._complete()
 
     def is_writable(self) -> bool:
-        return self.response_started and not (self.flow.write_paused or self.disconnected or self.response_complete)
+        return self.response_started and not (self.flow.write_paused or self.disconnected or self.response_complete
+                                              or self.transport.is_closing())
 
     def write_now(self, chunk: bytes) -> None:
         self.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))

@@ -37,7 +37,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from gateway.errors import APIError, BadRequest, HeadersTooLarge, RequestTimeout
 
 if TYPE_CHECKING:
-    from gateway.hot_cycle import HotRoutes
+    from gateway.hot_cycle import HotCycle, HotRoutes
 
 LINGER_S = 2.0
 log = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._deadline = 0.0  # loop time by which it must have arrived
         self._refused = False
         self._write_timer: asyncio.TimerHandle | None = None
+        self._hot_cycles: list[HotCycle] = []  # this connection's own cycles, answered or not
 
     # -- connection ------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -78,6 +79,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._arm("head")
 
     def connection_lost(self, exc: Exception | None) -> None:
+        for cycle in self._hot_cycles:  # uvicorn tells only the newest cycle; a pipelined one's elder must know too
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
         self._disarm()
         if self._timer is not None:
             self._timer.cancel()
@@ -134,6 +139,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             cycle = hot.cycle(httptools.parse_url(self.url).path, self, self.headers, keep_alive,
                               self.expect_100_continue)
             if cycle is not None:  # a generation route: the gateway's own cycle (gateway/hot_cycle.py)
+                self._hot_cycles = [c for c in self._hot_cycles if not c.response_complete] + [cycle]
                 existing = self.cycle
                 self.cycle = cycle  # type: ignore[assignment]
                 if existing is None or existing.response_complete:

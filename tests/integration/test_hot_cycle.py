@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -158,3 +159,37 @@ def test_many_concurrent_streams_arrive_whole_and_in_order(sim_cluster: Callable
         for sock in socks:
             sock.close()
     cluster.wait_pools_full()
+
+
+def test_a_client_leaving_mid_stream_with_a_request_pipelined_behind(sim_cluster: Callable[..., SimCluster]) -> None:
+    """The stream being answered (not the newest request on its connection) learns that its client left:
+    its generation is aborted (499, pages back) and the worker connections, whose callback writes the
+    stream's chunks, are unharmed: the next requests are served."""
+    cluster = sim_cluster(decode_args=("--engine-option", "decode_step_s=0.01"))  # 200 tokens: 2 s at least
+    port = cluster.gateway_port
+    before = gone_499(cluster)
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as sock:
+        sock.sendall(post("/v1/completions", {"prompt": PROMPT, "max_tokens": 200, "stream": True}) +
+                     post("/v1/completions", {"prompt": PROMPT, "max_tokens": 4}))
+        seen = b""
+        while seen.count(b"data: ") < 5:  # the stream is flowing
+            chunk = sock.recv(65536)
+            assert chunk, seen
+            seen += chunk
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # reset
+    deadline_s = time.monotonic() + TIMEOUT_S
+    while gone_499(cluster) < before + 1:
+        assert time.monotonic() < deadline_s, "the stream's request was not ended as 499"
+        time.sleep(0.1)
+    for _ in range(3):
+        ((status, _, answer),), _ = talk(port, post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8}), 1)
+        assert status == 200 and json.loads(answer)["choices"][0]["text"] == text_of(expected_tokens(PROMPT, 8))
+    cluster.wait_pools_full()
+
+
+def gone_499(cluster: SimCluster) -> float:
+    reply = talk(cluster.gateway_port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", 1)[0][0][2].decode()
+    for line in reply.splitlines():
+        if line.startswith('pd_gateway_requests_total{route="completions",status="499"}'):
+            return float(line.rpartition(" ")[2])
+    return 0.0
