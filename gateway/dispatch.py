@@ -450,8 +450,13 @@ class EventSink:
     def put_nowait(self, item: tuple[Any, Event]) -> None:
         if self.overflowed:
             return
-        if self.tap is not None and self._waiter is not None and not self._items and self.tap(item):
-            return
+        if self.tap is not None and self._waiter is not None and not self._items:
+            try:
+                if self.tap(item):
+                    return
+            except Exception:  # a bug in a consumer must not drop the worker connection whose callback this is
+                log.exception("the direct path failed; this stream goes on through its task")
+                self.tap = None
         self._items.append(item)
         if len(self._items) > self.limit:
             self.overflowed = True
