@@ -34,7 +34,6 @@ import logging
 import mmap
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,7 +65,8 @@ log = logging.getLogger(__name__)
 SUB_BATCH_BYTES = 4 << 20  # bytes copied between two fence checks
 PREFAULT_STEP_BYTES = 32 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
-_WATCH_S = 0.001  # how often the decode re-reads the marks of fences it waits on
+_WATCH_S = 0.001  # how often the decode re-reads the marks of fences it waits on...
+_WATCH_MAX_S = 0.02  # ...backing off to this while nothing changes
 
 
 class _Offer(msgspec.Struct, array_like=True, frozen=True):
@@ -474,6 +474,9 @@ class FencingShmBackend(ShmBackend):
         self._watch_wake.notify_all()
 
     def _watch(self) -> None:
+        """Re-read the board for fences still being written: every ms at first, backing off to
+        ``_WATCH_MAX_S`` while nothing changes (a writer frozen inside a fence); a new fence wakes it."""
+        delay = _WATCH_S
         while True:
             with self._lock:
                 while not self._closed and not any(parts - {"net"} for parts in self._awaited.values()):
@@ -483,11 +486,13 @@ class FencingShmBackend(ShmBackend):
                 todo = [(fence, set(parts)) for fence, parts in self._awaited.items() if parts - {"net"}]
             board = self.board
             assert board is not None
+            changed = False
             for fence, parts in todo:
                 if "retry" in parts:
                     writers = board.close_fence(*fence)
                     if writers is None:
                         continue
+                    changed = True
                     with self._lock:
                         if fence in self._awaited:
                             self._awaited[fence].discard("retry")
@@ -496,8 +501,12 @@ class FencingShmBackend(ShmBackend):
                     if not writers:
                         self._part_quiet(fence, "shm")
                 elif not board.writers_of(*fence):
+                    changed = True
                     self._part_quiet(fence, "shm")
-            time.sleep(_WATCH_S)
+            delay = _WATCH_S if changed else min(2 * delay, _WATCH_MAX_S)
+            with self._lock:
+                if not self._closed:
+                    self._watch_wake.wait(delay)
 
     def _close_resources(self, threads_ended: bool) -> None:
         with self._lock:
