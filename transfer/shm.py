@@ -29,17 +29,13 @@ inside the fence, maybe frozen mid-copy, makes it False until it leaves or dies;
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from transfer.base import (
     UNFENCED,
@@ -52,71 +48,24 @@ from transfer.base import (
     TransferBackend,
     WriteHandle,
     WriteState,
-    fenced,
 )
 from transfer.errors import TransferError, TransferErrorKind
 from transfer.memkind import device_regions
 from transfer.peer_threads import PeerThreadBackend, SenderPeer
 from transfer.shm_fences import FenceBoard
 from transfer.shm_files import SHM_DIR, mapping_of
+from transfer.shm_peer import Offer, ShmPeer, copy_blocks, map_offer, prefault, unmap
 
 log = logging.getLogger(__name__)
 
-SUB_BATCH_BYTES = 4 << 20  # bytes copied between two fence checks
-PREFAULT_STEP_BYTES = 32 << 20
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _WATCH_S = 0.001  # how often the decode re-reads the marks of fences it waits on...
 _WATCH_MAX_S = 0.02  # ...backing off to this while nothing changes
-
-
-class _Offer(msgspec.Struct, array_like=True, frozen=True):
-    board: str
-    nonce: bytes
-    files: list[tuple[str, int]]  # (path, offset of the nonce)
-    regions: list[tuple[int, int, int, int]]  # (decode address, length, file index, file offset)
 
 
 class _Endpoint(msgspec.Struct, array_like=True, frozen=True):
     network: str
     net: bytes
-    offer: _Offer | None = None
-
-
-@dataclass(eq=False)
-class _ShmPeer(SenderPeer):
-    board: FenceBoard | None = None
-    slot: int = 0
-    maps: list[mmap.mmap] = field(default_factory=list)
-    anchors: list[Any] = field(default_factory=list)  # ctypes views pinning the maps' addresses
-    starts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    ends: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    deltas: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # local = decode address + delta
-    spans: list[tuple[int, int, int]] = field(default_factory=list)  # (map index, file offset, length) to pre-fault
-    prefaulted: threading.Event = field(default_factory=threading.Event)
-    stop: threading.Event = field(default_factory=threading.Event)
-    prefaulter: threading.Thread | None = None
-
-
-def _prefault(peer: _ShmPeer) -> None:
-    """Map every page of the decode's regions into our page tables ahead of the writes (a first touch
-    costs a page fault, several microseconds on a VM: most of a cold copy). Runs in its own thread after
-    connect, in steps, until done or the peer is dropped; writes meanwhile fault what they touch first."""
-    try:
-        for index, offset, length in peer.spans:
-            mm = peer.maps[index]
-            start = offset - offset % mmap.PAGESIZE
-            end = offset + length
-            while start < end and not peer.stop.is_set():
-                step = min(PREFAULT_STEP_BYTES, end - start)
-                try:
-                    mm.madvise(_MADV_POPULATE_WRITE, start, step)
-                except OSError:  # (Linux < 5.14) read one byte per page: a read fault maps it writable
-                    int(np.frombuffer(mm, np.uint8, step, start)[:: mmap.PAGESIZE].max())
-                start += step
-    except (OSError, ValueError) as exc:
-        log.info("shm: pre-faulting %s stopped: %s", peer.label, exc)
-    finally:
-        peer.prefaulted.set()
+    offer: Offer | None = None
 
 
 def _parse_same_host(value: object) -> bool:
@@ -145,7 +94,7 @@ class ShmBackend(PeerThreadBackend):
         self.network: TransferBackend = network
         self._directory = directory
         self._regions: list[Region] = []
-        self._offer: _Offer | None = None
+        self._offer: Offer | None = None
         self._fencing = False  # the decode fences (applied to the board once it exists)
         self.board: FenceBoard | None = None
         self._net_peers: dict[PeerId, int] = {}  # our peer id -> the network backend's
@@ -163,7 +112,7 @@ class ShmBackend(PeerThreadBackend):
     def endpoint(self) -> bytes:
         return msgspec.msgpack.encode(_Endpoint(self.network.name, self.network.endpoint(), self._offer))
 
-    def _make_offer(self) -> _Offer | None:
+    def _make_offer(self) -> Offer | None:
         """Offer our memory when every registered region lies in a shared file mapping."""
         files: list[str] = []
         placed: list[tuple[int, int, int, int]] = []
@@ -190,7 +139,7 @@ class ShmBackend(PeerThreadBackend):
         except (OSError, ValueError) as exc:
             log.warning("shm: cannot offer same-host transfer: %s", exc)
             return None
-        return _Offer(self.board.path, nonce, stamped, placed)
+        return Offer(self.board.path, nonce, stamped, placed)
 
     # -- initiator side --------------------------------------------------------------------------
     def connect(self, endpoint: bytes) -> PeerId:
@@ -208,14 +157,14 @@ class ShmBackend(PeerThreadBackend):
             log.info("shm: our KV is in GPU memory (cuda:%d): using %s", on_device[0][2], self.network.name)
         if self.same_host and remote.offer is not None and not on_device:
             try:
-                peer = self._map(remote.offer)
+                peer = map_offer(remote.offer)
             except (OSError, ValueError) as exc:
                 log.info("shm: no same-host path to the peer (%s): using %s", exc, self.network.name)
             else:
                 log.info("shm: the peer's memory is mapped (nonce read back from %s): KV goes through shared "
                          "memory", remote.offer.board)
                 peer_id = self._add_peer(peer)
-                peer.prefaulter = threading.Thread(target=_prefault, args=(peer,), name="kv-shm-prefault",
+                peer.prefaulter = threading.Thread(target=prefault, args=(peer,), name="kv-shm-prefault",
                                                    daemon=True)
                 peer.prefaulter.start()
                 return peer_id
@@ -231,53 +180,6 @@ class ShmBackend(PeerThreadBackend):
             self.network.disconnect(inner)
             raise TransferError(TransferErrorKind.ABORTED, "shm: backend closed")
         return peer_id
-
-    def _map(self, offer: _Offer) -> _ShmPeer:
-        """Map the decode's board and files; ValueError/OSError unless each holds the nonce."""
-        board = FenceBoard.attach(offer.board, offer.nonce)
-        peer = _ShmPeer(label=offer.board, board=board)
-        try:
-            peer.slot = board.claim()
-            bases = []
-            for path, nonce_at in offer.files:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-                try:
-                    if os.fstat(fd).st_size < nonce_at + len(offer.nonce):
-                        raise ValueError(f"{path} is shorter than the decode's")
-                    mm = mmap.mmap(fd, nonce_at + len(offer.nonce), mmap.MAP_SHARED,
-                                   mmap.PROT_READ | mmap.PROT_WRITE)
-                finally:
-                    os.close(fd)
-                peer.maps.append(mm)
-                if mm[nonce_at : nonce_at + len(offer.nonce)] != offer.nonce:
-                    raise ValueError(f"{path} does not hold the decode's nonce: not the decode's memory")
-                anchor = ctypes.c_char.from_buffer(mm)
-                peer.anchors.append(anchor)
-                bases.append(ctypes.addressof(anchor))
-            regions = sorted(offer.regions)
-            for (addr, length, index, offset) in regions:
-                if not 0 <= index < len(offer.files) or offset + length > offer.files[index][1]:
-                    raise ValueError(f"region at {addr:#x} lies outside its file")
-            peer.starts = np.array([r[0] for r in regions], np.int64)
-            peer.ends = np.array([r[0] + r[1] for r in regions], np.int64)
-            peer.deltas = np.array([bases[r[2]] + r[3] - r[0] for r in regions], np.int64)
-            peer.spans = [(index, offset, length) for (_, length, index, offset) in regions]
-        except BaseException:
-            self._unmap(peer)
-            raise
-        return peer
-
-    @staticmethod
-    def _unmap(peer: _ShmPeer) -> None:
-        peer.anchors.clear()
-        for mm in peer.maps:
-            try:
-                mm.close()
-            except (BufferError, ValueError):
-                log.warning("shm: a mapping of %s is still in use; left mapped", peer.label)
-        peer.maps.clear()
-        if peer.board is not None:
-            peer.board.close()
 
     def path_of(self, peer: PeerId) -> str:
         """``"shm"`` for a peer written through shared memory, else the network backend's name."""
@@ -329,43 +231,8 @@ class ShmBackend(PeerThreadBackend):
             self.network.set_completion_listener(listener)
 
     def _send(self, peer: SenderPeer, blocks: list[Block], fence: Fence) -> TransferError | None:
-        assert isinstance(peer, _ShmPeer) and peer.board is not None
-        if not blocks:
-            return None
-        table = np.array(blocks, dtype=np.int64).reshape(-1, 3)
-        dst, lengths = table[:, 1], table[:, 2]
-        index = np.searchsorted(peer.starts, dst, side="right") - 1
-        inside = (index >= 0) & (lengths >= 0) & (dst + lengths <= peer.ends[np.maximum(index, 0)])
-        if not inside.all():
-            return TransferError(
-                TransferErrorKind.RANGE_REJECTED,
-                f"shm: a block writes outside the memory {peer.label} registered",
-            )
-        local = (dst + peer.deltas[index]).tolist()
-        sources, sizes = table[:, 0].tolist(), lengths.tolist()
-        cuts = np.searchsorted(np.cumsum(lengths), np.arange(SUB_BATCH_BYTES, int(lengths.sum()), SUB_BATCH_BYTES),
-                               side="left").tolist()
-        given_up = lambda: peer.dead is not None  # noqa: E731
-        start = 0
-        for end in [*[c + 1 for c in cuts], len(sizes)]:
-            if end <= start:
-                continue
-            if peer.dead is not None:
-                return peer.dead
-            if not fence.live():
-                return fenced(self.name, fence)
-            entered = peer.board.enter(peer.slot, fence.room, fence.generation, given_up)
-            if entered is None:
-                return peer.dead or TransferError(TransferErrorKind.PEER_GONE, f"shm: {peer.label} dropped")
-            if not entered:
-                return fenced(self.name, fence)
-            try:
-                for i in range(start, end):
-                    ctypes.memmove(local[i], sources[i], sizes[i])
-            finally:
-                peer.board.leave(peer.slot, given_up)
-            start = end
-        return None
+        assert isinstance(peer, ShmPeer)
+        return copy_blocks(peer, blocks, fence)
 
     # -- peers and shutdown ----------------------------------------------------------------------
     def probe(self, peer: PeerId) -> bool:
@@ -382,17 +249,17 @@ class ShmBackend(PeerThreadBackend):
             self.network.disconnect(inner)
 
     def _peer_ended(self, peer: SenderPeer) -> None:
-        if isinstance(peer, _ShmPeer):
+        if isinstance(peer, ShmPeer):
             peer.stop.set()
             if peer.prefaulter is not None:
                 peer.prefaulter.join(timeout=5.0)
-            self._unmap(peer)
+            unmap(peer)
 
     def is_warm(self, peer: PeerId) -> bool:
         """Whether a shared-memory peer's mapping is fully pre-faulted (network peers: always True)."""
         with self._lock:
             target = self._peers.get(peer)
-        return not isinstance(target, _ShmPeer) or target.prefaulted.is_set()
+        return not isinstance(target, ShmPeer) or target.prefaulted.is_set()
 
     def _close_resources(self, threads_ended: bool) -> None:
         with self._lock:

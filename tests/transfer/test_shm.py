@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 
 from transfer import Fence, KVArgs, KVManager, KVPoll, WriteState, create_backend
-from transfer.shm import ShmBackend, _Endpoint, _Offer
+from transfer.shm import ShmBackend, _Endpoint
 from transfer.shm_fences import FenceBoard
 from transfer.shm_files import SharedFile, mapping_of, sweep_stale
+from transfer.shm_peer import Offer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "contracts"))
 from kvpeer import FAST, SHAPE, PeerProcess, fill, pattern, skip_reason
@@ -89,7 +90,7 @@ def test_no_proof_no_shared_memory(shm_backends):
     try:
         remote = msgspec.msgpack.decode(base64.b64decode(decode.info["endpoint"]), type=_Endpoint)
         assert remote.offer is not None
-        forged = _Offer(remote.offer.board, os.urandom(len(remote.offer.nonce)), remote.offer.files,
+        forged = Offer(remote.offer.board, os.urandom(len(remote.offer.nonce)), remote.offer.files,
                         remote.offer.regions)
         endpoint = msgspec.msgpack.encode(_Endpoint(remote.network, remote.net, forged))
         backend = shm_backends()
