@@ -22,7 +22,8 @@ Derived figures (issue 10): the gateway's CPU per request over the floor's; "µs
 non-streaming" = (gateway CPU/request streaming 64 tokens - non-streaming 16 tokens) / 64; "TTFT
 added by the gateway" = client TTFT through the gateway (request sent -> first SSE event with text)
 minus TTFT straight against the same fast decode workers (``Submit`` -> first ``StepOutput`` with a
-token, same concurrency and token gap), at p50 and at p99.
+token, same concurrency and token gap), at p50 and at p99; also printed: the client's TTFT through the
+gateway minus its TTFT from the floor's stream (the same HTTP client, so without the client's own cost).
 
     .venv/bin/python loadtests/bench_stack.py [--quick] [--json OUT] [--sections fast,sim]
 """
@@ -425,6 +426,9 @@ def derived(points: dict[str, Point]) -> dict[str, Any]:
             "gateway_cpu_us_per_req_c1": cpu(f"{topo}.c1", gw),
             "ttft_added_ms_p50": diff(fig(f"{topo}.stream", "ttft_ms_p50"), fig(native, "ttft_ms_p50")),
             "ttft_added_ms_p99": diff(fig(f"{topo}.stream", "ttft_ms_p99"), fig(native, "ttft_ms_p99")),
+            # The same, against the floor's stream (the same HTTP client): without the client's own cost.
+            "ttft_over_floor_ms_p50": diff(fig(f"{topo}.stream", "ttft_ms_p50"), fig("floor.stream", "ttft_ms_p50")),
+            "ttft_over_floor_ms_p99": diff(fig(f"{topo}.stream", "ttft_ms_p99"), fig("floor.stream", "ttft_ms_p99")),
         }
     out["floor_cpu_us_per_req_nonstream_c64"] = floor
     floor_st = cpu("floor.stream", "floor")
@@ -462,6 +466,9 @@ def print_derived(d: dict[str, Any]) -> None:
               f"{fmt(t['gateway_cpu_us_per_req_stream64_c64'], 1):>10} {fmt(t['us_per_token_above_nonstream']):>9} "
               f"{fmt(t['gateway_cpu_us_per_req_c1'], 1):>10} {fmt(t['ttft_added_ms_p50'], 3):>11} "
               f"{fmt(t['ttft_added_ms_p99'], 3):>11}")
+    print("TTFT through the gateway minus the floor's (the same HTTP client), p50 / p99 ms: " + "; ".join(
+        f"{topo} {fmt(d[topo]['ttft_over_floor_ms_p50'], 3)} / {fmt(d[topo]['ttft_over_floor_ms_p99'], 3)}"
+        for topo in ("pd", "both")))
     s = d["sim"]
     print(f"sim stack, one at a time, 16 tokens: PD p50 {fmt(s['pd_p50_ms'])} ms (<=3), combined p50 "
           f"{fmt(s['both_p50_ms'])} ms, PD above combined {fmt(s['pd_above_both_p50_ms'])} ms (<=1)")
