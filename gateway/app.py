@@ -43,9 +43,10 @@ from gateway.errors import APIError, NoWorkers
 from gateway.hot_cycle import HotRoutes
 from gateway.middleware import GatekeeperMiddleware, RequestContextMiddleware
 from gateway.openapi import openapi_document
-from gateway.responder import ChatShape, CompletionShape, GenerateShape, Responder
+from gateway.responder import Responder
 from gateway.runtime import Gateway, GatewayConfig
 from gateway.sglang_relay import SGLangResponder
+from gateway.shapes import ChatShape, CompletionShape, GenerateShape
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()

@@ -41,10 +41,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 import time
-from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -53,6 +51,7 @@ import msgspec
 
 from gateway.context import REQUEST_ID, REQUEST_T0, random_room
 from gateway.errors import APIError, BadGateway, NoWorkers, UpstreamTimeout, from_worker_error
+from gateway.event_sink import EventSink, SinkOverflow
 from gateway.metrics import GatewayMetrics
 from gateway.policies import Pair, RequestInfo, WorkerView
 from gateway.router import Router
@@ -422,109 +421,3 @@ def _as_error(event: Event, side: str, blamed: WorkerClient | None, *, after_fir
     if event.code in RETRYABLE_CODES or migratable:
         return _Retryable(error, blamed if event.code != "overloaded" else None, migratable=migratable)
     return error
-
-
-class EventSink:
-    """Where the worker connections deliver one attempt's ``(side, event)`` pairs.
-
-    ``put_nowait`` is a plain call from the connection's reader (no task switch, no queue object);
-    ``get`` returns a queued event at once or waits for the next. One timer per attempt holds the
-    deadline: ``set_deadline`` only moves a number, and the timer re-arms itself when it fires
-    early, so a busy stream costs no timer work per event.
-    """
-
-    __slots__ = ("_deadline", "_items", "_loop", "_on_overflow", "_timer", "_waiter", "limit", "overflowed", "tap")
-
-    def __init__(self, limit: int = 4096, on_overflow: Callable[[], None] | None = None) -> None:
-        self.limit = limit  # events queued unread past this: ``on_overflow()``, then ``get`` raises
-        self.overflowed = False
-        # Offered each event while ``get`` waits with none queued; True: it took the event (nobody is woken).
-        self.tap: Callable[[tuple[Any, Event]], bool] | None = None
-        self._on_overflow = on_overflow
-        self._items: deque[tuple[Any, Event]] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-        self._loop = asyncio.get_running_loop()
-        self._deadline = math.inf
-        self._timer: asyncio.TimerHandle | None = None
-
-    def put_nowait(self, item: tuple[Any, Event]) -> None:
-        if self.overflowed:
-            return
-        if self.tap is not None and self._waiter is not None and not self._items:
-            try:
-                if self.tap(item):
-                    return
-            except Exception:  # a bug in a consumer must not drop the worker connection whose callback this is
-                log.exception("the direct path failed; this stream goes on through its task")
-                self.tap = None
-        self._items.append(item)
-        if len(self._items) > self.limit:
-            self.overflowed = True
-            self._items.clear()
-            if self._on_overflow is not None:
-                self._on_overflow()
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def set_deadline(self, timeout_s: float) -> None:
-        """No event for ``timeout_s`` from now makes ``get`` raise ``TimeoutError``."""
-        self._deadline = self._loop.time() + timeout_s
-        if self._timer is None:
-            self._timer = self._loop.call_at(self._deadline, self._expire)
-
-    def _expire(self) -> None:
-        self._timer = None
-        if self._loop.time() < self._deadline:  # moved since armed: wait for the new one
-            self._timer = self._loop.call_at(self._deadline, self._expire)
-            return
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(TimeoutError())
-
-    async def get(self) -> tuple[Any, Event]:
-        while not self._items:
-            if self.overflowed:
-                raise SinkOverflow
-            if self._loop.time() >= self._deadline:
-                raise TimeoutError
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._items.popleft()
-
-    def merge_ready(self, first: StepOutput, side: Any = "decode") -> StepOutput:
-        """``first`` plus the outputs of ``side`` queued right behind it, as one ``StepOutput``."""
-        items = self._items
-        merged = first
-        while items and items[0][0] == side and isinstance(items[0][1], StepOutput):
-            nxt = items.popleft()[1]
-            assert isinstance(nxt, StepOutput)
-            merged = _merge(merged, nxt)
-            if merged.finish_reason is not None:
-                break
-        return merged
-
-    def close(self) -> None:
-        self.tap = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-
-class SinkOverflow(Exception):
-    """``EventSink.get``: the consumer left more than ``limit`` events unread; they were dropped."""
-
-
-def _merge(a: StepOutput, b: StepOutput) -> StepOutput:
-    """Two consecutive outputs of one request as one (``a`` is not final)."""
-    logprobs = a.logprobs + b.logprobs if a.logprobs is not None and b.logprobs is not None else None
-    top = a.top_logprobs + b.top_logprobs if a.top_logprobs is not None and b.top_logprobs is not None else None
-    return StepOutput(
-        a.rid, a.token_ids + b.token_ids, b.finish_reason, b.prompt_tokens or a.prompt_tokens,
-        max(a.cached_tokens, b.cached_tokens), logprobs, top,
-        b.prompt_logprobs if b.prompt_logprobs is not None else a.prompt_logprobs,
-        b.kv_verified if b.kv_verified is not None else a.kv_verified,
-    )

@@ -1,7 +1,7 @@
 """Tool calls on ``/v1/chat/completions``: ``tools`` + ``tool_choice`` in, OpenAI ``tool_calls`` out.
 
 Lifecycle of a request with tools (hooks in ``gateway.api.Frontend.prepare_chat`` and
-``gateway.responder.ChatShape``):
+``gateway.shapes.ChatShape``):
 1. ``plan_tools(req)`` checks ``tools`` and ``tool_choice`` (400 naming the field) and picks the mode:
    - ``none`` (or no tools): plain chat; the tools are not shown to the model.
    - a named function: the output is constrained (``Grammar``) to the function's ``parameters`` schema,

@@ -69,7 +69,7 @@ Event = StepOutput | Error | WorkerGone
 
 
 class Sink(Protocol):
-    """Where a request's events go (``gateway.dispatch.EventSink``; an ``asyncio.Queue`` also fits)."""
+    """Where a request's events go (``gateway.event_sink.EventSink``; an ``asyncio.Queue`` also fits)."""
 
     def put_nowait(self, item: tuple[Any, Event]) -> None: ...
 

@@ -45,10 +45,11 @@ from starlette.routing import BaseRoute, Route
 from gateway.admission import Admission
 from gateway.api import ClientBootstrap, Frontend
 from gateway.context import REQUEST_ID
-from gateway.dispatch import EventSink
 from gateway.errors import APIError, BadGateway, BadRequest, NoWorkers, UpstreamTimeout, from_worker_error
+from gateway.event_sink import EventSink
 from gateway.metrics import GatewayMetrics
-from gateway.responder import ChatShape, CompletionShape, GenerateShape, Responder
+from gateway.responder import Responder
+from gateway.shapes import ChatShape, CompletionShape, GenerateShape
 from gateway.tokenizer import load_tokenizer
 from gateway.worker_client import WorkerClient
 from transfer.netaddr import join_host_port

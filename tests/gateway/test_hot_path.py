@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from gateway.api import Prepared
-from gateway.dispatch import EventSink, SinkOverflow
-from gateway.responder import ChatShape, CompletionShape, Run
+from gateway.event_sink import EventSink, SinkOverflow
+from gateway.shapes import ChatShape, CompletionShape, Run
 from gateway.worker_client import _FrameProtocol
 from workers.protocol import Error, KVEvents, LoadReport, Outputs, SamplingParams, StepOutput, gateway_codec
 

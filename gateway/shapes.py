@@ -1,0 +1,269 @@
+"""What differs between the generation routes (chat, completions, SGLang ``/generate``): a ``Shape``.
+
+A shape has the route's request struct, turns the decoded body into a ``Prepared`` (validation), and
+builds the JSON of the whole response and of each stream chunk; ``Run`` is one request being answered
+(what the shapes need: ids, times, the per-request chunk templates). The responder
+(``gateway/responder.py``) drives them: ``prepare`` -> ``whole`` or ``events`` (every chunk, through the
+request's task) and ``middle`` (a middle chunk, also from the worker connection's callback).
+Chunks are built from per-request byte templates: per token only the new text is JSON-encoded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import msgspec
+
+from gateway.api import Frontend, Prepared, TextEmitter, now_s, sse
+from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from gateway.text import ChoiceState
+from gateway.tool_calls import shape_choices, tool_events
+
+_json = msgspec.json.Encoder()
+
+
+class Run:
+    """One request being answered: what the shapes need to build its JSON."""
+
+    __slots__ = ("created", "emitter", "frontend", "prep", "rid", "started", "templates")
+
+    def __init__(self, frontend: Frontend, prep: Prepared, rid: str) -> None:
+        self.frontend = frontend
+        self.prep = prep
+        self.rid = rid
+        self.created = now_s()
+        self.templates: dict[int, tuple[bytes, bytes]] = {}  # choice index -> (before text, after text)
+        self.started = False  # the response has started (streaming): errors are events from here on
+        self.emitter: TextEmitter | None = None  # a stream's middle chunks, written from outside its task
+
+
+class Shape:
+    """What differs between the generation routes (see the module doc)."""
+
+    route = ""
+    body_type: type[Any] = object
+    id_prefix = ""
+
+    def prepare(self, frontend: Frontend, req: Any) -> tuple[Prepared, str | None]:
+        """Validate the decoded body; returns the prepared request and the client's id, if any."""
+        raise NotImplementedError
+
+    def whole(self, run: Run, choices: list[ChoiceState]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def events(self, run: Run) -> AsyncGenerator[bytes, None]:
+        raise NotImplementedError
+
+    def middle(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
+        """The chunk for ``text`` new in ``state``, neither its first output nor its last, no logprobs."""
+        raise NotImplementedError
+
+
+class ChatShape(Shape):
+    route = "chat"
+    body_type = ChatCompletionRequest
+    id_prefix = "chatcmpl"
+
+    def prepare(self, frontend: Frontend, req: Any) -> tuple[Prepared, str | None]:
+        return frontend.prepare_chat(req), None
+
+    def whole(self, run: Run, choices: list[ChoiceState]) -> dict[str, Any]:
+        prep = run.prep
+        result = {
+            "id": run.rid, "object": "chat.completion", "created": run.created, "model": run.frontend.model_name,
+            "choices": [{
+                "index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": {"content": c.logprobs} if prep.want_logprobs else None,
+                "finish_reason": c.finish_reason,
+            } for c in choices],
+            "usage": usage(len(prep.input_ids), choices),
+        }
+        if prep.tools is not None:
+            shape_choices(prep.tools, result)  # calls -> message.tool_calls (gateway/tool_calls.py)
+        return result
+
+    def _chunk(self, run: Run, choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> bytes:
+        payload: dict[str, Any] = {"id": run.rid, "object": "chat.completion.chunk", "created": run.created,
+                                   "model": run.frontend.model_name, "choices": choices}
+        if run.prep.include_usage:
+            payload["usage"] = usage_
+        return sse(payload)
+
+    async def events(self, run: Run) -> AsyncGenerator[bytes, None]:
+        prep = run.prep
+        if prep.tools is not None:  # tool_calls deltas (gateway/tool_calls.py)
+            async for event in tool_events(run, self._chunk, usage):
+                yield event
+            return
+        states: dict[int, ChoiceState] = {}
+        async for state, text, entries in run.frontend.run_choices(prep, run.emitter):
+            first = state.index not in states
+            states[state.index] = state
+            if not first and not prep.want_logprobs and state.finish_reason is None:
+                chunk = self.middle(run, state, text)  # the common case: a few more tokens of text
+                if chunk:
+                    yield chunk
+                continue
+            delta: dict[str, Any] = {"content": text}
+            if first:
+                delta["role"] = "assistant"
+            yield self._chunk(run, [{
+                "index": state.index, "delta": delta,
+                "logprobs": {"content": entries} if prep.want_logprobs else None,
+                "finish_reason": state.finish_reason,
+            }])
+        if prep.include_usage:
+            yield self._chunk(run, [], usage(len(prep.input_ids), list(states.values())))
+
+    def middle(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
+        if not text:
+            return None
+        before, after = run.templates.get(state.index) or self._template(run, state.index)
+        return before + _json.encode(text) + after
+
+    def _template(self, run: Run, index: int) -> tuple[bytes, bytes]:
+        marker = "\x00text\x00"
+        whole = self._chunk(run, [{"index": index, "delta": {"content": marker},
+                                   "logprobs": None, "finish_reason": None}])
+        before, _, after = whole.partition(_json.encode(marker))
+        run.templates[index] = (before, after)
+        return before, after
+
+
+class CompletionShape(Shape):
+    route = "completions"
+    body_type = CompletionRequest
+    id_prefix = "cmpl"
+
+    def prepare(self, frontend: Frontend, req: Any) -> tuple[Prepared, str | None]:
+        return frontend.prepare_completion(req), None
+
+    def whole(self, run: Run, choices: list[ChoiceState]) -> dict[str, Any]:
+        prep, frontend = run.prep, run.frontend
+        prompt_text = frontend.tokenizer.decode(prep.input_ids) if prep.echo else ""
+        return {
+            "id": run.rid, "object": "text_completion", "created": run.created, "model": frontend.model_name,
+            "choices": [{
+                "index": c.index, "text": prompt_text + c.text, "finish_reason": c.finish_reason,
+                "logprobs": legacy_logprobs(echo_entries(frontend, prep, c) + c.logprobs)
+                if prep.want_logprobs else None,
+            } for c in choices],
+            "usage": usage(len(prep.input_ids), choices),
+        }
+
+    def _chunk(self, run: Run, index: int, text: str, finish: str | None, logprobs: Any) -> bytes:
+        return sse({"id": run.rid, "object": "text_completion", "created": run.created,
+                    "model": run.frontend.model_name,
+                    "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}]})
+
+    async def events(self, run: Run) -> AsyncGenerator[bytes, None]:
+        prep, frontend = run.prep, run.frontend
+        states: dict[int, ChoiceState] = {}
+        prompt_text = frontend.tokenizer.decode(prep.input_ids) if prep.echo else ""
+        async for state, text, entries in frontend.run_choices(prep, run.emitter):
+            if state.index not in states:
+                text = prompt_text + text
+            states[state.index] = state
+            if not text and state.finish_reason is None:
+                continue
+            if state.finish_reason is None and not prep.want_logprobs:
+                before, after = run.templates.get(state.index) or self._template(run, state.index)
+                yield before + _json.encode(text) + after
+                continue
+            yield self._chunk(run, state.index, text, state.finish_reason,
+                              legacy_logprobs(entries) if prep.want_logprobs else None)
+        if prep.include_usage:
+            yield sse({"id": run.rid, "object": "text_completion", "created": run.created,
+                       "model": frontend.model_name, "choices": [],
+                       "usage": usage(len(prep.input_ids), list(states.values()))})
+
+    def middle(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
+        if not text:
+            return None
+        before, after = run.templates.get(state.index) or self._template(run, state.index)
+        return before + _json.encode(text) + after
+
+    def _template(self, run: Run, index: int) -> tuple[bytes, bytes]:
+        marker = "\x00text\x00"
+        before, _, after = self._chunk(run, index, marker, None, None).partition(_json.encode(marker))
+        run.templates[index] = (before, after)
+        return before, after
+
+
+class GenerateShape(Shape):
+    """SGLang's ``/generate``: ``text``, ``output_ids`` and ``meta_info`` (cumulative per chunk)."""
+
+    route = "generate"
+    body_type = GenerateRequest
+    id_prefix = "gen"
+
+    def prepare(self, frontend: Frontend, req: Any) -> tuple[Prepared, str | None]:
+        prep, _ = frontend.prepare_generate(req)
+        return prep, req.rid
+
+    def whole(self, run: Run, choices: list[ChoiceState]) -> dict[str, Any]:
+        return self._payload(run, choices[0])
+
+    async def events(self, run: Run) -> AsyncGenerator[bytes, None]:
+        async for state, _, _ in run.frontend.run_choices(run.prep, run.emitter):
+            yield sse(self._payload(run, state))
+
+    def middle(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
+        return sse(self._payload(run, state))
+
+    @staticmethod
+    def _payload(run: Run, state: ChoiceState) -> dict[str, Any]:
+        prep = run.prep
+        meta: dict[str, Any] = {
+            "id": run.rid, "prompt_tokens": len(prep.input_ids), "completion_tokens": len(state.token_ids),
+            "cached_tokens": state.cached_tokens, "finish_reason": None,
+        }
+        if state.finish_reason is not None:
+            if state.stop.matched is not None:
+                meta["finish_reason"] = {"type": "stop", "matched": state.stop.matched}
+            elif state.finish_reason == "stop":
+                meta["finish_reason"] = {"type": "stop", "matched": state.token_ids[-1]}
+            else:
+                meta["finish_reason"] = {"type": "length", "length": len(state.token_ids)}
+        if prep.want_logprobs:
+            meta["output_token_logprobs"] = [[e["logprob"], t, None] for e, t in
+                                             zip(state.logprobs, state.token_ids, strict=False)]
+            # Always a list: an SGLang router in front of a decode worker puts the prefill's in front
+            # of it (the prompt's logprobs come from the prefill; the decode's own part is empty).
+            meta["input_token_logprobs"] = [
+                [None if i == 0 or lp != lp else lp, t, None]  # lp != lp: NaN (no prefix row)
+                for i, (lp, t) in enumerate(zip(state.prompt_logprobs or [], prep.input_ids, strict=False))
+            ]
+        return {"text": state.text, "output_ids": list(state.token_ids), "meta_info": meta}
+
+
+def usage(prompt_tokens: int, choices: list[ChoiceState]) -> dict[str, Any]:
+    completion = sum(len(c.token_ids) for c in choices)
+    cached = max((c.cached_tokens for c in choices), default=0)
+    return {
+        "prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} if e["top_logprobs"] is not None
+                         else None for e in entries],
+    }
+
+
+def echo_entries(frontend: Frontend, prep: Prepared, choice: ChoiceState) -> list[dict[str, Any]]:
+    """Prompt-token entries for ``echo`` + ``logprobs`` (the first token has no logprob)."""
+    if not prep.echo:
+        return []
+    values = choice.prompt_logprobs or []
+    entries = []
+    for i, token_id in enumerate(prep.input_ids):
+        lp = values[i] if i < len(values) else None
+        entries.append({"token": frontend.tokenizer.decode([token_id]),
+                        "logprob": None if i == 0 or lp is None or lp != lp else lp, "top_logprobs": None})
+    return entries
