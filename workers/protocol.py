@@ -35,7 +35,8 @@ from enum import StrEnum
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: KVEvents, LoadReport fields for routing
+PROTOCOL_VERSION = 3  # 2: KVEvents, LoadReport fields for routing; 3: SamplingParams.logit_bias, penalties,
+# min_new_tokens, grammar (a version-2 worker would silently drop them), Error.param, GetTokenizer
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 MAX_UNREAD_BYTES = 64 * 1024 * 1024  # written, still unread by the peer: past it the peer is not reading
 _LEN = struct.Struct(">I")

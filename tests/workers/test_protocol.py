@@ -49,3 +49,25 @@ def test_read_frame_limits_and_eof() -> None:
             await read_frame(reader)
 
     asyncio.run(run())
+
+
+# SamplingParams as protocol version 2 knew it: a worker of that version decodes a newer Submit without
+# complaint and drops every field it does not know (msgspec ignores unknown fields).
+_V2_SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
+                       "ignore_eos", "logprobs", "top_logprobs", "prompt_logprobs", "output_offset")
+
+
+def test_sampling_fields_an_older_worker_would_drop_bump_the_version() -> None:
+    import msgspec
+
+    from workers.protocol import PROTOCOL_VERSION, Grammar
+
+    class V2Sampling(msgspec.Struct, omit_defaults=True):
+        max_new_tokens: int = 16
+        output_offset: int = 0
+
+    sent = SamplingParams(max_new_tokens=9, grammar=Grammar("json_object"), logit_bias={5: -100.0})
+    seen = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=V2Sampling)
+    assert seen.max_new_tokens == 9  # the older worker would serve it, unconstrained and unbiased...
+    added = [name for name in SamplingParams.__struct_fields__ if name not in _V2_SAMPLING_FIELDS]
+    assert added and PROTOCOL_VERSION > 2  # ...so the handshake must refuse to pair them
