@@ -56,7 +56,22 @@ class Shape:
         raise NotImplementedError
 
     def middle(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
-        """The chunk for ``text`` new in ``state``, neither its first output nor its last, no logprobs."""
+        """The chunk for ``text`` new in ``state``, neither its first output nor its last, no logprobs:
+        the choice's template (``_text_chunk`` split around its text, made once per request) around
+        the JSON of ``text``."""
+        if not text:
+            return None
+        before, after = run.templates.get(state.index) or self._template(run, state.index)
+        return before + _json.encode(text) + after
+
+    def _template(self, run: Run, index: int) -> tuple[bytes, bytes]:
+        marker = "\x00text\x00"
+        before, _, after = self._text_chunk(run, index, marker).partition(_json.encode(marker))
+        run.templates[index] = (before, after)
+        return before, after
+
+    def _text_chunk(self, run: Run, index: int, text: str) -> bytes:
+        """The stream chunk of ``text`` in choice ``index``: no finish reason, no logprobs."""
         raise NotImplementedError
 
 
@@ -116,19 +131,9 @@ class ChatShape(Shape):
         if prep.include_usage:
             yield self._chunk(run, [], usage(len(prep.input_ids), list(states.values())))
 
-    def middle(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
-        if not text:
-            return None
-        before, after = run.templates.get(state.index) or self._template(run, state.index)
-        return before + _json.encode(text) + after
-
-    def _template(self, run: Run, index: int) -> tuple[bytes, bytes]:
-        marker = "\x00text\x00"
-        whole = self._chunk(run, [{"index": index, "delta": {"content": marker},
-                                   "logprobs": None, "finish_reason": None}])
-        before, _, after = whole.partition(_json.encode(marker))
-        run.templates[index] = (before, after)
-        return before, after
+    def _text_chunk(self, run: Run, index: int, text: str) -> bytes:
+        return self._chunk(run, [{"index": index, "delta": {"content": text}, "logprobs": None,
+                                  "finish_reason": None}])
 
 
 class CompletionShape(Shape):
@@ -168,8 +173,9 @@ class CompletionShape(Shape):
             if not text and state.finish_reason is None:
                 continue
             if state.finish_reason is None and not prep.want_logprobs:
-                before, after = run.templates.get(state.index) or self._template(run, state.index)
-                yield before + _json.encode(text) + after
+                chunk = self.middle(run, state, text)  # (text is not empty here)
+                if chunk:
+                    yield chunk
                 continue
             yield self._chunk(run, state.index, text, state.finish_reason,
                               legacy_logprobs(entries) if prep.want_logprobs else None)
@@ -178,17 +184,8 @@ class CompletionShape(Shape):
                        "model": frontend.model_name, "choices": [],
                        "usage": usage(len(prep.input_ids), list(states.values()))})
 
-    def middle(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
-        if not text:
-            return None
-        before, after = run.templates.get(state.index) or self._template(run, state.index)
-        return before + _json.encode(text) + after
-
-    def _template(self, run: Run, index: int) -> tuple[bytes, bytes]:
-        marker = "\x00text\x00"
-        before, _, after = self._chunk(run, index, marker, None, None).partition(_json.encode(marker))
-        run.templates[index] = (before, after)
-        return before, after
+    def _text_chunk(self, run: Run, index: int, text: str) -> bytes:
+        return self._chunk(run, index, text, None, None)
 
 
 class GenerateShape(Shape):
