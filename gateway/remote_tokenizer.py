@@ -59,7 +59,10 @@ async def fetch_tokenizer(host: str, port: int, timeout_s: float = 60.0) -> str:
     bad = [name for name in answer.files if name not in TOKENIZER_FILE_NAMES]
     if bad or "tokenizer.json" not in answer.files:
         raise RemoteTokenizerError(f"{where} sent unexpected tokenizer files {sorted(answer.files)}")
-    return await asyncio.to_thread(_store, answer.files)
+    try:
+        return await asyncio.to_thread(_store, answer.files)
+    except OSError as exc:  # the cache is not writable (a file in its place, no space, no permission)
+        raise RemoteTokenizerError(f"storing the tokenizer from {where} under {cache_root()}: {exc}") from exc
 
 
 async def _ask(host: str, port: int) -> TokenizerFiles:

@@ -89,6 +89,15 @@ def test_worker_errors_and_odd_files_are_refused(answer: TokenizerFiles, needle:
     assert not (tmp_path / "tokenizers").exists() or not any((tmp_path / "tokenizers").iterdir())
 
 
+def test_an_unwritable_cache_is_a_named_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not an OSError escaping into the gateway's start (or its background fetch task)."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_bytes(b"")
+    monkeypatch.setenv("PD_GATEWAY_CACHE", str(blocker))
+    with pytest.raises(RemoteTokenizerError, match=r"storing the tokenizer from worker 127\.0\.0\.1:"):
+        _fetch(lambda: TokenizerFiles("/models/m", FILES))
+
+
 def test_a_worker_that_does_not_serve_files_is_not_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PD_GATEWAY_CACHE", str(tmp_path))
     with pytest.raises(RemoteTokenizerError, match="does not serve its tokenizer files"):
