@@ -269,7 +269,7 @@ class Frontend:
         reject_non_text_content(req.messages)
         for i, message in enumerate(req.messages):
             if message.role not in CHAT_ROLES:
-                hint = " (tool calls are not supported)" if message.role in ("tool", "function") else ""
+                hint = " (the legacy 'function' role: use 'tool')" if message.role == "function" else ""
                 raise BadRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got "
                                  f"{message.role!r}{hint}", param=f"messages[{i}].role")
         tools = plan_tools(req, getattr(self.tokenizer, "chat_template", None))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.context import random_hex
@@ -43,7 +43,6 @@ class ToolPlan:
     name: str | None = None  # the named function
     grammar: Grammar | None = None
     hermes: bool = False  # the chat template defines <tool_call> blocks
-    ids: dict[int, str] = field(default_factory=dict)  # choice index -> call id of a forced call
 
     @property
     def names(self) -> list[str]:

@@ -101,3 +101,20 @@ def test_auto_parses_the_models_own_format_and_streams_plain_text() -> None:
     deltas, reason = feed(_ChoiceStream(plan), "<tool_call>{not json</tool_call>")
     assert reason == "stop" and deltas[-1]["content"] == "<tool_call>{not json</tool_call>"
     assert parse_calls(plan, '{"name": "unknown", "arguments": {}}') is None
+
+
+def test_the_legacy_function_role_is_refused_pointing_at_tool() -> None:
+    """Tool messages are supported now: a 'function' message's 400 says to use 'tool', not that tool calls
+    are unsupported."""
+    import msgspec
+
+    from gateway.api import Frontend, decode_body
+    from gateway.api_models import ChatCompletionRequest
+    from gateway.tokenizer import ByteTokenizer
+
+    frontend = Frontend(None, ByteTokenizer(), "sim", 4096)  # type: ignore[arg-type]
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "function", "content": "{}", "name": "f"}]}
+    with pytest.raises(BadRequest) as info:
+        frontend.prepare_chat(decode_body(msgspec.json.encode(body), ChatCompletionRequest))
+    assert info.value.param == "messages[1].role"
+    assert "use 'tool'" in info.value.message and "not supported" not in info.value.message
