@@ -319,7 +319,7 @@ class Gateway:
     async def aclose(self) -> None:
         if self.fleet is not None:
             await self.fleet.aclose()
-        tasks = [t for t in (self._refresher, *self._tasks) if t is not None]
+        tasks = [t for t in (self._refresher, self._tokenizer_fetch, *self._tasks) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -110,3 +110,17 @@ def test_an_unreachable_worker_is_named() -> None:
     port = free_port()
     with pytest.raises(RemoteTokenizerError, match=f"worker 127.0.0.1:{port}"):
         asyncio.run(fetch_tokenizer("127.0.0.1", port, timeout_s=5))
+
+
+def test_a_fetch_under_way_ends_with_the_gateway() -> None:
+    """``Gateway.aclose`` cancels the background tokenizer fetch (no task left pending past shutdown)."""
+    from gateway.runtime import Gateway, GatewayConfig
+
+    async def main() -> None:
+        gw = Gateway(GatewayConfig(worker=("pd://127.0.0.1:9",)))
+        fetch = asyncio.get_running_loop().create_task(asyncio.sleep(100))  # stands for a slow worker's answer
+        gw._tokenizer_fetch = fetch
+        await gw.aclose()
+        assert fetch.cancelled()
+
+    asyncio.run(main())
