@@ -14,12 +14,11 @@ from typing import TYPE_CHECKING
 
 from transfer.channel import ControlChannel
 from transfer.errors import TransferError
+from transfer.room import TERMINAL, RoomHandle
 from transfer.types import KVPoll
 
 if TYPE_CHECKING:
     from transfer.decode import DecodeSide
-
-_TERMINAL = (KVPoll.Failed, KVPoll.Success)
 
 
 @dataclass(eq=False)
@@ -35,30 +34,25 @@ class PrefillConn:
     targets: set[tuple[str, int | None, str | None]] = field(default_factory=set)  # resolved to this address
 
 
-class KVReceiver:
+class KVReceiver(RoomHandle):
     """One room on the decode side. It owns its state: the scheduler calls its public methods (each
-    non-blocking); ``DecodeSide`` moves it only through the transitions below, with the manager's lock
-    held (connections, fences and the room table stay with ``DecodeSide``)."""
+    non-blocking; ``poll``, ``failure``, ``abort``, ``release`` from ``RoomHandle``); ``DecodeSide``
+    moves it only through the transitions below, with the manager's lock held (connections, fences and
+    the room table stay with ``DecodeSide``)."""
+
+    _side: DecodeSide
 
     def __init__(self, side: DecodeSide, room: int, now: float) -> None:
-        self.room = room
+        super().__init__(side, room, now)
         self.metadata_sent = False
         self.aux_len: int | None = None  # bytes the prefill wrote into the aux slot (known at Success)
-        self.created = now
         self.metadata_at = 0.0  # when the page list left
         self.generation = 0  # of our page list (the fence of the prefill's writes)
         self.fence_open = False  # (DecodeSide's bookkeeping of our fence in the backend)
-        self._side = side
-        self._state = KVPoll.Bootstrapping
-        self._error: TransferError | None = None
         self._conn: PrefillConn | None = None
-        self._released = False
         self._quiet = False
 
     # -- the scheduler's API ---------------------------------------------------------------------
-    def poll(self) -> KVPoll:
-        return self._state
-
     @property
     def quiesced(self) -> bool:
         """True once no write of this room can land in our pages any more (Success; or Failed and the
@@ -71,27 +65,10 @@ class KVReceiver:
         once Failed; ValueError for page ids or an aux slot outside our pool."""
         self._side.send_metadata(self, list(page_ids), aux_index)
 
-    def failure(self) -> TransferError | None:
-        return self._error
-
-    def abort(self, reason: str) -> None:
-        self._side.abort(self, reason)
-
-    def release(self) -> None:
-        self._side.release(self)
-
     # -- what DecodeSide reads (lock held) -------------------------------------------------------
     @property
     def conn(self) -> PrefillConn | None:
         return self._conn
-
-    @property
-    def is_terminal(self) -> bool:
-        return self._state in _TERMINAL
-
-    @property
-    def is_released(self) -> bool:
-        return self._released
 
     @property
     def is_quiet(self) -> bool:
@@ -116,7 +93,7 @@ class KVReceiver:
         self.generation = generation
 
     def fail(self, error: TransferError) -> bool:
-        if self._state in _TERMINAL:
+        if self._state in TERMINAL:
             return False
         self._state, self._error = KVPoll.Failed, error
         return True
@@ -130,9 +107,6 @@ class KVReceiver:
         was = self.quiesced
         self._quiet = True
         return self.quiesced != was
-
-    def mark_released(self) -> None:
-        self._released = True
 
     def __repr__(self) -> str:
         return f"KVReceiver(room={self.room}, state={self._state.name}, metadata_sent={self.metadata_sent})"

@@ -17,12 +17,11 @@ from transfer.base import UNFENCED, Fence, PeerId, WriteHandle, WriteState
 from transfer.channel import ControlChannel
 from transfer.errors import TransferError
 from transfer.messages import Register
+from transfer.room import TERMINAL, RoomHandle
 from transfer.types import KVPoll
 
 if TYPE_CHECKING:
     from transfer.sender_rooms import SenderRooms
-
-_TERMINAL = (KVPoll.Failed, KVPoll.Success)
 
 
 @dataclass
@@ -59,59 +58,37 @@ class PostedWrite:
     staging_slot: int | None
 
 
-class KVSender:
+class KVSender(RoomHandle):
     """One room on the prefill side. It owns its state: the scheduler calls its public methods (each
-    non-blocking); ``SenderRooms`` moves it only through the transitions below, with the manager's lock
-    held (the room table, connections, graveyard and outbox stay with ``SenderRooms``)."""
+    non-blocking; ``poll``, ``failure``, ``abort``, ``release`` from ``RoomHandle``); ``SenderRooms``
+    moves it only through the transitions below, with the manager's lock held (the room table,
+    connections, graveyard and outbox stay with ``SenderRooms``)."""
+
+    _side: SenderRooms
 
     def __init__(self, side: SenderRooms, room: int, now: float) -> None:
-        self.room = room
+        super().__init__(side, room, now)
         self.num_dst_pages: int | None = None
         self.latency_s: float | None = None  # first chunk posted -> every write DONE (at Success)
-        self.created = now
-        self._side = side
-        self._state = KVPoll.Bootstrapping
-        self._error: TransferError | None = None
         self._request: PageList | None = None
         self._offset = 0
         self._last_sent = False
         self._writes: list[PostedWrite] = []
         self._aux_len = 0
-        self._released = False
         self._fence = UNFENCED  # (room, the decode's generation for its page list, our liveness)
         self._first_send = 0.0  # monotonic time the first chunk was posted
 
     # -- the scheduler's API ---------------------------------------------------------------------
-    def poll(self) -> KVPoll:
-        return self._state
-
     def send(self, page_ids: Sequence[int], *, last: bool, aux: bytes | None = None) -> None:
         """Write this chunk's source pages into the decode's next reserved pages (and ``aux`` with the
         last chunk). Ignored once Failed; ValueError for more pages than reserved or bad ids."""
         self._side.send(self, list(page_ids), last, aux)
-
-    def failure(self) -> TransferError | None:
-        return self._error
-
-    def abort(self, reason: str) -> None:
-        self._side.abort(self, reason)
-
-    def release(self) -> None:
-        self._side.release(self)
 
     # -- what SenderRooms reads (lock held) ------------------------------------------------------
     @property
     def request(self) -> PageList | None:
         """The decode's page list, once it arrived."""
         return self._request
-
-    @property
-    def is_terminal(self) -> bool:
-        return self._state in _TERMINAL
-
-    @property
-    def is_released(self) -> bool:
-        return self._released
 
     @property
     def fence(self) -> Fence:
@@ -137,7 +114,7 @@ class KVSender:
 
     def fail(self, error: TransferError) -> list[PostedWrite] | None:
         """-> Failed. Answers the writes still in flight (for the graveyard), or None if already ended."""
-        if self._state in _TERMINAL:
+        if self._state in TERMINAL:
             return None
         self._state, self._error = KVPoll.Failed, error
         writes, self._writes = self._writes, []
@@ -207,9 +184,6 @@ class KVSender:
     def succeed(self, now: float) -> None:
         self._state = KVPoll.Success
         self.latency_s = now - self._first_send
-
-    def mark_released(self) -> None:
-        self._released = True
 
     def take_writes(self) -> list[PostedWrite]:
         """Every write still listed (the manager is closing)."""
