@@ -161,6 +161,38 @@ def start_gateway(procs: Procs, *args: str) -> int:
     return port
 
 
+@dataclass
+class SmolDeployment:
+    """SmolLM2 (torch engine) twice: prefill -> decode behind one gateway, one combined worker behind
+    another, so a test can check that the split answers what one worker answers."""
+
+    pd_url: str  # http://127.0.0.1:PORT of the PD gateway (no /v1)
+    both_url: str
+    workers: list[Worker]
+
+    @property
+    def pd_v1(self) -> str:
+        return f"{self.pd_url}/v1"
+
+    @property
+    def both_v1(self) -> str:
+        return f"{self.both_url}/v1"
+
+
+def start_smollm2(procs: Procs, chunk_size: int = 32) -> SmolDeployment:
+    from workers.engines.llama.gguf_convert import default_model_dir
+
+    default_model_dir()  # convert once (cached) before the workers race for it
+    boot = start_bootstrap(procs)
+    common = ("--engine", "torch", "--num-pages", "256", "--chunk-size", str(chunk_size))
+    prefill = start_worker(procs, "prefill", *common, bootstrap=boot)
+    decode = start_worker(procs, "decode", *common, bootstrap=boot)
+    both = start_worker(procs, "both", *common)
+    pd_port = start_gateway(procs, "--prefill", prefill.url, "--decode", decode.url)
+    both_port = start_gateway(procs, "--worker", both.url)
+    return SmolDeployment(f"http://127.0.0.1:{pd_port}", f"http://127.0.0.1:{both_port}", [prefill, decode, both])
+
+
 def has_gpu() -> bool:
     try:
         import torch

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
 import openai
 import pytest
-from pdtest import Procs, Worker, start_bootstrap, start_gateway, start_worker
+from pdtest import Procs, SmolDeployment, start_smollm2
 
 pytestmark = pytest.mark.slow
 
@@ -19,28 +18,11 @@ QUESTIONS = [
 ]
 
 
-@dataclass
-class Deployment:
-    pd_url: str
-    both_url: str
-    workers: list[Worker]
-
-
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    from workers.engines.llama.gguf_convert import default_model_dir
-
-    default_model_dir()  # convert once (cached) before four processes race for it
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SmolDeployment]:
     procs = Procs(tmp_path_factory.mktemp("smollm2"))
     try:
-        boot = start_bootstrap(procs)
-        common = ("--engine", "torch", "--num-pages", "256", "--chunk-size", "32")
-        prefill = start_worker(procs, "prefill", *common, bootstrap=boot)
-        decode = start_worker(procs, "decode", *common, bootstrap=boot)
-        both = start_worker(procs, "both", *common)
-        pd_port = start_gateway(procs, "--prefill", prefill.url, "--decode", decode.url)
-        both_port = start_gateway(procs, "--worker", both.url)
-        yield Deployment(f"http://127.0.0.1:{pd_port}/v1", f"http://127.0.0.1:{both_port}/v1", [prefill, decode, both])
+        yield start_smollm2(procs, chunk_size=32)
     finally:
         procs.stop_all()
 
@@ -50,41 +32,41 @@ def chat(url: str, question: str, **kw: object) -> openai.types.chat.ChatComplet
     return c.chat.completions.create(model="default", messages=[{"role": "user", "content": question}], **kw)  # type: ignore[call-overload, no-any-return]
 
 
-def test_capital_of_france_via_prefill_to_decode(deployment: Deployment) -> None:
-    out = chat(deployment.pd_url, QUESTIONS[0], max_tokens=24, temperature=0)
+def test_capital_of_france_via_prefill_to_decode(deployment: SmolDeployment) -> None:
+    out = chat(deployment.pd_v1, QUESTIONS[0], max_tokens=24, temperature=0)
     assert "Paris" in (out.choices[0].message.content or "")
-    c = openai.OpenAI(base_url=deployment.pd_url, api_key="none", max_retries=0, timeout=120)
+    c = openai.OpenAI(base_url=deployment.pd_v1, api_key="none", max_retries=0, timeout=120)
     stream = c.chat.completions.create(model="default", max_tokens=24, temperature=0, stream=True,
                                        messages=[{"role": "user", "content": QUESTIONS[0]}])
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == out.choices[0].message.content
 
 
 @pytest.mark.parametrize("question", QUESTIONS)
-def test_pd_greedy_equals_combined_worker(deployment: Deployment, question: str) -> None:
-    pd = chat(deployment.pd_url, question, max_tokens=20, temperature=0)
-    both = chat(deployment.both_url, question, max_tokens=20, temperature=0)
+def test_pd_greedy_equals_combined_worker(deployment: SmolDeployment, question: str) -> None:
+    pd = chat(deployment.pd_v1, question, max_tokens=20, temperature=0)
+    both = chat(deployment.both_v1, question, max_tokens=20, temperature=0)
     assert pd.choices[0].message.content == both.choices[0].message.content
     assert pd.usage and both.usage and pd.usage.completion_tokens == both.usage.completion_tokens
 
 
-def test_seeded_sampling_reproduces_across_the_split(deployment: Deployment) -> None:
+def test_seeded_sampling_reproduces_across_the_split(deployment: SmolDeployment) -> None:
     kw = {"max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "seed": 1234}
-    pd = chat(deployment.pd_url, QUESTIONS[2], **kw)
-    both = chat(deployment.both_url, QUESTIONS[2], **kw)
+    pd = chat(deployment.pd_v1, QUESTIONS[2], **kw)
+    both = chat(deployment.both_v1, QUESTIONS[2], **kw)
     assert pd.choices[0].message.content == both.choices[0].message.content
 
 
-def test_prefix_cache_hit_reports_cached_tokens(deployment: Deployment) -> None:
+def test_prefix_cache_hit_reports_cached_tokens(deployment: SmolDeployment) -> None:
     question = "Explain in one line why the sky looks blue to people standing outside on a sunny day."
-    first = chat(deployment.pd_url, question, max_tokens=8, temperature=0)
-    second = chat(deployment.pd_url, question, max_tokens=8, temperature=0)
+    first = chat(deployment.pd_v1, question, max_tokens=8, temperature=0)
+    second = chat(deployment.pd_v1, question, max_tokens=8, temperature=0)
     assert second.choices[0].message.content == first.choices[0].message.content
     assert second.usage and second.usage.prompt_tokens_details
     assert second.usage.prompt_tokens_details.cached_tokens >= 16
 
 
-def test_bad_input_is_rejected_with_400(deployment: Deployment) -> None:
-    base = deployment.pd_url
+def test_bad_input_is_rejected_with_400(deployment: SmolDeployment) -> None:
+    base = deployment.pd_v1
     too_long = httpx.post(f"{base}/completions", json={"prompt": [1] * 9000, "max_tokens": 4}, timeout=60)
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
     beyond = httpx.post(f"{base}/completions", json={"prompt": "Hello", "max_tokens": 9000}, timeout=60)
@@ -96,7 +78,7 @@ def test_bad_input_is_rejected_with_400(deployment: Deployment) -> None:
     assert bad_ids.status_code == 400
 
 
-def test_pools_back_to_full(deployment: Deployment) -> None:
+def test_pools_back_to_full(deployment: SmolDeployment) -> None:
     import time
 
     deadline = time.monotonic() + 30
@@ -108,10 +90,10 @@ def test_pools_back_to_full(deployment: Deployment) -> None:
         time.sleep(0.2)
 
 
-def test_chat_logprobs_through_the_split(deployment: Deployment) -> None:
+def test_chat_logprobs_through_the_split(deployment: SmolDeployment) -> None:
     kw = {"max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3}
-    pd = chat(deployment.pd_url, QUESTIONS[1], **kw)
-    both = chat(deployment.both_url, QUESTIONS[1], **kw)
+    pd = chat(deployment.pd_v1, QUESTIONS[1], **kw)
+    both = chat(deployment.both_v1, QUESTIONS[1], **kw)
     pd_entries = pd.choices[0].logprobs.content  # type: ignore[union-attr]
     both_entries = both.choices[0].logprobs.content  # type: ignore[union-attr]
     assert pd_entries and both_entries and len(pd_entries) == len(both_entries) == 6
@@ -121,11 +103,11 @@ def test_chat_logprobs_through_the_split(deployment: Deployment) -> None:
         assert a.logprob <= 0 and a.top_logprobs[0].logprob >= a.top_logprobs[1].logprob
 
 
-def test_generate_returns_input_and_output_logprobs(deployment: Deployment) -> None:
+def test_generate_returns_input_and_output_logprobs(deployment: SmolDeployment) -> None:
     body = {"text": "The quick brown fox jumps over the lazy dog.",
             "sampling_params": {"max_new_tokens": 4, "temperature": 0}, "return_logprob": True}
     results = []
-    for url in (deployment.pd_url, deployment.both_url):
+    for url in (deployment.pd_v1, deployment.both_v1):
         r = httpx.post(url.removesuffix("/v1") + "/generate", json=body, timeout=120)
         assert r.status_code == 200, r.text
         results.append(r.json())
@@ -141,9 +123,9 @@ def test_generate_returns_input_and_output_logprobs(deployment: Deployment) -> N
     assert results[0]["text"] == results[1]["text"]
 
 
-def test_completions_echo_with_logprobs(deployment: Deployment) -> None:
+def test_completions_echo_with_logprobs(deployment: SmolDeployment) -> None:
     prompt = "Roses are red, violets are"
-    r = httpx.post(f"{deployment.pd_url}/completions", timeout=120,
+    r = httpx.post(f"{deployment.pd_v1}/completions", timeout=120,
                    json={"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]

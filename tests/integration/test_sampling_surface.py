@@ -13,13 +13,12 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from pdtest import Procs, Worker, start_bootstrap, start_gateway, start_worker
+from pdtest import Procs, SmolDeployment, start_smollm2
 
 from workers.engines.sim import ALPHABET
 
@@ -168,28 +167,11 @@ def test_bad_values_are_a_400_naming_the_field(sim_cluster) -> None:  # type: ig
 # -- SmolLM2 through prefill -> decode and on one combined worker ------------------------------------
 
 
-@dataclass
-class Deployment:
-    pd_url: str
-    both_url: str
-    workers: list[Worker]
-
-
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    from workers.engines.llama.gguf_convert import default_model_dir
-
-    default_model_dir()  # convert once (cached) before three processes race for it
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SmolDeployment]:
     procs = Procs(tmp_path_factory.mktemp("sampling-surface"))
     try:
-        boot = start_bootstrap(procs)
-        common = ("--engine", "torch", "--num-pages", "256", "--chunk-size", "32")
-        prefill = start_worker(procs, "prefill", *common, bootstrap=boot)
-        decode = start_worker(procs, "decode", *common, bootstrap=boot)
-        both = start_worker(procs, "both", *common)
-        pd_port = start_gateway(procs, "--prefill", prefill.url, "--decode", decode.url)
-        both_port = start_gateway(procs, "--worker", both.url)
-        yield Deployment(f"http://127.0.0.1:{pd_port}", f"http://127.0.0.1:{both_port}", [prefill, decode, both])
+        yield start_smollm2(procs, chunk_size=32)
     finally:
         procs.stop_all()
 
@@ -206,7 +188,7 @@ PENALTIES = {"presence_penalty": 1.0, "frequency_penalty": 0.8, "repetition_pena
 
 
 @pytest.mark.slow
-def test_penalties_through_the_split_equal_one_worker_and_change_the_output(smollm2: Deployment) -> None:
+def test_penalties_through_the_split_equal_one_worker_and_change_the_output(smollm2: SmolDeployment) -> None:
     plain = _generate(smollm2.pd_url)["output_ids"]
     for sampling in ({"repetition_penalty": 1.3}, {"presence_penalty": 1.5, "frequency_penalty": 1.0}, PENALTIES):
         pd = _generate(smollm2.pd_url, **sampling)["output_ids"]
@@ -226,7 +208,7 @@ def test_penalties_through_the_split_equal_one_worker_and_change_the_output(smol
 
 
 @pytest.mark.slow
-def test_logit_bias_forces_and_bans_tokens(smollm2: Deployment) -> None:
+def test_logit_bias_forces_and_bans_tokens(smollm2: SmolDeployment) -> None:
     plain = _generate(smollm2.pd_url)["output_ids"]
     forced_id = 9690  # a token the plain answer does not use
     assert forced_id not in plain
@@ -245,7 +227,7 @@ def test_logit_bias_forces_and_bans_tokens(smollm2: Deployment) -> None:
 
 
 @pytest.mark.slow
-def test_min_tokens_holds_back_the_end_of_sequence(smollm2: Deployment) -> None:
+def test_min_tokens_holds_back_the_end_of_sequence(smollm2: SmolDeployment) -> None:
     question = "What is the capital of France?"
     short = _generate(smollm2.pd_url, question, max_new_tokens=64)
     n = len(short["output_ids"])
@@ -261,7 +243,7 @@ def test_min_tokens_holds_back_the_end_of_sequence(smollm2: Deployment) -> None:
 
 
 @pytest.mark.slow
-def test_a_token_outside_the_vocabulary_is_a_400_and_pools_are_full(smollm2: Deployment) -> None:
+def test_a_token_outside_the_vocabulary_is_a_400_and_pools_are_full(smollm2: SmolDeployment) -> None:
     import time
 
     for url in (smollm2.pd_url, smollm2.both_url):

@@ -13,13 +13,12 @@ import json
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from pdtest import Procs, Worker, start_bootstrap, start_gateway, start_worker
+from pdtest import Procs, SmolDeployment, start_smollm2
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("llguidance")
@@ -40,28 +39,11 @@ CITY_QUESTION = "Give the capital of France as JSON with its country and populat
 REGEX = r"The capital of France is (Paris|Lyon|Nice)\."
 
 
-@dataclass
-class Deployment:
-    pd_url: str
-    both_url: str
-    workers: list[Worker]
-
-
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    from workers.engines.llama.gguf_convert import default_model_dir
-
-    default_model_dir()  # convert once (cached) before the processes race for it
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SmolDeployment]:
     procs = Procs(tmp_path_factory.mktemp("structured"))
     try:
-        boot = start_bootstrap(procs)
-        common = ("--engine", "torch", "--num-pages", "256", "--chunk-size", "64")
-        prefill = start_worker(procs, "prefill", *common, bootstrap=boot)
-        decode = start_worker(procs, "decode", *common, bootstrap=boot)
-        both = start_worker(procs, "both", *common)
-        pd_port = start_gateway(procs, "--prefill", prefill.url, "--decode", decode.url)
-        both_port = start_gateway(procs, "--worker", both.url)
-        yield Deployment(f"http://127.0.0.1:{pd_port}", f"http://127.0.0.1:{both_port}", [prefill, decode, both])
+        yield start_smollm2(procs, chunk_size=64)
     finally:
         procs.stop_all()
 
@@ -98,7 +80,7 @@ def generate_streamed(base: str, body: dict[str, Any]) -> str:
     return text
 
 
-def test_json_schema_answer_parses_validates_and_crosses_the_split(deployment: Deployment) -> None:
+def test_json_schema_answer_parses_validates_and_crosses_the_split(deployment: SmolDeployment) -> None:
     kw = {"max_tokens": 60, "temperature": 0, "response_format": CITY_FORMAT}
     pd = chat(deployment.pd_url, CITY_QUESTION, **kw)
     text = pd.choices[0].message.content
@@ -110,7 +92,7 @@ def test_json_schema_answer_parses_validates_and_crosses_the_split(deployment: D
     assert streamed_chat(deployment.pd_url, CITY_QUESTION, **kw) == (text, "stop")
 
 
-def test_json_object_mode(deployment: Deployment) -> None:
+def test_json_object_mode(deployment: SmolDeployment) -> None:
     kw = {"max_tokens": 60, "temperature": 0, "response_format": {"type": "json_object"}}
     pd = chat(deployment.pd_url, "Describe a cat as a JSON object with two fields.", **kw)
     text = pd.choices[0].message.content
@@ -118,7 +100,7 @@ def test_json_object_mode(deployment: Deployment) -> None:
     assert isinstance(json.loads(text), dict)
 
 
-def test_regex_generate_crosses_the_split(deployment: Deployment) -> None:
+def test_regex_generate_crosses_the_split(deployment: SmolDeployment) -> None:
     body = {"text": "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
             "sampling_params": {"max_new_tokens": 20, "temperature": 0, "regex": REGEX}}
     pd = generate(deployment.pd_url, body)
@@ -131,7 +113,7 @@ def test_regex_generate_crosses_the_split(deployment: Deployment) -> None:
     assert completion.choices[0].text == pd["text"]
 
 
-def test_ebnf_generate(deployment: Deployment) -> None:
+def test_ebnf_generate(deployment: SmolDeployment) -> None:
     ebnf = 'root ::= "Answer: " ("yes" | "no") "."'
     body = {"text": "Is Paris in France? ", "sampling_params": {"max_new_tokens": 10, "temperature": 0.7,
                                                                   "sampling_seed": 3, "ebnf": ebnf}}
@@ -140,7 +122,7 @@ def test_ebnf_generate(deployment: Deployment) -> None:
     assert generate(deployment.both_url, body)["text"] == pd["text"], "seeded sampling: P->D equals one worker"
 
 
-def test_rejected_grammars_are_a_400_naming_the_field(deployment: Deployment) -> None:
+def test_rejected_grammars_are_a_400_naming_the_field(deployment: SmolDeployment) -> None:
     cases = [
         ("/generate", {"text": "hi", "sampling_params": {"regex": "(unclosed"}}, "sampling_params.regex"),
         ("/generate", {"text": "hi", "sampling_params": {"ebnf": "root ::= ("}}, "sampling_params.ebnf"),
@@ -193,7 +175,7 @@ def _streamed_calls(chunks: list[Any]) -> tuple[dict[int, dict[str, Any]], str |
 
 
 @pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"])
-def test_forced_tool_call_validates_across_the_split(deployment: Deployment, tool_choice: Any) -> None:
+def test_forced_tool_call_validates_across_the_split(deployment: SmolDeployment, tool_choice: Any) -> None:
     kw = {"max_tokens": 40, "temperature": 0, "tools": [WEATHER_TOOL, TIME_TOOL], "tool_choice": tool_choice}
     pd = chat(deployment.pd_url, WEATHER_QUESTION, **kw)
     choice = pd.choices[0]
@@ -212,7 +194,7 @@ def test_forced_tool_call_validates_across_the_split(deployment: Deployment, too
     assert calls[0]["id"].startswith("call_")
 
 
-def test_auto_tool_choice_crosses_the_split(deployment: Deployment) -> None:
+def test_auto_tool_choice_crosses_the_split(deployment: SmolDeployment) -> None:
     """Unconstrained: the answer is a call only when the model wrote one; P->D equals one worker either way."""
     kw = {"max_tokens": 40, "temperature": 0, "tools": [WEATHER_TOOL, TIME_TOOL]}
     pd = chat(deployment.pd_url, WEATHER_QUESTION, **kw).choices[0]
@@ -236,7 +218,7 @@ def test_auto_tool_choice_crosses_the_split(deployment: Deployment) -> None:
     assert text == (pd.message.content or "")
 
 
-def test_tool_results_continue_the_conversation(deployment: Deployment) -> None:
+def test_tool_results_continue_the_conversation(deployment: SmolDeployment) -> None:
     messages = [
         {"role": "user", "content": WEATHER_QUESTION},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
@@ -259,7 +241,7 @@ def test_tool_results_continue_the_conversation(deployment: Deployment) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-def test_pools_back_to_full(deployment: Deployment) -> None:
+def test_pools_back_to_full(deployment: SmolDeployment) -> None:
     deadline = time.monotonic() + 30
     while True:
         loads = [w.get("/load") for w in deployment.workers]
