@@ -4,8 +4,10 @@ Lifecycle of a file this module makes (``SharedFile.create``):
 1. Stale files of the same prefix in the directory are swept first: every owner holds a shared
    ``flock`` on its file while it lives, so a file that takes an exclusive ``flock`` has no owner (its
    process died without unlinking it) and is unlinked.
-2. The new file (random name, ``O_EXCL``, mode 0600) is sized and mapped shared; its owner keeps the
-   ``flock`` until ``close``.
+2. The new file (random name, ``O_EXCL``, mode 0600) is made under a hidden name (``.`` + the name,
+   which no sweep of the prefix looks at), locked, sized and mapped shared, and only then renamed into
+   place, so a worker starting at the same moment never sweeps it; its owner keeps the ``flock`` until
+   ``close``.
 3. ``close()`` unlinks the file and closes the descriptor. The mapping itself stays valid (numpy views
    may still point into it); the memory is freed once nothing maps it.
 
@@ -82,19 +84,24 @@ class SharedFile:
             raise ValueError(f"shared file size must be positive, got {size}")
         directory = directory or SHM_DIR
         sweep_stale(directory, prefix)
-        path = os.path.join(directory, f"{prefix}{os.getpid()}-{secrets.token_hex(8)}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        name = f"{prefix}{os.getpid()}-{secrets.token_hex(8)}"
+        path, hidden = os.path.join(directory, name), os.path.join(directory, f".{name}")
+        fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        made = hidden
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             if allocate:
                 os.posix_fallocate(fd, 0, size)
             else:
                 os.ftruncate(fd, size)
-            return cls(path, fd, size)
+            shared = cls(path, fd, size)
+            os.rename(hidden, path)  # (locked already: a sweep of the prefix sees a live owner)
+            made = path
+            return shared
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
-                os.unlink(path)
+                os.unlink(made)
             raise
 
     def close(self) -> None:

@@ -250,3 +250,29 @@ def test_shared_files_of_dead_owners_are_swept(tmp_path):
     del view
     live.close()
     assert not os.path.exists(live.path)
+
+
+def test_a_file_being_created_is_not_swept_by_a_concurrent_sweeper(tmp_path, monkeypatch):
+    """Another worker starting at the same moment sweeps between our ``open`` and our ``flock``."""
+    import fcntl
+
+    from transfer import shm_files
+
+    prefix = "pd-kv-test-"
+    real_flock = fcntl.flock
+    swept: list[int] = []
+
+    def sweep_first(fd: int, op: int) -> None:
+        if op == fcntl.LOCK_SH and not swept:
+            swept.append(sweep_stale(str(tmp_path), prefix))  # the other worker's sweep, just before our lock
+        real_flock(fd, op)
+
+    monkeypatch.setattr(shm_files.fcntl, "flock", sweep_first)
+    made = SharedFile.create(prefix, 4096, str(tmp_path))
+    monkeypatch.setattr(shm_files.fcntl, "flock", real_flock)
+    try:
+        assert swept == [0] and os.path.exists(made.path) and os.path.basename(made.path).startswith(prefix)
+        assert os.listdir(tmp_path) == [os.path.basename(made.path)]
+        assert sweep_stale(str(tmp_path), prefix) == 0  # its owner lives
+    finally:
+        made.close()
