@@ -258,8 +258,9 @@ class _ChoiceStream:
             return deltas, "tool_calls" if reason == "stop" else reason
         if plan.mode in ("named", "required"):
             return [], "tool_calls" if reason == "stop" and self.call_id else reason
-        if self.sent >= 0:
-            return [], reason
+        if self.sent >= 0:  # plain content: what is still held (a prefix of a call's start, e.g. "<to")
+            rest = self.text[self.sent :]
+            return ([{"content": rest}] if rest else []), reason
         calls = parse_calls(plan, self.text) if reason == "stop" else None
         if calls is None:
             return [{"content": self.text}], reason

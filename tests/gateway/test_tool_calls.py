@@ -103,6 +103,16 @@ def test_auto_parses_the_models_own_format_and_streams_plain_text() -> None:
     assert parse_calls(plan, '{"name": "unknown", "arguments": {}}') is None
 
 
+@pytest.mark.parametrize("answer", ["<", "<tool", " <tool_c", "\n"])
+def test_auto_an_answer_that_only_looked_like_a_call_start_is_not_lost(answer: str) -> None:
+    """Held back while it could still become ``<tool_call>``, then the answer ended: it is the content."""
+    for hermes in (HERMES_TEMPLATE, None):
+        plan = plan_tools(req([WEATHER]), hermes)
+        assert plan is not None
+        deltas, reason = feed(_ChoiceStream(plan), answer, size=1)
+        assert reason == "stop" and "".join(d.get("content") or "" for d in deltas) == answer
+
+
 def test_the_legacy_function_role_is_refused_pointing_at_tool() -> None:
     """Tool messages are supported now: a 'function' message's 400 says to use 'tool', not that tool calls
     are unsupported."""
