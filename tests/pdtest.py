@@ -71,19 +71,24 @@ class Procs:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def stop_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGCONT)
-                    proc.terminate()
-                except ProcessLookupError:
-                    pass
-        for proc in self.procs:
+        stop_processes(self.procs)
+
+
+def stop_processes(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGCONT + SIGTERM to each live one (a frozen child must be able to die), then reap; SIGKILL after 10 s."""
+    for proc in procs:
+        if proc.poll() is None:
             try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                os.killpg(proc.pid, signal.SIGCONT)
+                proc.terminate()
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @dataclass

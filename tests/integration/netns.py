@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pdtest import stop_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 _HOLDER = ("mount -t tmpfs -o size=256m pd-shm /dev/shm && mount -t sysfs sysfs /sys && ip link set lo up "
@@ -97,19 +98,7 @@ class Side:
         return {"rx": rx, "tx": tx}
 
     def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGCONT)
-                    proc.terminate()
-                except ProcessLookupError:
-                    pass
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.procs)
         if self.holder is not None and self.holder.poll() is None:
             self.holder.kill()
             self.holder.wait()
