@@ -212,3 +212,27 @@ def test_a_migrated_stream_continues_its_grammar(make_engine: Any, model_dir: st
         assert rest == whole[k:], k
         rest = generate(e.engine, e.pool, 3, [3, 4, 5, *whole[:k]], moved, max_new_tokens=120, split=True)
         assert rest == whole[k:], ("moved and split", k)
+
+
+def test_a_grammar_that_fails_at_its_first_mask_ends_its_row_not_the_batch() -> None:
+    """E.g. evicted from the compile cache and failing to recompile: only that row is affected (EOS only)."""
+    import concurrent.futures
+
+    import torch
+
+    from workers.engines.llama.constrained import Constraints
+
+    constraints = Constraints("/nonexistent", vocab_size=40, eos_token_ids=(2,))
+    grammar = Grammar("regex", "a+", param="regex")
+    failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    failed.set_exception(GrammarError("invalid regex: gone", "regex"))
+    constraints._cache[grammar] = failed
+    seqs = [SeqInput(1, [0], 0, [5], True, SamplingParams(grammar=grammar), 0, [5]),
+            SeqInput(2, [1], 0, [5], True, SamplingParams(), 0, [5])]
+    scores = torch.zeros(2, 40)
+    try:
+        out = constraints.mask(seqs, scores)
+    finally:
+        constraints.close()
+    assert torch.isfinite(out[0]).tolist() == [i == 2 for i in range(40)]  # only EOS left on its row
+    assert torch.equal(out[1], scores[1])  # the unconstrained row untouched

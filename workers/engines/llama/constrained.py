@@ -103,7 +103,8 @@ class Constraints:
                 state.matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
                 if state.matcher.is_error():
                     raise RuntimeError(state.matcher.get_error())
-            except RuntimeError as exc:  # this sequence ends (EOS only); the batch goes on
+            except Exception as exc:  # (the matcher's error, a failed recompile...) this sequence ends (EOS only);
+                # the batch goes on
                 log.warning("rid %s: grammar matcher failed, only EOS allowed: %s", seqs[i].rid, exc)
                 self._only_eos(row)
         allowed = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).view(len(rows), words * 32)[:, : scores.shape[1]]
