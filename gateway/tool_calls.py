@@ -256,14 +256,15 @@ class _ChoiceStream:
             end = self.text.rfind("}") if reason == "stop" else len(self.text)
             deltas = self._arguments(self.args_start, max(end, self.sent), self.name)
             return deltas, "tool_calls" if reason == "stop" else reason
-        if plan.mode in ("named", "required"):
+        if plan.mode == "named":
             return [], "tool_calls" if reason == "stop" and self.call_id else reason
-        if self.sent >= 0:  # plain content: what is still held (a prefix of a call's start, e.g. "<to")
+        if plan.mode == "auto" and self.sent >= 0:  # plain content: the rest held (a call's start, e.g. "<to")
             rest = self.text[self.sent :]
             return ([{"content": rest}] if rest else []), reason
+        # Held to the end (auto: it started like a call; required: its arguments never began): as a whole answer
         calls = parse_calls(plan, self.text) if reason == "stop" else None
         if calls is None:
-            return [{"content": self.text}], reason
+            return ([{"content": self.text}] if self.text else []), reason
         return [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(calls)], "tool_calls"
 
 

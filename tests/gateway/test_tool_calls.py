@@ -76,6 +76,21 @@ def test_streamed_required_call_equals_the_whole_answer() -> None:
     assert whole["function"]["arguments"] == calls[0]["arguments"]
 
 
+def test_a_required_call_cut_before_its_arguments_streams_what_the_whole_answer_has() -> None:
+    plan = plan_tools(req([WEATHER, TIME], "required"), None)
+    assert plan is not None
+    text = '{"name": "get_wea'
+    deltas, reason = feed(_ChoiceStream(plan), text, finish="length")
+    result = {"choices": [{"message": {"role": "assistant", "content": text}, "finish_reason": "length"}]}
+    shape_choices(plan, result)
+    assert reason == "length" == result["choices"][0]["finish_reason"]
+    assert "".join(d.get("content") or "" for d in deltas) == result["choices"][0]["message"]["content"] == text
+    compact = '{"name":"get_time","arguments":{}}'  # not the grammar's spacing: still the call a whole answer has
+    deltas, reason = feed(_ChoiceStream(plan), compact)
+    assert reason == "tool_calls" and merged_calls(deltas)[0]["name"] == "get_time"
+    assert json.loads(merged_calls(deltas)[0]["arguments"]) == {}
+
+
 def test_named_call_streams_its_arguments_and_a_cut_answer_keeps_length() -> None:
     plan = plan_tools(req([WEATHER], {"type": "function", "function": {"name": "get_weather"}}), None)
     assert plan is not None
