@@ -275,6 +275,7 @@ async def tool_events(run: Any, chunk: Callable[..., bytes], usage: Callable[...
     plan: ToolPlan = prep.tools
     streams: dict[int, _ChoiceStream] = {}
     states: dict[int, Any] = {}
+    held: dict[int, list[dict[str, Any]]] = {}  # logprob entries of text not sent yet: they go with the next chunk
     async for state, text, entries in run.frontend.run_choices(prep, None):
         first = state.index not in streams
         stream = streams.setdefault(state.index, _ChoiceStream(plan))
@@ -286,6 +287,12 @@ async def tool_events(run: Any, chunk: Callable[..., bytes], usage: Callable[...
         if state.finish_reason is not None:
             more, finish = stream.finish(state.finish_reason)
             deltas += more
+        if state.index in held:
+            entries = held.pop(state.index) + entries
+        if not deltas and finish is None:
+            if entries:
+                held[state.index] = entries
+            continue
         logprobs = {"content": entries} if prep.want_logprobs else None
         for k, delta in enumerate(deltas):
             last = k == len(deltas) - 1

@@ -143,3 +143,31 @@ def test_the_legacy_function_role_is_refused_pointing_at_tool() -> None:
         frontend.prepare_chat(decode_body(msgspec.json.encode(body), ChatCompletionRequest))
     assert info.value.param == "messages[1].role"
     assert "use 'tool'" in info.value.message and "not supported" not in info.value.message
+
+
+def test_streamed_logprobs_of_held_back_text_are_not_lost() -> None:
+    """Every token's logprob entry reaches the client, also those of text held back (auto: an answer that
+    starts like a call), as the whole response has them all."""
+    import asyncio
+
+    from gateway.tool_calls import tool_events
+
+    plan = plan_tools(req([WEATHER]), None)
+    pieces = ['{"name": ', '"get_weather", ', '"arguments": {"city": ', '"Rome"}}']
+
+    class Frontend:
+        async def run_choices(self, prep: Any, emitter: Any) -> Any:
+            for i, piece in enumerate(pieces):
+                state = SimpleNamespace(index=0, finish_reason="stop" if i == len(pieces) - 1 else None)
+                yield state, piece, [{"token": piece, "logprob": -float(i)}]
+
+    prep = SimpleNamespace(tools=plan, want_logprobs=True, include_usage=False, input_ids=[1])
+    run = SimpleNamespace(prep=prep, frontend=Frontend())
+
+    async def collect() -> list[dict[str, Any]]:
+        return [c async for c in tool_events(run, lambda _run, choices, *_: choices, lambda *_: {})]
+
+    chunks = asyncio.run(collect())
+    entries = [e["token"] for c in chunks for choice in c for e in ((choice["logprobs"] or {}).get("content") or [])]
+    assert entries == pieces
+    assert chunks[-1][0]["finish_reason"] == "tool_calls"
