@@ -51,7 +51,7 @@ import msgspec
 
 from gateway.context import REQUEST_ID, REQUEST_T0, random_room
 from gateway.errors import APIError, BadGateway, NoWorkers, UpstreamTimeout, from_worker_error
-from gateway.event_sink import EventSink, SinkOverflow
+from gateway.event_sink import DirectPathFailed, EventSink, SinkOverflow
 from gateway.metrics import GatewayMetrics
 from gateway.policies import Pair, RequestInfo, WorkerView
 from gateway.router import Router
@@ -316,6 +316,9 @@ class Dispatcher:
                 except SinkOverflow:
                     raise SlowClient(f"the client read its stream too slowly ({sink.limit} events unread); "
                                      "generation was stopped") from None
+                except DirectPathFailed:
+                    raise APIError("internal error in the gateway while streaming; generation was stopped "
+                                   "(see the gateway's log)") from None
                 except TimeoutError:
                     wait_s = idle_s if got_token else first_s
                     stage = "between tokens" if got_token else "before the first token"

@@ -6,7 +6,10 @@ no task switch, no queue object); the attempt's generator ``get``s them, one tim
 (``set_deadline`` only moves a number). Decode outputs queued behind one another are merged into one
 (``merge_ready``). While ``get`` waits with nothing queued, an event may be taken in the callback
 itself by ``tap`` (the dispatcher's direct path). Past ``limit`` unread events the sink drops them,
-calls ``on_overflow`` once and ``get`` raises ``SinkOverflow``. ``close`` ends the timer and the tap.
+calls ``on_overflow`` once and ``get`` raises ``SinkOverflow``. A ``tap`` that raises may have done
+part of its bookkeeping, so its event is not replayed through ``get``: the sink drops everything from
+then on and ``get`` raises ``DirectPathFailed`` (the stream ends with an error; nothing is counted or
+sent twice). ``close`` ends the timer and the tap.
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ class EventSink:
     early, so a busy stream costs no timer work per event.
     """
 
-    __slots__ = ("_deadline", "_items", "_loop", "_on_overflow", "_timer", "_waiter", "limit", "overflowed", "tap")
+    __slots__ = ("_deadline", "_items", "_loop", "_on_overflow", "_timer", "_waiter", "failed", "limit", "overflowed",
+                 "tap")
 
     def __init__(self, limit: int = 4096, on_overflow: Callable[[], None] | None = None) -> None:
         self.limit = limit  # events queued unread past this: ``on_overflow()``, then ``get`` raises
         self.overflowed = False
+        self.failed = False  # the tap raised: ``get`` raises ``DirectPathFailed``
         # Offered each event while ``get`` waits with none queued; True: it took the event (nobody is woken).
         self.tap: Callable[[tuple[Any, Event]], bool] | None = None
         self._on_overflow = on_overflow
@@ -48,21 +53,27 @@ class EventSink:
         self._timer: asyncio.TimerHandle | None = None
 
     def put_nowait(self, item: tuple[Any, Event]) -> None:
-        if self.overflowed:
+        if self.overflowed or self.failed:
             return
         if self.tap is not None and self._waiter is not None and not self._items:
             try:
                 if self.tap(item):
                     return
             except Exception:  # a bug in a consumer must not drop the worker connection whose callback this is
-                log.exception("the direct path failed; this stream goes on through its task")
+                log.exception("the direct path failed; this stream ends with an error")
                 self.tap = None
+                self.failed = True
+                self._wake()
+                return
         self._items.append(item)
         if len(self._items) > self.limit:
             self.overflowed = True
             self._items.clear()
             if self._on_overflow is not None:
                 self._on_overflow()
+        self._wake()
+
+    def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -86,6 +97,8 @@ class EventSink:
         while not self._items:
             if self.overflowed:
                 raise SinkOverflow
+            if self.failed:
+                raise DirectPathFailed
             if self._loop.time() >= self._deadline:
                 raise TimeoutError
             self._waiter = self._loop.create_future()
@@ -116,6 +129,10 @@ class EventSink:
 
 class SinkOverflow(Exception):
     """``EventSink.get``: the consumer left more than ``limit`` events unread; they were dropped."""
+
+
+class DirectPathFailed(Exception):
+    """``EventSink.get``: the ``tap`` raised while taking an event (a bug); the stream cannot go on exactly."""
 
 
 def _merge(a: StepOutput, b: StepOutput) -> StepOutput:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.api import Prepared
-from gateway.event_sink import EventSink, SinkOverflow
+from gateway.event_sink import DirectPathFailed, EventSink, SinkOverflow
 from gateway.shapes import ChatShape, CompletionShape, Run
 from gateway.worker_client import _FrameProtocol
 from workers.protocol import Error, KVEvents, LoadReport, Outputs, SamplingParams, StepOutput, gateway_codec
@@ -55,6 +55,38 @@ def test_sink_overflow_stops_the_producers_once_and_fails_the_reader() -> None:
         sink.put_nowait(("decode", StepOutput(1, [9])))  # late events are dropped, no second call
         assert calls == [1]
         with pytest.raises(SinkOverflow):
+            await sink.get()
+        sink.close()
+
+    asyncio.run(main())
+
+
+def test_a_tap_that_raises_ends_the_stream_instead_of_replaying_its_event() -> None:
+    """The tap may have recorded part of an event before it raised: the event must not go through
+    ``get`` a second time (its tokens would count twice), nor may the exception reach the worker
+    connection's callback; the reader gets ``DirectPathFailed`` and later events are dropped."""
+    async def main() -> None:
+        taken: list[list[int]] = []
+
+        def tap(item: tuple[Any, object]) -> bool:
+            taken.append(_tokens(item))
+            if len(taken) == 2:
+                raise RuntimeError("a bug in the consumer")
+            return True
+
+        sink = EventSink()
+        sink.set_deadline(10)
+        sink.tap = tap
+        getter = asyncio.ensure_future(sink.get())
+        await asyncio.sleep(0)
+        sink.put_nowait(("decode", StepOutput(1, [1])))  # taken by the tap: nobody woken
+        assert not getter.done()
+        sink.put_nowait(("decode", StepOutput(1, [2])))  # the tap raises here, not in this caller
+        sink.put_nowait(("decode", StepOutput(1, [3])))  # after the failure: dropped
+        with pytest.raises(DirectPathFailed):
+            await getter
+        assert taken == [[1], [2]] and sink.tap is None
+        with pytest.raises(DirectPathFailed):
             await sink.get()
         sink.close()
 
