@@ -125,16 +125,19 @@ class SimCluster:
         return self.prefills + self.decodes
 
     def wait_pools_full(self, timeout_s: float = 20.0, *, alive_only: bool = False) -> None:
-        """Every worker's KV pool is back to all pages free (nothing leaked)."""
-        workers = [w for w in self.workers() if not alive_only or w.proc.poll() is None]
-        deadline = time.monotonic() + timeout_s
-        while True:
-            loads = [w.get("/load") for w in workers]
-            if all(ld["num_free_pages"] == ld["num_total_pages"] for ld in loads):  # type: ignore[index]
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"KV pages not returned: {loads}")
-            time.sleep(0.1)
+        wait_pools_full([w for w in self.workers() if not alive_only or w.proc.poll() is None], timeout_s)
+
+
+def wait_pools_full(workers: list[Worker], timeout_s: float = 20.0) -> None:
+    """Every worker's KV pool is back to all pages free (nothing leaked)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = [w.get("/load") for w in workers]
+        if all(ld["num_free_pages"] == ld["num_total_pages"] for ld in loads):  # type: ignore[index]
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV pages not returned: {loads}")
+        time.sleep(0.1)
 
 
 def start_worker(procs: Procs, role: str, *extra: str, bootstrap: str | None = None, name: str | None = None,

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from pdtest import Procs, SmolDeployment, start_smollm2
+from pdtest import Procs, SmolDeployment, start_smollm2, wait_pools_full
 
 pytestmark = pytest.mark.slow
 
@@ -79,15 +79,7 @@ def test_bad_input_is_rejected_with_400(deployment: SmolDeployment) -> None:
 
 
 def test_pools_back_to_full(deployment: SmolDeployment) -> None:
-    import time
-
-    deadline = time.monotonic() + 30
-    while True:
-        loads = [w.get("/load") for w in deployment.workers]
-        if all(ld["num_free_pages"] == ld["num_total_pages"] for ld in loads):  # type: ignore[index]
-            break
-        assert time.monotonic() < deadline, loads
-        time.sleep(0.2)
+    wait_pools_full(deployment.workers, 30)
 
 
 def test_chat_logprobs_through_the_split(deployment: SmolDeployment) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from pdtest import Procs, SmolDeployment, start_smollm2
+from pdtest import Procs, SmolDeployment, start_smollm2, wait_pools_full
 
 from workers.engines.sim import ALPHABET
 
@@ -244,17 +244,9 @@ def test_min_tokens_holds_back_the_end_of_sequence(smollm2: SmolDeployment) -> N
 
 @pytest.mark.slow
 def test_a_token_outside_the_vocabulary_is_a_400_and_pools_are_full(smollm2: SmolDeployment) -> None:
-    import time
-
     for url in (smollm2.pd_url, smollm2.both_url):
         r = httpx.post(f"{url}/v1/completions", timeout=60,
                        json={"prompt": "Hello", "max_tokens": 2, "logit_bias": {"49152": 1}})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "logit_bias" and "vocabulary" in r.json()["error"]["message"]
-    deadline = time.monotonic() + 30
-    while True:
-        loads = [w.get("/load") for w in smollm2.workers]
-        if all(ld["num_free_pages"] == ld["num_total_pages"] for ld in loads):  # type: ignore[index]
-            break
-        assert time.monotonic() < deadline, loads
-        time.sleep(0.2)
+    wait_pools_full(smollm2.workers, 30)

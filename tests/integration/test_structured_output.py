@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from pdtest import Procs, SmolDeployment, start_smollm2
+from pdtest import Procs, SmolDeployment, start_smollm2, wait_pools_full
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("llguidance")
@@ -242,10 +241,4 @@ def test_tool_results_continue_the_conversation(deployment: SmolDeployment) -> N
 
 
 def test_pools_back_to_full(deployment: SmolDeployment) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        loads = [w.get("/load") for w in deployment.workers]
-        if all(ld["num_free_pages"] == ld["num_total_pages"] for ld in loads):  # type: ignore[index]
-            break
-        assert time.monotonic() < deadline, loads
-        time.sleep(0.2)
+    wait_pools_full(deployment.workers, 30)
