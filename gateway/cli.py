@@ -169,15 +169,19 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"gateway: bad configuration: {exc}")
     except Exception as exc:  # plugin errors name the plugin
         sys.exit(f"gateway: {exc}")
+    DrainingServer(server_config(config, app, args.log_level), app).run()
+
+
+def server_config(config: GatewayConfig, app: Any, log_level: str = "info") -> uvicorn.Config:
+    """uvicorn's settings for the gateway's ``app`` (``create_app(config)``)."""
     limits = ClientLimits(max_head_bytes=config.max_header_bytes, head_timeout_s=config.header_timeout_s,
                           body_timeout_s=config.body_timeout_s, write_timeout_s=config.write_timeout_s)
-    server_config = uvicorn.Config(app, host=config.host, port=config.port, loop="uvloop",
-                                   # httptools, with limits on slow or huge heads; generation routes on our own cycle
-                                   http=protocol_class(limits, app.hot_routes),
-                                   log_level=args.log_level.lower(), access_log=False, log_config=None,
-                                   proxy_headers=False,  # nothing reads the client address; saves a pass per request
-                                   timeout_graceful_shutdown=max(1, round(config.drain_timeout_s)))
-    DrainingServer(server_config, app).run()
+    return uvicorn.Config(app, host=config.host, port=config.port, loop="uvloop",
+                          # httptools, with limits on slow or huge heads; generation routes on our own cycle
+                          http=protocol_class(limits, app.hot_routes),
+                          log_level=log_level.lower(), access_log=False, log_config=None,
+                          proxy_headers=False,  # nothing reads the client address; saves a pass per request
+                          timeout_graceful_shutdown=max(1, round(config.drain_timeout_s)))
 
 
 if __name__ == "__main__":

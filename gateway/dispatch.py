@@ -250,7 +250,7 @@ class Dispatcher:
                 worker.abort(rid, "the client reads too slowly")
             open_rids.clear()
 
-        sink = EventSink(self.config.max_unread_events, overflow)
+        sink = EventSink(self.config.max_unread_events, overflow, decode.loop)
         timeout_s = self.config.request_timeout_s
         finished = False
         outcome = "failed"

@@ -39,7 +39,8 @@ class EventSink:
     __slots__ = ("_deadline", "_items", "_loop", "_on_overflow", "_timer", "_waiter", "failed", "limit", "overflowed",
                  "tap")
 
-    def __init__(self, limit: int = 4096, on_overflow: Callable[[], None] | None = None) -> None:
+    def __init__(self, limit: int = 4096, on_overflow: Callable[[], None] | None = None,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.limit = limit  # events queued unread past this: ``on_overflow()``, then ``get`` raises
         self.overflowed = False
         self.failed = False  # the tap raised: ``get`` raises ``DirectPathFailed``
@@ -48,7 +49,7 @@ class EventSink:
         self._on_overflow = on_overflow
         self._items: deque[tuple[Any, Event]] = deque()
         self._waiter: asyncio.Future[None] | None = None
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop or asyncio.get_running_loop()  # (passed in: on Python 3.11 the look-up is a syscall)
         self._deadline = math.inf
         self._timer: asyncio.TimerHandle | None = None
 

@@ -82,27 +82,37 @@ class HotRoutes:
 
 
 class _Signal:
-    """``message_event`` as the protocol uses it (``set()`` on body, end of body, disconnect)."""
+    """``message_event`` as the protocol uses it (``set()`` on body, end of body, disconnect).
+
+    It and its cycle refer to each other: ``run_asgi`` swaps it for ``_SETTLED`` when it returns, so
+    that a finished cycle is freed by reference counting, not left to the garbage collector.
+    """
 
     __slots__ = ("cycle",)
 
-    def __init__(self, cycle: HotCycle) -> None:
+    def __init__(self, cycle: HotCycle | None) -> None:
         self.cycle = cycle
 
     def set(self) -> None:
-        self.cycle.signalled()
+        if self.cycle is not None:
+            self.cycle.signalled()
+
+
+_SETTLED = _Signal(None)  # a finished cycle's ``message_event``: nothing is waiting on it any more
 
 
 class HotCycle:
     """One request to a generation route, answered on the connection's transport (see the module doc)."""
 
     __slots__ = ("_waiter", "_watch", "body", "default_headers", "disconnected", "flow", "gatekeeper", "headers",
-                 "keep_alive", "message_event", "more_body", "on_response", "path", "request_id", "responder",
-                 "response_complete", "response_started", "t0", "transport", "waiting_for_100_continue")
+                 "keep_alive", "loop", "message_event", "more_body", "on_response", "path", "request_id",
+                 "responder", "response_complete", "response_started", "t0", "transport",
+                 "waiting_for_100_continue")
 
     def __init__(self, protocol: GuardedHttpProtocol, responder: Responder, gatekeeper: GatekeeperMiddleware,
                  path: str, headers: Headers, keep_alive: bool, expect_100_continue: bool) -> None:
         self.transport = protocol.transport
+        self.loop = protocol.loop
         self.flow = protocol.flow
         self.default_headers = _default_headers(protocol.server_state.default_headers)
         self.on_response = protocol.on_response_complete
@@ -164,6 +174,7 @@ class HotCycle:
         finally:
             self.on_response = _noop
             self._watch = None
+            self.message_event = _SETTLED
 
     # -- Exchange ----------------------------------------------------------------------------------
     async def read_body(self, limit: int, timeout_s: float) -> bytes:
@@ -180,7 +191,7 @@ class HotCycle:
                 async with asyncio.timeout(timeout_s):
                     while self.more_body and not self.disconnected and len(self.body) <= limit:
                         self.flow.resume_reading()
-                        self._waiter = asyncio.get_running_loop().create_future()
+                        self._waiter = self.loop.create_future()
                         try:
                             await self._waiter
                         finally:

@@ -76,6 +76,10 @@ class Exchange(Protocol):
     """One HTTP request/response as a responder sees it: the ASGI cycle (``AsgiExchange``) or the
     gateway's own cycle on the connection (``gateway.hot_cycle.HotCycle``)."""
 
+    # The running loop. (``asyncio.get_running_loop()`` makes a ``getpid`` system call on Python 3.11:
+    # on the hot path the loop is passed around instead.)
+    loop: asyncio.AbstractEventLoop
+
     async def read_body(self, limit: int, timeout_s: float) -> bytes:
         """The whole body: at most ``limit`` bytes (else 413), within ``timeout_s`` (else 408); ClientGone."""
         ...
@@ -132,7 +136,7 @@ class Responder:
     async def serve(self, exchange: Exchange) -> None:
         gw, shape = self.gw, self.shape
         release = None
-        task = asyncio.current_task()
+        task = asyncio.current_task(exchange.loop)
         assert task is not None
         gone = [False]
         run: Run | None = None
@@ -217,16 +221,18 @@ class Responder:
         finally:
             active.dec()
             await events.aclose()
+            run.emitter = None  # (it refers to the run: freed by reference counting, not the collector)
 
 
 class AsgiExchange:
     """``Exchange`` over an ASGI ``(scope, receive, send)``: the body from ``receive``, a watcher task
     for the disconnect, every write through ``send``."""
 
-    __slots__ = ("receive", "scope", "send", "watcher")
+    __slots__ = ("loop", "receive", "scope", "send", "watcher")
 
     def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.scope, self.receive, self.send = scope, receive, send
+        self.loop = asyncio.get_running_loop()
         self.watcher: asyncio.Task[None] | None = None
 
     async def read_body(self, limit: int, timeout_s: float) -> bytes:

@@ -164,6 +164,9 @@ class WorkerClient:
         self._pongs: dict[int, asyncio.Future[Pong]] = {}
         self._nonces = itertools.count(1)
         self._is_up = False  # announced through on_up (and not yet through on_down)
+        # The loop it runs in, from ``start``. (``asyncio.get_running_loop()`` makes a ``getpid`` system
+        # call on Python 3.11: the hot path uses this instead.)
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._ready = asyncio.Event()
 
     @property
@@ -181,6 +184,7 @@ class WorkerClient:
         return self.is_connected and self.health.is_selectable and not self.is_draining
 
     def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._run(), name=f"worker-client {self.url}")
 
     async def wait_ready(self, timeout_s: float) -> bool:
@@ -361,7 +365,7 @@ class WorkerClient:
             self._flush()
         self._outbox.append(frame)
         self._outbox_to = transport
-        asyncio.get_running_loop().call_soon(self._flush)
+        (self.loop or asyncio.get_running_loop()).call_soon(self._flush)
 
     def _flush(self) -> None:
         frames, transport = self._outbox, self._outbox_to
