@@ -92,24 +92,24 @@ class ChoiceDispatcher(Protocol):
                  bootstrap: ClientBootstrap | None = None,
                  direct: DirectConsumer | None = None) -> AsyncGenerator[StepOutput, None]:
         """The choice's ``StepOutput`` events until the final one; errors as ``APIError``. A dispatcher
-        may hand middle outputs to ``direct`` instead of yielding them (``gateway.dispatch``), or ignore it."""
+        may hand non-final outputs to ``direct`` instead of yielding them (``gateway.dispatch``), or ignore it."""
         ...
 
 
 class TextEmitter(Protocol):
-    """Where a stream's middle text goes when it skips the generator layers (``run_choices``'s ``emit``)."""
+    """Where a stream's text goes when it skips the generator layers (``run_choices``'s ``emitter``)."""
 
     def ready(self) -> bool:
         """Can a chunk be written now?"""
         ...
 
     def emit(self, state: ChoiceState, text: str) -> None:
-        """Write the chunk for ``text``, new in ``state`` (not its first output, not its last)."""
+        """Write the chunk for ``text``, new in ``state`` (any output but its last)."""
         ...
 
 
 class _DirectChoice:
-    """One choice's middle outputs straight from the dispatcher to ``emit``: detokenized, then written."""
+    """One choice's non-final outputs straight from the dispatcher to ``emit``: detokenized, then written."""
 
     __slots__ = ("emitter", "state")
 
@@ -340,7 +340,7 @@ class Frontend:
         One choice (the common case) reads the dispatcher's generator in place; several run as one
         task each, merged through a queue. Either way, a choice whose stop string matched is closed
         at once, which aborts it on its workers. ``emitter`` (a stream of one choice without stop
-        strings or logprobs): middle outputs may go to it from the worker connection's callback,
+        strings or logprobs): non-final outputs may go to it from the worker connection's callback,
         detokenized here, instead of being yielded.
         """
         if prep.n == 1:

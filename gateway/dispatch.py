@@ -23,7 +23,7 @@ Lifecycle of one request (``Dispatcher.generate``, an async generator):
    between events: one timer per attempt (``EventSink``), moved forward per event, not a
    ``wait_for`` per event. Decode outputs that are already queued when the consumer gets to them
    are merged into one ``StepOutput`` (several tokens, one SSE chunk). A consumer that passes
-   ``direct`` gets an attempt's middle decode outputs (after its first token, not final, none queued
+   ``direct`` gets an attempt's non-final decode outputs (the first token's included, none queued
    before them) from the worker connection's callback (``EventSink.tap``), with the same bookkeeping
    (deadline, latency figures, tokens kept for migration), without waking this generator; when
    ``direct`` is not ready (the client's socket is full) they queue as usual. The prefill's hand-over
@@ -81,7 +81,7 @@ class DispatchConfig:
 
 
 class DirectConsumer(Protocol):
-    """Takes a stream's middle outputs from the worker connection's callback (``Dispatcher.generate``).
+    """Takes a stream's non-final outputs from the worker connection's callback (``Dispatcher.generate``).
 
     ``ready()``: can it take one now (e.g. the client's socket has room)? ``take(output)``: handle it
     completely (it is not yielded); must not raise and must not end the stream (no stop strings).
@@ -143,9 +143,9 @@ class Dispatcher:
         """Run one completion choice; yields the decode's ``StepOutput`` events (see the module doc).
 
         ``choice`` and the client's ``bootstrap`` fields do not matter here: every attempt gets a
-        pair and a fresh room of the gateway's own choosing. ``direct``: after an attempt's first
-        token, non-final decode outputs that arrive while none is queued go to ``direct.take`` from
-        the worker connection's callback (when ``direct.ready()``) instead of through this generator.
+        pair and a fresh room of the gateway's own choosing. ``direct``: non-final decode outputs that
+        arrive while none is queued go to ``direct.take`` from the worker connection's callback (when
+        ``direct.ready()``) instead of through this generator.
         """
         metrics = self.metrics
         t0 = REQUEST_T0.get() or time.monotonic()
@@ -290,9 +290,9 @@ class Dispatcher:
             def sink_tap(item: tuple[Any, Event]) -> bool:
                 """Outputs handled in the worker connection's callback, not waking this generator (it is
                 suspended in ``sink.get`` with nothing queued, so the order holds): the prefill's hand-over
-                (unless a final output waits for its prompt logprobs), and after the first token, middle
-                decode outputs to the consumer's ``tap`` when it is ready for them."""
-                nonlocal prompt_logprobs
+                (unless a final output waits for its prompt logprobs), and non-final decode outputs to the
+                consumer's ``tap`` when it is ready for them."""
+                nonlocal prompt_logprobs, got_token
                 side, event = item
                 if type(event) is not StepOutput:
                     return False
@@ -303,8 +303,10 @@ class Dispatcher:
                     assert prefill is not None
                     prefill.health.breaker.record_success()
                     prompt_logprobs = event.prompt_logprobs
-                elif not got_token or tap is None or event.finish_reason is not None or not tap(event):
+                elif tap is None or event.finish_reason is not None or not tap(event):
                     return False
+                else:
+                    got_token = got_token or bool(event.token_ids)
                 sink.set_deadline(idle_s if got_token else first_s)
                 return True
 

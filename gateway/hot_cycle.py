@@ -18,8 +18,9 @@ Lifecycle of one request (event loop only):
    signals ``message_event``, which cancels the request's task), and writes its answer: whole JSON
    with a content length, or a chunked SSE stream. Every write waits while the client's socket is
    full (``flow.drain``; the protocol's write timeout aborts a client that stops reading);
-   ``write_now`` is the stream's write from outside the task (``Responder``'s direct path), refused
-   while the socket is full so that such chunks queue in order behind the task instead.
+   ``start_now`` and ``write_now`` are the stream's writes from outside the task (``Responder``'s
+   direct path), refused while the socket is full so that such chunks queue in order behind the
+   task instead.
 4. The response's end calls the protocol's ``on_response_complete`` (keep-alive timer, the next
    pipelined request), or closes the connection when it is not kept alive.
 Responses carry uvicorn's default headers (``server``, ``date``) and ``x-request-id``, as the ASGI
@@ -249,6 +250,14 @@ class HotCycle:
 
     def write_now(self, chunk: bytes) -> None:
         self.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+
+    def can_start(self) -> bool:
+        return not (self.response_started or self.flow.write_paused or self.disconnected
+                    or self.transport.is_closing())
+
+    def start_now(self, first: bytes) -> None:
+        self.response_started = True
+        self.transport.write(self._head(200, [], _SSE_HEAD) + b"%x\r\n%b\r\n" % (len(first), first))
 
     # -- helpers -----------------------------------------------------------------------------------
     def _head(self, status: int, headers: Headers, content: bytes) -> bytes:

@@ -17,9 +17,10 @@ gateway's own cycle on the connection (``gateway.hot_cycle.HotCycle``: native wo
    only with the first chunk, so a failure before it gets a real status code. Chunks are built
    from per-request byte templates (per token only the new text is JSON-encoded); an error after
    the start becomes an ``error`` event; ``data: [DONE]`` ends the stream. On an exchange that can
-   write from outside the task, middle chunks (after the first, before the last) are written by the
-   worker connection's callback (``_StreamEmitter``, ``Frontend.run_choices``' emitter) while the
-   client's socket has room; otherwise, and for every other chunk, they go through the task.
+   write from outside the task, every chunk but the last (the first one with the response's head) is
+   written by the worker connection's callback (``_StreamEmitter``, ``Frontend.run_choices``'
+   emitter) while the client's socket has room; otherwise, and for the last chunks, they go through
+   the task.
 4. The admission slot is released when the response has been sent (or the client left).
 
 A ``Shape`` (``gateway/shapes.py``) is what differs between the routes: request struct, validation,
@@ -108,6 +109,14 @@ class Exchange(Protocol):
 
     def write_now(self, chunk: bytes) -> None:
         """One more chunk of the stream, written at once from outside the request's task (``is_writable``)."""
+        ...
+
+    def can_start(self) -> bool:
+        """Can ``start_now`` start the stream (nothing sent yet, the client there, its socket has room)?"""
+        ...
+
+    def start_now(self, first: bytes) -> None:
+        """``start_stream`` at once, from outside the request's task (``can_start``)."""
         ...
 
 
@@ -203,19 +212,23 @@ class Responder:
         active = self.gw.metrics.active
         active.inc()
         try:
-            try:
-                first = await anext(events)
-            except StopAsyncIteration:
-                first = b""
-            # From here on the status is 200: errors are events in the stream.
-            run.started = True
-            await exchange.start_stream(first)
+            # The response starts with the first chunk, here or from the worker connection's callback
+            # (``run.started``); from then on the status is 200 and errors are events in the stream.
             try:
                 async for chunk in events:
-                    await exchange.send_chunk(chunk)
+                    if run.started:
+                        await exchange.send_chunk(chunk)
+                    else:
+                        run.started = True
+                        await exchange.start_stream(chunk)
             except APIError as exc:
+                if not run.started:
+                    raise
                 log.warning("%s stream ended by %d %s: %s", self.shape.route, exc.status, exc.type, exc.message)
                 await exchange.send_chunk(error_event(exc))
+            if not run.started:
+                run.started = True
+                await exchange.start_stream(b"")
             exchange.stop_watching()  # the response is complete next; the client leaving now changes nothing
             await exchange.end_stream(SSE_DONE)
         finally:
@@ -267,9 +280,16 @@ class AsgiExchange:
     def write_now(self, chunk: bytes) -> None:
         raise RuntimeError("an ASGI stream is written through its task")
 
+    def can_start(self) -> bool:
+        return False
+
+    def start_now(self, first: bytes) -> None:
+        raise RuntimeError("an ASGI stream is written through its task")
+
 
 class _StreamEmitter:
-    """A stream's middle chunks from outside its task (``Frontend.run_choices``' ``emitter``)."""
+    """A stream's chunks from outside its task (``Frontend.run_choices``' ``emitter``): the first one
+    with the response's head, then the middle ones."""
 
     __slots__ = ("exchange", "run", "shape")
 
@@ -277,12 +297,22 @@ class _StreamEmitter:
         self.run, self.shape, self.exchange = run, shape, exchange
 
     def ready(self) -> bool:
-        return self.run.started and self.exchange.is_writable()
+        return self.exchange.is_writable() if self.run.started else self.exchange.can_start()
 
     def emit(self, state: ChoiceState, text: str) -> None:
-        chunk = self.shape.middle(self.run, state, text)
-        if chunk:
+        run = self.run
+        if state.index in run.opened:
+            chunk = self.shape.middle(run, state, text)
+        else:
+            run.opened.add(state.index)
+            chunk = self.shape.first(run, state, text)
+        if not chunk:
+            return
+        if run.started:
             self.exchange.write_now(chunk)
+        else:
+            run.started = True
+            self.exchange.start_now(chunk)
 
 
 async def watch_disconnect(receive: Receive, task: asyncio.Task[Any], gone: list[bool]) -> None:

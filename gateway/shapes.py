@@ -26,7 +26,7 @@ _json = msgspec.json.Encoder()
 class Run:
     """One request being answered: what the shapes need to build its JSON."""
 
-    __slots__ = ("created", "emitter", "frontend", "prep", "rid", "started", "templates")
+    __slots__ = ("created", "emitter", "frontend", "opened", "prep", "rid", "started", "templates")
 
     def __init__(self, frontend: Frontend, prep: Prepared, rid: str) -> None:
         self.frontend = frontend
@@ -35,7 +35,8 @@ class Run:
         self.created = now_s()
         self.templates: dict[int, tuple[bytes, bytes]] = {}  # choice index -> (before text, after text)
         self.started = False  # the response has started (streaming): errors are events from here on
-        self.emitter: TextEmitter | None = None  # a stream's middle chunks, written from outside its task
+        self.opened: set[int] = set()  # choices whose first output has been shaped (streaming)
+        self.emitter: TextEmitter | None = None  # a stream's chunks, written from outside its task
 
 
 class Shape:
@@ -55,8 +56,13 @@ class Shape:
     def events(self, run: Run) -> AsyncGenerator[bytes, None]:
         raise NotImplementedError
 
+    def first(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
+        """The chunk for a choice's first output, ``text``, not its last, no logprobs (what ``events``
+        yields for it); the caller adds the choice to ``run.opened``."""
+        return self.middle(run, state, text)
+
     def middle(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
-        """The chunk for ``text`` new in ``state``, neither its first output nor its last, no logprobs:
+        """The chunk for ``text`` new in ``state``, not its first output nor its last, no logprobs:
         the choice's template (``_text_chunk`` split around its text, made once per request) around
         the JSON of ``text``."""
         if not text:
@@ -112,8 +118,10 @@ class ChatShape(Shape):
                 yield event
             return
         states: dict[int, ChoiceState] = {}
+        opened = run.opened
         async for state, text, entries in run.frontend.run_choices(prep, run.emitter):
-            first = state.index not in states
+            first = state.index not in opened
+            opened.add(state.index)
             states[state.index] = state
             if not first and not prep.want_logprobs and state.finish_reason is None:
                 chunk = self.middle(run, state, text)  # the common case: a few more tokens of text
@@ -130,6 +138,10 @@ class ChatShape(Shape):
             }])
         if prep.include_usage:
             yield self._chunk(run, [], usage(len(prep.input_ids), list(states.values())))
+
+    def first(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
+        return self._chunk(run, [{"index": state.index, "delta": {"content": text, "role": "assistant"},
+                                  "logprobs": None, "finish_reason": None}])
 
     def _text_chunk(self, run: Run, index: int, text: str) -> bytes:
         return self._chunk(run, [{"index": index, "delta": {"content": text}, "logprobs": None,
@@ -165,10 +177,11 @@ class CompletionShape(Shape):
     async def events(self, run: Run) -> AsyncGenerator[bytes, None]:
         prep, frontend = run.prep, run.frontend
         states: dict[int, ChoiceState] = {}
-        prompt_text = frontend.tokenizer.decode(prep.input_ids) if prep.echo else ""
+        opened = run.opened
         async for state, text, entries in frontend.run_choices(prep, run.emitter):
-            if state.index not in states:
-                text = prompt_text + text
+            if state.index not in opened:
+                opened.add(state.index)
+                text = self._prompt_text(run) + text
             states[state.index] = state
             if not text and state.finish_reason is None:
                 continue
@@ -183,6 +196,14 @@ class CompletionShape(Shape):
             yield sse({"id": run.rid, "object": "text_completion", "created": run.created,
                        "model": frontend.model_name, "choices": [],
                        "usage": usage(len(prep.input_ids), list(states.values()))})
+
+    def first(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
+        return self.middle(run, state, self._prompt_text(run) + text)
+
+    @staticmethod
+    def _prompt_text(run: Run) -> str:
+        """What a choice's first chunk starts with: the prompt with ``echo``, else nothing."""
+        return run.frontend.tokenizer.decode(run.prep.input_ids) if run.prep.echo else ""
 
     def _text_chunk(self, run: Run, index: int, text: str) -> bytes:
         return self._chunk(run, index, text, None, None)

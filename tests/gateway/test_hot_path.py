@@ -255,3 +255,74 @@ def test_accept_middle_equals_accept(seed: int) -> None:
         assert fast.accept_middle(event) == text
     assert fast.text == plain.text and fast.token_ids == plain.token_ids
     assert fast.cached_tokens == plain.cached_tokens
+
+
+class _Capture:
+    """An ``Exchange``'s writes from outside the task: what the direct path sent, in order."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.started = False
+
+    def can_start(self) -> bool:
+        return not self.started
+
+    def is_writable(self) -> bool:
+        return self.started
+
+    def start_now(self, first: bytes) -> None:
+        self.started = True
+        self.chunks.append(first)
+
+    def write_now(self, chunk: bytes) -> None:
+        self.chunks.append(chunk)
+
+
+class _OneChoice:
+    """``Frontend`` for a shape's ``events``: one choice's outputs, the non-final ones to the emitter when
+    there is one (as the dispatcher's direct path does), the rest yielded."""
+
+    model_name = "m"
+
+    def __init__(self, outputs: list[StepOutput]) -> None:
+        from gateway.tokenizer import ByteTokenizer
+
+        self.tokenizer = ByteTokenizer()
+        self.outputs = outputs
+
+    async def run_choices(self, prep: Prepared, emitter: Any = None) -> Any:
+        from gateway.text import ChoiceState
+
+        state = ChoiceState(0, self.tokenizer, [], False)
+        for output in self.outputs:
+            if emitter is not None and output.finish_reason is None and emitter.ready():
+                emitter.emit(state, state.accept_middle(output))
+                continue
+            text, entries = state.accept(output)
+            yield state, text, entries
+
+
+@pytest.mark.parametrize("route", ["chat", "completions", "completions-echo", "generate"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_stream_through_the_direct_path_equals_the_stream_through_the_task(route: str, include_usage: bool) -> None:
+    """Chunks written from the worker connection's callback (the first one with the head included) are
+    byte for byte what the request's task would have sent."""
+    from gateway.responder import _StreamEmitter
+    from gateway.shapes import GenerateShape
+
+    shape = {"chat": ChatShape, "generate": GenerateShape}.get(route, CompletionShape)()
+    outputs = [StepOutput(1, list(b"He")), StepOutput(1, [*"ll\u00f6".encode()][:3]),
+               StepOutput(1, [*"\u00f6".encode()][1:] + list(b" w")), StepOutput(1, list(b"orld"), "length")]
+
+    async def chunks(direct: bool) -> list[bytes]:
+        prep = Prepared(list(b"prompt"), SamplingParams(), 1, [], True, include_usage, False,
+                        echo=route == "completions-echo")
+        run = Run(_OneChoice(outputs), prep, "id-1")  # type: ignore[arg-type]
+        run.created = 1
+        capture = _Capture()
+        if direct:
+            run.emitter = _StreamEmitter(run, shape, capture)  # type: ignore[arg-type]
+        return capture.chunks + [chunk async for chunk in shape.events(run)]
+
+    plain, direct = asyncio.run(chunks(False)), asyncio.run(chunks(True))
+    assert len(plain) >= 4 and direct == plain
