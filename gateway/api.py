@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -19,13 +19,20 @@ from gateway.api_models import (
     CHAT_ROLES,
     MAX_TOKEN_ID,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     GenerateRequest,
     GenerateSampling,
 )
 from gateway.context import random_hex
 from gateway.errors import APIError, BadRequest, NotFound
+from gateway.request_checks import (
+    CHAT_RULES,
+    COMPLETION_RULES,
+    GENERATE_RULES,
+    GENERATE_SAMPLING_RULES,
+    reject_non_text_content,
+    reject_unsupported,
+)
 from gateway.structured_output import grammar_for
 from gateway.text import ChoiceState
 from gateway.tokenizer import Tokenizer
@@ -121,72 +128,6 @@ class _DirectChoice:
 
     def take(self, output: StepOutput) -> None:
         self.emitter.emit(self.state, self.state.accept_middle(output))
-
-
-# -- features the gateway does not implement -----------------------------------------------------
-# A request that asks for one of these would silently get something else, so it is a 400 naming the
-# field. Each rule: (field, honoured(value, request): is this value one we honour?, what is accepted,
-# for the message).
-Rule = tuple[str, Callable[[Any, Any], bool], str]
-
-
-def _unset(value: Any, _req: Any) -> bool:
-    return value is None or value is False or (isinstance(value, (str, list, dict)) and not value)
-
-
-def _is(*neutral: Any) -> Callable[[Any, Any], bool]:
-    return lambda value, _req: value is None or value in neutral
-
-
-_SAMPLING_RULES: tuple[Rule, ...] = ()  # (structured output: gateway/structured_output.py)
-CHAT_RULES: tuple[Rule, ...] = (
-    *_SAMPLING_RULES,
-    ("functions", _unset, ""),
-    ("function_call", _is("none"), '"none"'),
-    ("modalities", lambda value, _req: value is None or value == ["text"], '["text"]'),
-    ("audio", _unset, ""),
-)
-COMPLETION_RULES: tuple[Rule, ...] = (
-    *_SAMPLING_RULES,
-    ("suffix", _unset, ""),
-    ("best_of", lambda value, req: value is None or value in (1, req.n), "1 or n"),
-)
-GENERATE_RULES: tuple[Rule, ...] = (
-    ("image_data", _unset, ""),
-    ("audio_data", _unset, ""),
-    ("video_data", _unset, ""),
-    ("input_embeds", _unset, ""),
-    ("lora_path", _unset, ""),
-    ("custom_logit_processor", _unset, ""),
-    ("return_hidden_states", _unset, ""),
-)
-GENERATE_SAMPLING_RULES: tuple[Rule, ...] = (
-    ("n", _is(1), "1"),
-    ("structural_tag", _unset, ""),
-)
-
-
-def reject_unsupported(obj: Any, rules: tuple[Rule, ...], prefix: str = "") -> None:
-    """400 naming the first field of ``obj`` set to a value the gateway would not honour."""
-    for name, honoured, accepted in rules:
-        if not honoured(getattr(obj, name), obj):
-            only = f" (only {accepted} is accepted)" if accepted else ""
-            raise BadRequest(f"{prefix}{name} is not supported{only}", param=prefix + name)
-
-
-def reject_non_text_content(messages: list[ChatMessage]) -> None:
-    """Message content may be a string or a list of text parts (concatenated); anything else is a 400."""
-    for i, message in enumerate(messages):
-        if not isinstance(message.content, list):
-            continue
-        for j, part in enumerate(message.content):
-            kind = part.get("type")
-            if kind != "text":
-                what = f"{kind} content parts are" if isinstance(kind, str) else "content parts without a type are"
-                raise BadRequest(f"{what} not supported; only text parts",
-                                 param=f"messages[{i}].content[{j}].type")
-            if not isinstance(part.get("text"), str):
-                raise BadRequest("a text content part needs a string text", param=f"messages[{i}].content[{j}].text")
 
 
 def decode_body(body: bytes, kind: type[Any]) -> Any:

@@ -9,7 +9,7 @@ the model (its name, the context length, the vocabulary) live in ``gateway.api``
 
 Fields that would change what a request means but that the gateway does not implement (legacy
 ``functions``, ``structural_tag``, non-text inputs...) are declared here only so that
-``gateway.api.reject_unsupported`` can answer a 400 naming them instead of silently dropping them.
+``gateway.request_checks.reject_unsupported`` can answer a 400 naming them instead of silently dropping them.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=1e6, description="1 is off;
 MinTokens = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-# Text parts only (``gateway.api.reject_non_text_content``).
+# Text parts only (``gateway.request_checks.reject_non_text_content``).
 ContentParts = Annotated[list[dict[str, Any]], Meta(extra_json_schema={"allOf": [{"items": _TEXT_PART}]})]
 _TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
 _TOKEN_IDS = {"type": "array", "minItems": 1, "items": _TOKEN_ID}

@@ -1,0 +1,79 @@
+"""Request fields the gateway refuses with a 400 naming them, instead of silently ignoring them.
+
+A request that asks for a feature the gateway does not implement would otherwise get something else
+than it asked for. ``reject_unsupported`` checks a decoded request against its route's rules;
+``reject_non_text_content`` refuses chat content parts other than text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gateway.api_models import ChatMessage
+from gateway.errors import BadRequest
+
+# -- features the gateway does not implement -----------------------------------------------------
+# A request that asks for one of these would silently get something else, so it is a 400 naming the
+# field. Each rule: (field, honoured(value, request): is this value one we honour?, what is accepted,
+# for the message).
+Rule = tuple[str, Callable[[Any, Any], bool], str]
+
+
+def _unset(value: Any, _req: Any) -> bool:
+    return value is None or value is False or (isinstance(value, (str, list, dict)) and not value)
+
+
+def _is(*neutral: Any) -> Callable[[Any, Any], bool]:
+    return lambda value, _req: value is None or value in neutral
+
+
+_SAMPLING_RULES: tuple[Rule, ...] = ()  # (structured output: gateway/structured_output.py)
+CHAT_RULES: tuple[Rule, ...] = (
+    *_SAMPLING_RULES,
+    ("functions", _unset, ""),
+    ("function_call", _is("none"), '"none"'),
+    ("modalities", lambda value, _req: value is None or value == ["text"], '["text"]'),
+    ("audio", _unset, ""),
+)
+COMPLETION_RULES: tuple[Rule, ...] = (
+    *_SAMPLING_RULES,
+    ("suffix", _unset, ""),
+    ("best_of", lambda value, req: value is None or value in (1, req.n), "1 or n"),
+)
+GENERATE_RULES: tuple[Rule, ...] = (
+    ("image_data", _unset, ""),
+    ("audio_data", _unset, ""),
+    ("video_data", _unset, ""),
+    ("input_embeds", _unset, ""),
+    ("lora_path", _unset, ""),
+    ("custom_logit_processor", _unset, ""),
+    ("return_hidden_states", _unset, ""),
+)
+GENERATE_SAMPLING_RULES: tuple[Rule, ...] = (
+    ("n", _is(1), "1"),
+    ("structural_tag", _unset, ""),
+)
+
+
+def reject_unsupported(obj: Any, rules: tuple[Rule, ...], prefix: str = "") -> None:
+    """400 naming the first field of ``obj`` set to a value the gateway would not honour."""
+    for name, honoured, accepted in rules:
+        if not honoured(getattr(obj, name), obj):
+            only = f" (only {accepted} is accepted)" if accepted else ""
+            raise BadRequest(f"{prefix}{name} is not supported{only}", param=prefix + name)
+
+
+def reject_non_text_content(messages: list[ChatMessage]) -> None:
+    """Message content may be a string or a list of text parts (concatenated); anything else is a 400."""
+    for i, message in enumerate(messages):
+        if not isinstance(message.content, list):
+            continue
+        for j, part in enumerate(message.content):
+            kind = part.get("type")
+            if kind != "text":
+                what = f"{kind} content parts are" if isinstance(kind, str) else "content parts without a type are"
+                raise BadRequest(f"{what} not supported; only text parts",
+                                 param=f"messages[{i}].content[{j}].type")
+            if not isinstance(part.get("text"), str):
+                raise BadRequest("a text content part needs a string text", param=f"messages[{i}].content[{j}].text")
