@@ -128,7 +128,9 @@ class TransferBackend(ABC):
 class NotifiesCompletion(Protocol):
     """Optional backend ability: it calls ``listener()`` each time a write leaves PENDING (DONE or
     FAILED, also when a disconnect or close fails it), from any of its threads, holding none of its
-    locks. The listener must not block for long and must not call back into the backend."""
+    locks. The listener must not block for long and must not call back into the backend. A write that
+    is no longer PENDING when ``write`` returns (a backend that completed it inline) is not notified:
+    the caller polls it."""
 
     def set_completion_listener(self, listener: Callable[[], None] | None) -> None: ...
 

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from transfer.base import TransferBackend
+from transfer.base import NotifiesCompletion, TransferBackend
 from transfer.channel import ControlChannel
 from transfer.errors import TransferError
 from transfer.messages import Message
@@ -33,9 +33,13 @@ class Context:
     # Called (from whichever thread, lock held) after a room's state or ``quiesced`` changed, so the
     # scheduler wakes at once instead of polling: it must not block.
     on_change: Callable[[], None] | None = None
+    # The backend tells the monitor when a write settles (``NotifiesCompletion``): posting one needs no
+    # kick then; otherwise the monitor polls pending writes, and each post starts that.
+    notifies: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.wake = threading.Condition(self.lock)
+        self.notifies = isinstance(self.backend, NotifiesCompletion)
 
     def changed(self) -> None:
         """A room's poll() or quiesced answer changed: tell the listener (call it after the whole change)."""

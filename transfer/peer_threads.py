@@ -5,7 +5,11 @@ Lifecycle:
 1. The subclass's ``connect`` opens its data path, builds its peer (a ``SenderPeer`` subclass holding
    the socket, session, mapping...) and calls ``_add_peer``: the peer gets an id and a sender thread.
 2. ``write`` records the batch (PENDING), asks ``_refuse`` whether to fail it at once (e.g. destinations
-   outside what the peer registered), else queues it; it never blocks.
+   outside what the peer registered), else queues it; it never blocks. A backend whose ``_send`` never
+   waits on the peer (shm: a memcpy) sets ``inline_max_bytes``: a batch up to that size, to a peer whose
+   thread has nothing queued or in hand, is sent right there in the caller's thread (no hand-off to the
+   peer's thread and back: at one request at a time those wake-ups cost more than the copy), and
+   ``write`` returns its handle already DONE or FAILED (not notified: the caller polls it).
 3. The peer's thread takes jobs in order: a job whose fence is dead fails (ABORTED, "fenced") without a
    byte sent; else ``_send(peer, blocks, fence)`` moves it (blocking) and answers None (DONE) or the
    ``TransferError``. A ``pipelined`` backend (nixl) instead starts each batch with ``_post`` and
@@ -57,6 +61,10 @@ class SenderPeer:
     jobs: queue.Queue[Job | None] = field(default_factory=queue.Queue)
     dead: TransferError | None = None
     thread: threading.Thread | None = None
+    num_queued: int = 0  # jobs queued or in the thread's hands (the backend's lock guards it)
+    # held around every ``_send`` (the thread's or an inline one) and ``_peer_ended``: one batch at a
+    # time per peer, and the peer's resources are never freed under a batch being sent
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
@@ -79,6 +87,7 @@ class PeerThreadBackend(WriteTable, TransferBackend):
     fail_inflight_on_drop: ClassVar[bool] = False
     join_on_disconnect: ClassVar[bool] = True  # False: disconnect returns without waiting for the thread
     join_timeout_s: ClassVar[float] = 5.0
+    inline_max_bytes: ClassVar[int] = 0  # > 0: smaller batches to an idle peer go in the caller's thread
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -105,6 +114,13 @@ class PeerThreadBackend(WriteTable, TransferBackend):
 
     def _forget(self, peer: SenderPeer, token: Any) -> None:
         """Pipelined backends: free a batch's token (it ended, or the peer's thread is ending)."""
+
+    def _send_small(self, peer: SenderPeer, blocks: list[Block], fence: Fence) -> tuple[bool, TransferError | None]:
+        """Backends with ``inline_max_bytes``: move a batch of at most that size in the caller's thread
+        (``send_lock`` held) without waiting on the peer. Answers (False, None) when it would have to
+        wait (nothing was sent: the batch is queued for the peer's thread instead), else (True, None
+        when every byte is in the peer's memory, or the error, as ``_send``)."""
+        raise NotImplementedError
 
     def _refuse(self, peer: SenderPeer, blocks: Sequence[Block]) -> TransferError | None:
         """A reason to fail a batch at once, before it is queued (caller's thread; cheap)."""
@@ -156,31 +172,73 @@ class PeerThreadBackend(WriteTable, TransferBackend):
             with self._lock:
                 record.state, record.error = WriteState.FAILED, refused
             return handle
-        target.jobs.put((handle, list(blocks), fence))
+        job = (handle, list(blocks), fence)
+        small = 0 < sum(length for _, _, length in blocks) <= self.inline_max_bytes
+        if small and self._send_inline(target, job):
+            return handle
+        with self._lock:
+            target.num_queued += 1
+        target.jobs.put(job)
         return handle
 
-    def _finish(self, handle: WriteHandle, state: WriteState, error: TransferError | None = None) -> None:
+    def _send_inline(self, peer: SenderPeer, job: Job) -> bool:
+        """Send ``job`` in the caller's thread if the peer's thread is idle with nothing queued and
+        ``_send_small`` can do it without waiting; False (nothing done) otherwise. The write ends DONE or
+        FAILED without a call to the listener."""
+        with self._lock:
+            if peer.num_queued:
+                return False
+        if not peer.send_lock.acquire(blocking=False):
+            return False
+        try:
+            handle, blocks, fence = job
+            if peer.dead is not None or not fence.live():
+                self._take(peer, job, notify=False)  # fails it: nothing is sent
+                return True
+            self._mark_sending(handle, True)
+            try:
+                sent, error = self._send_small(peer, blocks, fence)
+            except Exception as exc:
+                sent, error = True, self._bug(peer, exc)
+            if not sent:
+                self._mark_sending(handle, False)
+                return False
+            self._finish(handle, WriteState.DONE if error is None else WriteState.FAILED, error, notify=False)
+            if peer.dead is not None:
+                peer.jobs.put(None)  # the data path broke: the peer's thread ends and frees it
+        finally:
+            peer.send_lock.release()
+        return True
+
+    def _mark_sending(self, handle: WriteHandle, sending: bool) -> None:
+        with self._lock:
+            record = self._writes.get(handle)
+            if record is not None:
+                record.sending = sending
+
+    def _finish(self, handle: WriteHandle, state: WriteState, error: TransferError | None = None, *,
+                notify: bool = True) -> None:
         with self._lock:
             record = self._writes.get(handle)
             changed = record is not None and record.state == WriteState.PENDING
             if record is not None and changed:
                 record.state, record.error = state, error
-        if changed:
+        if changed and notify:
             self._settled()
 
-    def _take(self, peer: SenderPeer, job: Job) -> bool:
-        """Mark a job taken by the peer's thread; False (job failed) when the peer is dead or its fence
-        is (nothing of it is sent)."""
+    def _take(self, peer: SenderPeer, job: Job, *, notify: bool = True) -> bool:
+        """Mark a job taken by the peer's thread (or an inline sender); False (job failed) when the peer
+        is dead or its fence is (nothing of it is sent)."""
         handle, _, fence = job
         with self._lock:
             record = self._writes.get(handle)
             if record is not None:
                 record.sending = True
         if peer.dead is not None:
-            self._finish(handle, WriteState.FAILED, peer.dead)
+            self._finish(handle, WriteState.FAILED, peer.dead, notify=notify)
             return False
         if not fence.live():  # the room died on our side: send nothing of it
-            self._finish(handle, WriteState.FAILED, fenced(self.name, fence))
+            self._finish(handle, WriteState.FAILED, fenced(self.name, fence), notify=notify)
             return False
         return True
 
@@ -200,16 +258,22 @@ class PeerThreadBackend(WriteTable, TransferBackend):
                 job = peer.jobs.get()
                 if job is None:
                     break
-                if not self._take(peer, job):
-                    continue
-                handle, blocks, fence = job
                 try:
-                    error = self._send(peer, blocks, fence)
-                except Exception as exc:
-                    error = self._bug(peer, exc)
-                self._finish(handle, WriteState.DONE if error is None else WriteState.FAILED, error)
+                    with peer.send_lock:
+                        if not self._take(peer, job):
+                            continue
+                        handle, blocks, fence = job
+                        try:
+                            error = self._send(peer, blocks, fence)
+                        except Exception as exc:
+                            error = self._bug(peer, exc)
+                        self._finish(handle, WriteState.DONE if error is None else WriteState.FAILED, error)
+                finally:
+                    with self._lock:
+                        peer.num_queued -= 1
         finally:
             dead = peer.dead or TransferError(TransferErrorKind.PEER_GONE, f"{self.name}: peer {peer.label} dropped")
+            peer.dead = dead  # an inline sender checks it under ``send_lock``: nothing is sent past here
             for handle, token in active:
                 self._finish(handle, WriteState.FAILED, dead)
                 self._forget(peer, token)
@@ -220,7 +284,8 @@ class PeerThreadBackend(WriteTable, TransferBackend):
                     break
                 if job is not None:
                     self._finish(job[0], WriteState.FAILED, dead)
-            self._peer_ended(peer)
+            with peer.send_lock:  # an inline batch being sent finishes first
+                self._peer_ended(peer)
 
     def _pipeline(self, peer: SenderPeer, active: list[tuple[WriteHandle, Any]]) -> None:
         """The pipelined loop: start every queued batch, then poll those in flight, until dropped."""
@@ -232,6 +297,8 @@ class PeerThreadBackend(WriteTable, TransferBackend):
             if job is None:
                 return
             if job:
+                with self._lock:
+                    peer.num_queued -= 1
                 if self._take(peer, job):
                     handle, blocks, fence = job
                     try:

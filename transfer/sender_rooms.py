@@ -8,9 +8,12 @@ Lifecycle of one room (``KVSender`` in ``transfer.sender`` holds its own state; 
 2. ``send`` (scheduler thread, non-blocking) maps the chunk's source pages onto the decode's next
    reserved pages, merges runs, and posts one backend batch (K and V of every layer, plus the aux block
    with the last chunk, copied into a registered staging slot first).
-3. ``tick`` (monitor thread) polls the batches; once the last chunk and aux are DONE it sends
-   ``RoomStatus(ok)`` and the room is Success. A failed batch, the transfer timeout, an abort or the
-   decode's disappearance make it Failed (``RoomStatus(ok=False)`` or ``Abort`` tells the decode).
+3. ``tick`` (monitor thread, woken by the backend's completion listener) polls the batches; once the
+   last chunk and aux are DONE it sends ``RoomStatus(ok)`` and the room is Success. ``send`` does the
+   same at once when the backend completed the batch before ``write`` returned (a small same-host
+   copy): the room is then Success when ``send`` returns, with no hand-off to the monitor. A failed
+   batch, the transfer timeout, an abort or the decode's disappearance make it Failed
+   (``RoomStatus(ok=False)`` or ``Abort`` tells the decode).
 4. Writes of a failed room go to a graveyard that ``tick`` drains; once none of the room's writes is in
    flight any more the decode gets ``Quiesced(room)``: its pages are safe to reuse.
 5. ``release`` forgets the room (aborting it first if it was still live).
@@ -164,6 +167,7 @@ class SenderRooms:
                 blocks.append((int(self.staging[slot].ctypes.data), dst_aux, len(aux)))
             write: PostedWrite | None = None
             error: TransferError | None = None
+            posted = time.monotonic()  # (before write(): a batch it completes inline is timed too)
             if blocks:
                 try:
                     handle = ctx.backend.write(link.peer, blocks, sender.fence)
@@ -172,12 +176,16 @@ class SenderRooms:
                         self._free_slots.append(slot)
                     error = exc
                 else:
-                    write = PostedWrite(room, handle, time.monotonic(), slot)
+                    write = PostedWrite(room, handle, posted, slot)
                     ctx.num_bytes_sent += sum(length for _, _, length in blocks)
-            sender.chunk_posted(len(page_ids), last, len(aux) if aux else None, write, time.monotonic())
+            sender.chunk_posted(len(page_ids), last, len(aux) if aux else None, write, posted)
             if error is not None:
                 self._fail(sender, room_error(room, error), outbox)
-            ctx.kick()
+            elif write is None or ctx.backend.poll(write.handle) != WriteState.PENDING:
+                # settled already (a small same-host copy, or nothing to write): no hand-off to the monitor
+                self._progress(sender, time.monotonic(), outbox)
+            if not ctx.notifies:
+                ctx.kick()  # the monitor polls this write until it settles
         flush(outbox)
 
     def _fail(self, sender: KVSender, error: TransferError, outbox: Outbox, *, notify: bool = True) -> None:

@@ -20,7 +20,9 @@ Lifecycle:
    against the decode's registered regions (RANGE_REJECTED, nothing copied), then copies sub-batches of
    at most ``SUB_BATCH_BYTES`` with ``memmove`` (the GIL is released while copying), each under the
    fence board's ``enter``/``leave`` (a closed fence or a dead room copies nothing more). DONE means
-   every byte is in the decode's memory.
+   every byte is in the decode's memory. A batch of at most ``INLINE_MAX_BYTES`` to a peer whose thread
+   is idle is copied the same way in the writer's thread (``copy_inline``; ``write`` returns it DONE),
+   unless the board's gate is held at that moment: then the thread takes it.
 5. ``close`` drops the peers (joining their threads), closes the network backend, unmaps and unlinks.
 Fencing: with a network backend that ``FencesWrites`` (tcp), ``FencingShmBackend`` fences both paths:
 ``close_fence`` is True once neither path can land a byte of the fence (a shared-memory writer still
@@ -54,7 +56,7 @@ from transfer.memkind import device_regions
 from transfer.peer_threads import PeerThreadBackend, SenderPeer
 from transfer.shm_fences import FenceBoard
 from transfer.shm_files import SHM_DIR, mapping_of
-from transfer.shm_peer import Offer, ShmPeer, copy_blocks, map_offer, prefault, unmap
+from transfer.shm_peer import INLINE_MAX_BYTES, Offer, ShmPeer, copy_blocks, copy_inline, map_offer, prefault, unmap
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,7 @@ class ShmBackend(PeerThreadBackend):
     thread_name = "kv-shm-send"
     # a copy into shared memory needs no CPU of the decode: a write to a frozen decode completes
     WRITES_WITHOUT_TARGET = True
+    inline_max_bytes = INLINE_MAX_BYTES  # small batches: copied in the writer's thread (copy_inline)
 
     def __init__(self, network: str | TransferBackend = "tcp", *, same_host: bool | str = True,
                  directory: str | None = None, **network_options: Any) -> None:
@@ -233,6 +236,10 @@ class ShmBackend(PeerThreadBackend):
     def _send(self, peer: SenderPeer, blocks: list[Block], fence: Fence) -> TransferError | None:
         assert isinstance(peer, ShmPeer)
         return copy_blocks(peer, blocks, fence)
+
+    def _send_small(self, peer: SenderPeer, blocks: list[Block], fence: Fence) -> tuple[bool, TransferError | None]:
+        assert isinstance(peer, ShmPeer)
+        return copy_inline(peer, blocks, fence)
 
     # -- peers and shutdown ----------------------------------------------------------------------
     def probe(self, peer: PeerId) -> bool:

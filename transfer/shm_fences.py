@@ -224,12 +224,14 @@ class FenceBoard:
                     return False
             return True
 
-    def leave(self, slot: int, give_up: Callable[[], bool]) -> None:
+    def leave(self, slot: int, give_up: Callable[[], bool]) -> bool:
         """The marked bytes are in: clear the mark (under the gate, so they are visible first). If
-        ``give_up()`` stops the wait, the mark stays until this mapping is closed (the writer is gone)."""
+        ``give_up()`` stops the wait (answer False), the mark stays until this mapping is closed (the
+        writer is gone)."""
         with self._gate(slot, give_up) as held:
             if held:
                 self._marks[slot] = (0, 0)
+            return held
 
     def close(self) -> None:
         """Unmap (the decode also unlinks its file); a writer's slot is released with its locks."""

@@ -3,16 +3,19 @@ gets, the mapping it proves (``map_offer``), the background pre-fault, and the f
 
 Lifecycle: ``map_offer(offer)`` maps the decode's fence board and pool files and checks the nonce in
 each (ValueError/OSError otherwise: no proof, no shared memory); the backend then runs ``prefault`` in a
-thread of its own and ``copy_blocks`` in the peer's sender thread; ``unmap`` when the peer ends.
+thread of its own and ``copy_blocks`` in the peer's sender thread, or ``copy_inline`` for a small batch
+in the writer's own thread (the scheduler's: no hand-off); ``unmap`` when the peer ends.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import mmap
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +30,8 @@ from transfer.shm_fences import FenceBoard
 log = logging.getLogger(__name__)
 
 SUB_BATCH_BYTES = 4 << 20  # bytes copied between two fence checks
+INLINE_MAX_BYTES = 1 << 20  # a batch up to this size may be copied in the writer's thread (copy_inline)
+INLINE_LEAVE_S = 0.005  # copy_inline's longest wait for the gate after copying (the decode holds it for µs)
 PREFAULT_STEP_BYTES = 32 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
@@ -49,6 +54,8 @@ class ShmPeer(SenderPeer):
     starts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     ends: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     deltas: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # local = decode address + delta
+    start_list: list[int] = field(default_factory=list)  # starts, ends and deltas again as Python ints:
+    bounds: list[tuple[int, int]] = field(default_factory=list)  # (end, delta); a small batch skips numpy
     spans: list[tuple[int, int, int]] = field(default_factory=list)  # (map index, file offset, length) to pre-fault
     prefaulted: threading.Event = field(default_factory=threading.Event)
     stop: threading.Event = field(default_factory=threading.Event)
@@ -106,6 +113,8 @@ def map_offer(offer: Offer) -> ShmPeer:
         peer.starts = np.array([r[0] for r in regions], np.int64)
         peer.ends = np.array([r[0] + r[1] for r in regions], np.int64)
         peer.deltas = np.array([bases[r[2]] + r[3] - r[0] for r in regions], np.int64)
+        peer.start_list = [r[0] for r in regions]
+        peer.bounds = [(r[0] + r[1], bases[r[2]] + r[3] - r[0]) for r in regions]
         peer.spans = [(index, offset, length) for (_, length, index, offset) in regions]
     except BaseException:
         unmap(peer)
@@ -167,3 +176,47 @@ def copy_blocks(peer: ShmPeer, blocks: list[Block], fence: Fence) -> TransferErr
             peer.board.leave(peer.slot, given_up)
         start = end
     return None
+
+
+def _at_once() -> bool:
+    return True
+
+
+def copy_inline(peer: ShmPeer, blocks: list[Block], fence: Fence) -> tuple[bool, TransferError | None]:
+    """``copy_blocks`` for one batch of at most ``INLINE_MAX_BYTES`` (one sub-batch) in the caller's
+    thread, without waiting on the decode: (False, None) when the fence board's gate is held (by the
+    decode closing a fence: nothing was copied, the peer's thread takes the batch), else (True, None =
+    every byte is in the decode's memory, or the error). The gate is needed again to leave the fence
+    once the bytes are in: a decode that holds it for ``INLINE_LEAVE_S`` (frozen inside it) makes the
+    peer dead (PEER_GONE) rather than keep the writer's thread waiting; its mark then stays until the
+    peer is unmapped, when the decode sees the writer gone."""
+    assert peer.board is not None
+    if not blocks:
+        return True, None
+    local = []
+    starts, bounds = peer.start_list, peer.bounds
+    for _, dst, length in blocks:
+        index = bisect.bisect_right(starts, dst) - 1
+        if index < 0 or length < 0 or dst + length > bounds[index][0]:
+            return True, TransferError(
+                TransferErrorKind.RANGE_REJECTED, f"shm: a block writes outside the memory {peer.label} registered"
+            )
+        local.append(dst + bounds[index][1])
+    entered = peer.board.enter(peer.slot, fence.room, fence.generation, _at_once)
+    if entered is None:
+        return False, None
+    if not entered:
+        return True, fenced("shm", fence)
+    try:
+        for dst, (src, _, length) in zip(local, blocks, strict=True):
+            ctypes.memmove(dst, src, length)
+    finally:
+        deadline = time.monotonic() + INLINE_LEAVE_S
+        left = peer.board.leave(peer.slot, lambda: peer.dead is not None or time.monotonic() > deadline)
+    if not left:
+        peer.dead = peer.dead or TransferError(
+            TransferErrorKind.PEER_GONE,
+            f"shm: {peer.label} held the fence gate for over {INLINE_LEAVE_S * 1e3:g} ms (frozen?); peer dropped",
+        )
+        return True, peer.dead
+    return True, None
