@@ -93,6 +93,8 @@ class DecodeSide:
         self._ctx = ctx
         self._resolver = resolver
         self._invalidate = resolver.invalidate if isinstance(resolver, InvalidatingResolver) else None
+        # (checked once: a runtime Protocol check costs tens of µs, too much for every room)
+        self._cached = resolver.cached if isinstance(resolver, CachingResolver) else None
         self._receivers: dict[int, KVReceiver] = {}
         self._conns: dict[tuple[str, int], PrefillConn] = {}
         self._by_channel: dict[ControlChannel, PrefillConn] = {}
@@ -127,10 +129,10 @@ class DecodeSide:
         """The prefill's control address if known without blocking (see ``_bootstrap`` for the slow path)."""
         if self._resolver is None:
             return (host, port) if port is not None else None
-        if not isinstance(self._resolver, CachingResolver):
+        if self._cached is None:
             return None
         try:
-            address = self._resolver.cached(host, port, instance_id)
+            address = self._cached(host, port, instance_id)
         except Exception:
             return None
         return (str(address[0]), int(address[1])) if address is not None else None

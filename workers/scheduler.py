@@ -252,8 +252,9 @@ class Scheduler:
         if self.role == "prefill":
             self._advance(self.bootstrap_queue, self._to_waiting)
         elif self.role == "decode":
-            for req in self.quarantine.take_quiesced():
-                self._free(req)
+            if self.quarantine:
+                for req in self.quarantine.take_quiesced():
+                    self._free(req)
             self._advance(self.prealloc_queue, self._to_transfer)
             self._advance(self.transfer_queue, self._import)
         if self.grammar_wait is not None:
@@ -374,7 +375,7 @@ class Scheduler:
             )
         if self.pool.pages_for(total) > self.pool.num_pages:
             return f"request needs {self.pool.pages_for(total)} KV pages; the pool has {self.pool.num_pages}"
-        if any(not 0 <= t < info.vocab_size for t in msg.input_ids):
+        if min(msg.input_ids) < 0 or max(msg.input_ids) >= info.vocab_size:  # (one C pass each, not a genexpr)
             return f"token ids must be in [0, {info.vocab_size})"
         if self.role != "both" and msg.bootstrap is None:
             return f"a {self.role} worker needs bootstrap_host/bootstrap_room"
@@ -389,6 +390,8 @@ class Scheduler:
 
     # -- PD stages -----------------------------------------------------------------------------
     def _advance(self, queue_: StageQueue, on_ready: Callable[[Req], None]) -> None:
+        if not queue_:  # (most steps of a decode: every request is past its PD stages)
+            return
         moved = queue_.advance()
         for req, reason in moved.failed:
             self._fail(req, "transfer_failed", reason, failure_fault(req.kv_receiver or req.kv_sender))
