@@ -175,8 +175,13 @@ class Frontend:
         if room <= 0:
             raise BadRequest(f"the prompt has {len(input_ids)} tokens; the context length is {self.max_context}",
                              param="messages", code="context_length_exceeded")
-        if max_tokens is None:
-            max_tokens = min(self.default_max_tokens, room)
+        min_tokens = req.min_tokens or 0
+        name = "min_new_tokens" if prefix else "min_tokens"
+        if max_tokens is None:  # the default budget, raised to what the client asked at least
+            if min_tokens > room:
+                raise BadRequest(f"{name} ({min_tokens}) + prompt ({len(input_ids)} tokens) exceeds the context "
+                                 f"length {self.max_context}", param=prefix + name, code="context_length_exceeded")
+            max_tokens = min(max(self.default_max_tokens, min_tokens), room)
         if max_tokens > room:  # (ranges of single fields are checked by the decoder: gateway/api_models.py)
             raise BadRequest(f"max_tokens ({max_tokens}) + prompt ({len(input_ids)} tokens) exceeds the context "
                              f"length {self.max_context}", param="max_tokens", code="context_length_exceeded")
@@ -187,9 +192,7 @@ class Frontend:
             raise BadRequest("top_k must be -1 (off) or positive", param="top_k")
         min_p = 0.0 if req.min_p is None else req.min_p
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        min_tokens = req.min_tokens or 0
         if min_tokens > max_tokens:
-            name = "min_new_tokens" if prefix else "min_tokens"
             raise BadRequest(f"{name} ({min_tokens}) must not exceed max_tokens ({max_tokens})", param=prefix + name)
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,

@@ -84,3 +84,15 @@ def test_a_worker_refusal_names_the_clients_field(field: str, chat_name: str, n:
     with pytest.raises(BadRequest) as info:
         asyncio.run(run(fe.prepare_generate(generate())[0]))
     assert info.value.param == f"sampling_params.{field}"
+
+
+def test_min_tokens_without_max_tokens_raises_the_default_budget() -> None:
+    """A client that sets only ``min_tokens`` gets at least that many tokens' budget, not a 400 against the
+    gateway's default ``max_tokens`` it never asked for; past the context it is a 400 naming the field."""
+    fe = Frontend(RefusingDispatcher("x"), ByteTokenizer(), "sim", 4096, default_max_tokens=16)  # type: ignore[arg-type]
+    body = {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 40}
+    p = fe.prepare_chat(decode_body(msgspec.json.encode(body), ChatCompletionRequest)).params
+    assert (p.min_new_tokens, p.max_new_tokens) == (40, 40)
+    with pytest.raises(BadRequest) as info:
+        fe.prepare_chat(decode_body(msgspec.json.encode({**body, "min_tokens": 5000}), ChatCompletionRequest))
+    assert info.value.param == "min_tokens" and info.value.code == "context_length_exceeded"
