@@ -14,9 +14,11 @@ Lifecycle of a request with tools (hooks in ``gateway.api.Frontend.prepare_chat`
    SmolLM2's) a system note lists them and the answer format. Assistant ``tool_calls`` and ``tool``
    messages of the conversation are accepted (a ``tool`` message must answer an assistant's calls).
 3. ``shape_choices`` rewrites a whole response's choices: ``message.tool_calls`` (ids ``call_...``),
-   ``content`` null, ``finish_reason: "tool_calls"``. ``tool_events`` streams: forced calls stream
-   their ``arguments`` text as it arrives (the first delta carries index, id, type and name); ``auto``
-   holds back an answer that starts like a call until it is complete.
+   ``content`` null (in Hermes format: the text before the first ``<tool_call>``, if any),
+   ``finish_reason: "tool_calls"``. ``tool_events`` streams: forced calls stream their ``arguments``
+   text as it arrives (the first delta carries index, id, type and name); ``auto`` holds back an
+   answer that starts like a call, and in Hermes format everything from a ``<tool_call>`` on, until
+   it is complete; a stream and a whole answer of the same text say the same.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from gateway.structured_output import checked
 from workers.protocol import Grammar
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-_CALL_START = ("<tool_call>", "{")
+_HERMES_OPEN = "<tool_call>"
+_CALL_START = (_HERMES_OPEN, "{")
 
 
 @dataclass
@@ -190,14 +193,26 @@ def parse_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
     return calls or None
 
 
+def split_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """A complete answer as (content, tool calls): in Hermes format, text before the first ``<tool_call>``
+    is content (None when only whitespace); calls None: it is all content."""
+    start = text.find("<tool_call>") if plan.mode == "auto" and plan.hermes else -1
+    if start <= 0:
+        return None, parse_calls(plan, text)
+    before = text[:start]
+    return (before if before.strip() else None), parse_calls(plan, text[start:])
+
+
 def shape_choices(plan: ToolPlan, result: dict[str, Any]) -> None:
     """Rewrite a whole chat response's choices whose text is a call into OpenAI's ``tool_calls`` shape."""
     for choice in result["choices"]:
         message = choice["message"]
-        calls = parse_calls(plan, message["content"] or "")
+        if plan.mode == "auto" and choice["finish_reason"] != "stop":
+            continue  # a cut-off answer is content (as when streamed)
+        content, calls = split_calls(plan, message["content"] or "")
         if calls is None:
             continue
-        message["content"] = None
+        message["content"] = content
         message["tool_calls"] = calls
         if choice["finish_reason"] == "stop":
             choice["finish_reason"] = "tool_calls"
@@ -212,6 +227,7 @@ class _ChoiceStream:
         self.sent = 0  # characters of ``text`` already sent (as content or as arguments)
         self.call_id: str | None = None
         self.args_start: int | None = None  # where the arguments begin in ``text`` (required mode)
+        self.held_from = 0  # auto: where the held-back text (a call) begins
         self.name = plan.name or ""
 
     def feed(self, new: str) -> list[dict[str, Any]]:
@@ -235,8 +251,16 @@ class _ChoiceStream:
             return []
         if self.sent == 0 and any(p.startswith(stripped) for p in _CALL_START):
             return []  # nothing yet, or a prefix of "<tool_call>": wait for more
-        delta = [{"content": self.text[self.sent :]}] if len(self.text) > self.sent else []
-        self.sent = len(self.text)
+        end = len(self.text)
+        if plan.hermes:  # content, then a call: the content goes, the call is held from its "<tool_call>"
+            start = self.text.find("<tool_call>", self.sent)
+            if start >= 0:
+                end, self.held_from = start, start
+            else:  # hold a tail that may become "<tool_call>"
+                end = next((i for i in range(max(self.sent, end - len(_HERMES_OPEN) + 1), end)
+                            if _HERMES_OPEN.startswith(self.text[i:])), end)
+        delta = [{"content": self.text[self.sent : end]}] if end > self.sent else []
+        self.sent = -1 if self.held_from else end
         return delta
 
     def _arguments(self, start: int, end: int, name: str) -> list[dict[str, Any]]:
@@ -261,10 +285,12 @@ class _ChoiceStream:
         if plan.mode == "auto" and self.sent >= 0:  # plain content: the rest held (a call's start, e.g. "<to")
             rest = self.text[self.sent :]
             return ([{"content": rest}] if rest else []), reason
-        # Held to the end (auto: it started like a call; required: its arguments never began): as a whole answer
-        calls = parse_calls(plan, self.text) if reason == "stop" else None
+        # Held to the end (auto: it started like a call, or its call did; required: its arguments never
+        # began): as a whole answer
+        held = self.text[self.held_from :]
+        calls = parse_calls(plan, held) if reason == "stop" else None
         if calls is None:
-            return ([{"content": self.text}] if self.text else []), reason
+            return ([{"content": held}] if held else []), reason
         return [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(calls)], "tool_calls"
 
 

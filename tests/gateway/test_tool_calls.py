@@ -118,6 +118,33 @@ def test_auto_parses_the_models_own_format_and_streams_plain_text() -> None:
     assert parse_calls(plan, '{"name": "unknown", "arguments": {}}') is None
 
 
+@pytest.mark.parametrize("size", [1, 3, 7])
+@pytest.mark.parametrize(("text", "finish"), [
+    ('Let me look that up. <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>', "stop"),
+    ('Two <tool words, then <tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n', "stop"),
+    ('Checking.\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', "length"),
+    ("Some text <tool_call>{broken</tool_call>", "stop"),
+    ("Just an answer, with a < sign.", "stop"),
+])
+def test_auto_hermes_text_before_a_call_streams_as_the_whole_answer_has_it(text: str, finish: str, size: int) -> None:
+    """Content before a ``<tool_call>`` block: the stream sends it as content and the call as tool_calls,
+    exactly what the whole answer holds (content, calls, finish reason)."""
+    plan = plan_tools(req([WEATHER, TIME]), HERMES_TEMPLATE)
+    assert plan is not None
+    deltas, reason = feed(_ChoiceStream(plan), text, finish=finish, size=size)
+    result: dict[str, Any] = {"choices": [{"message": {"role": "assistant", "content": text},
+                                           "finish_reason": finish}]}
+    shape_choices(plan, result)
+    choice = result["choices"][0]
+    assert reason == choice["finish_reason"]
+    streamed = "".join(d.get("content") or "" for d in deltas)
+    assert streamed == (choice["message"]["content"] or "")
+    whole = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for c in choice["message"].get("tool_calls", [])]
+    assert [(c["name"], json.loads(c["arguments"])) for c in merged_calls(deltas).values()] == whole
+    assert bool(whole) == ("tool_calls" == reason)
+
+
 @pytest.mark.parametrize("answer", ["<", "<tool", " <tool_c", "\n"])
 def test_auto_an_answer_that_only_looked_like_a_call_start_is_not_lost(answer: str) -> None:
     """Held back while it could still become ``<tool_call>``, then the answer ended: it is the content."""
