@@ -57,11 +57,13 @@ class Procs:
     tmp: Path
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None,
+              cwd: Path | None = None) -> subprocess.Popen[bytes]:
+        """``python *args`` in ``cwd`` (default: this repository), its output in ``<tmp>/<name>.log``."""
         log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         proc = subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                cwd=ROOT, start_new_session=True)
+                                cwd=cwd or ROOT, start_new_session=True)
         proc.name = name  # type: ignore[attr-defined]
         self.procs.append(proc)
         return proc

@@ -142,7 +142,7 @@ def test_auto_hermes_text_before_a_call_streams_as_the_whole_answer_has_it(text:
     whole = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
              for c in choice["message"].get("tool_calls", [])]
     assert [(c["name"], json.loads(c["arguments"])) for c in merged_calls(deltas).values()] == whole
-    assert bool(whole) == ("tool_calls" == reason)
+    assert bool(whole) == (reason == "tool_calls")
 
 
 @pytest.mark.parametrize("answer", ["<", "<tool", " <tool_c", "\n"])
