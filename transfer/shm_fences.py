@@ -199,6 +199,19 @@ class FenceBoard:
             raise ValueError(f"{path} does not hold the decode's nonce: not the decode's memory")
         return board
 
+    def owner_alive(self) -> bool:
+        """A writer's check that the decode which made the board still lives: its owner holds a shared
+        ``flock`` on the file until it closes or dies, so an exclusive one (taken and dropped at once)
+        is refused while it does. (Writers lock with OFD ``fcntl`` locks, which never conflict with it.)"""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                return True
+            raise
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        return False
+
     def claim(self) -> int:
         """Take a free writer slot for the life of this mapping; ValueError when all are taken."""
         for slot in range(NUM_WRITERS):

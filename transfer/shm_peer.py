@@ -189,7 +189,9 @@ def copy_inline(peer: ShmPeer, blocks: list[Block], fence: Fence) -> tuple[bool,
     every byte is in the decode's memory, or the error). The gate is needed again to leave the fence
     once the bytes are in: a decode that holds it for ``INLINE_LEAVE_S`` (frozen inside it) makes the
     peer dead (PEER_GONE) rather than keep the writer's thread waiting; its mark then stays until the
-    peer is unmapped, when the decode sees the writer gone."""
+    peer is unmapped, when the decode sees the writer gone. A decode that died makes the peer dead too
+    (checked once the bytes are in: completing at once, the copy may beat the control connection's
+    news of its end)."""
     assert peer.board is not None
     if not blocks:
         return True, None
@@ -218,5 +220,9 @@ def copy_inline(peer: ShmPeer, blocks: list[Block], fence: Fence) -> tuple[bool,
             TransferErrorKind.PEER_GONE,
             f"shm: {peer.label} held the fence gate for over {INLINE_LEAVE_S * 1e3:g} ms (frozen?); peer dropped",
         )
+        return True, peer.dead
+    if not peer.board.owner_alive():
+        # Done before our control connection noticed: a room must not complete into a decode that is gone.
+        peer.dead = peer.dead or TransferError(TransferErrorKind.PEER_GONE, f"shm: the decode of {peer.label} is gone")
         return True, peer.dead
     return True, None
