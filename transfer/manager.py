@@ -10,9 +10,13 @@ Lifecycle:
    The scheduler thread then polls the room and calls its non-blocking methods (see ``KVSender`` and
    ``KVReceiver``); background threads do every blocking step. ``set_listener(fn)``: ``fn()`` runs
    whenever a room's ``poll()`` or ``quiesced`` changes, so the scheduler waits for that instead of
-   polling. The monitor thread ticks when kicked (a write posted, completed or failed, a room to
-   quiesce) and otherwise every ``_IDLE_POLL_S`` for timeouts; it polls every ``_BUSY_POLL_S`` while
-   writes are in flight only on a backend that cannot notify completions (``NotifiesCompletion``).
+   polling. The monitor thread ticks when kicked (a write completed or failed, a room to quiesce, a
+   write posted to a backend that cannot notify completions) and otherwise every ``_IDLE_POLL_S`` for
+   timeouts; it polls every ``_BUSY_POLL_S`` while writes are in flight only on a backend that cannot
+   notify completions (``NotifiesCompletion``). On a prefill with few rooms, a completion is handled
+   right in the backend thread that reported it (``SenderRooms.settle_here``: the room's
+   ``RoomStatus`` leaves and the scheduler is told without waking the monitor); with more rooms the
+   monitor's one tick serves a burst of completions.
 3. ``release()`` each room when done; ``num_rooms()`` counts rooms not yet released.
 4. ``close()`` (idempotent): fails live rooms (ABORTED, telling the peers), closes connections, joins
    threads, closes the backend (which unregisters the memory). The manager owns the backend.
@@ -82,7 +86,7 @@ class KVManager:
         self._close_lock = threading.Lock()
         self._notified = isinstance(backend, NotifiesCompletion)
         if isinstance(backend, NotifiesCompletion):
-            backend.set_completion_listener(self._ctx.kick)
+            backend.set_completion_listener(self._on_settled if self._prefill is not None else self._ctx.kick)
         if self._prefill is not None:
             self._prefill.start()
         self._monitor = threading.Thread(target=self._monitor_loop, name=f"kv-monitor-{role}", daemon=True)
@@ -117,6 +121,20 @@ class KVManager:
         side = self._prefill or self._decode
         assert side is not None
         return side.num_rooms()
+
+    def _on_settled(self) -> None:
+        """A write settled (a backend thread, holding none of its locks): progress the rooms here when
+        ``SenderRooms.settle_here`` can, else kick the monitor."""
+        assert self._prefill is not None
+        ctx = self._ctx
+        outbox: Outbox = []
+        with ctx.lock:
+            if ctx.closed:
+                return
+            if not self._prefill.rooms.settle_here(time.monotonic(), outbox):
+                ctx.kicked = True
+                ctx.wake.notify_all()
+        flush(outbox)
 
     def _monitor_loop(self) -> None:
         ctx = self._ctx

@@ -9,9 +9,10 @@ Lifecycle of one room (``KVSender`` in ``transfer.sender`` holds its own state; 
    reserved pages, merges runs, and posts one backend batch (K and V of every layer, plus the aux block
    with the last chunk, copied into a registered staging slot first).
 3. ``tick`` (monitor thread, woken by the backend's completion listener) polls the batches; once the
-   last chunk and aux are DONE it sends ``RoomStatus(ok)`` and the room is Success. ``send`` does the
-   same at once when the backend completed the batch before ``write`` returned (a small same-host
-   copy): the room is then Success when ``send`` returns, with no hand-off to the monitor. A failed
+   last chunk and aux are DONE it sends ``RoomStatus(ok)`` and the room is Success. With few rooms the
+   listener does it itself in the backend thread (``settle_here``), and ``send`` does it at once when
+   the backend completed the batch before ``write`` returned (a small same-host copy): the room is
+   then Success when ``send`` returns, with no hand-off to the monitor. A failed
    batch, the transfer timeout, an abort or the decode's disappearance make it Failed
    (``RoomStatus(ok=False)`` or ``Abort`` tells the decode).
 4. Writes of a failed room go to a graveyard that ``tick`` drains; once none of the room's writes is in
@@ -34,6 +35,7 @@ from transfer.sender import KVSender, Link, PageList, PostedWrite
 from transfer.types import KVPoll
 
 NUM_STAGING_SLOTS = 1024  # aux payloads waiting to be written (one per room between last send and DONE)
+SETTLE_HERE_MAX_ROOMS = 8  # settle_here progresses rooms itself up to this many (else the monitor ticks)
 
 
 class SenderRooms:
@@ -266,6 +268,18 @@ class SenderRooms:
                     if not link.closed:
                         outbox.append((link.channel, Quiesced(room)))
         return busy
+
+    def settle_here(self, now: float, outbox: Outbox) -> bool:
+        """A write settled (the backend thread that reported it; lock held): with at most
+        ``SETTLE_HERE_MAX_ROOMS`` rooms and no failed room's write in the graveyard, progress every
+        transferring room now, as ``tick`` would (one hand-off fewer at low load), and answer True;
+        False: leave it to the monitor's tick (one scan for a burst of completions at high load)."""
+        if self._graveyard or len(self._senders) > SETTLE_HERE_MAX_ROOMS:
+            return False
+        for sender in list(self._senders.values()):
+            if sender.poll() == KVPoll.Transferring:
+                self._progress(sender, now, outbox)
+        return True
 
     def _retire(self, write: PostedWrite) -> None:
         self._ctx.backend.release(write.handle)

@@ -271,6 +271,27 @@ def test_a_known_address_skips_the_bootstrap_thread(managers):
     assert plain.create_receiver(4, *address).poll() == KVPoll.WaitingForInput
 
 
+def test_a_settled_write_completes_its_room_without_the_monitor(managers, monkeypatch):
+    """tcp notifies completions: with few rooms the backend thread that got the ack completes the room
+    itself (RoomStatus sent, Success), with no hand-off to the monitor, whose tick does nothing here."""
+    from transfer.prefill import PrefillSide
+
+    monkeypatch.setattr(PrefillSide, "tick", lambda self, now, outbox: False)
+    prefill = managers("prefill", backend=create_backend("tcp"))
+    decode = managers("decode", backend=create_backend("tcp"))
+    sender = prefill.create_sender(5)
+    receiver = decode.create_receiver(5, *prefill.control_address)
+    assert wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput)
+    receiver.send_metadata([3, 4], 1)
+    assert wait_for(lambda: sender.poll() == KVPoll.WaitingForInput)
+    sender.send([1, 2], last=True, aux=b"ok")
+    assert wait_for(lambda: receiver.poll() == KVPoll.Success), receiver.failure()
+    assert sender.poll() == KVPoll.Success and receiver.aux_len == 2
+    receiver.release()
+    sender.release()
+    assert prefill.num_rooms() == decode.num_rooms() == 0
+
+
 def test_bootstrap_failures(managers):
     def broken(host, port, instance_id):
         raise LookupError("no such prefill instance")
