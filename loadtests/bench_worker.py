@@ -19,9 +19,16 @@ Rows are interleaved ``--rounds`` times so they share the machine's noise; figur
 
     .venv/bin/python loadtests/bench_worker.py [--requests 300] [--rounds 3] [--verify-kv 0]
     .venv/bin/python loadtests/bench_worker.py --profile /tmp/prof   # py-spy flame graphs of the PD workers
+    .venv/bin/python loadtests/bench_worker.py --threads              # CPU and wake-ups per worker thread
 
 ``--profile DIR`` records the prefill and decode workers with py-spy (``pip install py-spy``) during
 one extra native PD row and writes ``DIR/{prefill,decode}.svg`` (and ``.txt``, collapsed stacks).
+
+``--threads`` runs one extra native row of each kind and prints, per worker thread, its CPU µs per
+request and its voluntary / involuntary context switches per request (``/proc/<pid>/task/*``; names
+from ``py-spy dump``). At one request at a time on one core, a request costs about the CPU of every
+thread it passes through, and each hand-off between threads (a wake-up, then the GIL changing hands)
+shows up as switches: this is where PD's cost over the combined worker is found.
 """
 
 from __future__ import annotations
@@ -137,6 +144,54 @@ def profile(out: Path, pids: dict[str, int], run: Callable[[], Coroutine[Any, An
     print(f"profiles in {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
 
 
+def thread_sample(pid: int) -> dict[int, tuple[int, int, int]]:
+    """Per thread of ``pid``: (ns on CPU, voluntary, involuntary context switches)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            ns = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except OSError:  # the thread ended
+            continue
+        switches = {k: int(v) for k, v in (line.split(":") for line in status.splitlines()
+                                           if line.startswith(("voluntary_ctxt", "nonvoluntary_ctxt")))}
+        out[int(tid)] = (ns, switches["voluntary_ctxt_switches"], switches["nonvoluntary_ctxt_switches"])
+    return out
+
+
+def thread_names(pid: int) -> dict[int, str]:
+    """Python thread names by native id, from ``py-spy dump`` (the OS names them all "python")."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    try:
+        dump = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    names = {}
+    for line in dump.splitlines():
+        if line.startswith("Thread "):  # Thread 1234 (idle): "scheduler-decode"
+            tid, _, rest = line[len("Thread "):].partition(" ")
+            names[int(tid, 0)] = rest.split('"')[1] if '"' in rest else rest
+    return names
+
+
+def thread_table(pids: dict[str, int], run: Callable[[], Coroutine[Any, Any, list[float]]]) -> None:
+    """Run ``run`` once and print every thread's CPU µs and switches per request (threads idle during it left out)."""
+    before = {name: thread_sample(pid) for name, pid in pids.items()}
+    n = len(asyncio.run(run()))
+    after = {name: thread_sample(pid) for name, pid in pids.items()}
+    print(f"{'process':8} {'thread':32} {'CPU µs/req':>10} {'vol sw/req':>10} {'invol sw/req':>12}")
+    for name, pid in pids.items():
+        names, total = thread_names(pid), 0.0
+        for tid, (ns, vol, invol) in sorted(after[name].items()):
+            ns0, vol0, invol0 = before[name].get(tid, (0, 0, 0))
+            cpu_us = (ns - ns0) / n / 1e3
+            total += cpu_us
+            if cpu_us >= 0.5 or vol > vol0:
+                print(f"{name:8} {names.get(tid, str(tid))[:32]:32} {cpu_us:10.1f} {(vol - vol0) / n:10.2f} "
+                      f"{(invol - invol0) / n:12.2f}")
+        print(f"{name:8} {'(all threads)':32} {total:10.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=300, help="requests per row per round")
@@ -147,6 +202,7 @@ def main() -> None:
                     help="sim engine KV row generation and verification (0: off, the stack alone)")
     ap.add_argument("--transfer", default="tcp", help="KV transfer backend of the PD pair")
     ap.add_argument("--profile", type=Path, default=None, help="py-spy the PD workers into this directory")
+    ap.add_argument("--threads", action="store_true", help="CPU and context switches per worker thread per request")
     args = ap.parse_args()
     prompt = SENTENCE * max(1, args.prompt_repeat)
     n, mt = args.requests, args.max_tokens
@@ -177,6 +233,12 @@ def main() -> None:
         if args.profile is not None:
             profile(args.profile, {"prefill": prefill.proc.pid, "decode": decode.proc.pid},
                     lambda: run_native(pd_urls, prompt, n, mt))
+        if args.threads:
+            print(f"\nper thread, native -> prefill + decode, {n} requests one at a time:")
+            thread_table({"prefill": prefill.proc.pid, "decode": decode.proc.pid},
+                         lambda: run_native(pd_urls, prompt, n, mt))
+            print(f"\nper thread, native -> combined, {n} requests one at a time:")
+            thread_table({"both": both.proc.pid}, lambda: run_native({"both": both.url}, prompt, n, mt))
         print(f"\n{n} x {args.rounds} requests per row, one at a time, {len(prompt)}-token prompt, max_tokens {mt}, "
               f"sim engine at zero cost, verify_kv={args.verify_kv}, transfer {args.transfer}\n")
         print(f"{'path':30} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
