@@ -66,7 +66,7 @@ def create_app(config: GatewayConfig) -> Any:
         gc.freeze()  # start-up objects (modules, tokenizer, config) leave the collector's generations
         # A young-generation pass walks every object still alive since the last one; at the default
         # threshold (700 net allocations) that is mostly the in-flight requests' state, walked again
-        # every few requests (~7 us of CPU per request at 64 concurrent). Requests leave no reference
+        # every few requests (~8 us of CPU per request at 64 concurrent). Requests leave no reference
         # cycles behind (tests/integration/test_gateway_gc.py checks), so a rarer pass costs little memory.
         gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
         try:
