@@ -19,8 +19,8 @@ Lifecycle of one request (event loop only):
    with a content length, or a chunked SSE stream. Every write waits while the client's socket is
    full (``flow.drain``; the protocol's write timeout aborts a client that stops reading);
    ``start_now`` and ``write_now`` are the stream's writes from outside the task (``Responder``'s
-   direct path), refused while the socket is full so that such chunks queue in order behind the
-   task instead.
+   direct path; gathered per worker frame, ``gateway.write_batch``), refused while the socket is
+   full so that such chunks queue in order behind the task instead.
 4. The response's end calls the protocol's ``on_response_complete`` (keep-alive timer, the next
    pipelined request), or closes the connection when it is not kept alive.
 Responses carry uvicorn's default headers (``server``, ``date``) and ``x-request-id``, as the ASGI
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
+from gateway import write_batch
 from gateway.context import REQUEST_ID, REQUEST_T0
 from gateway.errors import PayloadTooLarge, RequestTimeout
 from gateway.middleware import GatekeeperMiddleware, request_id_of
@@ -249,7 +250,7 @@ class HotCycle:
                                               or self.transport.is_closing())
 
     def write_now(self, chunk: bytes) -> None:
-        self.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        write_batch.write(self.transport, b"%x\r\n%b\r\n" % (len(chunk), chunk))
 
     def can_start(self) -> bool:
         return not (self.response_started or self.flow.write_paused or self.disconnected
@@ -257,7 +258,7 @@ class HotCycle:
 
     def start_now(self, first: bytes) -> None:
         self.response_started = True
-        self.transport.write(self._head(200, [], _SSE_HEAD) + b"%x\r\n%b\r\n" % (len(first), first))
+        write_batch.write(self.transport, self._head(200, [], _SSE_HEAD) + b"%x\r\n%b\r\n" % (len(first), first))
 
     # -- helpers -----------------------------------------------------------------------------------
     def _head(self, status: int, headers: Headers, content: bytes) -> bytes:

@@ -7,7 +7,8 @@ Lifecycle:
    dispatched in one synchronous pass, no reader coroutine per frame. On any disconnect every open
    request gets a ``WorkerGone`` event and the task reconnects with capped exponential backoff.
 2. ``submit(msg, sink, tag)`` registers the request id and writes ``Submit``; each ``StepOutput`` /
-   ``Error`` for that id goes to ``sink.put_nowait((tag, event))`` until the request ends.
+   ``Error`` for that id goes to ``sink.put_nowait((tag, event))`` until the request ends (client
+   writes made meanwhile go out when the frame's outputs have all been handed out: ``write_batch``).
    ``abort(rid)`` sends ``Abort`` and forgets the id. Frames queued in one loop iteration go out in
    one write (``_send``/``_flush``).
 3. ``LoadReport`` frames update ``state`` (a ``WorkerState``: what policies read; each request's
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from gateway import write_batch
 from gateway.health import HealthConfig, WorkerHealth
 from gateway.worker_state import DEFAULT_STALE_AFTER_S, WorkerState
 from workers.protocol import (
@@ -294,12 +296,17 @@ class WorkerClient:
     def _dispatch(self, msg: object) -> None:
         match msg:
             case Outputs(items=items):
-                for item in items:
-                    entry = self._open.get(item.rid)
-                    if entry is not None:
-                        entry[0].put_nowait((entry[1], item))
-                        if item.finish_reason is not None:
-                            self._forget(item.rid)
+                batch = write_batch.begin()  # the direct path's client writes go out together at the end
+                try:
+                    for item in items:
+                        entry = self._open.get(item.rid)
+                        if entry is not None:
+                            entry[0].put_nowait((entry[1], item))
+                            if item.finish_reason is not None:
+                                self._forget(item.rid)
+                finally:
+                    if batch:
+                        write_batch.end()
             case Error(rid=rid) as err:
                 entry = self._open.get(rid)
                 if entry is not None:

@@ -326,3 +326,37 @@ def test_a_stream_through_the_direct_path_equals_the_stream_through_the_task(rou
 
     plain, direct = asyncio.run(chunks(False)), asyncio.run(chunks(True))
     assert len(plain) >= 4 and direct == plain
+
+
+def test_writes_gathered_during_a_frame_go_out_at_its_end_in_order() -> None:
+    """``write_batch``: writes between ``begin`` and ``end`` wait for ``end`` and keep their order per
+    transport; outside a batch (or in a nested one) they go at once; a transport closed by then is skipped."""
+    from gateway import write_batch
+
+    class Transport:
+        def __init__(self) -> None:
+            self.data: list[bytes] = []
+            self.closing = False
+
+        def write(self, data: bytes) -> None:
+            assert not self.closing
+            self.data.append(data)
+
+        def is_closing(self) -> bool:
+            return self.closing
+
+    a, b, gone = Transport(), Transport(), Transport()
+    write_batch.write(a, b"now")
+    assert a.data == [b"now"]
+    assert write_batch.begin()
+    assert not write_batch.begin()  # nested: the outer batch ends it
+    write_batch.write(a, b"1")
+    write_batch.write(b, b"x")
+    write_batch.write(gone, b"lost")
+    write_batch.write(a, b"2")
+    assert a.data == [b"now"] and b.data == []
+    gone.closing = True
+    write_batch.end()
+    assert a.data == [b"now", b"1", b"2"] and b.data == [b"x"] and gone.data == []
+    write_batch.write(b, b"after")
+    assert b.data == [b"x", b"after"]

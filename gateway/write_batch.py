@@ -1,0 +1,45 @@
+"""Client writes made while one worker frame is dispatched, written together when it ends.
+
+A decode frame carries one output for each of many streams, and the direct path
+(``gateway.responder``) writes each stream's chunk from that frame's callback. Written one at a time,
+between the Python work of the next stream's chunk, each write may find its reader asleep and wake it
+again (a loopback send wakes the reader inside the sender's system call). Gathered and written back to
+back when the frame ends, the readers are woken about once per burst; the price is that a frame's
+first chunks wait until its last one is built (tens of µs for a frame of 32 streams).
+
+Lifecycle (one thread's event loop): ``WorkerClient`` calls ``begin`` before it hands a frame's outputs
+out and ``end`` after (in ``finally``); ``write`` in between gathers, outside writes at once. Writes of
+one transport keep their order; a transport closed by then is skipped.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_local = threading.local()  # .pending: the open batch of this thread's loop, or None
+
+
+def begin() -> bool:
+    """Start gathering; False when a batch is already open (then the caller must not ``end`` it)."""
+    if getattr(_local, "pending", None) is not None:
+        return False
+    _local.pending = []
+    return True
+
+
+def end() -> None:
+    """Write what was gathered, in order, and stop gathering."""
+    pending, _local.pending = _local.pending, None
+    for transport, data in pending:
+        if not transport.is_closing():
+            transport.write(data)
+
+
+def write(transport: Any, data: bytes) -> None:
+    """``transport.write(data)`` now, or when the open batch ends."""
+    pending = getattr(_local, "pending", None)
+    if pending is None:
+        transport.write(data)
+    else:
+        pending.append((transport, data))
