@@ -73,7 +73,12 @@ async def run(args: argparse.Namespace) -> None:
     if unknown:
         sys.exit(f"unknown points {sorted(unknown)}; known: {', '.join(POINTS)}")
     own_cpus = os.sched_getaffinity(0)
-    stack = Stack(Procs(Path(tempfile.mkdtemp(prefix="bench-ab-"))))
+    with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:  # the processes' logs
+        await _run(args, trees, points, Stack(Procs(Path(tmp))), own_cpus)
+
+
+async def _run(args: argparse.Namespace, trees: dict[str, Path], points: list[str], stack: Stack,
+               own_cpus: set[int]) -> None:
     try:
         for i in range(2):
             stack.fast_worker(f"prefill-{i}", "prefill", 0)
