@@ -229,7 +229,7 @@ class HotCycle:
         if self.disconnected or self.response_started or self.transport.is_closing():
             return
         self.response_started = True
-        self.transport.write(self._head(200, [], _SSE_HEAD) + (b"%x\r\n%b\r\n" % (len(first), first) if first else b""))
+        self.transport.write(self._stream_head(first))
 
     async def send_chunk(self, chunk: bytes) -> None:
         if self.flow.write_paused and not self.disconnected:
@@ -258,9 +258,13 @@ class HotCycle:
 
     def start_now(self, first: bytes) -> None:
         self.response_started = True
-        write_batch.write(self.transport, self._head(200, [], _SSE_HEAD) + b"%x\r\n%b\r\n" % (len(first), first))
+        write_batch.write(self.transport, self._stream_head(first))
 
     # -- helpers -----------------------------------------------------------------------------------
+    def _stream_head(self, first: bytes) -> bytes:
+        """A stream's response head and its first chunk (when there is one), as one write."""
+        return self._head(200, [], _SSE_HEAD) + (b"%x\r\n%b\r\n" % (len(first), first) if first else b"")
+
     def _head(self, status: int, headers: Headers, content: bytes) -> bytes:
         parts = [STATUS_LINE[status], self.default_headers, content]
         close = False

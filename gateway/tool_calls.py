@@ -81,7 +81,7 @@ def plan_tools(req: Any, chat_template: str | None) -> ToolPlan | None:
             raise BadRequest(f"tool_choice {choice!r} is not supported without tools", param="tool_choice")
         return None
     tools = _functions(req.tools)
-    hermes = chat_template is not None and "<tool_call>" in chat_template
+    hermes = chat_template is not None and _HERMES_OPEN in chat_template
     if choice is None or choice == "auto":
         return ToolPlan("auto", tools, hermes=hermes)
     if choice == "none":
@@ -179,7 +179,7 @@ def parse_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
     if plan.mode == "named":
         assert plan.name is not None
         return [_new_call(plan.name, text)]
-    bodies = _HERMES.findall(text) if plan.hermes and "<tool_call>" in text else [text]
+    bodies = _HERMES.findall(text) if plan.hermes and _HERMES_OPEN in text else [text]
     calls = []
     for body in bodies:
         try:
@@ -196,7 +196,7 @@ def parse_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
 def split_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
     """A complete answer as (content, tool calls): in Hermes format, text before the first ``<tool_call>``
     is content (None when only whitespace); calls None: it is all content."""
-    start = text.find("<tool_call>") if plan.mode == "auto" and plan.hermes else -1
+    start = text.find(_HERMES_OPEN) if plan.mode == "auto" and plan.hermes else -1
     if start <= 0:
         return None, parse_calls(plan, text)
     before = text[:start]
@@ -253,7 +253,7 @@ class _ChoiceStream:
             return []  # nothing yet, or a prefix of "<tool_call>": wait for more
         end = len(self.text)
         if plan.hermes:  # content, then a call: the content goes, the call is held from its "<tool_call>"
-            start = self.text.find("<tool_call>", self.sent)
+            start = self.text.find(_HERMES_OPEN, self.sent)
             if start >= 0:
                 end, self.held_from = start, start
             else:  # hold a tail that may become "<tool_call>"
