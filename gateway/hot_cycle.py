@@ -7,10 +7,13 @@ cycle, the middleware and ``send``'s message dicts: the connection's protocol
 uvicorn's ``RequestResponseCycle``, and the cycle is the route's ``Responder``'s ``Exchange``.
 Lifecycle of one request (event loop only):
 1. The protocol, at the end of the request head, asks ``HotRoutes.cycle(...)`` for the path and
-   makes the cycle; it starts it as a task (or queues it behind a response still going out on the
-   connection: pipelining, as uvicorn does). The body is collected by the protocol's ``on_body``.
+   makes the cycle. The body is collected by the protocol's ``on_body``. When the whole body arrives
+   in the read that ends the head, the cycle starts in that callback (``gateway.eager``: up to its
+   first wait, normally the workers' first answer, before a task exists); otherwise it starts as a
+   task at the end of the read; a cycle behind a response still going out on the connection is
+   queued and started after it (pipelining, as uvicorn does).
 2. ``run_asgi`` (the name the protocol starts cycles by): the request id (``x-request-id``, checked
-   as ``RequestContextMiddleware`` does) and arrival time go into the task's context; the
+   as ``RequestContextMiddleware`` does) and arrival time go into the request's context; the
    gatekeeper's checks (draining: 503; API keys: 401) are the middleware's own
    (``GatekeeperMiddleware.refusal``); then ``Responder.serve(self)``.
 3. The responder reads the body (``read_body``: its limits, ``100 Continue``), has the disconnect
@@ -108,7 +111,7 @@ class HotCycle:
 
     __slots__ = ("_waiter", "_watch", "body", "default_headers", "disconnected", "flow", "gatekeeper", "headers",
                  "keep_alive", "loop", "message_event", "more_body", "on_response", "path", "request_id",
-                 "responder", "response_complete", "response_started", "t0", "transport",
+                 "responder", "response_complete", "response_started", "t0", "task", "transport",
                  "waiting_for_100_continue")
 
     def __init__(self, protocol: GuardedHttpProtocol, responder: Responder, gatekeeper: GatekeeperMiddleware,
@@ -133,7 +136,8 @@ class HotCycle:
         self.response_complete = False
         self.request_id = b""
         self._waiter: asyncio.Future[None] | None = None
-        self._watch: tuple[asyncio.Task[Any], list[bool]] | None = None
+        self._watch: list[bool] | None = None  # (``watch_disconnect``) set to [True] when the client leaves
+        self.task: asyncio.Task[None] | None = None  # the task answering (``GuardedHttpProtocol`` sets it)
 
     # -- the protocol's side -----------------------------------------------------------------------
     def signalled(self) -> None:
@@ -141,10 +145,11 @@ class HotCycle:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
         if self.disconnected and self._watch is not None and not self.response_complete:
-            task, gone = self._watch
+            gone = self._watch
             self._watch = None
             gone[0] = True
-            task.cancel()
+            if self.task is not None:  # (None only inside its eager first step, which nothing interrupts)
+                self.task.cancel()
 
     async def run_asgi(self, _app: Any) -> None:
         try:
@@ -176,6 +181,7 @@ class HotCycle:
         finally:
             self.on_response = _noop
             self._watch = None
+            self.task = None  # (it refers to this cycle through its coroutine)
             self.message_event = _SETTLED
 
     # -- Exchange ----------------------------------------------------------------------------------
@@ -206,8 +212,8 @@ class HotCycle:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes")
         return bytes(self.body)
 
-    def watch_disconnect(self, task: asyncio.Task[Any], gone: list[bool]) -> None:
-        self._watch = (task, gone)
+    def watch_disconnect(self, gone: list[bool]) -> None:
+        self._watch = gone
         if self.disconnected:
             self.signalled()
 

@@ -19,13 +19,17 @@ per connection (``GuardedHttpProtocol``, event loop only):
 The body of a request being read by the app is bounded by the app (``gateway.responder.read_body``:
 ``--max-body-bytes``, ``--body-timeout-s``).
 5. ``hot_routes`` (the gateway's, with native workers only): a ``POST`` to a generation route gets the
-   gateway's own cycle (``gateway.hot_cycle.HotCycle``) in place of uvicorn's ASGI cycle, started or
-   queued behind a response still going out exactly as uvicorn's cycles are; every limit above holds.
+   gateway's own cycle (``gateway.hot_cycle.HotCycle``) in place of uvicorn's ASGI cycle, queued
+   behind a response still going out exactly as uvicorn's cycles are; every limit above holds. Not
+   queued, it starts in the callback that completes its body, up to its first wait
+   (``gateway.eager``: the request is dispatched to its workers in the same pass of the event loop),
+   or as a task at the end of the read that ended its head when its body is still to come.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,10 +38,12 @@ import httptools
 import msgspec
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from gateway import eager
 from gateway.errors import APIError, BadRequest, HeadersTooLarge, RequestTimeout
+from gateway.hot_cycle import HotCycle
 
 if TYPE_CHECKING:
-    from gateway.hot_cycle import HotCycle, HotRoutes
+    from gateway.hot_cycle import HotRoutes
 
 LINGER_S = 2.0
 log = logging.getLogger(__name__)
@@ -72,6 +78,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._refused = False
         self._write_timer: asyncio.TimerHandle | None = None
         self._hot_cycles: list[HotCycle] = []  # this connection's own cycles, answered or not
+        self._unstarted: HotCycle | None = None  # a cycle whose head was read in this read, not started yet
 
     # -- connection ------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -113,6 +120,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return  # lingering: what the client still sends is dropped
         counting = self._in_head  # a read that starts a head is not counted: at most one read over
         super().data_received(data)
+        unstarted = self._unstarted
+        if unstarted is not None:  # its body is still to come: read_body waits for it in a task
+            self._unstarted = None
+            if not self._refused:
+                self._start_hot(unstarted, eagerly=False)
         if counting and self._in_head and not self._refused:
             self._head_bytes += len(data)
             if self._head_bytes > self.limits.max_head_bytes:
@@ -143,7 +155,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 existing = self.cycle
                 self.cycle = cycle  # type: ignore[assignment]
                 if existing is None or existing.response_complete:
-                    self._start_asgi_task(cycle, self.app)  # type: ignore[arg-type]
+                    self._unstarted = cycle  # started when its body is complete, or at the end of this read
                 else:  # pipelined behind a response still going out: as uvicorn queues its own cycles
                     self.flow.pause_reading()
                     self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]
@@ -159,6 +171,32 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_message_complete()
         if self._waiting_for == "body":
             self._disarm()
+        cycle = self._unstarted
+        if cycle is not None and cycle is self.cycle:  # (a refusal in between would have made it disconnected)
+            self._unstarted = None
+            if not cycle.disconnected:
+                self._start_hot(cycle, eagerly=True)
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        if isinstance(cycle, HotCycle):  # (also uvicorn's start of a pipelined cycle)
+            self._start_hot(cycle, eagerly=False)
+        else:
+            super()._start_asgi_task(cycle, app)
+
+    def _start_hot(self, cycle: HotCycle, *, eagerly: bool) -> None:
+        """Start ``cycle``: up to its first wait now (``eagerly``), or as a task; its task is kept in
+        ``tasks`` (the server waits for them at shutdown) and told to the cycle (it cancels it when the
+        client leaves)."""
+        context = contextvars.Context() if self.config.reset_contextvars else contextvars.copy_context()
+        if eagerly:
+            task = eager.start(cycle.run_asgi(self.app), self.loop, context)
+            if task is None:  # answered at once (a refusal, a bad request)
+                return
+        else:
+            task = self.loop.create_task(cycle.run_asgi(self.app), context=context)
+        cycle.task = task
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

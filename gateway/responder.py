@@ -85,8 +85,9 @@ class Exchange(Protocol):
         """The whole body: at most ``limit`` bytes (else 413), within ``timeout_s`` (else 408); ClientGone."""
         ...
 
-    def watch_disconnect(self, task: asyncio.Task[Any], gone: list[bool]) -> None:
-        """From now on the client leaving sets ``gone[0]`` and cancels ``task``."""
+    def watch_disconnect(self, gone: list[bool]) -> None:
+        """From now on the client leaving sets ``gone[0]`` and cancels the task answering the request
+        (which may not exist yet when this is called: ``gateway.eager``)."""
         ...
 
     def stop_watching(self) -> None: ...
@@ -145,8 +146,6 @@ class Responder:
     async def serve(self, exchange: Exchange) -> None:
         gw, shape = self.gw, self.shape
         release = None
-        task = asyncio.current_task(exchange.loop)
-        assert task is not None
         gone = [False]
         run: Run | None = None
         try:
@@ -156,7 +155,7 @@ class Responder:
                 frontend = gw.require_frontend()
                 prep, client_id = shape.prepare(frontend, decode_body(body, shape.body_type))
                 run = Run(frontend, prep, client_id or new_id(shape.id_prefix))
-                exchange.watch_disconnect(task, gone)
+                exchange.watch_disconnect(gone)
                 if prep.stream:
                     await self._stream(run, exchange)
                 else:
@@ -183,6 +182,8 @@ class Responder:
         except asyncio.CancelledError:
             if not gone[0]:
                 raise
+            task = asyncio.current_task(exchange.loop)
+            assert task is not None
             task.uncancel()
             self._count(499)
             log.info("%s -> 499: the client closed the connection", shape.route)
@@ -251,7 +252,9 @@ class AsgiExchange:
     async def read_body(self, limit: int, timeout_s: float) -> bytes:
         return await read_body(self.scope, self.receive, limit, timeout_s)
 
-    def watch_disconnect(self, task: asyncio.Task[Any], gone: list[bool]) -> None:
+    def watch_disconnect(self, gone: list[bool]) -> None:
+        task = asyncio.current_task(self.loop)
+        assert task is not None
         self.watcher = asyncio.create_task(watch_disconnect(self.receive, task, gone))
 
     def stop_watching(self) -> None:
