@@ -106,28 +106,10 @@ class ChoiceDispatcher(Protocol):
 class TextEmitter(Protocol):
     """Where a stream's text goes when it skips the generator layers (``run_choices``'s ``emitter``)."""
 
-    def ready(self) -> bool:
-        """Can a chunk be written now?"""
+    def direct(self, state: ChoiceState) -> DirectConsumer:
+        """The consumer of ``state``'s choice's non-final outputs, from the worker connection's callback
+        (``Dispatcher.generate``'s ``direct``): it detokenizes each into ``state`` and writes its chunk."""
         ...
-
-    def emit(self, state: ChoiceState, text: str) -> None:
-        """Write the chunk for ``text``, new in ``state`` (any output but its last)."""
-        ...
-
-
-class _DirectChoice:
-    """One choice's non-final outputs straight from the dispatcher to ``emit``: detokenized, then written."""
-
-    __slots__ = ("emitter", "state")
-
-    def __init__(self, state: ChoiceState, emitter: TextEmitter) -> None:
-        self.state, self.emitter = state, emitter
-
-    def ready(self) -> bool:
-        return self.emitter.ready()
-
-    def take(self, output: StepOutput) -> None:
-        self.emitter.emit(self.state, self.state.accept_middle(output))
 
 
 def decode_body(body: bytes, kind: type[Any]) -> Any:
@@ -289,7 +271,7 @@ class Frontend:
         """
         if prep.n == 1:
             state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs)
-            direct = _DirectChoice(state, emitter) if emitter is not None and not prep.stops and \
+            direct = emitter.direct(state) if emitter is not None and not prep.stops and \
                 not prep.want_logprobs else None
             events = self.dispatcher.generate(prep.input_ids, prep.params, bootstrap=prep.bootstrap, direct=direct)
             try:

@@ -174,18 +174,10 @@ class Dispatcher:
             cached_tokens = item.cached_tokens
             completed = item.finish_reason is not None
 
-        def tap(item: StepOutput) -> bool:
-            assert direct is not None
-            if not direct.ready():
-                return False
-            record(item)
-            direct.take(item)
-            return True
-
         try:
             while True:
                 num_before = len(generated)
-                outputs = self._attempt(request, prompt, attempt_params, avoid, tap if direct is not None else None)
+                outputs = self._attempt(request, prompt, attempt_params, avoid, direct, record)
                 try:
                     async for item in outputs:
                         record(item)
@@ -235,8 +227,10 @@ class Dispatcher:
                 metrics.generation_tokens.inc(len(generated))
 
     async def _attempt(self, request: RequestInfo, input_ids: list[int], params: SamplingParams,
-                       avoid: set[WorkerClient], tap: Callable[[StepOutput], bool] | None = None,
-                       ) -> AsyncGenerator[StepOutput, None]:
+                       avoid: set[WorkerClient], direct: DirectConsumer | None,
+                       record: Callable[[StepOutput], None]) -> AsyncGenerator[StepOutput, None]:
+        """One pair, one room: the decode's outputs (see the module doc). Non-final decode outputs that
+        ``direct`` is ready for go to it from the worker connection's callback, after ``record``."""
         pair = self._select(request, avoid)
         prefill = _client_of(pair.prefill, self.prefills) if pair.prefill is not None else None
         decode = _client_of(pair.decode, self.decodes)
@@ -291,7 +285,7 @@ class Dispatcher:
                 """Outputs handled in the worker connection's callback, not waking this generator (it is
                 suspended in ``sink.get`` with nothing queued, so the order holds): the prefill's hand-over
                 (unless a final output waits for its prompt logprobs), and non-final decode outputs to the
-                consumer's ``tap`` when it is ready for them."""
+                consumer (``direct``) when it is ready for them, recorded first."""
                 nonlocal prompt_logprobs, got_token
                 side, event = item
                 if type(event) is not StepOutput:
@@ -303,9 +297,11 @@ class Dispatcher:
                     assert prefill is not None
                     prefill.health.breaker.record_success()
                     prompt_logprobs = event.prompt_logprobs
-                elif tap is None or event.finish_reason is not None or not tap(event):
+                elif direct is None or event.finish_reason is not None or not direct.ready():
                     return False
                 else:
+                    record(event)
+                    direct.take(event)
                     got_token = got_token or bool(event.token_ids)
                 sink.set_deadline(idle_s if got_token else first_s)
                 return True

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
     from gateway.admission import Admission
     from gateway.metrics import GatewayMetrics
+    from workers.protocol import StepOutput
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -292,18 +293,26 @@ class AsgiExchange:
 
 class _StreamEmitter:
     """A stream's chunks from outside its task (``Frontend.run_choices``' ``emitter``): the first one
-    with the response's head, then the middle ones."""
+    with the response's head, then the middle ones. For the one choice it is given (``direct``), it is
+    the dispatcher's ``DirectConsumer``: each output detokenized, shaped and written in one call."""
 
-    __slots__ = ("exchange", "run", "shape")
+    __slots__ = ("exchange", "run", "shape", "state")
 
     def __init__(self, run: Run, shape: Shape, exchange: Exchange) -> None:
         self.run, self.shape, self.exchange = run, shape, exchange
+        self.state: ChoiceState | None = None
+
+    def direct(self, state: ChoiceState) -> _StreamEmitter:
+        self.state = state
+        return self
 
     def ready(self) -> bool:
         return self.exchange.is_writable() if self.run.started else self.exchange.can_start()
 
-    def emit(self, state: ChoiceState, text: str) -> None:
-        run = self.run
+    def take(self, output: StepOutput) -> None:
+        run, state = self.run, self.state
+        assert state is not None
+        text = state.accept_middle(output)
         if state.index in run.opened:
             chunk = self.shape.middle(run, state, text)
         else:

@@ -61,22 +61,33 @@ class ByteTokenizer:
         return _ByteDecoder()
 
 
-_Utf8Decoder = codecs.getincrementaldecoder("utf-8")  # looked up once: the lookup costs more than the decoder
-
-
 class _ByteDecoder:
+    """UTF-8 over the byte ids, keeping an incomplete character's bytes for the next push (what
+    ``codecs``' incremental decoder does, without its Python layer: this runs once per streamed token)."""
+
+    __slots__ = ("_pending",)
+
     def __init__(self) -> None:
-        self._utf8 = _Utf8Decoder(errors="replace")
+        self._pending = b""
 
     def push(self, token_ids: Sequence[int]) -> str:
         try:
             data = bytes(token_ids)  # every id a byte: the common case, without a Python loop
         except ValueError:
             data = bytes(t for t in token_ids if 0 <= t < 256)
-        return self._utf8.decode(data)
+        if self._pending:
+            data = self._pending + data
+        text, used = _utf8_decode(data, "replace", False)
+        self._pending = data[used:] if used < len(data) else b""
+        return text
 
     def flush(self) -> str:
-        return self._utf8.decode(b"", final=True)
+        text = _utf8_decode(self._pending, "replace", True)[0]
+        self._pending = b""
+        return text
+
+
+_utf8_decode = codecs.utf_8_decode
 
 
 def _content_text(content: object) -> str:

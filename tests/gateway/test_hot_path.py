@@ -294,9 +294,10 @@ class _OneChoice:
         from gateway.text import ChoiceState
 
         state = ChoiceState(0, self.tokenizer, [], False)
+        direct = emitter.direct(state) if emitter is not None else None
         for output in self.outputs:
-            if emitter is not None and output.finish_reason is None and emitter.ready():
-                emitter.emit(state, state.accept_middle(output))
+            if direct is not None and output.finish_reason is None and direct.ready():
+                direct.take(output)
                 continue
             text, entries = state.accept(output)
             yield state, text, entries

@@ -43,3 +43,20 @@ def test_length_finish_flushes_the_decoder() -> None:
     state = ChoiceState(0, ByteTokenizer(), [], want_logprobs=False)
     text, _ = state.accept(StepOutput(1, [ord("o"), ord("k")], finish_reason="length"))
     assert text == "ok" and state.finish_reason == "length"
+
+
+def test_byte_decoder_over_any_split_equals_decoding_the_whole() -> None:
+    """Incremental detokenization: whatever the split of the ids, the text is the whole decode's,
+    invalid bytes and a character cut off at the end included (replaced, as the whole decode does)."""
+    import random
+
+    tok = ByteTokenizer()
+    ids = [*"a€b𝄞ö".encode(), 0xFF, ord("x"), 0xE2, 0x82, ord("y"), tok.EOS, *"é".encode()[:1]]
+    rng = random.Random(7)
+    for _ in range(300):
+        decoder, text, i = tok.decoder(), "", 0
+        while i < len(ids):
+            step = rng.randint(1, 4)
+            text += decoder.push(ids[i:i + step])
+            i += step
+        assert text + decoder.flush() == tok.decode(ids)
