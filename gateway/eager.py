@@ -8,8 +8,9 @@ context, like a task would; when the coroutine suspends, a task created then con
 where it waits. Used by the gateway's HTTP protocol (``gateway.http_protocol``) to dispatch a
 generation request from the callback in which its body arrived.
 
-Inside the first step ``asyncio.current_task()`` is ``None`` (no task exists yet) and
-``asyncio.timeout`` cannot be used; the coroutine must not need either before it first suspends.
+Inside the first step there is no task of its own yet: ``asyncio.current_task()`` is ``None`` in a
+protocol callback (the caller's task, if ``start`` is called from one) and ``asyncio.timeout`` cannot be
+used; the coroutine must not need either before it first suspends.
 """
 
 from __future__ import annotations
