@@ -25,8 +25,8 @@ Lifecycle of one request (``Dispatcher.generate``, an async generator):
    are merged into one ``StepOutput`` (several tokens, one SSE chunk). A consumer that passes
    ``direct`` gets an attempt's non-final decode outputs (the first token's included, none queued
    before them) from the worker connection's callback (``EventSink.tap``), with the same bookkeeping
-   (deadline, latency figures, tokens kept for migration), without waking this generator; when
-   ``direct`` is not ready (the client's socket is full) they queue as usual. The prefill's hand-over
+   (deadline, latency figures, tokens kept for migration), without waking this generator; those
+   ``direct`` cannot take now (the client's socket is full) queue as usual. The prefill's hand-over
    is recorded in that callback too (the generator is not woken for it). Whatever ends the generator
    (finish, error, timeout, client gone), open requests are aborted on both workers, and the
    policies hear how the attempt ended (``on_finish``). The prefill's load (its prompt tokens) is
@@ -83,13 +83,12 @@ class DispatchConfig:
 class DirectConsumer(Protocol):
     """Takes a stream's non-final outputs from the worker connection's callback (``Dispatcher.generate``).
 
-    ``ready()``: can it take one now (e.g. the client's socket has room)? ``take(output)``: handle it
-    completely (it is not yielded); must not raise and must not end the stream (no stop strings).
+    ``take(output)``: when it can take one now (e.g. the client's socket has room), handle it completely
+    (it is not yielded) and return True; otherwise return False having changed nothing (the output then
+    goes through the generator). Must not raise and must not end the stream (no stop strings).
     """
 
-    def ready(self) -> bool: ...
-
-    def take(self, output: StepOutput) -> None: ...
+    def take(self, output: StepOutput) -> bool: ...
 
 
 class SlowClient(APIError):
@@ -144,8 +143,8 @@ class Dispatcher:
 
         ``choice`` and the client's ``bootstrap`` fields do not matter here: every attempt gets a
         pair and a fresh room of the gateway's own choosing. ``direct``: non-final decode outputs that
-        arrive while none is queued go to ``direct.take`` from the worker connection's callback (when
-        ``direct.ready()``) instead of through this generator.
+        arrive while none is queued are offered to ``direct.take`` from the worker connection's
+        callback; those it takes do not go through this generator.
         """
         metrics = self.metrics
         t0 = REQUEST_T0.get() or time.monotonic()
@@ -158,17 +157,20 @@ class Dispatcher:
         cached_tokens = 0
         completed = False  # finished, or the consumer stopped early (a stop string): counts as served
 
+        itl, monotonic = metrics.itl, time.monotonic  # (``record`` runs once per streamed token)
+
         def record(item: StepOutput) -> None:
             """An output on its way to the consumer: latency figures, tokens so far, cache hits."""
             nonlocal last_t, cached_tokens, completed
-            if item.token_ids:
-                now = time.monotonic()
-                if not generated:
-                    metrics.ttft.observe(now - t0)
+            token_ids = item.token_ids
+            if token_ids:
+                now = monotonic()
+                if generated:
+                    itl.observe((now - last_t) / len(token_ids))
                 else:
-                    metrics.itl.observe((now - last_t) / len(item.token_ids))
+                    metrics.ttft.observe(now - t0)
                 last_t = now
-                generated.extend(item.token_ids)
+                generated.extend(token_ids)
             if migrations:  # the new prompt's cache hits include our own output: not the client's
                 item.cached_tokens = cached_tokens
             cached_tokens = item.cached_tokens
@@ -230,7 +232,7 @@ class Dispatcher:
                        avoid: set[WorkerClient], direct: DirectConsumer | None,
                        record: Callable[[StepOutput], None]) -> AsyncGenerator[StepOutput, None]:
         """One pair, one room: the decode's outputs (see the module doc). Non-final decode outputs that
-        ``direct`` is ready for go to it from the worker connection's callback, after ``record``."""
+        ``direct`` takes go to it from the worker connection's callback, then to ``record``."""
         pair = self._select(request, avoid)
         prefill = _client_of(pair.prefill, self.prefills) if pair.prefill is not None else None
         decode = _client_of(pair.decode, self.decodes)
@@ -285,7 +287,7 @@ class Dispatcher:
                 """Outputs handled in the worker connection's callback, not waking this generator (it is
                 suspended in ``sink.get`` with nothing queued, so the order holds): the prefill's hand-over
                 (unless a final output waits for its prompt logprobs), and non-final decode outputs to the
-                consumer (``direct``) when it is ready for them, recorded first."""
+                consumer (``direct``) when it takes them, then recorded."""
                 nonlocal prompt_logprobs, got_token
                 side, event = item
                 if type(event) is not StepOutput:
@@ -297,12 +299,12 @@ class Dispatcher:
                     assert prefill is not None
                     prefill.health.breaker.record_success()
                     prompt_logprobs = event.prompt_logprobs
-                elif direct is None or event.finish_reason is not None or not direct.ready():
+                elif direct is None or event.finish_reason is not None or not direct.take(event):
                     return False
                 else:
-                    record(event)
-                    direct.take(event)
-                    got_token = got_token or bool(event.token_ids)
+                    record(event)  # (after the consumer: were it to raise, the stream ends with an error)
+                    if not got_token:
+                        got_token = bool(event.token_ids)
                 sink.set_deadline(idle_s if got_token else first_s)
                 return True
 

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
+_encode = _json.encode
 _JSON_HEADERS = (b"content-type", b"application/json")
 SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no"))
@@ -296,35 +297,50 @@ class _StreamEmitter:
     with the response's head, then the middle ones. For the one choice it is given (``direct``), it is
     the dispatcher's ``DirectConsumer``: each output detokenized, shaped and written in one call."""
 
-    __slots__ = ("exchange", "run", "shape", "state")
+    __slots__ = ("exchange", "run", "shape", "state", "template")
+    state: ChoiceState  # (set by ``direct``, before any ``take``)
 
     def __init__(self, run: Run, shape: Shape, exchange: Exchange) -> None:
         self.run, self.shape, self.exchange = run, shape, exchange
-        self.state: ChoiceState | None = None
+        # The shape's chunk around a middle output's text, once the first output is out (None for a
+        # shape without one): ``take``'s short path, run once per streamed token.
+        self.template: tuple[bytes, bytes] | None = None
 
     def direct(self, state: ChoiceState) -> _StreamEmitter:
         self.state = state
         return self
 
-    def ready(self) -> bool:
-        return self.exchange.is_writable() if self.run.started else self.exchange.can_start()
+    def take(self, output: StepOutput) -> bool:
+        template = self.template
+        if template is None:
+            return self._take(output)
+        exchange = self.exchange
+        if not exchange.is_writable():
+            return False
+        text = self.state.accept_middle(output)
+        if text:
+            exchange.write_now(template[0] + _encode(text) + template[1])
+        return True
 
-    def take(self, output: StepOutput) -> None:
-        run, state = self.run, self.state
-        assert state is not None
+    def _take(self, output: StepOutput) -> bool:
+        """``take`` for the first output, and for a shape without a template."""
+        run, state, exchange = self.run, self.state, self.exchange
+        if not (exchange.is_writable() if run.started else exchange.can_start()):
+            return False
         text = state.accept_middle(output)
         if state.index in run.opened:
             chunk = self.shape.middle(run, state, text)
         else:
             run.opened.add(state.index)
             chunk = self.shape.first(run, state, text)
-        if not chunk:
-            return
-        if run.started:
-            self.exchange.write_now(chunk)
-        else:
-            run.started = True
-            self.exchange.start_now(chunk)
+        self.template = self.shape.middle_template(run, state.index)  # (the first output is out)
+        if chunk:
+            if run.started:
+                exchange.write_now(chunk)
+            else:
+                run.started = True
+                exchange.start_now(chunk)
+        return True
 
 
 async def watch_disconnect(receive: Receive, task: asyncio.Task[Any], gone: list[bool]) -> None:

@@ -70,6 +70,11 @@ class Shape:
         before, after = run.templates.get(state.index) or self._template(run, state.index)
         return before + _json.encode(text) + after
 
+    def middle_template(self, run: Run, index: int) -> tuple[bytes, bytes] | None:
+        """``middle``'s chunk for choice ``index`` split around the JSON of its text (made once per
+        request), or None when ``middle`` is not such a template."""
+        return run.templates.get(index) or self._template(run, index)
+
     def _template(self, run: Run, index: int) -> tuple[bytes, bytes]:
         marker = "\x00text\x00"
         before, _, after = self._text_chunk(run, index, marker).partition(_json.encode(marker))
@@ -229,6 +234,9 @@ class GenerateShape(Shape):
 
     def middle(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
         return sse(self._payload(run, state))
+
+    def middle_template(self, run: Run, index: int) -> tuple[bytes, bytes] | None:
+        return None  # every chunk carries the cumulative text and ids
 
     @staticmethod
     def _payload(run: Run, state: ChoiceState) -> dict[str, Any]:

@@ -258,23 +258,34 @@ def test_accept_middle_equals_accept(seed: int) -> None:
 
 
 class _Capture:
-    """An ``Exchange``'s writes from outside the task: what the direct path sent, in order."""
+    """An ``Exchange``'s writes from outside the task: what the direct path sent, in order. ``full``:
+    the numbers of the offers (0, 1, ...) it refuses, as a client's full socket does."""
 
-    def __init__(self) -> None:
+    def __init__(self, full: frozenset[int] = frozenset()) -> None:
         self.chunks: list[bytes] = []
         self.started = False
+        self.full = full
+        self.offers = 0
+        self.room = False  # the last answer to ``can_start`` / ``is_writable``
+
+    def _has_room(self) -> bool:
+        self.offers += 1
+        self.room = self.offers - 1 not in self.full
+        return self.room
 
     def can_start(self) -> bool:
-        return not self.started
+        return self._has_room() and not self.started
 
     def is_writable(self) -> bool:
-        return self.started
+        return self._has_room() and self.started
 
     def start_now(self, first: bytes) -> None:
+        assert self.room, "a write from outside the task after the exchange said it had no room"
         self.started = True
         self.chunks.append(first)
 
     def write_now(self, chunk: bytes) -> None:
+        assert self.room, "a write from outside the task after the exchange said it had no room"
         self.chunks.append(chunk)
 
 
@@ -296,8 +307,7 @@ class _OneChoice:
         state = ChoiceState(0, self.tokenizer, [], False)
         direct = emitter.direct(state) if emitter is not None else None
         for output in self.outputs:
-            if direct is not None and output.finish_reason is None and direct.ready():
-                direct.take(output)
+            if direct is not None and output.finish_reason is None and direct.take(output):
                 continue
             text, entries = state.accept(output)
             yield state, text, entries
@@ -305,9 +315,13 @@ class _OneChoice:
 
 @pytest.mark.parametrize("route", ["chat", "completions", "completions-echo", "generate"])
 @pytest.mark.parametrize("include_usage", [False, True])
-def test_a_stream_through_the_direct_path_equals_the_stream_through_the_task(route: str, include_usage: bool) -> None:
+@pytest.mark.parametrize("full", [frozenset(), frozenset({0}), frozenset({1, 2})], ids=["room", "first-full",
+                                                                                      "middle-full"])
+def test_a_stream_through_the_direct_path_equals_the_stream_through_the_task(route: str, include_usage: bool,
+                                                                           full: frozenset[int]) -> None:
     """Chunks written from the worker connection's callback (the first one with the head included) are
-    byte for byte what the request's task would have sent."""
+    byte for byte what the request's task would have sent, also when the client's socket is full for
+    some outputs (those the direct path refuses go through the task, unchanged)."""
     from gateway.responder import _StreamEmitter
     from gateway.shapes import GenerateShape
 
@@ -320,10 +334,12 @@ def test_a_stream_through_the_direct_path_equals_the_stream_through_the_task(rou
                         echo=route == "completions-echo")
         run = Run(_OneChoice(outputs), prep, "id-1")  # type: ignore[arg-type]
         run.created = 1
-        capture = _Capture()
+        capture = _Capture(full)
         if direct:
             run.emitter = _StreamEmitter(run, shape, capture)  # type: ignore[arg-type]
-        return capture.chunks + [chunk async for chunk in shape.events(run)]
+        async for chunk in shape.events(run):  # (the task's chunks, in order with the direct path's)
+            capture.chunks.append(chunk)
+        return capture.chunks
 
     plain, direct = asyncio.run(chunks(False)), asyncio.run(chunks(True))
     assert len(plain) >= 4 and direct == plain
