@@ -265,13 +265,15 @@ class Dispatcher:
                 prompt_tokens -= request.num_cached_tokens(prefill_side)
             pages = request.num_pages_needed(pair.decode.page_size)
             request_id = REQUEST_ID.get()
+            urgent = direct is not None  # a stream: its first token should not wait for this loop pass to end
             try:
                 rid = decode.submit(Submit(0, input_ids, params, target, timeout_s, request_id), sink, "decode",
-                                    prefill_tokens=0 if prefill is not None else prompt_tokens, pages=pages)
+                                    prefill_tokens=0 if prefill is not None else prompt_tokens, pages=pages,
+                                    urgent=urgent)
                 open_rids["decode"] = (decode, rid)
                 if prefill is not None:
                     rid = prefill.submit(Submit(0, input_ids, params, target, timeout_s, request_id), sink,
-                                         "prefill", prefill_tokens=prompt_tokens)
+                                         "prefill", prefill_tokens=prompt_tokens, urgent=urgent)
                     open_rids["prefill"] = (prefill, rid)
             except ConnectionError as exc:
                 raise _Retryable(BadGateway(str(exc))) from None

@@ -22,8 +22,8 @@ Lifecycle of one request (event loop only):
    with a content length, or a chunked SSE stream. Every write waits while the client's socket is
    full (``flow.drain``; the protocol's write timeout aborts a client that stops reading);
    ``start_now`` and ``write_now`` are the stream's writes from outside the task (``Responder``'s
-   direct path; gathered per worker frame, ``gateway.write_batch``), refused while the socket is
-   full so that such chunks queue in order behind the task instead.
+   direct path; the middle ones gathered per worker frame, ``gateway.write_batch``; the first at
+   once), refused while the socket is full so that such chunks queue in order behind the task instead.
 4. The response's end calls the protocol's ``on_response_complete`` (keep-alive timer, the next
    pipelined request), or closes the connection when it is not kept alive.
 Responses carry uvicorn's default headers (``server``, ``date``) and ``x-request-id``, as the ASGI
@@ -264,7 +264,9 @@ class HotCycle:
 
     def start_now(self, first: bytes) -> None:
         self.response_started = True
-        write_batch.write(self.transport, self._stream_head(first))
+        # At once, not with the frame's other writes (``write_batch``): the first token is the one
+        # the client waits on (TTFT), and this is one write of the stream's many.
+        self.transport.write(self._stream_head(first))
 
     # -- helpers -----------------------------------------------------------------------------------
     def _stream_head(self, first: bytes) -> bytes:

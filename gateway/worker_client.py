@@ -10,7 +10,7 @@ Lifecycle:
    ``Error`` for that id goes to ``sink.put_nowait((tag, event))`` until the request ends (client
    writes made meanwhile go out when the frame's outputs have all been handed out: ``write_batch``).
    ``abort(rid)`` sends ``Abort`` and forgets the id. Frames queued in one loop iteration go out in
-   one write (``_send``/``_flush``).
+   one write (``_send``/``_flush``), but a stream's ``Submit`` goes out at once (``urgent``).
 3. ``LoadReport`` frames update ``state`` (a ``WorkerState``: what policies read; each request's
    prefill tokens and decode pages are counted there from ``submit`` until its part here ends).
    ``KVEvents`` frames go to ``on_kv_events`` (the gateway's prefix index).
@@ -346,11 +346,13 @@ class WorkerClient:
             self.state.ended(rid)
 
     def submit(self, msg_without_rid: Submit, sink: Sink, tag: Any, *,
-               prefill_tokens: int = 0, pages: int = 0) -> int:
+               prefill_tokens: int = 0, pages: int = 0, urgent: bool = False) -> int:
         """Send a request; its events go to ``sink``. Raises ConnectionError when not connected.
 
         ``prefill_tokens`` / ``pages`` are what the request costs this worker, counted in ``state``
-        until the request's part here ends.
+        until the request's part here ends. ``urgent``: written at once (with whatever was queued
+        before it) instead of with this loop iteration's other frames, which go out only after every
+        callback of the iteration has run (a stream's first token waits on it).
         """
         writer = self._transport
         if writer is None or writer.is_closing():
@@ -360,19 +362,23 @@ class WorkerClient:
         frame = self._codec.encode(msg_without_rid)  # first: a message that cannot be encoded leaves nothing open
         self._open[rid] = (sink, tag)
         self.state.dispatched(rid, prefill_tokens, pages)
-        self._send(writer, frame)
+        self._send(writer, frame, urgent)
         return rid
 
-    def _send(self, transport: asyncio.Transport, frame: bytes) -> None:
-        """Queue a frame; every frame queued in this loop iteration goes out in one write."""
+    def _send(self, transport: asyncio.Transport, frame: bytes, urgent: bool = False) -> None:
+        """Queue a frame; every frame queued in this loop iteration goes out in one write (``urgent``:
+        the queue goes out now)."""
         if self._outbox and self._outbox_to is transport:
             self._outbox.append(frame)
-            return
-        if self._outbox:  # queued for a connection that has since been replaced
-            self._flush()
-        self._outbox.append(frame)
-        self._outbox_to = transport
-        (self.loop or asyncio.get_running_loop()).call_soon(self._flush)
+        else:
+            if self._outbox:  # queued for a connection that has since been replaced
+                self._flush()
+            self._outbox.append(frame)
+            self._outbox_to = transport
+            if not urgent:
+                (self.loop or asyncio.get_running_loop()).call_soon(self._flush)
+        if urgent:
+            self._flush()  # (a flush already scheduled then finds nothing to write)
 
     def _flush(self) -> None:
         frames, transport = self._outbox, self._outbox_to

@@ -377,3 +377,63 @@ def test_writes_gathered_during_a_frame_go_out_at_its_end_in_order() -> None:
     assert a.data == [b"now", b"1", b"2"] and b.data == [b"x"] and gone.data == []
     write_batch.write(b, b"after")
     assert b.data == [b"x", b"after"]
+
+
+def test_submits_go_out_together_at_the_end_of_the_loop_pass_unless_urgent() -> None:
+    """``WorkerClient.submit``: frames queued in one pass of the loop go out in one write after it;
+    an ``urgent`` one (a stream's) goes out at once, behind whatever was queued before it, in order."""
+    from gateway.worker_client import WorkerClient
+    from workers.protocol import Submit, worker_codec
+
+    class Transport:
+        def __init__(self) -> None:
+            self.writes: list[bytes] = []
+
+        def is_closing(self) -> bool:
+            return False
+
+        def write(self, data: bytes) -> None:
+            self.writes.append(data)
+
+        def get_write_buffer_size(self) -> int:
+            return 0
+
+    def prompts(data: bytes) -> list[list[int]]:
+        codec, out, pos = worker_codec(), [], 0
+        while pos < len(data):
+            size = int.from_bytes(data[pos:pos + 4], "big")
+            message = codec.decode(data[pos + 4:pos + 4 + size])
+            assert isinstance(message, Submit)
+            out.append(message.input_ids)
+            pos += 4 + size
+        return out
+
+    async def main() -> None:
+        client = WorkerClient("pd://127.0.0.1:1", "decode")
+        client.loop = asyncio.get_running_loop()
+        transport = Transport()
+        client._transport = transport  # type: ignore[assignment]
+
+        def submit(prompt: int, urgent: bool = False) -> None:
+            client.submit(Submit(0, [prompt], SamplingParams()), _NoSink(), "decode", urgent=urgent)
+
+        submit(1)
+        submit(2)
+        assert transport.writes == []  # until the end of this pass
+        submit(3, urgent=True)
+        assert [prompts(w) for w in transport.writes] == [[[1], [2], [3]]]
+        await asyncio.sleep(0)
+        assert len(transport.writes) == 1  # the flush scheduled for 1 and 2 found nothing left
+        submit(4)
+        submit(5)
+        await asyncio.sleep(0)
+        assert [prompts(w) for w in transport.writes[1:]] == [[[4], [5]]]
+        submit(6, urgent=True)
+        assert [prompts(w) for w in transport.writes[2:]] == [[[6]]]
+
+    asyncio.run(main())
+
+
+class _NoSink:
+    def put_nowait(self, item: object) -> None:
+        raise AssertionError(f"no event expected, got {item!r}")
