@@ -35,6 +35,7 @@ import json
 import math
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +50,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "loadtests")]
 
 from load_client import HttpTarget, NativeTarget, Result, closed_loop, open_loop, percentile  # noqa: E402
 from pdtest import Procs, free_port, start_bootstrap, start_worker, wait_http_ok  # noqa: E402
+from wakeup_probe import describe  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PROMPT = "Benchmark prompt: the gateway's own cost per request, measured in CPU time. " * 2
@@ -551,19 +553,40 @@ def main() -> None:
     ap.add_argument("--json", default=None, metavar="OUT", help="also write every figure to this JSON file")
     args = ap.parse_args()
     print(CAVEAT)
+    wakeup = {"before": wakeup_figures()}
+    print(f"machine, before: {describe_wakeup(wakeup['before'])}")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-stack-") as tmp:
         points = uvloop.run(run(args, Path(tmp)))
+    wakeup["after"] = wakeup_figures()
     by_key = {p.key: p for p in points}
     d = derived(by_key)
     print_derived(d)
+    for when, figures in wakeup.items():
+        print(f"machine, {when}: {describe_wakeup(figures)}")
     print(f"\n{CAVEAT}\ntotal {time.monotonic() - started:.0f} s")
     if args.json:
-        report = {"caveat": CAVEAT, "quick": args.quick, "token_gap_ms": args.token_gap_ms,
+        report = {"caveat": CAVEAT, "quick": args.quick, "token_gap_ms": args.token_gap_ms, "wakeup": wakeup,
                   "points": [{"key": p.key, "title": p.title, "concurrency": p.concurrency,
                               "rate_per_s": p.rate_per_s, **p.figures} for p in points], "derived": d}
         Path(args.json).write_text(json.dumps(_finite(report), indent=2) + "\n")
         print(f"figures written to {args.json}")
+
+
+def wakeup_figures() -> dict[str, Any]:
+    """``wakeup_probe.py``'s round trips (its own process: it forks), or why there are none."""
+    proc = subprocess.run([sys.executable, str(REPO / "loadtests" / "wakeup_probe.py"), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip()[-500:]}
+    figures: dict[str, Any] = json.loads(proc.stdout)
+    return figures
+
+
+def describe_wakeup(figures: dict[str, Any]) -> str:
+    if "error" in figures:
+        return f"wake-up probe failed: {figures['error']}"
+    return describe(figures)
 
 
 def _finite(value: Any) -> Any:

@@ -43,3 +43,23 @@ def test_gateway_over_fast_workers_whole_and_streamed(procs: Procs) -> None:
     assert len(text) == 40 and text.startswith("abcdefghijklmnopqrstuvwxyzabcd")
     assert finish == "length"
     assert len([t for t in texts if t]) > 1, "one token per tick: the stream arrives in several events"
+
+
+def test_the_wakeup_probe_reports_round_trips() -> None:
+    """``loadtests/wakeup_probe.py`` (the machine figure ``bench_stack.py`` prints with its latencies):
+    real ping-pongs between two processes, percentiles in order, or None where cores 0 and 1 are not ours."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "loadtests/wakeup_probe.py", "--json", "--rounds", "200"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout)
+    assert set(figures) == {"same_core", "cross_core"}
+    if not {0, 1} <= os.sched_getaffinity(0):
+        assert figures == {"same_core": None, "cross_core": None}
+        return
+    for f in figures.values():
+        assert 0 < f["p50_us"] <= f["p90_us"] <= f["p99_us"] < 10_000_000
