@@ -25,16 +25,25 @@ minus TTFT straight against the same fast decode workers (``Submit`` -> first ``
 token, same concurrency and token gap), at p50 and at p99; also printed: the client's TTFT through the
 gateway minus its TTFT from the floor's stream (the same HTTP client, so without the client's own cost).
 
-    .venv/bin/python loadtests/bench_stack.py [--quick] [--json OUT] [--sections fast,sim]
+With ``--rounds N`` the points the gateway goal figures come from (``ROUND_KEYS``) run N times,
+interleaved, and each round's own ratios and differences are printed with their medians: on a
+shared virtual machine whose speed drifts within minutes, a ratio of two points measured in the
+same round is steadier than one of points measured a whole run apart. ``wakeup_probe.py``'s
+loopback round trips (same core, across cores) are printed before and after the run: every latency
+through the gateway crosses cores four times.
+
+    .venv/bin/python loadtests/bench_stack.py [--quick] [--rounds N] [--json OUT] [--sections fast,sim]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -305,7 +314,15 @@ def print_point(point: Point) -> None:
 
 
 # -- sections ---------------------------------------------------------------------------------------
-async def fast_section(stack: Stack, scale: float, gap_ms: float) -> list[Point]:
+# The points the issue-10 gateway figures come from: with ``--rounds N`` they run N times, interleaved,
+# so that each round's ratios compare points measured minutes apart at most, not a whole run apart.
+ROUND_KEYS = ("floor.c64", "floor.stream", "pd.c64", "pd.stream", "both.c64", "both.stream",
+              "native.decode.stream", "native.both.stream")
+
+
+async def fast_section(stack: Stack, scale: float, gap_ms: float,
+                       rounds: int = 1) -> tuple[list[Point], list[dict[str, Point]]]:
+    """Every fast point once, then ``rounds - 1`` more rounds of ``ROUND_KEYS`` (returned by round)."""
     p, pid = stack.ports, stack.pids
     spread = 64 * gap_ms / 1000  # one stream's length: streams start out of phase, as they would in service
     n = lambda base: max(64, int(base * scale))  # noqa: E731
@@ -364,7 +381,16 @@ async def fast_section(stack: Stack, scale: float, gap_ms: float) -> list[Point]
                                64, rate_per_s=rate)
             await run_point(open_point, warm=128)
             done.append(open_point)
-    return done
+    more: list[dict[str, Point]] = []
+    for number in range(2, rounds + 1):
+        print(f"\n== round {number} of {rounds}: {', '.join(ROUND_KEYS)} ==")
+        again: dict[str, Point] = {}
+        for point in (p for p in points if p.key in ROUND_KEYS):
+            repeat = dataclasses.replace(point, figures={})
+            await run_point(repeat, warm=2 * repeat.concurrency)
+            again[repeat.key] = repeat
+        more.append(again)
+    return done, more
 
 
 async def sim_section(stack: Stack, scale: float) -> list[Point]:
@@ -481,8 +507,10 @@ def print_derived(d: dict[str, Any]) -> None:
 
 
 # -- main -------------------------------------------------------------------------------------------
-async def run(args: argparse.Namespace, tmp: Path) -> list[Point]:
+async def run(args: argparse.Namespace, tmp: Path) -> tuple[list[Point], list[dict[str, Point]]]:
+    """Every point once, and the fast section's extra rounds of ``ROUND_KEYS``."""
     scale = 0.2 if args.quick else 1.0
+    more_rounds: list[dict[str, Point]] = []
     own_cpus = os.sched_getaffinity(0)
     can_pin = {0, 1} <= own_cpus
     if not can_pin:
@@ -510,7 +538,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> list[Point]:
             if can_pin:
                 stack.pin()
                 os.sched_setaffinity(0, {1})
-            points += await fast_section(stack, scale, args.token_gap_ms)
+            fast, more_rounds = await fast_section(stack, scale, args.token_gap_ms, args.rounds)
+            points += fast
         finally:
             stack.procs.stop_all()
             os.sched_setaffinity(0, own_cpus)  # children started next must not inherit core 1 only
@@ -542,12 +571,15 @@ async def run(args: argparse.Namespace, tmp: Path) -> list[Point]:
         finally:
             stack.procs.stop_all()
             os.sched_setaffinity(0, own_cpus)
-    return points
+    return points, more_rounds
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="about a fifth of the requests per point")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the gateway goal points (ROUND_KEYS) this many times, interleaved; print each "
+                         "round's ratios and their medians")
     ap.add_argument("--sections", default="fast,sim", help="comma-separated: fast, sim")
     ap.add_argument("--token-gap-ms", type=float, default=2.0, help="streaming points: decode token gap")
     ap.add_argument("--json", default=None, metavar="OUT", help="also write every figure to this JSON file")
@@ -557,20 +589,58 @@ def main() -> None:
     print(f"machine, before: {describe_wakeup(wakeup['before'])}")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-stack-") as tmp:
-        points = uvloop.run(run(args, Path(tmp)))
+        points, more_rounds = uvloop.run(run(args, Path(tmp)))
     wakeup["after"] = wakeup_figures()
     by_key = {p.key: p for p in points}
     d = derived(by_key)
     print_derived(d)
+    rounds = [d] + [derived({**by_key, **again}) for again in more_rounds]
+    medians = round_medians(rounds) if more_rounds else None
+    if medians is not None:
+        print_rounds(rounds, medians)
     for when, figures in wakeup.items():
         print(f"machine, {when}: {describe_wakeup(figures)}")
     print(f"\n{CAVEAT}\ntotal {time.monotonic() - started:.0f} s")
     if args.json:
         report = {"caveat": CAVEAT, "quick": args.quick, "token_gap_ms": args.token_gap_ms, "wakeup": wakeup,
+                  "rounds": [{topo: r[topo] for topo in ("pd", "both")} for r in rounds], "round_medians": medians,
+                  "round_points": [{k: p.figures for k, p in again.items()} for again in more_rounds],
                   "points": [{"key": p.key, "title": p.title, "concurrency": p.concurrency,
                               "rate_per_s": p.rate_per_s, **p.figures} for p in points], "derived": d}
         Path(args.json).write_text(json.dumps(_finite(report), indent=2) + "\n")
         print(f"figures written to {args.json}")
+
+
+ROUND_FIGURES = ("over_floor", "us_per_token_above_nonstream", "ttft_added_ms_p50", "ttft_added_ms_p99",
+                 "ttft_over_floor_ms_p99")
+
+
+def round_medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per topology, the median over rounds of each gateway goal figure (each round's own ratio or difference)."""
+    out: dict[str, Any] = {}
+    for topo in ("pd", "both"):
+        out[topo] = {}
+        for name in ROUND_FIGURES:
+            values = [r[topo][name] for r in rounds if r[topo][name] is not None]
+            out[topo][name] = statistics.median(values) if values else None
+    floor = [r["floor_us_per_token_above_nonstream"] for r in rounds if r["floor_us_per_token_above_nonstream"]]
+    out["floor_us_per_token_above_nonstream"] = statistics.median(floor) if floor else None
+    return out
+
+
+def print_rounds(rounds: list[dict[str, Any]], medians: dict[str, Any]) -> None:
+    print(f"\n== the gateway goal figures by round ({len(rounds)} rounds; each round's own ratios) ==")
+    print(f"{'':12} {'x floor':>8} {'µs/token':>9} {'floor':>9} {'TTFT added':>11} {'TTFT added':>11} "
+          f"{'TTFT-floor':>11}")
+    print(f"{'':12} {'(<=1.6)':>8} {'(<=10)':>9} {'µs/token':>9} {'p50 ms':>11} {'p99 ms(<1)':>11} {'p99 ms':>11}")
+    for topo in ("pd", "both"):
+        rows = [(f"{topo} round {i + 1}", r[topo], r["floor_us_per_token_above_nonstream"])
+                for i, r in enumerate(rounds)]
+        rows.append((f"{topo} median", medians[topo], medians["floor_us_per_token_above_nonstream"]))
+        for label, t, floor in rows:
+            print(f"{label:12} {fmt(t['over_floor']):>8} {fmt(t['us_per_token_above_nonstream']):>9} {fmt(floor):>9} "
+                  f"{fmt(t['ttft_added_ms_p50'], 3):>11} {fmt(t['ttft_added_ms_p99'], 3):>11} "
+                  f"{fmt(t['ttft_over_floor_ms_p99'], 3):>11}")
 
 
 def wakeup_figures() -> dict[str, Any]:
