@@ -25,8 +25,8 @@ Lifecycle of one request (``Dispatcher.generate``, an async generator):
    are merged into one ``StepOutput`` (several tokens, one SSE chunk). A consumer that passes
    ``direct`` gets an attempt's non-final decode outputs (the first token's included, none queued
    before them) from the worker connection's callback (``EventSink.tap``), with the same bookkeeping
-   (deadline, latency figures, tokens kept for migration), without waking this generator; those
-   ``direct`` cannot take now (the client's socket is full) queue as usual. The prefill's hand-over
+   (deadline, latency figures, tokens kept for migration), without waking this generator; when
+   ``direct`` is not ready (the client's socket is full) they queue as usual. The prefill's hand-over
    is recorded in that callback too (the generator is not woken for it). Whatever ends the generator
    (finish, error, timeout, client gone), open requests are aborted on both workers, and the
    policies hear how the attempt ended (``on_finish``). The prefill's load (its prompt tokens) is
@@ -83,12 +83,13 @@ class DispatchConfig:
 class DirectConsumer(Protocol):
     """Takes a stream's non-final outputs from the worker connection's callback (``Dispatcher.generate``).
 
-    ``take(output)``: when it can take one now (e.g. the client's socket has room), handle it completely
-    (it is not yielded) and return True; otherwise return False having changed nothing (the output then
-    goes through the generator). Must not raise and must not end the stream (no stop strings).
+    ``ready()``: can it take one now (e.g. the client's socket has room)? ``take(output)``: handle it
+    completely (it is not yielded); must not raise and must not end the stream (no stop strings).
     """
 
-    def take(self, output: StepOutput) -> bool: ...
+    def ready(self) -> bool: ...
+
+    def take(self, output: StepOutput) -> None: ...
 
 
 class SlowClient(APIError):
@@ -143,8 +144,8 @@ class Dispatcher:
 
         ``choice`` and the client's ``bootstrap`` fields do not matter here: every attempt gets a
         pair and a fresh room of the gateway's own choosing. ``direct``: non-final decode outputs that
-        arrive while none is queued are offered to ``direct.take`` from the worker connection's
-        callback; those it takes do not go through this generator.
+        arrive while none is queued go to ``direct.take`` from the worker connection's callback (when
+        ``direct.ready()``) instead of through this generator.
         """
         metrics = self.metrics
         t0 = REQUEST_T0.get() or time.monotonic()
@@ -232,7 +233,7 @@ class Dispatcher:
                        avoid: set[WorkerClient], direct: DirectConsumer | None,
                        record: Callable[[StepOutput], None]) -> AsyncGenerator[StepOutput, None]:
         """One pair, one room: the decode's outputs (see the module doc). Non-final decode outputs that
-        ``direct`` takes go to it from the worker connection's callback, then to ``record``."""
+        ``direct`` is ready for go to it from the worker connection's callback, after ``record``."""
         pair = self._select(request, avoid)
         prefill = _client_of(pair.prefill, self.prefills) if pair.prefill is not None else None
         decode = _client_of(pair.decode, self.decodes)
@@ -289,7 +290,8 @@ class Dispatcher:
                 """Outputs handled in the worker connection's callback, not waking this generator (it is
                 suspended in ``sink.get`` with nothing queued, so the order holds): the prefill's hand-over
                 (unless a final output waits for its prompt logprobs), and non-final decode outputs to the
-                consumer (``direct``) when it takes them, then recorded."""
+                consumer (``direct``) when it is ready for them, recorded first (``record`` corrects a
+                migrated stream's cache hits before the consumer counts them)."""
                 nonlocal prompt_logprobs, got_token
                 side, event = item
                 if type(event) is not StepOutput:
@@ -301,10 +303,11 @@ class Dispatcher:
                     assert prefill is not None
                     prefill.health.breaker.record_success()
                     prompt_logprobs = event.prompt_logprobs
-                elif direct is None or event.finish_reason is not None or not direct.take(event):
+                elif direct is None or event.finish_reason is not None or not direct.ready():
                     return False
                 else:
-                    record(event)  # (after the consumer: were it to raise, the stream ends with an error)
+                    record(event)
+                    direct.take(event)
                     if not got_token:
                         got_token = bool(event.token_ids)
                 sink.set_deadline(idle_s if got_token else first_s)

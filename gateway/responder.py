@@ -310,23 +310,21 @@ class _StreamEmitter:
         self.state = state
         return self
 
-    def take(self, output: StepOutput) -> bool:
+    def ready(self) -> bool:
+        return self.exchange.is_writable() if self.run.started else self.exchange.can_start()
+
+    def take(self, output: StepOutput) -> None:
         template = self.template
         if template is None:
-            return self._take(output)
-        exchange = self.exchange
-        if not exchange.is_writable():
-            return False
-        text = self.state.accept_middle(output)
+            self._take(output)
+            return
+        text = self.state.accept_middle(output)  # (the short path, once the first output is out)
         if text:
-            exchange.write_now(template[0] + _encode(text) + template[1])
-        return True
+            self.exchange.write_now(template[0] + _encode(text) + template[1])
 
-    def _take(self, output: StepOutput) -> bool:
+    def _take(self, output: StepOutput) -> None:
         """``take`` for the first output, and for a shape without a template."""
         run, state, exchange = self.run, self.state, self.exchange
-        if not (exchange.is_writable() if run.started else exchange.can_start()):
-            return False
         text = state.accept_middle(output)
         if state.index in run.opened:
             chunk = self.shape.middle(run, state, text)
@@ -340,7 +338,6 @@ class _StreamEmitter:
             else:
                 run.started = True
                 exchange.start_now(chunk)
-        return True
 
 
 async def watch_disconnect(receive: Receive, task: asyncio.Task[Any], gone: list[bool]) -> None:

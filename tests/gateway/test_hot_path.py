@@ -307,7 +307,8 @@ class _OneChoice:
         state = ChoiceState(0, self.tokenizer, [], False)
         direct = emitter.direct(state) if emitter is not None else None
         for output in self.outputs:
-            if direct is not None and output.finish_reason is None and direct.take(output):
+            if direct is not None and output.finish_reason is None and direct.ready():
+                direct.take(output)
                 continue
             text, entries = state.accept(output)
             yield state, text, entries
