@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import openai
@@ -23,6 +24,8 @@ import pytest
 from pdtest import Procs, free_port, start_gateway, start_worker, wait_http_ok
 
 from gateway.sglang_routing import ROUTING_PAGE_TOKENS
+
+T = TypeVar("T")
 
 MAX_ROOM = 2**63 - 1
 
@@ -42,9 +45,23 @@ class Fleet:
     def prefill_requests(self) -> list[dict]:  # type: ignore[type-arg]
         return [e for log in self.prefill_logs for e in self.entries(log)]
 
+    def prefill_requests_for(self, room: object) -> list[dict]:  # type: ignore[type-arg]
+        return eventually(lambda: [e for e in self.prefill_requests() if e["bootstrap_room"] == room])
+
     def prefill_port_of(self, room: object) -> list[int | None]:
-        return [port for log, port in zip(self.prefill_logs, self.bootstrap_ports, strict=True)
-                for e in self.entries(log) if e["bootstrap_room"] == room]
+        """The bootstrap ports of the prefills that logged ``room``."""
+        return eventually(lambda: [port for log, port in zip(self.prefill_logs, self.bootstrap_ports, strict=True)
+                                   for e in self.entries(log) if e["bootstrap_room"] == room])
+
+
+def eventually(look: Callable[[], list[T]], timeout_s: float = 5.0) -> list[T]:
+    """``look()`` once it finds something, or its last (empty) answer after ``timeout_s``. The relay answers
+    from the decode and lets the prefill's request end on its own, so a client may have its answer before
+    the prefill stand-in logged the request."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := look()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return found
 
 
 def start_standin(procs: Procs, role: str, log: Path) -> int:
@@ -139,7 +156,7 @@ def test_n_and_batches_get_a_room_per_item(fleet: Fleet) -> None:
         entry = by_size[size]
         assert len(set(entry["bootstrap_room"])) == size, "one fresh room per item"
         assert entry["bootstrap_host"] == ["127.0.0.1"] * size and len(entry["bootstrap_port"]) == size
-        prefill = [e for e in fleet.prefill_requests() if e["bootstrap_room"] == entry["bootstrap_room"]]
+        prefill = fleet.prefill_requests_for(entry["bootstrap_room"])
         assert len(prefill) == 1 and prefill[0]["bootstrap_port"] == entry["bootstrap_port"]
 
 
