@@ -331,13 +331,14 @@ class _StreamEmitter:
         else:
             run.opened.add(state.index)
             chunk = self.shape.first(run, state, text)
-        self.template = self.shape.middle_template(run, state.index)  # (the first output is out)
         if chunk:
             if run.started:
                 exchange.write_now(chunk)
             else:
                 run.started = True
                 exchange.start_now(chunk)
+        if run.started:  # the head and the first chunk are out: the next outputs are middle ones
+            self.template = self.shape.middle_template(run, state.index)
 
 
 async def watch_disconnect(receive: Receive, task: asyncio.Task[Any], gone: list[bool]) -> None:

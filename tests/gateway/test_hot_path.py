@@ -286,6 +286,7 @@ class _Capture:
 
     def write_now(self, chunk: bytes) -> None:
         assert self.room, "a write from outside the task after the exchange said it had no room"
+        assert self.started, "a middle chunk before the response's head"
         self.chunks.append(chunk)
 
 
@@ -318,8 +319,10 @@ class _OneChoice:
 @pytest.mark.parametrize("include_usage", [False, True])
 @pytest.mark.parametrize("full", [frozenset(), frozenset({0}), frozenset({1, 2})], ids=["room", "first-full",
                                                                                       "middle-full"])
+@pytest.mark.parametrize("first_empty", [False, True], ids=["first-text", "first-empty"])
 def test_a_stream_through_the_direct_path_equals_the_stream_through_the_task(route: str, include_usage: bool,
-                                                                           full: frozenset[int]) -> None:
+                                                                           full: frozenset[int],
+                                                                           first_empty: bool) -> None:
     """Chunks written from the worker connection's callback (the first one with the head included) are
     byte for byte what the request's task would have sent, also when the client's socket is full for
     some outputs (those the direct path refuses go through the task, unchanged)."""
@@ -329,6 +332,9 @@ def test_a_stream_through_the_direct_path_equals_the_stream_through_the_task(rou
     shape = {"chat": ChatShape, "generate": GenerateShape}.get(route, CompletionShape)()
     outputs = [StepOutput(1, list(b"He")), StepOutput(1, [*"ll\u00f6".encode()][:3]),
                StepOutput(1, [*"\u00f6".encode()][1:] + list(b" w")), StepOutput(1, list(b"orld"), "length")]
+    if first_empty:  # the first output decodes to no text yet (half a character): completions send nothing
+        outputs = [StepOutput(1, [*"\u00e9".encode()][:1]), StepOutput(1, [*"\u00e9".encode()][1:] + list(b"t")),
+                   *outputs]
 
     async def chunks(direct: bool) -> list[bytes]:
         prep = Prepared(list(b"prompt"), SamplingParams(), 1, [], True, include_usage, False,
