@@ -444,3 +444,94 @@ def test_submits_go_out_together_at_the_end_of_the_loop_pass_unless_urgent() -> 
 class _NoSink:
     def put_nowait(self, item: object) -> None:
         raise AssertionError(f"no event expected, got {item!r}")
+
+
+def test_a_migrated_stream_keeps_its_own_cache_hits_on_the_direct_path() -> None:
+    """After a migration the new pair reports cache hits on the new prompt (the client's prompt plus the
+    tokens streamed so far); the client's usage must keep the first pair's. ``record`` rewrites them, so
+    it must run before the direct consumer counts an output. Two combined workers in-process (real
+    ``WorkerClient``s over a recording transport), the first one lost mid-stream."""
+    from gateway.dispatch import Dispatcher
+    from gateway.policies.simple import RoundRobinPolicy
+    from gateway.router import Router
+    from gateway.worker_client import WorkerClient
+    from workers.protocol import PROTOCOL_VERSION, HelloAck, Outputs, StepOutput, Submit, worker_codec
+
+    class Transport:
+        def __init__(self) -> None:
+            self.writes: list[bytes] = []
+
+        def is_closing(self) -> bool:
+            return False
+
+        def write(self, data: bytes) -> None:
+            self.writes.append(data)
+
+        def get_write_buffer_size(self) -> int:
+            return 0
+
+    def submitted(transport: Transport) -> list[int]:
+        codec, rids = worker_codec(), []
+        for data in transport.writes:
+            pos = 0
+            while pos < len(data):
+                size = int.from_bytes(data[pos:pos + 4], "big")
+                message = codec.decode(data[pos + 4:pos + 4 + size])
+                if isinstance(message, Submit):
+                    rids.append(message.rid)
+                pos += 4 + size
+        return rids
+
+    class Consumer:
+        def __init__(self) -> None:
+            self.taken: list[tuple[list[int], int]] = []
+
+        def ready(self) -> bool:
+            return True
+
+        def take(self, output: StepOutput) -> None:
+            self.taken.append((list(output.token_ids), output.cached_tokens))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        workers, transports = [], []
+        for i in range(2):
+            client = WorkerClient(f"pd://127.0.0.1:{i + 1}", "both")
+            client.loop = loop
+            transport = Transport()
+            client._transport = transport  # type: ignore[assignment]
+            client.info = HelloAck(PROTOCOL_VERSION, f"w{i}", "both", "sim", "m", "byte", 4, 4096, 64)
+            client.state.connected(client.info)
+            workers.append(client)
+            transports.append(transport)
+        policy = RoundRobinPolicy()
+        dispatcher = Dispatcher([], workers, Router(policy, policy), combined=True)
+        consumer = Consumer()
+        yielded: list[StepOutput] = []
+
+        async def consume() -> None:
+            async for item in dispatcher.generate([1, 2, 3, 4, 5], SamplingParams(max_new_tokens=3),
+                                                  direct=consumer):
+                yielded.append(item)
+
+        task = asyncio.create_task(consume())
+        for _ in range(20):
+            await asyncio.sleep(0)
+        first = next(i for i in range(2) if submitted(transports[i]))
+        other = 1 - first
+        (rid,) = submitted(transports[first])
+        workers[first]._dispatch(Outputs([StepOutput(rid, [65], cached_tokens=4)]))
+        workers[first]._fail_open("the worker went away", abort=False)  # mid-stream: the stream migrates
+        for _ in range(200):
+            if submitted(transports[other]):
+                break
+            await asyncio.sleep(0.005)
+        (rid2,) = submitted(transports[other])
+        # The new pair has the new prompt (5 + 1 tokens) cached: not the client's cache hits.
+        workers[other]._dispatch(Outputs([StepOutput(rid2, [66], cached_tokens=6)]))
+        workers[other]._dispatch(Outputs([StepOutput(rid2, [67], "length", cached_tokens=6)]))
+        await asyncio.wait_for(task, 5)
+        assert consumer.taken == [([65], 4), ([66], 4)]
+        assert [(list(o.token_ids), o.cached_tokens) for o in yielded] == [([67], 4)]
+
+    asyncio.run(main())
