@@ -390,35 +390,17 @@ def test_submits_go_out_together_at_the_end_of_the_loop_pass_unless_urgent() -> 
     """``WorkerClient.submit``: frames queued in one pass of the loop go out in one write after it;
     an ``urgent`` one (a stream's) goes out at once, behind whatever was queued before it, in order."""
     from gateway.worker_client import WorkerClient
-    from workers.protocol import Submit, worker_codec
-
-    class Transport:
-        def __init__(self) -> None:
-            self.writes: list[bytes] = []
-
-        def is_closing(self) -> bool:
-            return False
-
-        def write(self, data: bytes) -> None:
-            self.writes.append(data)
-
-        def get_write_buffer_size(self) -> int:
-            return 0
+    from workers.protocol import Submit
 
     def prompts(data: bytes) -> list[list[int]]:
-        codec, out, pos = worker_codec(), [], 0
-        while pos < len(data):
-            size = int.from_bytes(data[pos:pos + 4], "big")
-            message = codec.decode(data[pos + 4:pos + 4 + size])
-            assert isinstance(message, Submit)
-            out.append(message.input_ids)
-            pos += 4 + size
-        return out
+        messages = _worker_reads(data)
+        assert all(isinstance(m, Submit) for m in messages), messages
+        return [m.input_ids for m in messages if isinstance(m, Submit)]
 
     async def main() -> None:
         client = WorkerClient("pd://127.0.0.1:1", "decode")
         client.loop = asyncio.get_running_loop()
-        transport = Transport()
+        transport = _RecordingTransport()
         client._transport = transport  # type: ignore[assignment]
 
         def submit(prompt: int, urgent: bool = False) -> None:
@@ -441,6 +423,35 @@ def test_submits_go_out_together_at_the_end_of_the_loop_pass_unless_urgent() -> 
     asyncio.run(main())
 
 
+class _RecordingTransport:
+    """A worker connection's transport that keeps every write (what ``WorkerClient`` sent, write by write)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+def _worker_reads(data: bytes) -> list[object]:
+    """The whole messages in one write, split by the gateway's own frame reader and decoded as a worker
+    does (call it inside a running loop: the reader makes a future)."""
+    from workers.protocol import worker_codec
+
+    messages: list[object] = []
+    reader = _FrameProtocol(worker_codec().decode)
+    reader.on_message = messages.append
+    reader.data_received(data)
+    assert not reader._buf, "a write ending in a partial frame"
+    return messages
+
+
 class _NoSink:
     def put_nowait(self, item: object) -> None:
         raise AssertionError(f"no event expected, got {item!r}")
@@ -455,32 +466,10 @@ def test_a_migrated_stream_keeps_its_own_cache_hits_on_the_direct_path() -> None
     from gateway.policies.simple import RoundRobinPolicy
     from gateway.router import Router
     from gateway.worker_client import WorkerClient
-    from workers.protocol import PROTOCOL_VERSION, HelloAck, Outputs, StepOutput, Submit, worker_codec
+    from workers.protocol import PROTOCOL_VERSION, HelloAck, Outputs, StepOutput, Submit
 
-    class Transport:
-        def __init__(self) -> None:
-            self.writes: list[bytes] = []
-
-        def is_closing(self) -> bool:
-            return False
-
-        def write(self, data: bytes) -> None:
-            self.writes.append(data)
-
-        def get_write_buffer_size(self) -> int:
-            return 0
-
-    def submitted(transport: Transport) -> list[int]:
-        codec, rids = worker_codec(), []
-        for data in transport.writes:
-            pos = 0
-            while pos < len(data):
-                size = int.from_bytes(data[pos:pos + 4], "big")
-                message = codec.decode(data[pos + 4:pos + 4 + size])
-                if isinstance(message, Submit):
-                    rids.append(message.rid)
-                pos += 4 + size
-        return rids
+    def submitted(transport: _RecordingTransport) -> list[int]:
+        return [m.rid for data in transport.writes for m in _worker_reads(data) if isinstance(m, Submit)]
 
     class Consumer:
         def __init__(self) -> None:
@@ -498,7 +487,7 @@ def test_a_migrated_stream_keeps_its_own_cache_hits_on_the_direct_path() -> None
         for i in range(2):
             client = WorkerClient(f"pd://127.0.0.1:{i + 1}", "both")
             client.loop = loop
-            transport = Transport()
+            transport = _RecordingTransport()
             client._transport = transport  # type: ignore[assignment]
             client.info = HelloAck(PROTOCOL_VERSION, f"w{i}", "both", "sim", "m", "byte", 4, 4096, 64)
             client.state.connected(client.info)
