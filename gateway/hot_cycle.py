@@ -7,11 +7,11 @@ cycle, the middleware and ``send``'s message dicts: the connection's protocol
 uvicorn's ``RequestResponseCycle``, and the cycle is the route's ``Responder``'s ``Exchange``.
 Lifecycle of one request (event loop only):
 1. The protocol, at the end of the request head, asks ``HotRoutes.cycle(...)`` for the path and
-   makes the cycle. The body is collected by the protocol's ``on_body``. When the whole body arrives
-   in the read that ends the head, the cycle starts in that callback (``gateway.eager``: up to its
-   first wait, normally the workers' first answer, before a task exists); otherwise it starts as a
-   task at the end of the read; a cycle behind a response still going out on the connection is
-   queued and started after it (pipelining, as uvicorn does).
+   makes the cycle. The body is collected by the protocol's ``on_body``. When the whole body of a
+   stream arrives in the read that ends the head, the cycle starts in that callback
+   (``gateway.eager``: up to its first wait, normally the workers' first answer, before a task
+   exists); otherwise it starts as a task; a cycle behind a response still going out on the
+   connection is queued and started after it (pipelining, as uvicorn does).
 2. ``run_asgi`` (the name the protocol starts cycles by): the request id (``x-request-id``, checked
    as ``RequestContextMiddleware`` does) and arrival time go into the request's context; the
    gatekeeper's checks (draining: 503; API keys: 401) are the middleware's own

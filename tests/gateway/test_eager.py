@@ -105,3 +105,20 @@ def test_the_awaited_futures_exception_is_raised_where_it_awaits() -> None:
         assert await task == "caught k"
 
     _run(main)
+
+
+@pytest.mark.parametrize(("body", "streams"), [
+    (b'{"model": "m", "stream": true}', True),
+    (b'{"stream":true,"messages":[]}', True),
+    (b'{"stream" :\n true}', True),
+    (b'{"model": "m", "stream": false}', False),
+    (b'{"model": "m"}', False),
+    (b'{"messages": [{"role": "user", "content": "say \\"stream\\": true"}]}', False),
+])
+def test_only_a_stream_starts_in_the_reads_callback(body: bytes, streams: bool) -> None:
+    """``GuardedHttpProtocol`` starts a request eagerly when its body asks for a stream (the first token
+    waits on it); a whole response starts as a task. Text that merely quotes the key does not count."""
+    from gateway.http_protocol import _asks_to_stream
+
+    assert _asks_to_stream(body) is streams
+    assert _asks_to_stream(bytearray(body)) is streams
