@@ -259,6 +259,26 @@ class Frontend:
                         bootstrap=ClientBootstrap.of(req), param_prefix="sampling_params."), sp
 
     # -- running choices ---------------------------------------------------------------------
+    async def complete_one(self, prep: Prepared) -> ChoiceState:
+        """The one choice of a whole response (``prep.n == 1``), run to its end. With the gateway's
+        ``Dispatcher`` (``complete``): no generator layers, and without stop strings the non-final
+        outputs are taken in the worker connection's callback (the task wakes once, for the last).
+        Another dispatcher: through ``run_choices``."""
+        complete = getattr(self.dispatcher, "complete", None)
+        if complete is None:
+            last: ChoiceState | None = None
+            async for state, _, _ in self.run_choices(prep):
+                last = state
+            assert last is not None  # (a choice ends with its final output or an error)
+            return last
+        state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs)
+        try:
+            await complete(prep.input_ids, prep.params, state, in_callback=not prep.stops)
+        except BadRequest as exc:
+            prep.name_for_client(exc)
+            raise
+        return state
+
     async def run_choices(self, prep: Prepared, emitter: TextEmitter | None = None,
                           ) -> AsyncIterator[tuple[ChoiceState, str, list[dict[str, Any]]]]:
         """Yield (choice, new text, new logprob entries) as tokens arrive, across all n choices.

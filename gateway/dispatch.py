@@ -1,6 +1,10 @@
 """PD dispatch: pick a pair, give it a fresh bootstrap room, drive both sides, stream decode tokens.
 
-Lifecycle of one request (``Dispatcher.generate``, an async generator):
+Two ways in, one lifecycle: ``Dispatcher.generate`` (an async generator of the decode's outputs: streams,
+several choices) and ``Dispatcher.complete`` (a coroutine that hands every output to a collector and
+returns at the end: a whole response of one choice, without the generator layers). Both run their
+attempts as ``_Attempt``s and keep the choice's state across attempts in a ``_Choice``.
+Lifecycle of one request:
 1. Select a (prefill, decode) pair among healthy workers with the router's policies (sync, no
    I/O; they read each worker's ``WorkerState`` and the prefix index through ``RequestInfo``).
 2. Draw a fresh ``bootstrap_room`` (random 63-bit) and submit to the decode and the prefill at
@@ -26,9 +30,11 @@ Lifecycle of one request (``Dispatcher.generate``, an async generator):
    ``direct`` gets an attempt's non-final decode outputs (the first token's included, none queued
    before them) from the worker connection's callback (``EventSink.tap``), with the same bookkeeping
    (deadline, latency figures, tokens kept for migration), without waking this generator; when
-   ``direct`` is not ready (the client's socket is full) they queue as usual. The prefill's hand-over
-   is recorded in that callback too (the generator is not woken for it). Whatever ends the generator
-   (finish, error, timeout, client gone), open requests are aborted on both workers, and the
+   ``direct`` is not ready (the client's socket is full) they queue as usual. ``complete`` does the
+   same with its collector when it may (no stop strings), so a whole response's task wakes once, for
+   the final output. The prefill's hand-over is recorded in that callback too (the generator is not
+   woken for it). Whatever ends the request (finish, error, timeout, client gone, the consumer done
+   early), open requests are aborted on both workers, and the
    policies hear how the attempt ended (``on_finish``). The prefill's load (its prompt tokens) is
    released when its part ends, i.e. when its KV is handed over, not when the decode's stream ends.
 6. Backpressure: a consumer (an SSE client) that falls behind leaves events queued in the attempt's
@@ -43,7 +49,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -67,6 +73,7 @@ MIGRATABLE_CODES = frozenset({"worker_gone", "transfer_failed", "internal", "tim
 log = logging.getLogger(__name__)
 BLAMED_CODES = frozenset({"transfer_failed", "internal", "timeout", "shutting_down"})  # count against the worker
 MAX_BACKOFF_S = 2.0
+_monotonic = time.monotonic
 
 
 @dataclass(frozen=True)
@@ -126,12 +133,7 @@ class Dispatcher:
         return bool(decodes) and (bool(prefills) or not self.is_disaggregated)
 
     def _select(self, request: RequestInfo, avoid: set[WorkerClient]) -> Pair:
-        def pick(pool: list[WorkerClient]) -> list[Any]:
-            healthy = [w for w in pool if w.healthy]
-            preferred = [w.state for w in healthy if w not in avoid]
-            return preferred or [w.state for w in healthy]  # a failed worker beats none at all
-
-        prefills, decodes = pick(self.prefills), pick(self.decodes)
+        prefills, decodes = _selectable(self.prefills, avoid), _selectable(self.decodes, avoid)
         if not decodes or (self.is_disaggregated and not prefills):
             missing = "decode" if not decodes else "prefill"
             raise NoWorkers(f"no healthy {missing} worker", retry_after_s=1.0)
@@ -147,239 +149,90 @@ class Dispatcher:
         arrive while none is queued go to ``direct.take`` from the worker connection's callback (when
         ``direct.ready()``) instead of through this generator.
         """
-        metrics = self.metrics
-        t0 = REQUEST_T0.get() or time.monotonic()
-        attempt = migrations = 0
-        request = self.router.request(input_ids, params.max_new_tokens)
-        avoid: set[WorkerClient] = set()
-        last_t = 0.0
-        generated: list[int] = []  # every token yielded so far (a migration's new prompt is input_ids + these)
-        prompt, attempt_params = input_ids, params
-        cached_tokens = 0
-        completed = False  # finished, or the consumer stopped early (a stop string): counts as served
-
-        itl, monotonic = metrics.itl, time.monotonic  # (``record`` runs once per streamed token)
-
-        def record(item: StepOutput) -> None:
-            """An output on its way to the consumer: latency figures, tokens so far, cache hits."""
-            nonlocal last_t, cached_tokens, completed
-            token_ids = item.token_ids
-            if token_ids:
-                now = monotonic()
-                if generated:
-                    itl.observe((now - last_t) / len(token_ids))
-                else:
-                    metrics.ttft.observe(now - t0)
-                last_t = now
-                generated.extend(token_ids)
-            if migrations:  # the new prompt's cache hits include our own output: not the client's
-                item.cached_tokens = cached_tokens
-            cached_tokens = item.cached_tokens
-            completed = item.finish_reason is not None
-
+        run = _Choice(self, input_ids, params)
+        record = run.record
         try:
             while True:
-                num_before = len(generated)
-                outputs = self._attempt(request, prompt, attempt_params, avoid, direct, record)
+                num_before = len(run.generated)
+                outputs = self._attempt(run, direct)
                 try:
                     async for item in outputs:
                         record(item)
                         yield item
                     return
                 except _Retryable as exc:
-                    if len(generated) > num_before:  # this attempt had streamed: only a migration goes on
-                        left = params.max_new_tokens - len(generated)
-                        if not exc.migratable or migrations >= self.config.max_migrations or left <= 0:
-                            raise exc.error from None
-                        # Migration: the prompt and every token streamed so far are the new prompt of a new
-                        # pair; the client's stream goes on as if nothing happened.
-                        migrations += 1
-                        metrics.migrations.inc()
-                        if exc.blamed is not None:
-                            avoid.add(exc.blamed)
-                        log.warning("stream migrated after %d tokens (%d of %d): %s", len(generated), migrations,
-                                    self.config.max_migrations, exc.error.message)
-                        prompt = input_ids + generated
-                        attempt_params = msgspec.structs.replace(
-                            params, max_new_tokens=left, output_offset=params.output_offset + len(generated))
-                        request = self.router.request(prompt, left)
-                        continue
-                    # Before this attempt's first token (a new request's, or a migrated stream's new pair:
-                    # the client's stream waits): a new pair, the same prompt.
-                    if attempt >= self.config.max_retries:
-                        raise exc.error from None
-                    attempt += 1
-                    self.num_retries += 1
-                    metrics.retries.labels(exc.error.code or exc.error.type).inc()
-                    if exc.blamed is not None:
-                        avoid.add(exc.blamed)
-                    delay = self.config.retry_backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
-                    await asyncio.sleep(min(delay, MAX_BACKOFF_S))
+                    delay = run.recover(exc, num_before)
+                    if delay:
+                        await asyncio.sleep(delay)
                 finally:
                     # Closed here, at once: an attempt left suspended (its consumer stopped after the final
                     # output, or a stop string) would otherwise be closed by the loop's finalizer in a task.
                     await outputs.aclose()
         except (GeneratorExit, asyncio.CancelledError):  # a stop string ended it (or the client left)
-            completed = bool(generated)
+            run.completed = bool(run.generated)
             raise
         finally:
-            if completed:
-                metrics.e2e.observe(time.monotonic() - t0)
-                metrics.prompt_tokens.inc(len(input_ids))
-                metrics.cached_tokens.inc(cached_tokens)
-                metrics.generation_tokens.inc(len(generated))
+            run.close()
 
-    async def _attempt(self, request: RequestInfo, input_ids: list[int], params: SamplingParams,
-                       avoid: set[WorkerClient], direct: DirectConsumer | None,
-                       record: Callable[[StepOutput], None]) -> AsyncGenerator[StepOutput, None]:
+    async def complete(self, input_ids: list[int], params: SamplingParams, collector: Collector, *,
+                       in_callback: bool = False) -> None:
+        """Run one choice to its end for a whole (non-streamed) response: ``generate``'s lifecycle
+        (retries, migration, deadlines, bookkeeping) in one coroutine, without the generator layers.
+
+        Every output goes to ``collector.accept`` in order; it ends when the final one has, or when the
+        collector sets its ``finish_reason`` first (its own stop string: the rest is aborted).
+        ``in_callback``: non-final outputs that arrive while none is queued are accepted in the worker
+        connection's callback (the request's task is woken only for the last); the collector must then
+        not finish on a non-final output (no stop strings).
+        """
+        run = _Choice(self, input_ids, params)
+        direct = _Collect(collector) if in_callback else None
+        try:
+            while True:
+                num_before = len(run.generated)
+                attempt = _Attempt(self, run, direct, urgent=False)
+                try:
+                    attempt.submit()
+                    while True:
+                        item = await attempt.next()
+                        run.record(item)
+                        collector.accept(item)
+                        if attempt.finished:
+                            return
+                        if collector.finish_reason is not None:  # a stop string: the rest is not needed
+                            attempt.outcome = "cancelled"
+                            run.completed = True
+                            return
+                except _Retryable as exc:
+                    delay = run.recover(exc, num_before)
+                    if delay:
+                        await asyncio.sleep(delay)
+                except asyncio.CancelledError:
+                    attempt.outcome = "cancelled"
+                    run.completed = bool(run.generated)
+                    raise
+                finally:
+                    attempt.close()
+        finally:
+            run.close()
+
+    async def _attempt(self, run: _Choice, direct: DirectConsumer | None) -> AsyncGenerator[StepOutput, None]:
         """One pair, one room: the decode's outputs (see the module doc). Non-final decode outputs that
         ``direct`` is ready for go to it from the worker connection's callback, after ``record``."""
-        pair = self._select(request, avoid)
-        prefill = _client_of(pair.prefill, self.prefills) if pair.prefill is not None else None
-        decode = _client_of(pair.decode, self.decodes)
-        open_rids: dict[str, tuple[WorkerClient, int]] = {}
-
-        def overflow() -> None:  # the consumer stopped reading: stop both workers now, not at its next read
-            self.metrics.slow_clients.inc()
-            log.warning("request %s: its client left %d events unread; stopping its generation",
-                        REQUEST_ID.get() or "-", self.config.max_unread_events)
-            for worker, rid in open_rids.values():
-                worker.abort(rid, "the client reads too slowly")
-            open_rids.clear()
-
-        sink = EventSink(self.config.max_unread_events, overflow, decode.loop)
-        timeout_s = self.config.request_timeout_s
-        finished = False
-        outcome = "failed"
+        # A stream: its first token should not wait for this loop pass to end.
+        attempt = _Attempt(self, run, direct, urgent=direct is not None)
         try:
-            target = None
-            if prefill is not None:
-                info = prefill.info
-                assert info is not None
-                if info.bootstrap_host is None:
-                    raise BadGateway(f"prefill worker {prefill.url} reported no bootstrap address")
-                target = BootstrapTarget(info.bootstrap_host, info.bootstrap_port, random_room(),
-                                         info.instance_id)
-            prompt_tokens = len(input_ids)
-            prefill_side = pair.prefill if pair.prefill is not None else pair.decode
-            if request.has_page_hashes:  # the policy consulted the prefix index: count only the uncached part
-                prompt_tokens -= request.num_cached_tokens(prefill_side)
-            pages = request.num_pages_needed(pair.decode.page_size)
-            request_id = REQUEST_ID.get()
-            urgent = direct is not None  # a stream: its first token should not wait for this loop pass to end
-            try:
-                rid = decode.submit(Submit(0, input_ids, params, target, timeout_s, request_id), sink, "decode",
-                                    prefill_tokens=0 if prefill is not None else prompt_tokens, pages=pages,
-                                    urgent=urgent)
-                open_rids["decode"] = (decode, rid)
-                if prefill is not None:
-                    rid = prefill.submit(Submit(0, input_ids, params, target, timeout_s, request_id), sink,
-                                         "prefill", prefill_tokens=prompt_tokens, urgent=urgent)
-                    open_rids["prefill"] = (prefill, rid)
-            except ConnectionError as exc:
-                raise _Retryable(BadGateway(str(exc))) from None
-            self.router.dispatched(pair, request)
-            got_token = False
-            # Prompt logprobs come from the prefill; its report may trail the decode's last token.
-            want_prompt = params.prompt_logprobs and prefill is not None
-            prompt_logprobs: list[float] | None = None
-            held_final: StepOutput | None = None
-            idle_s, first_s = self.config.stream_idle_timeout_s, self.config.first_token_timeout_s
-
-            def sink_tap(item: tuple[Any, Event]) -> bool:
-                """Outputs handled in the worker connection's callback, not waking this generator (it is
-                suspended in ``sink.get`` with nothing queued, so the order holds): the prefill's hand-over
-                (unless a final output waits for its prompt logprobs), and non-final decode outputs to the
-                consumer (``direct``) when it is ready for them, recorded first (``record`` corrects a
-                migrated stream's cache hits before the consumer counts them)."""
-                nonlocal prompt_logprobs, got_token
-                side, event = item
-                if type(event) is not StepOutput:
-                    return False
-                if side == "prefill":
-                    if held_final is not None:
-                        return False
-                    open_rids.pop("prefill", None)  # KV handed over; the decode carries on
-                    assert prefill is not None
-                    prefill.health.breaker.record_success()
-                    prompt_logprobs = event.prompt_logprobs
-                elif direct is None or event.finish_reason is not None or not direct.ready():
-                    return False
-                else:
-                    record(event)
-                    direct.take(event)
-                    if not got_token:
-                        got_token = bool(event.token_ids)
-                sink.set_deadline(idle_s if got_token else first_s)
-                return True
-
-            sink.tap = sink_tap
+            attempt.submit()
             while True:
-                sink.set_deadline(idle_s if got_token else first_s)
-                try:
-                    side, event = await sink.get()
-                except SinkOverflow:
-                    raise SlowClient(f"the client read its stream too slowly ({sink.limit} events unread); "
-                                     "generation was stopped") from None
-                except DirectPathFailed:
-                    raise APIError("internal error in the gateway while streaming; generation was stopped "
-                                   "(see the gateway's log)") from None
-                except TimeoutError:
-                    wait_s = idle_s if got_token else first_s
-                    stage = "between tokens" if got_token else "before the first token"
-                    error = UpstreamTimeout(f"no progress from the workers for {wait_s:g}s {stage}")
-                    if got_token:  # a frozen decode: the stream may continue elsewhere
-                        raise _Retryable(error, decode, migratable=True) from None
-                    raise error from None
-                if isinstance(event, StepOutput) and side == "decode" and event.finish_reason is None:
-                    event = sink.merge_ready(event)
-                if isinstance(event, StepOutput):
-                    if side == "prefill":
-                        open_rids.pop("prefill", None)  # KV handed over; the decode carries on
-                        assert prefill is not None
-                        prefill.health.breaker.record_success()
-                        prompt_logprobs = event.prompt_logprobs
-                        if held_final is not None:
-                            held_final.prompt_logprobs = prompt_logprobs
-                            yield held_final
-                            return
-                        continue
-                    got_token = got_token or bool(event.token_ids)
-                    if event.finish_reason is not None:
-                        open_rids.pop("decode", None)
-                        decode.health.breaker.record_success()
-                        finished = True
-                        if want_prompt:
-                            if "prefill" in open_rids:
-                                held_final = event
-                                continue
-                            event.prompt_logprobs = prompt_logprobs
-                    yield event
-                    if finished:
-                        return
-                else:
-                    worker = decode if side == "decode" else prefill
-                    assert worker is not None
-                    open_rids.pop(side, None)
-                    culprit = _culprit(event, side, prefill, decode)
-                    self._blame(worker, culprit, event)
-                    if side == "prefill" and (got_token or held_final is not None):
-                        # The decode already has its KV: a late prefill failure (e.g. restarting) does
-                        # not concern it; only its prompt logprobs are lost.
-                        if held_final is not None:
-                            yield held_final
-                            return
-                        continue
-                    raise _as_error(event, side, culprit, after_first_token=got_token)
+                item = await attempt.next()
+                yield item
+                if attempt.finished:
+                    return
         except (GeneratorExit, asyncio.CancelledError):
-            outcome = "cancelled"
+            attempt.outcome = "cancelled"
             raise
         finally:
-            sink.close()
-            if not finished:  # error, timeout or the client went away: free both sides now
-                for worker, rid in open_rids.values():
-                    worker.abort(rid)
-            self.router.finished(pair, request, "finished" if finished else outcome)
+            attempt.close()
 
     def _blame(self, reporter: WorkerClient, culprit: WorkerClient | None, event: Event) -> None:
         code = event.code if isinstance(event, Error) else "worker_gone"
@@ -388,6 +241,291 @@ class Dispatcher:
         if culprit is not None and (code == "worker_gone" or code in BLAMED_CODES):
             culprit.health.breaker.record_failure()
             self.metrics.worker_failures.labels(culprit.url, culprit.role, code).inc()
+
+
+class Collector(Protocol):
+    """Where ``Dispatcher.complete`` hands a whole response's outputs (``gateway.text.ChoiceState``):
+    ``accept`` takes one; ``finish_reason`` set means it needs no more (or the final one came)."""
+
+    finish_reason: str | None
+
+    def accept(self, output: StepOutput) -> object: ...
+
+
+class _Collect:
+    """``complete``'s direct consumer: always ready; it hands each output to the collector."""
+
+    __slots__ = ("collector",)
+
+    def __init__(self, collector: Collector) -> None:
+        self.collector = collector
+
+    def ready(self) -> bool:
+        return True
+
+    def take(self, output: StepOutput) -> None:
+        self.collector.accept(output)
+
+
+class _Choice:
+    """One choice across its attempts (``generate``, ``complete``): what the next attempt sends, the
+    tokens so far, the latency figures, and the request's figures once it has been served."""
+
+    __slots__ = ("attempt_params", "avoid", "cached_tokens", "completed", "dispatcher", "generated", "input_ids",
+                 "last_t", "migrations", "params", "prompt", "request", "retries", "t0")
+
+    def __init__(self, dispatcher: Dispatcher, input_ids: list[int], params: SamplingParams) -> None:
+        self.dispatcher = dispatcher
+        self.input_ids = input_ids
+        self.params = params
+        self.t0 = REQUEST_T0.get() or time.monotonic()
+        self.retries = 0
+        self.migrations = 0
+        self.request = dispatcher.router.request(input_ids, params.max_new_tokens)
+        self.avoid: set[WorkerClient] = set()  # workers a failure is held against: the next attempt avoids them
+        self.last_t = 0.0
+        self.generated: list[int] = []  # every token delivered so far (a migration's new prompt is input_ids + these)
+        self.prompt, self.attempt_params = input_ids, params  # what the next attempt sends
+        self.cached_tokens = 0
+        self.completed = False  # finished, or the consumer stopped early (a stop string): counts as served
+
+    def record(self, item: StepOutput) -> None:
+        """An output on its way to the consumer: latency figures, tokens so far, cache hits."""
+        token_ids = item.token_ids
+        if token_ids:
+            now = _monotonic()
+            if self.generated:
+                self.dispatcher.metrics.itl.observe((now - self.last_t) / len(token_ids))
+            else:
+                self.dispatcher.metrics.ttft.observe(now - self.t0)
+            self.last_t = now
+            self.generated.extend(token_ids)
+        if self.migrations:  # the new prompt's cache hits include our own output: not the client's
+            item.cached_tokens = self.cached_tokens
+        self.cached_tokens = item.cached_tokens
+        self.completed = item.finish_reason is not None
+
+    def recover(self, exc: _Retryable, num_before: int) -> float | None:
+        """After an attempt failed with ``exc`` (``num_before``: tokens delivered before it), set up the
+        next one and return how long to wait before it (None: a migration, at once); or raise the
+        error the client gets."""
+        dispatcher, generated = self.dispatcher, self.generated
+        config, metrics = dispatcher.config, dispatcher.metrics
+        if len(generated) > num_before:  # this attempt had streamed: only a migration goes on
+            left = self.params.max_new_tokens - len(generated)
+            if not exc.migratable or self.migrations >= config.max_migrations or left <= 0:
+                raise exc.error from None
+            # Migration: the prompt and every token streamed so far are the new prompt of a new pair;
+            # the client's stream goes on as if nothing happened.
+            self.migrations += 1
+            metrics.migrations.inc()
+            if exc.blamed is not None:
+                self.avoid.add(exc.blamed)
+            log.warning("stream migrated after %d tokens (%d of %d): %s", len(generated), self.migrations,
+                        config.max_migrations, exc.error.message)
+            self.prompt = self.input_ids + generated
+            self.attempt_params = msgspec.structs.replace(
+                self.params, max_new_tokens=left, output_offset=self.params.output_offset + len(generated))
+            self.request = dispatcher.router.request(self.prompt, left)
+            return None
+        # Before this attempt's first token (a new request's, or a migrated stream's new pair: the
+        # client's stream waits): a new pair, the same prompt.
+        if self.retries >= config.max_retries:
+            raise exc.error from None
+        self.retries += 1
+        dispatcher.num_retries += 1
+        metrics.retries.labels(exc.error.code or exc.error.type).inc()
+        if exc.blamed is not None:
+            self.avoid.add(exc.blamed)
+        delay = config.retry_backoff_s * 2 ** (self.retries - 1) * random.uniform(0.5, 1.5)
+        return min(delay, MAX_BACKOFF_S)
+
+    def close(self) -> None:
+        if self.completed:
+            metrics = self.dispatcher.metrics
+            metrics.e2e.observe(time.monotonic() - self.t0)
+            metrics.prompt_tokens.inc(len(self.input_ids))
+            metrics.cached_tokens.inc(self.cached_tokens)
+            metrics.generation_tokens.inc(len(self.generated))
+
+
+class _Attempt:
+    """One pair, one room (see the module doc). Made with its pair selected (nothing open yet);
+    ``submit`` sends to both workers; ``next`` is the next decode output for the consumer (the
+    prefill's hand-over, merging and failures are handled in it); ``close`` aborts whatever is still
+    open and tells the policies how the attempt ended (``outcome``, unless it finished)."""
+
+    __slots__ = ("decode", "direct", "dispatcher", "finished", "first_s", "got_token", "held_final", "idle_s",
+                 "open_rids", "outcome", "pair", "prefill", "prompt_logprobs", "request", "run", "sink", "urgent",
+                 "want_prompt")
+
+    def __init__(self, dispatcher: Dispatcher, run: _Choice, direct: DirectConsumer | None, *, urgent: bool) -> None:
+        self.dispatcher = dispatcher
+        self.run = run
+        self.request = run.request
+        self.pair = pair = dispatcher._select(run.request, run.avoid)
+        self.prefill = _client_of(pair.prefill, dispatcher.prefills) if pair.prefill is not None else None
+        self.decode = _client_of(pair.decode, dispatcher.decodes)
+        config = dispatcher.config
+        self.open_rids: dict[str, tuple[WorkerClient, int]] = {}
+        self.sink = EventSink(config.max_unread_events, self._overflow, self.decode.loop)
+        self.direct = direct
+        self.urgent = urgent  # the submits go out at once, not at the end of this loop pass (a stream)
+        self.finished = False
+        self.outcome = "failed"
+        self.got_token = False
+        # Prompt logprobs come from the prefill; its report may trail the decode's last token.
+        self.want_prompt = False
+        self.prompt_logprobs: list[float] | None = None
+        self.held_final: StepOutput | None = None
+        self.idle_s, self.first_s = config.stream_idle_timeout_s, config.first_token_timeout_s
+
+    def submit(self) -> None:
+        dispatcher, run, pair, prefill, decode = self.dispatcher, self.run, self.pair, self.prefill, self.decode
+        input_ids, params, request = run.prompt, run.attempt_params, self.request
+        target = None
+        if prefill is not None:
+            info = prefill.info
+            assert info is not None
+            if info.bootstrap_host is None:
+                raise BadGateway(f"prefill worker {prefill.url} reported no bootstrap address")
+            target = BootstrapTarget(info.bootstrap_host, info.bootstrap_port, random_room(), info.instance_id)
+        prompt_tokens = len(input_ids)
+        prefill_side = pair.prefill if pair.prefill is not None else pair.decode
+        if request.has_page_hashes:  # the policy consulted the prefix index: count only the uncached part
+            prompt_tokens -= request.num_cached_tokens(prefill_side)
+        pages = request.num_pages_needed(pair.decode.page_size)
+        request_id = REQUEST_ID.get()
+        timeout_s = dispatcher.config.request_timeout_s
+        open_rids, urgent = self.open_rids, self.urgent
+        try:
+            rid = decode.submit(Submit(0, input_ids, params, target, timeout_s, request_id), self.sink, "decode",
+                                prefill_tokens=0 if prefill is not None else prompt_tokens, pages=pages,
+                                urgent=urgent)
+            open_rids["decode"] = (decode, rid)
+            if prefill is not None:
+                rid = prefill.submit(Submit(0, input_ids, params, target, timeout_s, request_id), self.sink,
+                                     "prefill", prefill_tokens=prompt_tokens, urgent=urgent)
+                open_rids["prefill"] = (prefill, rid)
+        except ConnectionError as exc:
+            raise _Retryable(BadGateway(str(exc))) from None
+        dispatcher.router.dispatched(pair, request)
+        self.want_prompt = params.prompt_logprobs and prefill is not None
+        self.sink.tap = self._tap
+
+    def _overflow(self) -> None:
+        """The consumer stopped reading: stop both workers now, not at its next read."""
+        dispatcher = self.dispatcher
+        dispatcher.metrics.slow_clients.inc()
+        log.warning("request %s: its client left %d events unread; stopping its generation",
+                    REQUEST_ID.get() or "-", dispatcher.config.max_unread_events)
+        for worker, rid in self.open_rids.values():
+            worker.abort(rid, "the client reads too slowly")
+        self.open_rids.clear()
+
+    def _tap(self, item: tuple[Any, Event]) -> bool:
+        """Outputs handled in the worker connection's callback, not waking the consumer's task (``next``
+        is waiting in ``sink.get`` with nothing queued, so the order holds): the prefill's hand-over
+        (unless a final output waits for its prompt logprobs), and non-final decode outputs to
+        ``direct`` when it is ready for them, recorded first (``record`` corrects a migrated stream's
+        cache hits before the consumer counts them)."""
+        side, event = item
+        if type(event) is not StepOutput:
+            return False
+        if side == "prefill":
+            if self.held_final is not None:
+                return False
+            self.open_rids.pop("prefill", None)  # KV handed over; the decode carries on
+            prefill = self.prefill
+            assert prefill is not None
+            prefill.health.breaker.record_success()
+            self.prompt_logprobs = event.prompt_logprobs
+        else:
+            direct = self.direct
+            if direct is None or event.finish_reason is not None or not direct.ready():
+                return False
+            self.run.record(event)
+            direct.take(event)
+            if not self.got_token:
+                self.got_token = bool(event.token_ids)
+        self.sink.set_deadline(self.idle_s if self.got_token else self.first_s)
+        return True
+
+    async def next(self) -> StepOutput:
+        """The next decode output for the consumer (the final one sets ``finished``); raises the
+        failure (``APIError``, or ``_Retryable`` for the dispatcher to retry or migrate)."""
+        sink, open_rids = self.sink, self.open_rids
+        while True:
+            sink.set_deadline(self.idle_s if self.got_token else self.first_s)
+            try:
+                side, event = await sink.get()
+            except SinkOverflow:
+                raise SlowClient(f"the client read its stream too slowly ({sink.limit} events unread); "
+                                 "generation was stopped") from None
+            except DirectPathFailed:
+                raise APIError("internal error in the gateway while streaming; generation was stopped "
+                               "(see the gateway's log)") from None
+            except TimeoutError:
+                wait_s = self.idle_s if self.got_token else self.first_s
+                stage = "between tokens" if self.got_token else "before the first token"
+                error = UpstreamTimeout(f"no progress from the workers for {wait_s:g}s {stage}")
+                if self.got_token:  # a frozen decode: the stream may continue elsewhere
+                    raise _Retryable(error, self.decode, migratable=True) from None
+                raise error from None
+            if type(event) is StepOutput:
+                if side == "prefill":
+                    open_rids.pop("prefill", None)  # KV handed over; the decode carries on
+                    prefill = self.prefill
+                    assert prefill is not None
+                    prefill.health.breaker.record_success()
+                    self.prompt_logprobs = event.prompt_logprobs
+                    held = self.held_final
+                    if held is not None:
+                        held.prompt_logprobs = self.prompt_logprobs
+                        return held
+                    continue
+                if event.finish_reason is None:
+                    event = sink.merge_ready(event)
+                if not self.got_token:
+                    self.got_token = bool(event.token_ids)
+                if event.finish_reason is not None:
+                    open_rids.pop("decode", None)
+                    self.decode.health.breaker.record_success()
+                    self.finished = True
+                    if self.want_prompt:
+                        if "prefill" in open_rids:
+                            self.held_final = event
+                            continue
+                        event.prompt_logprobs = self.prompt_logprobs
+                return event
+            worker = self.decode if side == "decode" else self.prefill
+            assert worker is not None
+            open_rids.pop(side, None)
+            culprit = _culprit(event, side, self.prefill, self.decode)
+            self.dispatcher._blame(worker, culprit, event)
+            if side == "prefill" and (self.got_token or self.held_final is not None):
+                # The decode already has its KV: a late prefill failure (e.g. restarting) does not
+                # concern it; only its prompt logprobs are lost.
+                if self.held_final is not None:
+                    return self.held_final
+                continue
+            raise _as_error(event, side, culprit, after_first_token=self.got_token)
+
+    def close(self) -> None:
+        self.sink.close()
+        if not self.finished:  # error, timeout or the consumer went away: free both sides now
+            for worker, rid in self.open_rids.values():
+                worker.abort(rid)
+        self.dispatcher.router.finished(self.pair, self.request, "finished" if self.finished else self.outcome)
+
+
+def _selectable(pool: list[WorkerClient], avoid: set[WorkerClient]) -> list[Any]:
+    """The views of the healthy workers of ``pool`` not in ``avoid``, or of all the healthy ones if
+    that leaves none (a failed worker beats none at all)."""
+    if not avoid:
+        return [w.state for w in pool if w.healthy]
+    healthy = [w for w in pool if w.healthy]
+    return [w.state for w in healthy if w not in avoid] or [w.state for w in healthy]
 
 
 def _client_of(view: WorkerView, pool: list[WorkerClient]) -> WorkerClient:

@@ -123,6 +123,7 @@ class EventSink:
 
     def close(self) -> None:
         self.tap = None
+        self._on_overflow = None  # (it may refer back to this sink's owner: freed by reference counting)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -71,11 +71,12 @@ class CircuitBreaker:
 
     @property
     def allows(self) -> bool:
-        return self.state is not BreakerState.OPEN
+        # (closed, the common case, without ``state``'s clock read: this runs per worker per request)
+        return self._state is BreakerState.CLOSED or self.state is not BreakerState.OPEN
 
     def record_success(self) -> None:
         self._failures = 0
-        if self.state is BreakerState.HALF_OPEN:
+        if self._state is not BreakerState.CLOSED and self.state is BreakerState.HALF_OPEN:
             self._successes += 1
             if self._successes >= self.successes_to_close:
                 self._state = BreakerState.CLOSED

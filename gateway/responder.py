@@ -202,6 +202,8 @@ class Responder:
         active = self.gw.metrics.active
         active.inc()
         try:
+            if run.prep.n == 1:
+                return [await run.frontend.complete_one(run.prep)]
             async for state, _, _ in run.frontend.run_choices(run.prep):
                 states[state.index] = state
         finally:

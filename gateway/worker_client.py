@@ -183,7 +183,9 @@ class WorkerClient:
     @property
     def healthy(self) -> bool:
         """Selectable: connected, passing probes, breaker not open, not being removed."""
-        return self.is_connected and self.health.is_selectable and not self.is_draining
+        transport = self._transport  # (``is_connected``, inline: read for every worker per request)
+        return (transport is not None and not transport.is_closing() and self.info is not None
+                and not self.is_draining and self.health.is_selectable)
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()

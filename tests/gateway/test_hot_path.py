@@ -524,3 +524,126 @@ def test_a_migrated_stream_keeps_its_own_cache_hits_on_the_direct_path() -> None
         assert [(list(o.token_ids), o.cached_tokens) for o in yielded] == [([67], 4)]
 
     asyncio.run(main())
+
+
+def _combined_workers(loop: asyncio.AbstractEventLoop, n: int) -> tuple[list[Any], list[_RecordingTransport]]:
+    """``n`` connected combined ``WorkerClient``s over recording transports (nothing is really sent)."""
+    from gateway.worker_client import WorkerClient
+    from workers.protocol import PROTOCOL_VERSION, HelloAck
+
+    workers, transports = [], []
+    for i in range(n):
+        client = WorkerClient(f"pd://127.0.0.1:{i + 1}", "both")
+        client.loop = loop
+        transport = _RecordingTransport()
+        client._transport = transport  # type: ignore[assignment]
+        client.info = HelloAck(PROTOCOL_VERSION, f"w{i}", "both", "sim", "m", "byte", 4, 4096, 64)
+        client.state.connected(client.info)
+        workers.append(client)
+        transports.append(transport)
+    return workers, transports
+
+
+def _sent(transport: _RecordingTransport, kind: type) -> list[Any]:
+    return [m for data in transport.writes for m in _worker_reads(data) if isinstance(m, kind)]
+
+
+class _Collected:
+    """A ``Collector`` that keeps what it is given; it finishes itself after ``stop_after`` tokens."""
+
+    def __init__(self, stop_after: int = 0) -> None:
+        self.accepted: list[tuple[list[int], int, str | None]] = []
+        self.finish_reason: str | None = None
+        self.stop_after = stop_after
+
+    def accept(self, output: StepOutput) -> None:
+        self.accepted.append((list(output.token_ids), output.cached_tokens, output.finish_reason))
+        if output.finish_reason is not None:
+            self.finish_reason = output.finish_reason
+        elif self.stop_after and sum(len(ids) for ids, _, _ in self.accepted) >= self.stop_after:
+            self.finish_reason = "stop"
+
+
+def test_complete_takes_outputs_in_the_callback_and_migrates_like_generate() -> None:
+    """``Dispatcher.complete`` (a whole response): non-final outputs reach the collector inside the
+    worker connection's callback (the request's task is not woken for them); a decode lost after the
+    first token migrates the request to a new pair with the prompt plus the tokens so far, keeping the
+    client's own cache hits; the request's figures are counted once."""
+    from gateway.dispatch import Dispatcher
+    from gateway.policies.simple import RoundRobinPolicy
+    from gateway.router import Router
+    from workers.protocol import Outputs, Submit
+
+    async def main() -> None:
+        workers, transports = _combined_workers(asyncio.get_running_loop(), 2)
+        policy = RoundRobinPolicy()
+        dispatcher = Dispatcher([], workers, Router(policy, policy), combined=True)
+        collected = _Collected()
+        task = asyncio.create_task(dispatcher.complete([1, 2, 3, 4, 5], SamplingParams(max_new_tokens=3),
+                                                       collected, in_callback=True))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        first = next(i for i in range(2) if _sent(transports[i], Submit))
+        other = 1 - first
+        (submit,) = _sent(transports[first], Submit)
+        workers[first]._dispatch(Outputs([StepOutput(submit.rid, [65], cached_tokens=4)]))
+        assert collected.accepted == [([65], 4, None)]  # taken in the callback itself
+        workers[first]._fail_open("the worker went away", abort=False)
+        for _ in range(200):
+            if _sent(transports[other], Submit):
+                break
+            await asyncio.sleep(0.005)
+        (submit2,) = _sent(transports[other], Submit)
+        assert submit2.input_ids == [1, 2, 3, 4, 5, 65] and submit2.params.max_new_tokens == 2
+        workers[other]._dispatch(Outputs([StepOutput(submit2.rid, [66], cached_tokens=6)]))
+        assert collected.accepted[-1] == ([66], 4, None)
+        assert not task.done()
+        workers[other]._dispatch(Outputs([StepOutput(submit2.rid, [67], "length", cached_tokens=6)]))
+        await asyncio.wait_for(task, 5)
+        assert collected.accepted == [([65], 4, None), ([66], 4, None), ([67], 4, "length")]
+        assert dispatcher.metrics.migrations._value.value == 1
+        assert dispatcher.metrics.generation_tokens._value.value == 3
+        assert all(w.num_active == 0 for w in workers)
+
+    asyncio.run(main())
+
+
+def test_complete_ends_when_the_collector_is_done_and_aborts_the_rest() -> None:
+    """A collector that finishes on a non-final output (a stop string) ends ``complete`` at once: the
+    request is aborted on its worker, the policy hears it was cancelled, and what it produced counts
+    as served."""
+    from gateway.dispatch import Dispatcher
+    from gateway.policies.simple import RoundRobinPolicy
+    from gateway.router import Router
+    from workers.protocol import Abort, Outputs, Submit
+
+    class Policy(RoundRobinPolicy):
+        def __init__(self) -> None:
+            super().__init__()
+            self.outcomes: list[str] = []
+
+        def on_finish(self, pair: object, request: object, outcome: str) -> None:
+            self.outcomes.append(outcome)
+
+    async def main() -> None:
+        workers, transports = _combined_workers(asyncio.get_running_loop(), 1)
+        policy = Policy()
+        dispatcher = Dispatcher([], workers, Router(policy, policy), combined=True)
+        collected = _Collected(stop_after=2)
+        task = asyncio.create_task(dispatcher.complete([1, 2, 3], SamplingParams(max_new_tokens=8), collected))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        (submit,) = _sent(transports[0], Submit)
+        workers[0]._dispatch(Outputs([StepOutput(submit.rid, [65])]))
+        workers[0]._dispatch(Outputs([StepOutput(submit.rid, [66])]))
+        await asyncio.wait_for(task, 5)
+        assert [t for ids, _, _ in collected.accepted for t in ids] == [65, 66]
+        assert all(reason is None for _, _, reason in collected.accepted)
+        for _ in range(5):
+            await asyncio.sleep(0)  # (the abort goes out with the loop pass's frames)
+        assert [a.rid for a in _sent(transports[0], Abort)] == [submit.rid]
+        assert policy.outcomes == ["cancelled"]
+        assert workers[0].num_active == 0
+        assert dispatcher.metrics.generation_tokens._value.value == 2
+
+    asyncio.run(main())
