@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-migrations", type=int, default=2,
                    help="a stream whose decode fails after its first token continues on a new pair (prompt + "
                         "tokens so far as the new prompt) at most this often; 0 turns migration off")
+    p.add_argument("--gather-ms", type=float, default=50.0,
+                   help="a whole (non-streamed) response without stop strings: its decode sends the tokens after "
+                        "the first gathered, one output per this many ms (fewer, larger frames); 0: every step")
     p.add_argument("--max-unread-events", type=int, default=4096,
                    help="worker events a streaming client may leave unread before its stream is stopped")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
@@ -132,6 +135,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s,
         max_header_bytes=args.max_header_bytes, header_timeout_s=args.header_timeout_s,
         write_timeout_s=args.write_timeout_s, max_unread_events=args.max_unread_events,
+        gather_s=args.gather_ms / 1000.0,
         default_max_tokens=args.default_max_tokens, max_concurrent_requests=args.max_concurrent_requests,
         max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s,
         drain_timeout_s=args.drain_timeout_s, api_keys=tuple(args.api_key + _read_keys(args.api_key_file)),

@@ -85,6 +85,10 @@ class DispatchConfig:
     retry_backoff_s: float = 0.05  # first retry's mean delay; doubles per retry, +-50% jitter
     max_migrations: int = 2  # a stream whose decode failed continues on a new pair this often (0: off)
     max_unread_events: int = 4096  # worker events a slow consumer may leave unread before its stream ends
+    # ``complete`` (a whole response without stop strings): the decode sends the tokens after the first
+    # gathered, one output per this long (``Submit.gather_s``); 0: one per step. (Not with stop strings:
+    # one found late would cost decode steps past it.)
+    gather_s: float = 0.05
 
 
 class DirectConsumer(Protocol):
@@ -162,7 +166,7 @@ class Dispatcher:
                     return
                 except _Retryable as exc:
                     delay = run.recover(exc, num_before)
-                    if delay:
+                    if delay is not None:
                         await asyncio.sleep(delay)
                 finally:
                     # Closed here, at once: an attempt left suspended (its consumer stopped after the final
@@ -187,32 +191,36 @@ class Dispatcher:
         """
         run = _Choice(self, input_ids, params)
         direct = _Collect(collector) if in_callback else None
+        gather_s = self.config.gather_s if in_callback else 0.0
         try:
             while True:
                 num_before = len(run.generated)
-                attempt = _Attempt(self, run, direct, urgent=False)
+                attempt = _Attempt(self, run, direct, urgent=False, gather_s=gather_s)
                 try:
-                    attempt.submit()
-                    while True:
-                        item = await attempt.next()
-                        run.record(item)
-                        collector.accept(item)
-                        if attempt.finished:
-                            return
-                        if collector.finish_reason is not None:  # a stop string: the rest is not needed
-                            attempt.outcome = "cancelled"
-                            run.completed = True
-                            return
+                    try:
+                        attempt.submit()
+                        while True:
+                            item = await attempt.next()
+                            run.record(item)
+                            collector.accept(item)
+                            if attempt.finished:
+                                return
+                            if collector.finish_reason is not None:  # a stop string: the rest is not needed
+                                attempt.outcome = "cancelled"
+                                run.completed = True
+                                return
+                    except asyncio.CancelledError:
+                        attempt.outcome = "cancelled"
+                        raise
+                    finally:
+                        attempt.close()  # (before a retry's backoff: the failed pair is freed at once)
                 except _Retryable as exc:
                     delay = run.recover(exc, num_before)
-                    if delay:
+                    if delay is not None:
                         await asyncio.sleep(delay)
-                except asyncio.CancelledError:
-                    attempt.outcome = "cancelled"
-                    run.completed = bool(run.generated)
-                    raise
-                finally:
-                    attempt.close()
+        except asyncio.CancelledError:  # the client left
+            run.completed = bool(run.generated)
+            raise
         finally:
             run.close()
 
@@ -355,11 +363,12 @@ class _Attempt:
     prefill's hand-over, merging and failures are handled in it); ``close`` aborts whatever is still
     open and tells the policies how the attempt ended (``outcome``, unless it finished)."""
 
-    __slots__ = ("decode", "direct", "dispatcher", "finished", "first_s", "got_token", "held_final", "idle_s",
-                 "open_rids", "outcome", "pair", "prefill", "prompt_logprobs", "request", "run", "sink", "urgent",
-                 "want_prompt")
+    __slots__ = ("decode", "direct", "dispatcher", "finished", "first_s", "gather_s", "got_token", "held_final",
+                 "idle_s", "open_rids", "outcome", "pair", "prefill", "prompt_logprobs", "request", "run", "sink",
+                 "urgent", "want_prompt")
 
-    def __init__(self, dispatcher: Dispatcher, run: _Choice, direct: DirectConsumer | None, *, urgent: bool) -> None:
+    def __init__(self, dispatcher: Dispatcher, run: _Choice, direct: DirectConsumer | None, *, urgent: bool,
+                 gather_s: float = 0.0) -> None:
         self.dispatcher = dispatcher
         self.run = run
         self.request = run.request
@@ -371,6 +380,7 @@ class _Attempt:
         self.sink = EventSink(config.max_unread_events, self._overflow, self.decode.loop)
         self.direct = direct
         self.urgent = urgent  # the submits go out at once, not at the end of this loop pass (a stream)
+        self.gather_s = gather_s  # (``Submit.gather_s``, to the decode)
         self.finished = False
         self.outcome = "failed"
         self.got_token = False
@@ -399,7 +409,8 @@ class _Attempt:
         timeout_s = dispatcher.config.request_timeout_s
         open_rids, urgent = self.open_rids, self.urgent
         try:
-            rid = decode.submit(Submit(0, input_ids, params, target, timeout_s, request_id), self.sink, "decode",
+            rid = decode.submit(Submit(0, input_ids, params, target, timeout_s, request_id, self.gather_s), self.sink,
+                                "decode",
                                 prefill_tokens=0 if prefill is not None else prompt_tokens, pages=pages,
                                 urgent=urgent)
             open_rids["decode"] = (decode, rid)
@@ -435,11 +446,7 @@ class _Attempt:
         if side == "prefill":
             if self.held_final is not None:
                 return False
-            self.open_rids.pop("prefill", None)  # KV handed over; the decode carries on
-            prefill = self.prefill
-            assert prefill is not None
-            prefill.health.breaker.record_success()
-            self.prompt_logprobs = event.prompt_logprobs
+            self._handed_over(event)
         else:
             direct = self.direct
             if direct is None or event.finish_reason is not None or not direct.ready():
@@ -450,6 +457,14 @@ class _Attempt:
                 self.got_token = bool(event.token_ids)
         self.sink.set_deadline(self.idle_s if self.got_token else self.first_s)
         return True
+
+    def _handed_over(self, event: StepOutput) -> None:
+        """The prefill's part is done (its KV is on the decode); the decode carries on."""
+        self.open_rids.pop("prefill", None)
+        prefill = self.prefill
+        assert prefill is not None
+        prefill.health.breaker.record_success()
+        self.prompt_logprobs = event.prompt_logprobs
 
     async def next(self) -> StepOutput:
         """The next decode output for the consumer (the final one sets ``finished``); raises the
@@ -463,8 +478,8 @@ class _Attempt:
                 raise SlowClient(f"the client read its stream too slowly ({sink.limit} events unread); "
                                  "generation was stopped") from None
             except DirectPathFailed:
-                raise APIError("internal error in the gateway while streaming; generation was stopped "
-                               "(see the gateway's log)") from None
+                raise APIError("internal error in the gateway while taking the workers' outputs; generation "
+                               "was stopped (see the gateway's log)") from None
             except TimeoutError:
                 wait_s = self.idle_s if self.got_token else self.first_s
                 stage = "between tokens" if self.got_token else "before the first token"
@@ -474,11 +489,7 @@ class _Attempt:
                 raise error from None
             if type(event) is StepOutput:
                 if side == "prefill":
-                    open_rids.pop("prefill", None)  # KV handed over; the decode carries on
-                    prefill = self.prefill
-                    assert prefill is not None
-                    prefill.health.breaker.record_success()
-                    self.prompt_logprobs = event.prompt_logprobs
+                    self._handed_over(event)
                     held = self.held_final
                     if held is not None:
                         held.prompt_logprobs = self.prompt_logprobs

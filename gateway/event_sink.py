@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.worker_client import Event
-from workers.protocol import StepOutput
+from workers.protocol import StepOutput, joined
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class EventSink:
         while items and items[0][0] == side and isinstance(items[0][1], StepOutput):
             nxt = items.popleft()[1]
             assert isinstance(nxt, StepOutput)
-            merged = _merge(merged, nxt)
+            merged = joined(merged, nxt)
             if merged.finish_reason is not None:
                 break
         return merged
@@ -135,15 +135,3 @@ class SinkOverflow(Exception):
 
 class DirectPathFailed(Exception):
     """``EventSink.get``: the ``tap`` raised while taking an event (a bug); the stream cannot go on exactly."""
-
-
-def _merge(a: StepOutput, b: StepOutput) -> StepOutput:
-    """Two consecutive outputs of one request as one (``a`` is not final)."""
-    logprobs = a.logprobs + b.logprobs if a.logprobs is not None and b.logprobs is not None else None
-    top = a.top_logprobs + b.top_logprobs if a.top_logprobs is not None and b.top_logprobs is not None else None
-    return StepOutput(
-        a.rid, a.token_ids + b.token_ids, b.finish_reason, b.prompt_tokens or a.prompt_tokens,
-        max(a.cached_tokens, b.cached_tokens), logprobs, top,
-        b.prompt_logprobs if b.prompt_logprobs is not None else a.prompt_logprobs,
-        b.kv_verified if b.kv_verified is not None else a.kv_verified,
-    )

@@ -67,6 +67,7 @@ class GatewayConfig:
     header_timeout_s: float = 20.0  # a request head must arrive within this (else 408)
     write_timeout_s: float = 60.0  # a client whose response is stuck unread this long is disconnected
     max_unread_events: int = 4096  # worker events a slow streaming client may leave unread (then it ends)
+    gather_s: float = 0.05  # a whole response's decode outputs after the first: sent gathered this often
     default_max_tokens: int = 256
     # Operations
     max_concurrent_requests: int = 0  # 0 = no limit
@@ -106,6 +107,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be positive")
         if not self.assume_ttl_s >= 0 or not self.retry_backoff_s >= 0:
             raise ValueError("assume_ttl_s and retry_backoff_s must be >= 0")
+        if not 0 <= self.gather_s <= 10:
+            raise ValueError("gather_s must be in [0, 10]")
         if self.max_unread_events < 1:
             raise ValueError("max_unread_events must be at least 1")
         if min(self.max_retries, self.max_migrations, self.max_concurrent_requests, self.max_queued_requests) < 0:
@@ -142,7 +145,7 @@ class Gateway:
             self.prefills, self.decodes, self.router,
             DispatchConfig(config.first_token_timeout_s, config.stream_idle_timeout_s, config.request_timeout_s,
                            config.max_retries, config.retry_backoff_s, config.max_migrations,
-                           config.max_unread_events),
+                           config.max_unread_events, config.gather_s),
             self.metrics, combined=self.is_combined,
         )
         for url in config.prefill:

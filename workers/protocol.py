@@ -152,6 +152,10 @@ class Submit(msgspec.Struct, tag="submit", omit_defaults=True):
     bootstrap: BootstrapTarget | None = None
     timeout_s: float = 600.0
     request_id: str = ""  # the client's x-request-id, for the worker's logs
+    # Decode: after the first token, this request's outputs may be held and sent as one once this
+    # long has passed since the first one held (a whole response: its client needs no token sooner;
+    # fewer, larger outputs cost both sides less). 0: every step's output at once.
+    gather_s: float = 0.0
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -188,6 +192,18 @@ class StepOutput(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     top_logprobs: list[list[TokenLogprob]] | None = None
     prompt_logprobs: list[float] | None = None
     kv_verified: bool | None = None  # sim engine: the imported KV matched the prompt
+
+
+def joined(a: StepOutput, b: StepOutput) -> StepOutput:
+    """Two consecutive outputs of one request as one (``a`` is not final)."""
+    logprobs = a.logprobs + b.logprobs if a.logprobs is not None and b.logprobs is not None else None
+    top = a.top_logprobs + b.top_logprobs if a.top_logprobs is not None and b.top_logprobs is not None else None
+    return StepOutput(
+        a.rid, a.token_ids + b.token_ids, b.finish_reason, b.prompt_tokens or a.prompt_tokens,
+        max(a.cached_tokens, b.cached_tokens), logprobs, top,
+        b.prompt_logprobs if b.prompt_logprobs is not None else a.prompt_logprobs,
+        b.kv_verified if b.kv_verified is not None else a.kv_verified,
+    )
 
 
 class Outputs(msgspec.Struct, tag="out", gc=False):

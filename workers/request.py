@@ -34,6 +34,9 @@ class Req:
     kv_receiver: Any = None
     kv_verified: bool | None = None
     done: bool = False
+    gather_s: float = 0.0  # (``Submit.gather_s``) outputs after the first may be held this long
+    held: Any = None  # the outputs held so far, as one ``StepOutput`` (sent with the next one due)
+    held_since: float = 0.0  # when the first of them was held
     seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))  # unique in this worker (engine key)
 
     @property

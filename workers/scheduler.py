@@ -70,7 +70,7 @@ from workers.pd_queues import (
     failure_fault,
     failure_reason,
 )
-from workers.protocol import Error, Fault, KVEvents, LoadReport, Outputs, StepOutput, Submit
+from workers.protocol import Error, Fault, KVEvents, LoadReport, Outputs, StepOutput, Submit, joined
 from workers.request import Req
 
 log = logging.getLogger(__name__)
@@ -330,7 +330,7 @@ class Scheduler:
             self._out.append((conn_id, Error(msg.rid, "overloaded", "worker queue is full")))
             return
         req = Req(key, list(msg.input_ids), msg.params, time.monotonic() + msg.timeout_s, msg.bootstrap,
-                  msg.request_id)
+                  msg.request_id, gather_s=msg.gather_s if self.role != "prefill" else 0.0)
         b = req.bootstrap
         try:
             if self.role == "prefill":
@@ -617,7 +617,30 @@ class Scheduler:
                 item.prompt_logprobs = req.prompt_logprobs
             if self.role == "prefill" and req.output_ids:
                 item.token_ids = [req.output_ids[0]]
+        if req.gather_s:
+            due = self._gathered(req, item)
+            if due is None:
+                return
+            item = due
         self._out.append((req.key[0], Outputs([item])))
+
+    @staticmethod
+    def _gathered(req: Req, item: StepOutput) -> StepOutput | None:
+        """A whole response's output (``Submit.gather_s``): held (None) unless it is the first, the
+        last, or ``gather_s`` has passed since the first one held; what was held goes out in front
+        of it, as one output."""
+        held = req.held
+        if held is not None:
+            item = joined(held, item)
+            req.held = None
+        if item.finish_reason is None and len(req.output_ids) > 1:
+            now = time.monotonic()
+            if held is None:
+                req.held_since = now
+            if now - req.held_since < req.gather_s:
+                req.held = item
+                return None
+        return item
 
     def _fail(self, req: Req, code: str, message: str, fault: Fault = Fault.OWN, param: str | None = None) -> None:
         if req.done:

@@ -647,3 +647,53 @@ def test_complete_ends_when_the_collector_is_done_and_aborts_the_rest() -> None:
         assert dispatcher.metrics.generation_tokens._value.value == 2
 
     asyncio.run(main())
+
+
+def test_complete_frees_a_failed_pair_before_the_retry_backoff() -> None:
+    """A decode that fails before the first token (transfer failed) is retried on a new pair after a
+    backoff; the failed attempt's prefill is aborted at once, not after the backoff."""
+    from gateway.dispatch import DispatchConfig, Dispatcher
+    from gateway.policies.simple import RoundRobinPolicy
+    from gateway.router import Router
+    from gateway.worker_client import WorkerClient
+    from workers.protocol import PROTOCOL_VERSION, Abort, HelloAck, Submit
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        clients: dict[str, list[WorkerClient]] = {"prefill": [], "decode": []}
+        transports: dict[str, list[_RecordingTransport]] = {"prefill": [], "decode": []}
+        for role in ("prefill", "decode"):
+            for i in range(2):
+                client = WorkerClient(f"pd://127.0.0.1:{len(transports[role]) + (10 if role == 'prefill' else 20)}",
+                                      role)
+                client.loop = loop
+                transport = _RecordingTransport()
+                client._transport = transport  # type: ignore[assignment]
+                client.info = HelloAck(PROTOCOL_VERSION, f"{role}{i}", role, "sim", "m", "byte", 4, 4096, 64,
+                                       "127.0.0.1", 9000 + i, f"inst-{role}{i}")
+                client.state.connected(client.info)
+                clients[role].append(client)
+                transports[role].append(transport)
+        policy = RoundRobinPolicy()
+        dispatcher = Dispatcher(clients["prefill"], clients["decode"], Router(policy, policy),
+                                DispatchConfig(retry_backoff_s=1.5))
+        task = asyncio.create_task(dispatcher.complete([1, 2, 3], SamplingParams(max_new_tokens=4), _Collected(),
+                                                       in_callback=True))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        p = next(i for i in range(2) if _sent(transports["prefill"][i], Submit))
+        d = next(i for i in range(2) if _sent(transports["decode"][i], Submit))
+        (prefill_submit,) = _sent(transports["prefill"][p], Submit)
+        (decode_submit,) = _sent(transports["decode"][d], Submit)
+        assert decode_submit.gather_s == dispatcher.config.gather_s > 0 and prefill_submit.gather_s == 0
+        clients["decode"][d]._dispatch(Error(decode_submit.rid, "transfer_failed", "the KV did not arrive"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert [a.rid for a in _sent(transports["prefill"][p], Abort)] == [prefill_submit.rid]
+        assert all(c.num_active == 0 for role in clients.values() for c in role)
+        assert not task.done()  # (waiting out the backoff before the next pair)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())

@@ -318,3 +318,40 @@ def test_idle_sleep_ends_when_a_report_or_a_deadline_is_due() -> None:
     sched._load_dirty, sched._last_load = False, req.deadline - 0.004  # no report due for a while
     assert abs(sched._idle_wait_s(req.deadline - 0.004) - 0.004) < 1e-9  # wake for the deadline
     assert sched._idle_wait_s(req.deadline + 1) == 0.0
+
+
+def test_a_gathered_request_sends_its_first_token_alone_then_the_rest_together() -> None:
+    """``Submit.gather_s`` (a whole response): the first token goes out at once; later ones are held
+    and go out as one output once ``gather_s`` has passed since the first held, or with the last. The
+    tokens and logprobs equal an ungathered run's, and another request in the batch is not gathered."""
+    params = SamplingParams(max_new_tokens=12, logprobs=True, top_logprobs=2, seed=7, temperature=0.8)
+    plain, plain_sink, _ = make()
+    plain.submit(0, Submit(1, [5, 6, 7], params))
+    run_until_idle(plain)
+    assert len(plain_sink.outputs(1)) == 12  # one per step
+
+    sched, sink, pool = make()
+    sched.submit(0, Submit(1, [5, 6, 7], params, gather_s=60.0))
+    sched.submit(0, Submit(2, [8, 9], SamplingParams(max_new_tokens=5)))
+    run_until_idle(sched)
+    outs = sink.outputs(1)
+    assert [len(o.token_ids) for o in outs] == [1, 11]
+    assert outs[-1].finish_reason == "length" and outs[0].finish_reason is None
+    assert tokens_of(sink, 1) == tokens_of(plain_sink, 1)
+    gathered_lp = [lp for o in outs for lp in o.logprobs or []]
+    assert gathered_lp == [lp for o in plain_sink.outputs(1) for lp in o.logprobs or []]
+    assert [t for o in outs for t in o.top_logprobs or []] == [t for o in plain_sink.outputs(1)
+                                                               for t in o.top_logprobs or []]
+    assert len(sink.outputs(2)) == 5
+    assert sched.cache.num_available == pool.num_pages
+
+    # A short gather: the held tokens go out once it has passed, not only with the last.
+    sched, sink, _ = make()
+    sched.submit(0, Submit(1, [5, 6, 7], SamplingParams(max_new_tokens=12), gather_s=0.01))
+    for _ in range(500):
+        sched.step()
+        if not sched.reqs:
+            break
+        time.sleep(0.003)
+    sizes = [len(o.token_ids) for o in sink.outputs(1)]
+    assert sum(sizes) == 12 and sizes[0] == 1 and 2 < len(sizes) < 12, sizes
