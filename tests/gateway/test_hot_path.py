@@ -465,8 +465,7 @@ def test_a_migrated_stream_keeps_its_own_cache_hits_on_the_direct_path() -> None
     from gateway.dispatch import Dispatcher
     from gateway.policies.simple import RoundRobinPolicy
     from gateway.router import Router
-    from gateway.worker_client import WorkerClient
-    from workers.protocol import PROTOCOL_VERSION, HelloAck, Outputs, StepOutput, Submit
+    from workers.protocol import Outputs, StepOutput, Submit
 
     def submitted(transport: _RecordingTransport) -> list[int]:
         return [m.rid for data in transport.writes for m in _worker_reads(data) if isinstance(m, Submit)]
@@ -482,17 +481,7 @@ def test_a_migrated_stream_keeps_its_own_cache_hits_on_the_direct_path() -> None
             self.taken.append((list(output.token_ids), output.cached_tokens))
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        workers, transports = [], []
-        for i in range(2):
-            client = WorkerClient(f"pd://127.0.0.1:{i + 1}", "both")
-            client.loop = loop
-            transport = _RecordingTransport()
-            client._transport = transport  # type: ignore[assignment]
-            client.info = HelloAck(PROTOCOL_VERSION, f"w{i}", "both", "sim", "m", "byte", 4, 4096, 64)
-            client.state.connected(client.info)
-            workers.append(client)
-            transports.append(transport)
+        workers, transports = _connected_workers(asyncio.get_running_loop(), "both", 2)
         policy = RoundRobinPolicy()
         dispatcher = Dispatcher([], workers, Router(policy, policy), combined=True)
         consumer = Consumer()
@@ -526,18 +515,22 @@ def test_a_migrated_stream_keeps_its_own_cache_hits_on_the_direct_path() -> None
     asyncio.run(main())
 
 
-def _combined_workers(loop: asyncio.AbstractEventLoop, n: int) -> tuple[list[Any], list[_RecordingTransport]]:
-    """``n`` connected combined ``WorkerClient``s over recording transports (nothing is really sent)."""
+def _connected_workers(loop: asyncio.AbstractEventLoop, role: str,
+                       n: int) -> tuple[list[Any], list[_RecordingTransport]]:
+    """``n`` connected ``WorkerClient``s of ``role`` over recording transports (nothing is really sent);
+    a prefill announces a bootstrap address."""
     from gateway.worker_client import WorkerClient
     from workers.protocol import PROTOCOL_VERSION, HelloAck
 
     workers, transports = [], []
+    base = {"prefill": 10, "decode": 20}.get(role, 0)
     for i in range(n):
-        client = WorkerClient(f"pd://127.0.0.1:{i + 1}", "both")
+        client = WorkerClient(f"pd://127.0.0.1:{base + i + 1}", role)
         client.loop = loop
         transport = _RecordingTransport()
         client._transport = transport  # type: ignore[assignment]
-        client.info = HelloAck(PROTOCOL_VERSION, f"w{i}", "both", "sim", "m", "byte", 4, 4096, 64)
+        boot = ("127.0.0.1", 9000 + i, f"inst-{role}{i}") if role == "prefill" else (None, None, None)
+        client.info = HelloAck(PROTOCOL_VERSION, f"{role}{i}", role, "sim", "m", "byte", 4, 4096, 64, *boot)
         client.state.connected(client.info)
         workers.append(client)
         transports.append(transport)
@@ -575,7 +568,7 @@ def test_complete_takes_outputs_in_the_callback_and_migrates_like_generate() -> 
     from workers.protocol import Outputs, Submit
 
     async def main() -> None:
-        workers, transports = _combined_workers(asyncio.get_running_loop(), 2)
+        workers, transports = _connected_workers(asyncio.get_running_loop(), "both", 2)
         policy = RoundRobinPolicy()
         dispatcher = Dispatcher([], workers, Router(policy, policy), combined=True)
         collected = _Collected()
@@ -626,7 +619,7 @@ def test_complete_ends_when_the_collector_is_done_and_aborts_the_rest() -> None:
             self.outcomes.append(outcome)
 
     async def main() -> None:
-        workers, transports = _combined_workers(asyncio.get_running_loop(), 1)
+        workers, transports = _connected_workers(asyncio.get_running_loop(), "both", 1)
         policy = Policy()
         dispatcher = Dispatcher([], workers, Router(policy, policy), combined=True)
         collected = _Collected(stop_after=2)
@@ -656,24 +649,14 @@ def test_complete_frees_a_failed_pair_before_the_retry_backoff() -> None:
     from gateway.policies.simple import RoundRobinPolicy
     from gateway.router import Router
     from gateway.worker_client import WorkerClient
-    from workers.protocol import PROTOCOL_VERSION, Abort, HelloAck, Submit
+    from workers.protocol import Abort, Submit
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        clients: dict[str, list[WorkerClient]] = {"prefill": [], "decode": []}
-        transports: dict[str, list[_RecordingTransport]] = {"prefill": [], "decode": []}
+        clients: dict[str, list[WorkerClient]] = {}
+        transports: dict[str, list[_RecordingTransport]] = {}
         for role in ("prefill", "decode"):
-            for i in range(2):
-                client = WorkerClient(f"pd://127.0.0.1:{len(transports[role]) + (10 if role == 'prefill' else 20)}",
-                                      role)
-                client.loop = loop
-                transport = _RecordingTransport()
-                client._transport = transport  # type: ignore[assignment]
-                client.info = HelloAck(PROTOCOL_VERSION, f"{role}{i}", role, "sim", "m", "byte", 4, 4096, 64,
-                                       "127.0.0.1", 9000 + i, f"inst-{role}{i}")
-                client.state.connected(client.info)
-                clients[role].append(client)
-                transports[role].append(transport)
+            clients[role], transports[role] = _connected_workers(loop, role, 2)
         policy = RoundRobinPolicy()
         dispatcher = Dispatcher(clients["prefill"], clients["decode"], Router(policy, policy),
                                 DispatchConfig(retry_backoff_s=1.5))
