@@ -208,6 +208,9 @@ class NixlBackend(PeerThreadBackend):
             except Exception as exc:
                 raise _map_error(exc, f"creating backend {backend} with {params}") from exc
         self._agent_lock = threading.RLock()  # every agent call
+        # Peers per remote agent: two connections to one process (a reconnect while the old one's thread
+        # is still ending) share its loaded metadata, removed only when the last of them ends.
+        self._remote_refs: dict[Any, int] = {}
         super().__init__()  # peers, sender threads, write records (transfer.peer_threads)
         self._reg: list[Any] | None = None
         self._vram: list[DeviceRegion] = []  # our registered device memory
@@ -246,6 +249,7 @@ class NixlBackend(PeerThreadBackend):
                 raise TransferError(
                     TransferErrorKind.PEER_UNREACHABLE, f"nixl: add_remote_agent failed: {exc!r}"
                 ) from exc
+            self._remote_refs[name] = self._remote_refs.get(name, 0) + 1
         vram = [tuple(r) for r in remote.vram]
         peer_id = self._add_peer(_NixlPeer(label=repr(name), name=name, vram=vram))  # type: ignore[arg-type]
         handle = self.write(peer_id, [(ctypes.addressof(self._scratch), remote.scratch, 8)])
@@ -304,12 +308,17 @@ class NixlBackend(PeerThreadBackend):
 
     def _peer_ended(self, peer: SenderPeer) -> None:
         if isinstance(peer, _NixlPeer) and peer.name is not None:
-            try:
-                with self._agent_lock:
+            with self._agent_lock:
+                left = self._remote_refs.get(peer.name, 1) - 1
+                if left > 0:  # another peer still writes to that process: keep its metadata
+                    self._remote_refs[peer.name] = left
+                    return
+                self._remote_refs.pop(peer.name, None)
+                try:
                     if self._agent is not None:
                         self._agent.remove_remote_agent(peer.name)
-            except Exception:
-                pass
+                except Exception:
+                    pass
 
     def _close_resources(self, threads_ended: bool) -> None:
         with self._agent_lock:

@@ -111,6 +111,33 @@ def test_writes_land_and_bad_ranges_are_rejected(backend_name, spawn_peer, local
     backend.close()  # idempotent
 
 
+def test_two_connections_to_one_peer_end_independently(backend_name, spawn_peer, local_backend):
+    """A reconnect to a peer while the old connection is still ending (a prefill that was frozen, then
+    reconnected to the same decode): ending the old one must not break the new one's writes (NIXL
+    shares one remote agent's metadata between them)."""
+    peer = spawn_peer("decode", backend_name)
+    fence = _fence(peer)
+    pool = SHAPE.pool()
+    fill(pool, seed=5)
+    backend = local_backend(backend_name)
+    backend.register(KVArgs.from_pool(pool).regions())
+    endpoint = base64.b64decode(peer.info["endpoint"])
+    old = backend.connect(endpoint)
+    new = backend.connect(endpoint)
+    backend.disconnect(old)
+    time.sleep(0.2)  # (the old connection's thread ends in the background)
+    page_bytes = pool.page_bytes
+    src, dst = pool.kv_ptrs(), peer.info["kv_ptrs"]
+    handle = backend.write(new, [(s + 2 * page_bytes, d + 5 * page_bytes, page_bytes)
+                                 for s, d in zip(src, dst, strict=True)], fence)
+    assert _wait(backend, handle) == WriteState.DONE, backend.error(handle)
+    backend.release(handle)
+    kv = peer.read_memory()[0]
+    for b in range(2 * SHAPE.num_layers):
+        assert np.array_equal(kv[b, 5], pattern(5, b, 2, page_bytes))
+    backend.disconnect(new)
+
+
 def test_completion_listener_fires_when_a_write_settles(backend_name, spawn_peer, local_backend):
     """A backend that notifies completions calls its listener after every write left PENDING (DONE or
     FAILED): the KV manager then sleeps until told instead of polling pending writes."""
