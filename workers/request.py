@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.protocol import BootstrapTarget, SamplingParams
+from workers.protocol import BootstrapTarget, SamplingParams, StepOutput
 
 _SEQ_IDS = itertools.count(1)
 
@@ -35,7 +35,7 @@ class Req:
     kv_verified: bool | None = None
     done: bool = False
     gather_s: float = 0.0  # (``Submit.gather_s``) outputs after the first may be held this long
-    held: Any = None  # the outputs held so far, as one ``StepOutput`` (sent with the next one due)
+    held: StepOutput | None = None  # the outputs held so far, as one ``StepOutput`` (sent with the next one due)
     held_since: float = 0.0  # when the first of them was held
     seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))  # unique in this worker (engine key)
 
