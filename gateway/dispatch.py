@@ -154,25 +154,30 @@ class Dispatcher:
         ``direct.ready()``) instead of through this generator.
         """
         run = _Choice(self, input_ids, params)
-        record = run.record
         try:
             while True:
                 num_before = len(run.generated)
-                outputs = self._attempt(run, direct)
+                # A stream: its first token should not wait for this loop pass to end.
+                attempt = _Attempt(self, run, direct, urgent=direct is not None)
                 try:
-                    async for item in outputs:
-                        record(item)
-                        yield item
-                    return
+                    try:
+                        attempt.submit()
+                        while True:
+                            item = await attempt.next()
+                            run.record(item)
+                            yield item
+                            if attempt.finished:
+                                return
+                    except (GeneratorExit, asyncio.CancelledError):  # a stop string, or the client left
+                        attempt.outcome = "cancelled"
+                        raise
+                    finally:
+                        attempt.close()  # (before a retry's backoff: the failed pair is freed at once)
                 except _Retryable as exc:
                     delay = run.recover(exc, num_before)
                     if delay is not None:
                         await asyncio.sleep(delay)
-                finally:
-                    # Closed here, at once: an attempt left suspended (its consumer stopped after the final
-                    # output, or a stop string) would otherwise be closed by the loop's finalizer in a task.
-                    await outputs.aclose()
-        except (GeneratorExit, asyncio.CancelledError):  # a stop string ended it (or the client left)
+        except (GeneratorExit, asyncio.CancelledError):
             run.completed = bool(run.generated)
             raise
         finally:
@@ -223,24 +228,6 @@ class Dispatcher:
             raise
         finally:
             run.close()
-
-    async def _attempt(self, run: _Choice, direct: DirectConsumer | None) -> AsyncGenerator[StepOutput, None]:
-        """One pair, one room: the decode's outputs (see the module doc). Non-final decode outputs that
-        ``direct`` is ready for go to it from the worker connection's callback, after ``record``."""
-        # A stream: its first token should not wait for this loop pass to end.
-        attempt = _Attempt(self, run, direct, urgent=direct is not None)
-        try:
-            attempt.submit()
-            while True:
-                item = await attempt.next()
-                yield item
-                if attempt.finished:
-                    return
-        except (GeneratorExit, asyncio.CancelledError):
-            attempt.outcome = "cancelled"
-            raise
-        finally:
-            attempt.close()
 
     def _blame(self, reporter: WorkerClient, culprit: WorkerClient | None, event: Event) -> None:
         code = event.code if isinstance(event, Error) else "worker_gone"
