@@ -289,8 +289,9 @@ class _Choice:
         token_ids = item.token_ids
         if token_ids:
             now = _monotonic()
-            if self.generated:
-                self.dispatcher.metrics.itl.observe((now - self.last_t) / len(token_ids))
+            if self.generated:  # one gap per token: an output of several (merged, or gathered) counts each
+                n = len(token_ids)
+                self.dispatcher.metrics.itl.observe((now - self.last_t) / n, n)
             else:
                 self.dispatcher.metrics.ttft.observe(now - self.t0)
             self.last_t = now

@@ -99,7 +99,7 @@ class GatewayMetrics:
                                    ["reason"]))
         self.ttft = add(Histogram("pd_gateway_time_to_first_token_seconds", "Request arrival to its first token",
                                   LATENCY_BUCKETS_S))
-        self.itl = add(Histogram("pd_gateway_inter_token_latency_seconds", "Gap between a stream's tokens",
+        self.itl = add(Histogram("pd_gateway_inter_token_latency_seconds", "Gap between a response's tokens",
                                  TOKEN_GAP_BUCKETS_S))
         self.e2e = add(Histogram("pd_gateway_e2e_request_latency_seconds", "Request arrival to its last token",
                                  LATENCY_BUCKETS_S))

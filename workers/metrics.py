@@ -52,9 +52,10 @@ class PlainHistogram:
         self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
+    def observe(self, value: float, count: int = 1) -> None:
+        """``count`` samples of ``value`` (e.g. a gap averaged over the tokens of one output)."""
+        self.counts[bisect_left(self.bounds, value)] += count
+        self.sum += value * count
 
     def buckets(self) -> tuple[list[tuple[str, float]], float]:
         """Cumulative ``(le, count)`` pairs ending with +Inf, and the sum (read without a lock)."""

@@ -680,3 +680,27 @@ def test_complete_frees_a_failed_pair_before_the_retry_backoff() -> None:
             await task
 
     asyncio.run(main())
+
+
+def test_inter_token_latency_counts_every_token_of_a_gathered_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An output carrying several tokens (outputs merged behind one another, or a decode's gathered
+    output) adds one inter-token gap per token, each the output's gap over its token count; the first
+    output is the time to first token, not a gap."""
+    import gateway.dispatch as dispatch
+    from gateway.policies.simple import RoundRobinPolicy
+    from gateway.router import Router
+
+    policy = RoundRobinPolicy()
+    dispatcher = dispatch.Dispatcher([], [], Router(policy, policy), combined=True)
+    clock = iter([1.0, 1.75, 1.765])
+    monkeypatch.setattr(dispatch, "_monotonic", lambda: next(clock))
+    run = dispatch._Choice(dispatcher, [1, 2, 3], SamplingParams(max_new_tokens=8))
+    run.record(StepOutput(1, [65]))
+    run.record(StepOutput(1, [66, 67, 68]))  # 0.75 s for three tokens: three gaps of 0.25 s
+    run.record(StepOutput(1, [69]))
+    itl, ttft = dispatcher.metrics.itl, dispatcher.metrics.ttft
+    assert sum(ttft.counts) == 1
+    assert sum(itl.counts) == 4 and itl.sum == pytest.approx(0.765)
+    assert itl.counts[itl.bounds.index(0.25)] == 3  # (the bucket le=0.25 holds 0.25 itself)
+    assert itl.counts[itl.bounds.index(0.025)] == 1
+    assert run.generated == [65, 66, 67, 68, 69]
