@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,100 @@ def test_missing_chat_template_is_a_clear_error(tmp_path, tiny_tokenizer_dir) ->
     tok = HFTokenizer.from_dir(str(tmp_path))
     with pytest.raises(ValueError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def _llama_style_tokenizer() -> HFTokenizer:
+    """A SentencePiece-style tokenizer (the Llama family's decoder pipeline): ``▁`` for spaces, byte
+    fallback for characters outside its small vocabulary, and a decoder that strips the leading space
+    of whatever it decodes, so that a window decodes differently from the same ids in context."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for byte in range(256):
+        vocab[f"<0x{byte:02X}>"] = len(vocab)
+    for ch in "▁abcdefghijklmnopqrstuvwxyzT.,!?":
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<s>", "</s>"])
+    return HFTokenizer(tok, name="llama-style", chat_template=None, special_tokens={}, eos_token_ids=(2,))
+
+
+def _pieces(tok: HFTokenizer, ids: list[int], splits: list[int], *, python_only: bool = False,
+            stream: object = None) -> list[str]:
+    dec = tok.decoder()
+    if python_only:
+        dec._stream = None  # type: ignore[attr-defined]
+    elif stream is not None:
+        dec._stream = stream  # type: ignore[attr-defined]
+    pieces, i = [], 0
+    for size in splits:
+        pieces.append(dec.push(ids[i:i + size]))
+        i += size
+    return [*pieces, dec.flush()]
+
+
+def _random_splits(rng: random.Random, n: int) -> list[int]:
+    splits = []
+    while sum(splits) < n:
+        splits.append(rng.choice([1, 1, 1, 2, 3, 5]))
+    return splits
+
+
+@pytest.mark.parametrize("family", ["byte-level", "llama-style"])
+def test_incremental_decoder_over_any_split_equals_the_python_window_and_the_whole_decode(
+        tiny_tokenizer_dir, family) -> None:
+    """The decoder (``tokenizers``' ``DecodeStream``) emits the same pieces at the same pushes as the
+    Python window algorithm, over any split of the ids into pushes, and together with the flush the
+    whole decode's text: characters split across tokens, a character cut off at the end (U+FFFD, as
+    the whole decode), special tokens skipped, and a decoder that strips a window's leading space."""
+    tok = HFTokenizer.from_dir(tiny_tokenizer_dir) if family == "byte-level" else _llama_style_tokenizer()
+    rng = random.Random(11)
+    texts = [*TEXTS, "a b  c. Tomorrow, ünïcödé and 東京 🎉 again!", " leading space", "trailing é"]
+    checked_cut = False
+    for text in texts:
+        full = tok.encode(text)
+        special = tok.encode("<|im_end|>" if family == "byte-level" else "</s>")
+        cut = full[:-1]
+        for ids in (full, cut, [*full[:3], *special, *full[3:]]):
+            for _ in range(20):
+                splits = _random_splits(rng, len(ids))
+                pieces = _pieces(tok, ids, splits)
+                assert pieces == _pieces(tok, ids, splits, python_only=True)
+                if ids is cut and family == "llama-style" and "\ufffd" in tok.decode(ids):
+                    # Byte fallback decodes a run of byte tokens that is not valid UTF-8 as one U+FFFD
+                    # per byte, complete characters of the run included, where the pushes emitted
+                    # those characters as they completed: what was pushed is the text's start.
+                    assert tok.decode(full).startswith("".join(pieces[:-1]))
+                    checked_cut = True
+                else:
+                    assert "".join(pieces) == tok.decode(ids)
+                    checked_cut |= "\ufffd" in pieces[-1]
+    assert checked_cut  # (some cut-off id list ended inside a character)
+
+
+def test_a_push_the_stream_refuses_carries_on_in_python(tiny_tokenizer_dir) -> None:
+    """A ``DecodeStream`` that raises on a push (its prefix check) hands the stream to the Python
+    algorithm from the same boundary: the pieces are those of a decoder that never used it."""
+    from tokenizers.decoders import DecodeStream
+
+    class Refusing:
+        def __init__(self, fail_at: int) -> None:
+            self.stream, self.calls, self.fail_at = DecodeStream(skip_special_tokens=True), 0, fail_at
+
+        def step(self, tokenizer: object, ids: object) -> str | None:
+            self.calls += 1
+            if self.calls == self.fail_at:
+                raise Exception("Invalid prefix encountered")
+            return self.stream.step(tokenizer, ids)  # type: ignore[arg-type]
+
+    tok = HFTokenizer.from_dir(tiny_tokenizer_dir)
+    ids = tok.encode("Emoji: 😀 👍🏽 🎉 and flags 🇫🇷 — mixed with ünïcödé")
+    splits = _random_splits(random.Random(3), len(ids))
+    expected = _pieces(tok, ids, splits, python_only=True)
+    for fail_at in range(1, len(splits) + 1):
+        refusing = Refusing(fail_at)
+        assert _pieces(tok, ids, splits, stream=refusing) == expected
+        assert refusing.calls == fail_at  # (not asked again after it refused)
