@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -52,6 +53,7 @@ class HFTokenizer:
         self.eos_token_ids = eos_token_ids
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self._template: Any = None
+        self._pieces = PieceEncoder.of(tokenizer)  # (None: this tokenizer's chats are encoded whole)
 
     @classmethod
     def from_dir(cls, path: str) -> HFTokenizer:
@@ -94,6 +96,8 @@ class HFTokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                             ) -> list[int]:
         text = self.render_chat(messages, tools=tools)
+        if self._pieces is not None:
+            return self._pieces.encode(text)
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
         return ids
 
@@ -128,6 +132,92 @@ class HFTokenizer:
     def token_to_id(self, token: str) -> int | None:
         result: int | None = self._tok.token_to_id(token)
         return result
+
+
+class PieceEncoder:
+    """``encode(text, add_special_tokens=False)`` as its pieces between added tokens, each piece's ids
+    kept for the next request that has it.
+
+    A chat's rendered prompt repeats most of its text from one request to the next: the system
+    prompt, the template's markup and, in a conversation, every earlier turn; encoding it whole costs
+    about 0.8 µs per token on the event loop (36 µs for SmolLM2's 40-token one-line chat). A tokenizer
+    splits its input at added tokens (``<|im_start|>``...) before anything else and encodes the text
+    between them on its own, so that text's ids can be kept, and a request encodes only what is new
+    (the last message). Used only for a tokenizer whose added tokens split exactly that way (matched
+    in the raw text, longest first; no ``lstrip``/``rstrip``/``single_word``; not normalized, or no
+    normalizer), and whose pieces' ids equal the whole encode on probe texts at load (``of``).
+
+    Bounded: at most ``max_tokens`` ids are kept, the least recently used pieces leave first, and a
+    piece longer than that is encoded but not kept. One thread (the gateway's event loop).
+    """
+
+    __slots__ = ("_added", "_cache", "_encode", "_split", "max_tokens", "size")
+
+    def __init__(self, tokenizer: Any, added: dict[str, int], max_tokens: int = 1 << 18) -> None:
+        self._encode = tokenizer.encode
+        self._added = added
+        alternatives = "|".join(re.escape(token) for token in sorted(added, key=len, reverse=True))
+        self._split = re.compile(f"({alternatives})").split  # text, token, text, ..., text
+        self._cache: dict[str, list[int]] = {}  # piece -> its ids, least recently used first
+        self.max_tokens = max_tokens
+        self.size = 0  # ids kept
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> PieceEncoder | None:
+        """A ``PieceEncoder`` for ``tokenizer`` (a ``tokenizers.Tokenizer``), or None where its pieces
+        might not encode as the whole text does."""
+        added: dict[str, int] = {}
+        for token_id, token in tokenizer.get_added_tokens_decoder().items():
+            if token.lstrip or token.rstrip or token.single_word or (token.normalized and tokenizer.normalizer):
+                log.info("tokenizer: added token %r is not matched as itself; chats are encoded whole",
+                         token.content)
+                return None
+            added[token.content] = token_id
+        if not added:
+            return None  # (one piece: nothing to split, nothing shared to keep)
+        encoder = cls(tokenizer, added)
+        samples = list(added)[:8]
+        probes = ["", " leading space", "Hello, world! 123 4567 ünïcödé 東京 🎉\n\n  x"]
+        probes += [f"{a}text {b}\n{a}{b}  y{a}" for a, b in zip(samples, [*samples[1:], samples[0]], strict=True)]
+        probes.append("say: " + "".join(samples) + " done")
+        for probe in probes:
+            whole = tokenizer.encode(probe, add_special_tokens=False).ids
+            if encoder.encode(probe) != whole:
+                log.warning("tokenizer: its text between added tokens does not encode on its own as in the "
+                            "whole (probe %r); chats are encoded whole", probe)
+                return None
+        encoder.clear()
+        return encoder
+
+    def encode(self, text: str) -> list[int]:
+        parts = self._split(text)
+        ids: list[int] = []
+        cache, added = self._cache, self._added
+        for i, part in enumerate(parts):
+            if i & 1:  # an added token
+                ids.append(added[part])
+            elif part:
+                piece = cache.pop(part, None)  # (put back last: the most recently used)
+                if piece is None:
+                    piece = self._encode(part, add_special_tokens=False).ids
+                    self._keep(part, piece)
+                else:
+                    cache[part] = piece
+                ids += piece
+        return ids
+
+    def _keep(self, part: str, piece: list[int]) -> None:
+        if len(piece) > self.max_tokens:
+            return
+        cache = self._cache
+        self.size += len(piece)
+        while self.size > self.max_tokens:
+            self.size -= len(cache.pop(next(iter(cache))))
+        cache[part] = piece
+
+    def clear(self) -> None:
+        self._cache.clear()
+        self.size = 0
 
 
 class HFIncrementalDecoder:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.hf_tokenizer import HFTokenizer, TokenizerLoadError
+from gateway.hf_tokenizer import HFTokenizer, PieceEncoder, TokenizerLoadError
 from gateway.tokenizer import load_tokenizer
 
 TEXTS = [
@@ -230,3 +230,89 @@ def test_a_push_the_stream_refuses_carries_on_in_python(tiny_tokenizer_dir) -> N
         refusing = Refusing(fail_at)
         assert _pieces(tok, ids, splits, stream=refusing) == expected
         assert refusing.calls == fail_at  # (not asked again after it refused)
+
+
+def _metaspace_first_tokenizer() -> HFTokenizer:
+    """A tokenizer whose text after an added token encodes differently from the same text alone (its
+    pre-tokenizer marks only the very start of the input with ``▁``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    llama = _llama_style_tokenizer()._tok
+    tok = Tokenizer(models.BPE(vocab=llama.get_vocab(), merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.add_special_tokens(["<s>", "</s>"])
+    return HFTokenizer(tok, name="metaspace-first", chat_template=None, special_tokens={}, eos_token_ids=(2,))
+
+
+def _chat_texts(tok: HFTokenizer, rng: random.Random) -> list[str]:
+    """Texts as a chat template renders them: added tokens between pieces of text, pieces repeated."""
+    added = list(tok._tok.get_added_tokens_decoder().values())
+    words = ["system", "user\n", "You are helpful.", " ", "\n\n", "ünïcödé 東京 🎉", "12 345", "x", "  y  ", ""]
+    texts = []
+    for _ in range(60):
+        parts = [rng.choice(words) + rng.choice(words) if rng.random() < 0.7 else rng.choice(added).content
+                 for _ in range(rng.randint(1, 9))]
+        texts.append("".join(parts))
+    return texts
+
+
+@pytest.mark.parametrize("family", ["byte-level", "llama-style", "smollm2"])
+def test_chats_encoded_by_pieces_equal_the_whole_encode(tiny_tokenizer_dir, request, family) -> None:
+    """``apply_chat_template`` through ``PieceEncoder`` (the text between added tokens encoded, and
+    kept, piece by piece) gives the ids of encoding the rendered text whole, on first sight and from
+    the kept pieces, for a byte-level BPE, a SentencePiece-style tokenizer with a normalizer, and
+    SmolLM2's; a caller changing the ids it got changes nothing kept."""
+    if family == "smollm2":
+        tok = HFTokenizer.from_dir(request.getfixturevalue("smollm2_dir"))
+    else:
+        tok = HFTokenizer.from_dir(tiny_tokenizer_dir) if family == "byte-level" else _llama_style_tokenizer()
+    pieces = tok._pieces
+    assert pieces is not None
+    for text in _chat_texts(tok, random.Random(5)):
+        whole = tok._tok.encode(text, add_special_tokens=False).ids
+        first = pieces.encode(text)
+        assert first == whole
+        first.append(-1)
+        assert pieces.encode(text) == whole  # (from the kept pieces now)
+    if tok.chat_template is not None:
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "東京は? 🇫🇷"},
+                    {"role": "assistant", "content": "Tokyo is 東京."}, {"role": "user", "content": "And 2+2?"}]
+        for _ in range(2):
+            assert tok.apply_chat_template(messages) == tok._tok.encode(tok.render_chat(messages),
+                                                                        add_special_tokens=False).ids
+
+
+def test_a_tokenizer_whose_pieces_encode_differently_is_encoded_whole() -> None:
+    """Where the text after an added token encodes differently on its own (found by the probes at
+    load), or an added token is not matched as itself (``rstrip``), chats are encoded whole."""
+    from tokenizers import AddedToken
+
+    tok = _metaspace_first_tokenizer()
+    assert tok._tok.encode("a</s>b", add_special_tokens=False).ids != \
+        tok._tok.encode("a</s>", add_special_tokens=False).ids + tok._tok.encode("b", add_special_tokens=False).ids
+    assert tok._pieces is None
+    stripping = _llama_style_tokenizer()._tok
+    stripping.add_special_tokens([AddedToken("<sep>", rstrip=True)])
+    assert PieceEncoder.of(stripping) is None
+    assert PieceEncoder.of(_llama_style_tokenizer()._tok) is not None
+
+
+def test_kept_pieces_are_bounded_and_the_least_recently_used_leave_first(tiny_tokenizer_dir) -> None:
+    tok = HFTokenizer.from_dir(tiny_tokenizer_dir)
+    pieces = tok._pieces
+    assert pieces is not None
+    hot = "You are a helpful assistant."
+    size = len(tok._tok.encode(hot, add_special_tokens=False).ids)
+    size += 2 * len(tok._tok.encode("user question 10 with some words", add_special_tokens=False).ids)
+    pieces.max_tokens = size + 2  # the hot piece and two questions
+    for i in range(30):
+        text = f"<|im_start|>{hot}<|im_end|><|im_start|>user question {i} with some words<|im_end|>"
+        assert pieces.encode(text) == tok._tok.encode(text, add_special_tokens=False).ids
+        assert pieces.size <= pieces.max_tokens
+        assert hot in pieces._cache  # used by every request: never the least recently used
+    assert "user question 29 with some words" in pieces._cache
+    assert "user question 27 with some words" not in pieces._cache
+    too_long = "word " * pieces.max_tokens
+    assert pieces.encode(too_long) == tok._tok.encode(too_long, add_special_tokens=False).ids
+    assert too_long not in pieces._cache and pieces.size <= pieces.max_tokens
