@@ -17,7 +17,8 @@ one such run gave B/A 1.066 for ``ns`` (B higher in 4 of 5 pairs) with the same 
 Points: ``ns`` (chat, 16 tokens, 64 concurrent), ``c1`` (the same, one at a time), ``stream`` (chat,
 64 tokens, 2 ms token gap, 64 concurrent, starts staggered).
 
-    .venv/bin/python loadtests/bench_ab.py --base /tmp/base [--head .] [--points ns,stream] [--pairs 5]
+    .venv/bin/python loadtests/bench_ab.py --base /tmp/base [--head .] [--points ns,stream] [--pairs 5] \
+        [--tokenizer ~/.cache/pd-gateway/smollm2-0.1.2]
 """
 
 from __future__ import annotations
@@ -57,9 +58,12 @@ POINTS = {
 }
 
 
-def start_gateway(stack: Stack, name: str, tree: Path, workers: list[tuple[str, str]]) -> None:
+def start_gateway(stack: Stack, name: str, tree: Path, workers: list[tuple[str, str]],
+                  tokenizer: str | None = None) -> None:
     port = free_port()
     args = [a for flag, worker in workers for a in (f"--{flag}", stack.url(worker))]
+    if tokenizer is not None:
+        args += ["--tokenizer", tokenizer]
     proc = stack.procs.start(name, "-m", "gateway.cli", *args, "--port", str(port), "--log-level", "warning",
                              cwd=tree)
     stack.pids[name], stack.ports[name] = proc.pid, port
@@ -90,9 +94,10 @@ async def _run(args: argparse.Namespace, trees: dict[str, Path], points: list[st
         stack.wait()
         prefills = [("prefill", "prefill-0"), ("prefill", "prefill-1")]
         for tag, tree in trees.items():
-            start_gateway(stack, f"gw-{tag}", tree, [*prefills, ("decode", "decode-0"), ("decode", "decode-1")])
+            start_gateway(stack, f"gw-{tag}", tree, [*prefills, ("decode", "decode-0"), ("decode", "decode-1")],
+                          args.tokenizer)
             start_gateway(stack, f"gw-stream-{tag}", tree,
-                          [*prefills, ("decode", "decode-gap-0"), ("decode", "decode-gap-1")])
+                          [*prefills, ("decode", "decode-gap-0"), ("decode", "decode-gap-1")], args.tokenizer)
         can_pin = {0, 1} <= own_cpus
         if can_pin:
             for name, pid in stack.pids.items():
@@ -144,6 +149,9 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=5, help="A/B pairs per point")
     ap.add_argument("--scale", type=float, default=1.0, help="requests per point, relative to the defaults")
     ap.add_argument("--token-gap-ms", type=float, default=2.0, help="streaming points: decode token gap")
+    ap.add_argument("--tokenizer", default=None,
+                    help="both gateways' --tokenizer: a model directory, to measure with a real model's tokenizer "
+                         "(default: the fast workers' byte tokenizer)")
     uvloop.run(run(ap.parse_args()))
 
 
