@@ -53,6 +53,7 @@ class HFTokenizer:
         self.eos_token_ids = eos_token_ids
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self._template: Any = None
+        self._token_texts: dict[int, str] = {}  # id -> decode([id]) (at most the vocabulary)
         self._pieces = PieceEncoder.of(tokenizer)  # (None: this tokenizer's chats are encoded whole)
 
     @classmethod
@@ -102,7 +103,12 @@ class HFTokenizer:
         return ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        text: str = self._tok.decode(list(token_ids), skip_special_tokens=True)
+        if len(token_ids) == 1:  # one token's own text (logprob entries: every token, every alternative)
+            text = self._token_texts.get(token_ids[0])
+            if text is None:
+                text = self._token_texts[token_ids[0]] = self._tok.decode(list(token_ids), skip_special_tokens=True)
+            return text
+        text = self._tok.decode(list(token_ids), skip_special_tokens=True)
         return text
 
     def decoder(self) -> IncrementalDecoder:

@@ -316,3 +316,12 @@ def test_kept_pieces_are_bounded_and_the_least_recently_used_leave_first(tiny_to
     too_long = "word " * pieces.max_tokens
     assert pieces.encode(too_long) == tok._tok.encode(too_long, add_special_tokens=False).ids
     assert too_long not in pieces._cache and pieces.size <= pieces.max_tokens
+
+
+def test_one_token_decodes_as_itself_first_and_from_the_kept_text(tiny_tokenizer_dir) -> None:
+    tok = HFTokenizer.from_dir(tiny_tokenizer_dir)
+    ids = [*tok.encode("Emoji: 😀 and ünïcödé"), *tok.encode("<|im_end|>")]
+    expected = [tok._tok.decode([i], skip_special_tokens=True) for i in ids]
+    assert [tok.decode([i]) for i in ids] == expected == [tok.decode([i]) for i in ids]
+    assert expected[-1] == "" and "\ufffd" in "".join(expected)  # (a special token; a piece of a character)
+    assert tok.decode(ids) == "Emoji: 😀 and ünïcödé"
