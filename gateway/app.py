@@ -105,9 +105,9 @@ class GatewayApp:
     def __init__(self, gw: Gateway, rest: Starlette) -> None:
         self.rest = rest
         self.responders: dict[str, Any] = {
-            "/v1/chat/completions": Responder(gw, ChatShape()),
-            "/v1/completions": Responder(gw, CompletionShape()),
-            "/generate": Responder(gw, GenerateShape()),
+            "/v1/chat/completions": Responder(gw, ChatShape(), gw.config.prepare_thread_bytes),
+            "/v1/completions": Responder(gw, CompletionShape(), gw.config.prepare_thread_bytes),
+            "/generate": Responder(gw, GenerateShape(), gw.config.prepare_thread_bytes),
         }
         if gw.fleet is not None:  # SGLang workers: the body goes through as is (gateway/sglang_relay.py)
             relays = {

@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gather-ms", type=float, default=50.0,
                    help="a whole (non-streamed) response without stop strings: its decode sends the tokens after "
                         "the first gathered, one output per this many ms (fewer, larger frames); 0: every step")
+    p.add_argument("--prepare-thread-bytes", type=int, default=8192,
+                   help="a request body at least this long is parsed, templated and tokenized on a thread, so "
+                        "that a long prompt does not hold up the event loop (and every stream on it) for "
+                        "milliseconds; 0: every request on the event loop")
     p.add_argument("--max-unread-events", type=int, default=4096,
                    help="worker events a streaming client may leave unread before its stream is stopped")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
@@ -135,7 +139,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s,
         max_header_bytes=args.max_header_bytes, header_timeout_s=args.header_timeout_s,
         write_timeout_s=args.write_timeout_s, max_unread_events=args.max_unread_events,
-        gather_s=args.gather_ms / 1000.0,
+        gather_s=args.gather_ms / 1000.0, prepare_thread_bytes=args.prepare_thread_bytes,
         default_max_tokens=args.default_max_tokens, max_concurrent_requests=args.max_concurrent_requests,
         max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s,
         drain_timeout_s=args.drain_timeout_s, api_keys=tuple(args.api_key + _read_keys(args.api_key_file)),

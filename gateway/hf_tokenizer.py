@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import threading
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -154,10 +155,11 @@ class PieceEncoder:
     normalizer), and whose pieces' ids equal the whole encode on probe texts at load (``of``).
 
     Bounded: at most ``max_tokens`` ids are kept, the least recently used pieces leave first, and a
-    piece longer than that is encoded but not kept. One thread (the gateway's event loop).
+    piece longer than that is encoded but not kept. Thread-safe: the event loop and the threads that
+    prepare long prompts (``gateway.responder``) share it.
     """
 
-    __slots__ = ("_added", "_cache", "_encode", "_split", "max_tokens", "size")
+    __slots__ = ("_added", "_cache", "_encode", "_lock", "_split", "max_tokens", "size")
 
     def __init__(self, tokenizer: Any, added: dict[str, int], max_tokens: int = 1 << 18) -> None:
         self._encode = tokenizer.encode
@@ -165,6 +167,7 @@ class PieceEncoder:
         alternatives = "|".join(re.escape(token) for token in sorted(added, key=len, reverse=True))
         self._split = re.compile(f"({alternatives})").split  # text, token, text, ..., text
         self._cache: dict[str, list[int]] = {}  # piece -> its ids, least recently used first
+        self._lock = threading.Lock()  # (a long prompt is prepared on a thread: ``gateway.responder``)
         self.max_tokens = max_tokens
         self.size = 0  # ids kept
 
@@ -198,17 +201,18 @@ class PieceEncoder:
     def encode(self, text: str) -> list[int]:
         parts = self._split(text)
         ids: list[int] = []
-        cache, added = self._cache, self._added
+        cache, added, lock = self._cache, self._added, self._lock
         for i, part in enumerate(parts):
             if i & 1:  # an added token
                 ids.append(added[part])
             elif part:
-                piece = cache.pop(part, None)  # (put back last: the most recently used)
-                if piece is None:
+                with lock:
+                    piece = cache.pop(part, None)
+                    if piece is not None:
+                        cache[part] = piece  # (put back last: the most recently used)
+                if piece is None:  # (encoded outside the lock: the tokenizer lets other threads run meanwhile)
                     piece = self._encode(part, add_special_tokens=False).ids
                     self._keep(part, piece)
-                else:
-                    cache[part] = piece
                 ids += piece
         return ids
 
@@ -216,14 +220,18 @@ class PieceEncoder:
         if len(piece) > self.max_tokens:
             return
         cache = self._cache
-        self.size += len(piece)
-        while self.size > self.max_tokens:
-            self.size -= len(cache.pop(next(iter(cache))))
-        cache[part] = piece
+        with self._lock:
+            if part in cache:  # (kept meanwhile by another thread)
+                return
+            self.size += len(piece)
+            while self.size > self.max_tokens:
+                self.size -= len(cache.pop(next(iter(cache))))
+            cache[part] = piece
 
     def clear(self) -> None:
-        self._cache.clear()
-        self.size = 0
+        with self._lock:
+            self._cache.clear()
+            self.size = 0
 
 
 class HFIncrementalDecoder:

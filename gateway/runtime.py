@@ -68,6 +68,7 @@ class GatewayConfig:
     write_timeout_s: float = 60.0  # a client whose response is stuck unread this long is disconnected
     max_unread_events: int = 4096  # worker events a slow streaming client may leave unread (then it ends)
     gather_s: float = 0.05  # a whole response's decode outputs after the first: sent gathered this often
+    prepare_thread_bytes: int = 8192  # a request body this long is prepared (tokenized) on a thread (0: never)
     default_max_tokens: int = 256
     # Operations
     max_concurrent_requests: int = 0  # 0 = no limit
@@ -109,6 +110,8 @@ class GatewayConfig:
             raise ValueError("assume_ttl_s and retry_backoff_s must be >= 0")
         if not 0 <= self.gather_s <= 10:
             raise ValueError("gather_s must be in [0, 10]")
+        if self.prepare_thread_bytes < 0:
+            raise ValueError("prepare_thread_bytes must be >= 0 (0: every request is prepared on the event loop)")
         if self.max_unread_events < 1:
             raise ValueError("max_unread_events must be at least 1")
         if min(self.max_retries, self.max_migrations, self.max_concurrent_requests, self.max_queued_requests) < 0:

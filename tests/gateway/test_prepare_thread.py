@@ -1,0 +1,118 @@
+"""A long prompt is prepared (parsed, templated, tokenized) on a thread, the rest on the event loop.
+
+In process: a ``Responder`` over a stand-in host and exchange, with a real ``Frontend`` whose
+tokenizer records the thread it runs on and whose dispatcher has no workers (so a request that got
+through its preparation ends with a 503, one that did not with its 400).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any
+
+from gateway.admission import Admission
+from gateway.api import Frontend
+from gateway.errors import NoWorkers
+from gateway.metrics import GatewayMetrics
+from gateway.responder import Responder
+from gateway.shapes import ChatShape, CompletionShape
+from gateway.tokenizer import ByteTokenizer
+
+
+class _RecordingTokenizer(ByteTokenizer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[int] = []
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: Any = None) -> list[int]:
+        self.threads.append(threading.get_ident())
+        return super().apply_chat_template(messages)
+
+    def encode(self, text: str) -> list[int]:
+        self.threads.append(threading.get_ident())
+        return super().encode(text)
+
+
+class _NoWorkers:
+    async def complete(self, *args: Any, **kwargs: Any) -> None:
+        raise NoWorkers("no healthy decode worker", retry_after_s=1.0)
+
+
+class _Host:
+    max_body_bytes = 1 << 20
+    body_timeout_s = 5.0
+
+    def __init__(self, tokenizer: _RecordingTokenizer) -> None:
+        self.metrics = GatewayMetrics()
+        self.admission = Admission(0, 0, 1.0, self.metrics)
+        self.frontend = Frontend(_NoWorkers(), tokenizer, "m", max_context=1 << 20)  # type: ignore[arg-type]
+
+    def require_frontend(self) -> Frontend:
+        return self.frontend
+
+
+class _Exchange:
+    def __init__(self, body: bytes) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.body = body
+        self.answers: list[tuple[int, dict[str, Any]]] = []
+
+    async def read_body(self, limit: int, timeout_s: float) -> bytes:
+        return self.body
+
+    def watch_disconnect(self, gone: list[bool]) -> None:
+        pass
+
+    def stop_watching(self) -> None:
+        pass
+
+    async def send_json(self, body: bytes, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.answers.append((status, json.loads(body)))
+
+
+def test_a_long_prompt_is_prepared_on_a_thread_and_the_request_goes_on() -> None:
+    async def main() -> None:
+        loop_thread = threading.get_ident()
+        tokenizer = _RecordingTokenizer()
+        host = _Host(tokenizer)
+        chat = Responder(host, ChatShape(), prepare_thread_bytes=1000)  # type: ignore[arg-type]
+        completions = Responder(host, CompletionShape(), prepare_thread_bytes=1000)  # type: ignore[arg-type]
+
+        def body(content: str, role: str = "user") -> bytes:
+            messages = [{"role": role, "content": content}]
+            return json.dumps({"model": "m", "messages": messages, "max_tokens": 4}).encode()
+
+        cases = [
+            (chat, body("short"), 503, False),
+            (chat, body("long " * 400), 503, True),
+            (chat, body("long " * 400, role="nobody"), 400, None),  # refused on the thread: never tokenized
+            (completions, json.dumps({"model": "m", "prompt": "x" * 2000, "max_tokens": 4}).encode(), 503, True),
+            (completions, json.dumps({"model": "other", "prompt": "x" * 2000}).encode(), 404, None),
+        ]
+        for responder, data, status, on_thread in cases:
+            tokenizer.threads.clear()
+            exchange = _Exchange(data)
+            await responder.serve(exchange)  # type: ignore[arg-type]
+            assert [answer[0] for answer in exchange.answers] == [status], exchange.answers
+            if on_thread is None:
+                assert tokenizer.threads == []
+            else:
+                (thread,) = set(tokenizer.threads)
+                assert (thread != loop_thread) == on_thread
+        _, error = exchange.answers[0]
+        assert error["error"]["code"] == "model_not_found"
+
+    asyncio.run(main())
+
+
+def test_a_zero_threshold_prepares_everything_on_the_loop() -> None:
+    async def main() -> None:
+        tokenizer = _RecordingTokenizer()
+        responder = Responder(_Host(tokenizer), ChatShape(), prepare_thread_bytes=0)  # type: ignore[arg-type]
+        exchange = _Exchange(json.dumps({"messages": [{"role": "user", "content": "y" * 50_000}]}).encode())
+        await responder.serve(exchange)  # type: ignore[arg-type]
+        assert [a[0] for a in exchange.answers] == [503] and set(tokenizer.threads) == {threading.get_ident()}
+
+    asyncio.run(main())
