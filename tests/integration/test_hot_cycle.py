@@ -193,3 +193,28 @@ def gone_499(cluster: SimCluster) -> float:
         if line.startswith('pd_gateway_requests_total{route="completions",status="499"}'):
             return float(line.rpartition(" ")[2])
     return 0.0
+
+
+def test_bodies_prepared_on_a_thread_answer_as_on_the_loop(sim_cluster: Callable[..., SimCluster]) -> None:
+    """``--prepare-thread-bytes`` low enough that every generation request here is prepared on a thread
+    (a stream's first step included, which starts in the read's callback): pipelined whole and streamed
+    answers are the reference text, in order, a bad body is its 400 and an unknown model its 404."""
+    cluster = sim_cluster(gateway_args=("--prepare-thread-bytes", "64"))
+    port = cluster.gateway_port
+    want = text_of(expected_tokens(PROMPT, 24))
+    data = b"".join([
+        post("/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "stream": True}, {"X-Request-Id": "s"}),
+        post("/v1/completions", {"prompt": PROMPT, "max_tokens": 24}, {"X-Request-Id": "w"}),
+        post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 40}], "max_tokens": 5}),
+        post("/v1/chat/completions", {"messages": [{"role": "nobody", "content": "hi " * 40}]}),
+        post("/v1/completions", {"model": "not-this-one", "prompt": PROMPT, "max_tokens": 2}),
+    ])
+    responses, _ = talk(port, data, 5)
+    assert [r[0] for r in responses] == [200, 200, 200, 400, 404]
+    stream, whole, chat, bad, unknown = responses
+    assert [stream[1]["x-request-id"], whole[1]["x-request-id"]] == ["s", "w"]
+    assert sse_text(stream[2], "text") == want and json.loads(whole[2])["choices"][0]["text"] == want
+    assert json.loads(chat[2])["usage"]["completion_tokens"] == 5
+    assert json.loads(bad[2])["error"]["param"] == "messages[0].role"
+    assert json.loads(unknown[2])["error"]["code"] == "model_not_found"
+    cluster.wait_pools_full()
