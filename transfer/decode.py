@@ -43,7 +43,7 @@ from transfer.base import FencesWrites
 from transfer.blocks import check_pages
 from transfer.channel import ControlChannel
 from transfer.context import Context, Outbox, room_error
-from transfer.errors import TransferError, TransferErrorKind
+from transfer.errors import PeerReport, TransferError, TransferErrorKind
 from transfer.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -334,7 +334,7 @@ class DecodeSide:
                             f"room {room}: {channel.name} reported success before our page list",
                         ))
                     else:
-                        self._fail(receiver, TransferError(
+                        self._fail(receiver, PeerReport(
                             TransferErrorKind.parse(kind), f"room {room}: {channel.name} reported: {reason}"
                         ))
             case Quiesced(room=room):

@@ -36,3 +36,9 @@ class TransferError(Exception):
 
     def __reduce__(self) -> tuple[type[TransferError], tuple[TransferErrorKind, str]]:
         return (type(self), (self.kind, self.message))
+
+
+class PeerReport(TransferError):
+    """A room's failure as its peer reported it (the prefill's ``RoomStatus``): ``kind`` is the peer's
+    judgement, so a peer kind there (``PEER_GONE``, ``TIMEOUT``, ...) names this side, not the peer."""
+

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from transfer.errors import TransferErrorKind
+from transfer.errors import PeerReport, TransferErrorKind
 from transfer.types import KVPoll
 from workers.protocol import Fault
 from workers.request import Req
@@ -205,9 +205,16 @@ _NOBODYS_KINDS = frozenset({TransferErrorKind.BOOTSTRAP, TransferErrorKind.ABORT
 
 def failure_fault(handle: Any) -> Fault:
     """Whose failure a failed KV handle's is: a peer that went away, fell silent or could not be reached
-    (a timeout waits on the peer), neither worker's (the registry, the peer's abort), else our own."""
+    (a timeout waits on the peer), neither worker's (the registry, the peer's abort), else our own.
+
+    A failure the peer reported (``PeerReport``) is judged as the peer judged it, from our side: its
+    "the peer went away" means us. Both workers then name the same culprit, whichever of their two
+    reports reaches the gateway first."""
     exc = handle.failure() if handle is not None else None
     kind = getattr(exc, "kind", None)
+    if kind in _NOBODYS_KINDS:
+        return Fault.NONE
+    theirs = isinstance(exc, PeerReport)
     if kind in _PEER_KINDS:
-        return Fault.PEER
-    return Fault.NONE if kind in _NOBODYS_KINDS else Fault.OWN
+        return Fault.OWN if theirs else Fault.PEER
+    return Fault.PEER if theirs else Fault.OWN

@@ -11,6 +11,8 @@ from kvunit import make_args, wait_for
 
 from transfer import UNFENCED, KVManager, KVPoll, KVTimeouts, TransferErrorKind, WriteState
 from transfer.fake import FakeBackend
+from workers.pd_queues import failure_fault
+from workers.protocol import Fault
 
 
 class StuckBackend(FakeBackend):
@@ -146,6 +148,10 @@ def test_transfer_timeout_and_late_quiesce(managers):
     assert sender.failure().kind == TransferErrorKind.TIMEOUT and "still pending" in str(sender.failure())
     assert wait_for(lambda: receiver.poll() == KVPoll.Failed, 5)
     assert receiver.failure().kind == TransferErrorKind.TIMEOUT
+    # Both sides hold the decode (the one that stopped draining) to blame: the prefill's view, which the
+    # decode relays (held against the prefill, a recovered prefill's breaker reopened in a chaos run).
+    assert failure_fault(sender) is Fault.PEER
+    assert "reported" in str(receiver.failure()) and failure_fault(receiver) is Fault.OWN
     time.sleep(0.3)
     assert not receiver.quiesced  # the stuck write might still land
     stuck.unstick()
