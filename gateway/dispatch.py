@@ -229,13 +229,19 @@ class Dispatcher:
         finally:
             run.close()
 
-    def _blame(self, reporter: WorkerClient, culprit: WorkerClient | None, event: Event) -> None:
+    def _blame(self, reporter: WorkerClient, culprit: WorkerClient | None, event: Error | WorkerGone) -> None:
         code = event.code if isinstance(event, Error) else "worker_gone"
         if code == "transfer_failed":
             self.metrics.transfer_failures.labels(reporter.role).inc()
         if culprit is not None and (code == "worker_gone" or code in BLAMED_CODES):
-            culprit.health.breaker.record_failure()
+            breaker = culprit.health.breaker
+            opened = breaker.num_opened
+            breaker.record_failure()
             self.metrics.worker_failures.labels(culprit.url, culprit.role, code).inc()
+            if breaker.num_opened != opened:
+                log.warning("%s worker %s: breaker opened after %d failures in a row; the last, reported by its "
+                            "%s: %s: %s", culprit.role, culprit.url, breaker.failures, reporter.role, code,
+                            event.message)
 
 
 class Collector(Protocol):
@@ -498,7 +504,7 @@ class _Attempt:
                         event.prompt_logprobs = self.prompt_logprobs
                 return event
             worker = self.decode if side == "decode" else self.prefill
-            assert worker is not None
+            assert worker is not None and not isinstance(event, StepOutput)
             open_rids.pop(side, None)
             culprit = _culprit(event, side, self.prefill, self.decode)
             self.dispatcher._blame(worker, culprit, event)

@@ -89,6 +89,11 @@ class CircuitBreaker:
             self._state, self._opened_at = BreakerState.OPEN, self._clock()
             self.num_opened += 1
 
+    @property
+    def failures(self) -> int:
+        """Consecutive failures so far (reset by a success)."""
+        return self._failures
+
     def reset(self) -> None:
         self._state, self._failures, self._successes = BreakerState.CLOSED, 0, 0
 

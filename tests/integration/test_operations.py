@@ -135,6 +135,9 @@ def test_breaker_opens_on_a_failing_decode_and_closes_when_it_recovers(sim_clust
     assert workers(cluster)[url]["breaker"] == "open"
     assert metric(cluster, "pd_gateway_worker_breaker_state", worker=url, state="open") == 1
     assert metric(cluster, "pd_gateway_worker_failures_total", worker=url, code="transfer_failed") >= 2
+    opened = [line for line in procs.log(f"gateway-{cluster.gateway_port}").splitlines()
+              if f"decode worker {url}: breaker opened" in line]
+    assert opened and "2 failures in a row" in opened[0] and "transfer_failed" in opened[0], opened  # and why
 
     # Replace it with a good decode on the same port: after the cool-down a trial succeeds -> closed.
     bad.kill()
