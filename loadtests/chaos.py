@@ -8,7 +8,8 @@ Lifecycle of a run (``run(config)``, one event loop):
    streams the client leaves, whole requests the client hangs up on.
 3. Run the fault schedule, spread over ``--duration-s`` (``--fault-every-s`` cycles it for a long
    run): each fault injects, holds, undoes itself, then the runner waits until the cluster has
-   recovered (every child up, every worker healthy in the gateway's view, every prefill registered).
+   recovered (every child up, every worker healthy in the gateway's view with its breaker closed, every
+   prefill registered: a breaker half-open after the fault is still on probation).
    Meanwhile a monitor checks, every half second, that the gateway is the same live process and
    answers, that no child died by itself, and that no client is past its deadline.
 4. Stop the load, let the cluster go idle, then check the end invariants: nothing hung, no unclear

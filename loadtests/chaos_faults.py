@@ -108,14 +108,21 @@ class ChaosRun:
         while time.monotonic() < deadline:
             try:
                 view = await cluster.gateway_workers()
+                # (a half-open breaker is still on probation after the fault: recovered once it closed)
                 if (all(c.is_alive for c in cluster.children)
-                        and all(view.get(w.url, {}).get("healthy") for w in cluster.workers)
+                        and all(view.get(w.url, {}).get("healthy") and view[w.url].get("breaker") == "closed"
+                                for w in cluster.workers)
                         and await cluster.registered_instances() >= len(cluster.prefills)):
                     return True
             except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError):
                 pass
             await asyncio.sleep(0.1)
         return False
+
+    def why_opened(self, url: str) -> str:
+        """The gateway's own log line for the last time it opened ``url``'s breaker."""
+        lines = [ln for ln in self.cluster.gateway.log_text().splitlines() if f"{url}: breaker opened" in ln]
+        return lines[-1].strip() if lines else "the gateway logged no reason"
 
     # -- monitor -----------------------------------------------------------------------------
     async def monitor(self) -> None:
@@ -138,7 +145,7 @@ class ChaosRun:
                     if worker["breaker"] == "open" and worker["url"] not in self.targets:
                         name = next((w.name for w in cluster.workers if w.url == worker["url"]), worker["url"])
                         report.violate(f"{name}'s breaker opened during {self.fault or 'no fault'}: a fault it was "
-                                       "not part of was held against it")
+                                       f"not part of was held against it ({self.why_opened(worker['url'])})")
             except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
                 misses += 1
                 if misses >= 3:
