@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import random
 import signal
 import socket
@@ -45,18 +46,31 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def _env_port(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
 _EPHEMERAL_LOW = _ephemeral_low()
+# Mooncake's transfer engine listens (handshake and tcp data) on ports it draws at random from
+# 15000-17000 (or MC_MIN_RPC_PORT..MC_MAX_RPC_PORT), whatever it is asked, so a port planned here and
+# bound later may be taken by a Mooncake worker started in between
+_MOONCAKE_PORTS = (range(15000, 17001),
+                   range(_env_port("MC_MIN_RPC_PORT", 15000), _env_port("MC_MAX_RPC_PORT", 17000) + 1))
 _handed_out: set[int] = set()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A free port below the kernel's ephemeral range. A port the kernel hands out for port 0 can be
-    taken again, before the child binds it (or rebinds it on a restart), by the local end of any
-    outgoing connection, which draws from that same range. Also what the tests and load tests use."""
+    """A free port below the kernel's ephemeral range and outside Mooncake's handshake range. A port
+    the kernel hands out for port 0 can be taken again, before the child binds it (or rebinds it on
+    a restart), by the local end of any outgoing connection, which draws from that same range.
+    Also what the tests and load tests use."""
     low = 10000 if _EPHEMERAL_LOW > 12000 else 1024
     for _ in range(1000):
         port = random.randrange(low, _EPHEMERAL_LOW)
-        if port in _handed_out:
+        if port in _handed_out or any(port in r for r in _MOONCAKE_PORTS):
             continue
         with socket.socket() as sock:
             try:
