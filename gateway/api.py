@@ -178,7 +178,7 @@ class Frontend:
             raise BadRequest(f"{name} ({min_tokens}) must not exceed max_tokens ({max_tokens})", param=prefix + name)
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            seed=req.seed, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+            seed=req.seed, stop_token_ids=list(req.stop_token_ids or []), stop=stops, ignore_eos=req.ignore_eos,
             logprobs=logprobs, top_logprobs=top_logprobs,
             logit_bias={int(token): bias for token, bias in (req.logit_bias or {}).items()},
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
@@ -262,7 +262,8 @@ class Frontend:
     async def complete_one(self, prep: Prepared) -> ChoiceState:
         """The one choice of a whole response (``prep.n == 1``), run to its end. With the gateway's
         ``Dispatcher`` (``complete``): no generator layers, and without stop strings the non-final
-        outputs are taken in the worker connection's callback (the task wakes once, for the last).
+        outputs are taken in the worker connection's callback (the task wakes once, for the last; with
+        them, the decode that stops at them itself gathers its outputs: a few wake-ups).
         Another dispatcher: through ``run_choices``."""
         complete = getattr(self.dispatcher, "complete", None)
         if complete is None:

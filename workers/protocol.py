@@ -67,6 +67,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: list[int] = []
+    # Stop strings: a worker that advertises ``HelloAck.stop_strings`` ends the request ("stop") at the
+    # token whose text completes one; the gateway still trims the text. Others ignore the field.
+    stop: list[str] = []
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
@@ -109,6 +112,8 @@ class HelloAck(msgspec.Struct, tag="hello_ack"):
     # Version of the tokenizer-files exchange this worker serves (``GetTokenizer`` -> ``TokenizerFiles``);
     # 0: none (an older worker). A gateway without a local copy of ``tokenizer`` asks for the files.
     tokenizer_files: int = 0
+    # Whether this worker ends a request at its stop strings (``SamplingParams.stop``) as it decodes.
+    stop_strings: bool = False
 
 
 TOKENIZER_FILES_VERSION = 1

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workers.protocol import BootstrapTarget, SamplingParams, StepOutput
+
+if TYPE_CHECKING:
+    from workers.stop_strings import StopWatch
 
 _SEQ_IDS = itertools.count(1)
 
@@ -37,6 +40,7 @@ class Req:
     gather_s: float = 0.0  # (``Submit.gather_s``) outputs after the first may be held this long
     held: StepOutput | None = None  # the outputs held so far, as one ``StepOutput`` (sent with the next one due)
     held_since: float = 0.0  # when the first of them was held
+    stop_watch: StopWatch | None = None  # the output text, when the params have stop strings this worker checks
     seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))  # unique in this worker (engine key)
 
     @property

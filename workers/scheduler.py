@@ -44,6 +44,7 @@ import msgspec
 from transfer.types import KVPoll
 
 if TYPE_CHECKING:
+    from gateway.tokenizer import Tokenizer
     from transfer import KVManager
 from workers.aux import AuxRecord, decode_aux, encode_aux
 from workers.engines.base import (
@@ -72,6 +73,7 @@ from workers.pd_queues import (
 )
 from workers.protocol import Error, Fault, KVEvents, LoadReport, Outputs, StepOutput, Submit, joined
 from workers.request import Req
+from workers.stop_strings import StopWatch
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +105,7 @@ class Scheduler:
         pool: KVPool,
         sink: Sink,
         kv: KVManager | None = None,
+        stop_tokenizer: Tokenizer | None = None,
     ) -> None:
         if config.role not in ("prefill", "decode", "both"):
             raise ValueError(f"unknown role {config.role!r}")
@@ -117,6 +120,9 @@ class Scheduler:
         self.grammar_wait = GrammarWait(engine, self._on_kv_change) if isinstance(engine, GrammarCompiling) else None
         self.pool = pool
         self.kv = kv
+        # Stop strings are checked here (``workers.stop_strings``) when the worker decodes and has its
+        # tokenizer; ``HelloAck.stop_strings`` tells the gateway.
+        self.stop_tokenizer = stop_tokenizer if config.role != "prefill" else None
         # Decode workers receive whole prompts from prefill workers: nothing to share there.
         self.cache = PageCache(pool, enabled=config.prefix_cache and config.role != "decode")
         self.num_preemptions = 0
@@ -595,13 +601,23 @@ class Scheduler:
         req.output_ids.append(token)
         p = req.params
         finish = None
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.engine.info.eos_token_ids):
+        if ((p.stop and self._stop_string(req, token)) or token in p.stop_token_ids
+                or (not p.ignore_eos and token in self.engine.info.eos_token_ids)):
             finish = "stop"
         elif len(req.output_ids) >= p.max_new_tokens:
             finish = "length"
         self._emit(req, [token], finish, out)
         if finish is not None:
             self._release(req)
+
+    def _stop_string(self, req: Req, token: int) -> bool:
+        """Whether ``token`` completes one of the request's stop strings (False without a tokenizer)."""
+        watch = req.stop_watch
+        if watch is None:
+            if self.stop_tokenizer is None:
+                return False
+            watch = req.stop_watch = StopWatch(self.stop_tokenizer, req.params.stop)
+        return watch.push(token)
 
     # -- outputs and release -----------------------------------------------------------------
     def _emit(self, req: Req, tokens: list[int], finish: str | None, out: SeqOutput | None = None) -> None:

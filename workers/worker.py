@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 import uvicorn
 
 from gateway.http_protocol import ClientLimits, protocol_class
+from gateway.tokenizer import Tokenizer, load_tokenizer
 from transfer.netaddr import is_wildcard
 from workers.addresses import advertised_host
 from workers.config import WorkerConfig
@@ -103,7 +104,8 @@ class Worker:
         if cfg.role != "both":
             self.kv = self._create_kv_manager(self.pool)
         sched_cfg = SchedulerConfig(role=cfg.role, chunk_size=cfg.chunk_size, max_running=cfg.max_running)
-        self.scheduler = Scheduler(sched_cfg, self.engine, self.pool, self._deliver, self.kv)
+        stop_tokenizer = await asyncio.to_thread(self._stop_tokenizer) if cfg.role != "prefill" else None
+        self.scheduler = Scheduler(sched_cfg, self.engine, self.pool, self._deliver, self.kv, stop_tokenizer)
         self.server = NativeServer(self.scheduler, self._hello_ack, cfg.host, cfg.port,
                                    max_unread_bytes=cfg.max_unread_bytes, tokenizer_files=self._tokenizer_files)
         await self.server.start()
@@ -216,7 +218,20 @@ class Worker:
             instance_id=self.instance_id if self.config.role == "prefill" else None,
             transfer=self.config.transfer if self.config.role != "both" else "",
             tokenizer_files=TOKENIZER_FILES_VERSION,
+            stop_strings=self.scheduler is not None and self.scheduler.stop_tokenizer is not None,
         )
+
+    def _stop_tokenizer(self) -> Tokenizer | None:
+        """The engine's tokenizer, for stop strings (``workers.stop_strings``); None if it cannot load
+        (the gateway then aborts at a stop string it finds itself, as with any worker without them)."""
+        assert self.engine is not None
+        spec = self.engine.info.tokenizer
+        try:
+            return load_tokenizer(spec)
+        except Exception as exc:  # (any loader failure: the worker serves on without this ability)
+            log.warning("cannot load the tokenizer %s for stop strings (the gateway will stop requests at "
+                        "them instead): %s: %s", spec, type(exc).__name__, exc)
+            return None
 
     def _tokenizer_files(self) -> TokenizerFiles:
         """The tokenizer directory's files for a gateway that has no copy (``GetTokenizer``)."""

@@ -264,6 +264,12 @@ def test_stop_strings_n_choices_and_generate_stream(sim_cluster) -> None:  # typ
     assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
     streamed = c.completions.create(model="sim", prompt=PROMPT, max_tokens=40, stop=stop, stream=True)
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == cut
+    # The decode ended both itself at the token completing the stop string (not aborted by the gateway
+    # later), so the whole response could be gathered (``Submit.gather_s``).
+    metrics = httpx.get(f"http://127.0.0.1:{cluster.decodes[0].http_port}/metrics", timeout=10).text
+    stopped = [line for line in metrics.splitlines()
+               if line.startswith("pd_worker_requests_finished") and 'reason="stop"' in line]
+    assert stopped and float(stopped[0].rsplit(" ", 1)[1]) == 2, stopped
 
     many = c.completions.create(model="sim", prompt=PROMPT, max_tokens=5, n=3)
     assert sorted(ch.index for ch in many.choices) == [0, 1, 2]

@@ -49,6 +49,28 @@ def test_pd_greedy_equals_combined_worker(deployment: SmolDeployment, question: 
     assert pd.usage and both.usage and pd.usage.completion_tokens == both.usage.completion_tokens
 
 
+def test_a_stop_string_ends_the_answer_on_the_decode(deployment: SmolDeployment) -> None:
+    """A stop string from the middle of a greedy answer: PD and the combined worker both answer the text
+    before it, and the decode (SmolLM2's tokenizer on the worker) ended the request there itself."""
+    full = chat(deployment.pd_v1, QUESTIONS[2], max_tokens=24, temperature=0).choices[0].message.content or ""
+    words = full.split()
+    assert len(words) >= 4, full
+    stop = " " + words[2]  # a piece of text the answer reaches after a few tokens
+    cut = full[: full.index(stop)]
+    decode = next(w for w in deployment.workers if w.role == "decode")
+
+    def stopped() -> float:
+        text = httpx.get(f"http://127.0.0.1:{decode.http_port}/metrics", timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("pd_worker_requests_finished") and 'reason="stop"' in line)
+
+    before = stopped()
+    for url in (deployment.pd_v1, deployment.both_v1):
+        out = chat(url, QUESTIONS[2], max_tokens=24, temperature=0, stop=[stop])
+        assert out.choices[0].message.content == cut and out.choices[0].finish_reason == "stop", url
+    assert stopped() == before + 1  # the PD request: ended by the decode, not aborted by the gateway
+
+
 def test_seeded_sampling_reproduces_across_the_split(deployment: SmolDeployment) -> None:
     kw = {"max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "seed": 1234}
     pd = chat(deployment.pd_v1, QUESTIONS[2], **kw)

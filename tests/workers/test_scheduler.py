@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from gateway.tokenizer import ByteTokenizer
 from workers.engines.sim import SimEngine
 from workers.kv_pool import KVPool
 from workers.protocol import Error, Outputs, SamplingParams, StepOutput, Submit
@@ -24,14 +25,16 @@ class Collector:
         return [m for _, m in self.items if isinstance(m, Error) and m.rid == rid]
 
 
-def make(chunk_size: int = 8, num_pages: int = 64, max_running: int = 8) -> tuple[Scheduler, Collector, KVPool]:
+def make(chunk_size: int = 8, num_pages: int = 64, max_running: int = 8,
+         stop_tokenizer: ByteTokenizer | None = None) -> tuple[Scheduler, Collector, KVPool]:
     engine = SimEngine()
     info = engine.info
     pool = KVPool(num_layers=info.num_layers, num_pages=num_pages, page_size=4, num_kv_heads=info.num_kv_heads,
                   head_dim=info.head_dim)
     engine.bind(pool)
     sink = Collector()
-    sched = Scheduler(SchedulerConfig("both", chunk_size=chunk_size, max_running=max_running), engine, pool, sink)
+    sched = Scheduler(SchedulerConfig("both", chunk_size=chunk_size, max_running=max_running), engine, pool, sink,
+                      stop_tokenizer=stop_tokenizer)
     return sched, sink, pool
 
 
@@ -355,3 +358,32 @@ def test_a_gathered_request_sends_its_first_token_alone_then_the_rest_together()
         time.sleep(0.003)
     sizes = [len(o.token_ids) for o in sink.outputs(1)]
     assert sum(sizes) == 12 and sizes[0] == 1 and 2 < len(sizes) < 12, sizes
+
+
+def test_a_stop_string_ends_the_request_at_the_token_that_completes_it() -> None:
+    """With its tokenizer, the scheduler ends a request ("stop") at the token whose text completes one
+    of its stop strings, one that spans tokens too, gathered or not; the pages come back. Without a
+    tokenizer (``HelloAck.stop_strings`` false) it generates on, for the gateway to stop."""
+    plain, plain_sink, _ = make()
+    plain.submit(0, Submit(1, [5, 6, 7], SamplingParams(max_new_tokens=30)))
+    run_until_idle(plain)
+    full = tokens_of(plain_sink, 1)
+    text = bytes(full).decode()
+    stop = text[9:12]  # three tokens' text: the request must end at the third
+    end = text.index(stop) + len(stop)
+    assert end < len(full) - 2
+    for gather_s in (0.0, 60.0):
+        sched, sink, pool = make(stop_tokenizer=ByteTokenizer())
+        params = SamplingParams(max_new_tokens=30, stop=["never here", stop])
+        sched.submit(0, Submit(1, [5, 6, 7], params, gather_s=gather_s))
+        sched.submit(0, Submit(2, [5, 6, 7], SamplingParams(max_new_tokens=30)))  # no stop strings: runs on
+        run_until_idle(sched)
+        assert tokens_of(sink, 1) == full[:end], gather_s
+        assert sink.outputs(1)[-1].finish_reason == "stop"
+        assert tokens_of(sink, 2) == full
+        assert sched.cache.num_available == pool.num_pages
+    blind, blind_sink, _ = make()
+    blind.submit(0, Submit(1, [5, 6, 7], SamplingParams(max_new_tokens=30, stop=[stop])))
+    run_until_idle(blind)
+    assert tokens_of(blind_sink, 1) == full and blind_sink.outputs(1)[-1].finish_reason == "length"
+
