@@ -52,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a stream whose decode fails after its first token continues on a new pair (prompt + "
                         "tokens so far as the new prompt) at most this often; 0 turns migration off")
     p.add_argument("--gather-ms", type=float, default=50.0,
-                   help="a whole (non-streamed) response without stop strings: its decode sends the tokens after "
-                        "the first gathered, one output per this many ms (fewer, larger frames); 0: every step")
+                   help="a whole (non-streamed) response: its decode sends the tokens after the first gathered, one "
+                        "output per this many ms (fewer, larger frames; with stop strings only a decode that stops "
+                        "at them itself); 0: every step")
     p.add_argument("--prepare-thread-bytes", type=int, default=8192,
                    help="a request body at least this long is parsed, templated and tokenized on a thread, so "
                         "that a long prompt does not hold up the event loop (and every stream on it) for "

@@ -85,9 +85,9 @@ class DispatchConfig:
     retry_backoff_s: float = 0.05  # first retry's mean delay; doubles per retry, +-50% jitter
     max_migrations: int = 2  # a stream whose decode failed continues on a new pair this often (0: off)
     max_unread_events: int = 4096  # worker events a slow consumer may leave unread before its stream ends
-    # ``complete`` (a whole response without stop strings): the decode sends the tokens after the first
-    # gathered, one output per this long (``Submit.gather_s``); 0: one per step. (Not with stop strings:
-    # one found late would cost decode steps past it.)
+    # ``complete`` (a whole response): the decode sends the tokens after the first gathered, one output
+    # per this long (``Submit.gather_s``); 0: one per step. With stop strings only to a decode that stops
+    # at them itself (``HelloAck.stop_strings``): the gateway would find one late, the decode running on.
     gather_s: float = 0.05
 
 
@@ -192,11 +192,12 @@ class Dispatcher:
         collector sets its ``finish_reason`` first (its own stop string: the rest is aborted).
         ``in_callback``: non-final outputs that arrive while none is queued are accepted in the worker
         connection's callback (the request's task is woken only for the last); the collector must then
-        not finish on a non-final output (no stop strings).
+        not finish on a non-final output (no stop strings). The decode gathers its outputs after the
+        first (``DispatchConfig.gather_s``); with stop strings only one that ends requests at them.
         """
         run = _Choice(self, input_ids, params)
         direct = _Collect(collector) if in_callback else None
-        gather_s = self.config.gather_s if in_callback else 0.0
+        gather_s = self.config.gather_s  # (with stop strings, only a decode that stops at them: ``submit``)
         try:
             while True:
                 num_before = len(run.generated)
@@ -402,8 +403,11 @@ class _Attempt:
         request_id = REQUEST_ID.get()
         timeout_s = dispatcher.config.request_timeout_s
         open_rids, urgent = self.open_rids, self.urgent
+        gather_s = self.gather_s
+        if gather_s and params.stop and not decode.stops_at_strings:
+            gather_s = 0.0  # it would run on past a stop string until the gateway's abort: not held back
         try:
-            rid = decode.submit(Submit(0, input_ids, params, target, timeout_s, request_id, self.gather_s), self.sink,
+            rid = decode.submit(Submit(0, input_ids, params, target, timeout_s, request_id, gather_s), self.sink,
                                 "decode",
                                 prefill_tokens=0 if prefill is not None else prompt_tokens, pages=pages,
                                 urgent=urgent)

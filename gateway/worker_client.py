@@ -177,6 +177,12 @@ class WorkerClient:
         return self.state.num_active
 
     @property
+    def stops_at_strings(self) -> bool:
+        """The worker ends a request at its stop strings itself (``HelloAck.stop_strings``)."""
+        info = self.info
+        return info is not None and info.stop_strings
+
+    @property
     def is_connected(self) -> bool:
         return self._transport is not None and not self._transport.is_closing() and self.info is not None
 

@@ -682,6 +682,41 @@ def test_complete_frees_a_failed_pair_before_the_retry_backoff() -> None:
     asyncio.run(main())
 
 
+def test_a_whole_response_with_stop_strings_is_gathered_only_by_a_decode_that_stops_at_them() -> None:
+    """``Submit.gather_s`` for a whole response with stop strings: sent, with the strings in the params,
+    to a decode that ends requests at them itself (``HelloAck.stop_strings``); not to one that does not
+    (the gateway finds the string and aborts: held outputs would keep that decode running past it)."""
+    import msgspec
+
+    from gateway.dispatch import DispatchConfig, Dispatcher
+    from gateway.policies.simple import RoundRobinPolicy
+    from gateway.router import Router
+    from workers.protocol import Outputs, Submit
+
+    async def gather_sent(stops_at_strings: bool, stop: list[str]) -> tuple[float, list[str]]:
+        workers, transports = _connected_workers(asyncio.get_running_loop(), "both", 1)
+        workers[0].info = msgspec.structs.replace(workers[0].info, stop_strings=stops_at_strings)
+        policy = RoundRobinPolicy()
+        dispatcher = Dispatcher([], workers, Router(policy, policy), combined=True)
+        params = SamplingParams(max_new_tokens=4, stop=stop)
+        task = asyncio.create_task(dispatcher.complete([1, 2, 3], params, _Collected(), in_callback=not stop))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        (submit,) = _sent(transports[0], Submit)
+        workers[0]._dispatch(Outputs([StepOutput(submit.rid, [65, 66], "stop")]))
+        await asyncio.wait_for(task, 5)
+        return submit.gather_s, submit.params.stop
+
+    async def main() -> None:
+        gather_s = DispatchConfig().gather_s
+        assert gather_s > 0
+        assert await gather_sent(True, ["\n\n"]) == (gather_s, ["\n\n"])
+        assert await gather_sent(False, ["\n\n"]) == (0.0, ["\n\n"])
+        assert await gather_sent(False, []) == (gather_s, [])
+
+    asyncio.run(main())
+
+
 def test_inter_token_latency_counts_every_token_of_a_gathered_output(monkeypatch: pytest.MonkeyPatch) -> None:
     """An output carrying several tokens (outputs merged behind one another, or a decode's gathered
     output) adds one inter-token gap per token, each the output's gap over its token count; the first
