@@ -1,6 +1,6 @@
 """A/B of ``--gather-ms``: two gateways in front of the same sim prefill + decode, alternated, one run.
 
-A whole (non-streamed) response without stop strings asks its decode to gather the tokens after the
+A whole (non-streamed) response asks its decode to gather the tokens after the
 first (``Submit.gather_s``). This benchmark measures what that saves: it starts a bootstrap registry,
 one sim prefill and one sim decode at zero model cost (``bench_stack.SIM_OPTIONS``), and two
 gateways in front of both, one with ``--gather-ms 0`` (every step's output, the baseline) and one
@@ -9,12 +9,19 @@ Per pair it runs the same closed-loop point (chat, non-streaming) on each gatewa
 first every pair, and prints requests/s and the CPU µs per request of the gateway, the prefill and the
 decode; then the medians per gateway and their ratio.
 
-    .venv/bin/python loadtests/bench_gather.py [--gather-ms 50] [--concurrency 64] [--tokens 16] [--pairs 4]
+With ``--stop TEXT`` every request carries a stop string: gathered only because our decodes end
+requests at stop strings themselves (``HelloAck.stop_strings``); before that, such a response was sent
+one output per step, as the ``--gather-ms 0`` gateway does.
+
+    .venv/bin/python loadtests/bench_gather.py [--gather-ms 50] [--concurrency 64] [--tokens 16] [--pairs 4] \
+        [--stop TEXT]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -64,10 +71,15 @@ async def run(args: argparse.Namespace) -> None:
 
 async def _pairs(args: argparse.Namespace, stack: Stack, gateways: list[str]) -> None:
     targets = {name: http_target(stack.ports[name], CHAT, args.tokens, False) for name in gateways}
+    if args.stop is not None:  # every request with this stop string (one that never matches: full length)
+        targets = {name: dataclasses.replace(t, body=json.dumps({**json.loads(t.body), "stop": [args.stop]}).encode())
+                   for name, t in targets.items()}
     for target in targets.values():  # warm-up: connections, caches, the first requests' imports
         await closed_loop(target, 4 * args.concurrency, args.concurrency)
     rows: dict[str, list[tuple[float, ...]]] = {name: [] for name in gateways}
-    print(f"chat non-stream {args.tokens} tokens, closed loop c={args.concurrency}, {args.requests} requests per run")
+    stop = f", stop {args.stop!r}" if args.stop is not None else ""
+    print(f"chat non-stream {args.tokens} tokens{stop}, closed loop c={args.concurrency}, {args.requests} requests "
+          "per run")
     for pair in range(args.pairs):
         for name in gateways if pair % 2 == 0 else gateways[::-1]:
             procs = {name: stack.pids[name], **{w: stack.pids[w] for w in WORKERS}}
@@ -96,6 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=16, help="max_tokens per request")
     p.add_argument("--requests", type=int, default=1500, help="requests per run")
     p.add_argument("--pairs", type=int, default=4)
+    p.add_argument("--stop", default=None, metavar="TEXT",
+                   help="send every request with this stop string (pick one the output never holds: each request "
+                        "then runs its full length); a decode that stops at strings itself gathers these too")
     args = p.parse_args(argv)
     if args.gather_ms <= 0:
         p.error("--gather-ms must be positive (the baseline gateway is the one with 0)")
