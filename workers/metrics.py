@@ -186,6 +186,8 @@ def _scheduler_metrics(role: str, s: Scheduler) -> Iterator[Metric]:
     yield _counter("pd_worker_prefix_cache_evictions", "Cached KV pages evicted for new allocations", role,
                    cache.num_evictions)
     yield _counter("pd_worker_preemptions", "Sequences preempted for lack of KV pages", role, s.num_preemptions)
+    yield _counter("pd_worker_prefix_waits", "Requests that waited for a prefix another request here was computing",
+                   role, s.num_prefix_waits)
     yield _counter("pd_worker_steps", "Engine steps (batches) run", role, s.num_steps)
     m = s.metrics
     finished = CounterMetricFamily("pd_worker_requests_finished", "Requests finished, by finish reason",

@@ -73,19 +73,27 @@ class PageCache:
         """How many leading tokens ``match`` would serve from the cache now (takes nothing)."""
         if not self.enabled:
             return 0
+        limit = (len(token_ids) - 1) // self.pool.page_size
+        return self.num_cached_pages(page_hashes(token_ids, self.pool.page_size, limit)) * self.pool.page_size
+
+    def num_cached_pages(self, hashes: Sequence[bytes]) -> int:
+        """How many of these chained page hashes, from the first, are cached now."""
         n = 0
-        for h in page_hashes(token_ids, self.pool.page_size, (len(token_ids) - 1) // self.pool.page_size):
-            if h not in self._by_hash:
+        by_hash = self._by_hash
+        for h in hashes:
+            if h not in by_hash:
                 break
             n += 1
-        return n * self.pool.page_size
+        return n
 
-    def match(self, token_ids: Sequence[int]) -> list[int]:
-        """Cached pages for the longest prefix of full pages, leaving at least one token to compute."""
+    def match(self, token_ids: Sequence[int], hashes: Sequence[bytes] | None = None) -> list[int]:
+        """Cached pages for the longest prefix of full pages, leaving at least one token to compute.
+        ``hashes``: ``token_ids``' page hashes (at least those pages), when the caller has them."""
         if not self.enabled:
             return []
+        limit = (len(token_ids) - 1) // self.pool.page_size
         pages = []
-        for h in page_hashes(token_ids, self.pool.page_size, (len(token_ids) - 1) // self.pool.page_size):
+        for h in page_hashes(token_ids, self.pool.page_size, limit) if hashes is None else hashes[:limit]:
             page = self._by_hash.get(h)
             if page is None:
                 break
@@ -109,12 +117,15 @@ class PageCache:
             self._refs[page] = 1
         return pages
 
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int], num_tokens: int) -> None:
-        """Publish the full pages among the first ``num_tokens`` positions of a request."""
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int], num_tokens: int,
+               hashes: Sequence[bytes] | None = None) -> None:
+        """Publish the full pages among the first ``num_tokens`` positions of a request (``hashes``: as
+        for ``match``)."""
         if not self.enabled:
             return
-        for h, page in zip(page_hashes(token_ids, self.pool.page_size, num_tokens // self.pool.page_size), pages,
-                           strict=False):
+        full = num_tokens // self.pool.page_size
+        for h, page in zip(page_hashes(token_ids, self.pool.page_size, full) if hashes is None else hashes[:full],
+                           pages, strict=False):
             if h in self._by_hash or page in self._hash_of:
                 continue  # an equal prefix is already published (or this page already is)
             self._by_hash[h] = page

@@ -28,6 +28,9 @@ class Req:
     num_computed: int = 0  # positions whose KV is in ``pages``
     prefill_len: int = 0  # positions to compute before decoding (the prompt; more after a preemption)
     is_recompute: bool = False  # preempted: recompute KV of prompt + outputs, then continue decoding
+    # chained hashes of the full pages of ``all_ids[:prefill_len]`` (prefix-cache workers; ``Scheduler._hashes``)
+    page_hashes: list[bytes] | None = None
+    awaited_prefix: bool = False  # waited for another request's prefix (counted once)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported in usage)
     num_cached_estimate: int = 0  # at admission: prompt tokens the prefix cache held (for load reports)
     num_sent_pages: int = 0  # prefill: pages already handed to the KV sender

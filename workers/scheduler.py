@@ -60,7 +60,7 @@ from workers.engines.base import (
 from workers.grammar import GrammarCompiling, GrammarWait
 from workers.kv_pool import KVPool
 from workers.metrics import SchedulerMetrics
-from workers.page_cache import PageCache
+from workers.page_cache import PageCache, page_hashes
 from workers.pd_queues import (
     DecodePreallocQueue,
     DecodeQuarantine,
@@ -95,6 +95,8 @@ class SchedulerConfig:
     max_running: int = 64
     max_queued: int = 4096
     prefix_cache: bool = True
+    # a request whose next prompt page another request here is computing waits for it (``_awaits_prefix``)
+    wait_for_prefix: bool = True
 
 
 class Scheduler:
@@ -126,6 +128,7 @@ class Scheduler:
         # Decode workers receive whole prompts from prefill workers: nothing to share there.
         self.cache = PageCache(pool, enabled=config.prefix_cache and config.role != "decode")
         self.num_preemptions = 0
+        self.num_prefix_waits = 0  # requests that waited for a prefix another one was computing
         self.num_prompt_tokens = 0  # prompts prefilled here (prefill / both roles)
         self.num_cached_prompt_tokens = 0  # of which served from the prefix cache
         self._sink = sink
@@ -443,6 +446,9 @@ class Scheduler:
         for req in self._waiting:
             if req.done:
                 continue
+            if not blocked and self._prefilling and self._awaits_prefix(req):
+                keep.append(req)  # (not FCFS-blocking: the requests behind it may go first)
+                continue
             if blocked or not self._take_pages(req):
                 blocked = True  # FCFS: later requests wait behind this one
                 keep.append(req)
@@ -451,10 +457,42 @@ class Scheduler:
             blocked = len(self._running) + len(self._prefilling) >= self.config.max_running
         self._waiting = keep
 
+    def _hashes(self, req: Req) -> list[bytes]:
+        """``req``'s page hashes (computed once per prefill: a preemption resets them)."""
+        hashes = req.page_hashes
+        if hashes is None:
+            hashes = req.page_hashes = page_hashes(req.all_ids[: req.prefill_len], self.pool.page_size)
+        return hashes
+
+    def _awaits_prefix(self, req: Req) -> bool:
+        """In-flight prefix sharing: whether the first page ``req`` would compute (past what the cache
+        holds) is one that a request being prefilled here will compute and publish. Then ``req``
+        waits for it instead of computing the same KV alongside (a burst of one system prompt, which a
+        prefix-aware router sends to one worker); it goes once the page is cached or that request is
+        gone, and then computes only what it does not share."""
+        if not (self.cache.enabled and self.config.wait_for_prefix):
+            return False
+        page_size = self.pool.page_size
+        hashes = self._hashes(req)
+        limit = (req.prefill_len - 1) // page_size  # (``match`` leaves at least one token to compute)
+        first = self.cache.num_cached_pages(hashes[:limit])
+        if first >= limit:
+            return False
+        wanted = hashes[first]
+        for other in self._prefilling:
+            theirs = other.page_hashes
+            if (theirs is not None and len(theirs) > first and theirs[first] == wanted and not other.done
+                    and other.num_computed < (first + 1) * page_size):
+                if not req.awaited_prefix:
+                    req.awaited_prefix = True
+                    self.num_prefix_waits += 1
+                return True
+        return False
+
     def _take_pages(self, req: Req) -> bool:
         """Pages for the positions to prefill: cached prefix pages first, fresh pages for the rest."""
         tokens = req.all_ids[: req.prefill_len]
-        shared = self.cache.match(tokens)
+        shared = self.cache.match(tokens, self._hashes(req) if self.cache.enabled else None)
         fresh = self.cache.alloc(self.pool.pages_for(req.prefill_len) - len(shared))
         if fresh is None:
             self.cache.release(shared)
@@ -489,7 +527,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.cache.insert(req.all_ids, req.pages, req.num_computed)
         self.cache.release(req.pages)
-        req.pages, req.num_computed = [], 0
+        req.pages, req.num_computed, req.page_hashes = [], 0, None
         req.is_recompute, req.prefill_len = True, len(req.all_ids) - 1
         req.move("waiting")
         self._waiting.insert(0, req)
@@ -562,7 +600,7 @@ class Scheduler:
 
     def _after_chunk(self, req: Req, seq: SeqInput, out: SeqOutput) -> None:
         req.num_computed += len(seq.token_ids)
-        self.cache.insert(req.all_ids, req.pages, req.num_computed)
+        self.cache.insert(req.all_ids, req.pages, req.num_computed, req.page_hashes)
         if out.prompt_logprobs:
             req.prompt_logprobs.extend(out.prompt_logprobs)
         finished_prompt = req.num_computed == req.prefill_len
@@ -770,6 +808,7 @@ class Scheduler:
             "num_cached_pages": self.cache.num_cached,
             "num_evictions": self.cache.num_evictions,
             "num_preemptions": self.num_preemptions,
+            "num_prefix_waits": self.num_prefix_waits,
             "num_steps": self.num_steps,
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "busy_fraction": self.busy_fraction,

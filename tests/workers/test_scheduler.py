@@ -187,6 +187,48 @@ def test_prefix_cache_hit_skips_compute_and_keeps_output() -> None:
     assert sched.cache.num_available == pool.num_pages
 
 
+def test_a_prefix_being_computed_is_waited_for_not_computed_twice() -> None:
+    """A and B share 6 full pages, arrive together, and a step computes 2 pages: B waits for A's pages
+    (computing only its own suffix) while C, sharing nothing, goes ahead; outputs are unchanged."""
+    shared = list(range(100, 124))
+    prompts = {1: [*shared, 7, 8, 9, 10, 11], 2: [*shared, 20, 21, 22, 23, 24], 3: list(range(50, 62))}
+    sched, sink, pool = make(chunk_size=8)
+    for rid, prompt in prompts.items():
+        sched.submit(0, Submit(rid, prompt, SamplingParams(max_new_tokens=4)))
+    sched.step()
+    assert [sched.reqs[(0, rid)].stage for rid in prompts] == ["prefill", "waiting", "prefill"]
+    run_until_idle(sched)
+    finals = {rid: next(o for o in sink.outputs(rid) if o.finish_reason) for rid in prompts}
+    assert finals[1].cached_tokens == 0 and finals[3].cached_tokens == 0
+    assert finals[2].cached_tokens == 24  # all six pages, computed once, by A
+    assert sched.stats()["num_prefix_waits"] == 1
+    for rid, prompt in prompts.items():
+        solo, solo_sink, _ = make(chunk_size=1000)
+        solo.submit(0, Submit(rid, prompt, SamplingParams(max_new_tokens=4)))
+        run_until_idle(solo)
+        assert tokens_of(sink, rid) == tokens_of(solo_sink, rid)
+    assert sched.cache.num_available == pool.num_pages
+
+
+def test_a_request_waiting_for_a_prefix_goes_when_its_computer_is_aborted() -> None:
+    shared = list(range(100, 124))
+    sched, sink, pool = make(chunk_size=8)
+    sched.submit(0, Submit(1, [*shared, 7, 8], SamplingParams(max_new_tokens=4)))
+    sched.submit(0, Submit(2, [*shared, 20, 21], SamplingParams(max_new_tokens=4)))
+    sched.step()
+    sched.step()  # A has computed 4 of the 6 shared pages (2 per step); B waits
+    assert sched.reqs[(0, 2)].stage == "waiting"
+    sched.abort(0, 1, "client left")
+    run_until_idle(sched)
+    final = next(o for o in sink.outputs(2) if o.finish_reason)
+    assert final.finish_reason == "length" and final.cached_tokens == 16  # A's published pages, then its own
+    solo, solo_sink, _ = make(chunk_size=1000)
+    solo.submit(0, Submit(2, [*shared, 20, 21], SamplingParams(max_new_tokens=4)))
+    run_until_idle(solo)
+    assert tokens_of(sink, 2) == tokens_of(solo_sink, 2)
+    assert sched.cache.num_available == pool.num_pages
+
+
 def test_preemption_by_recompute_when_pages_run_out() -> None:
     # 10 pages of 4 tokens; 3 requests of 8 + 20 tokens need 7 pages each at the end.
     prompts = [list(range(i * 10, i * 10 + 8)) for i in range(3)]

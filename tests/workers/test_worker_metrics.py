@@ -69,7 +69,8 @@ def test_plain_histogram_buckets_are_cumulative_with_le_semantics() -> None:
 
 def test_metrics_match_what_the_scheduler_did() -> None:
     sched, sink = make()
-    prompts = [list(range(10, 10 + n)) for n in (3, 17, 9, 30)]
+    # no shared prefixes among these (the one cache hit below is request 100's)
+    prompts = [list(range(10 + 40 * i, 10 + 40 * i + n)) for i, n in enumerate((3, 17, 9, 30))]
     for rid, p in enumerate(prompts):
         sched.submit(0, Submit(rid, p, SamplingParams(max_new_tokens=5)))
     sched.submit(0, Submit(99, [], SamplingParams()))  # rejected: bad_request
@@ -93,6 +94,7 @@ def test_metrics_match_what_the_scheduler_did() -> None:
     assert value(m, "pd_worker_cached_prompt_tokens_total", **role) == sched.num_cached_prompt_tokens
     assert value(m, "pd_worker_prefix_cache_hit_tokens_total", **role) >= sched.num_cached_prompt_tokens
     assert value(m, "pd_worker_requests_finished_total", reason="length", **role) == 5
+    assert value(m, "pd_worker_prefix_waits_total", **role) == sched.num_prefix_waits == 0  # (nothing shared)
     assert value(m, "pd_worker_requests_failed_total", code="bad_request", **role) == 1
     assert value(m, "pd_worker_requests_failed_total", code="aborted", **role) == 1
     errors = [x for x in sink if isinstance(x, Error)]
