@@ -69,12 +69,9 @@ class PageCache:
     def num_cached(self) -> int:
         return len(self._by_hash)
 
-    def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
-        """How many leading tokens ``match`` would serve from the cache now (takes nothing)."""
-        if not self.enabled:
-            return 0
-        limit = (len(token_ids) - 1) // self.pool.page_size
-        return self.num_cached_pages(page_hashes(token_ids, self.pool.page_size, limit)) * self.pool.page_size
+    def holds(self, page_hash: bytes) -> bool:
+        """Whether a page with this chained hash is cached now."""
+        return page_hash in self._by_hash
 
     def num_cached_pages(self, hashes: Sequence[bytes]) -> int:
         """How many of these chained page hashes, from the first, are cached now."""

@@ -77,6 +77,8 @@ from workers.stop_strings import StopWatch
 
 log = logging.getLogger(__name__)
 
+QUEUED_PAGES_INDEXED = 256  # leading pages per queued request in ``Scheduler._queued_pages`` (system prompts)
+
 BROADCAST = -1  # connection id meaning "every connection" in the sink
 IDLE_WAIT_S = 0.05  # the longest idle sleep; a message, a KV room's change or a due time ends it sooner
 REPORT_MIN_INTERVAL_S = 0.002  # a changed load is reported at most this often...
@@ -129,6 +131,10 @@ class Scheduler:
         self.cache = PageCache(pool, enabled=config.prefix_cache and config.role != "decode")
         self.num_preemptions = 0
         self.num_prefix_waits = 0  # requests that waited for a prefix another one was computing
+        # page hash -> admitted requests that will compute that page (their first ``QUEUED_PAGES_INDEXED``
+        # pages, until their prefill ends): a prefix a queued request computes first is not counted
+        # again in the load report (``_expected_cached``), as ``_awaits_prefix`` does not compute it again
+        self._queued_pages: dict[bytes, int] = {}
         self.num_prompt_tokens = 0  # prompts prefilled here (prefill / both roles)
         self.num_cached_prompt_tokens = 0  # of which served from the prefix cache
         self._sink = sink
@@ -356,7 +362,7 @@ class Scheduler:
             return
         self.reqs[key] = req
         if self.role != "decode":
-            req.num_cached_estimate = self.cache.num_cached_tokens(req.input_ids)
+            req.num_cached_estimate = self._expected_cached(req)
         if req.params.grammar is not None and self.grammar_wait is not None and self.grammar_wait.hold(req):
             return  # compiling its grammar: ``_first_stage`` once done (workers/grammar.py)
         self._first_stage(req)
@@ -489,6 +495,38 @@ class Scheduler:
                 return True
         return False
 
+    def _expected_cached(self, req: Req) -> int:
+        """At admission: the prompt tokens ``req`` is not expected to compute (for load reports), its
+        leading pages cached now or to be computed by a request admitted before it; then indexes its
+        own leading pages for the requests after it."""
+        cache = self.cache
+        if not cache.enabled:
+            return 0
+        page_size = self.pool.page_size
+        hashes = self._hashes(req)[:QUEUED_PAGES_INDEXED]
+        queued = self._queued_pages
+        n = 0
+        for h in hashes[: (req.prefill_len - 1) // page_size]:
+            if h not in queued and not cache.holds(h):
+                break
+            n += 1
+        for h in hashes:
+            queued[h] = queued.get(h, 0) + 1
+        req.num_queued_pages = len(hashes)
+        return n * page_size
+
+    def _unqueue_pages(self, req: Req) -> None:
+        """``req``'s prefill ended (or it did): its pages are cached or will not be."""
+        n, req.num_queued_pages = req.num_queued_pages, 0
+        if n and req.page_hashes is not None:
+            queued = self._queued_pages
+            for h in req.page_hashes[:n]:
+                left = queued[h] - 1
+                if left:
+                    queued[h] = left
+                else:
+                    del queued[h]
+
     def _take_pages(self, req: Req) -> bool:
         """Pages for the positions to prefill: cached prefix pages first, fresh pages for the rest."""
         tokens = req.all_ids[: req.prefill_len]
@@ -527,6 +565,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.cache.insert(req.all_ids, req.pages, req.num_computed)
         self.cache.release(req.pages)
+        self._unqueue_pages(req)
         req.pages, req.num_computed, req.page_hashes = [], 0, None
         req.is_recompute, req.prefill_len = True, len(req.all_ids) - 1
         req.move("waiting")
@@ -604,6 +643,8 @@ class Scheduler:
         if out.prompt_logprobs:
             req.prompt_logprobs.extend(out.prompt_logprobs)
         finished_prompt = req.num_computed == req.prefill_len
+        if finished_prompt:
+            self._unqueue_pages(req)
         if self.role == "prefill":
             self._send_chunk(req, out, finished_prompt)
         elif finished_prompt:
@@ -710,6 +751,7 @@ class Scheduler:
         req.done = True
         self._load_dirty = True
         self.reqs.pop(req.key, None)
+        self._unqueue_pages(req)
         if self.seq_state is not None:
             self.seq_state.forget(req.seq_id)
         for handle in (req.kv_sender, req.kv_receiver):

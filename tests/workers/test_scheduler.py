@@ -197,7 +197,11 @@ def test_a_prefix_being_computed_is_waited_for_not_computed_twice() -> None:
         sched.submit(0, Submit(rid, prompt, SamplingParams(max_new_tokens=4)))
     sched.step()
     assert [sched.reqs[(0, rid)].stage for rid in prompts] == ["prefill", "waiting", "prefill"]
+    # the load report counts the shared pages once: B's estimate has them as cached (A computes them)
+    assert [sched.reqs[(0, rid)].num_cached_estimate for rid in prompts] == [0, 24, 0]
+    assert sched.load_report().num_prefill_tokens == 29 + 5 + 12 - 8  # less the step's chunk of 8
     run_until_idle(sched)
+    assert not sched._queued_pages  # every prefill ended: nothing left indexed
     finals = {rid: next(o for o in sink.outputs(rid) if o.finish_reason) for rid in prompts}
     assert finals[1].cached_tokens == 0 and finals[3].cached_tokens == 0
     assert finals[2].cached_tokens == 24  # all six pages, computed once, by A
@@ -220,6 +224,7 @@ def test_a_request_waiting_for_a_prefix_goes_when_its_computer_is_aborted() -> N
     assert sched.reqs[(0, 2)].stage == "waiting"
     sched.abort(0, 1, "client left")
     run_until_idle(sched)
+    assert not sched._queued_pages
     final = next(o for o in sink.outputs(2) if o.finish_reason)
     assert final.finish_reason == "length" and final.cached_tokens == 16  # A's published pages, then its own
     solo, solo_sink, _ = make(chunk_size=1000)
@@ -237,6 +242,7 @@ def test_preemption_by_recompute_when_pages_run_out() -> None:
         sched.submit(0, Submit(rid, p, SamplingParams(max_new_tokens=20)))
     run_until_idle(sched, 5000)
     assert sched.num_preemptions > 0
+    assert not sched._queued_pages  # (a preempted request's recompute is not indexed again)
     for rid, p in enumerate(prompts):
         solo, solo_sink, _ = make(chunk_size=64)
         solo.submit(0, Submit(rid, p, SamplingParams(max_new_tokens=20)))
