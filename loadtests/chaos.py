@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="chaos", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--duration-s", type=float, default=50.0, help="load phase length (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--transfer", default="tcp", choices=["tcp", "mooncake", "nixl"])
+    p.add_argument("--transfer", default="tcp", choices=["tcp", "mooncake", "nixl", "shm"],
+                   help="the KV backend; shm: tcp with the same-host shared-memory path on (the workers' default)")
     p.add_argument("--concurrency", type=int, default=12, help="closed-loop clients (default %(default)s)")
     p.add_argument("--faults", default=",".join(CI_FAULTS),
                    help=f"comma-separated, in order; 'all' = {','.join(ALL_FAULTS)} (default: %(default)s)")
