@@ -22,7 +22,9 @@ Lifecycle:
    connection is dropped for new rooms, so the next receiver for that address connects afresh (a
    recovered peer). A connection that breaks or cannot be opened also makes an ``InvalidatingResolver``
    forget the address it answered: a restarted prefill listens on a new port, and the next room asks
-   the registry instead of the dead one for the rest of the cache's lifetime. A silent prefill may be
+   the registry instead of the dead one for the rest of the cache's lifetime. The rooms of a connection
+   that could not be opened ask the registry once more themselves (``_resolve_again``): told another
+   address, they go there instead of failing; told the same one, they fail. A silent prefill may be
    frozen mid-write, not dead: without fencing its connection stays open, draining, until it answers
    ``Quiesced`` for every room it might still write (after it resumes) or closes; its rooms' pages
    wait for that.
@@ -114,6 +116,7 @@ class DecodeSide:
             if room in self._receivers:
                 raise ValueError(f"room {room} already has a receiver")
             receiver = KVReceiver(self, room, time.monotonic())
+            receiver.target = (host, port, instance_id)
             self._receivers[room] = receiver
             conn = self._conns.get(self._known_address(host, port, instance_id) or ("", 0))
             if conn is not None and conn.ready:  # fast path: nothing to resolve, connect or register
@@ -138,6 +141,16 @@ class DecodeSide:
         return (str(address[0]), int(address[1])) if address is not None else None
 
     def _bootstrap(self, receiver: KVReceiver, host: str, port: int | None, instance_id: str | None) -> None:
+        address = self._resolve(receiver, host, port, instance_id)
+        if address is None:
+            return
+        conn = self._attach(receiver, address)
+        if conn is not None:
+            self._open(conn)
+
+    def _resolve(self, receiver: KVReceiver, host: str, port: int | None,
+                 instance_id: str | None) -> tuple[str, int] | None:
+        """The prefill's control address (may block on the registry); None: the room failed."""
         room = receiver.room
         try:
             if self._resolver is not None:
@@ -146,32 +159,36 @@ class DecodeSide:
                 raise TransferError(TransferErrorKind.BOOTSTRAP, f"no port for {host} and no resolver")
             else:
                 address = (host, port)
-            address = (str(address[0]), int(address[1]))
+            return (str(address[0]), int(address[1]))
         except TransferError as exc:
             self._fail_one(receiver, room_error(room, exc))
-            return
+            return None
         except Exception as exc:
             error = TransferError(
                 TransferErrorKind.BOOTSTRAP,
                 f"room {room}: resolving bootstrap target {host}:{port} ({instance_id}) failed: {exc!r}",
             )
             self._fail_one(receiver, error)
-            return
+            return None
+
+    def _attach(self, receiver: KVReceiver, address: tuple[str, int]) -> PrefillConn | None:
+        """Join ``receiver`` to the connection for ``address``; returns the connection if it is new (to
+        be opened by the caller), else None."""
         with self._ctx.lock:
             if receiver.is_terminal or self._ctx.closed:
-                return
+                return None
             conn = self._conns.get(address)
             created = conn is None or conn.error is not None
             if created:
                 conn = PrefillConn(address)
                 self._conns[address] = conn
             assert conn is not None
-            conn.targets.add((host, port, instance_id))
+            if receiver.target is not None:
+                conn.targets.add(receiver.target)
             conn.receivers.add(receiver)
             if receiver.join(conn):
                 self._ctx.changed()
-        if created:
-            self._open(conn)
+        return conn if created else None
 
     def _open(self, conn: PrefillConn) -> None:
         host, port = conn.address
@@ -179,9 +196,10 @@ class DecodeSide:
         try:
             sock = socket.create_connection(conn.address, timeout=timeout)
         except OSError as exc:
-            self._conn_failed(conn, TransferError(
-                TransferErrorKind.PEER_UNREACHABLE, f"cannot connect to the prefill's control port {host}:{port}: {exc}"
-            ))
+            error = TransferError(TransferErrorKind.PEER_UNREACHABLE,
+                                  f"cannot connect to the prefill's control port {host}:{port}: {exc}")
+            if not self._resolve_again(conn, error):
+                self._conn_failed(conn, error)
             return
         channel = ControlChannel(sock, f"prefill@{host}:{port}", self._on_message, self._on_close)
         with self._ctx.lock:
@@ -230,6 +248,48 @@ class DecodeSide:
     def _fail_one(self, receiver: KVReceiver, error: TransferError) -> None:
         with self._ctx.lock:
             self._fail(receiver, error)
+
+    def _resolve_again(self, conn: PrefillConn, error: TransferError) -> bool:
+        """A connection that could not be opened: its address may be a restarted prefill's old one
+        (a new control port under the same instance id, which an address cached before the restart,
+        or a registry that had not yet heard of it, still named). Its rooms that have not yet done so
+        ask the registry once more: one now told a different address moves to that, the others fail
+        (``error``) without another attempt. False: nothing to ask (no registry, or every room asked
+        already); the caller fails the connection."""
+        if self._invalidate is None:
+            return False
+        with self._ctx.lock:
+            again = [r for r in conn.receivers if not r.resolved_again and r.target is not None and not r.is_terminal]
+            if not again:
+                return False
+            conn.error = conn.error or error
+            conn.ready = False
+            if self._conns.get(conn.address) is conn:
+                del self._conns[conn.address]
+            rest = [r for r in conn.receivers if r not in again]
+            conn.receivers.clear()
+            for receiver in rest:
+                self._fail(receiver, room_error(receiver.room, error), gone=True)
+            targets = list(conn.targets)
+        for target in targets:
+            with contextlib.suppress(Exception):
+                self._invalidate(*target)
+        opened: list[PrefillConn] = []
+        for receiver in again:
+            receiver.resolved_again = True
+            assert receiver.target is not None
+            address = self._resolve(receiver, *receiver.target)  # (one look-up per target: then cached)
+            if address is None:
+                continue
+            if address == conn.address:
+                self._fail_one(receiver, room_error(receiver.room, error))
+                continue
+            new = self._attach(receiver, address)
+            if new is not None:
+                opened.append(new)
+        for new in opened:
+            self._open(new)
+        return True
 
     def _conn_failed(self, conn: PrefillConn, error: TransferError) -> None:
         with self._ctx.lock:

@@ -51,6 +51,8 @@ class KVReceiver(RoomHandle):
         self.fence_open = False  # (DecodeSide's bookkeeping of our fence in the backend)
         self._conn: PrefillConn | None = None
         self._quiet = False
+        self.target: tuple[str, int | None, str | None] | None = None  # (host, port, instance_id) to resolve
+        self.resolved_again = False  # asked the registry again after its address could not be reached
 
     # -- the scheduler's API ---------------------------------------------------------------------
     @property

@@ -11,6 +11,7 @@ from __future__ import annotations
 from kvunit import make_args, wait_for
 
 from transfer import KVManager, KVPoll, KVTimeouts
+from transfer.errors import TransferErrorKind
 from transfer.fake import FakeBackend
 
 QUICK = KVTimeouts(bootstrap_s=5.0, waiting_s=5.0, transfer_s=5.0, heartbeat_interval_s=0.1,
@@ -66,24 +67,46 @@ def test_a_restarted_prefill_is_found_at_its_new_address() -> None:
             m.close()
 
 
-def test_an_address_that_refuses_connections_is_forgotten() -> None:
-    """The prefill died between two rooms (no connection open to see it break): the first room to its
-    old address fails, and the one after asks the registry again."""
+def _dead_then_restarted(registered_after: str) -> tuple[list[KVManager], CachingRegistry, KVManager]:
+    """A decode whose resolver has a dead prefill's address cached; the prefill restarted elsewhere and
+    the registry holds ``registered_after`` ("new": its new address, "old": still the dead one)."""
     made: list[KVManager] = []
-    try:
-        old = KVManager("prefill", make_args(), FakeBackend(), timeouts=QUICK)
-        made.append(old)
-        registry = CachingRegistry(old.control_address)
-        registry.cache[("registry.local", 8998, "prefill-0")] = old.control_address
-        old.close()
-        new = KVManager("prefill", make_args(), FakeBackend(), timeouts=QUICK)
-        made.append(new)
-        registry.registered = new.control_address
-        decode = KVManager("decode", make_args(), FakeBackend(), timeouts=QUICK, resolver=registry)
-        made.append(decode)
+    old = KVManager("prefill", make_args(), FakeBackend(), timeouts=QUICK)
+    made.append(old)
+    registry = CachingRegistry(old.control_address)
+    registry.cache[("registry.local", 8998, "prefill-0")] = old.control_address
+    old.close()
+    new = KVManager("prefill", make_args(), FakeBackend(), timeouts=QUICK)
+    made.append(new)
+    registry.registered = new.control_address if registered_after == "new" else old.control_address
+    decode = KVManager("decode", make_args(), FakeBackend(), timeouts=QUICK, resolver=registry)
+    made.append(decode)
+    return made, registry, decode
 
+
+def test_a_room_whose_cached_address_refuses_asks_the_registry_again() -> None:
+    """The prefill restarted between two rooms (no connection open to see it break): the rooms sent to
+    its old address ask the registry again and go to the new one, instead of failing (the chaos run's
+    'breaker opened during no fault': a burst of such rooms, blamed on the restarted prefill)."""
+    made, registry, decode = _dead_then_restarted("new")
+    try:
+        rooms = [decode.create_receiver(room, "registry.local", 8998, "prefill-0") for room in (1, 2, 3)]
+        assert wait_for(lambda: all(r.poll() != KVPoll.Bootstrapping for r in rooms))
+        assert [r.poll() for r in rooms] == [KVPoll.WaitingForInput] * 3, [r.failure() for r in rooms]
+        assert registry.invalidated[0] == ("registry.local", 8998, "prefill-0")
+    finally:
+        for m in made:
+            m.close()
+
+
+def test_a_room_fails_once_the_registry_names_the_same_dead_address() -> None:
+    made, registry, decode = _dead_then_restarted("old")
+    try:
         stale = decode.create_receiver(1, "registry.local", 8998, "prefill-0")
         assert wait_for(lambda: stale.poll() == KVPoll.Failed)
+        failure = stale.failure()
+        assert failure is not None and failure.kind == TransferErrorKind.PEER_UNREACHABLE
+        registry.registered = made[1].control_address  # the registry learns of the restart
         fresh = decode.create_receiver(2, "registry.local", 8998, "prefill-0")
         assert wait_for(lambda: fresh.poll() != KVPoll.Bootstrapping)
         assert fresh.poll() == KVPoll.WaitingForInput, fresh.failure()
