@@ -29,8 +29,9 @@ def create_http_app(worker: Worker) -> Starlette:
     registry = create_registry(worker)
 
     async def health(_: Request) -> Response:
-        ok = worker.scheduler is not None and worker.scheduler.is_alive
-        return _reply({"status": "ok" if ok else "unhealthy", "role": worker.config.role}, 200 if ok else 503)
+        ok = worker.started and worker.scheduler is not None and worker.scheduler.is_alive
+        status = "ok" if ok else "unhealthy" if worker.started else "starting"
+        return _reply({"status": status, "role": worker.config.role}, 200 if ok else 503)
 
     async def info(_: Request) -> Response:
         return _reply(worker.info())

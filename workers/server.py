@@ -75,9 +75,15 @@ class NativeServer:
     def num_connections(self) -> int:
         return len(self._writers)
 
-    async def start(self) -> None:
+    async def start(self, serve: bool = True) -> None:
+        """Bind the port; ``serve``: accept connections now (else from ``start_serving``: until then a
+        connection is refused, as with nothing listening)."""
         self._loop = asyncio.get_running_loop()
-        self._server = await asyncio.start_server(self._on_connect, self._host, self._port)
+        self._server = await asyncio.start_server(self._on_connect, self._host, self._port, start_serving=serve)
+
+    async def start_serving(self) -> None:
+        assert self._server is not None
+        await self._server.start_serving()
 
     def deliver(self, messages: list[tuple[int, Message]]) -> None:
         """Called from the scheduler thread: the event loop is woken only if it has nothing queued yet."""

@@ -7,7 +7,8 @@ Lifecycle:
    take seconds), sizes the KV pool from the model shape, binds them, creates the transfer backend
    and KV manager (prefill and decode roles), starts the scheduler thread, the native server and the
    HTTP side (with SGLang's HTTP API, ``workers/sglang_api.py``, which connects to the native port on
-   first use), and, for a prefill worker, registers its KV control endpoint with the bootstrap registry (heartbeats).
+   first use), and, for a prefill worker, registers its KV control endpoint with the bootstrap registry
+   (heartbeats); a prefill's native port accepts connections only once it is registered.
 2. ``await serve_forever()`` until cancelled or a signal.
 3. ``await aclose()``: deregister, close the SGLang API, stop the scheduler (live requests fail),
    close the KV manager, close the servers. Idempotent.
@@ -61,6 +62,7 @@ class Worker:
         self.sglang: SGLangAPI | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._registrar: Any = None
+        self.started = False  # every server up (and a prefill registered)
         self._embedded: Any = None
         self.bootstrap_url = config.bootstrap
         self._resolver: Any = None
@@ -108,7 +110,9 @@ class Worker:
         self.scheduler = Scheduler(sched_cfg, self.engine, self.pool, self._deliver, self.kv, stop_tokenizer)
         self.server = NativeServer(self.scheduler, self._hello_ack, cfg.host, cfg.port,
                                    max_unread_bytes=cfg.max_unread_bytes, tokenizer_files=self._tokenizer_files)
-        await self.server.start()
+        # A prefill takes requests only once registered: a decode asked to fetch from it must find it at
+        # this address, not the one a previous run of it on this port registered (refused)
+        await self.server.start(serve=cfg.role != "prefill")
         self.scheduler.start()
         self.sglang = SGLangAPI(self)  # loads and connects on first use
         http_config = uvicorn.Config(
@@ -127,6 +131,8 @@ class Worker:
             await asyncio.sleep(0.01)
         if cfg.role == "prefill":
             await self._register()
+            await self.server.start_serving()
+        self.started = True  # (``/health`` answers 200 from here on)
         log.info("worker %s ready: native %s:%d http %d (advertised as %s)", self.worker_id, cfg.host,
                  self.native_port, self.http_port, self.advertise_host)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -62,3 +63,41 @@ def test_unusable_addresses_are_refused_at_startup() -> None:
     # loopback advertised while the registry is on another host: nobody there could reach us
     out = run_role("prefill", "--host", "127.0.0.1", "--bootstrap", "http://192.0.2.8:8998")
     assert out.returncode != 0 and "loopback" in out.stderr and "192.0.2.8" in out.stderr
+
+
+def test_a_prefill_takes_connections_only_once_registered(tmp_path: Path) -> None:
+    """Until its registry has its KV address, a prefill's native port refuses connections and its
+    ``/health`` says "starting" (503): no gateway can send it a request whose decode would look it up
+    and find nothing, or (restarted on its port) the address of its previous run."""
+    import socket
+    import time
+
+    import httpx
+    from pdtest import Procs, free_port, wait_http_ok
+
+    procs = Procs(tmp_path)
+    try:
+        registry_port, port, http_port = free_port(), free_port(), free_port()
+        proc = procs.start("prefill", "-m", "workers.cli", "--role", "prefill", "--port", str(port),
+                           "--http-port", str(http_port), "--log-level", "warning",
+                           "--bootstrap", f"http://127.0.0.1:{registry_port}")  # nothing there yet
+        deadline = time.monotonic() + 120
+        while True:  # its HTTP side is up, still retrying the registration
+            assert proc.poll() is None, procs.log("prefill")
+            try:
+                health = httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=2)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, procs.log("prefill")
+                time.sleep(0.05)
+        assert health.status_code == 503 and health.json()["status"] == "starting"
+        with socket.socket() as sock, contextlib.suppress(ConnectionRefusedError):
+            sock.connect(("127.0.0.1", port))
+            raise AssertionError("the native port accepted a connection before the prefill was registered")
+
+        procs.start("registry", "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", str(registry_port))
+        wait_http_ok(f"http://127.0.0.1:{http_port}/health", 60, proc)
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+    finally:
+        procs.stop_all()
