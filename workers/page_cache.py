@@ -73,12 +73,12 @@ class PageCache:
         """Whether a page with this chained hash is cached now."""
         return page_hash in self._by_hash
 
-    def num_cached_pages(self, hashes: Sequence[bytes]) -> int:
-        """How many of these chained page hashes, from the first, are cached now."""
+    def num_cached_pages(self, hashes: Sequence[bytes], limit: int) -> int:
+        """How many of the first ``limit`` of these chained page hashes, from the first, are cached now."""
         n = 0
         by_hash = self._by_hash
         for h in hashes:
-            if h not in by_hash:
+            if n >= limit or h not in by_hash:
                 break
             n += 1
         return n

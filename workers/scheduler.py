@@ -463,6 +463,11 @@ class Scheduler:
             blocked = len(self._running) + len(self._prefilling) >= self.config.max_running
         self._waiting = keep
 
+    def _may_share(self, req: Req) -> bool:
+        """Whether ``req`` may take cached prefix pages: not when it wants its prompt's logprobs, which
+        only positions it computes itself have (a preempted request's recompute has them already)."""
+        return self.cache.enabled and (not req.params.prompt_logprobs or req.is_recompute)
+
     def _hashes(self, req: Req) -> list[bytes]:
         """``req``'s page hashes (computed once per prefill: a preemption resets them)."""
         hashes = req.page_hashes
@@ -476,12 +481,12 @@ class Scheduler:
         waits for it instead of computing the same KV alongside (a burst of one system prompt, which a
         prefix-aware router sends to one worker); it goes once the page is cached or that request is
         gone, and then computes only what it does not share."""
-        if not (self.cache.enabled and self.config.wait_for_prefix):
+        if not (self.config.wait_for_prefix and self._may_share(req)):
             return False
         page_size = self.pool.page_size
         hashes = self._hashes(req)
         limit = (req.prefill_len - 1) // page_size  # (``match`` leaves at least one token to compute)
-        first = self.cache.num_cached_pages(hashes[:limit])
+        first = self.cache.num_cached_pages(hashes, limit)
         if first >= limit:
             return False
         wanted = hashes[first]
@@ -506,7 +511,7 @@ class Scheduler:
         hashes = self._hashes(req)[:QUEUED_PAGES_INDEXED]
         queued = self._queued_pages
         n = 0
-        for h in hashes[: (req.prefill_len - 1) // page_size]:
+        for h in hashes[: (req.prefill_len - 1) // page_size] if self._may_share(req) else ():
             if h not in queued and not cache.holds(h):
                 break
             n += 1
@@ -530,7 +535,7 @@ class Scheduler:
     def _take_pages(self, req: Req) -> bool:
         """Pages for the positions to prefill: cached prefix pages first, fresh pages for the rest."""
         tokens = req.all_ids[: req.prefill_len]
-        shared = self.cache.match(tokens, self._hashes(req) if self.cache.enabled else None)
+        shared = self.cache.match(tokens, self._hashes(req)) if self._may_share(req) else []
         fresh = self.cache.alloc(self.pool.pages_for(req.prefill_len) - len(shared))
         if fresh is None:
             self.cache.release(shared)

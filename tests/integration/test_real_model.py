@@ -137,6 +137,27 @@ def test_generate_returns_input_and_output_logprobs(deployment: SmolDeployment) 
     assert results[0]["text"] == results[1]["text"]
 
 
+def test_prompt_logprobs_of_a_cached_prompt_are_the_whole_prompts(deployment: SmolDeployment) -> None:
+    """Asked twice, a prompt of several KV pages is cached on its prefill the second time: its input
+    logprobs must still cover every position, the same values as the first time (before, a cache hit
+    gave only the uncached suffix's, which the response put at the prompt's first positions)."""
+    text = ("A prefix cache keeps the key and value pages of prompts it has seen, so that a request "
+            "sharing their beginning skips computing it again; logprobs of the prompt need every position.")
+    body = {"text": text, "sampling_params": {"max_new_tokens": 2, "temperature": 0}, "return_logprob": True}
+    for url in (deployment.pd_v1, deployment.both_v1):
+        rounds = []
+        for _ in range(2):
+            r = httpx.post(url.removesuffix("/v1") + "/generate", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            rounds.append(r.json()["meta_info"])
+        first, second = rounds
+        assert first["prompt_tokens"] > 32  # at least two full pages of 16 to share
+        assert len(second["input_token_logprobs"]) == second["prompt_tokens"] == first["prompt_tokens"]
+        a = [lp for lp, _, _ in first["input_token_logprobs"][1:]]
+        b = [lp for lp, _, _ in second["input_token_logprobs"][1:]]
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4, url
+
+
 def test_completions_echo_with_logprobs(deployment: SmolDeployment) -> None:
     prompt = "Roses are red, violets are"
     r = httpx.post(f"{deployment.pd_v1}/completions", timeout=120,

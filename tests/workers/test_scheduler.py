@@ -234,6 +234,26 @@ def test_a_request_waiting_for_a_prefix_goes_when_its_computer_is_aborted() -> N
     assert sched.cache.num_available == pool.num_pages
 
 
+def test_a_request_for_prompt_logprobs_computes_its_whole_prompt() -> None:
+    """Only positions a request computes have prompt logprobs: one that asks for them takes no cached
+    prefix (it would get logprobs for its suffix alone, read by the gateway as the prompt's first
+    positions) and waits for no other request's prefix; its own pages are still shared."""
+    sched, sink, pool = make(chunk_size=8)
+    prompt = list(range(100, 130))
+    sched.submit(0, Submit(1, prompt, SamplingParams(max_new_tokens=2)))
+    sched.submit(0, Submit(2, prompt, SamplingParams(max_new_tokens=2, prompt_logprobs=True)))
+    sched.step()
+    assert sched.reqs[(0, 2)].stage == "prefill"  # not waiting for request 1's pages
+    run_until_idle(sched)
+    sched.submit(0, Submit(3, prompt, SamplingParams(max_new_tokens=2, prompt_logprobs=True)))
+    sched.submit(0, Submit(4, prompt, SamplingParams(max_new_tokens=2)))
+    run_until_idle(sched)
+    cached = {rid: next(o for o in sink.outputs(rid) if o.finish_reason).cached_tokens for rid in (1, 2, 3, 4)}
+    assert cached == {1: 0, 2: 0, 3: 0, 4: 28}
+    assert sched.stats()["num_prefix_waits"] == 0
+    assert sched.cache.num_available == pool.num_pages and not sched._queued_pages
+
+
 def test_preemption_by_recompute_when_pages_run_out() -> None:
     # 10 pages of 4 tokens; 3 requests of 8 + 20 tokens need 7 pages each at the end.
     prompts = [list(range(i * 10, i * 10 + 8)) for i in range(3)]
