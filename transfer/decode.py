@@ -153,13 +153,7 @@ class DecodeSide:
         """The prefill's control address (may block on the registry); None: the room failed."""
         room = receiver.room
         try:
-            if self._resolver is not None:
-                address = self._resolver(host, port, instance_id)
-            elif port is None:
-                raise TransferError(TransferErrorKind.BOOTSTRAP, f"no port for {host} and no resolver")
-            else:
-                address = (host, port)
-            return (str(address[0]), int(address[1]))
+            return self._address(host, port, instance_id)
         except TransferError as exc:
             self._fail_one(receiver, room_error(room, exc))
             return None
@@ -170,6 +164,15 @@ class DecodeSide:
             )
             self._fail_one(receiver, error)
             return None
+
+    def _address(self, host: str, port: int | None, instance_id: str | None) -> tuple[str, int]:
+        if self._resolver is not None:
+            address = self._resolver(host, port, instance_id)
+        elif port is None:
+            raise TransferError(TransferErrorKind.BOOTSTRAP, f"no port for {host} and no resolver")
+        else:
+            address = (host, port)
+        return (str(address[0]), int(address[1]))
 
     def _attach(self, receiver: KVReceiver, address: tuple[str, int]) -> PrefillConn | None:
         """Join ``receiver`` to the connection for ``address``; returns the connection if it is new (to
@@ -253,9 +256,10 @@ class DecodeSide:
         """A connection that could not be opened: its address may be a restarted prefill's old one
         (a new control port under the same instance id, which an address cached before the restart,
         or a registry that had not yet heard of it, still named). Its rooms that have not yet done so
-        ask the registry once more: one now told a different address moves to that, the others fail
-        (``error``) without another attempt. False: nothing to ask (no registry, or every room asked
-        already); the caller fails the connection."""
+        ask the registry once more (once per target): told a different address they move to it; told
+        the same one, or nothing, they fail with ``error`` (the prefill is what cannot be reached)
+        without another attempt. False: nothing to ask (no registry, or every room asked already); the
+        caller fails the connection."""
         if self._invalidate is None:
             return False
         with self._ctx.lock:
@@ -274,19 +278,26 @@ class DecodeSide:
         for target in targets:
             with contextlib.suppress(Exception):
                 self._invalidate(*target)
-        opened: list[PrefillConn] = []
+        by_target: dict[tuple[str, int | None, str | None], list[KVReceiver]] = {}
         for receiver in again:
             receiver.resolved_again = True
             assert receiver.target is not None
-            address = self._resolve(receiver, *receiver.target)  # (one look-up per target: then cached)
-            if address is None:
+            by_target.setdefault(receiver.target, []).append(receiver)
+        opened: list[PrefillConn] = []
+        for target, receivers in by_target.items():  # one look-up per target, not per room
+            with self._ctx.lock:
+                receivers = [r for r in receivers if not r.is_terminal]  # (timed out or aborted meanwhile)
+            if not receivers:
                 continue
-            if address == conn.address:
-                self._fail_one(receiver, room_error(receiver.room, error))
-                continue
-            new = self._attach(receiver, address)
-            if new is not None:
-                opened.append(new)
+            try:
+                address = self._address(*target)
+            except Exception:  # (the registry does not know it either: the prefill is what is unreachable)
+                address = conn.address
+            for receiver in receivers:
+                if address == conn.address:
+                    self._fail_one(receiver, room_error(receiver.room, error))
+                elif (new := self._attach(receiver, address)) is not None:
+                    opened.append(new)
         for new in opened:
             self._open(new)
         return True
