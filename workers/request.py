@@ -31,7 +31,7 @@ class Req:
     # chained hashes of the full pages of ``all_ids[:prefill_len]`` (prefix-cache workers; ``Scheduler._hashes``)
     page_hashes: list[bytes] | None = None
     awaited_prefix: bool = False  # waited for another request's prefix (counted once)
-    num_queued_pages: int = 0  # its leading pages in ``Scheduler._queued_pages`` (until its prefill ends)
+    num_indexed_pages: int = 0  # its leading pages in ``Scheduler._queued_pages`` (until its prefill ends)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported in usage)
     num_cached_estimate: int = 0  # at admission: prompt tokens the prefix cache held (for load reports)
     num_sent_pages: int = 0  # prefill: pages already handed to the KV sender

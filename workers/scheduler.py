@@ -517,12 +517,12 @@ class Scheduler:
             n += 1
         for h in hashes:
             queued[h] = queued.get(h, 0) + 1
-        req.num_queued_pages = len(hashes)
+        req.num_indexed_pages = len(hashes)
         return n * page_size
 
     def _unqueue_pages(self, req: Req) -> None:
         """``req``'s prefill ended (or it did): its pages are cached or will not be."""
-        n, req.num_queued_pages = req.num_queued_pages, 0
+        n, req.num_indexed_pages = req.num_indexed_pages, 0
         if n and req.page_hashes is not None:
             queued = self._queued_pages
             for h in req.page_hashes[:n]:
@@ -650,6 +650,7 @@ class Scheduler:
         finished_prompt = req.num_computed == req.prefill_len
         if finished_prompt:
             self._unqueue_pages(req)
+            req.page_hashes = None  # (not needed past the prefill; a preemption computes its own)
         if self.role == "prefill":
             self._send_chunk(req, out, finished_prompt)
         elif finished_prompt:
