@@ -201,8 +201,9 @@ class DecodeSide:
         except OSError as exc:
             error = TransferError(TransferErrorKind.PEER_UNREACHABLE,
                                   f"cannot connect to the prefill's control port {host}:{port}: {exc}")
-            if not self._resolve_again(conn, error):
-                self._conn_failed(conn, error)
+            spared = self._conn_failed(conn, error, spare_unresolved=True)
+            if spared:
+                self._resolve_again(conn.address, spared, error)
             return
         channel = ControlChannel(sock, f"prefill@{host}:{port}", self._on_message, self._on_close)
         with self._ctx.lock:
@@ -252,70 +253,59 @@ class DecodeSide:
         with self._ctx.lock:
             self._fail(receiver, error)
 
-    def _resolve_again(self, conn: PrefillConn, error: TransferError) -> bool:
-        """A connection that could not be opened: its address may be a restarted prefill's old one
-        (a new control port under the same instance id, which an address cached before the restart,
-        or a registry that had not yet heard of it, still named). Its rooms that have not yet done so
-        ask the registry once more (once per target): told a different address they move to it; told
-        the same one, or nothing, they fail with ``error`` (the prefill is what cannot be reached)
-        without another attempt. False: nothing to ask (no registry, or every room asked already); the
-        caller fails the connection."""
-        if self._invalidate is None:
-            return False
-        with self._ctx.lock:
-            again = [r for r in conn.receivers if not r.resolved_again and r.target is not None and not r.is_terminal]
-            if not again:
-                return False
-            conn.error = conn.error or error
-            conn.ready = False
-            if self._conns.get(conn.address) is conn:
-                del self._conns[conn.address]
-            rest = [r for r in conn.receivers if r not in again]
-            conn.receivers.clear()
-            for receiver in rest:
-                self._fail(receiver, room_error(receiver.room, error), gone=True)
-            targets = list(conn.targets)
-        for target in targets:
-            with contextlib.suppress(Exception):
-                self._invalidate(*target)
+    def _resolve_again(self, dead: tuple[str, int], receivers: list[KVReceiver], error: TransferError) -> None:
+        """Rooms whose connection to ``dead`` could not be opened: that may be a restarted prefill's old
+        address (a new control port under the same instance id, which an address cached before the
+        restart, or a registry that had not yet heard of it, still named). They ask the registry once
+        more (once per target; ``_conn_failed`` has made it forget the address): told a different
+        address they move to it; told the same one, or nothing, they fail with ``error`` (the prefill
+        is what cannot be reached) without another attempt."""
         by_target: dict[tuple[str, int | None, str | None], list[KVReceiver]] = {}
-        for receiver in again:
+        for receiver in receivers:
             receiver.resolved_again = True
             assert receiver.target is not None
             by_target.setdefault(receiver.target, []).append(receiver)
         opened: list[PrefillConn] = []
-        for target, receivers in by_target.items():  # one look-up per target, not per room
+        for target, group in by_target.items():  # one look-up per target, not per room
             with self._ctx.lock:
-                receivers = [r for r in receivers if not r.is_terminal]  # (timed out or aborted meanwhile)
-            if not receivers:
+                group = [r for r in group if not r.is_terminal]  # (timed out or aborted meanwhile)
+            if not group:
                 continue
             try:
                 address = self._address(*target)
             except Exception:  # (the registry does not know it either: the prefill is what is unreachable)
-                address = conn.address
-            for receiver in receivers:
-                if address == conn.address:
+                address = dead
+            for receiver in group:
+                if address == dead:
                     self._fail_one(receiver, room_error(receiver.room, error))
                 elif (new := self._attach(receiver, address)) is not None:
                     opened.append(new)
         for new in opened:
             self._open(new)
-        return True
 
-    def _conn_failed(self, conn: PrefillConn, error: TransferError) -> None:
+    def _conn_failed(self, conn: PrefillConn, error: TransferError, *,
+                     spare_unresolved: bool = False) -> list[KVReceiver]:
+        """Drop the connection and fail its rooms. ``spare_unresolved`` (it could not be opened): rooms
+        that may still ask the registry again (``_resolve_again``) are detached instead and returned."""
+        spared: list[KVReceiver] = []
         with self._ctx.lock:
             conn.error = conn.error or error
             conn.ready = False
             if self._conns.get(conn.address) is conn:
                 del self._conns[conn.address]
             for receiver in list(conn.receivers):
-                self._fail(receiver, room_error(receiver.room, error), gone=True)
+                if (spare_unresolved and self._invalidate is not None and not receiver.resolved_again
+                        and receiver.target is not None and not receiver.is_terminal):
+                    spared.append(receiver)
+                else:
+                    self._fail(receiver, room_error(receiver.room, error), gone=True)
             conn.receivers.clear()
             targets = list(conn.targets)
         if self._invalidate is not None:  # the next room asks the registry again instead of a dead address
             for target in targets:
                 with contextlib.suppress(Exception):
                     self._invalidate(*target)
+        return spared
 
     def send_metadata(self, receiver: KVReceiver, page_ids: list[int], aux_index: int) -> None:
         args, room = self._ctx.args, receiver.room
