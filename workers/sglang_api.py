@@ -4,10 +4,11 @@ The native protocol stays the fast path; this is the compatibility path, on the 
 
 Lifecycle:
 1. ``SGLangAPI(worker)`` with the worker; nothing is loaded or connected until a route needs it. The
-   first request that does (``ensure_ready``) loads the tokenizer the engine names and opens one
-   native connection to the worker's own native port (a gateway ``WorkerClient``, so requests take
-   exactly the path a gateway's do). A worker nobody drives over SGLang's protocol pays nothing:
-   no tokenizer in memory, no extra connection getting load reports every few ms.
+   first request that does (``ensure_ready``) takes the tokenizer the engine names (the one a decode
+   or combined worker holds for stop strings, else loaded now) and opens one native connection to
+   the worker's own native port (a gateway ``WorkerClient``, so requests take exactly the path a
+   gateway's do). A worker nobody drives over SGLang's protocol pays nothing: no tokenizer of its
+   own, no extra connection getting load reports every few ms.
 2. Per request (``POST /generate``, ``/v1/completions``, ``/v1/chat/completions``): the gateway's own
    responders and shapes (validation, chat template, detokenizing, stop strings, SSE and JSON), with
    ``RelayDispatcher`` in place of the gateway's dispatcher: no routing, this worker only, and the
@@ -200,8 +201,10 @@ class SGLangAPI:
                 engine = self.worker.engine
                 assert engine is not None
                 info = engine.info
+                scheduler = self.worker.scheduler
                 try:
-                    tokenizer = await asyncio.to_thread(load_tokenizer, info.tokenizer)
+                    tokenizer = (scheduler.stop_tokenizer if scheduler is not None and scheduler.stop_tokenizer
+                                 else await asyncio.to_thread(load_tokenizer, info.tokenizer))
                 except Exception as exc:  # e.g. a plugin engine naming a tokenizer we cannot load
                     self._unavailable = f"cannot load the engine's tokenizer {info.tokenizer!r}: {exc}"
                     log.warning("SGLang HTTP API off: %s", self._unavailable)

@@ -94,6 +94,8 @@ class Worker:
             self._embedded = await serve_embedded(cfg.host, cfg.bootstrap_embedded, registry_config)
             self.bootstrap_url = self._embedded.url
         self.engine = await asyncio.to_thread(create_engine, cfg.engine, options)
+        # the tokenizer for stop strings loads on a thread while the pool and the KV manager are set up
+        loading = asyncio.ensure_future(asyncio.to_thread(self._stop_tokenizer)) if cfg.role != "prefill" else None
         info = self.engine.info
         self.pool = KVPool(
             num_layers=info.num_layers, num_pages=cfg.num_pages, page_size=cfg.page_size,
@@ -106,7 +108,7 @@ class Worker:
         if cfg.role != "both":
             self.kv = self._create_kv_manager(self.pool)
         sched_cfg = SchedulerConfig(role=cfg.role, chunk_size=cfg.chunk_size, max_running=cfg.max_running)
-        stop_tokenizer = await asyncio.to_thread(self._stop_tokenizer) if cfg.role != "prefill" else None
+        stop_tokenizer = await loading if loading is not None else None
         self.scheduler = Scheduler(sched_cfg, self.engine, self.pool, self._deliver, self.kv, stop_tokenizer)
         self.server = NativeServer(self.scheduler, self._hello_ack, cfg.host, cfg.port,
                                    max_unread_bytes=cfg.max_unread_bytes, tokenizer_files=self._tokenizer_files)
