@@ -28,10 +28,21 @@ def _reply(body: object, status: int = 200) -> Response:
 def create_http_app(worker: Worker) -> Starlette:
     registry = create_registry(worker)
 
+    def status() -> str:
+        if not worker.started:
+            return "starting"
+        return "ok" if worker.scheduler is not None and worker.scheduler.is_alive else "unhealthy"
+
     async def health(_: Request) -> Response:
-        ok = worker.started and worker.scheduler is not None and worker.scheduler.is_alive
-        status = "ok" if ok else "unhealthy" if worker.started else "starting"
-        return _reply({"status": status, "role": worker.config.role}, 200 if ok else 503)
+        """Readiness: 200 only once every server is up (a prefill: registered) and the scheduler runs."""
+        state = status()
+        return _reply({"status": state, "role": worker.config.role}, 200 if state == "ok" else 503)
+
+    async def liveness(_: Request) -> Response:
+        """Liveness: 200 while starting too (a prefill may retry its registration for a while: a probe
+        with a short threshold must not kill it for that); 503 only once its scheduler has died."""
+        state = status()
+        return _reply({"status": state, "role": worker.config.role}, 503 if state == "unhealthy" else 200)
 
     async def info(_: Request) -> Response:
         return _reply(worker.info())
@@ -57,6 +68,7 @@ def create_http_app(worker: Worker) -> Starlette:
         routes=[
             *sglang,  # SGLang's PD HTTP protocol (workers/sglang_api.py)
             Route("/health", health),
+            Route("/liveness", liveness),
             Route("/info", info),
             Route("/load", load),
             Route("/stats", stats),

@@ -67,7 +67,7 @@ def test_unusable_addresses_are_refused_at_startup() -> None:
 
 def test_a_prefill_takes_connections_only_once_registered(tmp_path: Path) -> None:
     """Until its registry has its KV address, a prefill's native port refuses connections and its
-    ``/health`` says "starting" (503): no gateway can send it a request whose decode would look it up
+    ``/health`` says "starting" (503; ``/liveness`` 200): no gateway can send it a request whose decode would look it up
     and find nothing, or (restarted on its port) the address of its previous run."""
     import socket
     import time
@@ -91,6 +91,8 @@ def test_a_prefill_takes_connections_only_once_registered(tmp_path: Path) -> Non
                 assert time.monotonic() < deadline, procs.log("prefill")
                 time.sleep(0.05)
         assert health.status_code == 503 and health.json()["status"] == "starting"
+        live = httpx.get(f"http://127.0.0.1:{http_port}/liveness", timeout=2)  # alive, only not ready
+        assert live.status_code == 200 and live.json()["status"] == "starting"
         with socket.socket() as sock, contextlib.suppress(ConnectionRefusedError):
             sock.connect(("127.0.0.1", port))
             raise AssertionError("the native port accepted a connection before the prefill was registered")

@@ -1,0 +1,33 @@
+"""The worker's probes: ``/health`` is readiness (200 only once serving), ``/liveness`` stays 200 while
+the worker starts (a prefill retrying its registration must not be killed for it) and turns 503 only
+when the scheduler has died. The integration side is ``test_worker_startup.py``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from starlette.testclient import TestClient
+
+from workers.http_app import create_http_app
+
+
+def client(started: bool, scheduler_alive: bool | None) -> TestClient:
+    scheduler = None if scheduler_alive is None else SimpleNamespace(is_alive=scheduler_alive)
+    worker = SimpleNamespace(worker_id="p", started=started, scheduler=scheduler, kv=None, sglang=None,
+                             config=SimpleNamespace(role="prefill", engine="sim", transfer="tcp"))
+    return TestClient(create_http_app(worker))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("started", "alive", "status", "health", "liveness"), [
+    (False, None, "starting", 503, 200),  # before the engine is up
+    (False, True, "starting", 503, 200),  # scheduler running, still registering
+    (True, True, "ok", 200, 200),
+    (True, False, "unhealthy", 503, 503),  # the scheduler thread died
+])
+def test_health_is_readiness_and_liveness_only_fails_on_a_dead_scheduler(
+        started: bool, alive: bool | None, status: str, health: int, liveness: int) -> None:
+    with client(started, alive) as c:
+        for path, code in (("/health", health), ("/liveness", liveness)):
+            reply = c.get(path)
+            assert (reply.status_code, reply.json()) == (code, {"status": status, "role": "prefill"}), path
