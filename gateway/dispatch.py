@@ -123,6 +123,9 @@ class Dispatcher:
         # Disaggregated unless the gateway was started with combined workers (``--worker``).
         self.combined = (not self.prefills) if combined is None else combined
         self.num_retries = 0
+        # ``gateway.tokenizer.tokenizer_digest`` of the text the gateway makes of outputs (set with the
+        # frontend): a decode watching stop strings with another tokenizer is not sent them (``submit``).
+        self.tokenizer_digest = ""
 
     @property
     def is_disaggregated(self) -> bool:
@@ -403,14 +406,15 @@ class _Attempt:
         request_id = REQUEST_ID.get()
         timeout_s = dispatcher.config.request_timeout_s
         open_rids, urgent = self.open_rids, self.urgent
-        gather_s = self.gather_s
-        if gather_s and params.stop and not decode.stops_at_strings:
+        gather_s, decode_params = self.gather_s, params
+        if params.stop and not decode.stops_at_strings_as(dispatcher.tokenizer_digest):
             gather_s = 0.0  # it would run on past a stop string until the gateway's abort: not held back
+            if decode.stops_at_strings:  # but with other text than ours: it could stop where we see none
+                decode_params = msgspec.structs.replace(params, stop=[])
         try:
-            rid = decode.submit(Submit(0, input_ids, params, target, timeout_s, request_id, gather_s), self.sink,
-                                "decode",
-                                prefill_tokens=0 if prefill is not None else prompt_tokens, pages=pages,
-                                urgent=urgent)
+            rid = decode.submit(Submit(0, input_ids, decode_params, target, timeout_s, request_id, gather_s),
+                                self.sink, "decode", prefill_tokens=0 if prefill is not None else prompt_tokens,
+                                pages=pages, urgent=urgent)
             open_rids["decode"] = (decode, rid)
             if prefill is not None:
                 rid = prefill.submit(Submit(0, input_ids, params, target, timeout_s, request_id), self.sink,

@@ -29,7 +29,7 @@ from gateway.policies import parse_option_args
 from gateway.remote_tokenizer import RemoteTokenizerError, fetch_tokenizer, needs_fetch
 from gateway.router import Router
 from gateway.sglang_fleet import RelayConfig, SGLangFleet, check_http_url, is_http_url
-from gateway.tokenizer import load_tokenizer
+from gateway.tokenizer import load_tokenizer, tokenizer_digest
 from gateway.worker_client import WorkerClient, parse_worker_url
 from gateway.worker_state import REFRESH_INTERVAL_S
 
@@ -177,12 +177,23 @@ class Gateway:
 
     def _new_client(self, url: str, role: str) -> WorkerClient:
         client = WorkerClient(url, role, stale_after_s=self.config.load_stale_s, health=self.config.health)
-        client.on_up = lambda c: self.router.worker_added(c.state)
+        client.on_up = self._worker_up
         client.on_down = lambda c: self.router.worker_removed(c.state)
         client.on_kv_events = lambda c, events: self.router.kv_events(c.state, events)
         # The dispatcher holds these same lists: a worker added here is selectable once it connects.
         (self.prefills if role == "prefill" else self.decodes).append(client)
         return client
+
+    def _worker_up(self, client: WorkerClient) -> None:
+        self.router.worker_added(client.state)
+        self._check_stop_tokenizer(client)
+
+    def _check_stop_tokenizer(self, client: WorkerClient) -> None:
+        digest = self.dispatcher.tokenizer_digest
+        if client.stops_at_strings and not client.stops_at_strings_as(digest):
+            log.warning("worker %s watches stop strings with another tokenizer than this gateway's (tokenizer.json "
+                        "digest %s, here %s): the gateway stops its requests at them itself", client.url,
+                        client.info.tokenizer_digest if client.info is not None else "?", digest)
 
     async def start(self) -> None:
         self._started = True
@@ -230,7 +241,12 @@ class Gateway:
                 self._tokenizer_fetch = asyncio.get_running_loop().create_task(
                     self._fetch_tokenizer_quietly(client), name="tokenizer-fetch")
             raise NoWorkers(f"fetching the tokenizer from worker {client.url}", retry_after_s=1.0)
-        tokenizer = load_tokenizer(self.config.tokenizer or self._tokenizer_dir or info.tokenizer)
+        spec = self.config.tokenizer or self._tokenizer_dir or info.tokenizer
+        tokenizer = load_tokenizer(spec)
+        self.dispatcher.tokenizer_digest = tokenizer_digest(spec)
+        for connected in self.clients:
+            if connected.info is not None:
+                self._check_stop_tokenizer(connected)
         max_context = min(c.info.max_context for c in self.clients if c.info is not None)
         self.frontend = Frontend(self.dispatcher, tokenizer, self.config.model_name or info.model, max_context,
                                  self.config.default_max_tokens)

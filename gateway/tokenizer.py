@@ -11,6 +11,8 @@ returns only complete text (never half a UTF-8 character), and ``flush()`` the r
 from __future__ import annotations
 
 import codecs
+import hashlib
+import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -103,6 +105,21 @@ def _content_text(content: object) -> str:
                 texts.append(str(part.get("text", "")))
         return "".join(texts)
     raise ValueError("message content must be a string or a list of content parts")
+
+
+def tokenizer_digest(spec: str) -> str:
+    """A short digest of what decides the text a ``load_tokenizer(spec)`` tokenizer makes of token ids
+    (``"byte"``, or a hash of the directory's ``tokenizer.json``: its vocabulary, added tokens and
+    decoder); "" if it cannot be read. A gateway and a decode whose digests differ may see different
+    text for the same output, so the gateway does not let such a decode stop at stop strings
+    (``HelloAck.tokenizer_digest``)."""
+    if spec == "byte":
+        return "byte"
+    try:
+        with open(os.path.join(spec, "tokenizer.json"), "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()[:32]
+    except OSError:
+        return ""
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

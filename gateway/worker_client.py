@@ -182,6 +182,13 @@ class WorkerClient:
         info = self.info
         return info is not None and info.stop_strings
 
+    def stops_at_strings_as(self, digest: str) -> bool:
+        """``stops_at_strings``, watching the text that a tokenizer of this ``tokenizer_digest`` makes
+        (the same tokenizer file; assumed where either digest is unknown, e.g. an older worker)."""
+        info = self.info
+        return (info is not None and info.stop_strings
+                and (not digest or not info.tokenizer_digest or info.tokenizer_digest == digest))
+
     @property
     def is_connected(self) -> bool:
         return self._transport is not None and not self._transport.is_closing() and self.info is not None

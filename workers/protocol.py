@@ -112,8 +112,10 @@ class HelloAck(msgspec.Struct, tag="hello_ack"):
     # Version of the tokenizer-files exchange this worker serves (``GetTokenizer`` -> ``TokenizerFiles``);
     # 0: none (an older worker). A gateway without a local copy of ``tokenizer`` asks for the files.
     tokenizer_files: int = 0
-    # Whether this worker ends a request at its stop strings (``SamplingParams.stop``) as it decodes.
+    # Whether this worker ends a request at its stop strings (``SamplingParams.stop``) as it decodes,
+    # and the ``gateway.tokenizer.tokenizer_digest`` of the tokenizer whose text it watches ("": unknown).
     stop_strings: bool = False
+    tokenizer_digest: str = ""
 
 
 TOKENIZER_FILES_VERSION = 1

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import uvicorn
 
 from gateway.http_protocol import ClientLimits, protocol_class
-from gateway.tokenizer import Tokenizer, load_tokenizer
+from gateway.tokenizer import Tokenizer, load_tokenizer, tokenizer_digest
 from transfer.netaddr import is_wildcard
 from workers.addresses import advertised_host
 from workers.config import WorkerConfig
@@ -63,6 +63,7 @@ class Worker:
         self._http_task: asyncio.Task[None] | None = None
         self._registrar: Any = None
         self.started = False  # every server up (and a prefill registered)
+        self.tokenizer_digest = ""  # of the tokenizer watching stop strings (``HelloAck.tokenizer_digest``)
         self._embedded: Any = None
         self.bootstrap_url = config.bootstrap
         self._resolver: Any = None
@@ -227,6 +228,7 @@ class Worker:
             transfer=self.config.transfer if self.config.role != "both" else "",
             tokenizer_files=TOKENIZER_FILES_VERSION,
             stop_strings=self.scheduler is not None and self.scheduler.stop_tokenizer is not None,
+            tokenizer_digest=self.tokenizer_digest,
         )
 
     def _stop_tokenizer(self) -> Tokenizer | None:
@@ -235,7 +237,9 @@ class Worker:
         assert self.engine is not None
         spec = self.engine.info.tokenizer
         try:
-            return load_tokenizer(spec)
+            tokenizer = load_tokenizer(spec)
+            self.tokenizer_digest = tokenizer_digest(spec)
+            return tokenizer
         except Exception as exc:  # (any loader failure: the worker serves on without this ability)
             log.warning("cannot load the tokenizer %s for stop strings (the gateway will stop requests at "
                         "them instead): %s: %s", spec, type(exc).__name__, exc)
@@ -266,7 +270,8 @@ class Worker:
             "worker_id": self.worker_id, "role": ack.role, "engine": ack.engine, "model": ack.model,
             "native_port": self.native_port, "http_port": self.http_port, "page_size": ack.page_size,
             "num_pages": ack.num_pages, "max_context": ack.max_context, "transfer": ack.transfer,
-            "instance_id": ack.instance_id, "pid": os.getpid(),
+            "instance_id": ack.instance_id, "pid": os.getpid(), "tokenizer": ack.tokenizer,
+            "stop_strings": ack.stop_strings, "tokenizer_digest": ack.tokenizer_digest,
         }
 
     def _deliver(self, messages: list[Any]) -> None:

@@ -325,3 +325,22 @@ def test_one_token_decodes_as_itself_first_and_from_the_kept_text(tiny_tokenizer
     assert [tok.decode([i]) for i in ids] == expected == [tok.decode([i]) for i in ids]
     assert expected[-1] == "" and "\ufffd" in "".join(expected)  # (a special token; a piece of a character)
     assert tok.decode(ids) == "Emoji: 😀 and ünïcödé"
+
+
+def test_tokenizer_digest_follows_the_tokenizer_file(tmp_path, tiny_tokenizer_dir) -> None:
+    """``tokenizer_digest``: equal for a byte-identical copy elsewhere (another host's copy of the model),
+    different once ``tokenizer.json`` differs; "" when there is none to read."""
+    import shutil
+
+    from gateway.tokenizer import tokenizer_digest
+
+    assert tokenizer_digest("byte") == "byte"
+    copy, edited = tmp_path / "copy", tmp_path / "edited"
+    shutil.copytree(tiny_tokenizer_dir, copy)
+    shutil.copytree(tiny_tokenizer_dir, edited)
+    data = json.loads((edited / "tokenizer.json").read_text())
+    (edited / "tokenizer.json").write_text(json.dumps(data, indent=3))
+    digest = tokenizer_digest(str(tiny_tokenizer_dir))
+    assert len(digest) == 32 and tokenizer_digest(str(copy)) == digest
+    assert tokenizer_digest(str(edited)) not in (digest, "")
+    assert tokenizer_digest(str(tmp_path / "nowhere")) == ""

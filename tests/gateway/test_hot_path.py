@@ -685,7 +685,9 @@ def test_complete_frees_a_failed_pair_before_the_retry_backoff() -> None:
 def test_a_whole_response_with_stop_strings_is_gathered_only_by_a_decode_that_stops_at_them() -> None:
     """``Submit.gather_s`` for a whole response with stop strings: sent, with the strings in the params,
     to a decode that ends requests at them itself (``HelloAck.stop_strings``); not to one that does not
-    (the gateway finds the string and aborts: held outputs would keep that decode running past it)."""
+    (the gateway finds the string and aborts: held outputs would keep that decode running past it).
+    A decode watching the text of another tokenizer file (``HelloAck.tokenizer_digest``) is sent neither
+    the gathering nor the strings: it could stop where the gateway's text has none."""
     import msgspec
 
     from gateway.dispatch import DispatchConfig, Dispatcher
@@ -693,11 +695,14 @@ def test_a_whole_response_with_stop_strings_is_gathered_only_by_a_decode_that_st
     from gateway.router import Router
     from workers.protocol import Outputs, Submit
 
-    async def gather_sent(stops_at_strings: bool, stop: list[str]) -> tuple[float, list[str]]:
+    async def gather_sent(stops_at_strings: bool, stop: list[str], digests: tuple[str, str] = ("", "")
+                          ) -> tuple[float, list[str]]:
         workers, transports = _connected_workers(asyncio.get_running_loop(), "both", 1)
-        workers[0].info = msgspec.structs.replace(workers[0].info, stop_strings=stops_at_strings)
+        workers[0].info = msgspec.structs.replace(workers[0].info, stop_strings=stops_at_strings,
+                                                  tokenizer_digest=digests[1])
         policy = RoundRobinPolicy()
         dispatcher = Dispatcher([], workers, Router(policy, policy), combined=True)
+        dispatcher.tokenizer_digest = digests[0]
         params = SamplingParams(max_new_tokens=4, stop=stop)
         task = asyncio.create_task(dispatcher.complete([1, 2, 3], params, _Collected(), in_callback=not stop))
         for _ in range(20):
@@ -713,6 +718,12 @@ def test_a_whole_response_with_stop_strings_is_gathered_only_by_a_decode_that_st
         assert await gather_sent(True, ["\n\n"]) == (gather_s, ["\n\n"])
         assert await gather_sent(False, ["\n\n"]) == (0.0, ["\n\n"])
         assert await gather_sent(False, []) == (gather_s, [])
+        # the gateway's tokenizer digest, the decode's
+        assert await gather_sent(True, ["\n\n"], ("ab12", "ab12")) == (gather_s, ["\n\n"])
+        assert await gather_sent(True, ["\n\n"], ("ab12", "cd34")) == (0.0, [])
+        assert await gather_sent(True, ["\n\n"], ("ab12", "")) == (gather_s, ["\n\n"])  # an older decode
+        assert await gather_sent(True, ["\n\n"], ("", "cd34")) == (gather_s, ["\n\n"])
+        assert await gather_sent(True, [], ("ab12", "cd34")) == (gather_s, [])
 
     asyncio.run(main())
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from pdtest import Procs, SmolDeployment, start_smollm2, wait_pools_full
+from pdtest import Procs, SmolDeployment, start_gateway, start_smollm2, wait_pools_full
 
 pytestmark = pytest.mark.slow
 
@@ -49,26 +52,60 @@ def test_pd_greedy_equals_combined_worker(deployment: SmolDeployment, question: 
     assert pd.usage and both.usage and pd.usage.completion_tokens == both.usage.completion_tokens
 
 
-def test_a_stop_string_ends_the_answer_on_the_decode(deployment: SmolDeployment) -> None:
-    """A stop string from the middle of a greedy answer: PD and the combined worker both answer the text
-    before it, and the decode (SmolLM2's tokenizer on the worker) ended the request there itself."""
+def stop_string_case(deployment: SmolDeployment) -> tuple[str, str]:
+    """A stop string from the middle of a greedy answer, and the answer's text before it."""
     full = chat(deployment.pd_v1, QUESTIONS[2], max_tokens=24, temperature=0).choices[0].message.content or ""
     words = full.split()
     assert len(words) >= 4, full
     stop = " " + words[2]  # a piece of text the answer reaches after a few tokens
-    cut = full[: full.index(stop)]
+    return stop, full[: full.index(stop)]
+
+
+def decode_stops(deployment: SmolDeployment) -> float:
+    """Requests the PD decode ended at a stop string itself."""
     decode = next(w for w in deployment.workers if w.role == "decode")
+    text = httpx.get(f"http://127.0.0.1:{decode.http_port}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pd_worker_requests_finished") and 'reason="stop"' in line)
 
-    def stopped() -> float:
-        text = httpx.get(f"http://127.0.0.1:{decode.http_port}/metrics", timeout=10).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("pd_worker_requests_finished") and 'reason="stop"' in line)
 
-    before = stopped()
+def test_a_stop_string_ends_the_answer_on_the_decode(deployment: SmolDeployment) -> None:
+    """PD and the combined worker both answer the text before the stop string, and the decode
+    (SmolLM2's tokenizer on the worker) ended the request there itself."""
+    stop, cut = stop_string_case(deployment)
+    before = decode_stops(deployment)
     for url in (deployment.pd_v1, deployment.both_v1):
         out = chat(url, QUESTIONS[2], max_tokens=24, temperature=0, stop=[stop])
         assert out.choices[0].message.content == cut and out.choices[0].finish_reason == "stop", url
-    assert stopped() == before + 1  # the PD request: ended by the decode, not aborted by the gateway
+    assert decode_stops(deployment) == before + 1  # the PD request: ended by the decode, not aborted
+
+
+def test_stop_strings_stay_with_a_gateway_whose_tokenizer_file_differs(deployment: SmolDeployment,
+                                                                       tmp_path: Path) -> None:
+    """A gateway with its own copy of the model's tokenizer (``--tokenizer``, as on another host) leaves
+    stop strings to the decode when its ``tokenizer.json`` is the worker's byte for byte; when the file
+    differs (here only re-indented, but it could decode ids to other text) it keeps the strings to itself
+    and aborts at them, with a warning at start-up. The answers are the same either way."""
+    stop, cut = stop_string_case(deployment)
+    prefill, decode = (next(w for w in deployment.workers if w.role == role) for role in ("prefill", "decode"))
+    source = Path(httpx.get(f"http://127.0.0.1:{decode.http_port}/info", timeout=10).json()["tokenizer"])
+    same, edited = tmp_path / "same", tmp_path / "edited"
+    shutil.copytree(source, same)
+    shutil.copytree(source, edited)
+    (edited / "tokenizer.json").write_text(json.dumps(json.loads((source / "tokenizer.json").read_text()), indent=1))
+    procs = Procs(tmp_path)
+    try:
+        for copy, decode_stopped in ((same, 1), (edited, 0)):
+            port = start_gateway(procs, "--prefill", prefill.url, "--decode", decode.url, "--tokenizer", str(copy))
+            before = decode_stops(deployment)
+            out = chat(f"http://127.0.0.1:{port}/v1", QUESTIONS[2], max_tokens=24, temperature=0, stop=[stop])
+            assert out.choices[0].message.content == cut and out.choices[0].finish_reason == "stop", copy
+            assert decode_stops(deployment) == before + decode_stopped, copy
+            warned = "watches stop strings with another tokenizer" in procs.log(f"gateway-{port}")
+            assert warned == (copy == edited), procs.log(f"gateway-{port}")
+    finally:
+        procs.stop_all()
+    wait_pools_full(deployment.workers, 30)
 
 
 def test_seeded_sampling_reproduces_across_the_split(deployment: SmolDeployment) -> None:
