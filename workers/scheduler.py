@@ -73,7 +73,7 @@ from workers.pd_queues import (
 )
 from workers.protocol import Error, Fault, KVEvents, LoadReport, Outputs, StepOutput, Submit, joined
 from workers.request import Req
-from workers.stop_strings import StopWatch
+from workers.stop_strings import StopWatch, history_tokens
 
 log = logging.getLogger(__name__)
 
@@ -701,7 +701,9 @@ class Scheduler:
         if watch is None:
             if self.stop_tokenizer is None:
                 return False
-            watch = req.stop_watch = StopWatch(self.stop_tokenizer, req.params.stop)
+            stops, before = req.params.stop, min(req.params.output_offset, len(req.input_ids))
+            history = req.input_ids[len(req.input_ids) - min(before, history_tokens(stops)):] if before else ()
+            watch = req.stop_watch = StopWatch(self.stop_tokenizer, stops, history)
         return watch.push(token)
 
     # -- outputs and release -----------------------------------------------------------------

@@ -4,15 +4,25 @@ The gateway remains what trims the text (``gateway.text.StopMatcher`` over its o
 the worker's part is to stop generating there, instead of one or more steps later when the gateway's
 abort arrives, so that a whole response's decode can hold its outputs back (``Submit.gather_s``) even
 when the request has stop strings. Both sides detokenize with the same tokenizer and the same
-incremental decoder, so the worker stops at the token where the gateway finds the string (a decode
-that starts after a migration starts its text fresh there: it may miss a string that spans the two
-attempts, which the gateway then finds and aborts as before).
+incremental decoder, so the worker stops at the token where the gateway finds the string. A decode
+that continues a migrated stream (``SamplingParams.output_offset``: its prompt ends with the outputs
+streamed before) first reads the last of those outputs (``history_tokens``), so a string that spans the
+two attempts ends the request too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from gateway.text import StopMatcher
 from gateway.tokenizer import Tokenizer
+
+
+def history_tokens(stops: list[str]) -> int:
+    """How many earlier output tokens hold the text a stop string could start in: every character but
+    the string's last, at most 4 tokens each (one per UTF-8 byte), and a margin over which a decode
+    started mid-text settles (e.g. a leading space it would drop)."""
+    return 4 * max((len(s) for s in stops), default=0) + 8
 
 
 class StopWatch:
@@ -20,9 +30,15 @@ class StopWatch:
 
     __slots__ = ("_decoder", "_matcher")
 
-    def __init__(self, tokenizer: Tokenizer, stops: list[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stops: list[str], history: Sequence[int] = ()) -> None:
+        """``history``: the end of the outputs before this request (a migrated stream's), text that a
+        string may start in."""
         self._decoder = tokenizer.decoder()
         self._matcher = StopMatcher(stops)
+        if history:
+            self._matcher.push(self._decoder.push(history))
+            if self._matcher.matched is not None:  # a string the gateway would have stopped at: this
+                self._matcher = StopMatcher(stops)  # tail's text is not the gateway's; start afresh
 
     def push(self, token_id: int) -> bool:
         """Add one output token; True once the text so far contains a stop string."""

@@ -455,3 +455,30 @@ def test_a_stop_string_ends_the_request_at_the_token_that_completes_it() -> None
     run_until_idle(blind)
     assert tokens_of(blind_sink, 1) == full and blind_sink.outputs(1)[-1].finish_reason == "length"
 
+
+def test_a_stop_string_spanning_a_migration_ends_the_continuing_request() -> None:
+    """A migrated stream's new decode gets the outputs so far at the end of its prompt
+    (``output_offset`` of them): a stop string that starts in them and ends in its first token ends the
+    request there; a string lying wholly in them (text the gateway's detokenizer would have stopped at,
+    so it did not see it that way) does not end it at once."""
+    prompt, before = [5, 6, 7], 12
+    plain, plain_sink, _ = make()
+    plain.submit(0, Submit(1, prompt, SamplingParams(max_new_tokens=before)))
+    run_until_idle(plain)
+    history = tokens_of(plain_sink, 1)
+    plain.submit(0, Submit(2, prompt + history, SamplingParams(max_new_tokens=10, output_offset=before)))
+    run_until_idle(plain)
+    rest = tokens_of(plain_sink, 2)
+    text = bytes(history + rest).decode()
+    spanning = text[before - 2:before + 1]  # two characters of the earlier outputs, one of the new
+    assert text.index(spanning) == before - 2, text
+    inside = text[3:6]
+    for stop, expected in (([spanning], rest[:1]), ([inside], rest)):
+        sched, sink, pool = make(stop_tokenizer=ByteTokenizer())
+        params = SamplingParams(max_new_tokens=10, output_offset=before, stop=stop)
+        sched.submit(0, Submit(1, prompt + history, params))
+        run_until_idle(sched)
+        assert tokens_of(sink, 1) == expected, stop
+        assert sink.outputs(1)[-1].finish_reason == ("stop" if expected != rest else "length"), stop
+        assert sched.cache.num_available == pool.num_pages
+
