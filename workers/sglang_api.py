@@ -213,8 +213,8 @@ class SGLangAPI:
             if self.frontend is not None and not self._started:
                 self._started = True
                 self.client.start()
-            if self.frontend is not None:
-                await self.client.wait_ready(timeout_s)
+        if self.frontend is not None:  # (outside the lock: concurrent requests wait side by side, not in turn)
+            await self.client.wait_ready(timeout_s)
 
     async def aclose(self) -> None:
         await self.client.aclose()
