@@ -12,11 +12,13 @@ Lifecycle (the workers, their health, load and HTTP session: ``gateway/sglang_fl
    matching, ``gateway/sglang_routing.py``), a fresh
    ``bootstrap_room`` per item (a list for batched ``/generate`` and for ``n > 1``, else a scalar),
    POSTed to the prefill and the decode at the same time.
-3. Failure coupling before the decode's first byte: a prefill that fails (non-2xx, connection
-   error) cancels the decode request (closing its connection aborts it on the worker); a decode
-   that fails cancels the prefill request. A 4xx goes to the client as the worker wrote it; a 5xx
-   or a connection error is retried on a new pair and new rooms (``max_retries``, jittered backoff),
-   else a 502. After the first byte the decode's stream is relayed to its end.
+3. Failure coupling before the decode's first event (a stream's client gets its response head
+   with it; SGLang's decode sends its own head at once, then waits for the KV): a prefill that fails
+   (non-2xx, connection error) cancels the decode request (closing its connection aborts it on the
+   worker); a decode that fails cancels the prefill request. A 4xx goes to the client as the worker
+   wrote it; a 5xx or a connection error is retried on a new pair and new rooms (``max_retries``,
+   jittered backoff), else a 502. After the first event the decode's stream is relayed, whole
+   events only, to its end or to an error event.
 4. The prefill's body is always read to the end (it frees the connection); with ``return_logprob``
    its ``meta_info.input_token_logprobs`` are put in front of the decode's, from a JSON or an SSE
    prefill reply, in the whole response or in every streamed event.
@@ -172,11 +174,12 @@ class SGLangResponder:
         cfg = self.fleet.config
         loop = asyncio.get_running_loop()
         headers = {"content-type": "application/json", "x-request-id": REQUEST_ID.get()}
-        # A stream's decode answers when its first token is out, a whole one at its end.
+        # A stream's first event is due within the first-token timeout, a whole answer at its end. (No
+        # ``sock_read``: it would bound the wait for the response head too, which our own workers send
+        # with the first token; a stream's reads are timed in ``_first_events`` and ``_stream``.)
         wait_s = cfg.first_byte_timeout_s if stream else cfg.request_timeout_s
         deadline = loop.time() + wait_s
-        read = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s,
-                                     sock_read=cfg.read_timeout_s if stream else None)
+        read = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
         p_rid, d_rid = prefill.opened(), decode.opened()
         p_task = asyncio.create_task(_post(session, f"{prefill.url}/{self.path}", data, headers, merge_logprobs))
         p_task.add_done_callback(lambda task: _prefill_done(task, prefill, p_rid))
@@ -202,10 +205,20 @@ class SGLangResponder:
                 return await self._failed(decode_reply_or_failure, send)
             reply = decode_reply_or_failure
             try:
-                status = await self._answer(reply, p_task, stream, merge_logprobs, send)
+                if stream and reply.headers.get("content-type", "").startswith("text/event-stream"):
+                    first = await self._first_events(reply, p_task, prefill, decode, deadline, wait_s)
+                    if isinstance(first, _Failure):  # nothing sent yet: retried like a failure before the head
+                        reply.close()  # (aborts the decode's request)
+                        if first.worker is decode:
+                            decode.health.breaker.record_failure()
+                        return await self._failed(first, send)
+                    status = await self._stream(reply, first, p_task, merge_logprobs, send)
+                else:
+                    status = await self._whole(reply, p_task, merge_logprobs, send)
             finally:
                 reply.release()
-            decode.health.breaker.record_success()
+            breaker = decode.health.breaker
+            (breaker.record_success if status < 500 else breaker.record_failure)()
             answered = True
             return status
         finally:
@@ -229,39 +242,89 @@ class SGLangResponder:
         log.warning("%s", message)
         return _Retry(BadGateway(message, code="worker_failed"), worker)
 
-    async def _answer(self, reply: aiohttp.ClientResponse, p_task: asyncio.Task[_PrefillReply], stream: bool,
-                      merge_logprobs: bool, send: Send) -> int:
+    async def _whole(self, reply: aiohttp.ClientResponse, p_task: asyncio.Task[_PrefillReply],
+                     merge_logprobs: bool, send: Send) -> int:
         content_type = reply.headers.get("content-type", "application/json")
-        if not stream or not content_type.startswith("text/event-stream"):
-            try:
-                data = await reply.read()
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                raise BadGateway(f"the SGLang decode worker's response broke: {type(exc).__name__}: {exc}") from None
-            if merge_logprobs and reply.status == 200:
-                data = _merge_whole(await _prefill_logprobs(p_task), data)
-            await _send_whole(send, reply.status, content_type, data)
-            return reply.status
+        try:
+            data = await reply.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise BadGateway(f"the SGLang decode worker's response broke: {type(exc).__name__}: {exc}") from None
+        if merge_logprobs and reply.status == 200:
+            data = _merge_whole(await _prefill_logprobs(p_task), data)
+        await _send_whole(send, reply.status, content_type, data)
+        return reply.status
+
+    async def _first_events(self, reply: aiohttp.ClientResponse, p_task: asyncio.Task[_PrefillReply],
+                            prefill: HttpWorker, decode: HttpWorker, deadline: float, wait_s: float,
+                            ) -> tuple[bytes, bytes] | _Failure:
+        """A stream's first complete events and the bytes after them, before the client gets its head.
+
+        SGLang's decode sends its head at once and then waits for the KV: until its first event the
+        stream can still fail over to a new pair, which it does when the prefill fails meanwhile (the
+        KV will never come) or the decode's connection breaks. No event within the first-token
+        timeout is a 504."""
+        loop = asyncio.get_running_loop()
+        buffer = b""
+        read: asyncio.Future[bytes] = asyncio.ensure_future(reply.content.readany())
+        try:
+            while True:
+                if p_task.done():
+                    failure = _failure(p_task, prefill)
+                    if failure is not None:
+                        return failure
+                waiting: set[asyncio.Future[Any]] = {read} if p_task.done() else {read, p_task}
+                done, _ = await asyncio.wait(waiting, timeout=max(0.0, deadline - loop.time()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if read not in done:
+                    if p_task in done:
+                        continue  # (judged above)
+                    raise UpstreamTimeout(f"the SGLang decode worker sent no event within {wait_s:g}s")
+                try:
+                    chunk = read.result()
+                except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                    return _Failure(decode, f"its stream broke before its first event: {type(exc).__name__}: {exc}")
+                if not chunk:
+                    return buffer, b""  # ended without a complete event: relayed as it is
+                buffer += chunk
+                events, boundary, rest = buffer.rpartition(b"\n\n")
+                if boundary:
+                    return events + boundary, rest
+                read = asyncio.ensure_future(reply.content.readany())
+        finally:
+            if not read.done():
+                read.cancel()
+
+    async def _stream(self, reply: aiohttp.ClientResponse, first: tuple[bytes, bytes],
+                      p_task: asyncio.Task[_PrefillReply], merge_logprobs: bool, send: Send) -> int:
+        """Relay the stream from its first events on, whole events only: a decode that breaks off
+        mid-event leaves the client a clean error event, not a line of two events run together."""
+        content_type = reply.headers.get("content-type", "text/event-stream")
         await send({"type": "http.response.start", "status": reply.status,
                     "headers": [(b"content-type", content_type.encode()), (b"cache-control", b"no-cache"),
                                 (b"x-accel-buffering", b"no")]})
         logprobs = await _prefill_logprobs(p_task) if merge_logprobs else None
-        pending = b""
+        events, pending = first
+        idle_s = self.fleet.config.read_timeout_s
+        status = reply.status
         try:
-            async for chunk in reply.content.iter_any():
-                if logprobs is None:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    continue
-                pending += chunk
-                events, _, pending = pending.rpartition(b"\n\n")
+            while True:
                 if events:
-                    await send({"type": "http.response.body", "body": _merge_events(logprobs, events + b"\n\n"),
-                                "more_body": True})
+                    await send({"type": "http.response.body", "more_body": True,
+                                "body": events if logprobs is None else _merge_events(logprobs, events)})
+                async with asyncio.timeout(idle_s):
+                    chunk = await reply.content.readany()
+                if not chunk:
+                    break
+                events, boundary, pending = (pending + chunk).rpartition(b"\n\n")
+                events += boundary
         except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("%s: the decode's stream broke: %s", self.route, exc)
-            error = BadGateway(f"SGLang decode worker stream broke: {type(exc).__name__}")
-            pending += b"data: " + _json.encode(error.body()) + b"\n\n"
+            timed_out = isinstance(exc, TimeoutError)
+            why = f"sent nothing for {idle_s:g}s" if timed_out else f"broke: {type(exc).__name__}: {exc}"
+            log.warning("%s: the SGLang decode worker's stream %s", self.route, why)
+            error = (UpstreamTimeout if timed_out else BadGateway)(f"the SGLang decode worker's stream {why}")
+            pending, status = b"data: " + _json.encode(error.body()) + b"\n\n", error.status
         await send({"type": "http.response.body", "body": pending, "more_body": False})
-        return reply.status
+        return status
 
 
 def _prefill_done(task: asyncio.Task[_PrefillReply], prefill: HttpWorker, rid: int) -> None:
@@ -339,8 +402,12 @@ async def _settle(task: asyncio.Task[aiohttp.ClientResponse], worker: HttpWorker
         return _Failure(worker, f"{type(exc).__name__}: {exc}")
     if 200 <= reply.status < 300:
         return reply
-    body = await reply.read()
-    reply.release()
+    try:
+        body = await reply.read()
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:  # no whole answer to pass on: retried
+        return _Failure(worker, f"answered {reply.status}, then its response broke: {type(exc).__name__}: {exc}")
+    finally:
+        reply.release()
     return _Failure(worker, f"answered {reply.status}", reply.status,
                     reply.headers.get("content-type", "application/json"), body)
 

@@ -10,7 +10,12 @@ Behaviour, chosen by the prompt (``text``, ``prompt`` or the last message's ``co
 - contains ``PREFILL_400`` / ``PREFILL_500`` / ``DECODE_500``: that side answers with that status (a
   400 after 0.5 s, so that the decode, asked concurrently, has received the request by then);
 - contains ``DECODE_WAITS`` or ``PREFILL_``: the decode waits up to 30 s before answering (a decode
-  left waiting for KV that never comes);
+  left waiting for KV that never comes); with ``HEAD_FIRST`` too, a streaming decode sends its
+  response head at once and waits after it, as SGLang's does;
+- contains ``DECODE_SLOW_HEAD``: the decode answers after 2 s (our workers send a stream's head with
+  its first token);
+- contains ``DECODE_BREAKS``: a streaming decode sends one event and half of the next, then its
+  connection breaks; with ``DECODE_500`` too, it answers 500 and breaks off in the middle of its body;
 - otherwise the prefill answers at once with ``meta_info.input_token_logprobs`` (one entry per
   prompt character; as SSE when streaming), and the decode answers ``"decoded <room>"`` (streamed as
   one event per word for ``/generate``, cumulative; OpenAI chunks for the OpenAI routes).
@@ -63,15 +68,35 @@ def make_app(role: str, log_path: Path) -> Starlette:
         if f"{role.upper()}_400" in text:
             await asyncio.sleep(0.5)  # refuse after a moment, so the concurrent decode surely holds the request
             return JSONResponse({"error": {"message": f"{role} refuses", "type": "invalid_request_error"}}, 400)
+        stream = bool(body.get("stream"))
+        if role == "decode" and "DECODE_BREAKS" in text:
+            async def broken() -> Any:
+                yield 'data: {"text": "one"}\n\n' if "DECODE_500" not in text else '{"error": {"message": "de'
+                await asyncio.sleep(0.05)
+                yield 'data: {"text": "one tw'
+                await asyncio.sleep(0.05)
+                raise ConnectionError("the decode died")  # the server drops the connection mid-body
+
+            return StreamingResponse(broken(), 500 if "DECODE_500" in text else 200, media_type="text/event-stream")
         if f"{role.upper()}_500" in text:
             return JSONResponse({"error": {"message": f"{role} broke", "type": "internal_error"}}, 500)
-        stream = bool(body.get("stream"))
         if role == "prefill":
             meta = {"input_token_logprobs": [[-0.5, ord(c), None] for c in text]}
             if stream:
                 event = json.dumps({"text": "", "meta_info": meta})
                 return Response(f"data: {event}\n\ndata: [DONE]\n\n", media_type="text/event-stream")
             return JSONResponse({"text": "", "meta_info": meta})
+        if role == "decode" and "DECODE_SLOW_HEAD" in text:
+            await asyncio.sleep(2.0)
+        if ("DECODE_WAITS" in text or "PREFILL_" in text) and "HEAD_FIRST" in text and stream:
+            async def waiting() -> Any:  # the head is out; the KV never comes
+                try:
+                    await asyncio.sleep(30)
+                    yield "data: [DONE]\n\n"
+                finally:
+                    log(event="cancelled", bootstrap_room=room)
+
+            return StreamingResponse(waiting(), media_type="text/event-stream")
         if "DECODE_WAITS" in text or "PREFILL_" in text:  # its KV would never come
             for _ in range(300):
                 if await request.is_disconnected():

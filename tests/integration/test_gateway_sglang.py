@@ -84,6 +84,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         port = start_gateway(procs, "--pd-disaggregation", "--prefill", f"http://127.0.0.1:{p0}", "7001",
                              "--prefill", f"http://127.0.0.1:{p1}", "none", "--decode", f"http://127.0.0.1:{d}",
                              "--retry-backoff-s", "0.01", "--health-interval-s", "0.2",
+                             "--stream-idle-timeout-s", "1",  # (below DECODE_SLOW_HEAD's 2 s)
                              "--breaker-failures", "1000")  # the failure tests must not open a breaker
         yield Fleet(f"http://127.0.0.1:{port}", logs, decode_log, [7001, None])
     finally:
@@ -198,6 +199,45 @@ def test_a_failing_side_is_retried_on_new_rooms_then_a_502(fleet: Fleet, side: s
     attempts = [e for e in (fleet.entries(log) if log else fleet.prefill_requests()) if e["text"] == text]
     assert len(attempts) == 3, "--max-retries 2: three attempts"
     assert len({e["bootstrap_room"] for e in attempts}) == 3, "a new room per attempt"
+
+
+def test_a_streams_first_token_may_take_longer_than_the_idle_timeout(fleet: Fleet) -> None:
+    """Our workers send a stream's response head with its first token: waiting for it is the first-token
+    timeout's (300 s), not the 1 s between events; one decode attempt, answered."""
+    text = "DECODE_SLOW_HEAD s"
+    r = post(fleet, "/generate", {"text": text, "stream": True})
+    assert r.status_code == 200 and "decoded" in r.text and "error" not in r.text, r.text
+    assert len([e for e in fleet.entries(fleet.decode_log) if e["text"] == text]) == 1
+
+
+def test_a_prefill_failing_after_the_decodes_head_is_retried(fleet: Fleet) -> None:
+    """SGLang's decode sends a stream's head at once, then waits for the KV: a prefill failing after
+    that is still a failure before the client's first byte, retried on new rooms, each decode request
+    closed; not a 200 whose stream ends in an error when the decode gives up."""
+    text = "PREFILL_500 HEAD_FIRST"
+    r = post(fleet, "/generate", {"text": text, "stream": True})
+    assert r.status_code == 502 and "SGLang prefill worker" in r.json()["error"]["message"], r.text
+    rooms = [e["bootstrap_room"] for e in fleet.entries(fleet.decode_log) if e["text"] == text]
+    assert len(set(rooms)) == 3, "three attempts"
+    assert eventually(lambda: [e for e in fleet.entries(fleet.decode_log, "cancelled")
+                               if e["bootstrap_room"] in rooms][2:]), "every decode request was closed"
+
+
+def test_a_decode_breaking_mid_event_ends_the_stream_with_a_clean_error_event(fleet: Fleet) -> None:
+    r = post(fleet, "/generate", {"text": "DECODE_BREAKS s", "stream": True})
+    assert r.status_code == 200
+    events = [line[len("data: "):] for line in r.text.split("\n\n") if line.startswith("data: ")]
+    decoded = [json.loads(e) for e in events]  # every event whole: nothing of the broken one
+    assert decoded[0] == {"text": "one"} and decoded[-1]["error"]["type"] == "upstream_error", r.text
+    assert len(decoded) == 2
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_decode_500_that_breaks_off_is_retried_then_a_502(fleet: Fleet, stream: bool) -> None:
+    text = f"DECODE_500 DECODE_BREAKS {'s' if stream else 'w'}"
+    r = post(fleet, "/generate", {"text": text, "stream": stream})
+    assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error", r.text
+    assert len([e for e in fleet.entries(fleet.decode_log) if e["text"] == text]) == 3
 
 
 def test_health_reports_the_sglang_workers(fleet: Fleet) -> None:
