@@ -45,12 +45,12 @@ class Admission:
         self.metrics.queued.set(len(self._waiters))
         started = time.monotonic()
         try:
-            await asyncio.wait_for(asyncio.shield(future), self.queue_timeout_s)
-        except TimeoutError:
-            if future.done() and not future.cancelled():  # a slot arrived just as the wait expired
-                return self._granted(started)
-            self.metrics.rejected.labels("queue_timeout").inc()
-            raise Overloaded(f"waited {self.queue_timeout_s:g}s for a free slot", retry_after_s=1.0) from None
+            # (``asyncio.wait``, not ``wait_for``: a stream may wait here in its eager first step, before it
+            # has a task, and from Python 3.12 on ``wait_for`` needs one.)
+            done, _ = await asyncio.wait((future,), timeout=self.queue_timeout_s)
+            if not done:
+                self.metrics.rejected.labels("queue_timeout").inc()
+                raise Overloaded(f"waited {self.queue_timeout_s:g}s for a free slot", retry_after_s=1.0)
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():
                 self._release()  # the slot was handed to us: pass it on

@@ -175,6 +175,8 @@ class Responder:
         run: Run | None = None
         try:
             try:
+                if not isinstance(exchange, AsgiExchange):  # (an ASGI watcher would read the body itself)
+                    exchange.watch_disconnect(gone)  # a client leaving while queued gives up its place
                 release = await gw.admission.admit()
                 body = await exchange.read_body(gw.max_body_bytes, gw.body_timeout_s)
                 frontend = gw.require_frontend()

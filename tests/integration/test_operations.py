@@ -173,6 +173,37 @@ def test_admission_limits_queue_and_429_with_retry_after(sim_cluster) -> None:  
     cluster.wait_pools_full()
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_client_leaving_the_queue_gives_up_its_place(sim_cluster, stream: bool) -> None:  # type: ignore[no-untyped-def]
+    """One slot, one queue place: a queued client that closes its connection leaves the queue then (a
+    499), so the next client queues instead of getting a 429 while the place is held by nobody."""
+    cluster = sim_cluster(decode_args=SLOW_DECODE, gateway_args=(
+        "--max-concurrent-requests", "1", "--max-queued-requests", "1", "--queue-timeout-s", "30"))
+    host, port = cluster.base_url.removeprefix("http://").split(":")
+    left_before = metric(cluster, "pd_gateway_requests_total", route="completions", status="499")
+
+    async def run() -> tuple[int, int]:
+        async with httpx.AsyncClient(base_url=cluster.base_url, timeout=60) as http:
+            body = {"prompt": PROMPT, "max_tokens": 20}  # ~1 s on the slow decode: holds the slot
+            first = asyncio.create_task(http.post("/v1/completions", json=body))
+            await asyncio.sleep(0.3)
+            payload = json.dumps({"prompt": PROMPT, "max_tokens": 2, "stream": stream}).encode()
+            _, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%b" % (len(payload), payload))
+            await writer.drain()
+            await asyncio.sleep(0.2)  # queued behind the first
+            writer.close()
+            await asyncio.sleep(0.2)
+            third = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            return (await first).status_code, third.status_code
+
+    assert asyncio.run(run()) == (200, 200)
+    assert metric(cluster, "pd_gateway_requests_total", route="completions", status="499") == left_before + 1
+    assert metric(cluster, "pd_gateway_rejected_requests_total", reason="queue_timeout") == 0
+    cluster.wait_pools_full()
+
+
 def test_drain_on_sigterm_finishes_open_streams_and_refuses_new_ones(sim_cluster) -> None:  # type: ignore[no-untyped-def]
     cluster = sim_cluster(decode_args=SLOW_DECODE, gateway_args=("--drain-timeout-s", "20"))
     gateway = next(p for p in cluster.procs.procs if getattr(p, "name", "").startswith("gateway-"))
