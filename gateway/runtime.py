@@ -100,7 +100,7 @@ class GatewayConfig:
             if any(map(is_kind, self.prefill)) != any(map(is_kind, self.decode)):
                 raise ValueError(f"prefill/decode: {kind} workers need at least one prefill and one decode of "
                                  "their kind (a prefill and its decode must speak the same KV protocol)")
-        if len(set(self.prefill + self.decode + self.worker)) != len(self.prefill + self.decode + self.worker):
+        if len({url.rstrip("/") if is_http_url(url) else parse_worker_url(url) for url in urls}) != len(urls):
             raise ValueError("prefill/decode/worker: a worker URL is listed twice")
         for name in ("load_stale_s", "queue_timeout_s", "drain_timeout_s", "body_timeout_s", "header_timeout_s",
                      "write_timeout_s"):
@@ -270,7 +270,12 @@ class Gateway:
 
     # -- membership (admin API) -----------------------------------------------------------------
     def find(self, url: str) -> WorkerClient | None:
-        return next((c for c in self.clients if c.url == url), None)
+        """The worker at ``url``, however it is spelled (``parse_worker_url``)."""
+        try:
+            address = parse_worker_url(url)
+        except ValueError:
+            return None
+        return next((c for c in self.clients if (c.host, c.port) == address), None)
 
     def add_worker(self, url: str, role: str) -> WorkerClient:
         """Start routing to a new worker (it becomes selectable once connected and healthy)."""

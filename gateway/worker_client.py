@@ -131,10 +131,17 @@ class _FrameProtocol(FramedProtocol):
 
 
 def parse_worker_url(url: str) -> tuple[str, int]:
+    """A native worker URL's (host, port): how two spellings of one worker (``pd://h:1``, ``h:1``,
+    ``pd://H:1/``) are known to be the same."""
     parts = urlsplit(url if "://" in url else f"pd://{url}")
-    if parts.scheme not in ("pd", "tcp") or not parts.hostname or parts.port is None:
+    try:
+        port = parts.port
+    except ValueError:  # (out of range, not a number)
+        port = None
+    if (parts.scheme not in ("pd", "tcp") or not parts.hostname or port is None or parts.path not in ("", "/")
+            or parts.query or parts.fragment or parts.username is not None):
         raise ValueError(f"worker URL must look like pd://HOST:PORT (the native port), got {url!r}")
-    return parts.hostname, parts.port
+    return parts.hostname, port
 
 
 class WorkerClient:

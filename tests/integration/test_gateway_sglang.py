@@ -336,6 +336,8 @@ def test_a_mixed_fleet_serves_from_both_kinds(procs: Procs, tmp_path: Path) -> N
     (["--prefill", "pd://127.0.0.1:1", "8998", "--decode", "pd://127.0.0.1:2"], "follows only an SGLang"),
     (["--prefill", "8998", "--decode", "pd://127.0.0.1:2"], "must follow a prefill URL"),
     (["--worker", "http://127.0.0.1:1"], "run disaggregated"),
+    (["--prefill", "pd://127.0.0.1:1", "--decode", "127.0.0.1:1/"], "listed twice"),  # one worker, two spellings
+    (["--prefill", "pd://127.0.0.1:1/x", "--decode", "pd://127.0.0.1:2"], "must look like pd://HOST:PORT"),
 ])
 def test_bad_sglang_worker_flags_are_refused(argv: list[str], error: str) -> None:
     from gateway.cli import build_parser, config_from_args

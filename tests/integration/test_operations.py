@@ -282,6 +282,13 @@ def test_admin_api_adds_and_drains_workers_with_sglang_aliases(sim_cluster, proc
     r = httpx.post(f"{cluster.base_url}/add_worker", params={"url": extra.url, "role": "decode"})
     assert r.status_code == 201, r.text
     assert httpx.post(f"{cluster.base_url}/workers", json={"url": extra.url, "role": "decode"}).status_code == 409
+    address = extra.url.removeprefix("pd://")
+    for alias in (f"pd://{address}/", address, f"tcp://{address}"):  # the same worker, spelled otherwise
+        again = httpx.post(f"{cluster.base_url}/workers", json={"url": alias, "role": "decode"})
+        assert again.status_code == 409, (alias, again.text)
+    for bad_url in (f"pd://{address}/v1", f"pd://{address}?x=1", "pd://127.0.0.1:99999"):
+        refused = httpx.post(f"{cluster.base_url}/workers", json={"url": bad_url, "role": "decode"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "url", (bad_url, refused.text)
     bad = httpx.post(f"{cluster.base_url}/workers", json={"url": "http://nope", "role": "decode"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "url"
     assert httpx.post(f"{cluster.base_url}/workers", json={"url": extra.url}).status_code == 400
