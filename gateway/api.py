@@ -190,6 +190,8 @@ class Frontend:
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self._check_model(req.model)
         reject_unsupported(req, CHAT_RULES)
+        if req.top_logprobs and not req.logprobs:  # (OpenAI's and vLLM's rule; silently none otherwise)
+            raise BadRequest("top_logprobs requires logprobs: true", param="top_logprobs")
         if not req.messages:
             raise BadRequest("messages must be a non-empty list", param="messages")
         reject_non_text_content(req.messages)

@@ -151,6 +151,8 @@ def test_unsupported_fields_are_a_400_naming_the_param(sim_cluster) -> None:  # 
         ({"messages": [{"role": "user", "content": [{"type": "image", "image": "x"}]}], "modalities": ["audio"]},
          "modalities"),  # fields before content
         ({"messages": MESSAGES, "presence_penalty": "high"}, "presence_penalty"),  # wrong type: still named
+        ({"messages": MESSAGES, "top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        ({"messages": MESSAGES, "top_logprobs": 3, "logprobs": False, "stream": True}, "top_logprobs"),
     ]
     for body, param in raw:
         r = httpx.post(url, json={**body, "max_tokens": 4}, timeout=30)
