@@ -24,6 +24,7 @@ from starlette.routing import Route
 from gateway.api import decode_body
 from gateway.errors import APIError, BadRequest, NotFound
 from gateway.responder import ClientGone, read_body
+from gateway.runtime import ROLES
 
 if TYPE_CHECKING:
     from gateway.runtime import Gateway
@@ -63,13 +64,16 @@ def admin_routes(gw: Gateway, describe: Callable[[Any], dict[str, Any]]) -> list
     def add(url: str | None, role: str | None) -> Response:
         if not url or not role:
             raise BadRequest("give the worker's url and role", param="url" if not url else "role")
+        if role not in ROLES:
+            raise BadRequest(f"role must be one of {', '.join(ROLES)}, got {role!r}", param="role")
         existing = gw.find(url)
-        if existing is not None and not existing.is_draining:
-            raise Conflict(f"worker {url} is already configured", param="url")
+        if existing is not None:
+            why = "is being removed; add it again once it is gone" if existing.is_draining else "is already configured"
+            raise Conflict(f"worker {url} {why}", param="url")
         try:
             client = gw.add_worker(url, role)
         except ValueError as exc:
-            raise BadRequest(str(exc), param="url" if "URL" in str(exc) or "url" in str(exc) else "role") from None
+            raise BadRequest(str(exc), param="url" if "URL" in str(exc) else "role") from None
         return reply(describe(client), 201)
 
     def remove(url: str | None) -> Response:

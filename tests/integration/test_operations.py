@@ -292,6 +292,8 @@ def test_admin_api_adds_and_drains_workers_with_sglang_aliases(sim_cluster, proc
     bad = httpx.post(f"{cluster.base_url}/workers", json={"url": "http://nope", "role": "decode"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "url"
     assert httpx.post(f"{cluster.base_url}/workers", json={"url": extra.url}).status_code == 400
+    bad_role = httpx.post(f"{cluster.base_url}/workers", json={"url": extra.url, "role": "decoder"})
+    assert bad_role.status_code == 400 and bad_role.json()["error"]["param"] == "role", bad_role.text
     wait_until(lambda: workers(cluster)[extra.url]["healthy"], 10, "added decode healthy")
     listed = httpx.get(f"{cluster.base_url}/list_workers").json()["workers"]
     assert {w["url"] for w in listed} == {*(w.url for w in cluster.workers()), extra.url}
@@ -305,6 +307,8 @@ def test_admin_api_adds_and_drains_workers_with_sglang_aliases(sim_cluster, proc
         busy = next(w for w in (old, extra) if w.get("/load")["num_running"])  # type: ignore[index]
         removed = httpx.delete(f"{cluster.base_url}/workers", params={"url": busy.url})
         assert removed.status_code == 202 and removed.json()["draining"] is True
+        again = httpx.post(f"{cluster.base_url}/workers", json={"url": busy.url, "role": "decode"})
+        assert again.status_code == 409 and "being removed" in again.json()["error"]["message"], again.text
         out = client(cluster).completions.create(model="sim", prompt=PROMPT, max_tokens=2)
         assert out.choices[0].finish_reason == "length"
         assert any('"finish_reason":"length"' in line for line in lines), "the drained worker finished its stream"
