@@ -6,12 +6,13 @@ response is the client's.
 
 Lifecycle (the workers, their health, load and HTTP session: ``gateway/sglang_fleet.py``):
 1. ``SGLangResponder(fleet, route, path, ...)``, one per generation route, made with the app.
-2. Per request (``SGLangResponder``, raw ASGI for chat, completions and ``/generate``): admission,
-   the body (capped) as a JSON object, a pair from the router's policies (the workers' ``/v1/loads``
-   plus the gateway's own open requests; with ``--tokenizer``, the prompt's tokens for prefix
-   matching, ``gateway/sglang_routing.py``), a fresh
-   ``bootstrap_room`` per item (a list for batched ``/generate`` and for ``n > 1``, else a scalar),
-   POSTed to the prefill and the decode at the same time.
+2. Per request (``SGLangResponder``, raw ASGI for chat, completions and ``/generate``): the body
+   (capped) as a JSON object, admission (a client that leaves while queued gives up its place), a
+   pair from the router's policies (the workers' ``/v1/loads`` plus the gateway's own open
+   requests; with ``--tokenizer``, the prompt's tokens for prefix matching,
+   ``gateway/sglang_routing.py``), a fresh ``bootstrap_room`` per item (a list for batched
+   ``/generate`` and for ``n > 1``, else a scalar), POSTed to the prefill and the decode at the same
+   time.
 3. Failure coupling before the decode's first event (a stream's client gets its response head
    with it; SGLang's decode sends its own head at once, then waits for the KV): a prefill that fails
    (non-2xx, connection error) cancels the decode request (closing its connection aborts it on the
@@ -100,7 +101,6 @@ class SGLangResponder:
             try:
                 if scope["method"] != "POST":
                     raise MethodNotAllowed(f"Method Not Allowed: {scope['method']} {scope['path']}")
-                release = await self.admission.admit()
                 raw = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
                 try:
                     body = msgspec.json.decode(raw)
@@ -108,8 +108,10 @@ class SGLangResponder:
                     raise BadRequest(f"request body is not valid JSON: {exc}") from None
                 if not isinstance(body, dict):
                     raise BadRequest("the request body must be a JSON object")
-                # The client leaving cancels this task: the workers' requests are closed, which aborts them.
+                # The client leaving cancels this task: while queued for admission (it gives up its place),
+                # or later (the workers' requests are closed, which aborts them).
                 watcher = asyncio.create_task(watch_disconnect(receive, task, gone))
+                release = await self.admission.admit()
                 status = await self._relay(body, send)
             except APIError as exc:
                 status = exc.status

@@ -331,6 +331,35 @@ def test_a_mixed_fleet_serves_from_both_kinds(procs: Procs, tmp_path: Path) -> N
     assert body["ready"] and len(body["workers"]) == 4
 
 
+def test_a_client_leaving_the_queue_gives_up_its_place(procs: Procs, tmp_path: Path) -> None:
+    """One slot, one queue place, in front of SGLang workers: a queued client that closes its connection
+    leaves the queue then, so the next one queues instead of getting a 429."""
+    import asyncio
+
+    p, d = start_standin(procs, "prefill", tmp_path / "p.jsonl"), start_standin(procs, "decode", tmp_path / "d.jsonl")
+    port = start_gateway(procs, "--prefill", f"http://127.0.0.1:{p}", "none", "--decode", f"http://127.0.0.1:{d}",
+                         "--max-concurrent-requests", "1", "--max-queued-requests", "1", "--queue-timeout-s", "30")
+
+    async def run() -> tuple[int, int]:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            first = asyncio.create_task(http.post("/generate", json={"text": "DECODE_SLOW_HEAD"}))  # 2 s
+            await asyncio.sleep(0.5)
+            payload = json.dumps({"text": "queued, then gone"}).encode()
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%b" % (len(payload), payload))
+            await writer.drain()
+            await asyncio.sleep(0.3)
+            writer.close()
+            await asyncio.sleep(0.3)
+            third = await http.post("/generate", json={"text": "third"})
+            return (await first).status_code, third.status_code
+
+    assert asyncio.run(run()) == (200, 200)
+    texts = [json.loads(line)["text"] for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert "queued, then gone" not in texts, "the client that left was never relayed"
+
+
 @pytest.mark.parametrize(("argv", "error"), [
     (["--prefill", "http://127.0.0.1:1", "--decode", "pd://127.0.0.1:2"], "one prefill and one decode of their kind"),
     (["--prefill", "pd://127.0.0.1:1", "8998", "--decode", "pd://127.0.0.1:2"], "follows only an SGLang"),
