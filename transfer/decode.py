@@ -227,6 +227,8 @@ class DecodeSide:
             self._close_fence(receiver, cut=cut or gone)
         elif gone:
             receiver.quiet()  # (a prefill that closed the connection while alive: see docs/transfer.md)
+        if receiver.poll() == KVPoll.Failed and receiver.is_quiet and receiver.conn is not None:
+            receiver.conn.receivers.discard(receiver)  # (e.g. its Quiesced came first): nothing to wait for
         if receiver.poll() == KVPoll.Failed or receiver.quiesced != was_quiet:
             self._ctx.changed()
 
@@ -399,10 +401,17 @@ class DecodeSide:
                             TransferErrorKind.parse(kind), f"room {room}: {channel.name} reported: {reason}"
                         ))
             case Quiesced(room=room):
+                # The prefill sends it once it has failed the room and none of its writes is in flight.
+                # Its own Abort or failed RoomStatus leaves from another of its threads and may come
+                # after it: without fences (which decide this for themselves) a live room remembers it.
                 with self._ctx.lock:
                     target = self._receivers.get(room)
-                    if target is not None and target.conn is conn and target.poll() == KVPoll.Failed:
+                    if target is None or target.conn is not conn or not target.metadata_sent:
+                        return
+                    failed = target.poll() == KVPoll.Failed
+                    if failed or self._fences is None:
                         target.quiet()
+                    if failed:
                         conn.receivers.discard(target)
                         self._ctx.changed()
             case Abort(room=room, reason=reason):

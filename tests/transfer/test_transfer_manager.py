@@ -350,3 +350,25 @@ def test_fake_backend_moves_nothing():
     handle = backend.write(peer, [(1, 2, 3)])
     assert backend.poll(handle) == WriteState.DONE and backend.error(handle) is None
     assert backend.bytes_written == 3 and not buf.any()
+
+
+def test_a_quiesced_that_overtakes_the_prefills_abort_still_frees_the_room(managers, monkeypatch):
+    """Without fences (the fake backend, like shm, nixl and mooncake) the decode frees a failed room's
+    pages only once the prefill says ``Quiesced``. The prefill's monitor thread may send that before the
+    thread that aborted the room has sent its ``Abort``: the decode keeps it, and the room is quiesced
+    once the ``Abort`` arrives (before, it waited for a ``Quiesced`` that never came again)."""
+    import transfer.sender_rooms as sender_rooms
+
+    plain_flush = sender_rooms.flush
+
+    def late_flush(outbox):  # the aborting thread is descheduled between its lock and its send
+        if outbox and threading.current_thread() is threading.main_thread():
+            time.sleep(0.3)
+        plain_flush(outbox)
+
+    _prefill, _decode, sender, receiver = open_pair(managers)
+    monkeypatch.setattr(sender_rooms, "flush", late_flush)
+    sender.abort("the prefill's own failure")
+    assert wait_for(lambda: receiver.poll() == KVPoll.Failed, 5.0)
+    assert receiver.failure().kind == TransferErrorKind.ABORTED
+    assert wait_for(lambda: receiver.quiesced, 5.0), "the room's pages would never go back"
