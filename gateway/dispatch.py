@@ -276,14 +276,16 @@ class _Choice:
     """One choice across its attempts (``generate``, ``complete``): what the next attempt sends, the
     tokens so far, the latency figures, and the request's figures once it has been served."""
 
-    __slots__ = ("attempt_params", "avoid", "cached_tokens", "completed", "dispatcher", "generated", "input_ids",
-                 "last_t", "migrations", "params", "prompt", "request", "retries", "t0")
+    __slots__ = ("attempt_params", "avoid", "cached_tokens", "completed", "deadline", "dispatcher", "generated",
+                 "input_ids", "last_t", "migrations", "params", "prompt", "request", "retries", "t0")
 
     def __init__(self, dispatcher: Dispatcher, input_ids: list[int], params: SamplingParams) -> None:
         self.dispatcher = dispatcher
         self.input_ids = input_ids
         self.params = params
         self.t0 = REQUEST_T0.get() or time.monotonic()
+        # ``request_timeout_s`` bounds the request, not each attempt: an attempt gets what is left of it.
+        self.deadline = self.t0 + dispatcher.config.request_timeout_s
         self.retries = 0
         self.migrations = 0
         self.request = dispatcher.router.request(input_ids, params.max_new_tokens)
@@ -317,6 +319,8 @@ class _Choice:
         error the client gets."""
         dispatcher, generated = self.dispatcher, self.generated
         config, metrics = dispatcher.config, dispatcher.metrics
+        if _monotonic() >= self.deadline:  # no time left for another attempt
+            raise exc.error from None
         if len(generated) > num_before:  # this attempt had streamed: only a migration goes on
             left = self.params.max_new_tokens - len(generated)
             if not exc.migratable or self.migrations >= config.max_migrations or left <= 0:
@@ -404,7 +408,9 @@ class _Attempt:
             prompt_tokens -= request.num_cached_tokens(prefill_side)
         pages = request.num_pages_needed(pair.decode.page_size)
         request_id = REQUEST_ID.get()
-        timeout_s = dispatcher.config.request_timeout_s
+        timeout_s = run.deadline - _monotonic()  # (the worker's deadline for this attempt: what is left)
+        if timeout_s <= 0:
+            raise _request_timed_out(dispatcher.config)
         open_rids, urgent = self.open_rids, self.urgent
         gather_s, decode_params = self.gather_s, params
         if params.stop and not decode.stops_at_strings_as(dispatcher.tokenizer_digest):
@@ -424,6 +430,7 @@ class _Attempt:
             raise _Retryable(BadGateway(str(exc))) from None
         dispatcher.router.dispatched(pair, request)
         self.want_prompt = params.prompt_logprobs and prefill is not None
+        self.sink.set_deadline(self.first_s)  # from now to the first token, whatever comes before it
         self.sink.tap = self._tap
 
     def _overflow(self) -> None:
@@ -457,7 +464,8 @@ class _Attempt:
             direct.take(event)
             if not self.got_token:
                 self.got_token = bool(event.token_ids)
-        self.sink.set_deadline(self.idle_s if self.got_token else self.first_s)
+        if self.got_token:  # (before it, the first-token deadline set at ``submit`` stands)
+            self.sink.set_deadline(self.idle_s)
         return True
 
     def _handed_over(self, event: StepOutput) -> None:
@@ -473,7 +481,8 @@ class _Attempt:
         failure (``APIError``, or ``_Retryable`` for the dispatcher to retry or migrate)."""
         sink, open_rids = self.sink, self.open_rids
         while True:
-            sink.set_deadline(self.idle_s if self.got_token else self.first_s)
+            if self.got_token:  # (before it, the first-token deadline set at ``submit`` stands)
+                sink.set_deadline(self.idle_s)
             try:
                 side, event = await sink.get()
             except SinkOverflow:
@@ -514,6 +523,9 @@ class _Attempt:
             worker = self.decode if side == "decode" else self.prefill
             assert worker is not None and not isinstance(event, StepOutput)
             open_rids.pop(side, None)
+            if type(event) is Error and event.code == "timeout" and _monotonic() >= self.run.deadline:
+                # The request's own deadline (``Submit.timeout_s``): final, and no worker's fault.
+                raise _request_timed_out(self.dispatcher.config)
             culprit = _culprit(event, side, self.prefill, self.decode)
             self.dispatcher._blame(worker, culprit, event)
             if side == "prefill" and (self.got_token or self.held_final is not None):
@@ -530,6 +542,10 @@ class _Attempt:
             for worker, rid in self.open_rids.values():
                 worker.abort(rid)
         self.dispatcher.router.finished(self.pair, self.request, "finished" if self.finished else self.outcome)
+
+
+def _request_timed_out(config: DispatchConfig) -> UpstreamTimeout:
+    return UpstreamTimeout(f"the request ran past its timeout ({config.request_timeout_s:g}s)")
 
 
 def _selectable(pool: list[WorkerClient], avoid: set[WorkerClient]) -> list[Any]:

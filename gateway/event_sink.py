@@ -81,9 +81,12 @@ class EventSink:
 
     def set_deadline(self, timeout_s: float) -> None:
         """No event for ``timeout_s`` from now makes ``get`` raise ``TimeoutError``."""
-        self._deadline = self._loop.time() + timeout_s
-        if self._timer is None:
-            self._timer = self._loop.call_at(self._deadline, self._expire)
+        deadline = self._deadline = self._loop.time() + timeout_s
+        timer = self._timer
+        if timer is None or deadline < timer.when():  # (later: the timer re-arms itself when it fires)
+            if timer is not None:  # earlier, e.g. the first token's timeout giving way to the idle one
+                timer.cancel()
+            self._timer = self._loop.call_at(deadline, self._expire)
 
     def _expire(self) -> None:
         self._timer = None

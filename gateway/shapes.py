@@ -188,7 +188,7 @@ class CompletionShape(Shape):
                 opened.add(state.index)
                 text = self._prompt_text(run) + text
             states[state.index] = state
-            if not text and state.finish_reason is None:
+            if not text and not entries and state.finish_reason is None:  # (entries: tokens held back as text)
                 continue
             if state.finish_reason is None and not prep.want_logprobs:
                 chunk = self.middle(run, state, text)  # (text is not empty here)

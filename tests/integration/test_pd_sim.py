@@ -264,6 +264,11 @@ def test_stop_strings_n_choices_and_generate_stream(sim_cluster) -> None:  # typ
     assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
     streamed = c.completions.create(model="sim", prompt=PROMPT, max_tokens=40, stop=stop, stream=True)
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == cut
+    # with logprobs: one entry per token, also for tokens whose text a possible stop string holds back
+    chunks = list(c.completions.create(model="sim", prompt=PROMPT, max_tokens=12, stop=["@@never@@"], logprobs=1,
+                                       stream=True))
+    tokens = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens or []]
+    assert len(tokens) == 12 and "".join(tokens) == full[:12], tokens
     # The decode ended both itself at the token completing the stop string (not aborted by the gateway
     # later), so the whole response could be gathered (``Submit.gather_s``).
     metrics = httpx.get(f"http://127.0.0.1:{cluster.decodes[0].http_port}/metrics", timeout=10).text

@@ -1,0 +1,112 @@
+"""The dispatcher's deadlines, over recording worker connections (``test_hot_path``'s helpers):
+
+- the first-token timeout runs from an attempt's submit to its first token, whatever the prefill's
+  hand-over does in between;
+- after the first token the idle timeout takes over, also when it is the shorter (the timer moves
+  earlier);
+- ``request_timeout_s`` bounds the request across its attempts: a migrated attempt's worker gets what is
+  left, and a worker's "timeout" once it has run out is final and no worker's fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from test_hot_path import _connected_workers, _sent
+
+from gateway.dispatch import DispatchConfig, Dispatcher
+from gateway.errors import UpstreamTimeout
+from gateway.policies.simple import RoundRobinPolicy
+from gateway.router import Router
+from workers.protocol import Abort, Error, Outputs, SamplingParams, StepOutput, Submit
+
+
+def combined(n: int, config: DispatchConfig) -> tuple[Dispatcher, list, list]:  # type: ignore[type-arg]
+    workers, transports = _connected_workers(asyncio.get_running_loop(), "both", n)
+    policy = RoundRobinPolicy()
+    return Dispatcher([], workers, Router(policy, policy), config, combined=True), workers, transports
+
+
+async def until(predicate, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+async def drain(gen) -> list[StepOutput]:  # type: ignore[no-untyped-def]
+    return [item async for item in gen]
+
+
+def test_the_idle_timeout_takes_over_from_a_longer_first_token_timeout() -> None:
+    """A decode silent after its first token is given up after the idle timeout (0.2 s), not the
+    first-token one (30 s): the stream migrates and the silent decode is told to abort."""
+    async def main() -> None:
+        config = DispatchConfig(first_token_timeout_s=30, stream_idle_timeout_s=0.2, max_migrations=1)
+        dispatcher, workers, transports = combined(2, config)
+        task = asyncio.create_task(drain(dispatcher.generate([1, 2, 3], SamplingParams(max_new_tokens=4))))
+        assert await until(lambda: any(_sent(t, Submit) for t in transports), 5)
+        first = next(i for i in range(2) if _sent(transports[i], Submit))
+        (submit,) = _sent(transports[first], Submit)
+        workers[first]._dispatch(Outputs([StepOutput(submit.rid, [65])]))
+        assert await until(lambda: bool(_sent(transports[1 - first], Submit)), 10), "no migration"
+        assert [a.rid for a in _sent(transports[first], Abort)] == [submit.rid]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+
+
+def test_the_first_token_deadline_runs_from_the_submit() -> None:
+    """The prefill's hand-over before the first token does not restart the first-token deadline."""
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        prefills, p_transports = _connected_workers(loop, "prefill", 1)
+        decodes, _ = _connected_workers(loop, "decode", 1)
+        policy = RoundRobinPolicy()
+        config = DispatchConfig(first_token_timeout_s=1.0, max_retries=0)
+        dispatcher = Dispatcher(prefills, decodes, Router(policy, policy), config)
+        started = time.monotonic()
+        task = asyncio.create_task(drain(dispatcher.generate([1, 2, 3], SamplingParams(max_new_tokens=4))))
+        assert await until(lambda: bool(_sent(p_transports[0], Submit)), 5)
+        await asyncio.sleep(0.8)
+        (p_submit,) = _sent(p_transports[0], Submit)
+        prefills[0]._dispatch(Outputs([StepOutput(p_submit.rid, [], "transferred")]))  # then the decode is silent
+        with pytest.raises(UpstreamTimeout, match="before the first token"):
+            await asyncio.wait_for(task, 5)
+        # at the first-token deadline (1 s after the submit), not 1 s after the hand-over (1.8 s)
+        assert time.monotonic() - started < 1.6
+
+    asyncio.run(main())
+
+
+def test_request_timeout_bounds_the_request_across_migrations() -> None:
+    async def main() -> None:
+        config = DispatchConfig(request_timeout_s=1.5, max_migrations=2)
+        dispatcher, workers, transports = combined(3, config)
+        task = asyncio.create_task(drain(dispatcher.generate([1, 2, 3], SamplingParams(max_new_tokens=8))))
+        assert await until(lambda: any(_sent(t, Submit) for t in transports), 5)
+        a = next(i for i in range(3) if _sent(transports[i], Submit))
+        (submit,) = _sent(transports[a], Submit)
+        assert 1.0 < submit.timeout_s <= 1.5
+        workers[a]._dispatch(Outputs([StepOutput(submit.rid, [65])]))
+        await asyncio.sleep(0.5)
+        workers[a]._dispatch(Error(submit.rid, "internal", "the engine broke"))  # migrates
+        assert await until(lambda: sum(len(_sent(t, Submit)) for t in transports) == 2, 5)
+        b = next(i for i in range(3) if i != a and _sent(transports[i], Submit))
+        (submit2,) = _sent(transports[b], Submit)
+        assert submit2.timeout_s <= 1.0, "a migrated attempt gets what is left of the request's time"
+        workers[b]._dispatch(Outputs([StepOutput(submit2.rid, [66])]))
+        await asyncio.sleep(max(0.0, submit2.timeout_s) + 0.05)
+        workers[b]._dispatch(Error(submit2.rid, "timeout", "request timed out in stage decode"))
+        with pytest.raises(UpstreamTimeout, match="ran past its timeout"):
+            await asyncio.wait_for(task, 5)
+        assert sum(len(_sent(t, Submit)) for t in transports) == 2, "no third attempt past the deadline"
+        assert workers[b].health.breaker.failures == 0, "the request's own timeout is no worker's fault"
+
+    asyncio.run(main())
