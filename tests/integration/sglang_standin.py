@@ -11,7 +11,8 @@ Behaviour, chosen by the prompt (``text``, ``prompt`` or the last message's ``co
   400 after 0.5 s, so that the decode, asked concurrently, has received the request by then);
 - contains ``DECODE_WAITS`` or ``PREFILL_``: the decode waits up to 30 s before answering (a decode
   left waiting for KV that never comes); with ``HEAD_FIRST`` too, a streaming decode sends its
-  response head at once and waits after it, as SGLang's does;
+  response head at once and waits after it, as SGLang's does (logging ``waiting``, then
+  ``cancelled`` when its stream is closed);
 - contains ``DECODE_SLOW_HEAD``: the decode answers after 2 s (our workers send a stream's head with
   its first token);
 - contains ``DECODE_BREAKS``: a streaming decode sends one event and half of the next, then its
@@ -90,6 +91,7 @@ def make_app(role: str, log_path: Path) -> Starlette:
             await asyncio.sleep(2.0)
         if ("DECODE_WAITS" in text or "PREFILL_" in text) and "HEAD_FIRST" in text and stream:
             async def waiting() -> Any:  # the head is out; the KV never comes
+                log(event="waiting", bootstrap_room=room)
                 try:
                     await asyncio.sleep(30)
                     yield "data: [DONE]\n\n"

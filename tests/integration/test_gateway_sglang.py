@@ -217,10 +217,17 @@ def test_a_prefill_failing_after_the_decodes_head_is_retried(fleet: Fleet) -> No
     text = "PREFILL_500 HEAD_FIRST"
     r = post(fleet, "/generate", {"text": text, "stream": True})
     assert r.status_code == 502 and "SGLang prefill worker" in r.json()["error"]["message"], r.text
-    rooms = [e["bootstrap_room"] for e in fleet.entries(fleet.decode_log) if e["text"] == text]
-    assert len(set(rooms)) == 3, "three attempts"
-    assert eventually(lambda: [e for e in fleet.entries(fleet.decode_log, "cancelled")
-                               if e["bootstrap_room"] in rooms][2:]), "every decode request was closed"
+    rooms = {e["bootstrap_room"] for e in fleet.prefill_requests() if e["text"] == text}
+    assert len(rooms) == 3, "three attempts"
+
+    def left_open() -> set[int]:  # decode streams that sent their head and were not closed (yet)
+        waiting = {e["bootstrap_room"] for e in fleet.entries(fleet.decode_log, "waiting")} & rooms
+        return waiting - {e["bootstrap_room"] for e in fleet.entries(fleet.decode_log, "cancelled")}
+
+    deadline = time.monotonic() + 10
+    while left_open():
+        assert time.monotonic() < deadline, f"decode streams left open: {left_open()}"
+        time.sleep(0.05)
 
 
 def test_a_decode_breaking_mid_event_ends_the_stream_with_a_clean_error_event(fleet: Fleet) -> None:
