@@ -366,8 +366,8 @@ class _Attempt:
     open and tells the policies how the attempt ended (``outcome``, unless it finished)."""
 
     __slots__ = ("decode", "direct", "dispatcher", "finished", "first_s", "gather_s", "got_token", "held_final",
-                 "idle_s", "open_rids", "outcome", "pair", "prefill", "prompt_logprobs", "request", "run", "sink",
-                 "urgent", "want_prompt")
+                 "idle_s", "open_rids", "outcome", "pair", "prefill", "prompt_logprobs", "request", "run", "sent",
+                 "sink", "urgent", "want_prompt")
 
     def __init__(self, dispatcher: Dispatcher, run: _Choice, direct: DirectConsumer | None, *, urgent: bool,
                  gather_s: float = 0.0) -> None:
@@ -384,6 +384,7 @@ class _Attempt:
         self.urgent = urgent  # the submits go out at once, not at the end of this loop pass (a stream)
         self.gather_s = gather_s  # (``Submit.gather_s``, to the decode)
         self.finished = False
+        self.sent = False  # the policies heard ``dispatched``: they hear how it ended (``close``)
         self.outcome = "failed"
         self.got_token = False
         # Prompt logprobs come from the prefill; its report may trail the decode's last token.
@@ -429,6 +430,7 @@ class _Attempt:
         except ConnectionError as exc:
             raise _Retryable(BadGateway(str(exc))) from None
         dispatcher.router.dispatched(pair, request)
+        self.sent = True
         self.want_prompt = params.prompt_logprobs and prefill is not None
         self.sink.set_deadline(self.first_s)  # from now to the first token, whatever comes before it
         self.sink.tap = self._tap
@@ -541,7 +543,8 @@ class _Attempt:
         if not self.finished:  # error, timeout or the consumer went away: free both sides now
             for worker, rid in self.open_rids.values():
                 worker.abort(rid)
-        self.dispatcher.router.finished(self.pair, self.request, "finished" if self.finished else self.outcome)
+        if self.sent:
+            self.dispatcher.router.finished(self.pair, self.request, "finished" if self.finished else self.outcome)
 
 
 def _request_timed_out(config: DispatchConfig) -> UpstreamTimeout:
