@@ -17,9 +17,10 @@ Lifecycle:
 4. While connected, a probe task sends ``Ping`` every ``probe_interval_s``; outcomes go to
    ``health`` (``gateway/health.py``). A worker failing its probes (frozen, or its scheduler
    stalled) is unhealthy: its open requests get ``WorkerGone`` (so the dispatcher fails them over
-   or ends them) and are aborted on the worker; passing probes bring it back.
-5. ``on_up`` / ``on_down`` are called when the worker joins / leaves the routable set (connected
-   and passing probes), each exactly once per transition.
+   or ends them) and are aborted on the worker, and it is not selected (``healthy``); passing probes
+   bring it back. Its connection, and so its prefix cache as the gateway knows it, stays.
+5. ``on_up`` / ``on_down`` are called when the worker's connection comes up / is lost (its KV events
+   then start afresh from a snapshot), each exactly once per transition.
 6. ``aclose()`` cancels the tasks and closes the connection.
 """
 
@@ -173,6 +174,7 @@ class WorkerClient:
         self._pongs: dict[int, asyncio.Future[Pong]] = {}
         self._nonces = itertools.count(1)
         self._is_up = False  # announced through on_up (and not yet through on_down)
+        self._failing_probes = False  # (told once per spell: its open requests failed over)
         # The loop it runs in, from ``start``. (``asyncio.get_running_loop()`` makes a ``getpid`` system
         # call on Python 3.11: the hot path uses this instead.)
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -254,6 +256,7 @@ class WorkerClient:
             self.info, self._transport, self.last_error = ack, transport, None
             self.state.connected(ack)
             self.health.connected()
+            self._failing_probes = False
             self._ready.set()
             log.info("connected to %s worker %s (%s)", ack.role, self.url, ack.worker_id)
             self._announce(True)
@@ -306,14 +309,14 @@ class WorkerClient:
                 self.health.probe_passed(pong.stalled_s)
             finally:
                 self._pongs.pop(nonce, None)
-            if not self.health.is_probe_healthy and self._is_up:
+            if not self.health.is_probe_healthy and not self._failing_probes:
+                self._failing_probes = True
                 reason = self.health.last_probe_error or "failed health probes"
                 log.warning("%s worker %s is unhealthy: %s", self.role, self.url, reason)
                 self._fail_open(f"{self.role} worker {self.url} is unhealthy: {reason}", abort=True)
-                self._announce(False)
-            elif self.health.is_probe_healthy and not self._is_up:
+            elif self.health.is_probe_healthy and self._failing_probes:
+                self._failing_probes = False
                 log.warning("%s worker %s is healthy again", self.role, self.url)
-                self._announce(True)
 
     def _dispatch(self, msg: object) -> None:
         match msg:

@@ -1,0 +1,79 @@
+"""A worker that fails its health probes for a moment, its connection up throughout, is unselectable
+meanwhile, and keeps what the gateway knows of its prefix cache: the worker sends KV events as changes
+on one connection (a full snapshot only on a new one), so what the index dropped would never return."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+from gateway.health import HealthConfig
+from gateway.runtime import Gateway, GatewayConfig
+from workers.page_cache import page_hashes
+from workers.protocol import PROTOCOL_VERSION, Hello, HelloAck, KVEvents, Ping, Pong, gateway_codec, worker_codec
+
+PROMPT = list(range(1000, 1000 + 16 * 8 + 1))
+HASHES = page_hashes(PROMPT, 16, 8)
+
+
+def test_failing_probes_for_a_moment_keep_the_workers_prefix_index() -> None:
+    answer_pings = [True]
+
+    async def fake_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, role: str) -> None:
+        decoder, encoder = worker_codec(), gateway_codec()._encoder
+
+        def send(msg: object) -> None:
+            data = encoder.encode(msg)
+            writer.write(struct.pack(">I", len(data)) + data)
+
+        while True:
+            try:
+                size = struct.unpack(">I", await reader.readexactly(4))[0]
+                msg = decoder.decode(await reader.readexactly(size))
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            if isinstance(msg, Hello):
+                send(HelloAck(PROTOCOL_VERSION, f"{role}-w", role, "sim", "m", "byte", 16, 4096, 1024,
+                              bootstrap_host="127.0.0.1" if role == "prefill" else None, bootstrap_port=1))
+                if role == "prefill":
+                    send(KVEvents(stored=HASHES, reset=True))
+            elif isinstance(msg, Ping) and answer_pings[0]:
+                send(Pong(msg.nonce))
+
+    async def main() -> None:
+        servers = [await asyncio.start_server(lambda r, w, role=role: fake_worker(r, w, role), "127.0.0.1", 0)
+                   for role in ("prefill", "decode")]
+        p_port, d_port = (s.sockets[0].getsockname()[1] for s in servers)
+        health = HealthConfig(probe_interval_s=0.05, probe_timeout_s=0.05, unhealthy_after=2, healthy_after=2)
+        gw = Gateway(GatewayConfig(prefill=(f"pd://127.0.0.1:{p_port}",), decode=(f"pd://127.0.0.1:{d_port}",),
+                                   policy="cache_aware", health=health, startup_timeout_s=5))
+        try:
+            for client in gw.clients:
+                client.start()
+            assert all(await asyncio.gather(*(c.wait_ready(5) for c in gw.clients)))
+            prefill, url = gw.prefills[0], f"pd://127.0.0.1:{p_port}"
+            for _ in range(100):
+                if gw.router.index.num_pages(url):
+                    break
+                await asyncio.sleep(0.01)
+            assert gw.router.index.num_pages(url) == len(HASHES)
+            answer_pings[0] = False  # a stall: probes time out, the connection stays
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if not prefill.healthy:
+                    break
+            assert not prefill.healthy and prefill.is_connected
+            answer_pings[0] = True
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if prefill.healthy:
+                    break
+            assert prefill.healthy and prefill.is_connected
+            assert gw.router.index.num_pages(url) == len(HASHES), "the index forgot the cache it still has"
+        finally:
+            for client in gw.clients:
+                await client.aclose()
+            for server in servers:
+                server.close()
+
+    asyncio.run(main())
