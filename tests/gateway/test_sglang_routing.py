@@ -23,6 +23,8 @@ TOK = ByteTokenizer()
     ("completions", {"prompt": [9, 8]}, [9, 8]),
     ("completions", {}, []),
     ("generate", {"input_ids": [1, "x"]}, []),
+    ("generate", {"input_ids": [1, 2**63]}, []),  # (the worker's to refuse; it would not hash for the index)
+    ("completions", {"prompt": [-1, 2]}, []),
 ])
 def test_prompt_ids_of_each_route_shape(route: str, body: dict[str, Any], expected: list[int]) -> None:
     assert prompt_ids(TOK, route, body) == expected
@@ -52,3 +54,16 @@ def test_an_unreadable_prompt_routes_without_tokens() -> None:
     assert list(bad.input_ids) == [] and bad.max_new_tokens == DEFAULT_MAX_NEW_TOKENS
     assert list(routing_request(router, None, "generate", {"text": "abc"}).input_ids) == []
     assert list(routing_request(router, TOK, "generate", {"text": "abc"}).input_ids) == list(b"abc")
+
+
+def test_token_ids_past_the_wire_format_route_by_load_alone() -> None:
+    """cache_aware hashes the prompt's pages: an id past int64 raised there, a 500 from the relay."""
+    from gateway.worker_state import WorkerState
+
+    router = Router.build("cache_aware", "cache_aware")
+    request = routing_request(router, TOK, "generate", {"input_ids": [2**63] * 40})
+    views = [WorkerState(f"http://127.0.0.1:{p}", role, None) for p, role in ((1, "prefill"), (2, "decode"))]
+    for view in views:
+        view.page_size = 16  # (SGLang workers: ``ROUTING_PAGE_TOKENS``)
+    pair = router.select([views[0]], [views[1]], request)
+    assert pair.prefill is views[0] and pair.decode is views[1]
