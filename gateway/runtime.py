@@ -143,7 +143,8 @@ class Gateway:
                                          first_byte_timeout_s=config.first_token_timeout_s,
                                          read_timeout_s=config.stream_idle_timeout_s,
                                          request_timeout_s=config.request_timeout_s,
-                                         max_retries=config.max_retries, retry_backoff_s=config.retry_backoff_s))
+                                         max_retries=config.max_retries, retry_backoff_s=config.retry_backoff_s),
+                                     load_stale_s=config.load_stale_s)
         self.dispatcher = Dispatcher(
             self.prefills, self.decodes, self.router,
             DispatchConfig(config.first_token_timeout_s, config.stream_idle_timeout_s, config.request_timeout_s,
@@ -333,6 +334,8 @@ class Gateway:
             await asyncio.sleep(REFRESH_INTERVAL_S)
             for client in self.clients:
                 client.state.refresh()
+            for worker in self.fleet.workers if self.fleet is not None else ():
+                worker.state.refresh()
 
     @property
     def has_native_workers(self) -> bool:

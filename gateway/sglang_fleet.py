@@ -29,7 +29,7 @@ import msgspec
 from gateway.errors import NoWorkers
 from gateway.health import HealthConfig, WorkerHealth
 from gateway.sglang_routing import ROUTING_PAGE_TOKENS
-from gateway.worker_state import WorkerState
+from gateway.worker_state import DEFAULT_STALE_AFTER_S, WorkerState
 from workers.protocol import LoadReport
 
 if TYPE_CHECKING:
@@ -66,14 +66,17 @@ class RelayConfig:
 class HttpWorker:
     """One SGLang worker: its URL, role, bootstrap port (prefill), health and the router's view."""
 
-    def __init__(self, url: str, role: str, bootstrap_port: int | None, health: HealthConfig) -> None:
+    def __init__(self, url: str, role: str, bootstrap_port: int | None, health: HealthConfig,
+                 load_stale_s: float = DEFAULT_STALE_AFTER_S) -> None:
         check_http_url(url)
         self.url = url.rstrip("/")
         self.role = role
         self.bootstrap_port = bootstrap_port
         host = urlsplit(url).hostname or ""
         self.bootstrap_host = f"[{host}]" if ":" in host else host
-        self.state = WorkerState(self.url, role, self)
+        # Loads are polled after each passed probe: a report is not stale before the next poll is due.
+        self.state = WorkerState(self.url, role, self,
+                                 stale_after_s=max(load_stale_s, health.probe_interval_s + health.probe_timeout_s))
         self.state.page_size = ROUTING_PAGE_TOKENS  # (no handshake to say; prefixes and loads count in these)
         self.health = WorkerHealth(health)
         self.is_up = False  # passing /health probes
@@ -107,9 +110,10 @@ class SGLangFleet:
     """The SGLang workers behind the gateway and the one HTTP session to them."""
 
     def __init__(self, prefills: list[tuple[str, int | None]], decodes: list[str], router: Router,
-                 health: HealthConfig, config: RelayConfig | None = None) -> None:
-        self.prefills = [HttpWorker(url, "prefill", port, health) for url, port in prefills]
-        self.decodes = [HttpWorker(url, "decode", None, health) for url in decodes]
+                 health: HealthConfig, config: RelayConfig | None = None,
+                 load_stale_s: float = DEFAULT_STALE_AFTER_S) -> None:
+        self.prefills = [HttpWorker(url, "prefill", port, health, load_stale_s) for url, port in prefills]
+        self.decodes = [HttpWorker(url, "decode", None, health, load_stale_s) for url in decodes]
         self.router = router
         self.config = config or RelayConfig()
         self.model_name: str | None = None

@@ -25,6 +25,9 @@ from workers.protocol import HelloAck, LoadReport
 
 DEFAULT_STALE_AFTER_S = 1.0
 REFRESH_INTERVAL_S = 0.1
+# Dispatches a report has not covered yet, kept at most: the oldest go first (the worker has seen them
+# by now), so a worker whose reports stopped costs no growing list.
+MAX_UNACKED = 1024
 
 
 class WorkerState:
@@ -79,9 +82,14 @@ class WorkerState:
         self.num_active += 1
         self.own_prefill_tokens += prefill_tokens
         self.own_pages += pages
-        self._unacked.append((rid, prefill_tokens, pages))
+        unacked = self._unacked
+        unacked.append((rid, prefill_tokens, pages))
         self._unacked_tokens += prefill_tokens
         self._unacked_pages += pages
+        if len(unacked) > MAX_UNACKED:
+            _, tokens, old_pages = unacked.popleft()
+            self._unacked_tokens -= tokens
+            self._unacked_pages -= old_pages
         self._recompute()
 
     def ended(self, rid: int) -> None:
@@ -110,6 +118,9 @@ class WorkerState:
         fresh = self.report is not None and now - self.report_at <= self.stale_after_s
         if fresh != self.is_load_fresh:
             self.is_load_fresh = fresh
+            if not fresh:  # own counts from now on: what the report did not yet cover goes (no unbounded list)
+                self._unacked.clear()
+                self._unacked_tokens = self._unacked_pages = 0
             self._recompute()
 
     def _recompute(self) -> None:

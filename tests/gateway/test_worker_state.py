@@ -1,4 +1,4 @@
-from gateway.worker_state import WorkerState
+from gateway.worker_state import MAX_UNACKED, WorkerState
 from workers.protocol import HelloAck, LoadReport
 
 
@@ -46,6 +46,32 @@ def test_a_stale_report_falls_back_to_own_counts() -> None:
     state.refresh()
     assert not state.is_load_fresh
     assert (state.num_prefill_tokens, state.num_running_seqs, state.num_free_pages) == (40, 1, 98)
+    # a worker whose reports stopped keeps no growing list of dispatches waiting for one
+    for rid in range(2, 5002):
+        state.dispatched(rid, 1, 0)
+        state.ended(rid)
+    assert len(state._unacked) == MAX_UNACKED and state._unacked_tokens == MAX_UNACKED
+    assert state.num_active == 1 and state.num_prefill_tokens == 40
+    state.reported(LoadReport(num_running=1, num_waiting=0, num_free_pages=98, num_total_pages=100,
+                              num_prefill_tokens=40, last_rid=5001), now[0])
+    assert state.num_waiting_seqs == 0 and not state._unacked and state._unacked_tokens == 0
+
+
+def test_sglang_workers_loads_turn_stale_too() -> None:
+    """SGLang workers' loads are polled after each probe: stale past ``--load-stale-s`` (at least a poll
+    interval), refreshed with the native workers'; a silent ``/v1/loads`` does not count for ever."""
+    from gateway.health import HealthConfig
+    from gateway.runtime import Gateway, GatewayConfig
+
+    gw = Gateway(GatewayConfig(prefill=("http://127.0.0.1:1",), prefill_bootstrap_ports=(None,),
+                               decode=("http://127.0.0.1:2",), load_stale_s=5.0,
+                               health=HealthConfig(probe_interval_s=2.0, probe_timeout_s=1.0)))
+    assert gw.fleet is not None
+    assert [w.state.stale_after_s for w in gw.fleet.workers] == [5.0, 5.0]
+    short = Gateway(GatewayConfig(prefill=("http://127.0.0.1:1",), prefill_bootstrap_ports=(None,),
+                                  decode=("http://127.0.0.1:2",), load_stale_s=0.5,
+                                  health=HealthConfig(probe_interval_s=2.0, probe_timeout_s=1.0)))
+    assert short.fleet is not None and short.fleet.workers[0].state.stale_after_s == 3.0
 
 
 def test_reconnect_forgets_unacknowledged_dispatches() -> None:
