@@ -494,6 +494,14 @@ class _Attempt:
                 raise APIError("internal error in the gateway while taking the workers' outputs; generation "
                                "was stopped (see the gateway's log)") from None
             except TimeoutError:
+                held = self.held_final
+                if held is not None:  # the answer is whole; only the prefill's prompt logprobs never came
+                    prefill = open_rids.pop("prefill", None)
+                    if prefill is not None:
+                        prefill[0].abort(prefill[1])
+                    log.warning("request %s: the prefill did not report its hand-over within %gs; answering "
+                                "without prompt logprobs", REQUEST_ID.get() or "-", self.idle_s)
+                    return held
                 wait_s = self.idle_s if self.got_token else self.first_s
                 stage = "between tokens" if self.got_token else "before the first token"
                 error = UpstreamTimeout(f"no progress from the workers for {wait_s:g}s {stage}")

@@ -110,3 +110,30 @@ def test_request_timeout_bounds_the_request_across_migrations() -> None:
         assert workers[b].health.breaker.failures == 0, "the request's own timeout is no worker's fault"
 
     asyncio.run(main())
+
+
+def test_a_finished_answer_waiting_for_prompt_logprobs_is_not_lost() -> None:
+    """The decode finished, but the prefill (connected, passing probes) never reports the hand-over
+    that carries the prompt logprobs: after the idle timeout the answer goes out without them and the
+    prefill's request is aborted; it is not dropped and retried into a 504."""
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        prefills, p_transports = _connected_workers(loop, "prefill", 1)
+        decodes, d_transports = _connected_workers(loop, "decode", 1)
+        policy = RoundRobinPolicy()
+        config = DispatchConfig(stream_idle_timeout_s=0.2, max_retries=2)
+        dispatcher = Dispatcher(prefills, decodes, Router(policy, policy), config)
+        params = SamplingParams(max_new_tokens=2, prompt_logprobs=True)
+        task = asyncio.create_task(drain(dispatcher.generate([1, 2, 3], params)))
+        assert await until(lambda: bool(_sent(d_transports[0], Submit)), 5)
+        (d_submit,) = _sent(d_transports[0], Submit)
+        (p_submit,) = _sent(p_transports[0], Submit)
+        decodes[0]._dispatch(Outputs([StepOutput(d_submit.rid, [65]), StepOutput(d_submit.rid, [66], "length")]))
+        outputs = await asyncio.wait_for(task, 5)
+        assert [t for o in outputs for t in o.token_ids] == [65, 66] and outputs[-1].finish_reason == "length"
+        assert outputs[-1].prompt_logprobs is None
+        assert await until(lambda: [a.rid for a in _sent(p_transports[0], Abort)] == [p_submit.rid], 2)
+        assert len(_sent(d_transports[0], Submit)) == 1, "no retry"
+        assert prefills[0].num_active == 0 and decodes[0].num_active == 0
+
+    asyncio.run(main())
