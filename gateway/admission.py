@@ -33,13 +33,22 @@ class Admission:
     def num_queued(self) -> int:
         return len(self._waiters)
 
+    def check_room(self) -> None:
+        """Raise ``Overloaded`` now if ``admit`` would refuse at once (for a caller that reads the
+        request's body before it waits: a full queue costs no upload)."""
+        if self.max_concurrent and self.num_active >= self.max_concurrent and len(self._waiters) >= self.max_queued:
+            self._refuse_full()
+
+    def _refuse_full(self) -> None:
+        self.metrics.rejected.labels("queue_full").inc()
+        raise Overloaded(f"the gateway is at capacity ({self.max_concurrent} requests, {self.max_queued} queued)",
+                         retry_after_s=1.0)
+
     async def admit(self) -> Callable[[], None]:
         if not self.max_concurrent or (self.num_active < self.max_concurrent and not self._waiters):
             return self._take()
         if len(self._waiters) >= self.max_queued:
-            self.metrics.rejected.labels("queue_full").inc()
-            raise Overloaded(f"the gateway is at capacity ({self.max_concurrent} requests, {self.max_queued} queued)",
-                             retry_after_s=1.0)
+            self._refuse_full()
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(future)
         self.metrics.queued.set(len(self._waiters))

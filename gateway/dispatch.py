@@ -500,7 +500,8 @@ class _Attempt:
                     if prefill is not None:
                         prefill[0].abort(prefill[1])
                     log.warning("request %s: the prefill did not report its hand-over within %gs; answering "
-                                "without prompt logprobs", REQUEST_ID.get() or "-", self.idle_s)
+                                "without prompt logprobs", REQUEST_ID.get() or "-",
+                                self.idle_s if self.got_token else self.first_s)
                     return held
                 wait_s = self.idle_s if self.got_token else self.first_s
                 stage = "between tokens" if self.got_token else "before the first token"

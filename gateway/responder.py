@@ -175,10 +175,17 @@ class Responder:
         run: Run | None = None
         try:
             try:
-                if not isinstance(exchange, AsgiExchange):  # (an ASGI watcher would read the body itself)
-                    exchange.watch_disconnect(gone)  # a client leaving while queued gives up its place
-                release = await gw.admission.admit()
-                body = await exchange.read_body(gw.max_body_bytes, gw.body_timeout_s)
+                # A client leaving while queued gives up its place: the disconnect is watched from before
+                # admission (over ASGI only after the body, which the watcher would otherwise read).
+                if isinstance(exchange, AsgiExchange):
+                    gw.admission.check_room()
+                    body = await exchange.read_body(gw.max_body_bytes, gw.body_timeout_s)
+                    exchange.watch_disconnect(gone)
+                    release = await gw.admission.admit()
+                else:
+                    exchange.watch_disconnect(gone)
+                    release = await gw.admission.admit()
+                    body = await exchange.read_body(gw.max_body_bytes, gw.body_timeout_s)
                 frontend = gw.require_frontend()
                 if len(body) >= self.prepare_thread_bytes > 0:  # a long prompt: tokenized off the event loop
                     prep, client_id = await exchange.loop.run_in_executor(
@@ -286,6 +293,8 @@ class AsgiExchange:
         return await read_body(self.scope, self.receive, limit, timeout_s)
 
     def watch_disconnect(self, gone: list[bool]) -> None:
+        if self.watcher is not None:
+            return
         task = asyncio.current_task(self.loop)
         assert task is not None
         self.watcher = asyncio.create_task(watch_disconnect(self.receive, task, gone))

@@ -74,9 +74,10 @@ class HttpWorker:
         self.bootstrap_port = bootstrap_port
         host = urlsplit(url).hostname or ""
         self.bootstrap_host = f"[{host}]" if ":" in host else host
-        # Loads are polled after each passed probe: a report is not stale before the next poll is due.
-        self.state = WorkerState(self.url, role, self,
-                                 stale_after_s=max(load_stale_s, health.probe_interval_s + health.probe_timeout_s))
+        # Loads are polled after each passed probe (``/health``, then ``/v1/loads``, each up to the probe
+        # timeout, then the interval): a report is not stale before the next poll is due.
+        self.state = WorkerState(self.url, role, self, stale_after_s=max(
+            load_stale_s, health.probe_interval_s + 2 * health.probe_timeout_s))
         self.state.page_size = ROUTING_PAGE_TOKENS  # (no handshake to say; prefixes and loads count in these)
         self.health = WorkerHealth(health)
         self.is_up = False  # passing /health probes

@@ -101,6 +101,7 @@ class SGLangResponder:
             try:
                 if scope["method"] != "POST":
                     raise MethodNotAllowed(f"Method Not Allowed: {scope['method']} {scope['path']}")
+                self.admission.check_room()  # (a full queue refuses before the body is uploaded)
                 raw = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
                 try:
                     body = msgspec.json.decode(raw)

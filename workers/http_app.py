@@ -29,9 +29,10 @@ def create_http_app(worker: Worker) -> Starlette:
     registry = create_registry(worker)
 
     def status() -> str:
-        if not worker.started:
-            return "starting"
-        return "ok" if worker.scheduler is not None and worker.scheduler.is_alive else "unhealthy"
+        scheduler = worker.scheduler  # (started before this app serves: not alive means dead)
+        if scheduler is not None and not scheduler.is_alive:
+            return "unhealthy"
+        return "ok" if worker.started and scheduler is not None else "starting"
 
     async def health(_: Request) -> Response:
         """Readiness: 200 only once every server is up (a prefill: registered) and the scheduler runs."""

@@ -76,3 +76,21 @@ def test_a_request_waits_for_a_slot_before_it_has_a_task(monkeypatch: pytest.Mon
         held()
 
     asyncio.run(main())
+
+
+def test_check_room_refuses_only_what_admit_would_refuse_at_once() -> None:
+    async def main() -> None:
+        adm = Admission(1, 1, 5.0, GatewayMetrics())
+        adm.check_room()  # a free slot
+        held = await adm.admit()
+        adm.check_room()  # a free queue place
+        queued = asyncio.create_task(adm.admit())
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded, match="at capacity"):
+            adm.check_room()
+        held()
+        (await asyncio.wait_for(queued, 1))()
+        adm.check_room()
+        Admission(0, 0, 1.0, GatewayMetrics()).check_room()  # no limit
+
+    asyncio.run(main())

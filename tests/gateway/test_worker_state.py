@@ -71,7 +71,7 @@ def test_sglang_workers_loads_turn_stale_too() -> None:
     short = Gateway(GatewayConfig(prefill=("http://127.0.0.1:1",), prefill_bootstrap_ports=(None,),
                                   decode=("http://127.0.0.1:2",), load_stale_s=0.5,
                                   health=HealthConfig(probe_interval_s=2.0, probe_timeout_s=1.0)))
-    assert short.fleet is not None and short.fleet.workers[0].state.stale_after_s == 3.0
+    assert short.fleet is not None and short.fleet.workers[0].state.stale_after_s == 4.0
 
 
 def test_reconnect_forgets_unacknowledged_dispatches() -> None:

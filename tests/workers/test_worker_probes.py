@@ -24,6 +24,7 @@ def client(started: bool, scheduler_alive: bool | None) -> TestClient:
     (False, True, "starting", 503, 200),  # scheduler running, still registering
     (True, True, "ok", 200, 200),
     (True, False, "unhealthy", 503, 503),  # the scheduler thread died
+    (False, False, "unhealthy", 503, 503),  # ... while the worker was still starting (registering)
 ])
 def test_health_is_readiness_and_liveness_only_fails_on_a_dead_scheduler(
         started: bool, alive: bool | None, status: str, health: int, liveness: int) -> None:
