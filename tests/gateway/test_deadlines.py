@@ -29,6 +29,15 @@ def combined(n: int, config: DispatchConfig) -> tuple[Dispatcher, list, list]:  
     return Dispatcher([], workers, Router(policy, policy), config, combined=True), workers, transports
 
 
+def disaggregated(config: DispatchConfig) -> tuple[Dispatcher, list, list, list, list]:  # type: ignore[type-arg]
+    """One prefill and one decode: the dispatcher, then each side's workers and transports."""
+    loop = asyncio.get_running_loop()
+    prefills, p_transports = _connected_workers(loop, "prefill", 1)
+    decodes, d_transports = _connected_workers(loop, "decode", 1)
+    policy = RoundRobinPolicy()
+    return Dispatcher(prefills, decodes, Router(policy, policy), config), prefills, p_transports, decodes, d_transports
+
+
 async def until(predicate, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -65,12 +74,8 @@ def test_the_idle_timeout_takes_over_from_a_longer_first_token_timeout() -> None
 def test_the_first_token_deadline_runs_from_the_submit() -> None:
     """The prefill's hand-over before the first token does not restart the first-token deadline."""
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        prefills, p_transports = _connected_workers(loop, "prefill", 1)
-        decodes, _ = _connected_workers(loop, "decode", 1)
-        policy = RoundRobinPolicy()
         config = DispatchConfig(first_token_timeout_s=1.0, max_retries=0)
-        dispatcher = Dispatcher(prefills, decodes, Router(policy, policy), config)
+        dispatcher, prefills, p_transports, _, _ = disaggregated(config)
         started = time.monotonic()
         task = asyncio.create_task(drain(dispatcher.generate([1, 2, 3], SamplingParams(max_new_tokens=4))))
         assert await until(lambda: bool(_sent(p_transports[0], Submit)), 5)
@@ -117,12 +122,8 @@ def test_a_finished_answer_waiting_for_prompt_logprobs_is_not_lost() -> None:
     that carries the prompt logprobs: after the idle timeout the answer goes out without them and the
     prefill's request is aborted; it is not dropped and retried into a 504."""
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        prefills, p_transports = _connected_workers(loop, "prefill", 1)
-        decodes, d_transports = _connected_workers(loop, "decode", 1)
-        policy = RoundRobinPolicy()
         config = DispatchConfig(stream_idle_timeout_s=0.2, max_retries=2)
-        dispatcher = Dispatcher(prefills, decodes, Router(policy, policy), config)
+        dispatcher, prefills, p_transports, decodes, d_transports = disaggregated(config)
         params = SamplingParams(max_new_tokens=2, prompt_logprobs=True)
         task = asyncio.create_task(drain(dispatcher.generate([1, 2, 3], params)))
         assert await until(lambda: bool(_sent(d_transports[0], Submit)), 5)
