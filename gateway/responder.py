@@ -193,7 +193,6 @@ class Responder:
                 else:
                     prep, client_id = self._prepare(frontend, body)
                 run = Run(frontend, prep, client_id or new_id(shape.id_prefix))
-                exchange.watch_disconnect(gone)
                 if prep.stream:
                     await self._stream(run, exchange)
                 else:
@@ -293,8 +292,6 @@ class AsgiExchange:
         return await read_body(self.scope, self.receive, limit, timeout_s)
 
     def watch_disconnect(self, gone: list[bool]) -> None:
-        if self.watcher is not None:
-            return
         task = asyncio.current_task(self.loop)
         assert task is not None
         self.watcher = asyncio.create_task(watch_disconnect(self.receive, task, gone))
