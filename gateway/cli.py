@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a request head must arrive within this (else 408; also for a silent new connection)")
     p.add_argument("--write-timeout-s", type=float, default=60.0,
                    help="a client that reads nothing of its response for this long is disconnected")
+    p.add_argument("--keep-alive-timeout-s", type=float, default=5.0,
+                   help="a client connection idle between requests for this long is closed (uvicorn's default; "
+                        "behind a load balancer, set it above the balancer's own idle timeout)")
     p.add_argument("--default-max-tokens", type=int, default=256)
     p.add_argument("--retry-backoff-s", type=float, default=0.05,
                    help="delay before the first retry (doubles per retry, +-50%% jitter)")
@@ -139,7 +142,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_retries=args.max_retries, retry_backoff_s=args.retry_backoff_s, max_migrations=args.max_migrations,
         max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s,
         max_header_bytes=args.max_header_bytes, header_timeout_s=args.header_timeout_s,
-        write_timeout_s=args.write_timeout_s, max_unread_events=args.max_unread_events,
+        write_timeout_s=args.write_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s,
+        max_unread_events=args.max_unread_events,
         gather_s=args.gather_ms / 1000.0, prepare_thread_bytes=args.prepare_thread_bytes,
         default_max_tokens=args.default_max_tokens, max_concurrent_requests=args.max_concurrent_requests,
         max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s,
@@ -189,6 +193,7 @@ def server_config(config: GatewayConfig, app: Any, log_level: str = "info") -> u
                           # httptools, with limits on slow or huge heads; generation routes on our own cycle
                           http=protocol_class(limits, app.hot_routes),
                           log_level=log_level.lower(), access_log=False, log_config=None,
+                          timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]
                           proxy_headers=False,  # nothing reads the client address; saves a pass per request
                           timeout_graceful_shutdown=max(1, round(config.drain_timeout_s)))
 

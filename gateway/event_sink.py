@@ -2,14 +2,15 @@
 
 Lifecycle (event loop only): the dispatcher makes one per attempt and hands it to both workers'
 ``WorkerClient.submit``; the connections' frame callbacks ``put_nowait((side, event))`` (a plain call:
-no task switch, no queue object); the attempt's generator ``get``s them, one timer holding its deadline
-(``set_deadline`` only moves a number). Decode outputs queued behind one another are merged into one
-(``merge_ready``). While ``get`` waits with nothing queued, an event may be taken in the callback
-itself by ``tap`` (the dispatcher's direct path). Past ``limit`` unread events the sink drops them,
+no task switch, no queue object); the attempt's generator ``get``s them, its deadline waiting in the
+loop's ``DeadlineWheel`` (``set_deadline`` only moves a number, unless it comes earlier). Decode
+outputs queued behind one another are merged into one (``merge_ready``). While ``get`` waits with
+nothing queued, an event may be taken in the callback itself by ``tap`` (the dispatcher's direct
+path). Past ``limit`` unread events the sink drops them,
 calls ``on_overflow`` once and ``get`` raises ``SinkOverflow``. A ``tap`` that raises may have done
 part of its bookkeeping, so its event is not replayed through ``get``: the sink drops everything from
 then on and ``get`` raises ``DirectPathFailed`` (the stream ends with an error; nothing is counted or
-sent twice). ``close`` ends the timer and the tap.
+sent twice). ``close`` takes the deadline off the wheel and ends the tap.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from gateway.deadlines import RESOLUTION_S, wheel_of
 from gateway.worker_client import Event
 from workers.protocol import StepOutput, joined
 
@@ -31,13 +33,14 @@ class EventSink:
     """Where the worker connections deliver one attempt's ``(side, event)`` pairs.
 
     ``put_nowait`` is a plain call from the connection's reader (no task switch, no queue object);
-    ``get`` returns a queued event at once or waits for the next. One timer per attempt holds the
-    deadline: ``set_deadline`` only moves a number, and the timer re-arms itself when it fires
-    early, so a busy stream costs no timer work per event.
+    ``get`` returns a queued event at once or waits for the next. The deadline waits in the loop's
+    ``DeadlineWheel`` (no loop timer per attempt): ``set_deadline`` only moves a number unless the
+    deadline comes earlier than its slot, and a slot that comes due before the deadline puts the
+    sink in a later one, so a busy stream costs no timer work per event.
     """
 
-    __slots__ = ("_deadline", "_items", "_loop", "_on_overflow", "_timer", "_waiter", "failed", "limit", "overflowed",
-                 "tap")
+    __slots__ = ("_deadline", "_items", "_loop", "_on_overflow", "_slot", "_waiter", "_wheel", "failed", "limit",
+                 "overflowed", "tap")
 
     def __init__(self, limit: int = 4096, on_overflow: Callable[[], None] | None = None,
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -51,7 +54,8 @@ class EventSink:
         self._waiter: asyncio.Future[None] | None = None
         self._loop = loop or asyncio.get_running_loop()  # (passed in: on Python 3.11 the look-up is a syscall)
         self._deadline = math.inf
-        self._timer: asyncio.TimerHandle | None = None
+        self._wheel = wheel_of(self._loop)
+        self._slot: int | None = None  # the wheel's slot it waits in
 
     def put_nowait(self, item: tuple[Any, Event]) -> None:
         if self.overflowed or self.failed:
@@ -80,18 +84,21 @@ class EventSink:
             waiter.set_result(None)
 
     def set_deadline(self, timeout_s: float) -> None:
-        """No event for ``timeout_s`` from now makes ``get`` raise ``TimeoutError``."""
+        """No event for ``timeout_s`` from now makes ``get`` raise ``TimeoutError`` (up to the wheel's
+        ``RESOLUTION_S`` later)."""
         deadline = self._deadline = self._loop.time() + timeout_s
-        timer = self._timer
-        if timer is None or deadline < timer.when():  # (later: the timer re-arms itself when it fires)
-            if timer is not None:  # earlier, e.g. the first token's timeout giving way to the idle one
-                timer.cancel()
-            self._timer = self._loop.call_at(deadline, self._expire)
+        slot = self._slot
+        if slot is None:
+            self._slot = self._wheel.add(self, deadline)
+        elif deadline <= (slot - 1) * RESOLUTION_S:  # earlier than its slot's time, e.g. the first token's
+            self._wheel.discard(self, slot)  # timeout giving way to the idle one (later: see ``due``)
+            self._slot = self._wheel.add(self, deadline)
 
-    def _expire(self) -> None:
-        self._timer = None
-        if self._loop.time() < self._deadline:  # moved since armed: wait for the new one
-            self._timer = self._loop.call_at(self._deadline, self._expire)
+    def due(self) -> None:
+        """(``DeadlineWheel``) its slot came due."""
+        self._slot = None
+        if self._loop.time() < self._deadline:  # moved on since it joined the slot: wait for the new one
+            self._slot = self._wheel.add(self, self._deadline)
             return
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -127,9 +134,9 @@ class EventSink:
     def close(self) -> None:
         self.tap = None
         self._on_overflow = None  # (it may refer back to this sink's owner: freed by reference counting)
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        if self._slot is not None:
+            self._wheel.discard(self, self._slot)
+            self._slot = None
 
 
 class SinkOverflow(Exception):

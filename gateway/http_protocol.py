@@ -8,7 +8,9 @@ per connection (``GuardedHttpProtocol``, event loop only):
    headers stops it. A head larger than ``max_head_bytes`` is answered 431 and one that has not
    arrived within ``head_timeout_s`` 408 (a connection that sends nothing is closed that way too).
 2. A response that completes before its request body has arrived starts a timer of ``body_timeout_s``
-   for the rest of the body (read and discarded); past it the connection is closed.
+   for the rest of the body (read and discarded); past it the connection is closed. Otherwise it
+   starts uvicorn's keep-alive wait (``--timeout-keep-alive``) for the next request's first byte; past
+   it the connection is closed too. All of these share one timer per connection, moved lazily.
 3. Every refusal, and uvicorn's own 400 for a request it cannot parse, is OpenAI-shaped JSON with
    ``Connection: close``; the connection then half-closes and drops what the client still sends for
    ``LINGER_S`` before closing, so a client still writing reads the answer instead of a reset.
@@ -85,7 +87,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._in_head = True  # waiting for, or reading, a request head
         self._head_bytes = 0
         self._timer: asyncio.TimerHandle | None = None
-        self._waiting_for = ""  # what the timer waits for: "head" or "body" ("": nothing)
+        self._waiting_for = ""  # what the timer waits for: "head", "body" or "idle" ("": nothing)
         self._deadline = 0.0  # loop time by which it must have arrived
         self._refused = False
         self._write_timer: asyncio.TimerHandle | None = None
@@ -211,9 +213,20 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.tasks.add(task)
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        # uvicorn's, except that the keep-alive wait is on this connection's one timer (``_arm``), not
+        # a loop timer made and cancelled per request
+        self.server_state.total_requests += 1
+        transport = self.transport
+        if transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:  # the next pipelined request
+            pipelined, app = self.pipeline.pop()
+            self._start_asgi_task(pipelined, app)
+        elif self._waiting_for != "head":  # (a next request's head under way keeps its own timeout)
+            self._arm("idle")
         cycle = self.cycle
-        if cycle is not None and cycle.more_body and not self.transport.is_closing():
+        if cycle is not None and cycle.more_body and not transport.is_closing():
             self._arm("body")  # the rest of the body is being discarded: not for ever
 
     # -- timer and refusals --------------------------------------------------------------------------
@@ -222,7 +235,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         disarming per request only set numbers; the timer re-arms itself when it fires early."""
         self._waiting_for = what
         limits = self.limits
-        self._deadline = self.loop.time() + (limits.head_timeout_s if what == "head" else limits.body_timeout_s)
+        timeout_s = (limits.head_timeout_s if what == "head" else limits.body_timeout_s if what == "body"
+                     else self.timeout_keep_alive)
+        self._deadline = self.loop.time() + timeout_s
         timer = self._timer
         if timer is None or timer.when() > self._deadline:  # (a head's timeout may be shorter than a body's)
             if timer is not None:
@@ -239,7 +254,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self.loop.time() < self._deadline:  # re-armed since: wait for the new deadline
             self._timer = self.loop.call_at(self._deadline, self._expired)
             return
-        if self._waiting_for == "body":
+        if self._waiting_for != "head":  # the rest of a body, or the next request on a kept-alive connection
             self.transport.close()
         elif self.cycle is not None and not self.cycle.response_complete:
             self._arm("head")  # a pipelined request's head behind a response still going out

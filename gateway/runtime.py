@@ -66,6 +66,7 @@ class GatewayConfig:
     max_header_bytes: int = 64 * 1024  # a request head (request line + headers) larger than this: 431
     header_timeout_s: float = 20.0  # a request head must arrive within this (else 408)
     write_timeout_s: float = 60.0  # a client whose response is stuck unread this long is disconnected
+    keep_alive_timeout_s: float = 5.0  # an idle kept-alive client connection is closed after this
     max_unread_events: int = 4096  # worker events a slow streaming client may leave unread (then it ends)
     gather_s: float = 0.05  # a whole response's decode outputs after the first: sent gathered this often
     prepare_thread_bytes: int = 8192  # a request body this long is prepared (tokenized) on a thread (0: never)
@@ -103,7 +104,7 @@ class GatewayConfig:
         if len({url.rstrip("/") if is_http_url(url) else parse_worker_url(url) for url in urls}) != len(urls):
             raise ValueError("prefill/decode/worker: a worker URL is listed twice")
         for name in ("load_stale_s", "queue_timeout_s", "drain_timeout_s", "body_timeout_s", "header_timeout_s",
-                     "write_timeout_s"):
+                     "write_timeout_s", "keep_alive_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
         if not self.assume_ttl_s >= 0 or not self.retry_backoff_s >= 0:

@@ -213,3 +213,56 @@ def test_not_http_clients_leaving_mid_body_and_wrong_methods(sim_cluster: Callab
             assert r.json()["error"]["type"] == "invalid_request_error"
     log = cluster.procs.log(f"gateway-{port}")
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_keep_alive_timeout_closes_idle_connections_only(sim_cluster: Callable[..., SimCluster]) -> None:
+    """``--keep-alive-timeout-s``: a connection idle between requests for longer is closed, on the
+    generation routes (the gateway's own cycle) and the others (uvicorn's ASGI cycle) alike; one whose
+    requests keep coming, or whose stream outlasts the timeout, is not."""
+    keep_alive_s = 0.6
+    cluster = sim_cluster(gateway_args=(*LIMITS, "--keep-alive-timeout-s", str(keep_alive_s)),
+                          decode_args=("--engine-option", "decode_step_s=0.2"))
+    completion = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    stream = json.dumps({"prompt": "hi", "max_tokens": 8, "stream": True}).encode()  # ~1.6 s: past the timeout
+    requests = {
+        "completion": b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                      b"content-length: %d\r\n\r\n%b" % (len(completion), completion),
+        "stream": b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: %d\r\n\r\n%b" % (len(stream), stream),
+        "health": b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n",
+    }
+
+    def answer(sock: socket.socket, name: str) -> None:
+        sock.sendall(requests[name])
+        got = b""
+        end = b"0\r\n\r\n" if name == "stream" else b"}"
+        while not (b"\r\n\r\n" in got and got.endswith(end)):
+            data = sock.recv(65536)
+            assert data, f"{name}: the connection closed before the answer was complete: {got[-200:]!r}"
+            got += data
+        assert got.startswith(b"HTTP/1.1 200"), got[:200]
+
+    def closed_within(sock: socket.socket, limit_s: float) -> float:
+        """Seconds until the server closed ``sock`` (fails past ``limit_s``)."""
+        start = time.monotonic()
+        sock.settimeout(limit_s)
+        try:
+            assert sock.recv(1) == b"", "the server sent something unasked"
+        except ConnectionResetError:
+            pass
+        except TimeoutError:
+            raise AssertionError(f"an idle connection was kept for over {limit_s}s") from None
+        return time.monotonic() - start
+
+    for name in requests:
+        with socket.create_connection(("127.0.0.1", cluster.gateway_port), timeout=GENEROUS_S) as sock:
+            started = time.monotonic()
+            for _ in range(4):  # requests 0.4 s apart over 1.6 s: each gap shorter than the timeout
+                answer(sock, name)
+                time.sleep(0.4)
+            sock.settimeout(GENEROUS_S)
+            answer(sock, name)  # still open, though it has lived for more than twice the timeout
+            assert time.monotonic() - started > 2 * keep_alive_s
+            idle_s = closed_within(sock, GENEROUS_S)
+            assert keep_alive_s * 0.8 <= idle_s, (name, idle_s)
+    serves(cluster)

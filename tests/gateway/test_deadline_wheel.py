@@ -1,0 +1,132 @@
+"""Unit tests for ``gateway.deadlines.DeadlineWheel``: deadlines fire in order, never early and at most
+a slot late; discarded ones never fire and leave nothing behind; many deadlines share one loop timer;
+and ``EventSink``'s deadlines on it, moved later and earlier."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from gateway.deadlines import RESOLUTION_S, DeadlineWheel, wheel_of
+from gateway.event_sink import EventSink
+from workers.protocol import StepOutput
+
+LATE_S = RESOLUTION_S + 0.05  # a slot, plus the loop's own lateness on a busy machine
+
+
+class _Item:
+    def __init__(self, wheel: DeadlineWheel, loop: asyncio.AbstractEventLoop, deadline: float,
+                 fired: list[tuple[_Item, float]]) -> None:
+        self.wheel, self.loop, self.deadline, self.fired = wheel, loop, deadline, fired
+        self.slot = wheel.add(self, deadline)
+
+    def due(self) -> None:
+        self.fired.append((self, self.loop.time()))
+
+
+def test_deadlines_fire_in_order_never_early_and_discarded_ones_never() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        wheel = DeadlineWheel(loop)
+        fired: list[tuple[_Item, float]] = []
+        rng = random.Random(7)
+        now = loop.time()
+        items = [_Item(wheel, loop, now + rng.uniform(0.0, 0.4), fired) for _ in range(200)]
+        dropped = set(rng.sample(items, 60))
+        for item in dropped:
+            wheel.discard(item, item.slot)
+        await asyncio.sleep(0.4 + LATE_S + 0.1)
+        assert {item for item, _ in fired} == set(items) - dropped
+        assert len(fired) == len(items) - len(dropped), "an item fired twice"
+        for item, at in fired:
+            assert item.deadline <= at <= item.deadline + LATE_S, (item.deadline, at)
+        assert [s for s, _ in sorted((it.slot, at) for it, at in fired)] == sorted(it.slot for it, _ in fired)
+        assert len(wheel) == 0 and not wheel._slots and wheel._timer is None
+
+    asyncio.run(main())
+
+
+def test_many_deadlines_share_one_loop_timer() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        wheel = DeadlineWheel(loop)
+        timers = 0
+        call_at = loop.call_at
+
+        def counting(when, callback, *args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal timers
+            timers += callback == wheel._fire
+            return call_at(when, callback, *args, **kwargs)
+
+        loop.call_at = counting  # type: ignore[method-assign]
+        fired: list[tuple[_Item, float]] = []
+        items = []
+        for _ in range(1000):  # a request's deadline each: now + its timeout, added and mostly discarded
+            items.append(_Item(wheel, loop, loop.time() + 30.0, fired))
+            if len(items) > 64:
+                old = items.pop(0)
+                wheel.discard(old, old.slot)
+            await asyncio.sleep(0)
+        assert timers == 1, f"{timers} loop timers for 1000 deadlines"
+        assert len(wheel) == 64 and len(wheel._slots) <= 2, "emptied slots are kept"
+        soon = _Item(wheel, loop, loop.time() + 0.05, fired)  # earlier than every other: the timer moves
+        assert timers == 2
+        await asyncio.sleep(0.05 + LATE_S)
+        assert [item for item, _ in fired] == [soon]
+        loop.call_at = call_at  # type: ignore[method-assign]
+
+    asyncio.run(main())
+
+
+def test_an_item_re_added_from_due_fires_again_later() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        wheel = DeadlineWheel(loop)
+        times: list[float] = []
+
+        class Again:
+            def due(self) -> None:
+                times.append(loop.time())
+                if len(times) < 3:
+                    wheel.add(self, loop.time() + 0.1)
+
+        start = loop.time()
+        wheel.add(Again(), start + 0.1)
+        await asyncio.sleep(0.3 + 3 * LATE_S)
+        assert len(times) == 3
+        assert all(b - a >= 0.1 for a, b in zip([start, *times[:-1]], times, strict=True)), times
+
+    asyncio.run(main())
+
+
+def test_one_wheel_per_loop() -> None:
+    async def one() -> DeadlineWheel:
+        loop = asyncio.get_running_loop()
+        assert wheel_of(loop) is wheel_of(loop)
+        return wheel_of(loop)
+
+    assert asyncio.run(one()) is not asyncio.run(one())
+
+
+@pytest.mark.parametrize("first_s, then_s", [(5.0, 0.1), (0.1, 0.3)], ids=["moved-earlier", "moved-later"])
+def test_event_sink_deadline_moved_either_way_on_the_wheel(first_s: float, then_s: float) -> None:
+    """As an attempt's: the first token's timeout, then the idle one (shorter or longer) per event."""
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        sink = EventSink()
+        sink.set_deadline(first_s)
+        await asyncio.sleep(0.05)
+        sink.put_nowait(("decode", StepOutput(1, [1])))
+        await sink.get()
+        sink.set_deadline(then_s)
+        moved = loop.time()
+        with pytest.raises(TimeoutError):
+            await sink.get()
+        waited = loop.time() - moved
+        assert then_s <= waited <= then_s + LATE_S, waited
+        sink.close()
+        assert len(wheel_of(loop)) == 0
+
+    asyncio.run(main())
