@@ -3,7 +3,9 @@
 Lifecycle (event loop only; nothing here blocks):
 1. ``apply(url, events)`` for every ``KVEvents`` frame a worker sends (a ``reset`` snapshot first,
    on each connection); ``drop_worker(url)`` when its connection is lost (a restarted worker comes
-   back with an empty cache and a new snapshot).
+   back with an empty cache and a new snapshot); ``forget_worker(url)`` once it has left the fleet:
+   its bit is then free for the next new worker, so a fleet whose workers come and go at new
+   addresses (pods) keeps its masks as wide as the fleet, not as every address ever seen.
 2. ``assume(url, hashes)`` when the gateway routes a request to a prefill: for ``assume_ttl_s`` the
    worker counts as holding the prompt's pages, so a burst of same-prefix requests lands together
    before the worker's events arrive. One (mask, expiry) per hash: re-assuming a hash for any
@@ -18,6 +20,7 @@ per worker that drops out, whatever the number of workers.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable, Sequence
 
@@ -33,7 +36,8 @@ class PrefixIndex:
         self.assume_ttl_s = assume_ttl_s
         self._clock = clock  # simulators pass their virtual clock
         self._bit_of: dict[str, int] = {}
-        self._urls: list[str] = []
+        self._urls: list[str | None] = []  # by bit; None: free (``forget_worker``), reused lowest first
+        self._free: list[int] = []
         self._held: dict[bytes, int] = {}  # hash -> mask of workers that reported it stored
         self._by_worker: dict[int, set[bytes]] = {}
         self._assumed: dict[bytes, tuple[int, float]] = {}  # hash -> (mask of workers, until)
@@ -43,8 +47,13 @@ class PrefixIndex:
     def _bit(self, url: str) -> int:
         bit = self._bit_of.get(url)
         if bit is None:
-            bit = self._bit_of[url] = len(self._urls)
-            self._urls.append(url)
+            if self._free:
+                bit = heapq.heappop(self._free)
+                self._urls[bit] = url
+            else:
+                bit = len(self._urls)
+                self._urls.append(url)
+            self._bit_of[url] = bit
             self._by_worker[bit] = set()
         return bit
 
@@ -73,6 +82,18 @@ class PrefixIndex:
         bit = self._bit_of.get(url)
         if bit is not None:
             self._clear(bit)
+
+    def forget_worker(self, url: str) -> None:
+        """``url`` has left the fleet: drop what it held and was assumed to hold, and free its bit."""
+        bit = self._bit_of.pop(url, None)
+        if bit is None:
+            return
+        self._clear(bit)
+        del self._by_worker[bit]
+        keep = ~(1 << bit)  # (a later worker on this bit must not inherit its assumptions)
+        self._assumed = {h: (mask & keep, until) for h, (mask, until) in self._assumed.items() if mask & keep}
+        self._urls[bit] = None
+        heapq.heappush(self._free, bit)
 
     def _clear(self, bit: int) -> None:
         keep = ~(1 << bit)
@@ -130,7 +151,9 @@ class PrefixIndex:
         urls = self._urls
         while mask:
             low = mask & -mask
-            result[urls[low.bit_length() - 1]] = depth
+            url = urls[low.bit_length() - 1]
+            assert url is not None  # (a freed bit is in no mask)
+            result[url] = depth
             mask ^= low
 
     def num_pages(self, url: str) -> int:

@@ -106,6 +106,10 @@ class Router:
         for fn in self._hooks["on_worker_removed"]:
             fn(worker)
 
+    def worker_forgotten(self, url: str) -> None:
+        """``url`` left the fleet for good (removed and drained): the prefix index frees its place."""
+        self.index.forget_worker(url)
+
     def kv_events(self, worker: WorkerView, events: KVEvents) -> None:
         self.index.apply(worker.url, events)
 

@@ -320,6 +320,7 @@ class Gateway:
                 pool.remove(client)
         with contextlib.suppress(Exception):  # (closing announces on_worker_removed if it was up)
             await client.aclose()  # requests still open past the drain timeout are aborted worker-side
+        self.router.worker_forgotten(client.url)
         log.info("removed %s worker %s", client.role, client.url)
 
     # -- shutdown ---------------------------------------------------------------------------------

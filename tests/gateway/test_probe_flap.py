@@ -16,33 +16,37 @@ PROMPT = list(range(1000, 1000 + 16 * 8 + 1))
 HASHES = page_hashes(PROMPT, 16, 8)
 
 
+async def fake_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, role: str,
+                      answer_pings: list[bool], hashes: list[bytes] = HASHES) -> None:
+    """A worker's native side: the handshake, ``hashes`` as its prefix cache (a prefill), pongs while
+    ``answer_pings[0]``."""
+    decoder, encoder = worker_codec(), gateway_codec()._encoder
+
+    def send(msg: object) -> None:
+        data = encoder.encode(msg)
+        writer.write(struct.pack(">I", len(data)) + data)
+
+    while True:
+        try:
+            size = struct.unpack(">I", await reader.readexactly(4))[0]
+            msg = decoder.decode(await reader.readexactly(size))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        if isinstance(msg, Hello):
+            send(HelloAck(PROTOCOL_VERSION, f"{role}-w", role, "sim", "m", "byte", 16, 4096, 1024,
+                          bootstrap_host="127.0.0.1" if role == "prefill" else None, bootstrap_port=1))
+            if role == "prefill":
+                send(KVEvents(stored=hashes, reset=True))
+        elif isinstance(msg, Ping) and answer_pings[0]:
+            send(Pong(msg.nonce))
+
+
 def test_failing_probes_for_a_moment_keep_the_workers_prefix_index() -> None:
     answer_pings = [True]
 
-    async def fake_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, role: str) -> None:
-        decoder, encoder = worker_codec(), gateway_codec()._encoder
-
-        def send(msg: object) -> None:
-            data = encoder.encode(msg)
-            writer.write(struct.pack(">I", len(data)) + data)
-
-        while True:
-            try:
-                size = struct.unpack(">I", await reader.readexactly(4))[0]
-                msg = decoder.decode(await reader.readexactly(size))
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
-            if isinstance(msg, Hello):
-                send(HelloAck(PROTOCOL_VERSION, f"{role}-w", role, "sim", "m", "byte", 16, 4096, 1024,
-                              bootstrap_host="127.0.0.1" if role == "prefill" else None, bootstrap_port=1))
-                if role == "prefill":
-                    send(KVEvents(stored=HASHES, reset=True))
-            elif isinstance(msg, Ping) and answer_pings[0]:
-                send(Pong(msg.nonce))
-
     async def main() -> None:
-        servers = [await asyncio.start_server(lambda r, w, role=role: fake_worker(r, w, role), "127.0.0.1", 0)
-                   for role in ("prefill", "decode")]
+        servers = [await asyncio.start_server(lambda r, w, role=role: fake_worker(r, w, role, answer_pings),
+                                              "127.0.0.1", 0) for role in ("prefill", "decode")]
         p_port, d_port = (s.sockets[0].getsockname()[1] for s in servers)
         health = HealthConfig(probe_interval_s=0.05, probe_timeout_s=0.05, unhealthy_after=2, healthy_after=2)
         gw = Gateway(GatewayConfig(prefill=(f"pd://127.0.0.1:{p_port}",), decode=(f"pd://127.0.0.1:{d_port}",),
@@ -74,6 +78,56 @@ def test_failing_probes_for_a_moment_keep_the_workers_prefix_index() -> None:
             for client in gw.clients:
                 await client.aclose()
             for server in servers:
+                server.close()
+
+    asyncio.run(main())
+
+
+def test_workers_that_come_and_go_at_new_addresses_do_not_grow_the_prefix_index() -> None:
+    """Pods replaced at new addresses: each removed (and drained) prefill's place in the index is
+    freed for the next one, which does not inherit what the old one held or was assumed to hold."""
+    async def main() -> None:
+        answer = [True]
+        servers = [await asyncio.start_server(lambda r, w, role=role: fake_worker(r, w, role, answer),
+                                              "127.0.0.1", 0) for role in ("prefill", "decode")]
+        p_port, d_port = (s.sockets[0].getsockname()[1] for s in servers)
+        gw = Gateway(GatewayConfig(prefill=(f"pd://127.0.0.1:{p_port}",), decode=(f"pd://127.0.0.1:{d_port}",),
+                                   policy="cache_aware", startup_timeout_s=5, drain_timeout_s=1))
+        index = gw.router.index
+        churned = []
+        try:
+            for client in gw.clients:
+                client.start()
+            gw._started = True  # (as ``Gateway.start``: workers added from now on connect at once)
+            assert all(await asyncio.gather(*(c.wait_ready(5) for c in gw.clients)))
+            for i in range(12):
+                other = PROMPT[:1] + [7000 + i] * (len(PROMPT) - 1)  # a prefix of its own
+                own = page_hashes(other, 16, 8)
+                server = await asyncio.start_server(
+                    lambda r, w, own=own: fake_worker(r, w, "prefill", answer, own), "127.0.0.1", 0)
+                churned.append(server)
+                url = f"pd://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+                client = gw.add_worker(url, "prefill")
+                assert await client.wait_ready(5)
+                for _ in range(100):
+                    if index.num_pages(url) == len(own):
+                        break
+                    await asyncio.sleep(0.01)
+                assert index.match(own) == {url: len(own)}, "a new worker saw a gone one's pages, or not its own"
+                index.assume(url, HASHES[:2])
+                gw.remove_worker(url)
+                for _ in range(300):
+                    if client not in gw.prefills and url not in index._bit_of:
+                        break
+                    await asyncio.sleep(0.01)
+                assert url not in index._bit_of and index.match(own) == {}
+                assert index.match(HASHES) == {f"pd://127.0.0.1:{p_port}": len(HASHES)}, "its assumption outlived it"
+                server.close()
+            assert len(index._urls) <= 2, f"{len(index._urls)} bits for a fleet of 2 prefills at most"
+        finally:
+            for client in gw.clients:
+                await client.aclose()
+            for server in servers + churned:
                 server.close()
 
     asyncio.run(main())
