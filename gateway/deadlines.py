@@ -16,10 +16,12 @@ loop (``wheel_of``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from typing import Protocol
 
 RESOLUTION_S = 0.05
+log = logging.getLogger(__name__)
 
 
 class Timed(Protocol):
@@ -77,7 +79,10 @@ class DeadlineWheel:
         try:
             for key in due:
                 for item in slots.pop(key):
-                    item.due()
+                    try:
+                        item.due()
+                    except Exception:  # (one member's bug must not cost the others their deadlines)
+                        log.exception("a deadline's callback failed")
         finally:
             self._firing = False
             if slots:
