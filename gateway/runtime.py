@@ -32,6 +32,7 @@ from gateway.sglang_fleet import RelayConfig, SGLangFleet, check_http_url, is_ht
 from gateway.tokenizer import load_tokenizer, tokenizer_digest
 from gateway.worker_client import WorkerClient, parse_worker_url
 from gateway.worker_state import REFRESH_INTERVAL_S
+from workers.protocol import HelloAck
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "both")
@@ -182,9 +183,23 @@ class Gateway:
         client.on_up = self._worker_up
         client.on_down = lambda c: self.router.worker_removed(c.state)
         client.on_kv_events = lambda c, events: self.router.kv_events(c.state, events)
+        client.vet = lambda ack: self._same_worker_elsewhere(client, ack)
         # The dispatcher holds these same lists: a worker added here is selectable once it connects.
         (self.prefills if role == "prefill" else self.decodes).append(client)
         return client
+
+    def _same_worker_elsewhere(self, client: WorkerClient, ack: HelloAck) -> str | None:
+        """A worker process listed under two URLs that are not the same text (``localhost`` and
+        ``127.0.0.1``, a DNS name and its address) is used through the first one that connects: the
+        other would double its share of requests and of the fleet's free pages."""
+        for other in self.clients:
+            if other is not client and other.is_connected and other.info is not None \
+                    and other.info.worker_id == ack.worker_id:
+                why = f"{client.url} is worker {ack.worker_id}, already connected as {other.url}: not used twice"
+                if not (client.last_error or "").endswith(why):  # (once, not at every reconnect)
+                    log.warning("%s; remove one of the two URLs", why)
+                return why
+        return None
 
     def _worker_up(self, client: WorkerClient) -> None:
         self.router.worker_added(client.state)

@@ -160,6 +160,9 @@ class WorkerClient:
         self.on_up: Callable[[WorkerClient], None] | None = None
         self.on_down: Callable[[WorkerClient], None] | None = None
         self.on_kv_events: Callable[[WorkerClient, KVEvents], None] | None = None
+        # Asked of each handshake's ``HelloAck``: a reason to refuse the connection (e.g. the same worker
+        # already connected under another URL), or None.
+        self.vet: Callable[[HelloAck], str | None] | None = None
         self._connect_timeout_s = connect_timeout_s
         self._max_backoff_s = max_backoff_s
         self._max_unread = max_unread_bytes
@@ -253,6 +256,10 @@ class WorkerClient:
                                       f"{ack.num_pages}, max_context {ack.max_context}: each must be positive")
             if ack.role != self.role:
                 raise ConnectionError(f"worker at {self.url} is a {ack.role} worker, not {self.role}")
+            refusal = self.vet(ack) if self.vet is not None else None
+            if refusal is not None:
+                self._ready.set()  # (start-up waits for workers to be ready: this one has answered, no)
+                raise ConnectionError(refusal)
             self.info, self._transport, self.last_error = ack, transport, None
             self.state.connected(ack)
             self.health.connected()

@@ -33,7 +33,8 @@ async def fake_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
         except (asyncio.IncompleteReadError, ConnectionError):
             return
         if isinstance(msg, Hello):
-            send(HelloAck(PROTOCOL_VERSION, f"{role}-w", role, "sim", "m", "byte", 16, 4096, 1024,
+            port = writer.get_extra_info("sockname")[1]  # (one worker per server: its id names its port)
+            send(HelloAck(PROTOCOL_VERSION, f"{role}-{port}", role, "sim", "m", "byte", 16, 4096, 1024,
                           bootstrap_host="127.0.0.1" if role == "prefill" else None, bootstrap_port=1))
             if role == "prefill":
                 send(KVEvents(stored=hashes, reset=True))
@@ -128,6 +129,41 @@ def test_workers_that_come_and_go_at_new_addresses_do_not_grow_the_prefix_index(
             for client in gw.clients:
                 await client.aclose()
             for server in servers + churned:
+                server.close()
+
+    asyncio.run(main())
+
+
+def test_one_worker_under_two_urls_is_used_once() -> None:
+    """``localhost`` and ``127.0.0.1`` are one worker: the second URL does not connect (its share of
+    requests and the fleet's free pages would count twice) and says why, until the first is removed."""
+    async def main() -> None:
+        answer = [True]
+        servers = [await asyncio.start_server(lambda r, w, role=role: fake_worker(r, w, role, answer),
+                                              "127.0.0.1", 0) for role in ("prefill", "decode")]
+        p_port, d_port = (s.sockets[0].getsockname()[1] for s in servers)
+        gw = Gateway(GatewayConfig(prefill=(f"pd://127.0.0.1:{p_port}",), decode=(f"pd://127.0.0.1:{d_port}",),
+                                   startup_timeout_s=5, drain_timeout_s=1))
+        try:
+            for client in gw.clients:
+                client.start()
+            gw._started = True
+            assert all(await asyncio.gather(*(c.wait_ready(5) for c in gw.clients)))
+            first = gw.decodes[0]
+            again = gw.add_worker(f"pd://localhost:{d_port}", "decode")
+            started = asyncio.get_running_loop().time()
+            assert not await again.wait_ready(30.0)
+            assert asyncio.get_running_loop().time() - started < 10, "waiting for it ran to the timeout"
+            assert not again.is_connected and again.last_error is not None
+            assert "already connected as pd://127.0.0.1" in again.last_error, again.last_error
+            assert first.healthy
+            gw.remove_worker(first.url)
+            assert await again.wait_ready(10), again.last_error  # the one left connects at its next try
+            assert gw.decodes == [again]
+        finally:
+            for client in gw.clients:
+                await client.aclose()
+            for server in servers:
                 server.close()
 
     asyncio.run(main())
