@@ -5,7 +5,10 @@ on one connection (a full snapshot only on a new one), so what the index dropped
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
+from collections.abc import AsyncIterator
+from typing import Any
 
 from gateway.health import HealthConfig
 from gateway.runtime import Gateway, GatewayConfig
@@ -42,20 +45,34 @@ async def fake_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
             send(Pong(msg.nonce))
 
 
+@contextlib.asynccontextmanager
+async def fleet(answer_pings: list[bool], **config: Any) -> AsyncIterator[tuple[Gateway, int, int]]:
+    """A gateway (``Gateway``, started as ``Gateway.start`` does) over one fake prefill and one fake
+    decode; yields it with the two ports, and closes all of it."""
+    servers = [await asyncio.start_server(lambda r, w, role=role: fake_worker(r, w, role, answer_pings),
+                                          "127.0.0.1", 0) for role in ("prefill", "decode")]
+    p_port, d_port = (s.sockets[0].getsockname()[1] for s in servers)
+    gw = Gateway(GatewayConfig(prefill=(f"pd://127.0.0.1:{p_port}",), decode=(f"pd://127.0.0.1:{d_port}",),
+                               startup_timeout_s=5, **config))
+    try:
+        for client in gw.clients:
+            client.start()
+        gw._started = True  # (workers added from now on connect at once)
+        assert all(await asyncio.gather(*(c.wait_ready(5) for c in gw.clients)))
+        yield gw, p_port, d_port
+    finally:
+        for client in gw.clients:
+            await client.aclose()
+        for server in servers:
+            server.close()
+
+
 def test_failing_probes_for_a_moment_keep_the_workers_prefix_index() -> None:
     answer_pings = [True]
 
     async def main() -> None:
-        servers = [await asyncio.start_server(lambda r, w, role=role: fake_worker(r, w, role, answer_pings),
-                                              "127.0.0.1", 0) for role in ("prefill", "decode")]
-        p_port, d_port = (s.sockets[0].getsockname()[1] for s in servers)
         health = HealthConfig(probe_interval_s=0.05, probe_timeout_s=0.05, unhealthy_after=2, healthy_after=2)
-        gw = Gateway(GatewayConfig(prefill=(f"pd://127.0.0.1:{p_port}",), decode=(f"pd://127.0.0.1:{d_port}",),
-                                   policy="cache_aware", health=health, startup_timeout_s=5))
-        try:
-            for client in gw.clients:
-                client.start()
-            assert all(await asyncio.gather(*(c.wait_ready(5) for c in gw.clients)))
+        async with fleet(answer_pings, policy="cache_aware", health=health) as (gw, p_port, _):
             prefill, url = gw.prefills[0], f"pd://127.0.0.1:{p_port}"
             for _ in range(100):
                 if gw.router.index.num_pages(url):
@@ -75,11 +92,6 @@ def test_failing_probes_for_a_moment_keep_the_workers_prefix_index() -> None:
                     break
             assert prefill.healthy and prefill.is_connected
             assert gw.router.index.num_pages(url) == len(HASHES), "the index forgot the cache it still has"
-        finally:
-            for client in gw.clients:
-                await client.aclose()
-            for server in servers:
-                server.close()
 
     asyncio.run(main())
 
@@ -89,18 +101,9 @@ def test_workers_that_come_and_go_at_new_addresses_do_not_grow_the_prefix_index(
     freed for the next one, which does not inherit what the old one held or was assumed to hold."""
     async def main() -> None:
         answer = [True]
-        servers = [await asyncio.start_server(lambda r, w, role=role: fake_worker(r, w, role, answer),
-                                              "127.0.0.1", 0) for role in ("prefill", "decode")]
-        p_port, d_port = (s.sockets[0].getsockname()[1] for s in servers)
-        gw = Gateway(GatewayConfig(prefill=(f"pd://127.0.0.1:{p_port}",), decode=(f"pd://127.0.0.1:{d_port}",),
-                                   policy="cache_aware", startup_timeout_s=5, drain_timeout_s=1))
-        index = gw.router.index
         churned = []
-        try:
-            for client in gw.clients:
-                client.start()
-            gw._started = True  # (as ``Gateway.start``: workers added from now on connect at once)
-            assert all(await asyncio.gather(*(c.wait_ready(5) for c in gw.clients)))
+        async with fleet(answer, policy="cache_aware", drain_timeout_s=1) as (gw, p_port, _):
+            index = gw.router.index
             for i in range(12):
                 other = PROMPT[:1] + [7000 + i] * (len(PROMPT) - 1)  # a prefix of its own
                 own = page_hashes(other, 16, 8)
@@ -125,11 +128,8 @@ def test_workers_that_come_and_go_at_new_addresses_do_not_grow_the_prefix_index(
                 assert index.match(HASHES) == {f"pd://127.0.0.1:{p_port}": len(HASHES)}, "its assumption outlived it"
                 server.close()
             assert len(index._urls) <= 2, f"{len(index._urls)} bits for a fleet of 2 prefills at most"
-        finally:
-            for client in gw.clients:
-                await client.aclose()
-            for server in servers + churned:
-                server.close()
+        for server in churned:
+            server.close()
 
     asyncio.run(main())
 
@@ -138,17 +138,7 @@ def test_one_worker_under_two_urls_is_used_once() -> None:
     """``localhost`` and ``127.0.0.1`` are one worker: the second URL does not connect (its share of
     requests and the fleet's free pages would count twice) and says why, until the first is removed."""
     async def main() -> None:
-        answer = [True]
-        servers = [await asyncio.start_server(lambda r, w, role=role: fake_worker(r, w, role, answer),
-                                              "127.0.0.1", 0) for role in ("prefill", "decode")]
-        p_port, d_port = (s.sockets[0].getsockname()[1] for s in servers)
-        gw = Gateway(GatewayConfig(prefill=(f"pd://127.0.0.1:{p_port}",), decode=(f"pd://127.0.0.1:{d_port}",),
-                                   startup_timeout_s=5, drain_timeout_s=1))
-        try:
-            for client in gw.clients:
-                client.start()
-            gw._started = True
-            assert all(await asyncio.gather(*(c.wait_ready(5) for c in gw.clients)))
+        async with fleet([True], drain_timeout_s=1) as (gw, _, d_port):
             first = gw.decodes[0]
             again = gw.add_worker(f"pd://localhost:{d_port}", "decode")
             started = asyncio.get_running_loop().time()
@@ -160,10 +150,5 @@ def test_one_worker_under_two_urls_is_used_once() -> None:
             gw.remove_worker(first.url)
             assert await again.wait_ready(10), again.last_error  # the one left connects at its next try
             assert gw.decodes == [again]
-        finally:
-            for client in gw.clients:
-                await client.aclose()
-            for server in servers:
-                server.close()
 
     asyncio.run(main())
