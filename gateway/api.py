@@ -150,13 +150,15 @@ class Frontend:
                                 param="model", code="model_not_found")
 
     def _params(self, req: Any, input_ids: list[int], max_tokens: int | None, logprobs: bool,
-                top_logprobs: int, prefix: str = "") -> tuple[SamplingParams, list[str]]:
+                top_logprobs: int, prefix: str = "", *, prompt: str = "prompt",
+                max_tokens_name: str = "max_tokens") -> tuple[SamplingParams, list[str]]:
+        """``prompt``, ``max_tokens_name``: what the client called them (``param`` of a 400)."""
         if not input_ids:
-            raise BadRequest("the prompt is empty", param="prompt")
+            raise BadRequest("the prompt is empty", param=prompt)
         room = self.max_context - len(input_ids)
         if room <= 0:
             raise BadRequest(f"the prompt has {len(input_ids)} tokens; the context length is {self.max_context}",
-                             param="messages", code="context_length_exceeded")
+                             param=prompt, code="context_length_exceeded")
         min_tokens = req.min_tokens or 0
         name = "min_new_tokens" if prefix else "min_tokens"
         if max_tokens is None:  # the default budget, raised to what the client asked at least
@@ -165,20 +167,21 @@ class Frontend:
                                  f"length {self.max_context}", param=prefix + name, code="context_length_exceeded")
             max_tokens = min(max(self.default_max_tokens, min_tokens), room)
         if max_tokens > room:  # (ranges of single fields are checked by the decoder: gateway/api_models.py)
-            raise BadRequest(f"max_tokens ({max_tokens}) + prompt ({len(input_ids)} tokens) exceeds the context "
-                             f"length {self.max_context}", param="max_tokens", code="context_length_exceeded")
+            raise BadRequest(f"{max_tokens_name} ({max_tokens}) + prompt ({len(input_ids)} tokens) exceeds the "
+                             f"context length {self.max_context}", param=prefix + max_tokens_name,
+                             code="context_length_exceeded")
         temperature = 1.0 if req.temperature is None else req.temperature
         top_p = 1.0 if req.top_p is None else req.top_p
-        top_k = -1 if req.top_k is None else req.top_k
-        if top_k == 0:
-            raise BadRequest("top_k must be -1 (off) or positive", param="top_k")
+        top_k = -1 if not req.top_k else req.top_k  # (0 is off, as in vLLM)
+        if top_p == 0.0:  # the nucleus of the most probable token alone (OpenAI accepts 0; vLLM with greedy)
+            top_p, top_k = 1.0, 1
         min_p = 0.0 if req.min_p is None else req.min_p
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if min_tokens > max_tokens:
             raise BadRequest(f"{name} ({min_tokens}) must not exceed max_tokens ({max_tokens})", param=prefix + name)
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            seed=req.seed, stop_token_ids=list(req.stop_token_ids or []), stop=stops, ignore_eos=req.ignore_eos,
+            seed=req.seed, stop_token_ids=list(req.stop_token_ids or []), stop=stops, ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs, top_logprobs=top_logprobs,
             logit_bias={int(token): bias for token, bias in (req.logit_bias or {}).items()},
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
@@ -200,22 +203,30 @@ class Frontend:
                 hint = " (the legacy 'function' role: use 'tool')" if message.role == "function" else ""
                 raise BadRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got "
                                  f"{message.role!r}{hint}", param=f"messages[{i}].role")
-        tools = plan_tools(req, getattr(self.tokenizer, "chat_template", None))
+        template = getattr(self.tokenizer, "chat_template", None)
+        tools = plan_tools(req, template)
         try:
             messages = [msgspec.structs.asdict(m) for m in req.messages]
+            if not (isinstance(template, str) and "developer" in template):
+                for entry in messages:  # OpenAI's newer name for system, which most templates know only as that
+                    if entry["role"] == "developer":
+                        entry["role"] = "system"
             input_ids = render_prompt(self.tokenizer, messages, tools)
         except (ValueError, TypeError) as exc:
             raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from None
+        named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params, stops = self._params(req, input_ids, max_tokens, req.logprobs, req.top_logprobs or 0)
+        logprobs = bool(req.logprobs)
+        params, stops = self._params(req, input_ids, max_tokens, logprobs, req.top_logprobs or 0,
+                                     prompt="messages", max_tokens_name=named)
         params.grammar = grammar_for(req)
         if tools is not None and tools.grammar is not None:
             if params.grammar is not None:
                 raise BadRequest(f"tool_choice {tools.mode} cannot be combined with {params.grammar.param}",
                                  param="tool_choice")
             params.grammar = tools.grammar
-        return Prepared(input_ids, params, req.n, stops, req.stream,
-                        bool(req.stream_options and req.stream_options.include_usage), req.logprobs,
+        return Prepared(input_ids, params, req.n or 1, stops, bool(req.stream),
+                        bool(req.stream_options and req.stream_options.include_usage), logprobs,
                         bootstrap=ClientBootstrap.of(req), tools=tools)
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
@@ -235,12 +246,12 @@ class Frontend:
         else:
             raise BadRequest(f"prompt must be a string or a list of token ids (in [0, {MAX_TOKEN_ID}])",
                              param="prompt")
-        logprobs = req.logprobs is not None
+        logprobs, echo = req.logprobs is not None, bool(req.echo)
         params, stops = self._params(req, input_ids, req.max_tokens, logprobs, req.logprobs or 0)
-        params.prompt_logprobs = logprobs and req.echo
+        params.prompt_logprobs = logprobs and echo
         params.grammar = grammar_for(req)
-        return Prepared(input_ids, params, req.n, stops, req.stream,
-                        bool(req.stream_options and req.stream_options.include_usage), logprobs, req.echo,
+        return Prepared(input_ids, params, req.n or 1, stops, bool(req.stream),
+                        bool(req.stream_options and req.stream_options.include_usage), logprobs, echo,
                         ClientBootstrap.of(req))
 
     def prepare_generate(self, req: GenerateRequest) -> tuple[Prepared, GenerateSampling]:
@@ -254,10 +265,13 @@ class Frontend:
         else:
             raise BadRequest("one of text or input_ids is required", param="text")
         shim = _GenerateShim(sp)
-        params, stops = self._params(shim, input_ids, sp.max_new_tokens, req.return_logprob, 0, "sampling_params.")
-        params.prompt_logprobs = req.return_logprob
+        logprobs = bool(req.return_logprob)
+        params, stops = self._params(shim, input_ids, sp.max_new_tokens, logprobs, 0, "sampling_params.",
+                                     prompt="text" if req.input_ids is None else "input_ids",
+                                     max_tokens_name="max_new_tokens")
+        params.prompt_logprobs = logprobs
         params.grammar = grammar_for(sp, prefix="sampling_params.")
-        return Prepared(input_ids, params, 1, stops, req.stream, False, req.return_logprob,
+        return Prepared(input_ids, params, 1, stops, bool(req.stream), False, logprobs,
                         bootstrap=ClientBootstrap.of(req), param_prefix="sampling_params."), sp
 
     # -- running choices ---------------------------------------------------------------------

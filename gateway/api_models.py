@@ -1,10 +1,12 @@
 """Client request bodies (OpenAI and SGLang ``/generate``), decoded and type-checked by msgspec.
 
 Unknown fields are ignored (clients send many optional ones); known fields with the wrong type
-or out of range are a 400 naming the field. These structs are also what ``GET /openapi.json``
-publishes (``gateway/openapi.py``), so a constraint lives here once: enforced by msgspec where it
-can be (``Meta`` bounds), otherwise stated in ``extra_json_schema`` and checked in ``gateway.api``
-(a chat role, ``top_k != 0``, text-only content parts, the shapes of ``prompt``). Checks that need
+or out of range are a 400 naming the field. ``null`` means the default for every optional field, as
+in OpenAI's schema (clients send ``"logprobs": null`` for an unset argument): such fields are
+declared ``T | None`` and read through ``gateway.api`` with their default. These structs are also
+what ``GET /openapi.json`` publishes (``gateway/openapi.py``), so a constraint lives here once:
+enforced by msgspec where it can be (``Meta`` bounds), otherwise stated in ``extra_json_schema`` and
+checked in ``gateway.api`` (a chat role, text-only content parts, the shapes of ``prompt``). Checks that need
 the model (its name, the context length, the vocabulary) live in ``gateway.api`` only.
 
 Fields that would change what a request means but that the gateway does not implement (legacy
@@ -28,9 +30,8 @@ Count = Annotated[int, Meta(ge=1)]
 MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; larger ints do not fit the workers' wire format
 TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
-TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-TopK = Annotated[int, Meta(ge=-1, le=MAX_TOKEN_ID, description="-1 (off) or positive",
-                            extra_json_schema={"not": {"const": 0}})]
+TopP = Annotated[float, Meta(ge=0.0, le=1.0, description="0: only the most probable token")]
+TopK = Annotated[int, Meta(ge=-1, le=MAX_TOKEN_ID, description="-1 or 0 (off), or positive")]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # (choice i of n uses seed + i)
 MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
 NumChoices = Annotated[int, Meta(ge=1, le=MAX_N)]
@@ -59,7 +60,7 @@ PromptList = Annotated[list[Any], Meta(min_length=1, extra_json_schema={"anyOf":
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class ChatMessage(msgspec.Struct):
@@ -80,9 +81,9 @@ class _Sampling(msgspec.Struct):
     seed: Seed | None = None
     stop: Stop = None
     stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
-    n: NumChoices = 1
-    stream: bool = False
+    ignore_eos: bool | None = False
+    n: NumChoices | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     timeout_s: IgnoredTimeout | None = None
@@ -100,12 +101,21 @@ class _Sampling(msgspec.Struct):
     regex: str | None = None
     ebnf: str | None = None  # GBNF
     json_schema: str | dict[str, Any] | None = None  # a JSON Schema, as text or an object
+    # vLLM's structured output, the same three (and a list of choices), older and newer spellings
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None  # GBNF, as vLLM's xgrammar backend takes it
+    guided_choice: list[str] | None = None
+    # {"json" | "regex" | "grammar" | "choice": ..., or "json_object": true}
+    structured_outputs: dict[str, Any] | None = None
+    guided_decoding_backend: str | None = None  # accepted, not used (one grammar library here)
+    guided_whitespace_pattern: str | None = None  # not supported: a 400 when set
 
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] = []
     max_completion_tokens: Count | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: NumLogprobs | None = None
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}
     response_format: dict[str, Any] | None = None
@@ -122,7 +132,8 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: Annotated[str, Meta(min_length=1)] | PromptList | None = None
     logprobs: NumLogprobs | None = None
-    echo: bool = False
+    echo: bool | None = False
+    response_format: dict[str, Any] | None = None  # as chat's
     # not supported: a 400 unless absent or neutral
     suffix: str | None = None
     best_of: int | None = None
@@ -157,8 +168,8 @@ class GenerateRequest(msgspec.Struct):
     text: str | None = None
     input_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
     sampling_params: GenerateSampling = msgspec.field(default_factory=GenerateSampling)
-    stream: bool = False
-    return_logprob: bool = False
+    stream: bool | None = False
+    return_logprob: bool | None = False
     rid: str | None = None
     bootstrap_host: Any = None  # SGLang's PD fields: see ``_Sampling``
     bootstrap_port: Any = None

@@ -38,7 +38,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway.admin import admin_routes
-from gateway.api import now_s
+from gateway.api import ModelNotFound, now_s
 from gateway.errors import APIError, NoWorkers
 from gateway.hot_cycle import HotRoutes
 from gateway.middleware import GatekeeperMiddleware, RequestContextMiddleware
@@ -77,6 +77,7 @@ def create_app(config: GatewayConfig) -> Any:
     rest = Starlette(
         routes=[
             Route("/v1/models", _guarded(gw, "models", models), methods=["GET"]),
+            Route("/v1/models/{model:path}", _guarded(gw, "models", model), methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/readiness", readiness, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
@@ -165,17 +166,30 @@ def _guarded(gw: Gateway, route: str, endpoint: Callable[[Request], Awaitable[Re
 
 
 async def models(request: Request) -> Response:
-    gw = _gateway(request)
-    name: str | None
+    return _reply({"object": "list", "data": [_model_card(_served_model(_gateway(request)))]})
+
+
+async def model(request: Request) -> Response:
+    """``GET /v1/models/{model}``: the served model's card (also under ``default``), else a 404."""
+    name, asked = _served_model(_gateway(request)), request.path_params["model"]
+    if asked not in (name, "default"):
+        raise ModelNotFound(f"The model {asked!r} does not exist here; use {name!r}", param="model",
+                            code="model_not_found")
+    return _reply(_model_card(name))
+
+
+def _served_model(gw: Gateway) -> str:
     if gw.has_native_workers:
-        name = gw.require_frontend().model_name
-    else:  # SGLang workers only: the name they report (or --model-name)
-        assert gw.fleet is not None
-        name = gw.config.model_name or gw.fleet.model_name
-        if name is None:
-            raise NoWorkers("no SGLang worker has reported its model yet", retry_after_s=2.0)
-    return _reply({"object": "list", "data": [
-        {"id": name, "object": "model", "created": now_s(), "owned_by": "pd-gateway"}]})
+        return gw.require_frontend().model_name
+    assert gw.fleet is not None  # SGLang workers only: the name they report (or --model-name)
+    name = gw.config.model_name or gw.fleet.model_name
+    if name is None:
+        raise NoWorkers("no SGLang worker has reported its model yet", retry_after_s=2.0)
+    return name
+
+
+def _model_card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": now_s(), "owned_by": "pd-gateway"}
 
 
 def status(gw: Gateway) -> dict[str, Any]:

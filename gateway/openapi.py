@@ -104,10 +104,12 @@ _RESPONSES: dict[str, dict[str, Any]] = {
     "ModelList": {
         "type": "object",
         "required": ["object", "data"],
-        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
-            "type": "object", "required": ["id", "object", "created", "owned_by"],
-            "properties": {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR},
-        }}},
+        "properties": {"object": {"const": "list"},
+                       "data": {"type": "array", "items": {"$ref": _REF.format(name="Model")}}},
+    },
+    "Model": {
+        "type": "object", "required": ["id", "object", "created", "owned_by"],
+        "properties": {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR},
     },
     "Worker": {
         "type": "object",
@@ -198,6 +200,10 @@ def _paths() -> dict[str, Any]:
         "/generate": _generation("SGLang native generation", "GenerateRequest", "Generation", "generate"),
         "/v1/models": _get("listModels", "the served model", "generation",
                            {"200": _json(_ref("ModelList"), "the model"), **_errors("503")}),
+        "/v1/models/{model}": {"get": {
+            "operationId": "retrieveModel", "summary": "the served model (also as 'default'); another is a 404",
+            "tags": ["generation"], "parameters": [{"name": "model", "in": "path", "required": True, "schema": _STR}],
+            "responses": {"200": _json(_ref("Model"), "the model"), **_errors("404", "503")}}},
         "/health": _get("health", "liveness, with every worker's state", "operations",
                         {"200": _json(_ref("Status"), "this process answers")}),
         "/readiness": _get("readiness", "200 only when a prefill and a decode (or a combined worker) are "
@@ -227,7 +233,8 @@ def _paths() -> dict[str, Any]:
     }
 
 
-_CLIENT_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/models", "/openapi.json")
+_CLIENT_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/models", "/v1/models/{model}",
+                 "/openapi.json")
 _ADMIN_PATHS = ("/workers", "/list_workers", "/add_worker", "/remove_worker")
 
 

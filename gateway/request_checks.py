@@ -28,7 +28,9 @@ def _is(*neutral: Any) -> Callable[[Any, Any], bool]:
     return lambda value, _req: value is None or value in neutral
 
 
-_SAMPLING_RULES: tuple[Rule, ...] = ()  # (structured output: gateway/structured_output.py)
+_SAMPLING_RULES: tuple[Rule, ...] = (  # (structured output: gateway/structured_output.py)
+    ("guided_whitespace_pattern", _unset, ""),
+)
 CHAT_RULES: tuple[Rule, ...] = (
     *_SAMPLING_RULES,
     ("functions", _unset, ""),
@@ -39,7 +41,7 @@ CHAT_RULES: tuple[Rule, ...] = (
 COMPLETION_RULES: tuple[Rule, ...] = (
     *_SAMPLING_RULES,
     ("suffix", _unset, ""),
-    ("best_of", lambda value, req: value is None or value in (1, req.n), "1 or n"),
+    ("best_of", lambda value, req: value is None or value in (1, req.n or 1), "1 or n"),
 )
 GENERATE_RULES: tuple[Rule, ...] = (
     ("image_data", _unset, ""),

@@ -5,6 +5,10 @@ Accepted (at most one per request; each a 400 naming the field when malformed or
   ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``.
 - SGLang's extensions on the OpenAI routes and in ``/generate``'s ``sampling_params``: ``regex``,
   ``ebnf`` (GBNF) and ``json_schema`` (a JSON Schema, as a JSON string or an object).
+- vLLM's on the OpenAI routes: ``guided_json``, ``guided_regex``, ``guided_grammar`` (GBNF, as its
+  xgrammar backend takes it), ``guided_choice`` (one of a list of strings, as a regex of their
+  alternation), and the newer ``structured_outputs`` object with the same as ``json``, ``regex``,
+  ``grammar``, ``choice`` or ``json_object: true``.
 
 When the grammar library (llguidance) is importable here, ``grammar_for`` also checks the grammar
 compiles, so a bad one is refused before any worker sees the request; the workers check again.
@@ -69,9 +73,64 @@ def _sglang_fields(obj: Any, prefix: str) -> list[Grammar]:
     return found
 
 
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")  # (the grammar library's regex syntax: Rust's)
+# vLLM's ``structured_outputs`` keys that change nothing here (the library and its defaults are ours)
+_NEUTRAL_OUTPUT_KEYS = frozenset(("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                                  "_backend", "_backend_was_auto"))
+
+
+def _choice(value: Any, param: str) -> Grammar:
+    if not isinstance(value, list) or not value or not all(isinstance(item, str) for item in value):
+        raise BadRequest(f"{param} must be a non-empty list of strings", param=param)
+    literal = ("".join("\\" + c if c in _REGEX_META else c for c in item) for item in value)
+    return Grammar("regex", "(" + "|".join(literal) + ")", param=param)
+
+
+def _text(value: Any, kind: str, param: str) -> Grammar:
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"{param} must be a non-empty string", param=param)
+    return Grammar(kind, value, param=param)
+
+
+def _vllm_fields(obj: Any) -> list[Grammar]:
+    found = []
+    value = getattr(obj, "guided_json", None)
+    if value is not None:
+        found.append(Grammar("json_schema", _schema_text(value, "guided_json"), strict=False, param="guided_json"))
+    for name, kind in (("guided_regex", "regex"), ("guided_grammar", "ebnf")):
+        value = getattr(obj, name, None)
+        if value is not None:
+            found.append(_text(value, kind, name))
+    value = getattr(obj, "guided_choice", None)
+    if value is not None:
+        found.append(_choice(value, "guided_choice"))
+    outputs = getattr(obj, "structured_outputs", None)
+    if outputs is None:
+        return found
+    if not isinstance(outputs, dict):
+        raise BadRequest("structured_outputs must be an object", param="structured_outputs")
+    for key, value in outputs.items():
+        param = f"structured_outputs.{key}"
+        if value is None or key in _NEUTRAL_OUTPUT_KEYS:
+            continue
+        if key == "json":
+            found.append(Grammar("json_schema", _schema_text(value, param), strict=False, param=param))
+        elif key in ("regex", "grammar"):
+            found.append(_text(value, "regex" if key == "regex" else "ebnf", param))
+        elif key == "choice":
+            found.append(_choice(value, param))
+        elif key == "json_object":
+            if value is not True:
+                raise BadRequest(f"{param} must be true when set", param=param)
+            found.append(Grammar("json_object", param=param))
+        else:  # structural_tag, whitespace_pattern...: would change the output, and are not implemented
+            raise BadRequest(f"{param} is not supported", param=param)
+    return found
+
+
 def grammar_for(obj: Any, prefix: str = "") -> Grammar | None:
     """The constraint ``obj`` (a request body, or /generate's sampling_params with its prefix) asks for."""
-    found = _sglang_fields(obj, prefix)
+    found = _sglang_fields(obj, prefix) + _vllm_fields(obj)
     if hasattr(obj, "response_format"):
         fmt = _response_format(obj.response_format)
         if fmt is not None:
@@ -80,8 +139,7 @@ def grammar_for(obj: Any, prefix: str = "") -> Grammar | None:
         return None
     if len(found) > 1:
         names = ", ".join(g.param for g in found)
-        raise BadRequest(f"only one of response_format, regex, ebnf and json_schema may be set (got {names})",
-                         param=found[1].param)
+        raise BadRequest(f"only one structured output may be set (got {names})", param=found[1].param)
     return checked(found[0])
 
 

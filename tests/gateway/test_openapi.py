@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -29,7 +30,8 @@ def served_routes(app: Any) -> dict[str, set[str]]:
     routes = {path: {"POST"} for path in gateway_app.responders}
     for route in gateway_app.rest.routes:
         assert isinstance(route, Route)
-        routes.setdefault(route.path, set()).update(m for m in (route.methods or ()) if m != "HEAD")
+        path = re.sub(r":\w+}", "}", route.path)  # (a path parameter's convertor is not in the document)
+        routes.setdefault(path, set()).update(m for m in (route.methods or ()) if m != "HEAD")
     return routes
 
 

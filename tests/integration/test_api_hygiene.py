@@ -201,6 +201,58 @@ def test_neutral_values_still_work(sim_cluster) -> None:  # type: ignore[no-unty
     cluster.wait_pools_full()
 
 
+def test_null_means_the_default_and_vllm_spellings_of_off(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    """OpenAI's schema lets every optional field be null (the client sends ``"logprobs": null`` for an
+    argument left as None); vLLM takes ``top_k: 0`` as off and ``top_p: 0`` (OpenAI too) as the top
+    token alone. Each answers as the default does."""
+    cluster = sim_cluster()
+    c = client(cluster)
+    messages = [{"role": "user", "content": "Hello, world"}]
+    text = c.chat.completions.create(model="sim", messages=messages, max_tokens=8).choices[0].message.content  # type: ignore[arg-type]
+    nulls = {"logprobs": None, "n": None, "stream": None, "ignore_eos": None, "stream_options": {"include_usage": None},
+             "top_k": 0, "top_p": 0}
+    r = httpx.post(f"{cluster.base_url}/v1/chat/completions", timeout=30,
+                   json={"model": "sim", "messages": messages, "max_tokens": 8, **nulls})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == text and r.json()["choices"][0]["logprobs"] is None
+    base = c.completions.create(model="sim", prompt="Once upon a time", max_tokens=6).choices[0].text
+    r = httpx.post(f"{cluster.base_url}/v1/completions", timeout=30, json={
+        "prompt": "Once upon a time", "max_tokens": 6, **nulls, "logprobs": None, "echo": None})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == base, r.text
+    r = httpx.post(f"{cluster.base_url}/generate", timeout=30, json={
+        "text": "Once upon a time", "stream": None, "return_logprob": None,
+        "sampling_params": {"max_new_tokens": 6, "top_k": 0}})
+    assert r.status_code == 200 and r.json()["text"] == base, r.text
+    cluster.wait_pools_full()
+
+
+def test_models_by_id_and_errors_naming_the_clients_field(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    """``GET /v1/models/{id}`` (the client's ``models.retrieve``); a 400 names the field as the client
+    sent it: ``prompt`` on completions, ``max_completion_tokens`` when that was the one given."""
+    cluster = sim_cluster()
+    c = client(cluster)
+    served = c.models.list().data[0]
+    assert c.models.retrieve(served.id).id == served.id == c.models.retrieve("default").id
+    with pytest.raises(openai.NotFoundError) as missing:
+        c.models.retrieve("no-such-model")
+    assert missing.value.code == "model_not_found"
+    cases = [
+        ("/v1/completions", {"prompt": "x" * 9000, "max_tokens": 1}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 9000}], "max_tokens": 1},
+         "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9000},
+         "max_completion_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9000},
+         "max_tokens"),
+        ("/generate", {"text": "x" * 9000}, "text"),
+        ("/generate", {"input_ids": [5] * 9000}, "input_ids"),
+        ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 9000}}, "sampling_params.max_new_tokens"),
+    ]
+    for route, body, param in cases:
+        r = httpx.post(f"{cluster.base_url}{route}", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (route, param, r.text)
+
+
 def test_malformed_bodies_are_a_400_and_the_gateway_keeps_serving(sim_cluster) -> None:  # type: ignore[no-untyped-def]
     """Invalid UTF-8 (inside a string, where msgspec checks it lazily), a JSON array or scalar instead of
     an object, and chat messages with a role the template does not know: each a clear 400."""

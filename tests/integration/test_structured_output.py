@@ -121,6 +121,41 @@ def test_ebnf_generate(deployment: SmolDeployment) -> None:
     assert generate(deployment.both_url, body)["text"] == pd["text"], "seeded sampling: P->D equals one worker"
 
 
+def test_vllm_structured_output_fields(deployment: SmolDeployment) -> None:
+    """vLLM's spellings (``guided_*`` and ``structured_outputs``) constrain as SGLang's do; a choice
+    with the regex syntax's own characters is matched literally; completions take response_format."""
+    question = "What is the capital of France? Answer in one word."
+    choices = ["Paris (FR)", "Lyon.", "a+b?"]
+    kw: dict[str, Any] = {"max_tokens": 12, "temperature": 0}
+    for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        answer = chat(deployment.pd_url, question, extra_body=extra, **kw).choices[0].message.content
+        assert answer in choices, (extra, answer)
+    regex = chat(deployment.pd_url, "What is the capital of France?", **kw,
+                 extra_body={"guided_regex": REGEX}).choices[0].message.content
+    assert re.fullmatch(REGEX, regex), regex
+    assert chat(deployment.pd_url, "What is the capital of France?", **kw,
+                extra_body={"structured_outputs": {"regex": REGEX}}).choices[0].message.content == regex
+    kw["max_tokens"] = 60
+    for extra in ({"guided_json": CITY_SCHEMA}, {"structured_outputs": {"json": CITY_SCHEMA}}):
+        text = chat(deployment.pd_url, CITY_QUESTION, extra_body=extra, **kw).choices[0].message.content
+        jsonschema_rs.validate(CITY_SCHEMA, json.loads(text))
+    grammar = 'root ::= "Answer: " ("yes" | "no") "."'
+    said = chat(deployment.pd_url, "Is Paris in France?", extra_body={"guided_grammar": grammar},
+                **kw).choices[0].message.content
+    assert re.fullmatch(r"Answer: (yes|no)\.", said), said
+    completion = client(deployment.pd_url).completions.create(
+        model="default", prompt="A cat, as a JSON object:", extra_body={"response_format": {"type": "json_object"}},
+        max_tokens=60, temperature=0)
+    assert isinstance(json.loads(completion.choices[0].text), dict), completion.choices[0].text
+    for extra, param in (({"guided_choice": []}, "guided_choice"),
+                         ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+                         ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+                         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex")):
+        r = httpx.post(f"{deployment.pd_url}/v1/chat/completions", timeout=60,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+
+
 def test_rejected_grammars_are_a_400_naming_the_field(deployment: SmolDeployment) -> None:
     cases = [
         ("/generate", {"text": "hi", "sampling_params": {"regex": "(unclosed"}}, "sampling_params.regex"),
