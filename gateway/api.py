@@ -35,7 +35,7 @@ from gateway.request_checks import (
 )
 from gateway.structured_output import grammar_for
 from gateway.text import ChoiceState
-from gateway.tokenizer import Tokenizer
+from gateway.tokenizer import DECODE_CONTEXT_TOKENS, Tokenizer
 from gateway.tool_calls import ToolPlan, plan_tools, render_prompt
 from workers.protocol import SamplingParams, StepOutput
 
@@ -77,6 +77,11 @@ class Prepared:
     bootstrap: ClientBootstrap | None = None
     param_prefix: str = ""  # where the route's sampling fields live ("sampling_params." on /generate)
     tools: ToolPlan | None = None  # chat with tools (gateway/tool_calls.py)
+
+    @property
+    def decode_context(self) -> list[int]:
+        """The prompt's end, which the answer's text follows (``gateway.tokenizer``)."""
+        return self.input_ids[-DECODE_CONTEXT_TOKENS:]
 
     def name_for_client(self, exc: BaseException) -> None:
         """A worker's 400 names a ``SamplingParams`` field it refused (``check_sampling``): the client's
@@ -288,7 +293,7 @@ class Frontend:
                 last = state
             assert last is not None  # (a choice ends with its final output or an error)
             return last
-        state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs)
+        state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context)
         try:
             await complete(prep.input_ids, prep.params, state, in_callback=not prep.stops)
         except BadRequest as exc:
@@ -307,7 +312,7 @@ class Frontend:
         detokenized here, instead of being yielded.
         """
         if prep.n == 1:
-            state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs)
+            state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context)
             direct = emitter.direct(state) if emitter is not None and not prep.stops and \
                 not prep.want_logprobs else None
             events = self.dispatcher.generate(prep.input_ids, prep.params, bootstrap=prep.bootstrap, direct=direct)
@@ -323,7 +328,8 @@ class Frontend:
             finally:
                 await events.aclose()
             return
-        states = [ChoiceState(i, self.tokenizer, prep.stops, prep.want_logprobs) for i in range(prep.n)]
+        states = [ChoiceState(i, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context)
+                  for i in range(prep.n)]
         queue: asyncio.Queue[tuple[int, StepOutput | BaseException | None]] = asyncio.Queue()
 
         async def pump(index: int) -> None:

@@ -112,8 +112,8 @@ class HFTokenizer:
         text = self._tok.decode(list(token_ids), skip_special_tokens=True)
         return text
 
-    def decoder(self) -> IncrementalDecoder:
-        return HFIncrementalDecoder(self)
+    def decoder(self, context: Sequence[int] = ()) -> IncrementalDecoder:
+        return HFIncrementalDecoder(self, context)
 
     # -- helpers ------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -251,13 +251,16 @@ class HFIncrementalDecoder:
 
     __slots__ = ("_ids", "_prefix", "_raw", "_read", "_stream", "_tok")
 
-    def __init__(self, tokenizer: HFTokenizer) -> None:
+    def __init__(self, tokenizer: HFTokenizer, context: Sequence[int] = ()) -> None:
         self._tok = tokenizer
         self._raw = tokenizer._tok  # (``tokenizers.Tokenizer``, what ``DecodeStream.step`` takes)
-        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=True)
-        self._ids: list[int] = []
+        ids = list(context)  # (``gateway.tokenizer``: read as the text before, never emitted)
+        if ids and tokenizer.decode(ids).endswith(REPLACEMENT_CHAR):  # a prompt ending mid-character
+            ids = []
+        self._stream: DecodeStream | None = DecodeStream(ids=ids or None, skip_special_tokens=True)
+        self._ids = ids
         self._prefix = 0  # window start: ids before it are fully emitted
-        self._read = 0  # ids up to here are reflected in emitted text
+        self._read = len(ids)  # ids up to here are reflected in emitted text
 
     def push(self, token_ids: Sequence[int]) -> str:
         ids = self._ids

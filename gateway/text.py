@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from gateway.tokenizer import Tokenizer
@@ -41,10 +42,13 @@ class StopMatcher:
 class ChoiceState:
     """Accumulates one choice's tokens, text and logprobs from decode step outputs."""
 
-    def __init__(self, index: int, tokenizer: Tokenizer, stops: list[str], want_logprobs: bool) -> None:
+    def __init__(self, index: int, tokenizer: Tokenizer, stops: list[str], want_logprobs: bool,
+                 context: Sequence[int] = ()) -> None:
+        """``context``: the prompt's last ids (``gateway.tokenizer.DECODE_CONTEXT_TOKENS``), which the text
+        follows."""
         self.index = index
         self.tokenizer = tokenizer
-        self.decoder = tokenizer.decoder()
+        self.decoder = tokenizer.decoder(context)
         self.stop = StopMatcher(stops)
         self.want_logprobs = want_logprobs
         self.token_ids: list[int] = []

@@ -4,8 +4,12 @@ A worker names its tokenizer in its handshake (``HelloAck.tokenizer``): ``"byte"
 engine's built-in byte tokenizer, or a model directory holding ``tokenizer.json`` (and a chat
 template), loaded by ``gateway.hf_tokenizer``. ``load_tokenizer`` picks the implementation.
 
-Detokenization is incremental: ``decoder()`` returns a stateful object whose ``push(token_ids)``
-returns only complete text (never half a UTF-8 character), and ``flush()`` the remainder.
+Detokenization is incremental: ``decoder(context)`` returns a stateful object whose ``push(token_ids)``
+returns only complete text (never half a UTF-8 character), and ``flush()`` the remainder. ``context``
+is the end of the prompt (``DECODE_CONTEXT_TOKENS`` ids): their text is not emitted, but the first
+output is decoded as following it, as the whole sequence would be. That matters to SentencePiece
+tokenizers (Llama 2's, Mistral's...), which drop the space of a sequence's first word: without the
+context, an answer's "▁Paris" would read "Paris" where the model wrote " Paris".
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import hashlib
 import os
 from collections.abc import Sequence
 from typing import Any, Protocol
+
+DECODE_CONTEXT_TOKENS = 4
 
 
 class IncrementalDecoder(Protocol):
@@ -37,7 +43,7 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
-    def decoder(self) -> IncrementalDecoder: ...
+    def decoder(self, context: Sequence[int] = ()) -> IncrementalDecoder: ...
 
 
 class ByteTokenizer:
@@ -59,8 +65,8 @@ class ByteTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
-    def decoder(self) -> IncrementalDecoder:
-        return _ByteDecoder()
+    def decoder(self, context: Sequence[int] = ()) -> IncrementalDecoder:
+        return _ByteDecoder()  # (a byte's text does not depend on what came before it)
 
 
 class _ByteDecoder:

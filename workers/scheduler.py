@@ -46,6 +46,7 @@ from transfer.types import KVPoll
 if TYPE_CHECKING:
     from gateway.tokenizer import Tokenizer
     from transfer import KVManager
+from gateway.tokenizer import DECODE_CONTEXT_TOKENS
 from workers.aux import AuxRecord, decode_aux, encode_aux
 from workers.engines.base import (
     OPTIONAL_SAMPLING,
@@ -702,8 +703,9 @@ class Scheduler:
             if self.stop_tokenizer is None:
                 return False
             stops, before = req.params.stop, min(req.params.output_offset, len(req.input_ids))
-            history = req.input_ids[len(req.input_ids) - min(before, history_tokens(stops)):] if before else ()
-            watch = req.stop_watch = StopWatch(self.stop_tokenizer, stops, history)
+            start = len(req.input_ids) - (min(before, history_tokens(stops)) if before else 0)
+            watch = req.stop_watch = StopWatch(self.stop_tokenizer, stops, req.input_ids[start:],
+                                               req.input_ids[max(0, start - DECODE_CONTEXT_TOKENS):start])
         return watch.push(token)
 
     # -- outputs and release -----------------------------------------------------------------

@@ -30,10 +30,12 @@ class StopWatch:
 
     __slots__ = ("_decoder", "_matcher")
 
-    def __init__(self, tokenizer: Tokenizer, stops: list[str], history: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stops: list[str], history: Sequence[int] = (),
+                 context: Sequence[int] = ()) -> None:
         """``history``: the end of the outputs before this request (a migrated stream's), text that a
-        string may start in."""
-        self._decoder = tokenizer.decoder()
+        string may start in; ``context``: the prompt's ids before it (or before the outputs), which the
+        text follows, as in the gateway's decoder (``gateway.tokenizer``)."""
+        self._decoder = tokenizer.decoder(context)
         self._matcher = StopMatcher(stops)
         if history:
             self._matcher.push(self._decoder.push(history))
