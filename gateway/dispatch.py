@@ -62,7 +62,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.policies import Pair, RequestInfo, WorkerView
 from gateway.router import Router
 from gateway.worker_client import Event, WorkerClient, WorkerGone
-from workers.protocol import BootstrapTarget, Error, Fault, SamplingParams, StepOutput, Submit
+from workers.protocol import BootstrapTarget, Error, Fault, SamplingParams, StepOutput, Submit, TokenLogprob
 
 if TYPE_CHECKING:
     from gateway.api import ClientBootstrap
@@ -366,7 +366,8 @@ class _Attempt:
     open and tells the policies how the attempt ended (``outcome``, unless it finished)."""
 
     __slots__ = ("decode", "direct", "dispatcher", "finished", "first_s", "gather_s", "got_token", "held_final",
-                 "idle_s", "open_rids", "outcome", "pair", "prefill", "prompt_logprobs", "request", "run", "sent",
+                 "idle_s", "open_rids", "outcome", "pair", "prefill", "prompt_logprobs", "prompt_top", "request", "run",
+                 "sent",
                  "sink", "urgent", "want_prompt")
 
     def __init__(self, dispatcher: Dispatcher, run: _Choice, direct: DirectConsumer | None, *, urgent: bool,
@@ -390,6 +391,7 @@ class _Attempt:
         # Prompt logprobs come from the prefill; its report may trail the decode's last token.
         self.want_prompt = False
         self.prompt_logprobs: list[float] | None = None
+        self.prompt_top: list[list[TokenLogprob]] | None = None
         self.held_final: StepOutput | None = None
         self.idle_s, self.first_s = config.stream_idle_timeout_s, config.first_token_timeout_s
 
@@ -476,7 +478,12 @@ class _Attempt:
         prefill = self.prefill
         assert prefill is not None
         prefill.health.breaker.record_success()
-        self.prompt_logprobs = event.prompt_logprobs
+        self.prompt_logprobs, self.prompt_top = event.prompt_logprobs, event.prompt_top_logprobs
+
+    def _with_prompt(self, event: StepOutput) -> StepOutput:
+        """The decode's final output with the prefill's prompt logprobs."""
+        event.prompt_logprobs, event.prompt_top_logprobs = self.prompt_logprobs, self.prompt_top
+        return event
 
     async def next(self) -> StepOutput:
         """The next decode output for the consumer (the final one sets ``finished``); raises the
@@ -514,8 +521,7 @@ class _Attempt:
                     self._handed_over(event)
                     held = self.held_final
                     if held is not None:
-                        held.prompt_logprobs = self.prompt_logprobs
-                        return held
+                        return self._with_prompt(held)
                     continue
                 if event.finish_reason is None:
                     event = sink.merge_ready(event)
@@ -529,7 +535,7 @@ class _Attempt:
                         if "prefill" in open_rids:
                             self.held_final = event
                             continue
-                        event.prompt_logprobs = self.prompt_logprobs
+                        self._with_prompt(event)
                 return event
             worker = self.decode if side == "decode" else self.prefill
             assert worker is not None and not isinstance(event, StepOutput)

@@ -283,13 +283,23 @@ def legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def echo_entries(frontend: Frontend, prep: Prepared, choice: ChoiceState) -> list[dict[str, Any]]:
-    """Prompt-token entries for ``echo`` + ``logprobs`` (the first token has no logprob)."""
+    """Prompt-token entries for ``echo`` + ``logprobs`` (the first token has no logprob). With
+    ``logprobs`` > 0 each position after the first also has its most likely tokens, the prompt's own
+    among them, as vLLM answers (lm-evaluation-harness reads them to tell a greedy continuation)."""
     if not prep.echo:
         return []
+    decode = frontend.tokenizer.decode
     values = choice.prompt_logprobs or []
+    tops = choice.prompt_top_logprobs if prep.params.top_logprobs > 0 else None
     entries = []
     for i, token_id in enumerate(prep.input_ids):
         lp = values[i] if i < len(values) else None
-        entries.append({"token": frontend.tokenizer.decode([token_id]),
-                        "logprob": None if i == 0 or lp is None or lp != lp else lp, "top_logprobs": None})
+        known = not (i == 0 or lp is None or lp != lp)
+        token = decode([token_id])
+        top = None
+        if known and tops is not None and i < len(tops) and tops[i]:
+            top = [{"token": decode([t.token_id]), "logprob": t.logprob} for t in tops[i]]
+            if all(t.token_id != token_id for t in tops[i]):
+                top.append({"token": token, "logprob": lp})
+        entries.append({"token": token, "logprob": lp if known else None, "top_logprobs": top})
     return entries

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.tokenizer import Tokenizer
-from workers.protocol import StepOutput
+from workers.protocol import StepOutput, TokenLogprob
 
 
 class StopMatcher:
@@ -57,6 +57,7 @@ class ChoiceState:
         self.finish_reason: str | None = None
         self.cached_tokens = 0
         self.prompt_logprobs: list[float] | None = None
+        self.prompt_top_logprobs: list[list[TokenLogprob]] | None = None
 
     @property
     def text(self) -> str:
@@ -67,7 +68,7 @@ class ChoiceState:
         self.token_ids.extend(event.token_ids)
         self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
         if event.prompt_logprobs is not None:
-            self.prompt_logprobs = event.prompt_logprobs
+            self.prompt_logprobs, self.prompt_top_logprobs = event.prompt_logprobs, event.prompt_top_logprobs
         text = self.decoder.push(event.token_ids)
         final = event.finish_reason is not None
         if final:
@@ -88,7 +89,7 @@ class ChoiceState:
         if event.cached_tokens > self.cached_tokens:
             self.cached_tokens = event.cached_tokens
         if event.prompt_logprobs is not None:
-            self.prompt_logprobs = event.prompt_logprobs
+            self.prompt_logprobs, self.prompt_top_logprobs = event.prompt_logprobs, event.prompt_top_logprobs
         text = self.decoder.push(event.token_ids)
         self.text_parts.append(text)
         return text

@@ -199,6 +199,9 @@ class StepOutput(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     top_logprobs: list[list[TokenLogprob]] | None = None
     prompt_logprobs: list[float] | None = None
     kv_verified: bool | None = None  # sim engine: the imported KV matched the prompt
+    # With ``prompt_logprobs`` and ``SamplingParams.top_logprobs``: each prompt position's most likely
+    # tokens ([] where unknown, e.g. the first). Last: an older peer reads the fields before it.
+    prompt_top_logprobs: list[list[TokenLogprob]] | None = None
 
 
 def joined(a: StepOutput, b: StepOutput) -> StepOutput:
@@ -210,6 +213,7 @@ def joined(a: StepOutput, b: StepOutput) -> StepOutput:
         max(a.cached_tokens, b.cached_tokens), logprobs, top,
         b.prompt_logprobs if b.prompt_logprobs is not None else a.prompt_logprobs,
         b.kv_verified if b.kv_verified is not None else a.kv_verified,
+        b.prompt_top_logprobs if b.prompt_top_logprobs is not None else a.prompt_top_logprobs,
     )
 
 

@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from workers.protocol import BootstrapTarget, SamplingParams, StepOutput
+from workers.protocol import BootstrapTarget, SamplingParams, StepOutput, TokenLogprob
 
 if TYPE_CHECKING:
     from workers.stop_strings import StopWatch
@@ -37,6 +37,7 @@ class Req:
     num_sent_pages: int = 0  # prefill: pages already handed to the KV sender
     output_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     kv_sender: Any = None
     kv_receiver: Any = None
     kv_verified: bool | None = None

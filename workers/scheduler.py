@@ -648,6 +648,8 @@ class Scheduler:
         self.cache.insert(req.all_ids, req.pages, req.num_computed, req.page_hashes)
         if out.prompt_logprobs:
             req.prompt_logprobs.extend(out.prompt_logprobs)
+            if out.prompt_top_logprobs is not None:
+                req.prompt_top_logprobs.extend(out.prompt_top_logprobs)
         finished_prompt = req.num_computed == req.prefill_len
         if finished_prompt:
             self._unqueue_pages(req)
@@ -720,6 +722,8 @@ class Scheduler:
             item.kv_verified = req.kv_verified
             if req.params.prompt_logprobs and req.prompt_logprobs:
                 item.prompt_logprobs = req.prompt_logprobs
+                if req.params.top_logprobs and len(req.prompt_top_logprobs) == len(req.prompt_logprobs):
+                    item.prompt_top_logprobs = req.prompt_top_logprobs
             if self.role == "prefill" and req.output_ids:
                 item.token_ids = [req.output_ids[0]]
         if req.gather_s:

@@ -207,3 +207,14 @@ def test_completions_echo_with_logprobs(deployment: SmolDeployment) -> None:
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == n_prompt + 3
     assert lp["token_logprobs"][0] is None and all(v <= 0 for v in lp["token_logprobs"][1:])
     assert "".join(lp["tokens"][:n_prompt]) == prompt
+    # Every prompt position after the first has its most likely tokens, its own among them (what
+    # lm-evaluation-harness's loglikelihood reads: max(top.values()) tells a greedy continuation).
+    assert lp["top_logprobs"][0] is None
+    for token, value, top in zip(lp["tokens"][1:n_prompt], lp["token_logprobs"][1:n_prompt],
+                                 lp["top_logprobs"][1:n_prompt], strict=True):
+        assert 2 <= len(top) <= 3 and top[token] == value and max(top.values()) >= value, (token, value, top)
+    both = httpx.post(f"{deployment.both_v1}/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2}).json()
+    for ours, theirs in zip(lp["top_logprobs"][1:n_prompt], both["choices"][0]["logprobs"]["top_logprobs"][1:n_prompt],
+                            strict=True):
+        assert ours.keys() == theirs.keys() and all(abs(ours[k] - theirs[k]) < 1e-4 for k in ours), "P->D = one worker"

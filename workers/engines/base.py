@@ -69,6 +69,7 @@ class SeqOutput:
     logprob: float | None = None
     top_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[TokenLogprob]] | None = None  # (with ``params.top_logprobs``)
 
 
 # Optional sampling fields of ``SamplingParams`` and their neutral values. An engine implements those

@@ -45,7 +45,7 @@ from workers.engines.llama.model import LlamaModel
 from workers.engines.llama.penalties import LogitAdjuster
 from workers.engines.llama.sampling import generator_for, is_greedy, sample, token_logprobs
 from workers.kv_pool import KVPool
-from workers.protocol import Grammar
+from workers.protocol import Grammar, TokenLogprob
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PROMPT_LOGPROB_BLOCK = 256  # rows per LM-head block when scoring a prompt chunk
@@ -204,7 +204,8 @@ class TorchEngine(Engine):
         self._sample(batch, rows, hidden, outputs)
         for i, seq in enumerate(batch):
             if self._wants_prompt_logprobs(seq):
-                outputs[i].prompt_logprobs = self._prompt_logprobs(seq, rows[i], hidden)
+                outputs[i].prompt_logprobs, outputs[i].prompt_top_logprobs = self._prompt_logprobs(
+                    seq, rows[i], hidden)
         if device.type == "cuda":
             # A chunk that samples nothing has not waited for its kernels, and the transfer layer reads its
             # KV pages (another stream, another process) as soon as forward returns.
@@ -267,10 +268,14 @@ class TorchEngine(Engine):
                 out.logprob, out.top_logprobs = token_logprobs(row, token, seq.params.top_logprobs)
         self.constraints.accept(seqs, [outputs[i].token_id for i in sampled])
 
-    def _prompt_logprobs(self, seq: SeqInput, rows: _SeqRows, hidden: torch.Tensor) -> list[float]:
-        """Logprob of each chunk token given its prefix (NaN where the prefix's row is unknown)."""
+    def _prompt_logprobs(self, seq: SeqInput, rows: _SeqRows, hidden: torch.Tensor,
+                         ) -> tuple[list[float], list[list[TokenLogprob]] | None]:
+        """Logprob of each chunk token given its prefix (NaN where the prefix's row is unknown), and with
+        ``top_logprobs`` the most likely tokens there ([] where unknown)."""
         n = len(seq.token_ids)
         result = [math.nan] * n
+        num_top = seq.params.top_logprobs
+        tops: list[list[TokenLogprob]] | None = [[] for _ in range(n)] if num_top > 0 else None
         carried = self._prompt_carry.pop((seq.rid, seq.num_cached), None) if seq.num_cached > 0 else None
         if not seq.sample:  # more prompt chunks follow: keep this chunk's last row for the next one
             if len(self._prompt_carry) >= _MAX_PROMPT_CARRY:
@@ -294,4 +299,8 @@ class TorchEngine(Engine):
             picked = logprobs.gather(1, ids[:, None])[:, 0].tolist()
             for j, value in zip(block, picked, strict=True):
                 result[j] = float(value)
-        return result
+            if tops is not None:
+                values, top_ids = torch.topk(logprobs, min(num_top, logprobs.shape[-1]), dim=-1)
+                for j, row_ids, row_values in zip(block, top_ids.tolist(), values.tolist(), strict=True):
+                    tops[j] = [TokenLogprob(t, float(v)) for t, v in zip(row_ids, row_values, strict=True)]
+        return result, tops
