@@ -14,6 +14,7 @@ the rendered text is encoded without adding special tokens again (the template w
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -111,6 +112,22 @@ class HFTokenizer:
             return text
         text = self._tok.decode(list(token_ids), skip_special_tokens=True)
         return text
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes a token stands for, where the vocabulary tells them: a byte-level BPE piece (GPT-2's
+        printable stand-ins for bytes) or a byte-fallback piece (``<0x9F>``); else None."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return None
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                return None
+        table = _unicode_to_byte()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return None
 
     def decoder(self, context: Sequence[int] = ()) -> IncrementalDecoder:
         return HFIncrementalDecoder(self, context)
@@ -295,6 +312,19 @@ class HFIncrementalDecoder:
         self._prefix = self._read = len(ids)
         self._stream = None  # (nothing is pushed after a flush)
         return full_text[len(prefix_text) :]
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's ``bytes_to_unicode``), inverted: a printable character per byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
 
 
 def _compile_template(source: str) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.tokenizer import Tokenizer
@@ -99,16 +99,28 @@ class ChoiceState:
             return []
         entries = []
         tops = event.top_logprobs or [[] for _ in event.token_ids]
+        decode, as_bytes = self.tokenizer.decode, getattr(self.tokenizer, "token_bytes", None)
         for token_id, logprob, top in zip(event.token_ids, event.logprobs, tops, strict=False):
-            token = self.tokenizer.decode([token_id])
+            token = decode([token_id])
             entries.append({
                 "token": token,
                 "logprob": logprob,
-                "bytes": list(token.encode("utf-8")),
+                "bytes": _bytes_of(token, token_id, as_bytes),
                 "top_logprobs": [
-                    {"token": (t := self.tokenizer.decode([alt.token_id])), "logprob": alt.logprob,
-                     "bytes": list(t.encode("utf-8"))}
+                    {"token": (t := decode([alt.token_id])), "logprob": alt.logprob,
+                     "bytes": _bytes_of(t, alt.token_id, as_bytes)}
                     for alt in top
                 ],
             })
         return entries
+
+
+def _bytes_of(text: str, token_id: int, as_bytes: Callable[[int], bytes | None] | None) -> list[int]:
+    """A logprob entry's ``bytes``: the token's own, where its text is only part of a character (a
+    byte-level token, one byte of an emoji, decodes to U+FFFD) and the tokenizer can tell them; clients
+    join them to rebuild such characters."""
+    if "\ufffd" in text and as_bytes is not None:
+        raw = as_bytes(token_id)
+        if raw is not None:
+            return list(raw)
+    return list(text.encode("utf-8"))
