@@ -175,6 +175,8 @@ class Frontend:
             raise BadRequest(f"{max_tokens_name} ({max_tokens}) + prompt ({len(input_ids)} tokens) exceeds the "
                              f"context length {self.max_context}", param=prefix + max_tokens_name,
                              code="context_length_exceeded")
+        if getattr(req, "stream_options", None) is not None and not req.stream:  # (as OpenAI and vLLM answer)
+            raise BadRequest("stream_options is only allowed with stream: true", param="stream_options")
         temperature = 1.0 if req.temperature is None else req.temperature
         top_p = 1.0 if req.top_p is None else req.top_p
         top_k = -1 if not req.top_k else req.top_k  # (0 is off, as in vLLM)

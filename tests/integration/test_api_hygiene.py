@@ -209,12 +209,18 @@ def test_null_means_the_default_and_vllm_spellings_of_off(sim_cluster) -> None: 
     c = client(cluster)
     messages = [{"role": "user", "content": "Hello, world"}]
     text = c.chat.completions.create(model="sim", messages=messages, max_tokens=8).choices[0].message.content  # type: ignore[arg-type]
-    nulls = {"logprobs": None, "n": None, "stream": None, "ignore_eos": None, "stream_options": {"include_usage": None},
-             "top_k": 0, "top_p": 0}
+    nulls = {"logprobs": None, "n": None, "stream": None, "ignore_eos": None, "top_k": 0, "top_p": 0}
     r = httpx.post(f"{cluster.base_url}/v1/chat/completions", timeout=30,
                    json={"model": "sim", "messages": messages, "max_tokens": 8, **nulls})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == text and r.json()["choices"][0]["logprobs"] is None
+    r = httpx.post(f"{cluster.base_url}/v1/chat/completions", timeout=30, json={
+        "model": "sim", "messages": messages, "max_tokens": 8, "stream": True,
+        "stream_options": {"include_usage": None}})
+    assert r.status_code == 200 and '"usage":{' not in r.text and r.text.endswith("data: [DONE]\n\n"), r.text
+    r = httpx.post(f"{cluster.base_url}/v1/chat/completions", timeout=30, json={
+        "model": "sim", "messages": messages, "max_tokens": 8, "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text  # (as OpenAI answers)
     base = c.completions.create(model="sim", prompt="Once upon a time", max_tokens=6).choices[0].text
     r = httpx.post(f"{cluster.base_url}/v1/completions", timeout=30, json={
         "prompt": "Once upon a time", "max_tokens": 6, **nulls, "logprobs": None, "echo": None})
@@ -284,9 +290,9 @@ def test_malformed_bodies_are_a_400_and_the_gateway_keeps_serving(sim_cluster) -
 
 # Valid bodies per route; every field the published document gives a type gets a value of another type.
 BASES: dict[str, dict[str, Any]] = {
-    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True,
                              "stream_options": {"include_usage": False}},
-    "/v1/completions": {"prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": False}},
+    "/v1/completions": {"prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": False}},
     "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 2}},
 }
 _OF_TYPE: dict[str, Any] = {"object": {"x": 1}, "array": [1], "string": "s", "integer": 7, "number": 1.5,
