@@ -28,6 +28,7 @@ class Req:
     num_computed: int = 0  # positions whose KV is in ``pages``
     prefill_len: int = 0  # positions to compute before decoding (the prompt; more after a preemption)
     is_recompute: bool = False  # preempted: recompute KV of prompt + outputs, then continue decoding
+    requeued: bool = False  # sent back to waiting mid-prefill (combined role, out of pages): prefills again
     # chained hashes of the full pages of ``all_ids[:prefill_len]`` (prefix-cache workers; ``Scheduler._hashes``)
     page_hashes: list[bytes] | None = None
     awaited_prefix: bool = False  # waited for another request's prefix (counted once)

@@ -543,7 +543,7 @@ class Scheduler:
             return False
         req.pages = shared + fresh
         req.num_computed = len(shared) * self.pool.page_size
-        if not req.is_recompute:
+        if not (req.is_recompute or req.requeued):  # (counted, and its cache hits told, at its first admission)
             req.cached_tokens = req.num_computed
             self.num_prompt_tokens += len(req.input_ids)
             self.num_cached_prompt_tokens += req.cached_tokens
@@ -552,9 +552,12 @@ class Scheduler:
     def _grow_for_decode(self) -> None:
         """Combined role: every running sequence needs a page for the position it writes next.
 
-        When the pool is out of pages, the most recently started sequence is preempted: its pages
-        are released and it is re-queued first in line to recompute prompt + outputs (its KV may
-        still be served from the prefix cache when it resumes).
+        When the pool is out of pages, the youngest request holding pages gives them back, whether it
+        is decoding or still being prefilled, and is re-queued first in line: a decoding one recomputes
+        prompt + outputs, a prefilling one starts its prefill again (either may find its KV in the
+        prefix cache). The oldest request therefore always progresses; a victim chosen among decoding
+        sequences only used to let a sequence next to a long prefill preempt itself, take its pages
+        back at the next admission, and the two swap places for ever.
         """
         page_size = self.pool.page_size
         for req in list(self._running):
@@ -564,8 +567,23 @@ class Scheduler:
                 if page is not None:
                     req.pages += page
                     continue
-                victim = next(r for r in reversed(self._running) if r.stage == "running" and not r.done)
-                self._preempt(victim)
+                victim = max((r for r in (*self._running, *self._prefilling)
+                              if not r.done and r.stage in ("running", "prefill")), key=lambda r: r.seq_id)
+                if victim.stage == "prefill":
+                    self._requeue_prefill(victim)
+                else:
+                    self._preempt(victim)
+
+    def _requeue_prefill(self, req: Req) -> None:
+        """``req``, mid-prefill, gives its pages back (what it computed stays cached) and waits first in line."""
+        self.num_preemptions += 1
+        self.cache.insert(req.all_ids, req.pages, req.num_computed, req.page_hashes)
+        self.cache.release(req.pages)
+        self._unqueue_pages(req)
+        req.pages, req.num_computed, req.requeued = [], 0, True
+        req.prompt_logprobs, req.prompt_top_logprobs = [], []  # (computed again: it does not share pages)
+        req.move("waiting")
+        self._waiting.insert(0, req)
 
     def _preempt(self, req: Req) -> None:
         self.num_preemptions += 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from gateway.tokenizer import ByteTokenizer
 from workers.engines.sim import SimEngine
 from workers.kv_pool import KVPool
@@ -269,6 +271,31 @@ def test_preemption_by_recompute_when_pages_run_out() -> None:
         run_until_idle(solo)
         assert tokens_of(sink, rid) == tokens_of(solo_sink, rid), "preemption must not change outputs"
     assert sched.cache.num_available == pool.num_pages
+
+
+@pytest.mark.parametrize("num_pages, chunk, first, second", [
+    (6, 3, (4, 8), (16, 4)),  # a decode next to a long chunked prefill
+    (14, 64, (4, 8), (47, 4)),  # the same with one-chunk prefills
+    (8, 4, (5, 12), (20, 6)),
+    (9, 2, (3, 20), (25, 8)),
+])
+def test_two_requests_that_fit_only_one_at_a_time_both_finish(num_pages: int, chunk: int, first: tuple[int, int],
+                                                              second: tuple[int, int]) -> None:
+    """Combined role, pages for one of the two at a time: the younger gives way, decoding or still in
+    its prefill. A victim chosen among decoding sequences only used to swap the two for ever (a
+    sequence preempted itself next to the other's prefill, then took its pages back)."""
+    sched, sink, pool = make(num_pages=num_pages, chunk_size=chunk, max_running=64)
+    requests = [(rid, list(range(10 + 100 * rid, 10 + 100 * rid + n)), m) for rid, (n, m) in enumerate((first, second))]
+    for rid, prompt, max_tokens in requests:
+        sched.submit(0, Submit(rid, prompt, SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)))
+    run_until_idle(sched, 2000)
+    for rid, prompt, max_tokens in requests:
+        solo, solo_sink, _ = make(chunk_size=chunk)
+        solo.submit(0, Submit(rid, prompt, SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)))
+        run_until_idle(solo)
+        assert tokens_of(sink, rid) == tokens_of(solo_sink, rid) and len(tokens_of(sink, rid)) == max_tokens
+    assert sched.num_prompt_tokens == first[0] + second[0], "a prefill sent back is not counted twice"
+    assert sched.cache.num_available == pool.num_pages and not sched._queued_pages
 
 
 def test_engine_failure_fails_the_batch_not_the_worker() -> None:
