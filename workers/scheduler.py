@@ -389,8 +389,9 @@ class Scheduler:
                 f"prompt ({len(msg.input_ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds "
                 f"the context length {info.max_context}"
             )
-        if self.pool.pages_for(total) > self.pool.num_pages:
-            return f"request needs {self.pool.pages_for(total)} KV pages; the pool has {self.pool.num_pages}"
+        held = len(msg.input_ids) if self.role == "prefill" else total  # (a prefill keeps the prompt's KV only)
+        if self.pool.pages_for(held) > self.pool.num_pages:
+            return f"request needs {self.pool.pages_for(held)} KV pages; the pool has {self.pool.num_pages}"
         if min(msg.input_ids) < 0 or max(msg.input_ids) >= info.vocab_size:  # (one C pass each, not a genexpr)
             return f"token ids must be in [0, {info.vocab_size})"
         if self.role != "both" and msg.bootstrap is None:

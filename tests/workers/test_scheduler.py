@@ -356,6 +356,33 @@ def test_a_room_already_in_use_is_a_bad_request_not_a_dead_loop() -> None:
         kv.close()
 
 
+def test_a_prefill_needs_pages_for_the_prompt_only() -> None:
+    """A prefill keeps the prompt's KV and none of the answer's: a pool too small for prompt +
+    max_new_tokens (but not for the prompt) must not refuse a request its decode can hold."""
+    from transfer import KVArgs, KVManager, create_backend
+    from workers.protocol import BootstrapTarget
+
+    engine = SimEngine()
+    info = engine.info
+    pool = KVPool(num_layers=info.num_layers, num_pages=8, page_size=4, num_kv_heads=info.num_kv_heads,
+                  head_dim=info.head_dim)
+    engine.bind(pool)
+    kv = KVManager("prefill", KVArgs.from_pool(pool), create_backend("fake"))
+    sink = Collector()
+    sched = Scheduler(SchedulerConfig("prefill"), engine, pool, sink, kv)
+    try:
+        long_answer = SamplingParams(max_new_tokens=40)  # 5 + 40 tokens: 12 pages of 4
+        sched.submit(0, Submit(1, list(range(5)), long_answer, BootstrapTarget("127.0.0.1", 1, 7), timeout_s=5))
+        sched.submit(0, Submit(2, list(range(40)), SamplingParams(max_new_tokens=1), BootstrapTarget("127.0.0.1", 1, 8),
+                               timeout_s=5))  # a prompt of 10 pages: refused
+        for _ in range(3):
+            sched.step()
+        assert not sink.errors(1) and sched.reqs[(0, 1)].stage != "done"
+        assert sink.errors(2) and "KV pages" in sink.errors(2)[0].message
+    finally:
+        kv.close()
+
+
 def test_kv_events_and_acknowledging_load_reports() -> None:
     from workers.page_cache import page_hashes
     from workers.protocol import KVEvents, LoadReport
