@@ -44,6 +44,8 @@ class SenderRooms:
         self._senders: dict[int, KVSender] = {}
         self._requests: dict[int, PageList] = {}
         self._tombstones: dict[int, tuple[str, float]] = {}  # rooms the decode aborted before a sender
+        # rooms this prefill ended before their decode's page list came: that list fails at once
+        self._ended: dict[int, tuple[str, float]] = {}
         self._graveyard: list[PostedWrite] = []
         self._unquiet: dict[int, Link] = {}  # failed rooms whose decode awaits Quiesced
         slot_bytes = max(ctx.args.aux_slot_bytes, 1)
@@ -75,6 +77,9 @@ class SenderRooms:
                 problem = TransferError(TransferErrorKind.PROTOCOL, f"room {room}: page list sent twice")
             elif room in self._tombstones:
                 problem = TransferError(TransferErrorKind.ABORTED, f"room {room}: already aborted")
+            elif sender is None and room in self._ended:
+                problem = TransferError(TransferErrorKind.ABORTED,
+                                        f"room {room}: the prefill ended it: {self._ended.pop(room)[0]}")
             elif sender is not None and sender.poll() == KVPoll.Failed:
                 problem = sender.failure()
             if problem is not None:
@@ -128,6 +133,7 @@ class SenderRooms:
                 raise ValueError(f"room {room} already has a sender")
             sender = KVSender(self, room, time.monotonic())
             self._senders[room] = sender
+            self._ended.pop(room, None)
             tomb = self._tombstones.pop(room, None)
             request = self._requests.pop(room, None)
             if tomb is not None:
@@ -225,6 +231,10 @@ class SenderRooms:
             sender.mark_released()
             if self._senders.get(sender.room) is sender:
                 del self._senders[sender.room]
+                if sender.request is None:  # its decode's page list, if it comes now, must not wait bootstrap_s
+                    failure = sender.failure()
+                    self._ended[sender.room] = (failure.message if failure is not None else "released",
+                                                time.monotonic() + self._ctx.timeouts.bootstrap_s)
 
     def num_rooms(self) -> int:
         with self._ctx.lock:
@@ -250,9 +260,10 @@ class SenderRooms:
                 reason = f"room {room}: the prefill created no sender within {timeouts.bootstrap_s:g}s"
                 outbox.append((request.link.channel, RoomStatus(room, False, TransferErrorKind.TIMEOUT.value, reason)))
                 outbox.append((request.link.channel, Quiesced(room)))
-        for room, (_, expiry) in list(self._tombstones.items()):
-            if now > expiry:
-                del self._tombstones[room]
+        for ended in (self._tombstones, self._ended):
+            for room, (_, expiry) in list(ended.items()):
+                if now > expiry:
+                    del ended[room]
         still: list[PostedWrite] = []
         for write in self._graveyard:
             if ctx.backend.poll(write.handle) == WriteState.PENDING:

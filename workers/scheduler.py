@@ -341,9 +341,11 @@ class Scheduler:
             param = grammar.param if grammar is not None and problem.startswith(grammar.param) else next(
                 (name for name in OPTIONAL_SAMPLING if problem.startswith(name)), None)  # (check_sampling's)
             self._out.append((conn_id, Error(msg.rid, "bad_request", problem, param=param)))
+            self._end_room(msg, problem)
             return
         if len(self.reqs) >= self.config.max_queued:
             self._out.append((conn_id, Error(msg.rid, "overloaded", "worker queue is full")))
+            self._end_room(msg, "the prefill's queue is full")
             return
         req = Req(key, list(msg.input_ids), msg.params, time.monotonic() + msg.timeout_s, msg.bootstrap,
                   msg.request_id, gather_s=msg.gather_s if self.role != "prefill" else 0.0)
@@ -367,6 +369,19 @@ class Scheduler:
         if req.params.grammar is not None and self.grammar_wait is not None and self.grammar_wait.hold(req):
             return  # compiling its grammar: ``_first_stage`` once done (workers/grammar.py)
         self._first_stage(req)
+
+    def _end_room(self, msg: Submit, reason: str) -> None:
+        """A prefill refusing a request ends its room, so that the decode's page list for it fails at
+        once instead of waiting out the bootstrap timeout (a gateway aborts that decode itself; an
+        SGLang router, or a gateway that lost only this prefill, does not)."""
+        if self.role != "prefill" or msg.bootstrap is None or self.kv is None:
+            return
+        try:
+            sender = self.kv.create_sender(msg.bootstrap.room)
+        except (ValueError, RuntimeError):  # the room is another request's here, or the manager is closing
+            return
+        sender.abort(reason)
+        sender.release()
 
     def _first_stage(self, req: Req) -> None:
         if self.role == "prefill":

@@ -193,6 +193,23 @@ def test_abort_before_metadata_and_tombstone(managers):
     assert "gateway gave up" in str(receiver.failure())
 
 
+def test_a_room_the_prefill_ended_before_its_page_list_fails_at_once(managers):
+    """The mirror of the tombstone above: the prefill aborts and releases its sender before the
+    decode's page list arrives; that list then fails at once, not after bootstrap_s (the decode would
+    hold its pages and aux slot that long)."""
+    prefill, decode = managers("prefill"), managers("decode")
+    sender = prefill.create_sender(9)
+    sender.abort("refused at admission")
+    sender.release()
+    receiver = decode.create_receiver(9, *prefill.control_address)
+    assert wait_for(lambda: receiver.poll() in (KVPoll.WaitingForInput, KVPoll.Failed))
+    if receiver.poll() == KVPoll.WaitingForInput:
+        receiver.send_metadata([3, 4], 1)
+    assert wait_for(lambda: receiver.poll() == KVPoll.Failed, timeout_s=2.0)
+    assert receiver.failure().kind == TransferErrorKind.ABORTED and "refused at admission" in str(receiver.failure())
+    assert wait_for(lambda: receiver.quiesced, timeout_s=2.0)
+
+
 def test_release_of_a_live_room_aborts_it(managers):
     prefill, _decode, sender, receiver = open_pair(managers)
     sender.release()

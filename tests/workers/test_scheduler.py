@@ -359,7 +359,7 @@ def test_a_room_already_in_use_is_a_bad_request_not_a_dead_loop() -> None:
 def test_a_prefill_needs_pages_for_the_prompt_only() -> None:
     """A prefill keeps the prompt's KV and none of the answer's: a pool too small for prompt +
     max_new_tokens (but not for the prompt) must not refuse a request its decode can hold."""
-    from transfer import KVArgs, KVManager, create_backend
+    from transfer import KVArgs, KVManager, KVPoll, create_backend
     from workers.protocol import BootstrapTarget
 
     engine = SimEngine()
@@ -379,6 +379,23 @@ def test_a_prefill_needs_pages_for_the_prompt_only() -> None:
             sched.step()
         assert not sink.errors(1) and sched.reqs[(0, 1)].stage != "done"
         assert sink.errors(2) and "KV pages" in sink.errors(2)[0].message
+        # The refused request's room is ended: its decode's page list fails at once, not after the
+        # bootstrap timeout, so the decode does not hold its pages meanwhile.
+        decode = KVManager("decode", KVArgs.from_pool(pool), create_backend("fake"))
+        try:
+            receiver = decode.create_receiver(8, *kv.control_address)
+            deadline = time.monotonic() + 5
+            while receiver.poll() not in (KVPoll.WaitingForInput, KVPoll.Failed):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            if receiver.poll() == KVPoll.WaitingForInput:
+                receiver.send_metadata([1, 2], 0)
+            while receiver.poll() != KVPoll.Failed:
+                assert time.monotonic() < deadline, "the decode waits for a room the prefill refused"
+                time.sleep(0.01)
+            assert "KV pages" in str(receiver.failure())
+        finally:
+            decode.close()
     finally:
         kv.close()
 
