@@ -1,8 +1,8 @@
 """Client request bodies (OpenAI and SGLang ``/generate``), decoded and type-checked by msgspec.
 
 Unknown fields are ignored (clients send many optional ones); known fields with the wrong type
-or out of range are a 400 naming the field. ``null`` means the default for every optional field, as
-in OpenAI's schema (clients send ``"logprobs": null`` for an unset argument): such fields are
+or out of range are a 400 naming the field. On the OpenAI routes ``null`` means the default for every
+optional field, as in OpenAI's schema (clients send ``"logprobs": null`` for an unset argument): such fields are
 declared ``T | None`` and read through ``gateway.api`` with their default. These structs are also
 what ``GET /openapi.json`` publishes (``gateway/openapi.py``), so a constraint lives here once:
 enforced by msgspec where it can be (``Meta`` bounds), otherwise stated in ``extra_json_schema`` and

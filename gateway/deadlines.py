@@ -9,7 +9,8 @@ a dict look-up and a set insertion; ``discard``: a set removal) and holds one lo
 the earliest slot. A slot that comes due calls ``due()`` on each of its members once; a member whose
 deadline moved on since it joined the slot ``add``s itself again.
 
-A deadline therefore fires up to ``RESOLUTION_S`` late, never early. Event loop only; one wheel per
+A deadline therefore fires up to ``RESOLUTION_S`` late, and at most the loop clock's resolution
+(``CLOCK_S``) early. Event loop only; one wheel per
 loop (``wheel_of``).
 """
 
@@ -21,6 +22,7 @@ import math
 from typing import Protocol
 
 RESOLUTION_S = 0.05
+CLOCK_S = 0.001  # uvloop's clock counts whole milliseconds: a deadline this close has come
 log = logging.getLogger(__name__)
 
 
@@ -73,7 +75,9 @@ class DeadlineWheel:
     def _fire(self) -> None:
         self._timer, self._armed = None, math.inf
         slots = self._slots
-        now_key = math.floor(self._loop.time() / RESOLUTION_S)  # (fired a little early: armed again)
+        # (a slot's time in loop-clock milliseconds can divide to just under its number: within a
+        # millionth of a slot it has come; fired earlier than that, it is armed again)
+        now_key = math.floor(self._loop.time() / RESOLUTION_S + 1e-6)
         due = [key for key in slots if key <= now_key]
         self._firing = True
         try:

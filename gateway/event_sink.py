@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from gateway.deadlines import RESOLUTION_S, wheel_of
+from gateway.deadlines import CLOCK_S, RESOLUTION_S, wheel_of
 from gateway.worker_client import Event
 from workers.protocol import StepOutput, joined
 
@@ -87,6 +87,8 @@ class EventSink:
         """No event for ``timeout_s`` from now makes ``get`` raise ``TimeoutError`` (up to the wheel's
         ``RESOLUTION_S`` later)."""
         deadline = self._deadline = self._loop.time() + timeout_s
+        if deadline == math.inf:  # (no deadline: a slot it holds finds so when it comes due)
+            return
         slot = self._slot
         if slot is None:
             self._slot = self._wheel.add(self, deadline)
@@ -97,8 +99,10 @@ class EventSink:
     def due(self) -> None:
         """(``DeadlineWheel``) its slot came due."""
         self._slot = None
-        if self._loop.time() < self._deadline:  # moved on since it joined the slot: wait for the new one
-            self._slot = self._wheel.add(self, self._deadline)
+        deadline = self._deadline
+        if self._loop.time() + CLOCK_S < deadline:  # moved on since it joined the slot: wait for the new one
+            if deadline != math.inf:
+                self._slot = self._wheel.add(self, deadline)
             return
         waiter = self._waiter
         if waiter is not None and not waiter.done():

@@ -183,8 +183,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        if self._waiting_for == "body":
-            self._disarm()
+        if self._waiting_for == "body":  # the rest of a body that came after its response: now idle
+            done = self.cycle
+            if done is not None and done.response_complete and not self.pipeline and done.keep_alive:
+                self._arm("idle")
+            else:
+                self._disarm()
         cycle = self._unstarted
         if cycle is not None and cycle is self.cycle:  # (a refusal in between would have made it disconnected)
             self._unstarted = None

@@ -335,7 +335,8 @@ class Gateway:
                 pool.remove(client)
         with contextlib.suppress(Exception):  # (closing announces on_worker_removed if it was up)
             await client.aclose()  # requests still open past the drain timeout are aborted worker-side
-        self.router.worker_forgotten(client.url)
+        if self.find(client.url) is None:  # (not added again meanwhile: then its place stays its own)
+            self.router.worker_forgotten(client.url)
         log.info("removed %s worker %s", client.role, client.url)
 
     # -- shutdown ---------------------------------------------------------------------------------

@@ -105,6 +105,12 @@ class KVManager:
             raise RuntimeError("create_sender() on a decode KVManager")
         return self._prefill.create_sender(room)
 
+    def end_room(self, room: int, reason: str) -> None:
+        """Prefill: a room it will not serve (a refused request); its decode's page list fails at once."""
+        if self._prefill is None:
+            raise RuntimeError("end_room() on a decode KVManager")
+        self._prefill.end_room(room, reason)
+
     def create_receiver(
         self, room: int, host: str, port: int | None, instance_id: str | None = None
     ) -> KVReceiver:

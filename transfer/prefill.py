@@ -57,6 +57,9 @@ class PrefillSide:
     def create_sender(self, room: int) -> KVSender:
         return self.rooms.create_sender(room)
 
+    def end_room(self, room: int, reason: str) -> None:
+        self.rooms.end_room(room, reason)
+
     def num_rooms(self) -> int:
         return self.rooms.num_rooms()
 

@@ -23,6 +23,7 @@ Lifecycle of one room (``KVSender`` in ``transfer.sender`` holds its own state; 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import numpy as np
 
@@ -46,6 +47,7 @@ class SenderRooms:
         self._tombstones: dict[int, tuple[str, float]] = {}  # rooms the decode aborted before a sender
         # rooms this prefill ended before their decode's page list came: that list fails at once
         self._ended: dict[int, tuple[str, float]] = {}
+        self._ended_order: deque[tuple[int, float]] = deque()  # (room, expiry), oldest first: one bootstrap_s each
         self._graveyard: list[PostedWrite] = []
         self._unquiet: dict[int, Link] = {}  # failed rooms whose decode awaits Quiesced
         slot_bytes = max(ctx.args.aux_slot_bytes, 1)
@@ -233,8 +235,29 @@ class SenderRooms:
                 del self._senders[sender.room]
                 if sender.request is None:  # its decode's page list, if it comes now, must not wait bootstrap_s
                     failure = sender.failure()
-                    self._ended[sender.room] = (failure.message if failure is not None else "released",
-                                                time.monotonic() + self._ctx.timeouts.bootstrap_s)
+                    self._end(sender.room, failure.message if failure is not None else "released")
+
+    def end_room(self, room: int, reason: str) -> None:
+        """A room this prefill will never serve (it refused the request): the decode's page list for it
+        fails at once, whether it is here already or comes later. Nothing for a room that has a sender
+        here (another request's)."""
+        outbox: Outbox = []
+        with self._ctx.lock:
+            if room in self._senders:
+                return
+            request = self._requests.pop(room, None)
+            if request is None:
+                self._end(room, reason)
+            else:
+                message = f"room {room}: the prefill ended it: {reason}"
+                outbox.append((request.link.channel, RoomStatus(room, False, TransferErrorKind.ABORTED.value, message)))
+                outbox.append((request.link.channel, Quiesced(room)))
+        flush(outbox)
+
+    def _end(self, room: int, reason: str) -> None:
+        expiry = time.monotonic() + self._ctx.timeouts.bootstrap_s
+        self._ended[room] = (reason, expiry)
+        self._ended_order.append((room, expiry))
 
     def num_rooms(self) -> int:
         with self._ctx.lock:
@@ -260,10 +283,14 @@ class SenderRooms:
                 reason = f"room {room}: the prefill created no sender within {timeouts.bootstrap_s:g}s"
                 outbox.append((request.link.channel, RoomStatus(room, False, TransferErrorKind.TIMEOUT.value, reason)))
                 outbox.append((request.link.channel, Quiesced(room)))
-        for ended in (self._tombstones, self._ended):
-            for room, (_, expiry) in list(ended.items()):
-                if now > expiry:
-                    del ended[room]
+        for room, (_, expiry) in list(self._tombstones.items()):
+            if now > expiry:
+                del self._tombstones[room]
+        order = self._ended_order
+        while order and order[0][1] < now:
+            room, expiry = order.popleft()
+            if self._ended.get(room, ("", 0.0))[1] == expiry:
+                del self._ended[room]
         still: list[PostedWrite] = []
         for write in self._graveyard:
             if ctx.backend.poll(write.handle) == WriteState.PENDING:

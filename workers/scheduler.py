@@ -374,14 +374,8 @@ class Scheduler:
         """A prefill refusing a request ends its room, so that the decode's page list for it fails at
         once instead of waiting out the bootstrap timeout (a gateway aborts that decode itself; an
         SGLang router, or a gateway that lost only this prefill, does not)."""
-        if self.role != "prefill" or msg.bootstrap is None or self.kv is None:
-            return
-        try:
-            sender = self.kv.create_sender(msg.bootstrap.room)
-        except (ValueError, RuntimeError):  # the room is another request's here, or the manager is closing
-            return
-        sender.abort(reason)
-        sender.release()
+        if self.role == "prefill" and msg.bootstrap is not None and self.kv is not None:
+            self.kv.end_room(msg.bootstrap.room, reason)
 
     def _first_stage(self, req: Req) -> None:
         if self.role == "prefill":
@@ -597,7 +591,8 @@ class Scheduler:
         self.cache.release(req.pages)
         self._unqueue_pages(req)
         req.pages, req.num_computed, req.requeued = [], 0, True
-        req.prompt_logprobs, req.prompt_top_logprobs = [], []  # (computed again: it does not share pages)
+        if not req.is_recompute:  # (computed again, as it shares no pages; a recompute's came with its first prefill)
+            req.prompt_logprobs, req.prompt_top_logprobs = [], []
         req.move("waiting")
         self._waiting.insert(0, req)
 

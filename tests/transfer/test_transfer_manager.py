@@ -210,6 +210,28 @@ def test_a_room_the_prefill_ended_before_its_page_list_fails_at_once(managers):
     assert wait_for(lambda: receiver.quiesced, timeout_s=2.0)
 
 
+@pytest.mark.parametrize("page_list_first", [False, True])
+def test_a_room_refused_at_admission_fails_its_page_list_at_once(managers, page_list_first):
+    """``end_room``: the prefill refused the request (no sender ever); the decode's page list fails at
+    once, whether it arrived before the refusal or comes after; a room with a sender is not touched."""
+    prefill, decode = managers("prefill"), managers("decode")
+    busy = prefill.create_sender(11)
+    prefill.end_room(11, "not this one")  # another request's room: nothing happens to it
+    assert busy.poll() == KVPoll.Bootstrapping
+    receiver = decode.create_receiver(12, *prefill.control_address)
+    assert wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput)
+    if page_list_first:
+        receiver.send_metadata([3, 4], 1)
+        time.sleep(0.2)  # (parked on the prefill, waiting for a sender)
+        prefill.end_room(12, "queue is full")
+    else:
+        prefill.end_room(12, "queue is full")
+        receiver.send_metadata([3, 4], 1)
+    assert wait_for(lambda: receiver.poll() == KVPoll.Failed, timeout_s=2.0)
+    assert receiver.failure().kind == TransferErrorKind.ABORTED and "queue is full" in str(receiver.failure())
+    assert wait_for(lambda: receiver.quiesced, timeout_s=2.0)
+
+
 def test_release_of_a_live_room_aborts_it(managers):
     prefill, _decode, sender, receiver = open_pair(managers)
     sender.release()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
@@ -296,6 +297,35 @@ def test_two_requests_that_fit_only_one_at_a_time_both_finish(num_pages: int, ch
         assert tokens_of(sink, rid) == tokens_of(solo_sink, rid) and len(tokens_of(sink, rid)) == max_tokens
     assert sched.num_prompt_tokens == first[0] + second[0], "a prefill sent back is not counted twice"
     assert sched.cache.num_available == pool.num_pages and not sched._queued_pages
+
+
+def test_prompt_logprobs_survive_giving_way() -> None:
+    """A request that gives way mid-prefill keeps (or computes again) its prompt logprobs: one that
+    was recomputing after a preemption had them from its first prefill, and the engine does not make
+    them twice. The sim engine has none: this wraps it to give position i of a prompt the value -i."""
+    cases = [(6, 3, (4, 8), (16, 4)), (14, 64, (4, 8), (47, 4)), (8, 4, (5, 12), (20, 6)), (9, 2, (3, 20), (25, 8)),
+             (8, 2, (9, 14), (20, 8)), (10, 4, (9, 6), (20, 8))]
+    for num_pages, chunk, first, second in cases:
+        sched, sink, _ = make(num_pages=num_pages, chunk_size=chunk, max_running=64)
+        real = sched.engine.forward
+
+        def forward(batch: list[Any], real: Any = real) -> list[Any]:
+            outs = real(batch)
+            for seq, out in zip(batch, outs, strict=True):
+                if seq.params.prompt_logprobs and seq.num_generated == 0:
+                    out.prompt_logprobs = [-float(seq.num_cached + j) for j in range(len(seq.token_ids))]
+            return outs
+
+        sched.engine.forward = forward  # type: ignore[method-assign]
+        prompts = {rid: list(range(10 + 100 * rid, 10 + 100 * rid + n)) for rid, (n, _) in enumerate((first, second))}
+        for rid, (_, max_tokens) in enumerate((first, second)):
+            sched.submit(0, Submit(rid, prompts[rid], SamplingParams(max_new_tokens=max_tokens, ignore_eos=True,
+                                                                     prompt_logprobs=True)))
+        run_until_idle(sched, 3000)
+        for rid, prompt in prompts.items():
+            final = [o for o in sink.outputs(rid) if o.finish_reason is not None]
+            assert final and final[0].prompt_logprobs == [-float(j) for j in range(len(prompt))], \
+                (num_pages, chunk, rid, final[0].prompt_logprobs if final else None)
 
 
 def test_engine_failure_fails_the_batch_not_the_worker() -> None:
