@@ -1,17 +1,17 @@
 """One timer for the deadlines of every request on an event loop: ``DeadlineWheel``.
 
 An event-loop timer per request is dear: uvloop's ``call_at`` plus ``cancel`` measured ~2 µs here,
-and removing the attempt's timer cut the gateway's CPU per whole response by 8-20% (``bench_ab.py``,
-both slot orders), more than the call itself costs, as each timer is also a handle the loop allocates,
-starts, stops and closes. Deadlines of requests are long (seconds to minutes) and almost always
-cancelled: the request ends first. So the wheel keeps them in slots of ``RESOLUTION_S`` (``add``:
-a dict look-up and a set insertion; ``discard``: a set removal) and holds one loop timer, armed for
-the earliest slot. A slot that comes due calls ``due()`` on each of its members once; a member whose
-deadline moved on since it joined the slot ``add``s itself again.
+and each timer is also a handle the loop allocates, starts, stops and closes. Without one per
+attempt (and none per keep-alive wait), the gateway's CPU per whole response read 0.86-1.0 of what
+it was, depending on the machine's phase (``docs/performance.md``, the tenth session). Deadlines of
+requests are long (seconds to minutes) and almost always cancelled: the request ends first. So the
+wheel keeps them in slots of ``RESOLUTION_S`` (``add``: a dict look-up and a set insertion;
+``discard``: a set removal) and holds one loop timer, armed for the earliest slot. A slot that
+comes due calls ``due()`` on each of its members once; a member whose deadline moved on since it
+joined the slot ``add``s itself again.
 
 A deadline therefore fires up to ``RESOLUTION_S`` late, and at most the loop clock's resolution
-(``CLOCK_S``) early. Event loop only; one wheel per
-loop (``wheel_of``).
+(``CLOCK_S``) early. Event loop only; one wheel per loop (``wheel_of``).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ no task switch, no queue object); the attempt's generator ``get``s them, its dea
 loop's ``DeadlineWheel`` (``set_deadline`` only moves a number, unless it comes earlier). Decode
 outputs queued behind one another are merged into one (``merge_ready``). While ``get`` waits with
 nothing queued, an event may be taken in the callback itself by ``tap`` (the dispatcher's direct
-path). Past ``limit`` unread events the sink drops them,
-calls ``on_overflow`` once and ``get`` raises ``SinkOverflow``. A ``tap`` that raises may have done
+path). Past ``limit`` unread events the sink drops them, calls ``on_overflow`` once and ``get``
+raises ``SinkOverflow``. A ``tap`` that raises may have done
 part of its bookkeeping, so its event is not replayed through ``get``: the sink drops everything from
 then on and ``get`` raises ``DirectPathFailed`` (the stream ends with an error; nothing is counted or
 sent twice). ``close`` takes the deadline off the wheel and ends the tap.
