@@ -8,9 +8,10 @@ per connection (``GuardedHttpProtocol``, event loop only):
    headers stops it. A head larger than ``max_head_bytes`` is answered 431 and one that has not
    arrived within ``head_timeout_s`` 408 (a connection that sends nothing is closed that way too).
 2. A response that completes before its request body has arrived starts a timer of ``body_timeout_s``
-   for the rest of the body (read and discarded); past it the connection is closed. Otherwise it
-   starts uvicorn's keep-alive wait (``--timeout-keep-alive``) for the next request's first byte; past
-   it the connection is closed too. All of these share one timer per connection, moved lazily.
+   for the rest of the body (read and discarded); past it the connection is closed. Otherwise (and
+   once such a body is in) it starts the keep-alive wait (uvicorn's ``timeout_keep_alive``, the
+   gateway's ``--keep-alive-timeout-s``) for the next request's first byte; past it the connection
+   is closed too. All of these share one timer per connection, moved lazily.
 3. Every refusal, and uvicorn's own 400 for a request it cannot parse, is OpenAI-shaped JSON with
    ``Connection: close``; the connection then half-closes and drops what the client still sends for
    ``LINGER_S`` before closing, so a client still writing reads the answer instead of a reset.
