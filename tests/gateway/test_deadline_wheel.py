@@ -28,6 +28,20 @@ class _Item:
         self.fired.append((self, self.loop.time()))
 
 
+def counted_wheel(loop: asyncio.AbstractEventLoop) -> tuple[DeadlineWheel, list[int]]:
+    """A wheel on ``loop``, and a one-item list counting the loop timers it arms."""
+    wheel = DeadlineWheel(loop)
+    armed = [0]
+    call_at = loop.call_at
+
+    def counting(when, callback, *args, **kwargs):  # type: ignore[no-untyped-def]
+        armed[0] += callback == wheel._fire
+        return call_at(when, callback, *args, **kwargs)
+
+    loop.call_at = counting  # type: ignore[method-assign]
+    return wheel, armed
+
+
 def test_deadlines_fire_in_order_never_early_and_discarded_ones_never() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -53,16 +67,7 @@ def test_deadlines_fire_in_order_never_early_and_discarded_ones_never() -> None:
 def test_many_deadlines_share_one_loop_timer() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        wheel = DeadlineWheel(loop)
-        timers = 0
-        call_at = loop.call_at
-
-        def counting(when, callback, *args, **kwargs):  # type: ignore[no-untyped-def]
-            nonlocal timers
-            timers += callback == wheel._fire
-            return call_at(when, callback, *args, **kwargs)
-
-        loop.call_at = counting  # type: ignore[method-assign]
+        wheel, armed = counted_wheel(loop)
         fired: list[tuple[_Item, float]] = []
         items = []
         for _ in range(1000):  # a request's deadline each: now + its timeout, added and mostly discarded
@@ -71,13 +76,12 @@ def test_many_deadlines_share_one_loop_timer() -> None:
                 old = items.pop(0)
                 wheel.discard(old, old.slot)
             await asyncio.sleep(0)
-        assert timers == 1, f"{timers} loop timers for 1000 deadlines"
+        assert armed[0] == 1, f"{armed[0]} loop timers for 1000 deadlines"
         assert len(wheel) == 64 and len(wheel._slots) <= 2, "emptied slots are kept"
         soon = _Item(wheel, loop, loop.time() + 0.05, fired)  # earlier than every other: the timer moves
-        assert timers == 2
+        assert armed[0] == 2
         await asyncio.sleep(0.05 + LATE_S)
         assert [item for item, _ in fired] == [soon]
-        loop.call_at = call_at  # type: ignore[method-assign]
 
     asyncio.run(main())
 
@@ -140,23 +144,14 @@ def test_slots_on_the_clocks_own_milliseconds_fire_once_each() -> None:
     not re-arm the timer for nothing (it spun on call_soon until the millisecond turned)."""
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        wheel = DeadlineWheel(loop)
-        fires = 0
-        call_at = loop.call_at
-
-        def counting(when, callback, *args, **kwargs):  # type: ignore[no-untyped-def]
-            nonlocal fires
-            fires += callback == wheel._fire
-            return call_at(when, callback, *args, **kwargs)
-
-        loop.call_at = counting  # type: ignore[method-assign]
+        wheel, armed = counted_wheel(loop)
         fired: list[tuple[_Item, float]] = []
         start = loop.time()
         for i in range(1, 21):  # deadlines on 20 consecutive slot times
             _Item(wheel, loop, (int(start / RESOLUTION_S) + i) * RESOLUTION_S, fired)
         await asyncio.sleep(21 * RESOLUTION_S + LATE_S)
         assert len(fired) == 20
-        assert fires <= 24, f"{fires} timers armed for 20 slots"
+        assert armed[0] <= 24, f"{armed[0]} timers armed for 20 slots"
 
     uvloop.run(main())  # (the gateway's loop, whose clock this is about)
 
