@@ -61,11 +61,8 @@ def _sglang_fields(obj: Any, prefix: str) -> list[Grammar]:
     found = []
     for name in ("regex", "ebnf"):
         value = getattr(obj, name, None)
-        if value is None:
-            continue
-        if not isinstance(value, str) or not value:
-            raise BadRequest(f"{prefix}{name} must be a non-empty string", param=prefix + name)
-        found.append(Grammar(name, value, param=prefix + name))
+        if value is not None:
+            found.append(_text(value, name, prefix + name))
     value = getattr(obj, "json_schema", None)
     if value is not None:
         param = prefix + "json_schema"
