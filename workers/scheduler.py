@@ -579,30 +579,22 @@ class Scheduler:
                     continue
                 victim = max((r for r in (*self._running, *self._prefilling)
                               if not r.done and r.stage in ("running", "prefill")), key=lambda r: r.seq_id)
-                if victim.stage == "prefill":
-                    self._requeue_prefill(victim)
-                else:
-                    self._preempt(victim)
+                self._give_way(victim)
 
-    def _requeue_prefill(self, req: Req) -> None:
-        """``req``, mid-prefill, gives its pages back (what it computed stays cached) and waits first in line."""
+    def _give_way(self, req: Req) -> None:
+        """``req`` gives its pages back (what it computed stays cached) and waits first in line: to
+        recompute prompt + outputs when it was decoding, to prefill again when it was mid-prefill."""
         self.num_preemptions += 1
-        self.cache.insert(req.all_ids, req.pages, req.num_computed, req.page_hashes)
+        self.cache.insert(req.all_ids, req.pages, req.num_computed, req.page_hashes)  # (None once decoding)
         self.cache.release(req.pages)
         self._unqueue_pages(req)
-        req.pages, req.num_computed, req.requeued = [], 0, True
-        if not req.is_recompute:  # (computed again, as it shares no pages; a recompute's came with its first prefill)
-            req.prompt_logprobs, req.prompt_top_logprobs = [], []
-        req.move("waiting")
-        self._waiting.insert(0, req)
-
-    def _preempt(self, req: Req) -> None:
-        self.num_preemptions += 1
-        self.cache.insert(req.all_ids, req.pages, req.num_computed)
-        self.cache.release(req.pages)
-        self._unqueue_pages(req)
-        req.pages, req.num_computed, req.page_hashes = [], 0, None
-        req.is_recompute, req.prefill_len = True, len(req.all_ids) - 1
+        if req.stage == "running":
+            req.is_recompute, req.prefill_len, req.page_hashes = True, len(req.all_ids) - 1, None
+        else:
+            req.requeued = True
+            if not req.is_recompute:  # (computed again, as it shares no pages; a recompute's came with its first)
+                req.prompt_logprobs, req.prompt_top_logprobs = [], []
+        req.pages, req.num_computed = [], 0
         req.move("waiting")
         self._waiting.insert(0, req)
 
