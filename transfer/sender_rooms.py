@@ -29,6 +29,7 @@ import numpy as np
 
 from transfer.base import WriteState
 from transfer.blocks import check_pages, kv_blocks, merge_runs
+from transfer.channel import ControlChannel
 from transfer.context import Context, Outbox, flush, room_error
 from transfer.errors import TransferError, TransferErrorKind
 from transfer.messages import Abort, Quiesced, RoomRequest, RoomStatus
@@ -80,13 +81,11 @@ class SenderRooms:
             elif room in self._tombstones:
                 problem = TransferError(TransferErrorKind.ABORTED, f"room {room}: already aborted")
             elif sender is None and room in self._ended:
-                problem = TransferError(TransferErrorKind.ABORTED,
-                                        f"room {room}: the prefill ended it: {self._ended.pop(room)[0]}")
+                problem = _ended_error(room, self._ended.pop(room)[0])
             elif sender is not None and sender.poll() == KVPoll.Failed:
                 problem = sender.failure()
             if problem is not None:
-                outbox.append((channel, RoomStatus(room, False, problem.kind.value, problem.message)))
-                outbox.append((channel, Quiesced(room)))
+                _refuse(outbox, channel, room, problem)
                 if sender is not None and sender.request is None:
                     self._fail(sender, problem, outbox, notify=False)
             else:
@@ -249,9 +248,7 @@ class SenderRooms:
             if request is None:
                 self._end(room, reason)
             else:
-                message = f"room {room}: the prefill ended it: {reason}"
-                outbox.append((request.link.channel, RoomStatus(room, False, TransferErrorKind.ABORTED.value, message)))
-                outbox.append((request.link.channel, Quiesced(room)))
+                _refuse(outbox, request.link.channel, room, _ended_error(room, reason))
         flush(outbox)
 
     def _end(self, room: int, reason: str) -> None:
@@ -281,8 +278,7 @@ class SenderRooms:
             if now - request.arrived > timeouts.bootstrap_s:
                 del self._requests[room]
                 reason = f"room {room}: the prefill created no sender within {timeouts.bootstrap_s:g}s"
-                outbox.append((request.link.channel, RoomStatus(room, False, TransferErrorKind.TIMEOUT.value, reason)))
-                outbox.append((request.link.channel, Quiesced(room)))
+                _refuse(outbox, request.link.channel, room, TransferError(TransferErrorKind.TIMEOUT, reason))
         for room, (_, expiry) in list(self._tombstones.items()):
             if now > expiry:
                 del self._tombstones[room]
@@ -370,3 +366,14 @@ class SenderRooms:
             while self._ctx.backend.poll(write.handle) == WriteState.PENDING and time.monotonic() < end:
                 time.sleep(0.005)
             self._retire(write)
+
+
+def _ended_error(room: int, reason: str) -> TransferError:
+    return TransferError(TransferErrorKind.ABORTED, f"room {room}: the prefill ended it: {reason}")
+
+
+def _refuse(outbox: Outbox, channel: ControlChannel, room: int, error: TransferError) -> None:
+    """A decode's page list that no sender will take: the failure, and at once ``Quiesced`` (nothing was
+    ever written into its pages)."""
+    outbox.append((channel, RoomStatus(room, False, error.kind.value, error.message)))
+    outbox.append((channel, Quiesced(room)))
