@@ -49,6 +49,7 @@ import asyncio
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -365,7 +366,7 @@ class _Attempt:
     prefill's hand-over, merging and failures are handled in it); ``close`` aborts whatever is still
     open and tells the policies how the attempt ended (``outcome``, unless it finished)."""
 
-    __slots__ = ("decode", "direct", "dispatcher", "finished", "first_s", "gather_s", "got_token", "held_final",
+    __slots__ = ("decode", "direct", "dispatcher", "finished", "first_s", "gather_s", "got_token", "held",
                  "idle_s", "open_rids", "outcome", "pair", "prefill", "prompt_logprobs", "prompt_top", "request", "run",
                  "sent",
                  "sink", "urgent", "want_prompt")
@@ -388,11 +389,13 @@ class _Attempt:
         self.sent = False  # the policies heard ``dispatched``: they hear how it ended (``close``)
         self.outcome = "failed"
         self.got_token = False
-        # Prompt logprobs come from the prefill; its report may trail the decode's last token.
+        # Prompt logprobs come from the prefill's hand-over and go out with the consumer's first output
+        # (a stream's first chunk carries them); the hand-over may trail the decode's outputs, which
+        # wait for it in ``held`` (until then, or until the wait for it times out).
         self.want_prompt = False
         self.prompt_logprobs: list[float] | None = None
         self.prompt_top: list[list[TokenLogprob]] | None = None
-        self.held_final: StepOutput | None = None
+        self.held: deque[StepOutput] = deque()
         self.idle_s, self.first_s = config.stream_idle_timeout_s, config.first_token_timeout_s
 
     def submit(self) -> None:
@@ -450,20 +453,24 @@ class _Attempt:
     def _tap(self, item: tuple[Any, Event]) -> bool:
         """Outputs handled in the worker connection's callback, not waking the consumer's task (``next``
         is waiting in ``sink.get`` with nothing queued, so the order holds): the prefill's hand-over
-        (unless a final output waits for its prompt logprobs), and non-final decode outputs to
-        ``direct`` when it is ready for them, recorded first (``record`` corrects a migrated stream's
-        cache hits before the consumer counts them)."""
+        (unless outputs wait for its prompt logprobs), and non-final decode outputs to ``direct`` when
+        it is ready for them, recorded first (``record`` corrects a migrated stream's cache hits before
+        the consumer counts them)."""
         side, event = item
         if type(event) is not StepOutput:
             return False
         if side == "prefill":
-            if self.held_final is not None:
+            if self.held:
                 return False
             self._handed_over(event)
         else:
             direct = self.direct
             if direct is None or event.finish_reason is not None or not direct.ready():
                 return False
+            if self.want_prompt:
+                if "prefill" in self.open_rids:
+                    return False  # (it waits for the prompt logprobs in ``next``)
+                self._with_prompt(event)
             self.run.record(event)
             direct.take(event)
             if not self.got_token:
@@ -480,15 +487,24 @@ class _Attempt:
         prefill.health.breaker.record_success()
         self.prompt_logprobs, self.prompt_top = event.prompt_logprobs, event.prompt_top_logprobs
 
-    def _with_prompt(self, event: StepOutput) -> StepOutput:
-        """The decode's final output with the prefill's prompt logprobs."""
+    def _with_prompt(self, event: StepOutput) -> None:
+        """The consumer's first output, with the prefill's prompt logprobs."""
         event.prompt_logprobs, event.prompt_top_logprobs = self.prompt_logprobs, self.prompt_top
+        self.want_prompt = False
+
+    def _release(self) -> StepOutput:
+        """The first of the outputs held for the prompt logprobs (the rest follow in the next calls)."""
+        event = self.held.popleft()
+        if event.finish_reason is not None:
+            self.finished = True
         return event
 
     async def next(self) -> StepOutput:
         """The next decode output for the consumer (the final one sets ``finished``); raises the
         failure (``APIError``, or ``_Retryable`` for the dispatcher to retry or migrate)."""
         sink, open_rids = self.sink, self.open_rids
+        if self.held and not self.want_prompt:
+            return self._release()
         while True:
             if self.got_token:  # (before it, the first-token deadline set at ``submit`` stands)
                 sink.set_deadline(self.idle_s)
@@ -501,15 +517,15 @@ class _Attempt:
                 raise APIError("internal error in the gateway while taking the workers' outputs; generation "
                                "was stopped (see the gateway's log)") from None
             except TimeoutError:
-                held = self.held_final
-                if held is not None:  # the answer is whole; only the prefill's prompt logprobs never came
+                if self.held:  # the decode goes on; only the prefill's prompt logprobs never came
                     prefill = open_rids.pop("prefill", None)
                     if prefill is not None:
                         prefill[0].abort(prefill[1])
                     log.warning("request %s: the prefill did not report its hand-over within %gs; answering "
                                 "without prompt logprobs", REQUEST_ID.get() or "-",
                                 self.idle_s if self.got_token else self.first_s)
-                    return held
+                    self.want_prompt = False
+                    return self._release()
                 wait_s = self.idle_s if self.got_token else self.first_s
                 stage = "between tokens" if self.got_token else "before the first token"
                 error = UpstreamTimeout(f"no progress from the workers for {wait_s:g}s {stage}")
@@ -519,9 +535,9 @@ class _Attempt:
             if type(event) is StepOutput:
                 if side == "prefill":
                     self._handed_over(event)
-                    held = self.held_final
-                    if held is not None:
-                        return self._with_prompt(held)
+                    if self.held:
+                        self._with_prompt(self.held[0])
+                        return self._release()
                     continue
                 if event.finish_reason is None:
                     event = sink.merge_ready(event)
@@ -530,12 +546,13 @@ class _Attempt:
                 if event.finish_reason is not None:
                     open_rids.pop("decode", None)
                     self.decode.health.breaker.record_success()
+                if self.want_prompt:
+                    if "prefill" in open_rids:
+                        self.held.append(event)
+                        continue
+                    self._with_prompt(event)
+                if event.finish_reason is not None:
                     self.finished = True
-                    if self.want_prompt:
-                        if "prefill" in open_rids:
-                            self.held_final = event
-                            continue
-                        self._with_prompt(event)
                 return event
             worker = self.decode if side == "decode" else self.prefill
             assert worker is not None and not isinstance(event, StepOutput)
@@ -545,11 +562,12 @@ class _Attempt:
                 raise _request_timed_out(self.dispatcher.config)
             culprit = _culprit(event, side, self.prefill, self.decode)
             self.dispatcher._blame(worker, culprit, event)
-            if side == "prefill" and (self.got_token or self.held_final is not None):
+            if side == "prefill" and (self.got_token or self.held):
                 # The decode already has its KV: a late prefill failure (e.g. restarting) does not
                 # concern it; only its prompt logprobs are lost.
-                if self.held_final is not None:
-                    return self.held_final
+                self.want_prompt = False
+                if self.held:
+                    return self._release()
                 continue
             raise _as_error(event, side, culprit, after_first_token=self.got_token)
 

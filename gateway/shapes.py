@@ -168,7 +168,7 @@ class CompletionShape(Shape):
             "id": run.rid, "object": "text_completion", "created": run.created, "model": frontend.model_name,
             "choices": [{
                 "index": c.index, "text": prompt_text + c.text, "finish_reason": c.finish_reason,
-                "logprobs": legacy_logprobs(echo_entries(frontend, prep, c) + c.logprobs)
+                "logprobs": legacy_logprobs(echo_entries(frontend, prep, c) + c.logprobs, 0)
                 if prep.want_logprobs else None,
             } for c in choices],
             "usage": usage(len(prep.input_ids), choices),
@@ -182,11 +182,14 @@ class CompletionShape(Shape):
     async def events(self, run: Run) -> AsyncGenerator[bytes, None]:
         prep, frontend = run.prep, run.frontend
         states: dict[int, ChoiceState] = {}
+        offsets: dict[int, int] = {}  # choice -> its next token's ``text_offset``
         opened = run.opened
         async for state, text, entries in frontend.run_choices(prep, run.emitter):
             if state.index not in opened:
                 opened.add(state.index)
                 text = self._prompt_text(run) + text
+                if prep.echo and prep.want_logprobs:  # the prompt's logprobs came with the first output
+                    entries = echo_entries(frontend, prep, state) + entries
             states[state.index] = state
             if not text and not entries and state.finish_reason is None:  # (entries: tokens held back as text)
                 continue
@@ -195,8 +198,12 @@ class CompletionShape(Shape):
                 if chunk:
                     yield chunk
                 continue
-            yield self._chunk(run, state.index, text, state.finish_reason,
-                              legacy_logprobs(entries) if prep.want_logprobs else None)
+            logprobs = None
+            if prep.want_logprobs:
+                offset = offsets.get(state.index, 0)
+                logprobs = legacy_logprobs(entries, offset)
+                offsets[state.index] = offset + sum(len(e["token"]) for e in entries)
+            yield self._chunk(run, state.index, text, state.finish_reason, logprobs)
         if prep.include_usage:
             yield sse({"id": run.rid, "object": "text_completion", "created": run.created,
                        "model": frontend.model_name, "choices": [],
@@ -273,9 +280,16 @@ def usage(prompt_tokens: int, choices: list[ChoiceState]) -> dict[str, Any]:
     }
 
 
-def legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+def legacy_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
+    """The legacy completions' logprobs of ``entries``; ``offset``: where the first entry's text starts
+    in the choice's text (``text_offset``: each token's, from the tokens' texts as vLLM counts them)."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
     return {
         "tokens": [e["token"] for e in entries],
+        "text_offset": offsets,
         "token_logprobs": [e["logprob"] for e in entries],
         "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} if e["top_logprobs"] is not None
                          else None for e in entries],

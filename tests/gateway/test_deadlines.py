@@ -138,3 +138,57 @@ def test_a_finished_answer_waiting_for_prompt_logprobs_is_not_lost() -> None:
         assert prefills[0].num_active == 0 and decodes[0].num_active == 0
 
     asyncio.run(main())
+
+
+class _Collected:
+    """A ``Dispatcher.complete`` collector that keeps every output it is given."""
+
+    def __init__(self) -> None:
+        self.finish_reason: str | None = None
+        self.outputs: list[StepOutput] = []
+
+    def accept(self, output: StepOutput) -> None:
+        self.outputs.append(output)
+        self.finish_reason = output.finish_reason
+
+
+@pytest.mark.parametrize("consumer", ["generate", "complete"])
+@pytest.mark.parametrize("hand_over_first", [True, False])
+def test_prompt_logprobs_come_with_the_first_output(consumer: str, hand_over_first: bool) -> None:
+    """The prefill's prompt logprobs go out with the consumer's first output (a stream's first chunk
+    carries the echoed prompt's logprobs), also when its hand-over trails the decode's outputs: those
+    wait for it, in order, and the attempt finishes only with the last."""
+    async def main() -> None:
+        dispatcher, prefills, p_transports, decodes, d_transports = disaggregated(DispatchConfig())
+        params = SamplingParams(max_new_tokens=3, prompt_logprobs=True)
+        collected = _Collected()
+        if consumer == "generate":
+            task = asyncio.create_task(drain(dispatcher.generate([1, 2, 3], params)))
+        else:
+            task = asyncio.create_task(dispatcher.complete([1, 2, 3], params, collected, in_callback=True))
+        assert await until(lambda: bool(_sent(d_transports[0], Submit)), 5)
+        (d_submit,) = _sent(d_transports[0], Submit)
+        (p_submit,) = _sent(p_transports[0], Submit)
+        hand_over = Outputs([StepOutput(p_submit.rid, [], "transferred", prompt_logprobs=[float("nan"), -1.5, -0.5])])
+        if hand_over_first:
+            prefills[0]._dispatch(hand_over)
+        decodes[0]._dispatch(Outputs([StepOutput(d_submit.rid, [65])]))
+        await asyncio.sleep(0.05)
+        decodes[0]._dispatch(Outputs([StepOutput(d_submit.rid, [66])]))
+        await asyncio.sleep(0.05)
+        if not hand_over_first:
+            decodes[0]._dispatch(Outputs([StepOutput(d_submit.rid, [67], "length")]))
+            await asyncio.sleep(0.05)
+            assert not task.done(), "the decode's outputs wait for the prompt logprobs"
+            prefills[0]._dispatch(hand_over)
+        else:
+            decodes[0]._dispatch(Outputs([StepOutput(d_submit.rid, [67], "length")]))
+        result = await asyncio.wait_for(task, 5)
+        outputs = result if consumer == "generate" else collected.outputs
+        assert [t for o in outputs for t in o.token_ids] == [65, 66, 67]
+        assert outputs[-1].finish_reason == "length"
+        assert outputs[0].prompt_logprobs is not None and outputs[0].prompt_logprobs[1:] == [-1.5, -0.5]
+        assert all(o.prompt_logprobs is None for o in outputs[1:])
+        assert prefills[0].num_active == 0 and decodes[0].num_active == 0
+
+    asyncio.run(main())

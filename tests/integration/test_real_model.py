@@ -207,6 +207,9 @@ def test_completions_echo_with_logprobs(deployment: SmolDeployment) -> None:
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == n_prompt + 3
     assert lp["token_logprobs"][0] is None and all(v <= 0 for v in lp["token_logprobs"][1:])
     assert "".join(lp["tokens"][:n_prompt]) == prompt
+    # Each token's text_offset is where its text starts in the choice's text (echoed prompt included).
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+    assert choice["text"][lp["text_offset"][n_prompt]:].startswith(lp["tokens"][n_prompt])
     # Every prompt position after the first has its most likely tokens, its own among them (what
     # lm-evaluation-harness's loglikelihood reads: max(top.values()) tells a greedy continuation).
     assert lp["top_logprobs"][0] is None
@@ -218,3 +221,28 @@ def test_completions_echo_with_logprobs(deployment: SmolDeployment) -> None:
     for ours, theirs in zip(lp["top_logprobs"][1:n_prompt], both["choices"][0]["logprobs"]["top_logprobs"][1:n_prompt],
                             strict=True):
         assert ours.keys() == theirs.keys() and all(abs(ours[k] - theirs[k]) < 1e-4 for k in ours), "P->D = one worker"
+
+
+def test_streamed_echo_with_logprobs_is_the_whole_responses(deployment: SmolDeployment) -> None:
+    """Streamed, the prompt's tokens and logprobs come in the first chunk, and the chunks' logprobs
+    joined (text offsets counted on across chunks) are the whole response's."""
+    body = {"prompt": "Roses are red, violets are", "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2}
+    whole = httpx.post(f"{deployment.pd_v1}/completions", json=body, timeout=120).json()["choices"][0]
+    joined: dict[str, list] = {"tokens": [], "token_logprobs": [], "text_offset": [], "top_logprobs": []}
+    text = ""
+    with httpx.stream("POST", f"{deployment.pd_v1}/completions", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            text += choice["text"]
+            for key in joined:
+                joined[key] += choice["logprobs"][key]
+    assert text == whole["text"]
+    assert joined["tokens"] == whole["logprobs"]["tokens"] and joined["text_offset"] == whole["logprobs"]["text_offset"]
+    assert joined["token_logprobs"][0] is None and whole["logprobs"]["token_logprobs"][0] is None
+    for ours, theirs in zip(joined["token_logprobs"][1:], whole["logprobs"]["token_logprobs"][1:], strict=True):
+        assert abs(ours - theirs) < 1e-4
+    for ours, theirs in zip(joined["top_logprobs"][1:], whole["logprobs"]["top_logprobs"][1:], strict=True):
+        assert ours.keys() == theirs.keys()
