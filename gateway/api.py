@@ -17,6 +17,7 @@ import msgspec
 
 from gateway.api_models import (
     CHAT_ROLES,
+    GENERATE_MAX_NEW_TOKENS,
     MAX_TOKEN_ID,
     ChatCompletionRequest,
     CompletionRequest,
@@ -262,7 +263,7 @@ class Frontend:
                         ClientBootstrap.of(req))
 
     def prepare_generate(self, req: GenerateRequest) -> tuple[Prepared, GenerateSampling]:
-        sp = req.sampling_params
+        sp = req.sampling_params if req.sampling_params is not None else GenerateSampling()
         reject_unsupported(req, GENERATE_RULES)
         reject_unsupported(sp, GENERATE_SAMPLING_RULES, prefix="sampling_params.")
         if req.input_ids is not None:
@@ -273,7 +274,8 @@ class Frontend:
             raise BadRequest("one of text or input_ids is required", param="text")
         shim = _GenerateShim(sp)
         logprobs = bool(req.return_logprob)
-        params, stops = self._params(shim, input_ids, sp.max_new_tokens, logprobs, 0, "sampling_params.",
+        max_tokens = GENERATE_MAX_NEW_TOKENS if sp.max_new_tokens is None else sp.max_new_tokens
+        params, stops = self._params(shim, input_ids, max_tokens, logprobs, 0, "sampling_params.",
                                      prompt="text" if req.input_ids is None else "input_ids",
                                      max_tokens_name="max_new_tokens")
         params.prompt_logprobs = logprobs

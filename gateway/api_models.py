@@ -1,9 +1,9 @@
 """Client request bodies (OpenAI and SGLang ``/generate``), decoded and type-checked by msgspec.
 
 Unknown fields are ignored (clients send many optional ones); known fields with the wrong type
-or out of range are a 400 naming the field. On the OpenAI routes ``null`` means the default for every
-optional field, as in OpenAI's schema (clients send ``"logprobs": null`` for an unset argument): such fields are
-declared ``T | None`` and read through ``gateway.api`` with their default. These structs are also
+or out of range are a 400 naming the field. ``null`` means the default for every optional
+field, as in OpenAI's schema (clients send ``"logprobs": null`` for an unset argument), on ``/generate`` too:
+such fields are declared ``T | None`` and read through ``gateway.api`` with their default. These structs are also
 what ``GET /openapi.json`` publishes (``gateway/openapi.py``), so a constraint lives here once:
 enforced by msgspec where it can be (``Meta`` bounds), otherwise stated in ``extra_json_schema`` and
 checked in ``gateway.api`` (a chat role, text-only content parts, the shapes of ``prompt``). Checks that need
@@ -22,6 +22,7 @@ import msgspec
 from msgspec import Meta
 
 MAX_N = 16  # choices per request
+GENERATE_MAX_NEW_TOKENS = 128  # /generate's default budget (SGLang's)
 MAX_STOP_STRINGS = 8
 MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -140,25 +141,28 @@ class CompletionRequest(_Sampling):
 
 
 class GenerateSampling(msgspec.Struct):
-    max_new_tokens: Count = 128
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: TopK = -1
-    min_p: MinP = 0.0
+    """SGLang's ``sampling_params``; ``null`` means the default here too (SGLang's router sends its
+    unset optional fields as ``null``)."""
+
+    max_new_tokens: Count | None = GENERATE_MAX_NEW_TOKENS
+    temperature: Temperature | None = 1.0
+    top_p: TopP | None = 1.0
+    top_k: TopK | None = -1
+    min_p: MinP | None = 0.0
     stop: Stop = None
     stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     seed: Seed | None = msgspec.field(default=None, name="sampling_seed")
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    repetition_penalty: RepetitionPenalty = 1.0
-    min_new_tokens: MinTokens = 0
+    presence_penalty: Penalty | None = 0.0
+    frequency_penalty: Penalty | None = 0.0
+    repetition_penalty: RepetitionPenalty | None = 1.0
+    min_new_tokens: MinTokens | None = 0
     logit_bias: LogitBias | None = None
     regex: str | None = None  # structured output (gateway/structured_output.py): at most one of three
     json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None
     # not supported: a 400 unless absent or neutral
-    n: int = 1
+    n: int | None = 1
     structural_tag: Any = None
 
 
@@ -167,7 +171,7 @@ class GenerateRequest(msgspec.Struct):
 
     text: str | None = None
     input_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
-    sampling_params: GenerateSampling = msgspec.field(default_factory=GenerateSampling)
+    sampling_params: GenerateSampling | None = msgspec.field(default_factory=GenerateSampling)
     stream: bool | None = False
     return_logprob: bool | None = False
     rid: str | None = None
@@ -181,5 +185,5 @@ class GenerateRequest(msgspec.Struct):
     input_embeds: Any = None
     lora_path: Any = None
     custom_logit_processor: Any = None
-    return_hidden_states: bool = False
+    return_hidden_states: bool | None = False
 

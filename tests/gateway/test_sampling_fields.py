@@ -96,3 +96,19 @@ def test_min_tokens_without_max_tokens_raises_the_default_budget() -> None:
     with pytest.raises(BadRequest) as info:
         fe.prepare_chat(decode_body(msgspec.json.encode({**body, "min_tokens": 5000}), ChatCompletionRequest))
     assert info.value.param == "min_tokens" and info.value.code == "context_length_exceeded"
+
+
+def test_null_sampling_params_on_generate_mean_their_defaults() -> None:
+    """SGLang's router sends a ``/generate`` body's unset optional fields as ``null``: each is its default."""
+    fe = frontend()
+    fields = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
+              "sampling_seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_new_tokens",
+              "logit_bias", "regex", "json_schema", "ebnf", "n", "structural_tag")
+    nulls = decode_body(msgspec.json.encode({"text": "hi", "sampling_params": dict.fromkeys(fields)}), GenerateRequest)
+    absent = decode_body(b'{"text": "hi", "sampling_params": {}}', GenerateRequest)
+    no_params = decode_body(b'{"text": "hi", "sampling_params": null, "stream": null, "return_logprob": null}',
+                            GenerateRequest)
+    default = fe.prepare_generate(absent)[0].params
+    assert default.max_new_tokens == 128 and default.temperature == 1.0
+    assert fe.prepare_generate(nulls)[0].params == default
+    assert fe.prepare_generate(no_params)[0].params == default
