@@ -18,6 +18,7 @@ import msgspec
 from gateway.api_models import (
     CHAT_ROLES,
     GENERATE_MAX_NEW_TOKENS,
+    MAX_BATCH_CHOICES,
     MAX_TOKEN_ID,
     ChatCompletionRequest,
     CompletionRequest,
@@ -78,11 +79,27 @@ class Prepared:
     bootstrap: ClientBootstrap | None = None
     param_prefix: str = ""  # where the route's sampling fields live ("sampling_params." on /generate)
     tools: ToolPlan | None = None  # chat with tools (gateway/tool_calls.py)
+    # A batched completion's prompts (``input_ids`` is the first): ``n`` counts the choices of all of
+    # them, each prompt's in a row (choice ``i`` answers prompt ``i // (n / len(batch))``).
+    batch: list[list[int]] | None = None
 
     @property
     def decode_context(self) -> list[int]:
         """The prompt's end, which the answer's text follows (``gateway.tokenizer``)."""
         return self.input_ids[-DECODE_CONTEXT_TOKENS:]
+
+    @property
+    def per_prompt(self) -> int:
+        """Choices per prompt (the request's ``n``)."""
+        return self.n // len(self.batch) if self.batch else self.n
+
+    def prompt_of(self, choice: int) -> list[int]:
+        return self.batch[choice // self.per_prompt] if self.batch else self.input_ids
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt tokens of the request's usage (each prompt of a batch once)."""
+        return sum(len(ids) for ids in self.batch) if self.batch else len(self.input_ids)
 
     def name_for_client(self, exc: BaseException) -> None:
         """A worker's 400 names a ``SamplingParams`` field it refused (``check_sampling``): the client's
@@ -241,10 +258,26 @@ class Frontend:
         self._check_model(req.model)
         reject_unsupported(req, COMPLETION_RULES)
         prompt: Any = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
-            if len(prompt) != 1:
-                raise BadRequest("batched prompts are not supported; send one prompt per request", param="prompt")
-            prompt = prompt[0]
+        n = req.n or 1
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):  # a batch
+            if len(prompt) * n > MAX_BATCH_CHOICES:
+                raise BadRequest(f"a batch of {len(prompt)} prompts x n={n} is more than {MAX_BATCH_CHOICES} "
+                                 "choices; split it", param="prompt")
+            prompts = [self._prompt_ids(item, f"prompt[{i}]") for i, item in enumerate(prompt)]
+        else:
+            prompts = [self._prompt_ids(prompt, "prompt")]
+        input_ids = prompts[0]
+        logprobs, echo = req.logprobs is not None, bool(req.echo)
+        # (a batch shares its sampling parameters: its longest prompt decides what fits the context)
+        params, stops = self._params(req, max(prompts, key=len), req.max_tokens, logprobs, req.logprobs or 0)
+        params.prompt_logprobs = logprobs and echo
+        params.grammar = grammar_for(req)
+        return Prepared(input_ids, params, n * len(prompts), stops, bool(req.stream),
+                        bool(req.stream_options and req.stream_options.include_usage), logprobs, echo,
+                        ClientBootstrap.of(req), batch=prompts if len(prompts) > 1 else None)
+
+    def _prompt_ids(self, prompt: Any, param: str) -> list[int]:
+        """One completions prompt as token ids: text, or ids checked for range (400 naming ``param``)."""
         if isinstance(prompt, str):
             input_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in prompt):
@@ -252,15 +285,11 @@ class Frontend:
         elif prompt is None:
             raise BadRequest("prompt is required", param="prompt")
         else:
-            raise BadRequest(f"prompt must be a string or a list of token ids (in [0, {MAX_TOKEN_ID}])",
-                             param="prompt")
-        logprobs, echo = req.logprobs is not None, bool(req.echo)
-        params, stops = self._params(req, input_ids, req.max_tokens, logprobs, req.logprobs or 0)
-        params.prompt_logprobs = logprobs and echo
-        params.grammar = grammar_for(req)
-        return Prepared(input_ids, params, req.n or 1, stops, bool(req.stream),
-                        bool(req.stream_options and req.stream_options.include_usage), logprobs, echo,
-                        ClientBootstrap.of(req))
+            raise BadRequest(f"{param} must be a string or a list of token ids (in [0, {MAX_TOKEN_ID}])",
+                             param=param)
+        if not input_ids:
+            raise BadRequest(f"{param} is empty", param=param)
+        return input_ids
 
     def prepare_generate(self, req: GenerateRequest) -> tuple[Prepared, GenerateSampling]:
         sp = req.sampling_params if req.sampling_params is not None else GenerateSampling()
@@ -332,16 +361,16 @@ class Frontend:
             finally:
                 await events.aclose()
             return
-        states = [ChoiceState(i, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context)
-                  for i in range(prep.n)]
+        states = [ChoiceState(i, self.tokenizer, prep.stops, prep.want_logprobs,
+                              prep.prompt_of(i)[-DECODE_CONTEXT_TOKENS:]) for i in range(prep.n)]
         queue: asyncio.Queue[tuple[int, StepOutput | BaseException | None]] = asyncio.Queue()
 
         async def pump(index: int) -> None:
             params = prep.params
-            if params.seed is not None and index:
-                params = msgspec.structs.replace(params, seed=params.seed + index)
+            if params.seed is not None and index % prep.per_prompt:  # (each prompt's choices: seed, seed + 1...)
+                params = msgspec.structs.replace(params, seed=params.seed + index % prep.per_prompt)
             try:
-                async for event in self.dispatcher.generate(prep.input_ids, params, choice=index,
+                async for event in self.dispatcher.generate(prep.prompt_of(index), params, choice=index,
                                                             bootstrap=prep.bootstrap):
                     queue.put_nowait((index, event))
             except Exception as exc:

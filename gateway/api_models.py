@@ -22,6 +22,7 @@ import msgspec
 from msgspec import Meta
 
 MAX_N = 16  # choices per request
+MAX_BATCH_CHOICES = 64  # a batched completion's prompts x n
 GENERATE_MAX_NEW_TOKENS = 128  # /generate's default budget (SGLang's)
 MAX_STOP_STRINGS = 8
 MAX_TOP_LOGPROBS = 20
@@ -53,11 +54,11 @@ _TEXT_PART = {"type": "object", "required": ["type", "text"],
 ContentParts = Annotated[list[dict[str, Any]], Meta(extra_json_schema={"allOf": [{"items": _TEXT_PART}]})]
 _TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
 _TOKEN_IDS = {"type": "array", "minItems": 1, "items": _TOKEN_ID}
-# A prompt is text, token ids, or a one-element batch of either; msgspec allows one array type per
-# union, so ``list[Any]`` whose items ``gateway.api.Frontend.prepare_completion`` checks.
+# A prompt is text, token ids, or a batch of either (each prompt run ``n`` times); msgspec allows one
+# array type per union, so ``list[Any]`` whose items ``gateway.api.Frontend.prepare_completion`` checks.
 PromptList = Annotated[list[Any], Meta(min_length=1, extra_json_schema={"anyOf": [
     {"items": _TOKEN_ID},
-    {"maxItems": 1, "items": {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS]}}]})]
+    {"maxItems": MAX_BATCH_CHOICES, "items": {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS]}}]})]
 
 
 class StreamOptions(msgspec.Struct):

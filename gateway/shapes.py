@@ -103,7 +103,7 @@ class ChatShape(Shape):
                 "logprobs": {"content": c.logprobs} if prep.want_logprobs else None,
                 "finish_reason": c.finish_reason,
             } for c in choices],
-            "usage": usage(len(prep.input_ids), choices),
+            "usage": usage(prep.prompt_tokens, choices),
         }
         if prep.tools is not None:
             shape_choices(prep.tools, result)  # calls -> message.tool_calls (gateway/tool_calls.py)
@@ -142,7 +142,7 @@ class ChatShape(Shape):
                 "finish_reason": state.finish_reason,
             }])
         if prep.include_usage:
-            yield self._chunk(run, [], usage(len(prep.input_ids), list(states.values())))
+            yield self._chunk(run, [], usage(prep.prompt_tokens, list(states.values())))
 
     def first(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
         return self._chunk(run, [{"index": state.index, "delta": {"content": text, "role": "assistant"},
@@ -163,15 +163,14 @@ class CompletionShape(Shape):
 
     def whole(self, run: Run, choices: list[ChoiceState]) -> dict[str, Any]:
         prep, frontend = run.prep, run.frontend
-        prompt_text = frontend.tokenizer.decode(prep.input_ids) if prep.echo else ""
         return {
             "id": run.rid, "object": "text_completion", "created": run.created, "model": frontend.model_name,
             "choices": [{
-                "index": c.index, "text": prompt_text + c.text, "finish_reason": c.finish_reason,
+                "index": c.index, "text": self._prompt_text(run, c.index) + c.text, "finish_reason": c.finish_reason,
                 "logprobs": legacy_logprobs(echo_entries(frontend, prep, c) + c.logprobs, 0)
                 if prep.want_logprobs else None,
             } for c in choices],
-            "usage": usage(len(prep.input_ids), choices),
+            "usage": usage(prep.prompt_tokens, choices),
         }
 
     def _chunk(self, run: Run, index: int, text: str, finish: str | None, logprobs: Any) -> bytes:
@@ -187,7 +186,7 @@ class CompletionShape(Shape):
         async for state, text, entries in frontend.run_choices(prep, run.emitter):
             if state.index not in opened:
                 opened.add(state.index)
-                text = self._prompt_text(run) + text
+                text = self._prompt_text(run, state.index) + text
                 if prep.echo and prep.want_logprobs:  # the prompt's logprobs came with the first output
                     entries = echo_entries(frontend, prep, state) + entries
             states[state.index] = state
@@ -207,15 +206,15 @@ class CompletionShape(Shape):
         if prep.include_usage:
             yield sse({"id": run.rid, "object": "text_completion", "created": run.created,
                        "model": frontend.model_name, "choices": [],
-                       "usage": usage(len(prep.input_ids), list(states.values()))})
+                       "usage": usage(prep.prompt_tokens, list(states.values()))})
 
     def first(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
-        return self.middle(run, state, self._prompt_text(run) + text)
+        return self.middle(run, state, self._prompt_text(run, state.index) + text)
 
     @staticmethod
-    def _prompt_text(run: Run) -> str:
-        """What a choice's first chunk starts with: the prompt with ``echo``, else nothing."""
-        return run.frontend.tokenizer.decode(run.prep.input_ids) if run.prep.echo else ""
+    def _prompt_text(run: Run, index: int) -> str:
+        """What choice ``index``'s text starts with: its prompt with ``echo``, else nothing."""
+        return run.frontend.tokenizer.decode(run.prep.prompt_of(index)) if run.prep.echo else ""
 
     def _text_chunk(self, run: Run, index: int, text: str) -> bytes:
         return self._chunk(run, index, text, None, None)
@@ -306,7 +305,7 @@ def echo_entries(frontend: Frontend, prep: Prepared, choice: ChoiceState) -> lis
     values = choice.prompt_logprobs or []
     tops = choice.prompt_top_logprobs if prep.params.top_logprobs > 0 else None
     entries = []
-    for i, token_id in enumerate(prep.input_ids):
+    for i, token_id in enumerate(prep.prompt_of(choice.index)):
         lp = values[i] if i < len(values) else None
         known = not (i == 0 or lp is None or lp != lp)
         token = decode([token_id])
