@@ -23,6 +23,7 @@ combined workers (``--worker``, no prefills) the prefill rule above picks among 
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Mapping, Sequence
 
@@ -42,10 +43,10 @@ class CacheAwarePolicy:
         fill_window: int = 16
 
         def __post_init__(self) -> None:
-            if not self.cache_weight >= 0:
-                raise ValueError("cache_weight must be >= 0")
-            if not self.balance_factor >= 1:
-                raise ValueError("balance_factor must be >= 1")
+            if not 0 <= self.cache_weight < math.inf:
+                raise ValueError("cache_weight must be finite and >= 0")
+            if not 1 <= self.balance_factor < math.inf:
+                raise ValueError("balance_factor must be finite and >= 1")
             if self.balance_min_tokens < 0:
                 raise ValueError("balance_min_tokens must be >= 0")
             if self.fill_window < 1:
@@ -78,7 +79,7 @@ class CacheAwarePolicy:
         page_size = prefills[0].page_size
         held = request.cached_pages(page_size) if page_size > 0 else {}
         costs = [float("inf")] * len(prefills)
-        best, best_cached, hot_cached = 0, 0, 0
+        best, best_cost, best_cached, hot_cached = 0, float("inf"), 0, 0
         for i, w in enumerate(prefills):
             # (a pool mixing page sizes looks each other size up separately)
             cached = held.get(w.url, 0) * page_size if w.page_size == page_size else request.num_cached_tokens(w)
@@ -86,8 +87,8 @@ class CacheAwarePolicy:
                 hot_cached = max(hot_cached, cached)
                 continue
             costs[i] = waits[i] + weight * (prompt - cached) / (w.prefill_tokens_per_s or fallback)
-            if costs[i] < costs[best]:
-                best, best_cached = i, cached
+            if costs[i] < best_cost:
+                best, best_cost, best_cached = i, costs[i], cached
         if best_cached == 0:
             # Nobody worth using holds this prefix: choose its home among the workers about as good as
             # the best (within one more computation of this prompt).

@@ -98,6 +98,19 @@ def test_cache_aware_follows_the_prefix_and_skips_hot_spots() -> None:
     assert policy.stats()["hot_spot_skips"] == 1
 
 
+@pytest.mark.parametrize("holder", [0, 1, 2])
+@pytest.mark.parametrize("cached_pages", [4, 8, 18])
+def test_cache_aware_follows_the_prefix_wherever_its_holder_is_listed(holder: int, cached_pages: int) -> None:
+    """The holder of a prefix is chosen and counted as a predicted hit whatever its place in the list
+    (the first worker's cache was compared with itself and never counted: its prefixes got a new home)."""
+    policy = create_policy("cache_aware")
+    workers = [prefill(f"p{i}") for i in range(3)]
+    policy._fill[workers[holder].url] = (320.0, 0)  # (it computed this prefix recently: not the idlest home)
+    request = req(n=320, cached={workers[holder].url: cached_pages})
+    assert policy.select(workers, [decode("d")], request).prefill is workers[holder]
+    assert policy.stats()["predicted_hit_share"] == 1.0
+
+
 def test_cache_aware_new_prefixes_spread_evenly_and_stick_to_their_home() -> None:
     policy = create_policy("cache_aware")
     workers = [prefill(f"p{i}") for i in range(4)]
@@ -191,6 +204,9 @@ def test_router_sides_and_options() -> None:
         Router.build("cache_aware", "ratio_aware", {"decode": {"cache_weight": "1"}})
     with pytest.raises(PolicyError, match=r"cache_aware.*balance_factor"):
         Router.build("cache_aware", "cache_aware", {"": {"balance_factor": "0.2"}})
+    for option in ("cache_weight", "balance_factor"):  # (inf would make every cost inf: no cache, no guard)
+        with pytest.raises(PolicyError, match=rf"cache_aware.*{option}"):
+            Router.build("cache_aware", "cache_aware", {"": {option: "inf"}})
     split = Router.build("power_of_two", "power_of_two", {"prefill": {"seed": "1"}, "decode": {"seed": "2"}})
     assert not split.is_joint
 
