@@ -235,6 +235,10 @@ class Dispatcher:
             run.close()
 
     def _blame(self, reporter: WorkerClient, culprit: WorkerClient | None, event: Error | WorkerGone) -> None:
+        if isinstance(event, WorkerGone):
+            if event.counted:  # (one lost connection is one failure, not one per request it had open)
+                return
+            event.counted = True
         code = event.code if isinstance(event, Error) else "worker_gone"
         if code == "transfer_failed":
             self.metrics.transfer_failures.labels(reporter.role).inc()

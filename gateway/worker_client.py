@@ -61,11 +61,14 @@ from workers.protocol import (
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass
 class WorkerGone:
-    """The connection to the worker broke while the request was open."""
+    """The connection to the worker broke, or it failed its probes, while the request was open. One
+    event goes to every request open then: it is one failure of the worker's, however many were open
+    (``counted``: its breaker has heard of it, ``gateway.dispatch.Dispatcher._blame``)."""
 
     message: str
+    counted: bool = False
 
 
 Event = StepOutput | Error | WorkerGone

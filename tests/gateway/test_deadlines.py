@@ -192,3 +192,23 @@ def test_prompt_logprobs_come_with_the_first_output(consumer: str, hand_over_fir
         assert prefills[0].num_active == 0 and decodes[0].num_active == 0
 
     asyncio.run(main())
+
+
+def test_a_lost_connection_is_one_failure_however_many_requests_it_had_open() -> None:
+    """Six requests open on a decode whose connection drops: its breaker counts one failure (six opened
+    it for its cooldown, keeping a restarted worker out of service), and the requests go elsewhere."""
+    async def main() -> None:
+        config = DispatchConfig(max_retries=1, retry_backoff_s=0.01)
+        dispatcher, workers, transports = combined(2, config)
+        tasks = [asyncio.create_task(drain(dispatcher.generate([1, 2, i], SamplingParams(max_new_tokens=1))))
+                 for i in range(12)]
+        assert await until(lambda: sum(len(_sent(t, Submit)) for t in transports) == 12, 5)
+        assert workers[0].num_active == 6
+        workers[0]._mark_down("connection reset")
+        assert await until(lambda: len(_sent(transports[1], Submit)) == 12, 5), "the six went to the other"
+        assert workers[0].health.breaker.failures == 1 and workers[0].health.breaker.state == "closed"
+        for submit in _sent(transports[1], Submit):
+            workers[1]._dispatch(Outputs([StepOutput(submit.rid, [65], "length")]))
+        assert all(len(out) == 1 for out in await asyncio.wait_for(asyncio.gather(*tasks), 5))
+
+    asyncio.run(main())
