@@ -441,7 +441,10 @@ class _Attempt:
         dispatcher.router.dispatched(pair, request)
         self.sent = True
         self.want_prompt = params.prompt_logprobs and prefill is not None
-        self.sink.set_deadline(self.first_s)  # from now to the first token, whatever comes before it
+        sink = self.sink
+        # (the request's own deadline bounds every wait: a frozen decode cannot enforce its ``timeout_s``)
+        sink.cap = decode.loop.time() + (run.deadline - _monotonic())
+        sink.set_deadline(self.first_s)  # from now to the first token, whatever comes before it
         self.sink.tap = self._tap
 
     def _overflow(self) -> None:
@@ -521,6 +524,8 @@ class _Attempt:
                 raise APIError("internal error in the gateway while taking the workers' outputs; generation "
                                "was stopped (see the gateway's log)") from None
             except TimeoutError:
+                if sink.capped and not self.held:  # the request's own deadline: final, and no worker's fault
+                    raise _request_timed_out(self.dispatcher.config) from None
                 if self.held:  # the decode goes on; only the prefill's prompt logprobs never came
                     prefill = open_rids.pop("prefill", None)
                     if prefill is not None:

@@ -39,8 +39,8 @@ class EventSink:
     sink in a later one, so a busy stream costs no timer work per event.
     """
 
-    __slots__ = ("_deadline", "_items", "_loop", "_on_overflow", "_slot", "_waiter", "_wheel", "failed", "limit",
-                 "overflowed", "tap")
+    __slots__ = ("_deadline", "_items", "_loop", "_on_overflow", "_slot", "_waiter", "_wheel", "cap", "capped",
+                 "failed", "limit", "overflowed", "tap")
 
     def __init__(self, limit: int = 4096, on_overflow: Callable[[], None] | None = None,
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -54,6 +54,8 @@ class EventSink:
         self._waiter: asyncio.Future[None] | None = None
         self._loop = loop or asyncio.get_running_loop()  # (passed in: on Python 3.11 the look-up is a syscall)
         self._deadline = math.inf
+        self.cap = math.inf  # no deadline later than this (the loop's time; the request's own deadline)
+        self.capped = False  # the deadline set last is ``cap``
         self._wheel = wheel_of(self._loop)
         self._slot: int | None = None  # the wheel's slot it waits in
 
@@ -84,9 +86,13 @@ class EventSink:
             waiter.set_result(None)
 
     def set_deadline(self, timeout_s: float) -> None:
-        """No event for ``timeout_s`` from now makes ``get`` raise ``TimeoutError`` (up to the wheel's
-        ``RESOLUTION_S`` later)."""
-        deadline = self._deadline = self._loop.time() + timeout_s
+        """No event for ``timeout_s`` from now, or by ``cap``, makes ``get`` raise ``TimeoutError`` (up to
+        the wheel's ``RESOLUTION_S`` later)."""
+        deadline = self._loop.time() + timeout_s
+        self.capped = capped = deadline >= self.cap
+        if capped:
+            deadline = self.cap
+        self._deadline = deadline
         if deadline == math.inf:  # (no deadline: a slot it holds finds so when it comes due)
             return
         slot = self._slot

@@ -212,3 +212,26 @@ def test_a_lost_connection_is_one_failure_however_many_requests_it_had_open() ->
         assert all(len(out) == 1 for out in await asyncio.wait_for(asyncio.gather(*tasks), 5))
 
     asyncio.run(main())
+
+
+def test_the_request_timeout_ends_a_stream_whose_decode_froze() -> None:
+    """A decode frozen after its first token cannot enforce the request's ``timeout_s`` itself: the
+    gateway ends the request at its deadline (1 s), not at the idle timeout (30 s), without migrating
+    it or blaming the worker, and aborts it there."""
+    async def main() -> None:
+        config = DispatchConfig(request_timeout_s=1.0, stream_idle_timeout_s=30, max_migrations=2)
+        dispatcher, workers, transports = combined(2, config)
+        started = time.monotonic()
+        task = asyncio.create_task(drain(dispatcher.generate([1, 2, 3], SamplingParams(max_new_tokens=8))))
+        assert await until(lambda: any(_sent(t, Submit) for t in transports), 5)
+        a = next(i for i in range(2) if _sent(transports[i], Submit))
+        (submit,) = _sent(transports[a], Submit)
+        workers[a]._dispatch(Outputs([StepOutput(submit.rid, [65])]))
+        with pytest.raises(UpstreamTimeout, match="ran past its timeout"):
+            await asyncio.wait_for(task, 10)
+        assert time.monotonic() - started < 5
+        assert sum(len(_sent(t, Submit)) for t in transports) == 1, "no migration past the deadline"
+        assert [x.rid for x in _sent(transports[a], Abort)] == [submit.rid]
+        assert workers[a].health.breaker.failures == 0
+
+    asyncio.run(main())
