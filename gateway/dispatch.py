@@ -442,10 +442,9 @@ class _Attempt:
         self.sent = True
         self.want_prompt = params.prompt_logprobs and prefill is not None
         sink = self.sink
-        # (the request's own deadline bounds every wait: a frozen decode cannot enforce its ``timeout_s``)
-        sink.cap = decode.loop.time() + (run.deadline - _monotonic())
+        sink.cap_in(run.deadline - _monotonic())  # the request's own: a frozen decode cannot enforce it
         sink.set_deadline(self.first_s)  # from now to the first token, whatever comes before it
-        self.sink.tap = self._tap
+        sink.tap = self._tap
 
     def _overflow(self) -> None:
         """The consumer stopped reading: stop both workers now, not at its next read."""

@@ -85,6 +85,10 @@ class EventSink:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def cap_in(self, timeout_s: float) -> None:
+        """No deadline set from now on comes later than ``timeout_s`` from now (``cap``)."""
+        self.cap = self._loop.time() + timeout_s
+
     def set_deadline(self, timeout_s: float) -> None:
         """No event for ``timeout_s`` from now, or by ``cap``, makes ``get`` raise ``TimeoutError`` (up to
         the wheel's ``RESOLUTION_S`` later)."""
