@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="client API key (repeatable); requests need 'Authorization: Bearer KEY'")
     ops.add_argument("--api-key-file", default=None, help="file with one client API key per line")
     ops.add_argument("--admin-api-key", action="append", default=[], metavar="KEY",
-                     help="key for the admin API (/workers ...); repeatable")
+                     help="key for the admin API (/workers ...); repeatable (without one, the client keys guard it)")
+    ops.add_argument("--admin-api-key-file", default=None, help="file with one admin API key per line")
     ops.add_argument("--metrics-require-admin", action="store_true", help="/metrics needs the admin key")
     ops.add_argument("--health-interval-s", type=float, default=1.0, help="probe each worker this often")
     ops.add_argument("--health-timeout-s", type=float, default=2.0, help="a probe not answered by then fails")
@@ -102,13 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _read_keys(path: str | None) -> list[str]:
+def _read_keys(path: str | None, flag: str = "api_key_file") -> list[str]:
     if path is None:
         return []
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as exc:
-        raise ValueError(f"api_key_file: cannot read {path}: {exc.strerror}") from None
+        raise ValueError(f"{flag}: cannot read {path}: {exc.strerror}") from None
     return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
 
 
@@ -148,7 +149,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         default_max_tokens=args.default_max_tokens, max_concurrent_requests=args.max_concurrent_requests,
         max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s,
         drain_timeout_s=args.drain_timeout_s, api_keys=tuple(args.api_key + _read_keys(args.api_key_file)),
-        admin_api_keys=tuple(args.admin_api_key), metrics_require_admin=args.metrics_require_admin,
+        admin_api_keys=tuple(args.admin_api_key + _read_keys(args.admin_api_key_file, "admin_api_key_file")),
+        metrics_require_admin=args.metrics_require_admin,
         health=HealthConfig(
             probe_interval_s=args.health_interval_s, probe_timeout_s=args.health_timeout_s,
             unhealthy_after=args.unhealthy_after, healthy_after=args.healthy_after,

@@ -56,7 +56,9 @@ class GatekeeperMiddleware:
                  metrics_require_admin: bool, is_draining: Callable[[], bool]) -> None:
         self.app = app
         self.api_keys = [k.encode() for k in api_keys]
-        self.admin_api_keys = [k.encode() for k in admin_api_keys]
+        # Without admin keys, a gateway with client keys guards its admin API with them: never open by
+        # surprise (anyone could otherwise add a "worker" of theirs and receive the clients' prompts).
+        self.admin_api_keys = [k.encode() for k in admin_api_keys] or self.api_keys
         self.metrics_require_admin = metrics_require_admin
         self.is_draining = is_draining
 

@@ -260,6 +260,8 @@ def openapi_document(config: GatewayConfig) -> bytes:
     if config.admin_api_keys:
         schemes["adminKey"] = {"type": "http", "scheme": "bearer", "description": "an admin key (--admin-api-key)"}
         _secure(paths, (*_ADMIN_PATHS, *(("/metrics",) if config.metrics_require_admin else ())), "adminKey")
+    elif config.api_keys:  # (no admin key: the client keys guard the admin API)
+        _secure(paths, _ADMIN_PATHS, "apiKey")
     doc: dict[str, Any] = {
         "openapi": OPENAPI_VERSION,
         "info": {"title": "pd-gateway", "version": "0.1.0",

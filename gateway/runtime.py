@@ -123,6 +123,8 @@ class GatewayConfig:
             raise ValueError("max_header_bytes must be at least 1024")
         if any(not k for k in self.api_keys + self.admin_api_keys):
             raise ValueError("api_key: empty keys are not allowed")
+        if self.metrics_require_admin and not self.admin_api_keys:
+            raise ValueError("metrics_require_admin needs an admin key (--admin-api-key or --admin-api-key-file)")
 
 
 class Gateway:

@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 import msgspec
+import pytest
 import schemathesis
 from schemathesis.core.result import Ok
 from starlette.routing import Route
@@ -83,3 +84,25 @@ def test_the_document_is_served_as_built() -> None:
     first, second = client.get("/openapi.json"), client.get("/openapi.json")
     assert first.status_code == 200 and first.headers["content-type"] == "application/json"
     assert first.content == second.content == app.state.openapi
+
+
+def test_client_keys_guard_the_admin_api_without_an_admin_key() -> None:
+    """``--api-key`` alone: the admin API takes a client key, not nobody's (anyone could otherwise add a
+    "worker" of theirs and receive the clients' prompts); with neither key it stays open (localhost)."""
+    from gateway.middleware import GatekeeperMiddleware
+
+    def gate(api: tuple[str, ...], admin: tuple[str, ...]) -> GatekeeperMiddleware:
+        return GatekeeperMiddleware(None, api_keys=api, admin_api_keys=admin,  # type: ignore[arg-type]
+                                    metrics_require_admin=False, is_draining=lambda: False)
+
+    bearer = lambda key: [(b"authorization", b"Bearer " + key)]  # noqa: E731
+    only_client = gate(("k",), ())
+    for path in ("/workers", "/add_worker", "/remove_worker", "/list_workers"):
+        assert only_client.refusal(path, [])[0] == 401  # type: ignore[index]
+        assert only_client.refusal(path, bearer(b"k")) is None
+    assert gate(("k",), ("a",)).refusal("/workers", bearer(b"k"))[0] == 401  # type: ignore[index]
+    assert gate(("k",), ("a",)).refusal("/workers", bearer(b"a")) is None
+    assert gate((), ()).refusal("/workers", []) is None
+    assert document(api_keys=("k",))["paths"]["/workers"]["get"]["security"] == [{"apiKey": []}]
+    with pytest.raises(ValueError, match="metrics_require_admin needs an admin key"):
+        GatewayConfig(**WORKERS, api_keys=("k",), metrics_require_admin=True)

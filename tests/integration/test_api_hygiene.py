@@ -54,6 +54,16 @@ def test_worker_flag_defaults_are_not_shared() -> None:
     assert parser.parse_args([]).prefill == parser.parse_args([]).worker == []
 
 
+def test_admin_keys_from_a_file(tmp_path: Any) -> None:
+    keys = tmp_path / "admin-keys"
+    keys.write_text("# operators\nadm1\n\n  adm2  \n")
+    config = config_from_args(build_parser().parse_args(
+        ["--prefill", A, "--decode", C, "--admin-api-key", "adm0", "--admin-api-key-file", str(keys)]))
+    assert config.admin_api_keys == ("adm0", "adm1", "adm2")
+    with pytest.raises(ValueError, match="admin_api_key_file: cannot read"):
+        config_from_args(build_parser().parse_args(["--admin-api-key-file", str(tmp_path / "missing")]))
+
+
 def client(cluster: Any) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="none", max_retries=0, timeout=60)
 
