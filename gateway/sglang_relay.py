@@ -38,7 +38,7 @@ import aiohttp
 import msgspec
 
 from gateway.context import REQUEST_ID
-from gateway.errors import APIError, BadGateway, BadRequest, UpstreamTimeout
+from gateway.errors import APIError, BadGateway, BadRequest, Overloaded, UpstreamTimeout
 from gateway.policies.base import Pair
 from gateway.responder import ClientGone, read_body, send_error, watch_disconnect
 from gateway.sglang_fleet import HttpWorker, SGLangFleet
@@ -199,12 +199,11 @@ class SGLangResponder:
                 decode_reply_or_failure = await asyncio.wait_for(_settle(d_task, decode),
                                                                  max(0.0, deadline - loop.time()))
             except TimeoutError:
+                _blame_silent_decode(decode, p_task)
                 raise UpstreamTimeout(f"the SGLang decode worker did not answer within {wait_s:g}s") from None
             if isinstance(decode_reply_or_failure, _Failure):
                 p_task.cancel()
-                breaker = decode.health.breaker
-                (breaker.record_success if _is_request_fault(decode_reply_or_failure.status)
-                 else breaker.record_failure)()
+                _record(decode, decode_reply_or_failure.status)
                 return await self._failed(decode_reply_or_failure, send)
             reply = decode_reply_or_failure
             try:
@@ -220,8 +219,7 @@ class SGLangResponder:
                     status = await self._whole(reply, p_task, merge_logprobs, send)
             finally:
                 reply.release()
-            breaker = decode.health.breaker
-            (breaker.record_success if status < 500 else breaker.record_failure)()
+            _record(decode, status)
             answered = True
             return status
         finally:
@@ -236,13 +234,16 @@ class SGLangResponder:
                 p_task.cancel()  # closing its connection aborts it on the worker
 
     async def _failed(self, failure: _Failure, send: Send) -> int | _Retry:
-        """A side failed before the client got anything: its 4xx is the client's, the rest is retried."""
+        """A side failed before the client got anything: its 4xx is the client's, the rest is retried
+        (a busy worker's 429, past the retries, is the client's 429)."""
         worker, status = failure.worker, failure.status
         if status is not None and _is_request_fault(status):
             await _send_whole(send, status, failure.content_type, failure.body)
             return status
         message = f"SGLang {worker.role} worker {worker.url}: {failure.reason}"
         log.warning("%s", message)
+        if status == 429:
+            return _Retry(Overloaded(message, code="worker_overloaded", retry_after_s=1.0), worker)
         return _Retry(BadGateway(message, code="worker_failed"), worker)
 
     async def _whole(self, reply: aiohttp.ClientResponse, p_task: asyncio.Task[_PrefillReply],
@@ -281,6 +282,7 @@ class SGLangResponder:
                 if read not in done:
                     if p_task in done:
                         continue  # (judged above)
+                    _blame_silent_decode(decode, p_task)
                     raise UpstreamTimeout(f"the SGLang decode worker sent no event within {wait_s:g}s")
                 try:
                     chunk = read.result()
@@ -336,12 +338,26 @@ def _prefill_done(task: asyncio.Task[_PrefillReply], prefill: HttpWorker, rid: i
     prefill.closed(rid)
     if task.cancelled():
         return
-    exc = task.exception()
-    status = task.result().status if exc is None else None
+    _record(prefill, task.result().status if task.exception() is None else None)
+
+
+def _record(worker: HttpWorker, status: int | None) -> None:
+    """A worker's answer for its breaker: a 2xx or the request's own 4xx is a success, a busy worker's
+    408/429 neither (overload is not a fault, as on the native path), no answer or a 5xx a failure."""
+    if status in (408, 429):
+        return
+    breaker = worker.health.breaker
     if status is not None and (200 <= status < 300 or _is_request_fault(status)):
-        prefill.health.breaker.record_success()
+        breaker.record_success()
     else:
-        prefill.health.breaker.record_failure()
+        breaker.record_failure()
+
+
+def _blame_silent_decode(decode: HttpWorker, p_task: asyncio.Task[_PrefillReply]) -> None:
+    """The decode sent nothing in time: its failure if its prefill is done (the KV was there to take);
+    while the prefill still works, a slow or frozen prefill may be why, and neither is blamed."""
+    if p_task.done() and not p_task.cancelled() and p_task.exception() is None and 200 <= p_task.result().status < 300:
+        decode.health.breaker.record_failure()
 
 
 def _is_request_fault(status: int | None) -> bool:

@@ -13,6 +13,7 @@ Behaviour, chosen by the prompt (``text``, ``prompt`` or the last message's ``co
   left waiting for KV that never comes); with ``HEAD_FIRST`` too, a streaming decode sends its
   response head at once and waits after it, as SGLang's does (logging ``waiting``, then
   ``cancelled`` when its stream is closed);
+- contains ``DECODE_429``: the decode answers 429 with ``Retry-After: 7`` (busy);
 - contains ``DECODE_SLOW_HEAD``: the decode answers after 2 s (our workers send a stream's head with
   its first token);
 - contains ``DECODE_BREAKS``: a streaming decode sends one event and half of the next, then its
@@ -81,6 +82,9 @@ def make_app(role: str, log_path: Path) -> Starlette:
             return StreamingResponse(broken(), 500 if "DECODE_500" in text else 200, media_type="text/event-stream")
         if f"{role.upper()}_500" in text:
             return JSONResponse({"error": {"message": f"{role} broke", "type": "internal_error"}}, 500)
+        if f"{role.upper()}_429" in text:
+            return JSONResponse({"error": {"message": f"{role} is busy", "type": "overloaded"}}, 429,
+                                headers={"retry-after": "7"})
         if role == "prefill":
             meta = {"input_token_logprobs": [[-0.5, ord(c), None] for c in text]}
             if stream:

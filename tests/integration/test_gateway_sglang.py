@@ -402,9 +402,30 @@ def test_breakers_count_worker_failures_not_bad_requests(procs: Procs, tmp_path:
     for _ in range(4):  # the request's fault: the workers stay selectable
         assert httpx.post(url, json={"text": "PREFILL_400"}, timeout=30).status_code == 400
     assert httpx.post(url, json={"text": "fine"}, timeout=30).status_code == 200
+    for _ in range(3):  # a busy decode is no failure of its own; the client is told to come back
+        r = httpx.post(url, json={"text": "DECODE_429"}, timeout=30)
+        assert r.status_code == 429 and "retry-after" in r.headers, r.text
+        assert r.json()["error"]["type"] == "rate_limit_error" and "429" in r.json()["error"]["message"]
+    assert httpx.post(url, json={"text": "fine"}, timeout=30).status_code == 200
     for _ in range(2):
         assert httpx.post(url, json={"text": "DECODE_500"}, timeout=30).status_code == 502
     r = httpx.post(url, json={"text": "fine"}, timeout=30)
     assert r.status_code == 503 and "decode" in r.json()["error"]["message"], r.text
     workers = httpx.get(f"http://127.0.0.1:{port}/readiness", timeout=10).json()["workers"]
     assert {w["role"]: w["breaker"] for w in workers} == {"prefill": "closed", "decode": "open"}
+
+
+def test_a_decode_silent_after_its_prefill_finished_counts_against_it(procs: Procs, tmp_path: Path) -> None:
+    """A stream whose decode sends nothing within the first-token timeout, its prefill done: the
+    decode's failure (two open its breaker); while a prefill still works, nobody's."""
+    sp = start_standin(procs, "prefill", tmp_path / "p.jsonl")
+    sd = start_standin(procs, "decode", tmp_path / "d.jsonl")
+    port = start_gateway(procs, "--prefill", f"http://127.0.0.1:{sp}", "--decode", f"http://127.0.0.1:{sd}",
+                         "--max-retries", "0", "--breaker-failures", "2", "--breaker-cooldown-s", "60",
+                         "--first-token-timeout-s", "0.5")
+    url = f"http://127.0.0.1:{port}/generate"
+    for _ in range(2):
+        r = httpx.post(url, json={"text": "DECODE_WAITS", "stream": True}, timeout=30)
+        assert r.status_code == 504, r.text
+    r = httpx.post(url, json={"text": "fine"}, timeout=30)
+    assert r.status_code == 503 and "decode" in r.json()["error"]["message"], r.text
