@@ -117,7 +117,7 @@ class GatewayApp:
                 for route, path in (("chat", "v1/chat/completions"), ("completions", "v1/completions"),
                                     ("generate", "generate"))
             }
-            self.responders = {path: MixedResponder(gw, self.responders[path], relay) if gw.has_native_workers
+            self.responders = {path: MixedResponder(gw, self.responders[path], relay) if gw.serves_native
                                else relay for path, relay in relays.items()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

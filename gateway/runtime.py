@@ -164,6 +164,9 @@ class Gateway:
                 self._new_client(url, "decode")
         for url in config.worker:
             self._new_client(url, "both")
+        # The generation routes serve native workers (set once: a gateway started with SGLang workers
+        # only relays its routes to them, and native workers added later would get no traffic).
+        self.serves_native = bool(self.clients) or self.fleet is None
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests,
                                    config.queue_timeout_s, self.metrics)
         self.metrics.add_collector(WorkerCollector(
@@ -299,6 +302,9 @@ class Gateway:
     def add_worker(self, url: str, role: str) -> WorkerClient:
         """Start routing to a new worker (it becomes selectable once connected and healthy)."""
         parse_worker_url(url)
+        if not self.serves_native:
+            raise ValueError("this gateway was started with SGLang (http://) workers only and relays its routes "
+                             "to them; start it with a native worker too to serve both kinds")
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if (role == "both") != self.is_combined:

@@ -402,6 +402,10 @@ def test_breakers_count_worker_failures_not_bad_requests(procs: Procs, tmp_path:
     for _ in range(4):  # the request's fault: the workers stay selectable
         assert httpx.post(url, json={"text": "PREFILL_400"}, timeout=30).status_code == 400
     assert httpx.post(url, json={"text": "fine"}, timeout=30).status_code == 200
+    # Its routes relay to SGLang workers: a native worker added now would get no traffic; refused.
+    r = httpx.post(f"http://127.0.0.1:{port}/add_worker", params={"url": "pd://127.0.0.1:1", "role": "decode"})
+    assert r.status_code == 400 and "SGLang" in r.json()["error"]["message"], r.text
+    assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).status_code == 200
     for _ in range(3):  # a busy decode is no failure of its own; the client is told to come back
         r = httpx.post(url, json={"text": "DECODE_429"}, timeout=30)
         assert r.status_code == 429 and "retry-after" in r.headers, r.text
