@@ -48,6 +48,8 @@ def check_http_url(url: str) -> None:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"SGLang worker URL must look like http://HOST:PORT, got {url!r}")
+    if parts.username is not None or parts.password is not None:  # (they would show in /health, metrics, logs)
+        raise ValueError(f"SGLang worker URL must not carry credentials, got one for {parts.hostname}")
 
 
 @dataclass(frozen=True)

@@ -374,6 +374,7 @@ def test_a_client_leaving_the_queue_gives_up_its_place(procs: Procs, tmp_path: P
     (["--worker", "http://127.0.0.1:1"], "run disaggregated"),
     (["--prefill", "pd://127.0.0.1:1", "--decode", "127.0.0.1:1/"], "listed twice"),  # one worker, two spellings
     (["--prefill", "pd://127.0.0.1:1/x", "--decode", "pd://127.0.0.1:2"], "must look like pd://HOST:PORT"),
+    (["--prefill", "http://admin:s3cret@127.0.0.1:1", "--decode", "http://127.0.0.1:2"], "must not carry credentials"),
 ])
 def test_bad_sglang_worker_flags_are_refused(argv: list[str], error: str) -> None:
     from gateway.cli import build_parser, config_from_args
