@@ -96,9 +96,10 @@ class GatekeeperMiddleware:
 
 
 def request_id_of(headers: Headers) -> str:
-    """The client's ``x-request-id`` if it is usable (printable, at most 128 characters), else a new one."""
+    """The client's ``x-request-id`` if it is usable (printable ASCII, at most 128 characters), else a new one."""
     request_id = _header(headers, b"x-request-id")
-    if not request_id or len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
+    if (not request_id or len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isascii()
+            or not request_id.isprintable()):
         request_id = random_hex()
     return request_id
 

@@ -49,6 +49,7 @@ from gateway.context import REQUEST_ID
 from gateway.errors import APIError, BadGateway, BadRequest, NoWorkers, UpstreamTimeout, from_worker_error
 from gateway.event_sink import EventSink
 from gateway.metrics import GatewayMetrics
+from gateway.middleware import request_id_of
 from gateway.responder import Responder
 from gateway.shapes import ChatShape, CompletionShape, GenerateShape
 from gateway.tokenizer import load_tokenizer
@@ -333,6 +334,7 @@ class _WhenReady:
         self.api, self.app = api, app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        REQUEST_ID.set(request_id_of(scope["headers"]))  # (the router's id, in this worker's log lines)
         await self.api.ensure_ready()
         await self.app(scope, receive, send)
 
