@@ -5,7 +5,8 @@
   to it (201; it is selectable once connected and passing probes).
 - ``DELETE /workers?url=...``: drain it (202): no new requests, open ones finish (up to
   ``--drain-timeout-s``), then the connection closes and it disappears from the list.
-- SGLang router's names as aliases: ``GET /list_workers``, ``POST /add_worker?url=...&role=...``,
+- SGLang router's names as aliases: ``GET /list_workers``, ``POST /add_worker?url=...&role=...`` (or
+  its ``worker_type=regular|prefill|decode``),
   ``POST /remove_worker?url=...``.
 Errors are OpenAI-shaped JSON: 400 for a bad URL or role, 404 for an unknown worker, 409 when the
 worker is already there, 413 for a body over ``MAX_BODY_BYTES`` (it is never buffered whole).
@@ -97,8 +98,11 @@ def admin_routes(gw: Gateway, describe: Callable[[Any], dict[str, Any]]) -> list
         return remove(request.query_params.get("url"))
 
     async def add_alias(request: Request) -> Response:
-        role = request.query_params.get("role") or ("both" if gw.is_combined else None)
-        return add(request.query_params.get("url"), role)
+        query = request.query_params
+        worker_type = query.get("worker_type")  # (SGLang's router's name for the role: regular|prefill|decode)
+        role = query.get("role") or ("both" if worker_type == "regular" else worker_type) or \
+            ("both" if gw.is_combined else None)
+        return add(query.get("url"), role)
 
     async def remove_alias(request: Request) -> Response:
         return remove(request.query_params.get("url"))

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -134,6 +135,9 @@ class _FrameProtocol(FramedProtocol):
         self.arrived.set()
 
 
+_HOST = re.compile(r"[A-Za-z0-9._:-]+")  # a name or an IPv4/IPv6 address (no spaces, escapes or controls)
+
+
 def parse_worker_url(url: str) -> tuple[str, int]:
     """A native worker URL's (host, port): how two spellings of one worker (``pd://h:1``, ``h:1``,
     ``pd://H:1/``) are known to be the same."""
@@ -142,8 +146,8 @@ def parse_worker_url(url: str) -> tuple[str, int]:
         port = parts.port
     except ValueError:  # (out of range, not a number)
         port = None
-    if (parts.scheme not in ("pd", "tcp") or not parts.hostname or port is None or parts.path not in ("", "/")
-            or parts.query or parts.fragment or parts.username is not None):
+    if (parts.scheme not in ("pd", "tcp") or not parts.hostname or not _HOST.fullmatch(parts.hostname)
+            or not port or parts.path not in ("", "/") or parts.query or parts.fragment or parts.username is not None):
         raise ValueError(f"worker URL must look like pd://HOST:PORT (the native port), got {url!r}")
     return parts.hostname, port
 

@@ -279,14 +279,15 @@ def test_admin_api_adds_and_drains_workers_with_sglang_aliases(sim_cluster, proc
     cluster = sim_cluster(decode_args=SLOW_DECODE)
     extra = start_worker(procs, "decode", "--engine", "sim", "--num-pages", "256", "--page-size", "4",
                          *SLOW_DECODE, bootstrap=cluster.bootstrap_url, name="extra-decode")
-    r = httpx.post(f"{cluster.base_url}/add_worker", params={"url": extra.url, "role": "decode"})
-    assert r.status_code == 201, r.text
+    r = httpx.post(f"{cluster.base_url}/add_worker", params={"url": extra.url, "worker_type": "decode"})  # (SGLang's)
+    assert r.status_code == 201 and r.json()["role"] == "decode", r.text
     assert httpx.post(f"{cluster.base_url}/workers", json={"url": extra.url, "role": "decode"}).status_code == 409
     address = extra.url.removeprefix("pd://")
     for alias in (f"pd://{address}/", address, f"tcp://{address}"):  # the same worker, spelled otherwise
         again = httpx.post(f"{cluster.base_url}/workers", json={"url": alias, "role": "decode"})
         assert again.status_code == 409, (alias, again.text)
-    for bad_url in (f"pd://{address}/v1", f"pd://{address}?x=1", "pd://127.0.0.1:99999"):
+    for bad_url in (f"pd://{address}/v1", f"pd://{address}?x=1", "pd://127.0.0.1:99999", "pd://127.0.0.1:0",
+                    "pd:// 127.0.0.1:1", "pd://h%00:1"):
         refused = httpx.post(f"{cluster.base_url}/workers", json={"url": bad_url, "role": "decode"})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "url", (bad_url, refused.text)
     bad = httpx.post(f"{cluster.base_url}/workers", json={"url": "http://nope", "role": "decode"})
