@@ -79,23 +79,30 @@ class PrefixIndex:
         self.num_events += 1
 
     def drop_worker(self, url: str) -> None:
+        """``url``'s connection was lost: what it held and was assumed to hold is gone (a restarted worker
+        comes back empty; one that was not sends its snapshot again)."""
         bit = self._bit_of.get(url)
         if bit is not None:
             self._clear(bit)
+            self._unassume(bit)
 
     def forget_worker(self, url: str) -> None:
         """``url`` has left the fleet: drop what it held and was assumed to hold, and free its bit."""
         bit = self._bit_of.pop(url, None)
         if bit is None:
             return
-        self._clear(bit)
+        self._clear(bit)  # (a later worker on this bit must not inherit its pages or assumptions)
+        self._unassume(bit)
         del self._by_worker[bit]
-        keep = ~(1 << bit)  # (a later worker on this bit must not inherit its assumptions)
-        self._assumed = {h: (mask & keep, until) for h, (mask, until) in self._assumed.items() if mask & keep}
         self._urls[bit] = None
         heapq.heappush(self._free, bit)
 
+    def _unassume(self, bit: int) -> None:
+        keep = ~(1 << bit)
+        self._assumed = {h: (mask & keep, until) for h, (mask, until) in self._assumed.items() if mask & keep}
+
     def _clear(self, bit: int) -> None:
+        """Forget every page the worker on ``bit`` reported holding."""
         keep = ~(1 << bit)
         held = self._held
         for h in self._by_worker[bit]:

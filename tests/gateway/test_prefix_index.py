@@ -43,6 +43,15 @@ def test_assumed_entries_count_until_they_expire() -> None:
     assert index.match(H) == {"b": 1}
 
 
+def test_a_lost_worker_loses_its_assumed_pages_too() -> None:
+    """A restarted worker comes back empty: what it was assumed to hold must not outlive its connection."""
+    index = PrefixIndex(assume_ttl_s=60.0)
+    index.assume("a", H)
+    index.assume("b", H[:2])
+    index.drop_worker("a")
+    assert index.match(H) == {"b": 2}
+
+
 def test_many_workers_as_bits() -> None:
     index = PrefixIndex()
     for i in range(300):
