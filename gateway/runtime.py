@@ -123,6 +123,10 @@ class GatewayConfig:
             raise ValueError("max_header_bytes must be at least 1024")
         if any(not k for k in self.api_keys + self.admin_api_keys):
             raise ValueError("api_key: empty keys are not allowed")
+        if self.worker and (self.prefill_policy or self.decode_policy or any(
+                o.startswith(("prefill.", "decode.")) for o in self.policy_options)):
+            raise ValueError("prefill_policy/decode_policy: combined workers (--worker) are chosen by one policy; "
+                             "use --policy and unprefixed --policy-option")
         if self.metrics_require_admin and not self.admin_api_keys:
             raise ValueError("metrics_require_admin needs an admin key (--admin-api-key or --admin-api-key-file)")
 

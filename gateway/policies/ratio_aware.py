@@ -9,7 +9,8 @@
 
 ``stats()`` reports each pool's utilization and their ratio (``pd_load_ratio``): prefill busy
 share over decode KV/slot share. Well above 1 means the prefills are the bottleneck (add prefill
-workers or move one over); well below 1 means the decodes are.
+workers or move one over); well below 1 means the decodes are. (The decode side of a split policy
+sees no prefills: it reports the decodes only.)
 """
 
 from __future__ import annotations
@@ -50,11 +51,13 @@ class RatioAwarePolicy:
         return Pair(prefill, decode)
 
     def stats(self) -> Mapping[str, float]:
-        prefill_util = _mean([w.busy_fraction for w in self._prefills])
         decode_util = _mean([decode_utilization(w) for w in self._decodes])
-        out = {"prefill_utilization": prefill_util, "decode_utilization": decode_util}
-        if decode_util > 0:
-            out["pd_load_ratio"] = prefill_util / decode_util
+        out = {"decode_utilization": decode_util}
+        if self._prefills:  # (the decode side of a split sees no prefills: no figures for them, not zeros)
+            prefill_util = _mean([w.busy_fraction for w in self._prefills])
+            out["prefill_utilization"] = prefill_util
+            if decode_util > 0:
+                out["pd_load_ratio"] = prefill_util / decode_util
         return out
 
 

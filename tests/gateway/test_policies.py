@@ -198,6 +198,8 @@ def test_router_sides_and_options() -> None:
     p1, p2, d1, d2 = prefill("p1"), prefill("p2"), decode("d1", free=10), decode("d2", free=900)
     pair = router.select([p1, p2], [d1, d2], router.request(list(range(50)), 4))
     assert pair.decode is d2 and pair.prefill in (p1, p2)
+    # ratio_aware on the decode side sees no prefills: decode figures only, not a prefill share of 0
+    assert set(router.decode_policy.stats()) == {"decode_utilization"}  # type: ignore[attr-defined]
     with pytest.raises(PolicyError, match=r"unknown policy option.*bogus"):
         Router.build("cache_aware", "cache_aware", {"": {"bogus": "1"}})
     with pytest.raises(PolicyError, match=r"decode\.cache_weight"):

@@ -54,6 +54,14 @@ def test_worker_flag_defaults_are_not_shared() -> None:
     assert parser.parse_args([]).prefill == parser.parse_args([]).worker == []
 
 
+@pytest.mark.parametrize("argv", [["--prefill-policy", "cache_aware"], ["--decode-policy", "round_robin"],
+                                  ["--policy", "cache_aware", "--policy-option", "prefill.cache_weight=50"]])
+def test_combined_workers_take_one_policy(argv: list[str]) -> None:
+    """Combined workers are chosen by one policy: a per-side one would be silently ignored."""
+    with pytest.raises(ValueError, match="combined workers"):
+        config_from_args(build_parser().parse_args(["--worker", A, *argv]))
+
+
 def test_admin_keys_from_a_file(tmp_path: Any) -> None:
     keys = tmp_path / "admin-keys"
     keys.write_text("# operators\nadm1\n\n  adm2  \n")
