@@ -267,16 +267,23 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._refuse(RequestTimeout(f"the request head did not arrive within {self.limits.head_timeout_s:g}s"))
 
     def _refuse(self, error: APIError) -> None:
-        """Answer ``error`` (unless a response has started: then just close), linger and close."""
+        """Answer ``error`` (unless a response is going out: then just close), linger and close."""
         self._refused = True
         self._disarm()
         transport = self.transport
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:  # the app sees a disconnect; its sends go nowhere
-            cycle.disconnected = True
-            cycle.message_event.set()
-            if cycle.response_started:
-                transport.close()
+        # Every unanswered request on the connection sees a disconnect (its sends go nowhere): the
+        # newest (``cycle``), one pipelined behind a response still going out, and that response's.
+        # A response under way (one started, or one that others wait behind) cannot take the
+        # refusal in its middle: the connection is closed instead.
+        cycles: list[Any] = [self.cycle, *self._hot_cycles, *(c for c, _ in self.pipeline)]
+        mid_response = bool(self.pipeline)
+        for cycle in cycles:
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
+                mid_response = mid_response or cycle.response_started
+        if mid_response:
+            transport.close()
         if transport.is_closing():
             return
         body = _json.encode(error.body())

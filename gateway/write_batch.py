@@ -14,8 +14,11 @@ one transport keep their order; a transport closed by then is skipped.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 _local = threading.local()  # .pending: the open batch of this thread's loop, or None
 
@@ -29,11 +32,17 @@ def begin() -> bool:
 
 
 def end() -> None:
-    """Write what was gathered, in order, and stop gathering."""
+    """Write what was gathered, in order, and stop gathering. A transport that refuses a write (one
+    half-closed meanwhile) loses its own; the others are written all the same, and nothing raises
+    into the worker connection's callback that ends the batch."""
     pending, _local.pending = _local.pending, None
     for transport, data in pending:
         if not transport.is_closing():
-            transport.write(data)
+            try:
+                transport.write(data)
+            except (RuntimeError, OSError) as exc:  # (uvloop: "Cannot call write() after write_eof()")
+                log.warning("a client write failed (%s); closing that connection", exc)
+                transport.close()
 
 
 def write(transport: Any, data: bytes) -> None:

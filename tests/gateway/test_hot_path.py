@@ -385,6 +385,20 @@ def test_writes_gathered_during_a_frame_go_out_at_its_end_in_order() -> None:
     write_batch.write(b, b"after")
     assert b.data == [b"x", b"after"]
 
+    class HalfClosed(Transport):  # (uvloop's transport after write_eof: not closing, and writes raise)
+        def write(self, data: bytes) -> None:
+            raise RuntimeError("Cannot call write() after write_eof()")
+
+        def close(self) -> None:
+            self.closing = True
+
+    refusing = HalfClosed()
+    assert write_batch.begin()
+    write_batch.write(refusing, b"lost")
+    write_batch.write(a, b"3")
+    write_batch.end()  # (raising here would drop the worker connection whose frame this batch is)
+    assert a.data[-1] == b"3" and refusing.closing
+
 
 def test_submits_go_out_together_at_the_end_of_the_loop_pass_unless_urgent() -> None:
     """``WorkerClient.submit``: frames queued in one pass of the loop go out in one write after it;

@@ -187,6 +187,45 @@ def test_a_client_leaving_mid_stream_with_a_request_pipelined_behind(sim_cluster
     cluster.wait_pools_full()
 
 
+def test_garbage_pipelined_behind_a_stream_closes_only_that_connection(
+        sim_cluster: Callable[..., SimCluster]) -> None:
+    """Bytes that are not HTTP, pipelined behind a stream still going out: that connection is closed (the
+    400 cannot go in the middle of the stream), and nothing else is harmed. (The 400 was written into the
+    stream and the connection half-closed; the stream's next chunk, written from the decode connection's
+    callback, raised there and dropped the gateway's connection to the decode: every other stream on it
+    failed.)"""
+    import threading
+
+    cluster = sim_cluster(decode_args=("--engine-option", "decode_step_s=0.01"))  # 150 tokens: 1.5 s at least
+    port = cluster.gateway_port
+    bystander: list[Any] = []
+    thread = threading.Thread(target=lambda: bystander.append(
+        talk(port, post("/v1/completions", {"prompt": PROMPT, "max_tokens": 150, "stream": True}), 1)))
+    thread.start()
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as sock:
+        sock.sendall(post("/v1/completions", {"prompt": PROMPT, "max_tokens": 150, "stream": True}))
+        seen = b""
+        while seen.count(b"data: ") < 5:  # the stream is flowing
+            chunk = sock.recv(65536)
+            assert chunk, seen
+            seen += chunk
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n\x00\x01 not http\r\n\r\n")
+        try:
+            while chunk := sock.recv(65536):
+                seen += chunk
+        except OSError:
+            pass
+    assert b"HTTP/1.1 400" not in seen, "a refusal written into the middle of a stream"
+    thread.join(TIMEOUT_S)
+    ((status, _, body),), _ = bystander[0]
+    assert status == 200 and sse_text(body, "text") == text_of(expected_tokens(PROMPT, 150)), body[-300:]
+    ((status, _, answer),), _ = talk(port, post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8}), 1)
+    assert status == 200 and json.loads(answer)["choices"][0]["text"] == text_of(expected_tokens(PROMPT, 8))
+    assert "lost connection" not in cluster.procs.log(next(
+        n for n in (p.name for p in cluster.procs.procs) if n.startswith("gateway")))
+    cluster.wait_pools_full()
+
+
 def gone_499(cluster: SimCluster) -> float:
     reply = talk(cluster.gateway_port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", 1)[0][0][2].decode()
     for line in reply.splitlines():
