@@ -87,6 +87,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._in_head = True  # waiting for, or reading, a request head
         self._head_bytes = 0
+        self._head_began = False  # a head began in the read being parsed (its bytes are not all the head's)
         self._timer: asyncio.TimerHandle | None = None
         self._waiting_for = ""  # what the timer waits for: "head", "body" or "idle" ("": nothing)
         self._deadline = 0.0  # loop time by which it must have arrived
@@ -134,13 +135,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._refused:
             return  # lingering: what the client still sends is dropped
         counting = self._in_head  # a read that starts a head is not counted: at most one read over
+        self._head_began = False
         super().data_received(data)
         unstarted = self._unstarted
         if unstarted is not None:  # its body is still to come: read_body waits for it in a task
             self._unstarted = None
             if not self._refused:
                 self._start_hot(unstarted, eagerly=False)
-        if counting and self._in_head and not self._refused:
+        if counting and self._in_head and not self._head_began and not self._refused:  # (the same head all along)
             self._head_bytes += len(data)
             if self._head_bytes > self.limits.max_head_bytes:
                 self._refuse(HeadersTooLarge(f"the request head exceeds {self.limits.max_head_bytes} bytes"))
@@ -154,7 +156,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             super().on_message_begin()
         else:  # the ASGI scope is made only for a request that goes to the app (on_headers_complete)
             self.url, self.headers, self.expect_100_continue = b"", [], False
-        self._in_head, self._head_bytes = True, 0
+        self._in_head, self._head_bytes, self._head_began = True, 0, True
         self._arm("head")
 
     def on_headers_complete(self) -> None:

@@ -226,6 +226,23 @@ def test_garbage_pipelined_behind_a_stream_closes_only_that_connection(
     cluster.wait_pools_full()
 
 
+def test_a_large_body_is_not_counted_as_the_next_pipelined_head(sim_cluster: Callable[..., SimCluster]) -> None:
+    """A read holding a request's 70 KB body and the start of the next request's head: only the head's own
+    bytes count against --max-header-bytes (64 KiB), so both are answered (the whole read was counted:
+    431, and the first request's answer was lost)."""
+    cluster = sim_cluster()
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    first = post("/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "user": "x" * 70_000})
+    parsed = _Responses()
+    with socket.create_connection(("127.0.0.1", cluster.gateway_port), timeout=TIMEOUT_S) as sock:
+        sock.sendall(first + health[:10])
+        time.sleep(0.3)  # (two reads: the second head's start comes with the first request's body)
+        sock.sendall(health[10:])
+        while len(parsed.done) < 2 and (chunk := sock.recv(65536)):
+            parsed.parser.feed_data(chunk)
+    assert [status for status, _, _ in parsed.done] == [200, 200], parsed.done
+
+
 def gone_499(cluster: SimCluster) -> float:
     reply = talk(cluster.gateway_port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", 1)[0][0][2].decode()
     for line in reply.splitlines():
