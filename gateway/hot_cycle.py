@@ -43,7 +43,7 @@ from gateway import write_batch
 from gateway.context import REQUEST_ID, REQUEST_T0
 from gateway.errors import PayloadTooLarge, RequestTimeout
 from gateway.middleware import GatekeeperMiddleware, request_id_of
-from gateway.responder import SSE_HEADERS, ClientGone, Responder
+from gateway.responder import SSE_HEADERS, ClientGone, Responder, check_length
 
 if TYPE_CHECKING:
     from gateway.http_protocol import GuardedHttpProtocol
@@ -185,12 +185,10 @@ class HotCycle:
             self.message_event = _SETTLED
 
     # -- Exchange ----------------------------------------------------------------------------------
-    async def read_body(self, limit: int, timeout_s: float) -> bytes:
-        for key, value in self.headers:
-            if key == b"content-length":
-                if value.isdigit() and int(value) > limit:
-                    raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-                break
+    def check_length(self, limit: int) -> None:
+        check_length(self.headers, limit)
+
+    async def read_body(self, limit: int, timeout_s: float) -> bytes:  # (the declared length: ``check_length``)
         if self.waiting_for_100_continue and not self.transport.is_closing():
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             self.waiting_for_100_continue = False

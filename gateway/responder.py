@@ -101,6 +101,11 @@ class Exchange(Protocol):
     # on the hot path the loop is passed around instead.)
     loop: asyncio.AbstractEventLoop
 
+    def check_length(self, limit: int) -> None:
+        """413 (``PayloadTooLarge``) at once when the request declares a body over ``limit`` bytes: before
+        it waits for an admission slot (``read_body`` bounds what actually arrives)."""
+        ...
+
     async def read_body(self, limit: int, timeout_s: float) -> bytes:
         """The whole body: at most ``limit`` bytes (else 413), within ``timeout_s`` (else 408); ClientGone."""
         ...
@@ -184,6 +189,7 @@ class Responder:
                     release = await gw.admission.admit()
                 else:
                     exchange.watch_disconnect(gone)
+                    exchange.check_length(gw.max_body_bytes)
                     release = await gw.admission.admit()
                     body = await exchange.read_body(gw.max_body_bytes, gw.body_timeout_s)
                 frontend = gw.require_frontend()
@@ -288,6 +294,9 @@ class AsgiExchange:
         self.loop = asyncio.get_running_loop()
         self.watcher: asyncio.Task[None] | None = None
 
+    def check_length(self, limit: int) -> None:
+        check_length(self.scope["headers"], limit)
+
     async def read_body(self, limit: int, timeout_s: float) -> bytes:
         return await read_body(self.scope, self.receive, limit, timeout_s)
 
@@ -390,16 +399,21 @@ async def watch_disconnect(receive: Receive, task: asyncio.Task[Any], gone: list
 
 async def read_body(scope: Scope, receive: Receive, limit: int, timeout_s: float) -> bytes:
     """The whole request body: at most ``limit`` bytes (else 413), all of it within ``timeout_s`` (else 408)."""
-    for key, value in scope["headers"]:
-        if key == b"content-length":
-            if value.isdigit() and int(value) > limit:
-                raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-            break
+    check_length(scope["headers"], limit)
     try:
         async with asyncio.timeout(timeout_s):
             return await _receive_body(receive, limit)
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {timeout_s:g}s") from None
+
+
+def check_length(headers: list[tuple[bytes, bytes]], limit: int) -> None:
+    """413 when ``headers`` declare a body (``content-length``) over ``limit`` bytes."""
+    for key, value in headers:
+        if key == b"content-length":
+            if value.isdigit() and int(value) > limit:
+                raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+            return
 
 
 async def _receive_body(receive: Receive, limit: int) -> bytes:

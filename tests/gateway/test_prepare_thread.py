@@ -59,6 +59,9 @@ class _Exchange:
         self.body = body
         self.answers: list[tuple[int, dict[str, Any]]] = []
 
+    def check_length(self, limit: int) -> None:
+        pass
+
     async def read_body(self, limit: int, timeout_s: float) -> bytes:
         return self.body
 

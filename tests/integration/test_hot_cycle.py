@@ -243,6 +243,26 @@ def test_a_large_body_is_not_counted_as_the_next_pipelined_head(sim_cluster: Cal
     assert [status for status, _, _ in parsed.done] == [200, 200], parsed.done
 
 
+def test_a_body_declared_too_large_is_a_413_without_queueing(sim_cluster: Callable[..., SimCluster]) -> None:
+    """A Content-Length over --max-body-bytes is a 413 at once, also while every admission slot is taken (it
+    waited for a slot in the queue, then got the queue's 429: a client told to retry what can never pass)."""
+    import threading
+
+    cluster = sim_cluster(decode_args=("--engine-option", "decode_step_s=0.01"),
+                          gateway_args=("--max-concurrent-requests", "1", "--max-queued-requests", "1",
+                                        "--queue-timeout-s", "1", "--max-body-bytes", "4096"))
+    port = cluster.gateway_port
+    busy = threading.Thread(target=talk, args=(  # (300 tokens: 3 s at least, longer than the queue's wait)
+        port, post("/v1/completions", {"prompt": PROMPT, "max_tokens": 300, "stream": True}), 1))
+    busy.start()
+    time.sleep(0.5)  # (the one slot is taken)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    ((status, headers, body),), _ = talk(port, head + b"Content-Length: 10000000\r\n\r\n", 1)
+    assert status == 413 and "exceeds 4096 bytes" in json.loads(body)["error"]["message"], (status, body)
+    busy.join(TIMEOUT_S)
+    cluster.wait_pools_full()
+
+
 def gone_499(cluster: SimCluster) -> float:
     reply = talk(cluster.gateway_port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", 1)[0][0][2].decode()
     for line in reply.splitlines():
