@@ -280,7 +280,9 @@ class HotCycle:
             parts.append(b"%s: %s\r\n" % (name, value))
         if close:
             self.keep_alive = False
-        elif not self.keep_alive:
+        elif not self.keep_alive or self.waiting_for_100_continue:
+            # (a client told nothing yet may still send its body: it would be read as the next request)
+            self.keep_alive = False
             parts.append(b"connection: close\r\n")
         parts.append(b"x-request-id: %s\r\n\r\n" % self.request_id)
         return b"".join(parts)

@@ -121,6 +121,11 @@ def test_continue_chunked_bodies_and_http_1_0(sim_cluster: Callable[..., SimClus
             f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n").encode()
     ((status, _, answer),), _ = talk(port, head, 1, then=body)
     assert status == 200 and json.loads(answer)["choices"][0]["text"] == want
+    # Refused before the body was asked for: the client may never send it, so the connection closes
+    # (kept open, the client's next request would be read as that body).
+    too_large = head.replace(b"Content-Length: %d" % len(body), b"Content-Length: 10000000")
+    (refused,), _ = talk(port, too_large, 2)  # (2: read until the server closes)
+    assert refused[0] == 413 and refused[1]["connection"] == "close", refused
 
     # A chunked request body, in three chunks.
     parts = [body[:5], body[5:20], body[20:]]
@@ -257,7 +262,7 @@ def test_a_body_declared_too_large_is_a_413_without_queueing(sim_cluster: Callab
     busy.start()
     time.sleep(0.5)  # (the one slot is taken)
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-    ((status, headers, body),), _ = talk(port, head + b"Content-Length: 10000000\r\n\r\n", 1)
+    ((status, _, body),), _ = talk(port, head + b"Content-Length: 10000000\r\n\r\n", 1)
     assert status == 413 and "exceeds 4096 bytes" in json.loads(body)["error"]["message"], (status, body)
     busy.join(TIMEOUT_S)
     cluster.wait_pools_full()
