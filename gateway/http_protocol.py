@@ -14,7 +14,9 @@ per connection (``GuardedHttpProtocol``, event loop only):
    is closed too. All of these share one timer per connection, moved lazily.
 3. Every refusal, and uvicorn's own 400 for a request it cannot parse, is OpenAI-shaped JSON with
    ``Connection: close``; the connection then half-closes and drops what the client still sends for
-   ``LINGER_S`` before closing, so a client still writing reads the answer instead of a reset.
+   ``LINGER_S`` before closing, so a client still writing reads the answer instead of a reset. While a
+   response is going out on the connection (a request pipelined behind it was refused), the refusal
+   cannot go in its middle: every unanswered request on it sees a disconnect and it is closed.
 4. Writes: once the transport's buffer passes its high-water mark (the client stopped reading),
    uvicorn makes the app's ``send`` wait; if the client has read nothing more within
    ``write_timeout_s`` the connection is aborted, which the app sees as a disconnect (its requests are
