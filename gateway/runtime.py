@@ -228,15 +228,27 @@ class Gateway:
             self.fleet.tokenizer = load_tokenizer(self.config.tokenizer)
         for client in self.clients:
             client.start()
+        if self.fleet is not None:
+            self.fleet.start()
         self._refresher = asyncio.create_task(self._refresh_load_states(), name="load-freshness")
+        # Until every worker is ready, or a pair is (the others join when they connect: a worker that is
+        # down must not keep the gateway from serving, nor its port from opening, for the whole timeout).
         timeout_s = self.config.startup_timeout_s
-        await asyncio.gather(*(c.wait_ready(timeout_s) for c in self.clients),
-                             *([self.fleet.start(timeout_s)] if self.fleet is not None else []))
+        pending = {asyncio.ensure_future(c.wait_ready(timeout_s)) for c in self.clients}
+        if self.fleet is not None:
+            pending.add(asyncio.ensure_future(self.fleet.wait_ready(timeout_s)))
+        try:
+            while pending and not self.is_ready():
+                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in pending:
+                waiting.cancel()
         if not self.clients:
             return
         ready = [c for c in self.clients if c.info is not None]
         if not ready:
-            log.warning("no worker answered within %.0fs; serving 503 until one does", self.config.startup_timeout_s)
+            if not self.is_ready():  # (else SGLang workers serve meanwhile)
+                log.warning("no worker answered within %.0fs; serving 503 until one does", timeout_s)
             return
         try:
             await self._fetch_tokenizer(ready[0])

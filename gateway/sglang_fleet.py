@@ -131,7 +131,8 @@ class SGLangFleet:
     def is_ready(self) -> bool:
         return any(w.healthy for w in self.prefills) and any(w.healthy for w in self.decodes)
 
-    async def start(self, timeout_s: float) -> None:
+    def start(self) -> None:
+        """The HTTP client pool and the probes (``wait_ready``: until a pair answers)."""
         cfg = self.config
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=cfg.max_connections_per_worker,
                                          keepalive_timeout=30.0, enable_cleanup_closed=True)
@@ -139,12 +140,15 @@ class SGLangFleet:
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",),
             timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s))
         self._probes = [asyncio.create_task(self._probe_loop(w), name=f"sglang-probe {w.url}") for w in self.workers]
+
+    async def wait_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while not self.is_ready() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if not self.is_ready():
             log.warning("no SGLang prefill + decode pair answered /health within %.0fs; serving 503 until one does",
                         timeout_s)
+        return self.is_ready()
 
     async def aclose(self) -> None:
         for task in self._probes:

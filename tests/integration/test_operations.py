@@ -353,6 +353,23 @@ def test_readiness_follows_the_workers(sim_cluster) -> None:  # type: ignore[no-
     assert health.status_code == 200 and health.json()["ready"] is False, "liveness: the gateway itself is fine"
 
 
+def test_a_worker_down_at_start_up_does_not_hold_the_gateway_back(sim_cluster, procs) -> None:  # type: ignore[no-untyped-def]
+    """A gateway whose list names a worker that is down serves once a pair is ready, not after its start-up
+    timeout (60 s here, 30 s for this test's wait): its port was closed, /health included, until then."""
+    cluster = sim_cluster()
+    dead = f"pd://127.0.0.1:{free_port()}"  # nothing listens there
+    port = free_port()
+    proc = procs.start(f"gateway-{port}", "-m", "gateway.cli", "--port", str(port), "--log-level", "warning",
+                       "--prefill", cluster.prefills[0].url, dead, "--decode", cluster.decodes[0].url,
+                       "--startup-timeout-s", "60")
+    wait_http_ok(f"http://127.0.0.1:{port}/readiness", 30, proc)
+    out = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0).completions.create(
+        model="sim", prompt=PROMPT, max_tokens=4)
+    assert out.choices[0].finish_reason == "length"
+    listed = httpx.get(f"http://127.0.0.1:{port}/health").json()["workers"]
+    assert {w["url"]: w["healthy"] for w in listed}[dead] is False
+
+
 def test_decode_killed_before_the_first_token_is_retried(sim_cluster) -> None:  # type: ignore[no-untyped-def]
     cluster = sim_cluster(num_decode=2, prefill_args=("--engine-option", "prefill_token_s=0.02"))
     victim = cluster.decodes[0]  # round robin: the first request's decode
