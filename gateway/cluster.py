@@ -13,16 +13,20 @@ Lifecycle:
    must answer its health check within ``--startup-timeout-s``, or it is killed and that counts
    as another failed run. The gateway reconnects to a restarted worker by itself; prefill workers
    register again with a restarted registry through their heartbeats.
-4. Stop on Ctrl-C / SIGTERM (exit 0; also during startup or a restart's backoff) or when a child
-   would need more than ``--max-restarts`` restarts within ``--restart-window-s`` (a crash loop:
-   exit 1). Stopping sends SIGTERM to every child (gateway first, registry last), then SIGKILL to
-   whatever outlives the grace period, and reaps them all.
+4. Stop on Ctrl-C / SIGTERM / SIGHUP (exit 0; also during startup or a restart's backoff) or when a
+   child would need more than ``--max-restarts`` restarts within ``--restart-window-s`` (a crash
+   loop: exit 1). Stopping drains the gateway first (SIGTERM, then up to its drain timeout and a
+   margin for its open requests to finish, the workers still serving them), then stops the workers,
+   then the registry, each with SIGTERM and SIGKILL past a grace period, and reaps them all. A child
+   also gets SIGTERM when the supervisor itself dies (Linux: the parent-death signal), so a killed
+   ``pd-cluster`` leaves no children holding its ports.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import random
 import signal
@@ -35,8 +39,10 @@ import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 MAX_BACKOFF_S = 30.0
+GATEWAY_DRAIN_S = 30.0  # the gateway's --drain-timeout-s (its default: the children are started with it)
 
 
 def _ephemeral_low() -> int:
@@ -133,7 +139,7 @@ class Cluster:
     stopping: bool = False
 
     def spawn(self, child: Child) -> None:
-        child.proc = subprocess.Popen(child.argv, start_new_session=True)
+        child.proc = subprocess.Popen(child.argv, start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
         if child not in self.children:
             self.children.append(child)
 
@@ -197,15 +203,40 @@ class Cluster:
         log(f"{child.name} {what}; restart {child.num_restarts} "
             f"({len(child.recent_restarts)}/{self.max_restarts} within {self.restart_window_s:g}s) in {delay:.1f}s")
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        for child in reversed(self.children):  # gateway first, registry last
-            if child.proc is not None and child.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for child in self.children:
-            if child.proc is not None:
+    def stop(self, grace_s: float = 10.0, drain_s: float = GATEWAY_DRAIN_S + 5.0) -> None:
+        """The gateway first (it drains: its open requests finish on the workers, which still run), then
+        the workers together, then the registry."""
+        children = [c for c in self.children if c.proc is not None]
+        gateway = [c for c in children if c.name == "gateway"]
+        registry = [c for c in children if c.name == "bootstrap"]
+        workers = [c for c in children if c not in gateway and c not in registry]
+        for group, wait_s in ((gateway, drain_s), (workers, grace_s), (registry, grace_s)):
+            for child in group:
+                assert child.proc is not None
+                if child.proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        child.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + wait_s
+            for child in group:
+                assert child.proc is not None
                 kill(child.proc, max(0.1, deadline - time.monotonic()))
+
+
+def _die_with_parent(parent_pid: int) -> Any:
+    """A ``preexec_fn``: the child gets SIGTERM when the supervisor dies (Linux ``PR_SET_PDEATHSIG``),
+    also a SIGKILLed one; elsewhere nothing. (The child is in its own session, so a terminal's
+    hang-up or Ctrl-C reaches only the supervisor, which stops the children itself.)"""
+    def arm() -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent_pid:  # the supervisor died before the signal was armed
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def kill(proc: subprocess.Popen[bytes], grace_s: float = 0.0) -> None:
@@ -253,10 +284,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def reach_host(args: argparse.Namespace) -> str:
+    """Where the children reach each other (and are advertised, and the gateway is printed at)."""
+    return str(args.advertise_host or ("127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host))
+
+
 def plan(args: argparse.Namespace) -> list[Child]:
     py, host = sys.executable, args.host
-    # where the children reach each other (and are advertised)
-    reach = args.advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "::") else host)
+    _handed_out.update(p for p in (args.port, args.bootstrap_port) if p)  # (chosen: not for a worker)
+    reach = reach_host(args)
     boot_port = args.bootstrap_port or free_port(host)
     boot_url = f"http://{reach}:{boot_port}"
     children = [Child("bootstrap", [py, "-m", "bootstrap.cli", "--host", host, "--port", str(boot_port)],
@@ -300,6 +336,7 @@ def main(argv: list[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)  # (the terminal closed: its children are in their own sessions)
     code = 0
     try:
         children = plan(args)
@@ -311,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
             cluster.wait_healthy(child)
         cluster.spawn(children[-1])  # the gateway
         cluster.wait_healthy(children[-1])
-        url = f"http://{args.host}:{args.port}"
+        url = f"http://{reach_host(args)}:{args.port}"
         print(f"\npd-cluster ready: {args.prefill} prefill + {args.decode} decode ({args.engine}, {args.transfer})",
               flush=True)
         print(f"  OpenAI API: {url}/v1", flush=True)

@@ -139,3 +139,35 @@ def test_restarted_registry_gets_the_prefill_registered_again(tmp_path: Path) ->
         run.wait_log("pd-cluster: bootstrap is healthy again after restart 1")
         wait_http_ok(route, 15)  # 503 until the prefill's next heartbeat registers it with the new registry
         chat(openai.OpenAI(base_url=f"{run.url}/v1", api_key="none", max_retries=0, timeout=30))
+
+
+def test_sigterm_lets_the_gateway_drain_before_the_workers_stop(tmp_path: Path) -> None:
+    """A stream open when pd-cluster is told to stop finishes: the gateway drains first, with its workers
+    still serving it (they were stopped together: the stream ended with a 'no healthy worker' error)."""
+    import httpx
+
+    with cluster_run(tmp_path, "--prefill", "1", "--decode", "1", "--num-pages", "256",
+                     "--engine-option", "decode_step_s=0.02") as run:
+        run.wait_ready()
+        with httpx.stream("POST", f"{run.url}/v1/completions", timeout=30, json={
+                "prompt": "drain me", "max_tokens": 100, "stream": True}) as stream:  # 2 s at least
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")
+            run.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest), rest[-3:]
+        assert run.proc.wait(30) == 0
+        run.wait_children_gone()
+
+
+@pytest.mark.parametrize("how", [signal.SIGHUP, signal.SIGKILL])
+def test_a_hung_up_or_killed_supervisor_leaves_no_children(tmp_path: Path, how: signal.Signals) -> None:
+    """The children live in their own sessions (a terminal's Ctrl-C reaches only pd-cluster): a hang-up
+    stops the cluster as SIGTERM does, and a SIGKILLed pd-cluster's children get SIGTERM from the kernel
+    (they kept running, holding their ports)."""
+    with cluster_run(tmp_path, "--prefill", "1", "--decode", "1", "--num-pages", "64") as run:
+        run.wait_ready()
+        assert len(run.children()) == 4
+        run.proc.send_signal(how)
+        run.proc.wait(60)
+        run.wait_children_gone(40)
