@@ -11,8 +11,10 @@ Lifecycle:
    (``--restart-backoff-s``, doubled for each of its restarts within ``--restart-window-s``, at
    most 30 s), logged to stderr with its name, exit code and restart counter. A restarted child
    must answer its health check within ``--startup-timeout-s``, or it is killed and that counts
-   as another failed run. The gateway reconnects to a restarted worker by itself; prefill workers
-   register again with a restarted registry through their heartbeats.
+   as another failed run. A running child that fails its liveness check ``LIVENESS_FAILURES`` times
+   in a row (a worker whose scheduler died answers 503; a frozen one nothing) is restarted the same
+   way. The gateway reconnects to a restarted worker by itself; prefill workers register again with
+   a restarted registry through their heartbeats.
 4. Stop on Ctrl-C / SIGTERM / SIGHUP (exit 0; also during startup or a restart's backoff) or when a
    child would need more than ``--max-restarts`` restarts within ``--restart-window-s`` (a crash
    loop: exit 1). Stopping drains the gateway first (SIGTERM, then up to its drain timeout and a
@@ -42,7 +44,11 @@ from pathlib import Path
 from typing import Any
 
 MAX_BACKOFF_S = 30.0
-GATEWAY_DRAIN_S = 30.0  # the gateway's --drain-timeout-s (its default: the children are started with it)
+GATEWAY_DRAIN_S = 30.0
+# A running child is checked every --liveness-interval-s (a worker's /liveness: 503 once its scheduler
+# died; the registry's and the gateway's /health); LIVENESS_FAILURES failures in a row (no answer within
+# the interval, or not 200) restart it, as a Kubernetes liveness probe would.
+LIVENESS_FAILURES = 3  # the gateway's --drain-timeout-s (its default: the children are started with it)
 
 
 def _ephemeral_low() -> int:
@@ -107,18 +113,26 @@ class Child:
     name: str
     argv: list[str]
     health_url: str
+    live_url: str = ""  # its liveness check (default: ``health_url``)
     proc: subprocess.Popen[bytes] | None = None
     recent_restarts: deque[float] = field(default_factory=deque)  # monotonic times, within the window
     num_restarts: int = 0
     restart_at: float | None = None  # in backoff: respawn at this monotonic time
     healthy_by: float | None = None  # restarted: must answer its health check by then
+    live_failures: int = 0  # liveness checks failed in a row
+    live_check_at: float = 0.0  # the next one (monotonic)
 
     def is_healthy(self, timeout_s: float = 2.0) -> bool:
-        with contextlib.suppress(OSError, urllib.error.URLError), urllib.request.urlopen(
-            self.health_url, timeout=timeout_s
-        ) as resp:
-            return bool(resp.status == 200)
-        return False
+        return _answers_200(self.health_url, timeout_s)
+
+    def is_live(self, timeout_s: float) -> bool:
+        return _answers_200(self.live_url or self.health_url, timeout_s)
+
+
+def _answers_200(url: str, timeout_s: float) -> bool:
+    with contextlib.suppress(OSError, urllib.error.URLError), urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return bool(resp.status == 200)
+    return False
 
 
 class Interrupted(RuntimeError):
@@ -135,6 +149,7 @@ class Cluster:
     max_restarts: int = 5
     restart_window_s: float = 60.0
     restart_backoff_s: float = 0.5
+    liveness_interval_s: float = 5.0
     children: list[Child] = field(default_factory=list)
     stopping: bool = False
 
@@ -179,6 +194,12 @@ class Cluster:
                 continue
             if code is not None:
                 self.restart(child, exit_text(code))
+            elif now >= child.live_check_at:  # running, but alive? (a worker whose scheduler died, a frozen one)
+                child.live_check_at = now + self.liveness_interval_s
+                child.live_failures = 0 if child.is_live(self.liveness_interval_s) else child.live_failures + 1
+                if child.live_failures >= LIVENESS_FAILURES:
+                    self.restart(child, f"failed {LIVENESS_FAILURES} liveness checks in a row "
+                                        f"({child.live_url or child.health_url})")
 
     def restart(self, child: Child, what: str) -> None:
         """Schedule ``child``'s restart after a backoff, or raise ``CrashLoop`` past the limit."""
@@ -199,7 +220,7 @@ class Cluster:
         child.num_restarts += 1
         delay = min(self.restart_backoff_s * 2 ** (len(child.recent_restarts) - 1),
                     max(self.restart_backoff_s, MAX_BACKOFF_S))
-        child.restart_at, child.healthy_by = now + delay, None
+        child.restart_at, child.healthy_by, child.live_failures = now + delay, None, 0
         log(f"{child.name} {what}; restart {child.num_restarts} "
             f"({len(child.recent_restarts)}/{self.max_restarts} within {self.restart_window_s:g}s) in {delay:.1f}s")
 
@@ -280,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-backoff-s", type=float, default=0.5,
                    help=f"delay before a restart; doubles for each recent restart of that child, at most "
                         f"{MAX_BACKOFF_S:g}s")
+    p.add_argument("--liveness-interval-s", type=float, default=5.0,
+                   help=f"how often a running child's liveness is checked (and how long it may take to answer); "
+                        f"{LIVENESS_FAILURES} failures in a row restart it")
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -313,13 +337,15 @@ def plan(args: argparse.Namespace) -> list[Child]:
                 argv += ["--transfer-option", opt]
             if args.advertise_host:
                 argv += ["--advertise-host", args.advertise_host]
-            children.append(Child(f"{role}-{i}", argv, f"http://{reach}:{http_port}/health"))
+            children.append(Child(f"{role}-{i}", argv, f"http://{reach}:{http_port}/health",
+                                  f"http://{reach}:{http_port}/liveness"))
             urls[role].append(f"pd://{reach}:{port}")
     gateway_argv = [py, "-m", "gateway.cli", "--host", host, "--port", str(args.port), "--policy", args.policy,
                     "--log-level", args.log_level, "--prefill", *urls["prefill"], "--decode", *urls["decode"]]
     for opt in args.policy_option:
         gateway_argv += ["--policy-option", opt]
-    children.append(Child("gateway", gateway_argv, f"http://{reach}:{args.port}/readiness"))
+    children.append(Child("gateway", gateway_argv, f"http://{reach}:{args.port}/readiness",
+                          f"http://{reach}:{args.port}/health"))
     return children
 
 
@@ -329,7 +355,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("pd-cluster: --prefill and --decode must be at least 1")
     if args.max_restarts < 0 or args.restart_window_s <= 0 or args.restart_backoff_s < 0:
         sys.exit("pd-cluster: --max-restarts and --restart-backoff-s must be >= 0, --restart-window-s > 0")
-    cluster = Cluster(args.startup_timeout_s, args.max_restarts, args.restart_window_s, args.restart_backoff_s)
+    if not args.liveness_interval_s > 0:
+        sys.exit("pd-cluster: --liveness-interval-s must be positive")
+    cluster = Cluster(args.startup_timeout_s, args.max_restarts, args.restart_window_s, args.restart_backoff_s,
+                      args.liveness_interval_s)
 
     def on_signal(signum: int, _frame: object) -> None:
         cluster.stopping = True

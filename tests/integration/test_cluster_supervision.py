@@ -171,3 +171,24 @@ def test_a_hung_up_or_killed_supervisor_leaves_no_children(tmp_path: Path, how: 
         run.proc.send_signal(how)
         run.proc.wait(60)
         run.wait_children_gone(40)
+
+
+def test_a_running_but_frozen_worker_is_restarted(tmp_path: Path) -> None:
+    """A child that no longer answers its liveness check (frozen here; a worker whose scheduler died
+    answers 503) is restarted after three failed checks in a row: it stayed in place, the cluster at 503."""
+    with cluster_run(tmp_path, "--prefill", "1", "--decode", "1", "--num-pages", "64",
+                     "--liveness-interval-s", "1") as run:
+        run.wait_ready()
+        name, (pid, _) = next(iter(decodes(run).items()))
+        os.kill(pid, signal.SIGSTOP)
+        run.wait_log(f"pd-cluster: {name} failed 3 liveness checks in a row", 30)
+        run.wait_log(f"pd-cluster: {name} is healthy again after restart 1", 30)
+        assert decodes(run)[name][0] != pid
+        deadline = time.monotonic() + 20
+        while True:  # the gateway reconnects to the restarted decode by itself
+            try:
+                chat(openai.OpenAI(base_url=f"{run.url}/v1", api_key="none", max_retries=0, timeout=10))
+                break
+            except openai.APIError:
+                assert time.monotonic() < deadline
+                time.sleep(0.3)
