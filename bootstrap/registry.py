@@ -18,6 +18,8 @@ Lifecycle (all calls come from the server's single event loop; none blocks or aw
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import logging
 import math
 import re
@@ -35,6 +37,8 @@ RankKey = tuple[int, int, int, int]  # (dp_group, cp_rank, tp_rank, pp_rank)
 MAX_PARALLEL_SIZE = 65_536
 _INSTANCE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
 _MAX_TEXT = 255
+_LABEL_RE = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")  # one label of a host name
+MAX_PAGE_SIZE = 1 << 20
 
 
 @dataclass
@@ -106,10 +110,10 @@ def validate_put(put: RankPut) -> str:
     num_ranks = topology_of(put).num_ranks
     if num_ranks > MAX_PARALLEL_SIZE:
         raise errors.bad_request("invalid_size", f"dp x cp x tp x pp = {num_ranks} ranks exceeds {MAX_PARALLEL_SIZE}")
-    _check_text("rank_ip", put.rank_ip)
+    _check_host("rank_ip", put.rank_ip)
     _check_port("rank_port", put.rank_port)
-    if put.page_size < 1:
-        raise errors.bad_request("invalid_field", f"page_size must be >= 1, got {put.page_size}")
+    if not 1 <= put.page_size <= MAX_PAGE_SIZE:
+        raise errors.bad_request("invalid_field", f"page_size must be in [1, {MAX_PAGE_SIZE}], got {put.page_size}")
     _check_text("kv_cache_dtype", put.kv_cache_dtype)
     _check_text("load_balance_method", put.load_balance_method)
     if put.prefill_http_port is not None:
@@ -128,8 +132,19 @@ def check_instance_id(instance_id: str) -> None:
 
 
 def _check_text(name: str, value: str) -> None:
-    if not value or len(value) > _MAX_TEXT or any(c.isspace() for c in value):
-        raise errors.bad_request("invalid_field", f"{name} must be 1-{_MAX_TEXT} characters without whitespace")
+    if not value or len(value) > _MAX_TEXT or not value.isprintable() or any(c.isspace() for c in value):
+        raise errors.bad_request("invalid_field", f"{name} must be 1-{_MAX_TEXT} printable characters without "
+                                                  "whitespace")
+
+
+def _check_host(name: str, value: str) -> None:
+    """An IP address, or a host name a peer can connect to (a label over 63 characters, an empty one or
+    a control character would fail only there, in the decode's connect)."""
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(value.strip("[]"))
+        return
+    if len(value) > 253 or not all(_LABEL_RE.fullmatch(label) for label in value.removesuffix(".").split(".")):
+        raise errors.bad_request("invalid_field", f"{name} must be an IP address or a host name, got {value[:80]!r}")
 
 
 def _check_port(name: str, value: int) -> None:

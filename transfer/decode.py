@@ -141,12 +141,21 @@ class DecodeSide:
         return (str(address[0]), int(address[1])) if address is not None else None
 
     def _bootstrap(self, receiver: KVReceiver, host: str, port: int | None, instance_id: str | None) -> None:
-        address = self._resolve(receiver, host, port, instance_id)
-        if address is None:
-            return
-        conn = self._attach(receiver, address)
-        if conn is not None:
-            self._open(conn)
+        conn = None
+        try:
+            address = self._resolve(receiver, host, port, instance_id)
+            if address is None:
+                return
+            conn = self._attach(receiver, address)
+            if conn is not None:
+                self._open(conn)
+        except Exception as exc:  # (on the pool's thread: raised, it would be lost and the room left waiting)
+            error = TransferError(TransferErrorKind.BOOTSTRAP,
+                                  f"room {receiver.room}: connecting to the prefill {host}:{port} failed: {exc!r}")
+            if conn is not None:
+                self._conn_failed(conn, error)
+            else:
+                self._fail_one(receiver, error)
 
     def _resolve(self, receiver: KVReceiver, host: str, port: int | None,
                  instance_id: str | None) -> tuple[str, int] | None:
@@ -198,7 +207,7 @@ class DecodeSide:
         timeout = min(self._ctx.timeouts.bootstrap_s, _MAX_CONNECT_S)
         try:
             sock = socket.create_connection(conn.address, timeout=timeout)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # (ValueError: a host name that does not encode, e.g. a label > 63)
             error = TransferError(TransferErrorKind.PEER_UNREACHABLE,
                                   f"cannot connect to the prefill's control port {host}:{port}: {exc}")
             spared = self._conn_failed(conn, error, spare_unresolved=True)

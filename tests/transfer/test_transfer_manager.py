@@ -411,3 +411,13 @@ def test_a_quiesced_that_overtakes_the_prefills_abort_still_frees_the_room(manag
     assert wait_for(lambda: receiver.poll() == KVPoll.Failed, 5.0)
     assert receiver.failure().kind == TransferErrorKind.ABORTED
     assert wait_for(lambda: receiver.quiesced, 5.0), "the room's pages would never go back"
+
+
+@pytest.mark.parametrize("host", ["a" * 64 + ".example", "a..b"])
+def test_a_prefill_address_that_cannot_be_connected_to_fails_the_room_at_once(managers, host):
+    """A host name that does not even encode (a label over 63 characters, an empty label) raises
+    ValueError, not OSError, on the bootstrap thread: the room waited for bootstrap_s, failed by nobody."""
+    decode = managers("decode")
+    receiver = decode.create_receiver(5, host, 4000)
+    assert wait_for(lambda: receiver.poll() == KVPoll.Failed, timeout_s=2.0)
+    assert host[:20] in str(receiver.failure())
