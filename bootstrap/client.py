@@ -14,8 +14,10 @@ Decode side, ``BootstrapResolver`` (sync, thread-safe, shared by the KV-transfer
 1. ``topology(host, port, instance_id)`` and ``resolve(...)`` GET ``/route`` and cache replies for
    ``cache_ttl_s``; errors are never cached. 503 raises ``BootstrapNotReady``, no reply raises
    ``BootstrapUnreachable``, anything else unexpected ``BootstrapError``. When the registry does not
-   answer at all, a reply that expired less than ``stale_if_unreachable_s`` ago answers instead (a
-   registry restart must not fail every room of prefills that have not moved).
+   answer at all, or answers that the instance is not registered (a registry restarted empty, until
+   the prefill's next heartbeat), a reply that expired less than ``stale_if_unreachable_s`` ago
+   answers instead (a registry restart must not fail every room of prefills that have not moved; a
+   prefill that is really gone refuses the connection, and the caller then ``invalidate``s).
    ``cached_topology(...)`` / ``cached_address(...)`` answer from the cache alone (None on a miss):
    they never block, so a caller on a hot thread can skip a hand-off to a thread that may.
 2. ``invalidate(host, port, instance_id)`` drops the cached replies of one prefill instance (call
@@ -293,7 +295,7 @@ class BootstrapResolver:
             return cached
         try:
             topology: Topology = self._get(host, port, instance_id, (-1, -1, -1, -1), _TOPOLOGY_DECODER)
-        except BootstrapUnreachable:
+        except (BootstrapUnreachable, BootstrapNotReady):
             stale: Topology | None = self._stale(key)
             if stale is None:
                 raise
@@ -321,7 +323,7 @@ class BootstrapResolver:
             return cached
         try:
             address: RankAddress = self._get(host, port, instance_id, ranks, _ADDRESS_DECODER)
-        except BootstrapUnreachable:
+        except (BootstrapUnreachable, BootstrapNotReady):
             stale: tuple[str, int] | None = self._stale(key)
             if stale is None:
                 raise

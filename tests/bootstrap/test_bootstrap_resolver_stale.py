@@ -3,7 +3,9 @@
 Before: once a cached reply expired (``cache_ttl_s``, 5 s), a registry that did not answer failed every
 decode room whose prefill had not been looked up in the last seconds, although the prefill had not
 moved; a registry restart cost every such request a 502. Now an expired reply still answers while
-the registry does not (for ``stale_if_unreachable_s``); a registry that answers is always believed.
+the registry does not, or while it answers that the instance is not registered (restarted empty, until
+the prefill's next heartbeat), for ``stale_if_unreachable_s``; once the caller has invalidated an
+address (its connection failed), the registry's answer is final.
 """
 
 from __future__ import annotations
@@ -44,7 +46,11 @@ def test_an_expired_reply_answers_while_the_registry_is_down(start_registry: Cal
             resolver.resolve("127.0.0.1", reg.port, "p")
 
         assert resolver.resolve("127.0.0.1", reg.port, "r") == ("127.0.0.1", 52101)
-        reg.start()  # back and empty: an answer wins over anything cached
+        reg.start()  # back and empty until the prefill's next heartbeat: its cached address still answers
+        assert resolver.resolve("127.0.0.1", reg.port, "r") == ("127.0.0.1", 52101)
+        with pytest.raises(BootstrapNotReady):
+            strict.resolve("127.0.0.1", reg.port, "r")
+        resolver.invalidate("127.0.0.1", reg.port, "r")  # (the caller's connect failed: the registry decides)
         with pytest.raises(BootstrapNotReady):
             resolver.resolve("127.0.0.1", reg.port, "r")
     finally:
