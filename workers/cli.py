@@ -105,6 +105,8 @@ async def _serve(config: WorkerConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for chatty in ("httpx", "httpcore"):  # (a line per registry heartbeat at info: every 2 s, for ever)
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         config = config_from_args(args)
     except ConfigError as exc:
