@@ -146,6 +146,19 @@ def _auth(token: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"} if token else {}
 
 
+def _may_be_stale(exc: Exception) -> bool:
+    """A cached reply may answer for a registry that does not answer, or that has no registration of the
+    instance (restarted empty); not for one that says the instance is half registered or lost a rank."""
+    return isinstance(exc, BootstrapUnreachable) or getattr(exc, "code", None) == "not_registered"
+
+
+def _code(response: httpx.Response) -> str | None:
+    try:
+        return str(msgspec.json.decode(response.content)["error"]["code"])
+    except Exception:
+        return None
+
+
 def _reason(response: httpx.Response) -> str:
     try:
         return str(msgspec.json.decode(response.content)["error"]["message"])
@@ -295,8 +308,8 @@ class BootstrapResolver:
             return cached
         try:
             topology: Topology = self._get(host, port, instance_id, (-1, -1, -1, -1), _TOPOLOGY_DECODER)
-        except (BootstrapUnreachable, BootstrapNotReady):
-            stale: Topology | None = self._stale(key)
+        except (BootstrapUnreachable, BootstrapNotReady) as exc:
+            stale: Topology | None = self._stale(key) if _may_be_stale(exc) else None
             if stale is None:
                 raise
             return stale
@@ -323,8 +336,8 @@ class BootstrapResolver:
             return cached
         try:
             address: RankAddress = self._get(host, port, instance_id, ranks, _ADDRESS_DECODER)
-        except (BootstrapUnreachable, BootstrapNotReady):
-            stale: tuple[str, int] | None = self._stale(key)
+        except (BootstrapUnreachable, BootstrapNotReady) as exc:
+            stale: tuple[str, int] | None = self._stale(key) if _may_be_stale(exc) else None
             if stale is None:
                 raise
             return stale
@@ -401,7 +414,7 @@ class BootstrapResolver:
             ) from exc
         what = "topology" if ranks[0] == -1 else f"rank dp={ranks[0]} cp={ranks[1]} tp={ranks[2]} pp={ranks[3]}"
         if response.status_code == 503:
-            raise BootstrapNotReady(f"{address}: {_reason(response)}", status_code=503)
+            raise BootstrapNotReady(f"{address}: {_reason(response)}", status_code=503, code=_code(response))
         if response.status_code != 200:
             raise BootstrapError(
                 f"{address}: {what} lookup failed with HTTP {response.status_code}: {_reason(response)}",

@@ -18,7 +18,6 @@ Lifecycle (all calls come from the server's single event loop; none blocks or aw
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import logging
 import math
@@ -140,8 +139,13 @@ def _check_text(name: str, value: str) -> None:
 def _check_host(name: str, value: str) -> None:
     """An IP address, or a host name a peer can connect to (a label over 63 characters, an empty one or
     a control character would fail only there, in the decode's connect)."""
-    with contextlib.suppress(ValueError):
-        ipaddress.ip_address(value.strip("[]"))
+    try:
+        address = ipaddress.ip_address(value)
+    except ValueError:
+        pass
+    else:  # (bare: a decode connects to it as written, and "[::1]" resolves to nothing)
+        if address.is_unspecified or address.is_multicast:
+            raise errors.bad_request("invalid_field", f"{name} must be an address a peer can connect to, got {value}")
         return
     if len(value) > 253 or not all(_LABEL_RE.fullmatch(label) for label in value.removesuffix(".").split(".")):
         raise errors.bad_request("invalid_field", f"{name} must be an IP address or a host name, got {value[:80]!r}")

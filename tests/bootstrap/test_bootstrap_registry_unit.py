@@ -107,15 +107,15 @@ def test_room_table_expiry_and_renewal() -> None:
 
 
 @pytest.mark.parametrize("rank_ip", ["a" * 64 + ".example", "a..b", "127.0.0.1\x00x", "host\x7f", "", "-bad.example",
-                                     "10.0.0.1 "])
+                                     "10.0.0.1 ", "[::1]", "0.0.0.0", "::", "224.0.0.1"])
 def test_a_rank_ip_no_peer_could_connect_to_is_refused(rank_ip: str) -> None:
     """Accepted, such an address failed only in the decode's connect (a NUL was cut off by the resolver:
     another host)."""
     assert status_of(Registry(ttl_s=10, max_ranks=100).register, put(rank_ip=rank_ip), {}, 0.0) == 400
 
 
-@pytest.mark.parametrize("rank_ip", ["10.0.0.1", "::1", "[fe80::1]", "prefill-0.pd.svc.cluster.local", "node_7",
-                                     "localhost"])
+@pytest.mark.parametrize("rank_ip", ["10.0.0.1", "::1", "fe80::1%eth0", "prefill-0.pd.svc.cluster.local", "node_7",
+                                     "localhost", "Node-7.Example.", "2001:db8::5"])
 def test_addresses_and_host_names_are_taken(rank_ip: str) -> None:
     reg = Registry(ttl_s=10, max_ranks=100)
     reg.register(put(rank_ip=rank_ip), {}, now=0.0)

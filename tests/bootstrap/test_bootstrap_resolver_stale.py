@@ -56,3 +56,14 @@ def test_an_expired_reply_answers_while_the_registry_is_down(start_registry: Cal
     finally:
         resolver.close()
         strict.close()
+
+
+def test_only_an_unregistered_instance_gets_its_cached_address() -> None:
+    """A registry restarted empty answers not_registered (the prefill re-registers at its next heartbeat);
+    not_ready means it is half registered or lost a rank: that answer is believed."""
+    from bootstrap.client import _may_be_stale
+
+    assert _may_be_stale(BootstrapUnreachable("down"))
+    assert _may_be_stale(BootstrapNotReady("empty", status_code=503, code="not_registered"))
+    assert not _may_be_stale(BootstrapNotReady("half", status_code=503, code="not_ready"))
+    assert not _may_be_stale(BootstrapNotReady("no code", status_code=503))
