@@ -74,6 +74,10 @@ MIGRATABLE_CODES = frozenset({"worker_gone", "transfer_failed", "internal", "tim
 log = logging.getLogger(__name__)
 BLAMED_CODES = frozenset({"transfer_failed", "internal", "timeout", "shutting_down"})  # count against the worker
 MAX_BACKOFF_S = 2.0
+# Outputs of a decode that wait for the prefill's hand-over (its prompt logprobs go out with the first):
+# the hand-over is due as the decode starts; past this (or --stream-idle-timeout-s if shorter) they go
+# without them.
+HANDOVER_WAIT_S = 5.0
 _monotonic = time.monotonic
 
 
@@ -339,8 +343,9 @@ class _Choice:
             log.warning("stream migrated after %d tokens (%d of %d): %s", len(generated), self.migrations,
                         config.max_migrations, exc.error.message)
             self.prompt = self.input_ids + generated
-            self.attempt_params = msgspec.structs.replace(
-                self.params, max_new_tokens=left, output_offset=self.params.output_offset + len(generated))
+            self.attempt_params = msgspec.structs.replace(  # (its prompt logprobs went out with the first output)
+                self.params, max_new_tokens=left, output_offset=self.params.output_offset + len(generated),
+                prompt_logprobs=False)
             self.request = dispatcher.router.request(self.prompt, left)
             return None
         # Before this attempt's first token (a new request's, or a migrated stream's new pair: the
@@ -498,6 +503,16 @@ class _Attempt:
         event.prompt_logprobs, event.prompt_top_logprobs = self.prompt_logprobs, self.prompt_top
         self.want_prompt = False
 
+    def _stop_waiting_for_prompt(self) -> None:
+        """The prefill's hand-over did not come in time (or outputs piled up waiting for it): abort its
+        request and let the held outputs go without prompt logprobs."""
+        prefill = self.open_rids.pop("prefill", None)
+        if prefill is not None:
+            prefill[0].abort(prefill[1])
+        log.warning("request %s: no hand-over from the prefill after %d outputs of its decode; answering "
+                    "without prompt logprobs", REQUEST_ID.get() or "-", len(self.held))
+        self.want_prompt = False
+
     def _release(self) -> StepOutput:
         """The first of the outputs held for the prompt logprobs (the rest follow in the next calls)."""
         event = self.held.popleft()
@@ -512,7 +527,9 @@ class _Attempt:
         if self.held and not self.want_prompt:
             return self._release()
         while True:
-            if self.got_token:  # (before it, the first-token deadline set at ``submit`` stands)
+            # (before the first token, the first-token deadline set at ``submit`` stands; while outputs
+            # wait for the prefill's hand-over, the deadline set when the first of them came)
+            if self.got_token and not self.held:
                 sink.set_deadline(self.idle_s)
             try:
                 side, event = await sink.get()
@@ -526,13 +543,7 @@ class _Attempt:
                 if sink.capped and not self.held:  # the request's own deadline: final, and no worker's fault
                     raise _request_timed_out(self.dispatcher.config) from None
                 if self.held:  # the decode goes on; only the prefill's prompt logprobs never came
-                    prefill = open_rids.pop("prefill", None)
-                    if prefill is not None:
-                        prefill[0].abort(prefill[1])
-                    log.warning("request %s: the prefill did not report its hand-over within %gs; answering "
-                                "without prompt logprobs", REQUEST_ID.get() or "-",
-                                self.idle_s if self.got_token else self.first_s)
-                    self.want_prompt = False
+                    self._stop_waiting_for_prompt()
                     return self._release()
                 wait_s = self.idle_s if self.got_token else self.first_s
                 stage = "between tokens" if self.got_token else "before the first token"
@@ -555,9 +566,15 @@ class _Attempt:
                     open_rids.pop("decode", None)
                     self.decode.health.breaker.record_success()
                 if self.want_prompt:
-                    if "prefill" in open_rids:
+                    if "prefill" in open_rids and len(self.held) < sink.limit:
+                        if not self.held:  # the hand-over is due about now: outputs do not move this deadline
+                            sink.set_deadline(min(self.idle_s, HANDOVER_WAIT_S))
                         self.held.append(event)
                         continue
+                    if self.held:  # (as many as a slow reader may leave unread: go on without the logprobs)
+                        self.held.append(event)
+                        self._stop_waiting_for_prompt()
+                        return self._release()
                     self._with_prompt(event)
                 if event.finish_reason is not None:
                     self.finished = True

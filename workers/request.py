@@ -39,6 +39,7 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False  # (they go out with the request's first output)
     kv_sender: Any = None
     kv_receiver: Any = None
     kv_verified: bool | None = None

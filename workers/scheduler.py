@@ -738,13 +738,16 @@ class Scheduler:
             item.logprobs = [out.logprob]
             if req.params.top_logprobs and out.top_logprobs is not None:
                 item.top_logprobs = [out.top_logprobs]
+        if req.params.prompt_logprobs and req.prompt_logprobs and not req.prompt_logprobs_sent:
+            # With the first output (a stream's first chunk shows the echoed prompt's logprobs; a
+            # prefill's only output is its hand-over)
+            req.prompt_logprobs_sent = True
+            item.prompt_logprobs = req.prompt_logprobs
+            if req.params.top_logprobs and len(req.prompt_top_logprobs) == len(req.prompt_logprobs):
+                item.prompt_top_logprobs = req.prompt_top_logprobs
         if finish is not None:
             self.metrics.on_finish(finish)
             item.kv_verified = req.kv_verified
-            if req.params.prompt_logprobs and req.prompt_logprobs:
-                item.prompt_logprobs = req.prompt_logprobs
-                if req.params.top_logprobs and len(req.prompt_top_logprobs) == len(req.prompt_logprobs):
-                    item.prompt_top_logprobs = req.prompt_top_logprobs
             if self.role == "prefill" and req.output_ids:
                 item.token_ids = [req.output_ids[0]]
         if req.gather_s:

@@ -235,3 +235,33 @@ def test_the_request_timeout_ends_a_stream_whose_decode_froze() -> None:
         assert workers[a].health.breaker.failures == 0
 
     asyncio.run(main())
+
+
+def test_outputs_waiting_for_a_late_hand_over_do_not_wait_for_ever() -> None:
+    """The prefill never reports its hand-over while the decode keeps producing: the outputs held for the
+    prompt logprobs go out without them after the hand-over's own wait (here the 0.3 s idle timeout), not
+    once the decode has finished (each output re-armed the wait)."""
+    async def main() -> None:
+        dispatcher, _, p_transports, decodes, d_transports = disaggregated(
+            DispatchConfig(stream_idle_timeout_s=0.3))
+        params = SamplingParams(max_new_tokens=40, prompt_logprobs=True)
+        got: list[StepOutput] = []
+
+        async def consume() -> None:
+            async for output in dispatcher.generate([1, 2, 3], params):
+                got.append(output)
+
+        task = asyncio.create_task(consume())
+        assert await until(lambda: bool(_sent(d_transports[0], Submit)), 5)
+        (d_submit,) = _sent(d_transports[0], Submit)
+        (p_submit,) = _sent(p_transports[0], Submit)
+        for i in range(30):  # 1.5 s of outputs, one per 50 ms
+            decodes[0]._dispatch(Outputs([StepOutput(d_submit.rid, [60 + i])]))
+            await asyncio.sleep(0.05)
+        assert got, "outputs held until the decode stops"
+        assert [a.rid for a in _sent(p_transports[0], Abort)] == [p_submit.rid]
+        decodes[0]._dispatch(Outputs([StepOutput(d_submit.rid, [99], "length")]))
+        await asyncio.wait_for(task, 5)
+        assert [t for o in got for t in o.token_ids] == [*range(60, 90), 99]
+
+    asyncio.run(main())

@@ -226,11 +226,16 @@ def test_completions_echo_with_logprobs(deployment: SmolDeployment) -> None:
 def test_streamed_echo_with_logprobs_is_the_whole_responses(deployment: SmolDeployment) -> None:
     """Streamed, the prompt's tokens and logprobs come in the first chunk, and the chunks' logprobs
     joined (text offsets counted on across chunks) are the whole response's."""
+    for url in (deployment.pd_v1, deployment.both_v1):  # (a combined worker's come with its first output too)
+        check_streamed_echo(url)
+
+
+def check_streamed_echo(url: str) -> None:
     body = {"prompt": "Roses are red, violets are", "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2}
-    whole = httpx.post(f"{deployment.pd_v1}/completions", json=body, timeout=120).json()["choices"][0]
+    whole = httpx.post(f"{url}/completions", json=body, timeout=120).json()["choices"][0]
     joined: dict[str, list] = {"tokens": [], "token_logprobs": [], "text_offset": [], "top_logprobs": []}
     text = ""
-    with httpx.stream("POST", f"{deployment.pd_v1}/completions", json={**body, "stream": True}, timeout=120) as r:
+    with httpx.stream("POST", f"{url}/completions", json={**body, "stream": True}, timeout=120) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: {"):

@@ -322,10 +322,12 @@ def test_prompt_logprobs_survive_giving_way() -> None:
             sched.submit(0, Submit(rid, prompts[rid], SamplingParams(max_new_tokens=max_tokens, ignore_eos=True,
                                                                      prompt_logprobs=True)))
         run_until_idle(sched, 3000)
-        for rid, prompt in prompts.items():
-            final = [o for o in sink.outputs(rid) if o.finish_reason is not None]
-            assert final and final[0].prompt_logprobs == [-float(j) for j in range(len(prompt))], \
-                (num_pages, chunk, rid, final[0].prompt_logprobs if final else None)
+        for rid, prompt in prompts.items():  # (with the first output, once: a stream's first chunk shows them)
+            outputs = sink.outputs(rid)
+            carrying = [o for o in outputs if o.prompt_logprobs is not None]
+            assert outputs and outputs[-1].finish_reason is not None and carrying == outputs[:1], \
+                (num_pages, chunk, rid, [o.prompt_logprobs for o in outputs])
+            assert carrying[0].prompt_logprobs == [-float(j) for j in range(len(prompt))], (num_pages, chunk, rid)
 
 
 def test_engine_failure_fails_the_batch_not_the_worker() -> None:
