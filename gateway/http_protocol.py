@@ -89,7 +89,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._in_head = True  # waiting for, or reading, a request head
         self._head_bytes = 0
-        self._head_began = False  # a head began in the read being parsed (its bytes are not all the head's)
+        self._ended_in_read = False  # a request ended in the read being parsed (its bytes are not all a head's)
         self._timer: asyncio.TimerHandle | None = None
         self._waiting_for = ""  # what the timer waits for: "head", "body" or "idle" ("": nothing)
         self._deadline = 0.0  # loop time by which it must have arrived
@@ -136,15 +136,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # lingering: what the client still sends is dropped
-        counting = self._in_head  # a read that starts a head is not counted: at most one read over
-        self._head_began = False
+        self._ended_in_read = False
         super().data_received(data)
         unstarted = self._unstarted
         if unstarted is not None:  # its body is still to come: read_body waits for it in a task
             self._unstarted = None
             if not self._refused:
                 self._start_hot(unstarted, eagerly=False)
-        if counting and self._in_head and not self._head_began and not self._refused:  # (the same head all along)
+        # A read that ends inside a head, with no request ended in it, is all that head's (a read that ended a
+        # request and began the next head holds the former's body too: not counted, at most one read over)
+        if self._in_head and not self._ended_in_read and not self._refused:
             self._head_bytes += len(data)
             if self._head_bytes > self.limits.max_head_bytes:
                 self._refuse(HeadersTooLarge(f"the request head exceeds {self.limits.max_head_bytes} bytes"))
@@ -158,7 +159,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             super().on_message_begin()
         else:  # the ASGI scope is made only for a request that goes to the app (on_headers_complete)
             self.url, self.headers, self.expect_100_continue = b"", [], False
-        self._in_head, self._head_bytes, self._head_began = True, 0, True
+        self._in_head, self._head_bytes = True, 0
         self._arm("head")
 
     def on_headers_complete(self) -> None:
@@ -187,6 +188,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
+        self._ended_in_read = True
         super().on_message_complete()
         if self._waiting_for == "body":  # the rest of a body that came after its response: now idle
             done = self.cycle
@@ -275,18 +277,19 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._refused = True
         self._disarm()
         transport = self.transport
-        # Every unanswered request on the connection sees a disconnect (its sends go nowhere): the
-        # newest (``cycle``), one pipelined behind a response still going out, and that response's.
-        # A response under way (one started, or one that others wait behind) cannot take the
-        # refusal in its middle: the connection is closed instead.
-        cycles: list[Any] = [self.cycle, *self._hot_cycles, *(c for c, _ in self.pipeline)]
-        mid_response = bool(self.pipeline)
-        for cycle in cycles:
-            if cycle is not None and not cycle.response_complete:
-                cycle.disconnected = True
-                cycle.message_event.set()
-                mid_response = mid_response or cycle.response_started
-        if mid_response:
+        # Every unanswered request on the connection sees a disconnect (its sends go nowhere). The refusal
+        # answers the newest one when it is that request's own (its body could not be read) and nothing
+        # was sent for it; otherwise, with any request unanswered, it would be read as the answer to an
+        # earlier one, or land in the middle of one: the connection is closed instead.
+        newest: Any = self.cycle
+        cycles: list[Any] = [newest, *self._hot_cycles, *(c for c, _ in self.pipeline)]
+        unanswered = [c for c in cycles if c is not None and not c.response_complete]
+        for cycle in unanswered:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        answers_newest = newest is not None and newest.more_body and not newest.response_started and all(
+            c is newest for c in unanswered)
+        if unanswered and not answers_newest:
             transport.close()
         if transport.is_closing():
             return
