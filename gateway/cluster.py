@@ -44,11 +44,12 @@ from pathlib import Path
 from typing import Any
 
 MAX_BACKOFF_S = 30.0
-GATEWAY_DRAIN_S = 30.0
+GATEWAY_DRAIN_S = 30.0  # the gateway's --drain-timeout-s (its default: the children are started with it)
 # A running child is checked every --liveness-interval-s (a worker's /liveness: 503 once its scheduler
 # died; the registry's and the gateway's /health); LIVENESS_FAILURES failures in a row (no answer within
-# the interval, or not 200) restart it, as a Kubernetes liveness probe would.
-LIVENESS_FAILURES = 3  # the gateway's --drain-timeout-s (its default: the children are started with it)
+# LIVENESS_TIMEOUT_S or the interval, or not 200) restart it, as a Kubernetes liveness probe would.
+LIVENESS_FAILURES = 3
+LIVENESS_TIMEOUT_S = 2.0  # (the supervisor waits that long per frozen child and pass)
 
 
 def _ephemeral_low() -> int:
@@ -152,6 +153,7 @@ class Cluster:
     liveness_interval_s: float = 5.0
     children: list[Child] = field(default_factory=list)
     stopping: bool = False
+    force: bool = False  # stopping, and told again: no more grace
 
     def spawn(self, child: Child) -> None:
         child.proc = subprocess.Popen(child.argv, start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
@@ -196,7 +198,8 @@ class Cluster:
                 self.restart(child, exit_text(code))
             elif now >= child.live_check_at:  # running, but alive? (a worker whose scheduler died, a frozen one)
                 child.live_check_at = now + self.liveness_interval_s
-                child.live_failures = 0 if child.is_live(self.liveness_interval_s) else child.live_failures + 1
+                live = child.is_live(min(self.liveness_interval_s, LIVENESS_TIMEOUT_S))
+                child.live_failures = 0 if live else child.live_failures + 1
                 if child.live_failures >= LIVENESS_FAILURES:
                     self.restart(child, f"failed {LIVENESS_FAILURES} liveness checks in a row "
                                         f"({child.live_url or child.health_url})")
@@ -226,7 +229,7 @@ class Cluster:
 
     def stop(self, grace_s: float = 10.0, drain_s: float = GATEWAY_DRAIN_S + 5.0) -> None:
         """The gateway first (it drains: its open requests finish on the workers, which still run), then
-        the workers together, then the registry."""
+        the workers together, then the registry. A signal meanwhile (``force``) cuts every wait short."""
         children = [c for c in self.children if c.proc is not None]
         gateway = [c for c in children if c.name == "gateway"]
         registry = [c for c in children if c.name == "bootstrap"]
@@ -238,9 +241,12 @@ class Cluster:
                     with contextlib.suppress(ProcessLookupError):
                         child.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + wait_s
+            while not self.force and time.monotonic() < deadline and any(
+                    c.proc is not None and c.proc.poll() is None for c in group):
+                time.sleep(0.05)
             for child in group:
                 assert child.proc is not None
-                kill(child.proc, max(0.1, deadline - time.monotonic()))
+                kill(child.proc)
 
 
 def _die_with_parent(parent_pid: int) -> Any:
@@ -361,11 +367,13 @@ def main(argv: list[str] | None = None) -> None:
                       args.liveness_interval_s)
 
     def on_signal(signum: int, _frame: object) -> None:
+        cluster.force = cluster.stopping  # (a second Ctrl-C or SIGTERM while stopping: SIGKILL what is left)
         cluster.stopping = True
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGHUP, on_signal)  # (the terminal closed: its children are in their own sessions)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # (under nohup it stays ignored)
+        signal.signal(signal.SIGHUP, on_signal)  # the terminal closed: its children are in their own sessions
     code = 0
     try:
         children = plan(args)
@@ -394,7 +402,6 @@ def main(argv: list[str] | None = None) -> None:
         log(str(exc))
         code = 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
         cluster.stop()
     sys.exit(code)
 

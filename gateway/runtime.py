@@ -213,6 +213,12 @@ class Gateway:
     def _worker_up(self, client: WorkerClient) -> None:
         self.router.worker_added(client.state)
         self._check_stop_tokenizer(client)
+        frontend, info = self.frontend, client.info
+        if frontend is not None and info is not None and info.max_context < frontend.max_context:
+            # (the front end was made with the workers connected then: start-up does not wait for all)
+            log.warning("worker %s has a context of %d tokens, less than the others' %d: prompts are held to it",
+                        client.url, info.max_context, frontend.max_context)
+            frontend.max_context = info.max_context
 
     def _check_stop_tokenizer(self, client: WorkerClient) -> None:
         digest = self.dispatcher.tokenizer_digest
