@@ -33,9 +33,11 @@ Lifecycle of one request:
    ``direct`` is not ready (the client's socket is full) they queue as usual. ``complete`` does the
    same with its collector when it may (no stop strings), so a whole response's task wakes once, for
    the final output. The prefill's hand-over is recorded in that callback too (the generator is not
-   woken for it). Whatever ends the request (finish, error, timeout, client gone, the consumer done
-   early), open requests are aborted on both workers, and the
-   policies hear how the attempt ended (``on_finish``). The prefill's load (its prompt tokens) is
+   woken for it). A request for prompt logprobs gets them from the hand-over with its first output:
+   decode outputs that come before it wait for it (at most ``HANDOVER_WAIT_S``, or the idle timeout
+   if shorter, and the unread limit; then they go without). Whatever ends the request (finish, error,
+   timeout, client gone, the consumer done early), open requests are aborted on both workers, and
+   the policies hear how the attempt ended (``on_finish``). The prefill's load (its prompt tokens) is
    released when its part ends, i.e. when its KV is handed over, not when the decode's stream ends.
 6. Backpressure: a consumer (an SSE client) that falls behind leaves events queued in the attempt's
    ``EventSink``; past ``max_unread_events`` the attempt is aborted on both workers at once and the
