@@ -50,6 +50,7 @@ GATEWAY_DRAIN_S = 30.0  # the gateway's --drain-timeout-s (its default: the chil
 # LIVENESS_TIMEOUT_S or the interval, or not 200) restart it, as a Kubernetes liveness probe would.
 LIVENESS_FAILURES = 3
 LIVENESS_TIMEOUT_S = 2.0  # (the supervisor waits that long per frozen child and pass)
+RESTART_GRACE_S = 2.0  # a running child being restarted: SIGTERM, then SIGKILL after this
 
 
 def _ephemeral_low() -> int:
@@ -207,8 +208,10 @@ class Cluster:
     def restart(self, child: Child, what: str) -> None:
         """Schedule ``child``'s restart after a backoff, or raise ``CrashLoop`` past the limit."""
         assert child.proc is not None
-        if child.proc.poll() is None:
-            kill(child.proc)
+        if child.proc.poll() is None:  # (unhealthy or not live: SIGTERM first, so a prefill deregisters)
+            with contextlib.suppress(ProcessLookupError):
+                child.proc.send_signal(signal.SIGTERM)
+            kill(child.proc, RESTART_GRACE_S)
         now = time.monotonic()
         while child.recent_restarts and child.recent_restarts[0] <= now - self.restart_window_s:
             child.recent_restarts.popleft()
