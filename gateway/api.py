@@ -83,10 +83,9 @@ class Prepared:
     # them, each prompt's in a row (choice ``i`` answers prompt ``i // (n / len(batch))``).
     batch: list[list[int]] | None = None
 
-    @property
-    def decode_context(self) -> list[int]:
-        """The prompt's end, which the answer's text follows (``gateway.tokenizer``)."""
-        return self.input_ids[-DECODE_CONTEXT_TOKENS:]
+    def decode_context(self, choice: int = 0) -> list[int]:
+        """The end of ``choice``'s prompt, which the answer's text follows (``gateway.tokenizer``)."""
+        return self.prompt_of(choice)[-DECODE_CONTEXT_TOKENS:]
 
     @property
     def per_prompt(self) -> int:
@@ -326,7 +325,7 @@ class Frontend:
                 last = state
             assert last is not None  # (a choice ends with its final output or an error)
             return last
-        state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context)
+        state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context())
         try:
             await complete(prep.input_ids, prep.params, state, in_callback=not prep.stops)
         except BadRequest as exc:
@@ -345,7 +344,7 @@ class Frontend:
         detokenized here, instead of being yielded.
         """
         if prep.n == 1:
-            state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context)
+            state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context())
             direct = emitter.direct(state) if emitter is not None and not prep.stops and \
                 not prep.want_logprobs else None
             events = self.dispatcher.generate(prep.input_ids, prep.params, bootstrap=prep.bootstrap, direct=direct)
@@ -361,8 +360,8 @@ class Frontend:
             finally:
                 await events.aclose()
             return
-        states = [ChoiceState(i, self.tokenizer, prep.stops, prep.want_logprobs,
-                              prep.prompt_of(i)[-DECODE_CONTEXT_TOKENS:]) for i in range(prep.n)]
+        states = [ChoiceState(i, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context(i))
+                  for i in range(prep.n)]
         queue: asyncio.Queue[tuple[int, StepOutput | BaseException | None]] = asyncio.Queue()
 
         async def pump(index: int) -> None:

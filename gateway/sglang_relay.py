@@ -356,7 +356,7 @@ def _record(worker: HttpWorker, status: int | None) -> None:
 def _blame_silent_decode(decode: HttpWorker, p_task: asyncio.Task[_PrefillReply]) -> None:
     """The decode sent nothing in time: its failure if its prefill is done (the KV was there to take);
     while the prefill still works, a slow or frozen prefill may be why, and neither is blamed."""
-    if p_task.done() and not p_task.cancelled() and p_task.exception() is None and 200 <= p_task.result().status < 300:
+    if p_task.done() and _failure(p_task, decode) is None:  # (the prefill answered 2xx)
         decode.health.breaker.record_failure()
 
 
