@@ -19,7 +19,8 @@ Lifecycle of one request (event loop only):
 3. The responder reads the body (``read_body``: its limits, ``100 Continue``), has the disconnect
    watched (``watch_disconnect``: the protocol's ``connection_lost`` sets ``disconnected`` and
    signals ``message_event``, which cancels the request's task), and writes its answer: whole JSON
-   with a content length, or a chunked SSE stream. Every write waits while the client's socket is
+   with a content length, or a chunked SSE stream (to an HTTP/1.0 client: unframed, ending with the
+   connection). Every write waits while the client's socket is
    full (``flow.drain``; the protocol's write timeout aborts a client that stops reading);
    ``start_now`` and ``write_now`` are the stream's writes from outside the task (``Responder``'s
    direct path; the middle ones gathered per worker frame, ``gateway.write_batch``; the first at
@@ -51,7 +52,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 Headers = list[tuple[bytes, bytes]]
 _JSON_HEAD = b"content-type: application/json\r\n"
-_SSE_HEAD = b"".join(b"%s: %s\r\n" % pair for pair in SSE_HEADERS) + b"transfer-encoding: chunked\r\n"
+_SSE_HEAD_CLOSE = b"".join(b"%s: %s\r\n" % pair for pair in SSE_HEADERS)
+_SSE_HEAD = _SSE_HEAD_CLOSE + b"transfer-encoding: chunked\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
 
 
@@ -78,12 +80,14 @@ class HotRoutes:
         self.gatekeeper = gatekeeper
 
     def cycle(self, raw_path: bytes, protocol: GuardedHttpProtocol, headers: Headers, keep_alive: bool,
-              expect_100_continue: bool) -> HotCycle | None:
+              expect_100_continue: bool, *, chunked: bool = True) -> HotCycle | None:
+        """``chunked``: the client reads chunked bodies (HTTP/1.1); an HTTP/1.0 client's stream is sent
+        as it is and ends when the connection closes (its ``keep_alive`` is False)."""
         responder = self.responders.get(raw_path)
         if responder is None:
             return None
         return HotCycle(protocol, responder, self.gatekeeper, raw_path.decode("ascii"), headers, keep_alive,
-                        expect_100_continue)
+                        expect_100_continue, chunked)
 
 
 class _Signal:
@@ -109,13 +113,14 @@ _SETTLED = _Signal(None)  # a finished cycle's ``message_event``: nothing is wai
 class HotCycle:
     """One request to a generation route, answered on the connection's transport (see the module doc)."""
 
-    __slots__ = ("_waiter", "_watch", "body", "default_headers", "disconnected", "flow", "gatekeeper", "headers",
-                 "keep_alive", "loop", "message_event", "more_body", "on_response", "path", "request_id",
+    __slots__ = ("_waiter", "_watch", "body", "chunked", "default_headers", "disconnected", "flow", "gatekeeper",
+                 "headers", "keep_alive", "loop", "message_event", "more_body", "on_response", "path", "request_id",
                  "responder", "response_complete", "response_started", "t0", "task", "transport",
                  "waiting_for_100_continue")
 
     def __init__(self, protocol: GuardedHttpProtocol, responder: Responder, gatekeeper: GatekeeperMiddleware,
-                 path: str, headers: Headers, keep_alive: bool, expect_100_continue: bool) -> None:
+                 path: str, headers: Headers, keep_alive: bool, expect_100_continue: bool,
+                 chunked: bool = True) -> None:
         self.transport = protocol.transport
         self.loop = protocol.loop
         self.flow = protocol.flow
@@ -126,6 +131,7 @@ class HotCycle:
         self.path = path
         self.headers = headers
         self.keep_alive = keep_alive
+        self.chunked = chunked
         self.waiting_for_100_continue = expect_100_continue
         self.t0 = time.monotonic()
         self.message_event = _Signal(self)
@@ -239,14 +245,17 @@ class HotCycle:
         if self.flow.write_paused and not self.disconnected:
             await self.flow.drain()
         if not (self.disconnected or self.response_complete or self.transport.is_closing()) and chunk:
-            self.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+            self.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if self.chunked else chunk)
 
     async def end_stream(self, last: bytes) -> None:
         if self.flow.write_paused and not self.disconnected:
             await self.flow.drain()
         if self.disconnected or self.response_complete or self.transport.is_closing():
             return
-        self.transport.write(b"%x\r\n%b\r\n%b" % (len(last), last, _LAST_CHUNK) if last else _LAST_CHUNK)
+        if not self.chunked:
+            self.transport.write(last)  # (b"" is no write in asyncio's transports)
+        else:
+            self.transport.write(b"%x\r\n%b\r\n%b" % (len(last), last, _LAST_CHUNK) if last else _LAST_CHUNK)
         self._complete()
 
     def is_writable(self) -> bool:
@@ -254,7 +263,7 @@ class HotCycle:
                                               or self.transport.is_closing())
 
     def write_now(self, chunk: bytes) -> None:
-        write_batch.write(self.transport, b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        write_batch.write(self.transport, b"%x\r\n%b\r\n" % (len(chunk), chunk) if self.chunked else chunk)
 
     def can_start(self) -> bool:
         return not (self.response_started or self.flow.write_paused or self.disconnected
@@ -269,6 +278,8 @@ class HotCycle:
     # -- helpers -----------------------------------------------------------------------------------
     def _stream_head(self, first: bytes) -> bytes:
         """A stream's response head and its first chunk (when there is one), as one write."""
+        if not self.chunked:  # (HTTP/1.0: the body ends when the connection closes)
+            return self._head(200, [], _SSE_HEAD_CLOSE) + first
         return self._head(200, [], _SSE_HEAD) + (b"%x\r\n%b\r\n" % (len(first), first) if first else b"")
 
     def _head(self, status: int, headers: Headers, content: bytes) -> bytes:

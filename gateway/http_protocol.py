@@ -167,9 +167,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._disarm()
         hot = self.hot_routes
         if hot is not None and self.parser.get_method() == b"POST" and not self.parser.should_upgrade():
-            keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
-            cycle = hot.cycle(httptools.parse_url(self.url).path, self, self.headers, keep_alive,
-                              self.expect_100_continue)
+            http10 = self.parser.get_http_version() == "1.0"
+            cycle = hot.cycle(httptools.parse_url(self.url).path, self, self.headers,
+                              not http10 and self.parser.should_keep_alive(), self.expect_100_continue,
+                              chunked=not http10)
             if cycle is not None:  # a generation route: the gateway's own cycle (gateway/hot_cycle.py)
                 self._hot_cycles = [c for c in self._hot_cycles if not c.response_complete] + [cycle]
                 existing = self.cycle

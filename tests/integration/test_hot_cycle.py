@@ -138,6 +138,14 @@ def test_continue_chunked_bodies_and_http_1_0(sim_cluster: Callable[..., SimClus
     ((status, headers, answer),), _ = talk(port, post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8},
                                                        version="1.0"), 2)
     assert status == 200 and headers["connection"] == "close" and json.loads(answer)["choices"][0]["text"] == want
+    # An HTTP/1.0 client cannot read chunked framing: its stream is the events as they are, ending when
+    # the connection closes.
+    _, raw = talk(port, post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "stream": True},
+                             version="1.0"), 1)
+    head, _, events = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head.lower(), head
+    assert b"connection: close" in head.lower() and events.startswith(b"data: {"), raw[:300]
+    assert sse_text(events, "text") == want
     cluster.wait_pools_full()
 
 
