@@ -30,6 +30,7 @@ and the JSON of the whole response and of a stream chunk.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import os
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from gateway.api import SSE_DONE, Frontend, Prepared, decode_body, error_event, new_id
-from gateway.errors import APIError, PayloadTooLarge, RequestTimeout
+from gateway.errors import APIError, NoWorkers, PayloadTooLarge, RequestTimeout
 from gateway.shapes import Run, Shape
 from gateway.text import ChoiceState
 
@@ -223,7 +224,8 @@ class Responder:
                 error = APIError("internal error in the gateway")
                 await exchange.send_json(_json.encode(error.body()), error.status, error.headers())
         except asyncio.CancelledError:
-            if not gone[0]:
+            if not gone[0]:  # the server stopping past its drain timeout: tell the client why, if it can be told
+                await self._cut(exchange, run)
                 raise
             task = asyncio.current_task(exchange.loop)
             assert task is not None
@@ -237,6 +239,23 @@ class Responder:
             exchange.stop_watching()
             if release is not None:
                 release()
+
+    async def _cut(self, exchange: Exchange, run: Run | None) -> None:
+        """A request cancelled by the server's shutdown (``--drain-timeout-s`` passed): a stream ends with an
+        error event and ``[DONE]``, an answer not begun is a 503 (both at most a second's wait for the
+        client's socket), rather than the connection closing mid-response."""
+        error = NoWorkers("the gateway shut down before this request finished (its drain timeout passed)",
+                          code="shutting_down", retry_after_s=1)
+        self._count(error.status)
+        log.warning("%s cut by the gateway's shutdown", self.shape.route)
+        with contextlib.suppress(Exception):  # (asyncio.timeout's TimeoutError, a socket already gone)
+            async with asyncio.timeout(1.0):
+                if run is not None and run.started:
+                    await exchange.send_chunk(error_event(error))
+                    await exchange.end_stream(SSE_DONE)
+                else:
+                    await exchange.send_json(_json.encode(error.body()), error.status,
+                                             [*error.headers(), (b"connection", b"close")])
 
     async def _collect(self, run: Run) -> list[ChoiceState]:
         states: dict[int, ChoiceState] = {}

@@ -4,6 +4,7 @@ request ids, metrics and the admin API. Every cluster ends with every live worke
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import signal
@@ -228,19 +229,28 @@ def test_drain_on_sigterm_finishes_open_streams_and_refuses_new_ones(sim_cluster
 def test_drain_timeout_aborts_what_is_left_on_both_workers(sim_cluster) -> None:  # type: ignore[no-untyped-def]
     cluster = sim_cluster(decode_args=SLOW_DECODE, gateway_args=("--drain-timeout-s", "1"))
     gateway = next(p for p in cluster.procs.procs if getattr(p, "name", "").startswith("gateway-"))
-    received = []
+    long = {"prompt": PROMPT, "max_tokens": 400}  # ~20 s of decoding (two of them fit the decode's pool)
     started = time.monotonic()
-    with httpx.stream("POST", f"{cluster.base_url}/v1/completions", timeout=30,
-                      json={"prompt": PROMPT, "max_tokens": 2000, "stream": True}) as r:  # ~100 s of decoding
-        lines = r.iter_lines()
-        next(lines)
-        gateway.send_signal(signal.SIGTERM)
-        try:
-            received = list(lines)
-        except httpx.HTTPError:
-            pass  # cut off mid-stream
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(httpx.post, f"{cluster.base_url}/v1/completions", json=long, timeout=30)
+        with httpx.stream("POST", f"{cluster.base_url}/v1/completions", timeout=30,
+                          json={**long, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert r.status_code == 200 and next(lines).startswith("data: {")
+            deadline = time.monotonic() + 10
+            while metric(cluster, "pd_gateway_active_requests") < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)  # (the whole one is being served too)
+            gateway.send_signal(signal.SIGTERM)
+            received = list(lines)  # (cut off mid-body, this raises)
+        cut = whole.result()
     assert time.monotonic() - started < 15
-    assert "data: [DONE]" not in received and not any('"finish_reason":"length"' in x for x in received)
+    # The client is told why: an error event and the stream's end, a 503 for an answer not begun.
+    assert not any('"finish_reason":"length"' in x for x in received)
+    events = [line[6:] for line in received if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "service_unavailable" and error["code"] == "shutting_down", error
+    assert cut.status_code == 503 and cut.json()["error"]["code"] == "shutting_down", cut.text
     assert gateway.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once drained
     cluster.wait_pools_full()
 
