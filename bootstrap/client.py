@@ -52,6 +52,7 @@ __all__ = [
     "RankRegistration",
     "Topology",
     "check_compatible",
+    "check_read_access",
     "serve_embedded",
 ]
 
@@ -144,6 +145,22 @@ def _host_port(host: str, port: int | None) -> str:
 
 def _auth(token: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"} if token else {}
+
+
+async def check_read_access(url: str, token: str | None, timeout_s: float = 5.0) -> None:
+    """A decode's start-up check that the registry at ``url`` takes its token for reads: raises
+    ``BootstrapError`` when it answers 401/403 (every room would fail its look-up: better not to start
+    than to pass health checks and fail each request). A registry that does not answer only logs a
+    warning (it may be starting too), and any other answer passes."""
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s, headers=_auth(token)) as client:
+            reply = await client.get(url.rstrip("/") + "/instances")
+    except httpx.HTTPError as exc:
+        logger.warning("bootstrap registry %s did not answer a start-up check (%s); carrying on", url, exc)
+        return
+    if reply.status_code in (401, 403):
+        raise BootstrapError(f"bootstrap registry {url} refused this worker's token ({reply.status_code}): "
+                             "set --bootstrap-token to the registry's --token", status_code=reply.status_code)
 
 
 def _may_be_stale(exc: Exception) -> bool:

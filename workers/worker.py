@@ -94,6 +94,10 @@ class Worker:
             registry_config = BootstrapConfig(token=cfg.bootstrap_token)
             self._embedded = await serve_embedded(cfg.host, cfg.bootstrap_embedded, registry_config)
             self.bootstrap_url = self._embedded.url
+        elif cfg.role == "decode" and self.bootstrap_url:  # (a prefill's registration checks its token itself)
+            from bootstrap.client import check_read_access
+
+            await check_read_access(self.bootstrap_url, cfg.bootstrap_token)
         self.engine = await asyncio.to_thread(create_engine, cfg.engine, options)
         # the tokenizer for stop strings loads on a thread while the pool and the KV manager are set up
         loading = asyncio.ensure_future(asyncio.to_thread(self._stop_tokenizer)) if cfg.role != "prefill" else None

@@ -103,3 +103,22 @@ def test_a_prefill_takes_connections_only_once_registered(tmp_path: Path) -> Non
             pass
     finally:
         procs.stop_all()
+
+
+def test_a_decode_refused_by_its_registry_does_not_start(tmp_path: Path) -> None:
+    """A decode whose ``--bootstrap-token`` the registry refuses would pass its health checks and fail every
+    request's look-up of its prefill: it stops at start-up, naming the flag. The right token starts."""
+    from pdtest import Procs, start_bootstrap, start_worker
+
+    procs = Procs(tmp_path)
+    try:
+        registry = start_bootstrap(procs, "--token", "s3cret")
+        out = run_role("decode", "--port", "0", "--http-port", "0", "--bootstrap", registry,
+                       "--bootstrap-token", "wrong")
+        assert out.returncode != 0 and "refused this worker's token (401)" in out.stderr, out.stderr[-2000:]
+        assert "--bootstrap-token" in out.stderr
+        out = run_role("decode", "--port", "0", "--http-port", "0", "--bootstrap", registry)  # none at all
+        assert out.returncode != 0 and "(401)" in out.stderr, out.stderr[-2000:]
+        start_worker(procs, "decode", "--bootstrap-token", "s3cret", bootstrap=registry)
+    finally:
+        procs.stop_all()
