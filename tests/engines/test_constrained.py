@@ -93,6 +93,19 @@ def test_regex_and_schema_hold_on_a_random_model(make_engine: Any, model_dir: st
         assert isinstance(json.loads(text), dict)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_new_tokens_past_the_grammars_end_gives_way_to_it(make_engine: Any, model_dir: str,
+                                                               temperature: float) -> None:
+    """``min_new_tokens`` bans EOS, the ended grammar allows nothing else: the grammar wins (its EOS), where
+    the row had no token left (a multinomial over NaN failed the whole batch's step; greedy took token 0)."""
+    e = make_engine(model_dir)
+    eos = e.engine.info.eos_token_ids
+    params = SamplingParams(temperature=temperature, seed=3, min_new_tokens=40,
+                            grammar=Grammar("ebnf", 'root ::= "yes" | "no"'))
+    tokens = generate(e.engine, e.pool, 1, [5, 6, 7], params)
+    assert text_of(model_dir, tokens, eos) in ("yes", "no"), tokens
+
+
 def test_ebnf(make_engine: Any, model_dir: str) -> None:
     e = make_engine(model_dir)
     ebnf = 'root ::= "yes" | "no" | "maybe " [0-9]'

@@ -65,6 +65,15 @@ def test_sim_refuses_what_needs_logits_and_a_plugin_refuses_everything(field: st
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"repetition_penalty": float("inf")}, "repetition_penalty"),
     ({"min_new_tokens": -1}, "min_new_tokens"),
+    # (every request carries these; out of range, a batch's sampling step failed on NaN probabilities)
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": float("nan")}, "min_p"),
+    ({"top_k": -2}, "top_k"),
 ])
 def test_out_of_range_values_are_refused_by_name(fields: dict, named: str) -> None:
     problem = check_sampling(SamplingParams(**fields), AllEngine())

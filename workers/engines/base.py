@@ -127,6 +127,15 @@ def check_sampling(params: SamplingParams, engine: Engine) -> str | None:
         return f"repetition_penalty must be a positive number, got {params.repetition_penalty}"
     if params.min_new_tokens < 0:
         return f"min_new_tokens must be >= 0, got {params.min_new_tokens}"
+    # the fields every request carries: a value outside these cannot be sampled from (NaN probabilities)
+    if not (math.isfinite(params.temperature) and params.temperature >= 0):
+        return f"temperature must be a number >= 0, got {params.temperature}"
+    if not 0 < params.top_p <= 1:  # (False for NaN)
+        return f"top_p must be in (0, 1], got {params.top_p}"
+    if not 0 <= params.min_p <= 1:
+        return f"min_p must be in [0, 1], got {params.min_p}"
+    if params.top_k < -1:
+        return f"top_k must be -1 (off), 0 (off) or positive, got {params.top_k}"
     return None
 
 

@@ -86,8 +86,12 @@ class Constraints:
         return matcher
 
     # -- per step ------------------------------------------------------------------------------
-    def mask(self, seqs: list[SeqInput], scores: torch.Tensor) -> torch.Tensor:
-        """``scores`` ``[len(seqs), vocab]`` with every constrained row's banned tokens at -inf (a copy)."""
+    def mask(self, seqs: list[SeqInput], scores: torch.Tensor, raw: torch.Tensor | None = None) -> torch.Tensor:
+        """``scores`` ``[len(seqs), vocab]`` with every constrained row's banned tokens at -inf (a copy).
+
+        A row the grammar leaves nothing in (``min_new_tokens`` banning the EOS of a grammar that has
+        ended) is masked from ``raw`` (the logits before ``scores``' adjustments) instead: the grammar
+        wins, and the row stays one that can be sampled."""
         rows = [i for i, seq in enumerate(seqs) if seq.params.grammar is not None]
         if not rows:
             return scores
@@ -110,7 +114,12 @@ class Constraints:
         allowed = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).view(len(rows), words * 32)[:, : scores.shape[1]]
         index = torch.tensor(rows, device=scores.device)
         out = scores.clone()
-        picked = out.index_select(0, index).masked_fill_(allowed.to(scores.device) == 0, float("-inf"))
+        banned = allowed.to(scores.device) == 0
+        picked = out.index_select(0, index).masked_fill_(banned, float("-inf"))
+        dead = (picked == float("-inf")).all(dim=1)
+        if raw is not None and bool(dead.any()):
+            fallback = raw.index_select(0, index).to(picked.dtype).masked_fill_(banned, float("-inf"))
+            picked = torch.where(dead.unsqueeze(1), fallback, picked)
         out.index_copy_(0, index, picked)
         return out
 

@@ -47,6 +47,7 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         probs = sorted_scores.softmax(-1)
         # Drop a token when the tokens before it already cover top_p (the first is always kept).
         drop_sorted = (probs.cumsum(-1) - probs) >= params.top_p
+        drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     if params.min_p > 0.0:
