@@ -225,3 +225,21 @@ def test_registered_as_the_torch_engine_plugin(tiny_model) -> None:
     assert isinstance(engine, TorchEngine)
     assert engine.info.tokenizer == os.path.abspath(tiny_model("qwen2").path)
     assert engine.info.eos_token_ids == ()  # tiny Qwen2 configs carry no EOS id
+
+
+def test_padded_decode_slots_cannot_leak_nan_into_a_batch(tiny_model, make_engine) -> None:
+    """A short sequence decoding beside a long one is padded to its length with slots it does not own (page
+    0, the unwritten rows of its own last page): with an inf or NaN left there by another request (an fp16
+    overflow, say), its masked weight 0 times that was NaN, and so were its logits. Now its tokens are the
+    reference's whatever the padding holds."""
+    model = tiny_model("llama")
+    eut = make_engine(model.path, num_pages=16, page_size=4)
+    junk = eut.pool.alloc(1)  # page 0, free again later: what a finished request left behind
+    assert junk == [0]
+    short, long = Request(rid=1, prompt=[5, 17, 99], max_new_tokens=4), Request(rid=2, prompt=list(range(3, 24)),
+                                                                                 max_new_tokens=4)
+    for buf in eut.pool.kv_buffers():
+        buf[0] = np.nan
+    run_requests(eut.engine, eut.pool, [short, long])
+    assert short.outputs == reference_greedy(model.reference, short.prompt, 4)[0]
+    assert long.outputs == reference_greedy(model.reference, long.prompt, 4)[0]

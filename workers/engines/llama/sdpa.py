@@ -39,7 +39,7 @@ class SdpaBackend(AttentionBackend):
         self._decode: _DecodeGroup | None = None
 
     def _slot_table(self, tables: list[list[int]], kv_lens: list[int]) -> torch.Tensor:
-        """Flat cache slots ``[N, max_kv_len]`` for N sequences (padding reads slot 0, masked out)."""
+        """Flat cache slots ``[N, max_kv_len]`` for N sequences (padding reads slot 0; see ``plan``)."""
         device = self.k_flat[0].device
         ps = self.page_size
         width = -(-max(kv_lens) // ps)
@@ -73,6 +73,10 @@ class SdpaBackend(AttentionBackend):
             slots = self._slot_table(decode_tables, decode_lens)
             lens = torch.tensor(decode_lens, device=device)
             mask = torch.arange(slots.shape[1], device=device)[None, :] < lens[:, None]
+            # Padding (page 0's slots, the unwritten rows of a sequence's own last page) may hold an inf or
+            # NaN another request left there, and its masked weight 0 times that is NaN: it reads the
+            # sequence's own first slot instead, a finite value unless the sequence's own KV is not.
+            slots = torch.where(mask, slots, slots[:, :1])
             self._decode = _DecodeGroup(
                 rows=torch.tensor(decode_rows, dtype=torch.int64, device=device),
                 slots=slots,
