@@ -37,6 +37,7 @@ from workers.protocol import Grammar
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 _HERMES_OPEN = "<tool_call>"
 _CALL_START = (_HERMES_OPEN, "{")
+_REQUIRED_START = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')  # a forced call's text, to its arguments
 
 
 @dataclass
@@ -65,6 +66,11 @@ def _functions(tools: Any) -> list[dict[str, Any]]:
         if not isinstance(params, dict):
             raise BadRequest(f"{where}.function.parameters must be a JSON Schema object",
                              param=f"{where}.function.parameters")
+        if "type" not in params:  # (e.g. {}: OpenAI's arguments are an object all the same)
+            params = {**params, "type": "object"}
+        elif params["type"] != "object":
+            raise BadRequest(f'{where}.function.parameters must describe an object ("type": "object")',
+                             param=f"{where}.function.parameters")
         functions.append({"name": fn["name"], "description": fn.get("description", ""), "parameters": params,
                           "strict": bool(fn.get("strict"))})
     names = [f["name"] for f in functions]
@@ -87,8 +93,11 @@ def plan_tools(req: Any, chat_template: str | None) -> ToolPlan | None:
     if choice == "none":
         return None
     if choice == "required":
-        options = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
-                    "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+        # each tool's parameters move under its option's "arguments": their local references move along
+        options = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": _rebased(
+                        t["parameters"], "#/properties/arguments" if len(tools) == 1
+                        else f"#/anyOf/{i}/properties/arguments")},
+                    "required": ["name", "arguments"], "additionalProperties": False} for i, t in enumerate(tools)]
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         strict = all(t["strict"] for t in tools)
         return ToolPlan("required", tools, grammar=checked(Grammar("json_schema", json.dumps(schema), strict,
@@ -104,6 +113,17 @@ def plan_tools(req: Any, chat_template: str | None) -> ToolPlan | None:
     grammar = Grammar("json_schema", json.dumps(tool["parameters"]), tool["strict"],
                       param=f"tools[{tools.index(tool)}].function.parameters")
     return ToolPlan("named", tools, name=name, grammar=checked(grammar), hermes=hermes)
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """``schema`` with its local references (``#``, ``#/$defs/X``, ``#/definitions/X``...) pointing under
+    ``root``, a JSON pointer fragment to where it is placed in a larger schema."""
+    if isinstance(schema, dict):
+        return {key: root + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
+                else _rebased(value, root) for key, value in schema.items()}
+    if isinstance(schema, list):
+        return [_rebased(item, root) for item in schema]
+    return schema
 
 
 # -- the prompt ----------------------------------------------------------------------------------
@@ -203,18 +223,41 @@ def split_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, A
     return (before if before.strip() else None), parse_calls(plan, text[start:])
 
 
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _cut_call(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
+    """A forced call (required mode) cut before its end: its name and the arguments as far as they go."""
+    match = _REQUIRED_START.match(text)
+    if match is None:
+        return None
+    name = json.loads(f'"{match.group(1)}"')
+    return [_new_call(name, text[match.end():])] if name in plan.names else None
+
+
 def shape_choices(plan: ToolPlan, result: dict[str, Any]) -> None:
-    """Rewrite a whole chat response's choices whose text is a call into OpenAI's ``tool_calls`` shape."""
+    """Rewrite a whole chat response's choices whose text is a call into OpenAI's ``tool_calls`` shape.
+    ``finish_reason`` turns to ``tool_calls`` only for a complete call: a forced one cut by ``max_tokens``
+    or a stop string keeps its reason, its arguments as far as they went (as when streamed)."""
     for choice in result["choices"]:
         message = choice["message"]
         if plan.mode == "auto" and choice["finish_reason"] != "stop":
             continue  # a cut-off answer is content (as when streamed)
-        content, calls = split_calls(plan, message["content"] or "")
+        text = message["content"] or ""
+        content, calls = split_calls(plan, text)
+        complete = calls is not None and (plan.mode != "named" or _is_json(text))
+        if calls is None and plan.mode == "required":
+            calls = _cut_call(plan, text)
         if calls is None:
             continue
         message["content"] = content
         message["tool_calls"] = calls
-        if choice["finish_reason"] == "stop":
+        if choice["finish_reason"] == "stop" and complete:
             choice["finish_reason"] = "tool_calls"
 
 
@@ -237,7 +280,7 @@ class _ChoiceStream:
             return self._arguments(0, len(self.text), self.name)
         if plan.mode == "required":
             if self.args_start is None:
-                match = re.match(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ', self.text)
+                match = _REQUIRED_START.match(self.text)
                 if match is None:
                     return []
                 self.args_start, self.name = match.end(), json.loads(f'"{match.group(1)}"')
@@ -277,11 +320,12 @@ class _ChoiceStream:
     def finish(self, reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
         plan = self.plan
         if plan.mode == "required" and self.args_start is not None:
-            end = self.text.rfind("}") if reason == "stop" else len(self.text)
+            done = reason == "stop" and parse_calls(plan, self.text) is not None  # (not cut by a stop string)
+            end = self.text.rfind("}") if done else len(self.text)
             deltas = self._arguments(self.args_start, max(end, self.sent), self.name)
-            return deltas, "tool_calls" if reason == "stop" else reason
+            return deltas, "tool_calls" if done else reason
         if plan.mode == "named":
-            return [], "tool_calls" if reason == "stop" and self.call_id else reason
+            return [], "tool_calls" if reason == "stop" and self.call_id and _is_json(self.text) else reason
         if plan.mode == "auto" and self.sent >= 0:  # plain content: the rest held (a call's start, e.g. "<to")
             rest = self.text[self.sent :]
             return ([{"content": rest}] if rest else []), reason

@@ -100,6 +100,54 @@ def test_named_call_streams_its_arguments_and_a_cut_answer_keeps_length() -> Non
     assert reason == "length"
 
 
+def whole(plan: Any, text: str, finish: str) -> dict[str, Any]:
+    result = {"choices": [{"message": {"role": "assistant", "content": text}, "finish_reason": finish}]}
+    shape_choices(plan, result)
+    return result["choices"][0]  # type: ignore[no-any-return]
+
+
+def test_a_forced_call_cut_short_is_not_reported_complete() -> None:
+    """A stop string (or max_tokens) cutting a forced call's arguments: the call as far as it went, streamed
+    and whole alike, with the reason it ended, never finish_reason tool_calls (its arguments do not parse)."""
+    named = plan_tools(req([WEATHER], {"type": "function", "function": {"name": "get_weather"}}), None)
+    required = plan_tools(req([WEATHER, TIME], "required"), None)
+    assert named is not None and required is not None
+    for plan, text, args in [(named, '{"city": "Paris"', '{"city": "Paris"'),
+                             (required, '{"name": "get_weather", "arguments": {"city": "Pa', '{"city": "Pa')]:
+        for finish in ("stop", "length"):
+            deltas, reason = feed(_ChoiceStream(plan), text, finish=finish)
+            choice = whole(plan, text, finish)
+            assert reason == finish == choice["finish_reason"], (plan.mode, finish)
+            assert merged_calls(deltas)[0]["arguments"] == args, (plan.mode, finish)
+            (call,) = choice["message"]["tool_calls"]
+            assert call["function"] == {"name": "get_weather", "arguments": args}, (plan.mode, finish)
+    complete = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    assert whole(required, complete, "stop")["finish_reason"] == "tool_calls"
+
+
+def test_tool_parameters_are_an_object_and_keep_their_references() -> None:
+    """Parameters ``{}`` constrain the arguments to an object; a tool's ``$defs`` references (every pydantic
+    model with an enum or a nested model) still resolve when ``required`` nests it in the call's schema."""
+    pytest.importorskip("llguidance")
+    anything = {"type": "function", "function": {"name": "lookup", "parameters": {}}}
+    named = plan_tools(req([anything], {"type": "function", "function": {"name": "lookup"}}), None)
+    assert named is not None and json.loads(named.grammar.source) == {"type": "object"}  # type: ignore[union-attr]
+    with pytest.raises(BadRequest) as info:
+        plan_tools(req([{"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}]), None)
+    assert info.value.param == "tools[0].function.parameters"
+    item = {"type": "function", "function": {"name": "add_item", "parameters": {
+        "type": "object", "properties": {"color": {"$ref": "#/$defs/Color"}, "next": {"$ref": "#"}},
+        "required": ["color"], "$defs": {"Color": {"enum": ["red", "blue"]}}}}}
+    for tools in ([item], [WEATHER, item]):
+        plan = plan_tools(req(tools, "required"), None)
+        assert plan is not None and plan.grammar is not None
+        schema = json.loads(plan.grammar.source)
+        option = schema["anyOf"][1] if len(tools) == 2 else schema
+        root = "#/anyOf/1/properties/arguments" if len(tools) == 2 else "#/properties/arguments"
+        props = option["properties"]["arguments"]["properties"]
+        assert props == {"color": {"$ref": f"{root}/$defs/Color"}, "next": {"$ref": root}}
+
+
 def test_auto_parses_the_models_own_format_and_streams_plain_text() -> None:
     plan = plan_tools(req([WEATHER, TIME]), HERMES_TEMPLATE)
     assert plan is not None
