@@ -290,9 +290,16 @@ def legacy_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any
         "tokens": [e["token"] for e in entries],
         "text_offset": offsets,
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} if e["top_logprobs"] is not None
-                         else None for e in entries],
+        "top_logprobs": [_top_dict(e) if e["top_logprobs"] is not None else None for e in entries],
     }
+
+
+def _top_dict(entry: dict[str, Any]) -> dict[str, float]:
+    """A token's legacy ``top_logprobs``: its most likely tokens and always the token itself (OpenAI's
+    "up to logprobs + 1"; ``logprobs: 0`` gives the token alone), as vLLM answers."""
+    top = {t["token"]: t["logprob"] for t in entry["top_logprobs"]}
+    top.setdefault(entry["token"], entry["logprob"])
+    return top
 
 
 def echo_entries(frontend: Frontend, prep: Prepared, choice: ChoiceState) -> list[dict[str, Any]]:

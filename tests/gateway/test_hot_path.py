@@ -764,3 +764,17 @@ def test_inter_token_latency_counts_every_token_of_a_gathered_output(monkeypatch
     assert itl.counts[itl.bounds.index(0.25)] == 3  # (the bucket le=0.25 holds 0.25 itself)
     assert itl.counts[itl.bounds.index(0.025)] == 1
     assert run.generated == [65, 66, 67, 68, 69]
+
+
+def test_legacy_top_logprobs_always_hold_the_token_itself() -> None:
+    """OpenAI's legacy completions: "up to logprobs + 1" tokens, the chosen one always among them; with
+    ``logprobs: 0`` it alone (a sampled token outside the most likely ones was missing, and 0 gave {})."""
+    from gateway.shapes import legacy_logprobs
+
+    entries = [{"token": " a", "logprob": -0.1, "top_logprobs": []},
+               {"token": " b", "logprob": -3.0, "top_logprobs": [{"token": " c", "logprob": -0.2}]},
+               {"token": " c", "logprob": -0.2, "top_logprobs": [{"token": " c", "logprob": -0.2}]},
+               {"token": "x", "logprob": None, "top_logprobs": None}]  # (an echoed prompt's first token)
+    out = legacy_logprobs(entries, 5)
+    assert out["top_logprobs"] == [{" a": -0.1}, {" c": -0.2, " b": -3.0}, {" c": -0.2}, None]
+    assert out["text_offset"] == [5, 7, 9, 11] and out["tokens"] == [" a", " b", " c", "x"]
