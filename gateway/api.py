@@ -192,8 +192,13 @@ class Frontend:
             raise BadRequest(f"{max_tokens_name} ({max_tokens}) + prompt ({len(input_ids)} tokens) exceeds the "
                              f"context length {self.max_context}", param=prefix + max_tokens_name,
                              code="context_length_exceeded")
-        if getattr(req, "stream_options", None) is not None and not req.stream:  # (as OpenAI and vLLM answer)
-            raise BadRequest("stream_options is only allowed with stream: true", param="stream_options")
+        stream_options = getattr(req, "stream_options", None)
+        if stream_options is not None:
+            if not req.stream:  # (as OpenAI and vLLM answer)
+                raise BadRequest("stream_options is only allowed with stream: true", param="stream_options")
+            if stream_options.continuous_usage_stats:
+                raise BadRequest("stream_options.continuous_usage_stats is not supported; include_usage gives the "
+                                 "usage in the stream's last chunk", param="stream_options.continuous_usage_stats")
         temperature = 1.0 if req.temperature is None else req.temperature
         top_p = 1.0 if req.top_p is None else req.top_p
         top_k = -1 if not req.top_k else req.top_k  # (0 is off, as in vLLM)

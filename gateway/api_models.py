@@ -63,6 +63,7 @@ PromptList = Annotated[list[Any], Meta(min_length=1, extra_json_schema={"anyOf":
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # (vLLM's usage in every chunk: not implemented, a 400 when true)
 
 
 class ChatMessage(msgspec.Struct):

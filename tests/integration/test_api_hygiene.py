@@ -171,6 +171,9 @@ def test_unsupported_fields_are_a_400_naming_the_param(sim_cluster) -> None:  # 
         ({"messages": MESSAGES, "presence_penalty": "high"}, "presence_penalty"),  # wrong type: still named
         ({"messages": MESSAGES, "top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
         ({"messages": MESSAGES, "top_logprobs": 3, "logprobs": False, "stream": True}, "top_logprobs"),
+        ({"messages": MESSAGES, "stream": True, "stream_options": {"include_usage": True,
+                                                                    "continuous_usage_stats": True}},
+         "stream_options.continuous_usage_stats"),  # (vLLM's; it was ignored)
     ]
     for body, param in raw:
         r = httpx.post(url, json={**body, "max_tokens": 4}, timeout=30)
