@@ -123,18 +123,29 @@ class Child:
     healthy_by: float | None = None  # restarted: must answer its health check by then
     live_failures: int = 0  # liveness checks failed in a row
     live_check_at: float = 0.0  # the next one (monotonic)
+    # A running child whose port refuses connections has closed its listener: it is stopping (a gateway
+    # told to drain by someone else than us, a worker closing). Not a liveness failure for this long.
+    stop_grace_s: float = 10.0
+    refusing_since: float | None = None
 
     def is_healthy(self, timeout_s: float = 2.0) -> bool:
-        return _answers_200(self.health_url, timeout_s)
+        return _probe(self.health_url, timeout_s) == "ok"
 
-    def is_live(self, timeout_s: float) -> bool:
-        return _answers_200(self.live_url or self.health_url, timeout_s)
+    def liveness(self, timeout_s: float) -> str:
+        """"ok", "refused" (nothing listens: the process is stopping) or "failed" (no answer in time, not 200)."""
+        return _probe(self.live_url or self.health_url, timeout_s)
 
 
-def _answers_200(url: str, timeout_s: float) -> bool:
-    with contextlib.suppress(OSError, urllib.error.URLError), urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        return bool(resp.status == 200)
-    return False
+def _probe(url: str, timeout_s: float) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return "ok" if resp.status == 200 else "failed"
+    except urllib.error.URLError as exc:
+        return "refused" if isinstance(exc.reason, ConnectionRefusedError) else "failed"
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError:  # (timeouts, resets; HTTPError, a URLError, is "failed" above)
+        return "failed"
 
 
 class Interrupted(RuntimeError):
@@ -199,8 +210,14 @@ class Cluster:
                 self.restart(child, exit_text(code))
             elif now >= child.live_check_at:  # running, but alive? (a worker whose scheduler died, a frozen one)
                 child.live_check_at = now + self.liveness_interval_s
-                live = child.is_live(min(self.liveness_interval_s, LIVENESS_TIMEOUT_S))
-                child.live_failures = 0 if live else child.live_failures + 1
+                live = child.liveness(min(self.liveness_interval_s, LIVENESS_TIMEOUT_S))
+                if live == "refused":  # stopping: it gets its grace to end on its own (then it is restarted)
+                    child.refusing_since = child.refusing_since or now
+                    if now - child.refusing_since < child.stop_grace_s:
+                        continue
+                else:
+                    child.refusing_since = None
+                child.live_failures = 0 if live == "ok" else child.live_failures + 1
                 if child.live_failures >= LIVENESS_FAILURES:
                     self.restart(child, f"failed {LIVENESS_FAILURES} liveness checks in a row "
                                         f"({child.live_url or child.health_url})")
@@ -226,7 +243,7 @@ class Cluster:
         child.num_restarts += 1
         delay = min(self.restart_backoff_s * 2 ** (len(child.recent_restarts) - 1),
                     max(self.restart_backoff_s, MAX_BACKOFF_S))
-        child.restart_at, child.healthy_by, child.live_failures = now + delay, None, 0
+        child.restart_at, child.healthy_by, child.live_failures, child.refusing_since = now + delay, None, 0, None
         log(f"{child.name} {what}; restart {child.num_restarts} "
             f"({len(child.recent_restarts)}/{self.max_restarts} within {self.restart_window_s:g}s) in {delay:.1f}s")
 
@@ -354,7 +371,7 @@ def plan(args: argparse.Namespace) -> list[Child]:
     for opt in args.policy_option:
         gateway_argv += ["--policy-option", opt]
     children.append(Child("gateway", gateway_argv, f"http://{reach}:{args.port}/readiness",
-                          f"http://{reach}:{args.port}/health"))
+                          f"http://{reach}:{args.port}/health", stop_grace_s=GATEWAY_DRAIN_S + 5.0))
     return children
 
 

@@ -160,6 +160,28 @@ def test_sigterm_lets_the_gateway_drain_before_the_workers_stop(tmp_path: Path) 
         run.wait_children_gone()
 
 
+def test_a_gateway_draining_on_its_own_is_not_killed_as_dead(tmp_path: Path) -> None:
+    """The gateway alone told to stop (by an operator, say): its listener closes while it drains, and
+    its liveness check finds nothing there. That is a process stopping, not a frozen one: it finishes its
+    open stream and exits, then is restarted (it was killed 3 checks in, the stream cut mid-body)."""
+    import httpx
+
+    with cluster_run(tmp_path, "--prefill", "1", "--decode", "1", "--num-pages", "256", "--liveness-interval-s",
+                     "0.3", "--engine-option", "decode_step_s=0.03") as run:
+        run.wait_ready()
+        (gateway,) = [pid for pid, argv in run.children().items() if "gateway.cli" in argv]
+        with httpx.stream("POST", f"{run.url}/v1/completions", timeout=30, json={
+                "prompt": "drain me", "max_tokens": 120, "stream": True}) as stream:  # 3.6 s at least
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(gateway, signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and any('"finish_reason":"length"' in line for line in rest), rest[-3:]
+        run.wait_log("pd-cluster: gateway exited with code", 30)
+        assert "liveness checks" not in run.log()
+        run.wait_ready()  # restarted
+
+
 @pytest.mark.parametrize("how", [signal.SIGHUP, signal.SIGKILL])
 def test_a_hung_up_or_killed_supervisor_leaves_no_children(tmp_path: Path, how: signal.Signals) -> None:
     """The children live in their own sessions (a terminal's Ctrl-C reaches only pd-cluster): a hang-up
