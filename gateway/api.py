@@ -330,7 +330,8 @@ class Frontend:
                 last = state
             assert last is not None  # (a choice ends with its final output or an error)
             return last
-        state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context())
+        state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context(),
+                            prep.params.min_new_tokens)
         try:
             await complete(prep.input_ids, prep.params, state, in_callback=not prep.stops)
         except BadRequest as exc:
@@ -349,7 +350,8 @@ class Frontend:
         detokenized here, instead of being yielded.
         """
         if prep.n == 1:
-            state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context())
+            state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context(),
+                                prep.params.min_new_tokens)
             direct = emitter.direct(state) if emitter is not None and not prep.stops and \
                 not prep.want_logprobs else None
             events = self.dispatcher.generate(prep.input_ids, prep.params, bootstrap=prep.bootstrap, direct=direct)
@@ -365,7 +367,8 @@ class Frontend:
             finally:
                 await events.aclose()
             return
-        states = [ChoiceState(i, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context(i))
+        states = [ChoiceState(i, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context(i),
+                              prep.params.min_new_tokens)
                   for i in range(prep.n)]
         queue: asyncio.Queue[tuple[int, StepOutput | BaseException | None]] = asyncio.Queue()
 

@@ -43,10 +43,12 @@ class ChoiceState:
     """Accumulates one choice's tokens, text and logprobs from decode step outputs."""
 
     def __init__(self, index: int, tokenizer: Tokenizer, stops: list[str], want_logprobs: bool,
-                 context: Sequence[int] = ()) -> None:
+                 context: Sequence[int] = (), min_tokens: int = 0) -> None:
         """``context``: the prompt's last ids (``gateway.tokenizer.DECODE_CONTEXT_TOKENS``), which the text
-        follows."""
+        follows. ``min_tokens``: the text of the first that many tokens is not searched for stop strings
+        (as vLLM; the worker's ``workers.stop_strings.StopWatch`` counts alike)."""
         self.index = index
+        self.min_tokens = min_tokens
         self.tokenizer = tokenizer
         self.decoder = tokenizer.decoder(context)
         self.stop = StopMatcher(stops)
@@ -65,15 +67,23 @@ class ChoiceState:
 
     def accept(self, event: StepOutput) -> tuple[str, list[dict[str, Any]]]:
         """Apply one step; returns (new text, new logprob entries). Sets ``finish_reason`` when done."""
-        self.token_ids.extend(event.token_ids)
+        ids = event.token_ids
+        exempt = self.min_tokens - len(self.token_ids)  # tokens still before min_tokens: no stop strings in them
+        self.token_ids.extend(ids)
         self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
         if event.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_top_logprobs = event.prompt_logprobs, event.prompt_top_logprobs
-        text = self.decoder.push(event.token_ids)
         final = event.finish_reason is not None
-        if final:
+        head = ""
+        if exempt > 0:
+            head = self.decoder.push(ids[:exempt])
+            ids = ids[exempt:]
+            if final and not ids:
+                head += self.decoder.flush()
+        text = self.decoder.push(ids) if ids else ""
+        if final and ids:
             text += self.decoder.flush()
-        new_text = self.stop.push(text, final=final)
+        new_text = head + self.stop.push(text, final=final)
         if self.stop.matched is not None:
             self.finish_reason = "stop"
         elif final:

@@ -725,10 +725,13 @@ class Scheduler:
         if watch is None:
             if self.stop_tokenizer is None:
                 return False
-            stops, before = req.params.stop, min(req.params.output_offset, len(req.input_ids))
+            p = req.params
+            stops, before = p.stop, min(p.output_offset, len(req.input_ids))
             start = len(req.input_ids) - (min(before, history_tokens(stops)) if before else 0)
+            # (the history's first token is output number output_offset - len(history); min_new_tokens counts all)
+            exempt = p.min_new_tokens - (p.output_offset - (len(req.input_ids) - start))
             watch = req.stop_watch = StopWatch(self.stop_tokenizer, stops, req.input_ids[start:],
-                                               req.input_ids[max(0, start - DECODE_CONTEXT_TOKENS):start])
+                                               req.input_ids[max(0, start - DECODE_CONTEXT_TOKENS):start], exempt)
         return watch.push(token)
 
     # -- outputs and release -----------------------------------------------------------------

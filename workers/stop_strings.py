@@ -28,21 +28,33 @@ def history_tokens(stops: list[str]) -> int:
 class StopWatch:
     """One request's output text, watched for its stop strings token by token (scheduler thread)."""
 
-    __slots__ = ("_decoder", "_matcher")
+    __slots__ = ("_decoder", "_exempt", "_matcher")
 
     def __init__(self, tokenizer: Tokenizer, stops: list[str], history: Sequence[int] = (),
-                 context: Sequence[int] = ()) -> None:
+                 context: Sequence[int] = (), exempt: int = 0) -> None:
         """``history``: the end of the outputs before this request (a migrated stream's), text that a
         string may start in; ``context``: the prompt's ids before it (or before the outputs), which the
-        text follows, as in the gateway's decoder (``gateway.tokenizer``)."""
+        text follows, as in the gateway's decoder (``gateway.tokenizer``); ``exempt``: how many tokens,
+        from the first of ``history``, are still within ``min_new_tokens``, whose text is not searched
+        (as the gateway's ``ChoiceState``)."""
         self._decoder = tokenizer.decoder(context)
         self._matcher = StopMatcher(stops)
+        self._exempt = exempt
         if history:
-            self._matcher.push(self._decoder.push(history))
+            free = max(0, min(exempt, len(history)))
+            if free:
+                self._decoder.push(history[:free])
+                self._exempt -= free
+            if len(history) > free:
+                self._matcher.push(self._decoder.push(history[free:]))
             if self._matcher.matched is not None:  # a string the gateway would have stopped at: this
                 self._matcher = StopMatcher(stops)  # tail's text is not the gateway's; start afresh
 
     def push(self, token_id: int) -> bool:
-        """Add one output token; True once the text so far contains a stop string."""
-        self._matcher.push(self._decoder.push([token_id]))
+        """Add one output token; True once the text so far (past ``min_new_tokens``) contains a stop string."""
+        text = self._decoder.push([token_id])
+        if self._exempt > 0:
+            self._exempt -= 1
+            return False
+        self._matcher.push(text)
         return self._matcher.matched is not None

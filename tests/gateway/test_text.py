@@ -60,3 +60,33 @@ def test_byte_decoder_over_any_split_equals_decoding_the_whole() -> None:
             text += decoder.push(ids[i:i + step])
             i += step
         assert text + decoder.flush() == tok.decode(ids)
+
+
+def test_stop_strings_count_only_after_min_tokens_on_both_sides() -> None:
+    """As vLLM: the text of the first ``min_tokens`` tokens is not searched (a stop string there ended the
+    request at once, ``min_tokens`` or not); the gateway's choice and the worker's watch agree token for
+    token, however the outputs are grouped, a migrated request's history included."""
+    import random
+
+    from workers.stop_strings import StopWatch
+
+    tok = ByteTokenizer()
+    ids = list(b"a. b. c.. done.")
+    for min_tokens, want_text, want_at in [(0, "a", 2), (2, "a. b", 5), (5, "a. b. c", 8),
+                                           (14, "a. b. c.. done", 15), (20, "a. b. c.. done.", None)]:
+        watch = StopWatch(tok, ["."], exempt=min_tokens)
+        at = next((i + 1 for i, t in enumerate(ids) if watch.push(t)), None)
+        assert at == want_at, (min_tokens, at)
+        for _ in range(20):  # the gateway, the same outputs in random groups
+            state, i, rng = ChoiceState(0, tok, ["."], False, min_tokens=min_tokens), 0, random.Random(min_tokens)
+            while state.finish_reason is None:
+                step = rng.randint(1, 3)
+                end = min(i + step, len(ids) if want_at is None else want_at)
+                state.accept(StepOutput(1, ids[i:end], finish_reason="length" if end == len(ids) else None))
+                i = end
+            assert state.text == want_text and state.finish_reason == ("length" if want_at is None else "stop")
+        # a migrated request: 4 outputs streamed before, the last 3 of them its history (the scheduler's
+        # exempt: min_tokens - (output_offset - len(history))); a stop within those 4 would have ended it there
+        watch = StopWatch(tok, ["."], ids[1:4], ids[:1], exempt=min_tokens - 1)
+        at = next((i + 5 for i, t in enumerate(ids[4:]) if watch.push(t)), None)
+        assert at == (want_at if want_at is None or want_at > 4 else 5), (min_tokens, at)

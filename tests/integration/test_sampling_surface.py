@@ -49,6 +49,19 @@ def test_sim_honours_min_tokens(sim_cluster) -> None:  # type: ignore[no-untyped
                                                   "min_new_tokens": 3}})
     assert r.status_code == 200, r.text
     assert len(r.json()["output_ids"]) == 4 and r.json()["meta_info"]["finish_reason"]["type"] == "stop"
+
+    # Stop strings too count only after min_tokens (as vLLM): a character the answer has before its 5th
+    # token and again later ends it at the later one (the sim's tokens are one character each).
+    text = c.completions.create(model="sim", prompt="Say hello.", max_tokens=40).choices[0].text
+    stop = next(ch for ch in text[:5] if text.find(ch, 5) >= 0)
+    for stream in (False, True):
+        out = c.completions.create(model="sim", prompt="Say hello.", max_tokens=40, stop=[stop], stream=stream,
+                                   extra_body={"min_tokens": 5})
+        got = "".join(ch.choices[0].text for ch in out if ch.choices) if stream else out.choices[0].text
+        assert got == text[:text.find(stop, 5)], (stream, stop, text, got)
+    whole = c.completions.create(model="sim", prompt="Say hello.", max_tokens=40, stop=[stop],
+                                 extra_body={"min_tokens": 5})
+    assert whole.usage and whole.usage.completion_tokens == text.find(stop, 5) + 1  # the decode stopped there
     cluster.wait_pools_full()
 
 
