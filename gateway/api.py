@@ -82,6 +82,10 @@ class Prepared:
     # A batched completion's prompts (``input_ids`` is the first): ``n`` counts the choices of all of
     # them, each prompt's in a row (choice ``i`` answers prompt ``i // (n / len(batch))``).
     batch: list[list[int]] | None = None
+    prompt_texts: list[str | None] | None = None  # (``echo``) each prompt as the client sent it, None for ids
+
+    def prompt_text_of(self, choice: int) -> str | None:
+        return self.prompt_texts[choice // self.per_prompt] if self.prompt_texts else None
 
     def decode_context(self, choice: int = 0) -> list[int]:
         """The end of ``choice``'s prompt, which the answer's text follows (``gateway.tokenizer``)."""
@@ -268,8 +272,10 @@ class Frontend:
                 raise BadRequest(f"a batch of {len(prompt)} prompts x n={n} is more than {MAX_BATCH_CHOICES} "
                                  "choices; split it", param="prompt")
             prompts = [self._prompt_ids(item, f"prompt[{i}]") for i, item in enumerate(prompt)]
+            texts = [item if isinstance(item, str) else None for item in prompt]
         else:
             prompts = [self._prompt_ids(prompt, "prompt")]
+            texts = [prompt if isinstance(prompt, str) else None]
         input_ids = prompts[0]
         logprobs, echo = req.logprobs is not None, bool(req.echo)
         # (a batch shares its sampling parameters: its longest prompt decides what fits the context)
@@ -278,7 +284,8 @@ class Frontend:
         params.grammar = grammar_for(req)
         return Prepared(input_ids, params, n * len(prompts), stops, bool(req.stream),
                         bool(req.stream_options and req.stream_options.include_usage), logprobs, echo,
-                        ClientBootstrap.of(req), batch=prompts if len(prompts) > 1 else None)
+                        ClientBootstrap.of(req), batch=prompts if len(prompts) > 1 else None,
+                        prompt_texts=texts if echo else None)
 
     def _prompt_ids(self, prompt: Any, param: str) -> list[int]:
         """One completions prompt as token ids: text, or ids checked for range (400 naming ``param``)."""

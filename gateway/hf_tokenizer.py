@@ -55,7 +55,7 @@ class HFTokenizer:
         self.eos_token_ids = eos_token_ids
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self._template: Any = None
-        self._token_texts: dict[int, str] = {}  # id -> decode([id]) (at most the vocabulary)
+        self._token_texts: dict[int, str] = {}  # id -> token_text(id) (at most the vocabulary)
         self._pieces = PieceEncoder.of(tokenizer)  # (None: this tokenizer's chats are encoded whole)
 
     @classmethod
@@ -105,12 +105,21 @@ class HFTokenizer:
         return ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        if len(token_ids) == 1:  # one token's own text (logprob entries: every token, every alternative)
-            text = self._token_texts.get(token_ids[0])
-            if text is None:
-                text = self._token_texts[token_ids[0]] = self._tok.decode(list(token_ids), skip_special_tokens=True)
-            return text
-        text = self._tok.decode(list(token_ids), skip_special_tokens=True)
+        """The text of ``token_ids`` as an answer shows it: special tokens (EOS, chat markers) left out."""
+        text: str = self._tok.decode(list(token_ids), skip_special_tokens=True)
+        return text
+
+    def decode_literally(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids`` with their special tokens written out (an echoed prompt of token ids)."""
+        text: str = self._tok.decode(list(token_ids), skip_special_tokens=False)
+        return text
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (logprob entries: every token, every alternative), a special one's written
+        out (``<|im_end|>``, as vLLM shows it; left out it was an empty string)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
         return text
 
     def token_bytes(self, token_id: int) -> bytes | None:

@@ -18,6 +18,7 @@ import msgspec
 from gateway.api import Frontend, Prepared, TextEmitter, now_s, sse
 from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from gateway.text import ChoiceState
+from gateway.tokenizer import literal_text, token_text_of
 from gateway.tool_calls import shape_choices, tool_events
 
 _json = msgspec.json.Encoder()
@@ -213,8 +214,13 @@ class CompletionShape(Shape):
 
     @staticmethod
     def _prompt_text(run: Run, index: int) -> str:
-        """What choice ``index``'s text starts with: its prompt with ``echo``, else nothing."""
-        return run.frontend.tokenizer.decode(run.prep.prompt_of(index)) if run.prep.echo else ""
+        """What choice ``index``'s text starts with: with ``echo`` its prompt as sent (ids: as text, special
+        tokens written out, as vLLM echoes them), else nothing."""
+        prep = run.prep
+        if not prep.echo:
+            return ""
+        text = prep.prompt_text_of(index)
+        return text if text is not None else literal_text(run.frontend.tokenizer, prep.prompt_of(index))
 
     def _text_chunk(self, run: Run, index: int, text: str) -> bytes:
         return self._chunk(run, index, text, None, None)
@@ -308,17 +314,17 @@ def echo_entries(frontend: Frontend, prep: Prepared, choice: ChoiceState) -> lis
     among them, as vLLM answers (lm-evaluation-harness reads them to tell a greedy continuation)."""
     if not prep.echo:
         return []
-    decode = frontend.tokenizer.decode
+    name = token_text_of(frontend.tokenizer)
     values = choice.prompt_logprobs or []
     tops = choice.prompt_top_logprobs if prep.params.top_logprobs > 0 else None
     entries = []
     for i, token_id in enumerate(prep.prompt_of(choice.index)):
         lp = values[i] if i < len(values) else None
         known = not (i == 0 or lp is None or lp != lp)
-        token = decode([token_id])
+        token = name(token_id)
         top = None
         if known and tops is not None and i < len(tops) and tops[i]:
-            top = [{"token": decode([t.token_id]), "logprob": t.logprob} for t in tops[i]]
+            top = [{"token": name(t.token_id), "logprob": t.logprob} for t in tops[i]]
             if all(t.token_id != token_id for t in tops[i]):
                 top.append({"token": token, "logprob": lp})
         entries.append({"token": token, "logprob": lp if known else None, "top_logprobs": top})

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gateway.tokenizer import Tokenizer
+from gateway.tokenizer import Tokenizer, token_text_of
 from workers.protocol import StepOutput, TokenLogprob
 
 
@@ -109,15 +109,15 @@ class ChoiceState:
             return []
         entries = []
         tops = event.top_logprobs or [[] for _ in event.token_ids]
-        decode, as_bytes = self.tokenizer.decode, getattr(self.tokenizer, "token_bytes", None)
+        name, as_bytes = token_text_of(self.tokenizer), getattr(self.tokenizer, "token_bytes", None)
         for token_id, logprob, top in zip(event.token_ids, event.logprobs, tops, strict=False):
-            token = decode([token_id])
+            token = name(token_id)
             entries.append({
                 "token": token,
                 "logprob": logprob,
                 "bytes": _bytes_of(token, token_id, as_bytes),
                 "top_logprobs": [
-                    {"token": (t := decode([alt.token_id])), "logprob": alt.logprob,
+                    {"token": (t := name(alt.token_id)), "logprob": alt.logprob,
                      "bytes": _bytes_of(t, alt.token_id, as_bytes)}
                     for alt in top
                 ],

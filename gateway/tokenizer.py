@@ -17,7 +17,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 DECODE_CONTEXT_TOKENS = 4
@@ -44,6 +44,19 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
     def decoder(self, context: Sequence[int] = ()) -> IncrementalDecoder: ...
+
+
+def token_text_of(tokenizer: Tokenizer) -> Callable[[int], str]:
+    """How ``tokenizer`` names one token in logprob entries: its ``token_text`` (special tokens written out)
+    where it has one, else the token's decoded text."""
+    own: Callable[[int], str] | None = getattr(tokenizer, "token_text", None)
+    return own if own is not None else lambda token_id: tokenizer.decode([token_id])
+
+
+def literal_text(tokenizer: Tokenizer, token_ids: Sequence[int]) -> str:
+    """``token_ids`` as text with their special tokens written out, where ``tokenizer`` can (``decode_literally``)."""
+    literally: Callable[[Sequence[int]], str] | None = getattr(tokenizer, "decode_literally", None)
+    return literally(token_ids) if literally is not None else tokenizer.decode(token_ids)
 
 
 class ByteTokenizer:
