@@ -157,6 +157,15 @@ def test_prompt_logprobs_across_chunks(pass_all_ids, tiny_model, make_engine) ->
         expected = _reference_prompt_logprobs(model, r.prompt)
         assert max(abs(a - b) for a, b in zip(r.prompt_logprobs[1:], expected, strict=True)) < ATOL
     assert not eut.engine._prompt_carry  # nothing kept once the prompts finished
+    # aborted after its first chunk: what was carried for its next one goes with it
+    from workers.engines.base import SeqInput
+
+    pages = eut.pool.alloc(eut.pool.pages_for(len(prompt)))
+    assert pages is not None
+    eut.engine.forward([SeqInput(3, pages, 0, prompt[:5], False, params)])
+    assert eut.engine._prompt_carry
+    eut.engine.forget(3)
+    assert not eut.engine._prompt_carry
 
 
 def test_prompt_logprobs_on_prefix_hit(tiny_model, make_engine) -> None:

@@ -131,9 +131,13 @@ class TorchEngine(Engine):
         return tensor
 
     def forget(self, seq_id: int) -> None:
-        """The scheduler released ``seq_id``: drop its penalty counts (``SequenceState``)."""
+        """The scheduler released ``seq_id``: drop its penalty counts (``SequenceState``), its grammar and
+        a prompt-logprobs row carried to a next chunk that will not come (aborted mid-prompt)."""
         self.adjuster.forget(seq_id)
         self.constraints.forget(seq_id)
+        if self._prompt_carry:
+            for key in [key for key in self._prompt_carry if key[0] == seq_id]:
+                del self._prompt_carry[key]
 
     def prepare(self, grammar: Grammar) -> concurrent.futures.Future[None]:
         """Compile ``grammar`` off the scheduler thread (``workers.grammar.GrammarCompiling``)."""
