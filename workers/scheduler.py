@@ -649,6 +649,9 @@ class Scheduler:
         for req, seq, out in zip(reqs, batch, outputs, strict=True):
             if req.done:
                 continue
+            if seq.sample and out.token_id is None:  # (the engine could not sample this one row)
+                self._fail(req, "internal", "the engine could not sample a token (its scores are not finite)")
+                continue
             try:
                 if req.stage == "running":
                     self._accept_token(req, out)

@@ -243,3 +243,22 @@ def test_padded_decode_slots_cannot_leak_nan_into_a_batch(tiny_model, make_engin
     run_requests(eut.engine, eut.pool, [short, long])
     assert short.outputs == reference_greedy(model.reference, short.prompt, 4)[0]
     assert long.outputs == reference_greedy(model.reference, long.prompt, 4)[0]
+
+
+def test_a_row_that_cannot_be_sampled_is_reported_not_raised(tiny_model, make_engine, monkeypatch) -> None:
+    """torch.multinomial raising for one row (NaN probabilities) left the whole batch's step to fail: the row
+    comes back without a token (the scheduler fails that request), the others are sampled."""
+    import workers.engines.llama.engine as engine_module
+
+    real_sample = engine_module.sample
+
+    def sample(logits, params, generator):  # type: ignore[no-untyped-def]
+        if params.seed == 13:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real_sample(logits, params, generator)
+
+    monkeypatch.setattr(engine_module, "sample", sample)
+    eut = make_engine(tiny_model("llama").path, num_pages=8, page_size=4)
+    bad, good = SamplingParams(temperature=1.0, seed=13), SamplingParams(temperature=1.0, seed=14)
+    outs = eut.engine.forward([SeqInput(1, [0], 0, [3, 4], True, bad), SeqInput(2, [1], 0, [5, 6], True, good)])
+    assert outs[0].token_id is None and outs[1].token_id is not None

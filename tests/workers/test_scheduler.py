@@ -350,6 +350,28 @@ def test_engine_failure_fails_the_batch_not_the_worker() -> None:
     assert len(tokens_of(sink, 2)) == 5 and sched.cache.num_available == pool.num_pages
 
 
+def test_a_row_the_engine_cannot_sample_fails_that_request_only() -> None:
+    """An engine reports a row it could not sample (NaN scores) with no token: that request fails, the
+    others of the step go on (an exception there failed them all), and every page comes back."""
+    sched, sink, pool = make()
+    real_forward = sched.engine.forward
+
+    def one_row_unsampled(batch):  # type: ignore[no-untyped-def]
+        outputs = real_forward(batch)
+        for seq, out in zip(batch, outputs, strict=True):
+            if seq.rid == 1 and seq.num_generated == 2:
+                out.token_id = None
+        return outputs
+
+    sched.engine.forward = one_row_unsampled  # type: ignore[method-assign]
+    sched.submit(0, Submit(1, [1, 2, 3], SamplingParams(max_new_tokens=6)))
+    sched.submit(0, Submit(2, [4, 5, 6], SamplingParams(max_new_tokens=6)))
+    run_until_idle(sched)
+    assert sink.errors(1)[0].code == "internal" and "could not sample" in sink.errors(1)[0].message
+    assert len(tokens_of(sink, 1)) == 2 and len(tokens_of(sink, 2)) == 6 and not sink.errors(2)
+    assert sched.cache.num_available == pool.num_pages
+
+
 def test_nan_or_infinite_timeout_is_rejected() -> None:
     sched, sink, _ = make()
     sched.submit(0, Submit(1, [1, 2], SamplingParams(max_new_tokens=2), timeout_s=float("nan")))

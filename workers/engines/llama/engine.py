@@ -29,6 +29,7 @@ as an extra query row whose KV is not rewritten; with neither, that entry is NaN
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import math
 import os
 import secrets
@@ -46,6 +47,8 @@ from workers.engines.llama.penalties import LogitAdjuster
 from workers.engines.llama.sampling import generator_for, is_greedy, sample, token_logprobs
 from workers.kv_pool import KVPool
 from workers.protocol import Grammar, TokenLogprob
+
+log = logging.getLogger("workers.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PROMPT_LOGPROB_BLOCK = 256  # rows per LM-head block when scoring a prompt chunk
@@ -262,12 +265,19 @@ class TorchEngine(Engine):
         for j, i in enumerate(sampled):
             seq, row = batch[i], logits[j]
             self.last_logits[i] = row
+            token: int | None
             if is_greedy(seq.params):
                 token = argmax[j]
             else:
-                token = sample(scores[j], seq.params, generator_for(seq.params, seq.num_generated, self._rng))
+                try:
+                    token = sample(scores[j], seq.params, generator_for(seq.params, seq.num_generated, self._rng))
+                except RuntimeError as exc:  # (no finite probability: NaN scores) this request fails, not the batch
+                    log.warning("rid %s: cannot sample a token: %s", seq.rid, exc)
+                    token = None
             out = outputs[i]
             out.token_id = token
+            if token is None:
+                continue
             if seq.params.logprobs or seq.params.top_logprobs > 0:
                 out.logprob, out.top_logprobs = token_logprobs(row, token, seq.params.top_logprobs)
         self.constraints.accept(seqs, [outputs[i].token_id for i in sampled])
