@@ -359,12 +359,12 @@ def test_a_row_the_engine_cannot_sample_fails_that_request_only() -> None:
     def one_row_unsampled(batch):  # type: ignore[no-untyped-def]
         outputs = real_forward(batch)
         for seq, out in zip(batch, outputs, strict=True):
-            if seq.rid == 1 and seq.num_generated == 2:
+            if seq.params.seed == 13 and seq.num_generated == 2:  # (rid 1's; seq ids are the scheduler's own)
                 out.token_id = None
         return outputs
 
     sched.engine.forward = one_row_unsampled  # type: ignore[method-assign]
-    sched.submit(0, Submit(1, [1, 2, 3], SamplingParams(max_new_tokens=6)))
+    sched.submit(0, Submit(1, [1, 2, 3], SamplingParams(max_new_tokens=6, seed=13)))
     sched.submit(0, Submit(2, [4, 5, 6], SamplingParams(max_new_tokens=6)))
     run_until_idle(sched)
     assert sink.errors(1)[0].code == "internal" and "could not sample" in sink.errors(1)[0].message
