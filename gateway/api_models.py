@@ -21,8 +21,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-MAX_N = 16  # choices per request
 MAX_BATCH_CHOICES = 64  # a batched completion's prompts x n
+MAX_N = MAX_BATCH_CHOICES  # choices per request (OpenAI's own limit is 128)
 GENERATE_MAX_NEW_TOKENS = 128  # /generate's default budget (SGLang's)
 MAX_STOP_STRINGS = 8
 MAX_TOP_LOGPROBS = 20

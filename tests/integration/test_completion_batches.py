@@ -69,3 +69,16 @@ def test_a_bad_batch_is_a_400_naming_the_prompt(sim_cluster, prompt: Any, param:
     r = httpx.post(f"{cluster.base_url}/v1/completions", json={"prompt": ["x"] * 33, "n": 2, "max_tokens": 4},
                    timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    r = httpx.post(f"{cluster.base_url}/v1/completions", json={"prompt": "x", "n": 65, "max_tokens": 4}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+
+
+def test_up_to_64_choices_of_one_prompt(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = sim_cluster()
+    r = httpx.post(f"{cluster.base_url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "many"}], "n": 64, "max_tokens": 3, "seed": 1})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(64)) and all(c["message"]["content"] for c in choices)
+    assert r.json()["usage"]["completion_tokens"] == 64 * 3
+    cluster.wait_pools_full()
