@@ -28,6 +28,7 @@ Lifecycle (the workers, their health, load and HTTP session: ``gateway/sglang_fl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import secrets
@@ -38,7 +39,7 @@ import aiohttp
 import msgspec
 
 from gateway.context import REQUEST_ID
-from gateway.errors import APIError, BadGateway, BadRequest, Overloaded, UpstreamTimeout
+from gateway.errors import APIError, BadGateway, BadRequest, NoWorkers, Overloaded, UpstreamTimeout
 from gateway.policies.base import Pair
 from gateway.responder import ClientGone, read_body, send_error, watch_disconnect
 from gateway.sglang_fleet import HttpWorker, SGLangFleet
@@ -97,6 +98,8 @@ class SGLangResponder:
         assert task is not None
         gone = [False]
         status = 500
+        sent = _Sent(send)
+        send = sent
         try:
             try:
                 if scope["method"] != "POST":
@@ -120,7 +123,8 @@ class SGLangResponder:
                         exc.status, exc.type, exc.message)
                 await send_error(send, exc)
         except asyncio.CancelledError:
-            if not gone[0]:
+            if not gone[0]:  # the server stopping past its drain timeout: tell the client why, if it can be told
+                status = await sent.cut(self.route)
                 raise
             task.uncancel()
             status = 499
@@ -330,6 +334,39 @@ class SGLangResponder:
             pending, status = b"data: " + _json.encode(error.body()) + b"\n\n", error.status
         await send({"type": "http.response.body", "body": pending, "more_body": False})
         return status
+
+
+class _Sent:
+    """The ASGI ``send`` of one relayed request, minding how far the response got (for ``cut``)."""
+
+    __slots__ = ("complete", "send", "started", "stream")
+
+    def __init__(self, send: Send) -> None:
+        self.send, self.started, self.complete, self.stream = send, False, False, False
+
+    async def __call__(self, message: Any) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            self.stream = any(name == b"content-type" and value.startswith(b"text/event-stream")
+                              for name, value in message.get("headers", ()))
+        elif not message.get("more_body", False):
+            self.complete = True
+        await self.send(message)
+
+    async def cut(self, route: str) -> int:
+        """A request cancelled by the server's shutdown: a stream ends with an error event and ``[DONE]``,
+        an answer not begun is a 503 (at most a second's wait), rather than the connection closing."""
+        error = NoWorkers("the gateway shut down before this request finished (its drain timeout passed)",
+                          code="shutting_down", retry_after_s=1)
+        log.warning("%s cut by the gateway's shutdown", route)
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(1.0):
+                if not self.started:
+                    await send_error(self.send, error)
+                elif self.stream and not self.complete:
+                    await self.send({"type": "http.response.body", "more_body": False,
+                                     "body": b"data: " + _json.encode(error.body()) + b"\n\ndata: [DONE]\n\n"})
+        return error.status
 
 
 def _prefill_done(task: asyncio.Task[_PrefillReply], prefill: HttpWorker, rid: int) -> None:

@@ -91,6 +91,13 @@ def make_app(role: str, log_path: Path) -> Starlette:
                 event = json.dumps({"text": "", "meta_info": meta})
                 return Response(f"data: {event}\n\ndata: [DONE]\n\n", media_type="text/event-stream")
             return JSONResponse({"text": "", "meta_info": meta})
+        if role == "decode" and "DECODE_LONG" in text and stream:
+            async def long() -> Any:  # one event, then a long pause (a long generation)
+                yield 'data: {"text": "one"}\n\n'
+                await asyncio.sleep(30)
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(long(), media_type="text/event-stream")
         if role == "decode" and "DECODE_SLOW_HEAD" in text:
             await asyncio.sleep(2.0)
         if ("DECODE_WAITS" in text or "PREFILL_" in text) and "HEAD_FIRST" in text and stream:

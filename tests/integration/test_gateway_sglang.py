@@ -434,3 +434,33 @@ def test_a_decode_silent_after_its_prefill_finished_counts_against_it(procs: Pro
         assert r.status_code == 504, r.text
     r = httpx.post(url, json={"text": "fine"}, timeout=30)
     assert r.status_code == 503 and "decode" in r.json()["error"]["message"], r.text
+
+
+def test_requests_cut_by_the_drain_timeout_are_told_why(tmp_path: Path) -> None:
+    """SIGTERM, and requests still open when ``--drain-timeout-s`` passes: a relayed stream ends with an
+    error event and ``[DONE]``, a whole answer not begun is a 503 (the connection was closed mid-body)."""
+    import concurrent.futures
+    import signal
+
+    procs = Procs(tmp_path)
+    try:
+        p = start_standin(procs, "prefill", tmp_path / "p.jsonl")
+        d = start_standin(procs, "decode", tmp_path / "d.jsonl")
+        port = start_gateway(procs, "--prefill", f"http://127.0.0.1:{p}", "none", "--decode", f"http://127.0.0.1:{d}",
+                             "--drain-timeout-s", "1")
+        gateway = next(proc for proc in procs.procs if getattr(proc, "name", "").startswith("gateway-"))
+        url = f"http://127.0.0.1:{port}/generate"
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(httpx.post, url, json={"text": "DECODE_WAITS"}, timeout=30)
+            with httpx.stream("POST", url, json={"text": "DECODE_LONG", "stream": True}, timeout=30) as r:
+                lines = r.iter_lines()
+                assert next(lines) == 'data: {"text": "one"}'
+                time.sleep(0.3)  # (the whole one is at its decode too)
+                gateway.send_signal(signal.SIGTERM)
+                events = [line[6:] for line in lines if line.startswith("data: ")]
+            cut = whole.result()
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutting_down", events
+        assert cut.status_code == 503 and cut.json()["error"]["code"] == "shutting_down", cut.text
+        assert gateway.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        procs.stop_all()
