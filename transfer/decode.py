@@ -442,6 +442,10 @@ class DecodeSide:
             self._conn_failed(conn, error)
 
     # -- monitor thread --------------------------------------------------------------------------
+    def take_broken(self) -> list[tuple[ControlChannel, TransferError]]:
+        """(The prefill side's; a decode's connections end through ``heartbeat`` and their readers.)"""
+        return []
+
     def tick(self, now: float, outbox: Outbox) -> bool:
         """Enforce bootstrap and waiting timeouts (lock held). Never busy."""
         timeouts = self._ctx.timeouts

@@ -156,9 +156,9 @@ class KVManager:
                 now = time.monotonic()
                 try:
                     busy = side.tick(now, outbox)
-                    silent = []
+                    silent = side.take_broken()
                     if now >= next_beat:
-                        silent = side.heartbeat(now, outbox)
+                        silent += side.heartbeat(now, outbox)
                         next_beat = now + self.timeouts.heartbeat_interval_s
                 except Exception:
                     log.exception("KV monitor tick failed")

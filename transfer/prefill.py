@@ -66,6 +66,10 @@ class PrefillSide:
     def tick(self, now: float, outbox: Outbox) -> bool:
         return self.rooms.tick(now, outbox)
 
+    def take_broken(self) -> list[tuple[ControlChannel, TransferError]]:
+        """Connections to close (lock held; the caller closes them outside it): see ``SenderRooms.take_broken``."""
+        return self.rooms.take_broken()
+
     def fail_all(self, outbox: Outbox) -> None:
         self.rooms.fail_all(outbox)
 

@@ -51,6 +51,8 @@ class SenderRooms:
         self._ended_order: deque[tuple[int, float]] = deque()  # (room, expiry), oldest first: one bootstrap_s each
         self._graveyard: list[PostedWrite] = []
         self._unquiet: dict[int, Link] = {}  # failed rooms whose decode awaits Quiesced
+        # links whose data path died under an open control connection: closed by the monitor (``take_broken``)
+        self._broken: dict[int, tuple[Link, TransferError]] = {}  # id(link) ->
         slot_bytes = max(ctx.args.aux_slot_bytes, 1)
         self.staging = np.zeros((NUM_STAGING_SLOTS, slot_bytes), dtype=np.uint8)
         self._free_slots = list(range(NUM_STAGING_SLOTS - 1, -1, -1))
@@ -189,6 +191,7 @@ class SenderRooms:
                     ctx.num_bytes_sent += sum(length for _, _, length in blocks)
             sender.chunk_posted(len(page_ids), last, len(aux) if aux else None, write, posted)
             if error is not None:
+                self._data_path_failed(link, error)
                 self._fail(sender, room_error(room, error), outbox)
             elif write is None or ctx.backend.poll(write.handle) != WriteState.PENDING:
                 # settled already (a small same-host copy, or nothing to write): no hand-off to the monitor
@@ -210,6 +213,25 @@ class SenderRooms:
             self._ctx.kick()  # the next tick tells the decode once none of the room's writes is in flight
         if notify and request is not None and not request.link.closed:
             outbox.append((request.link.channel, RoomStatus(sender.room, False, error.kind.value, error.message)))
+
+    def _data_path_failed(self, link: Link, error: TransferError) -> None:
+        """A write to ``link``'s decode failed because the data path broke (lock held). A backend keeps a
+        broken peer's mark (every later write fails with it), so while the control connection stays up
+        every room of the pair would fail for good: the connection is closed instead (by the monitor,
+        ``take_broken``), and the decode registers again, with a fresh data path, for its next room."""
+        if error.kind in (TransferErrorKind.PEER_GONE, TransferErrorKind.PEER_UNREACHABLE) and not link.closed \
+                and id(link) not in self._broken:
+            self._broken[id(link)] = (link, error)
+            self._ctx.kick()
+
+    def take_broken(self) -> list[tuple[ControlChannel, TransferError]]:
+        """The control connections to close for a broken data path (lock held; closed outside it)."""
+        broken = [(link.channel, TransferError(TransferErrorKind.PEER_GONE,
+                                               f"{link.channel.name}: the data path broke ({error.message}); "
+                                               "closing the connection so that the decode registers again"))
+                  for link, error in self._broken.values() if not link.closed]
+        self._broken.clear()
+        return broken
 
     def abort(self, sender: KVSender, reason: str) -> None:
         outbox: Outbox = []
@@ -339,7 +361,9 @@ class SenderRooms:
             self._retire(failed)
             kind = cause.kind if cause else TransferErrorKind.PEER_GONE
             detail = cause.message if cause else "write failed"
-            self._fail(sender, TransferError(kind, f"room {room}: {detail}"), outbox)
+            error = TransferError(kind, f"room {room}: {detail}")
+            self._data_path_failed(request.link, error)
+            self._fail(sender, error, outbox)
         elif sender.is_complete:
             sender.succeed(now)
             self._ctx.changed()

@@ -31,7 +31,9 @@ QUICK = KVTimeouts(bootstrap_s=5.0, waiting_s=5.0, transfer_s=5.0, heartbeat_int
 def managers():
     made = []
 
-    def make(role, *, timeouts=QUICK, backend=None, args=None, **kw):
+    def make(role, *, timeouts=QUICK, backend=None, args=None, backend_name=None, **kw):
+        if backend_name is not None:
+            backend = create_backend(backend_name)
         manager = KVManager(role, args or make_args(), backend or FakeBackend(), timeouts=timeouts, **kw)
         made.append(manager)
         return manager
@@ -421,3 +423,34 @@ def test_a_prefill_address_that_cannot_be_connected_to_fails_the_room_at_once(ma
     receiver = decode.create_receiver(5, host, 4000)
     assert wait_for(lambda: receiver.poll() == KVPoll.Failed, timeout_s=2.0)
     assert host[:20] in str(receiver.failure())
+
+
+def test_a_broken_data_path_is_replaced_not_kept(managers):
+    """The data connection breaking under a live control connection (a reset, a peer marked dead): the room
+    in flight fails, and the pair does not stay broken: the prefill closes the control connection, so the
+    decode registers again and gets a fresh data path (every later room failed with the old error)."""
+    import socket
+
+    prefill, decode, sender, receiver = open_pair(managers, room=1, backend_name="tcp")
+    sender.send([0], last=True, aux=b"a")
+    assert wait_for(lambda: receiver.poll() == KVPoll.Success)
+    for peer in list(prefill.backend._peers.values()):  # the data connection breaks (ss -K, a reset...)
+        peer.sock.shutdown(socket.SHUT_RDWR)
+    sender2 = prefill.create_sender(2)
+    receiver2 = decode.create_receiver(2, *prefill.control_address)
+    assert wait_for(lambda: receiver2.poll() == KVPoll.WaitingForInput)
+    receiver2.send_metadata([6], 2)
+    assert wait_for(lambda: sender2.poll() == KVPoll.WaitingForInput)
+    sender2.send([1], last=True, aux=b"b")
+    assert wait_for(lambda: receiver2.poll() == KVPoll.Failed)
+    assert receiver2.failure().kind == TransferErrorKind.PEER_GONE
+    for room in (3, 4):  # the next rooms go through on a new data path
+        s = prefill.create_sender(room)
+        r = decode.create_receiver(room, *prefill.control_address)
+        assert wait_for(lambda r=r: r.poll() in (KVPoll.WaitingForInput, KVPoll.Failed))
+        assert r.poll() == KVPoll.WaitingForInput, r.failure()
+        r.send_metadata([7 + room], 3)
+        assert wait_for(lambda s=s: s.poll() == KVPoll.WaitingForInput)
+        s.send([2], last=True, aux=b"c")
+        assert wait_for(lambda r=r: r.poll() in (KVPoll.Success, KVPoll.Failed))
+        assert r.poll() == KVPoll.Success, (room, r.failure())
