@@ -90,6 +90,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._in_head = True  # waiting for, or reading, a request head
         self._head_bytes = 0
         self._ended_in_read = False  # a request ended in the read being parsed (its bytes are not all a head's)
+        self._big_read = False  # the read being parsed could hold a whole head over the limit
+        self._head_too_large = False
         self._timer: asyncio.TimerHandle | None = None
         self._waiting_for = ""  # what the timer waits for: "head", "body" or "idle" ("": nothing)
         self._deadline = 0.0  # loop time by which it must have arrived
@@ -137,6 +139,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._refused:
             return  # lingering: what the client still sends is dropped
         self._ended_in_read = False
+        self._big_read = len(data) > self.limits.max_head_bytes
         super().data_received(data)
         unstarted = self._unstarted
         if unstarted is not None:  # its body is still to come: read_body waits for it in a task
@@ -151,7 +154,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 self._refuse(HeadersTooLarge(f"the request head exceeds {self.limits.max_head_bytes} bytes"))
 
     def send_400_response(self, msg: str) -> None:
-        self._refuse(BadRequest(f"{msg} (not parsable as HTTP/1.1)"))
+        if self._head_too_large:
+            self._refuse(HeadersTooLarge(f"the request head exceeds {self.limits.max_head_bytes} bytes"))
+        else:
+            self._refuse(BadRequest(f"{msg} (not parsable as HTTP/1.1)"))
 
     # -- parser callbacks --------------------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -163,6 +169,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._arm("head")
 
     def on_headers_complete(self) -> None:
+        if self._big_read and len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) > \
+                self.limits.max_head_bytes:  # a whole head in one read (reads ending inside one are counted)
+            self._head_too_large = True
+            raise HeadersTooLarge("request head too large")  # (the parser stops: send_400_response answers)
         self._in_head = False
         self._disarm()
         hot = self.hot_routes

@@ -108,6 +108,15 @@ def test_huge_bodies_and_heads_are_refused_in_bounded_memory(sim_cluster: Callab
     for chunks in heads:
         status, error = status_and_error(exchange(cluster.gateway_port, chunks))
         assert status == 431 and "request head exceeds" in str(error["message"]), error
+    # A whole head over the limit (64 KiB) in one send, so most likely in one read (such a head was let through)
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    for head in (b"GET /v1/models HTTP/1.1\r\nhost: x\r\n", b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                 b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)):
+        for size, want in ((70_000, 431), (60_000, 200)):
+            request = head + b"x-big: " + b"a" * size + b"\r\nconnection: close\r\n\r\n"
+            request += body if head.startswith(b"POST") else b""
+            response = exchange(cluster.gateway_port, [request])
+            assert response.startswith(b"HTTP/1.1 %d" % want), (head[:20], size, response[:300])
     grown = rss_peak_bytes(pid) - peak
     assert grown < 32 * 1024 * 1024, f"the gateway's peak memory grew by {grown / 2**20:.0f} MiB"
     serves(cluster)
