@@ -225,12 +225,21 @@ class SenderRooms:
             self._ctx.kick()
 
     def take_broken(self) -> list[tuple[ControlChannel, TransferError]]:
-        """The control connections to close for a broken data path (lock held; closed outside it)."""
-        broken = [(link.channel, TransferError(TransferErrorKind.PEER_GONE,
-                                               f"{link.channel.name}: the data path broke ({error.message}); "
-                                               "closing the connection so that the decode registers again"))
-                  for link, error in self._broken.values() if not link.closed]
-        self._broken.clear()
+        """The control connections to close for a broken data path (lock held; closed outside it), each
+        once no write to its decode is in flight: a decode takes the close as the end of every write of
+        the connection's rooms (a backend that does not fence: docs/transfer.md), so a write still on
+        its way (of a room the backend has not failed yet) could land in pages it gave out again."""
+        in_flight = {write.room for write in self._graveyard}
+        broken = []
+        for key, (link, error) in list(self._broken.items()):
+            if not link.closed:
+                if any(room in in_flight and waiting is link for room, waiting in self._unquiet.items()) or any(
+                        sender.has_writes and sender.belongs_to(link) for sender in self._senders.values()):
+                    continue  # (the next tick looks again: it runs while writes are pending)
+                broken.append((link.channel, TransferError(
+                    TransferErrorKind.PEER_GONE, f"{link.channel.name}: the data path broke ({error.message}); "
+                    "closing the connection so that the decode registers again")))
+            del self._broken[key]
         return broken
 
     def abort(self, sender: KVSender, reason: str) -> None:

@@ -454,3 +454,55 @@ def test_a_broken_data_path_is_replaced_not_kept(managers):
         s.send([2], last=True, aux=b"c")
         assert wait_for(lambda r=r: r.poll() in (KVPoll.Success, KVPoll.Failed))
         assert r.poll() == KVPoll.Success, (room, r.failure())
+
+
+def test_a_broken_link_closes_only_once_its_writes_are_out(managers):
+    """A backend that does not fence: the decode takes the control connection's close as the end of every
+    write of its rooms. So the prefill closing a link for a broken data path waits until no write to that
+    decode is in flight (here room 1's, held pending while room 2's write fails); then it closes it."""
+    from transfer.base import UNFENCED
+    from transfer.errors import TransferError
+
+    class Brittle(FakeBackend):
+        held: set[int] = set()  # rooms whose writes stay pending
+        broken: set[int] = set()  # rooms whose writes fail as on a dead data path
+
+        def write(self, peer, blocks, fence=UNFENCED):
+            handle = super().write(peer, blocks, fence)
+            with self._lock:
+                if fence.room in self.held:
+                    self._writes[handle] = WriteState.PENDING
+                elif fence.room in self.broken:
+                    self._writes[handle] = WriteState.FAILED
+                    self._errors[handle] = TransferError(TransferErrorKind.PEER_GONE, "fake: the data path broke")
+            return handle
+
+        def settle(self):
+            with self._lock:
+                for handle, state in self._writes.items():
+                    if state == WriteState.PENDING:
+                        self._writes[handle] = WriteState.DONE
+
+    backend = Brittle()
+    backend.held, backend.broken = {1}, {2}
+    prefill, decode, sender1, receiver1 = open_pair(managers, room=1, pages=(3,), backend=backend)
+    sender2 = prefill.create_sender(2)
+    receiver2 = decode.create_receiver(2, *prefill.control_address)
+    assert wait_for(lambda: receiver2.poll() == KVPoll.WaitingForInput)
+    receiver2.send_metadata([6], 2)
+    assert wait_for(lambda: sender2.poll() == KVPoll.WaitingForInput)
+    sender1.send([0], last=True, aux=b"a")  # held on the wire
+    sender2.send([1], last=True, aux=b"b")  # fails: the data path broke
+    assert wait_for(lambda: receiver2.poll() == KVPoll.Failed)
+    time.sleep(0.5)  # monitor ticks: the link must stay up while room 1's write is out
+    assert receiver1.poll() == KVPoll.WaitingForInput and not receiver1.quiesced
+    backend.settle()  # room 1's write lands: the room completes, then the link closes
+    assert wait_for(lambda: receiver1.poll() == KVPoll.Success)
+    receiver3 = decode.create_receiver(3, *prefill.control_address)  # registers again on a new connection
+    sender3 = prefill.create_sender(3)
+    assert wait_for(lambda: receiver3.poll() == KVPoll.WaitingForInput)
+    receiver3.send_metadata([9], 3)
+    assert wait_for(lambda: sender3.poll() == KVPoll.WaitingForInput)
+    sender3.send([2], last=True, aux=b"c")
+    assert wait_for(lambda: receiver3.poll() == KVPoll.Success), receiver3.failure()
+    assert prefill.backend is backend and len(backend._peers) == 1  # the old data peer was dropped
