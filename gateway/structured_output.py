@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
+from collections.abc import Callable
 from typing import Any
 
 from gateway.errors import BadRequest
@@ -125,8 +127,31 @@ def _vllm_fields(obj: Any) -> list[Grammar]:
     return found
 
 
+# Every field ``grammar_for`` reads; most requests set none of them.
+_FIELDS = ("regex", "ebnf", "json_schema", "guided_json", "guided_regex", "guided_grammar", "guided_choice",
+           "structured_outputs", "response_format")
+_unset_getters: dict[type, Callable[[Any], tuple[Any, ...]] | None] = {}
+
+
+def _none_set(obj: Any) -> bool:
+    """True when ``obj`` (a msgspec struct) has none of ``_FIELDS`` set: one C call per request (the
+    full look-up runs some 130 bytecodes on the hot path); False when it has one, or cannot tell."""
+    kind = type(obj)
+    try:
+        getter = _unset_getters[kind]
+    except KeyError:
+        names = [name for name in _FIELDS if name in getattr(kind, "__struct_fields__", ())]
+        getter = _unset_getters[kind] = operator.attrgetter(*names) if len(names) > 1 else None
+    if getter is None:
+        return False
+    values = getter(obj)
+    return values.count(None) == len(values)
+
+
 def grammar_for(obj: Any, prefix: str = "") -> Grammar | None:
     """The constraint ``obj`` (a request body, or /generate's sampling_params with its prefix) asks for."""
+    if _none_set(obj):
+        return None
     found = _sglang_fields(obj, prefix) + _vllm_fields(obj)
     if hasattr(obj, "response_format"):
         fmt = _response_format(obj.response_format)
