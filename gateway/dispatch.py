@@ -288,7 +288,7 @@ class _Choice:
     tokens so far, the latency figures, and the request's figures once it has been served."""
 
     __slots__ = ("attempt_params", "avoid", "cached_tokens", "completed", "deadline", "dispatcher", "generated",
-                 "input_ids", "last_t", "migrations", "params", "prompt", "request", "retries", "t0")
+                 "input_ids", "itl", "last_t", "migrations", "params", "prompt", "request", "retries", "t0")
 
     def __init__(self, dispatcher: Dispatcher, input_ids: list[int], params: SamplingParams) -> None:
         self.dispatcher = dispatcher
@@ -302,6 +302,7 @@ class _Choice:
         self.request = dispatcher.router.request(input_ids, params.max_new_tokens)
         self.avoid: set[WorkerClient] = set()  # workers a failure is held against: the next attempt avoids them
         self.last_t = 0.0
+        self.itl = dispatcher.metrics.itl  # (observed per output with tokens)
         self.generated: list[int] = []  # every token delivered so far (a migration's new prompt is input_ids + these)
         self.prompt, self.attempt_params = input_ids, params  # what the next attempt sends
         self.cached_tokens = 0
@@ -314,7 +315,7 @@ class _Choice:
             now = _monotonic()
             if self.generated:  # one gap per token: an output of several (merged, or gathered) counts each
                 n = len(token_ids)
-                self.dispatcher.metrics.itl.observe((now - self.last_t) / n, n)
+                self.itl.observe((now - self.last_t) / n, n)
             else:
                 self.dispatcher.metrics.ttft.observe(now - self.t0)
             self.last_t = now
@@ -486,10 +487,13 @@ class _Attempt:
                 self._with_prompt(event)
             self.run.record(event)
             direct.take(event)
-            if not self.got_token:
-                self.got_token = bool(event.token_ids)
-        if self.got_token:  # (before it, the first-token deadline set at ``submit`` stands)
-            self.sink.set_deadline(self.idle_s)
+            if not self.got_token and event.token_ids:
+                self.got_token = True
+                self.sink.slide(self.idle_s)  # the first-token deadline set at ``submit`` gives way
+                return True
+        if self.got_token:
+            sink = self.sink
+            sink.active = sink.clock()  # progress: the idle deadline moves on
         return True
 
     def _handed_over(self, event: StepOutput) -> None:
@@ -532,7 +536,7 @@ class _Attempt:
             # (before the first token, the first-token deadline set at ``submit`` stands; while outputs
             # wait for the prefill's hand-over, the deadline set when the first of them came)
             if self.got_token and not self.held:
-                sink.set_deadline(self.idle_s)
+                sink.slide(self.idle_s)
             try:
                 side, event = await sink.get()
             except SinkOverflow:

@@ -3,7 +3,8 @@
 Lifecycle (event loop only): the dispatcher makes one per attempt and hands it to both workers'
 ``WorkerClient.submit``; the connections' frame callbacks ``put_nowait((side, event))`` (a plain call:
 no task switch, no queue object); the attempt's generator ``get``s them, its deadline waiting in the
-loop's ``DeadlineWheel`` (``set_deadline`` only moves a number, unless it comes earlier). Decode
+loop's ``DeadlineWheel`` (``set_deadline`` only moves a number, unless it comes earlier; between a
+stream's tokens, ``slide``: whoever sees progress sets ``active``, and the slot finds it when due). Decode
 outputs queued behind one another are merged into one (``merge_ready``). While ``get`` waits with
 nothing queued, an event may be taken in the callback itself by ``tap`` (the dispatcher's direct
 path). Past ``limit`` unread events the sink drops them, calls ``on_overflow`` once and ``get``
@@ -39,8 +40,8 @@ class EventSink:
     sink in a later one, so a busy stream costs no timer work per event.
     """
 
-    __slots__ = ("_deadline", "_items", "_loop", "_on_overflow", "_slot", "_waiter", "_wheel", "cap", "capped",
-                 "failed", "limit", "overflowed", "tap")
+    __slots__ = ("_deadline", "_idle_s", "_items", "_loop", "_on_overflow", "_slot", "_waiter", "_wheel", "active",
+                 "cap", "capped", "clock", "failed", "limit", "overflowed", "tap")
 
     def __init__(self, limit: int = 4096, on_overflow: Callable[[], None] | None = None,
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -54,17 +55,19 @@ class EventSink:
         self._waiter: asyncio.Future[None] | None = None
         self._loop = loop or asyncio.get_running_loop()  # (passed in: on Python 3.11 the look-up is a syscall)
         self._deadline = math.inf
+        self._idle_s: float | None = None  # (``slide``) the deadline is this long after ``active``
+        self.active = 0.0  # (``slide``) the loop's time of the last progress, set by whoever sees it
+        self.clock = self._loop.time  # (what ``active`` is read from)
         self.cap = math.inf  # no deadline later than this (the loop's time; the request's own deadline)
         self.capped = False  # the deadline set last is ``cap``
         self._wheel = wheel_of(self._loop)
         self._slot: int | None = None  # the wheel's slot it waits in
 
     def put_nowait(self, item: tuple[Any, Event]) -> None:
-        if self.overflowed or self.failed:
-            return
-        if self.tap is not None and self._waiter is not None and not self._items:
+        tap = self.tap  # (None once overflowed or failed)
+        if tap is not None and self._waiter is not None and not self._items:
             try:
-                if self.tap(item):
+                if tap(item):
                     return
             except Exception:  # a bug in a consumer must not drop the worker connection whose callback this is
                 log.exception("the direct path failed; this stream ends with an error")
@@ -72,9 +75,12 @@ class EventSink:
                 self.failed = True
                 self._wake()
                 return
+        if self.overflowed or self.failed:
+            return
         self._items.append(item)
         if len(self._items) > self.limit:
             self.overflowed = True
+            self.tap = None
             self._items.clear()
             if self._on_overflow is not None:
                 self._on_overflow()
@@ -92,7 +98,18 @@ class EventSink:
     def set_deadline(self, timeout_s: float) -> None:
         """No event for ``timeout_s`` from now, or by ``cap``, makes ``get`` raise ``TimeoutError`` (up to
         the wheel's ``RESOLUTION_S`` later)."""
-        deadline = self._loop.time() + timeout_s
+        self._idle_s = None
+        self._arm(self._loop.time() + timeout_s)
+
+    def slide(self, idle_s: float) -> None:
+        """From now on ``get`` raises ``TimeoutError`` once ``idle_s`` pass after ``active`` (or by ``cap``):
+        whoever sees progress sets ``active = loop.time()``, which costs no call and no slot change per
+        event (the slot, when it comes due, finds the deadline moved on). ``set_deadline`` ends it."""
+        self._idle_s = idle_s
+        self.active = now = self._loop.time()
+        self._arm(now + idle_s)
+
+    def _arm(self, deadline: float) -> None:
         self.capped = capped = deadline >= self.cap
         if capped:
             deadline = self.cap
@@ -106,10 +123,20 @@ class EventSink:
             self._wheel.discard(self, slot)  # timeout giving way to the idle one (later: see ``due``)
             self._slot = self._wheel.add(self, deadline)
 
+    def _current(self) -> float:
+        """The deadline now (``slide``: from ``active``); sets ``capped``."""
+        idle_s = self._idle_s
+        if idle_s is None:
+            return self._deadline
+        deadline = self.active + idle_s
+        self.capped = capped = deadline >= self.cap
+        self._deadline = deadline = self.cap if capped else deadline
+        return deadline
+
     def due(self) -> None:
         """(``DeadlineWheel``) its slot came due."""
         self._slot = None
-        deadline = self._deadline
+        deadline = self._current()
         if self._loop.time() + CLOCK_S < deadline:  # moved on since it joined the slot: wait for the new one
             if deadline != math.inf:
                 self._slot = self._wheel.add(self, deadline)
@@ -124,7 +151,7 @@ class EventSink:
                 raise SinkOverflow
             if self.failed:
                 raise DirectPathFailed
-            if self._loop.time() >= self._deadline:
+            if self._loop.time() >= (self._deadline if self._idle_s is None else self._current()):
                 raise TimeoutError
             self._waiter = self._loop.create_future()
             try:

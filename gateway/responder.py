@@ -34,6 +34,7 @@ import contextlib
 import contextvars
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -362,30 +363,38 @@ class _StreamEmitter:
     with the response's head, then the middle ones. For the one choice it is given (``direct``), it is
     the dispatcher's ``DirectConsumer``: each output detokenized, shaped and written in one call."""
 
-    __slots__ = ("exchange", "run", "shape", "state", "template")
+    __slots__ = ("after", "before", "exchange", "ready", "run", "shape", "state", "write")
     state: ChoiceState  # (set by ``direct``, before any ``take``)
 
     def __init__(self, run: Run, shape: Shape, exchange: Exchange) -> None:
         self.run, self.shape, self.exchange = run, shape, exchange
         # The shape's chunk around a middle output's text, once the first output is out (None for a
         # shape without one): ``take``'s short path, run once per streamed token.
-        self.template: tuple[bytes, bytes] | None = None
+        self.before: bytes | None = None
+        self.after = b""
+        self.write = exchange.write_now
+        # Can ``take`` write now? Until the stream has started: can it start; then the exchange's
+        # ``is_writable`` itself (one call less per token).
+        self.ready: Callable[[], bool] = self._ready_to_start
 
     def direct(self, state: ChoiceState) -> _StreamEmitter:
         self.state = state
         return self
 
-    def ready(self) -> bool:
-        return self.exchange.is_writable() if self.run.started else self.exchange.can_start()
+    def _ready_to_start(self) -> bool:
+        if self.run.started:  # (started by the task meanwhile: its first chunk went through it)
+            self.ready = self.exchange.is_writable
+            return self.ready()
+        return self.exchange.can_start()
 
     def take(self, output: StepOutput) -> None:
-        template = self.template
-        if template is None:
+        before = self.before
+        if before is None:
             self._take(output)
             return
         text = self.state.accept_middle(output)  # (the short path, once the first output is out)
         if text:
-            self.exchange.write_now(template[0] + _encode(text) + template[1])
+            self.write(before + _encode(text) + self.after)
 
     def _take(self, output: StepOutput) -> None:
         """``take`` for the first output, and for a shape without a template."""
@@ -403,7 +412,10 @@ class _StreamEmitter:
                 run.started = True
                 exchange.start_now(chunk)
         if run.started:  # the head and the first chunk are out: the next outputs are middle ones
-            self.template = self.shape.middle_template(run, state.index)
+            self.ready = exchange.is_writable
+            template = self.shape.middle_template(run, state.index)
+            if template is not None:
+                self.before, self.after = template
 
 
 async def watch_disconnect(receive: Receive, task: asyncio.Task[Any], gone: list[bool]) -> None:

@@ -337,8 +337,9 @@ class WorkerClient:
             case Outputs(items=items):
                 batch = write_batch.begin()  # the direct path's client writes go out together at the end
                 try:
+                    open_get = self._open.get
                     for item in items:
-                        entry = self._open.get(item.rid)
+                        entry = open_get(item.rid)
                         if entry is not None:
                             entry[0].put_nowait((entry[1], item))
                             if item.finish_reason is not None:

@@ -138,6 +138,61 @@ def test_event_sink_deadline_moved_either_way_on_the_wheel(first_s: float, then_
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("make_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
+def test_event_sink_slide_fires_idle_s_after_the_last_progress(make_loop) -> None:  # type: ignore[no-untyped-def]
+    """``slide``: progress set as ``active`` (no call, no slot change) keeps the deadline moving; it
+    fires ``idle_s`` after the last progress, not after ``slide`` nor after the slot first came due;
+    ``cap`` still bounds it (``capped``)."""
+    idle_s = 0.15
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        sink = EventSink()
+        sink.slide(idle_s)
+        getter = asyncio.ensure_future(sink.get())
+        for _ in range(6):  # 0.3 s of progress every 0.05 s: twice idle_s, and the first slot long due
+            await asyncio.sleep(0.05)
+            sink.active = loop.time()
+        last = sink.active
+        with pytest.raises(TimeoutError):
+            await getter
+        waited = loop.time() - last
+        assert idle_s - CLOCK_S <= waited <= idle_s + LATE_S, waited
+        assert not sink.capped
+        sink.close()
+        assert len(wheel_of(loop)) == 0
+
+        capped = EventSink()
+        capped.cap_in(0.1)
+        capped.slide(10.0)
+        start = loop.time()
+        getter = asyncio.ensure_future(capped.get())
+        await asyncio.sleep(0.05)
+        capped.active = loop.time()  # (progress does not move it past the cap)
+        with pytest.raises(TimeoutError):
+            await getter
+        assert capped.capped and 0.1 - CLOCK_S <= loop.time() - start <= 0.1 + LATE_S
+        capped.close()
+
+        fixed = EventSink()  # set_deadline ends the sliding: progress no longer moves it
+        fixed.slide(10.0)
+        fixed.set_deadline(0.1)
+        start = loop.time()
+        getter = asyncio.ensure_future(fixed.get())
+        await asyncio.sleep(0.05)
+        fixed.active = loop.time()
+        with pytest.raises(TimeoutError):
+            await getter
+        assert 0.1 - CLOCK_S <= loop.time() - start <= 0.1 + LATE_S
+        fixed.close()
+
+    loop = make_loop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
 def test_slots_on_the_clocks_own_milliseconds_fire_once_each() -> None:
     """uvloop's clock counts whole milliseconds, so a slot's timer fires at its exact time, whose
     quotient by the resolution can come out just under the slot's number: that must count as due,

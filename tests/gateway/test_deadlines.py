@@ -71,6 +71,47 @@ def test_the_idle_timeout_takes_over_from_a_longer_first_token_timeout() -> None
     asyncio.run(main())
 
 
+class _Taker:
+    """A direct consumer (``Dispatcher.generate``'s ``direct``), always ready: what it took."""
+
+    def __init__(self) -> None:
+        self.taken: list[StepOutput] = []
+
+    def ready(self) -> bool:
+        return True
+
+    def take(self, output: StepOutput) -> None:
+        self.taken.append(output)
+
+
+def test_outputs_taken_in_the_callback_keep_the_idle_deadline_moving() -> None:
+    """Outputs a stream's direct consumer takes in the worker connection's callback (the consumer's task
+    never wakes for them) count as progress: tokens every 50 ms for 0.6 s, three times the 0.2 s idle
+    timeout, keep the stream on its decode; silence after them migrates it about 0.2 s later."""
+    async def main() -> None:
+        config = DispatchConfig(first_token_timeout_s=30, stream_idle_timeout_s=0.2, max_migrations=1)
+        dispatcher, workers, transports = combined(2, config)
+        taker = _Taker()
+        gen = dispatcher.generate([1, 2, 3], SamplingParams(max_new_tokens=40), direct=taker)
+        task = asyncio.create_task(drain(gen))
+        assert await until(lambda: any(_sent(t, Submit) for t in transports), 5)
+        first = next(i for i in range(2) if _sent(transports[i], Submit))
+        (submit,) = _sent(transports[first], Submit)
+        for i in range(12):
+            workers[first]._dispatch(Outputs([StepOutput(submit.rid, [60 + i])]))
+            await asyncio.sleep(0.05)
+        assert [t for o in taker.taken for t in o.token_ids] == list(range(60, 72)), "not taken in the callback"
+        assert not _sent(transports[1 - first], Submit), "migrated while its tokens were flowing"
+        silent_from = time.monotonic()
+        assert await until(lambda: bool(_sent(transports[1 - first], Submit)), 5), "no migration after silence"
+        assert 0.15 <= time.monotonic() - silent_from <= 1.0
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+
+
 def test_the_first_token_deadline_runs_from_the_submit() -> None:
     """The prefill's hand-over before the first token does not restart the first-token deadline."""
     async def main() -> None:
