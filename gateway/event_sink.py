@@ -99,17 +99,7 @@ class EventSink:
         """No event for ``timeout_s`` from now, or by ``cap``, makes ``get`` raise ``TimeoutError`` (up to
         the wheel's ``RESOLUTION_S`` later)."""
         self._idle_s = None
-        self._arm(self._loop.time() + timeout_s)
-
-    def slide(self, idle_s: float) -> None:
-        """From now on ``get`` raises ``TimeoutError`` once ``idle_s`` pass after ``active`` (or by ``cap``):
-        whoever sees progress sets ``active = loop.time()``, which costs no call and no slot change per
-        event (the slot, when it comes due, finds the deadline moved on). ``set_deadline`` ends it."""
-        self._idle_s = idle_s
-        self.active = now = self._loop.time()
-        self._arm(now + idle_s)
-
-    def _arm(self, deadline: float) -> None:
+        deadline = self._loop.time() + timeout_s
         self.capped = capped = deadline >= self.cap
         if capped:
             deadline = self.cap
@@ -122,6 +112,14 @@ class EventSink:
         elif deadline <= (slot - 1) * RESOLUTION_S:  # earlier than its slot's time, e.g. the first token's
             self._wheel.discard(self, slot)  # timeout giving way to the idle one (later: see ``due``)
             self._slot = self._wheel.add(self, deadline)
+
+    def slide(self, idle_s: float) -> None:
+        """From now on ``get`` raises ``TimeoutError`` once ``idle_s`` pass after ``active`` (or by ``cap``):
+        whoever sees progress sets ``active = loop.time()``, which costs no call and no slot change per
+        event (the slot, when it comes due, finds the deadline moved on). ``set_deadline`` ends it."""
+        self.set_deadline(idle_s)
+        self._idle_s = idle_s
+        self.active = self._loop.time()
 
     def _current(self) -> float:
         """The deadline now (``slide``: from ``active``); sets ``capped``."""

@@ -219,6 +219,9 @@ def test_no_deadline_at_all() -> None:
         sink.set_deadline(math.inf)
         sink.set_deadline(0.05)
         sink.set_deadline(math.inf)  # (its slot comes due, finds no deadline and leaves the wheel)
+        sink.set_deadline(0.05)
+        sink.slide(math.inf)  # (the same, sliding: progress or not, never due)
+        sink.active = loop.time()
         getter = asyncio.ensure_future(sink.get())
         await asyncio.sleep(0.05 + LATE_S)
         assert not getter.done() and len(wheel_of(loop)) == 0
