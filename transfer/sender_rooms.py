@@ -215,10 +215,11 @@ class SenderRooms:
             outbox.append((request.link.channel, RoomStatus(sender.room, False, error.kind.value, error.message)))
 
     def _data_path_failed(self, link: Link, error: TransferError) -> None:
-        """A write to ``link``'s decode failed because the data path broke (lock held). A backend keeps a
-        broken peer's mark (every later write fails with it), so while the control connection stays up
-        every room of the pair would fail for good: the connection is closed instead (by the monitor,
-        ``take_broken``), and the decode registers again, with a fresh data path, for its next room."""
+        """A write to ``link``'s decode failed because the data path broke (lock held). The tcp backend
+        keeps a broken peer's mark (every later write fails with it), so while the control connection
+        stays up every room of the pair would fail for good; Mooncake and NIXL may recover, or not. The
+        connection is closed instead (by the monitor, ``take_broken``), and the decode registers again,
+        with a fresh data path, for its next room."""
         if error.kind in (TransferErrorKind.PEER_GONE, TransferErrorKind.PEER_UNREACHABLE) and not link.closed \
                 and id(link) not in self._broken:
             self._broken[id(link)] = (link, error)
@@ -236,9 +237,15 @@ class SenderRooms:
                 if any(room in in_flight and waiting is link for room, waiting in self._unquiet.items()) or any(
                         sender.has_writes and sender.belongs_to(link) for sender in self._senders.values()):
                     continue  # (the next tick looks again: it runs while writes are pending)
-                broken.append((link.channel, TransferError(
+                closing = TransferError(
                     TransferErrorKind.PEER_GONE, f"{link.channel.name}: the data path broke ({error.message}); "
-                    "closing the connection so that the decode registers again")))
+                    "closing the connection so that the decode registers again")
+                # Closed here, under the lock, not only when the caller closes the channel outside it: in
+                # between, the scheduler's ``send`` for a room of this link would post a write (its room
+                # not failed yet), and a reader thread could attach a new room to it.
+                link.closed = True
+                self.on_link_closed(link, closing)
+                broken.append((link.channel, closing))
             del self._broken[key]
         return broken
 

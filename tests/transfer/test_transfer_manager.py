@@ -21,6 +21,8 @@ from transfer import (
     WriteState,
     create_backend,
 )
+from transfer.base import UNFENCED
+from transfer.errors import TransferError
 from transfer.fake import FakeBackend
 
 QUICK = KVTimeouts(bootstrap_s=5.0, waiting_s=5.0, transfer_s=5.0, heartbeat_interval_s=0.1,
@@ -456,34 +458,40 @@ def test_a_broken_data_path_is_replaced_not_kept(managers):
         assert r.poll() == KVPoll.Success, (room, r.failure())
 
 
+class _Brittle(FakeBackend):
+    """A backend that does not fence, whose writes of some rooms stay pending or fail as on a dead data path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: set[int] = set()  # rooms whose writes stay pending
+        self.broken: set[int] = set()  # rooms whose writes fail as on a dead data path
+
+    def write(self, peer, blocks, fence=UNFENCED):
+        handle = super().write(peer, blocks, fence)
+        with self._lock:
+            if fence.room in self.held:
+                self._writes[handle] = WriteState.PENDING
+            elif fence.room in self.broken:
+                self._writes[handle] = WriteState.FAILED
+                self._errors[handle] = TransferError(TransferErrorKind.PEER_GONE, "fake: the data path broke")
+        return handle
+
+    def settle(self):
+        with self._lock:
+            for handle, state in self._writes.items():
+                if state == WriteState.PENDING:
+                    self._writes[handle] = WriteState.DONE
+
+    def pending(self) -> int:
+        with self._lock:
+            return sum(1 for state in self._writes.values() if state == WriteState.PENDING)
+
+
 def test_a_broken_link_closes_only_once_its_writes_are_out(managers):
     """A backend that does not fence: the decode takes the control connection's close as the end of every
     write of its rooms. So the prefill closing a link for a broken data path waits until no write to that
     decode is in flight (here room 1's, held pending while room 2's write fails); then it closes it."""
-    from transfer.base import UNFENCED
-    from transfer.errors import TransferError
-
-    class Brittle(FakeBackend):
-        held: set[int] = set()  # rooms whose writes stay pending
-        broken: set[int] = set()  # rooms whose writes fail as on a dead data path
-
-        def write(self, peer, blocks, fence=UNFENCED):
-            handle = super().write(peer, blocks, fence)
-            with self._lock:
-                if fence.room in self.held:
-                    self._writes[handle] = WriteState.PENDING
-                elif fence.room in self.broken:
-                    self._writes[handle] = WriteState.FAILED
-                    self._errors[handle] = TransferError(TransferErrorKind.PEER_GONE, "fake: the data path broke")
-            return handle
-
-        def settle(self):
-            with self._lock:
-                for handle, state in self._writes.items():
-                    if state == WriteState.PENDING:
-                        self._writes[handle] = WriteState.DONE
-
-    backend = Brittle()
+    backend = _Brittle()
     backend.held, backend.broken = {1}, {2}
     prefill, decode, sender1, receiver1 = open_pair(managers, room=1, pages=(3,), backend=backend)
     sender2 = prefill.create_sender(2)
@@ -506,3 +514,35 @@ def test_a_broken_link_closes_only_once_its_writes_are_out(managers):
     sender3.send([2], last=True, aux=b"c")
     assert wait_for(lambda: receiver3.poll() == KVPoll.Success), receiver3.failure()
     assert prefill.backend is backend and len(backend._peers) == 1  # the old data peer was dropped
+
+
+def test_nothing_is_written_to_a_broken_link_while_it_closes(managers, monkeypatch):
+    """The monitor picks a broken link to close (no write to its decode in flight) under the lock, and
+    closes its channel outside it. A room of that link that the scheduler sends in between must not be
+    written: its decode takes the close as the end of every write and gives the room's pages out again."""
+    from transfer.channel import ControlChannel
+
+    backend = _Brittle()
+    backend.held, backend.broken = {3}, {2}  # room 3's write would stay on the wire
+    prefill, decode = managers("prefill", backend=backend), managers("decode")
+    senders, receivers = {}, {}
+    for room, page in ((2, 6), (3, 9)):
+        senders[room] = prefill.create_sender(room)
+        receivers[room] = decode.create_receiver(room, *prefill.control_address)
+        assert wait_for(lambda room=room: receivers[room].poll() == KVPoll.WaitingForInput)
+        receivers[room].send_metadata([page], room)
+        assert wait_for(lambda room=room: senders[room].poll() == KVPoll.WaitingForInput)
+    close, sent = ControlChannel.close, []
+
+    def close_after_a_send(channel, error=None):  # (the scheduler thread's send, just before the close)
+        if error is not None and "data path broke" in error.message and not sent:
+            senders[3].send([2], last=True, aux=b"c")
+            sent.append(backend.pending())
+        close(channel, error)
+
+    monkeypatch.setattr(ControlChannel, "close", close_after_a_send)
+    senders[2].send([1], last=True, aux=b"b")  # fails: the data path broke, the link is closed
+    assert wait_for(lambda: receivers[3].poll() == KVPoll.Failed)
+    assert sent == [0], "a write went out on the link being closed"
+    assert senders[3].poll() == KVPoll.Failed and receivers[3].quiesced
+    assert backend.pending() == 0
