@@ -155,6 +155,8 @@ async def check_read_access(url: str, token: str | None, timeout_s: float = 5.0)
     try:
         async with httpx.AsyncClient(timeout=timeout_s, headers=_auth(token)) as client:
             reply = await client.get(url.rstrip("/") + "/instances")
+    except httpx.InvalidURL as exc:
+        raise BootstrapError(f"bootstrap registry URL {url!r} is not valid: {exc}") from None
     except httpx.HTTPError as exc:
         logger.warning("bootstrap registry %s did not answer a start-up check (%s); carrying on", url, exc)
         return
