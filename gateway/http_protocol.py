@@ -91,6 +91,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._ended_in_read = False  # a request ended in the read being parsed (its bytes are not all a head's)
         self._big_read = False  # the read being parsed could hold a whole head over the limit
+        self._reads = 0  # reads so far; ``_head_read``: the one the current head began in
+        self._head_read = 0
         self._head_too_large = False
         self._timer: asyncio.TimerHandle | None = None
         self._waiting_for = ""  # what the timer waits for: "head", "body" or "idle" ("": nothing)
@@ -140,6 +142,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return  # lingering: what the client still sends is dropped
         self._ended_in_read = False
         self._big_read = len(data) > self.limits.max_head_bytes
+        self._reads += 1
         super().data_received(data)
         unstarted = self._unstarted
         if unstarted is not None:  # its body is still to come: read_body waits for it in a task
@@ -165,12 +168,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             super().on_message_begin()
         else:  # the ASGI scope is made only for a request that goes to the app (on_headers_complete)
             self.url, self.headers, self.expect_100_continue = b"", [], False
-        self._in_head, self._head_bytes = True, 0
+        self._in_head, self._head_bytes, self._head_read = True, 0, self._reads
         self._arm("head")
 
     def on_headers_complete(self) -> None:
-        if self._big_read and len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) > \
-                self.limits.max_head_bytes:  # a whole head in one read (reads ending inside one are counted)
+        # Measured exactly when the head could be over the limit: it came in a read that long, or over
+        # several reads (those ending inside it are counted as they come, but not the one ending it)
+        if (self._big_read or self._head_read != self._reads) and \
+                len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) > self.limits.max_head_bytes:
             self._head_too_large = True
             raise HeadersTooLarge("request head too large")  # (the parser stops: send_400_response answers)
         self._in_head = False

@@ -117,6 +117,14 @@ def test_huge_bodies_and_heads_are_refused_in_bounded_memory(sim_cluster: Callab
             request += body if head.startswith(b"POST") else b""
             response = exchange(cluster.gateway_port, [request])
             assert response.startswith(b"HTTP/1.1 %d" % want), (head[:20], size, response[:300])
+    # ... and over the limit in two reads neither of which is (the last read of a head was not counted), also
+    # behind a pipelined request (a read that ends a request is not counted either)
+    ok = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
+    big = b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 100_000 + b"\r\nconnection: close\r\n\r\n"
+    for parts in ([big[:50_000], big[50_000:]], [ok + big[:40_000], big[40_000:80_000], big[80_000:]]):
+        response = exchange(cluster.gateway_port, parts, pause_s=0.3)
+        assert b"HTTP/1.1 431" in response and b"HTTP/1.1 200 OK\r\n" * (len(parts) - 2) in response, \
+            response[:300]
     grown = rss_peak_bytes(pid) - peak
     assert grown < 32 * 1024 * 1024, f"the gateway's peak memory grew by {grown / 2**20:.0f} MiB"
     serves(cluster)
