@@ -285,7 +285,8 @@ class _ChoiceStream:
                     return []
                 self.args_start, self.name = match.end(), json.loads(f'"{match.group(1)}"')
                 self.sent = self.args_start
-            return self._arguments(self.args_start, len(self.text) - 1, self.name)  # the last char may be "}"
+            # (the last character, but for white space after it, may be the object's closing "}")
+            return self._arguments(self.args_start, len(self.text.rstrip()) - 1, self.name)
         if self.sent < 0:
             return []  # auto, an answer that started like a call: held until the end
         stripped = self.text.lstrip()
@@ -320,8 +321,9 @@ class _ChoiceStream:
     def finish(self, reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
         plan = self.plan
         if plan.mode == "required" and self.args_start is not None:
-            done = reason == "stop" and parse_calls(plan, self.text) is not None  # (not cut by a stop string)
-            end = self.text.rfind("}") if done else len(self.text)
+            whole = parse_calls(plan, self.text) is not None  # a complete call, even if cut right after it
+            done = reason == "stop" and whole  # (not cut by a stop string)
+            end = self.text.rfind("}") if whole else len(self.text)
             deltas = self._arguments(self.args_start, max(end, self.sent), self.name)
             return deltas, "tool_calls" if done else reason
         if plan.mode == "named":

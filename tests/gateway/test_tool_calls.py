@@ -123,6 +123,16 @@ def test_a_forced_call_cut_short_is_not_reported_complete() -> None:
             assert call["function"] == {"name": "get_weather", "arguments": args}, (plan.mode, finish)
     complete = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
     assert whole(required, complete, "stop")["finish_reason"] == "tool_calls"
+    # Cut right after a complete call (max_tokens ran out on its last token), or white space after it: the
+    # streamed arguments are the call's, never with the outer object's closing brace
+    for text, finish, reason in [(complete, "length", "length"), (complete + "\n", "stop", "tool_calls"),
+                                 (complete + " \n", "length", "length")]:
+        for size in (1, 3, 7):
+            deltas, got = feed(_ChoiceStream(required), text, finish=finish, size=size)
+            choice = whole(required, text, finish)
+            assert got == reason == choice["finish_reason"], (text, finish, size)
+            assert merged_calls(deltas)[0]["arguments"] == '{"city": "Paris"}', (text, finish, size)
+            assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
 
 
 def test_tool_parameters_are_an_object_and_keep_their_references() -> None:
