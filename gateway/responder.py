@@ -102,6 +102,7 @@ class Exchange(Protocol):
     # The running loop. (``asyncio.get_running_loop()`` makes a ``getpid`` system call on Python 3.11:
     # on the hot path the loop is passed around instead.)
     loop: asyncio.AbstractEventLoop
+    response_started: bool  # the response's status line has gone out (or to the server that writes it)
 
     def check_length(self, limit: int) -> None:
         """413 (``PayloadTooLarge``) at once when the request declares a body over ``limit`` bytes: before
@@ -180,6 +181,7 @@ class Responder:
         release = None
         gone = [False]
         run: Run | None = None
+        counted = False  # (its status is counted once: an answer cut while going out is not counted again)
         try:
             try:
                 # A client leaving while queued gives up its place: the disconnect is watched from before
@@ -210,6 +212,7 @@ class Responder:
                 self._count(200)
             except APIError as exc:
                 self._count(exc.status)
+                counted = True
                 log.log(logging.WARNING if exc.status >= 500 else logging.INFO, "%s -> %d %s: %s", shape.route,
                         exc.status, exc.type, exc.message)
                 exchange.stop_watching()
@@ -221,17 +224,19 @@ class Responder:
                     raise  # mid-stream: nothing to answer with; the server closes the connection
                 log.exception("%s failed", shape.route)
                 self._count(500)
+                counted = True
                 exchange.stop_watching()
                 error = APIError("internal error in the gateway")
                 await exchange.send_json(_json.encode(error.body()), error.status, error.headers())
         except asyncio.CancelledError:
             if not gone[0]:  # the server stopping past its drain timeout: tell the client why, if it can be told
-                await self._cut(exchange, run)
+                await self._cut(exchange, run, counted)
                 raise
             task = asyncio.current_task(exchange.loop)
             assert task is not None
             task.uncancel()
-            self._count(499)
+            if not counted:
+                self._count(499)
             log.info("%s -> 499: the client closed the connection", shape.route)
         except ClientGone:
             self._count(499)
@@ -241,20 +246,23 @@ class Responder:
             if release is not None:
                 release()
 
-    async def _cut(self, exchange: Exchange, run: Run | None) -> None:
+    async def _cut(self, exchange: Exchange, run: Run | None, counted: bool) -> None:
         """A request cancelled by the server's shutdown (``--drain-timeout-s`` passed): a stream ends with an
         error event and ``[DONE]``, an answer not begun is a 503 (both at most a second's wait for the
-        client's socket), rather than the connection closing mid-response."""
+        client's socket), rather than the connection closing mid-response. (``counted``: its status was
+        counted already, its answer cut while going out.)"""
         error = NoWorkers("the gateway shut down before this request finished (its drain timeout passed)",
                           code="shutting_down", retry_after_s=1)
-        self._count(error.status)
+        if not counted:
+            self._count(error.status)
         log.warning("%s cut by the gateway's shutdown", self.shape.route)
         with contextlib.suppress(Exception):  # (asyncio.timeout's TimeoutError, a socket already gone)
             async with asyncio.timeout(1.0):
-                if run is not None and run.started:
-                    await exchange.send_chunk(error_event(error))
-                    await exchange.end_stream(SSE_DONE)
-                else:
+                if exchange.response_started:  # a stream's head went out (a whole answer's: nothing to add)
+                    if run is not None and run.started:
+                        await exchange.send_chunk(error_event(error))
+                        await exchange.end_stream(SSE_DONE)
+                else:  # (a stream whose head was still waiting for the client's socket included)
                     await exchange.send_json(_json.encode(error.body()), error.status,
                                              [*error.headers(), (b"connection", b"close")])
 
@@ -307,10 +315,11 @@ class AsgiExchange:
     """``Exchange`` over an ASGI ``(scope, receive, send)``: the body from ``receive``, a watcher task
     for the disconnect, every write through ``send``."""
 
-    __slots__ = ("loop", "receive", "scope", "send", "watcher")
+    __slots__ = ("loop", "receive", "response_started", "scope", "send", "watcher")
 
     def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.scope, self.receive, self.send = scope, receive, send
+        self.response_started = False
         self.loop = asyncio.get_running_loop()
         self.watcher: asyncio.Task[None] | None = None
 
@@ -333,10 +342,12 @@ class AsgiExchange:
     async def send_json(self, body: bytes, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         await self.send({"type": "http.response.start", "status": status,
                          "headers": [_JSON_HEADERS, (b"content-length", b"%d" % len(body)), *headers]})
+        self.response_started = True
         await self.send({"type": "http.response.body", "body": body})
 
     async def start_stream(self, first: bytes) -> None:
         await self.send({"type": "http.response.start", "status": 200, "headers": list(SSE_HEADERS)})
+        self.response_started = True
         await self.send({"type": "http.response.body", "body": first, "more_body": True})
 
     async def send_chunk(self, chunk: bytes) -> None:

@@ -1,0 +1,58 @@
+"""A request the gateway's shutdown cancels past its drain timeout (``Responder._cut``): what the client
+is told depends on what already went out on its connection, and its status is counted once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from gateway.admission import Admission
+from gateway.metrics import GatewayMetrics
+from gateway.responder import Responder
+from gateway.shapes import ChatShape
+
+
+class _Exchange:
+    def __init__(self, response_started: bool) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.response_started = response_started
+        self.sent: list[tuple[str, Any]] = []
+
+    async def send_json(self, body: bytes, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.sent.append(("json", (status, json.loads(body)["error"]["code"])))
+
+    async def send_chunk(self, chunk: bytes) -> None:
+        self.sent.append(("chunk", json.loads(chunk.removeprefix(b"data: "))["error"]["code"]))
+
+    async def end_stream(self, last: bytes) -> None:
+        self.sent.append(("end", last))
+
+
+def _cut_counted(metrics: GatewayMetrics) -> float:
+    return metrics.requests.labels("chat", "503").value
+
+
+@pytest.mark.parametrize("stream_started, head_out, counted, sent", [
+    (True, True, False, [("chunk", "shutting_down"), ("end", b"data: [DONE]\n\n")]),
+    # the stream's first chunk was waiting for the client's socket: no head went out, so a 503, not a chunk
+    (True, False, False, [("json", (503, "shutting_down"))]),
+    (False, False, False, [("json", (503, "shutting_down"))]),
+    (False, True, True, []),  # a whole answer (an error's) going out, already counted: nothing to add
+])
+def test_what_a_cut_request_is_told(stream_started: bool, head_out: bool, counted: bool,
+                                   sent: list[tuple[str, Any]]) -> None:
+    async def main() -> None:
+        metrics = GatewayMetrics()
+        host = SimpleNamespace(metrics=metrics, admission=Admission(0, 0, 1.0, metrics))
+        responder = Responder(host, ChatShape())  # type: ignore[arg-type]
+        exchange = _Exchange(head_out)
+        run = SimpleNamespace(started=stream_started) if stream_started or head_out else None
+        await responder._cut(exchange, run, counted)  # type: ignore[arg-type]
+        assert exchange.sent == sent
+        assert _cut_counted(metrics) == (0 if counted else 1)
+
+    asyncio.run(main())
