@@ -115,15 +115,31 @@ def plan_tools(req: Any, chat_template: str | None) -> ToolPlan | None:
     return ToolPlan("named", tools, name=name, grammar=checked(grammar), hermes=hermes)
 
 
+# Keywords whose values are data, not schemas (a "$ref" key inside them is a value like any other), and
+# those whose values map names to schemas (their keys are names, whatever they are called)
+_DATA_KEYWORDS = frozenset(("const", "default", "enum", "examples"))
+_SCHEMA_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"))
+
+
 def _rebased(schema: Any, root: str) -> Any:
-    """``schema`` with its local references (``#``, ``#/$defs/X``, ``#/definitions/X``...) pointing under
+    """``schema`` with its local references (``#``, ``#/$defs/X``, ``#/definitions/X``...: JSON pointer
+    fragments; a plain-name anchor such as ``#node`` finds its target wherever it is) pointing under
     ``root``, a JSON pointer fragment to where it is placed in a larger schema."""
-    if isinstance(schema, dict):
-        return {key: root + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
-                else _rebased(value, root) for key, value in schema.items()}
     if isinstance(schema, list):
         return [_rebased(item, root) for item in schema]
-    return schema
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = root + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebased(sub, root) for name, sub in value.items()}
+        else:
+            out[key] = _rebased(value, root)
+    return out
 
 
 # -- the prompt ----------------------------------------------------------------------------------

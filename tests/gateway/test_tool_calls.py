@@ -256,3 +256,22 @@ def test_streamed_logprobs_of_held_back_text_are_not_lost() -> None:
     entries = [e["token"] for c in chunks for choice in c for e in ((choice["logprobs"] or {}).get("content") or [])]
     assert entries == pieces
     assert chunks[-1][0]["finish_reason"] == "tool_calls"
+
+
+def test_rebasing_moves_pointer_references_only() -> None:
+    """``required`` nests each tool's parameters under the call's ``arguments``: references that are JSON
+    pointers into the parameters move along; a plain-name anchor, a "$ref" inside data (``const``,
+    ``default``...), and keys of name maps that happen to be keywords are left as they are."""
+    from gateway.tool_calls import _rebased
+
+    schema = {"type": "object",
+              "properties": {"default": {"$ref": "#/$defs/X"}, "anchor": {"$ref": "#node"},
+                             "fixed": {"const": {"$ref": "#/x"}}, "self": {"$ref": "#"}},
+              "$defs": {"X": {"$anchor": "node", "default": {"$ref": "#"}, "items": [{"$ref": "#/$defs/X"}]}}}
+    moved = _rebased(schema, "#/anyOf/1/properties/arguments")
+    assert moved == {"type": "object",
+                     "properties": {"default": {"$ref": "#/anyOf/1/properties/arguments/$defs/X"},
+                                    "anchor": {"$ref": "#node"}, "fixed": {"const": {"$ref": "#/x"}},
+                                    "self": {"$ref": "#/anyOf/1/properties/arguments"}},
+                     "$defs": {"X": {"$anchor": "node", "default": {"$ref": "#"},
+                                     "items": [{"$ref": "#/anyOf/1/properties/arguments/$defs/X"}]}}}
