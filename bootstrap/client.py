@@ -152,6 +152,8 @@ async def check_read_access(url: str, token: str | None, timeout_s: float = 5.0)
     ``BootstrapError`` when it answers 401/403 (every room would fail its look-up: better not to start
     than to pass health checks and fail each request). A registry that does not answer only logs a
     warning (it may be starting too), and any other answer passes."""
+    if not url.startswith(("http://", "https://")):
+        raise BootstrapError(f"bootstrap registry URL {url!r} is not valid: it must start with http:// or https://")
     try:
         async with httpx.AsyncClient(timeout=timeout_s, headers=_auth(token)) as client:
             reply = await client.get(url.rstrip("/") + "/instances")

@@ -181,7 +181,7 @@ class Responder:
         release = None
         gone = [False]
         run: Run | None = None
-        counted = False  # (its status is counted once: an answer cut while going out is not counted again)
+        answering: APIError | None = None  # an error answer counted and going out (not counted again if cut)
         try:
             try:
                 # A client leaving while queued gives up its place: the disconnect is watched from before
@@ -212,7 +212,7 @@ class Responder:
                 self._count(200)
             except APIError as exc:
                 self._count(exc.status)
-                counted = True
+                answering = exc
                 log.log(logging.WARNING if exc.status >= 500 else logging.INFO, "%s -> %d %s: %s", shape.route,
                         exc.status, exc.type, exc.message)
                 exchange.stop_watching()
@@ -224,18 +224,17 @@ class Responder:
                     raise  # mid-stream: nothing to answer with; the server closes the connection
                 log.exception("%s failed", shape.route)
                 self._count(500)
-                counted = True
                 exchange.stop_watching()
-                error = APIError("internal error in the gateway")
+                answering = error = APIError("internal error in the gateway")
                 await exchange.send_json(_json.encode(error.body()), error.status, error.headers())
         except asyncio.CancelledError:
             if not gone[0]:  # the server stopping past its drain timeout: tell the client why, if it can be told
-                await self._cut(exchange, run, counted)
+                await self._cut(exchange, run, answering)
                 raise
             task = asyncio.current_task(exchange.loop)
             assert task is not None
             task.uncancel()
-            if not counted:
+            if answering is None:
                 self._count(499)
             log.info("%s -> 499: the client closed the connection", shape.route)
         except ClientGone:
@@ -246,14 +245,14 @@ class Responder:
             if release is not None:
                 release()
 
-    async def _cut(self, exchange: Exchange, run: Run | None, counted: bool) -> None:
+    async def _cut(self, exchange: Exchange, run: Run | None, answering: APIError | None) -> None:
         """A request cancelled by the server's shutdown (``--drain-timeout-s`` passed): a stream ends with an
         error event and ``[DONE]``, an answer not begun is a 503 (both at most a second's wait for the
-        client's socket), rather than the connection closing mid-response. (``counted``: its status was
-        counted already, its answer cut while going out.)"""
-        error = NoWorkers("the gateway shut down before this request finished (its drain timeout passed)",
-                          code="shutting_down", retry_after_s=1)
-        if not counted:
+        client's socket), rather than the connection closing mid-response. ``answering``: the error answer
+        (counted) whose sending was cut: it is sent instead, and not counted again."""
+        error = answering or NoWorkers("the gateway shut down before this request finished (its drain timeout "
+                                       "passed)", code="shutting_down", retry_after_s=1)
+        if answering is None:
             self._count(error.status)
         log.warning("%s cut by the gateway's shutdown", self.shape.route)
         with contextlib.suppress(Exception):  # (asyncio.timeout's TimeoutError, a socket already gone)

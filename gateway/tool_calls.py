@@ -118,7 +118,8 @@ def plan_tools(req: Any, chat_template: str | None) -> ToolPlan | None:
 # Keywords whose values are data, not schemas (a "$ref" key inside them is a value like any other), and
 # those whose values map names to schemas (their keys are names, whatever they are called)
 _DATA_KEYWORDS = frozenset(("const", "default", "enum", "examples"))
-_SCHEMA_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"))
+_SCHEMA_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+                          "dependencies"))  # (a dependencies entry may be a list of names: left as it is)
 
 
 def _rebased(schema: Any, root: str) -> Any:

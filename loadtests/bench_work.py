@@ -62,11 +62,10 @@ async def count(stack: Stack, name: str, out: Path, stream: bool, tokens: int, r
     results = await closed_loop(target, requests, 64, stagger_s)
     os.kill(stack.pids[name], signal.SIGUSR2)
     deadline = time.monotonic() + 30
-    while not out.exists() or out.stat().st_size == 0:
+    while not out.exists():  # (moved into place once written whole)
         if time.monotonic() > deadline:
             raise TimeoutError(f"{name} wrote no counts")
         await asyncio.sleep(0.1)
-    await asyncio.sleep(0.2)  # (written in one call; let it finish)
     errors = [r.error for r in results if r.error]
     if errors:
         raise RuntimeError(f"{name}: {len(errors)} requests failed, e.g. {errors[0]}")

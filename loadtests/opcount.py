@@ -47,8 +47,9 @@ def _stop(*_: Any) -> None:
     sys.settrace(None)
     rows = [[count, _calls[code], f"{os.path.relpath(code.co_filename)}:{code.co_firstlineno}({code.co_name})"]
             for code, count in _opcodes.items()]
-    with open(_out, "w") as f:
+    with open(_out + ".part", "w") as f:
         json.dump(rows, f)
+    os.replace(_out + ".part", _out)  # (whoever waits for the file sees it whole)
 
 
 def main() -> None:

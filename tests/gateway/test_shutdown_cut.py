@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.admission import Admission
+from gateway.errors import APIError, BadRequest
 from gateway.metrics import GatewayMetrics
 from gateway.responder import Responder
 from gateway.shapes import ChatShape
@@ -36,14 +37,16 @@ def _cut_counted(metrics: GatewayMetrics) -> float:
     return metrics.requests.labels("chat", "503").value
 
 
-@pytest.mark.parametrize("stream_started, head_out, counted, sent", [
-    (True, True, False, [("chunk", "shutting_down"), ("end", b"data: [DONE]\n\n")]),
+@pytest.mark.parametrize("stream_started, head_out, answering, sent", [
+    (True, True, None, [("chunk", "shutting_down"), ("end", b"data: [DONE]\n\n")]),
     # the stream's first chunk was waiting for the client's socket: no head went out, so a 503, not a chunk
-    (True, False, False, [("json", (503, "shutting_down"))]),
-    (False, False, False, [("json", (503, "shutting_down"))]),
-    (False, True, True, []),  # a whole answer (an error's) going out, already counted: nothing to add
+    (True, False, None, [("json", (503, "shutting_down"))]),
+    (False, False, None, [("json", (503, "shutting_down"))]),
+    # an error answer, counted, whose sending was cut: that answer (not counted again), or nothing if it is out
+    (False, False, BadRequest("bad", code="bad_thing"), [("json", (400, "bad_thing"))]),
+    (False, True, BadRequest("bad", code="bad_thing"), []),
 ])
-def test_what_a_cut_request_is_told(stream_started: bool, head_out: bool, counted: bool,
+def test_what_a_cut_request_is_told(stream_started: bool, head_out: bool, answering: APIError | None,
                                    sent: list[tuple[str, Any]]) -> None:
     async def main() -> None:
         metrics = GatewayMetrics()
@@ -51,8 +54,8 @@ def test_what_a_cut_request_is_told(stream_started: bool, head_out: bool, counte
         responder = Responder(host, ChatShape())  # type: ignore[arg-type]
         exchange = _Exchange(head_out)
         run = SimpleNamespace(started=stream_started) if stream_started or head_out else None
-        await responder._cut(exchange, run, counted)  # type: ignore[arg-type]
+        await responder._cut(exchange, run, answering)  # type: ignore[arg-type]
         assert exchange.sent == sent
-        assert _cut_counted(metrics) == (0 if counted else 1)
+        assert _cut_counted(metrics) == (0 if answering else 1)
 
     asyncio.run(main())

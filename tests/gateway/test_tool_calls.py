@@ -267,11 +267,14 @@ def test_rebasing_moves_pointer_references_only() -> None:
     schema = {"type": "object",
               "properties": {"default": {"$ref": "#/$defs/X"}, "anchor": {"$ref": "#node"},
                              "fixed": {"const": {"$ref": "#/x"}}, "self": {"$ref": "#"}},
-              "$defs": {"X": {"$anchor": "node", "default": {"$ref": "#"}, "items": [{"$ref": "#/$defs/X"}]}}}
+              "$defs": {"X": {"$anchor": "node", "default": {"$ref": "#"}, "items": [{"$ref": "#/$defs/X"}]}},
+              "dependencies": {"default": {"$ref": "#/$defs/X"}, "anchor": ["self"]}}
     moved = _rebased(schema, "#/anyOf/1/properties/arguments")
     assert moved == {"type": "object",
                      "properties": {"default": {"$ref": "#/anyOf/1/properties/arguments/$defs/X"},
                                     "anchor": {"$ref": "#node"}, "fixed": {"const": {"$ref": "#/x"}},
                                     "self": {"$ref": "#/anyOf/1/properties/arguments"}},
                      "$defs": {"X": {"$anchor": "node", "default": {"$ref": "#"},
-                                     "items": [{"$ref": "#/anyOf/1/properties/arguments/$defs/X"}]}}}
+                                     "items": [{"$ref": "#/anyOf/1/properties/arguments/$defs/X"}]}},
+                     "dependencies": {"default": {"$ref": "#/anyOf/1/properties/arguments/$defs/X"},
+                                      "anchor": ["self"]}}

@@ -120,8 +120,9 @@ def test_a_decode_refused_by_its_registry_does_not_start(tmp_path: Path) -> None
         out = run_role("decode", "--port", "0", "--http-port", "0", "--bootstrap", registry)  # none at all
         assert out.returncode != 0 and "(401)" in out.stderr, out.stderr[-2000:]
         start_worker(procs, "decode", "--bootstrap-token", "s3cret", bootstrap=registry)
-        out = run_role("decode", "--port", "0", "--http-port", "0", "--bootstrap", "http://127.0.0.1:notaport")
-        assert out.returncode != 0 and "pd-worker: bootstrap registry URL 'http://127.0.0.1:notaport' is not " \
-            "valid" in out.stderr, out.stderr[-2000:]
+        for url in ("http://127.0.0.1:notaport", "127.0.0.1:8998"):  # (no scheme: httpx's "unsupported protocol")
+            out = run_role("decode", "--port", "0", "--http-port", "0", "--bootstrap", url)
+            assert out.returncode != 0 and f"pd-worker: bootstrap registry URL {url!r} is not valid" in out.stderr, \
+                out.stderr[-2000:]
     finally:
         procs.stop_all()
