@@ -10,21 +10,30 @@ from workers.protocol import StepOutput, TokenLogprob
 
 
 class StopMatcher:
-    """Finds the first stop string in a growing text; holds back a tail that could start one."""
+    """Finds the first stop string in a growing text; holds back a tail that could start one.
+
+    Text pushed as ``exempt`` (that of the first ``min_tokens`` tokens) is never where a string ends, but a
+    string may start in it and end in later text, as vLLM matches (its search window reaches back into
+    the text before a step's own); so its tail is held back like any other.
+    """
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._pending = ""
+        self._exempt = 0  # how many characters at the start of ``_pending`` are exempt text
         self.matched: str | None = None
 
-    def push(self, text: str, *, final: bool = False) -> str:
+    def push(self, text: str, *, final: bool = False, exempt: bool = False) -> str:
         """Returns the text safe to emit now; after a match, ``matched`` is set and nothing follows."""
         if self.matched is not None:
             return ""
         buf = self._pending + text
-        if self.stops:
-            hits = [(buf.find(s), s) for s in self.stops]
+        if exempt:
+            self._exempt = len(buf)
+        elif self.stops:
+            floor = self._exempt  # (a string must end past the exempt text)
+            hits = [(buf.find(s, max(0, floor - len(s) + 1)), s) for s in self.stops]
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:
                 index, stop = min(hits)
@@ -32,10 +41,11 @@ class StopMatcher:
                 self._pending = ""
                 return buf[:index]
         if final or self._hold == 0:
-            self._pending = ""
+            self._pending, self._exempt = "", 0
             return buf
         cut = max(0, len(buf) - self._hold)
         self._pending = buf[cut:]
+        self._exempt = max(0, self._exempt - cut)
         return buf[:cut]
 
 
@@ -75,11 +85,12 @@ class ChoiceState:
             self.prompt_logprobs, self.prompt_top_logprobs = event.prompt_logprobs, event.prompt_top_logprobs
         final = event.finish_reason is not None
         head = ""
-        if exempt > 0:
-            head = self.decoder.push(ids[:exempt])
+        if exempt > 0:  # (the text of tokens within min_tokens: no stop string ends in it)
+            head_text = self.decoder.push(ids[:exempt])
             ids = ids[exempt:]
             if final and not ids:
-                head += self.decoder.flush()
+                head_text += self.decoder.flush()
+            head = self.stop.push(head_text, final=final and not ids, exempt=True)
         text = self.decoder.push(ids) if ids else ""
         if final and ids:
             text += self.decoder.flush()

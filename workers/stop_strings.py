@@ -35,7 +35,7 @@ class StopWatch:
         """``history``: the end of the outputs before this request (a migrated stream's), text that a
         string may start in; ``context``: the prompt's ids before it (or before the outputs), which the
         text follows, as in the gateway's decoder (``gateway.tokenizer``); ``exempt``: how many tokens,
-        from the first of ``history``, are still within ``min_new_tokens``, whose text is not searched
+        from the first of ``history``, are still within ``min_new_tokens``, whose text no string may end in
         (as the gateway's ``ChoiceState``)."""
         self._decoder = tokenizer.decoder(context)
         self._matcher = StopMatcher(stops)
@@ -43,7 +43,7 @@ class StopWatch:
         if history:
             free = max(0, min(exempt, len(history)))
             if free:
-                self._decoder.push(history[:free])
+                self._matcher.push(self._decoder.push(history[:free]), exempt=True)
                 self._exempt -= free
             if len(history) > free:
                 self._matcher.push(self._decoder.push(history[free:]))
@@ -53,8 +53,9 @@ class StopWatch:
     def push(self, token_id: int) -> bool:
         """Add one output token; True once the text so far (past ``min_new_tokens``) contains a stop string."""
         text = self._decoder.push([token_id])
-        if self._exempt > 0:
+        if self._exempt > 0:  # (a string may start in this text, not end in it)
             self._exempt -= 1
+            self._matcher.push(text, exempt=True)
             return False
         self._matcher.push(text)
         return self._matcher.matched is not None

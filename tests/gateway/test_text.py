@@ -62,9 +62,38 @@ def test_byte_decoder_over_any_split_equals_decoding_the_whole() -> None:
         assert text + decoder.flush() == tok.decode(ids)
 
 
+def test_a_stop_string_may_start_within_min_tokens_and_end_after_them() -> None:
+    """vLLM searches each step's new text with the end of the text before it: a stop string that starts in
+    the first ``min_tokens`` tokens' text and ends after them stops the request (cut where it starts), one
+    wholly inside that text does not. The gateway's choice (however the outputs are grouped) and the
+    worker's watch agree."""
+    import random
+
+    from workers.stop_strings import StopWatch
+
+    tok = ByteTokenizer()
+    ids = list(b"a. b. c")
+    for stops, min_tokens, want_text, want_at in [([". b"], 2, "a", 4),  # starts in "a.", ends in "b"
+                                                  (["a."], 2, "a. b. c", None),  # wholly within "a.": never
+                                                  (["a.", ". c"], 2, "a. b", 7),
+                                                  ([". b", "."], 3, "a", 4)]:  # (earliest start wins)
+        watch = StopWatch(tok, stops, exempt=min_tokens)
+        at = next((i + 1 for i, t in enumerate(ids) if watch.push(t)), None)
+        assert at == want_at, (stops, min_tokens, at)
+        for seed in range(20):
+            state, i, rng = ChoiceState(0, tok, stops, False, min_tokens=min_tokens), 0, random.Random(seed)
+            sent = ""
+            while state.finish_reason is None:
+                end = min(i + rng.randint(1, 3), len(ids) if want_at is None else want_at)
+                text, _ = state.accept(StepOutput(1, ids[i:end], finish_reason="length" if end == len(ids) else None))
+                sent, i = sent + text, end
+            assert sent == state.text == want_text, (stops, min_tokens, seed, sent)
+            assert state.finish_reason == ("length" if want_at is None else "stop")
+
+
 def test_stop_strings_count_only_after_min_tokens_on_both_sides() -> None:
-    """As vLLM: the text of the first ``min_tokens`` tokens is not searched (a stop string there ended the
-    request at once, ``min_tokens`` or not); the gateway's choice and the worker's watch agree token for
+    """As vLLM: no stop string ends in the text of the first ``min_tokens`` tokens (a stop string there ended
+    the request at once, ``min_tokens`` or not); the gateway's choice and the worker's watch agree token for
     token, however the outputs are grouped, a migrated request's history included."""
     import random
 
