@@ -258,7 +258,7 @@ class SGLangResponder:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise BadGateway(f"the SGLang decode worker's response broke: {type(exc).__name__}: {exc}") from None
         if merge_logprobs and reply.status == 200:
-            data = _merge_whole(await _prefill_logprobs(p_task), data)
+            data = _merge_whole(await _prefill_logprobs(p_task, self.fleet.config.read_timeout_s, self.route), data)
         await _send_whole(send, reply.status, content_type, data)
         return reply.status
 
@@ -311,9 +311,10 @@ class SGLangResponder:
         await send({"type": "http.response.start", "status": reply.status,
                     "headers": [(b"content-type", content_type.encode()), (b"cache-control", b"no-cache"),
                                 (b"x-accel-buffering", b"no")]})
-        logprobs = await _prefill_logprobs(p_task) if merge_logprobs else None
-        events, pending = first
         idle_s = self.fleet.config.read_timeout_s
+        # (the head is out: the prefill's reply is waited for no longer than a gap between events)
+        logprobs = await _prefill_logprobs(p_task, idle_s, self.route) if merge_logprobs else None
+        events, pending = first
         status = reply.status
         try:
             while True:
@@ -331,7 +332,8 @@ class SGLangResponder:
             why = f"sent nothing for {idle_s:g}s" if timed_out else f"broke: {type(exc).__name__}: {exc}"
             log.warning("%s: the SGLang decode worker's stream %s", self.route, why)
             error = (UpstreamTimeout if timed_out else BadGateway)(f"the SGLang decode worker's stream {why}")
-            pending, status = b"data: " + _json.encode(error.body()) + b"\n\n", error.status
+            # (whole events only, then the error event and [DONE], as the native path ends a broken stream)
+            pending, status = b"data: " + _json.encode(error.body()) + b"\n\ndata: [DONE]\n\n", error.status
         await send({"type": "http.response.body", "body": pending, "more_body": False})
         return status
 
@@ -468,46 +470,73 @@ async def _settle(task: asyncio.Task[aiohttp.ClientResponse], worker: HttpWorker
                     reply.headers.get("content-type", "application/json"), body)
 
 
-async def _prefill_logprobs(task: asyncio.Task[_PrefillReply]) -> list[Any] | None:
-    """The prefill's ``meta_info.input_token_logprobs``, from its JSON reply or its first SSE event."""
+LogprobsByItem = dict[int, list[Any]]
+
+
+async def _prefill_logprobs(task: asyncio.Task[_PrefillReply], timeout_s: float, route: str) -> LogprobsByItem | None:
+    """The prefill's ``meta_info.input_token_logprobs`` per item of the request (0 for a single one; a
+    batch's by its position, or its events' ``index``), from its JSON reply or its SSE events; None when
+    there are none, or when the reply has not come within ``timeout_s`` (answered without them)."""
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        log.warning("%s: the SGLang prefill worker's reply did not come within %gs; answering without its prompt "
+                    "logprobs", route, timeout_s)
+        return None
     try:
-        reply = await task
+        reply = task.result()
     except (aiohttp.ClientError, TimeoutError, OSError):
         return None
-    body = reply.body
-    if reply.content_type.startswith("text/event-stream"):
-        first = next((line[5:].strip() for line in body.split(b"\n") if line.startswith(b"data:")), b"")
-        body = first if first and first != b"[DONE]" else b""
+    items: list[tuple[int | None, Any]] = []
     try:
-        meta = msgspec.json.decode(body).get("meta_info") if body else None
-    except (msgspec.DecodeError, AttributeError):
+        if reply.content_type.startswith("text/event-stream"):
+            for line in reply.body.split(b"\n"):
+                data = line[5:].strip() if line.startswith(b"data:") else b""
+                if data and data != b"[DONE]":
+                    items.append((None, msgspec.json.decode(data)))
+        else:
+            whole = msgspec.json.decode(reply.body)
+            items = list(enumerate(whole)) if isinstance(whole, list) else [(0, whole)]
+    except msgspec.DecodeError:
         return None
-    values = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
-    return values if isinstance(values, list) else None
+    found: LogprobsByItem = {}
+    for position, item in items:
+        if not isinstance(item, dict):
+            continue
+        index = item.get("index", 0) if position is None else position
+        meta = item.get("meta_info")
+        values = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
+        if isinstance(index, int) and isinstance(values, list) and index not in found:  # (a stream's first event)
+            found[index] = values
+    return found or None
 
 
-def _merge_one(prefill_logprobs: list[Any] | None, item: Any) -> Any:
+def _merge_one(prefill_logprobs: LogprobsByItem | None, item: Any, position: int | None = None) -> Any:
+    """``item`` (a decode answer, or a stream event: ``position`` None, its ``index`` says which) with the
+    prefill's prompt logprobs of the same item in front of its own."""
     if prefill_logprobs is None or not isinstance(item, dict) or not isinstance(item.get("meta_info"), dict):
+        return item
+    values = prefill_logprobs.get(item.get("index", 0) if position is None else position)
+    if values is None:
         return item
     meta = item["meta_info"]
     own = meta.get("input_token_logprobs")
-    meta["input_token_logprobs"] = prefill_logprobs + (own if isinstance(own, list) else [])
+    meta["input_token_logprobs"] = values + (own if isinstance(own, list) else [])
     return item
 
 
-def _merge_whole(prefill_logprobs: list[Any] | None, data: bytes) -> bytes:
+def _merge_whole(prefill_logprobs: LogprobsByItem | None, data: bytes) -> bytes:
     if prefill_logprobs is None:
         return data
     try:
         out = msgspec.json.decode(data)
     except msgspec.DecodeError:
         return data
-    out = [_merge_one(prefill_logprobs, item) for item in out] if isinstance(out, list) else \
-        _merge_one(prefill_logprobs, out)
+    out = [_merge_one(prefill_logprobs, item, i) for i, item in enumerate(out)] if isinstance(out, list) else \
+        _merge_one(prefill_logprobs, out, 0)
     return _json.encode(out)
 
 
-def _merge_events(prefill_logprobs: list[Any], events: bytes) -> bytes:
+def _merge_events(prefill_logprobs: LogprobsByItem, events: bytes) -> bytes:
     out = []
     for event in events.split(b"\n\n"):
         if event.startswith(b"data:") and event[5:].strip() != b"[DONE]":

@@ -18,6 +18,10 @@ Behaviour, chosen by the prompt (``text``, ``prompt`` or the last message's ``co
   its first token);
 - contains ``DECODE_BREAKS``: a streaming decode sends one event and half of the next, then its
   connection breaks; with ``DECODE_500`` too, it answers 500 and breaks off in the middle of its body;
+- contains ``SLOW_PREFILL``: the prefill answers after 5 s;
+- ``/generate`` with a list of ``text`` (a batch): each side answers one item per prompt (a JSON list, or
+  one event per item with its ``index``), the prefill's with its prompt's logprobs, the decode's with
+  ``[[-1.0, i, None]]`` for item ``i``;
 - otherwise the prefill answers at once with ``meta_info.input_token_logprobs`` (one entry per
   prompt character; as SSE when streaming), and the decode answers ``"decoded <room>"`` (streamed as
   one event per word for ``/generate``, cumulative; OpenAI chunks for the OpenAI routes).
@@ -43,6 +47,8 @@ from starlette.routing import Route
 def prompt_of(body: dict[str, Any]) -> str:
     if isinstance(body.get("text"), str):
         return body["text"]
+    if isinstance(body.get("text"), list):  # a batch: its behaviour is chosen by all its prompts together
+        return " ".join(str(t) for t in body["text"])
     if isinstance(body.get("prompt"), str):
         return body["prompt"]
     messages = body.get("messages") or [{}]
@@ -85,6 +91,18 @@ def make_app(role: str, log_path: Path) -> Starlette:
         if f"{role.upper()}_429" in text:
             return JSONResponse({"error": {"message": f"{role} is busy", "type": "overloaded"}}, 429,
                                 headers={"retry-after": "7"})
+        batch = body["text"] if route == "generate" and isinstance(body.get("text"), list) else None
+        if batch is not None:  # one item per prompt (SGLang's batched /generate), each with its own logprobs
+            rooms = room if isinstance(room, list) else [room] * len(batch)
+            items = [{"index": i, "text": "" if role == "prefill" else f"decoded {rooms[i]}",
+                      "meta_info": {"input_token_logprobs": [[-0.5, ord(c), None] for c in str(t)]
+                                    if role == "prefill" else [[-1.0, i, None]]}} for i, t in enumerate(batch)]
+            if not stream:
+                return JSONResponse([{k: v for k, v in item.items() if k != "index"} for item in items])
+            return Response("".join(f"data: {json.dumps(item)}\n\n" for item in items) + "data: [DONE]\n\n",
+                            media_type="text/event-stream")
+        if role == "prefill" and "SLOW_PREFILL" in text:
+            await asyncio.sleep(5.0)  # (its reply comes long after the decode's stream began)
         if role == "prefill":
             meta = {"input_token_logprobs": [[-0.5, ord(c), None] for c in text]}
             if stream:

@@ -234,9 +234,40 @@ def test_a_decode_breaking_mid_event_ends_the_stream_with_a_clean_error_event(fl
     r = post(fleet, "/generate", {"text": "DECODE_BREAKS s", "stream": True})
     assert r.status_code == 200
     events = [line[len("data: "):] for line in r.text.split("\n\n") if line.startswith("data: ")]
-    decoded = [json.loads(e) for e in events]  # every event whole: nothing of the broken one
+    assert events[-1] == "[DONE]", r.text  # (as the native path ends a broken stream)
+    decoded = [json.loads(e) for e in events[:-1]]  # every event whole: nothing of the broken one
     assert decoded[0] == {"text": "one"} and decoded[-1]["error"]["type"] == "upstream_error", r.text
     assert len(decoded) == 2
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_batch_gets_each_prompts_own_prefill_logprobs(fleet: Fleet, stream: bool) -> None:
+    """``return_logprob`` on a batched ``/generate``: each item's prompt logprobs (the prefill's) go in front of
+    that item's own (the decode's), matched by position or by the events' ``index``."""
+    texts = ["BATCHLP a", "BATCHLP bb"]
+    r = post(fleet, "/generate", {"text": texts, "return_logprob": True, "stream": stream})
+    assert r.status_code == 200, r.text
+    if stream:
+        items = [json.loads(line[len("data: "):]) for line in r.text.split("\n\n")
+                 if line.startswith("data: ") and line != "data: [DONE]"]
+    else:
+        items = [dict(item, index=i) for i, item in enumerate(r.json())]
+    assert sorted(item["index"] for item in items) == [0, 1]
+    for item in items:
+        i = item["index"]
+        want = [[-0.5, ord(c), None] for c in texts[i]] + [[-1.0, i, None]]
+        assert item["meta_info"]["input_token_logprobs"] == want, (stream, item)
+
+
+def test_a_prefill_reply_late_for_its_logprobs_does_not_hold_the_stream(fleet: Fleet) -> None:
+    """A stream with ``return_logprob`` waits for the prefill's prompt logprobs no longer than the gap allowed
+    between events (here 1 s): a prefill that answers after 5 s leaves them out; the stream goes on."""
+    r = post(fleet, "/generate", {"text": "SLOW_PREFILL x", "return_logprob": True, "stream": True})
+    assert r.status_code == 200, r.text
+    events = [json.loads(line[len("data: "):]) for line in r.text.split("\n\n")
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert events and events[-1]["text"].startswith("decoded"), r.text
+    assert all(e["meta_info"]["input_token_logprobs"] == [] for e in events), r.text
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
