@@ -116,7 +116,7 @@ class SGLangResponder:
                 # or later (the workers' requests are closed, which aborts them).
                 watcher = asyncio.create_task(watch_disconnect(receive, task, gone))
                 release = await self.admission.admit()
-                status = await self._relay(body, send)
+                status = await self._relay(body, send, _trace_headers(scope["headers"]))
             except APIError as exc:
                 status = exc.status
                 log.log(logging.WARNING if exc.status >= 500 else logging.INFO, "%s -> %d %s: %s", self.route,
@@ -137,7 +137,8 @@ class SGLangResponder:
             if release is not None:
                 release()
 
-    async def _relay(self, body: dict[str, Any], send: Send) -> int:
+    async def _relay(self, body: dict[str, Any], send: Send, trace: dict[str, str]) -> int:
+        """``trace``: the client's W3C trace context headers, passed on to both workers."""
         fleet, cfg = self.fleet, self.fleet.config
         num_items = batch_size(self.route, body)
         stream = bool(body.get("stream"))
@@ -157,7 +158,8 @@ class SGLangResponder:
                                bootstrap_port=[prefill.bootstrap_port] * num_items, bootstrap_room=rooms)
             pair, result = Pair(prefill.state, decode.state), "cancelled"
             try:
-                outcome = await self._attempt(prefill, decode, _json.encode(payload), stream, merge_logprobs, send)
+                outcome = await self._attempt(prefill, decode, _json.encode(payload), stream, merge_logprobs, send,
+                                              trace)
                 result = "finished" if isinstance(outcome, int) and outcome < 400 else "failed"
             except APIError:
                 result = "failed"
@@ -174,13 +176,13 @@ class SGLangResponder:
             await asyncio.sleep(min(delay, MAX_BACKOFF_S))
 
     async def _attempt(self, prefill: HttpWorker, decode: HttpWorker, data: bytes, stream: bool,
-                       merge_logprobs: bool, send: Send) -> int | _Retry:
+                       merge_logprobs: bool, send: Send, trace: dict[str, str]) -> int | _Retry:
         """One pair: the client's status once answered, or what to retry."""
         session = self.fleet.session
         assert session is not None
         cfg = self.fleet.config
         loop = asyncio.get_running_loop()
-        headers = {"content-type": "application/json", "x-request-id": REQUEST_ID.get()}
+        headers = {"content-type": "application/json", "x-request-id": REQUEST_ID.get(), **trace}
         # A stream's first event is due within the first-token timeout, a whole answer at its end. (No
         # ``sock_read``: it would bound the wait for the response head too, which our own workers send
         # with the first token; a stream's reads are timed in ``_first_events`` and ``_stream``.)
@@ -471,6 +473,13 @@ async def _settle(task: asyncio.Task[aiohttp.ClientResponse], worker: HttpWorker
 
 
 LogprobsByItem = dict[int, list[Any]]
+
+
+_TRACE_HEADERS = (b"traceparent", b"tracestate")  # W3C trace context, as SGLang's router passes it on
+
+
+def _trace_headers(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    return {name.decode(): value.decode("latin-1") for name, value in headers if name in _TRACE_HEADERS}
 
 
 async def _prefill_logprobs(task: asyncio.Task[_PrefillReply], timeout_s: float, route: str) -> LogprobsByItem | None:

@@ -3,8 +3,8 @@
 It speaks only HTTP (no native protocol, no KV): ``GET /health``, ``GET /get_model_info``, and
 ``POST /generate``, ``/v1/completions``, ``/v1/chat/completions``. Every request's bootstrap fields
 are appended as one JSON line to ``--log`` (``{"event": "request", "route", "bootstrap_host",
-"bootstrap_port", "bootstrap_room", "text"}``), and a decode whose client went away before it
-answered logs ``{"event": "cancelled", "bootstrap_room"}``.
+"bootstrap_port", "bootstrap_room", "text", "stream", "traceparent", "tracestate"}``), and a decode
+whose client went away before it answered logs ``{"event": "cancelled", "bootstrap_room"}``.
 
 Behaviour, chosen by the prompt (``text``, ``prompt`` or the last message's ``content``):
 - contains ``PREFILL_400`` / ``PREFILL_500`` / ``DECODE_500``: that side answers with that status (a
@@ -72,7 +72,8 @@ def make_app(role: str, log_path: Path) -> Starlette:
         text = prompt_of(body)
         room = body.get("bootstrap_room")
         log(event="request", route=route, bootstrap_host=body.get("bootstrap_host"),
-            bootstrap_port=body.get("bootstrap_port"), bootstrap_room=room, text=text, stream=body.get("stream"))
+            bootstrap_port=body.get("bootstrap_port"), bootstrap_room=room, text=text, stream=body.get("stream"),
+            traceparent=request.headers.get("traceparent"), tracestate=request.headers.get("tracestate"))
         if f"{role.upper()}_400" in text:
             await asyncio.sleep(0.5)  # refuse after a moment, so the concurrent decode surely holds the request
             return JSONResponse({"error": {"message": f"{role} refuses", "type": "invalid_request_error"}}, 400)

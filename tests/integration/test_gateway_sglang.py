@@ -259,6 +259,18 @@ def test_a_batch_gets_each_prompts_own_prefill_logprobs(fleet: Fleet, stream: bo
         assert item["meta_info"]["input_token_logprobs"] == want, (stream, item)
 
 
+def test_the_clients_trace_context_reaches_both_workers(fleet: Fleet) -> None:
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    r = post(fleet, "/generate", {"text": "traced"}, headers={"traceparent": parent, "tracestate": "gw=1"})
+    assert r.status_code == 200, r.text
+    room = int(r.json()["text"].split()[1])
+    (decode,) = [e for e in fleet.entries(fleet.decode_log) if e["bootstrap_room"] == room]
+    prefill = fleet.prefill_requests_for(room)
+    assert len(prefill) == 1
+    for entry in (decode, prefill[0]):
+        assert (entry["traceparent"], entry["tracestate"]) == (parent, "gw=1")
+
+
 def test_a_prefill_reply_late_for_its_logprobs_does_not_hold_the_stream(fleet: Fleet) -> None:
     """A stream with ``return_logprob`` waits for the prefill's prompt logprobs no longer than the gap allowed
     between events (here 1 s): a prefill that answers after 5 s leaves them out; the stream goes on."""
