@@ -154,11 +154,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._in_head and not self._ended_in_read and not self._refused:
             self._head_bytes += len(data)
             if self._head_bytes > self.limits.max_head_bytes:
-                self._refuse(HeadersTooLarge(f"the request head exceeds {self.limits.max_head_bytes} bytes"))
+                self._refuse_big_head()
+
+    def _refuse_big_head(self) -> None:
+        self._refuse(HeadersTooLarge(f"the request head exceeds {self.limits.max_head_bytes} bytes"))
 
     def send_400_response(self, msg: str) -> None:
         if self._head_too_large:
-            self._refuse(HeadersTooLarge(f"the request head exceeds {self.limits.max_head_bytes} bytes"))
+            self._refuse_big_head()
         else:
             self._refuse(BadRequest(f"{msg} (not parsable as HTTP/1.1)"))
 

@@ -250,8 +250,7 @@ class Responder:
         error event and ``[DONE]``, an answer not begun is a 503 (both at most a second's wait for the
         client's socket), rather than the connection closing mid-response. ``answering``: the error answer
         (counted) whose sending was cut: it is sent instead, and not counted again."""
-        error = answering or NoWorkers("the gateway shut down before this request finished (its drain timeout "
-                                       "passed)", code="shutting_down", retry_after_s=1)
+        error = answering or shutdown_cut_error()
         if answering is None:
             self._count(error.status)
         log.warning("%s cut by the gateway's shutdown", self.shape.route)
@@ -308,6 +307,12 @@ class Responder:
             active.dec()
             await events.aclose()
             run.emitter = None  # (it refers to the run: freed by reference counting, not the collector)
+
+
+def shutdown_cut_error() -> APIError:
+    """What a request the gateway's shutdown cuts past its drain timeout is told (503 ``shutting_down``)."""
+    return NoWorkers("the gateway shut down before this request finished (its drain timeout passed)",
+                     code="shutting_down", retry_after_s=1)
 
 
 class AsgiExchange:

@@ -38,10 +38,11 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import msgspec
 
+from gateway.api import SSE_DONE, error_event
 from gateway.context import REQUEST_ID
-from gateway.errors import APIError, BadGateway, BadRequest, NoWorkers, Overloaded, UpstreamTimeout
+from gateway.errors import APIError, BadGateway, BadRequest, Overloaded, UpstreamTimeout
 from gateway.policies.base import Pair
-from gateway.responder import ClientGone, read_body, send_error, watch_disconnect
+from gateway.responder import ClientGone, read_body, send_error, shutdown_cut_error, watch_disconnect
 from gateway.sglang_fleet import HttpWorker, SGLangFleet
 from gateway.sglang_routing import routing_request
 
@@ -335,7 +336,7 @@ class SGLangResponder:
             log.warning("%s: the SGLang decode worker's stream %s", self.route, why)
             error = (UpstreamTimeout if timed_out else BadGateway)(f"the SGLang decode worker's stream {why}")
             # (whole events only, then the error event and [DONE], as the native path ends a broken stream)
-            pending, status = b"data: " + _json.encode(error.body()) + b"\n\ndata: [DONE]\n\n", error.status
+            pending, status = error_event(error) + SSE_DONE, error.status
         await send({"type": "http.response.body", "body": pending, "more_body": False})
         return status
 
@@ -360,8 +361,7 @@ class _Sent:
     async def cut(self, route: str) -> int:
         """A request cancelled by the server's shutdown: a stream ends with an error event and ``[DONE]``,
         an answer not begun is a 503 (at most a second's wait), rather than the connection closing."""
-        error = NoWorkers("the gateway shut down before this request finished (its drain timeout passed)",
-                          code="shutting_down", retry_after_s=1)
+        error = shutdown_cut_error()
         log.warning("%s cut by the gateway's shutdown", route)
         with contextlib.suppress(Exception):
             async with asyncio.timeout(1.0):
@@ -369,7 +369,7 @@ class _Sent:
                     await send_error(self.send, error)
                 elif self.stream and not self.complete:
                     await self.send({"type": "http.response.body", "more_body": False,
-                                     "body": b"data: " + _json.encode(error.body()) + b"\n\ndata: [DONE]\n\n"})
+                                     "body": error_event(error) + SSE_DONE})
         return error.status
 
 

@@ -248,13 +248,18 @@ def _is_json(text: str) -> bool:
     return True
 
 
+def _required_start(text: str) -> tuple[str, int] | None:
+    """A forced call's (required mode) name and where its arguments start, once its text has come that far."""
+    match = _REQUIRED_START.match(text)
+    return None if match is None else (json.loads(f'"{match.group(1)}"'), match.end())
+
+
 def _cut_call(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
     """A forced call (required mode) cut before its end: its name and the arguments as far as they go."""
-    match = _REQUIRED_START.match(text)
-    if match is None:
+    start = _required_start(text)
+    if start is None or start[0] not in plan.names:
         return None
-    name = json.loads(f'"{match.group(1)}"')
-    return [_new_call(name, text[match.end():])] if name in plan.names else None
+    return [_new_call(start[0], text[start[1]:])]
 
 
 def shape_choices(plan: ToolPlan, result: dict[str, Any]) -> None:
@@ -297,10 +302,10 @@ class _ChoiceStream:
             return self._arguments(0, len(self.text), self.name)
         if plan.mode == "required":
             if self.args_start is None:
-                match = _REQUIRED_START.match(self.text)
-                if match is None:
+                call_start = _required_start(self.text)
+                if call_start is None:
                     return []
-                self.args_start, self.name = match.end(), json.loads(f'"{match.group(1)}"')
+                self.name, self.args_start = call_start
                 self.sent = self.args_start
             # (the last character, but for white space after it, may be the object's closing "}")
             return self._arguments(self.args_start, len(self.text.rstrip()) - 1, self.name)

@@ -14,7 +14,7 @@ import asyncio
 import time
 
 import pytest
-from test_hot_path import _connected_workers, _sent
+from test_hot_path import RecordingConsumer, _connected_workers, _sent
 
 from gateway.dispatch import DispatchConfig, Dispatcher
 from gateway.errors import UpstreamTimeout
@@ -71,19 +71,6 @@ def test_the_idle_timeout_takes_over_from_a_longer_first_token_timeout() -> None
     asyncio.run(main())
 
 
-class _Taker:
-    """A direct consumer (``Dispatcher.generate``'s ``direct``), always ready: what it took."""
-
-    def __init__(self) -> None:
-        self.taken: list[StepOutput] = []
-
-    def ready(self) -> bool:
-        return True
-
-    def take(self, output: StepOutput) -> None:
-        self.taken.append(output)
-
-
 def test_outputs_taken_in_the_callback_keep_the_idle_deadline_moving() -> None:
     """Outputs a stream's direct consumer takes in the worker connection's callback (the consumer's task
     never wakes for them) count as progress: tokens every 50 ms for 0.6 s, three times the 0.2 s idle
@@ -91,7 +78,7 @@ def test_outputs_taken_in_the_callback_keep_the_idle_deadline_moving() -> None:
     async def main() -> None:
         config = DispatchConfig(first_token_timeout_s=30, stream_idle_timeout_s=0.2, max_migrations=1)
         dispatcher, workers, transports = combined(2, config)
-        taker = _Taker()
+        taker = RecordingConsumer()
         gen = dispatcher.generate([1, 2, 3], SamplingParams(max_new_tokens=40), direct=taker)
         task = asyncio.create_task(drain(gen))
         assert await until(lambda: any(_sent(t, Submit) for t in transports), 5)
@@ -100,7 +87,7 @@ def test_outputs_taken_in_the_callback_keep_the_idle_deadline_moving() -> None:
         for i in range(12):
             workers[first]._dispatch(Outputs([StepOutput(submit.rid, [60 + i])]))
             await asyncio.sleep(0.05)
-        assert [t for o in taker.taken for t in o.token_ids] == list(range(60, 72)), "not taken in the callback"
+        assert [t for ids, _ in taker.taken for t in ids] == list(range(60, 72)), "not taken in the callback"
         assert not _sent(transports[1 - first], Submit), "migrated while its tokens were flowing"
         silent_from = time.monotonic()
         assert await until(lambda: bool(_sent(transports[1 - first], Submit)), 5), "no migration after silence"

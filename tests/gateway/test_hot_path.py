@@ -437,6 +437,20 @@ def test_submits_go_out_together_at_the_end_of_the_loop_pass_unless_urgent() -> 
     asyncio.run(main())
 
 
+class RecordingConsumer:
+    """A direct consumer (``Dispatcher.generate``'s ``direct``), always ready: each output it took, as
+    (its token ids, its cached tokens) when taken."""
+
+    def __init__(self) -> None:
+        self.taken: list[tuple[list[int], int]] = []
+
+    def ready(self) -> bool:
+        return True
+
+    def take(self, output: StepOutput) -> None:
+        self.taken.append((list(output.token_ids), output.cached_tokens))
+
+
 class _RecordingTransport:
     """A worker connection's transport that keeps every write (what ``WorkerClient`` sent, write by write)."""
 
@@ -484,21 +498,11 @@ def test_a_migrated_stream_keeps_its_own_cache_hits_on_the_direct_path() -> None
     def submitted(transport: _RecordingTransport) -> list[int]:
         return [m.rid for data in transport.writes for m in _worker_reads(data) if isinstance(m, Submit)]
 
-    class Consumer:
-        def __init__(self) -> None:
-            self.taken: list[tuple[list[int], int]] = []
-
-        def ready(self) -> bool:
-            return True
-
-        def take(self, output: StepOutput) -> None:
-            self.taken.append((list(output.token_ids), output.cached_tokens))
-
     async def main() -> None:
         workers, transports = _connected_workers(asyncio.get_running_loop(), "both", 2)
         policy = RoundRobinPolicy()
         dispatcher = Dispatcher([], workers, Router(policy, policy), combined=True)
-        consumer = Consumer()
+        consumer = RecordingConsumer()
         yielded: list[StepOutput] = []
 
         async def consume() -> None:
