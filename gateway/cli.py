@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--admin-api-key", action="append", default=[], metavar="KEY",
                      help="key for the admin API (/workers ...); repeatable (without one, the client keys guard it)")
     ops.add_argument("--admin-api-key-file", default=None, help="file with one admin API key per line")
+    ops.add_argument("--worker-api-key", default=None, metavar="KEY",
+                     help="sent to SGLang (http://) workers as 'Authorization: Bearer KEY' (their --api-key)")
+    ops.add_argument("--worker-api-key-file", default=None, help="file holding --worker-api-key (one line)")
     ops.add_argument("--metrics-require-admin", action="store_true", help="/metrics needs the admin key")
     ops.add_argument("--health-interval-s", type=float, default=1.0, help="probe each worker this often")
     ops.add_argument("--health-timeout-s", type=float, default=2.0, help="a probe not answered by then fails")
@@ -111,6 +114,17 @@ def _read_keys(path: str | None, flag: str = "api_key_file") -> list[str]:
     except OSError as exc:
         raise ValueError(f"{flag}: cannot read {path}: {exc.strerror}") from None
     return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _worker_key(args: argparse.Namespace) -> str | None:
+    if args.worker_api_key_file is None:
+        return args.worker_api_key
+    if args.worker_api_key is not None:
+        raise ValueError("worker_api_key: give --worker-api-key or --worker-api-key-file, not both")
+    keys = _read_keys(args.worker_api_key_file, "worker_api_key_file")
+    if len(keys) != 1:
+        raise ValueError(f"worker_api_key_file: needs exactly one key, found {len(keys)}")
+    return keys[0]
 
 
 def split_prefill_args(values: list[str]) -> tuple[tuple[str, ...], tuple[int | None, ...]]:
@@ -150,7 +164,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s,
         drain_timeout_s=args.drain_timeout_s, api_keys=tuple(args.api_key + _read_keys(args.api_key_file)),
         admin_api_keys=tuple(args.admin_api_key + _read_keys(args.admin_api_key_file, "admin_api_key_file")),
-        metrics_require_admin=args.metrics_require_admin,
+        metrics_require_admin=args.metrics_require_admin, worker_api_key=_worker_key(args),
         health=HealthConfig(
             probe_interval_s=args.health_interval_s, probe_timeout_s=args.health_timeout_s,
             unhealthy_after=args.unhealthy_after, healthy_after=args.healthy_after,

@@ -80,6 +80,7 @@ class GatewayConfig:
     api_keys: tuple[str, ...] = ()
     admin_api_keys: tuple[str, ...] = ()
     metrics_require_admin: bool = False
+    worker_api_key: str | None = field(default=None, repr=False)  # to SGLang workers: 'Authorization: Bearer KEY'
     health: HealthConfig = field(default_factory=HealthConfig)
 
     def __post_init__(self) -> None:
@@ -127,6 +128,12 @@ class GatewayConfig:
                 o.startswith(("prefill.", "decode.")) for o in self.policy_options)):
             raise ValueError("prefill_policy/decode_policy: combined workers (--worker) are chosen by one policy; "
                              "use --policy and unprefixed --policy-option")
+        if self.worker_api_key is not None:
+            if not self.worker_api_key or any(c.isspace() or not c.isprintable() for c in self.worker_api_key):
+                raise ValueError("worker_api_key: must be non-empty, without white space or control characters")
+            if not any(is_http_url(url) for url in self.prefill):
+                raise ValueError("worker_api_key: only SGLang (http://) workers take a key; no --prefill/--decode "
+                                 "URL here is one")
         if self.metrics_require_admin and not self.admin_api_keys:
             raise ValueError("metrics_require_admin needs an admin key (--admin-api-key or --admin-api-key-file)")
 
@@ -151,7 +158,8 @@ class Gateway:
                                          first_byte_timeout_s=config.first_token_timeout_s,
                                          read_timeout_s=config.stream_idle_timeout_s,
                                          request_timeout_s=config.request_timeout_s,
-                                         max_retries=config.max_retries, retry_backoff_s=config.retry_backoff_s),
+                                         max_retries=config.max_retries, retry_backoff_s=config.retry_backoff_s,
+                                         worker_api_key=config.worker_api_key),
                                      load_stale_s=config.load_stale_s)
         self.dispatcher = Dispatcher(
             self.prefills, self.decodes, self.router,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -63,6 +63,9 @@ class RelayConfig:
     max_retries: int = 2
     retry_backoff_s: float = 0.05
     max_connections_per_worker: int = 256
+    # Sent as ``Authorization: Bearer KEY`` with every request to the workers (SGLang's ``--api-key``);
+    # kept out of the dataclass's repr so that it never reaches a log.
+    worker_api_key: str | None = field(default=None, repr=False)
 
 
 class HttpWorker:
@@ -136,8 +139,9 @@ class SGLangFleet:
         cfg = self.config
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=cfg.max_connections_per_worker,
                                          keepalive_timeout=30.0, enable_cleanup_closed=True)
+        headers = {"Authorization": f"Bearer {cfg.worker_api_key}"} if cfg.worker_api_key else None
         self.session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",),
+            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",), headers=headers,
             timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s))
         self._probes = [asyncio.create_task(self._probe_loop(w), name=f"sglang-probe {w.url}") for w in self.workers]
 
@@ -166,6 +170,9 @@ class SGLangFleet:
                                             timeout=aiohttp.ClientTimeout(total=config.probe_timeout_s)) as reply:
                     await reply.read()
                     ok, reason = reply.status == 200, f"/health answered {reply.status}"
+                    if reply.status in (401, 403):
+                        reason += (" (wrong --worker-api-key)" if self.config.worker_api_key else
+                                   " (the worker wants a key: --worker-api-key)")
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 ok, reason = False, f"/health failed: {type(exc).__name__}: {exc}"
             if ok:

@@ -26,7 +26,11 @@ Behaviour, chosen by the prompt (``text``, ``prompt`` or the last message's ``co
   prompt character; as SSE when streaming), and the decode answers ``"decoded <room>"`` (streamed as
   one event per word for ``/generate``, cumulative; OpenAI chunks for the OpenAI routes).
 
-    python tests/integration/sglang_standin.py --role prefill|decode --port N --log FILE
+With ``--api-key KEY`` every request, ``/health`` included (stricter than SGLang, which lets its health
+checks through), needs ``Authorization: Bearer KEY``; others get 401 and are logged as
+``{"event": "unauthorized", "path"}``.
+
+    python tests/integration/sglang_standin.py --role prefill|decode --port N --log FILE [--api-key KEY]
 """
 
 from __future__ import annotations
@@ -55,10 +59,28 @@ def prompt_of(body: dict[str, Any]) -> str:
     return str(messages[-1].get("content", ""))
 
 
+def log_to(log_path: Path, **entry: Any) -> None:
+    with log_path.open("a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def with_api_key(app: Any, key: str, log_path: Path) -> Any:
+    """``app`` behind ``Authorization: Bearer KEY`` (401 otherwise)."""
+    expected = f"Bearer {key}".encode()
+
+    async def guarded(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and dict(scope["headers"]).get(b"authorization") != expected:
+            log_to(log_path, event="unauthorized", path=scope["path"])
+            await JSONResponse({"error": "Unauthorized"}, 401)(scope, receive, send)
+            return
+        await app(scope, receive, send)
+
+    return guarded
+
+
 def make_app(role: str, log_path: Path) -> Starlette:
     def log(**entry: Any) -> None:
-        with log_path.open("a") as f:
-            f.write(json.dumps(entry) + "\n")
+        log_to(log_path, **entry)
 
     async def health(_: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -179,8 +201,12 @@ def main() -> None:
     ap.add_argument("--role", choices=["prefill", "decode"], required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--log", required=True)
+    ap.add_argument("--api-key", default=None)
     args = ap.parse_args()
-    uvicorn.run(make_app(args.role, Path(args.log)), host="127.0.0.1", port=args.port, log_level="warning")
+    app: Any = make_app(args.role, Path(args.log))
+    if args.api_key:
+        app = with_api_key(app, args.api_key, Path(args.log))
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ gives.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -64,12 +65,24 @@ def eventually(look: Callable[[], list[T]], timeout_s: float = 5.0) -> list[T]:
     return found
 
 
-def start_standin(procs: Procs, role: str, log: Path) -> int:
+def start_standin(procs: Procs, role: str, log: Path, api_key: str | None = None) -> int:
     port = free_port()
     proc = procs.start(f"standin-{role}-{port}", "tests/integration/sglang_standin.py", "--role", role,
-                       "--port", str(port), "--log", str(log))
-    wait_http_ok(f"http://127.0.0.1:{port}/health", 30, proc)
-    return port
+                       "--port", str(port), "--log", str(log), *(("--api-key", api_key) if api_key else ()))
+    if api_key is None:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", 30, proc)
+        return port
+    deadline = time.monotonic() + 30
+    while True:
+        assert proc.poll() is None, f"the {role} stand-in exited with {proc.returncode}"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", headers={"authorization": f"Bearer {api_key}"},
+                         timeout=2).status_code == 200:
+                return port
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"the {role} stand-in did not answer /health"
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -507,3 +520,54 @@ def test_requests_cut_by_the_drain_timeout_are_told_why(tmp_path: Path) -> None:
         assert gateway.wait(30) in (0, -signal.SIGTERM)
     finally:
         procs.stop_all()
+
+
+def test_a_worker_api_key_goes_with_every_request_to_the_workers(procs: Procs, tmp_path: Path) -> None:
+    """SGLang workers started with ``--api-key``: the gateway's probes, model look-up and relayed
+    requests all carry ``--worker-api-key`` (here from a file); a gateway without it routes nothing to
+    them and says why."""
+    key = "sk-workers-" + os.urandom(6).hex()
+    p_log, d_log = tmp_path / "p.jsonl", tmp_path / "d.jsonl"
+    sp, sd = start_standin(procs, "prefill", p_log, key), start_standin(procs, "decode", d_log, key)
+    key_file = tmp_path / "worker.key"
+    key_file.write_text(f"# the SGLang workers' --api-key\n{key}\n")
+    workers = ["--prefill", f"http://127.0.0.1:{sp}", "--decode", f"http://127.0.0.1:{sd}", "--max-retries", "0",
+               "--health-interval-s", "0.2"]
+    port = start_gateway(procs, *workers, "--worker-api-key-file", str(key_file))
+    base = f"http://127.0.0.1:{port}"
+    r = httpx.post(f"{base}/generate", json={"text": "hello"}, timeout=30)
+    assert r.status_code == 200 and r.json()["text"].startswith("decoded "), r.text
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+    chunks = list(client.chat.completions.create(model="standin-model", stream=True,
+                                                 messages=[{"role": "user", "content": "hi"}]))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).startswith("decoded")
+    assert client.models.list().data[0].id == "standin-model"  # (learned from /get_model_info, with the key)
+    for log in (p_log, d_log):
+        entries = [json.loads(line) for line in log.read_text().splitlines()]
+        assert [e for e in entries if e["event"] == "request"], "each worker served requests"
+        assert not [e for e in entries if e["event"] == "unauthorized"], entries
+    assert key not in httpx.get(f"{base}/readiness", timeout=10).text
+
+    # Without the key: every probe is refused, no pair is ready, requests are a 503 naming the cause.
+    other = free_port()
+    gateway = procs.start(f"gateway-{other}", "-m", "gateway.cli", "--port", str(other), "--log-level", "warning",
+                          "--startup-timeout-s", "1", *workers)
+    wait_http_ok(f"http://127.0.0.1:{other}/health", 60, gateway)
+    ready = httpx.get(f"http://127.0.0.1:{other}/readiness", timeout=10)
+    assert ready.status_code == 503, ready.text
+    assert all("401" in w["error"] and "--worker-api-key" in w["error"] for w in ready.json()["workers"]), ready.text
+    r = httpx.post(f"http://127.0.0.1:{other}/generate", json={"text": "hello"}, timeout=30)
+    assert r.status_code == 503, r.text
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--worker-api-key", "k", "--prefill", "pd://127.0.0.1:1", "--decode", "pd://127.0.0.1:2"],
+     "only SGLang"),
+    (["--worker-api-key", "two words", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"],
+     "white space"),
+])
+def test_bad_worker_api_keys_are_refused(argv: list[str], error: str) -> None:
+    from gateway.cli import build_parser, config_from_args
+
+    with pytest.raises(ValueError, match=error):
+        config_from_args(build_parser().parse_args(argv))
