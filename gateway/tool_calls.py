@@ -66,9 +66,12 @@ def _functions(tools: Any) -> list[dict[str, Any]]:
         if not isinstance(params, dict):
             raise BadRequest(f"{where}.function.parameters must be a JSON Schema object",
                              param=f"{where}.function.parameters")
-        if "type" not in params:  # (e.g. {}: OpenAI's arguments are an object all the same)
+        kind = params.get("type", "object")
+        if kind != "object" and isinstance(kind, list) and "object" in kind:
+            kind = "object"  # (e.g. ["object", "null"], as some schema generators write an optional model)
+        if "type" not in params or kind != params["type"]:  # (e.g. {}: a call's arguments are an object all the same)
             params = {**params, "type": "object"}
-        elif params["type"] != "object":
+        if kind != "object":
             raise BadRequest(f'{where}.function.parameters must describe an object ("type": "object")',
                              param=f"{where}.function.parameters")
         functions.append({"name": fn["name"], "description": fn.get("description", ""), "parameters": params,

@@ -145,6 +145,17 @@ def test_tool_parameters_are_an_object_and_keep_their_references() -> None:
     with pytest.raises(BadRequest) as info:
         plan_tools(req([{"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}]), None)
     assert info.value.param == "tools[0].function.parameters"
+    with pytest.raises(BadRequest):
+        plan_tools(req([{"type": "function", "function": {"name": "s", "parameters": {"type": ["string", "null"]}}}]),
+                   None)
+    # An object that may also be null (as some schema generators write an optional model): the arguments
+    # of a call are an object, so the schema is narrowed to one.
+    nullable = {"type": "function", "function": {"name": "maybe", "parameters": {
+        "type": ["object", "null"], "properties": {"q": {"type": "string"}}}}}
+    plan = plan_tools(req([nullable], "required"), None)
+    assert plan is not None and plan.grammar is not None
+    arguments = json.loads(plan.grammar.source)["properties"]["arguments"]
+    assert arguments == {"type": "object", "properties": {"q": {"type": "string"}}}
     item = {"type": "function", "function": {"name": "add_item", "parameters": {
         "type": "object", "properties": {"color": {"$ref": "#/$defs/Color"}, "next": {"$ref": "#"}},
         "required": ["color"], "$defs": {"Color": {"enum": ["red", "blue"]}}}}}
