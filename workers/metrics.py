@@ -155,8 +155,12 @@ def _histogram(name: str, doc: str, role: str, hist: PlainHistogram) -> Histogra
     return family
 
 
-def _live(reqs: Iterable[Req]) -> int:
-    return sum(1 for r in list(reqs) if not r.done)
+# The batch lists keep a request that moved on until the next step: counted only in its own stage.
+_STAGES = {"prefilling": "prefill", "running": "running"}
+
+
+def _live(reqs: Iterable[Req], stage: str | None = None) -> int:
+    return sum(1 for r in list(reqs) if not r.done and (stage is None or r.stage == stage))
 
 
 def _scheduler_metrics(role: str, s: Scheduler) -> Iterator[Metric]:
@@ -164,10 +168,10 @@ def _scheduler_metrics(role: str, s: Scheduler) -> Iterator[Metric]:
                                labels=["role", "queue"])
     for label, attr in QUEUES.get(role, ()):
         reqs = getattr(s, attr)  # a list or a workers.pd_queues queue
-        queues.add_metric([role, label], float(len(reqs) if label == "quarantine" else _live(reqs)))
+        queues.add_metric([role, label], float(len(reqs) if label == "quarantine" else _live(reqs, _STAGES.get(label))))
     yield queues
     yield _gauge("pd_worker_running_batch_size", "Sequences in the batch (decoding + prefilling)", role,
-                 _live(s._running) + _live(s._prefilling))
+                 s.num_in_batch())
     cache, pool = s.cache, s.pool
     yield _gauge("pd_worker_kv_free_pages", "KV pages an allocation could take now (free + evictable cached)",
                  role, cache.num_available)

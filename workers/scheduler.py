@@ -265,14 +265,18 @@ class Scheduler:
         now = time.monotonic()
         for req in [r for r in self.reqs.values() if now > r.deadline]:
             self._fail(req, "timeout", f"request timed out in stage {req.stage}")
+        # Stages that free pages go before the ones that take them: a step that frees pages (a transfer
+        # done, a request ended at its import) also admits what waited for them, rather than the loop
+        # sleeping first with nothing to run.
         if self.role == "prefill":
+            self._advance(self.inflight_queue, self._transferred)
             self._advance(self.bootstrap_queue, self._to_waiting)
         elif self.role == "decode":
             if self.quarantine:
                 for req in self.quarantine.take_quiesced():
                     self._free(req)
-            self._advance(self.prealloc_queue, self._to_transfer)
             self._advance(self.transfer_queue, self._import)
+            self._advance(self.prealloc_queue, self._to_transfer)
         if self.grammar_wait is not None:
             ready, failed = self.grammar_wait.advance()
             for req, problem in failed:
@@ -281,7 +285,7 @@ class Scheduler:
                 self._first_stage(req)
         self._admit_waiting()
         ran = self._run_batch()
-        if self.role == "prefill":
+        if self.role == "prefill":  # (again: what finished during the batch is told now, not a step later)
             self._advance(self.inflight_queue, self._transferred)
         self._publish_cache_events()
         self._maybe_report_load(now)
@@ -457,7 +461,20 @@ class Scheduler:
         if not req.done:
             self._enter(req, "running", self._running)
 
+    def _prune_batch(self) -> None:
+        """Drop from the batch lists what ended or moved on since the last step (finished, failed,
+        aborted; a prefill's request now in flight; a combined worker's prefilled request, now decoding):
+        they must not take batch room from waiting requests."""
+        self._running = [r for r in self._running if not r.done and r.stage == "running"]
+        self._prefilling = [r for r in self._prefilling if not r.done and r.stage == "prefill"]
+
+    def num_in_batch(self) -> int:
+        """Live requests in the batch (decoding + prefilling), for load reports and metrics (any thread)."""
+        return (sum(1 for r in list(self._running) if not r.done and r.stage == "running")
+                + sum(1 for r in list(self._prefilling) if not r.done and r.stage == "prefill"))
+
     def _admit_waiting(self) -> None:
+        self._prune_batch()
         keep = []
         blocked = len(self._running) + len(self._prefilling) >= self.config.max_running
         for req in self._waiting:
@@ -602,8 +619,7 @@ class Scheduler:
     def _run_batch(self) -> bool:
         if self.role == "both":
             self._grow_for_decode()
-        self._running = [r for r in self._running if not r.done and r.stage == "running"]
-        self._prefilling = [r for r in self._prefilling if not r.done and r.stage == "prefill"]
+        self._prune_batch()
         reqs: list[Req] = []
         batch: list[SeqInput] = []
         for req in self._running:
@@ -905,7 +921,7 @@ class Scheduler:
             return sum(1 for q in queues for r in q if not r.done)
 
         return LoadReport(
-            num_running=live(self._running, self._prefilling),
+            num_running=self.num_in_batch(),
             num_waiting=live(self._waiting) + self.bootstrap_queue.num_live + self.prealloc_queue.num_live,
             num_free_pages=self.cache.num_available,
             num_total_pages=self.pool.num_pages,

@@ -607,3 +607,90 @@ def test_a_stop_string_spanning_a_migration_ends_the_continuing_request() -> Non
         assert sink.outputs(1)[-1].finish_reason == ("stop" if expected != rest else "length"), stop
         assert sched.cache.num_available == pool.num_pages
 
+
+
+def test_a_step_never_idles_while_a_finished_request_holds_batch_room() -> None:
+    """Requests that finished in a step leave the batch lists only at the next one: until then they
+    must not count against ``max_running`` (a step admitting nothing would run nothing, and the loop
+    would sleep with requests waiting), nor twice in load reports (a combined worker's prefilled
+    request is in both lists for a step)."""
+    sched, sink, _ = make(chunk_size=64, max_running=2)
+    sched.connect(1)
+    for rid in range(1, 5):
+        sched.submit(1, Submit(rid, list(range(rid * 10, rid * 10 + 9)), SamplingParams(max_new_tokens=3), timeout_s=5))
+    for _ in range(40):
+        ran = sched.step()
+        if not sched.reqs:
+            break
+        assert ran, f"a step ran nothing with requests at {sorted(r.stage for r in sched.reqs.values())}"
+    assert not sched.reqs and all(sink.outputs(rid)[-1].finish_reason for rid in range(1, 5))
+
+    sched.submit(1, Submit(9, list(range(1, 10)), SamplingParams(max_new_tokens=20), timeout_s=5))
+    sched.step()  # prefilled (one chunk) and its first token out: now decoding
+    assert sched.reqs[(1, 9)].stage == "running"
+    assert sched.load_report().num_running == 1
+    run_until_idle(sched)
+
+
+def _pd_pair(prefill_pages: int, decode_pages: int) -> list[tuple[Scheduler, Collector, Any]]:
+    """A prefill and a decode scheduler moving KV over the tcp backend, stepped by the test."""
+    from transfer import KVArgs, KVManager, create_backend
+
+    sides = []
+    for role, num_pages in (("prefill", prefill_pages), ("decode", decode_pages)):
+        engine = SimEngine()
+        info = engine.info
+        pool = KVPool(num_layers=info.num_layers, num_pages=num_pages, page_size=4, num_kv_heads=info.num_kv_heads,
+                      head_dim=info.head_dim)
+        engine.bind(pool)
+        kv = KVManager(role, KVArgs.from_pool(pool), create_backend("tcp"))
+        sink = Collector()
+        sched = Scheduler(SchedulerConfig(role, chunk_size=64), engine, pool, sink, kv)
+        sched.connect(1)
+        sides.append((sched, sink, kv))
+    return sides
+
+
+@pytest.mark.parametrize("short_side", ["prefill", "decode"])
+def test_pages_freed_in_a_step_are_taken_in_that_step(short_side: str) -> None:
+    """A pool that holds one request at a time: the pages a finished transfer frees (prefill), or a
+    request that ends at its import (decode, one token), go to the next waiting request in the same
+    step, so a step that runs nothing leaves nothing waiting that could have gone (the loop would
+    sleep, up to ``IDLE_WAIT_S``, with pages free)."""
+    from transfer import KVPoll
+    from workers.protocol import BootstrapTarget
+
+    (p, _, pkv), (d, dsink, dkv) = _pd_pair(3 if short_side == "prefill" else 64, 3 if short_side == "decode" else 64)
+    try:
+        host, port = pkv.control_address
+        num = 5
+        for rid in range(1, num + 1):
+            prompt, target = [rid * 20 + i for i in range(9)], BootstrapTarget(host, port, 100 + rid)
+            params = SamplingParams(max_new_tokens=1 if short_side == "decode" else 2)  # 9 + 1 tokens: 3 pages
+            d.submit(1, Submit(rid, prompt, params, target, timeout_s=30))
+            p.submit(1, Submit(rid, prompt, params, target, timeout_s=30))
+        deadline = time.monotonic() + 30
+
+        def done() -> bool:
+            return all(dsink.errors(rid) or any(o.finish_reason for o in dsink.outputs(rid))
+                       for rid in range(1, num + 1))
+
+        while not done() or p.reqs or d.reqs:
+            assert time.monotonic() < deadline, "the pair did not finish its requests"
+            # (decode: requests whose page list could go out before the step; their state does not go back)
+            ready = [r for r in d.prealloc_queue if r.kv_receiver.poll() >= KVPoll.WaitingForInput]
+            if not p.step() and p._waiting:
+                first = p._waiting[0]
+                assert p.pool.pages_for(len(first.input_ids)) > p.cache.num_available, "prefill idled with pages free"
+            if not d.step():
+                for req in ready:
+                    if not req.done and req.stage == "prealloc":
+                        needed = d.pool.pages_for(len(req.input_ids) + req.params.max_new_tokens)
+                        assert needed > d.cache.num_available, "decode idled with pages free"
+            time.sleep(0.001)
+        for rid in range(1, num + 1):
+            assert not dsink.errors(rid) and dsink.outputs(rid)[-1].finish_reason is not None
+        assert p.cache.num_available == p.pool.num_pages and d.cache.num_available == d.pool.num_pages
+    finally:
+        pkv.close()
+        dkv.close()
