@@ -607,6 +607,11 @@ class _Attempt:
         if not self.finished:  # error, timeout or the consumer went away: free both sides now
             for worker, rid in self.open_rids.values():
                 worker.abort(rid)
+            if self.outcome == "cancelled" and self.got_token:
+                # The consumer stopped (a stop string the gateway found, the client left) after the decode
+                # served tokens: a success of the decode's, as its final output would have been (a
+                # half-open breaker closes on these too).
+                self.decode.health.breaker.record_success()
         if self.sent:
             self.dispatcher.router.finished(self.pair, self.request, "finished" if self.finished else self.outcome)
 

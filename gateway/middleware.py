@@ -80,7 +80,7 @@ class GatekeeperMiddleware:
         """(status, JSON body, extra headers) refusing this request, or None to let it through."""
         if path in OPEN_PATHS:
             return None
-        if self.is_draining():
+        if self.is_draining() and path != "/metrics":  # (scraped on while open requests finish)
             return _error(503, "the gateway is shutting down", "service_unavailable", None,
                           [(b"connection", b"close"), (b"retry-after", b"1")])
         if path in ADMIN_PATHS or (path == "/metrics" and self.metrics_require_admin):

@@ -293,3 +293,39 @@ def test_outputs_waiting_for_a_late_hand_over_do_not_wait_for_ever() -> None:
         assert [t for o in got for t in o.token_ids] == [*range(60, 90), 99]
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("consumer", ["generate", "complete"])
+def test_an_answer_the_consumer_ends_early_counts_as_the_decodes_success(consumer: str) -> None:
+    """A half-open breaker closes after ``breaker_successes`` answers also when the gateway ends them
+    itself (a stop string it found, the client leaving after tokens came), not only at a final output."""
+    from gateway.health import BreakerState
+
+    async def main() -> None:
+        dispatcher, workers, transports = combined(1, DispatchConfig(max_retries=0))
+        breaker = workers[0].health.breaker
+        breaker.cooldown_s = 0.0
+        for _ in range(breaker.failures_to_open):
+            breaker.record_failure()
+        assert breaker.state is BreakerState.HALF_OPEN
+        for i in range(breaker.successes_to_close):
+            params = SamplingParams(max_new_tokens=8)
+            if consumer == "generate":
+                gen = dispatcher.generate([1, 2, i], params)
+                first = asyncio.ensure_future(gen.__anext__())
+                assert await until(lambda: len(_sent(transports[0], Submit)) == i + 1, 5)
+                workers[0]._dispatch(Outputs([StepOutput(_sent(transports[0], Submit)[-1].rid, [65])]))
+                assert (await asyncio.wait_for(first, 5)).token_ids == [65]
+                await gen.aclose()  # the client left after its first token
+            else:
+                collected = _Collected()
+                collected.accept = lambda out, c=collected: (c.outputs.append(out),  # type: ignore[method-assign]
+                                                             setattr(c, "finish_reason", "stop"))
+                task = asyncio.create_task(dispatcher.complete([1, 2, i], params, collected))
+                assert await until(lambda: len(_sent(transports[0], Submit)) == i + 1, 5)
+                workers[0]._dispatch(Outputs([StepOutput(_sent(transports[0], Submit)[-1].rid, [65])]))
+                await asyncio.wait_for(task, 5)  # its own stop string in the first output: the rest is aborted
+            assert await until(lambda: len(_sent(transports[0], Abort)) == i + 1, 5), "the rest was aborted"
+        assert breaker.state is BreakerState.CLOSED
+
+    asyncio.run(main())

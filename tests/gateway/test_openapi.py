@@ -106,3 +106,18 @@ def test_client_keys_guard_the_admin_api_without_an_admin_key() -> None:
     assert document(api_keys=("k",))["paths"]["/workers"]["get"]["security"] == [{"apiKey": []}]
     with pytest.raises(ValueError, match="metrics_require_admin needs an admin key"):
         GatewayConfig(**WORKERS, api_keys=("k",), metrics_require_admin=True)
+
+
+def test_metrics_stay_readable_while_draining() -> None:
+    """On SIGTERM new requests get 503, but a scraper's kept-alive connection still reads /metrics (the
+    open requests falling to zero is what an operator watches then), behind the admin key if asked."""
+    from gateway.middleware import GatekeeperMiddleware
+
+    def gate(**kwargs: object) -> GatekeeperMiddleware:
+        return GatekeeperMiddleware(None, api_keys=(), is_draining=lambda: True, **kwargs)  # type: ignore[arg-type]
+
+    assert gate(admin_api_keys=(), metrics_require_admin=False).refusal("/v1/completions", [])[0] == 503  # type: ignore[index]
+    assert gate(admin_api_keys=(), metrics_require_admin=False).refusal("/metrics", []) is None
+    guarded = gate(admin_api_keys=("a",), metrics_require_admin=True)
+    assert guarded.refusal("/metrics", [])[0] == 401  # type: ignore[index]
+    assert guarded.refusal("/metrics", [(b"authorization", b"Bearer a")]) is None
