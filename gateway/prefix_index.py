@@ -8,7 +8,8 @@ Lifecycle (event loop only; nothing here blocks):
    addresses (pods) keeps its masks as wide as the fleet, not as every address ever seen.
 2. ``assume(url, hashes)`` when the gateway routes a request to a prefill: for ``assume_ttl_s`` the
    worker counts as holding the prompt's pages, so a burst of same-prefix requests lands together
-   before the worker's events arrive. One (mask, expiry) per hash: re-assuming a hash for any
+   before the worker's events arrive (each routing renews what its events do not cover yet, so a
+   prefix kept busy stays where it is). One (mask, expiry) per hash: re-assuming a hash for any
    worker extends it for every worker assumed on it (a heuristic's cheap approximation; the
    events are the truth). Expired entries are ignored by look-ups and swept in bulk.
 3. ``match(hashes)`` -> {url: leading pages held}: the longest run of consecutive hashes per worker
@@ -162,6 +163,18 @@ class PrefixIndex:
             assert url is not None  # (a freed bit is in no mask)
             result[url] = depth
             mask ^= low
+
+    def num_reported(self, url: str, hashes: Sequence[bytes]) -> int:
+        """Leading pages of ``hashes`` the worker reported holding (by its events, not assumed)."""
+        bit = self._bit_of.get(url)
+        if bit is None:
+            return 0
+        mine, n = self._by_worker[bit], 0
+        for h in hashes:
+            if h not in mine:
+                break
+            n += 1
+        return n
 
     def num_pages(self, url: str) -> int:
         """Pages the worker reported holding (not counting assumptions)."""

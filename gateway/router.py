@@ -83,11 +83,12 @@ class Router:
     def dispatched(self, pair: Pair, request: RequestInfo) -> None:
         target = pair.prefill if pair.prefill is not None else pair.decode
         if request.has_page_hashes and target.page_size > 0:  # a policy looked at the cache
-            # Only the pages it does not hold yet (a hit assumes nothing: the events already tell).
-            held = request.cached_pages(target.page_size).get(target.url, 0)
+            # The pages its events do not show it holding: assumed from now on, also those assumed by an
+            # earlier routing (renewed: a prefix kept busy is not re-homed when the first assumption ends).
             hashes = request.page_hashes(target.page_size)
-            if held < len(hashes):
-                self.index.assume(target.url, hashes[held:])
+            reported = self.index.num_reported(target.url, hashes)
+            if reported < len(hashes):
+                self.index.assume(target.url, hashes[reported:])
         for fn in self._hooks["on_dispatch"]:
             fn(pair, request)
 

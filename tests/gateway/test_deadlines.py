@@ -313,7 +313,7 @@ def test_an_answer_the_consumer_ends_early_counts_as_the_decodes_success(consume
             if consumer == "generate":
                 gen = dispatcher.generate([1, 2, i], params)
                 first = asyncio.ensure_future(gen.__anext__())
-                assert await until(lambda: len(_sent(transports[0], Submit)) == i + 1, 5)
+                assert await until(lambda n=i + 1: len(_sent(transports[0], Submit)) == n, 5)
                 workers[0]._dispatch(Outputs([StepOutput(_sent(transports[0], Submit)[-1].rid, [65])]))
                 assert (await asyncio.wait_for(first, 5)).token_ids == [65]
                 await gen.aclose()  # the client left after its first token
@@ -322,10 +322,10 @@ def test_an_answer_the_consumer_ends_early_counts_as_the_decodes_success(consume
                 collected.accept = lambda out, c=collected: (c.outputs.append(out),  # type: ignore[method-assign]
                                                              setattr(c, "finish_reason", "stop"))
                 task = asyncio.create_task(dispatcher.complete([1, 2, i], params, collected))
-                assert await until(lambda: len(_sent(transports[0], Submit)) == i + 1, 5)
+                assert await until(lambda n=i + 1: len(_sent(transports[0], Submit)) == n, 5)
                 workers[0]._dispatch(Outputs([StepOutput(_sent(transports[0], Submit)[-1].rid, [65])]))
                 await asyncio.wait_for(task, 5)  # its own stop string in the first output: the rest is aborted
-            assert await until(lambda: len(_sent(transports[0], Abort)) == i + 1, 5), "the rest was aborted"
+            assert await until(lambda n=i + 1: len(_sent(transports[0], Abort)) == n, 5), "the rest was aborted"
         assert breaker.state is BreakerState.CLOSED
 
     asyncio.run(main())

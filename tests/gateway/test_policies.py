@@ -57,6 +57,7 @@ def test_plugins_by_entry_point_and_module_path() -> None:
 # -- load-aware built-ins ----------------------------------------------------------------------------
 from gateway.policies import Pair, PolicyError  # noqa: E402
 from gateway.policies.contract import FakeLookup, FakeWorker  # noqa: E402
+from gateway.prefix_index import PrefixIndex  # noqa: E402
 from gateway.router import Router  # noqa: E402
 
 
@@ -234,3 +235,24 @@ def test_least_pressured_is_the_argmin_of_decode_pressure() -> None:
         got = least_pressured(decodes, request)
         assert (decode_pressure(got, decode_need(request, got)), got.num_active) == (
             decode_pressure(best, decode_need(request, best)), best.num_active)
+
+
+def test_a_prefix_kept_busy_stays_on_its_prefill_past_the_first_assumption() -> None:
+    """With no KV events yet (a busy worker, or an SGLang worker that sends none), each routing of a
+    prefix renews its assumption: the same prompt every 1.5 s with a 2 s TTL keeps its prefill."""
+    from gateway.policies.cache_aware import CacheAwarePolicy
+
+    now = [0.0]
+    policy = CacheAwarePolicy()
+    router = Router(policy, policy, PrefixIndex(2.0, clock=lambda: now[0]))
+    p0, p1, d = prefill("p0"), prefill("p1"), decode("d")
+    chosen = []
+    for t in (0.0, 1.5, 3.0, 4.5):
+        now[0] = t
+        request = router.request(list(range(2000)), 4)
+        pair = router.select([p0, p1], [d], request)
+        router.dispatched(pair, request)
+        chosen.append(pair.prefill)
+    assert all(p is chosen[0] for p in chosen), [p.url for p in chosen if p is not None]
+    now[0] = 7.0  # not routed for longer than the TTL: no longer assumed
+    assert router.request(list(range(2000)), 4).num_cached_tokens(chosen[0]) == 0
