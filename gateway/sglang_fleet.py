@@ -103,9 +103,10 @@ class HttpWorker:
     def last_rid(self) -> int:
         return self._rids
 
-    def opened(self) -> int:
+    def opened(self, prefill_tokens: int = 0, pages: int = 0) -> int:
+        """A request sent to this worker, costing it ``prefill_tokens`` / ``pages`` until ``closed``."""
         self._rids += 1
-        self.state.dispatched(self._rids, 0, 0)
+        self.state.dispatched(self._rids, prefill_tokens, pages)
         return self._rids
 
     def closed(self, rid: int) -> None:

@@ -44,7 +44,7 @@ from gateway.errors import APIError, BadGateway, BadRequest, Overloaded, Upstrea
 from gateway.policies.base import Pair
 from gateway.responder import ClientGone, read_body, send_error, shutdown_cut_error, watch_disconnect
 from gateway.sglang_fleet import HttpWorker, SGLangFleet
-from gateway.sglang_routing import routing_request
+from gateway.sglang_routing import dispatch_cost, routing_request
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
@@ -158,9 +158,10 @@ class SGLangResponder:
                 payload.update(bootstrap_host=[prefill.bootstrap_host] * num_items,
                                bootstrap_port=[prefill.bootstrap_port] * num_items, bootstrap_room=rooms)
             pair, result = Pair(prefill.state, decode.state), "cancelled"
+            data = _json.encode(payload)
+            cost = dispatch_cost(request, prefill.state, num_items, len(data))
             try:
-                outcome = await self._attempt(prefill, decode, _json.encode(payload), stream, merge_logprobs, send,
-                                              trace)
+                outcome = await self._attempt(prefill, decode, data, stream, merge_logprobs, send, trace, cost)
                 result = "finished" if isinstance(outcome, int) and outcome < 400 else "failed"
             except APIError:
                 result = "failed"
@@ -177,8 +178,10 @@ class SGLangResponder:
             await asyncio.sleep(min(delay, MAX_BACKOFF_S))
 
     async def _attempt(self, prefill: HttpWorker, decode: HttpWorker, data: bytes, stream: bool,
-                       merge_logprobs: bool, send: Send, trace: dict[str, str]) -> int | _Retry:
-        """One pair: the client's status once answered, or what to retry."""
+                       merge_logprobs: bool, send: Send, trace: dict[str, str],
+                       cost: tuple[int, int] = (0, 0)) -> int | _Retry:
+        """One pair: the client's status once answered, or what to retry. ``cost``: (prefill tokens, decode
+        pages) it adds to their load counts while open (``dispatch_cost``)."""
         session = self.fleet.session
         assert session is not None
         cfg = self.fleet.config
@@ -190,7 +193,7 @@ class SGLangResponder:
         wait_s = cfg.first_byte_timeout_s if stream else cfg.request_timeout_s
         deadline = loop.time() + wait_s
         read = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
-        p_rid, d_rid = prefill.opened(), decode.opened()
+        p_rid, d_rid = prefill.opened(prefill_tokens=cost[0]), decode.opened(pages=cost[1])
         p_task = asyncio.create_task(_post(session, f"{prefill.url}/{self.path}", data, headers, merge_logprobs))
         p_task.add_done_callback(lambda task: _prefill_done(task, prefill, p_rid))
         d_task = asyncio.create_task(_open(session, f"{decode.url}/{self.path}", data, headers, read))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.api_models import MAX_TOKEN_ID
 
 if TYPE_CHECKING:
-    from gateway.policies.base import RequestInfo
+    from gateway.policies.base import RequestInfo, WorkerView
     from gateway.router import Router
     from gateway.tokenizer import Tokenizer
 
@@ -29,6 +29,22 @@ log = logging.getLogger(__name__)
 # load reports counted) in pages of this many tokens.
 ROUTING_PAGE_TOKENS = 16
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's own default for /generate when the body gives none
+BYTES_PER_TOKEN = 4  # a prompt's tokens guessed from the request's size, without a tokenizer
+
+
+def dispatch_cost(request: RequestInfo, prefill: WorkerView, num_items: int | None, body_bytes: int) -> tuple[int, int]:
+    """What one attempt adds to its workers' load until it ends (counted on top of their last load poll,
+    so that requests routed between two polls are not invisible): the prefill's uncached prompt tokens
+    and the decode's KV pages, for every item of a batch. Without the prompt's ids (no ``--tokenizer``)
+    the prompt is guessed from the body's size."""
+    items = num_items or 1
+    if request.input_ids:
+        prompt = len(request.input_ids)
+        uncached = prompt - (request.num_cached_tokens(prefill) if request.has_page_hashes else 0)
+    else:
+        prompt = uncached = body_bytes // BYTES_PER_TOKEN
+    pages = -(-(prompt + request.max_new_tokens) // ROUTING_PAGE_TOKENS)
+    return uncached * items, pages * items
 
 
 def routing_request(router: Router, tokenizer: Tokenizer | None, route: str, body: dict[str, Any]) -> RequestInfo:

@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from gateway.router import Router
-from gateway.sglang_routing import DEFAULT_MAX_NEW_TOKENS, max_new_tokens, prompt_ids, routing_request
+from gateway.sglang_routing import (DEFAULT_MAX_NEW_TOKENS, ROUTING_PAGE_TOKENS, dispatch_cost, max_new_tokens,
+                                    prompt_ids, routing_request)
 from gateway.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -67,3 +68,20 @@ def test_token_ids_past_the_wire_format_route_by_load_alone() -> None:
         view.page_size = 16  # (SGLang workers: ``ROUTING_PAGE_TOKENS``)
     pair = router.select([views[0]], [views[1]], request)
     assert pair.prefill is views[0] and pair.decode is views[1]
+
+
+def test_a_dispatch_costs_its_uncached_prompt_and_its_pages() -> None:
+    """What an attempt adds to its workers' load counts: the prefill's uncached prompt tokens (as far as
+    the gateway routed this prefix there), the decode's pages; every item of a batch; without ids, the
+    prompt guessed from the body's size."""
+    from gateway.policies.contract import FakeWorker
+
+    router = Router.build("cache_aware", "cache_aware")
+    prefill = FakeWorker("http://p:1", "prefill", page_size=ROUTING_PAGE_TOKENS)
+    request = routing_request(router, TOK, "generate", {"text": "a" * 100, "sampling_params": {"max_new_tokens": 28}})
+    assert dispatch_cost(request, prefill, None, 999) == (100, 8)  # (100 + 28) / 16
+    router.index.assume(prefill.url, request.page_hashes(ROUTING_PAGE_TOKENS))  # routed there a moment ago
+    again = routing_request(router, TOK, "generate", {"text": "a" * 100, "sampling_params": {"max_new_tokens": 28}})
+    assert again.num_cached_tokens(prefill) == 96 and dispatch_cost(again, prefill, 3, 999) == (3 * 4, 3 * 8)
+    blind = routing_request(router, None, "generate", {"text": "a" * 100})
+    assert dispatch_cost(blind, prefill, None, 400) == (100, -(-(100 + DEFAULT_MAX_NEW_TOKENS) // 16))

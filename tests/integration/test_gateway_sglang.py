@@ -284,6 +284,25 @@ def test_the_clients_trace_context_reaches_both_workers(fleet: Fleet) -> None:
         assert (entry["traceparent"], entry["tracestate"]) == (parent, "gw=1")
 
 
+def test_requests_open_on_sglang_workers_count_in_their_load(fleet: Fleet) -> None:
+    """Between load polls (the stand-ins have no ``/v1/loads``: the gateway's own counts only), a request
+    open on a prefill counts its prompt there, so load-aware policies see the requests they routed."""
+    import concurrent.futures
+
+    def prefill_tokens() -> list[int]:
+        workers = httpx.get(f"{fleet.base_url}/readiness", timeout=10).json()["workers"]
+        return [w["prefill_tokens"] for w in workers if w["role"] == "prefill"]
+
+    assert prefill_tokens() == [0, 0]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(post, fleet, "/generate", {"text": "SLOW_PREFILL " + "x" * 400})
+        assert eventually(lambda: [n for n in prefill_tokens() if n > 0]), "the open prefill request counts"
+        (tokens,) = [n for n in prefill_tokens() if n > 0]
+        assert tokens >= 100, tokens  # (no --tokenizer here: guessed from the body's size)
+        assert answer.result().status_code == 200
+    assert eventually(lambda: [True] if prefill_tokens() == [0, 0] else [], 10), "and no longer once it ended"
+
+
 def test_a_prefill_reply_late_for_its_logprobs_does_not_hold_the_stream(fleet: Fleet) -> None:
     """A stream with ``return_logprob`` waits for the prefill's prompt logprobs no longer than the gap allowed
     between events (here 1 s): a prefill that answers after 5 s leaves them out; the stream goes on."""
