@@ -7,8 +7,14 @@ from typing import Any
 import pytest
 
 from gateway.router import Router
-from gateway.sglang_routing import (DEFAULT_MAX_NEW_TOKENS, ROUTING_PAGE_TOKENS, dispatch_cost, max_new_tokens,
-                                    prompt_ids, routing_request)
+from gateway.sglang_routing import (
+    DEFAULT_MAX_NEW_TOKENS,
+    ROUTING_PAGE_TOKENS,
+    dispatch_cost,
+    max_new_tokens,
+    prompt_ids,
+    routing_request,
+)
 from gateway.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
