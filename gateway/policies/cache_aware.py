@@ -74,7 +74,9 @@ class CacheAwarePolicy:
         self._pool_size = len(prefills)
         fallback = fallback_rate(prefills)
         waits = [w.num_prefill_tokens / (w.prefill_tokens_per_s or fallback) for w in prefills]
-        limit = max(opts.balance_factor * sum(waits) / len(waits), opts.balance_min_tokens / fallback)
+        # (never below the least-loaded worker's wait: at balance_factor 1 with equal queues, the mean
+        # rounded down would skip every worker, and with them the one holding the prefix)
+        limit = max(opts.balance_factor * sum(waits) / len(waits), opts.balance_min_tokens / fallback, min(waits))
         prompt, weight = request.num_prompt_tokens, opts.cache_weight
         page_size = prefills[0].page_size
         held = request.cached_pages(page_size) if page_size > 0 else {}

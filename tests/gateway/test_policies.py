@@ -256,3 +256,16 @@ def test_a_prefix_kept_busy_stays_on_its_prefill_past_the_first_assumption() -> 
     assert all(p is chosen[0] for p in chosen), [p.url for p in chosen if p is not None]
     now[0] = 7.0  # not routed for longer than the TTL: no longer assumed
     assert router.request(list(range(2000)), 4).num_cached_tokens(chosen[0]) == 0
+
+
+def test_cache_aware_at_balance_factor_one_still_takes_the_cached_worker_of_equal_queues() -> None:
+    """Three equal queues whose mean rounds below each (3 x 0.7 / 3 = 0.6999...): none is a hot spot, and
+    the worker holding most of the prompt is chosen."""
+    from gateway.policies.cache_aware import CacheAwarePolicy
+
+    policy = CacheAwarePolicy(CacheAwarePolicy.Options(balance_factor=1.0, balance_min_tokens=0))
+    prefills = [prefill(f"p{i}", tokens=7000, rate=10_000.0) for i in range(3)]
+    for holder in range(3):
+        request = req(1000, {prefills[holder].url: 60})  # 960 of its 1,000 tokens
+        assert policy._select_prefill(prefills, request) is prefills[holder]
+    assert policy.num_skipped_hot == 0
