@@ -5,13 +5,14 @@ Lifecycle (single event loop, nothing blocks):
    when it accepts a request; the entry lives ``ttl_s`` (re-registering renews it).
 2. A decode calls ``query(rooms)`` and gets ``{str(room): dp_rank}`` for the live rooms only
    (SGLang's reply shape: string keys, unknown rooms simply absent).
-3. ``sweep(now)`` drops expired entries in O(expired): entries are appended in expiry order
-   because the TTL is one constant.
+3. ``sweep(now)`` drops expired entries in O(expired): the table is kept in expiry order (the TTL is
+   one constant, so a new or renewed entry expires last and goes to the end), and its size is bounded
+   by ``max_rooms`` however often a room is renewed.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 from bootstrap import errors
 
@@ -23,8 +24,7 @@ class RoomTable:
     def __init__(self, *, ttl_s: float, max_rooms: int) -> None:
         self._ttl_s = ttl_s
         self._max_rooms = max_rooms
-        self._rooms: dict[int, tuple[int, float]] = {}  # room -> (dp_rank, expires_at)
-        self._order: deque[tuple[float, int]] = deque()  # (expires_at, room), oldest first
+        self._rooms: OrderedDict[int, tuple[int, float]] = OrderedDict()  # room -> (dp_rank, expires_at), soonest first
         self.num_expirations = 0
 
     def __len__(self) -> int:
@@ -39,9 +39,8 @@ class RoomTable:
             self.sweep(now)
             if len(self._rooms) >= self._max_rooms:
                 raise errors.unavailable("room_table_full", f"room table holds the maximum of {self._max_rooms}")
-        expires_at = now + self._ttl_s
-        self._rooms[room] = (dp_rank, expires_at)
-        self._order.append((expires_at, room))
+        self._rooms[room] = (dp_rank, now + self._ttl_s)
+        self._rooms.move_to_end(room)
 
     def query(self, rooms: list[int], now: float) -> dict[str, int]:
         found: dict[str, int] = {}
@@ -53,12 +52,12 @@ class RoomTable:
 
     def sweep(self, now: float) -> int:
         dropped = 0
-        order, rooms = self._order, self._rooms
-        while order and order[0][0] <= now:
-            expires_at, room = order.popleft()
-            entry = rooms.get(room)
-            if entry is not None and entry[1] == expires_at:
-                del rooms[room]
-                dropped += 1
+        rooms = self._rooms
+        while rooms:
+            room, (_, expires_at) = next(iter(rooms.items()))
+            if expires_at > now:
+                break
+            del rooms[room]
+            dropped += 1
         self.num_expirations += dropped
         return dropped

@@ -106,6 +106,25 @@ def test_room_table_expiry_and_renewal() -> None:
     assert rooms.query([1, 4, 6], now=18) == {"4": 0, "6": 0}
 
 
+def test_renewing_a_room_costs_no_memory() -> None:
+    """The table stays within ``max_rooms`` entries however often a client renews one room (each renewal
+    queued its own expiry entry until it expired: memory grew with the request rate x the TTL)."""
+    import tracemalloc
+
+    rooms = RoomTable(ttl_s=120, max_rooms=10)
+    rooms.register(7, 0, now=0.0)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(100_000):
+            rooms.register(7, i % 4, now=i * 1e-4)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 100_000, f"{grown} bytes for one room"
+    assert rooms.query([7], now=10.0) == {"7": 99_999 % 4} and rooms.sweep(now=200.0) == 1 and len(rooms) == 0
+
+
 @pytest.mark.parametrize("rank_ip", ["a" * 64 + ".example", "a..b", "127.0.0.1\x00x", "host\x7f", "", "-bad.example",
                                      "10.0.0.1 ", "[::1]", "0.0.0.0", "::", "224.0.0.1"])
 def test_a_rank_ip_no_peer_could_connect_to_is_refused(rank_ip: str) -> None:
