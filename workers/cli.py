@@ -42,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap-timeout-s", type=float, default=300.0)
     p.add_argument("--waiting-timeout-s", type=float, default=300.0)
     p.add_argument("--transfer-timeout-s", type=float, default=60.0)
-    p.add_argument("--heartbeat-interval-s", type=float, default=2.0)
+    p.add_argument("--heartbeat-interval-s", type=float, default=2.0,
+                   help="KV peers ping each other this often (silent for 3x: gone); a prefill renews its "
+                        "bootstrap registration this often too, but at least every 2.5 s (the registry's "
+                        "lease: 10 s by default)")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                    help="engine-specific setting (repeatable), e.g. decode_step_s=0.002 for sim")
     p.add_argument("--transfer-option", action="append", default=[], metavar="KEY=VALUE",

@@ -48,6 +48,11 @@ from workers.sglang_api import SGLangAPI
 
 log = logging.getLogger(__name__)
 
+# A prefill renews its registry entry at least this often, whatever --heartbeat-interval-s says: the
+# registry's lease (``BootstrapConfig.ttl_s``, 10 s by default, always in an embedded registry) must
+# see a few renewals, or its entry lapses between them and decodes' look-ups fail meanwhile.
+MAX_REGISTRY_BEAT_S = 2.5
+
 
 class Worker:
     def __init__(self, config: WorkerConfig) -> None:
@@ -191,7 +196,8 @@ class Worker:
             instance_id=self.instance_id, prefill_http_port=self.http_port,
         )
         self._registrar = BootstrapRegistrar(
-            self.bootstrap_url, registration, interval_s=cfg.heartbeat_interval_s, token=cfg.bootstrap_token
+            self.bootstrap_url, registration, interval_s=min(cfg.heartbeat_interval_s, MAX_REGISTRY_BEAT_S),
+            token=cfg.bootstrap_token,
         )
         await self._registrar.start()
 

@@ -243,7 +243,9 @@ def test_registry_embedded_in_the_prefill_worker(procs) -> None:  # type: ignore
 
     boot_port = free_port()
     common = ("--engine", "sim", "--num-pages", "64", "--page-size", "4")
-    prefill = start_worker(procs, "prefill", *common, "--bootstrap-embedded", str(boot_port))
+    # (a heartbeat interval past the registry's 10 s lease: the registration is still renewed in time)
+    prefill = start_worker(procs, "prefill", *common, "--bootstrap-embedded", str(boot_port),
+                           "--heartbeat-interval-s", "30")
     decode = start_worker(procs, "decode", *common, bootstrap=f"http://127.0.0.1:{boot_port}")
     port = start_gateway(procs, "--prefill", prefill.url, "--decode", decode.url)
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
@@ -252,6 +254,16 @@ def test_registry_embedded_in_the_prefill_worker(procs) -> None:  # type: ignore
     topology = httpx.get(f"http://127.0.0.1:{boot_port}/route", params={
         "prefill_dp_rank": -1, "prefill_cp_rank": -1, "target_tp_rank": -1, "target_pp_rank": -1}).json()
     assert topology["page_size"] == 4
+
+    def registrations() -> float:
+        metrics = httpx.get(f"http://127.0.0.1:{boot_port}/metrics", timeout=10).text
+        return sum(float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("bootstrap_rank_registrations"))
+
+    first, deadline = registrations(), time.monotonic() + 10
+    while registrations() <= first:
+        assert time.monotonic() < deadline, "the prefill did not renew its registration within 10 s"
+        time.sleep(0.2)
 
 
 def test_stop_strings_n_choices_and_generate_stream(sim_cluster) -> None:  # type: ignore[no-untyped-def]
