@@ -372,7 +372,9 @@ class Gateway:
             if client in pool:
                 pool.remove(client)
         with contextlib.suppress(Exception):  # (closing announces on_worker_removed if it was up)
-            await client.aclose()  # requests still open past the drain timeout are aborted worker-side
+            # Requests still open past the drain timeout: dropped by the worker as its connection closes,
+            # and continued on other workers here (migrated, retried), as after a lost connection.
+            await client.aclose("removed by the admin API (its drain timeout passed)")
         if self.find(client.url) is None:  # (not added again meanwhile: then its place stays its own)
             self.router.worker_forgotten(client.url)
         log.info("removed %s worker %s", client.role, client.url)

@@ -364,15 +364,16 @@ class WorkerClient:
             case _:
                 raise ConnectionError(f"unexpected message {type(msg).__name__}")
 
-    def _mark_down(self, reason: str) -> None:
+    def _mark_down(self, reason: str, *, blameless: bool = False) -> None:
         self._transport = None
         self._ready.clear()
-        self._fail_open(f"lost connection to {self.role} worker {self.url}: {reason}", abort=False)
+        self._fail_open(f"lost connection to {self.role} worker {self.url}: {reason}", abort=False, blameless=blameless)
         self._announce(False)
 
-    def _fail_open(self, message: str, *, abort: bool) -> None:
-        """Every open request gets ``WorkerGone`` (and, if the connection stands, an ``Abort``)."""
-        gone = WorkerGone(message)
+    def _fail_open(self, message: str, *, abort: bool, blameless: bool = False) -> None:
+        """Every open request gets ``WorkerGone`` (and, if the connection stands, an ``Abort``);
+        ``blameless``: the gateway closed it (no failure of the worker's: its breaker and metrics hear nothing)."""
+        gone = WorkerGone(message, counted=blameless)
         for rid in list(self._open):
             queue, tag = self._open[rid]
             queue.put_nowait((tag, gone))
@@ -442,7 +443,9 @@ class WorkerClient:
         if writer is not None and not writer.is_closing():
             self._send(writer, self._codec.encode(Abort(rid, reason)))
 
-    async def aclose(self) -> None:
+    async def aclose(self, reason: str = "gateway shutting down") -> None:
+        """Close the connection (the worker then drops what is still open); requests still open here go
+        on elsewhere (``WorkerGone``, not held against the worker), told ``reason``."""
         if self._prober is not None:
             self._prober.cancel()
         if self._task is not None:
@@ -451,4 +454,4 @@ class WorkerClient:
                 await self._task
         if self._transport is not None:
             self._transport.close()
-        self._mark_down("gateway shutting down")
+        self._mark_down(reason, blameless=True)

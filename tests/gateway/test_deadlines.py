@@ -329,3 +329,29 @@ def test_an_answer_the_consumer_ends_early_counts_as_the_decodes_success(consume
         assert breaker.state is BreakerState.CLOSED
 
     asyncio.run(main())
+
+
+def test_a_worker_closed_by_the_gateway_is_not_blamed_and_its_streams_go_on() -> None:
+    """A removed worker's connection closed past its drain timeout: its open stream continues on another
+    worker (migrated), told why, and the removed worker's breaker counts no failure."""
+    async def main() -> None:
+        dispatcher, workers, transports = combined(2, DispatchConfig(max_migrations=1))
+        gen = dispatcher.generate([1, 2, 3], SamplingParams(max_new_tokens=3))
+        first = asyncio.ensure_future(gen.__anext__())
+        assert await until(lambda: bool(_sent(transports[0], Submit)), 5)
+        workers[0]._dispatch(Outputs([StepOutput(_sent(transports[0], Submit)[0].rid, [65])]))
+        assert (await asyncio.wait_for(first, 5)).token_ids == [65]
+        removed, other = workers  # (``workers`` is the dispatcher's own pool list)
+        dispatcher.decodes.remove(removed)  # (the admin API's removal: out of the pool, then closed)
+        await removed.aclose("removed by the admin API (its drain timeout passed)")
+        second = asyncio.ensure_future(gen.__anext__())
+        assert await until(lambda: bool(_sent(transports[1], Submit)), 5), "the stream went on elsewhere"
+        (moved,) = _sent(transports[1], Submit)
+        assert moved.input_ids == [1, 2, 3, 65]
+        other._dispatch(Outputs([StepOutput(moved.rid, [66, 67], "length")]))
+        assert (await asyncio.wait_for(second, 5)).token_ids == [66, 67]
+        await gen.aclose()
+        assert removed.health.breaker.failures == 0
+        assert dispatcher.metrics.worker_failures.labels(removed.url, "both", "worker_gone").value == 0
+
+    asyncio.run(main())

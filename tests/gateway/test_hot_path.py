@@ -456,9 +456,13 @@ class _RecordingTransport:
 
     def __init__(self) -> None:
         self.writes: list[bytes] = []
+        self.closed = False
 
     def is_closing(self) -> bool:
-        return False
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
 
     def write(self, data: bytes) -> None:
         self.writes.append(data)
