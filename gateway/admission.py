@@ -58,6 +58,7 @@ class Admission:
             # has a task, and from Python 3.12 on ``wait_for`` needs one.)
             done, _ = await asyncio.wait((future,), timeout=self.queue_timeout_s)
             if not done:
+                self.metrics.queue_time.observe(time.monotonic() - started)  # (the longest waits count too)
                 self.metrics.rejected.labels("queue_timeout").inc()
                 raise Overloaded(f"waited {self.queue_timeout_s:g}s for a free slot", retry_after_s=1.0)
         except asyncio.CancelledError:
@@ -76,6 +77,8 @@ class Admission:
 
     def _take(self) -> Callable[[], None]:
         self.num_active += 1
+        if self.max_concurrent:  # (a wait of 0: with no limit there is no queue to time)
+            self.metrics.queue_time.observe(0.0)
         return self._release_once()
 
     def _release_once(self) -> Callable[[], None]:

@@ -92,7 +92,8 @@ def create_app(config: GatewayConfig) -> Any:
     app = GatewayApp(gw, rest)
     guarded = GatekeeperMiddleware(app, api_keys=config.api_keys, admin_api_keys=config.admin_api_keys,
                                    metrics_require_admin=config.metrics_require_admin,
-                                   is_draining=lambda: gw.is_draining)
+                                   is_draining=lambda: gw.is_draining,
+                                   on_refused=lambda reason: gw.metrics.rejected.labels(reason).inc())
     outer = RequestContextMiddleware(guarded)
     outer.state = rest.state  # type: ignore[attr-defined]
     # Native workers only: the generation routes' POSTs skip ASGI (gateway/hot_cycle.py; gateway.cli installs it)

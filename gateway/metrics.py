@@ -95,7 +95,8 @@ class GatewayMetrics:
         self.queued = add(Family("gauge", "pd_gateway_queued_requests", "Requests waiting for admission"))
         self.queue_time = add(Histogram("pd_gateway_queue_time_seconds", "Time waiting for admission",
                                         LATENCY_BUCKETS_S))
-        self.rejected = add(Family("counter", "pd_gateway_rejected_requests", "Requests refused by admission or drain",
+        self.rejected = add(Family("counter", "pd_gateway_rejected_requests",
+                                   "Requests refused by admission, the drain or a wrong key",
                                    ["reason"]))
         self.ttft = add(Histogram("pd_gateway_time_to_first_token_seconds", "Request arrival to its first token",
                                   LATENCY_BUCKETS_S))

@@ -53,8 +53,10 @@ class RequestContextMiddleware:
 
 class GatekeeperMiddleware:
     def __init__(self, app: ASGIApp, *, api_keys: Sequence[str], admin_api_keys: Sequence[str],
-                 metrics_require_admin: bool, is_draining: Callable[[], bool]) -> None:
+                 metrics_require_admin: bool, is_draining: Callable[[], bool],
+                 on_refused: Callable[[str], None] | None = None) -> None:
         self.app = app
+        self.on_refused = on_refused  # told "draining" or "unauthorized" for each refusal (metrics)
         self.api_keys = [k.encode() for k in api_keys]
         # Without admin keys, a gateway with client keys guards its admin API with them: never open by
         # surprise (anyone could otherwise add a "worker" of theirs and receive the clients' prompts).
@@ -81,6 +83,7 @@ class GatekeeperMiddleware:
         if path in OPEN_PATHS:
             return None
         if self.is_draining() and path != "/metrics":  # (scraped on while open requests finish)
+            self._refused("draining")
             return _error(503, "the gateway is shutting down", "service_unavailable", None,
                           [(b"connection", b"close"), (b"retry-after", b"1")])
         if path in ADMIN_PATHS or (path == "/metrics" and self.metrics_require_admin):
@@ -90,9 +93,15 @@ class GatekeeperMiddleware:
         else:
             keys, what = self.api_keys, "API"
         if keys and not _key_ok(_bearer(headers), keys):
+            self._refused("unauthorized")
             return _error(401, f"Incorrect or missing {what} key: send 'Authorization: Bearer <key>'",
                           "invalid_request_error", "invalid_api_key", [(b"www-authenticate", b"Bearer")])
         return None
+
+
+    def _refused(self, reason: str) -> None:
+        if self.on_refused is not None:
+            self.on_refused(reason)
 
 
 def request_id_of(headers: Headers) -> str:

@@ -16,7 +16,8 @@ from gateway.metrics import GatewayMetrics
 
 def test_slots_queue_timeout_and_cancellation() -> None:
     async def main() -> None:
-        adm = Admission(1, 2, 0.2, GatewayMetrics())
+        metrics = GatewayMetrics()
+        adm = Admission(1, 2, 0.2, metrics)
         first = await adm.admit()
         waiting = asyncio.create_task(adm.admit())
         await asyncio.sleep(0)
@@ -39,6 +40,10 @@ def test_slots_queue_timeout_and_cancellation() -> None:
         third()
         third()  # (releasing twice frees one slot)
         assert adm.num_active == 0
+        # Every wait is timed, the first one's 0 and the timed-out one's included (not the cancelled one's).
+        assert sum(metrics.queue_time.counts) == 4 and metrics.queue_time.counts[0] >= 1
+        assert metrics.queue_time.sum >= 0.2
+        assert metrics.rejected.labels("queue_timeout").value == metrics.rejected.labels("queue_full").value == 1
 
     asyncio.run(main())
 

@@ -113,11 +113,15 @@ def test_metrics_stay_readable_while_draining() -> None:
     open requests falling to zero is what an operator watches then), behind the admin key if asked."""
     from gateway.middleware import GatekeeperMiddleware
 
+    refused: list[str] = []
+
     def gate(**kwargs: object) -> GatekeeperMiddleware:
-        return GatekeeperMiddleware(None, api_keys=(), is_draining=lambda: True, **kwargs)  # type: ignore[arg-type]
+        return GatekeeperMiddleware(None, api_keys=(), is_draining=lambda: True,  # type: ignore[arg-type]
+                                    on_refused=refused.append, **kwargs)
 
     assert gate(admin_api_keys=(), metrics_require_admin=False).refusal("/v1/completions", [])[0] == 503  # type: ignore[index]
     assert gate(admin_api_keys=(), metrics_require_admin=False).refusal("/metrics", []) is None
     guarded = gate(admin_api_keys=("a",), metrics_require_admin=True)
     assert guarded.refusal("/metrics", [])[0] == 401  # type: ignore[index]
     assert guarded.refusal("/metrics", [(b"authorization", b"Bearer a")]) is None
+    assert refused == ["draining", "unauthorized"], "each refusal is counted (pd_gateway_rejected_requests)"
