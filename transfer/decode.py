@@ -185,9 +185,11 @@ class DecodeSide:
 
     def _attach(self, receiver: KVReceiver, address: tuple[str, int]) -> PrefillConn | None:
         """Join ``receiver`` to the connection for ``address``; returns the connection if it is new (to
-        be opened by the caller), else None."""
+        be opened by the caller), else None. A receiver aborted meanwhile joins nothing, but its abort goes
+        to the prefill over that connection (now, or once it is registered)."""
+        channel, reason = None, ""
         with self._ctx.lock:
-            if receiver.is_terminal or self._ctx.closed:
+            if self._ctx.closed or (receiver.is_terminal and receiver.abort_reason is None):
                 return None
             conn = self._conns.get(address)
             created = conn is None or conn.error is not None
@@ -197,9 +199,18 @@ class DecodeSide:
             assert conn is not None
             if receiver.target is not None:
                 conn.targets.add(receiver.target)
-            conn.receivers.add(receiver)
-            if receiver.join(conn):
-                self._ctx.changed()
+            if receiver.is_terminal:
+                reason, receiver.abort_reason = receiver.abort_reason or "", None
+                if conn.ready and conn.channel is not None:
+                    channel = conn.channel
+                else:
+                    conn.pending_aborts.append((receiver.room, reason))
+            else:
+                conn.receivers.add(receiver)
+                if receiver.join(conn):
+                    self._ctx.changed()
+        if channel is not None:
+            channel.send(Abort(receiver.room, reason))
         return conn if created else None
 
     def _open(self, conn: PrefillConn) -> None:
@@ -341,6 +352,8 @@ class DecodeSide:
         channel.send(RoomRequest(room, page_ids, aux_index, receiver.generation))
 
     def abort(self, receiver: KVReceiver, reason: str) -> None:
+        """Fail the room and tell its prefill (at once, or once the connection to it is registered: a
+        prefill told nothing would hold the request until its bootstrap timeout)."""
         with self._ctx.lock:
             if receiver.is_terminal:
                 return
@@ -349,8 +362,26 @@ class DecodeSide:
                 TransferErrorKind.ABORTED, f"room {receiver.room}: aborted by the decode: {reason}"
             ))
             channel = conn.channel if conn is not None and conn.ready else None
+            if conn is None:
+                receiver.abort_reason = reason  # (its address is being looked up: ``_attach`` tells it)
+            elif channel is None:
+                conn.pending_aborts.append((receiver.room, reason))
         if channel is not None:
             channel.send(Abort(receiver.room, reason))
+
+    def decline(self, room: int, host: str, port: int | None, instance_id: str | None, reason: str) -> None:
+        """A room whose request this decode refused before it had a receiver: its prefill is told (an
+        ``Abort``), so that it does not wait for a page list until its bootstrap timeout. Nothing when the
+        room is in use here (another request's: not this one's to end)."""
+        with self._ctx.lock:
+            if room in self._receivers:
+                return
+        try:
+            receiver = self.create_receiver(room, host, port, instance_id)
+        except (ValueError, RuntimeError):  # (taken meanwhile, or closing)
+            return
+        self.abort(receiver, reason)
+        self.release(receiver)
 
     def release(self, receiver: KVReceiver) -> None:
         if receiver.is_released:
@@ -383,7 +414,10 @@ class DecodeSide:
                     conn.ready = True
                     for receiver in conn.receivers:
                         receiver.connection_ready()
+                    aborts, conn.pending_aborts = conn.pending_aborts, []
                     self._ctx.changed()
+                for room, reason in aborts:  # (rooms aborted while the connection was being registered)
+                    channel.send(Abort(room, reason))
             case RegisterAck(ok=False, reason=reason, kind=kind):
                 error = TransferError(TransferErrorKind.parse(kind), f"{channel.name} refused registration: {reason}")
                 self._conn_failed(conn, error)

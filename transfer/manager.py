@@ -118,6 +118,12 @@ class KVManager:
             raise RuntimeError("create_receiver() on a prefill KVManager")
         return self._decode.create_receiver(room, host, port, instance_id)
 
+    def decline_room(self, room: int, host: str, port: int | None, instance_id: str | None, reason: str) -> None:
+        """Decode: a room whose request it refused (no receiver): the prefill is told, as by an abort."""
+        if self._decode is None:
+            raise RuntimeError("decline_room() on a prefill KVManager")
+        self._decode.decline(room, host, port, instance_id, reason)
+
     def set_listener(self, on_change: Callable[[], None] | None) -> None:
         """``on_change()`` is called after a room's ``poll()`` or ``quiesced`` changed (from whichever
         thread made the change, with the manager's lock held: it must not block or call back in)."""

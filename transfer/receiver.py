@@ -32,6 +32,7 @@ class PrefillConn:
     receivers: set[KVReceiver] = field(default_factory=set)  # live, or failed and not yet quiesced
     draining: bool = False  # silent prefill, no fencing: kept open only to hear its Quiesced
     targets: set[tuple[str, int | None, str | None]] = field(default_factory=set)  # resolved to this address
+    pending_aborts: list[tuple[int, str]] = field(default_factory=list)  # (room, reason): sent once registered
 
 
 class KVReceiver(RoomHandle):
@@ -53,6 +54,9 @@ class KVReceiver(RoomHandle):
         self._quiet = False
         self.target: tuple[str, int | None, str | None] | None = None  # (host, port, instance_id) to resolve
         self.resolved_again = False  # asked the registry again after its address could not be reached
+        # Aborted before it had a connection to its prefill (its address still being looked up): the
+        # prefill is told once one exists (``DecodeSide._attach``), so that it does not wait for a page list.
+        self.abort_reason: str | None = None
 
     # -- the scheduler's API ---------------------------------------------------------------------
     @property

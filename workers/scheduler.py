@@ -349,7 +349,7 @@ class Scheduler:
             return
         if len(self.reqs) >= self.config.max_queued:
             self._out.append((conn_id, Error(msg.rid, "overloaded", "worker queue is full")))
-            self._end_room(msg, "the prefill's queue is full")
+            self._end_room(msg, f"the {self.role}'s queue is full")
             return
         req = Req(key, list(msg.input_ids), msg.params, time.monotonic() + msg.timeout_s, msg.bootstrap,
                   msg.request_id, gather_s=msg.gather_s if self.role != "prefill" else 0.0)
@@ -375,11 +375,17 @@ class Scheduler:
         self._first_stage(req)
 
     def _end_room(self, msg: Submit, reason: str) -> None:
-        """A prefill refusing a request ends its room, so that the decode's page list for it fails at
-        once instead of waiting out the bootstrap timeout (a gateway aborts that decode itself; an
-        SGLang router, or a gateway that lost only this prefill, does not)."""
-        if self.role == "prefill" and msg.bootstrap is not None and self.kv is not None:
-            self.kv.end_room(msg.bootstrap.room, reason)
+        """A worker refusing a request ends its room on the other side too, so that neither waits out its
+        bootstrap timeout for it: a prefill fails the decode's page list at once, a decode tells the
+        prefill (a gateway aborts the other side itself; an SGLang router, or a gateway that lost only
+        the refusing worker, does not)."""
+        b = msg.bootstrap
+        if b is None or self.kv is None:
+            return
+        if self.role == "prefill":
+            self.kv.end_room(b.room, reason)
+        elif self.role == "decode":  # the prefill, told, fails its request at once (it would wait for pages)
+            self.kv.decline_room(b.room, b.host, b.port, b.instance_id, reason)
 
     def _first_stage(self, req: Req) -> None:
         if self.role == "prefill":

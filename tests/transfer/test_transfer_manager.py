@@ -197,6 +197,32 @@ def test_abort_before_metadata_and_tombstone(managers):
     assert "gateway gave up" in str(receiver.failure())
 
 
+def test_an_abort_before_the_prefill_connection_exists_still_reaches_the_prefill(managers):
+    """Aborted (and released) while its prefill's address was still being looked up: the prefill hears
+    of it once the connection stands, so its sender fails at once instead of waiting for a page list
+    until bootstrap_s; ``decline_room`` (a request the decode refused: no receiver) does the same."""
+    prefill = managers("prefill")
+    looked_up = threading.Event()
+
+    def resolver(host, port, instance_id):
+        looked_up.wait(5)
+        return prefill.control_address
+
+    decode = managers("decode", resolver=resolver)
+    sender = prefill.create_sender(5)
+    receiver = decode.create_receiver(5, "prefill-0.local", None, "inst-1")
+    receiver.abort("refused by the decode")
+    receiver.release()
+    looked_up.set()
+    assert wait_for(lambda: sender.poll() == KVPoll.Failed, timeout_s=3.0), "the prefill was not told"
+    assert sender.failure().kind == TransferErrorKind.ABORTED and "refused by the decode" in str(sender.failure())
+    decode.decline_room(6, "prefill-0.local", None, "inst-1", "request needs 78 KV pages")
+    time.sleep(0.2)
+    late = prefill.create_sender(6)  # (the request reaches the prefill after the decode refused it)
+    assert wait_for(lambda: late.poll() == KVPoll.Failed, timeout_s=3.0)
+    assert "78 KV pages" in str(late.failure())
+
+
 def test_a_room_the_prefill_ended_before_its_page_list_fails_at_once(managers):
     """The mirror of the tombstone above: the prefill aborts and releases its sender before the
     decode's page list arrives; that list then fails at once, not after bootstrap_s (the decode would

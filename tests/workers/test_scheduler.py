@@ -694,3 +694,36 @@ def test_pages_freed_in_a_step_are_taken_in_that_step(short_side: str) -> None:
     finally:
         pkv.close()
         dkv.close()
+
+
+@pytest.mark.parametrize("order", ["decode_first", "prefill_first"])
+def test_a_request_its_decode_refuses_ends_on_its_prefill_at_once(order: str) -> None:
+    """A decode refusing a request (here: more pages than its pool) tells the prefill, which fails its
+    side at once instead of holding the request until its bootstrap timeout (an SGLang router waits for
+    both answers); the decode had no connection to that prefill yet (its abort waits for one)."""
+    from workers.protocol import BootstrapTarget
+
+    (p, psink, pkv), (d, dsink, dkv) = _pd_pair(64, 8)
+    try:
+        host, port = pkv.control_address
+        prompt, target = list(range(9)), BootstrapTarget(host, port, 7)
+        params = SamplingParams(max_new_tokens=60)  # 9 + 60 tokens: 18 pages of 4, the decode has 8
+        sides = [(d, d), (p, p)] if order == "decode_first" else [(p, p), (d, d)]
+        for sched, _ in sides:
+            sched.submit(1, Submit(1, prompt, params, target, timeout_s=60))
+        deadline = time.monotonic() + 20  # (the bootstrap timeout is 300 s)
+        while not psink.errors(1):
+            assert time.monotonic() < deadline, "the prefill still waits for the refused request's page list"
+            for sched, _ in sides:
+                sched.step()
+            time.sleep(0.005)
+        (refused,) = dsink.errors(1)
+        assert refused.code == "bad_request" and "KV pages" in refused.message
+        (ended,) = psink.errors(1)
+        assert "KV pages" in ended.message, ended
+        for _ in range(3):
+            p.step()
+        assert not p.reqs and p.cache.num_available == p.pool.num_pages
+    finally:
+        pkv.close()
+        dkv.close()
