@@ -343,7 +343,7 @@ class Scheduler:
             problem = f"{grammar.param} is not supported by the {self.engine.name} engine (no constrained decoding)"
         if problem is not None:
             param = grammar.param if grammar is not None and problem.startswith(grammar.param) else next(
-                (name for name in OPTIONAL_SAMPLING if problem.startswith(name)), None)  # (check_sampling's)
+                (name for name in (*OPTIONAL_SAMPLING, "stop_token_ids") if problem.startswith(name)), None)
             self._out.append((conn_id, Error(msg.rid, "bad_request", problem, param=param)))
             self._end_room(msg, problem)
             return

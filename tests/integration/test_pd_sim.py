@@ -170,6 +170,7 @@ def test_concurrent_requests_over_two_pairs(sim_cluster) -> None:  # type: ignor
         (b'{"prompt": "hi", "temperature": "hot"}', "temperature"),
         (b'{"prompt": "hi", "n": 0}', "n"),
         (b'{"prompt": [1, "x"]}', "prompt"),
+        (b'{"prompt": "hi", "stop_token_ids": [100000], "min_tokens": 2}', "stop_token_ids"),  # (vocab: 258)
     ],
 )
 def test_bad_input_is_a_clear_400_and_loses_nothing(sim_cluster, body: bytes, param: str | None) -> None:  # type: ignore[no-untyped-def]

@@ -65,6 +65,9 @@ def test_sim_refuses_what_needs_logits_and_a_plugin_refuses_everything(field: st
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"repetition_penalty": float("inf")}, "repetition_penalty"),
     ({"min_new_tokens": -1}, "min_new_tokens"),
+    # (min_new_tokens bans them by index: one outside the vocabulary failed the whole batch's step)
+    ({"stop_token_ids": [258], "min_new_tokens": 2}, "stop_token_ids"),
+    ({"stop_token_ids": [5, -3]}, "stop_token_ids"),
     # (every request carries these; out of range, a batch's sampling step failed on NaN probabilities)
     ({"temperature": float("nan")}, "temperature"),
     ({"temperature": -0.5}, "temperature"),

@@ -113,6 +113,9 @@ def check_sampling(params: SamplingParams, engine: Engine) -> str | None:
         if name not in engine.supported_sampling:
             return f"{name} is not supported by the {engine.name} engine"
     vocab = engine.info.vocab_size
+    for token in params.stop_token_ids:  # (min_new_tokens bans them by index: one outside would fail the batch)
+        if not 0 <= token < vocab:
+            return f"stop_token_ids: token id {token} is outside the vocabulary [0, {vocab})"
     low, high = LOGIT_BIAS_RANGE
     for token, bias in params.logit_bias.items():
         if not 0 <= token < vocab:
