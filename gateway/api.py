@@ -162,16 +162,19 @@ class ModelNotFound(NotFound):
 
 class Frontend:
     def __init__(self, dispatcher: ChoiceDispatcher, tokenizer: Tokenizer, model_name: str, max_context: int,
-                 default_max_tokens: int = 256) -> None:
+                 default_max_tokens: int = 256, *, any_model: bool = False) -> None:
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
         self.model_name = model_name
+        # Serve whatever ``model`` a request names (a worker's SGLang API, as SGLang's server: SGLang's router
+        # sends "unknown" for a request without one); else only ``model_name`` or "default" (404 otherwise).
+        self.any_model = any_model
         self.max_context = max_context
         self.default_max_tokens = default_max_tokens
 
     # -- validation --------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.model_name, "default"):
+        if model is not None and model not in (self.model_name, "default") and not self.any_model:
             raise ModelNotFound(f"The model {model!r} does not exist here; use {self.model_name!r}",
                                 param="model", code="model_not_found")
 

@@ -210,7 +210,7 @@ class SGLangAPI:
                     self._unavailable = f"cannot load the engine's tokenizer {info.tokenizer!r}: {exc}"
                     log.warning("SGLang HTTP API off: %s", self._unavailable)
                     return
-                self.frontend = Frontend(self.dispatcher, tokenizer, info.name, info.max_context)
+                self.frontend = Frontend(self.dispatcher, tokenizer, info.name, info.max_context, any_model=True)
             if self.frontend is not None and not self._started:
                 self._started = True
                 self.client.start()

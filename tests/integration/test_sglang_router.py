@@ -179,6 +179,20 @@ def test_several_choices_each_get_their_own_room(stack: Stack, router: str) -> N
     assert len(set(decode_rooms)) == 2 and sorted(prefill_rooms) == sorted(decode_rooms)
 
 
+@pytest.mark.parametrize("router", ["rust", "mini_lb"])
+def test_a_request_without_a_model_is_served(stack: Stack, router: str) -> None:
+    """``model`` is optional in SGLang's protocol (the Rust router sends "unknown" for a request without
+    one); our workers serve any name, as SGLang's server does; our gateway keeps to its own."""
+    body = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+    want = httpx.post(f"{stack.gateway}/v1/chat/completions", json=body, timeout=60)
+    assert want.status_code == 200, want.text
+    got = httpx.post(f"{stack.routers[router]}/v1/chat/completions", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["message"]["content"] == want.json()["choices"][0]["message"]["content"]
+    other = httpx.post(f"{stack.gateway}/v1/chat/completions", json={**body, "model": "other"}, timeout=60)
+    assert other.status_code == 404, other.text
+
+
 def test_pools_full_after_the_routers_requests(stack: Stack) -> None:
     deadline = time.monotonic() + 20
     while not stack.pools_full():
