@@ -114,7 +114,7 @@ class Prepared:
 # ``SamplingParams`` fields a worker may refuse -> the OpenAI routes' names for them
 _CLIENT_NAMES = {"logit_bias": "logit_bias", "presence_penalty": "presence_penalty",
                  "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
-                 "min_new_tokens": "min_tokens"}
+                 "min_new_tokens": "min_tokens", "stop_token_ids": "stop_token_ids"}
 
 
 class ChoiceDispatcher(Protocol):
@@ -309,22 +309,34 @@ class Frontend:
         sp = req.sampling_params if req.sampling_params is not None else GenerateSampling()
         reject_unsupported(req, GENERATE_RULES)
         reject_unsupported(sp, GENERATE_SAMPLING_RULES, prefix="sampling_params.")
+        batched = isinstance(req.text, list) if req.input_ids is None else isinstance(req.input_ids[0], list)
         if req.input_ids is not None:
-            input_ids = list(req.input_ids)
+            name = "input_ids"
+            items = req.input_ids if batched else [req.input_ids]
+            prompts = [_token_ids(item, f"input_ids[{i}]" if batched else "input_ids") for i, item in enumerate(items)]
         elif req.text is not None:
-            input_ids = self.tokenizer.encode(req.text)
+            name = "text"
+            texts = req.text if isinstance(req.text, list) else [req.text]
+            prompts = [self.tokenizer.encode(text) for text in texts]
         else:
             raise BadRequest("one of text or input_ids is required", param="text")
+        if len(prompts) > MAX_BATCH_CHOICES:
+            raise BadRequest(f"a batch of {len(prompts)} prompts is more than {MAX_BATCH_CHOICES}; split it",
+                             param=name)
         shim = _GenerateShim(sp)
         logprobs = bool(req.return_logprob)
         max_tokens = GENERATE_MAX_NEW_TOKENS if sp.max_new_tokens is None else sp.max_new_tokens
-        params, stops = self._params(shim, input_ids, max_tokens, logprobs, 0, "sampling_params.",
-                                     prompt="text" if req.input_ids is None else "input_ids",
-                                     max_tokens_name="max_new_tokens")
+        # (a batch shares its sampling parameters: its longest prompt decides what fits the context)
+        params, stops = self._params(shim, max(prompts, key=len), max_tokens, logprobs, 0, "sampling_params.",
+                                     prompt=name, max_tokens_name="max_new_tokens")
+        if not all(prompts):
+            raise BadRequest(f"{name}: a prompt of the batch is empty", param=name)
         params.prompt_logprobs = logprobs
         params.grammar = grammar_for(sp, prefix="sampling_params.")
-        return Prepared(input_ids, params, 1, stops, bool(req.stream), False, logprobs,
-                        bootstrap=ClientBootstrap.of(req), param_prefix="sampling_params."), sp
+        # A batch (even of one item) is answered as a list, item i by choice i (its own bootstrap fields).
+        return Prepared(prompts[0], params, len(prompts), stops, bool(req.stream), False, logprobs,
+                        bootstrap=ClientBootstrap.of(req), param_prefix="sampling_params.",
+                        batch=prompts if batched else None), sp
 
     # -- running choices ---------------------------------------------------------------------
     async def complete_one(self, prep: Prepared) -> ChoiceState:
@@ -417,6 +429,13 @@ class Frontend:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _token_ids(value: Any, param: str) -> list[int]:
+    """One prompt given as token ids (a 400 naming ``param`` otherwise)."""
+    if not (isinstance(value, list) and value and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in value)):
+        raise BadRequest(f"{param} must be a non-empty list of token ids (in [0, {MAX_TOKEN_ID}])", param=param)
+    return list(value)
 
 
 class _GenerateShim:

@@ -169,10 +169,14 @@ class GenerateSampling(msgspec.Struct):
 
 
 class GenerateRequest(msgspec.Struct):
-    """SGLang's native ``/generate`` body (single request)."""
+    """SGLang's native ``/generate`` body: one prompt, or a batch (a list of texts, or of token id lists;
+    SGLang's routers send both, with a list of bootstrap fields, one per item)."""
 
-    text: str | None = None
-    input_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
+    text: str | Annotated[list[str], Meta(min_length=1, max_length=MAX_BATCH_CHOICES)] | None = None
+    # token ids, or a batch of token id lists (``gateway.api.Frontend.prepare_generate`` checks the items:
+    # msgspec allows one array type per union)
+    input_ids: Annotated[list[Any], Meta(min_length=1, extra_json_schema={"anyOf": [
+        {"items": _TOKEN_ID}, {"maxItems": MAX_BATCH_CHOICES, "items": _TOKEN_IDS}]})] | None = None
     sampling_params: GenerateSampling | None = msgspec.field(default_factory=GenerateSampling)
     stream: bool | None = False
     return_logprob: bool | None = False

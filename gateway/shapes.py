@@ -51,7 +51,7 @@ class Shape:
         """Validate the decoded body; returns the prepared request and the client's id, if any."""
         raise NotImplementedError
 
-    def whole(self, run: Run, choices: list[ChoiceState]) -> dict[str, Any]:
+    def whole(self, run: Run, choices: list[ChoiceState]) -> Any:
         raise NotImplementedError
 
     def events(self, run: Run) -> AsyncGenerator[bytes, None]:
@@ -237,7 +237,9 @@ class GenerateShape(Shape):
         prep, _ = frontend.prepare_generate(req)
         return prep, req.rid
 
-    def whole(self, run: Run, choices: list[ChoiceState]) -> dict[str, Any]:
+    def whole(self, run: Run, choices: list[ChoiceState]) -> Any:
+        if run.prep.batch is not None:  # a batch: a list, item i's answer at i
+            return [self._payload(run, c) for c in choices]
         return self._payload(run, choices[0])
 
     async def events(self, run: Run) -> AsyncGenerator[bytes, None]:
@@ -253,8 +255,9 @@ class GenerateShape(Shape):
     @staticmethod
     def _payload(run: Run, state: ChoiceState) -> dict[str, Any]:
         prep = run.prep
+        prompt = prep.prompt_of(state.index)
         meta: dict[str, Any] = {
-            "id": run.rid, "prompt_tokens": len(prep.input_ids), "completion_tokens": len(state.token_ids),
+            "id": run.rid, "prompt_tokens": len(prompt), "completion_tokens": len(state.token_ids),
             "cached_tokens": state.cached_tokens, "finish_reason": None,
         }
         if state.finish_reason is not None:
@@ -271,9 +274,12 @@ class GenerateShape(Shape):
             # of it (the prompt's logprobs come from the prefill; the decode's own part is empty).
             meta["input_token_logprobs"] = [
                 [None if i == 0 or lp != lp else lp, t, None]  # lp != lp: NaN (no prefix row)
-                for i, (lp, t) in enumerate(zip(state.prompt_logprobs or [], prep.input_ids, strict=False))
+                for i, (lp, t) in enumerate(zip(state.prompt_logprobs or [], prompt, strict=False))
             ]
-        return {"text": state.text, "output_ids": list(state.token_ids), "meta_info": meta}
+        payload: dict[str, Any] = {"text": state.text, "output_ids": list(state.token_ids), "meta_info": meta}
+        if prep.batch is not None:  # (a batch's events interleave: each names its item, as SGLang's)
+            payload["index"] = state.index
+        return payload
 
 
 def usage(prompt_tokens: int, choices: list[ChoiceState]) -> dict[str, Any]:
