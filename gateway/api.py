@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
+from jinja2 import TemplateError
 
 from gateway.api_models import (
     CHAT_ROLES,
@@ -248,7 +249,7 @@ class Frontend:
                     if entry["role"] == "developer":
                         entry["role"] = "system"
             input_ids = render_prompt(self.tokenizer, messages, tools)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, TemplateError) as exc:  # (TemplateError: the template's raise_exception)
             raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from None
         named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -120,6 +120,29 @@ def test_raise_exception_in_template(tmp_path, tiny_tokenizer_dir) -> None:
         tok.apply_chat_template([{"role": "user", "content": "x"}])
 
 
+def test_a_template_refusing_the_messages_is_the_clients_400(tmp_path, tiny_tokenizer_dir) -> None:
+    """A template that refuses what it is given (Gemma's "System role not supported", Mistral's "roles must
+    alternate") answers the client 400 naming ``messages``, not a 500."""
+    import msgspec
+
+    from gateway.api import Frontend
+    from gateway.api_models import ChatCompletionRequest
+    from gateway.errors import BadRequest
+
+    (tmp_path / "tokenizer.json").write_bytes((Path(tiny_tokenizer_dir) / "tokenizer.json").read_bytes())
+    template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    frontend = Frontend(None, HFTokenizer.from_dir(str(tmp_path)), "m", 8192)  # type: ignore[arg-type]
+    request = msgspec.convert({"messages": [{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "hi"}]}, ChatCompletionRequest)
+    with pytest.raises(BadRequest, match="System role not supported") as info:
+        frontend.prepare_chat(request)
+    assert info.value.status == 400 and info.value.param == "messages"
+    user_only = msgspec.convert({"messages": [{"role": "user", "content": "hi"}]}, ChatCompletionRequest)
+    assert frontend.prepare_chat(user_only).input_ids
+
+
 def test_bad_directories(tmp_path) -> None:
     with pytest.raises(TokenizerLoadError, match=r"no tokenizer\.json"):
         HFTokenizer.from_dir(str(tmp_path))
