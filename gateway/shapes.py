@@ -328,7 +328,7 @@ def echo_entries(frontend: Frontend, prep: Prepared, choice: ChoiceState) -> lis
         lp = values[i] if i < len(values) else None
         known = not (i == 0 or lp is None or lp != lp)
         token = name(token_id)
-        top = None
+        top: list[dict[str, Any]] | None = [] if known else None  # ([]: the token alone, with ``logprobs: 0``)
         if known and tops is not None and i < len(tops) and tops[i]:
             top = [{"token": name(t.token_id), "logprob": t.logprob} for t in tops[i]]
             if all(t.token_id != token_id for t in tops[i]):

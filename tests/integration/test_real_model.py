@@ -221,6 +221,13 @@ def test_completions_echo_with_logprobs(deployment: SmolDeployment) -> None:
     for ours, theirs in zip(lp["top_logprobs"][1:n_prompt], both["choices"][0]["logprobs"]["top_logprobs"][1:n_prompt],
                             strict=True):
         assert ours.keys() == theirs.keys() and all(abs(ours[k] - theirs[k]) < 1e-4 for k in ours), "P->D = one worker"
+    # ``logprobs: 0``: each known position's top_logprobs is the token alone, prompt and answer alike.
+    zero = httpx.post(f"{deployment.pd_v1}/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 0}).json()
+    zero = zero["choices"][0]["logprobs"]
+    assert zero["top_logprobs"][0] is None
+    assert zero["top_logprobs"][1:] == [{t: v} for t, v in zip(zero["tokens"][1:], zero["token_logprobs"][1:],
+                                                                strict=True)]
 
 
 def test_streamed_echo_with_logprobs_is_the_whole_responses(deployment: SmolDeployment) -> None:
