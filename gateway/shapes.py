@@ -104,7 +104,7 @@ class ChatShape(Shape):
                 "logprobs": {"content": c.logprobs} if prep.want_logprobs else None,
                 "finish_reason": c.finish_reason,
             } for c in choices],
-            "usage": usage(prep.prompt_tokens, choices),
+            "usage": usage(prep, choices),
         }
         if prep.tools is not None:
             shape_choices(prep.tools, result)  # calls -> message.tool_calls (gateway/tool_calls.py)
@@ -143,7 +143,7 @@ class ChatShape(Shape):
                 "finish_reason": state.finish_reason,
             }])
         if prep.include_usage:
-            yield self._chunk(run, [], usage(prep.prompt_tokens, list(states.values())))
+            yield self._chunk(run, [], usage(prep, list(states.values())))
 
     def first(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
         return self._chunk(run, [{"index": state.index, "delta": {"content": text, "role": "assistant"},
@@ -171,7 +171,7 @@ class CompletionShape(Shape):
                 "logprobs": legacy_logprobs(echo_entries(frontend, prep, c) + c.logprobs, 0)
                 if prep.want_logprobs else None,
             } for c in choices],
-            "usage": usage(prep.prompt_tokens, choices),
+            "usage": usage(prep, choices),
         }
 
     def _chunk(self, run: Run, index: int, text: str, finish: str | None, logprobs: Any) -> bytes:
@@ -207,7 +207,7 @@ class CompletionShape(Shape):
         if prep.include_usage:
             yield sse({"id": run.rid, "object": "text_completion", "created": run.created,
                        "model": frontend.model_name, "choices": [],
-                       "usage": usage(prep.prompt_tokens, list(states.values()))})
+                       "usage": usage(prep, list(states.values()))})
 
     def first(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
         return self.middle(run, state, self._prompt_text(run, state.index) + text)
@@ -282,9 +282,16 @@ class GenerateShape(Shape):
         return payload
 
 
-def usage(prompt_tokens: int, choices: list[ChoiceState]) -> dict[str, Any]:
+def usage(prep: Prepared, choices: list[ChoiceState]) -> dict[str, Any]:
+    """The response's ``usage``: each prompt (of a batch) counted once, its cached part as the most any of
+    its choices found cached."""
+    prompt_tokens = prep.prompt_tokens
     completion = sum(len(c.token_ids) for c in choices)
-    cached = max((c.cached_tokens for c in choices), default=0)
+    per_prompt: dict[int, int] = {}
+    for c in choices:
+        item = c.index // prep.per_prompt
+        per_prompt[item] = max(per_prompt.get(item, 0), c.cached_tokens)
+    cached = sum(per_prompt.values())
     return {
         "prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": cached},

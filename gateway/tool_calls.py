@@ -398,4 +398,4 @@ async def tool_events(run: Any, chunk: Callable[..., bytes], usage: Callable[...
         if not deltas and finish is not None:
             yield chunk(run, [{"index": state.index, "delta": {}, "logprobs": logprobs, "finish_reason": finish}])
     if prep.include_usage:
-        yield chunk(run, [], usage(prep.prompt_tokens, list(states.values())))
+        yield chunk(run, [], usage(prep, list(states.values())))

@@ -53,6 +53,17 @@ def test_a_batch_answers_each_prompt_as_alone(sim_cluster) -> None:  # type: ign
                 for choice in json.loads(line[6:])["choices"]:
                     texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
     assert texts == {ch.index: ch.text for ch in batch.choices}
+
+    # Cached prompt tokens: each prompt's once (its choices share it), all the batch's prompts together.
+    long = [p * 8 for p in PROMPTS[:2]]
+    for p in long:
+        c.completions.create(model="sim", prompt=p, max_tokens=2, temperature=0)  # (now in the prefix cache)
+    cached = [c.completions.create(model="sim", prompt=p, max_tokens=2, temperature=0).usage for p in long]
+    again = c.completions.create(model="sim", prompt=long, max_tokens=2, temperature=0, n=2).usage
+    assert all(u and u.prompt_tokens_details and u.prompt_tokens_details.cached_tokens for u in cached)
+    assert again and again.prompt_tokens_details
+    assert again.prompt_tokens_details.cached_tokens == sum(
+        u.prompt_tokens_details.cached_tokens for u in cached)  # type: ignore[union-attr]
     cluster.wait_pools_full()
 
 
