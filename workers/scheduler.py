@@ -672,7 +672,11 @@ class Scheduler:
             if req.done:
                 continue
             if seq.sample and out.token_id is None:  # (the engine could not sample this one row)
-                self._fail(req, "internal", "the engine could not sample a token (its scores are not finite)")
+                if out.error is not None:  # the request's own doing (its grammar)
+                    grammar = req.params.grammar
+                    self._fail(req, "bad_request", out.error, param=grammar.param if grammar is not None else None)
+                else:
+                    self._fail(req, "internal", "the engine could not sample a token (its scores are not finite)")
                 continue
             try:
                 if req.stage == "running":

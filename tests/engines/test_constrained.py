@@ -228,7 +228,8 @@ def test_a_migrated_stream_continues_its_grammar(make_engine: Any, model_dir: st
 
 
 def test_a_grammar_that_fails_at_its_first_mask_ends_its_row_not_the_batch() -> None:
-    """E.g. evicted from the compile cache and failing to recompile: only that row is affected (EOS only)."""
+    """E.g. evicted from the compile cache and failing to recompile: only that row is affected (named in
+    ``failures``: its request fails with a reason rather than ending as if the grammar had been followed)."""
     import concurrent.futures
 
     import torch
@@ -247,5 +248,33 @@ def test_a_grammar_that_fails_at_its_first_mask_ends_its_row_not_the_batch() -> 
         out = constraints.mask(seqs, scores)
     finally:
         constraints.close()
-    assert torch.isfinite(out[0]).tolist() == [i == 2 for i in range(40)]  # only EOS left on its row
+    assert torch.isfinite(out[0]).tolist() == [i == 2 for i in range(40)]  # (still a row that can be sampled)
     assert torch.equal(out[1], scores[1])  # the unconstrained row untouched
+    assert list(constraints.failures) == [0] and constraints.failures[0].startswith("regex: ")
+    assert "gone" in constraints.failures[0]
+
+
+def test_a_grammar_the_matcher_gives_up_on_fails_its_request_not_its_batch(make_engine: Any, model_dir: str,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grammar the library compiled but its matcher cannot follow (e.g. a regex past its lexer's limits,
+    which a real tokenizer meets at the first token): that row samples nothing and says why, naming the
+    field (the request ended as an empty answer, finish "stop"); the other request of the step is served."""
+    e = make_engine(model_dir)
+    engine = e.engine
+    grammar = Grammar("regex", "(ab)+", param="regex")
+    engine.prepare(grammar).result()
+    catch_up = engine.constraints._catch_up
+
+    def failing(seq: SeqInput) -> Any:
+        if seq.rid == 1:
+            raise RuntimeError("LexerTooComplex: too many expressions constructed")
+        return catch_up(seq)
+
+    monkeypatch.setattr(engine.constraints, "_catch_up", failing)
+    a, b = e.pool.alloc(4), e.pool.alloc(4)
+    constrained = SamplingParams(temperature=0.0, grammar=grammar)
+    outs = engine.forward([SeqInput(1, a, 0, [10, 11, 12], True, constrained, 0, [10, 11, 12]),
+                           SeqInput(2, b, 0, [13, 14, 15], True, constrained, 0, [13, 14, 15])])
+    assert outs[0].token_id is None and outs[0].error is not None and outs[0].error.startswith("regex: ")
+    assert "LexerTooComplex" in outs[0].error
+    assert outs[1].token_id is not None and outs[1].error is None

@@ -174,6 +174,12 @@ def test_rejected_grammars_are_a_400_naming_the_field(deployment: SmolDeployment
         assert r.status_code == 400, (route, body, r.text)
         err = r.json()["error"]
         assert err["param"] == param and err["type"] == "invalid_request_error", (body, err)
+    # Compiled, but past what the matcher can follow (its lexer's limits, met at the first token): a 400
+    # naming the field, not an empty answer whose finish reason says it ended.
+    r = httpx.post(f"{deployment.pd_url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "guided_regex": "a{99999999}"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "guided_regex" and "could not be followed" in r.json()["error"]["message"]
 
 
 WEATHER_TOOL = {"type": "function", "function": {

@@ -65,11 +65,12 @@ class SeqInput:
 
 @dataclass
 class SeqOutput:
-    token_id: int | None = None
+    token_id: int | None = None  # None (a sampled row): this request fails, the batch goes on
     logprob: float | None = None
     top_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[TokenLogprob]] | None = None  # (with ``params.top_logprobs``)
+    error: str | None = None  # (no token) why, when it is the request's own doing (its grammar): a bad_request
 
 
 # Optional sampling fields of ``SamplingParams`` and their neutral values. An engine implements those

@@ -53,6 +53,8 @@ class Constraints:
         self._lock = threading.Lock()  # the cache is read by the scheduler thread, filled by the compile thread
         self._cache: OrderedDict[Grammar, concurrent.futures.Future[Any]] = OrderedDict()
         self._seqs: dict[int, _Matcher] = {}
+        # Rows of the last ``mask`` whose grammar failed (index in its ``seqs`` -> why): not to be sampled.
+        self.failures: dict[int, str] = {}
 
     # -- compiling ----------------------------------------------------------------------------
     def prepare(self, grammar: Grammar) -> concurrent.futures.Future[None]:
@@ -92,6 +94,7 @@ class Constraints:
         A row the grammar leaves nothing in (``min_new_tokens`` banning the EOS of a grammar that has
         ended) is masked from ``raw`` (the logits before ``scores``' adjustments) instead: the grammar
         wins, and the row stays one that can be sampled."""
+        self.failures = {}
         rows = [i for i, seq in enumerate(seqs) if seq.params.grammar is not None]
         if not rows:
             return scores
@@ -101,16 +104,21 @@ class Constraints:
             row = bitmask[j]
             try:
                 state = self._catch_up(seqs[i])
+                if state.matcher.is_error():  # (it gave up on an earlier token: a stopped matcher, but no end)
+                    raise RuntimeError(state.matcher.get_error())
                 if state.matcher.is_stopped():  # the grammar ended (EOS taken) and the request goes on
                     self._only_eos(row)         # (ignore_eos): EOS again, as after the grammar's end
                     continue
                 state.matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
                 if state.matcher.is_error():
                     raise RuntimeError(state.matcher.get_error())
-            except Exception as exc:  # (the matcher's error, a failed recompile...) this sequence ends (EOS only);
-                # the batch goes on
-                log.warning("rid %s: grammar matcher failed, only EOS allowed: %s", seqs[i].rid, exc)
-                self._only_eos(row)
+            except Exception as exc:  # (the matcher's error: a grammar past its limits, a failed recompile...)
+                # this sequence fails (``failures``: the engine samples nothing for it); the batch goes on
+                log.warning("rid %s: the grammar matcher failed: %s", seqs[i].rid, exc)
+                grammar = seqs[i].params.grammar
+                param = grammar.param if grammar is not None else "grammar"
+                self.failures[i] = f"{param}: the grammar could not be followed: {exc}"
+                self._only_eos(row)  # (a row that can still be sampled, not used)
         allowed = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).view(len(rows), words * 32)[:, : scores.shape[1]]
         index = torch.tensor(rows, device=scores.device)
         out = scores.clone()

@@ -261,12 +261,16 @@ class TorchEngine(Engine):
         seqs = [batch[i] for i in sampled]
         scores = self.adjuster.adjust(logits, seqs)
         scores = self.constraints.mask(seqs, scores, logits)  # grammars: banned tokens at -inf
+        failures = self.constraints.failures  # (rows whose grammar failed: their request fails)
         argmax = scores.argmax(dim=-1).tolist()  # one call for every greedy sequence
         for j, i in enumerate(sampled):
             seq, row = batch[i], logits[j]
             self.last_logits[i] = row
             token: int | None
-            if is_greedy(seq.params):
+            if j in failures:
+                outputs[i].error = failures[j]
+                token = None
+            elif is_greedy(seq.params):
                 token = argmax[j]
             else:
                 try:
