@@ -287,11 +287,14 @@ def usage(prep: Prepared, choices: list[ChoiceState]) -> dict[str, Any]:
     its choices found cached."""
     prompt_tokens = prep.prompt_tokens
     completion = sum(len(c.token_ids) for c in choices)
-    per_prompt: dict[int, int] = {}
-    for c in choices:
-        item = c.index // prep.per_prompt
-        per_prompt[item] = max(per_prompt.get(item, 0), c.cached_tokens)
-    cached = sum(per_prompt.values())
+    if prep.batch is None:  # one prompt
+        cached = max((c.cached_tokens for c in choices), default=0)
+    else:
+        by_prompt: dict[int, int] = {}
+        for c in choices:
+            item = c.index // prep.per_prompt
+            by_prompt[item] = max(by_prompt.get(item, 0), c.cached_tokens)
+        cached = sum(by_prompt.values())
     return {
         "prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
