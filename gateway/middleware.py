@@ -98,7 +98,6 @@ class GatekeeperMiddleware:
                           "invalid_request_error", "invalid_api_key", [(b"www-authenticate", b"Bearer")])
         return None
 
-
     def _refused(self, reason: str) -> None:
         if self.on_refused is not None:
             self.on_refused(reason)
