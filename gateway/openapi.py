@@ -99,7 +99,12 @@ _RESPONSES: dict[str, dict[str, Any]] = {
             "meta_info": {"type": "object", "required": ["id", "prompt_tokens", "completion_tokens"],
                           "properties": {"id": _STR, "prompt_tokens": _INT, "completion_tokens": _INT,
                                          "cached_tokens": _INT, "finish_reason": {"type": ["object", "null"]}}},
+            "index": _INT,  # (a batch's: the item it answers)
         },
+    },
+    "GenerateResponse": {  # one prompt's answer, or a batch's list of them (item i at i)
+        "anyOf": [{"$ref": _REF.format(name="Generation")},
+                  {"type": "array", "items": {"$ref": _REF.format(name="Generation")}}],
     },
     "ModelList": {
         "type": "object",
@@ -197,7 +202,7 @@ def _paths() -> dict[str, Any]:
                                             "createChatCompletion"),
         "/v1/completions": _generation("OpenAI text completion", "CompletionRequest", "TextCompletion",
                                        "createCompletion"),
-        "/generate": _generation("SGLang native generation", "GenerateRequest", "Generation", "generate"),
+        "/generate": _generation("SGLang native generation", "GenerateRequest", "GenerateResponse", "generate"),
         "/v1/models": _get("listModels", "the served model", "generation",
                            {"200": _json(_ref("ModelList"), "the model"), **_errors("503")}),
         "/v1/models/{model}": {"get": {
