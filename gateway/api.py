@@ -25,6 +25,7 @@ from gateway.api_models import (
     CompletionRequest,
     GenerateRequest,
     GenerateSampling,
+    is_token_ids,
 )
 from gateway.context import random_hex
 from gateway.errors import APIError, BadRequest, NotFound
@@ -295,7 +296,7 @@ class Frontend:
         """One completions prompt as token ids: text, or ids checked for range (400 naming ``param``)."""
         if isinstance(prompt, str):
             input_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in prompt):
+        elif is_token_ids(prompt):
             input_ids = list(prompt)
         elif prompt is None:
             raise BadRequest("prompt is required", param="prompt")
@@ -434,7 +435,7 @@ class Frontend:
 
 def _token_ids(value: Any, param: str) -> list[int]:
     """One prompt given as token ids (a 400 naming ``param`` otherwise)."""
-    if not (isinstance(value, list) and value and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in value)):
+    if not (value and is_token_ids(value)):
         raise BadRequest(f"{param} must be a non-empty list of token ids (in [0, {MAX_TOKEN_ID}])", param=param)
     return list(value)
 

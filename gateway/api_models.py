@@ -31,6 +31,12 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 Count = Annotated[int, Meta(ge=1)]
 MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; larger ints do not fit the workers' wire format
 TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
+
+
+def is_token_ids(value: object) -> bool:
+    """A list of token ids (``TokenId``s), checked by hand where a union leaves the type to ``Any``."""
+    return isinstance(value, list) and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in value)
+
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(ge=0.0, le=1.0, description="0: only the most probable token")]
 TopK = Annotated[int, Meta(ge=-1, le=MAX_TOKEN_ID, description="-1 or 0 (off), or positive")]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from gateway.api_models import MAX_TOKEN_ID
+from gateway.api_models import is_token_ids
 
 if TYPE_CHECKING:
     from gateway.policies.base import RequestInfo, WorkerView
@@ -74,7 +74,7 @@ def prompt_ids(tokenizer: Tokenizer, route: str, body: dict[str, Any]) -> list[i
         prompt = prompt[0]  # a batch: its items usually share a prefix, the first stands for them
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
-    if isinstance(prompt, list) and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in prompt):
+    if is_token_ids(prompt):
         return prompt  # (ids past that are the worker's to refuse; here they would not even hash)
     return []
 

@@ -20,6 +20,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from workers.request import live
+
 if TYPE_CHECKING:
     from workers.kv_pool import KVPool
     from workers.request import Req
@@ -160,7 +162,7 @@ _STAGES = {"prefilling": "prefill", "running": "running"}
 
 
 def _live(reqs: Iterable[Req], stage: str | None = None) -> int:
-    return sum(1 for r in list(reqs) if not r.done and (stage is None or r.stage == stage))
+    return len(live(reqs, stage))
 
 
 def _scheduler_metrics(role: str, s: Scheduler) -> Iterator[Metric]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -67,3 +68,9 @@ class Req:
 
     def move(self, stage: str) -> None:
         self.stage = stage
+
+
+def live(reqs: Iterable[Req], stage: str | None = None) -> list[Req]:
+    """The requests of ``reqs`` not ended (and in ``stage``, when given: a batch list keeps a request that
+    moved on, e.g. a prefill's now in flight, until the scheduler's next step prunes it)."""
+    return [r for r in list(reqs) if not r.done and (stage is None or r.stage == stage)]

@@ -73,7 +73,7 @@ from workers.pd_queues import (
     failure_reason,
 )
 from workers.protocol import Error, Fault, KVEvents, LoadReport, Outputs, StepOutput, Submit, joined
-from workers.request import Req
+from workers.request import Req, live
 from workers.stop_strings import StopWatch, history_tokens
 
 log = logging.getLogger(__name__)
@@ -471,13 +471,12 @@ class Scheduler:
         """Drop from the batch lists what ended or moved on since the last step (finished, failed,
         aborted; a prefill's request now in flight; a combined worker's prefilled request, now decoding):
         they must not take batch room from waiting requests."""
-        self._running = [r for r in self._running if not r.done and r.stage == "running"]
-        self._prefilling = [r for r in self._prefilling if not r.done and r.stage == "prefill"]
+        self._running = live(self._running, "running")
+        self._prefilling = live(self._prefilling, "prefill")
 
     def num_in_batch(self) -> int:
         """Live requests in the batch (decoding + prefilling), for load reports and metrics (any thread)."""
-        return (sum(1 for r in list(self._running) if not r.done and r.stage == "running")
-                + sum(1 for r in list(self._prefilling) if not r.done and r.stage == "prefill"))
+        return len(live(self._running, "running")) + len(live(self._prefilling, "prefill"))
 
     def _admit_waiting(self) -> None:
         self._prune_batch()
@@ -927,12 +926,9 @@ class Scheduler:
         }
 
     def load_report(self) -> LoadReport:
-        def live(*queues: list[Req]) -> int:  # finished requests leave their lists at the next step
-            return sum(1 for q in queues for r in q if not r.done)
-
         return LoadReport(
             num_running=self.num_in_batch(),
-            num_waiting=live(self._waiting) + self.bootstrap_queue.num_live + self.prealloc_queue.num_live,
+            num_waiting=len(live(self._waiting)) + self.bootstrap_queue.num_live + self.prealloc_queue.num_live,
             num_free_pages=self.cache.num_available,
             num_total_pages=self.pool.num_pages,
             num_inflight_transfers=(self.inflight_queue.num_live + self.transfer_queue.num_live

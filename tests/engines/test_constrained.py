@@ -228,8 +228,8 @@ def test_a_migrated_stream_continues_its_grammar(make_engine: Any, model_dir: st
 
 
 def test_a_grammar_that_fails_at_its_first_mask_ends_its_row_not_the_batch() -> None:
-    """E.g. evicted from the compile cache and failing to recompile: only that row is affected (named in
-    ``failures``: its request fails with a reason rather than ending as if the grammar had been followed)."""
+    """E.g. evicted from the compile cache and failing to recompile: only that row is affected (named among
+    ``mask``'s failures: its request fails with a reason rather than ending as if the grammar had been followed)."""
     import concurrent.futures
 
     import torch
@@ -245,13 +245,13 @@ def test_a_grammar_that_fails_at_its_first_mask_ends_its_row_not_the_batch() -> 
             SeqInput(2, [1], 0, [5], True, SamplingParams(), 0, [5])]
     scores = torch.zeros(2, 40)
     try:
-        out = constraints.mask(seqs, scores)
+        out, failures = constraints.mask(seqs, scores)
     finally:
         constraints.close()
     assert torch.isfinite(out[0]).tolist() == [i == 2 for i in range(40)]  # (still a row that can be sampled)
     assert torch.equal(out[1], scores[1])  # the unconstrained row untouched
-    assert list(constraints.failures) == [0] and constraints.failures[0].startswith("regex: ")
-    assert "gone" in constraints.failures[0]
+    assert list(failures) == [0] and failures[0].startswith("regex: ")
+    assert "gone" in failures[0]
 
 
 def test_a_grammar_the_matcher_gives_up_on_fails_its_request_not_its_batch(make_engine: Any, model_dir: str,

@@ -53,8 +53,6 @@ class Constraints:
         self._lock = threading.Lock()  # the cache is read by the scheduler thread, filled by the compile thread
         self._cache: OrderedDict[Grammar, concurrent.futures.Future[Any]] = OrderedDict()
         self._seqs: dict[int, _Matcher] = {}
-        # Rows of the last ``mask`` whose grammar failed (index in its ``seqs`` -> why): not to be sampled.
-        self.failures: dict[int, str] = {}
 
     # -- compiling ----------------------------------------------------------------------------
     def prepare(self, grammar: Grammar) -> concurrent.futures.Future[None]:
@@ -88,16 +86,18 @@ class Constraints:
         return matcher
 
     # -- per step ------------------------------------------------------------------------------
-    def mask(self, seqs: list[SeqInput], scores: torch.Tensor, raw: torch.Tensor | None = None) -> torch.Tensor:
-        """``scores`` ``[len(seqs), vocab]`` with every constrained row's banned tokens at -inf (a copy).
+    def mask(self, seqs: list[SeqInput], scores: torch.Tensor, raw: torch.Tensor | None = None,
+             ) -> tuple[torch.Tensor, dict[int, str]]:
+        """``scores`` ``[len(seqs), vocab]`` with every constrained row's banned tokens at -inf (a copy), and
+        the rows whose grammar failed (index in ``seqs`` -> why): their requests fail, nothing is sampled.
 
         A row the grammar leaves nothing in (``min_new_tokens`` banning the EOS of a grammar that has
         ended) is masked from ``raw`` (the logits before ``scores``' adjustments) instead: the grammar
         wins, and the row stays one that can be sampled."""
-        self.failures = {}
+        failures: dict[int, str] = {}
         rows = [i for i, seq in enumerate(seqs) if seq.params.grammar is not None]
         if not rows:
-            return scores
+            return scores, failures
         words = (scores.shape[1] + 31) // 32
         bitmask = torch.empty((len(rows), words), dtype=torch.int32)
         for j, i in enumerate(rows):
@@ -117,7 +117,7 @@ class Constraints:
                 log.warning("rid %s: the grammar matcher failed: %s", seqs[i].rid, exc)
                 grammar = seqs[i].params.grammar
                 param = grammar.param if grammar is not None else "grammar"
-                self.failures[i] = f"{param}: the grammar could not be followed: {exc}"
+                failures[i] = f"{param}: the grammar could not be followed: {exc}"
                 self._only_eos(row)  # (a row that can still be sampled, not used)
         allowed = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).view(len(rows), words * 32)[:, : scores.shape[1]]
         index = torch.tensor(rows, device=scores.device)
@@ -129,7 +129,7 @@ class Constraints:
             fallback = raw.index_select(0, index).to(picked.dtype).masked_fill_(banned, float("-inf"))
             picked = torch.where(dead.unsqueeze(1), fallback, picked)
         out.index_copy_(0, index, picked)
-        return out
+        return out, failures
 
     def _only_eos(self, row: torch.Tensor) -> None:
         row.zero_()

@@ -260,8 +260,7 @@ class TorchEngine(Engine):
         # logit_bias, penalties, min_new_tokens over every sampled row at once (raw logits kept for logprobs)
         seqs = [batch[i] for i in sampled]
         scores = self.adjuster.adjust(logits, seqs)
-        scores = self.constraints.mask(seqs, scores, logits)  # grammars: banned tokens at -inf
-        failures = self.constraints.failures  # (rows whose grammar failed: their request fails)
+        scores, failures = self.constraints.mask(seqs, scores, logits)  # grammars: banned tokens at -inf
         argmax = scores.argmax(dim=-1).tolist()  # one call for every greedy sequence
         for j, i in enumerate(sampled):
             seq, row = batch[i], logits[j]
