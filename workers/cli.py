@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap-timeout-s", type=float, default=300.0)
     p.add_argument("--waiting-timeout-s", type=float, default=300.0)
     p.add_argument("--transfer-timeout-s", type=float, default=60.0)
+    p.add_argument("--http-request-timeout-s", type=float, default=1800.0,
+                   help="a request arriving over SGLang's HTTP API (SGLang's routers) ends by this deadline")
     p.add_argument("--heartbeat-interval-s", type=float, default=2.0,
                    help="KV peers ping each other this often (silent for 3x: gone); a prefill renews its "
                         "bootstrap registration this often too, but at least every 2.5 s (the registry's "
@@ -81,7 +83,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         num_pages=args.num_pages, chunk_size=args.chunk_size, max_running=args.max_running,
         device=args.device, dtype=args.dtype, attention=args.attention, num_threads=args.num_threads,
         bootstrap_timeout_s=args.bootstrap_timeout_s, waiting_timeout_s=args.waiting_timeout_s,
-        transfer_timeout_s=args.transfer_timeout_s, heartbeat_interval_s=args.heartbeat_interval_s,
+        transfer_timeout_s=args.transfer_timeout_s, http_request_timeout_s=args.http_request_timeout_s,
+        heartbeat_interval_s=args.heartbeat_interval_s,
         max_unread_bytes=int(args.max_unread_mib * 2**20), engine_options=extra,
         advertise_host=args.advertise_host, transfer_options=transfer_options, same_host_kv=args.same_host_kv,
     )

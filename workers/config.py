@@ -36,6 +36,9 @@ class WorkerConfig:
     bootstrap_timeout_s: float = 300.0
     waiting_timeout_s: float = 300.0
     transfer_timeout_s: float = 60.0
+    # A request arriving over SGLang's HTTP API (workers/sglang_api.py) ends by this deadline; a native
+    # request carries its gateway's.
+    http_request_timeout_s: float = 1800.0
     heartbeat_interval_s: float = 2.0
     max_unread_bytes: int = MAX_UNREAD_BYTES  # per gateway connection: past it the gateway is not reading
     engine_options: dict[str, str] = field(default_factory=dict)
@@ -65,7 +68,8 @@ class WorkerConfig:
             raise ConfigError(f"same_host_kv: must be auto or off, got {self.same_host_kv!r}")
         if self.max_unread_bytes < 1 << 16:
             raise ConfigError("max_unread_bytes: must be at least 64 KiB")
-        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s", "heartbeat_interval_s"):
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s", "http_request_timeout_s",
+                     "heartbeat_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive")
         if self.bootstrap_embedded is not None:

@@ -14,7 +14,8 @@ Lifecycle:
    ``RelayDispatcher`` in place of the gateway's dispatcher: no routing, this worker only, and the
    bootstrap room and the prefill's registry address taken from the body's ``bootstrap_host``,
    ``bootstrap_port`` and ``bootstrap_room`` (scalars, or lists with one item per choice; choice
-   ``i`` of a scalar room uses ``room + i``, on the prefill and the decode alike). A prefill worker
+   ``i`` of a scalar room uses ``room + i``, of a list shorter than the choices item ``i % len`` plus
+   ``i // len``, on the prefill and the decode alike). A prefill worker
    answers once its KV is handed over (its text is the first token; ``meta_info`` carries the
    prompt logprobs a router merges); a decode worker answers with the whole generation, streamed
    or not. A combined worker (``--role both``) needs no bootstrap fields.
@@ -46,8 +47,9 @@ from starlette.routing import BaseRoute, Route
 from gateway.admission import Admission
 from gateway.api import ClientBootstrap, Frontend
 from gateway.context import REQUEST_ID
+from gateway.dispatch import SlowClient
 from gateway.errors import APIError, BadGateway, BadRequest, NoWorkers, UpstreamTimeout, from_worker_error
-from gateway.event_sink import EventSink
+from gateway.event_sink import EventSink, SinkOverflow
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import request_id_of
 from gateway.responder import Responder
@@ -60,6 +62,7 @@ from workers.protocol import BootstrapTarget, Error, SamplingParams, StepOutput,
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
+    from workers.config import WorkerConfig
     from workers.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -71,6 +74,9 @@ SERVER_VERSION = "pd-gateway-0.1.0"
 _json = msgspec.json.Encoder()
 
 
+FIRST_TOKEN_SLACK_S = 30.0
+
+
 @dataclass(frozen=True)
 class SGLangAPIConfig:
     """Deadlines of the worker's SGLang API (the gateway's relay to SGLang workers has its own)."""
@@ -78,6 +84,14 @@ class SGLangAPIConfig:
     first_token_timeout_s: float = 300.0  # prefill: until its KV is handed over; decode: its first token
     stream_idle_timeout_s: float = 120.0
     request_timeout_s: float = 1800.0  # the scheduler's own deadline for the request
+
+    @classmethod
+    def of(cls, cfg: WorkerConfig) -> SGLangAPIConfig:
+        """The worker's: ``--http-request-timeout-s`` for the request; before the first output, what the
+        scheduler's own stage timeouts allow it (bootstrap, queue, transfer) and some slack, so that this
+        backstop for a stalled scheduler never cuts a request its scheduler would still serve."""
+        first = cfg.bootstrap_timeout_s + cfg.waiting_timeout_s + cfg.transfer_timeout_s + FIRST_TOKEN_SLACK_S
+        return cls(min(first, cfg.http_request_timeout_s), cls.stream_idle_timeout_s, cfg.http_request_timeout_s)
 
 
 class RelayDispatcher:
@@ -108,6 +122,9 @@ class RelayDispatcher:
                 except TimeoutError:
                     stage = "between tokens" if got_token else "before the first token"
                     raise UpstreamTimeout(f"{self.role} worker: no progress {stage}") from None
+                except SinkOverflow:  # (the generation is aborted below)
+                    raise SlowClient(f"the client read its stream too slowly ({sink.limit} outputs unread); "
+                                     "generation was stopped") from None
                 if isinstance(event, StepOutput):
                     if event.finish_reason is None:
                         event = sink.merge_ready(event, "self")
@@ -141,8 +158,12 @@ class RelayDispatcher:
         if type(room) is not int or not 0 <= room <= MAX_ROOM:
             raise BadRequest(f"bootstrap_room must be an integer in [0, 2^63-1], got {room!r}",
                              param="bootstrap_room")
-        if not isinstance(bootstrap.room, list):
-            room = (room + choice) % (MAX_ROOM + 1)
+        # A scalar room: choice i uses room + i. A list shorter than the choices (SGLang's Rust router sizes
+        # it to n for a prompt array with n > 1; SGLang's server repeats it): choice i uses item i % len,
+        # plus i // len so that no two choices share a room (prefill and decode compute the same).
+        rooms = bootstrap.room
+        offset = choice // len(rooms) if isinstance(rooms, list) else choice
+        room = (room + offset) % (MAX_ROOM + 1)
         if port is not None and (type(port) is not int or not 0 < port < 65536):
             raise BadRequest(f"bootstrap_port must be a TCP port or null, got {port!r}", param="bootstrap_port")
         if host is not None and not isinstance(host, str):
@@ -156,11 +177,12 @@ class RelayDispatcher:
 
 
 def _item(value: Any, choice: int, name: str) -> Any:
+    """Choice ``choice``'s item of a bootstrap field: the scalar, or a list's item (a short list repeats)."""
     if not isinstance(value, list):
         return value
-    if choice >= len(value):
-        raise BadRequest(f"{name} has {len(value)} items; choice {choice} needs one of its own", param=name)
-    return value[choice]
+    if not value:
+        raise BadRequest(f"{name} is an empty list", param=name)
+    return value[choice % len(value)]
 
 
 class SGLangAPI:
@@ -173,7 +195,7 @@ class SGLangAPI:
         self.admission = Admission(0, 0, 1.0, self.metrics)  # the scheduler's own queue limits apply
         host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(cfg.host, cfg.host)
         self.client = WorkerClient(f"pd://{join_host_port(host, worker.native_port)}", cfg.role)
-        self.dispatcher = RelayDispatcher(self.client, cfg.role, config)
+        self.dispatcher = RelayDispatcher(self.client, cfg.role, config or SGLangAPIConfig.of(cfg))
         self.frontend: Frontend | None = None
         self._unavailable: str | None = None  # why the API cannot serve (a tokenizer it cannot load)
         self._started = False

@@ -212,6 +212,24 @@ def test_several_choices_each_get_their_own_room(stack: Stack, router: str) -> N
 
 
 @pytest.mark.parametrize("router", ["rust", "mini_lb"])
+def test_a_prompt_array_with_several_choices(stack: Stack, router: str) -> None:
+    """Completions with a prompt array and n=2: the Rust router sends bootstrap lists sized to n, not to
+    prompts x n (SGLang's own server repeats a short list): every choice still gets a room of its own,
+    on which prefill and decode agree, and each prompt's choices are what our gateway gives."""
+    body = {"model": "sim", "prompt": ["Prefill first,", "then the decode"], "n": 2, "max_tokens": 10,
+            "temperature": 1.0, "seed": 5}
+    want = httpx.post(f"{stack.gateway}/v1/completions", json=body, timeout=60)
+    assert want.status_code == 200, want.text
+    got = httpx.post(f"{stack.routers[router]}/v1/completions", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    texts = [[c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])] for r in (got, want)]
+    assert len(texts[0]) == 4 and texts[0] == texts[1]
+    prefill_rooms = [r["room"] for r in stack.prefill.get("/debug/rooms")][-4:]  # type: ignore[index, union-attr]
+    decode_rooms = [r["room"] for r in stack.decode.get("/debug/rooms")][-4:]  # type: ignore[index, union-attr]
+    assert len(set(decode_rooms)) == 4 and sorted(prefill_rooms) == sorted(decode_rooms)
+
+
+@pytest.mark.parametrize("router", ["rust", "mini_lb"])
 def test_a_request_without_a_model_is_served(stack: Stack, router: str) -> None:
     """``model`` is optional in SGLang's protocol (the Rust router sends "unknown" for a request without
     one); our workers serve any name, as SGLang's server does; our gateway keeps to its own."""

@@ -8,6 +8,7 @@ import asyncio
 import socket
 from types import SimpleNamespace
 
+from workers.config import WorkerConfig
 from workers.sglang_api import SGLangAPI
 
 
@@ -16,7 +17,7 @@ def test_requests_wait_for_the_native_connection_side_by_side() -> None:
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]  # nothing listens there
     worker = SimpleNamespace(
-        config=SimpleNamespace(host="127.0.0.1", role="decode"), native_port=dead_port,
+        config=WorkerConfig(role="decode"), native_port=dead_port,
         engine=SimpleNamespace(info=SimpleNamespace(tokenizer="byte", name="m", max_context=4096)),
         scheduler=SimpleNamespace(stop_tokenizer=None))
 
