@@ -146,12 +146,30 @@ class Dispatcher:
         prefills, decodes = self.healthy_workers()
         return bool(decodes) and (bool(prefills) or not self.is_disaggregated)
 
-    def _select(self, request: RequestInfo, avoid: set[WorkerClient]) -> Pair:
+    def _select(self, request: RequestInfo, avoid: set[WorkerClient]) -> tuple[Pair, WorkerClient | None,
+                                                                                WorkerClient]:
+        """The policies' pair, and its prefill's (None when combined) and decode's connections; a pair
+        that is not one of the workers the policies were given is the policy's bug: a 500 naming it."""
         prefills, decodes = _selectable(self.prefills, avoid), _selectable(self.decodes, avoid)
         if not decodes or (self.is_disaggregated and not prefills):
             missing = "decode" if not decodes else "prefill"
+            if not self.is_disaggregated:
+                missing = "combined"
             raise NoWorkers(f"no healthy {missing} worker", retry_after_s=1.0)
-        return self.router.select(prefills, decodes, request)
+        router = self.router
+        try:
+            pair = router.select(prefills, decodes, request)
+        except APIError:
+            raise
+        except Exception as exc:
+            log.exception("routing policy %s failed", router.name)
+            raise APIError(f"routing policy {router.name} failed: {type(exc).__name__}: {exc}") from None
+        if type(pair) is not Pair:
+            raise APIError(f"routing policy {router.name} returned {pair!r}, not a Pair")
+        if pair.prefill is None and self.is_disaggregated:
+            raise APIError(f"routing policy {router.name} chose no prefill worker for a disaggregated fleet")
+        prefill = _client_of(pair.prefill, prefills, router.name) if pair.prefill is not None else None
+        return pair, prefill, _client_of(pair.decode, decodes, router.name)
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
                        bootstrap: ClientBootstrap | None = None,
@@ -388,9 +406,7 @@ class _Attempt:
         self.dispatcher = dispatcher
         self.run = run
         self.request = run.request
-        self.pair = pair = dispatcher._select(run.request, run.avoid)
-        self.prefill = _client_of(pair.prefill, dispatcher.prefills) if pair.prefill is not None else None
-        self.decode = _client_of(pair.decode, dispatcher.decodes)
+        self.pair, self.prefill, self.decode = dispatcher._select(run.request, run.avoid)
         config = dispatcher.config
         self.open_rids: dict[str, tuple[WorkerClient, int]] = {}
         self.sink = EventSink(config.max_unread_events, self._overflow, self.decode.loop)
@@ -629,10 +645,12 @@ def _selectable(pool: list[WorkerClient], avoid: set[WorkerClient]) -> list[Any]
     return [w.state for w in healthy if w not in avoid] or [w.state for w in healthy]
 
 
-def _client_of(view: WorkerView, pool: list[WorkerClient]) -> WorkerClient:
+def _client_of(view: WorkerView, given: list[Any], policy: str) -> WorkerClient:
+    """``view``'s connection, when ``view`` is one of the views the policy was ``given`` (healthy, not
+    draining, not avoided: a worker it remembers from an earlier call may be none of these now)."""
     client = getattr(view, "client", None)
-    if not isinstance(client, WorkerClient) or client not in pool:
-        raise APIError(f"the routing policy returned {view!r}, which is not one of the workers it was given")
+    if not isinstance(client, WorkerClient) or view not in given:
+        raise APIError(f"routing policy {policy} returned {view!r}, which is not one of the workers it was given")
     return client
 
 

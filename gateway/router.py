@@ -14,12 +14,19 @@ Lifecycle (event loop only):
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from gateway.policies.base import OUTCOMES, Pair, Policy, PolicyHooks, PolicyStats, RequestInfo, WorkerView
 from gateway.policies.loader import PolicyError, create_policy, load_policy_class, option_names
 from gateway.prefix_index import PrefixIndex
 from workers.protocol import KVEvents
+
+log = logging.getLogger(__name__)
+HOOK_ERROR_LOG_INTERVAL_S = 10.0  # a policy failing on every request is logged this often, with its count
 
 
 class Router:
@@ -35,6 +42,9 @@ class Router:
         }
         self._stats = [p for p in policies if isinstance(p, PolicyStats)]
         self.policies = policies
+        self.num_hook_errors = 0  # policy hooks and stats() that raised (each logged, at most so often)
+        self._last_hook_log = -math.inf
+        self._unlogged = 0
 
     @classmethod
     def build(cls, prefill_name: str, decode_name: str, options: Mapping[str, Mapping[str, str]] | None = None,
@@ -89,23 +99,30 @@ class Router:
             reported = self.index.num_reported(target.url, hashes)
             if reported < len(hashes):
                 self.index.assume(target.url, hashes[reported:])
-        for fn in self._hooks["on_dispatch"]:
-            fn(pair, request)
+        if hooks := self._hooks["on_dispatch"]:
+            self._call_hooks(hooks, pair, request)
 
     def finished(self, pair: Pair, request: RequestInfo, outcome: str) -> None:
         assert outcome in OUTCOMES, outcome
-        for fn in self._hooks["on_finish"]:
-            fn(pair, request, outcome)
+        if hooks := self._hooks["on_finish"]:
+            self._call_hooks(hooks, pair, request, outcome)
 
     # -- membership and events --------------------------------------------------------------------
     def worker_added(self, worker: WorkerView) -> None:
-        for fn in self._hooks["on_worker_added"]:
-            fn(worker)
+        self._call_hooks(self._hooks["on_worker_added"], worker)
 
     def worker_removed(self, worker: WorkerView) -> None:
         self.index.drop_worker(worker.url)
-        for fn in self._hooks["on_worker_removed"]:
-            fn(worker)
+        self._call_hooks(self._hooks["on_worker_removed"], worker)
+
+    def _call_hooks(self, hooks: list[Callable[..., None]], *args: Any) -> None:
+        """A policy's hook that raises is a bug of the policy's: logged and counted, never the request's
+        failure (it runs after the workers have answered, or in a worker connection's bookkeeping)."""
+        for fn in hooks:
+            try:
+                fn(*args)
+            except Exception:
+                self._hook_failed(f"{getattr(fn, '__qualname__', fn)} (a policy's hook)")
 
     def worker_forgotten(self, url: str) -> None:
         """``url`` left the fleet for good (removed and drained): the prefix index frees its place."""
@@ -115,11 +132,29 @@ class Router:
         self.index.apply(worker.url, events)
 
     def stats(self) -> dict[str, float]:
+        """Every policy's figures as ``name.key`` (``prefill.name.key``, ``decode.name.key`` for the two
+        instances of a split); a policy whose ``stats()`` raises or gives a non-number is left out."""
         out: dict[str, float] = {}
         for policy in self._stats:
-            for key, value in policy.stats().items():
-                out[f"{policy.name}.{key}"] = float(value)
+            prefix = policy.name if self.is_joint else \
+                f"{'prefill' if policy is self.prefill_policy else 'decode'}.{policy.name}"
+            try:
+                figures = {f"{prefix}.{key}": float(value) for key, value in policy.stats().items()}
+            except Exception:
+                self._hook_failed(f"stats() of policy {policy.name!r}")
+                continue
+            out.update((k, v) for k, v in figures.items() if math.isfinite(v))
         return out
+
+    def _hook_failed(self, what: str) -> None:
+        self.num_hook_errors += 1
+        now = time.monotonic()
+        if now - self._last_hook_log < HOOK_ERROR_LOG_INTERVAL_S:
+            self._unlogged += 1
+            return
+        more = f" ({self._unlogged} more policy errors since the last logged)" if self._unlogged else ""
+        self._last_hook_log, self._unlogged = now, 0
+        log.exception("%s raised; ignored%s", what, more)
 
 
 _HOOKS = tuple(name for name in PolicyHooks.__dict__ if name.startswith("on_"))

@@ -238,7 +238,10 @@ class WorkerClient:
                 raise
             except Exception as exc:  # any failure: mark down, fail open requests, retry
                 self.last_error = f"{type(exc).__name__}: {exc}"
-            self._mark_down(self.last_error or "connection closed")
+            try:
+                self._mark_down(self.last_error or "connection closed")
+            except Exception:  # (a bug in its bookkeeping must not end the reconnecting for good)
+                log.exception("worker %s: marking it down failed", self.url)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self._max_backoff_s)
 

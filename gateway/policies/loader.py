@@ -62,7 +62,10 @@ def create_policy(name: str, options: Mapping[str, str] | None = None) -> Policy
     except Exception as exc:
         raise PolicyError(f"policy {name!r} failed to start: {type(exc).__name__}: {exc}") from exc
     if not isinstance(getattr(policy, "name", None), str):
-        policy.name = name
+        try:
+            policy.name = name
+        except (AttributeError, TypeError) as exc:  # (e.g. ``__slots__`` without ``name``)
+            raise PolicyError(f"policy {name!r} has no str attribute 'name' and cannot be given one: {exc}") from None
     return policy
 
 

@@ -50,6 +50,11 @@ class RatioAwarePolicy:
                     prefill, best = w, finish_s
         return Pair(prefill, decode)
 
+    def on_worker_removed(self, worker: WorkerView) -> None:
+        """A lost worker's last figures leave the means now, not at the next request (or never, idle)."""
+        self._prefills = [w for w in self._prefills if w is not worker]
+        self._decodes = [w for w in self._decodes if w is not worker]
+
     def stats(self) -> Mapping[str, float]:
         decode_util = _mean([decode_utilization(w) for w in self._decodes])
         out = {"decode_utilization": decode_util}
