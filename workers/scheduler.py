@@ -417,6 +417,8 @@ class Scheduler:
             return f"a {self.role} worker needs bootstrap_host/bootstrap_room"
         if not math.isfinite(msg.timeout_s) or msg.timeout_s <= 0:
             return "timeout_s must be a positive number"
+        if not 0 <= p.output_offset <= len(msg.input_ids):  # (the penalties count from it: one outside fails the batch)
+            return f"output_offset must be in [0, {len(msg.input_ids)}] (the prompt's length), got {p.output_offset}"
         return check_sampling(p, self.engine)
 
     def _enter(self, req: Req, stage: str, queue_: list[Req] | StageQueue) -> None:

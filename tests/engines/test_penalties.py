@@ -162,6 +162,25 @@ def test_reused_and_evicted_slots_count_from_scratch(monkeypatch: pytest.MonkeyP
     assert adjuster.num_records <= 2
 
 
+def test_a_batch_larger_than_max_records_keeps_a_slot_per_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More penalised sequences in one batch than MAX_RECORDS: none is evicted while the batch uses it (two
+    rows sharing a slot would be penalised for each other's tokens); each row is what it is alone."""
+    import workers.engines.llama.penalties as penalties
+
+    monkeypatch.setattr(penalties, "MAX_RECORDS", 2)
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5)
+    seqs = [_seq(rid, _tokens(rid, 12 + rid), 4, params) for rid in range(5)]
+    logits = torch.randn(len(seqs), VOCAB, generator=torch.Generator().manual_seed(3))
+    adjuster = LogitAdjuster(VOCAB, EOS)
+    for _ in range(2):  # (the second step: every record already there)
+        got = adjuster.adjust(logits.clone(), seqs)
+        for row, seq in enumerate(seqs):
+            alone = LogitAdjuster(VOCAB, EOS).adjust(logits[row : row + 1].clone(), [seq])
+            torch.testing.assert_close(got[row : row + 1], alone, rtol=0, atol=0)
+    adjuster.adjust(logits[:1].clone(), [_seq(9, _tokens(9, 10), 4, params)])  # a later step: back to the bound
+    assert adjuster.num_records <= 2
+
+
 def _prompt(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, VOCAB) for _ in range(n)]

@@ -94,8 +94,12 @@ def test_bad_requests_get_errors_not_crashes() -> None:
     sched.submit(0, Submit(3, [1, 2], SamplingParams(max_new_tokens=100)))  # 26 pages > 8
     sched.submit(0, Submit(4, [999999], SamplingParams()))
     sched.submit(0, Submit(5, [1], SamplingParams(max_new_tokens=100_000)))
+    sched.submit(0, Submit(6, [1, 2, 3], SamplingParams(output_offset=50)))  # (past the prompt: a migration's
+    sched.submit(0, Submit(7, [1, 2, 3], SamplingParams(output_offset=-1)))  # outputs are part of its prompt)
+    sched.submit(0, Submit(8, [4, 5], SamplingParams(max_new_tokens=3)))  # a good one alongside
     run_until_idle(sched)
-    for rid in range(1, 6):
+    assert len(tokens_of(sink, 8)) == 3
+    for rid in range(1, 8):
         (err,) = sink.errors(rid)
         assert err.code == "bad_request" and err.message
     assert sched.cache.num_available == pool.num_pages

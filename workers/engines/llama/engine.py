@@ -75,7 +75,10 @@ class TorchEngine(Engine):
         if options.dtype not in DTYPES:
             raise ModelConfigError(f"unsupported dtype {options.dtype!r}; choose one of {', '.join(DTYPES)}")
         self.options = options
-        self.device = torch.device(options.device)
+        device = torch.device(options.device)
+        if device.type == "cuda" and device.index is None:  # ("cuda": the current one, as tensors report it)
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.dtype = DTYPES[options.dtype]
         model_dir = options.model
         default_name = None

@@ -159,7 +159,7 @@ class LogitAdjuster:
                 self.forget(seq.rid)  # not this sequence's history any more: recount
                 record = None
             if record is None:
-                record = self._new_record(seq.rid, output_start)
+                record = self._new_record(seq.rid, output_start, seqs)
             else:
                 self._records.move_to_end(seq.rid)
             new = self._new_tokens(seq, record.length, end)
@@ -218,9 +218,17 @@ class LogitAdjuster:
             raise ValueError(f"rid {seq.rid}: a penalty needs all_token_ids (the engine has no record of its history)")
         return seq.token_ids[start - seq.num_cached :]
 
-    def _new_record(self, seq_id: int, output_start: int) -> _Record:
-        while len(self._records) >= MAX_RECORDS:
-            self.forget(next(iter(self._records)))
+    def _new_record(self, seq_id: int, output_start: int, batch: list[SeqInput]) -> _Record:
+        if len(self._records) >= MAX_RECORDS:  # the least recent go, never one of this batch's (its slot is in use)
+            in_batch = {seq.rid for seq in batch}
+            excess, victims = len(self._records) - MAX_RECORDS + 1, []
+            for rid in self._records:  # (oldest first; a batch past MAX_RECORDS grows the tensors instead)
+                if rid not in in_batch:
+                    victims.append(rid)
+                    if len(victims) == excess:
+                        break
+            for rid in victims:
+                self.forget(rid)
         if not self._free:
             old = self._counts.shape[0]
             grown = max(8, 2 * old)
