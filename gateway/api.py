@@ -85,6 +85,7 @@ class Prepared:
     # them, each prompt's in a row (choice ``i`` answers prompt ``i // (n / len(batch))``).
     batch: list[list[int]] | None = None
     prompt_texts: list[str | None] | None = None  # (``echo``) each prompt as the client sent it, None for ids
+    keep_stop: bool = False  # the stop string that ended a choice's text stays in it (vLLM, SGLang options)
 
     def prompt_text_of(self, choice: int) -> str | None:
         return self.prompt_texts[choice // self.per_prompt] if self.prompt_texts else None
@@ -265,7 +266,8 @@ class Frontend:
             params.grammar = tools.grammar
         return Prepared(input_ids, params, req.n or 1, stops, bool(req.stream),
                         bool(req.stream_options and req.stream_options.include_usage), logprobs,
-                        bootstrap=ClientBootstrap.of(req), tools=tools)
+                        bootstrap=ClientBootstrap.of(req), tools=tools,
+                        keep_stop=bool(req.include_stop_str_in_output))
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
         self._check_model(req.model)
@@ -290,7 +292,7 @@ class Frontend:
         return Prepared(input_ids, params, n * len(prompts), stops, bool(req.stream),
                         bool(req.stream_options and req.stream_options.include_usage), logprobs, echo,
                         ClientBootstrap.of(req), batch=prompts if len(prompts) > 1 else None,
-                        prompt_texts=texts if echo else None)
+                        prompt_texts=texts if echo else None, keep_stop=bool(req.include_stop_str_in_output))
 
     def _prompt_ids(self, prompt: Any, param: str) -> list[int]:
         """One completions prompt as token ids: text, or ids checked for range (400 naming ``param``)."""
@@ -338,7 +340,7 @@ class Frontend:
         # A batch (even of one item) is answered as a list, item i by choice i (its own bootstrap fields).
         return Prepared(prompts[0], params, len(prompts), stops, bool(req.stream), False, logprobs,
                         bootstrap=ClientBootstrap.of(req), param_prefix="sampling_params.",
-                        batch=prompts if batched else None), sp
+                        batch=prompts if batched else None, keep_stop=bool(sp.no_stop_trim)), sp
 
     # -- running choices ---------------------------------------------------------------------
     async def complete_one(self, prep: Prepared) -> ChoiceState:
@@ -355,7 +357,7 @@ class Frontend:
             assert last is not None  # (a choice ends with its final output or an error)
             return last
         state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context(),
-                            prep.params.min_new_tokens)
+                            prep.params.min_new_tokens, prep.keep_stop)
         try:
             await complete(prep.input_ids, prep.params, state, in_callback=not prep.stops)
         except BadRequest as exc:
@@ -375,7 +377,7 @@ class Frontend:
         """
         if prep.n == 1:
             state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context(),
-                                prep.params.min_new_tokens)
+                                prep.params.min_new_tokens, prep.keep_stop)
             direct = emitter.direct(state) if emitter is not None and not prep.stops and \
                 not prep.want_logprobs else None
             events = self.dispatcher.generate(prep.input_ids, prep.params, bootstrap=prep.bootstrap, direct=direct)
@@ -392,7 +394,7 @@ class Frontend:
                 await events.aclose()
             return
         states = [ChoiceState(i, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context(i),
-                              prep.params.min_new_tokens)
+                              prep.params.min_new_tokens, prep.keep_stop)
                   for i in range(prep.n)]
         queue: asyncio.Queue[tuple[int, StepOutput | BaseException | None]] = asyncio.Queue()
 

@@ -119,6 +119,10 @@ class _Sampling(msgspec.Struct):
     structured_outputs: dict[str, Any] | None = None
     guided_decoding_backend: str | None = None  # accepted, not used (one grammar library here)
     guided_whitespace_pattern: str | None = None  # not supported: a 400 when set
+    include_stop_str_in_output: bool | None = False  # vLLM: the stop string that ended the text is kept
+    # vLLM's detokenizing options: only their defaults (a 400 otherwise)
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -132,6 +136,9 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     # not supported: a 400 unless absent or neutral
+    chat_template_kwargs: dict[str, Any] | None = None  # (vLLM/SGLang: extra template variables)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
@@ -169,9 +176,12 @@ class GenerateSampling(msgspec.Struct):
     regex: str | None = None  # structured output (gateway/structured_output.py): at most one of three
     json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None
+    no_stop_trim: bool | None = False  # the stop string that ended the text is kept
     # not supported: a 400 unless absent or neutral
     n: int | None = 1
     structural_tag: Any = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
 
 
 class GenerateRequest(msgspec.Struct):
@@ -198,4 +208,5 @@ class GenerateRequest(msgspec.Struct):
     lora_path: Any = None
     custom_logit_processor: Any = None
     return_hidden_states: bool | None = False
+    top_logprobs_num: int | None = None
 

@@ -30,11 +30,16 @@ def _is(*neutral: Any) -> Callable[[Any, Any], bool]:
 
 _SAMPLING_RULES: tuple[Rule, ...] = (  # (structured output: gateway/structured_output.py)
     ("guided_whitespace_pattern", _unset, ""),
+    ("skip_special_tokens", _is(True), "true"),
+    ("spaces_between_special_tokens", _is(True), "true"),
 )
 CHAT_RULES: tuple[Rule, ...] = (
     *_SAMPLING_RULES,
     ("functions", _unset, ""),
     ("function_call", _is("none"), '"none"'),
+    ("chat_template_kwargs", _unset, ""),
+    ("add_generation_prompt", _is(True), "true"),
+    ("continue_final_message", _is(False), "false"),
     ("modalities", lambda value, _req: value is None or value == ["text"], '["text"]'),
     ("audio", _unset, ""),
 )
@@ -51,10 +56,13 @@ GENERATE_RULES: tuple[Rule, ...] = (
     ("lora_path", _unset, ""),
     ("custom_logit_processor", _unset, ""),
     ("return_hidden_states", _unset, ""),
+    ("top_logprobs_num", _is(0), "0"),
 )
 GENERATE_SAMPLING_RULES: tuple[Rule, ...] = (
     ("n", _is(1), "1"),
     ("structural_tag", _unset, ""),
+    ("skip_special_tokens", _is(True), "true"),
+    ("spaces_between_special_tokens", _is(True), "true"),
 )
 
 

@@ -17,8 +17,10 @@ class StopMatcher:
     the text before a step's own); so its tail is held back like any other.
     """
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], keep: bool = False) -> None:
+        """``keep``: the text returned at a match ends with the stop string (else just before it)."""
         self.stops = [s for s in stops if s]
+        self.keep = keep
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._pending = ""
         self._exempt = 0  # how many characters at the start of ``_pending`` are exempt text
@@ -39,7 +41,7 @@ class StopMatcher:
                 index, stop = min(hits)
                 self.matched = stop
                 self._pending = ""
-                return buf[:index]
+                return buf[:index + len(stop)] if self.keep else buf[:index]
         if final or self._hold == 0:
             self._pending, self._exempt = "", 0
             return buf
@@ -53,15 +55,16 @@ class ChoiceState:
     """Accumulates one choice's tokens, text and logprobs from decode step outputs."""
 
     def __init__(self, index: int, tokenizer: Tokenizer, stops: list[str], want_logprobs: bool,
-                 context: Sequence[int] = (), min_tokens: int = 0) -> None:
+                 context: Sequence[int] = (), min_tokens: int = 0, keep_stop: bool = False) -> None:
         """``context``: the prompt's last ids (``gateway.tokenizer.DECODE_CONTEXT_TOKENS``), which the text
         follows. ``min_tokens``: the text of the first that many tokens is not searched for stop strings
-        (as vLLM; the worker's ``workers.stop_strings.StopWatch`` counts alike)."""
+        (as vLLM; the worker's ``workers.stop_strings.StopWatch`` counts alike). ``keep_stop``: the stop
+        string that ends the text stays in it."""
         self.index = index
         self.min_tokens = min_tokens
         self.tokenizer = tokenizer
         self.decoder = tokenizer.decoder(context)
-        self.stop = StopMatcher(stops)
+        self.stop = StopMatcher(stops, keep_stop)
         self.want_logprobs = want_logprobs
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
@@ -92,7 +95,7 @@ class ChoiceState:
                 head_text += self.decoder.flush()
             head = self.stop.push(head_text, final=final and not ids, exempt=True)
         text = self.decoder.push(ids) if ids else ""
-        if final and ids:
+        if final:  # (also for a final output without tokens: what the decoder holds back is the text's end)
             text += self.decoder.flush()
         new_text = head + self.stop.push(text, final=final)
         if self.stop.matched is not None:

@@ -78,6 +78,10 @@ class ByteTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The byte a token stands for (logprob entries' ``bytes``: one byte of a multi-byte character)."""
+        return bytes((token_id,)) if 0 <= token_id < 256 else None
+
     def decoder(self, context: Sequence[int] = ()) -> IncrementalDecoder:
         return _ByteDecoder()  # (a byte's text does not depend on what came before it)
 

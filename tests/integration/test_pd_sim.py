@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -277,17 +278,25 @@ def test_stop_strings_n_choices_and_generate_stream(sim_cluster) -> None:  # typ
     assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
     streamed = c.completions.create(model="sim", prompt=PROMPT, max_tokens=40, stop=stop, stream=True)
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == cut
+    for stream in (False, True):  # vLLM's include_stop_str_in_output: the text ends with the stop string
+        kept = httpx.post(f"{cluster.base_url}/v1/completions", timeout=30, json={
+            "prompt": PROMPT, "max_tokens": 40, "stop": [stop], "include_stop_str_in_output": True, "stream": stream})
+        assert kept.status_code == 200, kept.text
+        text = kept.json()["choices"][0]["text"] if not stream else "".join(
+            json.loads(line[6:])["choices"][0]["text"] for line in kept.text.splitlines()
+            if line.startswith("data: {") and json.loads(line[6:])["choices"])
+        assert text == cut + stop
     # with logprobs: one entry per token, also for tokens whose text a possible stop string holds back
     chunks = list(c.completions.create(model="sim", prompt=PROMPT, max_tokens=12, stop=["@@never@@"], logprobs=1,
                                        stream=True))
     tokens = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens or []]
     assert len(tokens) == 12 and "".join(tokens) == full[:12], tokens
-    # The decode ended both itself at the token completing the stop string (not aborted by the gateway
-    # later), so the whole response could be gathered (``Submit.gather_s``).
+    # The decode ended all four itself at the token completing the stop string (not aborted by the gateway
+    # later), so a whole response could be gathered (``Submit.gather_s``).
     metrics = httpx.get(f"http://127.0.0.1:{cluster.decodes[0].http_port}/metrics", timeout=10).text
     stopped = [line for line in metrics.splitlines()
                if line.startswith("pd_worker_requests_finished") and 'reason="stop"' in line]
-    assert stopped and float(stopped[0].rsplit(" ", 1)[1]) == 2, stopped
+    assert stopped and float(stopped[0].rsplit(" ", 1)[1]) == 4, stopped
 
     many = c.completions.create(model="sim", prompt=PROMPT, max_tokens=5, n=3)
     assert sorted(ch.index for ch in many.choices) == [0, 1, 2]
@@ -299,8 +308,6 @@ def test_stop_strings_n_choices_and_generate_stream(sim_cluster) -> None:  # typ
                       json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6}, "stream": True}) as r:
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
-    import json
-
     last = json.loads(events[-2][6:])
     assert last["text"] == full[:6] and last["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
     cluster.wait_pools_full()

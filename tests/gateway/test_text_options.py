@@ -1,0 +1,85 @@
+"""Text options: the stop string kept in the output (vLLM's ``include_stop_str_in_output``, SGLang's
+``no_stop_trim``), a final output without tokens still ending the text, byte tokens' logprob ``bytes``, and
+detokenizing options the gateway does not implement refused (a 400 naming them, not silently ignored)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from gateway.api import Frontend
+from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from gateway.errors import BadRequest
+from gateway.text import ChoiceState, StopMatcher
+from gateway.tokenizer import ByteTokenizer
+from workers.protocol import StepOutput
+
+
+def _feed(matcher: StopMatcher, pieces: list[str]) -> str:
+    out = "".join(matcher.push(p) for p in pieces[:-1])
+    return out + matcher.push(pieces[-1], final=True)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_stop_string_is_kept_or_trimmed(keep: bool) -> None:
+    text = _feed(StopMatcher(["END", "ZZ"], keep=keep), ["abc E", "N", "Dxyz ZZ", "more"])
+    assert text == ("abc END" if keep else "abc ")
+
+
+def test_a_final_output_without_tokens_ends_the_text() -> None:
+    """An incomplete character held back by the decoder comes out (as U+FFFD) at a tokenless final output."""
+    state = ChoiceState(0, ByteTokenizer(), [], False)
+    parts = [state.accept(StepOutput(1, [ord("x"), 0xE2, 0x82]))[0], state.accept(StepOutput(1, [], "length"))[0]]
+    assert parts == ["x", "\ufffd"] and state.text == ByteTokenizer().decode([ord("x"), 0xE2, 0x82])
+
+
+def test_byte_tokens_logprob_bytes_are_their_own_byte() -> None:
+    state = ChoiceState(0, ByteTokenizer(), [], True)
+    _, entries = state.accept(StepOutput(1, [0xC3, 0xA9], "length", logprobs=[-0.1, -0.2]))
+    assert [e["bytes"] for e in entries] == [[0xC3], [0xA9]]
+    assert bytes(b for e in entries for b in e["bytes"]).decode() == "é"
+
+
+class _NoDispatch:
+    pass
+
+
+def _frontend() -> Frontend:
+    return Frontend(_NoDispatch(), ByteTokenizer(), "m", 4096)  # type: ignore[arg-type]
+
+
+def _chat(**fields: Any) -> ChatCompletionRequest:
+    return msgspec.convert({"messages": [{"role": "user", "content": "hi"}], **fields}, ChatCompletionRequest)
+
+
+def test_keep_stop_reaches_every_route() -> None:
+    front = _frontend()
+    assert front.prepare_chat(_chat(stop=["x"], include_stop_str_in_output=True)).keep_stop
+    assert not front.prepare_chat(_chat(stop=["x"])).keep_stop
+    completion = msgspec.convert({"prompt": "hi", "stop": "x", "include_stop_str_in_output": True}, CompletionRequest)
+    assert front.prepare_completion(completion).keep_stop
+    generate = msgspec.convert({"text": "hi", "sampling_params": {"stop": "x", "no_stop_trim": True}}, GenerateRequest)
+    assert front.prepare_generate(generate)[0].keep_stop
+
+
+@pytest.mark.parametrize("field, value", [("skip_special_tokens", False), ("spaces_between_special_tokens", False),
+                                          ("chat_template_kwargs", {"enable_thinking": False}),
+                                          ("add_generation_prompt", False), ("continue_final_message", True)])
+def test_chat_options_not_implemented_are_refused(field: str, value: Any) -> None:
+    with pytest.raises(BadRequest) as err:
+        _frontend().prepare_chat(_chat(**{field: value}))
+    assert err.value.param == field
+    neutral = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "chat_template_kwargs": {},
+               "add_generation_prompt": True, "continue_final_message": False}[field]
+    _frontend().prepare_chat(_chat(**{field: neutral}))  # (the default, spelled out: fine)
+
+
+def test_generate_options_not_implemented_are_refused() -> None:
+    front = _frontend()
+    for body, param in (({"sampling_params": {"skip_special_tokens": False}}, "sampling_params.skip_special_tokens"),
+                        ({"top_logprobs_num": 3, "return_logprob": True}, "top_logprobs_num")):
+        with pytest.raises(BadRequest) as err:
+            front.prepare_generate(msgspec.convert({"text": "hi", **body}, GenerateRequest))
+        assert err.value.param == param
