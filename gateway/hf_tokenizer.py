@@ -260,6 +260,18 @@ class PieceEncoder:
             self.size = 0
 
 
+def _whole_characters(tokenizer: HFTokenizer, context: list[int]) -> list[int]:
+    """The longest suffix of ``context`` whose text is whole characters; [] for a prompt ending mid-character
+    (every suffix then decodes to a trailing U+FFFD). The window itself may begin mid-character: byte
+    fallback decodes a run with a cut character as U+FFFD throughout, though the prompt ends whole."""
+    if not context or not tokenizer.decode(context).endswith(REPLACEMENT_CHAR):
+        return context
+    for start in range(1, len(context)):
+        if REPLACEMENT_CHAR not in tokenizer.decode(context[start:]):
+            return context[start:]
+    return []
+
+
 class HFIncrementalDecoder:
     """Streams text for growing token ids, holding back bytes of an unfinished UTF-8 character.
 
@@ -280,9 +292,7 @@ class HFIncrementalDecoder:
     def __init__(self, tokenizer: HFTokenizer, context: Sequence[int] = ()) -> None:
         self._tok = tokenizer
         self._raw = tokenizer._tok  # (``tokenizers.Tokenizer``, what ``DecodeStream.step`` takes)
-        ids = list(context)  # (``gateway.tokenizer``: read as the text before, never emitted)
-        if ids and tokenizer.decode(ids).endswith(REPLACEMENT_CHAR):  # a prompt ending mid-character
-            ids = []
+        ids = _whole_characters(tokenizer, list(context))  # (``gateway.tokenizer``: the text before, never emitted)
         self._stream: DecodeStream | None = DecodeStream(ids=ids or None, skip_special_tokens=True)
         self._ids = ids
         self._prefix = 0  # window start: ids before it are fully emitted

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway.hf_tokenizer import HFTokenizer, PieceEncoder, TokenizerLoadError
-from gateway.tokenizer import load_tokenizer
+from gateway.tokenizer import DECODE_CONTEXT_TOKENS, load_tokenizer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -175,6 +175,27 @@ def _llama_style_tokenizer() -> HFTokenizer:
                                      decoders.Strip(" ", 1, 0)])
     tok.add_special_tokens(["<s>", "</s>"])
     return HFTokenizer(tok, name="llama-style", chat_template=None, special_tokens={}, eos_token_ids=(2,))
+
+
+@pytest.mark.parametrize("prompt, answer", [("東東", " é"), ("é東", " ab"), ("x東", " é"), ("東", " a")])
+def test_a_context_window_cut_mid_character_keeps_the_answers_leading_space(prompt: str, answer: str) -> None:
+    """The prompt's last ids begin inside a byte-fallback character (its bytes decode to U+FFFD run-wide),
+    yet the prompt ends whole: the answer's first space stays, as in the whole decode (the worker's stop
+    strings read the same decoder)."""
+    tok = _llama_style_tokenizer()
+    prompt_ids, answer_ids = tok.encode(prompt), tok._tok.encode(answer, add_special_tokens=False).ids
+    want = tok.decode(prompt_ids + answer_ids)[len(tok.decode(prompt_ids)):]
+    assert want.startswith(" ")
+    decoder = tok.decoder(prompt_ids[-DECODE_CONTEXT_TOKENS:])
+    assert decoder.push(answer_ids) + decoder.flush() == want
+
+
+def test_a_prompt_ending_mid_character_still_drops_its_context() -> None:
+    tok = _llama_style_tokenizer()
+    ids = tok.encode("ab東")[:-1]  # the last byte of 東 missing
+    decoder = tok.decoder(ids[-DECODE_CONTEXT_TOKENS:])
+    answer = tok._tok.encode(" a", add_special_tokens=False).ids
+    assert decoder.push(answer) + decoder.flush() == tok.decode(answer)
 
 
 def _pieces(tok: HFTokenizer, ids: list[int], splits: list[int], *, python_only: bool = False,
