@@ -33,6 +33,8 @@ def _schema_text(value: Any, param: str) -> str:
             value = json.loads(value)
         except ValueError as exc:
             raise BadRequest(f"{param} is not valid JSON: {exc}", param=param) from None
+        except RecursionError:
+            raise BadRequest(f"{param} is nested too deeply", param=param) from None
     if not isinstance(value, dict):
         raise BadRequest(f"{param} must be a JSON Schema object", param=param)
     return json.dumps(value)
@@ -54,6 +56,9 @@ def _response_format(value: Any) -> Grammar | None:
             raise BadRequest("response_format.json_schema needs a schema", param="response_format.json_schema")
         param = "response_format.json_schema.schema"
         strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise BadRequest(f"response_format.json_schema.strict must be a boolean, got {strict!r}",
+                             param="response_format.json_schema.strict")
         return Grammar("json_schema", _schema_text(spec["schema"], param), strict=bool(strict), param=param)
     raise BadRequest(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
                      param="response_format.type")
@@ -167,7 +172,9 @@ def grammar_for(obj: Any, prefix: str = "") -> Grammar | None:
 
 def checked(grammar: Grammar) -> Grammar:
     """``grammar``, after the library (when importable here) accepted it; else a 400 naming its field."""
-    problem = _library_says(grammar)
+    # (a grammar's text is kept as its cache key: only small ones are, so 256 keys hold at most 16 MiB)
+    small = len(grammar.source) <= grammars.MAX_CACHED_SOURCE
+    problem = _library_says(grammar) if small else _library_says.__wrapped__(grammar)
     if problem is not None:
         raise BadRequest(problem[0], param=problem[1])
     return grammar

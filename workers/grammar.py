@@ -27,6 +27,9 @@ from typing import Any, Protocol, runtime_checkable
 from workers.protocol import Grammar
 
 KINDS = ("json_object", "json_schema", "regex", "ebnf")
+# Caches keyed by a grammar keep its whole text: only grammars up to this size are kept once no request
+# holds them (so a cache of 256 holds at most 16 MiB of keys, whatever the request body limit).
+MAX_CACHED_SOURCE = 64 * 1024
 # Compact-but-readable JSON: ", " and ": " between items, no other whitespace. Flexible whitespace
 # lets a small model emit newlines until max_tokens; fixed separators keep its answers short.
 _JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -105,6 +108,7 @@ class GrammarWait:
         """Start compiling ``req``'s grammar; True when the request must wait (``advance`` frees it)."""
         assert req.params.grammar is not None
         future = self._engine.prepare(req.params.grammar)
+        req.grammar_compile = future
         if future.done() and future.exception() is None:
             return False
         req.move("grammar")

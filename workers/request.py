@@ -49,6 +49,9 @@ class Req:
     held: StepOutput | None = None  # the outputs held so far, as one ``StepOutput`` (sent with the next one due)
     held_since: float = 0.0  # when the first of them was held
     stop_watch: StopWatch | None = None  # the output text, when the params have stop strings this worker checks
+    # (``GrammarWait.hold``) the engine's compile of its grammar, kept while the request lives: an engine's
+    # cache may evict it meanwhile (many distinct grammars queued), but finds it again (no recompile)
+    grammar_compile: Any = None
     seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))  # unique in this worker (engine key)
 
     @property

@@ -278,3 +278,45 @@ def test_a_grammar_the_matcher_gives_up_on_fails_its_request_not_its_batch(make_
     assert outs[0].token_id is None and outs[0].error is not None and outs[0].error.startswith("regex: ")
     assert "LexerTooComplex" in outs[0].error
     assert outs[1].token_id is not None and outs[1].error is None
+
+
+def test_more_distinct_grammars_queued_than_cached_compile_once_each(make_engine: Any, model_dir: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the engine's grammar cache (4 here, 256 in production), requests queued with distinct grammars
+    are compiled once each: a compile evicted from the cache while its request waits is found again, not
+    compiled a second time on the scheduler's thread at the request's first step (every step stalled)."""
+    import threading
+    import time
+
+    import workers.engines.llama.constrained as constrained
+    from workers.protocol import Error, Outputs, Submit
+    from workers.scheduler import Scheduler, SchedulerConfig
+
+    monkeypatch.setattr(constrained, "MAX_CACHED_GRAMMARS", 4)
+    e = make_engine(model_dir)
+    compile_threads: list[str] = []
+    compile_once = e.engine.constraints._compile
+
+    def counted(grammar: Grammar) -> Any:
+        compile_threads.append(threading.current_thread().name)
+        return compile_once(grammar)
+
+    monkeypatch.setattr(e.engine.constraints, "_compile", counted)
+    sink: list[tuple[int, Any]] = []
+    sched = Scheduler(SchedulerConfig("both", chunk_size=16, max_running=2), e.engine, e.pool, sink.extend)
+    regexes = {rid: f"x{rid}[a-z]{{4}}" for rid in range(1, 11)}
+    for rid, regex in regexes.items():
+        sched.submit(0, Submit(rid, [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=12,
+                                                              grammar=Grammar("regex", regex))))
+    deadline = time.monotonic() + 120
+    sched.step()
+    while sched.reqs:
+        assert time.monotonic() < deadline, "requests did not finish"
+        if not sched.step():
+            time.sleep(0.005)
+    assert not [m for _, m in sink if isinstance(m, Error)]
+    assert len(compile_threads) == len(regexes)
+    assert all(name.startswith("grammar-compile") for name in compile_threads)  # never the scheduler's thread
+    for rid, regex in regexes.items():
+        tokens = [t for _, m in sink if isinstance(m, Outputs) for i in m.items if i.rid == rid for t in i.token_ids]
+        assert re.fullmatch(regex, text_of(model_dir, tokens, e.engine.info.eos_token_ids))

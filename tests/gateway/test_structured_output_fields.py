@@ -43,3 +43,44 @@ def test_setting_any_field_takes_the_full_path(kind: type) -> None:
         with pytest.raises(BadRequest) as caught:
             structured_output.grammar_for(request)
         assert name in (caught.value.param or ""), (name, caught.value.param)
+
+
+def _deep_schema(levels: int) -> str:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    import json
+    import sys
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(levels * 4 + 1000)  # (to write it; the gateway reads it under the default limit)
+    try:
+        return json.dumps(schema)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+@pytest.mark.parametrize("field", ["guided_json", "json_schema", "response_format"])
+def test_a_schema_text_nested_too_deeply_is_a_400_naming_it(field: str) -> None:
+    text = _deep_schema(2000)
+    value: Any = text if field != "response_format" else {"type": "json_schema",
+                                                          "json_schema": {"name": "x", "schema": text}}
+    with pytest.raises(BadRequest) as err:
+        structured_output.grammar_for(ChatCompletionRequest(messages=[], **{field: value}))
+    assert "nested too deeply" in err.value.message
+    assert err.value.param == (field if field != "response_format" else "response_format.json_schema.schema")
+
+
+@pytest.mark.parametrize("strict", ["false", 1, {}])
+def test_a_strict_that_is_not_a_boolean_is_a_400(strict: Any) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": strict}}
+    with pytest.raises(BadRequest) as err:
+        structured_output.grammar_for(ChatCompletionRequest(messages=[], response_format=fmt))
+    assert err.value.param == "response_format.json_schema.strict"
+
+
+def test_strict_true_false_and_null_are_read_as_they_say() -> None:
+    for strict, want in ((True, True), (False, False), (None, False)):
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": strict}}
+        grammar = structured_output.grammar_for(ChatCompletionRequest(messages=[], response_format=fmt))
+        assert grammar is not None and grammar.strict is want

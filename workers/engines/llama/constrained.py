@@ -21,13 +21,14 @@ import concurrent.futures
 import logging
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from workers.engines.base import SeqInput
-from workers.grammar import GrammarError, to_llguidance
+from workers.grammar import MAX_CACHED_SOURCE, GrammarError, to_llguidance
 from workers.protocol import Grammar
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,11 @@ class Constraints:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()  # the cache is read by the scheduler thread, filled by the compile thread
         self._cache: OrderedDict[Grammar, concurrent.futures.Future[Any]] = OrderedDict()
+        # Every compile someone still holds (the scheduler keeps a request's until it ends), evicted from
+        # ``_cache`` or not: more distinct grammars queued than it keeps are not compiled twice, and a
+        # request's first step never waits on a recompile of its own (evicted) grammar.
+        self._held: weakref.WeakValueDictionary[Grammar, concurrent.futures.Future[Any]] = \
+            weakref.WeakValueDictionary()
         self._seqs: dict[int, _Matcher] = {}
 
     # -- compiling ----------------------------------------------------------------------------
@@ -64,8 +70,12 @@ class Constraints:
             if future is not None:
                 self._cache.move_to_end(grammar)
                 return future
-            future = self._pool.submit(self._compile, grammar)
-            self._cache[grammar] = future
+            future = self._held.get(grammar)
+            if future is None:
+                future = self._pool.submit(self._compile, grammar)
+                self._held[grammar] = future
+            if len(grammar.source) <= MAX_CACHED_SOURCE:
+                self._cache[grammar] = future
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
             return future
@@ -82,7 +92,7 @@ class Constraints:
                 self._tokenizer = llguidance.LLTokenizer(f.read(), n_vocab=self.vocab_size, eos_token=self._eos)
         matcher = llguidance.LLMatcher(self._tokenizer, to_llguidance(grammar), log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"invalid {grammar.kind}: {matcher.get_error()}", grammar.param)
+            raise GrammarError(f"invalid {grammar.kind}: {_first_line(matcher.get_error())}", grammar.param)
         return matcher
 
     # -- per step ------------------------------------------------------------------------------
@@ -105,13 +115,13 @@ class Constraints:
             try:
                 state = self._catch_up(seqs[i])
                 if state.matcher.is_error():  # (it gave up on an earlier token: a stopped matcher, but no end)
-                    raise RuntimeError(state.matcher.get_error())
+                    raise RuntimeError(_first_line(state.matcher.get_error()))
                 if state.matcher.is_stopped():  # the grammar ended (EOS taken) and the request goes on
                     self._only_eos(row)         # (ignore_eos): EOS again, as after the grammar's end
                     continue
                 state.matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
                 if state.matcher.is_error():
-                    raise RuntimeError(state.matcher.get_error())
+                    raise RuntimeError(_first_line(state.matcher.get_error()))
             except Exception as exc:  # (the matcher's error: a grammar past its limits, a failed recompile...)
                 # this sequence fails (``failures``: the engine samples nothing for it); the batch goes on
                 log.warning("rid %s: the grammar matcher failed: %s", seqs[i].rid, exc)
@@ -171,6 +181,12 @@ class Constraints:
         else:
             raise RuntimeError(f"rid {seq.rid}: {missing} earlier outputs are unknown to its grammar matcher")
         if not state.matcher.consume_tokens(known):
-            raise RuntimeError(f"rid {seq.rid}: earlier outputs do not match its grammar: {state.matcher.get_error()}")
+            raise RuntimeError(f"rid {seq.rid}: earlier outputs do not match its grammar: "
+                               f"{_first_line(state.matcher.get_error())}")
         state.num_outputs = target
         return state
+
+
+def _first_line(error: str) -> str:
+    """The library's error without the state and grammar dump it appends (a client sees the message)."""
+    return error.strip().split("\n", 1)[0][:300]
