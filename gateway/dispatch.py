@@ -151,10 +151,9 @@ class Dispatcher:
         """The policies' pair, and its prefill's (None when combined) and decode's connections; a pair
         that is not one of the workers the policies were given is the policy's bug: a 500 naming it."""
         prefills, decodes = _selectable(self.prefills, avoid), _selectable(self.decodes, avoid)
-        if not decodes or (self.is_disaggregated and not prefills):
-            missing = "decode" if not decodes else "prefill"
-            if not self.is_disaggregated:
-                missing = "combined"
+        combined = self.combined
+        if not decodes or not (prefills or combined):
+            missing = "combined" if combined else "decode" if not decodes else "prefill"
             raise NoWorkers(f"no healthy {missing} worker", retry_after_s=1.0)
         router = self.router
         try:
@@ -166,10 +165,12 @@ class Dispatcher:
             raise APIError(f"routing policy {router.name} failed: {type(exc).__name__}: {exc}") from None
         if type(pair) is not Pair:
             raise APIError(f"routing policy {router.name} returned {pair!r}, not a Pair")
-        if pair.prefill is None and self.is_disaggregated:
-            raise APIError(f"routing policy {router.name} chose no prefill worker for a disaggregated fleet")
-        prefill = _client_of(pair.prefill, prefills, router.name) if pair.prefill is not None else None
-        return pair, prefill, _client_of(pair.decode, decodes, router.name)
+        prefill = pair.prefill
+        if prefill is None:
+            if not combined:
+                raise APIError(f"routing policy {router.name} chose no prefill worker for a disaggregated fleet")
+            return pair, None, _client_of(pair.decode, decodes, router)
+        return pair, _client_of(prefill, prefills, router), _client_of(pair.decode, decodes, router)
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
                        bootstrap: ClientBootstrap | None = None,
@@ -645,12 +646,13 @@ def _selectable(pool: list[WorkerClient], avoid: set[WorkerClient]) -> list[Any]
     return [w.state for w in healthy if w not in avoid] or [w.state for w in healthy]
 
 
-def _client_of(view: WorkerView, given: list[Any], policy: str) -> WorkerClient:
+def _client_of(view: WorkerView, given: list[Any], router: Router) -> WorkerClient:
     """``view``'s connection, when ``view`` is one of the views the policy was ``given`` (healthy, not
     draining, not avoided: a worker it remembers from an earlier call may be none of these now)."""
     client = getattr(view, "client", None)
-    if not isinstance(client, WorkerClient) or view not in given:
-        raise APIError(f"routing policy {policy} returned {view!r}, which is not one of the workers it was given")
+    if type(client) is not WorkerClient or view not in given:
+        raise APIError(f"routing policy {router.name} returned {view!r}, which is not one of the workers it was "
+                       "given")
     return client
 
 
