@@ -101,6 +101,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._write_timer: asyncio.TimerHandle | None = None
         self._hot_cycles: list[HotCycle] = []  # this connection's own cycles, answered or not
         self._unstarted: HotCycle | None = None  # a cycle whose head was read in this read, not started yet
+        self._shutting_down = False  # (``shutdown``) the server drains: the next answer closes the connection
 
     # -- connection ------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -120,6 +121,20 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._write_timer.cancel()
             self._write_timer = None
         super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        """The server's graceful shutdown (SIGTERM: the gateway drains). A response going out finishes and
+        the connection closes after it (uvicorn's). An idle kept-alive connection stays open while any
+        connection still has a response going out, so that a request arriving on it is answered rather
+        than cut (a generation route: 503 ``draining``; ``/health``, ``/readiness``, ``/metrics``: served),
+        with ``Connection: close``; the idle ones close once no response is left (the server waits for
+        every connection to close before it exits)."""
+        self._shutting_down = True
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.keep_alive = False
+        elif not _responding(self.server_state.connections):
+            self.transport.close()
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -187,8 +202,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if hot is not None and self.parser.get_method() == b"POST" and not self.parser.should_upgrade():
             http10 = self.parser.get_http_version() == "1.0"
             cycle = hot.cycle(httptools.parse_url(self.url).path, self, self.headers,
-                              not http10 and self.parser.should_keep_alive(), self.expect_100_continue,
-                              chunked=not http10)
+                              not (http10 or self._shutting_down) and self.parser.should_keep_alive(),
+                              self.expect_100_continue, chunked=not http10)
             if cycle is not None:  # a generation route: the gateway's own cycle (gateway/hot_cycle.py)
                 self._hot_cycles = [c for c in self._hot_cycles if not c.response_complete] + [cycle]
                 existing = self.cycle
@@ -205,6 +220,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.url, self.headers, self.expect_100_continue = url, headers, expect_100_continue
             self.scope["headers"] = headers
         super().on_headers_complete()
+        if self._shutting_down and self.cycle is not None:  # (its answer closes the connection)
+            self.cycle.keep_alive = False
 
     def on_message_complete(self) -> None:
         self._ended_in_read = True
@@ -247,6 +264,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         # a loop timer made and cancelled per request
         self.server_state.total_requests += 1
         transport = self.transport
+        if self._shutting_down and not _responding(self.server_state.connections):
+            _close_idle(self.server_state.connections)  # (the last response of a drain: the server may exit)
         if transport.is_closing():
             return
         self.flow.resume_reading()
@@ -325,3 +344,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 def protocol_class(limits: ClientLimits, hot_routes: HotRoutes | None = None) -> type[GuardedHttpProtocol]:
     """A ``GuardedHttpProtocol`` bound to ``limits`` (and ``hot_routes``), for ``uvicorn.Config(http=...)``."""
     return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {"limits": limits, "hot_routes": hot_routes})
+
+
+def _responding(connections: Any) -> bool:
+    """Has any of ``connections`` a response going out (or a request being answered)?"""
+    return any(c.cycle is not None and not c.cycle.response_complete for c in connections)
+
+
+def _close_idle(connections: Any) -> None:
+    """Close the connections the server's shutdown kept open while others answered (idle, kept alive)."""
+    for c in list(connections):
+        if getattr(c, "_shutting_down", False) and (c.cycle is None or c.cycle.response_complete) \
+                and not c.transport.is_closing():
+            c.transport.close()
+

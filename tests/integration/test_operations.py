@@ -209,16 +209,24 @@ def test_drain_on_sigterm_finishes_open_streams_and_refuses_new_ones(sim_cluster
     cluster = sim_cluster(decode_args=SLOW_DECODE, gateway_args=("--drain-timeout-s", "20"))
     gateway = next(p for p in cluster.procs.procs if getattr(p, "name", "").startswith("gateway-"))
     http = httpx.Client(base_url=cluster.base_url, timeout=30)
+    # Two clients with a kept-alive connection each, idle when the drain begins: a load balancer's, a scraper's.
+    client, scraper = (httpx.Client(base_url=cluster.base_url, timeout=30) for _ in range(2))
+    assert client.get("/health").status_code == 200 and scraper.get("/metrics").status_code == 200
     with http.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 30, "stream": True}) as r:
         chunks = r.iter_lines()
         assert next(chunks).startswith("data: ")
         gateway.send_signal(signal.SIGTERM)
         time.sleep(0.3)
-        try:  # the listener is closed (refused), or a kept-alive connection gets 503 + Connection: close
-            refused = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
-            assert refused.status_code == 503 and refused.headers.get("connection") == "close"
-        except httpx.ConnectError:
-            pass
+        with pytest.raises(httpx.ConnectError):  # the listener is closed
+            httpx.get(f"{cluster.base_url}/health", timeout=5)
+        # Idle kept-alive connections stay open while a response is going out: a request on one is answered
+        # (a generation route: 503; metrics: served, its open request still counted), and the connection closes.
+        refused = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert refused.status_code == 503 and refused.headers.get("connection") == "close", refused.text
+        assert refused.json()["error"]["type"] == "service_unavailable"
+        metrics = scraper.get("/metrics")
+        assert metrics.status_code == 200 and metrics.headers.get("connection") == "close"
+        assert "pd_gateway_active_requests 1.0" in metrics.text
         rest = list(chunks)
     assert "data: [DONE]" in rest
     assert any('"finish_reason":"length"' in line for line in rest), "the open stream ran to its end"
