@@ -398,7 +398,8 @@ class _Attempt:
     open and tells the policies how the attempt ended (``outcome``, unless it finished)."""
 
     __slots__ = ("decode", "direct", "dispatcher", "finished", "first_s", "gather_s", "got_token", "held",
-                 "idle_s", "open_rids", "outcome", "pair", "prefill", "prompt_logprobs", "prompt_top", "request", "run",
+                 "idle_s", "open_rids", "outcome", "pair", "prefill", "prompt_logprobs", "prompt_top", "request",
+                 "request_id", "run",
                  "sent",
                  "sink", "urgent", "want_prompt")
 
@@ -442,7 +443,7 @@ class _Attempt:
         if request.has_page_hashes:  # the policy consulted the prefix index: count only the uncached part
             prompt_tokens -= request.num_cached_tokens(prefill_side)
         pages = request.num_pages_needed(pair.decode.page_size)
-        request_id = REQUEST_ID.get()
+        self.request_id = request_id = REQUEST_ID.get()  # (also for log lines from the connections' callbacks)
         timeout_s = run.deadline - _monotonic()  # (the worker's deadline for this attempt: what is left)
         if timeout_s <= 0:
             raise _request_timed_out(dispatcher.config)
@@ -476,7 +477,7 @@ class _Attempt:
         dispatcher = self.dispatcher
         dispatcher.metrics.slow_clients.inc()
         log.warning("request %s: its client left %d events unread; stopping its generation",
-                    REQUEST_ID.get() or "-", dispatcher.config.max_unread_events)
+                    self.request_id or "-", dispatcher.config.max_unread_events)
         for worker, rid in self.open_rids.values():
             worker.abort(rid, "the client reads too slowly")
         self.open_rids.clear()
