@@ -304,3 +304,13 @@ async def _sweep_forever(state: RegistryState) -> None:
             state.sweep()
         except Exception:  # a sweep bug must not kill the registry; log and keep serving
             logger.exception("sweep failed")
+
+
+def guarded_http() -> type:
+    """uvicorn's httptools protocol with the gateway's limits on a client's request head (size, time) and on
+    a body left unread: the registry checks its token only once a request is read, so an unauthenticated
+    peer must not make it buffer a head of any size or hold a connection open for ever."""
+    from gateway.http_protocol import ClientLimits, protocol_class
+
+    return protocol_class(ClientLimits())
+

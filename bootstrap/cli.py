@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import uvicorn
 
-from bootstrap.app import create_app
+from bootstrap.app import create_app, guarded_http
 from bootstrap.config import BootstrapConfig
 
 TOKEN_ENV = "PD_BOOTSTRAP_TOKEN"
@@ -89,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         access_log=False,
         lifespan="on",
         loop="uvloop",
-        http="httptools",
+        http=guarded_http(),
         timeout_graceful_shutdown=5,
     )
 

@@ -34,6 +34,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import msgspec
@@ -41,6 +42,7 @@ import msgspec
 from bootstrap.embedded import EmbeddedRegistry, serve_embedded
 from bootstrap.exceptions import BootstrapError, BootstrapNotReady, BootstrapUnreachable
 from bootstrap.messages import DEFAULT_BOOTSTRAP_PORT, FOLLOW_BOOTSTRAP_ROOM, RankAddress, Topology
+from transfer.netaddr import join_host_port
 
 __all__ = [
     "BootstrapError",
@@ -130,11 +132,27 @@ def check_compatible(topology: Topology, *, page_size: int, kv_cache_dtype: str)
         raise BootstrapError("prefill and decode KV layouts are incompatible: " + "; ".join(problems))
 
 
-def _base_url(url: str) -> str:
-    url = url.strip().rstrip("/")
-    if "://" not in url:
-        url = "http://" + url
-    return url
+def registry_url(url: str) -> str:
+    """``url`` of a registry as ``scheme://host:port[/path]``, so that every reader of one ``--bootstrap``
+    (the registrar, the address a prefill advertises, the decode's look-ups) means the same registry: a
+    bare ``host[:port]`` is ``http://`` on port 8998 (SGLang's) unless it names one; a URL without a port,
+    its scheme's (80, 443). ValueError: not a registry URL."""
+    text = url.strip().rstrip("/")
+    default_port = DEFAULT_BOOTSTRAP_PORT
+    if "://" not in text:
+        text = "http://" + text
+    else:
+        default_port = 443 if text.lower().startswith("https://") else 80
+    parts = urlsplit(text)
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"not a registry URL (bad port): {url!r}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise ValueError(f"not a registry URL (want http://host:port): {url!r}")
+    return f"{parts.scheme}://{join_host_port(parts.hostname, port or default_port)}{parts.path}"
+
+
 
 
 def _host_port(host: str, port: int | None) -> str:
@@ -201,7 +219,7 @@ class BootstrapRegistrar:
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
-        self.url = _base_url(url)
+        self.url = registry_url(url)
         self.registration = registration
         self.interval_s = interval_s
         self.start_timeout_s = start_timeout_s

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from bootstrap.app import RegistryState, create_app
+from bootstrap.app import RegistryState, create_app, guarded_http
 from bootstrap.config import BootstrapConfig
 from bootstrap.exceptions import BootstrapError
 
@@ -82,7 +82,7 @@ async def serve_embedded(host: str, port: int, config: BootstrapConfig | None = 
         log_level=config.log_level,
         access_log=False,
         lifespan="on",
-        http="httptools",
+        http=guarded_http(),
         timeout_graceful_shutdown=5,
     )
     server = _EmbeddedServer(uv_config)

@@ -172,13 +172,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 self._refuse_big_head()
 
     def _refuse_big_head(self) -> None:
-        self._refuse(HeadersTooLarge(f"the request head exceeds {self.limits.max_head_bytes} bytes"))
+        self._refuse(HeadersTooLarge(f"the request head exceeds {self.limits.max_head_bytes} bytes",
+                                     code="request_head_too_large"))
 
     def send_400_response(self, msg: str) -> None:
         if self._head_too_large:
             self._refuse_big_head()
         else:
-            self._refuse(BadRequest(f"{msg} (not parsable as HTTP/1.1)"))
+            self._refuse(BadRequest(f"{msg} (not parsable as HTTP/1.1)", code="invalid_http"))
 
     # -- parser callbacks --------------------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -308,7 +309,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         elif self.cycle is not None and not self.cycle.response_complete:
             self._arm("head")  # a pipelined request's head behind a response still going out
         else:
-            self._refuse(RequestTimeout(f"the request head did not arrive within {self.limits.head_timeout_s:g}s"))
+            self._refuse(RequestTimeout(f"the request head did not arrive within {self.limits.head_timeout_s:g}s",
+                                        code="request_head_timeout"))
 
     def _refuse(self, error: APIError) -> None:
         """Answer ``error`` (unless a response is going out: then just close), linger and close."""

@@ -72,6 +72,13 @@ class WorkerConfig:
                      "heartbeat_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive")
+        if self.bootstrap:
+            from bootstrap.client import registry_url
+
+            try:  # (one spelling for every reader: the registrar, the advertised address, the look-ups)
+                object.__setattr__(self, "bootstrap", registry_url(self.bootstrap))
+            except ValueError as exc:
+                raise ConfigError(f"bootstrap: {exc}") from None
         if self.bootstrap_embedded is not None:
             if self.role != "prefill":
                 raise ConfigError("bootstrap_embedded: only a prefill worker can embed the registry")

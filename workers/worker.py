@@ -28,7 +28,7 @@ import uvicorn
 
 from gateway.http_protocol import ClientLimits, protocol_class
 from gateway.tokenizer import Tokenizer, load_tokenizer, tokenizer_digest
-from transfer.netaddr import is_wildcard
+from transfer.netaddr import is_wildcard, join_host_port
 from workers.addresses import advertised_host
 from workers.config import WorkerConfig
 from workers.engines import EngineOptions, create_engine
@@ -78,8 +78,9 @@ class Worker:
     # -- assembly ----------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
-        registry = cfg.bootstrap or (f"http://{cfg.host}:{cfg.bootstrap_embedded}"
-                                     if cfg.bootstrap_embedded is not None else None)
+        registry = cfg.bootstrap
+        if cfg.bootstrap_embedded is not None and not is_wildcard(cfg.host):  # (an embedded one on every interface
+            registry = f"http://{join_host_port(cfg.host, cfg.bootstrap_embedded)}"  # is local: no route to pick)
         if cfg.role == "both" and not cfg.advertise_host:  # no peers: only the gateway, at the bound address
             self.advertise_host = "127.0.0.1" if is_wildcard(cfg.host) else cfg.host
         else:

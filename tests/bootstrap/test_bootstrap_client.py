@@ -286,10 +286,10 @@ def test_registrar_reregisters_after_registry_restart(
 
 
 def test_address_formatting() -> None:
-    from bootstrap.client import _base_url, _host_port
+    from bootstrap.client import _host_port, registry_url
 
     assert _host_port("::1", None) == "[::1]:8998"
     assert _host_port("[::1]", 9000) == "[::1]:9000"
     assert _host_port("10.0.0.1", None) == "10.0.0.1:8998"
-    assert _base_url("127.0.0.1:8998/") == "http://127.0.0.1:8998"
-    assert _base_url("https://reg.example:443") == "https://reg.example:443"
+    assert registry_url("127.0.0.1:8998/") == "http://127.0.0.1:8998"
+    assert registry_url("https://reg.example:443") == "https://reg.example:443"
