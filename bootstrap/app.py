@@ -38,7 +38,7 @@ from bootstrap.config import BootstrapConfig
 from bootstrap.messages import RANK_PUT_FIELDS, QueryDpRanks, RankPut, RegisterDpRank
 from bootstrap.metrics import Metrics
 from bootstrap.middleware import RegistryMiddleware
-from bootstrap.registry import Instance, Registry
+from bootstrap.registry import Instance, Registry, key_of
 from bootstrap.rooms import RoomTable
 
 logger = logging.getLogger("bootstrap")
@@ -140,7 +140,11 @@ def build_routes(state: RegistryState) -> list[Route]:
     @_api
     async def put_route(request: Request) -> Response:
         put, extra = _decode_put(await request.body())
+        replacements = registry.num_replacements
         instance, is_new = registry.register(put, extra, time.monotonic())
+        if registry.num_replacements != replacements:
+            logger.warning("rank %s of %r moved to %s:%s (a restart elsewhere, or two prefills sharing one "
+                           "instance id)", key_of(put), instance.instance_id, put.rank_ip, put.rank_port)
         if is_new:
             logger.info(
                 "registered rank dp=%s cp=%s tp=%s pp=%s of %r at %s:%s (%d/%d)",

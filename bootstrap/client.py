@@ -88,6 +88,9 @@ class RankRegistration:
     system_dp_rank: int = 0
     load_balance_method: str = FOLLOW_BOOTSTRAP_ROOM
     prefill_http_port: int | None = None
+    # This process's own mark (an extra field; SGLang's registry ignores it): ours refuses another process's
+    # registration of a rank whose holder is still renewing (two prefills given one --instance-id)
+    registrant: str | None = None
 
     def __post_init__(self) -> None:
         for size_name in ("attn_tp_size", "attn_cp_size", "attn_dp_size", "pp_size", "system_dp_size"):
@@ -106,6 +109,8 @@ class RankRegistration:
         body = asdict(self)
         if self.instance_id is None:
             del body["instance_id"]  # absent = SGLang's single instance
+        if self.registrant is None:
+            del body["registrant"]
         body["enable_dsa_cache_layer_split"] = False
         return body
 

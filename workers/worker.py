@@ -194,7 +194,7 @@ class Worker:
         host, port = self.kv.control_address
         registration = RankRegistration(
             rank_ip=host, rank_port=port, page_size=self.pool.page_size, kv_cache_dtype=self.pool.dtype,
-            instance_id=self.instance_id, prefill_http_port=self.http_port,
+            instance_id=self.instance_id, prefill_http_port=self.http_port, registrant=uuid.uuid4().hex,
         )
         self._registrar = BootstrapRegistrar(
             self.bootstrap_url, registration, interval_s=min(cfg.heartbeat_interval_s, MAX_REGISTRY_BEAT_S),

@@ -142,3 +142,24 @@ def test_addresses_and_host_names_are_taken(rank_ip: str) -> None:
 
 def test_a_page_size_out_of_range_is_refused() -> None:
     assert status_of(Registry(ttl_s=10, max_ranks=100).register, put(page_size=10**40), {}, 0.0) == 400
+
+
+def test_a_second_process_cannot_take_a_rank_its_holder_still_renews() -> None:
+    """Two prefills given one instance id: the second is refused (409 ``instance_conflict``) while the first
+    renews, instead of the two taking turns owning the rank; a restart (a new process) takes over once the
+    old one has not renewed for the conflict window, and one on the same address at once."""
+    from bootstrap.registry import CONFLICT_WINDOW_S
+
+    reg = Registry(ttl_s=10.0, max_ranks=8)
+    first, second = {"registrant": "a"}, {"registrant": "b"}
+    reg.register(put(rank_port=5000), first, now=0.0)
+    with pytest.raises(ApiError) as err:
+        reg.register(put(rank_port=6000), second, now=1.0)
+    assert err.value.status == 409 and err.value.code == "instance_conflict"
+    reg.register(put(rank_port=5000), first, now=2.0)  # the holder renews
+    assert status_of(reg.register, put(rank_port=6000), second, 2.0 + CONFLICT_WINDOW_S - 0.1) == 409
+    instance, _ = reg.register(put(rank_port=6000), second, now=2.0 + CONFLICT_WINDOW_S)  # the holder went quiet
+    assert [e.address.rank_port for e in instance.entries.values()] == [6000]
+    reg.register(put(rank_port=6000), {"registrant": "c"}, now=2.0 + CONFLICT_WINDOW_S + 0.1)  # same address
+    reg.register(put(rank_port=7000), {}, now=2.0 + CONFLICT_WINDOW_S + 0.2)  # no mark (SGLang): replaces
+    assert [e.address.rank_port for e in reg.instances[next(iter(reg.instances))].entries.values()] == [7000]
