@@ -43,12 +43,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from transfer.netaddr import join_host_port
+
 MAX_BACKOFF_S = 30.0
 GATEWAY_DRAIN_S = 30.0  # the gateway's --drain-timeout-s (its default: the children are started with it)
 # A running child is checked every --liveness-interval-s (a worker's /liveness: 503 once its scheduler
 # died; the registry's and the gateway's /health); LIVENESS_FAILURES failures in a row (no answer within
 # LIVENESS_TIMEOUT_S or the interval, or not 200) restart it, as a Kubernetes liveness probe would.
 LIVENESS_FAILURES = 3
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")  # (what every child accepts)
 LIVENESS_TIMEOUT_S = 2.0  # (the supervisor waits that long per frozen child and pass)
 RESTART_GRACE_S = 2.0  # a running child being restarted: SIGTERM, then SIGKILL after this
 
@@ -86,16 +89,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         port = random.randrange(low, _EPHEMERAL_LOW)
         if port in _handed_out or any(port in r for r in _MOONCAKE_PORTS):
             continue
-        with socket.socket() as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
+        if not is_free(host, port):
+            continue
         _handed_out.add(port)
         return port
-    with socket.socket() as sock:  # the range is full: fall back to any free port
+    with socket.socket(_family(host)) as sock:  # the range is full: fall back to any free port
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def is_free(host: str, port: int) -> bool:
+    """Can ``port`` be bound on ``host`` now?"""
+    with socket.socket(_family(host)) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def log(message: str) -> None:
@@ -310,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "or 127.0.0.1 when that is 0.0.0.0)")
     p.add_argument("--transfer-option", action="append", default=[], metavar="KEY=VALUE",
                    help="transfer-backend setting for every worker (repeatable; see docs/transfer.md)")
-    p.add_argument("--port", type=int, default=8000, help="gateway port")
+    p.add_argument("--port", type=int, default=8000, help="gateway port (0 = any free port)")
     p.add_argument("--bootstrap-port", type=int, default=0, help="registry port (0 = any free port)")
     p.add_argument("--policy", default="round_robin", help="gateway routing policy (see gateway --help)")
     p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE")
@@ -328,9 +342,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"delay before a restart; doubles for each recent restart of that child, at most "
                         f"{MAX_BACKOFF_S:g}s")
     p.add_argument("--liveness-interval-s", type=float, default=5.0,
-                   help=f"how often a running child's liveness is checked (and how long it may take to answer); "
-                        f"{LIVENESS_FAILURES} failures in a row restart it")
-    p.add_argument("--log-level", default="warning")
+                   help=f"how often a running child's liveness is checked (each check waits for its answer for "
+                        f"the interval, at most {LIVENESS_TIMEOUT_S:g}s); {LIVENESS_FAILURES} failures in a row "
+                        "restart it")
+    p.add_argument("--log-level", default="warning", choices=LOG_LEVELS, type=str.lower,
+                   help="every child's (default %(default)s)")
     return p
 
 
@@ -343,10 +359,13 @@ def plan(args: argparse.Namespace) -> list[Child]:
     py, host = sys.executable, args.host
     _handed_out.update(p for p in (args.port, args.bootstrap_port) if p)  # (chosen: not for a worker)
     reach = reach_host(args)
+    for name, port in (("--port", args.port), ("--bootstrap-port", args.bootstrap_port)):
+        if port and not is_free(host, port):  # (else whatever listens there would pass our child's health checks)
+            raise RuntimeError(f"{name} {port}: the port is in use on {host}")
     boot_port = args.bootstrap_port or free_port(host)
-    boot_url = f"http://{reach}:{boot_port}"
-    children = [Child("bootstrap", [py, "-m", "bootstrap.cli", "--host", host, "--port", str(boot_port)],
-                      f"{boot_url}/health")]
+    boot_url = f"http://{join_host_port(reach, boot_port)}"
+    children = [Child("bootstrap", [py, "-m", "bootstrap.cli", "--host", host, "--port", str(boot_port),
+                                    "--log-level", args.log_level], f"{boot_url}/health")]
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
@@ -363,15 +382,16 @@ def plan(args: argparse.Namespace) -> list[Child]:
                 argv += ["--transfer-option", opt]
             if args.advertise_host:
                 argv += ["--advertise-host", args.advertise_host]
-            children.append(Child(f"{role}-{i}", argv, f"http://{reach}:{http_port}/health",
-                                  f"http://{reach}:{http_port}/liveness"))
-            urls[role].append(f"pd://{reach}:{port}")
+            children.append(Child(f"{role}-{i}", argv, f"http://{join_host_port(reach, http_port)}/health",
+                                  f"http://{join_host_port(reach, http_port)}/liveness"))
+            urls[role].append(f"pd://{join_host_port(reach, port)}")
     gateway_argv = [py, "-m", "gateway.cli", "--host", host, "--port", str(args.port), "--policy", args.policy,
                     "--log-level", args.log_level, "--prefill", *urls["prefill"], "--decode", *urls["decode"]]
     for opt in args.policy_option:
         gateway_argv += ["--policy-option", opt]
-    children.append(Child("gateway", gateway_argv, f"http://{reach}:{args.port}/readiness",
-                          f"http://{reach}:{args.port}/health", stop_grace_s=GATEWAY_DRAIN_S + 5.0))
+    gateway_url = f"http://{join_host_port(reach, args.port)}"
+    children.append(Child("gateway", gateway_argv, f"{gateway_url}/readiness", f"{gateway_url}/health",
+                          stop_grace_s=GATEWAY_DRAIN_S + 5.0))
     return children
 
 
@@ -383,6 +403,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("pd-cluster: --max-restarts and --restart-backoff-s must be >= 0, --restart-window-s > 0")
     if not args.liveness_interval_s > 0:
         sys.exit("pd-cluster: --liveness-interval-s must be positive")
+    if not 0 <= args.port <= 65535 or not 0 <= args.bootstrap_port <= 65535:
+        sys.exit("pd-cluster: --port and --bootstrap-port must be TCP ports")
+    if args.port == 0:  # (any free port, as --bootstrap-port 0; printed with the URL)
+        args.port = free_port(args.host)
     cluster = Cluster(args.startup_timeout_s, args.max_restarts, args.restart_window_s, args.restart_backoff_s,
                       args.liveness_interval_s)
 
@@ -405,7 +429,7 @@ def main(argv: list[str] | None = None) -> None:
             cluster.wait_healthy(child)
         cluster.spawn(children[-1])  # the gateway
         cluster.wait_healthy(children[-1])
-        url = f"http://{reach_host(args)}:{args.port}"
+        url = f"http://{join_host_port(reach_host(args), args.port)}"
         print(f"\npd-cluster ready: {args.prefill} prefill + {args.decode} decode ({args.engine}, {args.transfer})",
               flush=True)
         print(f"  OpenAI API: {url}/v1", flush=True)
