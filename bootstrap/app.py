@@ -317,4 +317,3 @@ def guarded_http() -> type:
     from gateway.http_protocol import ClientLimits, protocol_class
 
     return protocol_class(ClientLimits())
-

@@ -359,4 +359,3 @@ def _close_idle(connections: Any) -> None:
         if getattr(c, "_shutting_down", False) and (c.cycle is None or c.cycle.response_complete) \
                 and not c.transport.is_closing():
             c.transport.close()
-

@@ -72,9 +72,7 @@ BODY_TIMEOUT_S = 60.0  # a request body must arrive within this (else 408)
 MAX_ROOM = 2**63 - 1
 SERVER_VERSION = "pd-gateway-0.1.0"
 _json = msgspec.json.Encoder()
-
-
-FIRST_TOKEN_SLACK_S = 30.0
+FIRST_TOKEN_SLACK_S = 30.0  # (``SGLangAPIConfig.of``) past the scheduler's own stage timeouts
 
 
 @dataclass(frozen=True)
