@@ -125,10 +125,11 @@ class ChoiceDispatcher(Protocol):
     workers, a fresh room), or a worker's own relay to its scheduler (``workers/sglang_api.py``)."""
 
     def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
-                 bootstrap: ClientBootstrap | None = None,
-                 direct: DirectConsumer | None = None) -> AsyncGenerator[StepOutput, None]:
+                 bootstrap: ClientBootstrap | None = None, direct: DirectConsumer | None = None,
+                 counts_prompt: bool = True) -> AsyncGenerator[StepOutput, None]:
         """The choice's ``StepOutput`` events until the final one; errors as ``APIError``. A dispatcher
-        may hand non-final outputs to ``direct`` instead of yielding them (``gateway.dispatch``), or ignore it."""
+        may hand non-final outputs to ``direct`` instead of yielding them (``gateway.dispatch``), or ignore it.
+        ``counts_prompt``: the first choice of its prompt (a prompt's tokens are counted once, as in usage)."""
         ...
 
 
@@ -404,7 +405,8 @@ class Frontend:
                 params = msgspec.structs.replace(params, seed=params.seed + index % prep.per_prompt)
             try:
                 async for event in self.dispatcher.generate(prep.prompt_of(index), params, choice=index,
-                                                            bootstrap=prep.bootstrap):
+                                                            bootstrap=prep.bootstrap,
+                                                            counts_prompt=index % prep.per_prompt == 0):
                     queue.put_nowait((index, event))
             except Exception as exc:
                 queue.put_nowait((index, exc))

@@ -173,8 +173,8 @@ class Dispatcher:
         return pair, _client_of(prefill, prefills, router), _client_of(pair.decode, decodes, router)
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
-                       bootstrap: ClientBootstrap | None = None,
-                       direct: DirectConsumer | None = None) -> AsyncGenerator[StepOutput, None]:
+                       bootstrap: ClientBootstrap | None = None, direct: DirectConsumer | None = None,
+                       counts_prompt: bool = True) -> AsyncGenerator[StepOutput, None]:
         """Run one completion choice; yields the decode's ``StepOutput`` events (see the module doc).
 
         ``choice`` and the client's ``bootstrap`` fields do not matter here: every attempt gets a
@@ -183,6 +183,7 @@ class Dispatcher:
         ``direct.ready()``) instead of through this generator.
         """
         run = _Choice(self, input_ids, params)
+        run.counts_prompt = counts_prompt
         try:
             while True:
                 num_before = len(run.generated)
@@ -306,8 +307,9 @@ class _Choice:
     """One choice across its attempts (``generate``, ``complete``): what the next attempt sends, the
     tokens so far, the latency figures, and the request's figures once it has been served."""
 
-    __slots__ = ("attempt_params", "avoid", "cached_tokens", "completed", "deadline", "dispatcher", "generated",
-                 "input_ids", "itl", "last_t", "migrations", "params", "prompt", "request", "retries", "t0")
+    __slots__ = ("attempt_params", "avoid", "cached_tokens", "completed", "counts_prompt", "deadline", "dispatcher",
+                 "generated", "input_ids", "itl", "last_t", "migrations", "params", "prompt", "request", "retries",
+                 "t0")
 
     def __init__(self, dispatcher: Dispatcher, input_ids: list[int], params: SamplingParams) -> None:
         self.dispatcher = dispatcher
@@ -326,6 +328,7 @@ class _Choice:
         self.prompt, self.attempt_params = input_ids, params  # what the next attempt sends
         self.cached_tokens = 0
         self.completed = False  # finished, or the consumer stopped early (a stop string): counts as served
+        self.counts_prompt = True  # the first choice of its prompt: its prompt's tokens are counted (once)
 
     def record(self, item: StepOutput) -> None:
         """An output on its way to the consumer: latency figures, tokens so far, cache hits."""
@@ -383,12 +386,13 @@ class _Choice:
         return min(delay, MAX_BACKOFF_S)
 
     def close(self) -> None:
+        metrics = self.dispatcher.metrics
+        metrics.generation_tokens.inc(len(self.generated))  # (generated and sent, also before a failure)
         if self.completed:
-            metrics = self.dispatcher.metrics
             metrics.e2e.observe(time.monotonic() - self.t0)
-            metrics.prompt_tokens.inc(len(self.input_ids))
-            metrics.cached_tokens.inc(self.cached_tokens)
-            metrics.generation_tokens.inc(len(self.generated))
+            if self.counts_prompt:  # (one choice per prompt: as the response's usage counts it)
+                metrics.prompt_tokens.inc(len(self.input_ids))
+                metrics.cached_tokens.inc(self.cached_tokens)
 
 
 class _Attempt:

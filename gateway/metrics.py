@@ -19,7 +19,8 @@ from prometheus_client.registry import Collector
 
 from workers.metrics import PlainHistogram
 
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+                     1800.0)  # (up to the default --request-timeout-s)
 TOKEN_GAP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BREAKER_STATES = ("closed", "half_open", "open")
 _I = TypeVar("_I", "Family", "Histogram")

@@ -221,6 +221,7 @@ class Responder:
                 raise  # (below: not an error of ours)
             except Exception:
                 if run is not None and run.started:
+                    self._count(200)  # (the head went out with it)
                     raise  # mid-stream: nothing to answer with; the server closes the connection
                 log.exception("%s failed", shape.route)
                 self._count(500)
@@ -251,8 +252,8 @@ class Responder:
         client's socket), rather than the connection closing mid-response. ``answering``: the error answer
         (counted) whose sending was cut: it is sent instead, and not counted again."""
         error = answering or shutdown_cut_error()
-        if answering is None:
-            self._count(error.status)
+        if answering is None:  # (a stream whose head went out: its status was 200)
+            self._count(200 if exchange.response_started else error.status)
         log.warning("%s cut by the gateway's shutdown", self.shape.route)
         with contextlib.suppress(Exception):  # (asyncio.timeout's TimeoutError, a socket already gone)
             async with asyncio.timeout(1.0):

@@ -117,7 +117,12 @@ class SGLangResponder:
                 # or later (the workers' requests are closed, which aborts them).
                 watcher = asyncio.create_task(watch_disconnect(receive, task, gone))
                 release = await self.admission.admit()
-                status = await self._relay(body, send, _trace_headers(scope["headers"]))
+                active = self.metrics.active
+                active.inc()
+                try:
+                    status = await self._relay(body, send, _trace_headers(scope["headers"]))
+                finally:
+                    active.dec()
             except APIError as exc:
                 status = exc.status
                 log.log(logging.WARNING if exc.status >= 500 else logging.INFO, "%s -> %d %s: %s", self.route,
@@ -173,6 +178,7 @@ class SGLangResponder:
             if attempt >= cfg.max_retries:
                 raise outcome.error
             attempt += 1
+            self.metrics.retries.labels(outcome.error.code or outcome.error.type).inc()
             avoid.add(outcome.worker)
             delay = cfg.retry_backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
             await asyncio.sleep(min(delay, MAX_BACKOFF_S))
@@ -229,9 +235,9 @@ class SGLangResponder:
                     status = await self._whole(reply, p_task, merge_logprobs, send)
             finally:
                 reply.release()
-            _record(decode, status)
+            _record(decode, status)  # (a stream broken after its head: the decode's failure...)
             answered = True
-            return status
+            return reply.status  # (...but the client's status is the head's: what the request counter counts)
         finally:
             if not d_task.done():
                 d_task.cancel()
@@ -347,14 +353,15 @@ class SGLangResponder:
 class _Sent:
     """The ASGI ``send`` of one relayed request, minding how far the response got (for ``cut``)."""
 
-    __slots__ = ("complete", "send", "started", "stream")
+    __slots__ = ("complete", "send", "started", "status", "stream")
 
     def __init__(self, send: Send) -> None:
         self.send, self.started, self.complete, self.stream = send, False, False, False
+        self.status = 0  # the response head's, once ``started``
 
     async def __call__(self, message: Any) -> None:
         if message["type"] == "http.response.start":
-            self.started = True
+            self.started, self.status = True, message["status"]
             self.stream = any(name == b"content-type" and value.startswith(b"text/event-stream")
                               for name, value in message.get("headers", ()))
         elif not message.get("more_body", False):
@@ -363,9 +370,11 @@ class _Sent:
 
     async def cut(self, route: str) -> int:
         """A request cancelled by the server's shutdown: a stream ends with an error event and ``[DONE]``,
-        an answer not begun is a 503 (at most a second's wait), rather than the connection closing."""
+        an answer not begun is a 503 (at most a second's wait), rather than the connection closing.
+        Returns the status the client got (a stream's head went out with its own)."""
         error = shutdown_cut_error()
         log.warning("%s cut by the gateway's shutdown", route)
+        status = error.status if not self.started else self.status
         with contextlib.suppress(Exception):
             async with asyncio.timeout(1.0):
                 if not self.started:
@@ -373,7 +382,7 @@ class _Sent:
                 elif self.stream and not self.complete:
                     await self.send({"type": "http.response.body", "more_body": False,
                                      "body": error_event(error) + SSE_DONE})
-        return error.status
+        return status
 
 
 def _prefill_done(task: asyncio.Task[_PrefillReply], prefill: HttpWorker, rid: int) -> None:

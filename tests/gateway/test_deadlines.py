@@ -355,3 +355,24 @@ def test_a_worker_closed_by_the_gateway_is_not_blamed_and_its_streams_go_on() ->
         assert dispatcher.metrics.worker_failures.labels(removed.url, "both", "worker_gone").value == 0
 
     asyncio.run(main())
+
+
+def test_tokens_sent_before_a_final_failure_are_counted() -> None:
+    """A stream whose decode froze after 2 tokens and could not migrate (none allowed) ends with an error; the
+    2 tokens it was sent still count as generated (the prompt and end-to-end figures count served ones only)."""
+    async def main() -> None:
+        config = DispatchConfig(first_token_timeout_s=30, stream_idle_timeout_s=0.2, max_migrations=0)
+        dispatcher, workers, transports = combined(1, config)
+        metrics = dispatcher.metrics
+        gen = dispatcher.generate([1, 2, 3], SamplingParams(max_new_tokens=8))
+        first = asyncio.ensure_future(gen.__anext__())
+        assert await until(lambda: bool(_sent(transports[0], Submit)), 5)
+        rid = _sent(transports[0], Submit)[0].rid
+        workers[0]._dispatch(Outputs([StepOutput(rid, [7, 8])]))
+        assert (await first).token_ids == [7, 8]
+        with pytest.raises(UpstreamTimeout):
+            await gen.__anext__()  # (the decode sends nothing more)
+        assert metrics.generation_tokens._value.value == 2
+        assert metrics.prompt_tokens._value.value == 0 and sum(metrics.e2e.counts) == 0
+
+    asyncio.run(main())

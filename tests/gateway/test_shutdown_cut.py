@@ -1,5 +1,6 @@
 """A request the gateway's shutdown cancels past its drain timeout (``Responder._cut``): what the client
-is told depends on what already went out on its connection, and its status is counted once."""
+is told depends on what already went out on its connection, and its status (the one the client got) is
+counted once."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ class _Exchange:
         self.sent.append(("end", last))
 
 
-def _cut_counted(metrics: GatewayMetrics) -> float:
-    return metrics.requests.labels("chat", "503").value
+def _counted(metrics: GatewayMetrics, status: str) -> float:
+    return metrics.requests.labels("chat", status).value
 
 
 @pytest.mark.parametrize("stream_started, head_out, answering, sent", [
@@ -56,6 +57,8 @@ def test_what_a_cut_request_is_told(stream_started: bool, head_out: bool, answer
         run = SimpleNamespace(started=stream_started) if stream_started or head_out else None
         await responder._cut(exchange, run, answering)  # type: ignore[arg-type]
         assert exchange.sent == sent
-        assert _cut_counted(metrics) == (0 if answering else 1)
+        # counted once, under the status the client got: a stream's head went out with 200
+        assert _counted(metrics, "200" if head_out else "503") == (0 if answering else 1)
+        assert _counted(metrics, "503" if head_out else "200") == 0
 
     asyncio.run(main())

@@ -243,7 +243,14 @@ def test_a_prefill_failing_after_the_decodes_head_is_retried(fleet: Fleet) -> No
         time.sleep(0.05)
 
 
+def _requests_counted(fleet: Fleet, route: str, status: str) -> float:
+    lines = httpx.get(f"{fleet.base_url}/metrics", timeout=10).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("pd_gateway_requests_total{")
+               and f'route="{route}"' in line and f'status="{status}"' in line)
+
+
 def test_a_decode_breaking_mid_event_ends_the_stream_with_a_clean_error_event(fleet: Fleet) -> None:
+    ok_before, bad_before = (_requests_counted(fleet, "generate", s) for s in ("200", "502"))
     r = post(fleet, "/generate", {"text": "DECODE_BREAKS s", "stream": True})
     assert r.status_code == 200
     events = [line[len("data: "):] for line in r.text.split("\n\n") if line.startswith("data: ")]
@@ -251,6 +258,9 @@ def test_a_decode_breaking_mid_event_ends_the_stream_with_a_clean_error_event(fl
     decoded = [json.loads(e) for e in events[:-1]]  # every event whole: nothing of the broken one
     assert decoded[0] == {"text": "one"} and decoded[-1]["error"]["type"] == "upstream_error", r.text
     assert len(decoded) == 2
+    # counted under the status the client got (the head's 200), as the native path counts it
+    assert _requests_counted(fleet, "generate", "200") == ok_before + 1
+    assert _requests_counted(fleet, "generate", "502") == bad_before
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

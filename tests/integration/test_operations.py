@@ -358,6 +358,14 @@ def test_openai_client_suite_and_request_metrics(sim_cluster) -> None:  # type: 
     assert metric(cluster, "pd_gateway_e2e_request_latency_seconds_count") >= 5
     assert metric(cluster, "pd_gateway_generation_tokens_total") >= 8 + 10 + 12
     assert metric(cluster, "pd_gateway_requests_total", route="completions", status="400") == 1
+    # Prompt tokens are counted once per prompt whatever n (as the response's usage), generated ones per choice.
+    before = {name: metric(cluster, name) for name in ("pd_gateway_prompt_tokens_total",
+                                                       "pd_gateway_generation_tokens_total")}
+    batch = c.completions.create(model="sim", prompt=["abc", "defgh"], max_tokens=4, n=3)
+    assert batch.usage is not None and batch.usage.prompt_tokens == 3 + 5
+    assert metric(cluster, "pd_gateway_prompt_tokens_total") - before["pd_gateway_prompt_tokens_total"] == 8
+    assert metric(cluster, "pd_gateway_generation_tokens_total") - before["pd_gateway_generation_tokens_total"] == \
+        batch.usage.completion_tokens == 2 * 3 * 4
     cluster.wait_pools_full()
 
 
