@@ -403,9 +403,7 @@ class _Attempt:
 
     __slots__ = ("decode", "direct", "dispatcher", "finished", "first_s", "gather_s", "got_token", "held",
                  "idle_s", "open_rids", "outcome", "pair", "prefill", "prompt_logprobs", "prompt_top", "request",
-                 "request_id", "run",
-                 "sent",
-                 "sink", "urgent", "want_prompt")
+                 "request_id", "run", "sent", "sink", "urgent", "want_prompt")
 
     def __init__(self, dispatcher: Dispatcher, run: _Choice, direct: DirectConsumer | None, *, urgent: bool,
                  gather_s: float = 0.0) -> None:
