@@ -121,8 +121,14 @@ def main(argv: list[str] | None = None) -> None:
         import uvloop
 
         uvloop.install()
+    from bootstrap.exceptions import BootstrapError
+    from transfer.errors import TransferError
+    from workers.addresses import AddressError
+
     try:
         asyncio.run(_serve(config))
+    except (BootstrapError, AddressError, TransferError, OSError) as exc:  # the setting or the peer named: no trace
+        sys.exit(f"pd-worker: {exc}")
     except Exception as exc:
         logging.getLogger("pd-worker").exception("worker failed")
         sys.exit(f"pd-worker: {exc}")

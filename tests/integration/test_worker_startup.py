@@ -117,6 +117,7 @@ def test_a_decode_refused_by_its_registry_does_not_start(tmp_path: Path) -> None
                        "--bootstrap-token", "wrong")
         assert out.returncode != 0 and "refused this worker's token (401)" in out.stderr, out.stderr[-2000:]
         assert "--bootstrap-token" in out.stderr
+        assert "Traceback" not in out.stderr, out.stderr[-2000:]  # (a setting's fault: its message, not a trace)
         out = run_role("decode", "--port", "0", "--http-port", "0", "--bootstrap", registry)  # none at all
         assert out.returncode != 0 and "(401)" in out.stderr, out.stderr[-2000:]
         start_worker(procs, "decode", "--bootstrap-token", "s3cret", bootstrap=registry)
