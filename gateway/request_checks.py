@@ -8,7 +8,7 @@ than it asked for. ``reject_unsupported`` checks a decoded request against its r
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.api_models import ChatMessage
@@ -19,6 +19,24 @@ from gateway.errors import BadRequest
 # field. Each rule: (field, honoured(value, request): is this value one we honour?, what is accepted,
 # for the message).
 Rule = tuple[str, Callable[[Any, Any], bool], str]
+
+
+def field_values(names: Sequence[str]) -> Callable[[Any], tuple[Any, ...]]:
+    """One C call reading ``names`` off an object, as a tuple (``attrgetter`` gives one name's value bare)."""
+    if len(names) == 1:
+        name = names[0]
+        return lambda obj: (getattr(obj, name),)
+    return operator.attrgetter(*names)
+
+
+class Rules:
+    """A route's rules, with the one call that reads all their fields (made once, at import)."""
+
+    __slots__ = ("rules", "values")
+
+    def __init__(self, *rules: Rule) -> None:
+        self.rules = rules
+        self.values = field_values([name for name, _, _ in rules])
 
 
 def _unset(value: Any, _req: Any) -> bool:
@@ -34,7 +52,7 @@ _SAMPLING_RULES: tuple[Rule, ...] = (  # (structured output: gateway/structured_
     ("skip_special_tokens", _is(True), "true"),
     ("spaces_between_special_tokens", _is(True), "true"),
 )
-CHAT_RULES: tuple[Rule, ...] = (
+CHAT_RULES = Rules(
     *_SAMPLING_RULES,
     ("functions", _unset, ""),
     ("function_call", _is("none"), '"none"'),
@@ -44,12 +62,12 @@ CHAT_RULES: tuple[Rule, ...] = (
     ("modalities", lambda value, _req: value is None or value == ["text"], '["text"]'),
     ("audio", _unset, ""),
 )
-COMPLETION_RULES: tuple[Rule, ...] = (
+COMPLETION_RULES = Rules(
     *_SAMPLING_RULES,
     ("suffix", _unset, ""),
     ("best_of", lambda value, req: value is None or value in (1, req.n or 1), "1 or n"),
 )
-GENERATE_RULES: tuple[Rule, ...] = (
+GENERATE_RULES = Rules(
     ("image_data", _unset, ""),
     ("audio_data", _unset, ""),
     ("video_data", _unset, ""),
@@ -59,7 +77,7 @@ GENERATE_RULES: tuple[Rule, ...] = (
     ("return_hidden_states", _unset, ""),
     ("top_logprobs_num", _is(0), "0"),
 )
-GENERATE_SAMPLING_RULES: tuple[Rule, ...] = (
+GENERATE_SAMPLING_RULES = Rules(
     ("n", _is(1), "1"),
     ("structural_tag", _unset, ""),
     ("skip_special_tokens", _is(True), "true"),
@@ -67,20 +85,12 @@ GENERATE_SAMPLING_RULES: tuple[Rule, ...] = (
 )
 
 
-_getters: dict[tuple[Rule, ...], Callable[[Any], tuple[Any, ...]]] = {}
-
-
-def reject_unsupported(obj: Any, rules: tuple[Rule, ...], prefix: str = "") -> None:
+def reject_unsupported(obj: Any, rules: Rules, prefix: str = "") -> None:
     """400 naming the first field of ``obj`` set to a value the gateway would not honour."""
-    getter = _getters.get(rules)
-    if getter is None:
-        names = [name for name, _, _ in rules]
-        getter = _getters[rules] = operator.attrgetter(*names) if len(names) > 1 else \
-            (lambda item: (getattr(item, names[0]),))
-    values = getter(obj)
-    if values.count(None) == len(rules):  # (every field unset, the common case: one C call, no rule run)
+    values = rules.values(obj)
+    if values.count(None) == len(values):  # (every field unset, the common case: one C call, no rule run)
         return
-    for (name, honoured, accepted), value in zip(rules, values, strict=True):
+    for (name, honoured, accepted), value in zip(rules.rules, values, strict=True):
         if not honoured(value, obj):
             only = f" (only {accepted} is accepted)" if accepted else ""
             raise BadRequest(f"{prefix}{name} is not supported{only}", param=prefix + name)

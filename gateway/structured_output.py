@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import functools
 import json
-import operator
 from collections.abc import Callable
 from typing import Any
 
 from gateway.errors import BadRequest
+from gateway.request_checks import field_values
 from workers import grammar as grammars
 from workers.protocol import Grammar
 
@@ -146,7 +146,7 @@ def _none_set(obj: Any) -> bool:
         getter = _unset_getters[kind]
     except KeyError:
         names = [name for name in _FIELDS if name in getattr(kind, "__struct_fields__", ())]
-        getter = _unset_getters[kind] = operator.attrgetter(*names) if len(names) > 1 else None
+        getter = _unset_getters[kind] = field_values(names) if names else None
     if getter is None:
         return False
     values = getter(obj)
