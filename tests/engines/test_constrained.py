@@ -76,6 +76,24 @@ def text_of(model_dir: str, tokens: list[int], eos: tuple[int, ...]) -> str:
     return tok.decode(tokens[:-1])
 
 
+def run_to_idle(sched: Any, timeout_s: float) -> None:
+    """Step a threadless scheduler until its requests have ended (a grammar's compile wakes no loop here)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    sched.step()
+    while sched.reqs:
+        assert time.monotonic() < deadline, "requests did not finish"
+        if not sched.step():
+            time.sleep(0.005)
+
+
+def tokens_of(sink: list[tuple[int, Any]], rid: int) -> list[int]:
+    from workers.protocol import Outputs
+
+    return [t for _, m in sink if isinstance(m, Outputs) for i in m.items if i.rid == rid for t in i.token_ids]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_regex_and_schema_hold_on_a_random_model(make_engine: Any, model_dir: str, temperature: float) -> None:
     e = make_engine(model_dir)
@@ -169,11 +187,10 @@ def test_after_the_grammar_ends_only_eos_follows(make_engine: Any, model_dir: st
 
 def test_scheduler_waits_for_the_compile_and_refuses_what_the_library_rejects(make_engine: Any,
                                                                              model_dir: str) -> None:
-    import time
 
     from workers.engines.sim import SimEngine
     from workers.kv_pool import KVPool
-    from workers.protocol import Error, Outputs, Submit
+    from workers.protocol import Error, Submit
     from workers.scheduler import Scheduler, SchedulerConfig
 
     e = make_engine(model_dir)
@@ -184,14 +201,8 @@ def test_scheduler_waits_for_the_compile_and_refuses_what_the_library_rejects(ma
     sched.submit(0, Submit(2, [5, 6], SamplingParams(max_new_tokens=4, grammar=Grammar(
         "regex", "(x", param="sampling_params.regex"))))
     sched.submit(0, Submit(3, [8, 9], SamplingParams(temperature=0.0, max_new_tokens=4)))
-    deadline = time.monotonic() + 60
-    sched.step()
-    while sched.reqs:
-        assert time.monotonic() < deadline, "requests did not finish"
-        if not sched.step():
-            time.sleep(0.005)
-    outputs = {rid: [t for _, m in sink if isinstance(m, Outputs) for i in m.items if i.rid == rid for t in i.token_ids]
-               for rid in (1, 3)}
+    run_to_idle(sched, 60)
+    outputs = {rid: tokens_of(sink, rid) for rid in (1, 3)}
     errors = [m for _, m in sink if isinstance(m, Error)]
     assert [(m.rid, m.code, m.param) for m in errors] == [(2, "bad_request", "sampling_params.regex")]
     assert re.fullmatch(REGEX, text_of(model_dir, outputs[1], e.engine.info.eos_token_ids))
@@ -286,10 +297,9 @@ def test_more_distinct_grammars_queued_than_cached_compile_once_each(make_engine
     are compiled once each: a compile evicted from the cache while its request waits is found again, not
     compiled a second time on the scheduler's thread at the request's first step (every step stalled)."""
     import threading
-    import time
 
     import workers.engines.llama.constrained as constrained
-    from workers.protocol import Error, Outputs, Submit
+    from workers.protocol import Error, Submit
     from workers.scheduler import Scheduler, SchedulerConfig
 
     monkeypatch.setattr(constrained, "MAX_CACHED_GRAMMARS", 4)
@@ -308,15 +318,9 @@ def test_more_distinct_grammars_queued_than_cached_compile_once_each(make_engine
     for rid, regex in regexes.items():
         sched.submit(0, Submit(rid, [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=12,
                                                               grammar=Grammar("regex", regex))))
-    deadline = time.monotonic() + 120
-    sched.step()
-    while sched.reqs:
-        assert time.monotonic() < deadline, "requests did not finish"
-        if not sched.step():
-            time.sleep(0.005)
+    run_to_idle(sched, 120)
     assert not [m for _, m in sink if isinstance(m, Error)]
     assert len(compile_threads) == len(regexes)
     assert all(name.startswith("grammar-compile") for name in compile_threads)  # never the scheduler's thread
     for rid, regex in regexes.items():
-        tokens = [t for _, m in sink if isinstance(m, Outputs) for i in m.items if i.rid == rid for t in i.token_ids]
-        assert re.fullmatch(regex, text_of(model_dir, tokens, e.engine.info.eos_token_ids))
+        assert re.fullmatch(regex, text_of(model_dir, tokens_of(sink, rid), e.engine.info.eos_token_ids))
