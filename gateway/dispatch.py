@@ -510,10 +510,37 @@ class _Attempt:
             if not self.got_token and event.token_ids:
                 self.got_token = True
                 self.sink.slide(self.idle_s)  # the first-token deadline set at ``submit`` gives way
+                self.sink.tap = self._steady
                 return True
         if self.got_token:
             sink = self.sink
             sink.active = sink.clock()  # progress: the idle deadline moves on
+        return True
+
+    def _steady(self, item: tuple[Any, Event]) -> bool:
+        """``_tap`` once the direct path has passed on a token: a non-final decode output goes
+        straight to ``direct`` (recorded as ``_Choice.record`` would); anything else to ``_tap``."""
+        side, event = item
+        if side != "decode" or type(event) is not StepOutput or event.finish_reason is not None:
+            return self._tap(item)
+        direct = self.direct
+        if not direct.ready():
+            return False
+        run = self.run
+        token_ids = event.token_ids
+        if token_ids:  # (``_Choice.record``, for a choice that has tokens already)
+            now = _monotonic()
+            n = len(token_ids)
+            run.itl.observe((now - run.last_t) / n, n)
+            run.last_t = now
+            run.generated.extend(token_ids)
+        if run.migrations:
+            event.cached_tokens = run.cached_tokens
+        else:
+            run.cached_tokens = event.cached_tokens
+        direct.take(event)
+        sink = self.sink
+        sink.active = sink.clock()
         return True
 
     def _handed_over(self, event: StepOutput) -> None:

@@ -99,7 +99,8 @@ class WorkerState:
         self.num_active -= 1
         self.own_prefill_tokens -= cost[0]
         self.own_pages -= cost[1]
-        self._recompute()
+        if not self.is_load_fresh:  # (a fresh report's figures do not include the gateway's own counts)
+            self._recompute()
 
     def reported(self, load: LoadReport, now: float | None = None) -> None:
         self.report = load

@@ -510,7 +510,7 @@ def test_a_migrated_stream_keeps_its_own_cache_hits_on_the_direct_path() -> None
         yielded: list[StepOutput] = []
 
         async def consume() -> None:
-            async for item in dispatcher.generate([1, 2, 3, 4, 5], SamplingParams(max_new_tokens=3),
+            async for item in dispatcher.generate([1, 2, 3, 4, 5], SamplingParams(max_new_tokens=4),
                                                   direct=consumer):
                 yielded.append(item)
 
@@ -528,11 +528,73 @@ def test_a_migrated_stream_keeps_its_own_cache_hits_on_the_direct_path() -> None
             await asyncio.sleep(0.005)
         (rid2,) = submitted(transports[other])
         # The new pair has the new prompt (5 + 1 tokens) cached: not the client's cache hits.
+        # (the second of them goes the direct path's steady way: ``_Attempt._steady``)
         workers[other]._dispatch(Outputs([StepOutput(rid2, [66], cached_tokens=6)]))
-        workers[other]._dispatch(Outputs([StepOutput(rid2, [67], "length", cached_tokens=6)]))
+        workers[other]._dispatch(Outputs([StepOutput(rid2, [67], cached_tokens=6)]))
+        workers[other]._dispatch(Outputs([StepOutput(rid2, [68], "length", cached_tokens=6)]))
         await asyncio.wait_for(task, 5)
-        assert consumer.taken == [([65], 4), ([66], 4)]
-        assert [(list(o.token_ids), o.cached_tokens) for o in yielded] == [([67], 4)]
+        assert consumer.taken == [([65], 4), ([66], 4), ([67], 4)]
+        assert [(list(o.token_ids), o.cached_tokens) for o in yielded] == [([68], 4)]
+
+    asyncio.run(main())
+
+
+def test_the_direct_path_records_every_output_it_takes_and_still_hears_the_prefill() -> None:
+    """Outputs taken in the worker connection's callback after the first token (the direct path's steady
+    way) are recorded as the task's would be: one inter-token gap per token, every token counted; a
+    slow reader's outputs queue in order behind them; the prefill's hand-over arriving among them still
+    ends its part (its count returns to zero)."""
+    from gateway.dispatch import Dispatcher
+    from gateway.policies.simple import RoundRobinPolicy
+    from gateway.router import Router
+    from workers.protocol import Outputs, StepOutput, Submit
+
+    class Gated(RecordingConsumer):
+        open = True
+
+        def ready(self) -> bool:
+            return self.open
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        prefills, p_transports = _connected_workers(loop, "prefill", 1)
+        decodes, d_transports = _connected_workers(loop, "decode", 1)
+        policy = RoundRobinPolicy()
+        dispatcher = Dispatcher(prefills, decodes, Router(policy, policy))
+        consumer = Gated()
+        yielded: list[StepOutput] = []
+
+        async def consume() -> None:
+            async for item in dispatcher.generate([1, 2, 3], SamplingParams(max_new_tokens=8), direct=consumer):
+                yielded.append(item)
+
+        task = asyncio.create_task(consume())
+        for _ in range(20):
+            await asyncio.sleep(0)
+        (d_rid,) = [m.rid for m in _sent(d_transports[0], Submit)]
+        (p_rid,) = [m.rid for m in _sent(p_transports[0], Submit)]
+        decode = decodes[0]
+        decode._dispatch(Outputs([StepOutput(d_rid, [65])]))
+        decode._dispatch(Outputs([StepOutput(d_rid, [66, 67])]))
+        prefills[0]._dispatch(Outputs([StepOutput(p_rid, [], "transferred")]))
+        assert prefills[0].num_active == 0
+        consumer.open = False  # the client's socket is full: these queue for the task
+        decode._dispatch(Outputs([StepOutput(d_rid, [68])]))
+        decode._dispatch(Outputs([StepOutput(d_rid, [69])]))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        consumer.open = True
+        decode._dispatch(Outputs([StepOutput(d_rid, [70])]))
+        decode._dispatch(Outputs([StepOutput(d_rid, [71], "length")]))
+        await asyncio.wait_for(task, 5)
+        tokens = [t for ids, _ in consumer.taken for t in ids] + [t for o in yielded for t in o.token_ids]
+        assert sorted(tokens) == list(range(65, 72)) and len(tokens) == 7
+        assert [t for ids, _ in consumer.taken for t in ids][:3] == [65, 66, 67]
+        assert [t for o in yielded for t in o.token_ids][-1] == 71
+        metrics = dispatcher.metrics
+        assert sum(metrics.ttft.counts) == 1 and sum(metrics.itl.counts) == 6
+        assert metrics.generation_tokens._value.value == 7
+        assert decode.num_active == 0
 
     asyncio.run(main())
 

@@ -82,3 +82,37 @@ def test_reconnect_forgets_unacknowledged_dispatches() -> None:
     state.connected(HelloAck(2, "w", "decode", "sim", "m", "byte", 16, 4096, 100))
     state.reported(LoadReport(0, 0, 100, 100, last_rid=0), now[0])
     assert state.num_reserved_pages == 0
+
+
+VIEW = ("is_load_fresh", "num_prefill_tokens", "prefill_tokens_per_s", "busy_fraction", "num_running_seqs",
+        "num_waiting_seqs", "max_running_seqs", "num_reserved_pages", "num_free_pages")
+
+
+def test_the_view_after_any_updates_equals_one_computed_afresh() -> None:
+    """However dispatches, ends, reports and the clock interleave, the view the updates leave (some skip
+    work that cannot change it) is the one a full recomputation gives."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(50):
+        state, now = make()
+        rid, open_rids = 0, []
+        for _ in range(60):
+            op = rng.random()
+            if op < 0.4:
+                rid += 1
+                open_rids.append(rid)
+                state.dispatched(rid, rng.randint(0, 500), rng.randint(0, 9))
+            elif op < 0.7 and open_rids:
+                state.ended(open_rids.pop(rng.randrange(len(open_rids))))
+            elif op < 0.85:
+                state.reported(LoadReport(num_running=rng.randint(0, 9), num_waiting=rng.randint(0, 9),
+                                          num_free_pages=rng.randint(0, 100), num_total_pages=100,
+                                          num_prefill_tokens=rng.randint(0, 900), last_rid=rng.randint(0, rid),
+                                          busy_fraction=rng.random(), max_running=8), now[0])
+            else:
+                now[0] += rng.choice([0.1, 0.6, 1.5])
+                state.refresh()
+            seen = [getattr(state, name) for name in VIEW]
+            state._recompute()
+            assert seen == [getattr(state, name) for name in VIEW]
