@@ -524,6 +524,7 @@ class _Attempt:
         if side != "decode" or type(event) is not StepOutput or event.finish_reason is not None:
             return self._tap(item)
         direct = self.direct
+        assert direct is not None  # (installed by ``_tap`` only after ``direct`` took a token)
         if not direct.ready():
             return False
         run = self.run
