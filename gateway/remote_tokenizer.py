@@ -50,10 +50,10 @@ async def fetch_tokenizer(host: str, port: int, timeout_s: float = 60.0) -> str:
     where = f"worker {host}:{port}"
     try:
         answer = await asyncio.wait_for(_ask(host, port), timeout_s)
+    except TimeoutError:  # (first: on Python 3.11 it is an OSError too)
+        raise RemoteTokenizerError(f"fetching the tokenizer from {where}: no answer within {timeout_s:g}s") from None
     except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
         raise RemoteTokenizerError(f"fetching the tokenizer from {where}: {type(exc).__name__}: {exc}") from exc
-    except TimeoutError:
-        raise RemoteTokenizerError(f"fetching the tokenizer from {where}: no answer within {timeout_s:g}s") from None
     if answer.error:
         raise RemoteTokenizerError(f"{where} could not send its tokenizer: {answer.error}")
     bad = [name for name in answer.files if name not in TOKENIZER_FILE_NAMES]

@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import os
 from dataclasses import dataclass, field
 
 from gateway.admission import Admission
@@ -35,6 +37,10 @@ from gateway.worker_state import REFRESH_INTERVAL_S
 from workers.protocol import HelloAck
 
 log = logging.getLogger(__name__)
+
+# A worker's tokenizer files, fetched by a gateway without a copy of the model: their whole transfer.
+TOKENIZER_FETCH_TIMEOUT_S = 60.0
+FETCH_RETRY_S = 1.0  # after a failed fetch, the next one starts no sooner than this
 ROLES = ("prefill", "decode", "both")
 
 
@@ -106,11 +112,19 @@ class GatewayConfig:
         if len({url.rstrip("/") if is_http_url(url) else parse_worker_url(url) for url in urls}) != len(urls):
             raise ValueError("prefill/decode/worker: a worker URL is listed twice")
         for name in ("load_stale_s", "queue_timeout_s", "drain_timeout_s", "body_timeout_s", "header_timeout_s",
-                     "write_timeout_s", "keep_alive_timeout_s"):
+                     "write_timeout_s", "keep_alive_timeout_s", "first_token_timeout_s", "stream_idle_timeout_s",
+                     "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
-        if not self.assume_ttl_s >= 0 or not self.retry_backoff_s >= 0:
-            raise ValueError("assume_ttl_s and retry_backoff_s must be >= 0")
+        if not self.startup_timeout_s >= 0 or not self.retry_backoff_s >= 0:
+            raise ValueError("startup_timeout_s and retry_backoff_s must be >= 0")
+        if not 0 <= self.assume_ttl_s < math.inf:  # (an assumption never expiring: the index only grows)
+            raise ValueError("assume_ttl_s must be >= 0 and finite")
+        if self.default_max_tokens < 1 or self.max_body_bytes < 1:
+            raise ValueError("default_max_tokens and max_body_bytes must be at least 1")
+        if self.tokenizer and self.tokenizer != "byte" \
+                and not os.path.isfile(os.path.join(self.tokenizer, "tokenizer.json")):
+            raise ValueError(f"tokenizer: {self.tokenizer} is neither 'byte' nor a directory with a tokenizer.json")
         if not 0 <= self.gather_s <= 10:
             raise ValueError("gather_s must be in [0, 10]")
         if self.prepare_thread_bytes < 0:
@@ -186,6 +200,9 @@ class Gateway:
         self.frontend: Frontend | None = None
         self._tokenizer_dir: str | None = None  # the worker's tokenizer, fetched (no local copy of the model)
         self._tokenizer_fetch: asyncio.Task[None] | None = None
+        self._fetch_failed_from: str | None = None  # the worker whose tokenizer fetch failed last (tried last)
+        self._fetch_again_at = 0.0  # (the loop's time) no new fetch before this, after one failed
+        self._load_error: str | None = None  # the tokenizer that failed to load last, and why (logged once)
         self.is_draining = False
         self._started = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -228,6 +245,18 @@ class Gateway:
                         client.url, info.max_context, frontend.max_context)
             frontend.max_context = info.max_context
 
+    def _max_context(self) -> int | None:
+        """The shortest context of the workers this gateway has (that have ever connected): a prompt must
+        fit whichever pair it is given."""
+        return min((c.info.max_context for c in self.clients if c.info is not None), default=None)
+
+    def _tokenizer_source(self) -> WorkerClient | None:
+        """The worker whose handshake says which tokenizer to use (and sends it, when this machine has no
+        copy): a connected one, a healthy one first, the one whose fetch failed last only after the others."""
+        connected = [c for c in self.clients if c.is_connected]
+        connected.sort(key=lambda c: (c.url == self._fetch_failed_from, not c.healthy))
+        return connected[0] if connected else None
+
     def _check_stop_tokenizer(self, client: WorkerClient) -> None:
         digest = self.dispatcher.tokenizer_digest
         if client.stops_at_strings and not client.stops_at_strings_as(digest):
@@ -259,24 +288,30 @@ class Gateway:
                 waiting.cancel()
         if not self.clients:
             return
-        ready = [c for c in self.clients if c.info is not None]
-        if not ready:
+        source = self._tokenizer_source()
+        if source is None:
             if not self.is_ready():  # (else SGLang workers serve meanwhile)
                 log.warning("no worker answered within %.0fs; serving 503 until one does", timeout_s)
             return
         try:
-            await self._fetch_tokenizer(ready[0])
+            await self._fetch_tokenizer(source)
         except RemoteTokenizerError as exc:
             log.warning("%s; serving 503 until a worker sends it", exc)
             return
-        self._init_frontend(ready[0])
+        with contextlib.suppress(NoWorkers):  # (a tokenizer that does not load: logged; requests get a 503)
+            self._init_frontend(source)
 
     async def _fetch_tokenizer(self, client: WorkerClient) -> None:
         """A worker's tokenizer directory that is not on this machine comes from the worker itself."""
         info = client.info
         if info is None or self.config.tokenizer or self._tokenizer_dir or not needs_fetch(info.tokenizer, info):
             return
-        self._tokenizer_dir = await fetch_tokenizer(client.host, client.port, self.config.startup_timeout_s)
+        try:
+            self._tokenizer_dir = await fetch_tokenizer(client.host, client.port, TOKENIZER_FETCH_TIMEOUT_S)
+        except RemoteTokenizerError:
+            self._fetch_failed_from = client.url  # (the next try asks another worker first, if there is one)
+            self._fetch_again_at = asyncio.get_running_loop().time() + FETCH_RETRY_S  # (not at every request)
+            raise
         log.info("tokenizer %s fetched from worker %s into %s", info.tokenizer, client.url, self._tokenizer_dir)
 
     async def _fetch_tokenizer_quietly(self, client: WorkerClient) -> None:
@@ -289,17 +324,26 @@ class Gateway:
         info = client.info
         assert info is not None
         if not self.config.tokenizer and self._tokenizer_dir is None and needs_fetch(info.tokenizer, info):
-            if self._tokenizer_fetch is None or self._tokenizer_fetch.done():
-                self._tokenizer_fetch = asyncio.get_running_loop().create_task(
-                    self._fetch_tokenizer_quietly(client), name="tokenizer-fetch")
+            loop = asyncio.get_running_loop()
+            if (self._tokenizer_fetch is None or self._tokenizer_fetch.done()) and loop.time() >= self._fetch_again_at:
+                self._tokenizer_fetch = loop.create_task(self._fetch_tokenizer_quietly(client), name="tokenizer-fetch")
             raise NoWorkers(f"fetching the tokenizer from worker {client.url}", retry_after_s=1.0)
         spec = self.config.tokenizer or self._tokenizer_dir or info.tokenizer
-        tokenizer = load_tokenizer(spec)
+        try:
+            tokenizer = load_tokenizer(spec)
+        except (OSError, ValueError) as exc:  # (a missing or malformed tokenizer.json: ``TokenizerLoadError``)
+            why = f"cannot load the tokenizer {spec} (named by worker {client.url}): {exc}"
+            if why != self._load_error:  # (once, not for every request)
+                self._load_error = why
+                log.error("%s; serving 503 until it loads", why)
+            raise NoWorkers(why, retry_after_s=5.0) from None
+        self._load_error = None
         self.dispatcher.tokenizer_digest = tokenizer_digest(spec)
         for connected in self.clients:
             if connected.info is not None:
                 self._check_stop_tokenizer(connected)
-        max_context = min(c.info.max_context for c in self.clients if c.info is not None)
+        max_context = self._max_context()
+        assert max_context is not None  # (``client`` has connected)
         self.frontend = Frontend(self.dispatcher, tokenizer, self.config.model_name or info.model, max_context,
                                  self.config.default_max_tokens)
 
@@ -313,10 +357,10 @@ class Gateway:
 
     def require_frontend(self) -> Frontend:
         if self.frontend is None:
-            ready = [c for c in self.clients if c.info is not None]
-            if not ready:
+            source = self._tokenizer_source()
+            if source is None:
                 raise NoWorkers("no worker is connected yet", retry_after_s=2.0)
-            self._init_frontend(ready[0])
+            self._init_frontend(source)
         assert self.frontend is not None
         return self.frontend
 
@@ -377,6 +421,10 @@ class Gateway:
             await client.aclose("removed by the admin API (its drain timeout passed)")
         if self.find(client.url) is None:  # (not added again meanwhile: then its place stays its own)
             self.router.worker_forgotten(client.url)
+        max_context = self._max_context()
+        if self.frontend is not None and max_context is not None and max_context != self.frontend.max_context:
+            log.info("prompts are now held to %d tokens, the shortest context of the workers left", max_context)
+            self.frontend.max_context = max_context  # (a shorter worker gone: longer prompts fit again)
         log.info("removed %s worker %s", client.role, client.url)
 
     # -- shutdown ---------------------------------------------------------------------------------

@@ -1,0 +1,230 @@
+"""The gateway's runtime around its workers, over stand-in workers (real asyncio servers speaking the
+native frames): which worker its tokenizer comes from, what a tokenizer that cannot be used answers,
+the prompt limit as workers come and go, and settings refused at start-up rather than failing every
+request later."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.cli import build_parser, config_from_args
+from gateway.errors import NoWorkers
+from gateway.remote_tokenizer import RemoteTokenizerError, fetch_tokenizer
+from gateway.runtime import Gateway, GatewayConfig
+from workers.protocol import (
+    PROTOCOL_VERSION,
+    GetTokenizer,
+    HelloAck,
+    LoadReport,
+    Ping,
+    Pong,
+    TokenizerFiles,
+    read_frame,
+    worker_codec,
+)
+
+
+def tokenizer_files() -> dict[str, bytes]:
+    """A tiny real tokenizer (byte-level BPE) as a worker would send it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["a tiny corpus"] * 4, trainer=trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<|end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    config = json.dumps({"eos_token": "<|end|>"}).encode()
+    return {"tokenizer.json": tok.to_str().encode(), "tokenizer_config.json": config}
+
+
+class StandIn:
+    """A native worker that answers the handshake, probes and ``GetTokenizer`` (or never answers it)."""
+
+    def __init__(self, worker_id: str, *, tokenizer: str = "/models/not-on-this-host", max_context: int = 4096,
+                 files: dict[str, bytes] | None = None, answer_files: bool = True, serves_files: bool = True) -> None:
+        self.worker_id, self.tokenizer, self.max_context = worker_id, tokenizer, max_context
+        self.files, self.answer_files, self.serves_files = files, answer_files, serves_files
+        self.asked = 0
+        self.writers: list[asyncio.StreamWriter] = []
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> StandIn:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"pd://127.0.0.1:{self.port}"
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for writer in self.writers:
+            writer.close()
+        await asyncio.sleep(0.05)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        codec = worker_codec()
+        self.writers.append(writer)
+        try:
+            await read_frame(reader)  # Hello
+            writer.write(codec.encode(HelloAck(PROTOCOL_VERSION, self.worker_id, "both", "sim", "m", self.tokenizer,
+                                               16, self.max_context, 256, tokenizer_files=int(self.serves_files))))
+            writer.write(codec.encode(LoadReport(0, 0, 256, 256)))
+            while True:
+                message = codec.decode(await read_frame(reader))
+                if isinstance(message, Ping):
+                    writer.write(codec.encode(Pong(message.nonce)))
+                elif isinstance(message, GetTokenizer):
+                    self.asked += 1
+                    if self.answer_files and self.files is not None:
+                        writer.write(codec.encode(TokenizerFiles(self.tokenizer, self.files)))
+                    elif self.files is None:
+                        return  # (hangs up: the fetch fails)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+async def frontend_within(gw: Gateway, timeout_s: float) -> Any:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            return gw.require_frontend()
+        except NoWorkers:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
+def test_the_tokenizer_comes_from_a_connected_worker_not_the_first_one_listed(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first worker listed cannot send its tokenizer and then goes away for good: the next request's
+    fetch asks the worker that is still there (it asked the gone one for ever)."""
+    monkeypatch.setenv("PD_GATEWAY_CACHE", str(tmp_path))
+
+    async def main() -> None:
+        gone = await StandIn("a").start()  # (files None: it hangs up when asked)
+        there = await StandIn("b", files=tokenizer_files()).start()
+        gw = Gateway(GatewayConfig(worker=(gone.url, there.url), startup_timeout_s=5))
+        try:
+            await gw.start()
+            assert gw.frontend is None and gone.asked == 1
+            await gone.stop()
+            frontend = await frontend_within(gw, 10)
+            assert there.asked == 1 and frontend.tokenizer.encode("a tiny")
+        finally:
+            await gw.aclose()
+            await there.stop()
+
+    asyncio.run(main())
+
+
+def test_a_tokenizer_that_is_nowhere_is_a_503_that_names_it() -> None:
+    """A worker names a tokenizer directory that is not on this machine and does not serve its files: no
+    crash at start-up and no anonymous 500 per request, but a 503 naming the directory, every time."""
+    async def main() -> None:
+        worker = await StandIn("a", tokenizer="/nowhere/model", serves_files=False).start()
+        gw = Gateway(GatewayConfig(worker=(worker.url,), startup_timeout_s=5))
+        try:
+            await gw.start()
+            for _ in range(2):
+                with pytest.raises(NoWorkers, match="cannot load the tokenizer /nowhere/model"):
+                    gw.require_frontend()
+            assert worker.asked == 0
+        finally:
+            await gw.aclose()
+            await worker.stop()
+
+    asyncio.run(main())
+
+
+def test_an_unloadable_tokenizer_on_this_machine_is_a_503_naming_it(tmp_path: Path) -> None:
+    """The worker's tokenizer directory is here, but its tokenizer.json is not a tokenizer."""
+    (tmp_path / "tokenizer.json").write_text("{not json")
+
+    async def main() -> None:
+        worker = await StandIn("a", tokenizer=str(tmp_path)).start()
+        gw = Gateway(GatewayConfig(worker=(worker.url,), startup_timeout_s=5))
+        try:
+            await gw.start()  # (no exception: it used to end the gateway with a traceback)
+            with pytest.raises(NoWorkers, match=f"cannot load the tokenizer {tmp_path}"):
+                gw.require_frontend()
+        finally:
+            await gw.aclose()
+            await worker.stop()
+
+    asyncio.run(main())
+
+
+def test_a_fetch_that_gets_no_answer_says_so() -> None:
+    async def main() -> None:
+        worker = await StandIn("a", files={}, answer_files=False).start()
+        try:
+            with pytest.raises(RemoteTokenizerError, match=r"no answer within 0\.3s"):
+                await fetch_tokenizer("127.0.0.1", worker.port, timeout_s=0.3)
+        finally:
+            await worker.stop()
+
+    asyncio.run(main())
+
+
+def test_the_prompt_limit_follows_the_workers_left() -> None:
+    """A worker with a shorter context holds prompts to it while it is there; once the admin API has
+    removed it, the limit is the remaining workers' again."""
+    async def main() -> None:
+        long = await StandIn("long", tokenizer="byte", max_context=8192).start()
+        short = await StandIn("short", tokenizer="byte", max_context=512).start()
+        gw = Gateway(GatewayConfig(worker=(long.url,), startup_timeout_s=5, drain_timeout_s=1))
+        try:
+            await gw.start()
+            frontend = gw.require_frontend()
+            assert frontend.max_context == 8192
+            added = gw.add_worker(short.url, "both")
+            assert await added.wait_ready(5)
+            assert frontend.max_context == 512
+            gw.remove_worker(short.url)
+            for _ in range(100):
+                if gw.find(short.url) is None:
+                    break
+                await asyncio.sleep(0.05)
+            assert gw.find(short.url) is None and frontend.max_context == 8192
+        finally:
+            await gw.aclose()
+            await long.stop()
+            await short.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--default-max-tokens", "0"], "default_max_tokens"),
+    (["--request-timeout-s", "0"], "request_timeout_s"),
+    (["--first-token-timeout-s", "-1"], "first_token_timeout_s"),
+    (["--stream-idle-timeout-s", "0"], "stream_idle_timeout_s"),
+    (["--startup-timeout-s", "-1"], "startup_timeout_s"),
+    (["--max-body-bytes", "0"], "max_body_bytes"),
+    (["--assume-ttl-s", "inf"], "assume_ttl_s"),
+    (["--tokenizer", "/nonexistent/model"], "tokenizer"),
+])
+def test_settings_that_would_fail_every_request_are_refused_at_start_up(flags: list[str], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        config_from_args(build_parser().parse_args(["--worker", "pd://127.0.0.1:9", *flags]))
+
+
+def test_the_settings_refused_above_have_working_neighbours(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text("{}")
+    config = config_from_args(build_parser().parse_args([
+        "--worker", "pd://127.0.0.1:9", "--default-max-tokens", "1", "--startup-timeout-s", "0",
+        "--assume-ttl-s", "0", "--tokenizer", str(tmp_path)]))
+    assert config.startup_timeout_s == 0 and config.assume_ttl_s == 0 and math.isfinite(config.request_timeout_s)
