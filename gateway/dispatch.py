@@ -652,7 +652,12 @@ class _Attempt:
 
     def close(self) -> None:
         self.sink.close()
-        if not self.finished:  # error, timeout or the consumer went away: free both sides now
+        if self.finished:
+            if "prefill" in self.open_rids and self.prefill is not None:
+                # The decode finished on the prefill's KV before the prefill's hand-over came (each answers
+                # on its own connection): the prefill did its part too. (Its late hand-over ends its rid.)
+                self.prefill.health.breaker.record_success()
+        else:  # error, timeout or the consumer went away: free both sides now
             for worker, rid in self.open_rids.values():
                 worker.abort(rid)
             if self.outcome == "cancelled" and self.got_token:

@@ -154,6 +154,9 @@ class EventSink:
             self._waiter = self._loop.create_future()
             try:
                 await self._waiter
+            except TimeoutError:
+                if not self._items:  # (an event that came in the same loop pass as the deadline is not lost)
+                    raise
             finally:
                 self._waiter = None
         return self._items.popleft()

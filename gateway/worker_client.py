@@ -135,6 +135,9 @@ class _FrameProtocol(FramedProtocol):
         self.arrived.set()
 
 
+# A connection that stayed up this long starts the reconnect backoff over (one that keeps closing right
+# after its handshake goes on backing off).
+STAYED_UP_S = 1.0
 _HOST = re.compile(r"[A-Za-z0-9._:-]+")  # a name or an IPv4/IPv6 address (no spaces, escapes or controls)
 
 
@@ -172,6 +175,7 @@ class WorkerClient:
         self.vet: Callable[[HelloAck], str | None] | None = None
         self._connect_timeout_s = connect_timeout_s
         self._max_backoff_s = max_backoff_s
+        self._up_since: float | None = None  # (the loop's time) when this connection's handshake completed
         self._max_unread = max_unread_bytes
         self._codec = gateway_codec()
         self._transport: asyncio.Transport | None = None
@@ -230,14 +234,17 @@ class WorkerClient:
 
     async def _run(self) -> None:
         backoff = 0.05
+        loop = asyncio.get_running_loop()
         while True:
+            self._up_since = None
             try:
-                await self._connect_and_read()
-                backoff = 0.05
+                await self._connect_and_read()  # (returns only by raising: the connection ended)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # any failure: mark down, fail open requests, retry
                 self.last_error = f"{type(exc).__name__}: {exc}"
+            if self._up_since is not None and loop.time() - self._up_since >= STAYED_UP_S:
+                backoff = 0.05  # a connection that served a while: the next try is soon (not after old failures')
             try:
                 self._mark_down(self.last_error or "connection closed")
             except Exception:  # (a bug in its bookkeeping must not end the reconnecting for good)
@@ -271,6 +278,7 @@ class WorkerClient:
                 self._ready.set()  # (start-up waits for workers to be ready: this one has answered, no)
                 raise ConnectionError(refusal)
             self.info, self._transport, self.last_error = ack, transport, None
+            self._up_since = loop.time()
             self.state.connected(ack)
             self.health.connected()
             self._failing_probes = False

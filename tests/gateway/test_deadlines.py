@@ -376,3 +376,35 @@ def test_tokens_sent_before_a_final_failure_are_counted() -> None:
         assert metrics.prompt_tokens._value.value == 0 and sum(metrics.e2e.counts) == 0
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("decode_first", [False, True])
+def test_the_prefill_is_credited_whichever_of_the_two_answers_comes_first(decode_first: bool) -> None:
+    """A one-token answer's decode may finish (it gets the first token with the KV) before the prefill's
+    hand-over reaches the gateway on its own connection. Either way the prefill did its part: a half-open
+    prefill breaker closes on it, and the prefill's request is not left open."""
+    from gateway.health import HealthConfig, WorkerHealth
+
+    async def main() -> None:
+        dispatcher, prefills, p_transports, decodes, d_transports = disaggregated(DispatchConfig())
+        prefill = prefills[0]
+        prefill.health = WorkerHealth(HealthConfig(breaker_failures=1, breaker_cooldown_s=0.05, breaker_successes=1))
+        prefill.health.breaker.record_failure()
+        await asyncio.sleep(0.06)
+        assert prefill.health.breaker.state.value == "half_open"
+        collected = _Collected()
+        task = asyncio.create_task(dispatcher.complete([1, 2, 3], SamplingParams(max_new_tokens=1), collected))
+        assert await until(lambda: bool(_sent(d_transports[0], Submit)), 5)
+        (d_submit,) = _sent(d_transports[0], Submit)
+        (p_submit,) = _sent(p_transports[0], Submit)
+        final = Outputs([StepOutput(d_submit.rid, [7], "length")])
+        hand_over = Outputs([StepOutput(p_submit.rid, [], "transferred")])
+        for worker, outputs in ((decodes[0], final), (prefill, hand_over)) if decode_first else \
+                ((prefill, hand_over), (decodes[0], final)):
+            worker._dispatch(outputs)
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(task, 5)
+        assert prefill.health.breaker.state.value == "closed"
+        assert prefill.num_active == 0 and decodes[0].num_active == 0
+
+    asyncio.run(main())

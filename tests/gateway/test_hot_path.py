@@ -115,6 +115,24 @@ def test_sink_deadline_expires_and_moving_it_rearms_the_one_timer() -> None:
     asyncio.run(main())
 
 
+def test_an_event_arriving_in_the_loop_pass_its_deadline_fires_is_returned() -> None:
+    """The deadline's slot comes due and the worker's output arrives in the same loop pass (before the
+    reader's task runs): the reader gets the output, not a timeout (a migration or a 504 for an answer
+    that had come)."""
+    async def main() -> None:
+        sink = EventSink()
+        sink.set_deadline(10)
+        reader = asyncio.create_task(sink.get())
+        await asyncio.sleep(0)  # (waiting, nothing queued)
+        sink._deadline = asyncio.get_running_loop().time() - 1  # (as if the 10 s had passed)
+        sink.due()
+        sink.put_nowait(("decode", StepOutput(1, [7], "length")))
+        assert _tokens(await reader) == [7]
+        sink.close()
+
+    asyncio.run(main())
+
+
 def test_sink_merges_only_queued_decode_outputs_up_to_the_final_one() -> None:
     async def main() -> None:
         sink = EventSink()
