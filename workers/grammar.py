@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 from workers.protocol import Grammar
@@ -138,3 +138,7 @@ class GrammarWait:
 
     def __len__(self) -> int:
         return sum(1 for req, _ in self._held if not req.done)
+
+    def __iter__(self) -> Iterator[Any]:
+        """The requests held (ended ones included until ``advance``), for load reports and metrics."""
+        return iter([req for req, _ in list(self._held)])

@@ -34,7 +34,8 @@ KV_TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2
 CONTENT_TYPE = "text/plain; version=0.0.4"
 
 # Scheduler stages per role: (label, attribute). Live requests are counted (finished ones leave
-# their lists at the next step), except quarantine, which only holds ended requests' pages.
+# their lists at the next step), except quarantine, which only holds ended requests' pages. Every role
+# also has "grammar" (``Scheduler.grammar_wait``: its grammar compiling), where the engine compiles grammars.
 QUEUES = {
     "prefill": (("bootstrap", "bootstrap_queue"), ("waiting", "_waiting"), ("prefilling", "_prefilling"),
                 ("inflight", "inflight_queue")),
@@ -168,8 +169,10 @@ def _live(reqs: Iterable[Req], stage: str | None = None) -> int:
 def _scheduler_metrics(role: str, s: Scheduler) -> Iterator[Metric]:
     queues = GaugeMetricFamily("pd_worker_queue_requests", "Requests in each scheduler stage",
                                labels=["role", "queue"])
-    for label, attr in QUEUES.get(role, ()):
-        reqs = getattr(s, attr)  # a list or a workers.pd_queues queue
+    for label, attr in (*QUEUES.get(role, ()), ("grammar", "grammar_wait")):
+        reqs = getattr(s, attr)  # a list, a workers.pd_queues queue, or the GrammarWait (None: no grammars)
+        if reqs is None:
+            continue
         queues.add_metric([role, label], float(len(reqs) if label == "quarantine" else _live(reqs, _STAGES.get(label))))
     yield queues
     yield _gauge("pd_worker_running_batch_size", "Sequences in the batch (decoding + prefilling)", role,

@@ -485,7 +485,7 @@ class Scheduler:
         keep = []
         blocked = len(self._running) + len(self._prefilling) >= self.config.max_running
         for req in self._waiting:
-            if req.done:
+            if req.done or self._decode_ended(req):  # (not at the head of the line: it ends now, not there)
                 continue
             if not blocked and self._prefilling and self._awaits_prefix(req):
                 keep.append(req)  # (not FCFS-blocking: the requests behind it may go first)
@@ -497,6 +497,15 @@ class Scheduler:
             self._enter(req, "prefill", self._prefilling)
             blocked = len(self._running) + len(self._prefilling) >= self.config.max_running
         self._waiting = keep
+
+    def _decode_ended(self, req: Req) -> bool:
+        """A prefill's request whose KV transfer failed (its decode ended the room: aborted, timed out,
+        gone): failed here now, and True."""
+        if self.role != "prefill" or req.kv_sender.poll() != KVPoll.Failed:
+            return False
+        self._fail(req, "transfer_failed", failure_reason(req.kv_sender, "KV transfer failed"),
+                   failure_fault(req.kv_sender))
+        return True
 
     def _may_share(self, req: Req) -> bool:
         """Whether ``req`` may take cached prefix pages: not when it wants its prompt's logprobs, which
@@ -639,9 +648,7 @@ class Scheduler:
         for req in self._prefilling:
             if budget <= 0:
                 break
-            if self.role == "prefill" and req.kv_sender.poll() == KVPoll.Failed:
-                self._fail(req, "transfer_failed", failure_reason(req.kv_sender, "KV transfer failed"),
-                           failure_fault(req.kv_sender))
+            if self._decode_ended(req):
                 continue
             start = req.num_computed
             take = min(budget, req.prefill_len - start)
@@ -907,9 +914,14 @@ class Scheduler:
         for conn_id, last_rid in self._conns.items():
             self._out.append((conn_id, msgspec.structs.replace(report, last_rid=last_rid)))
 
+    def _compiling(self) -> list[Req]:
+        """Admitted requests whose grammar is still compiling (``last_rid`` covers them: reports count them)."""
+        return live(self.grammar_wait) if self.grammar_wait is not None else []
+
     def _num_prefill_tokens(self) -> int:
         queued = self.bootstrap_queue.num_prompt_tokens()
-        queued += sum(len(r.input_ids) - r.num_cached_estimate for r in self._waiting if not r.done)
+        queued += sum(len(r.input_ids) - r.num_cached_estimate for r in (*self._waiting, *self._compiling())
+                      if not r.done)
         running = sum(r.prefill_len - r.num_computed for r in self._prefilling if not r.done)
         return queued + running
 
@@ -928,9 +940,14 @@ class Scheduler:
         }
 
     def load_report(self) -> LoadReport:
+        compiling = self._compiling()
+        queued_pages = self.prealloc_queue.num_queued_pages()
+        if self.role == "decode":  # (a decode's compiling requests preallocate next)
+            queued_pages += sum(self.pool.pages_for(len(r.input_ids) + r.params.max_new_tokens) for r in compiling)
         return LoadReport(
             num_running=self.num_in_batch(),
-            num_waiting=len(live(self._waiting)) + self.bootstrap_queue.num_live + self.prealloc_queue.num_live,
+            num_waiting=(len(live(self._waiting)) + self.bootstrap_queue.num_live + self.prealloc_queue.num_live
+                         + len(compiling)),
             num_free_pages=self.cache.num_available,
             num_total_pages=self.pool.num_pages,
             num_inflight_transfers=(self.inflight_queue.num_live + self.transfer_queue.num_live
@@ -940,5 +957,5 @@ class Scheduler:
             busy_fraction=round(self.busy_fraction, 4),
             max_running=self.config.max_running,
             num_transfer_seqs=self.transfer_queue.num_live,
-            num_queued_pages=self.prealloc_queue.num_queued_pages(),
+            num_queued_pages=queued_pages,
         )

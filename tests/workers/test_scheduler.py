@@ -731,3 +731,76 @@ def test_a_request_its_decode_refuses_ends_on_its_prefill_at_once(order: str) ->
     finally:
         pkv.close()
         dkv.close()
+
+
+def test_requests_whose_grammar_is_compiling_count_in_load_reports() -> None:
+    """A report's ``last_rid`` covers a request from its admission, so the gateway stops counting it
+    itself: while its grammar compiles it must count as waiting (and its prompt as prefill work), or a
+    worker holding a burst of structured-output requests reports itself idle."""
+    import concurrent.futures
+
+    from workers.protocol import Grammar
+
+    compiles: list[concurrent.futures.Future[None]] = []
+
+    class CompilingSim(SimEngine):
+        def prepare(self, grammar: Grammar) -> concurrent.futures.Future[None]:
+            future: concurrent.futures.Future[None] = concurrent.futures.Future()
+            compiles.append(future)
+            return future
+
+    engine = CompilingSim()
+    info = engine.info
+    pool = KVPool(num_layers=info.num_layers, num_pages=64, page_size=4, num_kv_heads=info.num_kv_heads,
+                  head_dim=info.head_dim)
+    engine.bind(pool)
+    sched = Scheduler(SchedulerConfig("both"), engine, pool, Collector())
+    sched.connect(1)
+    params = SamplingParams(max_new_tokens=3, grammar=Grammar("json_object"))
+    for rid in range(1, 6):
+        sched.submit(1, Submit(rid, list(range(rid * 40, rid * 40 + 40)), params, timeout_s=60))  # (no shared pages)
+    sched.step()
+    report = sched.load_report()
+    assert len(compiles) == 5 and {r.stage for r in sched.reqs.values()} == {"grammar"}
+    assert report.num_waiting == 5 and report.num_prefill_tokens == 200
+    for rid in range(1, 6):
+        sched.abort(1, rid, "the client left")
+    sched.step()
+    report = sched.load_report()
+    assert not sched.reqs and report.num_waiting == 0 and report.num_prefill_tokens == 0
+
+
+def test_a_prefill_ends_a_waiting_request_its_decode_ended_without_waiting_its_turn() -> None:
+    """A decode ends a room (its client left) while the prefill's request waits in line behind a long
+    prefill: the prefill fails it as soon as its sender fails, not when it reaches the head of the
+    line (its answer, its count in the load reports and its place in line were held until then)."""
+    from workers.engines.base import EngineOptions
+    from workers.protocol import BootstrapTarget
+
+    (p, psink, pkv), (d, _, dkv) = _pd_pair(512, 512)
+    try:
+        slow = SimEngine(EngineOptions(extra={"prefill_token_s": "1e-3"}))  # (the long prompt: ~0.8 s)
+        slow.bind(p.pool)
+        p.engine = slow
+        p.config = SchedulerConfig("prefill", chunk_size=64, max_running=1)
+        host, port = pkv.control_address
+        prompts = {1: [i % 250 for i in range(800)], 2: list(range(40))}
+        for rid, prompt in prompts.items():
+            target = BootstrapTarget(host, port, 100 + rid)
+            for sched in (d, p):
+                sched.submit(1, Submit(rid, prompt, SamplingParams(max_new_tokens=4), target, timeout_s=60))
+        deadline = time.monotonic() + 20
+        while not ((1, 2) in p.reqs and p.reqs[(1, 2)].stage == "waiting"):  # (its decode's page list came)
+            assert time.monotonic() < deadline, {k: r.stage for k, r in p.reqs.items()}
+            d.step()
+            p.step()
+        d.abort(1, 2, "the client left")
+        while not psink.errors(2):
+            assert time.monotonic() < deadline, "no answer for the ended request"
+            d.step()
+            p.step()
+        assert p.reqs[(1, 1)].stage == "prefill", "the ended request was answered only after the long prefill"
+        assert (1, 2) not in p.reqs and p.load_report().num_waiting == 0
+    finally:
+        pkv.close()
+        dkv.close()
