@@ -32,12 +32,18 @@ def create_http_app(worker: Worker) -> Starlette:
         scheduler = worker.scheduler  # (started before this app serves: not alive means dead)
         if scheduler is not None and not scheduler.is_alive:
             return "unhealthy"
-        return "ok" if worker.started and scheduler is not None else "starting"
+        if not (worker.started and scheduler is not None):
+            return "starting"
+        return "unregistered" if worker.registration_error is not None else "ok"
 
     async def health(_: Request) -> Response:
-        """Readiness: 200 only once every server is up (a prefill: registered) and the scheduler runs."""
+        """Readiness: 200 only once every server is up (a prefill: registered) and the scheduler runs, and
+        while a prefill's registry entry has not lapsed."""
         state = status()
-        return _reply({"status": state, "role": worker.config.role}, 200 if state == "ok" else 503)
+        body: dict[str, str | None] = {"status": state, "role": worker.config.role}
+        if state == "unregistered":
+            body["error"] = worker.registration_error
+        return _reply(body, 200 if state == "ok" else 503)
 
     async def liveness(_: Request) -> Response:
         """Liveness: 200 while starting too (a prefill may retry its registration for a while: a probe

@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 # registry's lease (``BootstrapConfig.ttl_s``, 10 s by default, always in an embedded registry) must
 # see a few renewals, or its entry lapses between them and decodes' look-ups fail meanwhile.
 MAX_REGISTRY_BEAT_S = 2.5
+# Renewals failed in a row after which a prefill's entry is taken as lapsed (at most 3 x 2.5 s: the
+# default lease is 10 s): its /health says "unregistered" (decodes cannot look it up).
+LAPSED_AFTER_FAILURES = 3
 
 
 class Worker:
@@ -203,6 +206,14 @@ class Worker:
         await self._registrar.start()
 
     # -- views -------------------------------------------------------------------------------
+    @property
+    def registration_error(self) -> str | None:
+        """Why a prefill's registry entry has lapsed (its renewals keep failing), or None."""
+        registrar = self._registrar
+        if registrar is None or registrar.num_failures < LAPSED_AFTER_FAILURES:
+            return None
+        return f"{registrar.num_failures} registry renewals failed in a row: {registrar.last_error}"
+
     @property
     def native_port(self) -> int:
         assert self.server is not None

@@ -97,10 +97,24 @@ def test_a_prefill_takes_connections_only_once_registered(tmp_path: Path) -> Non
             sock.connect(("127.0.0.1", port))
             raise AssertionError("the native port accepted a connection before the prefill was registered")
 
-        procs.start("registry", "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", str(registry_port))
+        registry = procs.start("registry", "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", str(registry_port))
         wait_http_ok(f"http://127.0.0.1:{http_port}/health", 60, proc)
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             pass
+
+        # Its registry goes away: once its renewals have failed a few times in a row its entry has lapsed
+        # (decodes cannot look it up): /health says so (503, alive), and is 200 again once it renews.
+        registry.terminate()
+        registry.wait(30)
+        deadline = time.monotonic() + 60
+        while (health := httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=5)).status_code == 200:
+            assert time.monotonic() < deadline, "still healthy with its registry gone"
+            time.sleep(0.2)
+        assert health.status_code == 503 and health.json()["status"] == "unregistered", health.text
+        assert "registry renewals failed" in health.json()["error"]
+        assert httpx.get(f"http://127.0.0.1:{http_port}/liveness", timeout=5).status_code == 200
+        procs.start("registry-again", "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port", str(registry_port))
+        wait_http_ok(f"http://127.0.0.1:{http_port}/health", 60, proc)
     finally:
         procs.stop_all()
 
