@@ -61,7 +61,8 @@ class Admission:
                 self.metrics.queue_time.observe(time.monotonic() - started)  # (the longest waits count too)
                 self.metrics.rejected.labels("queue_timeout").inc()
                 raise Overloaded(f"waited {self.queue_timeout_s:g}s for a free slot", retry_after_s=1.0)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # (the client left: its wait counts too, the longest ones most of all)
+            self.metrics.queue_time.observe(time.monotonic() - started)
             if future.done() and not future.cancelled():
                 self._release()  # the slot was handed to us: pass it on
             raise
