@@ -90,7 +90,10 @@ class WorkerState:
             _, tokens, old_pages = unacked.popleft()
             self._unacked_tokens -= tokens
             self._unacked_pages -= old_pages
-        self._recompute()
+        if self.is_load_fresh:
+            self._recompute()
+        else:
+            self._own_figures()
 
     def ended(self, rid: int) -> None:
         cost = self._open.pop(rid, None)
@@ -100,7 +103,7 @@ class WorkerState:
         self.own_prefill_tokens -= cost[0]
         self.own_pages -= cost[1]
         if not self.is_load_fresh:  # (a fresh report's figures do not include the gateway's own counts)
-            self._recompute()
+            self._own_figures()
 
     def reported(self, load: LoadReport, now: float | None = None) -> None:
         self.report = load
@@ -130,12 +133,9 @@ class WorkerState:
             self.prefill_tokens_per_s = report.prefill_tokens_per_s  # a rate stays useful when stale
             self.max_running_seqs = report.max_running
         if report is None or not self.is_load_fresh:
-            self.num_prefill_tokens = self.own_prefill_tokens
-            self.num_running_seqs = self.num_active
             self.num_waiting_seqs = 0
-            self.num_reserved_pages = self.own_pages
-            self.num_free_pages = max(0, self.num_total_pages - self.own_pages)
             self.busy_fraction = 0.0
+            self._own_figures()
             return
         self.num_prefill_tokens = report.num_prefill_tokens + self._unacked_tokens
         self.num_running_seqs = report.num_running + report.num_transfer_seqs
@@ -143,6 +143,14 @@ class WorkerState:
         self.num_reserved_pages = self._unacked_pages
         self.num_free_pages = max(0, report.num_free_pages - report.num_queued_pages - self._unacked_pages)
         self.busy_fraction = report.busy_fraction
+
+    def _own_figures(self) -> None:
+        """The view's figures that the gateway's own counts give when no fresh report does (the rest stay
+        as ``_recompute`` set them: what a dispatch or an end changes is only these)."""
+        self.num_prefill_tokens = self.own_prefill_tokens
+        self.num_running_seqs = self.num_active
+        self.num_reserved_pages = self.own_pages
+        self.num_free_pages = max(0, self.num_total_pages - self.own_pages)
 
     @property
     def report_age_s(self) -> float:
