@@ -239,11 +239,13 @@ class Gateway:
         self.router.worker_added(client.state)
         self._check_stop_tokenizer(client)
         frontend, info = self.frontend, client.info
-        if frontend is not None and info is not None and info.max_context < frontend.max_context:
+        if frontend is None or info is None:
+            return
+        if info.max_context < frontend.max_context:
             # (the front end was made with the workers connected then: start-up does not wait for all)
             log.warning("worker %s has a context of %d tokens, less than the others' %d: prompts are held to it",
                         client.url, info.max_context, frontend.max_context)
-            frontend.max_context = info.max_context
+        frontend.max_context = self._max_context() or frontend.max_context  # (also longer: a worker restarted)
 
     def _max_context(self) -> int | None:
         """The shortest context of the workers this gateway has (that have ever connected): a prompt must
