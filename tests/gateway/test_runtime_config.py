@@ -180,8 +180,9 @@ def test_a_fetch_that_gets_no_answer_says_so() -> None:
 
 
 def test_the_prompt_limit_follows_the_workers_left() -> None:
-    """A worker with a shorter context holds prompts to it while it is there; once the admin API has
-    removed it, the limit is the remaining workers' again."""
+    """A worker with a shorter context holds prompts to it while it is there (the limit follows it when
+    it comes back with another); once the admin API has removed it, the limit is the remaining workers'
+    again."""
     async def main() -> None:
         long = await StandIn("long", tokenizer="byte", max_context=8192).start()
         short = await StandIn("short", tokenizer="byte", max_context=512).start()
@@ -193,6 +194,14 @@ def test_the_prompt_limit_follows_the_workers_left() -> None:
             added = gw.add_worker(short.url, "both")
             assert await added.wait_ready(5)
             assert frontend.max_context == 512
+            short.max_context = 2048  # restarted with a longer context: the connection drops, it reconnects
+            for writer in short.writers:
+                writer.close()
+            for _ in range(100):
+                if frontend.max_context == 2048:
+                    break
+                await asyncio.sleep(0.05)
+            assert frontend.max_context == 2048
             gw.remove_worker(short.url)
             for _ in range(100):
                 if gw.find(short.url) is None:
