@@ -289,8 +289,8 @@ class DecodeSide:
             by_target.setdefault(receiver.target, []).append(receiver)
         opened: list[PrefillConn] = []
         for target, group in by_target.items():  # one look-up per target, not per room
-            with self._ctx.lock:
-                group = [r for r in group if not r.is_terminal]  # (timed out or aborted meanwhile)
+            with self._ctx.lock:  # (timed out or aborted meanwhile: only an abort still goes, to the new address)
+                group = [r for r in group if not r.is_terminal or r.abort_reason is not None]
             if not group:
                 continue
             try:
@@ -362,8 +362,8 @@ class DecodeSide:
                 TransferErrorKind.ABORTED, f"room {receiver.room}: aborted by the decode: {reason}"
             ))
             channel = conn.channel if conn is not None and conn.ready else None
-            if conn is None:
-                receiver.abort_reason = reason  # (its address is being looked up: ``_attach`` tells it)
+            if conn is None or conn.error is not None:  # (its address is being looked up, maybe again)
+                receiver.abort_reason = reason  # (``_attach`` tells the prefill)
             elif channel is None:
                 conn.pending_aborts.append((receiver.room, reason))
         if channel is not None:

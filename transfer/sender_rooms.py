@@ -45,7 +45,8 @@ class SenderRooms:
         self._ctx = ctx
         self._senders: dict[int, KVSender] = {}
         self._requests: dict[int, PageList] = {}
-        self._tombstones: dict[int, tuple[str, float]] = {}  # rooms the decode aborted before a sender
+        # rooms the decode ended (aborted, or its connection closed) before a sender: (why, expiry)
+        self._tombstones: dict[int, tuple[TransferError, float]] = {}
         # rooms this prefill ended before their decode's page list came: that list fails at once
         self._ended: dict[int, tuple[str, float]] = {}
         self._ended_order: deque[tuple[int, float]] = deque()  # (room, expiry), oldest first: one bootstrap_s each
@@ -104,7 +105,7 @@ class SenderRooms:
             self._requests.pop(room, None)
             sender = self._senders.get(room)
             if sender is None:
-                self._tombstones[room] = (reason, time.monotonic() + self._ctx.timeouts.bootstrap_s)
+                self._tombstones[room] = (error, time.monotonic() + self._ctx.timeouts.bootstrap_s)
             elif sender.request is None or sender.belongs_to(link):
                 self._fail(sender, error, [], notify=False)
             # answered by tick() once no write of the room is in flight (at once if none ever was)
@@ -117,8 +118,10 @@ class SenderRooms:
         for sender in self._senders.values():
             if sender.belongs_to(link):
                 self._fail(sender, room_error(sender.room, error), [], notify=False)
+        expiry = time.monotonic() + self._ctx.timeouts.bootstrap_s
         for room in [r for r, req in self._requests.items() if req.link is link]:
-            del self._requests[room]
+            del self._requests[room]  # (its sender, created later, fails at once: not at its bootstrap timeout)
+            self._tombstones[room] = (room_error(room, error), expiry)
 
     def fail_link(self, link: Link, error: TransferError, outbox: Outbox) -> None:
         """Fail every room of ``link`` (a silent decode); lock held."""
@@ -140,8 +143,7 @@ class SenderRooms:
             tomb = self._tombstones.pop(room, None)
             request = self._requests.pop(room, None)
             if tomb is not None:
-                error = TransferError(TransferErrorKind.ABORTED, f"room {room}: aborted by the decode: {tomb[0]}")
-                self._fail(sender, error, [], notify=False)
+                self._fail(sender, tomb[0], [], notify=False)
             elif request is not None:
                 self._attach(sender, request)
             return sender

@@ -572,3 +572,21 @@ def test_nothing_is_written_to_a_broken_link_while_it_closes(managers, monkeypat
     assert sent == [0], "a write went out on the link being closed"
     assert senders[3].poll() == KVPoll.Failed and receivers[3].quiesced
     assert backend.pending() == 0
+
+
+def test_a_page_list_whose_decode_then_disconnects_fails_the_later_sender_at_once(managers):
+    """The decode's page list came before the prefill's scheduler made the room's sender, and then the
+    decode's control connection closed (it crashed, restarted): the sender, made a moment later, fails
+    at once as the decode gone, as after an abort, not at its bootstrap timeout for a page list that
+    cannot come."""
+    prefill, decode = managers("prefill"), managers("decode")
+    receiver = decode.create_receiver(5, *prefill.control_address)
+    assert wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput)
+    receiver.send_metadata([1, 2], 0)
+    assert wait_for(lambda: 5 in prefill._prefill.rooms._requests)
+    for channel in list(decode._decode._by_channel):
+        channel.sock.shutdown(2)
+    assert wait_for(lambda: not prefill._prefill._links)
+    sender = prefill.create_sender(5)
+    assert sender.poll() == KVPoll.Failed, "the sender waits for a page list from a decode that is gone"
+    assert sender.failure().kind == TransferErrorKind.PEER_GONE

@@ -8,6 +8,8 @@ those failures against the decodes, whose breakers opened: the whole cluster ans
 
 from __future__ import annotations
 
+import time
+
 from kvunit import make_args, wait_for
 
 from transfer import KVManager, KVPoll, KVTimeouts
@@ -110,6 +112,41 @@ def test_a_room_fails_once_the_registry_names_the_same_dead_address() -> None:
         fresh = decode.create_receiver(2, "registry.local", 8998, "prefill-0")
         assert wait_for(lambda: fresh.poll() != KVPoll.Bootstrapping)
         assert fresh.poll() == KVPoll.WaitingForInput, fresh.failure()
+    finally:
+        for m in made:
+            m.close()
+
+
+def test_an_abort_while_the_registry_is_asked_again_reaches_the_restarted_prefill() -> None:
+    """A room's cached prefill address refuses, so the decode asks the registry again; the room is
+    aborted during that second look-up (its client left): the restarted prefill, which has the room's
+    sender already, hears of the abort and fails it at once, not at its bootstrap timeout."""
+    import threading
+
+    slow = KVTimeouts(bootstrap_s=30.0, waiting_s=30.0, transfer_s=5.0, heartbeat_interval_s=0.1,
+                      heartbeat_timeout_s=2.0)
+    made, registry, _ = _dead_then_restarted("new")
+    asking = threading.Event()
+
+    class SlowSecondLookUp(CachingRegistry):
+        def __call__(self, host: str, port: int | None, instance_id: str | None) -> tuple[str, int]:
+            if (host, port, instance_id) not in self.cache:  # (the second look-up, after ``invalidate``)
+                asking.set()
+                time.sleep(1.0)
+            return super().__call__(host, port, instance_id)
+
+    slow_registry = SlowSecondLookUp(registry.registered)
+    slow_registry.cache.update(registry.cache)
+    decode = KVManager("decode", make_args(), FakeBackend(), timeouts=slow, resolver=slow_registry)
+    made.append(decode)
+    try:
+        sender = made[1].create_sender(9)
+        receiver = decode.create_receiver(9, "registry.local", 8998, "prefill-0")
+        assert asking.wait(10)
+        receiver.abort("the client left")
+        assert wait_for(lambda: sender.poll() == KVPoll.Failed, 10), "the prefill waits for a page list"
+        failure = sender.failure()
+        assert failure is not None and failure.kind == TransferErrorKind.ABORTED
     finally:
         for m in made:
             m.close()
