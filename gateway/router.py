@@ -111,8 +111,11 @@ class Router:
     def worker_added(self, worker: WorkerView) -> None:
         self._call_hooks(self._hooks["on_worker_added"], worker)
 
-    def worker_removed(self, worker: WorkerView) -> None:
-        self.index.drop_worker(worker.url)
+    def worker_removed(self, worker: WorkerView, *, drop_index: bool = True) -> None:
+        """``worker`` went down; ``drop_index``: what the prefix index knows of its URL goes too (not when
+        that URL is another connection's already)."""
+        if drop_index:
+            self.index.drop_worker(worker.url)
         self._call_hooks(self._hooks["on_worker_removed"], worker)
 
     def _call_hooks(self, hooks: list[Callable[..., None]], *args: Any) -> None:

@@ -215,7 +215,7 @@ class Gateway:
     def _new_client(self, url: str, role: str) -> WorkerClient:
         client = WorkerClient(url, role, stale_after_s=self.config.load_stale_s, health=self.config.health)
         client.on_up = self._worker_up
-        client.on_down = lambda c: self.router.worker_removed(c.state)
+        client.on_down = self._worker_down
         client.on_kv_events = lambda c, events: self.router.kv_events(c.state, events)
         client.vet = lambda ack: self._same_worker_elsewhere(client, ack)
         # The dispatcher holds these same lists: a worker added here is selectable once it connects.
@@ -246,6 +246,13 @@ class Gateway:
             log.warning("worker %s has a context of %d tokens, less than the others' %d: prompts are held to it",
                         client.url, info.max_context, frontend.max_context)
         frontend.max_context = self._max_context() or frontend.max_context  # (also longer: a worker restarted)
+
+    def _worker_down(self, client: WorkerClient) -> None:
+        """Its connection closed. The prefix index's entry for its URL goes too, unless that URL is now
+        another client's (removed by the admin API and added again before this one's drain ended: the
+        new connection's snapshot is the index's now)."""
+        current = self.find(client.url)
+        self.router.worker_removed(client.state, drop_index=current is None or current is client)
 
     def _max_context(self) -> int | None:
         """The shortest context of the workers this gateway has (that have ever connected): a prompt must

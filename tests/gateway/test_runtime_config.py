@@ -21,6 +21,7 @@ from workers.protocol import (
     PROTOCOL_VERSION,
     GetTokenizer,
     HelloAck,
+    KVEvents,
     LoadReport,
     Ping,
     Pong,
@@ -47,9 +48,11 @@ class StandIn:
     """A native worker that answers the handshake, probes and ``GetTokenizer`` (or never answers it)."""
 
     def __init__(self, worker_id: str, *, tokenizer: str = "/models/not-on-this-host", max_context: int = 4096,
-                 files: dict[str, bytes] | None = None, answer_files: bool = True, serves_files: bool = True) -> None:
+                 files: dict[str, bytes] | None = None, answer_files: bool = True, serves_files: bool = True,
+                 cached: tuple[bytes, ...] = ()) -> None:
         self.worker_id, self.tokenizer, self.max_context = worker_id, tokenizer, max_context
         self.files, self.answer_files, self.serves_files = files, answer_files, serves_files
+        self.cached = cached  # prefix-cache page hashes it reports to each new connection
         self.asked = 0
         self.writers: list[asyncio.StreamWriter] = []
         self.server: asyncio.Server | None = None
@@ -79,6 +82,8 @@ class StandIn:
             writer.write(codec.encode(HelloAck(PROTOCOL_VERSION, self.worker_id, "both", "sim", "m", self.tokenizer,
                                                16, self.max_context, 256, tokenizer_files=int(self.serves_files))))
             writer.write(codec.encode(LoadReport(0, 0, 256, 256)))
+            if self.cached:
+                writer.write(codec.encode(KVEvents(stored=list(self.cached), reset=True)))
             while True:
                 message = codec.decode(await read_frame(reader))
                 if isinstance(message, Ping):
@@ -237,3 +242,31 @@ def test_the_settings_refused_above_have_working_neighbours(tmp_path: Path) -> N
         "--worker", "pd://127.0.0.1:9", "--default-max-tokens", "1", "--startup-timeout-s", "0",
         "--assume-ttl-s", "0", "--tokenizer", str(tmp_path)]))
     assert config.startup_timeout_s == 0 and config.assume_ttl_s == 0 and math.isfinite(config.request_timeout_s)
+
+
+def test_a_url_added_again_keeps_its_prefix_index_when_the_old_connection_closes() -> None:
+    """A worker removed through the admin API and added again before its old connection has closed: the
+    new connection's snapshot of the worker's prefix cache is the index's now; the old connection's
+    close does not drop it (the cache-aware policy would see the worker as holding nothing)."""
+    async def main() -> None:
+        hashes = (b"h1" * 8, b"h2" * 8, b"h3" * 8)
+        worker = await StandIn("w", tokenizer="byte", cached=hashes).start()
+        gw = Gateway(GatewayConfig(worker=(worker.url,), startup_timeout_s=5, policy="cache_aware"))
+        try:
+            await gw.start()
+            index, old = gw.router.index, gw.find(worker.url)
+            assert old is not None and index.num_pages(worker.url) == 3
+            gw.decodes.remove(old)  # (``_drain_worker``: out of the fleet, its connection not closed yet)
+            new = gw.add_worker(worker.url, "both")
+            assert await new.wait_ready(5)
+            assert len(worker.writers) == 2
+            await asyncio.sleep(0.1)  # (its snapshot, sent with the handshake, is read)
+            await old.aclose("removed by the admin API")
+            assert index.num_pages(worker.url) == 3
+            await new.aclose("removed")  # (and the last connection's close does drop it)
+            assert index.num_pages(worker.url) == 0
+        finally:
+            await gw.aclose()
+            await worker.stop()
+
+    asyncio.run(main())
