@@ -11,7 +11,9 @@ Prefill side, ``BootstrapRegistrar`` (async, owned by the prefill worker's event
    the instance go not-ready at once instead of after the TTL) and closes its HTTP client.
 
 Decode side, ``BootstrapResolver`` (sync, thread-safe, shared by the KV-transfer threads):
-1. ``topology(host, port, instance_id)`` and ``resolve(...)`` GET ``/route`` and cache replies for
+1. ``topology(host, port, instance_id)`` and ``resolve(...)`` GET ``/route`` (``http://host:port/route``, as
+   SGLang's prefills announce their registry; a registry the resolver was given in full, ``registries``,
+   e.g. an ``https://`` one behind a proxy with a path, is asked at its own URL) and cache replies for
    ``cache_ttl_s``; errors are never cached. 503 raises ``BootstrapNotReady``, no reply raises
    ``BootstrapUnreachable``, anything else unexpected ``BootstrapError``. When the registry does not
    answer at all, or answers that the instance is not registered (a registry restarted empty, until
@@ -32,6 +34,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -334,7 +337,14 @@ class BootstrapResolver:
     """Looks up prefill topologies and rank addresses (see the module docstring)."""
 
     def __init__(self, *, token: str | None = None, timeout_s: float = 5.0, cache_ttl_s: float = 5.0,
-                 stale_if_unreachable_s: float = 60.0) -> None:
+                 stale_if_unreachable_s: float = 60.0, registries: Iterable[str] = ()) -> None:
+        # host:port -> the registry's whole URL (scheme, path) for those known in full; others are http://
+        self._bases: dict[str, str] = {}
+        for url in registries:
+            base = registry_url(url)
+            parts = urlsplit(base)
+            assert parts.hostname is not None and parts.port is not None  # (``registry_url`` spells both)
+            self._bases[_host_port(parts.hostname, parts.port)] = base
         self.cache_ttl_s = cache_ttl_s
         self.stale_if_unreachable_s = stale_if_unreachable_s
         self._client = httpx.Client(
@@ -451,7 +461,7 @@ class BootstrapResolver:
         if instance_id is not None:
             params["instance_id"] = instance_id
         try:
-            response = self._client.get(f"http://{address}/route", params=params)
+            response = self._client.get(f"{self._bases.get(address) or 'http://' + address}/route", params=params)
         except httpx.HTTPError as exc:
             raise BootstrapUnreachable(
                 f"bootstrap registry {address} unreachable: {type(exc).__name__}: {exc}"

@@ -184,7 +184,10 @@ class Worker:
     def _make_resolver(self) -> _RegistryResolver:
         from bootstrap.client import BootstrapResolver
 
-        resolver = BootstrapResolver(token=self.config.bootstrap_token)
+        # (its own registry in full: a prefill announcing the same host:port is looked up there, https or a path
+        # included; SGLang's prefills, and any other registry, over plain http://)
+        resolver = BootstrapResolver(token=self.config.bootstrap_token,
+                                     registries=(self.bootstrap_url,) if self.bootstrap_url else ())
         self._resolver = resolver
         assert self.pool is not None
         return _RegistryResolver(resolver, self.pool.page_size, self.pool.dtype)

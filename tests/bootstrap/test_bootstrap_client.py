@@ -293,3 +293,44 @@ def test_address_formatting() -> None:
     assert _host_port("10.0.0.1", None) == "10.0.0.1:8998"
     assert registry_url("127.0.0.1:8998/") == "http://127.0.0.1:8998"
     assert registry_url("https://reg.example:443") == "https://reg.example:443"
+
+
+def test_a_registry_known_in_full_is_asked_at_its_own_url(start_registry: Callable[..., RegistryProc]) -> None:
+    """A registry behind a proxy (its own scheme and a path, as ``--bootstrap https://proxy/pd``): prefills
+    register at that URL and announce only its host and port; a decode given the URL (its own
+    ``--bootstrap``) looks those prefills up there, not at ``http://host:port/route``."""
+    reg = start_registry("--ttl-s", "0")
+    httpx.put(f"{reg.url}/route", json=rank_body(instance_id="c", rank_port=52000), timeout=5)
+
+    class PathProxy(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if not self.path.startswith("/pd/"):
+                self.send_error(404)
+                return
+            answer = httpx.get(f"{reg.url}{self.path[len('/pd'):]}", timeout=5)
+            self.send_response(answer.status_code)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(answer.content)))
+            self.end_headers()
+            self.wfile.write(answer.content)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), PathProxy)
+    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+    thread.start()
+    port = int(proxy.server_address[1])
+    knows = BootstrapResolver(cache_ttl_s=0, registries=[f"http://127.0.0.1:{port}/pd"])
+    plain = BootstrapResolver(cache_ttl_s=0)
+    try:
+        assert knows.resolve("127.0.0.1", port, "c") == ("127.0.0.1", 52000)
+        with pytest.raises(BootstrapError):
+            plain.resolve("127.0.0.1", port, "c")  # (http://host:port/route: the proxy's 404)
+        assert knows.resolve("127.0.0.1", reg.port, "c") == ("127.0.0.1", 52000)  # (other registries: as before)
+    finally:
+        knows.close()
+        plain.close()
+        proxy.shutdown()
+        proxy.server_close()
+        thread.join(timeout=5)
