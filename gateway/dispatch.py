@@ -74,7 +74,9 @@ RETRYABLE_CODES = frozenset({"transfer_failed", "overloaded", "shutting_down"})
 # A decode failing this way after the first token: the stream can continue elsewhere (migration).
 MIGRATABLE_CODES = frozenset({"worker_gone", "transfer_failed", "internal", "timeout", "shutting_down"})
 log = logging.getLogger(__name__)
-BLAMED_CODES = frozenset({"transfer_failed", "internal", "timeout", "shutting_down"})  # count against the worker
+# Count against the worker (its breaker). Not ``shutting_down``: a worker stopped on purpose ends every open
+# request with it, which would open its breaker and keep it out for the cooldown once restarted.
+BLAMED_CODES = frozenset({"transfer_failed", "internal", "timeout"})
 MAX_BACKOFF_S = 2.0
 # Outputs of a decode that wait for the prefill's hand-over (its prompt logprobs go out with the first):
 # the hand-over is due as the decode starts; past this (or --stream-idle-timeout-s if shorter) they go

@@ -408,3 +408,24 @@ def test_the_prefill_is_credited_whichever_of_the_two_answers_comes_first(decode
         assert prefill.num_active == 0 and decodes[0].num_active == 0
 
     asyncio.run(main())
+
+
+def test_a_worker_stopped_on_purpose_keeps_its_breaker_closed() -> None:
+    """A worker told to stop (SIGTERM) ends its six open requests with ``shutting_down``: they go to the
+    other worker, and its breaker counts none of them (six opened it, and the worker restarted on its URL
+    got no requests for the breaker's cooldown)."""
+    async def main() -> None:
+        config = DispatchConfig(max_retries=1, retry_backoff_s=0.01)
+        dispatcher, workers, transports = combined(2, config)
+        tasks = [asyncio.create_task(drain(dispatcher.generate([1, 2, i], SamplingParams(max_new_tokens=1))))
+                 for i in range(12)]
+        assert await until(lambda: sum(len(_sent(t, Submit)) for t in transports) == 12, 5)
+        for submit in _sent(transports[0], Submit):
+            workers[0]._dispatch(Error(submit.rid, "shutting_down", "the worker is shutting down"))
+        assert await until(lambda: len(_sent(transports[1], Submit)) == 12, 5), "the six went to the other"
+        assert workers[0].health.breaker.failures == 0 and workers[0].health.breaker.state == "closed"
+        for submit in _sent(transports[1], Submit):
+            workers[1]._dispatch(Outputs([StepOutput(submit.rid, [65], "length")]))
+        assert all(len(out) == 1 for out in await asyncio.wait_for(asyncio.gather(*tasks), 5))
+
+    asyncio.run(main())
