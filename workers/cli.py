@@ -13,6 +13,8 @@ import sys
 from workers.config import ConfigError, WorkerConfig
 from workers.protocol import MAX_UNREAD_BYTES
 
+log = logging.getLogger(__name__)
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pd-worker", description=__doc__)
@@ -97,8 +99,18 @@ async def _serve(config: WorkerConfig) -> None:
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
     assert main is not None
+    stopping = False
+
+    def stop() -> None:  # (once: a second signal must not cut the clean-up short, e.g. Ctrl-C twice)
+        nonlocal stopping
+        if stopping:
+            log.warning("already stopping (SIGKILL ends it at once)")
+            return
+        stopping = True
+        main.cancel()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, main.cancel)
+        loop.add_signal_handler(sig, stop)
     try:
         await worker.start()
         await worker.serve_forever()
@@ -106,6 +118,12 @@ async def _serve(config: WorkerConfig) -> None:
         pass
     finally:
         await asyncio.shield(worker.aclose())
+        _ignore_stop_signals()  # (closed: one more Ctrl-C must not turn the clean exit into a crash)
+
+
+def _ignore_stop_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         asyncio.run(_serve(config))
+        _ignore_stop_signals()  # (asyncio.run put Python's SIGINT handler back)
     except (BootstrapError, AddressError, TransferError, OSError) as exc:  # the setting or the peer named: no trace
         sys.exit(f"pd-worker: {exc}")
     except Exception as exc:

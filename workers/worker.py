@@ -20,8 +20,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
+import threading
 import uuid
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import uvicorn
@@ -47,6 +50,7 @@ from workers.server import NativeServer
 from workers.sglang_api import SGLangAPI
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # A prefill renews its registry entry at least this often, whatever --heartbeat-interval-s says: the
 # registry's lease (``BootstrapConfig.ttl_s``, 10 s by default, always in an embedded registry) must
@@ -55,6 +59,32 @@ MAX_REGISTRY_BEAT_S = 2.5
 # Renewals failed in a row after which a prefill's entry is taken as lapsed (at most 3 x 2.5 s: the
 # default lease is 10 s): its /health says "unregistered" (decodes cannot look it up).
 LAPSED_AFTER_FAILURES = 3
+
+
+async def _on_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a thread of its own that does not hold the process: a worker told to stop while it
+    loads a model exits at once (``asyncio.to_thread``'s pool thread would keep it until the load ends)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if future.done():  # (cancelled: the worker is stopping)
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as error:  # (handed to the awaiting task)
+            result, exc = None, error
+        with contextlib.suppress(RuntimeError):  # (the loop has closed meanwhile)
+            loop.call_soon_threadsafe(settle, result, exc)
+
+    threading.Thread(target=run, name=f"load-{getattr(fn, '__name__', 'engine')}", daemon=True).start()
+    return await future
 
 
 class Worker:
@@ -107,9 +137,9 @@ class Worker:
             from bootstrap.client import check_read_access
 
             await check_read_access(self.bootstrap_url, cfg.bootstrap_token)
-        self.engine = await asyncio.to_thread(create_engine, cfg.engine, options)
+        self.engine = await _on_daemon_thread(create_engine, cfg.engine, options)
         # the tokenizer for stop strings loads on a thread while the pool and the KV manager are set up
-        loading = asyncio.ensure_future(asyncio.to_thread(self._stop_tokenizer)) if cfg.role != "prefill" else None
+        loading = asyncio.ensure_future(_on_daemon_thread(self._stop_tokenizer)) if cfg.role != "prefill" else None
         info = self.engine.info
         self.pool = KVPool(
             num_layers=info.num_layers, num_pages=cfg.num_pages, page_size=cfg.page_size,
@@ -139,7 +169,11 @@ class Worker:
         self._http = uvicorn.Server(http_config)
         # The worker owns SIGTERM/SIGINT (graceful close); uvicorn must not capture them.
         self._http.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
-        self._http_task = asyncio.create_task(self._http.serve(), name="worker-http")
+        # Bound here: a port in use is an OSError for the caller (uvicorn binding it would sys.exit(3) from its
+        # task, past this worker's clean-up).
+        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+        http_socket = socket.create_server((cfg.host, cfg.http_port), family=family)
+        self._http_task = asyncio.create_task(self._http.serve(sockets=[http_socket]), name="worker-http")
         while not self._http.started:
             if self._http_task.done():
                 self._http_task.result()

@@ -141,3 +141,76 @@ def test_a_decode_refused_by_its_registry_does_not_start(tmp_path: Path) -> None
                 out.stderr and repr(url) in out.stderr, out.stderr[-2000:]
     finally:
         procs.stop_all()
+
+
+def test_an_http_port_in_use_is_a_one_line_error() -> None:
+    """Like a native port in use: exit 1 naming the problem (uvicorn's own bind ended the process with
+    code 3 and a traceback, past the worker's clean-up)."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        out = run_worker("--http-port", str(taken.getsockname()[1]))
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "Address already in use" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def _started_worker(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    import os
+
+    return subprocess.Popen([sys.executable, "-m", "workers.cli", "--log-level", "warning", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})}, cwd=Path(__file__).resolve().parents[2])
+
+
+def test_a_second_signal_does_not_cut_the_clean_up_short(tmp_path: Path) -> None:
+    """SIGTERM, then another while the worker closes (Ctrl-C twice): it still closes cleanly, exit 0, no
+    traceback, and leaves none of its shared-memory files behind."""
+    import os
+    import signal
+    import time
+
+    from pdtest import free_port, wait_http_ok
+
+    http_port = free_port()
+    proc = _started_worker(tmp_path, "--role", "decode", "--http-port", str(http_port))
+    try:
+        wait_http_ok(f"http://127.0.0.1:{http_port}/health", 120, proc)
+        proc.send_signal(signal.SIGTERM)
+        for _ in range(100):  # (Ctrl-C, again and again, until it has exited)
+            time.sleep(0.01)
+            if proc.poll() is not None:
+                break
+            proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]
+    assert not [name for name in os.listdir("/dev/shm") if f"-{proc.pid}-" in name]
+
+
+def test_a_worker_stopped_while_its_engine_loads_exits_at_once(tmp_path: Path) -> None:
+    """SIGTERM while the engine loads (a large model takes minutes): the worker exits without waiting for
+    the load to end (a supervisor would SIGKILL it after its grace period)."""
+    import signal
+    import time
+
+    (tmp_path / "slowengine.py").write_text(
+        "import time\nfrom workers.engines.sim import SimEngine\n\n\n"
+        "class SlowEngine(SimEngine):\n    def __init__(self, *args, **kwargs):\n"
+        "        time.sleep(60)\n        super().__init__(*args, **kwargs)\n")
+    proc = _started_worker(tmp_path, "--role", "both", "--engine", "slowengine:SlowEngine",
+                           env={"PYTHONPATH": str(tmp_path)})
+    try:
+        time.sleep(5)  # (imports done, loading)
+        assert proc.poll() is None
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        assert time.monotonic() - stopped < 30, "it waited for the engine's load to end"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in out, out[-3000:]

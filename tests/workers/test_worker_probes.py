@@ -12,9 +12,10 @@ from starlette.testclient import TestClient
 from workers.http_app import create_http_app
 
 
-def client(started: bool, scheduler_alive: bool | None) -> TestClient:
+def client(started: bool, scheduler_alive: bool | None, registration_error: str | None = None) -> TestClient:
     scheduler = None if scheduler_alive is None else SimpleNamespace(is_alive=scheduler_alive)
     worker = SimpleNamespace(worker_id="p", started=started, scheduler=scheduler, kv=None, sglang=None,
+                             registration_error=registration_error,
                              config=SimpleNamespace(role="prefill", engine="sim", transfer="tcp"))
     return TestClient(create_http_app(worker))  # type: ignore[arg-type]
 
@@ -32,3 +33,11 @@ def test_health_is_readiness_and_liveness_only_fails_on_a_dead_scheduler(
         for path, code in (("/health", health), ("/liveness", liveness)):
             reply = c.get(path)
             assert (reply.status_code, reply.json()) == (code, {"status": status, "role": "prefill"}), path
+
+
+def test_a_lapsed_registration_is_not_ready_but_alive() -> None:
+    with client(True, True, "3 registry renewals failed in a row: HTTP 503") as c:
+        reply = c.get("/health")
+        assert reply.status_code == 503 and reply.json()["status"] == "unregistered"
+        assert "renewals failed" in reply.json()["error"]
+        assert c.get("/liveness").status_code == 200
