@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _mib(value: float, name: str) -> int:
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"{name}: must be positive and finite")
+    return int(value * 2**20)
+
+
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     extra = {}
     for item in args.engine_option:
@@ -87,7 +93,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         bootstrap_timeout_s=args.bootstrap_timeout_s, waiting_timeout_s=args.waiting_timeout_s,
         transfer_timeout_s=args.transfer_timeout_s, http_request_timeout_s=args.http_request_timeout_s,
         heartbeat_interval_s=args.heartbeat_interval_s,
-        max_unread_bytes=int(args.max_unread_mib * 2**20), engine_options=extra,
+        max_unread_bytes=_mib(args.max_unread_mib, "max_unread_mib"), engine_options=extra,
         advertise_host=args.advertise_host, transfer_options=transfer_options, same_host_kv=args.same_host_kv,
     )
 

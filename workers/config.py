@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from workers.protocol import MAX_UNREAD_BYTES
@@ -70,8 +71,8 @@ class WorkerConfig:
             raise ConfigError("max_unread_bytes: must be at least 64 KiB")
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s", "http_request_timeout_s",
                      "heartbeat_interval_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}: must be positive")
+            if not 0 < getattr(self, name) < math.inf:  # (NaN and inf refused too)
+                raise ConfigError(f"{name}: must be positive and finite")
         if self.bootstrap:
             from bootstrap.client import registry_url
 

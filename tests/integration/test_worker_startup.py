@@ -30,6 +30,10 @@ def test_unknown_engine_and_bad_flags() -> None:
     assert out.returncode != 0 and "warp-drive" in out.stderr and "sim" in out.stderr
     out = run_worker("--page-size", "0")
     assert out.returncode != 0 and "page_size" in out.stderr
+    for flag, name in (("--transfer-timeout-s", "transfer_timeout_s"), ("--max-unread-mib", "max_unread_mib")):
+        out = run_worker(flag, "nan")  # (refused before the engine loads, without a traceback)
+        assert out.returncode != 0 and f"bad configuration: {name}" in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
 
 
 def test_a_prefill_needs_a_registry() -> None:
