@@ -650,7 +650,9 @@ class _Attempt:
                 if self.held:
                     return self._release()
                 continue
-            raise _as_error(event, side, culprit, after_first_token=self.got_token)
+            # The next attempt avoids the culprit, or when nobody is (the registry failed the look-up: a
+            # decode that has the prefill's address cached may not need it), the worker that reported it.
+            raise _as_error(event, side, culprit or worker, after_first_token=self.got_token)
 
     def close(self) -> None:
         self.sink.close()

@@ -429,3 +429,37 @@ def test_a_worker_stopped_on_purpose_keeps_its_breaker_closed() -> None:
         assert all(len(out) == 1 for out in await asyncio.wait_for(asyncio.gather(*tasks), 5))
 
     asyncio.run(main())
+
+
+def test_a_retry_after_a_failure_nobody_is_blamed_for_goes_to_another_worker() -> None:
+    """A decode whose look-up of its prefill failed at the registry (``Fault.NONE``: neither worker's
+    failure, e.g. a decode restarted while the registry was down, with nothing cached) is not blamed, but
+    the retry goes to another decode, which may have the address cached (it went back to the same one,
+    with the same failure, for every attempt)."""
+    from workers.protocol import Fault
+
+    class First:
+        name = "first"
+
+        def select(self, prefills, decodes, request):  # type: ignore[no-untyped-def]
+            from gateway.policies.base import Pair
+            return Pair(prefills[0] if prefills else None, decodes[0])
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        prefills, _ = _connected_workers(loop, "prefill", 1)
+        decodes, d_transports = _connected_workers(loop, "decode", 2)
+        policy = First()
+        dispatcher = Dispatcher(prefills, decodes, Router(policy, policy),  # type: ignore[arg-type]
+                                DispatchConfig(max_retries=1, retry_backoff_s=0.01))
+        task = asyncio.create_task(drain(dispatcher.generate([1, 2, 3], SamplingParams(max_new_tokens=1))))
+        assert await until(lambda: bool(_sent(d_transports[0], Submit)), 5)
+        (submit,) = _sent(d_transports[0], Submit)
+        decodes[0]._dispatch(Error(submit.rid, "transfer_failed", "bootstrap registry unreachable", fault=Fault.NONE))
+        assert await until(lambda: bool(_sent(d_transports[1], Submit)), 5), "the retry went to the same decode"
+        (retry,) = _sent(d_transports[1], Submit)
+        decodes[1]._dispatch(Outputs([StepOutput(retry.rid, [65], "length")]))
+        assert [t for out in await asyncio.wait_for(task, 5) for t in out.token_ids] == [65]
+        assert decodes[0].health.breaker.failures == 0
+
+    asyncio.run(main())
