@@ -142,6 +142,9 @@ class EventSink:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_exception(TimeoutError())
+            # (the reader is timed out: an event from now on, in this loop pass, is queued for it to take
+            # instead of the timeout, not handed to the tap behind its back)
+            self._waiter = None
 
     async def get(self) -> tuple[Any, Event]:
         while not self._items:

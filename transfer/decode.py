@@ -204,7 +204,7 @@ class DecodeSide:
                 if conn.ready and conn.channel is not None:
                     channel = conn.channel
                 else:
-                    conn.pending_aborts.append((receiver.room, reason))
+                    conn.pending_aborts.append((receiver, reason))
             else:
                 conn.receivers.add(receiver)
                 if receiver.join(conn):
@@ -322,6 +322,12 @@ class DecodeSide:
                 else:
                     self._fail(receiver, room_error(receiver.room, error), gone=True)
             conn.receivers.clear()
+            for receiver, reason in conn.pending_aborts:  # (aborted while it was being opened)
+                if (spare_unresolved and self._invalidate is not None and not receiver.resolved_again
+                        and receiver.target is not None):
+                    receiver.abort_reason = reason  # (told at the address the registry names: ``_resolve_again``)
+                    spared.append(receiver)
+            conn.pending_aborts.clear()
             targets = list(conn.targets)
         if self._invalidate is not None:  # the next room asks the registry again instead of a dead address
             for target in targets:
@@ -365,7 +371,7 @@ class DecodeSide:
             if conn is None or conn.error is not None:  # (its address is being looked up, maybe again)
                 receiver.abort_reason = reason  # (``_attach`` tells the prefill)
             elif channel is None:
-                conn.pending_aborts.append((receiver.room, reason))
+                conn.pending_aborts.append((receiver, reason))
         if channel is not None:
             channel.send(Abort(receiver.room, reason))
 
@@ -416,8 +422,8 @@ class DecodeSide:
                         receiver.connection_ready()
                     aborts, conn.pending_aborts = conn.pending_aborts, []
                     self._ctx.changed()
-                for room, reason in aborts:  # (rooms aborted while the connection was being registered)
-                    channel.send(Abort(room, reason))
+                for aborted, reason in aborts:  # (rooms aborted while the connection was being registered)
+                    channel.send(Abort(aborted.room, reason))
             case RegisterAck(ok=False, reason=reason, kind=kind):
                 error = TransferError(TransferErrorKind.parse(kind), f"{channel.name} refused registration: {reason}")
                 self._conn_failed(conn, error)

@@ -32,7 +32,8 @@ class PrefillConn:
     receivers: set[KVReceiver] = field(default_factory=set)  # live, or failed and not yet quiesced
     draining: bool = False  # silent prefill, no fencing: kept open only to hear its Quiesced
     targets: set[tuple[str, int | None, str | None]] = field(default_factory=set)  # resolved to this address
-    pending_aborts: list[tuple[int, str]] = field(default_factory=list)  # (room, reason): sent once registered
+    # (room, reason): sent once registered; if it cannot be opened, they go where the registry names next
+    pending_aborts: list[tuple[KVReceiver, str]] = field(default_factory=list)
 
 
 class KVReceiver(RoomHandle):

@@ -120,15 +120,19 @@ def test_an_event_arriving_in_the_loop_pass_its_deadline_fires_is_returned() -> 
     reader's task runs): the reader gets the output, not a timeout (a migration or a 504 for an answer
     that had come)."""
     async def main() -> None:
-        sink = EventSink()
-        sink.set_deadline(10)
-        reader = asyncio.create_task(sink.get())
-        await asyncio.sleep(0)  # (waiting, nothing queued)
-        sink._deadline = asyncio.get_running_loop().time() - 1  # (as if the 10 s had passed)
-        sink.due()
-        sink.put_nowait(("decode", StepOutput(1, [7], "length")))
-        assert _tokens(await reader) == [7]
-        sink.close()
+        for tapped in (False, True):  # (a tap, the direct path's, must not take it behind the reader's back)
+            sink = EventSink()
+            taken: list[object] = []
+            if tapped:
+                sink.tap = lambda item, taken=taken: taken.append(item) or True
+            sink.set_deadline(10)
+            reader = asyncio.create_task(sink.get())
+            await asyncio.sleep(0)  # (waiting, nothing queued)
+            sink._deadline = asyncio.get_running_loop().time() - 1  # (as if the 10 s had passed)
+            sink.due()
+            sink.put_nowait(("decode", StepOutput(1, [7])))
+            assert _tokens(await reader) == [7] and not taken
+            sink.close()
 
     asyncio.run(main())
 

@@ -150,3 +150,43 @@ def test_an_abort_while_the_registry_is_asked_again_reaches_the_restarted_prefil
     finally:
         for m in made:
             m.close()
+
+
+def test_an_abort_while_the_dead_address_is_connecting_reaches_the_restarted_prefill(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The room's cached address is black-holed (the prefill moved to another host): the connect to it
+    hangs until it times out. The room is aborted meanwhile: once the connect has failed and the registry
+    names the new address, the abort goes there (it was queued on the dead connection and lost)."""
+    import socket
+    import threading
+
+    import transfer.decode as decode_side
+
+    slow = KVTimeouts(bootstrap_s=30.0, waiting_s=30.0, transfer_s=5.0, heartbeat_interval_s=0.1,
+                      heartbeat_timeout_s=2.0)
+    made, registry, _ = _dead_then_restarted("new")
+    dead = registry.cache[("registry.local", 8998, "prefill-0")]
+    connecting = threading.Event()
+    connect = socket.create_connection
+
+    def black_holed(address, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if tuple(address) == tuple(dead):
+            connecting.set()
+            time.sleep(1.0)
+            raise TimeoutError("timed out")
+        return connect(address, *args, **kwargs)
+
+    monkeypatch.setattr(decode_side.socket, "create_connection", black_holed)
+    decode = KVManager("decode", make_args(), FakeBackend(), timeouts=slow, resolver=registry)
+    made.append(decode)
+    try:
+        sender = made[1].create_sender(9)
+        receiver = decode.create_receiver(9, "registry.local", 8998, "prefill-0")
+        assert connecting.wait(10)
+        receiver.abort("the client left")
+        receiver.release()
+        assert wait_for(lambda: sender.poll() == KVPoll.Failed, 10), "the prefill waits for a page list"
+        failure = sender.failure()
+        assert failure is not None and failure.kind == TransferErrorKind.ABORTED
+    finally:
+        for m in made:
+            m.close()
