@@ -656,19 +656,22 @@ class _Attempt:
 
     def close(self) -> None:
         self.sink.close()
+        # A decode that finished, or served tokens, did so on the prefill's KV: if the prefill's hand-over has
+        # not come yet (each answers on its own connection), the prefill did its part all the same.
+        prefill = self.prefill if "prefill" in self.open_rids else None
         if self.finished:
-            if "prefill" in self.open_rids and self.prefill is not None:
-                # The decode finished on the prefill's KV before the prefill's hand-over came (each answers
-                # on its own connection): the prefill did its part too. (Its late hand-over ends its rid.)
-                self.prefill.health.breaker.record_success()
+            if prefill is not None:  # (its late hand-over ends its rid)
+                prefill.health.breaker.record_success()
         else:  # error, timeout or the consumer went away: free both sides now
             for worker, rid in self.open_rids.values():
                 worker.abort(rid)
             if self.outcome == "cancelled" and self.got_token:
                 # The consumer stopped (a stop string the gateway found, the client left) after the decode
                 # served tokens: a success of the decode's, as its final output would have been (a
-                # half-open breaker closes on these too).
+                # half-open breaker closes on these too), and of the prefill's when it had not said so yet.
                 self.decode.health.breaker.record_success()
+                if prefill is not None:
+                    prefill.health.breaker.record_success()
         if self.sent:
             self.dispatcher.router.finished(self.pair, self.request, "finished" if self.finished else self.outcome)
 

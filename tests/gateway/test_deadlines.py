@@ -378,11 +378,12 @@ def test_tokens_sent_before_a_final_failure_are_counted() -> None:
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("decode_first", [False, True])
-def test_the_prefill_is_credited_whichever_of_the_two_answers_comes_first(decode_first: bool) -> None:
+@pytest.mark.parametrize("order", ["hand_over_first", "decode_first", "client_left_first"])
+def test_the_prefill_is_credited_whichever_of_the_two_answers_comes_first(order: str) -> None:
     """A one-token answer's decode may finish (it gets the first token with the KV) before the prefill's
-    hand-over reaches the gateway on its own connection. Either way the prefill did its part: a half-open
-    prefill breaker closes on it, and the prefill's request is not left open."""
+    hand-over reaches the gateway on its own connection, or the client may leave after a first token that
+    came before it. Either way the prefill did its part: a half-open prefill breaker closes on it, and the
+    prefill's request is not left open."""
     from gateway.health import HealthConfig, WorkerHealth
 
     async def main() -> None:
@@ -392,19 +393,28 @@ def test_the_prefill_is_credited_whichever_of_the_two_answers_comes_first(decode
         prefill.health.breaker.record_failure()
         await asyncio.sleep(0.06)
         assert prefill.health.breaker.state.value == "half_open"
-        collected = _Collected()
-        task = asyncio.create_task(dispatcher.complete([1, 2, 3], SamplingParams(max_new_tokens=1), collected))
+        if order == "client_left_first":
+            gen = dispatcher.generate([1, 2, 3], SamplingParams(max_new_tokens=8))
+            first = asyncio.ensure_future(gen.__anext__())
+        else:
+            task = asyncio.create_task(dispatcher.complete([1, 2, 3], SamplingParams(max_new_tokens=1), _Collected()))
         assert await until(lambda: bool(_sent(d_transports[0], Submit)), 5)
         (d_submit,) = _sent(d_transports[0], Submit)
         (p_submit,) = _sent(p_transports[0], Submit)
-        final = Outputs([StepOutput(d_submit.rid, [7], "length")])
         hand_over = Outputs([StepOutput(p_submit.rid, [], "transferred")])
-        for worker, outputs in ((decodes[0], final), (prefill, hand_over)) if decode_first else \
-                ((prefill, hand_over), (decodes[0], final)):
-            worker._dispatch(outputs)
-            await asyncio.sleep(0.01)
-        await asyncio.wait_for(task, 5)
+        if order == "client_left_first":
+            decodes[0]._dispatch(Outputs([StepOutput(d_submit.rid, [7])]))
+            assert (await asyncio.wait_for(first, 5)).token_ids == [7]
+            await gen.aclose()  # the client left after its first token
+        else:
+            final = Outputs([StepOutput(d_submit.rid, [7], "length")])
+            for worker, outputs in ((decodes[0], final), (prefill, hand_over)) if order == "decode_first" else \
+                    ((prefill, hand_over), (decodes[0], final)):
+                worker._dispatch(outputs)
+                await asyncio.sleep(0.01)
+            await asyncio.wait_for(task, 5)
         assert prefill.health.breaker.state.value == "closed"
+        prefill._dispatch(hand_over)  # (late, if it was not in already: it ends the prefill's part)
         assert prefill.num_active == 0 and decodes[0].num_active == 0
 
     asyncio.run(main())
