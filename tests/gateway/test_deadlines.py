@@ -222,24 +222,32 @@ def test_prompt_logprobs_come_with_the_first_output(consumer: str, hand_over_fir
     asyncio.run(main())
 
 
-def test_a_lost_connection_is_one_failure_however_many_requests_it_had_open() -> None:
-    """Six requests open on a decode whose connection drops: its breaker counts one failure (six opened
-    it for its cooldown, keeping a restarted worker out of service), and the requests go elsewhere."""
-    async def main() -> None:
+def _six_open_on_a_worker_that_fails(fail) -> int:  # type: ignore[no-untyped-def]
+    """Twelve one-token requests over two combined workers; ``fail(worker, transport)`` ends the first
+    worker's six; they go to the other and are answered there. Returns the first's breaker failures (its
+    breaker must still be closed)."""
+    async def main() -> int:
         config = DispatchConfig(max_retries=1, retry_backoff_s=0.01)
         dispatcher, workers, transports = combined(2, config)
         tasks = [asyncio.create_task(drain(dispatcher.generate([1, 2, i], SamplingParams(max_new_tokens=1))))
                  for i in range(12)]
         assert await until(lambda: sum(len(_sent(t, Submit)) for t in transports) == 12, 5)
         assert workers[0].num_active == 6
-        workers[0]._mark_down("connection reset")
+        fail(workers[0], transports[0])
         assert await until(lambda: len(_sent(transports[1], Submit)) == 12, 5), "the six went to the other"
-        assert workers[0].health.breaker.failures == 1 and workers[0].health.breaker.state == "closed"
+        assert workers[0].health.breaker.state == "closed"
         for submit in _sent(transports[1], Submit):
             workers[1]._dispatch(Outputs([StepOutput(submit.rid, [65], "length")]))
         assert all(len(out) == 1 for out in await asyncio.wait_for(asyncio.gather(*tasks), 5))
+        return int(workers[0].health.breaker.failures)
 
-    asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_lost_connection_is_one_failure_however_many_requests_it_had_open() -> None:
+    """Six requests open on a decode whose connection drops: its breaker counts one failure (six opened
+    it for its cooldown, keeping a restarted worker out of service), and the requests go elsewhere."""
+    assert _six_open_on_a_worker_that_fails(lambda worker, _: worker._mark_down("connection reset")) == 1
 
 
 def test_the_request_timeout_ends_a_stream_whose_decode_froze() -> None:
@@ -424,21 +432,11 @@ def test_a_worker_stopped_on_purpose_keeps_its_breaker_closed() -> None:
     """A worker told to stop (SIGTERM) ends its six open requests with ``shutting_down``: they go to the
     other worker, and its breaker counts none of them (six opened it, and the worker restarted on its URL
     got no requests for the breaker's cooldown)."""
-    async def main() -> None:
-        config = DispatchConfig(max_retries=1, retry_backoff_s=0.01)
-        dispatcher, workers, transports = combined(2, config)
-        tasks = [asyncio.create_task(drain(dispatcher.generate([1, 2, i], SamplingParams(max_new_tokens=1))))
-                 for i in range(12)]
-        assert await until(lambda: sum(len(_sent(t, Submit)) for t in transports) == 12, 5)
-        for submit in _sent(transports[0], Submit):
-            workers[0]._dispatch(Error(submit.rid, "shutting_down", "the worker is shutting down"))
-        assert await until(lambda: len(_sent(transports[1], Submit)) == 12, 5), "the six went to the other"
-        assert workers[0].health.breaker.failures == 0 and workers[0].health.breaker.state == "closed"
-        for submit in _sent(transports[1], Submit):
-            workers[1]._dispatch(Outputs([StepOutput(submit.rid, [65], "length")]))
-        assert all(len(out) == 1 for out in await asyncio.wait_for(asyncio.gather(*tasks), 5))
+    def stop(worker, transport) -> None:  # type: ignore[no-untyped-def]
+        for submit in _sent(transport, Submit):
+            worker._dispatch(Error(submit.rid, "shutting_down", "the worker is shutting down"))
 
-    asyncio.run(main())
+    assert _six_open_on_a_worker_that_fails(stop) == 0
 
 
 def test_a_retry_after_a_failure_nobody_is_blamed_for_goes_to_another_worker() -> None:

@@ -117,14 +117,36 @@ def test_a_room_fails_once_the_registry_names_the_same_dead_address() -> None:
             m.close()
 
 
+SLOW = KVTimeouts(bootstrap_s=30.0, waiting_s=30.0, transfer_s=5.0, heartbeat_interval_s=0.1,
+                  heartbeat_timeout_s=2.0)
+
+
+def _aborted_meanwhile(made: list[KVManager], resolver: object, under_way: object) -> None:
+    """A decode over ``resolver`` opens room 9, whose sender the restarted prefill (``made[1]``) has; the
+    room is aborted and released once ``under_way`` (a ``threading.Event``) is set: the prefill must hear
+    of it at once (ABORTED), not wait for a page list until its bootstrap timeout (30 s)."""
+    decode = KVManager("decode", make_args(), FakeBackend(), timeouts=SLOW, resolver=resolver)  # type: ignore[arg-type]
+    made.append(decode)
+    try:
+        sender = made[1].create_sender(9)
+        receiver = decode.create_receiver(9, "registry.local", 8998, "prefill-0")
+        assert under_way.wait(10)  # type: ignore[attr-defined]
+        receiver.abort("the client left")
+        receiver.release()
+        assert wait_for(lambda: sender.poll() == KVPoll.Failed, 10), "the prefill waits for a page list"
+        failure = sender.failure()
+        assert failure is not None and failure.kind == TransferErrorKind.ABORTED
+    finally:
+        for m in made:
+            m.close()
+
+
 def test_an_abort_while_the_registry_is_asked_again_reaches_the_restarted_prefill() -> None:
     """A room's cached prefill address refuses, so the decode asks the registry again; the room is
     aborted during that second look-up (its client left): the restarted prefill, which has the room's
-    sender already, hears of the abort and fails it at once, not at its bootstrap timeout."""
+    sender already, hears of the abort."""
     import threading
 
-    slow = KVTimeouts(bootstrap_s=30.0, waiting_s=30.0, transfer_s=5.0, heartbeat_interval_s=0.1,
-                      heartbeat_timeout_s=2.0)
     made, registry, _ = _dead_then_restarted("new")
     asking = threading.Event()
 
@@ -137,19 +159,7 @@ def test_an_abort_while_the_registry_is_asked_again_reaches_the_restarted_prefil
 
     slow_registry = SlowSecondLookUp(registry.registered)
     slow_registry.cache.update(registry.cache)
-    decode = KVManager("decode", make_args(), FakeBackend(), timeouts=slow, resolver=slow_registry)
-    made.append(decode)
-    try:
-        sender = made[1].create_sender(9)
-        receiver = decode.create_receiver(9, "registry.local", 8998, "prefill-0")
-        assert asking.wait(10)
-        receiver.abort("the client left")
-        assert wait_for(lambda: sender.poll() == KVPoll.Failed, 10), "the prefill waits for a page list"
-        failure = sender.failure()
-        assert failure is not None and failure.kind == TransferErrorKind.ABORTED
-    finally:
-        for m in made:
-            m.close()
+    _aborted_meanwhile(made, slow_registry, asking)
 
 
 def test_an_abort_while_the_dead_address_is_connecting_reaches_the_restarted_prefill(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -161,8 +171,6 @@ def test_an_abort_while_the_dead_address_is_connecting_reaches_the_restarted_pre
 
     import transfer.decode as decode_side
 
-    slow = KVTimeouts(bootstrap_s=30.0, waiting_s=30.0, transfer_s=5.0, heartbeat_interval_s=0.1,
-                      heartbeat_timeout_s=2.0)
     made, registry, _ = _dead_then_restarted("new")
     dead = registry.cache[("registry.local", 8998, "prefill-0")]
     connecting = threading.Event()
@@ -176,17 +184,4 @@ def test_an_abort_while_the_dead_address_is_connecting_reaches_the_restarted_pre
         return connect(address, *args, **kwargs)
 
     monkeypatch.setattr(decode_side.socket, "create_connection", black_holed)
-    decode = KVManager("decode", make_args(), FakeBackend(), timeouts=slow, resolver=registry)
-    made.append(decode)
-    try:
-        sender = made[1].create_sender(9)
-        receiver = decode.create_receiver(9, "registry.local", 8998, "prefill-0")
-        assert connecting.wait(10)
-        receiver.abort("the client left")
-        receiver.release()
-        assert wait_for(lambda: sender.poll() == KVPoll.Failed, 10), "the prefill waits for a page list"
-        failure = sender.failure()
-        assert failure is not None and failure.kind == TransferErrorKind.ABORTED
-    finally:
-        for m in made:
-            m.close()
+    _aborted_meanwhile(made, registry, connecting)
