@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 
+from transfer.base import FencesWrites
 from transfer.channel import ControlChannel
 from transfer.context import Context, Outbox
 from transfer.errors import TransferError, TransferErrorKind
@@ -42,6 +43,9 @@ class PrefillSide:
         self._ctx = ctx
         self._links: dict[ControlChannel, Link] = {}
         self.rooms = SenderRooms(ctx)
+        # (as the decode decides: with fences, it refuses a closed room's writes itself; without, it takes the
+        # control connection's close as the end of every write of that connection's rooms)
+        self._fences_writes = isinstance(ctx.backend, FencesWrites)
         self._last_beat = time.monotonic()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host.strip("[]"), port), family=family)
@@ -198,7 +202,10 @@ class PrefillSide:
                     TransferErrorKind.TIMEOUT, f"{channel.name}: no heartbeat for {now - channel.last_rx:.1f}s"
                 )
                 self.rooms.fail_link(link, error, outbox)
-                silent.append((channel, error))
+                if self._fences_writes:
+                    silent.append((channel, error))
+                else:  # (the decode takes the close as the end of every write: not while one is on the wire)
+                    self.rooms.close_when_quiet(link, error)
             else:
                 outbox.append((channel, Ping(int(now * 1000))))
         return silent

@@ -52,8 +52,9 @@ class SenderRooms:
         self._ended_order: deque[tuple[int, float]] = deque()  # (room, expiry), oldest first: one bootstrap_s each
         self._graveyard: list[PostedWrite] = []
         self._unquiet: dict[int, Link] = {}  # failed rooms whose decode awaits Quiesced
-        # links whose data path died under an open control connection: closed by the monitor (``take_broken``)
-        self._broken: dict[int, tuple[Link, TransferError]] = {}  # id(link) ->
+        # links to close once none of their writes is in flight (``take_broken``): their data path died under
+        # an open control connection, or their decode fell silent; id(link) -> (link, why, that is the close's)
+        self._broken: dict[int, tuple[Link, TransferError, bool]] = {}
         slot_bytes = max(ctx.args.aux_slot_bytes, 1)
         self.staging = np.zeros((NUM_STAGING_SLOTS, slot_bytes), dtype=np.uint8)
         self._free_slots = list(range(NUM_STAGING_SLOTS - 1, -1, -1))
@@ -224,7 +225,15 @@ class SenderRooms:
         with a fresh data path, for its next room."""
         if error.kind in (TransferErrorKind.PEER_GONE, TransferErrorKind.PEER_UNREACHABLE) and not link.closed \
                 and id(link) not in self._broken:
-            self._broken[id(link)] = (link, error)
+            self._broken[id(link)] = (link, error, False)
+            self._ctx.kick()
+
+    def close_when_quiet(self, link: Link, error: TransferError) -> None:
+        """Close ``link`` (with ``error``) once none of its writes is in flight (lock held): a silent decode
+        of a backend that does not fence writes takes the close as the end of every write of its rooms, and
+        one frozen mid-write would, when it wakes, give out pages that a write still on the wire lands in."""
+        if not link.closed and id(link) not in self._broken:
+            self._broken[id(link)] = (link, error, True)
             self._ctx.kick()
 
     def take_broken(self) -> list[tuple[ControlChannel, TransferError]]:
@@ -234,12 +243,12 @@ class SenderRooms:
         its way (of a room the backend has not failed yet) could land in pages it gave out again."""
         in_flight = {write.room for write in self._graveyard}
         broken = []
-        for key, (link, error) in list(self._broken.items()):
+        for key, (link, error, as_is) in list(self._broken.items()):
             if not link.closed:
                 if any(room in in_flight and waiting is link for room, waiting in self._unquiet.items()) or any(
                         sender.has_writes and sender.belongs_to(link) for sender in self._senders.values()):
                     continue  # (the next tick looks again: it runs while writes are pending)
-                closing = TransferError(
+                closing = error if as_is else TransferError(
                     TransferErrorKind.PEER_GONE, f"{link.channel.name}: the data path broke ({error.message}); "
                     "closing the connection so that the decode registers again")
                 # Closed here, under the lock, not only when the caller closes the channel outside it: in

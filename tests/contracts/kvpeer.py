@@ -209,6 +209,17 @@ class _Peer:
             backend = self.manager.backend
             assert isinstance(backend, FencesWrites)
             return backend.close_fence(cmd["room"], cmd["generation"], cut=cmd.get("cut", False))
+        if op == "changed_after_quiesced":  # bytes of the pool that change once the room has ended, quiesced
+            handle, deadline = self.rooms[room], time.monotonic() + cmd["timeout_s"]
+            while not (handle.poll() in (KVPoll.Success, KVPoll.Failed) and handle.quiesced) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.001)
+            quiesced = bool(handle.quiesced)
+            before = [buffer.view(np.uint8).copy() for buffer in self.pool.kv_buffers()]
+            time.sleep(cmd["watch_s"])
+            after = [buffer.view(np.uint8) for buffer in self.pool.kv_buffers()]
+            changed = sum(int(np.count_nonzero(a != b)) for a, b in zip(before, after, strict=True))
+            return {"quiesced": quiesced, "state": int(handle.poll()), "changed_bytes": changed}
         if op == "num_rooms":
             return self.manager.num_rooms()
         if op == "read":

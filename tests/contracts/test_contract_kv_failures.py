@@ -196,6 +196,35 @@ def test_prefill_frozen_mid_write_lands_nothing_once_quiesced(backend_name, spaw
     _full_room(prefill, decode, 71, seed=12)  # the resumed prefill and the decode work together again
 
 
+def test_a_decode_frozen_mid_write_gets_nothing_once_it_calls_the_room_quiesced(backend_name, spawn_peer,
+                                                                                 local_manager):
+    """A decode frozen while its room's KV is being written: the prefill gives up on it (no heartbeat) and
+    fails the room. Once resumed, the decode calls the room quiesced and may give its pages out again, so
+    nothing may land in them from then on: a backend that does not fence writes keeps the connection (the
+    decode's "every write is over") until the writes on the wire are; it closed it at once and tens of MB
+    landed afterwards (Mooncake, NIXL)."""
+    prefill = local_manager("prefill", backend_name, shape=BIG)
+    fill(prefill.pool, seed=5)
+    host, port = prefill.manager.control_address
+    decode = spawn_peer("decode", backend_name, shape=BIG)
+    sender = prefill.manager.create_sender(60)
+    decode.call("create_receiver", room=60, host=host, port=port)
+    assert decode.wait(60, READY)["state"] == KVPoll.WaitingForInput
+    decode.call("send_metadata", room=60, pages=list(range(48)), aux_index=0)
+    assert wait_for(sender, READY) == KVPoll.WaitingForInput
+    decode.signal(signal.SIGSTOP)
+    try:
+        sender.send(list(range(16, 64)), last=True)
+        wait_for(sender, DONE, DETECT_S)
+        time.sleep(0.5)
+    finally:
+        decode.signal(signal.SIGCONT)
+    seen = decode.call("changed_after_quiesced", room=60, timeout_s=60, watch_s=2.0, reply_timeout_s=120)
+    assert seen["quiesced"], seen
+    assert seen["changed_bytes"] == 0, f"{seen['changed_bytes']} bytes landed after the room was quiesced"
+    sender.release()
+
+
 def test_decode_frozen_times_out(backend_name, spawn_peer, local_manager):
     prefill = local_manager("prefill", backend_name)
     fill(prefill.pool, seed=9)
