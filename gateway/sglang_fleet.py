@@ -52,6 +52,9 @@ def check_http_url(url: str) -> None:
         raise ValueError(f"SGLang worker URL must not carry credentials, got one for {parts.hostname}")
 
 
+PROBE_CONNECTIONS_PER_WORKER = 4  # the checks' own pool (health, loads, model): at most this many per worker
+
+
 @dataclass(frozen=True)
 class RelayConfig:
     """Timeouts, retries and pool size of the gateway's requests to SGLang workers."""
@@ -126,6 +129,9 @@ class SGLangFleet:
         self.model_name: str | None = None
         self.tokenizer: Tokenizer | None = None  # --tokenizer: prompts tokenized for routing only
         self.session: aiohttp.ClientSession | None = None
+        # The workers' health, load and model checks: a pool of their own, so that they never wait for a
+        # connection behind relayed requests (a worker with its pool full of streams failed its probes).
+        self._checks: aiohttp.ClientSession | None = None
         self._probes: list[asyncio.Task[None]] = []
 
     @property
@@ -144,6 +150,10 @@ class SGLangFleet:
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",), headers=headers,
             timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s))
+        self._checks = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=PROBE_CONNECTIONS_PER_WORKER,
+                                           keepalive_timeout=30.0),
+            skip_auto_headers=("User-Agent",), headers=headers)
         self._probes = [asyncio.create_task(self._probe_loop(w), name=f"sglang-probe {w.url}") for w in self.workers]
 
     async def wait_ready(self, timeout_s: float) -> bool:
@@ -159,15 +169,16 @@ class SGLangFleet:
         for task in self._probes:
             task.cancel()
         await asyncio.gather(*self._probes, return_exceptions=True)
-        if self.session is not None:
-            await self.session.close()
+        for session in (self.session, self._checks):
+            if session is not None:
+                await session.close()
 
     async def _probe_loop(self, worker: HttpWorker) -> None:
-        assert self.session is not None
+        assert self._checks is not None
         config = worker.health.config
         while True:
             try:
-                async with self.session.get(f"{worker.url}/health",
+                async with self._checks.get(f"{worker.url}/health",
                                             timeout=aiohttp.ClientTimeout(total=config.probe_timeout_s)) as reply:
                     await reply.read()
                     ok, reason = reply.status == 200, f"/health answered {reply.status}"
@@ -197,10 +208,10 @@ class SGLangFleet:
 
     async def _poll_load(self, worker: HttpWorker) -> None:
         """``GET /v1/loads`` into the worker's routing view, where the worker has it (a 404 stops asking)."""
-        assert self.session is not None
+        assert self._checks is not None
         last_rid = worker.last_rid  # our requests sent before this poll are counted in its answer
         try:
-            async with self.session.get(f"{worker.url}/v1/loads?include=core",
+            async with self._checks.get(f"{worker.url}/v1/loads?include=core",
                                         timeout=aiohttp.ClientTimeout(total=worker.health.config.probe_timeout_s)) \
                     as reply:
                 if reply.status in (404, 405):
@@ -217,9 +228,9 @@ class SGLangFleet:
             state.reported(report)
 
     async def _learn_model(self, worker: HttpWorker) -> None:
-        assert self.session is not None
+        assert self._checks is not None
         try:
-            async with self.session.get(f"{worker.url}/get_model_info",
+            async with self._checks.get(f"{worker.url}/get_model_info",
                                         timeout=aiohttp.ClientTimeout(total=5)) as reply:
                 info = msgspec.json.decode(await reply.read()) if reply.status == 200 else {}
         except (aiohttp.ClientError, TimeoutError, OSError, msgspec.DecodeError):

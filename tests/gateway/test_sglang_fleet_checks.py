@@ -1,0 +1,54 @@
+"""The gateway's checks of SGLang workers (``gateway.sglang_fleet``) against real HTTP servers (aiohttp)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from gateway.health import HealthConfig
+from gateway.router import Router
+from gateway.sglang_fleet import RelayConfig, SGLangFleet
+
+
+def test_a_worker_whose_pool_is_full_of_requests_still_passes_its_checks() -> None:
+    """Relayed requests fill a decode's connection pool (long streams): its /health checks, answered at
+    once, must not wait behind them for a connection and time out (the fleet then marked a healthy
+    worker down and every new request got a 503 until the streams ended)."""
+    async def main() -> None:
+        release = asyncio.Event()
+
+        async def health(_: web.Request) -> web.Response:
+            return web.json_response({})
+
+        async def hold(_: web.Request) -> web.Response:
+            await release.wait()
+            return web.json_response({})
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/hold", hold)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        checks = HealthConfig(probe_interval_s=0.1, probe_timeout_s=0.3, unhealthy_after=2)
+        fleet = SGLangFleet([(url, 8998)], [url.replace("127.0.0.1", "localhost")], Router.build("random", "random"),
+                            checks, RelayConfig(max_connections_per_worker=2))
+        fleet.start()
+        try:
+            assert await fleet.wait_ready(5)
+            assert fleet.session is not None
+            held = [asyncio.create_task(fleet.session.get(f"{url}/hold")) for _ in range(2)]  # (the pool, full)
+            await asyncio.sleep(1.5)  # some fifteen checks
+            prefill = fleet.prefills[0]
+            assert prefill.healthy and prefill.last_error is None, prefill.last_error
+            release.set()
+            for response in await asyncio.gather(*held):
+                response.release()
+        finally:
+            await fleet.aclose()
+            await runner.cleanup()
+
+    asyncio.run(main())
