@@ -86,8 +86,8 @@ def admin_routes(gw: Gateway, describe: Callable[[Any], dict[str, Any]]) -> list
             raise NotFound(f"no worker {url}", param="url") from None
         return reply(describe(client), 202)
 
-    async def list_workers(_: Request) -> Response:
-        return reply({"workers": [describe(c) for c in gw.clients]})
+    async def list_workers(_: Request) -> Response:  # (SGLang workers too: listed, not yet added or removed here)
+        return reply({"workers": [describe(c) for c in (*gw.clients, *(gw.fleet.workers if gw.fleet else ()))]})
 
     async def post_worker(request: Request) -> Response:
         raw = await read_body(request.scope, request.receive, MAX_BODY_BYTES, gw.body_timeout_s)

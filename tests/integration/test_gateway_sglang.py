@@ -341,6 +341,8 @@ def test_health_reports_the_sglang_workers(fleet: Fleet) -> None:
     metrics = httpx.get(f"{fleet.base_url}/metrics", timeout=10).text
     healthy = [line for line in metrics.splitlines() if line.startswith("pd_gateway_worker_healthy{")]
     assert len(healthy) == 3 and all(line.endswith(" 1.0") and "http://127.0.0.1:" in line for line in healthy)
+    listed = httpx.get(f"{fleet.base_url}/workers", timeout=10).json()["workers"]  # (the admin API lists them too)
+    assert sorted(w["url"] for w in listed) == sorted(w["url"] for w in body["workers"])
 
 
 def test_gateway_over_our_workers_sglang_side_matches_the_native_path(procs: Procs) -> None:
