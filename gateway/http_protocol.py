@@ -21,9 +21,13 @@ per connection (``GuardedHttpProtocol``, event loop only):
    uvicorn makes the app's ``send`` wait; if the client has read nothing more within
    ``write_timeout_s`` the connection is aborted, which the app sees as a disconnect (its requests are
    aborted on the workers), so a stuck client holds neither memory nor an admission slot for ever.
+5. A request asking to upgrade to a protocol the server does not speak (``Upgrade: h2c``) is served as the
+   HTTP/1.1 request it also is (RFC 9110 7.8; ``_feed``); an HTTP/1.0 client's ``Expect: 100-continue`` is
+   ignored (no interim response). A disconnect reaches every unanswered cycle of the connection, ASGI ones
+   included (uvicorn tells only the newest: a pipelined request's elder would not know).
 The body of a request being read by the app is bounded by the app (``gateway.responder.read_body``:
 ``--max-body-bytes``, ``--body-timeout-s``).
-5. ``hot_routes`` (the gateway's, with native workers only): a ``POST`` to a generation route gets the
+6. ``hot_routes`` (the gateway's, with native workers only): a ``POST`` to a generation route gets the
    gateway's own cycle (``gateway.hot_cycle.HotCycle``) in place of uvicorn's ASGI cycle, queued
    behind a response still going out exactly as uvicorn's cycles are; every limit above holds. Not
    queued, a stream (``"stream": true`` in the body) starts in the callback that completes its body,
@@ -64,6 +68,9 @@ _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
 
 def _asks_to_stream(body: bytes | bytearray) -> bool:
     return _STREAM_TRUE.search(body) is not None
+
+
+_UPGRADE_HEADERS = (b"upgrade", b"http2-settings")
 _json = msgspec.json.Encoder()
 
 
@@ -99,7 +106,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._deadline = 0.0  # loop time by which it must have arrived
         self._refused = False
         self._write_timer: asyncio.TimerHandle | None = None
-        self._hot_cycles: list[HotCycle] = []  # this connection's own cycles, answered or not
+        # This connection's cycles, answered or not (uvicorn keeps only the newest; a disconnect must reach
+        # every unanswered one, a pipelined request's elder included)
+        self._cycles: list[Any] = []
+        self._ignored_upgrade = False  # (``_feed``) the head just parsed asked for an upgrade we do not speak
         self._unstarted: HotCycle | None = None  # a cycle whose head was read in this read, not started yet
         self._shutting_down = False  # (``shutdown``) the server drains: the next answer closes the connection
 
@@ -109,7 +119,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._arm("head")
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for cycle in self._hot_cycles:  # uvicorn tells only the newest cycle; a pipelined one's elder must know too
+        for cycle in self._cycles:  # uvicorn tells only the newest cycle; a pipelined one's elder must know too
             if not cycle.response_complete:
                 cycle.disconnected = True
                 cycle.message_event.set()
@@ -121,6 +131,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._write_timer.cancel()
             self._write_timer = None
         super().connection_lost(exc)
+        if self._shutting_down and not _responding(self.server_state.connections):
+            # (the drain's last response ended with its client gone: the idle connections close now, not
+            # when their keep-alive wait ends)
+            _close_idle(self.server_state.connections)
 
     def shutdown(self) -> None:
         """The server's graceful shutdown (SIGTERM: the gateway drains). A response going out finishes and
@@ -158,7 +172,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._ended_in_read = False
         self._big_read = len(data) > self.limits.max_head_bytes
         self._reads += 1
-        super().data_received(data)
+        self._feed(data)
         unstarted = self._unstarted
         if unstarted is not None:  # its body is still to come: read_body waits for it in a task
             self._unstarted = None
@@ -170,6 +184,46 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._head_bytes += len(data)
             if self._head_bytes > self.limits.max_head_bytes:
                 self._refuse_big_head()
+
+    def _feed(self, data: bytes) -> None:
+        """uvicorn's ``data_received``, except that a request asking to upgrade to a protocol the server does
+        not speak (``Upgrade: h2c``, which ``curl --http2`` and several Java clients send by default) is
+        served as the HTTP/1.1 request it also is (RFC 9110 7.8): httptools stops at the end of such a head
+        (its body unread), so the head is parsed again without the upgrade, followed by the rest of the read."""
+        self._unset_keepalive_if_required()
+        while True:
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                self.send_400_response("Invalid HTTP request received.")
+            except httptools.HttpParserUpgrade as exc:
+                if self._ignored_upgrade and not self._refused:
+                    self._ignored_upgrade = False
+                    data = self._head_without_upgrade() + data[exc.args[0]:]
+                    self.parser = httptools.HttpRequestParser(self)
+                    continue
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                else:
+                    self._unsupported_upgrade_warning()
+            return
+
+    def _head_without_upgrade(self) -> bytes:
+        """The request head just parsed, without its upgrade (``Upgrade``, ``HTTP2-Settings`` and their
+        ``Connection`` tokens)."""
+        parser = self.parser
+        head = [b"%s %s HTTP/%s\r\n" % (parser.get_method(), self.url, parser.get_http_version().encode())]
+        for name, value in self.headers:
+            if name in _UPGRADE_HEADERS:
+                continue
+            if name == b"connection":
+                tokens = [t.strip() for t in value.split(b",")]
+                value = b", ".join(t for t in tokens if t and t.lower() not in _UPGRADE_HEADERS)
+                if not value:
+                    continue
+            head.append(b"%s: %s\r\n" % (name, value))
+        head.append(b"\r\n")
+        return b"".join(head)
 
     def _refuse_big_head(self) -> None:
         self._refuse(HeadersTooLarge(f"the request head exceeds {self.limits.max_head_bytes} bytes",
@@ -199,14 +253,21 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             raise HeadersTooLarge("request head too large")  # (the parser stops: send_400_response answers)
         self._in_head = False
         self._disarm()
+        parser = self.parser
+        upgrade = parser.should_upgrade()
+        if upgrade and parser.get_method() != b"CONNECT" and not self._should_upgrade():
+            self._ignored_upgrade = True  # (no cycle: ``_feed`` parses the head again without the upgrade)
+            return
+        if self.expect_100_continue and parser.get_http_version() == "1.0":
+            self.expect_100_continue = False  # (an HTTP/1.0 client's expectation is ignored: RFC 9110 10.1.1)
         hot = self.hot_routes
-        if hot is not None and self.parser.get_method() == b"POST" and not self.parser.should_upgrade():
-            http10 = self.parser.get_http_version() == "1.0"
+        if hot is not None and not upgrade and parser.get_method() == b"POST":
+            http10 = parser.get_http_version() == "1.0"
             cycle = hot.cycle(httptools.parse_url(self.url).path, self, self.headers,
-                              not (http10 or self._shutting_down) and self.parser.should_keep_alive(),
+                              not (http10 or self._shutting_down) and parser.should_keep_alive(),
                               self.expect_100_continue, chunked=not http10)
             if cycle is not None:  # a generation route: the gateway's own cycle (gateway/hot_cycle.py)
-                self._hot_cycles = [c for c in self._hot_cycles if not c.response_complete] + [cycle]
+                self._cycles = [c for c in self._cycles if not c.response_complete] + [cycle]
                 existing = self.cycle
                 self.cycle = cycle  # type: ignore[assignment]
                 if existing is None or existing.response_complete:
@@ -220,11 +281,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             super().on_message_begin()
             self.url, self.headers, self.expect_100_continue = url, headers, expect_100_continue
             self.scope["headers"] = headers
+        before = self.cycle
         super().on_headers_complete()
-        if self._shutting_down and self.cycle is not None:  # (its answer closes the connection)
-            self.cycle.keep_alive = False
+        made = self.cycle
+        if made is not None and made is not before:
+            self._cycles = [c for c in self._cycles if not c.response_complete] + [made]
+            if self._shutting_down:  # (its answer closes the connection)
+                made.keep_alive = False
 
     def on_message_complete(self) -> None:
+        if self._ignored_upgrade:
+            return  # (the head is parsed again, its body with it: ``_feed``)
         self._ended_in_read = True
         super().on_message_complete()
         if self._waiting_for == "body":  # the rest of a body that came after its response: now idle
@@ -322,7 +389,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         # was sent for it; otherwise, with any request unanswered, it would be read as the answer to an
         # earlier one, or land in the middle of one: the connection is closed instead.
         newest: Any = self.cycle
-        cycles: list[Any] = [newest, *self._hot_cycles, *(c for c, _ in self.pipeline)]
+        cycles: list[Any] = [newest, *self._cycles, *(c for c, _ in self.pipeline)]
         unanswered = [c for c in cycles if c is not None and not c.response_complete]
         for cycle in unanswered:
             cycle.disconnected = True

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -241,6 +242,25 @@ def test_a_prefill_failing_after_the_decodes_head_is_retried(fleet: Fleet) -> No
     while left_open():
         assert time.monotonic() < deadline, f"decode streams left open: {left_open()}"
         time.sleep(0.05)
+
+
+def test_a_client_leaving_with_a_request_pipelined_behind_its_stream_cancels_it(fleet: Fleet) -> None:
+    """The relayed stream being answered is not the newest request on its connection (one is pipelined behind
+    it): its client leaving still reaches it, and its decode's request is closed, not left to its own end."""
+    text = "DECODE_WAITS HEAD_FIRST pipelined"
+    body = json.dumps({"text": text, "stream": True}).encode()
+    port = int(fleet.base_url.rpartition(":")[2])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%b" % (len(body), body) + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        (entry,) = eventually(lambda: [e for e in fleet.entries(fleet.decode_log) if e["text"] == text])
+        room = entry["bootstrap_room"]
+
+        def logged(event: str) -> list[dict]:  # type: ignore[type-arg]
+            return [e for e in fleet.entries(fleet.decode_log, event) if e["bootstrap_room"] == room]
+
+        assert eventually(lambda: logged("waiting"))  # (its head went out; it waits for KV that never comes)
+    assert eventually(lambda: logged("cancelled"), timeout_s=10), "its decode request was left open"
 
 
 def _requests_counted(fleet: Fleet, route: str, status: str) -> float:

@@ -316,3 +316,60 @@ def test_bodies_prepared_on_a_thread_answer_as_on_the_loop(sim_cluster: Callable
     assert json.loads(bad[2])["error"]["param"] == "messages[0].role"
     assert json.loads(unknown[2])["error"]["code"] == "model_not_found"
     cluster.wait_pools_full()
+
+
+UPGRADE_H2C = {"Connection": "Upgrade, HTTP2-Settings", "Upgrade": "h2c", "HTTP2-Settings": "AAMAAABkAARAAAAAAAIAAAAA"}
+
+
+def test_an_upgrade_the_gateway_does_not_speak_is_served_as_http_1_1(sim_cluster: Callable[..., SimCluster]) -> None:
+    """``Upgrade: h2c`` (``curl --http2``, several Java clients by default): the server may ignore it and must
+    then serve the request as HTTP/1.1 (RFC 9110 7.8), its body included; httptools stops at the end of such
+    a head, so the gateway read these bodies as empty (400) and the bytes after them as a new request."""
+    cluster = sim_cluster()
+    port = cluster.gateway_port
+    want = text_of(expected_tokens(PROMPT, 6))
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 6}).encode()
+    chunked_body = b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in (body[:7], body[7:])) + b"0\r\n\r\n"
+    upgrade = "".join(f"{k}: {v}\r\n" for k, v in UPGRADE_H2C.items()).encode()
+    data = b"".join([
+        post("/v1/completions", {"prompt": PROMPT, "max_tokens": 6}, UPGRADE_H2C),  # Content-Length
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n%b\r\n%b" % (upgrade, chunked_body),
+        b"GET /health HTTP/1.1\r\nHost: x\r\n" + upgrade + b"\r\n",
+        post("/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "stream": True}),  # and one without
+    ])
+    responses, raw = talk(port, data, 4)
+    assert b"101 Switching" not in raw
+    assert [r[0] for r in responses] == [200, 200, 200, 200], responses
+    assert [json.loads(r[2])["choices"][0]["text"] for r in responses[:2]] == [want, want]
+    assert json.loads(responses[2][2])["status"] in ("ok", "degraded")
+    assert sse_text(responses[3][2], "text") == want
+
+    # The body in a write of its own after the head (as Ktor sends it): still this request's.
+    head, _, rest = post("/v1/completions", {"prompt": PROMPT, "max_tokens": 6}, UPGRADE_H2C).partition(b"\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as sock:
+        sock.sendall(head + b"\r\n\r\n")
+        time.sleep(0.3)
+        sock.sendall(rest)
+        parsed, got = _Responses(), b""
+        while not parsed.done:
+            chunk = sock.recv(65536)
+            assert chunk, got
+            got += chunk
+            parsed.parser.feed_data(chunk)
+    ((status, _, answer),) = parsed.done
+    assert status == 200 and json.loads(answer)["choices"][0]["text"] == want, answer
+    cluster.wait_pools_full()
+
+
+def test_an_http_1_0_client_expecting_100_continue_gets_no_interim_response(
+        sim_cluster: Callable[..., SimCluster]) -> None:
+    """HTTP/1.0 has no interim responses: its ``Expect: 100-continue`` is ignored (RFC 9110 10.1.1), on the
+    generation routes (the gateway's own cycle) and on the others (uvicorn's)."""
+    cluster = sim_cluster()
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 4}).encode()
+    for path in ("/v1/completions", "/workers"):  # (the gateway's own cycle; uvicorn's, reading the body)
+        head = (f"POST {path} HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n").encode()
+        _, raw = talk(cluster.gateway_port, head + body, 2)  # (read until it closes)
+        assert raw.startswith(b"HTTP/1.1 ") and b"100 Continue" not in raw, raw[:200]
+        assert not raw.startswith(b"HTTP/1.1 5"), raw[:300]

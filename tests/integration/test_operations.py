@@ -234,6 +234,29 @@ def test_drain_on_sigterm_finishes_open_streams_and_refuses_new_ones(sim_cluster
     cluster.wait_pools_full()
 
 
+def test_a_drain_whose_last_client_leaves_closes_the_idle_connections_at_once(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    """Idle kept-alive connections stay open during a drain while a response is going out; when the last one
+    ends with its client leaving (not with its last byte), they close then, and the gateway exits, rather than
+    at the end of their keep-alive wait (set above a load balancer's idle timeout: here 120 s)."""
+    cluster = sim_cluster(decode_args=SLOW_DECODE, gateway_args=("--drain-timeout-s", "120",
+                                                                 "--keep-alive-timeout-s", "120"))
+    gateway = next(p for p in cluster.procs.procs if getattr(p, "name", "").startswith("gateway-"))
+    idle = httpx.Client(base_url=cluster.base_url, timeout=30)
+    assert idle.get("/health").status_code == 200
+    with httpx.Client(base_url=cluster.base_url, timeout=30) as http, \
+            http.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 400, "stream": True}) as r:
+        chunks = r.iter_lines()
+        assert next(chunks).startswith("data: ")
+        gateway.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert gateway.poll() is None, "the drain did not wait for the open stream"
+    # (its client left with some 20 s of decoding to go)
+    assert gateway.wait(30) in (0, -signal.SIGTERM), "the gateway waited for its idle connections' keep-alive"
+    with pytest.raises(httpx.TransportError):
+        idle.get("/health")
+    cluster.wait_pools_full()
+
+
 def test_drain_timeout_aborts_what_is_left_on_both_workers(sim_cluster) -> None:  # type: ignore[no-untyped-def]
     cluster = sim_cluster(decode_args=SLOW_DECODE, gateway_args=("--drain-timeout-s", "1"))
     gateway = next(p for p in cluster.procs.procs if getattr(p, "name", "").startswith("gateway-"))
