@@ -158,15 +158,7 @@ class Dispatcher:
             missing = "combined" if combined else "decode" if not decodes else "prefill"
             raise NoWorkers(f"no healthy {missing} worker", retry_after_s=1.0)
         router = self.router
-        try:
-            pair = router.select(prefills, decodes, request)
-        except APIError:
-            raise
-        except Exception as exc:
-            log.exception("routing policy %s failed", router.name)
-            raise APIError(f"routing policy {router.name} failed: {type(exc).__name__}: {exc}") from None
-        if type(pair) is not Pair:
-            raise APIError(f"routing policy {router.name} returned {pair!r}, not a Pair")
+        pair = router.pick(prefills, decodes, request)
         prefill = pair.prefill
         if prefill is None:
             if not combined:
@@ -511,6 +503,8 @@ class _Attempt:
             direct.take(event)
             if not self.got_token and event.token_ids:
                 self.got_token = True
+                if self.prefill is None:
+                    self._prefilled()
                 self.sink.slide(self.idle_s)  # the first-token deadline set at ``submit`` gives way
                 self.sink.tap = self._steady
                 return True
@@ -553,6 +547,13 @@ class _Attempt:
         assert prefill is not None
         prefill.health.breaker.record_success()
         self.prompt_logprobs, self.prompt_top = event.prompt_logprobs, event.prompt_top_logprobs
+
+    def _prefilled(self) -> None:
+        """A combined worker's first token: the prompt is computed, its tokens leave the worker's queued
+        prefill in the gateway's counts (a prefill's leave with its hand-over)."""
+        entry = self.open_rids.get("decode")
+        if entry is not None:
+            entry[0].state.prefill_done(entry[1])
 
     def _with_prompt(self, event: StepOutput) -> None:
         """The consumer's first output, with the prefill's prompt logprobs."""
@@ -616,8 +617,10 @@ class _Attempt:
                     continue
                 if event.finish_reason is None:
                     event = sink.merge_ready(event)
-                if not self.got_token:
-                    self.got_token = bool(event.token_ids)
+                if not self.got_token and event.token_ids:
+                    self.got_token = True
+                    if self.prefill is None:
+                        self._prefilled()
                 if event.finish_reason is not None:
                     open_rids.pop("decode", None)
                     self.decode.health.breaker.record_success()
@@ -694,8 +697,7 @@ def _client_of(view: WorkerView, given: list[Any], router: Router) -> WorkerClie
     draining, not avoided: a worker it remembers from an earlier call may be none of these now)."""
     client = getattr(view, "client", None)
     if type(client) is not WorkerClient or view not in given:
-        raise APIError(f"routing policy {router.name} returned {view!r}, which is not one of the workers it was "
-                       "given")
+        raise router.not_given(view)
     return client
 
 

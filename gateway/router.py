@@ -14,14 +14,16 @@ Lifecycle (event loop only):
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from gateway.policies.base import OUTCOMES, Pair, Policy, PolicyHooks, PolicyStats, RequestInfo, WorkerView
-from gateway.policies.loader import PolicyError, create_policy, load_policy_class, option_names
+from gateway.errors import APIError
+from gateway.policies.base import OUTCOMES, Pair, Policy, PolicyStats, RequestInfo, WorkerView
+from gateway.policies.loader import HOOK_NAMES, PolicyError, create_policy, load_policy_class, option_names
 from gateway.prefix_index import PrefixIndex
 from workers.protocol import KVEvents
 
@@ -38,7 +40,7 @@ class Router:
         policies = [prefill_policy] if self.is_joint else [prefill_policy, decode_policy]
         # Optional abilities, resolved once: the bound hooks each policy defines.
         self._hooks: dict[str, list[Callable[..., None]]] = {
-            hook: [fn for p in policies if callable(fn := getattr(p, hook, None))] for hook in _HOOKS
+            hook: [fn for p in policies if callable(fn := getattr(p, hook, None))] for hook in HOOK_NAMES
         }
         self._stats = [p for p in policies if isinstance(p, PolicyStats)]
         self.policies = policies
@@ -90,6 +92,26 @@ class Router:
         # The decode policy sees a combined-mode call: it only picks the decode.
         return Pair(prefill, self.decode_policy.select((), decodes, request).decode)
 
+    def pick(self, prefills: Sequence[WorkerView], decodes: Sequence[WorkerView], request: RequestInfo) -> Pair:
+        """``select``, with a policy's failure (an exception, or not a ``Pair``) as the gateway's 500 naming the
+        policy, sent to no worker. That the pair's workers are among those given is the caller's to check
+        (``not_given``): the caller knows what a worker is."""
+        try:
+            pair = self.select(prefills, decodes, request)
+        except APIError:
+            raise
+        except Exception as exc:
+            log.exception("routing policy %s failed", self.name)
+            raise APIError(f"routing policy {self.name} failed: {type(exc).__name__}: {exc}") from None
+        if not isinstance(pair, Pair):
+            raise APIError(f"routing policy {self.name} returned {pair!r}, not a Pair")
+        return pair
+
+    def not_given(self, view: object) -> APIError:
+        """The 500 for a pair naming ``view``, which is not one of the workers the policy was given (healthy,
+        not draining, not avoided: one it remembers from an earlier call may be none of these now)."""
+        return APIError(f"routing policy {self.name} returned {view!r}, which is not one of the workers it was given")
+
     def dispatched(self, pair: Pair, request: RequestInfo) -> None:
         target = pair.prefill if pair.prefill is not None else pair.decode
         if request.has_page_hashes and target.page_size > 0:  # a policy looked at the cache
@@ -123,9 +145,15 @@ class Router:
         failure (it runs after the workers have answered, or in a worker connection's bookkeeping)."""
         for fn in hooks:
             try:
-                fn(*args)
+                result = fn(*args)
             except Exception:
                 self._hook_failed(f"{getattr(fn, '__qualname__', fn)} (a policy's hook)")
+                continue
+            if inspect.isawaitable(result):  # (an ``async def`` hook: it would never run)
+                if inspect.iscoroutine(result):
+                    result.close()
+                self._hook_failed(f"{getattr(fn, '__qualname__', fn)} (a policy's hook) returned an awaitable, which "
+                                  "nothing awaits (hooks are called synchronously)", raised=False)
 
     def worker_forgotten(self, url: str) -> None:
         """``url`` left the fleet for good (removed and drained): the prefix index frees its place."""
@@ -149,7 +177,7 @@ class Router:
             out.update((k, v) for k, v in figures.items() if math.isfinite(v))
         return out
 
-    def _hook_failed(self, what: str) -> None:
+    def _hook_failed(self, what: str, *, raised: bool = True) -> None:
         self.num_hook_errors += 1
         now = time.monotonic()
         if now - self._last_hook_log < HOOK_ERROR_LOG_INTERVAL_S:
@@ -157,7 +185,8 @@ class Router:
             return
         more = f" ({self._unlogged} more policy errors since the last logged)" if self._unlogged else ""
         self._last_hook_log, self._unlogged = now, 0
-        log.exception("%s raised; ignored%s", what, more)
+        if raised:
+            log.exception("%s raised; ignored%s", what, more)
+        else:
+            log.error("%s; ignored%s", what, more)
 
-
-_HOOKS = tuple(name for name in PolicyHooks.__dict__ if name.startswith("on_"))

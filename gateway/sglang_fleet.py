@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 
-from gateway.errors import NoWorkers
+from gateway.errors import APIError, NoWorkers
 from gateway.health import HealthConfig, WorkerHealth
 from gateway.sglang_routing import ROUTING_PAGE_TOKENS
 from gateway.worker_state import DEFAULT_STALE_AFTER_S, WorkerState
@@ -249,10 +249,22 @@ class SGLangFleet:
         prefills, decodes = pick(self.prefills), pick(self.decodes)
         if not prefills or not decodes:
             raise NoWorkers(f"no healthy SGLang {'decode' if prefills else 'prefill'} worker", retry_after_s=1.0)
-        pair = self.router.select(prefills, decodes, request)
-        assert pair.prefill is not None
-        self.router.dispatched(pair, request)
-        return pair.prefill.client, pair.decode.client  # type: ignore[attr-defined]
+        router = self.router
+        pair = router.pick(prefills, decodes, request)  # (the native path's checks: ``Dispatcher._select``)
+        if pair.prefill is None:
+            raise APIError(f"routing policy {router.name} chose no prefill worker for a disaggregated fleet")
+        prefill, decode = (_worker_of(view, given, router) for view, given in ((pair.prefill, prefills),
+                                                                               (pair.decode, decodes)))
+        router.dispatched(pair, request)
+        return prefill, decode
+
+
+def _worker_of(view: Any, given: list[WorkerState], router: Router) -> HttpWorker:
+    """``view``'s worker, when ``view`` is one of the views the policy was ``given``."""
+    worker = getattr(view, "client", None)
+    if not isinstance(worker, HttpWorker) or view not in given:
+        raise router.not_given(view)
+    return worker
 
 
 def load_report_of(loads: Any, last_rid: int) -> LoadReport | None:

@@ -4,7 +4,8 @@ Lifecycle (one ``WorkerState`` per ``WorkerClient``, touched only on the event l
 1. ``connected(ack)`` on each handshake: shape of the worker (pages, page size); forgets the old
    report and every unacknowledged dispatch (the connection that carried them is gone).
 2. ``dispatched(rid, prefill_tokens, pages)`` when the gateway submits a request; ``ended(rid)``
-   when the request's part on this worker ends (finish, "transferred", error, abort, disconnect).
+   when the request's part on this worker ends (finish, "transferred", error, abort, disconnect);
+   ``prefill_done(rid)`` when a combined worker's request has its first token (its prompt is done).
 3. ``reported(load, now)`` for each ``LoadReport``: its ``last_rid`` says which dispatches the
    figures include; the rest stay counted on top ("unacknowledged"), so a burst routed between two
    reports is never invisible.
@@ -103,6 +104,18 @@ class WorkerState:
         self.own_prefill_tokens -= cost[0]
         self.own_pages -= cost[1]
         if not self.is_load_fresh:  # (a fresh report's figures do not include the gateway's own counts)
+            self._own_figures()
+
+    def prefill_done(self, rid: int) -> None:
+        """``rid``'s prompt has been computed here (a combined worker's first token): its prefill tokens stop
+        counting in the gateway's own figures (its pages stay until it ends). A disaggregated prefill's part
+        simply ends at its hand-over (``ended``)."""
+        cost = self._open.get(rid)
+        if cost is None or not cost[0]:
+            return
+        self._open[rid] = (0, cost[1])
+        self.own_prefill_tokens -= cost[0]
+        if not self.is_load_fresh:
             self._own_figures()
 
     def reported(self, load: LoadReport, now: float | None = None) -> None:

@@ -14,14 +14,18 @@ one). The checks call ``select`` on synthetic snapshots (``FakeWorker`` views wi
 cache contents) and the hooks the policy defines, and verify that the policy:
 
 1. returns a ``Pair`` whose members come from the lists it was given (by identity);
-2. never returns a worker it was not given, even one it favoured before (removed or unhealthy);
+2. never returns a worker it was not given, even one it favoured before: removed (``on_worker_removed``
+   called) or unhealthy, draining or avoided by a retry (it just leaves the lists, no hook called);
 3. works with one worker per role;
 4. works in combined mode (no prefills: ``prefill`` is None);
 5. is deterministic: two instances from ``factory`` make the same choices on the same inputs;
 6. has bounded ``select`` cost: attribute reads on the views and cache look-ups grow at most
    linearly with the pool (measured at 64 and 512 workers), at most ``MAX_READS_PER_WORKER`` each;
 7. accepts every hook it defines (``on_dispatch``, ``on_finish``, ``on_worker_added``,
-   ``on_worker_removed``) with the documented arguments.
+   ``on_worker_removed``) with the documented arguments;
+8. defines ``select`` and these hooks as plain functions (an ``async def`` one would never run: the
+   gateway calls them synchronously); checked first, the rest skipped when it fails.
+
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gateway.policies.base import OUTCOMES, Pair, Policy, RequestInfo, WorkerView
+from gateway.policies.loader import HOOK_NAMES, is_async
 
 MAX_READS_PER_WORKER = 64
 PAGE_SIZE = 16
@@ -136,26 +141,36 @@ def check_returns_members(factory: Callable[[], Policy]) -> None:
 
 
 def check_never_unhealthy(factory: Callable[[], Policy]) -> None:
-    """A worker the policy liked (idle, everything cached) leaves the lists: never chosen again."""
-    policy, rng = factory(), random.Random(2)
-    removed = _hook(policy, "on_worker_removed")
+    """A worker the policy liked (idle, everything cached) leaves the lists: never chosen again, whether it
+    was removed (the hook is called) or is unhealthy, draining or avoided (it only leaves the lists)."""
+    _never_after_leaving(factory(), removed=True)
+    _never_after_leaving(factory(), removed=False)
+
+
+def _never_after_leaving(policy: Policy, *, removed: bool) -> None:
+    rng = random.Random(2)
+    hook = _hook(policy, "on_worker_removed") if removed else None
     prefills, decodes = random_pool(rng, 4, 3)
     star_p, star_d = prefills[0], decodes[0]
     star_p.num_prefill_tokens, star_p.prefill_tokens_per_s = 0, 1e9
     star_d.num_free_pages, star_d.num_running_seqs, star_d.num_waiting_seqs = star_d.num_total_pages, 0, 0
-    for _ in range(20):  # let stateful policies learn to like it
-        request = random_request(rng, prefills)
+    seen = [random_request(rng, prefills) for _ in range(20)]
+    for request in seen:  # let stateful policies learn to like it (and remember these prompts)
         request._lookup = FakeLookup({star_p.url: 1000})
         _check_pair(policy.select(prefills, decodes, request), prefills, decodes)
-    if removed is not None:
-        removed(star_p)
-        removed(star_d)
-    for _ in range(100):
-        request = random_request(rng, prefills)
+    if hook is not None:
+        hook(star_p)
+        hook(star_d)
+    for i in range(100):  # the prompts seen before, then new ones
+        request = seen[i] if i < len(seen) else random_request(rng, prefills)
         request._lookup = FakeLookup({star_p.url: 1000})
         pair = policy.select(prefills[1:], decodes[1:], request)
-        _check_pair(pair, prefills[1:], decodes[1:])
-        assert pair.prefill is not star_p and pair.decode is not star_d, "chose a worker that left the pool"
+        how = "removed" if removed else "unhealthy: no hook called"
+        try:
+            _check_pair(pair, prefills[1:], decodes[1:])
+        except AssertionError as exc:
+            raise AssertionError(f"{exc} (after a worker it liked left the lists, {how})") from None
+        assert pair.prefill is not star_p and pair.decode is not star_d, f"chose a worker that left the pool ({how})"
 
 
 def check_one_worker_per_role(factory: Callable[[], Policy]) -> None:
@@ -193,6 +208,12 @@ def check_bounded_cost(factory: Callable[[], Policy]) -> None:
         f"select() cost grows faster than linearly: {small:.0f} reads at 64 workers, {large:.0f} at 512")
 
 
+def check_synchronous(factory: Callable[[], Policy]) -> None:
+    policy = factory()
+    asynchronous = [name for name in ("select", *HOOK_NAMES) if is_async(getattr(policy, name, None))]
+    assert not asynchronous, f"{', '.join(asynchronous)} must be plain functions, not async (called synchronously)"
+
+
 def check_hooks_accept_calls(factory: Callable[[], Policy]) -> None:
     policy, rng = factory(), random.Random(7)
     prefills, decodes = random_pool(rng, 2, 2)
@@ -208,6 +229,7 @@ def check_hooks_accept_calls(factory: Callable[[], Policy]) -> None:
 
 
 CHECKS: dict[str, Callable[[Callable[[], Policy]], None]] = {
+    "synchronous": check_synchronous,  # (first: the others cannot run an async policy)
     "returns_members": check_returns_members,
     "never_unhealthy": check_never_unhealthy,
     "one_worker_per_role": check_one_worker_per_role,
@@ -226,6 +248,8 @@ def run_contract(factory: Callable[[], Policy]) -> list[str]:
             check(factory)
         except Exception as exc:
             failures.append(f"{name}: {type(exc).__name__}: {exc}")
+            if check is check_synchronous:
+                break
     return failures
 
 

@@ -10,14 +10,16 @@ plugin.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 
 import msgspec
 
-from gateway.policies.base import Policy
+from gateway.policies.base import Policy, PolicyHooks
 from workers.plugins import PluginError, available, load_plugin
 
 GROUP = "pd_gateway.policies"
+HOOK_NAMES = tuple(name for name in PolicyHooks.__dict__ if name.startswith("on_"))  # (the optional hooks)
 
 
 class PolicyError(PluginError):
@@ -35,10 +37,17 @@ def load_policy_class(name: str) -> type:
         raise PolicyError(f"policy plugin {name!r} is {obj!r}, not a class")
     if not callable(getattr(obj, "select", None)):
         raise PolicyError(f"policy plugin {name!r} has no select() method; installed: {', '.join(available(GROUP))}")
+    if asynchronous := [m for m in ("select", *HOOK_NAMES) if is_async(getattr(obj, m, None))]:
+        raise PolicyError(f"policy plugin {name!r}: {', '.join(asynchronous)} must be plain functions, not async "
+                          "(the gateway calls them synchronously, inside its event loop)")
     opts = getattr(obj, "Options", None)
     if opts is not None and not (isinstance(opts, type) and issubclass(opts, msgspec.Struct)):
         raise PolicyError(f"policy plugin {name!r}: Options must be a msgspec.Struct, got {opts!r}")
     return obj
+
+
+def is_async(fn: object) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)
 
 
 def create_policy(name: str, options: Mapping[str, str] | None = None) -> Policy:

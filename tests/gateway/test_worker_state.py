@@ -116,3 +116,56 @@ def test_the_view_after_any_updates_equals_one_computed_afresh() -> None:
             seen = [getattr(state, name) for name in VIEW]
             state._recompute()
             assert seen == [getattr(state, name) for name in VIEW]
+
+
+def test_a_combined_workers_prompt_stops_counting_as_queued_prefill_at_its_first_token() -> None:
+    """Through the dispatcher: a combined worker's request counts its prompt as queued prefill until its first
+    token (then it is decoding; a disaggregated prefill's part ends at its hand-over), its pages until it ends;
+    the gateway's own counts are what policies read while the worker's reports are stale."""
+    import asyncio
+
+    from test_hot_path import _connected_workers, _sent
+
+    from gateway.dispatch import Dispatcher
+    from gateway.policies.simple import RoundRobinPolicy
+    from gateway.router import Router
+    from workers.protocol import Outputs, SamplingParams, StepOutput, Submit
+
+    async def main() -> None:
+        (worker,), (transport,) = _connected_workers(asyncio.get_running_loop(), "both", 1)
+        policy = RoundRobinPolicy()
+        dispatcher = Dispatcher([], [worker], Router(policy, policy), combined=True)
+        seen: list[int] = []
+
+        async def consume() -> None:
+            async for item in dispatcher.generate(list(range(1000)), SamplingParams(max_new_tokens=100)):
+                seen.extend(item.token_ids)
+
+        task = asyncio.create_task(consume())
+        for _ in range(20):
+            await asyncio.sleep(0)
+        (submit,) = _sent(transport, Submit)
+        state = worker.state
+        assert not state.is_load_fresh and state.num_prefill_tokens == 1000 and state.num_reserved_pages > 0
+        worker._dispatch(Outputs([StepOutput(submit.rid, [5])]))
+        worker._dispatch(Outputs([StepOutput(submit.rid, [6])]))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert seen == [5, 6]
+        assert (state.num_prefill_tokens, state.num_running_seqs) == (0, 1) and state.num_reserved_pages > 0
+        worker._dispatch(Outputs([StepOutput(submit.rid, [7], finish_reason="length")]))
+        await task
+        assert (state.num_prefill_tokens, state.num_running_seqs, state.num_reserved_pages) == (0, 0, 0)
+
+    asyncio.run(main())
+
+
+def test_prefill_done_is_idempotent_and_ignores_unknown_rids() -> None:
+    state, _ = make()
+    state.dispatched(1, 500, 10)
+    state.prefill_done(1)
+    state.prefill_done(1)
+    state.prefill_done(9)
+    assert (state.num_active, state.num_prefill_tokens, state.num_reserved_pages) == (1, 0, 10)
+    state.ended(1)
+    assert (state.num_active, state.own_prefill_tokens, state.num_free_pages) == (0, 0, 100)
