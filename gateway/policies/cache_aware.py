@@ -18,7 +18,9 @@ by count and a worker whose cache thrashes stops receiving newcomers; among equa
 rendezvous-hash home, so an idle pool places a tenant the same way every time.
 
 Decode: the least pressured worker (KV pages and batch slots with this request placed). With
-combined workers (``--worker``, no prefills) the prefill rule above picks among them.
+combined workers (``--worker``, no prefills) the prefill rule above picks among those that have the
+pages and a batch slot for the request now (among all of them when none has): a worker holding the
+prefix with its pool or batch full would make the request wait while another sits idle.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from gateway.policies.base import Pair, RequestInfo, WorkerView
-from gateway.policies.load import fallback_rate, least_pressured
+from gateway.policies.load import can_take_now, fallback_rate, least_pressured
 
 
 class CacheAwarePolicy:
@@ -66,7 +68,8 @@ class CacheAwarePolicy:
         if prefills:
             return Pair(self._select_prefill(prefills, request), least_pressured(decodes, request))
         if decodes[0].role == "both":  # combined workers prefill too: they hold the prefix caches
-            return Pair(None, self._select_prefill(decodes, request))
+            # (and decode: among those with the pages and a batch slot for it now, while any has)
+            return Pair(None, self._select_prefill(can_take_now(decodes, request) or decodes, request))
         return Pair(None, least_pressured(decodes, request))  # the decode side of a split policy
 
     def _select_prefill(self, prefills: Sequence[WorkerView], request: RequestInfo) -> WorkerView:

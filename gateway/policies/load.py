@@ -61,6 +61,18 @@ def decode_need(request: RequestInfo, worker: WorkerView) -> int:
     return request.num_pages_needed(worker.page_size or 16)
 
 
+def can_take_now(workers: Sequence[WorkerView], request: RequestInfo) -> list[WorkerView]:
+    """The workers with the free pages and a batch slot for this request now (it would wait on the others)."""
+    tokens = request.num_prompt_tokens + request.max_new_tokens
+    fit = []
+    for w in workers:
+        limit = w.max_running_seqs
+        if -(-tokens // (w.page_size or 16)) <= w.num_free_pages and (
+                limit <= 0 or w.num_running_seqs + w.num_waiting_seqs < limit):
+            fit.append(w)
+    return fit
+
+
 def least_pressured(decodes: Sequence[WorkerView], request: RequestInfo) -> WorkerView:
     """The decode with the lowest pressure for this request (ties: fewest of our requests open).
 

@@ -269,3 +269,20 @@ def test_cache_aware_at_balance_factor_one_still_takes_the_cached_worker_of_equa
         request = req(1000, {prefills[holder].url: 60})  # 960 of its 1,000 tokens
         assert policy._select_prefill(prefills, request) is prefills[holder]
     assert policy.num_skipped_hot == 0
+
+
+def test_cache_aware_with_combined_workers_skips_one_that_cannot_take_the_request_now() -> None:
+    """A combined worker holding the prefix with its KV pool and batch full would make the request wait for
+    pages and a slot while another sits idle: affinity only among those that can take it now."""
+    policy = create_policy("cache_aware")
+    full = FakeWorker("pd://a:1", "both", num_free_pages=0, num_running_seqs=64, num_waiting_seqs=1,
+                      max_running_seqs=64, num_prefill_tokens=500)
+    idle = FakeWorker("pd://b:1", "both")
+    request = RequestInfo(list(range(520)), 256, FakeLookup({full.url: 32}))  # 512 of its 520 tokens held by A
+    assert policy.select([], [full, idle], request) == Pair(None, idle)
+    batch_full = FakeWorker("pd://c:1", "both", num_running_seqs=60, num_waiting_seqs=4, max_running_seqs=64)
+    assert policy.select([], [batch_full, idle], RequestInfo(list(range(520)), 256, FakeLookup({"pd://c:1": 32}))
+                         ) == Pair(None, idle)
+    # When none can take it now, the prefix still decides (both would make it wait).
+    also_full = FakeWorker("pd://d:1", "both", num_free_pages=0, num_running_seqs=64, max_running_seqs=64)
+    assert policy.select([], [also_full, full], request) == Pair(None, full)
