@@ -25,7 +25,6 @@ cache contents) and the hooks the policy defines, and verify that the policy:
    ``on_worker_removed``) with the documented arguments;
 8. defines ``select`` and these hooks as plain functions (an ``async def`` one would never run: the
    gateway calls them synchronously); checked first, the rest skipped when it fails.
-
 """
 
 from __future__ import annotations
