@@ -184,8 +184,10 @@ class Frontend:
 
     def _params(self, req: Any, input_ids: list[int], max_tokens: int | None, logprobs: bool,
                 top_logprobs: int, prefix: str = "", *, prompt: str = "prompt",
-                max_tokens_name: str = "max_tokens") -> tuple[SamplingParams, list[str]]:
-        """``prompt``, ``max_tokens_name``: what the client called them (``param`` of a 400)."""
+                max_tokens_name: str = "max_tokens", default_max: int | None = None,
+                ) -> tuple[SamplingParams, list[str]]:
+        """``prompt``, ``max_tokens_name``: what the client called them (``param`` of a 400). ``max_tokens`` None:
+        the route's default budget (``default_max``, else ``--default-max-tokens``), cut to what fits the context."""
         if not input_ids:
             raise BadRequest("the prompt is empty", param=prompt)
         room = self.max_context - len(input_ids)
@@ -198,7 +200,7 @@ class Frontend:
             if min_tokens > room:
                 raise BadRequest(f"{name} ({min_tokens}) + prompt ({len(input_ids)} tokens) exceeds the context "
                                  f"length {self.max_context}", param=prefix + name, code="context_length_exceeded")
-            max_tokens = min(max(self.default_max_tokens, min_tokens), room)
+            max_tokens = min(max(default_max or self.default_max_tokens, min_tokens), room)
         if max_tokens > room:  # (ranges of single fields are checked by the decoder: gateway/api_models.py)
             raise BadRequest(f"{max_tokens_name} ({max_tokens}) + prompt ({len(input_ids)} tokens) exceeds the "
                              f"context length {self.max_context}", param=prefix + max_tokens_name,
@@ -330,10 +332,11 @@ class Frontend:
                              param=name)
         shim = _GenerateShim(sp)
         logprobs = bool(req.return_logprob)
-        max_tokens = GENERATE_MAX_NEW_TOKENS if sp.max_new_tokens is None else sp.max_new_tokens
-        # (a batch shares its sampling parameters: its longest prompt decides what fits the context)
-        params, stops = self._params(shim, max(prompts, key=len), max_tokens, logprobs, 0, "sampling_params.",
-                                     prompt=name, max_tokens_name="max_new_tokens")
+        # (a batch shares its sampling parameters: its longest prompt decides what fits the context; without
+        # max_new_tokens, SGLang's default budget, cut to what fits, as SGLang's scheduler does)
+        params, stops = self._params(shim, max(prompts, key=len), sp.max_new_tokens, logprobs, 0, "sampling_params.",
+                                     prompt=name, max_tokens_name="max_new_tokens",
+                                     default_max=GENERATE_MAX_NEW_TOKENS)
         if not all(prompts):
             raise BadRequest(f"{name}: a prompt of the batch is empty", param=name)
         params.prompt_logprobs = logprobs

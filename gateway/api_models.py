@@ -159,7 +159,7 @@ class GenerateSampling(msgspec.Struct):
     """SGLang's ``sampling_params``; ``null`` means the default here too (SGLang's router sends its
     unset optional fields as ``null``)."""
 
-    max_new_tokens: Count | None = GENERATE_MAX_NEW_TOKENS
+    max_new_tokens: Count | None = None  # (SGLang's default budget, GENERATE_MAX_NEW_TOKENS, cut to what fits)
     temperature: Temperature | None = 1.0
     top_p: TopP | None = 1.0
     top_k: TopK | None = -1

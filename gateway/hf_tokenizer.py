@@ -26,7 +26,7 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from gateway.tokenizer import IncrementalDecoder, _content_text
+from gateway.tokenizer import IncrementalDecoder, content_text
 
 REPLACEMENT_CHAR = "\ufffd"
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class HFTokenizer:
             if not isinstance(message, dict):
                 raise ValueError("each chat message must be an object")
             item = dict(message)
-            item["content"] = _content_text(message.get("content"))
+            item["content"] = content_text(message.get("content"))
             normalized.append(item)
         specials = {k: (v if v is not None else "") for k, v in self.special_tokens.items()}
         context: dict[str, Any] = dict(specials)

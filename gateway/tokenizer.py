@@ -72,7 +72,7 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        parts = [f"<|{m.get('role', 'user')}|>\n{_content_text(m.get('content'))}\n" for m in messages]
+        parts = [f"<|{m.get('role', 'user')}|>\n{content_text(m.get('content'))}\n" for m in messages]
         return [self.BOS, *self.encode("".join(parts) + "<|assistant|>\n")]
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -115,7 +115,7 @@ class _ByteDecoder:
 _utf8_decode = codecs.utf_8_decode
 
 
-def _content_text(content: object) -> str:
+def content_text(content: object) -> str:
     """OpenAI message content: a string, or a list of parts of which text parts are kept."""
     if content is None:
         return ""

@@ -29,14 +29,18 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from gateway.context import random_hex
 from gateway.errors import BadRequest
 from gateway.structured_output import checked
+from gateway.tokenizer import content_text
 from workers.protocol import Grammar
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 _HERMES_OPEN = "<tool_call>"
 _CALL_START = (_HERMES_OPEN, "{")
+_call_decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])  # a call's fields, each as its JSON text
 _REQUIRED_START = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')  # a forced call's text, to its arguments
 
 
@@ -62,7 +66,9 @@ def _functions(tools: Any) -> list[dict[str, Any]]:
         fn = tool.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise BadRequest(f"{where}.function.name must be a non-empty string", param=f"{where}.function.name")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
+        params = fn.get("parameters")
+        if params is None:  # (absent or null: a function without parameters)
+            params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise BadRequest(f"{where}.function.parameters must be a JSON Schema object",
                              param=f"{where}.function.parameters")
@@ -186,7 +192,7 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan
             message["tool_calls"] = [{**c, "function": _call_json(c)} for c in calls]
         elif calls:  # shown as the model was asked to answer
             shown = [json.dumps(_call_json(c)) for c in calls]
-            message["content"] = "\n".join([message.get("content") or "", *shown]).strip()
+            message["content"] = "\n".join([content_text(message.get("content")), *shown]).strip()
         converted.append(message)
     if plan is not None and native:
         tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
@@ -195,7 +201,7 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan
     if plan is not None:
         note = _tool_note(plan)
         if converted and converted[0]["role"] == "system":
-            converted[0] = {**converted[0], "content": f"{converted[0].get('content') or ''}\n\n{note}".strip()}
+            converted[0] = {**converted[0], "content": f"{content_text(converted[0].get('content'))}\n\n{note}".strip()}
         else:
             converted.insert(0, {"role": "system", "content": note})
     return tokenizer.apply_chat_template(converted)
@@ -222,14 +228,17 @@ def parse_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
     bodies = _HERMES.findall(text) if plan.hermes and _HERMES_OPEN in text else [text]
     calls = []
     for body in bodies:
+        # The arguments as the model wrote them (as a stream sends them), not re-serialized: the same text
+        # whole and streamed, its characters and numbers as they were.
         try:
-            obj = json.loads(body)
-        except ValueError:
+            obj = _call_decoder.decode(body)
+            name = msgspec.json.decode(obj["name"]) if "name" in obj else None
+        except (msgspec.DecodeError, msgspec.ValidationError):
             return None
-        if not isinstance(obj, dict) or obj.get("name") not in plan.names or not isinstance(obj.get("arguments"),
-                                                                                             dict):
+        arguments = bytes(obj.get("arguments") or b"").decode()
+        if not isinstance(name, str) or name not in plan.names or not arguments.startswith("{"):
             return None
-        calls.append(_new_call(obj["name"], json.dumps(obj["arguments"])))
+        calls.append(_new_call(name, arguments))
     return calls or None
 
 

@@ -112,3 +112,19 @@ def test_null_sampling_params_on_generate_mean_their_defaults() -> None:
     assert default.max_new_tokens == 128 and default.temperature == 1.0
     assert fe.prepare_generate(nulls)[0].params == default
     assert fe.prepare_generate(no_params)[0].params == default
+
+
+def test_generate_without_max_new_tokens_near_the_context_gets_what_fits() -> None:
+    """/generate's default budget (SGLang's 128) is cut to what fits the context, as SGLang's scheduler does
+    and as the OpenAI routes' default is; only an explicit max_new_tokens past the context is a 400."""
+    fe = frontend()
+    near = {"text": "a" * 4000}
+    params = fe.prepare_generate(decode_body(msgspec.json.encode(near), GenerateRequest))[0].params
+    assert params.max_new_tokens == 4096 - 4000
+    explicit = {**near, "sampling_params": {"max_new_tokens": 128}}
+    with pytest.raises(BadRequest) as info:
+        fe.prepare_generate(decode_body(msgspec.json.encode(explicit), GenerateRequest))
+    assert info.value.param == "sampling_params.max_new_tokens" and info.value.code == "context_length_exceeded"
+    with_min = {**near, "sampling_params": {"min_new_tokens": 90}}
+    prep = fe.prepare_generate(decode_body(msgspec.json.encode(with_min), GenerateRequest))[0]
+    assert prep.params.max_new_tokens == 96

@@ -289,3 +289,54 @@ def test_rebasing_moves_pointer_references_only() -> None:
                                      "items": [{"$ref": "#/anyOf/1/properties/arguments/$defs/X"}]}},
                      "dependencies": {"default": {"$ref": "#/anyOf/1/properties/arguments/$defs/X"},
                                       "anchor": ["self"]}}
+
+
+def test_a_required_call_with_non_ascii_arguments_reads_the_same_whole_and_streamed() -> None:
+    """The arguments are the model's own text in both (a whole answer re-serialized them: "Z\\u00fcrich"
+    against the stream's "Zürich"; a number such as 1e400 became Infinity, which is not JSON)."""
+    plan = plan_tools(req([WEATHER, TIME], "required"), None)
+    assert plan is not None
+    text = '{"name": "get_weather", "arguments": {"city": "Zürich", "n": 1e400, "k": 1.50}}'
+    deltas, reason = feed(_ChoiceStream(plan), text)
+    streamed = merged_calls(deltas)[0]["arguments"]
+    result = {"choices": [{"message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
+    shape_choices(plan, result)
+    (whole,) = result["choices"][0]["message"]["tool_calls"]  # type: ignore[index]
+    assert reason == "tool_calls" and whole["function"]["arguments"] == streamed
+    assert streamed == '{"city": "Zürich", "n": 1e400, "k": 1.50}'
+    auto = plan_tools(req([WEATHER, TIME]), HERMES_TEMPLATE)
+    assert auto is not None
+    (call,) = parse_calls(auto, '<tool_call>{"arguments": {"city": "Zürich"}, "name": "get_weather"}</tool_call>') or []
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Zürich"}'}
+    for not_a_call in ('{"name": "get_weather", "arguments": "{}"}', '{"name": 7, "arguments": {}}',
+                       '["get_weather", {}]', '{"name": "get_weather"}'):
+        assert parse_calls(auto, not_a_call) is None, not_a_call
+
+
+def test_null_parameters_is_a_function_without_parameters() -> None:
+    pytest.importorskip("llguidance")
+    plan = plan_tools(req([{"type": "function", "function": {"name": "f", "description": None, "parameters": None}}],
+                          "required"), None)
+    assert plan is not None and plan.tools[0]["parameters"] == {"type": "object", "properties": {}}
+
+
+def test_content_parts_render_as_their_text_with_tools() -> None:
+    """A system message or an assistant's tool-calling turn given as content parts renders as its text, not
+    as Python's printout of the list (templates without tools of their own get a system note)."""
+    from gateway.tokenizer import ByteTokenizer
+    from gateway.tool_calls import render_prompt
+
+    tokenizer = ByteTokenizer()
+    plan = plan_tools(req([TIME]), None)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+
+    def prompt(system: Any, assistant: Any) -> str:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": assistant, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "noon"}]
+        return tokenizer.decode(render_prompt(tokenizer, messages, plan))
+
+    as_strings = prompt("Be terse.", "Let me check.")
+    assert as_strings == prompt([{"type": "text", "text": "Be terse."}],
+                                [{"type": "text", "text": "Let me "}, {"type": "text", "text": "check."}])
+    assert "Be terse.\n\nYou can call" in as_strings and "Let me check.\n{" in as_strings and "'type'" not in as_strings
