@@ -645,10 +645,13 @@ class Scheduler:
                                   req.all_ids if needs_history(req.params) or self._grammar_catch_up(req) else None))
             reqs.append(req)
         budget = self.config.chunk_size
+        if self.role == "prefill":  # (each of them every step: not only those this step's budget reaches)
+            for req in list(self._prefilling):
+                self._decode_ended(req)
         for req in self._prefilling:
             if budget <= 0:
                 break
-            if self._decode_ended(req):
+            if req.done:
                 continue
             start = req.num_computed
             take = min(budget, req.prefill_len - start)
@@ -669,6 +672,11 @@ class Scheduler:
             log.exception("engine step failed")
             for req in reqs:
                 self._fail(req, "internal", f"engine step failed: {type(exc).__name__}: {exc}")
+            return True
+        if len(outputs) != len(batch):  # (an engine plugin's bug: which output is whose cannot be told)
+            log.error("engine step returned %d outputs for %d sequences", len(outputs), len(batch))
+            for req in reqs:
+                self._fail(req, "internal", f"engine step returned {len(outputs)} outputs for {len(batch)} sequences")
             return True
         self.num_steps += 1
         elapsed_s = time.perf_counter() - started

@@ -804,3 +804,83 @@ def test_a_prefill_ends_a_waiting_request_its_decode_ended_without_waiting_its_t
     finally:
         pkv.close()
         dkv.close()
+
+
+def test_a_prefilling_request_its_decode_ended_is_failed_without_waiting_for_chunk_budget() -> None:
+    """A prefill request already holding its pages (in the prefill stage) behind a long prefill that takes
+    the whole chunk budget every step: its decode ending the room fails it at the next step, not once the
+    budget reaches it (its pages and batch slot were held for the long prefill's whole length)."""
+    from workers.engines.base import EngineOptions
+    from workers.protocol import BootstrapTarget
+
+    (p, psink, pkv), (d, _, dkv) = _pd_pair(512, 512)
+    try:
+        slow = SimEngine(EngineOptions(extra={"prefill_token_s": "1e-3"}))  # the long prompt: ~1.6 s of prefill
+        slow.bind(p.pool)
+        p.engine = slow
+        p.config = SchedulerConfig("prefill", chunk_size=64, max_running=8)
+        host, port = pkv.control_address
+        prompts = {1: [i % 250 for i in range(1600)], 2: list(range(100, 140))}
+        for rid, prompt in prompts.items():
+            target = BootstrapTarget(host, port, 100 + rid)
+            for sched in (d, p):
+                sched.submit(1, Submit(rid, prompt, SamplingParams(max_new_tokens=4), target, timeout_s=60))
+        deadline = time.monotonic() + 20
+        while not ((1, 2) in p.reqs and p.reqs[(1, 2)].stage == "prefill"):
+            assert time.monotonic() < deadline, {k: r.stage for k, r in p.reqs.items()}
+            d.step()
+            p.step()
+        assert p.reqs[(1, 2)].pages and p.reqs[(1, 2)].num_computed == 0
+        d.abort(1, 2, "the client left")
+        while not psink.errors(2):
+            assert time.monotonic() < deadline, "no answer for the ended request"
+            d.step()
+            p.step()
+        assert (1, 1) in p.reqs and p.reqs[(1, 1)].stage == "prefill", "answered only after the long prefill"
+        assert [e.code for e in psink.errors(2)] == ["transfer_failed"]
+    finally:
+        pkv.close()
+        dkv.close()
+
+
+def test_an_engine_returning_too_few_outputs_fails_its_batch_not_the_loop() -> None:
+    """An engine (a plugin's) that returns fewer outputs than sequences fails that batch's requests; the
+    scheduler's loop goes on (it died on the mismatch, failing every request and the worker's health)."""
+
+    class ShortEngine(SimEngine):
+        calls = 0
+
+        def forward(self, batch: Any) -> Any:
+            out = super().forward(batch)
+            ShortEngine.calls += 1
+            return out[:-1] if ShortEngine.calls == 3 and len(out) > 1 else out
+
+    engine = ShortEngine()
+    info = engine.info
+    pool = KVPool(num_layers=info.num_layers, num_pages=64, page_size=4, num_kv_heads=info.num_kv_heads,
+                  head_dim=info.head_dim)
+    engine.bind(pool)
+    sink = Collector()
+    sched = Scheduler(SchedulerConfig("both", chunk_size=64), engine, pool, sink)
+    sched.start()
+    try:
+        for rid in (1, 2):
+            sched.submit(0, Submit(rid, [rid, 2, 3], SamplingParams(max_new_tokens=20)))
+        deadline = time.monotonic() + 10
+
+        def ended(rid: int) -> bool:
+            return bool(sink.errors(rid)) or any(o.finish_reason for o in sink.outputs(rid))
+
+        while not (ended(1) and ended(2)) and sched.is_alive:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert sched.is_alive, f"the scheduler loop died: {sched.error!r}"
+        assert ShortEngine.calls >= 3 and {e.code for rid in (1, 2) for e in sink.errors(rid)} == {"internal"}
+        sched.submit(0, Submit(3, [3, 2, 1], SamplingParams(max_new_tokens=4)))
+        while not ended(3):
+            assert time.monotonic() < deadline and sched.is_alive
+            time.sleep(0.01)
+        assert not sink.errors(3)
+        assert pool.num_free_pages == pool.num_pages
+    finally:
+        sched.stop()
