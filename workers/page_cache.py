@@ -84,8 +84,9 @@ class PageCache:
         return n
 
     def match(self, token_ids: Sequence[int], hashes: Sequence[bytes] | None = None) -> list[int]:
-        """Cached pages for the longest prefix of full pages, leaving at least one token to compute.
-        ``hashes``: ``token_ids``' page hashes (at least those pages), when the caller has them."""
+        """Cached pages for the longest prefix of full pages, leaving at least one token to compute (taken:
+        ``release`` them if unused). ``hashes``: ``token_ids``' page hashes (at least those pages), when the
+        caller has them. Not counted as hits here: ``count_hit`` once the caller uses them."""
         if not self.enabled:
             return []
         limit = (len(token_ids) - 1) // self.pool.page_size
@@ -97,8 +98,12 @@ class PageCache:
             pages.append(page)
         for page in pages:
             self._take(page)
-        self.num_hit_tokens += len(pages) * self.pool.page_size
         return pages
+
+    def count_hit(self, pages: Sequence[int]) -> None:
+        """``pages`` from ``match`` went to a request: their tokens count as prefix-cache hits (a request that
+        waits for fresh pages matches again each step, and is counted once, when it gets them)."""
+        self.num_hit_tokens += len(pages) * self.pool.page_size
 
     def alloc(self, num_pages: int) -> list[int] | None:
         if num_pages > self.num_available:

@@ -584,6 +584,7 @@ class Scheduler:
         if fresh is None:
             self.cache.release(shared)
             return False
+        self.cache.count_hit(shared)
         req.pages = shared + fresh
         req.num_computed = len(shared) * self.pool.page_size
         if not (req.is_recompute or req.requeued):  # (counted, and its cache hits told, at its first admission)

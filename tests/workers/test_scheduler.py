@@ -884,3 +884,22 @@ def test_an_engine_returning_too_few_outputs_fails_its_batch_not_the_loop() -> N
         assert pool.num_free_pages == pool.num_pages
     finally:
         sched.stop()
+
+
+def test_prefix_hits_are_counted_once_for_a_request_that_waited_for_pages() -> None:
+    """A request at the head of the line that cannot get its fresh pages matches its cached prefix again
+    each step: its hits count once, when it gets its pages (``pd_worker_prefix_cache_hit_tokens`` grew per
+    step it waited)."""
+    sched, sink, _ = make(chunk_size=64, num_pages=8, max_running=8)  # page_size 4
+    prefix = list(range(100, 116))  # 4 pages
+    sched.submit(0, Submit(1, [*prefix, 1], SamplingParams(max_new_tokens=1)))
+    run_until_idle(sched)  # publishes the prefix's pages
+    base = sched.cache.num_hit_tokens
+    sched.submit(0, Submit(2, list(range(200, 220)), SamplingParams(max_new_tokens=8)))  # holds most of the pool
+    sched.step()
+    sched.submit(0, Submit(3, [*prefix, *range(40, 52)], SamplingParams(max_new_tokens=1)))  # 4 cached + 3 fresh
+    for _ in range(5):
+        sched.step()
+    run_until_idle(sched)
+    (last,) = [o for o in sink.outputs(3) if o.finish_reason]
+    assert last.cached_tokens > 0 and sched.cache.num_hit_tokens - base == last.cached_tokens
