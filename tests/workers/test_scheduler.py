@@ -815,7 +815,7 @@ def test_a_prefilling_request_its_decode_ended_is_failed_without_waiting_for_chu
 
     (p, psink, pkv), (d, _, dkv) = _pd_pair(512, 512)
     try:
-        slow = SimEngine(EngineOptions(extra={"prefill_token_s": "1e-3"}))  # the long prompt: ~1.6 s of prefill
+        slow = SimEngine(EngineOptions(extra={"prefill_token_s": "4e-3"}))  # the long prompt: ~6.4 s of prefill
         slow.bind(p.pool)
         p.engine = slow
         p.config = SchedulerConfig("prefill", chunk_size=64, max_running=8)
@@ -832,6 +832,7 @@ def test_a_prefilling_request_its_decode_ended_is_failed_without_waiting_for_chu
             p.step()
         assert p.reqs[(1, 2)].pages and p.reqs[(1, 2)].num_computed == 0
         d.abort(1, 2, "the client left")
+        deadline = time.monotonic() + 30
         while not psink.errors(2):
             assert time.monotonic() < deadline, "no answer for the ended request"
             d.step()
