@@ -460,6 +460,10 @@ class Scheduler:
         except ValueError as exc:
             self._fail(req, "transfer_failed", f"room {req.room}: {exc}")
             return
+        # Read: the slot goes back now (after Success nothing more lands in it); held to the request's end,
+        # the pool's slots capped how many requests decode at once, whatever its free pages.
+        self.pool.free_aux(req.aux_slot)
+        req.aux_slot = None
         req.num_computed = len(req.input_ids)
         req.cached_tokens = record.cached_tokens
         if self.kv_checker is not None:

@@ -636,7 +636,8 @@ def test_a_step_never_idles_while_a_finished_request_holds_batch_room() -> None:
     run_until_idle(sched)
 
 
-def _pd_pair(prefill_pages: int, decode_pages: int) -> list[tuple[Scheduler, Collector, Any]]:
+def _pd_pair(prefill_pages: int, decode_pages: int, num_aux_slots: int = 256,
+             ) -> list[tuple[Scheduler, Collector, Any]]:
     """A prefill and a decode scheduler moving KV over the tcp backend, stepped by the test."""
     from transfer import KVArgs, KVManager, create_backend
 
@@ -645,7 +646,7 @@ def _pd_pair(prefill_pages: int, decode_pages: int) -> list[tuple[Scheduler, Col
         engine = SimEngine()
         info = engine.info
         pool = KVPool(num_layers=info.num_layers, num_pages=num_pages, page_size=4, num_kv_heads=info.num_kv_heads,
-                      head_dim=info.head_dim)
+                      head_dim=info.head_dim, num_aux_slots=num_aux_slots)
         engine.bind(pool)
         kv = KVManager(role, KVArgs.from_pool(pool), create_backend("tcp"))
         sink = Collector()
@@ -904,3 +905,34 @@ def test_prefix_hits_are_counted_once_for_a_request_that_waited_for_pages() -> N
     run_until_idle(sched)
     (last,) = [o for o in sink.outputs(3) if o.finish_reason]
     assert last.cached_tokens > 0 and sched.cache.num_hit_tokens - base == last.cached_tokens
+
+
+def test_a_decoding_request_gives_its_aux_slot_back_at_import() -> None:
+    """The aux slot carries the prefill's first-token record, read at import: a decode that kept it to the
+    request's end decoded at most as many requests at once as its pool has slots (256 in production),
+    the rest waiting with pages free."""
+    from workers.protocol import BootstrapTarget
+
+    (p, _, pkv), (d, _, dkv) = _pd_pair(256, 2048, num_aux_slots=2)  # (pages for 4 of 1009 tokens)
+    try:
+        host, port = pkv.control_address
+        for rid in range(1, 5):
+            prompt, target = [rid * 20 + i for i in range(9)], BootstrapTarget(host, port, 100 + rid)
+            for sched in (d, p):
+                sched.submit(1, Submit(rid, prompt, SamplingParams(max_new_tokens=1000), target, timeout_s=60))
+        most = 0
+        deadline = time.monotonic() + 30
+        while most < 4:
+            assert time.monotonic() < deadline, (most, {k: r.stage for k, r in d.reqs.items()})
+            p.step()
+            d.step()
+            most = max(most, sum(1 for r in d.reqs.values() if r.stage == "running"))
+        assert most == 4 and d.pool.num_free_aux_slots == 2
+        for rid in range(1, 5):
+            d.abort(1, rid, "done")
+        for _ in range(50):
+            p.step()
+            d.step()
+    finally:
+        pkv.close()
+        dkv.close()
