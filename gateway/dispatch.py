@@ -62,7 +62,7 @@ from gateway.context import REQUEST_ID, REQUEST_T0, random_room
 from gateway.errors import APIError, BadGateway, NoWorkers, UpstreamTimeout, from_worker_error
 from gateway.event_sink import DirectPathFailed, EventSink, SinkOverflow
 from gateway.metrics import GatewayMetrics
-from gateway.policies import Pair, RequestInfo, WorkerView
+from gateway.policies import Pair, RequestInfo
 from gateway.router import Router
 from gateway.worker_client import Event, WorkerClient, WorkerGone
 from workers.protocol import BootstrapTarget, Error, Fault, SamplingParams, StepOutput, Submit, TokenLogprob
@@ -163,8 +163,9 @@ class Dispatcher:
         if prefill is None:
             if not combined:
                 raise APIError(f"routing policy {router.name} chose no prefill worker for a disaggregated fleet")
-            return pair, None, _client_of(pair.decode, decodes, router)
-        return pair, _client_of(prefill, prefills, router), _client_of(pair.decode, decodes, router)
+            return pair, None, router.client_of(pair.decode, decodes, WorkerClient)
+        return pair, router.client_of(prefill, prefills, WorkerClient), router.client_of(pair.decode, decodes,
+                                                                                          WorkerClient)
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
                        bootstrap: ClientBootstrap | None = None, direct: DirectConsumer | None = None,
@@ -690,15 +691,6 @@ def _selectable(pool: list[WorkerClient], avoid: set[WorkerClient]) -> list[Any]
         return [w.state for w in pool if w.healthy]
     healthy = [w for w in pool if w.healthy]
     return [w.state for w in healthy if w not in avoid] or [w.state for w in healthy]
-
-
-def _client_of(view: WorkerView, given: list[Any], router: Router) -> WorkerClient:
-    """``view``'s connection, when ``view`` is one of the views the policy was ``given`` (healthy, not
-    draining, not avoided: a worker it remembers from an earlier call may be none of these now)."""
-    client = getattr(view, "client", None)
-    if type(client) is not WorkerClient or view not in given:
-        raise router.not_given(view)
-    return client
 
 
 class _Retryable(Exception):

@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from gateway.errors import APIError
 from gateway.policies.base import OUTCOMES, Pair, Policy, PolicyStats, RequestInfo, WorkerView
@@ -28,6 +28,7 @@ from gateway.prefix_index import PrefixIndex
 from workers.protocol import KVEvents
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 HOOK_ERROR_LOG_INTERVAL_S = 10.0  # a policy failing on every request is logged this often, with its count
 
 
@@ -94,8 +95,7 @@ class Router:
 
     def pick(self, prefills: Sequence[WorkerView], decodes: Sequence[WorkerView], request: RequestInfo) -> Pair:
         """``select``, with a policy's failure (an exception, or not a ``Pair``) as the gateway's 500 naming the
-        policy, sent to no worker. That the pair's workers are among those given is the caller's to check
-        (``not_given``): the caller knows what a worker is."""
+        policy, sent to no worker. That the pair's workers are among those given is ``client_of``'s check."""
         try:
             pair = self.select(prefills, decodes, request)
         except APIError:
@@ -107,10 +107,15 @@ class Router:
             raise APIError(f"routing policy {self.name} returned {pair!r}, not a Pair")
         return pair
 
-    def not_given(self, view: object) -> APIError:
-        """The 500 for a pair naming ``view``, which is not one of the workers the policy was given (healthy,
-        not draining, not avoided: one it remembers from an earlier call may be none of these now)."""
-        return APIError(f"routing policy {self.name} returned {view!r}, which is not one of the workers it was given")
+    def client_of(self, view: object, given: Sequence[object], kind: type[T]) -> T:
+        """``view``'s worker (its ``client``, a ``kind``), when ``view`` is one of the views the policy was
+        ``given`` (healthy, not draining, not avoided: one it remembers from an earlier call may be none of
+        these now); else the 500 naming the policy."""
+        client = getattr(view, "client", None)
+        if not isinstance(client, kind) or view not in given:
+            raise APIError(f"routing policy {self.name} returned {view!r}, which is not one of the workers it was "
+                           "given")
+        return client
 
     def dispatched(self, pair: Pair, request: RequestInfo) -> None:
         target = pair.prefill if pair.prefill is not None else pair.decode

@@ -253,18 +253,10 @@ class SGLangFleet:
         pair = router.pick(prefills, decodes, request)  # (the native path's checks: ``Dispatcher._select``)
         if pair.prefill is None:
             raise APIError(f"routing policy {router.name} chose no prefill worker for a disaggregated fleet")
-        prefill, decode = (_worker_of(view, given, router) for view, given in ((pair.prefill, prefills),
-                                                                               (pair.decode, decodes)))
+        prefill = router.client_of(pair.prefill, prefills, HttpWorker)
+        decode = router.client_of(pair.decode, decodes, HttpWorker)
         router.dispatched(pair, request)
         return prefill, decode
-
-
-def _worker_of(view: Any, given: list[WorkerState], router: Router) -> HttpWorker:
-    """``view``'s worker, when ``view`` is one of the views the policy was ``given``."""
-    worker = getattr(view, "client", None)
-    if not isinstance(worker, HttpWorker) or view not in given:
-        raise router.not_given(view)
-    return worker
 
 
 def load_report_of(loads: Any, last_rid: int) -> LoadReport | None:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gateway.policies.base import OUTCOMES, Pair, Policy, RequestInfo, WorkerView
-from gateway.policies.loader import HOOK_NAMES, is_async
+from gateway.policies.loader import async_members
 
 MAX_READS_PER_WORKER = 64
 PAGE_SIZE = 16
@@ -208,8 +208,7 @@ def check_bounded_cost(factory: Callable[[], Policy]) -> None:
 
 
 def check_synchronous(factory: Callable[[], Policy]) -> None:
-    policy = factory()
-    asynchronous = [name for name in ("select", *HOOK_NAMES) if is_async(getattr(policy, name, None))]
+    asynchronous = async_members(factory())
     assert not asynchronous, f"{', '.join(asynchronous)} must be plain functions, not async (called synchronously)"
 
 

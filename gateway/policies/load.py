@@ -63,11 +63,10 @@ def decode_need(request: RequestInfo, worker: WorkerView) -> int:
 
 def can_take_now(workers: Sequence[WorkerView], request: RequestInfo) -> list[WorkerView]:
     """The workers with the free pages and a batch slot for this request now (it would wait on the others)."""
-    tokens = request.num_prompt_tokens + request.max_new_tokens
     fit = []
     for w in workers:
         limit = w.max_running_seqs
-        if -(-tokens // (w.page_size or 16)) <= w.num_free_pages and (
+        if decode_need(request, w) <= w.num_free_pages and (
                 limit <= 0 or w.num_running_seqs + w.num_waiting_seqs < limit):
             fit.append(w)
     return fit

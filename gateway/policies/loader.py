@@ -37,7 +37,7 @@ def load_policy_class(name: str) -> type:
         raise PolicyError(f"policy plugin {name!r} is {obj!r}, not a class")
     if not callable(getattr(obj, "select", None)):
         raise PolicyError(f"policy plugin {name!r} has no select() method; installed: {', '.join(available(GROUP))}")
-    if asynchronous := [m for m in ("select", *HOOK_NAMES) if is_async(getattr(obj, m, None))]:
+    if asynchronous := async_members(obj):
         raise PolicyError(f"policy plugin {name!r}: {', '.join(asynchronous)} must be plain functions, not async "
                           "(the gateway calls them synchronously, inside its event loop)")
     opts = getattr(obj, "Options", None)
@@ -46,8 +46,10 @@ def load_policy_class(name: str) -> type:
     return obj
 
 
-def is_async(fn: object) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)
+def async_members(policy: object) -> list[str]:
+    """``select`` and the hooks that ``policy`` (a class or an instance) defines as ``async``: none may be."""
+    return [name for name in ("select", *HOOK_NAMES)
+            if inspect.iscoroutinefunction(fn := getattr(policy, name, None)) or inspect.isasyncgenfunction(fn)]
 
 
 def create_policy(name: str, options: Mapping[str, str] | None = None) -> Policy:
