@@ -39,7 +39,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4"
 QUEUES = {
     "prefill": (("bootstrap", "bootstrap_queue"), ("waiting", "_waiting"), ("prefilling", "_prefilling"),
                 ("inflight", "inflight_queue")),
-    "decode": (("prealloc", "prealloc_queue"), ("transfer", "transfer_queue"), ("running", "_running"),
+    "decode": (("prealloc", "prealloc_queue"), ("transfer", "transfer_queue"), ("imported", "_imported"),
+               ("running", "_running"),
                ("quarantine", "quarantine")),
     "both": (("waiting", "_waiting"), ("prefilling", "_prefilling"), ("running", "_running")),
 }

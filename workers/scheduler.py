@@ -150,6 +150,9 @@ class Scheduler:
         self._waiting: list[Req] = []  # waiting for pages to start prefill
         self._prefilling: list[Req] = []
         self._running: list[Req] = []  # decoding
+        # decode: imported (KV and first token here) while the batch was at ``max_running``: they join it
+        # first come first served as sequences end (their pages stay held meanwhile)
+        self._imported: list[Req] = []
         self._out: list[tuple[int, Message]] = []
         self.rooms: deque[dict[str, Any]] = deque(maxlen=512)  # recent rooms, for /debug/rooms
         self._stop = threading.Event()
@@ -283,6 +286,9 @@ class Scheduler:
                 self._fail(req, "bad_request", problem, param=req.params.grammar.param)
             for req in ready:
                 self._first_stage(req)
+        if self._imported:
+            self._prune_batch()
+            self._admit_imported()
         self._admit_waiting()
         ran = self._run_batch()
         if self.role == "prefill":  # (again: what finished during the batch is told now, not a step later)
@@ -470,8 +476,22 @@ class Scheduler:
             req.kv_verified = self.kv_checker.verify(req.pages, req.input_ids)
         self._record_room(req, record.first_token)  # first: the token may finish the request (pages freed)
         self._accept_token(req, SeqOutput(record.first_token, record.logprob, record.top_logprobs))
-        if not req.done:
+        if req.done:
+            return
+        if self._imported or len(live(self._running, "running")) >= self.config.max_running:
+            self._enter(req, "imported", self._imported)  # (behind those already waiting: FCFS)
+        else:
             self._enter(req, "running", self._running)
+
+    def _admit_imported(self) -> None:
+        """Decode: imported requests join the batch as far as ``max_running`` allows, oldest first."""
+        waiting = live(self._imported)
+        room = self.config.max_running - len(self._running)
+        if room > 0:
+            for req in waiting[:room]:
+                self._enter(req, "running", self._running)
+            waiting = waiting[room:]
+        self._imported = waiting
 
     def _prune_batch(self) -> None:
         """Drop from the batch lists what ended or moved on since the last step (finished, failed,
@@ -960,7 +980,7 @@ class Scheduler:
         return LoadReport(
             num_running=self.num_in_batch(),
             num_waiting=(len(live(self._waiting)) + self.bootstrap_queue.num_live + self.prealloc_queue.num_live
-                         + len(compiling)),
+                         + len(compiling) + len(live(self._imported))),
             num_free_pages=self.cache.num_available,
             num_total_pages=self.pool.num_pages,
             num_inflight_transfers=(self.inflight_queue.num_live + self.transfer_queue.num_live

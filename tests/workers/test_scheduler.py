@@ -11,6 +11,7 @@ from gateway.tokenizer import ByteTokenizer
 from workers.engines.sim import SimEngine
 from workers.kv_pool import KVPool
 from workers.protocol import Error, Outputs, SamplingParams, StepOutput, Submit
+from workers.request import live
 from workers.scheduler import Scheduler, SchedulerConfig
 
 
@@ -636,7 +637,7 @@ def test_a_step_never_idles_while_a_finished_request_holds_batch_room() -> None:
     run_until_idle(sched)
 
 
-def _pd_pair(prefill_pages: int, decode_pages: int, num_aux_slots: int = 256,
+def _pd_pair(prefill_pages: int, decode_pages: int, num_aux_slots: int = 256, decode_max_running: int = 64,
              ) -> list[tuple[Scheduler, Collector, Any]]:
     """A prefill and a decode scheduler moving KV over the tcp backend, stepped by the test."""
     from transfer import KVArgs, KVManager, create_backend
@@ -650,7 +651,8 @@ def _pd_pair(prefill_pages: int, decode_pages: int, num_aux_slots: int = 256,
         engine.bind(pool)
         kv = KVManager(role, KVArgs.from_pool(pool), create_backend("tcp"))
         sink = Collector()
-        sched = Scheduler(SchedulerConfig(role, chunk_size=64), engine, pool, sink, kv)
+        max_running = decode_max_running if role == "decode" else 64
+        sched = Scheduler(SchedulerConfig(role, chunk_size=64, max_running=max_running), engine, pool, sink, kv)
         sched.connect(1)
         sides.append((sched, sink, kv))
     return sides
@@ -933,6 +935,50 @@ def test_a_decoding_request_gives_its_aux_slot_back_at_import() -> None:
         for _ in range(50):
             p.step()
             d.step()
+    finally:
+        pkv.close()
+        dkv.close()
+
+
+def test_a_decode_batch_holds_at_most_max_running_sequences() -> None:
+    """``--max-running`` bounds a decode's batch as it bounds a combined worker's: requests whose KV has
+    arrived wait (pages held, counted as waiting in load reports) and join oldest first as sequences end;
+    an aborted one gives its pages back while it waits."""
+    from workers.protocol import BootstrapTarget
+
+    (p, _, pkv), (d, dsink, dkv) = _pd_pair(256, 256, decode_max_running=2)
+    try:
+        host, port = pkv.control_address
+        for rid in range(1, 7):
+            prompt, target = [rid * 20 + i for i in range(9)], BootstrapTarget(host, port, 100 + rid)
+            for sched in (d, p):
+                sched.submit(1, Submit(rid, prompt, SamplingParams(max_new_tokens=8), target, timeout_s=60))
+        most, most_waiting, aborted = 0, 0, False
+        deadline = time.monotonic() + 30
+        d.step()
+        while d.reqs or p.reqs:
+            assert time.monotonic() < deadline, {k: r.stage for k, r in d.reqs.items()}
+            p.step()
+            d.step()
+            most = max(most, len(live(d._running, "running")))
+            imported = [r for r in d.reqs.values() if r.stage == "imported"]
+            most_waiting = max(most_waiting, len(imported))
+            if imported and not aborted:
+                assert d.load_report().num_waiting >= len(imported)
+                d.abort(1, imported[-1].rid, "client left")
+                aborted = True
+            time.sleep(0.001)
+        assert most == 2 and most_waiting >= 2 and aborted
+        finished = [rid for rid in range(1, 7) if any(o.finish_reason for o in dsink.outputs(rid))]
+        assert len(finished) == 5
+        for rid in finished:
+            assert sum(len(o.token_ids) for o in dsink.outputs(rid)) == 8
+        for _ in range(50):  # (the aborted one's pages may wait in quarantine for its transfer to quiesce)
+            d.step()
+            if d.cache.num_available == d.pool.num_pages:
+                break
+            time.sleep(0.01)
+        assert d.cache.num_available == d.pool.num_pages
     finally:
         pkv.close()
         dkv.close()
