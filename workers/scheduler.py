@@ -470,6 +470,11 @@ class Scheduler:
         # the pool's slots capped how many requests decode at once, whatever its free pages.
         self.pool.free_aux(req.aux_slot)
         req.aux_slot = None
+        vocab = self.engine.info.vocab_size
+        if not 0 <= record.first_token < vocab:  # (a prefill serving another model: this request only)
+            self._fail(req, "transfer_failed", f"room {req.room}: the prefill's first token {record.first_token} "
+                       f"is outside this decode's vocabulary [0, {vocab})", Fault.PEER)
+            return
         req.num_computed = len(req.input_ids)
         req.cached_tokens = record.cached_tokens
         if self.kv_checker is not None:

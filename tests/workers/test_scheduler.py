@@ -10,7 +10,7 @@ import pytest
 from gateway.tokenizer import ByteTokenizer
 from workers.engines.sim import SimEngine
 from workers.kv_pool import KVPool
-from workers.protocol import Error, Outputs, SamplingParams, StepOutput, Submit
+from workers.protocol import Error, Fault, Outputs, SamplingParams, StepOutput, Submit
 from workers.request import live
 from workers.scheduler import Scheduler, SchedulerConfig
 
@@ -979,6 +979,48 @@ def test_a_decode_batch_holds_at_most_max_running_sequences() -> None:
                 break
             time.sleep(0.01)
         assert d.cache.num_available == d.pool.num_pages
+    finally:
+        pkv.close()
+        dkv.close()
+
+
+def test_a_first_token_outside_the_decodes_vocabulary_fails_only_its_request() -> None:
+    """A prefill serving another model may hand over a first token this decode's model cannot embed: that
+    request fails (transfer_failed, blamed on its peer) at import; the batch it would have joined goes on."""
+    import dataclasses
+
+    from workers.protocol import BootstrapTarget
+
+    (p, _, pkv), (d, dsink, dkv) = _pd_pair(256, 256)
+    try:
+        host, port = pkv.control_address
+
+        def submit(rid: int, prompt: list[int], max_new_tokens: int) -> None:
+            target = BootstrapTarget(host, port, 100 + rid)
+            for sched in (d, p):
+                sched.submit(1, Submit(rid, prompt, SamplingParams(max_new_tokens=max_new_tokens), target,
+                                       timeout_s=60))
+
+        def step_until(cond: Any) -> None:
+            deadline = time.monotonic() + 30
+            while not cond():
+                assert time.monotonic() < deadline, {k: r.stage for k, r in d.reqs.items()}
+                p.step()
+                d.step()
+                time.sleep(0.001)
+
+        submit(1, [1] * 9, 200)
+        step_until(lambda: dsink.outputs(1))
+        first = dsink.outputs(1)[0].token_ids[0]
+        assert first > 1  # (the sim's first token for this prompt: outside a vocabulary of 1)
+        d.engine.info = dataclasses.replace(d.engine.info, vocab_size=1)  # (prompts of token 0 still valid)
+        submit(2, [0] * 9, 200)
+        step_until(lambda: dsink.errors(2))
+        (error,) = dsink.errors(2)
+        assert error.code == "transfer_failed" and "vocabulary" in error.message and error.fault == Fault.PEER
+        assert (1, 1) in d.reqs and not dsink.errors(1)  # (the first one decodes on)
+        d.abort(1, 1, "done")
+        step_until(lambda: not d.reqs and not p.reqs)
     finally:
         pkv.close()
         dkv.close()
