@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a worker whose scheduler made no progress this long (with requests) is unhealthy")
     ops.add_argument("--breaker-failures", type=int, default=5, help="consecutive failures that open a breaker")
     ops.add_argument("--breaker-cooldown-s", type=float, default=30.0, help="open -> half-open after this")
-    ops.add_argument("--breaker-successes", type=int, default=2, help="half-open -> closed after this many")
+    ops.add_argument("--breaker-successes", type=int, default=2,
+                     help="half-open -> closed after this many successes; as many trials at once")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", choices=["text", "json"], default="text")
     return p

@@ -140,13 +140,10 @@ class Dispatcher:
     def is_disaggregated(self) -> bool:
         return not self.combined
 
-    def healthy_workers(self) -> tuple[list[WorkerClient], list[WorkerClient]]:
-        return [w for w in self.prefills if w.healthy], [w for w in self.decodes if w.healthy]
-
     def is_ready(self) -> bool:
         """At least one selectable decode (or combined) worker, and a prefill when disaggregated."""
-        prefills, decodes = self.healthy_workers()
-        return bool(decodes) and (bool(prefills) or not self.is_disaggregated)
+        decodes = any(w.available for w in self.decodes)  # (a half-open breaker's trials do not flap it)
+        return decodes and (not self.is_disaggregated or any(w.available for w in self.prefills))
 
     def _select(self, request: RequestInfo, avoid: set[WorkerClient]) -> tuple[Pair, WorkerClient | None,
                                                                                 WorkerClient]:

@@ -9,8 +9,9 @@ Lifecycle (event loop only):
    caught this way, not only a closed socket.
 2. The dispatcher reports each request's outcome on this worker (``request_succeeded`` /
    ``request_failed``) to its ``CircuitBreaker``: closed -> open after ``breaker_failures``
-   consecutive failures -> half-open after ``breaker_cooldown_s`` (requests may try it) -> closed
-   after ``breaker_successes`` successes (a failure while half-open opens it again).
+   consecutive failures -> half-open after ``breaker_cooldown_s`` (trial requests may try it, at most
+   ``breaker_successes`` at a time: a worker just back does not take a burst) -> closed after
+   ``breaker_successes`` successes (a failure while half-open opens it again).
 3. ``is_selectable`` = probes healthy and the breaker not open. Prefill and decode outcomes are
    counted separately because each worker has one role: a request that fails on its prefill is not
    held against its decode (the dispatcher blames only the side that reported the failure).
@@ -62,17 +63,33 @@ class CircuitBreaker:
         self._successes = 0  # consecutive, while half-open
         self._opened_at = 0.0
         self.num_opened = 0
+        # half-open: the requests (the worker client's rids) trying the worker now, at most
+        # ``successes_to_close`` (the worker is not selectable while that many are open)
+        self.trials: set[int] = set()
 
     @property
     def state(self) -> BreakerState:
         if self._state is BreakerState.OPEN and self._clock() - self._opened_at >= self.cooldown_s:
             self._state, self._successes = BreakerState.HALF_OPEN, 0
+            self.trials.clear()
         return self._state
 
     @property
     def allows(self) -> bool:
         # (closed, the common case, without ``state``'s clock read: this runs per worker per request)
-        return self._state is BreakerState.CLOSED or self.state is not BreakerState.OPEN
+        if self._state is BreakerState.CLOSED:
+            return True
+        state = self.state
+        return state is BreakerState.HALF_OPEN and len(self.trials) < self.successes_to_close
+
+    @property
+    def is_closed(self) -> bool:
+        return self._state is BreakerState.CLOSED
+
+    def trial_started(self, rid: int) -> None:
+        """Request ``rid`` was sent to the worker (only while not closed); it ends with ``trial_ended``."""
+        if self.state is BreakerState.HALF_OPEN:
+            self.trials.add(rid)
 
     def record_success(self) -> None:
         self._failures = 0
@@ -80,6 +97,7 @@ class CircuitBreaker:
             self._successes += 1
             if self._successes >= self.successes_to_close:
                 self._state = BreakerState.CLOSED
+                self.trials.clear()
 
     def record_failure(self) -> None:
         state = self.state
@@ -88,6 +106,7 @@ class CircuitBreaker:
         if state is BreakerState.HALF_OPEN or tripped:
             self._state, self._opened_at = BreakerState.OPEN, self._clock()
             self.num_opened += 1
+            self.trials.clear()
 
     @property
     def failures(self) -> int:
@@ -96,6 +115,7 @@ class CircuitBreaker:
 
     def reset(self) -> None:
         self._state, self._failures, self._successes = BreakerState.CLOSED, 0, 0
+        self.trials.clear()
 
 
 class WorkerHealth:
@@ -114,6 +134,11 @@ class WorkerHealth:
     @property
     def is_selectable(self) -> bool:
         return self.is_probe_healthy and self.breaker.allows
+
+    @property
+    def is_available(self) -> bool:
+        """``is_selectable``, or only waiting for its half-open trials to end (readiness: no flapping)."""
+        return self.is_probe_healthy and self.breaker.state is not BreakerState.OPEN
 
     def probe_passed(self, stalled_s: float) -> bool:
         """Record a ``Pong``; returns True when this turned the worker unhealthy (a stalled scheduler)."""

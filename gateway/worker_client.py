@@ -223,6 +223,13 @@ class WorkerClient:
         return (transport is not None and not transport.is_closing() and self.info is not None
                 and not self.is_draining and self.health.is_selectable)
 
+    @property
+    def available(self) -> bool:
+        """``healthy``, or only waiting for its breaker's half-open trials to end."""
+        transport = self._transport
+        return (transport is not None and not transport.is_closing() and self.info is not None
+                and not self.is_draining and self.health.is_available)
+
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._run(), name=f"worker-client {self.url}")
@@ -396,6 +403,9 @@ class WorkerClient:
     def _forget(self, rid: int) -> None:
         if self._open.pop(rid, None) is not None:
             self.state.ended(rid)
+            trials = self.health.breaker.trials
+            if trials:
+                trials.discard(rid)
 
     def submit(self, msg_without_rid: Submit, sink: Sink, tag: Any, *,
                prefill_tokens: int = 0, pages: int = 0, urgent: bool = False) -> int:
@@ -414,6 +424,9 @@ class WorkerClient:
         frame = self._codec.encode(msg_without_rid)  # first: a message that cannot be encoded leaves nothing open
         self._open[rid] = (sink, tag)
         self.state.dispatched(rid, prefill_tokens, pages)
+        breaker = self.health.breaker
+        if not breaker.is_closed:  # half-open: a trial, which ends with the rid (``_forget``)
+            breaker.trial_started(rid)
         self._send(writer, frame, urgent)
         return rid
 

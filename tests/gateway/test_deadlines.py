@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -469,5 +470,35 @@ def test_a_retry_after_a_failure_nobody_is_blamed_for_goes_to_another_worker() -
         decodes[1]._dispatch(Outputs([StepOutput(retry.rid, [65], "length")]))
         assert [t for out in await asyncio.wait_for(task, 5) for t in out.token_ids] == [65]
         assert decodes[0].health.breaker.failures == 0
+
+    asyncio.run(main())
+
+
+def test_a_half_open_breaker_lets_through_as_many_trials_at_once_as_it_needs_successes() -> None:
+    """A worker back from an open breaker is tried by at most ``breaker_successes`` requests at a time (not
+    the whole burst that waited): the rest go to the other workers; a trial that ends frees its place;
+    readiness counts the worker meanwhile."""
+    from gateway.health import BreakerState
+
+    async def main() -> None:
+        dispatcher, workers, transports = combined(2, DispatchConfig(max_retries=0))
+        breaker = workers[0].health.breaker
+        breaker.cooldown_s = 0.0
+        for _ in range(breaker.failures_to_open):
+            breaker.record_failure()
+        assert breaker.state is BreakerState.HALF_OPEN and breaker.successes_to_close == 2
+        params = SamplingParams(max_new_tokens=8)
+        gens = [dispatcher.generate([1, 2, i], params) for i in range(6)]
+        firsts = [asyncio.ensure_future(gen.__anext__()) for gen in gens]
+        assert await until(lambda: len(_sent(transports[0], Submit)) + len(_sent(transports[1], Submit)) == 6, 5)
+        trials = _sent(transports[0], Submit)
+        assert len(trials) == 2 and not workers[0].healthy and workers[0].available and dispatcher.is_ready()
+        workers[0]._dispatch(Outputs([StepOutput(trials[0].rid, [65], "length")]))  # a trial ends
+        assert workers[0].healthy and breaker.state is BreakerState.HALF_OPEN
+        for first in firsts:
+            first.cancel()
+        for gen in gens:
+            with contextlib.suppress(BaseException):
+                await gen.aclose()
 
     asyncio.run(main())
