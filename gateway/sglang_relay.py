@@ -23,6 +23,12 @@ Lifecycle (the workers, their health, load and HTTP session: ``gateway/sglang_fl
 4. The prefill's body is always read to the end (it frees the connection); with ``return_logprob``
    its ``meta_info.input_token_logprobs`` are put in front of the decode's, from a JSON or an SSE
    prefill reply, in the whole response or in every streamed event.
+5. Metrics (``_Figures``), as the native path's where the relay can tell: end-to-end latency of every
+   answered request; time to first token of streams (the first event relayed: SGLang's decode sends
+   none before its first token); prompt, cached and generated tokens from the reply's ``usage`` (OpenAI
+   routes) or ``meta_info`` (``/generate``), in a whole reply or a stream's last event (a chat or
+   completions stream has them only with ``stream_options.include_usage``; a stream of several items,
+   only then too). No inter-token latency: an event may carry several tokens.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import contextlib
 import logging
 import random
 import secrets
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +46,7 @@ import aiohttp
 import msgspec
 
 from gateway.api import SSE_DONE, error_event
-from gateway.context import REQUEST_ID
+from gateway.context import REQUEST_ID, REQUEST_T0
 from gateway.errors import APIError, BadGateway, BadRequest, Overloaded, UpstreamTimeout
 from gateway.policies.base import Pair
 from gateway.responder import ClientGone, read_body, send_error, shutdown_cut_error, watch_disconnect
@@ -56,6 +63,82 @@ log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
 MAX_BACKOFF_S = 2.0
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    prompt_tokens_details: _Details | None = None
+
+
+class _MetaInfo(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+class _Counted(msgspec.Struct):
+    """What a reply (or a streamed event) says it counted; everything else in it is skipped."""
+
+    usage: _Usage | None = None
+    meta_info: _MetaInfo | None = None
+
+
+_counted = msgspec.json.Decoder(_Counted | list[_Counted])
+
+
+class _Figures:
+    """One relayed request's latency and token figures for the gateway's metrics (see the module doc)."""
+
+    __slots__ = ("metrics", "several", "t0")
+
+    def __init__(self, metrics: GatewayMetrics, several: bool) -> None:
+        self.metrics, self.several = metrics, several
+        self.t0 = REQUEST_T0.get() or time.monotonic()
+
+    def first_event(self) -> None:
+        self.metrics.ttft.observe(time.monotonic() - self.t0)
+
+    def answered(self, data: bytes | None, streamed: bool = False) -> None:
+        """A 200 answer relayed to its end; ``data``: the whole reply, or (``streamed``) its last event's JSON."""
+        metrics = self.metrics
+        metrics.e2e.observe(time.monotonic() - self.t0)
+        if not data:
+            return
+        try:
+            replies = _counted.decode(data)
+        except (msgspec.DecodeError, UnicodeDecodeError):
+            return
+        prompt = cached = generated = 0
+        for reply in replies if isinstance(replies, list) else [replies]:
+            usage, meta = reply.usage, reply.meta_info
+            if usage is not None:
+                details = usage.prompt_tokens_details
+                prompt += usage.prompt_tokens or 0
+                generated += usage.completion_tokens or 0
+                cached += (details.cached_tokens or 0) if details is not None else 0
+            elif meta is not None and not (streamed and self.several):  # (one item's, of several)
+                prompt += meta.prompt_tokens or 0
+                generated += meta.completion_tokens or 0
+                cached += meta.cached_tokens or 0
+        metrics.prompt_tokens.inc(prompt)
+        metrics.cached_tokens.inc(cached)
+        metrics.generation_tokens.inc(generated)
+
+
+def _last_event(events: bytes) -> bytes | None:
+    """The JSON of the last ``data:`` event of ``events`` other than ``[DONE]``."""
+    for event in reversed(events.split(b"\n\n")):
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                payload = line[5:].strip()
+                if payload and payload != b"[DONE]":
+                    return payload
+    return None
 
 
 class MethodNotAllowed(APIError):
@@ -150,6 +233,7 @@ class SGLangResponder:
         stream = bool(body.get("stream"))
         merge_logprobs = self.route == "generate" and bool(body.get("return_logprob"))
         request = routing_request(fleet.router, fleet.tokenizer, self.route, body)
+        figures = _Figures(self.metrics, num_items is not None)
         avoid: set[HttpWorker] = set()
         attempt = 0
         while True:
@@ -166,7 +250,8 @@ class SGLangResponder:
             data = _json.encode(payload)
             cost = dispatch_cost(request, prefill.state, num_items, len(data))
             try:
-                outcome = await self._attempt(prefill, decode, data, stream, merge_logprobs, send, trace, cost)
+                outcome = await self._attempt(prefill, decode, data, stream, merge_logprobs, send, trace, figures,
+                                              cost)
                 result = "finished" if isinstance(outcome, int) and outcome < 400 else "failed"
             except APIError:
                 result = "failed"
@@ -184,7 +269,7 @@ class SGLangResponder:
             await asyncio.sleep(min(delay, MAX_BACKOFF_S))
 
     async def _attempt(self, prefill: HttpWorker, decode: HttpWorker, data: bytes, stream: bool,
-                       merge_logprobs: bool, send: Send, trace: dict[str, str],
+                       merge_logprobs: bool, send: Send, trace: dict[str, str], figures: _Figures,
                        cost: tuple[int, int] = (0, 0)) -> int | _Retry:
         """One pair: the client's status once answered, or what to retry. ``cost``: (prefill tokens, decode
         pages) it adds to their load counts while open (``dispatch_cost``)."""
@@ -230,9 +315,9 @@ class SGLangResponder:
                         if first.worker is decode:
                             decode.health.breaker.record_failure()
                         return await self._failed(first, send)
-                    status = await self._stream(reply, first, p_task, merge_logprobs, send)
+                    status = await self._stream(reply, first, p_task, merge_logprobs, send, figures)
                 else:
-                    status = await self._whole(reply, p_task, merge_logprobs, send)
+                    status = await self._whole(reply, p_task, merge_logprobs, send, figures)
             finally:
                 reply.release()
             _record(decode, status)  # (a stream broken after its head: the decode's failure...)
@@ -263,7 +348,7 @@ class SGLangResponder:
         return _Retry(BadGateway(message, code="worker_failed"), worker)
 
     async def _whole(self, reply: aiohttp.ClientResponse, p_task: asyncio.Task[_PrefillReply],
-                     merge_logprobs: bool, send: Send) -> int:
+                     merge_logprobs: bool, send: Send, figures: _Figures) -> int:
         content_type = reply.headers.get("content-type", "application/json")
         try:
             data = await reply.read()
@@ -272,6 +357,8 @@ class SGLangResponder:
         if merge_logprobs and reply.status == 200:
             data = _merge_whole(await _prefill_logprobs(p_task, self.fleet.config.read_timeout_s, self.route), data)
         await _send_whole(send, reply.status, content_type, data)
+        if reply.status == 200:
+            figures.answered(data)
         return reply.status
 
     async def _first_events(self, reply: aiohttp.ClientResponse, p_task: asyncio.Task[_PrefillReply],
@@ -316,7 +403,8 @@ class SGLangResponder:
                 read.cancel()
 
     async def _stream(self, reply: aiohttp.ClientResponse, first: tuple[bytes, bytes],
-                      p_task: asyncio.Task[_PrefillReply], merge_logprobs: bool, send: Send) -> int:
+                      p_task: asyncio.Task[_PrefillReply], merge_logprobs: bool, send: Send,
+                      figures: _Figures) -> int:
         """Relay the stream from its first events on, whole events only: a decode that breaks off
         mid-event leaves the client a clean error event, not a line of two events run together."""
         content_type = reply.headers.get("content-type", "text/event-stream")
@@ -328,9 +416,14 @@ class SGLangResponder:
         logprobs = await _prefill_logprobs(p_task, idle_s, self.route) if merge_logprobs else None
         events, pending = first
         status = reply.status
+        if status == 200:
+            figures.first_event()
+        last = None  # (the newest events other than a lone [DONE]: the figures' source)
         try:
             while True:
                 if events:
+                    if events.strip() != b"data: [DONE]":
+                        last = events
                     await send({"type": "http.response.body", "more_body": True,
                                 "body": events if logprobs is None else _merge_events(logprobs, events)})
                 async with asyncio.timeout(idle_s):
@@ -347,6 +440,8 @@ class SGLangResponder:
             # (whole events only, then the error event and [DONE], as the native path ends a broken stream)
             pending, status = error_event(error) + SSE_DONE, error.status
         await send({"type": "http.response.body", "body": pending, "more_body": False})
+        if status == 200:
+            figures.answered(_last_event(last + pending if last is not None else pending), streamed=True)
         return status
 
 

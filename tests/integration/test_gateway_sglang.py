@@ -380,8 +380,20 @@ def test_gateway_over_our_workers_sglang_side_matches_the_native_path(procs: Pro
         whole = client.chat.completions.create(model="sim", messages=messages, max_tokens=24, temperature=0)  # type: ignore[arg-type]
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
             model="sim", messages=messages, max_tokens=24, temperature=0, stream=True) if c.choices)  # type: ignore[arg-type]
+        counted = list(client.chat.completions.create(model="sim", messages=messages, max_tokens=24, temperature=0,  # type: ignore[arg-type]
+                                                      stream=True, stream_options={"include_usage": True}))
+        assert counted[-1].usage is not None and counted[-1].usage.completion_tokens == 24
         answers.append((whole.choices[0].message.content, streamed))
     assert answers[0] == answers[1] and len(answers[0][0] or "") == 24
+    # The relay's metrics, as the native path's where it can tell: latency of every answer, TTFT of the
+    # streams, tokens from a reply's usage (the stream without include_usage has none).
+    figures = [_metrics(port) for port in (native, http)]
+    prompt = figures[0]["pd_gateway_prompt_tokens_total"] / 3
+    assert prompt > 0 and figures[0]["pd_gateway_generation_tokens_total"] == 72
+    assert figures[1]["pd_gateway_e2e_request_latency_seconds_count"] == 3
+    assert figures[1]["pd_gateway_time_to_first_token_seconds_count"] == 2
+    assert figures[1]["pd_gateway_generation_tokens_total"] == 48
+    assert figures[1]["pd_gateway_prompt_tokens_total"] == 2 * prompt
     loads = decode.get("/v1/loads")["loads"]  # type: ignore[index]
     assert loads[0]["max_total_num_tokens"] == 256 * 4 and loads[0]["num_running_reqs"] == 0
     assert decode.get("/get_load")["load"] == 0  # type: ignore[index]
@@ -392,6 +404,13 @@ def test_gateway_over_our_workers_sglang_side_matches_the_native_path(procs: Pro
             break
         assert time.monotonic() < deadline, workers
         time.sleep(0.2)
+
+
+def _metrics(port: int) -> dict[str, float]:
+    """The gateway's unlabelled samples by name."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {name: float(value) for name, _, value in (line.partition(" ") for line in text.splitlines())
+            if not name.startswith("#") and "{" not in name}
 
 
 def test_a_tokenizer_lets_cache_aware_route_sglang_prompts_by_prefix(procs: Procs, tmp_path: Path) -> None:
