@@ -39,7 +39,7 @@ from gateway.request_checks import (
 )
 from gateway.structured_output import grammar_for
 from gateway.text import ChoiceState
-from gateway.tokenizer import DECODE_CONTEXT_TOKENS, Tokenizer
+from gateway.tokenizer import DECODE_CONTEXT_TOKENS, TemplateOptions, Tokenizer
 from gateway.tool_calls import ToolPlan, plan_tools, render_prompt
 from workers.protocol import SamplingParams, StepOutput
 
@@ -253,7 +253,7 @@ class Frontend:
                 for entry in messages:  # OpenAI's newer name for system, which most templates know only as that
                     if entry["role"] == "developer":
                         entry["role"] = "system"
-            input_ids = render_prompt(self.tokenizer, messages, tools)
+            input_ids = render_prompt(self.tokenizer, messages, tools, template_options(req))
         except (ValueError, TypeError, TemplateError) as exc:  # (TemplateError: the template's raise_exception)
             raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from None
         named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -438,6 +438,24 @@ class Frontend:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+TEMPLATE_OWN_NAMES = ("messages", "tools", "add_generation_prompt", "continue_final_message")
+
+
+def template_options(req: ChatCompletionRequest) -> TemplateOptions | None:
+    """How the request wants its template rendered (None: as usual), as vLLM reads these fields."""
+    variables, add, cont = req.chat_template_kwargs, req.add_generation_prompt, req.continue_final_message
+    if not variables and add is None and not cont:
+        return None
+    if cont and add is not False:  # (vLLM's rule: the prompt cannot both continue a message and start a new one)
+        raise BadRequest("continue_final_message: true needs add_generation_prompt: false",
+                         param="continue_final_message")
+    for name in TEMPLATE_OWN_NAMES:
+        if variables and name in variables:
+            hint = " (a field of the request)" if name not in ("messages", "tools") else ""
+            raise BadRequest(f"chat_template_kwargs must not set {name!r}{hint}", param="chat_template_kwargs")
+    return TemplateOptions(add is not False, bool(cont), variables or None)
 
 
 def _token_ids(value: Any, param: str) -> list[int]:

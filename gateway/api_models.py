@@ -135,10 +135,11 @@ class ChatCompletionRequest(_Sampling):
     # function tools: "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    # not supported: a 400 unless absent or neutral
-    chat_template_kwargs: dict[str, Any] | None = None  # (vLLM/SGLang: extra template variables)
+    # the template (vLLM's and SGLang's fields): more variables, the generation prompt, an open final message
+    chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    # not supported: a 400 unless absent or neutral
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None

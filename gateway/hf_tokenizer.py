@@ -7,8 +7,9 @@ Runtime deps are ``tokenizers`` and ``jinja2`` only (no transformers). The direc
 - ``chat_template.jinja`` (optional): the template as a file; preferred when present.
 - ``generation_config.json`` / ``config.json`` (optional): more EOS ids.
 
-Templates render in jinja2's immutable sandbox with ``messages``, ``add_generation_prompt=True``,
-the special tokens (``bos_token``, ``eos_token``, ...), ``raise_exception`` and ``strftime_now``;
+Templates render in jinja2's immutable sandbox with ``messages``, ``add_generation_prompt`` (True unless
+the request says otherwise), the special tokens (``bos_token``, ``eos_token``, ...), the request's
+``chat_template_kwargs``, ``tools`` where given, ``raise_exception`` and ``strftime_now``;
 the rendered text is encoded without adding special tokens again (the template wrote them).
 """
 
@@ -26,7 +27,7 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from gateway.tokenizer import IncrementalDecoder, content_text
+from gateway.tokenizer import IncrementalDecoder, content_text, cut_after_final_message
 
 REPLACEMENT_CHAR = "\ufffd"
 log = logging.getLogger(__name__)
@@ -96,9 +97,12 @@ class HFTokenizer:
         ids: list[int] = self._tok.encode(text, add_special_tokens=True).ids
         return ids
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                            ) -> list[int]:
-        text = self.render_chat(messages, tools=tools)
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt and not continue_final_message, tools, template_kwargs)
+        if continue_final_message:
+            text = cut_after_final_message(text, messages)
         if self._pieces is not None:
             return self._pieces.encode(text)
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
@@ -143,8 +147,9 @@ class HFTokenizer:
 
     # -- helpers ------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> str:
-        """The chat template's text for ``messages`` (content parts flattened to their text)."""
+                    tools: list[dict[str, Any]] | None = None, variables: dict[str, Any] | None = None) -> str:
+        """The chat template's text for ``messages`` (content parts flattened to their text); ``variables``:
+        more template variables (a request's ``chat_template_kwargs``; they may replace the special tokens')."""
         if self.chat_template is None:
             raise ValueError(f"tokenizer {self.name!r} has no chat template")
         if self._template is None:
@@ -158,6 +163,8 @@ class HFTokenizer:
             normalized.append(item)
         specials = {k: (v if v is not None else "") for k, v in self.special_tokens.items()}
         context: dict[str, Any] = dict(specials)
+        if variables:
+            context.update(variables)
         if tools is not None:  # (templates that know tools; gateway/tool_calls.py)
             context["tools"] = tools
         return str(self._template.render(messages=normalized, add_generation_prompt=add_generation_prompt, **context))

@@ -56,9 +56,6 @@ CHAT_RULES = Rules(
     *_SAMPLING_RULES,
     ("functions", _unset, ""),
     ("function_call", _is("none"), '"none"'),
-    ("chat_template_kwargs", _unset, ""),
-    ("add_generation_prompt", _is(True), "true"),
-    ("continue_final_message", _is(False), "false"),
     ("modalities", lambda value, _req: value is None or value == ["text"], '["text"]'),
     ("audio", _unset, ""),
 )

@@ -18,6 +18,7 @@ import codecs
 import hashlib
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 DECODE_CONTEXT_TOKENS = 4
@@ -38,7 +39,8 @@ class Tokenizer(Protocol):
         ...
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Chat messages to the prompt ids, with the generation prompt appended."""
+        """Chat messages to the prompt ids, with the generation prompt appended. Tokenizers with a template
+        also take ``tools=`` and the keywords of ``TemplateOptions.keywords`` (``HFTokenizer``, ``ByteTokenizer``)."""
         ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
@@ -59,6 +61,33 @@ def literal_text(tokenizer: Tokenizer, token_ids: Sequence[int]) -> str:
     return literally(token_ids) if literally is not None else tokenizer.decode(token_ids)
 
 
+@dataclass(frozen=True)
+class TemplateOptions:
+    """A chat request's say in how its template renders (vLLM's and SGLang's request fields)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the prompt ends inside the final message (the model continues it)
+    variables: dict[str, Any] | None = None  # ``chat_template_kwargs``: more template variables
+
+    def keywords(self) -> dict[str, Any]:
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message, "template_kwargs": self.variables}
+
+
+def cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """``continue_final_message``: ``text`` (a template's rendering of ``messages``) up to the end of the final
+    message's content, found as its last occurrence (a template may trim the content's outer spaces);
+    ValueError when it is not there."""
+    final = content_text(messages[-1].get("content")) if messages else ""
+    core = final.strip()
+    at = text.rfind(core) if core else -1
+    if at < 0:
+        raise ValueError("continue_final_message: the final message's content is not in the template's text")
+    leading_trimmed = final.lstrip()
+    end = at + (len(leading_trimmed) if text.startswith(leading_trimmed, at) else len(core))
+    return text[:end]
+
+
 class ByteTokenizer:
     """Token i < 256 is byte i; a few specials above. Used by the sim engine."""
 
@@ -71,9 +100,16 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        parts = [f"<|{m.get('role', 'user')}|>\n{content_text(m.get('content'))}\n" for m in messages]
-        return [self.BOS, *self.encode("".join(parts) + "<|assistant|>\n")]
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+                            ) -> list[int]:
+        """(A fixed template: ``template_kwargs`` has no variable to set in it.)"""
+        text = "".join(f"<|{m.get('role', 'user')}|>\n{content_text(m.get('content'))}\n" for m in messages)
+        if continue_final_message:
+            text = cut_after_final_message(text, messages)
+        elif add_generation_prompt:
+            text += "<|assistant|>\n"
+        return [self.BOS, *self.encode(text)]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")

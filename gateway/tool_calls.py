@@ -34,7 +34,7 @@ import msgspec
 from gateway.context import random_hex
 from gateway.errors import BadRequest
 from gateway.structured_output import checked
-from gateway.tokenizer import content_text
+from gateway.tokenizer import TemplateOptions, content_text
 from workers.protocol import Grammar
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -179,8 +179,10 @@ def _call_json(call: dict[str, Any]) -> dict[str, Any]:
     return {"name": fn.get("name", ""), "arguments": arguments}
 
 
-def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[int]:
-    """The prompt ids: the template gets ``tools`` when it uses them, else a system note describes them."""
+def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan | None,
+                  options: TemplateOptions | None = None) -> list[int]:
+    """The prompt ids: the template gets ``tools`` when it uses them, else a system note describes them;
+    ``options`` (None: the defaults) as the tokenizer's keywords."""
     check_messages(messages)
     template = getattr(tokenizer, "chat_template", None) or ""
     native = "tools" in template
@@ -194,17 +196,18 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan
             shown = [json.dumps(_call_json(c)) for c in calls]
             message["content"] = "\n".join([content_text(message.get("content")), *shown]).strip()
         converted.append(message)
+    keywords = options.keywords() if options is not None else {}
     if plan is not None and native:
         tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
                  for t in plan.tools]
-        return tokenizer.apply_chat_template(converted, tools=tools)
+        return tokenizer.apply_chat_template(converted, tools=tools, **keywords)
     if plan is not None:
         note = _tool_note(plan)
         if converted and converted[0]["role"] == "system":
             converted[0] = {**converted[0], "content": f"{content_text(converted[0].get('content'))}\n\n{note}".strip()}
         else:
             converted.insert(0, {"role": "system", "content": note})
-    return tokenizer.apply_chat_template(converted)
+    return tokenizer.apply_chat_template(converted, **keywords)
 
 
 def _tool_note(plan: ToolPlan) -> str:

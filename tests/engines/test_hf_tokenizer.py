@@ -388,3 +388,36 @@ def test_tokenizer_digest_follows_the_tokenizer_file(tmp_path, tiny_tokenizer_di
     assert len(digest) == 32 and tokenizer_digest(str(copy)) == digest
     assert tokenizer_digest(str(edited)) not in (digest, "")
     assert tokenizer_digest(str(tmp_path / "nowhere")) == ""
+
+
+def test_template_options_match_transformers(tiny_tokenizer_dir, tmp_path) -> None:
+    """``add_generation_prompt``, ``continue_final_message`` and template variables (a request's
+    ``chat_template_kwargs``) render as transformers renders them."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    shutil.copytree(tiny_tokenizer_dir, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}")
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    tok = HFTokenizer.from_dir(str(tmp_path))
+    messages = [{"role": "user", "content": "Name a capital."}, {"role": "assistant", "content": "The capital of "}]
+
+    def expected(**kwargs: object) -> list[int]:
+        ids = ref.apply_chat_template(messages, tokenize=True, **kwargs)
+        return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+    cases = [({"add_generation_prompt": False}, {"add_generation_prompt": False}),
+             ({"add_generation_prompt": True, "template_kwargs": {"enable_thinking": False}},
+              {"add_generation_prompt": True, "enable_thinking": False}),
+             ({"add_generation_prompt": False, "continue_final_message": True},
+              {"add_generation_prompt": False, "continue_final_message": True})]
+    for ours, theirs in cases:
+        assert tok.apply_chat_template(messages, **ours) == expected(**theirs), ours
+    assert tok.decode(tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+                      ).endswith("assistant\nThe capital of ")
+    with pytest.raises(ValueError, match="final message"):
+        tok.apply_chat_template([*messages[:1], {"role": "assistant", "content": ""}], add_generation_prompt=False,
+                                continue_final_message=True)

@@ -64,16 +64,43 @@ def test_keep_stop_reaches_every_route() -> None:
     assert front.prepare_generate(generate)[0].keep_stop
 
 
-@pytest.mark.parametrize("field, value", [("skip_special_tokens", False), ("spaces_between_special_tokens", False),
-                                          ("chat_template_kwargs", {"enable_thinking": False}),
-                                          ("add_generation_prompt", False), ("continue_final_message", True)])
+@pytest.mark.parametrize("field, value", [("skip_special_tokens", False), ("spaces_between_special_tokens", False)])
 def test_chat_options_not_implemented_are_refused(field: str, value: Any) -> None:
     with pytest.raises(BadRequest) as err:
         _frontend().prepare_chat(_chat(**{field: value}))
     assert err.value.param == field
-    neutral = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "chat_template_kwargs": {},
-               "add_generation_prompt": True, "continue_final_message": False}[field]
-    _frontend().prepare_chat(_chat(**{field: neutral}))  # (the default, spelled out: fine)
+    _frontend().prepare_chat(_chat(**{field: True}))  # (the default, spelled out: fine)
+
+
+def test_the_template_options_shape_the_prompt() -> None:
+    """``add_generation_prompt: false`` leaves the assistant's turn unopened; ``continue_final_message`` ends
+    the prompt inside the final message (the model continues it); spelled-out defaults change nothing."""
+    front, tok = _frontend(), ByteTokenizer()
+    messages = [{"role": "user", "content": "Name a capital."}, {"role": "assistant", "content": "The capital of"}]
+
+    def prompt(**fields: Any) -> str:
+        return tok.decode(front.prepare_chat(_chat(messages=messages, **fields)).input_ids)
+
+    plain = prompt()
+    assert plain.endswith("<|assistant|>\nThe capital of\n<|assistant|>\n")
+    assert prompt(add_generation_prompt=True, continue_final_message=False, chat_template_kwargs={}) == plain
+    assert prompt(add_generation_prompt=False) == plain.removesuffix("<|assistant|>\n")
+    assert prompt(add_generation_prompt=False, continue_final_message=True).endswith("<|assistant|>\nThe capital of")
+    assert prompt(chat_template_kwargs={"enable_thinking": False}) == plain  # (this template has no variables)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"continue_final_message": True}, "continue_final_message"),  # (with the generation prompt: vLLM's 400 too)
+    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ({"add_generation_prompt": False, "continue_final_message": True,
+      "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}, "messages"),
+])
+def test_template_options_that_cannot_render_are_a_400(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(BadRequest) as err:
+        _frontend().prepare_chat(_chat(**fields))
+    assert err.value.param == param
 
 
 def test_generate_options_not_implemented_are_refused() -> None:
