@@ -63,6 +63,12 @@ class Family:
             child = self._children[values] = Value()
         return child
 
+    def forget(self, label: str, value: str) -> None:
+        """Drop the children whose ``label`` is ``value`` (a removed worker's series)."""
+        at = self.labelnames.index(label)
+        for values in [v for v in self._children if v[at] == value]:
+            del self._children[values]
+
     def family(self) -> Metric:
         cls = CounterMetricFamily if self.kind == "counter" else GaugeMetricFamily
         family = cls(self.name, self.doc, labels=list(self.labelnames))
@@ -162,9 +168,10 @@ class WorkerCollector(Collector):
             "load_fresh": "1 if the worker's load report is fresh",
             "healthy": "1 if the worker is selectable (connected, passing probes, breaker not open)",
             "connected": "1 if the gateway's connection to the worker is up",
-            "probe_failures": "Health probes the worker failed (total)",
         }
         families = {k: GaugeMetricFamily(f"pd_gateway_worker_{k}", doc, labels=labels) for k, doc in gauges.items()}
+        probe_failures = CounterMetricFamily("pd_gateway_worker_probe_failures", "Health probes the worker failed",
+                                             labels=labels)
         breaker = GaugeMetricFamily("pd_gateway_worker_breaker_state", "1 for the breaker's current state",
                                     labels=[*labels, "state"])
         for c in self._clients():
@@ -174,14 +181,15 @@ class WorkerCollector(Collector):
                 "waiting_seqs": st.num_waiting_seqs, "free_pages": st.num_free_pages,
                 "active_requests": st.num_active, "load_fresh": float(st.is_load_fresh),
                 "healthy": float(c.healthy), "connected": float(c.is_connected),
-                "probe_failures": c.health.num_probe_failures,
             }
             for name, value in values.items():
                 families[name].add_metric(key, value)
+            probe_failures.add_metric(key, c.health.num_probe_failures)
             current = c.health.breaker.state.value
             for state in BREAKER_STATES:
                 breaker.add_metric([*key, state], 1.0 if state == current else 0.0)
         yield from families.values()
+        yield probe_failures
         yield breaker
         stats = GaugeMetricFamily("pd_gateway_policy_stat", "Figures the routing policies report", labels=["stat"])
         for name, value in self._policy_stats().items():

@@ -430,6 +430,7 @@ class Gateway:
             await client.aclose("removed by the admin API (its drain timeout passed)")
         if self.find(client.url) is None:  # (not added again meanwhile: then its place stays its own)
             self.router.worker_forgotten(client.url)
+            self.metrics.worker_failures.forget("worker", client.url)  # (URLs may never come back: pod IPs)
         max_context = self._max_context()
         if self.frontend is not None and max_context is not None and max_context != self.frontend.max_context:
             log.info("prompts are now held to %d tokens, the shortest context of the workers left", max_context)

@@ -154,6 +154,14 @@ def test_breaker_opens_on_a_failing_decode_and_closes_when_it_recovers(sim_clust
 
     wait_until(closed, 20, "breaker closed after a successful trial")
     cluster.wait_pools_full(alive_only=True)
+    # Removed through the admin API, the worker takes its failure series with it (URLs may never return).
+    assert httpx.delete(f"{cluster.base_url}/workers", params={"url": url}, timeout=10).status_code == 202
+    wait_until(lambda: url not in workers(cluster), 10, "removed worker gone from the list")
+    assert metric(cluster, "pd_gateway_worker_failures_total", worker=url) == 0
+    assert metric(cluster, "pd_gateway_worker_probe_failures_total") == 0  # (a counter now; none failed)
+    text = httpx.get(f"{cluster.base_url}/metrics", timeout=10).text
+    assert "# TYPE pd_gateway_worker_probe_failures_total counter" in text, text
+    assert url not in text, [line for line in text.splitlines() if url in line]
 
 
 def test_admission_limits_queue_and_429_with_retry_after(sim_cluster) -> None:  # type: ignore[no-untyped-def]
