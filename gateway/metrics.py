@@ -157,7 +157,7 @@ class WorkerCollector(Collector):
     def describe(self) -> list[Any]:
         return []
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         labels = ["worker", "role"]
         gauges = {
             "prefill_tokens": "Prompt tokens queued or running (worker report + unacknowledged dispatches)",
