@@ -19,7 +19,9 @@ Decode side, ``BootstrapResolver`` (sync, thread-safe, shared by the KV-transfer
    answer at all, or answers that the instance is not registered (a registry restarted empty, until
    the prefill's next heartbeat), a reply that expired less than ``stale_if_unreachable_s`` ago
    answers instead (a registry restart must not fail every room of prefills that have not moved; a
-   prefill that is really gone refuses the connection, and the caller then ``invalidate``s).
+   prefill that is really gone refuses the connection, and the caller then ``invalidate``s). Such a
+   reply then answers without asking for ``cache_ttl_s`` more (a registry that times out instead of
+   refusing cost every look-up ``timeout_s`` before the stale reply).
    ``cached_topology(...)`` / ``cached_address(...)`` answer from the cache alone (None on a miss):
    they never block, so a caller on a hot thread can skip a hand-off to a thread that may.
 2. ``invalidate(host, port, instance_id)`` drops the cached replies of one prefill instance (call
@@ -354,6 +356,10 @@ class BootstrapResolver:
         )
         self._lock = threading.Lock()
         self._cache: dict[tuple[Any, ...], tuple[Any, float]] = {}
+        # key -> until when its expired reply answers without asking (set when the registry failed to answer
+        # it: a registry that times out instead of refusing would otherwise hold every look-up of that key
+        # for ``timeout_s`` before the stale reply, on the decode's few bootstrap threads)
+        self._quiet: dict[tuple[Any, ...], float] = {}
 
     def topology(self, host: str, port: int | None, instance_id: str | None = None) -> Topology:
         key = (host, port, instance_id)
@@ -414,6 +420,7 @@ class BootstrapResolver:
         with self._lock:
             for key in [k for k in self._cache if k[:3] == prefix]:
                 del self._cache[key]
+                self._quiet.pop(key, None)
 
     def close(self) -> None:
         self._client.close()
@@ -427,6 +434,10 @@ class BootstrapResolver:
             if hit[1] <= now:
                 if hit[1] + self.stale_if_unreachable_s <= now:  # too old even to answer for a silent registry
                     del self._cache[key]
+                    self._quiet.pop(key, None)
+                    return None
+                if self._quiet.get(key, 0.0) > now:  # the registry failed it a moment ago: not asked again yet
+                    return hit[0]
                 return None
             return hit[0]
 
@@ -434,14 +445,17 @@ class BootstrapResolver:
         """The cached reply, expired or not, unless it expired ``stale_if_unreachable_s`` ago or more."""
         with self._lock:
             hit = self._cache.get(key)
-            if hit is None or hit[1] + self.stale_if_unreachable_s <= time.monotonic():
+            now = time.monotonic()
+            if hit is None or hit[1] + self.stale_if_unreachable_s <= now:
                 return None
+            self._quiet[key] = now + self.cache_ttl_s  # (asked again after as long as a fresh reply lasts)
             return hit[0]
 
     def _store(self, key: tuple[Any, ...], value: Any) -> None:
         if self.cache_ttl_s > 0:
             with self._lock:
                 self._cache[key] = (value, time.monotonic() + self.cache_ttl_s)
+                self._quiet.pop(key, None)
 
     def _get(
         self,

@@ -67,3 +67,39 @@ def test_only_an_unregistered_instance_gets_its_cached_address() -> None:
     assert _may_be_stale(BootstrapNotReady("empty", status_code=503, code="not_registered"))
     assert not _may_be_stale(BootstrapNotReady("half", status_code=503, code="not_ready"))
     assert not _may_be_stale(BootstrapNotReady("no code", status_code=503))
+
+
+def test_a_frozen_registry_is_asked_again_only_after_a_while(start_registry: Callable[..., RegistryProc]) -> None:
+    """A registry that takes connections but never answers (frozen, or a partition dropping packets) costs a
+    look-up its whole timeout: the expired reply it then serves answers the next look-ups of that key
+    without asking, for as long as a fresh reply would, and a registry back again is asked after that."""
+    reg = start_registry("--ttl-s", "0")
+    httpx.put(f"{reg.url}/route", json=rank_body(instance_id="p", rank_port=52100), timeout=5)
+    resolver = BootstrapResolver(cache_ttl_s=0.3, timeout_s=0.5)
+    asked = []
+    real_get = resolver._get
+
+    def counting_get(*args: object) -> object:
+        asked.append(args)
+        return real_get(*args)  # type: ignore[arg-type]
+
+    resolver._get = counting_get  # type: ignore[method-assign]
+    assert reg.proc is not None
+    try:
+        assert resolver.resolve("127.0.0.1", reg.port, "p") == ("127.0.0.1", 52100)
+        reg.proc.send_signal(signal.SIGSTOP)
+        time.sleep(0.35)  # expired
+        assert resolver.resolve("127.0.0.1", reg.port, "p") == ("127.0.0.1", 52100)  # (after the timeout)
+        assert len(asked) == 2
+        for _ in range(5):
+            assert resolver.resolve("127.0.0.1", reg.port, "p") == ("127.0.0.1", 52100)
+        assert len(asked) == 2, "the frozen registry was asked again at once"
+        reg.proc.send_signal(signal.SIGCONT)
+        time.sleep(0.35)
+        assert resolver.resolve("127.0.0.1", reg.port, "p") == ("127.0.0.1", 52100)
+        assert len(asked) == 3  # (asked again, and answered: fresh from here)
+        assert resolver.cached_address("127.0.0.1", reg.port, "p") == ("127.0.0.1", 52100)
+    finally:
+        if reg.proc.poll() is None:
+            reg.proc.send_signal(signal.SIGCONT)
+        resolver.close()
