@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--breaker-cooldown-s", type=float, default=30.0, help="open -> half-open after this")
     ops.add_argument("--breaker-successes", type=int, default=2,
                      help="half-open -> closed after this many successes; as many trials at once")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", type=str.lower,
+                   choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--log-format", choices=["text", "json"], default="text")
     return p
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import http.client
 import os
 import random
 import signal
@@ -158,8 +159,8 @@ def _probe(url: str, timeout_s: float) -> str:
         return "refused" if isinstance(exc.reason, ConnectionRefusedError) else "failed"
     except ConnectionRefusedError:
         return "refused"
-    except OSError:  # (timeouts, resets; HTTPError, a URLError, is "failed" above)
-        return "failed"
+    except (OSError, http.client.HTTPException):  # (timeouts, resets, a reply that is not HTTP: another
+        return "failed"                           # program on the port; HTTPError, a URLError, is above)
 
 
 class Interrupted(RuntimeError):
@@ -359,6 +360,9 @@ def plan(args: argparse.Namespace) -> list[Child]:
     py, host = sys.executable, args.host
     _handed_out.update(p for p in (args.port, args.bootstrap_port) if p)  # (chosen: not for a worker)
     reach = reach_host(args)
+    if args.port and args.port == args.bootstrap_port:
+        raise RuntimeError(f"--port and --bootstrap-port are both {args.port}: the gateway and the registry "
+                           "need one each")
     for name, port in (("--port", args.port), ("--bootstrap-port", args.bootstrap_port)):
         if port and not is_free(host, port):  # (else whatever listens there would pass our child's health checks)
             raise RuntimeError(f"{name} {port}: the port is in use on {host}")

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from gateway.cluster import build_parser, plan
+from gateway.cluster import build_parser, free_port, plan
 
 
 def _flag(argv: list[str], name: str) -> list[str]:
@@ -64,3 +64,42 @@ def test_log_levels_are_the_ones_every_child_takes() -> None:
         build_parser().parse_args(["--log-level", "trace"])
     children = plan(build_parser().parse_args(["--engine", "sim", "--log-level", "INFO"]))
     assert all(c.argv[c.argv.index("--log-level") + 1] == "info" for c in children)  # (the registry's too)
+
+
+def test_one_port_for_the_gateway_and_the_registry_is_refused_before_anything_starts() -> None:
+    port = str(free_port())
+    with pytest.raises(RuntimeError, match="--port and --bootstrap-port are both"):
+        plan(build_parser().parse_args(["--engine", "sim", "--port", port, "--bootstrap-port", port]))
+
+
+@pytest.mark.parametrize("module", ["gateway.cli", "workers.cli"])
+def test_an_unknown_log_level_is_a_usage_error(module: str) -> None:
+    """(It was a traceback from the logging module or uvicorn once the process was set up.)"""
+    import importlib
+
+    parser = importlib.import_module(module).build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--log-level", "bogus"])
+
+
+def test_a_probe_answered_by_something_that_is_not_http_is_a_failed_probe() -> None:
+    """Another program on a child's port (it answers, not in HTTP): one failed liveness check, not a traceback
+    out of the supervisor that stopped the whole cluster."""
+    import threading
+
+    from gateway.cluster import _probe
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+
+        def answer() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+
+        thread = threading.Thread(target=answer, daemon=True)
+        thread.start()
+        assert _probe(f"http://127.0.0.1:{server.getsockname()[1]}/health", 2) == "failed"
+        thread.join(5)
