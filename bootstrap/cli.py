@@ -12,6 +12,7 @@ import uvicorn
 
 from bootstrap.app import create_app, guarded_http
 from bootstrap.config import BootstrapConfig
+from transfer.netaddr import dual_stack_sockets
 
 TOKEN_ENV = "PD_BOOTSTRAP_TOKEN"
 
@@ -81,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    uvicorn.run(
+    server = uvicorn.Server(uvicorn.Config(
         create_app(config),
         host=config.host,
         port=config.port,
@@ -91,7 +92,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         loop="uvloop",
         http=guarded_http(),
         timeout_graceful_shutdown=5,
-    )
+    ))
+    server.run(dual_stack_sockets(config.host, config.port))
+    if not server.started:  # (as ``uvicorn.run``: a port in use, say)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from gateway.app import GatewayConfig, create_app
 from gateway.context import configure_logging
 from gateway.health import HealthConfig
 from gateway.http_protocol import ClientLimits, protocol_class
+from transfer.netaddr import dual_stack_sockets
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"gateway: bad configuration: {exc}")
     except Exception as exc:  # plugin errors name the plugin
         sys.exit(f"gateway: {exc}")
-    DrainingServer(server_config(config, app, args.log_level), app).run()
+    DrainingServer(server_config(config, app, args.log_level), app).run(dual_stack_sockets(config.host, config.port))
 
 
 def server_config(config: GatewayConfig, app: Any, log_level: str = "info") -> uvicorn.Config:

@@ -18,6 +18,21 @@ def is_wildcard(host: str) -> bool:
     return host in ("", "0.0.0.0", "::", "[::]")
 
 
+def listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``; the IPv6 wildcard ``::`` takes IPv4 connections too (as it is
+    documented: every interface; bound as asyncio and uvicorn bind it, it would be IPv6 only)."""
+    host = host.strip("[]")
+    if ":" in host:
+        return socket.create_server((host, port), family=socket.AF_INET6, dualstack_ipv6=host == "::")
+    return socket.create_server((host, port))
+
+
+def dual_stack_sockets(host: str, port: int) -> list[socket.socket] | None:
+    """For a uvicorn server on ``host:port``: the IPv6 wildcard's dual-stack ``listener``; None (uvicorn binds)
+    for every other host."""
+    return [listener(host, port)] if host.strip("[]") == "::" else None
+
+
 def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback

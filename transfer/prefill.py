@@ -33,6 +33,7 @@ from transfer.messages import (
     RegisterAck,
     RoomRequest,
 )
+from transfer.netaddr import listener
 from transfer.sender import KVSender, Link
 from transfer.sender_rooms import SenderRooms
 from transfer.types import KVArgs
@@ -47,8 +48,7 @@ class PrefillSide:
         # control connection's close as the end of every write of that connection's rooms)
         self._fences_writes = isinstance(ctx.backend, FencesWrites)
         self._last_beat = time.monotonic()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host.strip("[]"), port), family=family)
+        self._listener = listener(host, port)
         self.control_address: tuple[str, int] = self._listener.getsockname()[:2]
         self._accept_thread = threading.Thread(target=self._accept_loop, name="kv-ctl-accept", daemon=True)
 

@@ -39,7 +39,7 @@ from transfer.base import Block, Fence, PeerId, Region, fenced
 from transfer.blocks import RegionSet
 from transfer.errors import TransferError, TransferErrorKind
 from transfer.memkind import device_regions
-from transfer.netaddr import is_wildcard, join_host_port, split_host_port
+from transfer.netaddr import is_wildcard, join_host_port, listener, split_host_port
 from transfer.options import Option, parse_options, positive_float, positive_int
 from transfer.peer_threads import PeerThreadBackend, SenderPeer
 
@@ -135,8 +135,7 @@ class TcpBackend(PeerThreadBackend):
         self._open_fences: set[tuple[int, int]] = set()
         self._receiving: dict[socket.socket, tuple[int, int]] = {}  # connection -> fence of the batch it is in
         self._awaited: set[tuple[int, int]] = set()  # closed while being received: tell the listener when out
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host.strip("[]"), 0), family=family)
+        self._listener = listener(host, 0)
         if self._rcvbuf is not None:  # inherited by accepted sockets (must be set before the handshake)
             self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._rcvbuf)
         self._port = self._listener.getsockname()[1]

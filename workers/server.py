@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from transfer.netaddr import listener
 from workers.protocol import (
     MAX_UNREAD_BYTES,
     PROTOCOL_VERSION,
@@ -79,7 +80,8 @@ class NativeServer:
         """Bind the port; ``serve``: accept connections now (else from ``start_serving``: until then a
         connection is refused, as with nothing listening)."""
         self._loop = asyncio.get_running_loop()
-        self._server = await asyncio.start_server(self._on_connect, self._host, self._port, start_serving=serve)
+        self._server = await asyncio.start_server(self._on_connect, sock=listener(self._host, self._port),
+                                                  start_serving=serve)
 
     async def start_serving(self) -> None:
         assert self._server is not None

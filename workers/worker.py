@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 import threading
 import uuid
 from collections.abc import Callable
@@ -31,7 +30,7 @@ import uvicorn
 
 from gateway.http_protocol import ClientLimits, protocol_class
 from gateway.tokenizer import Tokenizer, load_tokenizer, tokenizer_digest
-from transfer.netaddr import is_wildcard, join_host_port
+from transfer.netaddr import is_wildcard, join_host_port, listener
 from workers.addresses import advertised_host
 from workers.config import WorkerConfig
 from workers.engines import EngineOptions, create_engine
@@ -171,8 +170,7 @@ class Worker:
         self._http.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
         # Bound here: a port in use is an OSError for the caller (uvicorn binding it would sys.exit(3) from its
         # task, past this worker's clean-up).
-        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-        http_socket = socket.create_server((cfg.host, cfg.http_port), family=family)
+        http_socket = listener(cfg.host, cfg.http_port)
         self._http_task = asyncio.create_task(self._http.serve(sockets=[http_socket]), name="worker-http")
         while not self._http.started:
             if self._http_task.done():

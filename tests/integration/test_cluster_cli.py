@@ -133,3 +133,30 @@ def test_pd_cluster_serves_openai_and_cleans_up_on_sigterm(tmp_path: Path) -> No
         run.proc.send_signal(signal.SIGTERM)
         assert run.proc.wait(30) == 0
         run.wait_children_gone()
+
+
+def _has_ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_the_ipv6_wildcard_host_serves_ipv4_and_ipv6_clients(tmp_path: Path) -> None:
+    """``--host ::`` is every interface of both families, as the docs say: every listener (registry, workers'
+    native, HTTP and KV ports, gateway) takes IPv4 connections too (each was IPv6 only: the cluster, reaching
+    its children on 127.0.0.1, never became ready)."""
+    import pytest
+
+    if not _has_ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    with cluster_run(tmp_path, "--host", "::") as run:
+        run.wait_ready()
+        for base in (run.url, f"http://[::1]:{run.port}"):
+            c = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+            out = c.completions.create(model="sim", prompt="Both families", max_tokens=4)
+            assert out.choices[0].finish_reason == "length"
