@@ -269,7 +269,7 @@ class Frontend:
             params.grammar = tools.grammar
         return Prepared(input_ids, params, req.n or 1, stops, bool(req.stream),
                         bool(req.stream_options and req.stream_options.include_usage), logprobs,
-                        bootstrap=ClientBootstrap.of(req), tools=tools,
+                        bootstrap=ClientBootstrap.of(req), tools=tools if tools and tools.mode != "none" else None,
                         keep_stop=bool(req.include_stop_str_in_output))
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:

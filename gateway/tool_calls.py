@@ -3,7 +3,9 @@
 Lifecycle of a request with tools (hooks in ``gateway.api.Frontend.prepare_chat`` and
 ``gateway.shapes.ChatShape``):
 1. ``plan_tools(req)`` checks ``tools`` and ``tool_choice`` (400 naming the field) and picks the mode:
-   - ``none`` (or no tools): plain chat; the tools are not shown to the model.
+   - ``none``: plain chat; a template that uses ``tools`` still gets them (as vLLM and OpenAI show them: the
+     conversation may refer to them), no tool note otherwise, and the answer is never read as a call.
+     No tools at all: plain chat.
    - a named function: the output is constrained (``Grammar``) to the function's ``parameters`` schema,
      so it is exactly the call's ``arguments`` JSON.
    - ``required``: constrained to ``{"name": <one of the tools>, "arguments": <its parameters>}``.
@@ -46,7 +48,7 @@ _REQUIRED_START = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')  #
 
 @dataclass
 class ToolPlan:
-    mode: str  # "auto" | "required" | "named"
+    mode: str  # "auto" | "required" | "named" | "none"
     tools: list[dict[str, Any]]  # the functions: {"name", "description"?, "parameters"}
     name: str | None = None  # the named function
     grammar: Grammar | None = None
@@ -100,7 +102,7 @@ def plan_tools(req: Any, chat_template: str | None) -> ToolPlan | None:
     if choice is None or choice == "auto":
         return ToolPlan("auto", tools, hermes=hermes)
     if choice == "none":
-        return None
+        return ToolPlan("none", tools, hermes=hermes)
     if choice == "required":
         # each tool's parameters move under its option's "arguments": their local references move along
         options = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": _rebased(
@@ -201,7 +203,7 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan
         tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
                  for t in plan.tools]
         return tokenizer.apply_chat_template(converted, tools=tools, **keywords)
-    if plan is not None:
+    if plan is not None and plan.mode != "none":
         note = _tool_note(plan)
         if converted and converted[0]["role"] == "system":
             converted[0] = {**converted[0], "content": f"{content_text(converted[0].get('content'))}\n\n{note}".strip()}

@@ -6,6 +6,7 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 
 from gateway.errors import BadRequest
@@ -43,7 +44,8 @@ def merged_calls(deltas: list[dict[str, Any]]) -> dict[int, dict[str, str]]:
 def test_plans() -> None:
     pytest.importorskip("llguidance")
     assert plan_tools(req(), None) is None
-    assert plan_tools(req([WEATHER], "none"), None) is None
+    none = plan_tools(req([WEATHER], "none"), None)
+    assert none is not None and none.mode == "none" and none.grammar is None
     auto = plan_tools(req([WEATHER]), HERMES_TEMPLATE)
     assert auto is not None and auto.mode == "auto" and auto.grammar is None and auto.hermes
     named = plan_tools(req([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}}), None)
@@ -340,3 +342,33 @@ def test_content_parts_render_as_their_text_with_tools() -> None:
     assert as_strings == prompt([{"type": "text", "text": "Be terse."}],
                                 [{"type": "text", "text": "Let me "}, {"type": "text", "text": "check."}])
     assert "Be terse.\n\nYou can call" in as_strings and "Let me check.\n{" in as_strings and "'type'" not in as_strings
+
+
+def test_tool_choice_none_shows_the_tools_to_a_template_that_takes_them_and_reads_no_call() -> None:
+    """As vLLM and OpenAI: the model sees the tools (the conversation may refer to them) but answers in text;
+    a template without tools of its own gets no tool note (it would invite a call)."""
+    from gateway.api import Frontend
+    from gateway.api_models import ChatCompletionRequest
+    from gateway.tokenizer import ByteTokenizer
+    from gateway.tool_calls import render_prompt
+
+    class TemplateWithTools(ByteTokenizer):
+        chat_template = "{% if tools %}{{ tools }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+
+        def __init__(self) -> None:
+            self.given: list[Any] = []
+
+        def apply_chat_template(self, messages: list[dict[str, Any]], tools: Any = None, **kwargs: Any) -> list[int]:
+            self.given.append(tools)
+            return super().apply_chat_template(messages, **kwargs)
+
+    messages = [{"role": "user", "content": "What time is it?"}]
+    native = TemplateWithTools()
+    render_prompt(native, messages, plan_tools(req([TIME], "none"), native.chat_template))
+    assert [t["function"]["name"] for t in native.given[0]] == ["get_time"]
+    plain = ByteTokenizer()
+    assert render_prompt(plain, messages, plan_tools(req([TIME], "none"), None)) == plain.apply_chat_template(messages)
+    body = {"messages": messages, "tools": [TIME], "tool_choice": "none"}
+    prepared = Frontend(None, native, "m", 4096).prepare_chat(  # type: ignore[arg-type]
+        msgspec.convert(body, ChatCompletionRequest))
+    assert prepared.tools is None and prepared.params.grammar is None and native.given[-1] is not None
