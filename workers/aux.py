@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import array
+import hashlib
 import struct
 
 import msgspec
@@ -16,6 +18,15 @@ class AuxRecord(msgspec.Struct, array_like=True):
     logprob: float | None = None
     top_logprobs: list[TokenLogprob] | None = None
     cached_tokens: int = 0
+    # ``prompt_digest`` of the prompt whose KV this is: the decode checks it is its own request's (a room given
+    # to two requests, as a client choosing rooms through the SGLang API can, must not answer one with the
+    # other's KV); None from a prefill that does not send it
+    prompt: bytes | None = None
+
+
+def prompt_digest(input_ids: list[int]) -> bytes:
+    """8 bytes that tell two prompts apart (BLAKE2b of the token ids)."""
+    return hashlib.blake2b(array.array("I", input_ids).tobytes(), digest_size=8).digest()
 
 
 _encoder = msgspec.msgpack.Encoder()

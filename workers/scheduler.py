@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from gateway.tokenizer import Tokenizer
     from transfer import KVManager
 from gateway.tokenizer import DECODE_CONTEXT_TOKENS
-from workers.aux import AuxRecord, decode_aux, encode_aux
+from workers.aux import AuxRecord, decode_aux, encode_aux, prompt_digest
 from workers.engines.base import (
     OPTIONAL_SAMPLING,
     Engine,
@@ -470,6 +470,10 @@ class Scheduler:
         # the pool's slots capped how many requests decode at once, whatever its free pages.
         self.pool.free_aux(req.aux_slot)
         req.aux_slot = None
+        if record.prompt is not None and record.prompt != prompt_digest(req.input_ids):
+            self._fail(req, "transfer_failed", f"room {req.room} brought the KV of another prompt than this request's "
+                       "(one room given to two requests)", Fault.NONE)
+            return
         vocab = self.engine.info.vocab_size
         if not 0 <= record.first_token < vocab:  # (a prefill serving another model: this request only)
             self._fail(req, "transfer_failed", f"room {req.room}: the prefill's first token {record.first_token} "
@@ -767,7 +771,8 @@ class Scheduler:
         if finished_prompt:
             assert out.token_id is not None
             req.output_ids.append(out.token_id)
-            record = AuxRecord(out.token_id, out.logprob, out.top_logprobs, req.cached_tokens)
+            record = AuxRecord(out.token_id, out.logprob, out.top_logprobs, req.cached_tokens,
+                               prompt_digest(req.input_ids))
             aux = encode_aux(record, self.pool.aux_slot_bytes)
         if chunk or finished_prompt:
             try:

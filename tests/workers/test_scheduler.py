@@ -1024,3 +1024,36 @@ def test_a_first_token_outside_the_decodes_vocabulary_fails_only_its_request() -
     finally:
         pkv.close()
         dkv.close()
+
+
+def test_a_room_that_brings_another_prompts_kv_fails_the_decode_request() -> None:
+    """One room given to two requests (a client choosing rooms through the SGLang API can): the decode whose
+    prompt is not the one the prefill computed fails (transfer_failed) instead of answering with the other
+    prompt's KV and first token; its pages go back."""
+    from workers.protocol import BootstrapTarget
+
+    (p, psink, pkv), (d, dsink, dkv) = _pd_pair(256, 256)
+    try:
+        host, port = pkv.control_address
+        target = BootstrapTarget(host, port, 100)
+        params = SamplingParams(max_new_tokens=4)
+        d.submit(1, Submit(1, [7] * 9, params, target, timeout_s=30))
+        p.submit(1, Submit(1, [8] * 9, params, target, timeout_s=30))  # (same length, another prompt)
+        deadline = time.monotonic() + 30
+        while not (dsink.errors(1) or dsink.outputs(1)) or d.reqs or p.reqs:
+            assert time.monotonic() < deadline, ({k: r.stage for k, r in d.reqs.items()}, dsink.outputs(1))
+            p.step()
+            d.step()
+            time.sleep(0.001)
+        assert not dsink.outputs(1)
+        (error,) = dsink.errors(1)
+        assert error.code == "transfer_failed" and "another prompt" in error.message and error.fault == Fault.NONE
+        for _ in range(50):
+            d.step()
+            if d.cache.num_available == d.pool.num_pages:
+                break
+            time.sleep(0.01)
+        assert d.cache.num_available == d.pool.num_pages
+    finally:
+        pkv.close()
+        dkv.close()
