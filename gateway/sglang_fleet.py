@@ -11,7 +11,11 @@ Lifecycle:
    ``/get_model_info`` (``served_model_name`` or ``model_path``).
 2. ``select()`` gives the requests of ``gateway/sglang_relay.py`` a (prefill, decode) pair from the
    router's policies, over ``HttpWorker.state`` views (the gateway's own open requests on top).
-3. ``aclose()``: stop the probes, close the session.
+3. ``add(url, role, bootstrap_port)`` / ``remove(url, drain_timeout_s)`` (the admin API): a worker added
+   gets its probe (selectable once it passes); one removed leaves selection at once, and once its open
+   requests end (or the drain timeout passes: they go on, their connections are not cut) its probe
+   stops and the router forgets it.
+4. ``aclose()``: stop the probes, close the session.
 """
 
 from __future__ import annotations
@@ -90,13 +94,13 @@ class HttpWorker:
         self.health = WorkerHealth(health)
         self.is_up = False  # passing /health probes
         self.has_loads: bool | None = None  # serves /v1/loads (None: not known yet)
-        self.is_draining = False  # (the admin API does not manage SGLang workers yet)
+        self.is_draining = False  # being removed (the admin API): never selected again
         self.last_error: str | None = None
         self._rids = 0
 
     @property
     def healthy(self) -> bool:
-        return self.is_up and self.health.is_selectable
+        return self.is_up and self.health.is_selectable and not self.is_draining
 
     @property
     def is_connected(self) -> bool:
@@ -122,6 +126,7 @@ class SGLangFleet:
     def __init__(self, prefills: list[tuple[str, int | None]], decodes: list[str], router: Router,
                  health: HealthConfig, config: RelayConfig | None = None,
                  load_stale_s: float = DEFAULT_STALE_AFTER_S) -> None:
+        self._health_config, self._load_stale_s = health, load_stale_s
         self.prefills = [HttpWorker(url, "prefill", port, health, load_stale_s) for url, port in prefills]
         self.decodes = [HttpWorker(url, "decode", None, health, load_stale_s) for url in decodes]
         self.router = router
@@ -132,7 +137,8 @@ class SGLangFleet:
         # The workers' health, load and model checks: a pool of their own, so that they never wait for a
         # connection behind relayed requests (a worker with its pool full of streams failed its probes).
         self._checks: aiohttp.ClientSession | None = None
-        self._probes: list[asyncio.Task[None]] = []
+        self._probes: dict[HttpWorker, asyncio.Task[None]] = {}
+        self._drains: set[asyncio.Task[None]] = set()
 
     @property
     def workers(self) -> list[HttpWorker]:
@@ -154,7 +160,66 @@ class SGLangFleet:
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=PROBE_CONNECTIONS_PER_WORKER,
                                            keepalive_timeout=30.0),
             skip_auto_headers=("User-Agent",), headers=headers)
-        self._probes = [asyncio.create_task(self._probe_loop(w), name=f"sglang-probe {w.url}") for w in self.workers]
+        for worker in self.workers:
+            self._start_probe(worker)
+
+    def _start_probe(self, worker: HttpWorker) -> None:
+        self._probes[worker] = asyncio.create_task(self._probe_loop(worker), name=f"sglang-probe {worker.url}")
+
+    def find(self, url: str) -> HttpWorker | None:
+        url = url.rstrip("/")
+        return next((w for w in self.workers if w.url == url), None)
+
+    def add(self, url: str, role: str, bootstrap_port: int | None) -> HttpWorker:
+        """Start routing to a new SGLang worker (selectable once it passes a probe). ValueError: a bad URL or
+        role, or a worker already there."""
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"an SGLang worker's role must be prefill or decode, got {role!r}")
+        if role == "decode" and bootstrap_port is not None:
+            raise ValueError("bootstrap_port is a prefill's")
+        existing = self.find(url)
+        if existing is not None:
+            why = "is being removed; add it again once it is gone" if existing.is_draining else "is already configured"
+            raise ValueError(f"worker {existing.url} {why}")
+        worker = HttpWorker(url, role, bootstrap_port, self._health_config, self._load_stale_s)
+        (self.prefills if role == "prefill" else self.decodes).append(worker)
+        if self.session is not None:  # (started: else ``start`` gives it its probe)
+            self._start_probe(worker)
+        log.info("added SGLang %s worker %s", role, worker.url)
+        return worker
+
+    def remove(self, url: str, drain_timeout_s: float) -> HttpWorker:
+        """Drain an SGLang worker (see the module doc). KeyError: no such worker."""
+        worker = self.find(url)
+        if worker is None:
+            raise KeyError(url)
+        if not worker.is_draining:
+            worker.is_draining = True
+            log.info("removing SGLang %s worker %s (%d requests open)", worker.role, worker.url,
+                     worker.state.num_active)
+            task = asyncio.create_task(self._drain(worker, drain_timeout_s), name=f"sglang-drain {worker.url}")
+            self._drains.add(task)
+            task.add_done_callback(self._drains.discard)
+        return worker
+
+    async def _drain(self, worker: HttpWorker, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while worker.state.num_active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        probe = self._probes.pop(worker, None)
+        if probe is not None:
+            probe.cancel()
+            await asyncio.gather(probe, return_exceptions=True)
+        pool = self.prefills if worker.role == "prefill" else self.decodes
+        if worker in pool:
+            pool.remove(worker)
+        if worker.is_up:
+            worker.is_up = False
+            self.router.worker_removed(worker.state)
+        if self.find(worker.url) is None:  # (not added again meanwhile)
+            self.router.worker_forgotten(worker.url)
+        log.info("removed SGLang %s worker %s", worker.role, worker.url)
 
     async def wait_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -166,9 +231,10 @@ class SGLangFleet:
         return self.is_ready()
 
     async def aclose(self) -> None:
-        for task in self._probes:
+        tasks = [*self._probes.values(), *self._drains]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._probes, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for session in (self.session, self._checks):
             if session is not None:
                 await session.close()

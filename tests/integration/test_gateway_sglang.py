@@ -641,3 +641,54 @@ def test_bad_worker_api_keys_are_refused(argv: list[str], error: str) -> None:
 
     with pytest.raises(ValueError, match=error):
         config_from_args(build_parser().parse_args(argv))
+
+
+def test_the_admin_api_adds_and_drains_sglang_workers(procs: Procs, tmp_path: Path) -> None:
+    """SGLang (http://) workers join and leave through the admin API as native ones do, a prefill with its
+    bootstrap port (SGLang router's ``/add_worker?...&bootstrap_port=N`` too): requests reach the new one
+    with its port; one removed gets no more."""
+    logs = [tmp_path / "p0.jsonl", tmp_path / "p1.jsonl"]
+    p0 = start_standin(procs, "prefill", logs[0])
+    d = start_standin(procs, "decode", tmp_path / "d.jsonl")
+    port = start_gateway(procs, "--pd-disaggregation", "--prefill", f"http://127.0.0.1:{p0}", "7001",
+                         "--decode", f"http://127.0.0.1:{d}", "--health-interval-s", "0.2")
+    fleet = Fleet(f"http://127.0.0.1:{port}", logs, tmp_path / "d.jsonl", [7001, 7002])
+    admin = f"{fleet.base_url}/workers"
+    p1 = start_standin(procs, "prefill", logs[1])
+    new = f"http://127.0.0.1:{p1}"
+    for body, param in (({"url": new, "role": "both"}, "role"),
+                        ({"url": new, "role": "decode", "bootstrap_port": 7003}, "bootstrap_port"),
+                        ({"url": f"http://127.0.0.1:{d}", "role": "decode"}, "url"),  # (there already: 409)
+                        ({"url": "pd://127.0.0.1:1", "role": "prefill", "bootstrap_port": 7003}, "bootstrap_port")):
+        refused = httpx.post(admin, json=body, timeout=10)
+        assert refused.status_code in (400, 409) and refused.json()["error"]["param"] == param, refused.text
+    bad_port = httpx.post(f"{fleet.base_url}/add_worker", params={"url": new, "worker_type": "prefill",
+                                                                  "bootstrap_port": "x"}, timeout=10)
+    assert bad_port.status_code == 400 and bad_port.json()["error"]["param"] == "bootstrap_port"
+    added = httpx.post(f"{fleet.base_url}/add_worker", params={"url": new, "worker_type": "prefill",
+                                                               "bootstrap_port": "7002"}, timeout=10)
+    assert added.status_code == 201, added.text
+    again = httpx.post(admin, json={"url": new + "/", "role": "prefill"}, timeout=10)
+    assert again.status_code == 409, again.text
+
+    def listed() -> dict[str, dict]:  # type: ignore[type-arg]
+        return {w["url"]: w for w in httpx.get(admin, timeout=10).json()["workers"]}
+
+    deadline = time.monotonic() + 10
+    while not listed()[new]["healthy"]:
+        assert time.monotonic() < deadline, listed()
+        time.sleep(0.1)
+    rooms = [int(post(fleet, "/generate", {"text": "turns"}).json()["text"].split()[1]) for _ in range(6)]
+    ports = {fleet.prefill_port_of(room)[0] for room in rooms}
+    assert ports == {7001, 7002}, ports  # (round robin: both prefills, each with its own bootstrap port)
+
+    old = f"http://127.0.0.1:{p0}"
+    removed = httpx.delete(admin, params={"url": old}, timeout=10)
+    assert removed.status_code == 202 and removed.json()["draining"] is True, removed.text
+    deadline = time.monotonic() + 10
+    while old in listed():
+        assert time.monotonic() < deadline, listed()
+        time.sleep(0.1)
+    rooms = [int(post(fleet, "/generate", {"text": "after"}).json()["text"].split()[1]) for _ in range(4)]
+    assert {fleet.prefill_port_of(room)[0] for room in rooms} == {7002}
+    assert httpx.post(f"{fleet.base_url}/remove_worker", params={"url": old}, timeout=10).status_code == 404

@@ -1032,7 +1032,7 @@ def test_a_room_that_brings_another_prompts_kv_fails_the_decode_request() -> Non
     prompt's KV and first token; its pages go back."""
     from workers.protocol import BootstrapTarget
 
-    (p, psink, pkv), (d, dsink, dkv) = _pd_pair(256, 256)
+    (p, _, pkv), (d, dsink, dkv) = _pd_pair(256, 256)
     try:
         host, port = pkv.control_address
         target = BootstrapTarget(host, port, 100)
