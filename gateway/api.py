@@ -86,6 +86,7 @@ class Prepared:
     batch: list[list[int]] | None = None
     prompt_texts: list[str | None] | None = None  # (``echo``) each prompt as the client sent it, None for ids
     keep_stop: bool = False  # the stop string that ended a choice's text stays in it (vLLM, SGLang options)
+    item_ids: list[str] | None = None  # /generate: a batch's ``rid`` list, item i's id at i
 
     def prompt_text_of(self, choice: int) -> str | None:
         return self.prompt_texts[choice // self.per_prompt] if self.prompt_texts else None

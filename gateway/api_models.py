@@ -197,7 +197,8 @@ class GenerateRequest(msgspec.Struct):
     sampling_params: GenerateSampling | None = msgspec.field(default_factory=GenerateSampling)
     stream: bool | None = False
     return_logprob: bool | None = False
-    rid: str | None = None
+    # the request's id in ``meta_info.id``; a batch may give one per item (SGLang's routers pass the client's on)
+    rid: str | Annotated[list[str], Meta(min_length=1, max_length=MAX_BATCH_CHOICES)] | None = None
     bootstrap_host: Any = None  # SGLang's PD fields: see ``_Sampling``
     bootstrap_port: Any = None
     bootstrap_room: Any = None

@@ -17,6 +17,7 @@ import msgspec
 
 from gateway.api import Frontend, Prepared, TextEmitter, now_s, sse
 from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from gateway.errors import BadRequest
 from gateway.text import ChoiceState
 from gateway.tokenizer import literal_text, token_text_of
 from gateway.tool_calls import shape_choices, tool_events
@@ -235,7 +236,14 @@ class GenerateShape(Shape):
 
     def prepare(self, frontend: Frontend, req: Any) -> tuple[Prepared, str | None]:
         prep, _ = frontend.prepare_generate(req)
-        return prep, req.rid
+        rid = req.rid
+        if not isinstance(rid, list):
+            return prep, rid
+        if prep.batch is None or len(rid) != len(prep.batch):
+            raise BadRequest("rid: a list of ids needs a batch of as many prompts (text or input_ids as a list)",
+                             param="rid")
+        prep.item_ids = rid
+        return prep, None
 
     def whole(self, run: Run, choices: list[ChoiceState]) -> Any:
         if run.prep.batch is not None:  # a batch: a list, item i's answer at i
@@ -257,7 +265,8 @@ class GenerateShape(Shape):
         prep = run.prep
         prompt = prep.prompt_of(state.index)
         meta: dict[str, Any] = {
-            "id": run.rid, "prompt_tokens": len(prompt), "completion_tokens": len(state.token_ids),
+            "id": run.rid if prep.item_ids is None else prep.item_ids[state.index // prep.per_prompt],
+            "prompt_tokens": len(prompt), "completion_tokens": len(state.token_ids),
             "cached_tokens": state.cached_tokens, "finish_reason": None,
         }
         if state.finish_reason is not None:

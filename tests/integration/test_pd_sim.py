@@ -310,6 +310,12 @@ def test_stop_strings_n_choices_and_generate_stream(sim_cluster) -> None:  # typ
     assert events[-1] == "data: [DONE]"
     last = json.loads(events[-2][6:])
     assert last["text"] == full[:6] and last["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    # A batch may name its items (``rid`` as a list, as SGLang takes it): each answer carries its own id.
+    batch = {"input_ids": [PROMPT, PROMPT[:-1]], "rid": ["a", "b"], "sampling_params": {"max_new_tokens": 3}}
+    answers = httpx.post(f"{cluster.base_url}/generate", json=batch, timeout=30).json()
+    assert [a["meta_info"]["id"] for a in answers] == ["a", "b"], answers
+    refused = httpx.post(f"{cluster.base_url}/generate", json={**batch, "rid": ["a"]}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "rid", refused.text
     cluster.wait_pools_full()
 
 
