@@ -240,6 +240,7 @@ class BootstrapRegistrar:
         self.is_registered = False
         self.num_failures = 0  # consecutive failed PUTs
         self.last_error: str | None = None
+        self.last_success = 0.0  # time.monotonic() of the newest PUT that succeeded (0: none yet)
 
     async def start(self) -> None:
         if self._client is not None:
@@ -289,7 +290,7 @@ class BootstrapRegistrar:
         if client is None:
             return
         try:
-            if self.is_registered:
+            if self.last_success:  # (also after a failed renewal: the entry may well live on until its lease ends)
                 await client.request("DELETE", "/route", content=self._body, timeout=1.0)
         except httpx.HTTPError as exc:
             logger.debug("deregistering %s failed: %s", self.registration.label, exc)
@@ -312,6 +313,7 @@ class BootstrapRegistrar:
             if self.num_failures:
                 logger.info("rank %s registered again with %s", self.registration.label, self.url)
             self.is_registered, self.num_failures, self.last_error = True, 0, None
+            self.last_success = time.monotonic()
         else:
             self.is_registered = False
             self.num_failures += 1

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
@@ -55,9 +56,11 @@ T = TypeVar("T")
 # registry's lease (``BootstrapConfig.ttl_s``, 10 s by default, always in an embedded registry) must
 # see a few renewals, or its entry lapses between them and decodes' look-ups fail meanwhile.
 MAX_REGISTRY_BEAT_S = 2.5
-# Renewals failed in a row after which a prefill's entry is taken as lapsed (at most 3 x 2.5 s: the
-# default lease is 10 s): its /health says "unregistered" (decodes cannot look it up).
+# A prefill's entry is taken as lapsed (its /health says "unregistered": decodes cannot look it up) after
+# this many renewals failed in a row, or once failing renewals leave it unrenewed for the registry's default
+# lease (a registry that times out makes each failure last seconds).
 LAPSED_AFTER_FAILURES = 3
+DEFAULT_LEASE_S = 10.0
 
 
 async def _on_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -245,9 +248,13 @@ class Worker:
     def registration_error(self) -> str | None:
         """Why a prefill's registry entry has lapsed (its renewals keep failing), or None."""
         registrar = self._registrar
-        if registrar is None or registrar.num_failures < LAPSED_AFTER_FAILURES:
+        if registrar is None or not registrar.num_failures:
             return None
-        return f"{registrar.num_failures} registry renewals failed in a row: {registrar.last_error}"
+        unrenewed_s = time.monotonic() - registrar.last_success
+        if registrar.num_failures < LAPSED_AFTER_FAILURES and unrenewed_s < DEFAULT_LEASE_S:
+            return None
+        return (f"{registrar.num_failures} registry renewals failed in a row, none succeeded for {unrenewed_s:.0f}s: "
+                f"{registrar.last_error}")
 
     @property
     def native_port(self) -> int:

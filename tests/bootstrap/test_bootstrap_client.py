@@ -334,3 +334,30 @@ def test_a_registry_known_in_full_is_asked_at_its_own_url(start_registry: Callab
         proxy.shutdown()
         proxy.server_close()
         thread.join(timeout=5)
+
+
+def test_a_registrar_closing_after_a_failed_renewal_still_deregisters(
+    start_registry: Callable[..., RegistryProc],
+) -> None:
+    """One renewal timed out (a registry frozen a moment): the entry lives on until its lease ends, so a
+    prefill stopping now deregisters all the same (it skipped that, and decodes found a gone prefill for
+    the rest of the lease)."""
+    import os
+    import signal
+
+    reg = start_registry("--ttl-s", "30")
+
+    async def run() -> None:
+        registrar = BootstrapRegistrar(reg.url, _registration(instance_id="brief"), interval_s=0.2)
+        await registrar.start()
+        assert reg.proc is not None
+        os.kill(reg.proc.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(1.6)  # (a renewal times out after 1 s)
+            assert registrar.num_failures >= 1
+        finally:
+            os.kill(reg.proc.pid, signal.SIGCONT)
+        await registrar.aclose()
+
+    asyncio.run(run())
+    assert topology(reg.url, "brief").status_code != 200

@@ -41,3 +41,20 @@ def test_a_lapsed_registration_is_not_ready_but_alive() -> None:
         assert reply.status_code == 503 and reply.json()["status"] == "unregistered"
         assert "renewals failed" in reply.json()["error"]
         assert c.get("/liveness").status_code == 200
+
+
+def test_a_registration_is_lapsed_after_three_failed_renewals_or_a_lease_without_one() -> None:
+    """A registry that times out makes each failed renewal last seconds: the entry lapses (10 s lease) long
+    before three of them have failed."""
+    import time
+    from types import SimpleNamespace
+
+    from workers.worker import DEFAULT_LEASE_S, Worker
+
+    worker = Worker.__new__(Worker)
+    now = time.monotonic()
+    for failures, since_ok, lapsed in ((0, 60.0, False), (1, 1.0, False), (2, DEFAULT_LEASE_S - 1, False),
+                                       (3, 1.0, True), (1, DEFAULT_LEASE_S + 1, True)):
+        worker._registrar = SimpleNamespace(num_failures=failures, last_success=now - since_ok,  # type: ignore[assignment]
+                                            last_error="ReadTimeout")
+        assert (worker.registration_error is not None) is lapsed, (failures, since_ok)
