@@ -212,10 +212,15 @@ class TorchEngine(Engine):
         )
         outputs = [SeqOutput() for _ in batch]
         self._sample(batch, rows, hidden, outputs)
+        # The rows this batch carries on from earlier chunks, taken out first: the rows its own chunks keep
+        # for their next ones may evict the oldest, which must not be one of these (decided above: no extra row)
+        carried = {(seq.rid, seq.num_cached): self._prompt_carry.pop((seq.rid, seq.num_cached))
+                   for seq, r in zip(batch, rows, strict=True) if not r.extra_row and seq.num_cached > 0
+                   and self._wants_prompt_logprobs(seq) and (seq.rid, seq.num_cached) in self._prompt_carry}
         for i, seq in enumerate(batch):
             if self._wants_prompt_logprobs(seq):
                 outputs[i].prompt_logprobs, outputs[i].prompt_top_logprobs = self._prompt_logprobs(
-                    seq, rows[i], hidden)
+                    seq, rows[i], hidden, carried.get((seq.rid, seq.num_cached)))
         if device.type == "cuda":
             # A chunk that samples nothing has not waited for its kernels, and the transfer layer reads its
             # KV pages (another stream, another process) as soon as forward returns.
@@ -288,15 +293,15 @@ class TorchEngine(Engine):
                 out.logprob, out.top_logprobs = token_logprobs(row, token, seq.params.top_logprobs)
         self.constraints.accept(seqs, [outputs[i].token_id for i in sampled])
 
-    def _prompt_logprobs(self, seq: SeqInput, rows: _SeqRows, hidden: torch.Tensor,
+    def _prompt_logprobs(self, seq: SeqInput, rows: _SeqRows, hidden: torch.Tensor, carried: torch.Tensor | None,
                          ) -> tuple[list[float], list[list[TokenLogprob]] | None]:
         """Logprob of each chunk token given its prefix (NaN where the prefix's row is unknown), and with
-        ``top_logprobs`` the most likely tokens there ([] where unknown)."""
+        ``top_logprobs`` the most likely tokens there ([] where unknown); ``carried``: the previous chunk's
+        last row (kept for this one)."""
         n = len(seq.token_ids)
         result = [math.nan] * n
         num_top = seq.params.top_logprobs
         tops: list[list[TokenLogprob]] | None = [[] for _ in range(n)] if num_top > 0 else None
-        carried = self._prompt_carry.pop((seq.rid, seq.num_cached), None) if seq.num_cached > 0 else None
         if not seq.sample:  # more prompt chunks follow: keep this chunk's last row for the next one
             if len(self._prompt_carry) >= _MAX_PROMPT_CARRY:
                 self._prompt_carry.pop(next(iter(self._prompt_carry)))
