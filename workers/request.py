@@ -48,6 +48,7 @@ class Req:
     gather_s: float = 0.0  # (``Submit.gather_s``) outputs after the first may be held this long
     held: StepOutput | None = None  # the outputs held so far, as one ``StepOutput`` (sent with the next one due)
     held_since: float = 0.0  # when the first of them was held
+    first_output: Any = None  # decode: the first token's ``SeqOutput`` while the batch has no room (stage imported)
     stop_watch: StopWatch | None = None  # the output text, when the params have stop strings this worker checks
     # (``GrammarWait.hold``) the engine's compile of its grammar, kept while the request lives: an engine's
     # cache may evict it meanwhile (many distinct grammars queued), but finds it again (no recompile)

@@ -483,23 +483,35 @@ class Scheduler:
         req.cached_tokens = record.cached_tokens
         if self.kv_checker is not None:
             req.kv_verified = self.kv_checker.verify(req.pages, req.input_ids)
-        self._record_room(req, record.first_token)  # first: the token may finish the request (pages freed)
-        self._accept_token(req, SeqOutput(record.first_token, record.logprob, record.top_logprobs))
-        if req.done:
+        first = SeqOutput(record.first_token, record.logprob, record.top_logprobs)
+        full = self._imported or len(live(self._running, "running")) >= self.config.max_running
+        if full and req.params.max_new_tokens > 1:
+            # Behind those already waiting (FCFS). Its first token goes out when it joins the batch: sent
+            # now, its stream would then wait for a slot in silence (a gateway's idle timeout between tokens
+            # takes that for a frozen decode); the wait for a first token is the one a client expects.
+            req.first_output = first
+            self._enter(req, "imported", self._imported)
             return
-        if self._imported or len(live(self._running, "running")) >= self.config.max_running:
-            self._enter(req, "imported", self._imported)  # (behind those already waiting: FCFS)
-        else:
+        self._start_decoding(req, first)
+
+    def _start_decoding(self, req: Req, first: SeqOutput) -> None:
+        """An imported request's first token goes out; it joins the batch unless that token ended it."""
+        self._record_room(req, first.token_id)  # first: the token may finish the request (pages freed)
+        self._accept_token(req, first)
+        if not req.done:
             self._enter(req, "running", self._running)
 
     def _admit_imported(self) -> None:
         """Decode: imported requests join the batch as far as ``max_running`` allows, oldest first."""
         waiting = live(self._imported)
         room = self.config.max_running - len(self._running)
-        if room > 0:
-            for req in waiting[:room]:
-                self._enter(req, "running", self._running)
-            waiting = waiting[room:]
+        while waiting and room > 0:
+            req = waiting.pop(0)
+            first, req.first_output = req.first_output, None
+            assert first is not None
+            self._start_decoding(req, first)
+            if not req.done:
+                room -= 1
         self._imported = waiting
 
     def _prune_batch(self) -> None:

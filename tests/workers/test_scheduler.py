@@ -942,8 +942,9 @@ def test_a_decoding_request_gives_its_aux_slot_back_at_import() -> None:
 
 def test_a_decode_batch_holds_at_most_max_running_sequences() -> None:
     """``--max-running`` bounds a decode's batch as it bounds a combined worker's: requests whose KV has
-    arrived wait (pages held, counted as waiting in load reports) and join oldest first as sequences end;
-    an aborted one gives its pages back while it waits."""
+    arrived wait (pages held, counted as waiting in load reports; their first token not sent yet, or their
+    streams would fall silent after it) and join oldest first as sequences end; an aborted one gives its
+    pages back while it waits."""
     from workers.protocol import BootstrapTarget
 
     (p, _, pkv), (d, dsink, dkv) = _pd_pair(256, 256, decode_max_running=2)
@@ -962,6 +963,7 @@ def test_a_decode_batch_holds_at_most_max_running_sequences() -> None:
             d.step()
             most = max(most, len(live(d._running, "running")))
             imported = [r for r in d.reqs.values() if r.stage == "imported"]
+            assert not any(dsink.outputs(r.rid) for r in imported), "a waiting request's first token went out"
             most_waiting = max(most_waiting, len(imported))
             if imported and not aborted:
                 assert d.load_report().num_waiting >= len(imported)
