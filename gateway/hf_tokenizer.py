@@ -27,7 +27,7 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from gateway.tokenizer import IncrementalDecoder, content_text, cut_after_final_message
+from gateway.tokenizer import IncrementalDecoder, content_text, render_continuing
 
 REPLACEMENT_CHAR = "\ufffd"
 log = logging.getLogger(__name__)
@@ -100,9 +100,10 @@ class HFTokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,
                             template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        text = self.render_chat(messages, add_generation_prompt and not continue_final_message, tools, template_kwargs)
         if continue_final_message:
-            text = cut_after_final_message(text, messages)
+            text = render_continuing(lambda marked: self.render_chat(marked, False, tools, template_kwargs), messages)
+        else:
+            text = self.render_chat(messages, add_generation_prompt, tools, template_kwargs)
         if self._pieces is not None:
             return self._pieces.encode(text)
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids

@@ -17,6 +17,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import os
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -74,18 +75,19 @@ class TemplateOptions:
                 "continue_final_message": self.continue_final_message, "template_kwargs": self.variables}
 
 
-def cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
-    """``continue_final_message``: ``text`` (a template's rendering of ``messages``) up to the end of the final
-    message's content, found as its last occurrence (a template may trim the content's outer spaces);
-    ValueError when it is not there."""
-    final = content_text(messages[-1].get("content")) if messages else ""
-    core = final.strip()
-    at = text.rfind(core) if core else -1
+def render_continuing(render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]]) -> str:
+    """``continue_final_message``: the template's text (``render(messages)``) cut where the final message's
+    content ends, found by a mark rendered right after it (the content itself may also occur later in the
+    text, in the template's own markup); ValueError when the template does not show it."""
+    if not messages:
+        raise ValueError("continue_final_message: there is no final message")
+    mark = f"\u2063{secrets.token_hex(8)}\u2063"  # (invisible separators around random hex: in no template)
+    final = {**messages[-1], "content": content_text(messages[-1].get("content")) + mark}
+    text = render([*messages[:-1], final])
+    at = text.rfind(mark)
     if at < 0:
-        raise ValueError("continue_final_message: the final message's content is not in the template's text")
-    leading_trimmed = final.lstrip()
-    end = at + (len(leading_trimmed) if text.startswith(leading_trimmed, at) else len(core))
-    return text[:end]
+        raise ValueError("continue_final_message: the chat template does not show the final message's content")
+    return text[:at]
 
 
 class ByteTokenizer:
@@ -104,12 +106,12 @@ class ByteTokenizer:
                             continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
                             ) -> list[int]:
         """(A fixed template: ``template_kwargs`` has no variable to set in it.)"""
-        text = "".join(f"<|{m.get('role', 'user')}|>\n{content_text(m.get('content'))}\n" for m in messages)
+        def render(messages: list[dict[str, Any]]) -> str:
+            return "".join(f"<|{m.get('role', 'user')}|>\n{content_text(m.get('content'))}\n" for m in messages)
+
         if continue_final_message:
-            text = cut_after_final_message(text, messages)
-        elif add_generation_prompt:
-            text += "<|assistant|>\n"
-        return [self.BOS, *self.encode(text)]
+            return [self.BOS, *self.encode(render_continuing(render, messages))]
+        return [self.BOS, *self.encode(render(messages) + ("<|assistant|>\n" if add_generation_prompt else ""))]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")

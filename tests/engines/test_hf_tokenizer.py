@@ -418,6 +418,11 @@ def test_template_options_match_transformers(tiny_tokenizer_dir, tmp_path) -> No
         assert tok.apply_chat_template(messages, **ours) == expected(**theirs), ours
     assert tok.decode(tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
                       ).endswith("assistant\nThe capital of ")
+    # A final content that the template's own markup also contains ("d" ends "<|im_end|>"), or none at all:
+    # cut where the message's content ends, not at a later occurrence.
+    for content in ("d", "<", ""):
+        final = [*messages[:1], {"role": "assistant", "content": content}]
+        ours = tok.apply_chat_template(final, add_generation_prompt=False, continue_final_message=True)
+        assert tok.decode_literally(ours).endswith(f"<|im_start|>assistant\n{content}"), (content, ours)
     with pytest.raises(ValueError, match="final message"):
-        tok.apply_chat_template([*messages[:1], {"role": "assistant", "content": ""}], add_generation_prompt=False,
-                                continue_final_message=True)
+        tok.apply_chat_template([], add_generation_prompt=False, continue_final_message=True)

@@ -94,8 +94,6 @@ def test_the_template_options_shape_the_prompt() -> None:
     ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
-    ({"add_generation_prompt": False, "continue_final_message": True,
-      "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}, "messages"),
 ])
 def test_template_options_that_cannot_render_are_a_400(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(BadRequest) as err:
