@@ -59,6 +59,7 @@ class CircuitBreaker:
         self.successes_to_close = successes_to_close
         self._clock = clock
         self._state = BreakerState.CLOSED
+        self.closed = True  # (``_state is CLOSED``, read per request: a plain attribute)
         self._failures = 0  # consecutive
         self._successes = 0  # consecutive, while half-open
         self._opened_at = 0.0
@@ -77,14 +78,10 @@ class CircuitBreaker:
     @property
     def allows(self) -> bool:
         # (closed, the common case, without ``state``'s clock read: this runs per worker per request)
-        if self._state is BreakerState.CLOSED:
+        if self.closed:
             return True
         state = self.state
         return state is BreakerState.HALF_OPEN and len(self.trials) < self.successes_to_close
-
-    @property
-    def is_closed(self) -> bool:
-        return self._state is BreakerState.CLOSED
 
     def trial_started(self, rid: int) -> None:
         """Request ``rid`` was sent to the worker (only while not closed); it ends with ``trial_ended``."""
@@ -96,7 +93,7 @@ class CircuitBreaker:
         if self._state is not BreakerState.CLOSED and self.state is BreakerState.HALF_OPEN:
             self._successes += 1
             if self._successes >= self.successes_to_close:
-                self._state = BreakerState.CLOSED
+                self._state, self.closed = BreakerState.CLOSED, True
                 self.trials.clear()
 
     def record_failure(self) -> None:
@@ -104,7 +101,7 @@ class CircuitBreaker:
         self._failures += 1
         tripped = state is BreakerState.CLOSED and self._failures >= self.failures_to_open
         if state is BreakerState.HALF_OPEN or tripped:
-            self._state, self._opened_at = BreakerState.OPEN, self._clock()
+            self._state, self._opened_at, self.closed = BreakerState.OPEN, self._clock(), False
             self.num_opened += 1
             self.trials.clear()
 
@@ -114,7 +111,7 @@ class CircuitBreaker:
         return self._failures
 
     def reset(self) -> None:
-        self._state, self._failures, self._successes = BreakerState.CLOSED, 0, 0
+        self._state, self._failures, self._successes, self.closed = BreakerState.CLOSED, 0, 0, True
         self.trials.clear()
 
 

@@ -114,10 +114,14 @@ class HttpWorker:
         """A request sent to this worker, costing it ``prefill_tokens`` / ``pages`` until ``closed``."""
         self._rids += 1
         self.state.dispatched(self._rids, prefill_tokens, pages)
+        breaker = self.health.breaker
+        if not breaker.closed:  # half-open: a trial (``CircuitBreaker.trials``), until ``closed``
+            breaker.trial_started(self._rids)
         return self._rids
 
     def closed(self, rid: int) -> None:
         self.state.ended(rid)
+        self.health.breaker.trials.discard(rid)
 
 
 class SGLangFleet:

@@ -425,7 +425,7 @@ class WorkerClient:
         self._open[rid] = (sink, tag)
         self.state.dispatched(rid, prefill_tokens, pages)
         breaker = self.health.breaker
-        if not breaker.is_closed:  # half-open: a trial, which ends with the rid (``_forget``)
+        if not breaker.closed:  # half-open: a trial, which ends with the rid (``_forget``)
             breaker.trial_started(rid)
         self._send(writer, frame, urgent)
         return rid

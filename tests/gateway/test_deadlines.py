@@ -502,3 +502,19 @@ def test_a_half_open_breaker_lets_through_as_many_trials_at_once_as_it_needs_suc
                 await gen.aclose()
 
     asyncio.run(main())
+
+
+def test_an_sglang_workers_half_open_breaker_limits_its_trials_too() -> None:
+    from gateway.health import BreakerState, HealthConfig
+    from gateway.sglang_fleet import HttpWorker
+
+    worker = HttpWorker("http://127.0.0.1:1", "decode", None, HealthConfig(breaker_cooldown_s=1e-9))
+    worker.is_up = True
+    breaker = worker.health.breaker
+    for _ in range(breaker.failures_to_open):
+        breaker.record_failure()
+    assert breaker.state is BreakerState.HALF_OPEN and worker.healthy
+    rids = [worker.opened(), worker.opened()]
+    assert not worker.healthy  # (two trials open: as many as it needs successes)
+    worker.closed(rids[0])
+    assert worker.healthy and breaker.trials == {rids[1]}
