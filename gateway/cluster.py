@@ -99,6 +99,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def _bare_host(text: str) -> str:
+    """A host as the command line may bracket an IPv6 literal (``[::]``), without the brackets."""
+    return text.strip("[]") if text.startswith("[") and text.endswith("]") else text
+
+
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
@@ -319,8 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="model directory for the torch engine (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--transfer", default="tcp", help="KV transfer backend (tcp, mooncake, nixl)")
-    p.add_argument("--host", default="127.0.0.1", help="address every child binds (0.0.0.0: all interfaces)")
-    p.add_argument("--advertise-host", default=None,
+    p.add_argument("--host", default="127.0.0.1", type=_bare_host,
+                   help="address every child binds (0.0.0.0: all IPv4 interfaces; ::, or [::]: all interfaces)")
+    p.add_argument("--advertise-host", default=None, type=_bare_host,
                    help="address the workers advertise and the gateway and registry are reached at (default: --host, "
                         "or 127.0.0.1 when that is 0.0.0.0)")
     p.add_argument("--transfer-option", action="append", default=[], metavar="KEY=VALUE",

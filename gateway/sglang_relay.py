@@ -94,10 +94,12 @@ _counted = msgspec.json.Decoder(_Counted | list[_Counted])
 class _Figures:
     """One relayed request's latency and token figures for the gateway's metrics (see the module doc)."""
 
-    __slots__ = ("metrics", "several", "t0")
+    __slots__ = ("metrics", "per_prompt", "several", "t0")
 
-    def __init__(self, metrics: GatewayMetrics, several: bool) -> None:
-        self.metrics, self.several = metrics, several
+    def __init__(self, metrics: GatewayMetrics, several: bool, per_prompt: int = 1) -> None:
+        """``several``: the reply has several items (a batch, ``n`` > 1); ``per_prompt``: items per prompt
+        (``/generate``'s ``sampling_params.n``: each item reports the same prompt, counted once)."""
+        self.metrics, self.several, self.per_prompt = metrics, several or per_prompt > 1, per_prompt
         self.t0 = REQUEST_T0.get() or time.monotonic()
 
     def first_event(self) -> None:
@@ -125,6 +127,8 @@ class _Figures:
                 prompt += meta.prompt_tokens or 0
                 generated += meta.completion_tokens or 0
                 cached += meta.cached_tokens or 0
+        if isinstance(replies, list):  # (``/generate``: an item per choice, each with its prompt's figures)
+            prompt, cached = prompt // self.per_prompt, cached // self.per_prompt
         metrics.prompt_tokens.inc(prompt)
         metrics.cached_tokens.inc(cached)
         metrics.generation_tokens.inc(generated)
@@ -233,7 +237,9 @@ class SGLangResponder:
         stream = bool(body.get("stream"))
         merge_logprobs = self.route == "generate" and bool(body.get("return_logprob"))
         request = routing_request(fleet.router, fleet.tokenizer, self.route, body)
-        figures = _Figures(self.metrics, num_items is not None)
+        sampling = body.get("sampling_params") if self.route == "generate" else None
+        n = sampling.get("n") if isinstance(sampling, dict) else None
+        figures = _Figures(self.metrics, num_items is not None, n if type(n) is int and n > 1 else 1)
         avoid: set[HttpWorker] = set()
         attempt = 0
         while True:

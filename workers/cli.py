@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "decode's pool, else over --transfer; off: always over --transfer (docs/transfer.md)")
     p.add_argument("--max-unread-mib", type=float, default=MAX_UNREAD_BYTES / 2**20,
                    help="output a gateway connection may leave unread before it is dropped (its requests end)")
-    p.add_argument("--log-level", default="info", type=str.lower,
-                   choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--log-level", default="info", type=str.lower,  # (the logging module's names)
+                   choices=("critical", "fatal", "error", "warning", "warn", "info", "debug", "notset"))
     return p
 
 

@@ -52,3 +52,28 @@ def test_a_worker_whose_pool_is_full_of_requests_still_passes_its_checks() -> No
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_relayed_token_figures_count_each_prompt_once() -> None:
+    """``/generate`` with ``sampling_params.n`` answers a list of n items, each with its prompt's figures:
+    the prompt counts once (as the native path counts it), the generated tokens of every item."""
+    import json
+
+    from gateway.metrics import GatewayMetrics
+    from gateway.sglang_relay import _Figures
+
+    def counted(figures: _Figures) -> tuple[float, float, float]:
+        m = figures.metrics
+        return (m.prompt_tokens._value.value, m.cached_tokens._value.value, m.generation_tokens._value.value)
+
+    item = {"text": "x", "meta_info": {"prompt_tokens": 10, "cached_tokens": 8, "completion_tokens": 5}}
+    figures = _Figures(GatewayMetrics(), False, per_prompt=3)
+    figures.answered(json.dumps([item, item, item]).encode())
+    assert counted(figures) == (10, 8, 15)
+    streamed = _Figures(GatewayMetrics(), False, per_prompt=3)  # (a stream's last event is one item's)
+    streamed.answered(json.dumps(item).encode(), streamed=True)
+    assert counted(streamed) == (0, 0, 0)
+    one = _Figures(GatewayMetrics(), False)
+    one.answered(json.dumps({"usage": {"prompt_tokens": 7, "completion_tokens": 2,
+                                       "prompt_tokens_details": {"cached_tokens": 4}}}).encode())
+    assert counted(one) == (7, 4, 2)

@@ -103,3 +103,13 @@ def test_a_probe_answered_by_something_that_is_not_http_is_a_failed_probe() -> N
         thread.start()
         assert _probe(f"http://127.0.0.1:{server.getsockname()[1]}/health", 2) == "failed"
         thread.join(5)
+
+
+def test_a_bracketed_ipv6_host_is_taken_as_the_bare_address() -> None:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::", 0))
+    except OSError:
+        pytest.skip("no IPv6 here")
+    children = plan(build_parser().parse_args(["--engine", "sim", "--host", "[::]", "--port", str(free_port())]))
+    assert all(_flag(c.argv, "--host") == ["::"] for c in children if "--host" in c.argv)
