@@ -254,7 +254,9 @@ class Frontend:
                 for entry in messages:  # OpenAI's newer name for system, which most templates know only as that
                     if entry["role"] == "developer":
                         entry["role"] = "system"
-            input_ids = render_prompt(self.tokenizer, messages, tools, template_options(req))
+            options = None if (req.chat_template_kwargs is None and req.add_generation_prompt is None
+                                and req.continue_final_message is None) else template_options(req)
+            input_ids = render_prompt(self.tokenizer, messages, tools, options)
         except (ValueError, TypeError, TemplateError) as exc:  # (TemplateError: the template's raise_exception)
             raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from None
         named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

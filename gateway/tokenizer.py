@@ -106,12 +106,13 @@ class ByteTokenizer:
                             continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
                             ) -> list[int]:
         """(A fixed template: ``template_kwargs`` has no variable to set in it.)"""
-        def render(messages: list[dict[str, Any]]) -> str:
-            return "".join(f"<|{m.get('role', 'user')}|>\n{content_text(m.get('content'))}\n" for m in messages)
-
         if continue_final_message:
-            return [self.BOS, *self.encode(render_continuing(render, messages))]
-        return [self.BOS, *self.encode(render(messages) + ("<|assistant|>\n" if add_generation_prompt else ""))]
+            return [self.BOS, *self.encode(render_continuing(self._render, messages))]
+        return [self.BOS, *self.encode(self._render(messages) + ("<|assistant|>\n" if add_generation_prompt else ""))]
+
+    @staticmethod
+    def _render(messages: list[dict[str, Any]]) -> str:
+        return "".join([f"<|{m.get('role', 'user')}|>\n{content_text(m.get('content'))}\n" for m in messages])
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
