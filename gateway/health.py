@@ -10,7 +10,8 @@ Lifecycle (event loop only):
 2. The dispatcher reports each request's outcome on this worker (``request_succeeded`` /
    ``request_failed``) to its ``CircuitBreaker``: closed -> open after ``breaker_failures``
    consecutive failures -> half-open after ``breaker_cooldown_s`` (trial requests may try it, at most
-   ``breaker_successes`` at a time: a worker just back does not take a burst) -> closed after
+   ``breaker_successes`` at a time until their first token: a worker just back does not take a burst,
+   nor wait for whole generations to take the next) -> closed after
    ``breaker_successes`` successes (a failure while half-open opens it again).
 3. ``is_selectable`` = probes healthy and the breaker not open. Prefill and decode outcomes are
    counted separately because each worker has one role: a request that fails on its prefill is not
@@ -65,7 +66,8 @@ class CircuitBreaker:
         self._opened_at = 0.0
         self.num_opened = 0
         # half-open: the requests (the worker client's rids) trying the worker now, at most
-        # ``successes_to_close`` (the worker is not selectable while that many are open)
+        # ``successes_to_close`` (the worker is not selectable while that many are open); a trial's place is
+        # free again at its first token (a decode) or hand-over (a prefill), its success counted at its end
         self.trials: set[int] = set()
 
     @property

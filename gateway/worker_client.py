@@ -362,6 +362,11 @@ class WorkerClient:
                             entry[0].put_nowait((entry[1], item))
                             if item.finish_reason is not None:
                                 self._forget(item.rid)
+                    trials = self.health.breaker.trials
+                    if trials:  # a half-open breaker's trial that produced tokens frees its place for the next
+                        for item in items:
+                            if item.token_ids:
+                                trials.discard(item.rid)
                 finally:
                     if batch:
                         write_batch.end()

@@ -493,8 +493,8 @@ def test_a_half_open_breaker_lets_through_as_many_trials_at_once_as_it_needs_suc
         assert await until(lambda: len(_sent(transports[0], Submit)) + len(_sent(transports[1], Submit)) == 6, 5)
         trials = _sent(transports[0], Submit)
         assert len(trials) == 2 and not workers[0].healthy and workers[0].available and dispatcher.is_ready()
-        workers[0]._dispatch(Outputs([StepOutput(trials[0].rid, [65], "length")]))  # a trial ends
-        assert workers[0].healthy and breaker.state is BreakerState.HALF_OPEN
+        workers[0]._dispatch(Outputs([StepOutput(trials[0].rid, [65])]))  # a trial's first token: its place is free
+        assert workers[0].healthy and breaker.state is BreakerState.HALF_OPEN and len(breaker.trials) == 1
         for first in firsts:
             first.cancel()
         for gen in gens:
