@@ -39,7 +39,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.admin import admin_routes
 from gateway.api import ModelNotFound, now_s
-from gateway.errors import APIError, NoWorkers
+from gateway.errors import APIError, NoWorkers, http_error
 from gateway.hot_cycle import HotRoutes
 from gateway.middleware import GatekeeperMiddleware, RequestContextMiddleware
 from gateway.openapi import openapi_document
@@ -220,16 +220,6 @@ async def metrics(request: Request) -> Response:
 
 async def openapi(request: Request) -> Response:
     return Response(request.app.state.openapi, media_type="application/json")
-
-
-async def http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    code = exc.status_code
-    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(code, "internal_error")
-    response = _reply({"error": {"message": f"{exc.detail}: {request.method} {request.url.path}",
-                                 "type": kind, "param": None, "code": None}}, code)
-    response.headers.update(exc.headers or {})  # 405: Allow
-    return response
 
 
 async def server_error(request: Request, exc: Exception) -> Response:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import msgspec
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import Response
 
 _json = msgspec.json.Encoder()
@@ -102,3 +104,21 @@ def from_worker_error(code: str, message: str, side: str, param: str | None = No
     cls = _BY_WORKER_CODE.get(code, BadGateway)
     retry_after_s = 1.0 if cls in (Overloaded, NoWorkers) else None
     return cls(f"{side} worker: {message}", param=param, code=code, retry_after_s=retry_after_s)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 / 405 (no such route, wrong method), OpenAI-shaped."""
+    assert isinstance(exc, HTTPException)
+    code = exc.status_code
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(code, "internal_error")
+    body = {"error": {"message": f"{exc.detail}: {request.method} {request.url.path}", "type": kind, "param": None,
+                      "code": None}}
+    response = Response(msgspec.json.encode(body), status_code=code, media_type="application/json")
+    response.headers.update(exc.headers or {})  # 405: Allow
+    return response
+
+
+async def api_error(_: Request, exc: Exception) -> Response:
+    """An ``APIError`` raised in a plain route: its own answer."""
+    assert isinstance(exc, APIError)
+    return exc.to_response()

@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING
 import msgspec
 from prometheus_client import generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway.errors import APIError, api_error, http_error
 from workers.metrics import CONTENT_TYPE, create_registry
 
 if TYPE_CHECKING:
@@ -72,6 +74,9 @@ def create_http_app(worker: Worker) -> Starlette:
 
     sglang = worker.sglang.routes() if worker.sglang is not None else []
     return Starlette(
+        # (JSON for a wrong path or method, and for an APIError out of a plain route: /v1/models before
+        # the worker's frontend is up)
+        exception_handlers={HTTPException: http_error, APIError: api_error},
         routes=[
             *sglang,  # SGLang's PD HTTP protocol (workers/sglang_api.py)
             Route("/health", health),

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -282,7 +283,7 @@ class SGLangAPI:
         assert engine is not None
         info = engine.info
         return _reply({
-            "model_path": self.worker.config.model or info.name, "tokenizer_path": info.tokenizer,
+            "model_path": _model_path(self.worker.config.model, info), "tokenizer_path": info.tokenizer,
             "is_generation": True, "model_type": self.worker.config.engine, "architectures": None,
             "weight_version": "default", "served_model_name": info.name,
         })
@@ -293,7 +294,8 @@ class SGLangAPI:
         assert engine is not None and pool is not None
         cfg, info = w.config, engine.info
         return _reply({
-            "model_path": cfg.model or info.name, "served_model_name": info.name, "tokenizer_path": info.tokenizer,
+            "model_path": _model_path(cfg.model, info), "served_model_name": info.name,
+            "tokenizer_path": info.tokenizer,
             "version": SERVER_VERSION, "disaggregation_mode": cfg.role if cfg.role != "both" else "null",
             "disaggregation_bootstrap_port": cfg.bootstrap_embedded,
             "disaggregation_transfer_backend": cfg.transfer, "dp_size": 1, "tp_size": 1, "pp_size": 1,
@@ -326,10 +328,11 @@ class SGLangAPI:
         }
 
     async def get_load(self, _: Request) -> Response:
-        """SGLang's older load route: occupied plus waiting tokens."""
+        """SGLang's ``/get_load``: a list with one entry per data-parallel rank (ours: one), its requests
+        (running and waiting) and tokens (occupied plus queued), as SGLang's router reads it."""
         load = self._load()
-        return _reply({"load": load["num_total_tokens"], "num_reqs": load["num_running_reqs"],
-                       "num_waiting_reqs": load["num_waiting_reqs"]})
+        return _reply([{"dp_rank": 0, "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+                        "num_waiting_reqs": load["num_waiting_reqs"], "num_tokens": load["num_total_tokens"]}])
 
     async def loads(self, _: Request) -> Response:
         """SGLang's ``/v1/loads`` (the ``core`` fields, one rank)."""
@@ -361,3 +364,12 @@ class _WhenReady:
 
 def _reply(body: Any, status: int = 200) -> Response:
     return Response(_json.encode(body), status_code=status, media_type="application/json")
+
+
+def _model_path(model: str | None, info: Any) -> str:
+    """``model_path`` as SGLang reports it, where its router loads the tokenizer from: the model's resolved
+    directory (``--model default`` is a name only we know) where the engine has one, else what was given."""
+    tokenizer = info.tokenizer
+    if isinstance(tokenizer, str) and os.path.isdir(tokenizer):
+        return tokenizer
+    return str(model or info.name)

@@ -396,7 +396,7 @@ def test_gateway_over_our_workers_sglang_side_matches_the_native_path(procs: Pro
     assert figures[1]["pd_gateway_prompt_tokens_total"] == 2 * prompt
     loads = decode.get("/v1/loads")["loads"]  # type: ignore[index]
     assert loads[0]["max_total_num_tokens"] == 256 * 4 and loads[0]["num_running_reqs"] == 0
-    assert decode.get("/get_load")["load"] == 0  # type: ignore[index]
+    assert decode.get("/get_load") == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
     deadline = time.monotonic() + 10  # the gateway polls /v1/loads after each passed /health probe
     while True:
         workers = httpx.get(f"http://127.0.0.1:{http}/readiness", timeout=10).json()["workers"]

@@ -44,3 +44,27 @@ def test_requests_wait_for_the_native_connection_side_by_side() -> None:
         await api.aclose()
 
     asyncio.run(main())
+
+
+def test_the_worker_http_side_answers_json_for_wrong_paths_methods_and_a_frontend_not_up() -> None:
+    """(Starlette's plain-text 404/405 and a 500 traceback from /v1/models before the frontend is up.)"""
+    from starlette.testclient import TestClient
+
+    from workers.http_app import create_http_app
+
+    worker = SimpleNamespace(
+        config=WorkerConfig(role="decode"), native_port=1, scheduler=None, started=False,
+        engine=SimpleNamespace(info=SimpleNamespace(tokenizer="/nonexistent", name="m", max_context=4096)))
+    api = SGLangAPI(worker)  # type: ignore[arg-type]
+
+    async def not_up(timeout_s: float = 0.0) -> None:
+        return None
+
+    api.ensure_ready = not_up  # type: ignore[method-assign]
+    worker.sglang = api
+    with TestClient(create_http_app(worker)) as client:  # type: ignore[arg-type]
+        for method, path, status in (("GET", "/generate", 405), ("GET", "/nope", 404), ("GET", "/v1/models", 503)):
+            reply = client.request(method, path)
+            assert reply.status_code == status and reply.headers["content-type"] == "application/json", reply.text
+            assert reply.json()["error"]["message"], reply.text
+        assert "POST" in client.get("/generate").headers["allow"]
