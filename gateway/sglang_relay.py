@@ -321,6 +321,7 @@ class SGLangResponder:
                         if first.worker is decode:
                             decode.health.breaker.record_failure()
                         return await self._failed(first, send)
+                    decode.health.breaker.trials.discard(d_rid)  # (a half-open trial that streams: its place is free)
                     status = await self._stream(reply, first, p_task, merge_logprobs, send, figures)
                 else:
                     status = await self._whole(reply, p_task, merge_logprobs, send, figures)
