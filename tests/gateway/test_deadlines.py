@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from typing import Any
 
 import pytest
 from test_hot_path import RecordingConsumer, _connected_workers, _sent
@@ -46,6 +47,15 @@ async def until(predicate, timeout_s: float) -> bool:  # type: ignore[no-untyped
             return False
         await asyncio.sleep(0.01)
     return True
+
+
+def _half_open(worker: Any) -> Any:
+    """``worker``'s breaker, opened and cooled down at once (half-open)."""
+    breaker = worker.health.breaker
+    breaker.cooldown_s = 0.0
+    for _ in range(breaker.failures_to_open):
+        breaker.record_failure()
+    return breaker
 
 
 async def drain(gen) -> list[StepOutput]:  # type: ignore[no-untyped-def]
@@ -312,10 +322,7 @@ def test_an_answer_the_consumer_ends_early_counts_as_the_decodes_success(consume
 
     async def main() -> None:
         dispatcher, workers, transports = combined(1, DispatchConfig(max_retries=0))
-        breaker = workers[0].health.breaker
-        breaker.cooldown_s = 0.0
-        for _ in range(breaker.failures_to_open):
-            breaker.record_failure()
+        breaker = _half_open(workers[0])
         assert breaker.state is BreakerState.HALF_OPEN
         for i in range(breaker.successes_to_close):
             params = SamplingParams(max_new_tokens=8)
@@ -482,10 +489,7 @@ def test_a_half_open_breaker_lets_through_as_many_trials_at_once_as_it_needs_suc
 
     async def main() -> None:
         dispatcher, workers, transports = combined(2, DispatchConfig(max_retries=0))
-        breaker = workers[0].health.breaker
-        breaker.cooldown_s = 0.0
-        for _ in range(breaker.failures_to_open):
-            breaker.record_failure()
+        breaker = _half_open(workers[0])
         assert breaker.state is BreakerState.HALF_OPEN and breaker.successes_to_close == 2
         params = SamplingParams(max_new_tokens=8)
         gens = [dispatcher.generate([1, 2, i], params) for i in range(6)]

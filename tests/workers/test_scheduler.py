@@ -658,6 +658,17 @@ def _pd_pair(prefill_pages: int, decode_pages: int, num_aux_slots: int = 256, de
     return sides
 
 
+def _until_pool_full(sched: Scheduler) -> None:
+    """Step ``sched`` until every page is back (an aborted request's may wait in quarantine for its transfer
+    to quiesce), failing after 50 steps."""
+    for _ in range(50):
+        sched.step()
+        if sched.cache.num_available == sched.pool.num_pages:
+            return
+        time.sleep(0.01)
+    assert sched.cache.num_available == sched.pool.num_pages
+
+
 @pytest.mark.parametrize("short_side", ["prefill", "decode"])
 def test_pages_freed_in_a_step_are_taken_in_that_step(short_side: str) -> None:
     """A pool that holds one request at a time: the pages a finished transfer frees (prefill), or a
@@ -975,12 +986,7 @@ def test_a_decode_batch_holds_at_most_max_running_sequences() -> None:
         assert len(finished) == 5
         for rid in finished:
             assert sum(len(o.token_ids) for o in dsink.outputs(rid)) == 8
-        for _ in range(50):  # (the aborted one's pages may wait in quarantine for its transfer to quiesce)
-            d.step()
-            if d.cache.num_available == d.pool.num_pages:
-                break
-            time.sleep(0.01)
-        assert d.cache.num_available == d.pool.num_pages
+        _until_pool_full(d)
     finally:
         pkv.close()
         dkv.close()
@@ -1050,12 +1056,7 @@ def test_a_room_that_brings_another_prompts_kv_fails_the_decode_request() -> Non
         assert not dsink.outputs(1)
         (error,) = dsink.errors(1)
         assert error.code == "transfer_failed" and "another prompt" in error.message and error.fault == Fault.NONE
-        for _ in range(50):
-            d.step()
-            if d.cache.num_available == d.pool.num_pages:
-                break
-            time.sleep(0.01)
-        assert d.cache.num_available == d.pool.num_pages
+        _until_pool_full(d)
     finally:
         pkv.close()
         dkv.close()
