@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import ctypes
 import http.client
+import math
 import os
 import random
 import signal
@@ -156,9 +157,14 @@ class Child:
         return _probe(self.live_url or self.health_url, timeout_s)
 
 
+# The children's health checks go straight to them, whatever http_proxy says (a proxy set for the host's
+# outbound traffic, without a no_proxy for loopback, failed every check)
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _probe(url: str, timeout_s: float) -> str:
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        with _DIRECT.open(url, timeout=timeout_s) as resp:
             return "ok" if resp.status == 200 else "failed"
     except urllib.error.URLError as exc:
         return "refused" if isinstance(exc.reason, ConnectionRefusedError) else "failed"
@@ -357,6 +363,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _no_proxy_for(*hosts: str) -> None:
+    """The children (and this process's checks) reach each other on ``hosts`` directly, whatever proxy the
+    environment sets for outbound HTTP (the registry clients and health checks honour ``http_proxy``; without
+    a ``no_proxy`` for these hosts every one of them failed)."""
+    for name in ("no_proxy", "NO_PROXY"):
+        os.environ[name] = ",".join(dict.fromkeys(filter(None, [*os.environ.get(name, "").split(","), *hosts])))
+
+
 def reach_host(args: argparse.Namespace) -> str:
     """Where the children reach each other (and are advertised, and the gateway is printed at)."""
     return str(args.advertise_host or ("127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host))
@@ -409,8 +423,10 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.prefill < 1 or args.decode < 1:
         sys.exit("pd-cluster: --prefill and --decode must be at least 1")
-    if args.max_restarts < 0 or args.restart_window_s <= 0 or args.restart_backoff_s < 0:
-        sys.exit("pd-cluster: --max-restarts and --restart-backoff-s must be >= 0, --restart-window-s > 0")
+    if (args.max_restarts < 0 or not 0 < args.restart_window_s < math.inf
+            or not 0 <= args.restart_backoff_s < math.inf):  # (``not``: NaN fails every comparison)
+        sys.exit("pd-cluster: --max-restarts and --restart-backoff-s must be >= 0, --restart-window-s > 0 "
+                 "(finite)")
     if not args.liveness_interval_s > 0:
         sys.exit("pd-cluster: --liveness-interval-s must be positive")
     if not 0 <= args.port <= 65535 or not 0 <= args.bootstrap_port <= 65535:
@@ -428,6 +444,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, on_signal)
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # (under nohup it stays ignored)
         signal.signal(signal.SIGHUP, on_signal)  # the terminal closed: its children are in their own sessions
+    _no_proxy_for("127.0.0.1", "localhost", "::1", reach_host(args))
     code = 0
     try:
         children = plan(args)

@@ -50,13 +50,14 @@ def cmdline(pid: int) -> list[str]:
 class ClusterRun:
     """One ``pd-cluster --engine sim`` process, its log (stdout and stderr) and the children it ran."""
 
-    def __init__(self, tmp_path: Path, *args: str) -> None:
+    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.log_path = tmp_path / "cluster.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gateway.cluster", "--engine", "sim", "--port", str(self.port), *args],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                env={**os.environ, **env} if env else None)
         self.seen: dict[int, list[str]] = {}  # every child pid seen, with its argv
 
     @property
@@ -110,8 +111,8 @@ class ClusterRun:
 
 
 @contextmanager
-def cluster_run(tmp_path: Path, *args: str) -> Iterator[ClusterRun]:
-    run = ClusterRun(tmp_path, *args)
+def cluster_run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[ClusterRun]:
+    run = ClusterRun(tmp_path, *args, env=env)
     try:
         yield run
     finally:
@@ -160,3 +161,15 @@ def test_the_ipv6_wildcard_host_serves_ipv4_and_ipv6_clients(tmp_path: Path) -> 
             c = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
             out = c.completions.create(model="sim", prompt="Both families", max_tokens=4)
             assert out.choices[0].finish_reason == "length"
+
+
+def test_a_proxy_in_the_environment_does_not_come_between_the_children(tmp_path: Path) -> None:
+    """An http_proxy set for the host's outbound traffic (here one that refuses every connection), without a
+    no_proxy for loopback: the registry clients and health checks go to the children directly."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxies = {"http_proxy": dead, "HTTP_PROXY": dead, "https_proxy": dead, "HTTPS_PROXY": dead,
+               "all_proxy": dead, "ALL_PROXY": dead, "no_proxy": "", "NO_PROXY": ""}
+    with cluster_run(tmp_path, "--startup-timeout-s", "60", env=proxies) as run:
+        run.wait_ready()
+        c = openai.OpenAI(base_url=f"{run.url}/v1", api_key="none", max_retries=0, timeout=60)
+        assert c.completions.create(model="sim", prompt="no proxy", max_tokens=3).choices[0].finish_reason == "length"
