@@ -128,10 +128,10 @@ def _parse_rank(name: str, value: str | None) -> int:
             f"missing query parameter {name!r}; GET /route needs prefill_dp_rank, prefill_cp_rank, "
             "target_tp_rank and target_pp_rank (all -1 for the topology)",
         )
-    try:
-        return int(value)
-    except ValueError:
-        raise errors.bad_request("invalid_parameter", f"query parameter {name}={value!r} is not an integer") from None
+    digits = value[1:] if value.startswith("-") else value
+    if not (digits.isascii() and digits.isdigit()):  # (not int()'s spaces, underscores and other scripts' digits)
+        raise errors.bad_request("invalid_parameter", f"query parameter {name}={value!r} is not an integer")
+    return int(value)
 
 
 def build_routes(state: RegistryState) -> list[Route]:

@@ -160,7 +160,9 @@ def registry_url(url: str) -> str:
         raise ValueError(f"not a registry URL (bad port): {url!r}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
         raise ValueError(f"not a registry URL (want http://host:port): {url!r}")
-    return f"{parts.scheme}://{join_host_port(parts.hostname, port or default_port)}{parts.path}"
+    if port == 0:  # (no registry listens on port 0: it would have been taken as the scheme's default)
+        raise ValueError(f"not a registry URL (port 0): {url!r}")
+    return f"{parts.scheme}://{join_host_port(parts.hostname, default_port if port is None else port)}{parts.path}"
 
 
 

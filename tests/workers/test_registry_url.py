@@ -23,7 +23,7 @@ def test_one_spelling(given: str, want: str) -> None:
     assert WorkerConfig(role="prefill", bootstrap=given).bootstrap == want
 
 
-@pytest.mark.parametrize("bad", ["ftp://host:1", "http://host:99999", "http://:8998", "http://h:1/?x=1"])
+@pytest.mark.parametrize("bad", ["ftp://host:1", "http://host:99999", "http://:8998", "http://h:1/?x=1", "http://h:0"])
 def test_not_a_registry_url_is_a_config_error_naming_the_flag(bad: str) -> None:
     with pytest.raises(ConfigError, match=r"^bootstrap: "):
         WorkerConfig(role="decode", bootstrap=bad)
