@@ -297,7 +297,7 @@ class SGLangAPI:
             "model_path": _model_path(cfg.model, info), "served_model_name": info.name,
             "tokenizer_path": info.tokenizer,
             "version": SERVER_VERSION, "disaggregation_mode": cfg.role if cfg.role != "both" else "null",
-            "disaggregation_bootstrap_port": cfg.bootstrap_embedded,
+            "disaggregation_bootstrap_port": w.embedded_registry_port,
             "disaggregation_transfer_backend": cfg.transfer, "dp_size": 1, "tp_size": 1, "pp_size": 1,
             "page_size": pool.page_size, "max_total_num_tokens": pool.num_pages * pool.page_size,
             "max_running_requests": cfg.max_running, "context_length": info.max_context,

@@ -257,6 +257,11 @@ class Worker:
                 f"{registrar.last_error}")
 
     @property
+    def embedded_registry_port(self) -> int | None:
+        """The port of the registry this worker serves (``--bootstrap-embedded``; 0 there: the one it got)."""
+        return self._embedded.port if self._embedded is not None else self.config.bootstrap_embedded
+
+    @property
     def native_port(self) -> int:
         assert self.server is not None
         return self.server.port

@@ -58,3 +58,18 @@ def test_a_registration_is_lapsed_after_three_failed_renewals_or_a_lease_without
         worker._registrar = SimpleNamespace(num_failures=failures, last_success=now - since_ok,  # type: ignore[assignment]
                                             last_error="ReadTimeout")
         assert (worker.registration_error is not None) is lapsed, (failures, since_ok)
+
+
+def test_an_embedded_registry_on_port_0_reports_the_port_it_got() -> None:
+    """(``/server_info``'s ``disaggregation_bootstrap_port`` said 0: SGLang's router would use that.)"""
+    from types import SimpleNamespace
+
+    from workers.config import WorkerConfig
+    from workers.worker import Worker
+
+    worker = Worker.__new__(Worker)
+    worker.config = WorkerConfig(role="prefill", bootstrap_embedded=0)
+    worker._embedded = SimpleNamespace(port=43210)
+    assert worker.embedded_registry_port == 43210
+    worker._embedded = None
+    assert worker.embedded_registry_port == 0
