@@ -248,10 +248,18 @@ class MooncakeBackend(PeerThreadBackend):
             if not fence.live():  # the room died on our side: send none of the rest
                 return fenced("mooncake", fence)
             part = blocks[start : start + self._max_batch]
-            with self._budget:
-                while self._inflight + len(part) > self._max_inflight:
-                    self._budget.wait()
-                self._inflight += len(part)
+            # The wait for the budget may outlast the peer or the room (another peer's batches held it: one
+            # frozen decode): a batch sent after that could land in pages its decode has already given back.
+            while True:
+                with self._budget:
+                    if self._inflight + len(part) <= self._max_inflight:
+                        self._inflight += len(part)
+                        break
+                    self._budget.wait(0.05)  # (woken by a batch ending; a dropped peer or dead room ends none)
+                if peer.dead is not None:  # (``fence.live`` outside the budget's lock: it may take the manager's)
+                    return peer.dead
+                if not fence.live():
+                    return fenced("mooncake", fence)
             started = time.monotonic()
             try:
                 rc = self._engine.batch_transfer_sync_write(

@@ -323,3 +323,45 @@ def test_prefill_rejects_pages_outside_the_decode_pool(backend_name, local_manag
     with pytest.raises(ValueError, match="source pages"):
         sender7.send([SHAPE.num_pages], last=False)
     raw.sock.close()
+
+
+def test_mooncake_sends_no_batch_after_its_wait_for_the_engine_budget_outlived_its_room(spawn_peer):
+    """Mooncake keeps an engine-wide budget of entries in flight: a batch waiting for it behind a frozen
+    decode's writes must not go out once its own decode was dropped and its room died meanwhile (its bytes
+    would land in pages that decode has given back). Before: sent as soon as the budget freed."""
+    import signal
+
+    reason = skip_reason("mooncake")
+    if reason:
+        pytest.skip(reason)
+    frozen, other = spawn_peer("decode", "mooncake"), spawn_peer("decode", "mooncake")
+    pool = SHAPE.pool()
+    fill(pool, seed=5)
+    backend = create_backend("mooncake", options={"max_batch_blocks": 1, "max_inflight_blocks": 1})
+    try:
+        backend.register(KVArgs.from_pool(pool).regions())
+        to_frozen = backend.connect(base64.b64decode(frozen.info["endpoint"]))
+        to_other = backend.connect(base64.b64decode(other.info["endpoint"]))
+        src, page_bytes = pool.kv_ptrs(), pool.page_bytes
+        before = other.read_memory()[0].copy()
+        frozen_fence = _fence(frozen)
+        other.call("open_fence", room=2, generation=1)
+        frozen.signal(signal.SIGSTOP)
+        try:
+            held = backend.write(to_frozen, [(src[0], frozen.info["kv_ptrs"][0], page_bytes)], frozen_fence)
+            time.sleep(0.3)  # (it holds the whole budget while its decode is frozen)
+            alive = [True]
+            waiting = backend.write(to_other, [(src[0], other.info["kv_ptrs"][0], page_bytes)],
+                                    Fence(2, 1, lambda: alive[0]))
+            time.sleep(0.3)
+            assert backend.poll(waiting) == WriteState.PENDING  # (waiting for the budget)
+            alive[0] = False  # the room failed here, and its decode's connection is dropped
+            backend.disconnect(to_other)
+            assert _wait(backend, waiting) == WriteState.FAILED
+        finally:
+            frozen.signal(signal.SIGCONT)
+        assert _wait(backend, held) == WriteState.DONE  # (the budget frees)
+        time.sleep(0.5)
+        assert np.array_equal(other.read_memory()[0], before), "a failed batch's bytes landed after all"
+    finally:
+        backend.close()
