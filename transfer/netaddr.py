@@ -18,13 +18,24 @@ def is_wildcard(host: str) -> bool:
     return host in ("", "0.0.0.0", "::", "[::]")
 
 
-def listener(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port``; the IPv6 wildcard ``::`` takes IPv4 connections too (as it is
-    documented: every interface; bound as asyncio and uvicorn bind it, it would be IPv6 only)."""
+def listener(host: str, port: int, *, listen: bool = True) -> socket.socket:
+    """A TCP socket bound to ``host:port``, listening unless ``listen`` is False (then whoever serves it starts
+    listening: until then a connection is refused); the IPv6 wildcard ``::`` takes IPv4 connections too (as
+    it is documented: every interface; bound as asyncio and uvicorn bind it, it would be IPv6 only)."""
     host = host.strip("[]")
-    if ":" in host:
-        return socket.create_server((host, port), family=socket.AF_INET6, dualstack_ipv6=host == "::")
-    return socket.create_server((host, port))
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if host == "::" else 1)
+        sock.bind((host, port))
+        if listen:
+            sock.listen()
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def dual_stack_sockets(host: str, port: int) -> list[socket.socket] | None:

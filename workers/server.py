@@ -80,7 +80,7 @@ class NativeServer:
         """Bind the port; ``serve``: accept connections now (else from ``start_serving``: until then a
         connection is refused, as with nothing listening)."""
         self._loop = asyncio.get_running_loop()
-        self._server = await asyncio.start_server(self._on_connect, sock=listener(self._host, self._port),
+        self._server = await asyncio.start_server(self._on_connect, sock=listener(self._host, self._port, listen=False),
                                                   start_serving=serve)
 
     async def start_serving(self) -> None:
