@@ -327,7 +327,9 @@ class SenderRooms:
             if now - request.arrived > timeouts.bootstrap_s:
                 del self._requests[room]
                 reason = f"room {room}: the prefill created no sender within {timeouts.bootstrap_s:g}s"
-                _refuse(outbox, request.link.channel, room, TransferError(TransferErrorKind.TIMEOUT, reason))
+                # (BOOTSTRAP: the room never got going, no worker's fault; the prefill was never given its
+                # request, as far as it knows. A TIMEOUT the decode takes as its own: its breaker's count.)
+                _refuse(outbox, request.link.channel, room, TransferError(TransferErrorKind.BOOTSTRAP, reason))
         for room, (_, expiry) in list(self._tombstones.items()):
             if now > expiry:
                 del self._tombstones[room]
