@@ -24,6 +24,7 @@ Lifecycle:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -81,6 +82,8 @@ class KVManager:
         except Exception:
             if self._prefill is not None:
                 self._prefill.close()
+            with contextlib.suppress(Exception):  # (its own error is the one to tell)
+                backend.close()
             raise
         self._closed = False
         self._close_lock = threading.Lock()

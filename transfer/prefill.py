@@ -217,7 +217,8 @@ class PrefillSide:
         except OSError:
             pass
         self._listener.close()
-        self._accept_thread.join(timeout=5.0)
+        if self._accept_thread.ident is not None:  # (not started: the backend refused to register)
+            self._accept_thread.join(timeout=5.0)
         with self._ctx.lock:
             channels = list(self._links)
         for channel in channels:

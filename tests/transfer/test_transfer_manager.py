@@ -590,3 +590,26 @@ def test_a_page_list_whose_decode_then_disconnects_fails_the_later_sender_at_onc
     sender = prefill.create_sender(5)
     assert sender.poll() == KVPoll.Failed, "the sender waits for a page list from a decode that is gone"
     assert sender.failure().kind == TransferErrorKind.PEER_GONE
+
+
+def test_a_backend_refusing_to_register_is_the_error_told_and_is_closed() -> None:
+    """(A prefill's manager then raised "cannot join thread before it is started", hiding the backend's
+    reason, e.g. that tcp moves host memory only, and left the backend open.)"""
+    from kvunit import make_args
+
+    from transfer import KVManager, TransferError, TransferErrorKind
+    from transfer.fake import FakeBackend
+
+    class Refuses(FakeBackend):
+        closed = False
+
+        def register(self, regions):  # type: ignore[no-untyped-def]
+            raise TransferError(TransferErrorKind.PROTOCOL, "moves host memory only")
+
+        def close(self) -> None:
+            Refuses.closed = True
+            super().close()
+
+    with pytest.raises(TransferError, match="host memory only"):
+        KVManager("prefill", make_args(), Refuses())
+    assert Refuses.closed
