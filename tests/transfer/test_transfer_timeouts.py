@@ -165,3 +165,21 @@ def test_timeouts_validation():
     with pytest.raises(ValueError, match="heartbeat_timeout_s"):
         KVTimeouts(heartbeat_interval_s=2.0, heartbeat_timeout_s=1.0)
     assert KVTimeouts().bootstrap_s == 300.0
+
+
+def test_a_decodes_abort_before_the_prefill_has_the_room_is_remembered_for_bootstrap_s(managers):
+    """The tombstone of a room the decode aborted before the prefill created its sender fails that sender at
+    once, and goes after ``bootstrap_s`` (dropped oldest first, without a scan of every one each tick)."""
+    prefill = managers("prefill", _t(bootstrap_s=0.5))
+    decode = managers("decode", _t())
+    rooms = prefill._prefill.rooms
+    for room in (7, 8):
+        receiver = decode.create_receiver(room, *prefill.control_address)
+        assert wait_for(lambda r=receiver: r.poll() == KVPoll.WaitingForInput)
+        receiver.abort("client left")
+    assert wait_for(lambda: set(rooms._tombstones) == {7, 8}, 5)
+    early = prefill.create_sender(7)
+    assert early.poll() == KVPoll.Failed and early.failure().kind == TransferErrorKind.ABORTED
+    assert wait_for(lambda: not rooms._tombstones and not rooms._tombstone_order, 5)
+    late = prefill.create_sender(8)  # (past bootstrap_s: a new room of that id)
+    assert late.poll() == KVPoll.Bootstrapping
