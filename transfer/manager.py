@@ -196,9 +196,10 @@ class KVManager:
             self._ctx.closed = True
             self._ctx.wake.notify_all()
         self._monitor.join(timeout=5.0)
+        if self._prefill is not None:  # (its writes settle, and their decodes hear so, before the connections close)
+            self._prefill.drain_graveyard(2.0, outbox)
+            flush(outbox)
         side.close()
-        if self._prefill is not None:
-            self._prefill.drain_graveyard(deadline_s=2.0)
         self.backend.close()
 
     def __enter__(self) -> KVManager:

@@ -77,8 +77,8 @@ class PrefillSide:
     def fail_all(self, outbox: Outbox) -> None:
         self.rooms.fail_all(outbox)
 
-    def drain_graveyard(self, deadline_s: float) -> None:
-        self.rooms.drain_graveyard(deadline_s)
+    def drain_graveyard(self, deadline_s: float, outbox: Outbox) -> None:
+        self.rooms.drain_graveyard(deadline_s, outbox)
 
     # -- connections -----------------------------------------------------------------------------
     def _accept_loop(self) -> None:

@@ -419,16 +419,28 @@ class SenderRooms:
                 if request is not None and not request.link.closed:
                     outbox.append((request.link.channel, Abort(sender.room, "prefill KV manager closed")))
 
-    def drain_graveyard(self, deadline_s: float) -> None:
-        """Release every leftover handle (waiting up to ``deadline_s`` for pending ones)."""
+    def drain_graveyard(self, deadline_s: float, outbox: Outbox) -> None:
+        """At close: release every leftover handle (waiting up to ``deadline_s`` for pending ones), and tell
+        the decodes ``Quiesced`` for each failed room none of whose writes is still pending (before the
+        control connections close: a decode without fences takes the close itself as the end of every
+        write, and one still on the wire could then land in pages it has given back)."""
         end = time.monotonic() + deadline_s
         with self._ctx.lock:
             writes = self._graveyard + [w for s in self._senders.values() for w in s.take_writes()]
             self._graveyard = []
+        pending: set[int] = set()
         for write in writes:
             while self._ctx.backend.poll(write.handle) == WriteState.PENDING and time.monotonic() < end:
                 time.sleep(0.005)
+            if self._ctx.backend.poll(write.handle) == WriteState.PENDING:
+                pending.add(write.room)
             self._retire(write)
+        with self._ctx.lock:
+            for room, link in list(self._unquiet.items()):
+                if room not in pending:
+                    del self._unquiet[room]
+                    if not link.closed:
+                        outbox.append((link.channel, Quiesced(room)))
 
 
 def _ended_error(room: int, reason: str) -> TransferError:

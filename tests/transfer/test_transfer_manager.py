@@ -613,3 +613,59 @@ def test_a_backend_refusing_to_register_is_the_error_told_and_is_closed() -> Non
     with pytest.raises(TransferError, match="host memory only"):
         KVManager("prefill", make_args(), Refuses())
     assert Refuses.closed
+
+
+def test_a_prefill_closing_lets_its_writes_settle_before_its_connections_close() -> None:
+    """A rolling restart: the prefill's manager closes with a write on the wire. A decode without fences
+    takes the control connection's close as the end of every write of its rooms, so the prefill waits (a
+    bounded while) for its writes to settle and says ``Quiesced`` first. Before: it closed the connections
+    at once, and the decode gave the pages back while the write could still land."""
+    from transfer import KVManager, KVPoll, KVTimeouts
+
+    class Held(FakeBackend):
+        def write(self, peer, blocks, fence=UNFENCED):  # type: ignore[no-untyped-def]
+            handle = super().write(peer, blocks, fence)
+            with self._lock:
+                self._writes[handle] = WriteState.PENDING
+            return handle
+
+        def settle(self) -> None:
+            with self._lock:
+                for handle, state in self._writes.items():
+                    if state == WriteState.PENDING:
+                        self._writes[handle] = WriteState.DONE
+
+        def pending(self) -> bool:
+            with self._lock:
+                return WriteState.PENDING in self._writes.values()
+
+    timeouts = KVTimeouts(bootstrap_s=30, waiting_s=30, transfer_s=30, heartbeat_interval_s=0.2,
+                          heartbeat_timeout_s=2.0)
+    held = Held()
+    prefill = KVManager("prefill", make_args(), held, timeouts=timeouts)
+    decode = KVManager("decode", make_args(), FakeBackend(), timeouts=timeouts)
+    try:
+        sender = prefill.create_sender(1)
+        receiver = decode.create_receiver(1, *prefill.control_address)
+        assert wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput)
+        receiver.send_metadata([3, 4], 1)
+        assert wait_for(lambda: sender.poll() == KVPoll.WaitingForInput)
+        sender.send([0, 1], last=True, aux=b"x")  # (on the wire until ``settle``)
+        seen: list[bool] = []
+
+        def watch() -> None:
+            if wait_for(lambda: receiver.quiesced, 10):
+                seen.append(held.pending())
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        closer = threading.Thread(target=prefill.close)
+        closer.start()
+        time.sleep(0.5)
+        held.settle()
+        closer.join(10)
+        watcher.join(10)
+        assert seen == [False], "the decode took its pages back while the prefill's write was still pending"
+    finally:
+        prefill.close()
+        decode.close()
