@@ -156,12 +156,16 @@ class PrefillSide:
             channel.send(RegisterAck(False, f"rejected: {reason}", TransferErrorKind.PROTOCOL.value))
             channel.close(TransferError(TransferErrorKind.PROTOCOL, f"{channel.name}: {reason}"))
             return
+        link.connecting = True  # (a first NIXL wire-up, a Mooncake warm-up: seconds, maybe past the heartbeat)
         try:
             peer = self._ctx.backend.connect(msg.endpoint)
         except TransferError as exc:
             channel.send(RegisterAck(False, f"prefill cannot reach your data endpoint: {exc.message}", exc.kind))
             channel.close(exc)
             return
+        finally:
+            link.connecting = False
+            channel.last_rx = max(channel.last_rx, time.monotonic())  # (its pings are read next: not silent)
         args = KVArgs(
             msg.kv_ptrs, msg.kv_data_lens, msg.kv_item_lens, msg.aux_ptrs, msg.aux_data_lens,
             msg.aux_item_lens, msg.page_size, msg.kv_dtype,
@@ -197,7 +201,7 @@ class PrefillSide:
         # tell a decode that this room's writes are over: it holds those pages until it hears that.)
         stalled, self._last_beat = now - self._last_beat > limit, now
         for channel, link in self._links.items():
-            if now - channel.last_rx > limit and not stalled:
+            if now - channel.last_rx > limit and not stalled and not link.connecting:
                 error = TransferError(
                     TransferErrorKind.TIMEOUT, f"{channel.name}: no heartbeat for {now - channel.last_rx:.1f}s"
                 )

@@ -35,6 +35,9 @@ class Link:
     num_aux_slots: int = 0
     aux_slot_bytes: int = 0
     closed: bool = False
+    # the prefill is connecting to its data endpoint (in the reader thread: nothing is read meanwhile, so
+    # the decode's pings wait unread: not silence)
+    connecting: bool = False
 
 
 @dataclass

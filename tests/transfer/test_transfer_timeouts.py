@@ -183,3 +183,20 @@ def test_a_decodes_abort_before_the_prefill_has_the_room_is_remembered_for_boots
     assert wait_for(lambda: not rooms._tombstones and not rooms._tombstone_order, 5)
     late = prefill.create_sender(8)  # (past bootstrap_s: a new room of that id)
     assert late.poll() == KVPoll.Bootstrapping
+
+
+def test_a_data_path_connect_longer_than_the_heartbeat_timeout_is_not_silence(managers):
+    """The prefill connects to a decode's data endpoint in that decode's reader thread (a first NIXL wire-up,
+    a Mooncake warm-up: seconds). Its heartbeat took the unread pings for a silent decode and closed the link
+    it was registering, on every retry: a decode could never register."""
+    class SlowConnect(FakeBackend):
+        def connect(self, endpoint):  # type: ignore[no-untyped-def]
+            time.sleep(1.2)
+            return super().connect(endpoint)
+
+    timeouts = _t(heartbeat_interval_s=0.2, heartbeat_timeout_s=0.6)
+    prefill = managers("prefill", timeouts, SlowConnect())
+    decode = managers("decode", timeouts)
+    receiver = decode.create_receiver(1, *prefill.control_address)
+    assert wait_for(lambda: receiver.poll() != KVPoll.Bootstrapping, 10)
+    assert receiver.poll() == KVPoll.WaitingForInput, receiver.failure()
