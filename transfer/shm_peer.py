@@ -31,7 +31,11 @@ log = logging.getLogger(__name__)
 
 SUB_BATCH_BYTES = 4 << 20  # bytes copied between two fence checks
 INLINE_MAX_BYTES = 1 << 20  # a batch up to this size may be copied in the writer's thread (copy_inline)
-INLINE_LEAVE_S = 0.005  # copy_inline's longest wait for the gate after copying (the decode holds it for µs)
+# copy_inline's longest wait for the gate after copying. The decode holds it for µs, but from Python: a
+# thread switch inside that moment (the interpreter's switch interval is 5 ms; a busy 2-core machine
+# preempts for longer) holds it that much longer, and at 5 ms a busy decode lost whole links to PEER_GONE
+# (7 in ~677k writes with 3 CPU-bound threads beside it). A frozen decode still drops the peer.
+INLINE_LEAVE_S = 0.1
 PREFAULT_STEP_BYTES = 32 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
