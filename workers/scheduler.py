@@ -485,7 +485,7 @@ class Scheduler:
             req.kv_verified = self.kv_checker.verify(req.pages, req.input_ids)
         first = SeqOutput(record.first_token, record.logprob, record.top_logprobs)
         full = self._imported or len(live(self._running, "running")) >= self.config.max_running
-        if full and req.params.max_new_tokens > 1:
+        if full and not self._ends_at_first(req, record.first_token):
             # Behind those already waiting (FCFS). Its first token goes out when it joins the batch: sent
             # now, its stream would then wait for a slot in silence (a gateway's idle timeout between tokens
             # takes that for a frozen decode); the wait for a first token is the one a client expects.
@@ -493,6 +493,13 @@ class Scheduler:
             self._enter(req, "imported", self._imported)
             return
         self._start_decoding(req, first)
+
+    def _ends_at_first(self, req: Req, token: int) -> bool:
+        """Whether ``token``, the first, ends the request (it then needs no batch slot: answered at once).
+        (A stop string the first token alone completes is not looked for here: such a request waits.)"""
+        p = req.params
+        return (p.max_new_tokens <= 1 or token in p.stop_token_ids
+                or (not p.ignore_eos and token in self.engine.info.eos_token_ids))
 
     def _start_decoding(self, req: Req, first: SeqOutput) -> None:
         """An imported request's first token goes out; it joins the batch unless that token ended it."""
@@ -509,7 +516,11 @@ class Scheduler:
             req = waiting.pop(0)
             first, req.first_output = req.first_output, None
             assert first is not None
-            self._start_decoding(req, first)
+            try:
+                self._start_decoding(req, first)
+            except Exception as exc:  # one request's failure must not stop the loop (as in ``_advance``)
+                log.exception("request %s failed joining the batch", req.key)
+                self._fail(req, "internal", f"{type(exc).__name__}: {exc}")
             if not req.done:
                 room -= 1
         self._imported = waiting

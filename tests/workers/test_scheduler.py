@@ -1060,3 +1060,37 @@ def test_a_room_that_brings_another_prompts_kv_fails_the_decode_request() -> Non
     finally:
         pkv.close()
         dkv.close()
+
+
+def test_a_request_its_first_token_ends_needs_no_batch_slot() -> None:
+    """With the decode's batch full, a request whose first token ends it (a stop token, EOS, a budget of one)
+    is answered at once, not after a running sequence ends (it held its pages for a whole generation)."""
+    from workers.protocol import BootstrapTarget
+
+    (p, _, pkv), (d, dsink, dkv) = _pd_pair(256, 512, decode_max_running=1)
+    try:
+        host, port = pkv.control_address
+        long_one = SamplingParams(max_new_tokens=400)
+        stops_at_once = SamplingParams(max_new_tokens=50, stop_token_ids=list(range(258)))  # (every token stops it)
+        for rid, params in ((1, long_one), (2, stops_at_once)):
+            target = BootstrapTarget(host, port, 100 + rid)
+            for sched in (d, p):
+                sched.submit(1, Submit(rid, [rid * 20 + i for i in range(9)], params, target, timeout_s=60))
+            if rid == 1:  # (the long one first: it holds the batch's one slot)
+                deadline = time.monotonic() + 30
+                while not dsink.outputs(1):
+                    assert time.monotonic() < deadline
+                    p.step()
+                    d.step()
+        deadline = time.monotonic() + 30
+        while not any(o.finish_reason for o in dsink.outputs(2)):
+            assert time.monotonic() < deadline, {k: r.stage for k, r in d.reqs.items()}
+            p.step()
+            d.step()
+            time.sleep(0.001)
+        assert (1, 1) in d.reqs and not any(o.finish_reason for o in dsink.outputs(1)), "it waited for the long one"
+        d.abort(1, 1, "done")
+        _until_pool_full(d)
+    finally:
+        pkv.close()
+        dkv.close()
