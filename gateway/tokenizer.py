@@ -82,12 +82,14 @@ def render_continuing(render: Callable[[list[dict[str, Any]]], str], messages: l
     if not messages:
         raise ValueError("continue_final_message: there is no final message")
     mark = f"\u2063{secrets.token_hex(8)}\u2063"  # (invisible separators around random hex: in no template)
-    final = {**messages[-1], "content": content_text(messages[-1].get("content")) + mark}
-    text = render([*messages[:-1], final])
+    content = content_text(messages[-1].get("content"))
+    core = content.rstrip()
+    tail = content[len(core) :]  # (after the mark: a template that trims the content drops it, as it would)
+    text = render([*messages[:-1], {**messages[-1], "content": core + mark + tail}])
     at = text.rfind(mark)
     if at < 0:
         raise ValueError("continue_final_message: the chat template does not show the final message's content")
-    return text[:at]
+    return text[:at] + (tail if text.startswith(tail, at + len(mark)) else "")
 
 
 class ByteTokenizer:

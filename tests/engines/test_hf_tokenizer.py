@@ -426,3 +426,23 @@ def test_template_options_match_transformers(tiny_tokenizer_dir, tmp_path) -> No
         assert tok.decode_literally(ours).endswith(f"<|im_start|>assistant\n{content}"), (content, ours)
     with pytest.raises(ValueError, match="final message"):
         tok.apply_chat_template([], add_generation_prompt=False, continue_final_message=True)
+
+
+@pytest.mark.parametrize("content", ["The capital of ", "The capital of\n", "ok"])
+@pytest.mark.parametrize("shown", ["message['content'] | trim", "message['content'].strip()", "message['content']"])
+def test_continue_final_message_as_transformers_with_trimming_templates(tiny_tokenizer_dir, tmp_path, content,
+                                                                        shown) -> None:
+    """A template that trims the content (Llama 3's, Gemma's) drops the final message's trailing whitespace
+    from the continued prompt too; one that shows it as it is keeps it."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    shutil.copytree(tiny_tokenizer_dir, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ " + shown + " }}<|im_end|>\n{% endfor %}")
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    tok = HFTokenizer.from_dir(str(tmp_path))
+    messages = [{"role": "user", "content": "Name a capital."}, {"role": "assistant", "content": content}]
+    theirs = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    ours = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode_literally(ours) == theirs
