@@ -129,7 +129,8 @@ def _parse_rank(name: str, value: str | None) -> int:
             "target_tp_rank and target_pp_rank (all -1 for the topology)",
         )
     digits = value[1:] if value.startswith("-") else value
-    if not (digits.isascii() and digits.isdigit()):  # (not int()'s spaces, underscores and other scripts' digits)
+    # (not int()'s spaces, underscores and other scripts' digits; nor more digits than a rank has)
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= 9):
         raise errors.bad_request("invalid_parameter", f"query parameter {name}={value!r} is not an integer")
     return int(value)
 

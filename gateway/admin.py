@@ -131,9 +131,10 @@ def admin_routes(gw: Gateway, describe: Callable[[Any], dict[str, Any]]) -> list
         role = query.get("role") or ("both" if worker_type == "regular" else worker_type) or \
             ("both" if gw.is_combined else None)
         port = query.get("bootstrap_port")
-        if port is not None and port.lower() != "none" and not (port.isdigit() and 1 <= int(port) <= 65535):
+        number = port is not None and port.isascii() and port.isdigit() and len(port) <= 5
+        if port is not None and port.lower() != "none" and not (number and 1 <= int(port) <= 65535):
             raise BadRequest(f"bootstrap_port must be a port number, got {port!r}", param="bootstrap_port")
-        return add(query.get("url"), role, int(port) if port is not None and port.isdigit() else None)
+        return add(query.get("url"), role, int(port) if port is not None and number else None)
 
     async def remove_alias(request: Request) -> Response:
         return remove(request.query_params.get("url"))

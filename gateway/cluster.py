@@ -367,8 +367,10 @@ def _no_proxy_for(*hosts: str) -> None:
     """The children (and this process's checks) reach each other on ``hosts`` directly, whatever proxy the
     environment sets for outbound HTTP (the registry clients and health checks honour ``http_proxy``; without
     a ``no_proxy`` for these hosts every one of them failed)."""
+    given = [entry for name in ("no_proxy", "NO_PROXY") for entry in os.environ.get(name, "").split(",")]
+    merged = ",".join(dict.fromkeys(filter(None, [*given, *hosts])))  # (either spelling's entries, in both)
     for name in ("no_proxy", "NO_PROXY"):
-        os.environ[name] = ",".join(dict.fromkeys(filter(None, [*os.environ.get(name, "").split(","), *hosts])))
+        os.environ[name] = merged
 
 
 def reach_host(args: argparse.Namespace) -> str:

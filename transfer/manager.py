@@ -196,11 +196,13 @@ class KVManager:
             self._ctx.closed = True
             self._ctx.wake.notify_all()
         self._monitor.join(timeout=5.0)
-        if self._prefill is not None:  # (its writes settle, and their decodes hear so, before the connections close)
-            self._prefill.drain_graveyard(2.0, outbox)
-            flush(outbox)
-        side.close()
-        self.backend.close()
+        try:
+            if self._prefill is not None:  # (its writes settle, and their decodes hear so, before connections close)
+                self._prefill.drain_graveyard(2.0, outbox)
+                flush(outbox)
+        finally:
+            side.close()
+            self.backend.close()
 
     def __enter__(self) -> KVManager:
         return self

@@ -164,8 +164,8 @@ class PrefillSide:
             channel.close(exc)
             return
         finally:
-            link.connecting = False
             channel.last_rx = max(channel.last_rx, time.monotonic())  # (its pings are read next: not silent)
+            link.connecting = False  # (after: a heartbeat between the two must not see the old last_rx)
         args = KVArgs(
             msg.kv_ptrs, msg.kv_data_lens, msg.kv_item_lens, msg.aux_ptrs, msg.aux_data_lens,
             msg.aux_item_lens, msg.page_size, msg.kv_dtype,

@@ -135,7 +135,7 @@ def test_instance_selection_without_instance_id(start_registry: Callable[..., Re
         ({"prefill_dp_rank": "", "prefill_cp_rank": 0, "target_tp_rank": 0, "target_pp_rank": 0}, "missing_parameter"),
         ({"prefill_dp_rank": "x", "prefill_cp_rank": 0, "target_tp_rank": 0, "target_pp_rank": 0}, "invalid_parameter"),
         *(({"prefill_dp_rank": odd, "prefill_cp_rank": 0, "target_tp_rank": 0, "target_pp_rank": 0},
-           "invalid_parameter") for odd in (" 0", "0_0", "\u0660")),  # (int() takes each of these)
+           "invalid_parameter") for odd in (" 0", "0_0", "\u0660", "9" * 5000)),  # (int() takes (or chokes on) each)
         (
             {"prefill_dp_rank": "1.5", "prefill_cp_rank": 0, "target_tp_rank": 0, "target_pp_rank": 0},
             "invalid_parameter",

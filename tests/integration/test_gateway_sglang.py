@@ -662,9 +662,10 @@ def test_the_admin_api_adds_and_drains_sglang_workers(procs: Procs, tmp_path: Pa
                         ({"url": "pd://127.0.0.1:1", "role": "prefill", "bootstrap_port": 7003}, "bootstrap_port")):
         refused = httpx.post(admin, json=body, timeout=10)
         assert refused.status_code in (400, 409) and refused.json()["error"]["param"] == param, refused.text
-    bad_port = httpx.post(f"{fleet.base_url}/add_worker", params={"url": new, "worker_type": "prefill",
-                                                                  "bootstrap_port": "x"}, timeout=10)
-    assert bad_port.status_code == 400 and bad_port.json()["error"]["param"] == "bootstrap_port"
+    for odd in ("x", "\u00b2", "\u0661\u0662", "9" * 5000):  # (str.isdigit takes the superscript and Arabic-Indic)
+        bad_port = httpx.post(f"{fleet.base_url}/add_worker", params={"url": new, "worker_type": "prefill",
+                                                                      "bootstrap_port": odd}, timeout=10)
+        assert bad_port.status_code == 400 and bad_port.json()["error"]["param"] == "bootstrap_port", bad_port.text
     added = httpx.post(f"{fleet.base_url}/add_worker", params={"url": new, "worker_type": "prefill",
                                                                "bootstrap_port": "7002"}, timeout=10)
     assert added.status_code == 201, added.text

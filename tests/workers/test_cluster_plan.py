@@ -113,3 +113,21 @@ def test_a_bracketed_ipv6_host_is_taken_as_the_bare_address() -> None:
         pytest.skip("no IPv6 here")
     children = plan(build_parser().parse_args(["--engine", "sim", "--host", "[::]", "--port", str(free_port())]))
     assert all(_flag(c.argv, "--host") == ["::"] for c in children if "--host" in c.argv)
+
+
+def test_the_no_proxy_hosts_join_what_either_spelling_gave(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(With only NO_PROXY set, a new no_proxy held just the cluster's hosts: the user's went through the proxy,
+    urllib and httpx reading the lowercase one first.)"""
+    import os
+    import urllib.request
+
+    from gateway.cluster import _no_proxy_for
+
+    monkeypatch.setenv("no_proxy", "")  # (recorded, so that what the call writes is undone after the test)
+    monkeypatch.setenv("NO_PROXY", "corp.internal")
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    _no_proxy_for("127.0.0.1", "10.0.0.5")
+
+    for name in ("no_proxy", "NO_PROXY"):
+        assert os.environ[name].split(",") == ["corp.internal", "127.0.0.1", "10.0.0.5"]
+    assert urllib.request.proxy_bypass("corp.internal")
