@@ -86,7 +86,8 @@ class CircuitBreaker:
         return state is BreakerState.HALF_OPEN and len(self.trials) < self.successes_to_close
 
     def trial_started(self, rid: int) -> None:
-        """Request ``rid`` was sent to the worker (only while not closed); it ends with ``trial_ended``."""
+        """Request ``rid`` was sent to the worker (only while not closed); whoever sent it takes it out of
+        ``trials`` at its first token, hand-over or end."""
         if self.state is BreakerState.HALF_OPEN:
             self.trials.add(rid)
 
