@@ -658,6 +658,18 @@ def _pd_pair(prefill_pages: int, decode_pages: int, num_aux_slots: int = 256, de
     return sides
 
 
+def _submit_pd(d: Scheduler, p: Scheduler, pkv: Any, rid: int, params: SamplingParams,
+               prompt: list[int] | None = None) -> None:
+    """Request ``rid`` to both sides of a ``_pd_pair``: room 100 + rid at the prefill's control address, the
+    prompt ``rid * 20, rid * 20 + 1, ...`` (9 tokens) unless one is given."""
+    from workers.protocol import BootstrapTarget
+
+    target = BootstrapTarget(*pkv.control_address, 100 + rid)
+    prompt = prompt if prompt is not None else [rid * 20 + i for i in range(9)]
+    for sched in (d, p):
+        sched.submit(1, Submit(rid, prompt, params, target, timeout_s=60))
+
+
 def _until_pool_full(sched: Scheduler) -> None:
     """Step ``sched`` until every page is back (an aborted request's may wait in quarantine for its transfer
     to quiesce), failing after 50 steps."""
@@ -789,7 +801,6 @@ def test_a_prefill_ends_a_waiting_request_its_decode_ended_without_waiting_its_t
     prefill: the prefill fails it as soon as its sender fails, not when it reaches the head of the
     line (its answer, its count in the load reports and its place in line were held until then)."""
     from workers.engines.base import EngineOptions
-    from workers.protocol import BootstrapTarget
 
     (p, psink, pkv), (d, _, dkv) = _pd_pair(512, 512)
     try:
@@ -797,12 +808,9 @@ def test_a_prefill_ends_a_waiting_request_its_decode_ended_without_waiting_its_t
         slow.bind(p.pool)
         p.engine = slow
         p.config = SchedulerConfig("prefill", chunk_size=64, max_running=1)
-        host, port = pkv.control_address
         prompts = {1: [i % 250 for i in range(800)], 2: list(range(40))}
         for rid, prompt in prompts.items():
-            target = BootstrapTarget(host, port, 100 + rid)
-            for sched in (d, p):
-                sched.submit(1, Submit(rid, prompt, SamplingParams(max_new_tokens=4), target, timeout_s=60))
+            _submit_pd(d, p, pkv, rid, SamplingParams(max_new_tokens=4), prompt)
         deadline = time.monotonic() + 20
         while not ((1, 2) in p.reqs and p.reqs[(1, 2)].stage == "waiting"):  # (its decode's page list came)
             assert time.monotonic() < deadline, {k: r.stage for k, r in p.reqs.items()}
@@ -825,7 +833,6 @@ def test_a_prefilling_request_its_decode_ended_is_failed_without_waiting_for_chu
     the whole chunk budget every step: its decode ending the room fails it at the next step, not once the
     budget reaches it (its pages and batch slot were held for the long prefill's whole length)."""
     from workers.engines.base import EngineOptions
-    from workers.protocol import BootstrapTarget
 
     (p, psink, pkv), (d, _, dkv) = _pd_pair(512, 512)
     try:
@@ -833,12 +840,9 @@ def test_a_prefilling_request_its_decode_ended_is_failed_without_waiting_for_chu
         slow.bind(p.pool)
         p.engine = slow
         p.config = SchedulerConfig("prefill", chunk_size=64, max_running=8)
-        host, port = pkv.control_address
         prompts = {1: [i % 250 for i in range(1600)], 2: list(range(100, 140))}
         for rid, prompt in prompts.items():
-            target = BootstrapTarget(host, port, 100 + rid)
-            for sched in (d, p):
-                sched.submit(1, Submit(rid, prompt, SamplingParams(max_new_tokens=4), target, timeout_s=60))
+            _submit_pd(d, p, pkv, rid, SamplingParams(max_new_tokens=4), prompt)
         deadline = time.monotonic() + 20
         while not ((1, 2) in p.reqs and p.reqs[(1, 2)].stage == "prefill"):
             assert time.monotonic() < deadline, {k: r.stage for k, r in p.reqs.items()}
@@ -924,15 +928,11 @@ def test_a_decoding_request_gives_its_aux_slot_back_at_import() -> None:
     """The aux slot carries the prefill's first-token record, read at import: a decode that kept it to the
     request's end decoded at most as many requests at once as its pool has slots (256 in production),
     the rest waiting with pages free."""
-    from workers.protocol import BootstrapTarget
 
     (p, _, pkv), (d, _, dkv) = _pd_pair(256, 2048, num_aux_slots=2)  # (pages for 4 of 1009 tokens)
     try:
-        host, port = pkv.control_address
         for rid in range(1, 5):
-            prompt, target = [rid * 20 + i for i in range(9)], BootstrapTarget(host, port, 100 + rid)
-            for sched in (d, p):
-                sched.submit(1, Submit(rid, prompt, SamplingParams(max_new_tokens=1000), target, timeout_s=60))
+            _submit_pd(d, p, pkv, rid, SamplingParams(max_new_tokens=1000))
         most = 0
         deadline = time.monotonic() + 30
         while most < 4:
@@ -956,15 +956,11 @@ def test_a_decode_batch_holds_at_most_max_running_sequences() -> None:
     arrived wait (pages held, counted as waiting in load reports; their first token not sent yet, or their
     streams would fall silent after it) and join oldest first as sequences end; an aborted one gives its
     pages back while it waits."""
-    from workers.protocol import BootstrapTarget
 
     (p, _, pkv), (d, dsink, dkv) = _pd_pair(256, 256, decode_max_running=2)
     try:
-        host, port = pkv.control_address
         for rid in range(1, 7):
-            prompt, target = [rid * 20 + i for i in range(9)], BootstrapTarget(host, port, 100 + rid)
-            for sched in (d, p):
-                sched.submit(1, Submit(rid, prompt, SamplingParams(max_new_tokens=8), target, timeout_s=60))
+            _submit_pd(d, p, pkv, rid, SamplingParams(max_new_tokens=8))
         most, most_waiting, aborted = 0, 0, False
         deadline = time.monotonic() + 30
         d.step()
@@ -997,17 +993,12 @@ def test_a_first_token_outside_the_decodes_vocabulary_fails_only_its_request() -
     request fails (transfer_failed, blamed on its peer) at import; the batch it would have joined goes on."""
     import dataclasses
 
-    from workers.protocol import BootstrapTarget
 
     (p, _, pkv), (d, dsink, dkv) = _pd_pair(256, 256)
     try:
-        host, port = pkv.control_address
 
         def submit(rid: int, prompt: list[int], max_new_tokens: int) -> None:
-            target = BootstrapTarget(host, port, 100 + rid)
-            for sched in (d, p):
-                sched.submit(1, Submit(rid, prompt, SamplingParams(max_new_tokens=max_new_tokens), target,
-                                       timeout_s=60))
+            _submit_pd(d, p, pkv, rid, SamplingParams(max_new_tokens=max_new_tokens), prompt)
 
         def step_until(cond: Any) -> None:
             deadline = time.monotonic() + 30
@@ -1065,17 +1056,13 @@ def test_a_room_that_brings_another_prompts_kv_fails_the_decode_request() -> Non
 def test_a_request_its_first_token_ends_needs_no_batch_slot() -> None:
     """With the decode's batch full, a request whose first token ends it (a stop token, EOS, a budget of one)
     is answered at once, not after a running sequence ends (it held its pages for a whole generation)."""
-    from workers.protocol import BootstrapTarget
 
     (p, _, pkv), (d, dsink, dkv) = _pd_pair(256, 512, decode_max_running=1)
     try:
-        host, port = pkv.control_address
         long_one = SamplingParams(max_new_tokens=400)
         stops_at_once = SamplingParams(max_new_tokens=50, stop_token_ids=list(range(258)))  # (every token stops it)
         for rid, params in ((1, long_one), (2, stops_at_once)):
-            target = BootstrapTarget(host, port, 100 + rid)
-            for sched in (d, p):
-                sched.submit(1, Submit(rid, [rid * 20 + i for i in range(9)], params, target, timeout_s=60))
+            _submit_pd(d, p, pkv, rid, params)
             if rid == 1:  # (the long one first: it holds the batch's one slot)
                 deadline = time.monotonic() + 30
                 while not dsink.outputs(1):
