@@ -22,6 +22,7 @@ import uvicorn
 from bootstrap.app import RegistryState, create_app, guarded_http
 from bootstrap.config import BootstrapConfig
 from bootstrap.exceptions import BootstrapError
+from transfer.netaddr import listener
 
 _START_TIMEOUT_S = 10.0
 
@@ -66,15 +67,14 @@ class EmbeddedRegistry:
 async def serve_embedded(host: str, port: int, config: BootstrapConfig | None = None) -> EmbeddedRegistry:
     """Serve a registry on ``host:port`` (port 0: any free port, see ``handle.port``) in this loop."""
     config = dataclasses.replace(config or BootstrapConfig(), host=host, port=port)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = None
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        sock = listener(host, port, listen=False)  # (``::``: dual-stack, as every listener of ours)
         sock.listen(1024)
         sock.setblocking(False)
     except OSError as exc:
-        sock.close()
+        if sock is not None:
+            sock.close()
         raise BootstrapError(f"cannot serve the bootstrap registry on {host}:{port}: {exc}") from exc
     app = create_app(config)
     uv_config = uvicorn.Config(

@@ -157,14 +157,10 @@ class Child:
         return _probe(self.live_url or self.health_url, timeout_s)
 
 
-# The children's health checks go straight to them, whatever http_proxy says (a proxy set for the host's
-# outbound traffic, without a no_proxy for loopback, failed every check)
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
 def _probe(url: str, timeout_s: float) -> str:
+    """(Past any proxy the environment sets: ``main`` puts the children's hosts in ``no_proxy``.)"""
     try:
-        with _DIRECT.open(url, timeout=timeout_s) as resp:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
             return "ok" if resp.status == 200 else "failed"
     except urllib.error.URLError as exc:
         return "refused" if isinstance(exc.reason, ConnectionRefusedError) else "failed"

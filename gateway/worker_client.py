@@ -225,10 +225,8 @@ class WorkerClient:
 
     @property
     def available(self) -> bool:
-        """``healthy``, or only waiting for its breaker's half-open trials to end."""
-        transport = self._transport
-        return (transport is not None and not transport.is_closing() and self.info is not None
-                and not self.is_draining and self.health.is_available)
+        """``healthy``, or only waiting for its breaker's half-open trials to end (readiness: not per request)."""
+        return self.is_connected and not self.is_draining and self.health.is_available
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
