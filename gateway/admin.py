@@ -28,7 +28,7 @@ from gateway.api import decode_body
 from gateway.errors import APIError, BadRequest, NotFound
 from gateway.responder import ClientGone, read_body
 from gateway.runtime import ROLES
-from gateway.sglang_fleet import is_http_url
+from gateway.sglang_fleet import AlreadyThere, is_http_url
 
 if TYPE_CHECKING:
     from gateway.runtime import Gateway
@@ -92,12 +92,10 @@ def admin_routes(gw: Gateway, describe: Callable[[Any], dict[str, Any]]) -> list
         if fleet is None:
             raise BadRequest("this gateway serves native (pd://) workers; it takes SGLang (http://) workers when "
                              "started with one", param="url")
-        existing = fleet.find(url)
-        if existing is not None:
-            why = "is being removed; add it again once it is gone" if existing.is_draining else "is already configured"
-            raise Conflict(f"worker {existing.url} {why}", param="url")
         try:
             return fleet.add(url, role, bootstrap_port)
+        except AlreadyThere as exc:
+            raise Conflict(str(exc), param="url") from None
         except ValueError as exc:
             message = str(exc)
             raise BadRequest(message, param="role" if "role" in message else

@@ -56,6 +56,10 @@ def check_http_url(url: str) -> None:
         raise ValueError(f"SGLang worker URL must not carry credentials, got one for {parts.hostname}")
 
 
+class AlreadyThere(ValueError):
+    """``SGLangFleet.add``: the worker is configured already, or still being removed."""
+
+
 PROBE_CONNECTIONS_PER_WORKER = 4  # the checks' own pool (health, loads, model): at most this many per worker
 
 
@@ -176,15 +180,15 @@ class SGLangFleet:
 
     def add(self, url: str, role: str, bootstrap_port: int | None) -> HttpWorker:
         """Start routing to a new SGLang worker (selectable once it passes a probe). ValueError: a bad URL or
-        role, or a worker already there."""
+        role (``AlreadyThere``: a worker there already, checked first)."""
+        existing = self.find(url)
+        if existing is not None:
+            why = "is being removed; add it again once it is gone" if existing.is_draining else "is already configured"
+            raise AlreadyThere(f"worker {existing.url} {why}")
         if role not in ("prefill", "decode"):
             raise ValueError(f"an SGLang worker's role must be prefill or decode, got {role!r}")
         if role == "decode" and bootstrap_port is not None:
             raise ValueError("bootstrap_port is a prefill's")
-        existing = self.find(url)
-        if existing is not None:
-            why = "is being removed; add it again once it is gone" if existing.is_draining else "is already configured"
-            raise ValueError(f"worker {existing.url} {why}")
         worker = HttpWorker(url, role, bootstrap_port, self._health_config, self._load_stale_s)
         (self.prefills if role == "prefill" else self.decodes).append(worker)
         if self.session is not None:  # (started: else ``start`` gives it its probe)
