@@ -4,18 +4,25 @@ Lifecycle:
 1. Wrap a connected socket: ``ControlChannel(sock, name, on_message, on_close)``.
 2. ``start()`` runs a reader thread that calls ``on_message(channel, msg)`` per frame (in that thread,
    so handlers must not block for long) and ``on_close(channel, error)`` exactly once at the end.
-3. ``send(msg)`` from any thread; it returns False (and closes the channel) if the socket is broken
-   or the peer stopped reading for longer than the send timeout.
-4. ``close(reason)`` from any thread; the reader then ends and reports ``on_close``. ``join()`` waits.
+3. ``send(msg)`` from any thread, never waiting on the peer (the scheduler's thread sends page lists):
+   what the socket takes at once is written there and then; the rest queues in order for a writer
+   thread (started the first time a frame does not fit). It returns False (the message is not sent)
+   once the channel is closed; the channel closes itself when the socket breaks, when the peer reads
+   nothing for ``SEND_TIMEOUT_S`` while frames wait, or when more than ``MAX_BACKLOG_BYTES`` wait.
+4. ``close(reason)`` from any thread (``settle`` first waits for frames still queued); the reader then
+   ends and reports ``on_close``. ``join()`` waits.
 ``last_rx`` (monotonic seconds) is refreshed by every received frame: the heartbeat check reads it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import select
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from transfer.errors import TransferError, TransferErrorKind
@@ -23,7 +30,8 @@ from transfer.messages import FrameReader, Message, encode_frame
 
 log = logging.getLogger(__name__)
 
-SEND_TIMEOUT_S = 5.0
+SEND_TIMEOUT_S = 5.0  # frames waiting and the peer reading none of them for this long: the channel closes
+MAX_BACKLOG_BYTES = 16 * 1024 * 1024  # frames waiting for the peer past this: the channel closes
 _POLL_S = 0.5  # socket timeout: how often a blocked reader rechecks whether it was closed
 
 
@@ -40,6 +48,10 @@ class ControlChannel:
         self._on_message = on_message
         self._on_close = on_close
         self._send_lock = threading.Lock()
+        self._has_backlog = threading.Condition(self._send_lock)
+        self._backlog: deque[memoryview] = deque()  # frames (or their tails) the socket did not take yet, in order
+        self._backlog_bytes = 0
+        self._writer: threading.Thread | None = None
         self._closed = threading.Event()
         self._close_error: TransferError | None = None
         self.last_rx = time.monotonic()
@@ -56,26 +68,98 @@ class ControlChannel:
         self._thread.start()
 
     def send(self, msg: Message) -> bool:
+        """Write ``msg`` now as far as the socket takes it, the rest queued for the writer; never waits on
+        the peer. False: the channel is closed (or closed itself now: see the module doc)."""
         if self._closed.is_set():
             return False
-        frame = encode_frame(msg)
+        frame = memoryview(encode_frame(msg))
         with self._send_lock:
-            deadline = time.monotonic() + SEND_TIMEOUT_S
-            view = memoryview(frame)
-            try:
-                while view:
-                    try:
-                        n = self.sock.send(view)
-                    except TimeoutError:
-                        if time.monotonic() > deadline or self._closed.is_set():
-                            raise
-                        continue
-                    view = view[n:]
+            error = self._send_locked(frame)
+        if error is None:
+            return True
+        self.close(error)
+        return False
+
+    def _send_locked(self, frame: memoryview) -> TransferError | None:
+        if self._closed.is_set():  # (closed meanwhile: its socket may be closed, its descriptor reused)
+            return TransferError(TransferErrorKind.ABORTED, f"{self.name}: closed")
+        written = 0
+        if not self._backlog:  # (behind frames already waiting it waits too: in order)
+            try:  # (the socket has a timeout, so its descriptor is non-blocking: this never waits)
+                written = os.write(self.sock.fileno(), frame)
+            except BlockingIOError:
+                pass
             except OSError as exc:
-                self.close(TransferError(TransferErrorKind.PEER_GONE, f"{self.name}: send failed: {exc}"))
-                return False
-            self.last_tx = time.monotonic()
-        return True
+                return TransferError(TransferErrorKind.PEER_GONE, f"{self.name}: send failed: {exc}")
+            else:
+                self.last_tx = time.monotonic()
+                if written == len(frame):
+                    return None
+        self._backlog.append(frame[written:])
+        self._backlog_bytes += len(frame) - written
+        if self._backlog_bytes > MAX_BACKLOG_BYTES:
+            return TransferError(TransferErrorKind.PEER_GONE, f"{self.name}: send failed: more than "
+                                 f"{MAX_BACKLOG_BYTES} bytes wait for a peer that does not read them")
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name=f"kv-ctl-w-{self.name}", daemon=True)
+            self._writer.start()
+        self._has_backlog.notify()
+        return None
+
+    def _write_loop(self) -> None:
+        """The writer: the frames the socket did not take at once, written as the peer reads them."""
+        fd = self.sock.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        error: TransferError | None = None
+        while error is None:
+            with self._send_lock:
+                while not self._backlog and not self._closed.is_set():
+                    self._has_backlog.wait(_POLL_S)  # (rechecks ``close``, which does not take this lock)
+                if self._closed.is_set():
+                    return
+            waited = 0.0  # (in slices: a closed channel's descriptor may be another file's by now)
+            while not poller.poll(_POLL_S * 1000):  # (a shut-down socket polls at once: a failed write below)
+                waited += _POLL_S
+                if self._closed.is_set():
+                    return
+                if waited >= SEND_TIMEOUT_S:
+                    error = TransferError(TransferErrorKind.PEER_GONE, f"{self.name}: send failed: the peer "
+                                          f"read nothing for {SEND_TIMEOUT_S:g}s")
+                    break
+            if error is not None:
+                break
+            with self._send_lock:
+                if self._closed.is_set():  # (the reader closes the socket under this lock: ``fd`` may be reused)
+                    return
+                error = self._drain(fd)
+        self.close(error)
+
+    def _drain(self, fd: int) -> TransferError | None:
+        """Write waiting frames until the socket is full (under the send lock)."""
+        backlog = self._backlog
+        try:
+            while backlog:
+                data = backlog[0]
+                written = os.write(fd, data)
+                self._backlog_bytes -= written
+                self.last_tx = time.monotonic()
+                if written < len(data):
+                    backlog[0] = data[written:]
+                    return None
+                backlog.popleft()
+            self._has_backlog.notify_all()  # (``settle`` waits for this)
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            return TransferError(TransferErrorKind.PEER_GONE, f"{self.name}: send failed: {exc}")
+        return None
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until no frame waits for the writer: before a close that must not
+        lose what was sent last. True: nothing waits (or the channel closed)."""
+        with self._send_lock:
+            return self._has_backlog.wait_for(lambda: not self._backlog or self._closed.is_set(), timeout_s)
 
     def close(self, error: TransferError | None = None) -> None:
         if self._closed.is_set():
@@ -88,8 +172,9 @@ class ControlChannel:
             pass
 
     def join(self, timeout: float | None = None) -> None:
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        for thread in (self._thread, self._writer):
+            if thread is not None and thread.is_alive() and threading.current_thread() is not thread:
+                thread.join(timeout)
 
     def _read_loop(self) -> None:
         reader = FrameReader(self.sock, keep_going=lambda: not self._closed.is_set())
@@ -112,8 +197,9 @@ class ControlChannel:
         if self._closed.is_set() and self._close_error is not None:
             error = self._close_error
         self._closed.set()
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        with self._send_lock:  # (no write is under way on the descriptor as it is closed)
+            try:
+                self.sock.close()
+            except OSError:
+                pass
         self._on_close(self, error)

@@ -1,44 +1,107 @@
-"""The control channel never waits long on, or buffers for, a peer that stopped reading."""
+"""The control channel never waits on, or buffers without bound for, a peer that stopped reading."""
 
 from __future__ import annotations
 
 import socket
 import threading
-import time
+from collections.abc import Iterator
 
 import pytest
 
 from transfer import TransferErrorKind, channel
 from transfer.channel import ControlChannel
-from transfer.messages import RoomRequest
+from transfer.messages import FrameReader, RoomRequest
+
+_BIG_PAGES = list(range(1, 100_000))  # ~300 KB a frame: a few fill any socket buffer
 
 
-def test_a_peer_that_stops_reading_closes_the_channel(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(channel, "SEND_TIMEOUT_S", 0.5)
+class _Closed:
+    def __init__(self) -> None:
+        self.errors: list[object] = []
+        self.done = threading.Event()
+
+    def __call__(self, _: ControlChannel, error: object) -> None:
+        self.errors.append(error)
+        self.done.set()
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[ControlChannel, socket.socket, _Closed]]:
+    """Our channel, and the peer's socket (which reads only when a test reads it)."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         ours = socket.create_connection(listener.getsockname())
-        theirs, _ = listener.accept()  # never read
-    closed: list[object] = []
-    done = threading.Event()
-
-    def on_close(_: ControlChannel, error: object) -> None:
-        closed.append(error)
-        done.set()
-
-    chan = ControlChannel(ours, "decode@test", lambda *_: None, on_close)
+        theirs, _ = listener.accept()
+    closed = _Closed()
+    chan = ControlChannel(ours, "decode@test", lambda *_: None, closed)
     chan.start()
     try:
-        big = RoomRequest(1, list(range(1, 100_000)), 0)  # ~300 KB a frame
-        sent, started = 0, time.monotonic()
-        while chan.send(big):
-            sent += 1
-            assert sent < 1000, "kept accepting frames for a reader that reads nothing"
-        assert time.monotonic() - started < 30
-        assert chan.is_closed and not chan.send(big)
-        assert done.wait(10)
-        assert getattr(closed[0], "kind", None) == TransferErrorKind.PEER_GONE, closed
-        assert "send failed" in str(closed[0])
+        yield chan, theirs, closed
     finally:
         chan.close()
         chan.join(5)
         theirs.close()
+
+
+def _send_from_thread(chan: ControlChannel, frames: int, results: list[bool]) -> threading.Thread:
+    def send_all() -> None:
+        for room in range(frames):
+            results.append(chan.send(RoomRequest(room, _BIG_PAGES, 0)))
+
+    thread = threading.Thread(target=send_all, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_send_does_not_wait_for_a_peer_that_is_not_reading(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    chan, theirs, _closed = pair
+    monkeypatch.setattr(channel, "SEND_TIMEOUT_S", 120.0)  # a waiting send would wait this long
+    results: list[bool] = []
+    thread = _send_from_thread(chan, 30, results)  # ~9 MB: many times what the sockets hold
+    thread.join(60)  # (a liveness bound far below the timeout, not a speed check)
+    assert not thread.is_alive(), f"send() waited on the peer after {len(results)} frames"
+    assert results == [True] * 30 and not chan.is_closed
+    # The peer reads now: every frame arrives, whole and in order (the writer sends what the socket
+    # did not take at once).
+    theirs.settimeout(30)
+    reader = FrameReader(theirs)
+    rooms = [reader.read() for _ in range(30)]
+    assert [msg.room for msg in rooms] == list(range(30))  # type: ignore[union-attr]
+    assert all(msg.page_ids == _BIG_PAGES for msg in rooms)  # type: ignore[union-attr]
+    assert chan.settle(10) and not chan.is_closed
+    assert chan.send(RoomRequest(99, [1], 0))
+    assert reader.read() == RoomRequest(99, [1], 0)
+
+
+def test_a_peer_that_reads_nothing_for_the_send_timeout_closes_the_channel(pair, monkeypatch) -> None:
+    chan, _theirs, closed = pair
+    monkeypatch.setattr(channel, "SEND_TIMEOUT_S", 1.0)
+    results: list[bool] = []
+    _send_from_thread(chan, 20, results).join(60)
+    assert results and all(results)  # (queued: the peer's silence is the writer's to judge)
+    assert closed.done.wait(30), "the channel waited on a silent peer for good"
+    assert chan.is_closed and not chan.send(RoomRequest(1, [1], 0))
+    assert getattr(closed.errors[0], "kind", None) == TransferErrorKind.PEER_GONE, closed.errors
+    assert "read nothing" in str(closed.errors[0])
+
+
+def test_what_waits_for_a_peer_is_bounded(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    chan, _theirs, closed = pair
+    monkeypatch.setattr(channel, "SEND_TIMEOUT_S", 120.0)
+    monkeypatch.setattr(channel, "MAX_BACKLOG_BYTES", 2 * 1024 * 1024)
+    big = RoomRequest(1, _BIG_PAGES, 0)
+    sent = 0
+    while chan.send(big):
+        sent += 1
+        assert sent < 100, "kept queueing frames for a reader that reads nothing"
+    assert chan.is_closed and not chan.send(big)
+    assert closed.done.wait(10)
+    assert getattr(closed.errors[0], "kind", None) == TransferErrorKind.PEER_GONE, closed.errors
+    assert "send failed" in str(closed.errors[0])
+
+
+def test_a_broken_socket_fails_the_send_and_closes_the_channel(pair) -> None:
+    chan, theirs, closed = pair
+    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    theirs.close()  # a reset
+    assert closed.done.wait(10)
+    assert not chan.send(RoomRequest(1, [1], 0))
