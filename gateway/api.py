@@ -350,6 +350,13 @@ class Frontend:
                         batch=prompts if batched else None, keep_stop=bool(sp.no_stop_trim)), sp
 
     # -- running choices ---------------------------------------------------------------------
+    def _choice(self, prep: Prepared, index: int = 0) -> ChoiceState:
+        params = prep.params
+        stop_tokens = (params.stop_token_ids,) if params.ignore_eos else (params.stop_token_ids,
+                                                                          self.tokenizer.eos_token_ids)
+        return ChoiceState(index, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context(index),
+                           params.min_new_tokens, prep.keep_stop, stop_tokens)
+
     async def complete_one(self, prep: Prepared) -> ChoiceState:
         """The one choice of a whole response (``prep.n == 1``), run to its end. With the gateway's
         ``Dispatcher`` (``complete``): no generator layers, and without stop strings the non-final
@@ -363,8 +370,7 @@ class Frontend:
                 last = state
             assert last is not None  # (a choice ends with its final output or an error)
             return last
-        state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context(),
-                            prep.params.min_new_tokens, prep.keep_stop)
+        state = self._choice(prep)
         try:
             await complete(prep.input_ids, prep.params, state, in_callback=not prep.stops)
         except BadRequest as exc:
@@ -383,8 +389,7 @@ class Frontend:
         detokenized here, instead of being yielded.
         """
         if prep.n == 1:
-            state = ChoiceState(0, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context(),
-                                prep.params.min_new_tokens, prep.keep_stop)
+            state = self._choice(prep)
             direct = emitter.direct(state) if emitter is not None and not prep.stops and \
                 not prep.want_logprobs else None
             events = self.dispatcher.generate(prep.input_ids, prep.params, bootstrap=prep.bootstrap, direct=direct)
@@ -400,9 +405,7 @@ class Frontend:
             finally:
                 await events.aclose()
             return
-        states = [ChoiceState(i, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context(i),
-                              prep.params.min_new_tokens, prep.keep_stop)
-                  for i in range(prep.n)]
+        states = [self._choice(prep, i) for i in range(prep.n)]
         queue: asyncio.Queue[tuple[int, StepOutput | BaseException | None]] = asyncio.Queue()
 
         async def pump(index: int) -> None:

@@ -55,17 +55,21 @@ class ChoiceState:
     """Accumulates one choice's tokens, text and logprobs from decode step outputs."""
 
     def __init__(self, index: int, tokenizer: Tokenizer, stops: list[str], want_logprobs: bool,
-                 context: Sequence[int] = (), min_tokens: int = 0, keep_stop: bool = False) -> None:
+                 context: Sequence[int] = (), min_tokens: int = 0, keep_stop: bool = False,
+                 stop_tokens: tuple[Sequence[int], ...] = ()) -> None:
         """``context``: the prompt's last ids (``gateway.tokenizer.DECODE_CONTEXT_TOKENS``), which the text
         follows. ``min_tokens``: the text of the first that many tokens is not searched for stop strings
         (as vLLM; the worker's ``workers.stop_strings.StopWatch`` counts alike). ``keep_stop``: the stop
-        string that ends the text stays in it."""
+        string that ends the text stays in it. ``stop_tokens``: collections of token ids (the request's
+        ``stop_token_ids``, the EOS ids) whose text is left out when one ends the choice (vLLM and SGLang
+        do; it stays in ``token_ids`` and the logprobs). Not with ``keep_stop``: it is kept then."""
         self.index = index
         self.min_tokens = min_tokens
         self.tokenizer = tokenizer
         self.decoder = tokenizer.decoder(context)
         self.stop = StopMatcher(stops, keep_stop)
         self.want_logprobs = want_logprobs
+        self.stop_tokens = () if keep_stop else stop_tokens
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
         self.logprobs: list[dict[str, Any]] = []
@@ -87,6 +91,8 @@ class ChoiceState:
         if event.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_top_logprobs = event.prompt_logprobs, event.prompt_top_logprobs
         final = event.finish_reason is not None
+        if final and ids and event.finish_reason == "stop" and any(ids[-1] in ends for ends in self.stop_tokens):
+            ids = ids[:-1]  # the stop token's text is not the answer's (``stop_tokens``)
         head = ""
         if exempt > 0:  # (the text of tokens within min_tokens: no stop string ends in it)
             head_text = self.decoder.push(ids[:exempt])

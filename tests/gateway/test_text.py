@@ -119,3 +119,26 @@ def test_stop_strings_count_only_after_min_tokens_on_both_sides() -> None:
         watch = StopWatch(tok, ["."], ids[1:4], ids[:1], exempt=min_tokens - 1)
         at = next((i + 5 for i, t in enumerate(ids[4:]) if watch.push(t)), None)
         assert at == (want_at if want_at is None or want_at > 4 else 5), (min_tokens, at)
+
+
+def test_the_stop_token_that_ends_a_choice_is_not_in_its_text() -> None:
+    """vLLM and SGLang leave the text of the token that stopped a choice (a ``stop_token_ids`` one, EOS) out
+    of the answer, unless asked to keep it (``include_stop_str_in_output``, ``no_stop_trim``); the token
+    itself stays in the ids (usage counts it)."""
+    tok = ByteTokenizer()
+    stop_tokens = ([ord(".")], tok.eos_token_ids)
+    for keep, want in ((False, "ok"), (True, "ok.")):
+        state = ChoiceState(0, tok, [], False, keep_stop=keep, stop_tokens=stop_tokens)
+        state.accept(StepOutput(1, [ord("o")]))
+        state.accept(StepOutput(1, [ord("k"), ord(".")], finish_reason="stop"))
+        assert state.text == want and state.token_ids == [ord("o"), ord("k"), ord(".")], keep
+    # Only a final "stop" output's last token: one that ends by length, or a stop id met earlier, is text.
+    state = ChoiceState(0, tok, [], False, stop_tokens=stop_tokens)
+    state.accept(StepOutput(1, [ord("."), ord("a")]))
+    state.accept(StepOutput(1, [ord("b"), ord(".")], finish_reason="length"))
+    assert state.text == ".ab."
+    # A stop token that ends a multi-byte character's bytes: the bytes before it are still flushed.
+    state = ChoiceState(0, tok, [], False, stop_tokens=stop_tokens)
+    state.accept(StepOutput(1, [*"é".encode()[:1]]))
+    state.accept(StepOutput(1, [ord(".")], finish_reason="stop"))
+    assert state.text == "\ufffd" and state.finish_reason == "stop"

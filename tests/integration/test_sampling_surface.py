@@ -36,10 +36,17 @@ def test_sim_honours_min_tokens(sim_cluster) -> None:  # type: ignore[no-untyped
     plain = c.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=16,  # type: ignore[arg-type]
                                       extra_body={"stop_token_ids": STOPS})
     assert plain.usage and plain.usage.completion_tokens == 1 and plain.choices[0].finish_reason == "stop"
+    assert plain.choices[0].message.content == ""  # the stop token's text is left out (vLLM, SGLang)
     held = c.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=16,  # type: ignore[arg-type]
                                      extra_body={"stop_token_ids": STOPS, "min_tokens": 5})
     # outputs 0-4 (the first sampled on the prefill) are forced off the stop ids; output 5 is the sim's own
     assert held.usage and held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
+    assert len(held.choices[0].message.content or "") == 5  # (one character per sim token)
+    kept = c.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=16,  # type: ignore[arg-type]
+                                     extra_body={"stop_token_ids": STOPS, "min_tokens": 5,
+                                                 "include_stop_str_in_output": True})
+    kept_text = kept.choices[0].message.content or ""  # the stop token's text kept, when asked
+    assert len(kept_text) == 6 and kept_text.startswith(held.choices[0].message.content or ""), kept
     streamed = c.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=16, stream=True,  # type: ignore[arg-type]
                                          extra_body={"stop_token_ids": STOPS, "min_tokens": 5})
     assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == \
@@ -49,6 +56,9 @@ def test_sim_honours_min_tokens(sim_cluster) -> None:  # type: ignore[no-untyped
                                                   "min_new_tokens": 3}})
     assert r.status_code == 200, r.text
     assert len(r.json()["output_ids"]) == 4 and r.json()["meta_info"]["finish_reason"]["type"] == "stop"
+    generated = r.json()
+    assert len(generated["text"]) == 3  # (SGLang trims the matched stop token's text too)
+    assert generated["meta_info"]["finish_reason"]["matched"] == generated["output_ids"][-1]
 
     # Stop strings too count only after min_tokens (as vLLM): a character the answer has before its 5th
     # token and again later ends it at the later one (the sim's tokens are one character each).
