@@ -56,6 +56,15 @@ def check_http_url(url: str) -> None:
         raise ValueError(f"SGLang worker URL must not carry credentials, got one for {parts.hostname}")
 
 
+async def note_request_sent(_session: aiohttp.ClientSession, context: Any,
+                            _params: aiohttp.TraceRequestHeadersSentParams) -> None:
+    """The relay session's trace hook: a request made with a future as its ``trace_request_ctx`` sets it
+    once its head has gone out (it had a connection to its worker: ``gateway.sglang_relay._post``)."""
+    asked = context.trace_request_ctx
+    if isinstance(asked, asyncio.Future) and not asked.done():
+        asked.set_result(None)
+
+
 class AlreadyThere(ValueError):
     """``SGLangFleet.add``: the worker is configured already, or still being removed."""
 
@@ -160,9 +169,15 @@ class SGLangFleet:
         cfg = self.config
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=cfg.max_connections_per_worker,
                                          keepalive_timeout=30.0, enable_cleanup_closed=True)
-        headers = {"Authorization": f"Bearer {cfg.worker_api_key}"} if cfg.worker_api_key else None
+        # (identity: the relay passes the workers' bytes on as they are, so they must not come compressed)
+        headers = {"Accept-Encoding": "identity"}
+        if cfg.worker_api_key:
+            headers["Authorization"] = f"Bearer {cfg.worker_api_key}"
+        sent = aiohttp.TraceConfig()
+        sent.on_request_headers_sent.append(note_request_sent)
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",), headers=headers,
+            trace_configs=[sent],
             timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s))
         self._checks = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=PROBE_CONNECTIONS_PER_WORKER,

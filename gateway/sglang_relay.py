@@ -46,6 +46,7 @@ import aiohttp
 import msgspec
 
 from gateway.api import SSE_DONE, error_event
+from gateway.api_models import MAX_BATCH_CHOICES, MAX_N
 from gateway.context import REQUEST_ID, REQUEST_T0
 from gateway.errors import APIError, BadGateway, BadRequest, Overloaded, UpstreamTimeout
 from gateway.policies.base import Pair
@@ -154,19 +155,40 @@ class MethodNotAllowed(APIError):
 
 
 def batch_size(route: str, body: dict[str, Any]) -> int | None:
-    """How many rooms the request needs as a list (None: one scalar room), as SGLang's routers count."""
+    """How many rooms the request needs as a list (None: one scalar room), as SGLang's routers count. A
+    400 for more choices than the gateway's own routes take (``MAX_N``, ``MAX_BATCH_CHOICES``): the room
+    lists are built, encoded and sent to both workers before either could refuse them."""
     if route == "generate":
         text, ids = body.get("text"), body.get("input_ids")
+        sampling = body.get("sampling_params")
+        n = _choices(sampling.get("n") if isinstance(sampling, dict) else None, "sampling_params.n")
         if isinstance(text, list):
-            return len(text)
+            return _batch(len(text), n, "text")
         if isinstance(ids, list) and ids and isinstance(ids[0], list):
-            return len(ids)
+            return _batch(len(ids), n, "input_ids")
         return None
-    n = body.get("n")
+    n = _choices(body.get("n"), "n")
     if route == "completions" and isinstance(body.get("prompt"), list) and body["prompt"] \
             and isinstance(body["prompt"][0], (str, list)):
-        return len(body["prompt"]) * (n if type(n) is int and n > 1 else 1)
-    return n if type(n) is int and n > 1 else None
+        return _batch(len(body["prompt"]), n, "prompt") * n
+    return n if n > 1 else None
+
+
+def _choices(n: object, name: str) -> int:
+    if n is None:
+        return 1
+    if type(n) is not int or not 1 <= n <= MAX_N:
+        raise BadRequest(f"{name} must be an integer from 1 to {MAX_N}", param=name)
+    return n
+
+
+def _batch(items: int, n: int, name: str) -> int:
+    if not items:
+        raise BadRequest(f"{name} is an empty batch", param=name)
+    if items * n > MAX_BATCH_CHOICES:
+        raise BadRequest(f"a batch of {items} prompts x n={n} is more than {MAX_BATCH_CHOICES} choices; split it",
+                         param=name)
+    return items
 
 
 class SGLangResponder:
@@ -291,9 +313,11 @@ class SGLangResponder:
         deadline = loop.time() + wait_s
         read = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
         p_rid, d_rid = prefill.opened(prefill_tokens=cost[0]), decode.opened(pages=cost[1])
-        p_task = asyncio.create_task(_post(session, f"{prefill.url}/{self.path}", data, headers, merge_logprobs))
+        decode_asked: asyncio.Future[None] = loop.create_future()
+        d_task = asyncio.create_task(_open(session, f"{decode.url}/{self.path}", data, headers, read, decode_asked))
+        p_task = asyncio.create_task(_post(session, f"{prefill.url}/{self.path}", data, headers, merge_logprobs,
+                                           decode_asked))
         p_task.add_done_callback(lambda task: _prefill_done(task, prefill, p_rid))
-        d_task = asyncio.create_task(_open(session, f"{decode.url}/{self.path}", data, headers, read))
         answered = False
         try:
             done, _ = await asyncio.wait({p_task, d_task}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
@@ -349,6 +373,9 @@ class SGLangResponder:
             await _send_whole(send, status, failure.content_type, failure.body)
             return status
         message = f"SGLang {worker.role} worker {worker.url}: {failure.reason}"
+        if status in (401, 403):
+            message += " (it refused the gateway's key: start the gateway with the workers' --api-key as " \
+                       "--worker-api-key)"
         log.warning("%s", message)
         if status == 429:
             return _Retry(Overloaded(message, code="worker_overloaded", retry_after_s=1.0), worker)
@@ -516,8 +543,9 @@ def _blame_silent_decode(decode: HttpWorker, p_task: asyncio.Task[_PrefillReply]
 
 
 def _is_request_fault(status: int | None) -> bool:
-    """A 4xx (other than the retryable 408/429): the request's fault, not the worker's; the client's answer."""
-    return status is not None and 400 <= status < 500 and status not in RETRY_STATUSES
+    """A 4xx (other than the retryable 408/429, and 401/403: the worker refused the gateway's own key, which
+    SGLang does not ask of its probes): the request's fault, not the worker's; the client's answer."""
+    return status is not None and 400 <= status < 500 and status not in RETRY_STATUSES and status not in (401, 403)
 
 
 @dataclass
@@ -543,8 +571,12 @@ class _Retry:
 
 
 async def _post(session: aiohttp.ClientSession, url: str, data: bytes, headers: dict[str, str],
-                keep_body: bool) -> _PrefillReply:
-    """The prefill's request, read to its end (SSE or JSON): its connection is then free again."""
+                keep_body: bool, decode_asked: asyncio.Future[None]) -> _PrefillReply:
+    """The prefill's request, read to its end (SSE or JSON): its connection is then free again. It goes out
+    once the decode's has (``decode_asked``): a decode request waiting for a free connection to its worker
+    (``max_connections_per_worker``) would leave the prefill holding the prompt's KV for nobody. (A decode
+    request that fails before it went out is the caller's to see: this one is then cancelled unsent.)"""
+    await decode_asked
     async with session.post(url, data=data, headers=headers) as reply:
         body = await reply.read()
         content_type = reply.headers.get("content-type", "application/json")
@@ -552,9 +584,10 @@ async def _post(session: aiohttp.ClientSession, url: str, data: bytes, headers: 
 
 
 async def _open(session: aiohttp.ClientSession, url: str, data: bytes, headers: dict[str, str],
-                timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
-    """The decode's request up to its response headers (the caller reads or relays the body)."""
-    return await session.post(url, data=data, headers=headers, timeout=timeout)
+                timeout: aiohttp.ClientTimeout, asked: asyncio.Future[None]) -> aiohttp.ClientResponse:
+    """The decode's request up to its response headers (the caller reads or relays the body); ``asked`` is
+    set once its request head has gone out (``gateway.sglang_fleet.note_request_sent``)."""
+    return await session.post(url, data=data, headers=headers, timeout=timeout, trace_request_ctx=asked)
 
 
 def _failure(task: asyncio.Task[_PrefillReply], worker: HttpWorker) -> _Failure | None:
