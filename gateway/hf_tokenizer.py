@@ -124,7 +124,13 @@ class HFTokenizer:
         out (``<|im_end|>``, as vLLM shows it; left out it was an empty string)."""
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+            text = self._tok.decode([token_id], skip_special_tokens=False)
+            piece = self._tok.id_to_token(token_id)
+            if piece is not None and piece.startswith("\u2581") and not text.startswith(" "):
+                # A SentencePiece word's space ("▁Paris"), which a Metaspace decoder drops from the first
+                # token of what it decodes: the entries' tokens join to the answer's text, as vLLM's do.
+                text = " " + text
+            self._token_texts[token_id] = text
         return text
 
     def token_bytes(self, token_id: int) -> bytes | None:

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from gateway.api import SSE_DONE, Frontend, Prepared, decode_body, error_event, new_id
-from gateway.errors import APIError, NoWorkers, PayloadTooLarge, RequestTimeout
+from gateway.errors import APIError, BadRequest, NoWorkers, PayloadTooLarge, RequestTimeout
 from gateway.shapes import Run, Shape
 from gateway.text import ChoiceState
 
@@ -166,7 +166,11 @@ class Responder:
 
     def _prepare(self, frontend: Frontend, body: bytes) -> tuple[Prepared, str | None]:
         shape = self.shape
-        return shape.prepare(frontend, decode_body(body, shape.body_type))
+        try:
+            return shape.prepare(frontend, decode_body(body, shape.body_type))
+        except RecursionError:  # (a schema or tool parameters just shallow enough for the decoder, not for
+            # what serializes or checks them: a 400, not the catch-all's 500)
+            raise BadRequest("the request is nested too deeply") from None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":

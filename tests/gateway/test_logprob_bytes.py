@@ -55,3 +55,37 @@ def test_special_tokens_are_written_out_in_logprobs_and_echo(smollm2: HFTokenize
         body = msgspec.json.encode({"prompt": prompt, "max_tokens": 2, "echo": True})
         prep = frontend.prepare_completion(msgspec.json.decode(body, type=CompletionRequest))
         assert CompletionShape._prompt_text(Run(frontend, prep, "r"), 0) == echoed, prompt
+
+
+def test_sentencepiece_tokens_keep_their_word_space(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A Metaspace decoder drops the space of the first token it decodes: each entry's token decoded alone read
+    "Paris" for "▁Paris", so the tokens no longer joined to the text, /v1/completions' ``text_offset`` drifted
+    a character per word, and legacy ``top_logprobs`` merged "▁true" and "true" into one key."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from gateway.shapes import legacy_logprobs
+
+    words = ["▁The", "▁capital", "▁of", "▁France", "▁is", "▁Paris", ".", "▁Lyon", "▁"]
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, **{w: 3 + i for i, w in enumerate(words)}},
+                                     unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+    spm = HFTokenizer.from_dir(str(tmp_path))
+
+    prompt = spm.encode("The capital of France is")
+    answer = [tok.token_to_id(w) for w in ("▁Paris", ".", "▁Lyon", "▁")]
+    state = ChoiceState(0, spm, [], True, prompt[-4:])
+    state.accept(StepOutput(1, answer, finish_reason="length", logprobs=[-0.1, -0.2, -0.3, -0.4],
+                            top_logprobs=[[TokenLogprob(answer[0], -0.1), TokenLogprob(tok.token_to_id("."), -3.0)],
+                                          [], [], []]))
+    assert state.text == " Paris. Lyon "
+    tokens = [entry["token"] for entry in state.logprobs]
+    assert tokens == [" Paris", ".", " Lyon", " "] and "".join(tokens) == state.text
+    assert [entry["bytes"] for entry in state.logprobs] == [list(t.encode()) for t in tokens]
+    legacy = legacy_logprobs(state.logprobs, 0)
+    assert [state.text[o:o + len(t)] for o, t in zip(legacy["text_offset"], tokens, strict=True)] == tokens
+    assert legacy["top_logprobs"][0] == {" Paris": -0.1, ".": -3.0}

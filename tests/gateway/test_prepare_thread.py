@@ -119,3 +119,27 @@ def test_a_zero_threshold_prepares_everything_on_the_loop() -> None:
         assert [a[0] for a in exchange.answers] == [503] and set(tokenizer.threads) == {threading.get_ident()}
 
     asyncio.run(main())
+
+
+def test_a_schema_nested_just_shallow_enough_to_decode_is_a_400() -> None:
+    """msgspec decodes a schema nested ~950 deep; serializing or checking it then ran out of recursion and the
+    catch-all answered 500 "internal error in the gateway" (on the loop and on the prepare thread alike)."""
+    wraps = ['"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": %s}}',
+             '"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", '
+             '"properties": {"a": %s}}}}], "tool_choice": "required"']
+
+    async def main() -> None:
+        host = _Host(_RecordingTokenizer())
+        for threshold in (0, 1000):
+            responder = Responder(host, ChatShape(), prepare_thread_bytes=threshold)  # type: ignore[arg-type]
+            for wrap in wraps:
+                statuses = set()
+                for depth in range(900, 1001, 3):
+                    deep = '{"items": ' * depth + "{}" + "}" * depth
+                    exchange = _Exchange(('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, '
+                                          + wrap % deep + "}").encode())
+                    await responder.serve(exchange)  # type: ignore[arg-type]
+                    statuses.update(answer[0] for answer in exchange.answers)
+                assert statuses == {400}, (threshold, wrap[:20], statuses)
+
+    asyncio.run(main())
