@@ -123,6 +123,14 @@ class _Sampling(msgspec.Struct):
     # vLLM's detokenizing options: only their defaults (a 400 otherwise)
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    # vLLM's sampling options not implemented: read only to refuse them (a 400 unless neutral), so that a
+    # request is never answered as if they had been honoured (a ``bad_words`` answer with the banned word)
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
 
 
 class ChatCompletionRequest(_Sampling):

@@ -51,6 +51,12 @@ _SAMPLING_RULES: tuple[Rule, ...] = (  # (structured output: gateway/structured_
     ("guided_whitespace_pattern", _unset, ""),
     ("skip_special_tokens", _is(True), "true"),
     ("spaces_between_special_tokens", _is(True), "true"),
+    ("allowed_token_ids", _is(None), ""),
+    ("bad_words", _unset, ""),
+    ("prompt_logprobs", _is(None), ""),
+    ("truncate_prompt_tokens", _is(None), ""),
+    ("use_beam_search", _is(False), "false"),
+    ("length_penalty", _is(1, 1.0), "1.0"),
 )
 CHAT_RULES = Rules(
     *_SAMPLING_RULES,

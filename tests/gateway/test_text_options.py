@@ -64,12 +64,22 @@ def test_keep_stop_reaches_every_route() -> None:
     assert front.prepare_generate(generate)[0].keep_stop
 
 
-@pytest.mark.parametrize("field, value", [("skip_special_tokens", False), ("spaces_between_special_tokens", False)])
-def test_chat_options_not_implemented_are_refused(field: str, value: Any) -> None:
+@pytest.mark.parametrize("field, value, neutral", [
+    ("skip_special_tokens", False, True), ("spaces_between_special_tokens", False, True),
+    # vLLM's sampling options this gateway does not implement (they were read as unknown fields and dropped:
+    # a ``bad_words`` answer could hold the banned word)
+    ("allowed_token_ids", [65, 66], None), ("bad_words", ["Paris"], []), ("prompt_logprobs", 1, None),
+    ("truncate_prompt_tokens", 2, None), ("use_beam_search", True, False), ("length_penalty", 0.5, 1.0),
+])
+def test_options_not_implemented_are_refused(field: str, value: Any, neutral: Any) -> None:
     with pytest.raises(BadRequest) as err:
         _frontend().prepare_chat(_chat(**{field: value}))
     assert err.value.param == field
-    _frontend().prepare_chat(_chat(**{field: True}))  # (the default, spelled out: fine)
+    completion = msgspec.convert({"prompt": "hi", field: value}, CompletionRequest)
+    with pytest.raises(BadRequest) as err:
+        _frontend().prepare_completion(completion)
+    assert err.value.param == field
+    _frontend().prepare_chat(_chat(**{field: neutral}))  # (the default, spelled out: fine)
 
 
 def test_the_template_options_shape_the_prompt() -> None:
