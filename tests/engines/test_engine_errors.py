@@ -262,3 +262,24 @@ def test_a_row_that_cannot_be_sampled_is_reported_not_raised(tiny_model, make_en
     bad, good = SamplingParams(temperature=1.0, seed=13), SamplingParams(temperature=1.0, seed=14)
     outs = eut.engine.forward([SeqInput(1, [0], 0, [3, 4], True, bad), SeqInput(2, [1], 0, [5, 6], True, good)])
     assert outs[0].token_id is None and outs[1].token_id is not None
+
+
+def test_the_tokenizers_own_eos_token_ends_generation_too(tiny_model, tiny_tokenizer_dir, tmp_path) -> None:
+    """vLLM and SGLang stop at the tokenizer's ``eos_token`` as well as the configs' EOS ids: a fine-tune that
+    changed only ``tokenizer_config.json`` (to its template's end-of-turn) ran to ``max_tokens`` here."""
+    import json
+    import shutil
+
+    from workers.engines.llama.config import load_config
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model("qwen2").path, model_dir)
+    assert load_config(str(model_dir)).eos_token_ids == ()  # (no tokenizer: the configs name none)
+    shutil.copy(os.path.join(tiny_tokenizer_dir, "tokenizer.json"), model_dir)
+    shutil.copy(os.path.join(tiny_tokenizer_dir, "tokenizer_config.json"), model_dir)
+    assert load_config(str(model_dir)).eos_token_ids == (2,)  # <|im_end|>
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": {"content": "<|endoftext|>"}}))
+    assert load_config(str(model_dir)).eos_token_ids == (0,)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|not-a-token|>"}))
+    assert load_config(str(model_dir)).eos_token_ids == ()

@@ -8,6 +8,7 @@ head_dim) is explicit in ``ModelConfig``; nothing is inferred from which weights
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -65,7 +66,32 @@ def load_config(model_dir: str) -> ModelConfig:
     raw = _read_json(path)
     generation = os.path.join(model_dir, "generation_config.json")
     gen_raw = _read_json(generation) if os.path.isfile(generation) else {}
-    return parse_config(raw, gen_raw, source=path)
+    cfg = parse_config(raw, gen_raw, source=path)
+    own = _tokenizer_eos_id(model_dir)
+    if own is not None and own not in cfg.eos_token_ids and 0 <= own < cfg.vocab_size:
+        cfg = dataclasses.replace(cfg, eos_token_ids=(*cfg.eos_token_ids, own))
+    return cfg
+
+
+def _tokenizer_eos_id(model_dir: str) -> int | None:
+    """The tokenizer's own ``eos_token`` (``tokenizer_config.json``), which vLLM and SGLang stop at as well as
+    the configs' ids: a fine-tune that changed only it (to its chat template's end-of-turn) stops there."""
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    vocab = os.path.join(model_dir, "tokenizer.json")
+    if not (os.path.isfile(path) and os.path.isfile(vocab)):
+        return None
+    eos = _read_json(path).get("eos_token")
+    if isinstance(eos, dict):  # (a serialized AddedToken)
+        eos = eos.get("content")
+    if not isinstance(eos, str) or not eos:
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        token_id: int | None = Tokenizer.from_file(vocab).token_to_id(eos)
+    except Exception as exc:  # (tokenizers' own errors for a file it cannot read)
+        raise ModelConfigError(f"cannot read {vocab}: {exc}") from exc
+    return token_id
 
 
 def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, source: str = "") -> ModelConfig:
