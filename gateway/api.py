@@ -8,6 +8,7 @@ the ``Dispatcher`` and shapes OpenAI chat/completions and SGLang ``/generate`` r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -407,16 +408,23 @@ class Frontend:
             return
         states = [self._choice(prep, i) for i in range(prep.n)]
         queue: asyncio.Queue[tuple[int, StepOutput | BaseException | None]] = asyncio.Queue()
+        # A choice's next output is taken from its generator only once the consumer has had the one before:
+        # what a slow client leaves unread waits in the choice's own queue (``EventSink``), where
+        # ``max_unread_events`` stops its generation, not in this one, which nothing bounds.
+        taken = [asyncio.Event() for _ in range(prep.n)]
 
         async def pump(index: int) -> None:
             params = prep.params
             if params.seed is not None and index % prep.per_prompt:  # (each prompt's choices: seed, seed + 1...)
                 params = msgspec.structs.replace(params, seed=params.seed + index % prep.per_prompt)
+            events = self.dispatcher.generate(prep.prompt_of(index), params, choice=index, bootstrap=prep.bootstrap,
+                                              counts_prompt=index % prep.per_prompt == 0)
             try:
-                async for event in self.dispatcher.generate(prep.prompt_of(index), params, choice=index,
-                                                            bootstrap=prep.bootstrap,
-                                                            counts_prompt=index % prep.per_prompt == 0):
-                    queue.put_nowait((index, event))
+                async with contextlib.aclosing(events):  # (cancelled while waiting below: its requests end now)
+                    async for event in events:
+                        taken[index].clear()
+                        queue.put_nowait((index, event))
+                        await taken[index].wait()
             except Exception as exc:
                 queue.put_nowait((index, exc))
             finally:
@@ -435,11 +443,13 @@ class Frontend:
                     prep.name_for_client(item)
                     raise item
                 if state.finish_reason is not None:
+                    taken[index].set()
                     continue
                 text, entries = state.accept(item)
                 if state.finish_reason is not None and item.finish_reason is None:
                     tasks[index].cancel()  # stop string matched: abort this choice's generation
                 yield state, text, entries
+                taken[index].set()
         finally:
             for task in tasks:
                 task.cancel()

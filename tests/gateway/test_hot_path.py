@@ -870,3 +870,85 @@ def test_legacy_top_logprobs_always_hold_the_token_itself() -> None:
     out = legacy_logprobs(entries, 5)
     assert out["top_logprobs"] == [{" a": -0.1}, {" c": -0.2, " b": -3.0}, {" c": -0.2}, None]
     assert out["text_offset"] == [5, 7, 9, 11] and out["tokens"] == [" a", " b", " c", "x"]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_stream_whose_client_stops_reading_is_stopped_for_any_n(n: int) -> None:
+    """A consumer that stops reading leaves the workers' outputs unread; past ``max_unread_events`` its
+    choices are aborted on their workers. With n > 1 every choice's outputs were moved into one unbounded
+    queue as they came, so the limit was never reached: each choice ran to its budget, its outputs kept."""
+    from gateway.api import Frontend
+    from gateway.dispatch import DispatchConfig, Dispatcher
+    from gateway.policies.simple import RoundRobinPolicy
+    from gateway.router import Router
+    from gateway.tokenizer import ByteTokenizer
+    from workers.protocol import Abort, Submit
+
+    async def main() -> None:
+        workers, transports = _connected_workers(asyncio.get_running_loop(), "both", 3)
+        policy = RoundRobinPolicy()
+        dispatcher = Dispatcher([], workers, Router(policy, policy), DispatchConfig(max_unread_events=8),
+                                combined=True)
+        frontend = Frontend(dispatcher, ByteTokenizer(), "m", 4096)
+        choices = frontend.run_choices(Prepared([1, 2, 3], SamplingParams(max_new_tokens=10_000), n, [], True,
+                                                False, False))
+        first = asyncio.ensure_future(choices.__anext__())
+        for _ in range(200):
+            if sum(len(_sent(t, Submit)) for t in transports) == n:
+                break
+            await asyncio.sleep(0.005)
+        submits = [(w, s) for w, t in zip(workers, transports, strict=True) for s in _sent(t, Submit)]
+        assert len(submits) == n
+        for worker, submit in submits:
+            worker._dispatch(Outputs([StepOutput(submit.rid, [65])]))
+        await asyncio.wait_for(first, 5)  # the consumer had one output; it reads no more
+        for i in range(200):
+            for worker, submit in submits:
+                if submit.rid in worker._open:
+                    worker._dispatch(Outputs([StepOutput(submit.rid, [66 + i % 20])]))
+            await asyncio.sleep(0)
+        aborted = sum(len(_sent(t, Abort)) for t in transports)
+        still_open = sum(w.num_active for w in workers)
+        await choices.aclose()
+        assert (aborted, still_open) == (n, 0), f"n={n}: {aborted} aborted, {still_open} still generating"
+
+    asyncio.run(main())
+
+
+def test_several_choices_still_stream_every_output_in_order() -> None:
+    """The choices' outputs, taken one at a time per choice: each choice's text whole and in order."""
+    from gateway.api import Frontend
+    from gateway.dispatch import Dispatcher
+    from gateway.policies.simple import RoundRobinPolicy
+    from gateway.router import Router
+    from gateway.tokenizer import ByteTokenizer
+    from workers.protocol import Submit
+
+    async def main() -> None:
+        workers, transports = _connected_workers(asyncio.get_running_loop(), "both", 2)
+        policy = RoundRobinPolicy()
+        dispatcher = Dispatcher([], workers, Router(policy, policy), combined=True)
+        frontend = Frontend(dispatcher, ByteTokenizer(), "m", 4096)
+        texts = ["", ""]
+
+        async def consume() -> None:
+            async for state, text, _ in frontend.run_choices(Prepared([1, 2], SamplingParams(max_new_tokens=9), 2,
+                                                                      [], True, False, False)):
+                texts[state.index] += text
+
+        task = asyncio.create_task(consume())
+        for _ in range(200):
+            if sum(len(_sent(t, Submit)) for t in transports) == 2:
+                break
+            await asyncio.sleep(0.005)
+        submits = [(w, s) for w, t in zip(workers, transports, strict=True) for s in _sent(t, Submit)]
+        for step in range(9):  # several outputs at once per choice, before the consumer runs
+            for worker, submit in submits:
+                worker._dispatch(Outputs([StepOutput(submit.rid, [97 + step], "length" if step == 8 else None)]))
+            if step % 3 == 0:
+                await asyncio.sleep(0)
+        await asyncio.wait_for(task, 5)
+        assert texts == ["abcdefghi", "abcdefghi"]
+        assert sum(w.num_active for w in workers) == 0
+
+    asyncio.run(main())
