@@ -152,8 +152,11 @@ class EventSink:
                 raise SinkOverflow
             if self.failed:
                 raise DirectPathFailed
-            if self._loop.time() >= (self._deadline if self._idle_s is None else self._current()):
+            deadline = self._deadline if self._idle_s is None else self._current()
+            if self._loop.time() >= deadline:
                 raise TimeoutError
+            if self._slot is None and deadline != math.inf:  # (``due`` came within ``CLOCK_S`` of it, nobody
+                self._slot = self._wheel.add(self, deadline)  # waiting then: it would wait without a timer)
             self._waiter = self._loop.create_future()
             try:
                 await self._waiter

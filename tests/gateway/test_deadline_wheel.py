@@ -230,3 +230,25 @@ def test_no_deadline_at_all() -> None:
         sink.close()
 
     asyncio.run(main())
+
+
+def test_a_deadline_due_while_nobody_waits_still_fires_for_the_next_get(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wheel's slot came due within ``CLOCK_S`` of the deadline while the reader was busy elsewhere (no
+    waiter): the slot was dropped, and a ``get`` in that last millisecond waited with no timer at all."""
+    from gateway import event_sink
+
+    monkeypatch.setattr(event_sink, "CLOCK_S", 10.0)  # (the window made wide: any deadline counts as come)
+
+    async def main() -> None:
+        sink = EventSink()
+        sink.set_deadline(0.3)
+        assert sink._slot is not None
+        sink._wheel.discard(sink, sink._slot)
+        sink.due()  # (as the wheel calls it), nobody waiting
+        waiting = asyncio.ensure_future(sink.get())
+        done, _ = await asyncio.wait({waiting}, timeout=5.0)
+        assert done, "get() waited past its deadline"
+        assert isinstance(waiting.exception(), TimeoutError)
+        sink.close()
+
+    asyncio.run(main())
