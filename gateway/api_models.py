@@ -131,6 +131,8 @@ class _Sampling(msgspec.Struct):
     truncate_prompt_tokens: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
+    add_special_tokens: Any = None  # (the route's own default only: chat false, completions true)
+    return_tokens_as_token_ids: Any = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -148,6 +150,8 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     # not supported: a 400 unless absent or neutral
+    chat_template: Any = None  # (vLLM: a template of the request's own)
+    echo: Any = None  # (vLLM: the last message repeated in front of the answer)
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
@@ -191,6 +195,7 @@ class GenerateSampling(msgspec.Struct):
     structural_tag: Any = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    stop_regex: Any = None
 
 
 class GenerateRequest(msgspec.Struct):
@@ -219,4 +224,6 @@ class GenerateRequest(msgspec.Struct):
     custom_logit_processor: Any = None
     return_hidden_states: bool | None = False
     top_logprobs_num: int | None = None
+    return_text_in_logprobs: Any = None
+    token_ids_logprob: Any = None
 

@@ -57,9 +57,13 @@ _SAMPLING_RULES: tuple[Rule, ...] = (  # (structured output: gateway/structured_
     ("truncate_prompt_tokens", _is(None), ""),
     ("use_beam_search", _is(False), "false"),
     ("length_penalty", _is(1, 1.0), "1.0"),
+    ("return_tokens_as_token_ids", _is(False), "false"),
 )
 CHAT_RULES = Rules(
     *_SAMPLING_RULES,
+    ("add_special_tokens", _is(False), "false"),  # (the template writes the special tokens)
+    ("chat_template", _unset, ""),
+    ("echo", _is(False), "false"),
     ("functions", _unset, ""),
     ("function_call", _is("none"), '"none"'),
     ("modalities", lambda value, _req: value is None or value == ["text"], '["text"]'),
@@ -67,6 +71,7 @@ CHAT_RULES = Rules(
 )
 COMPLETION_RULES = Rules(
     *_SAMPLING_RULES,
+    ("add_special_tokens", _is(True), "true"),
     ("suffix", _unset, ""),
     ("best_of", lambda value, req: value is None or value in (1, req.n or 1), "1 or n"),
 )
@@ -79,12 +84,15 @@ GENERATE_RULES = Rules(
     ("custom_logit_processor", _unset, ""),
     ("return_hidden_states", _unset, ""),
     ("top_logprobs_num", _is(0), "0"),
+    ("return_text_in_logprobs", _is(False), "false"),
+    ("token_ids_logprob", _unset, ""),
 )
 GENERATE_SAMPLING_RULES = Rules(
     ("n", _is(1), "1"),
     ("structural_tag", _unset, ""),
     ("skip_special_tokens", _is(True), "true"),
     ("spaces_between_special_tokens", _is(True), "true"),
+    ("stop_regex", _unset, ""),
 )
 
 

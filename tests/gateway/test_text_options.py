@@ -70,6 +70,7 @@ def test_keep_stop_reaches_every_route() -> None:
     # a ``bad_words`` answer could hold the banned word)
     ("allowed_token_ids", [65, 66], None), ("bad_words", ["Paris"], []), ("prompt_logprobs", 1, None),
     ("truncate_prompt_tokens", 2, None), ("use_beam_search", True, False), ("length_penalty", 0.5, 1.0),
+    ("return_tokens_as_token_ids", True, False),
 ])
 def test_options_not_implemented_are_refused(field: str, value: Any, neutral: Any) -> None:
     with pytest.raises(BadRequest) as err:
@@ -80,6 +81,35 @@ def test_options_not_implemented_are_refused(field: str, value: Any, neutral: An
         _frontend().prepare_completion(completion)
     assert err.value.param == field
     _frontend().prepare_chat(_chat(**{field: neutral}))  # (the default, spelled out: fine)
+
+
+@pytest.mark.parametrize("route, field, value, neutral", [
+    ("chat", "chat_template", "{{ messages }}", None), ("chat", "echo", True, False),
+    ("chat", "add_special_tokens", True, False), ("completions", "add_special_tokens", False, True),
+    ("generate", "return_text_in_logprobs", True, False), ("generate", "token_ids_logprob", [1, 2], None),
+    ("generate", "sampling_params.stop_regex", "a+", None),
+])
+def test_route_options_not_implemented_are_refused(route: str, field: str, value: Any, neutral: Any) -> None:
+    front = _frontend()
+
+    def prepare(value: Any) -> None:
+        if route == "chat":
+            front.prepare_chat(_chat(**{field: value}))
+        elif route == "completions":
+            front.prepare_completion(msgspec.convert({"prompt": "hi", field: value}, CompletionRequest))
+        else:
+            name = field.removeprefix("sampling_params.")
+            body: dict[str, Any] = {"text": "hi"}
+            if name != field:
+                body["sampling_params"] = {name: value}
+            else:
+                body[name] = value
+            front.prepare_generate(msgspec.convert(body, GenerateRequest))
+
+    with pytest.raises(BadRequest) as err:
+        prepare(value)
+    assert err.value.param == field
+    prepare(neutral)  # (the route's own default, spelled out: fine)
 
 
 def test_the_template_options_shape_the_prompt() -> None:
