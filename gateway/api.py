@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -128,10 +128,12 @@ class ChoiceDispatcher(Protocol):
 
     def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
                  bootstrap: ClientBootstrap | None = None, direct: DirectConsumer | None = None,
-                 counts_prompt: bool = True) -> AsyncGenerator[StepOutput, None]:
+                 counts_prompt: bool = True, served: Callable[[], bool] | None = None,
+                 ) -> AsyncGenerator[StepOutput, None]:
         """The choice's ``StepOutput`` events until the final one; errors as ``APIError``. A dispatcher
         may hand non-final outputs to ``direct`` instead of yielding them (``gateway.dispatch``), or ignore it.
-        ``counts_prompt``: the first choice of its prompt (a prompt's tokens are counted once, as in usage)."""
+        ``counts_prompt``: the first choice of its prompt (a prompt's tokens are counted once, as in usage).
+        ``served``: a choice stopped early counts as served only if this says so (``Dispatcher.generate``)."""
         ...
 
 
@@ -418,7 +420,8 @@ class Frontend:
             if params.seed is not None and index % prep.per_prompt:  # (each prompt's choices: seed, seed + 1...)
                 params = msgspec.structs.replace(params, seed=params.seed + index % prep.per_prompt)
             events = self.dispatcher.generate(prep.prompt_of(index), params, choice=index, bootstrap=prep.bootstrap,
-                                              counts_prompt=index % prep.per_prompt == 0)
+                                              counts_prompt=index % prep.per_prompt == 0,
+                                              served=lambda: not failed)
             try:
                 async with contextlib.aclosing(events):  # (cancelled while waiting below: its requests end now)
                     async for event in events:
@@ -430,6 +433,7 @@ class Frontend:
             finally:
                 queue.put_nowait((index, None))
 
+        failed = False  # a choice failed: the request did, and the choices stopped for it were not served
         tasks = [asyncio.create_task(pump(i), name=f"choice-{i}") for i in range(prep.n)]
         remaining = prep.n
         try:
@@ -440,6 +444,7 @@ class Frontend:
                     remaining -= 1
                     continue
                 if isinstance(item, BaseException):
+                    failed = True
                     prep.name_for_client(item)
                     raise item
                 if state.finish_reason is not None:

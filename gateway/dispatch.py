@@ -52,7 +52,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -166,13 +166,16 @@ class Dispatcher:
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
                        bootstrap: ClientBootstrap | None = None, direct: DirectConsumer | None = None,
-                       counts_prompt: bool = True) -> AsyncGenerator[StepOutput, None]:
+                       counts_prompt: bool = True, served: Callable[[], bool] | None = None,
+                       ) -> AsyncGenerator[StepOutput, None]:
         """Run one completion choice; yields the decode's ``StepOutput`` events (see the module doc).
 
         ``choice`` and the client's ``bootstrap`` fields do not matter here: every attempt gets a
         pair and a fresh room of the gateway's own choosing. ``direct``: non-final decode outputs that
         arrive while none is queued go to ``direct.take`` from the worker connection's callback (when
-        ``direct.ready()``) instead of through this generator.
+        ``direct.ready()``) instead of through this generator. ``served``: asked when the consumer stops
+        early (closes or cancels this), whether the choice counts as served in the request figures (it did
+        if it had tokens, unless this says no: a choice of a request another choice of which failed).
         """
         run = _Choice(self, input_ids, params)
         run.counts_prompt = counts_prompt
@@ -200,7 +203,7 @@ class Dispatcher:
                     if delay is not None:
                         await asyncio.sleep(delay)
         except (GeneratorExit, asyncio.CancelledError):
-            run.completed = bool(run.generated)
+            run.completed = bool(run.generated) and (served is None or served())
             raise
         finally:
             run.close()

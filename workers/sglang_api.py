@@ -102,8 +102,8 @@ class RelayDispatcher:
         self.config = config or SGLangAPIConfig()
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
-                       bootstrap: ClientBootstrap | None = None, direct: Any = None,
-                       counts_prompt: bool = True) -> AsyncGenerator[StepOutput, None]:  # (every output is yielded)
+                       bootstrap: ClientBootstrap | None = None, direct: Any = None, counts_prompt: bool = True,
+                       served: Any = None) -> AsyncGenerator[StepOutput, None]:  # (every output is yielded)
         target = self.target(bootstrap, choice)
         sink = EventSink()
         cfg = self.config

@@ -952,3 +952,40 @@ def test_several_choices_still_stream_every_output_in_order() -> None:
         assert sum(w.num_active for w in workers) == 0
 
     asyncio.run(main())
+
+
+def test_a_failed_request_of_several_choices_does_not_count_as_served() -> None:
+    """One choice fails (the client gets the error): the others, stopped for it, are not served either; their
+    prompt and end-to-end figures were counted as if the request had been (tokens generated still count)."""
+    from gateway.api import Frontend
+    from gateway.dispatch import DispatchConfig, Dispatcher
+    from gateway.errors import APIError
+    from gateway.policies.simple import RoundRobinPolicy
+    from gateway.router import Router
+    from gateway.tokenizer import ByteTokenizer
+    from workers.protocol import Submit
+
+    async def main() -> None:
+        workers, transports = _connected_workers(asyncio.get_running_loop(), "both", 2)
+        policy = RoundRobinPolicy()
+        dispatcher = Dispatcher([], workers, Router(policy, policy), DispatchConfig(max_retries=0), combined=True)
+        frontend = Frontend(dispatcher, ByteTokenizer(), "m", 4096)
+        choices = frontend.run_choices(Prepared([1, 2, 3], SamplingParams(max_new_tokens=8), 2, [], True, False,
+                                                False))
+        first = asyncio.ensure_future(choices.__anext__())
+        for _ in range(200):
+            if sum(len(_sent(t, Submit)) for t in transports) == 2:
+                break
+            await asyncio.sleep(0.005)
+        (w0, s0), (w1, s1) = [(w, s) for w, t in zip(workers, transports, strict=True) for s in _sent(t, Submit)]
+        w0._dispatch(Outputs([StepOutput(s0.rid, [65])]))
+        await asyncio.wait_for(first, 5)
+        w1._dispatch(Error(s1.rid, "internal", "the engine broke"))
+        with pytest.raises(APIError):
+            await asyncio.wait_for(choices.__anext__(), 5)
+        await choices.aclose()
+        metrics = dispatcher.metrics
+        assert metrics.prompt_tokens._value.value == 0 and sum(metrics.e2e.counts) == 0
+        assert metrics.generation_tokens._value.value == 1
+
+    asyncio.run(main())
