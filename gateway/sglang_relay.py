@@ -348,7 +348,11 @@ class SGLangResponder:
                     decode.health.breaker.trials.discard(d_rid)  # (a half-open trial that streams: its place is free)
                     status = await self._stream(reply, first, p_task, merge_logprobs, send, figures)
                 else:
-                    status = await self._whole(reply, p_task, merge_logprobs, send, figures)
+                    whole = await self._whole(reply, decode, p_task, merge_logprobs, send, figures)
+                    if isinstance(whole, _Failure):  # nothing sent yet: retried like a failure before the head
+                        decode.health.breaker.record_failure()
+                        return await self._failed(whole, send)
+                    status = whole
             finally:
                 reply.release()
             _record(decode, status)  # (a stream broken after its head: the decode's failure...)
@@ -381,13 +385,15 @@ class SGLangResponder:
             return _Retry(Overloaded(message, code="worker_overloaded", retry_after_s=1.0), worker)
         return _Retry(BadGateway(message, code="worker_failed"), worker)
 
-    async def _whole(self, reply: aiohttp.ClientResponse, p_task: asyncio.Task[_PrefillReply],
-                     merge_logprobs: bool, send: Send, figures: _Figures) -> int:
+    async def _whole(self, reply: aiohttp.ClientResponse, decode: HttpWorker, p_task: asyncio.Task[_PrefillReply],
+                     merge_logprobs: bool, send: Send, figures: _Figures) -> int | _Failure:
+        """A whole answer relayed: the client's status; or, when the decode's body broke off (nothing was
+        sent to the client yet), the failure, retried."""
         content_type = reply.headers.get("content-type", "application/json")
         try:
             data = await reply.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise BadGateway(f"the SGLang decode worker's response broke: {type(exc).__name__}: {exc}") from None
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            return _Failure(decode, f"its response broke: {type(exc).__name__}: {exc}")
         if merge_logprobs and reply.status == 200:
             data = _merge_whole(await _prefill_logprobs(p_task, self.fleet.config.read_timeout_s, self.route), data)
         await _send_whole(send, reply.status, content_type, data)

@@ -136,3 +136,29 @@ def test_the_prefill_is_asked_only_once_its_decode_is() -> None:
             assert json.loads(second.content)["text"] == "second"
 
     asyncio.run(main())
+
+
+def test_a_whole_answer_that_breaks_off_is_retried() -> None:
+    """The decode's body broke off before the client got anything: retried on a new pair (it was a 502 at
+    once, and no failure of the decode's), as a stream that breaks before its first event is."""
+    calls: list[int] = []
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        calls.append(1)
+        if len(calls) == 1:  # a head promising more than comes, then the connection closes
+            response = web.StreamResponse(headers={"content-type": "application/json", "content-length": "100"})
+            await response.prepare(request)
+            await response.write(b'{"text": "cut')
+            request.transport.close()  # type: ignore[union-attr]
+            return response
+        return web.json_response({"text": "whole", "meta_info": {}})
+
+    async def main() -> None:
+        async with relay(prefill_ok, decode) as (responder, _):
+            exchange = Exchange(jbody({"text": "hi"}))
+            await call(responder, exchange)
+            assert exchange.status == 200 and json.loads(exchange.content)["text"] == "whole", exchange.content
+            assert len(calls) == 2
+
+    asyncio.run(main())
