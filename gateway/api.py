@@ -88,6 +88,7 @@ class Prepared:
     prompt_texts: list[str | None] | None = None  # (``echo``) each prompt as the client sent it, None for ids
     keep_stop: bool = False  # the stop string that ended a choice's text stays in it (vLLM, SGLang options)
     item_ids: list[str] | None = None  # /generate: a batch's ``rid`` list, item i's id at i
+    skip_special: bool = True  # special tokens have no text (``skip_special_tokens``: false writes them out)
 
     def prompt_text_of(self, choice: int) -> str | None:
         return self.prompt_texts[choice // self.per_prompt] if self.prompt_texts else None
@@ -276,7 +277,8 @@ class Frontend:
         return Prepared(input_ids, params, req.n or 1, stops, bool(req.stream),
                         bool(req.stream_options and req.stream_options.include_usage), logprobs,
                         bootstrap=ClientBootstrap.of(req), tools=tools if tools and tools.mode != "none" else None,
-                        keep_stop=bool(req.include_stop_str_in_output))
+                        keep_stop=bool(req.include_stop_str_in_output),
+                        skip_special=req.skip_special_tokens is not False)
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
         self._check_model(req.model)
@@ -301,7 +303,8 @@ class Frontend:
         return Prepared(input_ids, params, n * len(prompts), stops, bool(req.stream),
                         bool(req.stream_options and req.stream_options.include_usage), logprobs, echo,
                         ClientBootstrap.of(req), batch=prompts if len(prompts) > 1 else None,
-                        prompt_texts=texts if echo else None, keep_stop=bool(req.include_stop_str_in_output))
+                        prompt_texts=texts if echo else None, keep_stop=bool(req.include_stop_str_in_output),
+                        skip_special=req.skip_special_tokens is not False)
 
     def _prompt_ids(self, prompt: Any, param: str) -> list[int]:
         """One completions prompt as token ids: text, or ids checked for range (400 naming ``param``)."""
@@ -350,7 +353,8 @@ class Frontend:
         # A batch (even of one item) is answered as a list, item i by choice i (its own bootstrap fields).
         return Prepared(prompts[0], params, len(prompts), stops, bool(req.stream), False, logprobs,
                         bootstrap=ClientBootstrap.of(req), param_prefix="sampling_params.",
-                        batch=prompts if batched else None, keep_stop=bool(sp.no_stop_trim)), sp
+                        batch=prompts if batched else None, keep_stop=bool(sp.no_stop_trim),
+                        skip_special=sp.skip_special_tokens is not False), sp
 
     # -- running choices ---------------------------------------------------------------------
     def _choice(self, prep: Prepared, index: int = 0) -> ChoiceState:
@@ -358,7 +362,7 @@ class Frontend:
         stop_tokens = (params.stop_token_ids,) if params.ignore_eos else (params.stop_token_ids,
                                                                           self.tokenizer.eos_token_ids)
         return ChoiceState(index, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context(index),
-                           params.min_new_tokens, prep.keep_stop, stop_tokens)
+                           params.min_new_tokens, prep.keep_stop, stop_tokens, prep.skip_special)
 
     async def complete_one(self, prep: Prepared) -> ChoiceState:
         """The one choice of a whole response (``prep.n == 1``), run to its end. With the gateway's

@@ -149,8 +149,8 @@ class HFTokenizer:
             return bytes(table[c] for c in piece)
         return None
 
-    def decoder(self, context: Sequence[int] = ()) -> IncrementalDecoder:
-        return HFIncrementalDecoder(self, context)
+    def decoder(self, context: Sequence[int] = (), *, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return HFIncrementalDecoder(self, context, skip_special_tokens)
 
     # -- helpers ------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -301,13 +301,14 @@ class HFIncrementalDecoder:
     the Python algorithm carries on from the same boundary, so the text is the same either way.
     """
 
-    __slots__ = ("_ids", "_prefix", "_raw", "_read", "_stream", "_tok")
+    __slots__ = ("_decode", "_ids", "_prefix", "_raw", "_read", "_stream")
 
-    def __init__(self, tokenizer: HFTokenizer, context: Sequence[int] = ()) -> None:
-        self._tok = tokenizer
+    def __init__(self, tokenizer: HFTokenizer, context: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+        # (``skip_special_tokens=False``: special tokens' text written out, as ``decode_literally`` writes it)
+        self._decode = tokenizer.decode if skip_special_tokens else tokenizer.decode_literally
         self._raw = tokenizer._tok  # (``tokenizers.Tokenizer``, what ``DecodeStream.step`` takes)
         ids = _whole_characters(tokenizer, list(context))  # (``gateway.tokenizer``: the text before, never emitted)
-        self._stream: DecodeStream | None = DecodeStream(ids=ids or None, skip_special_tokens=True)
+        self._stream: DecodeStream | None = DecodeStream(ids=ids or None, skip_special_tokens=skip_special_tokens)
         self._ids = ids
         self._prefix = 0  # window start: ids before it are fully emitted
         self._read = len(ids)  # ids up to here are reflected in emitted text
@@ -327,8 +328,8 @@ class HFIncrementalDecoder:
                     return ""
                 self._prefix, self._read = self._read, len(ids)
                 return text
-        prefix_text = self._tok.decode(ids[self._prefix : self._read])
-        full_text = self._tok.decode(ids[self._prefix :])
+        prefix_text = self._decode(ids[self._prefix : self._read])
+        full_text = self._decode(ids[self._prefix :])
         if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT_CHAR):
             new = full_text[len(prefix_text) :]
             self._prefix = self._read
@@ -340,8 +341,8 @@ class HFIncrementalDecoder:
         ids = self._ids
         if self._read == len(ids):
             return ""
-        prefix_text = self._tok.decode(ids[self._prefix : self._read])
-        full_text = self._tok.decode(ids[self._prefix :])
+        prefix_text = self._decode(ids[self._prefix : self._read])
+        full_text = self._decode(ids[self._prefix :])
         self._prefix = self._read = len(ids)
         self._stream = None  # (nothing is pushed after a flush)
         return full_text[len(prefix_text) :]

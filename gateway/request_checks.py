@@ -49,7 +49,6 @@ def _is(*neutral: Any) -> Callable[[Any, Any], bool]:
 
 _SAMPLING_RULES: tuple[Rule, ...] = (  # (structured output: gateway/structured_output.py)
     ("guided_whitespace_pattern", _unset, ""),
-    ("skip_special_tokens", _is(True), "true"),
     ("spaces_between_special_tokens", _is(True), "true"),
     ("allowed_token_ids", _is(None), ""),
     ("bad_words", _unset, ""),
@@ -90,7 +89,6 @@ GENERATE_RULES = Rules(
 GENERATE_SAMPLING_RULES = Rules(
     ("n", _is(1), "1"),
     ("structural_tag", _unset, ""),
-    ("skip_special_tokens", _is(True), "true"),
     ("spaces_between_special_tokens", _is(True), "true"),
     ("stop_regex", _unset, ""),
 )

@@ -56,17 +56,19 @@ class ChoiceState:
 
     def __init__(self, index: int, tokenizer: Tokenizer, stops: list[str], want_logprobs: bool,
                  context: Sequence[int] = (), min_tokens: int = 0, keep_stop: bool = False,
-                 stop_tokens: tuple[Sequence[int], ...] = ()) -> None:
+                 stop_tokens: tuple[Sequence[int], ...] = (), skip_special: bool = True) -> None:
         """``context``: the prompt's last ids (``gateway.tokenizer.DECODE_CONTEXT_TOKENS``), which the text
         follows. ``min_tokens``: the text of the first that many tokens is not searched for stop strings
         (as vLLM; the worker's ``workers.stop_strings.StopWatch`` counts alike). ``keep_stop``: the stop
         string that ends the text stays in it. ``stop_tokens``: collections of token ids (the request's
         ``stop_token_ids``, the EOS ids) whose text is left out when one ends the choice (vLLM and SGLang
-        do; it stays in ``token_ids`` and the logprobs). Not with ``keep_stop``: it is kept then."""
+        do; it stays in ``token_ids`` and the logprobs). Not with ``keep_stop``: it is kept then.
+        ``skip_special``: special tokens have no text (False: written out, vLLM's ``skip_special_tokens``)."""
         self.index = index
         self.min_tokens = min_tokens
         self.tokenizer = tokenizer
-        self.decoder = tokenizer.decoder(context)
+        self.decoder = tokenizer.decoder(context) if skip_special else \
+            tokenizer.decoder(context, skip_special_tokens=False)
         self.stop = StopMatcher(stops, keep_stop)
         self.want_logprobs = want_logprobs
         self.stop_tokens = () if keep_stop else stop_tokens

@@ -46,7 +46,9 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
-    def decoder(self, context: Sequence[int] = ()) -> IncrementalDecoder: ...
+    def decoder(self, context: Sequence[int] = (), *, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        """``skip_special_tokens=False``: the text of special tokens (chat markers, EOS) is written out."""
+        ...
 
 
 def token_text_of(tokenizer: Tokenizer) -> Callable[[int], str]:
@@ -123,8 +125,8 @@ class ByteTokenizer:
         """The byte a token stands for (logprob entries' ``bytes``: one byte of a multi-byte character)."""
         return bytes((token_id,)) if 0 <= token_id < 256 else None
 
-    def decoder(self, context: Sequence[int] = ()) -> IncrementalDecoder:
-        return _ByteDecoder()  # (a byte's text does not depend on what came before it)
+    def decoder(self, context: Sequence[int] = (), *, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return _ByteDecoder()  # (a byte's text does not depend on what came before it; BOS and EOS have none)
 
 
 class _ByteDecoder:

@@ -446,3 +446,36 @@ def test_continue_final_message_as_transformers_with_trimming_templates(tiny_tok
     theirs = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=False, continue_final_message=True)
     ours = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
     assert tok.decode_literally(ours) == theirs
+
+
+def test_skip_special_tokens_false_writes_special_tokens_out(tiny_tokenizer_dir) -> None:
+    """vLLM's ``skip_special_tokens: false`` (tool parsers that read the model's markers from the text): the
+    special tokens' text is in the answer, over any split, the Python window included; the token that stops the
+    choice (EOS) stays out unless ``include_stop_str_in_output``, as vLLM answers."""
+    from gateway.text import ChoiceState
+    from workers.protocol import StepOutput
+
+    tok = HFTokenizer.from_dir(tiny_tokenizer_dir)
+    start, end = tok._tok.token_to_id("<|im_start|>"), tok._tok.token_to_id("<|im_end|>")
+    ids = [*tok.encode("Hello "), start, *tok.encode("tool ünï 🎉"), end, *tok.encode(" x")]
+    literal = tok.decode_literally(ids)
+    assert "<|im_start|>" in literal and literal != tok.decode(ids)
+    rng = random.Random(5)
+    for _ in range(30):
+        splits = _random_splits(rng, len(ids))
+        for python_only in (False, True):
+            dec = tok.decoder(skip_special_tokens=False)
+            if python_only:
+                dec._stream = None  # type: ignore[attr-defined]
+            pieces, i = [], 0
+            for size in splits:
+                pieces.append(dec.push(ids[i:i + size]))
+                i += size
+            assert "".join(pieces) + dec.flush() == literal
+    answer = [*tok.encode("Hi "), start, *tok.encode("call"), end]
+    for keep, skip, want in ((False, True, "Hi call"), (False, False, "Hi <|im_start|>call"),
+                             (True, False, "Hi <|im_start|>call<|im_end|>")):
+        state = ChoiceState(0, tok, [], False, keep_stop=keep, stop_tokens=(tok.eos_token_ids,), skip_special=skip)
+        state.accept(StepOutput(1, answer[:3]))
+        state.accept(StepOutput(1, answer[3:], finish_reason="stop"))
+        assert state.text == want, (keep, skip, state.text)

@@ -65,7 +65,7 @@ def test_keep_stop_reaches_every_route() -> None:
 
 
 @pytest.mark.parametrize("field, value, neutral", [
-    ("skip_special_tokens", False, True), ("spaces_between_special_tokens", False, True),
+    ("spaces_between_special_tokens", False, True),
     # vLLM's sampling options this gateway does not implement (they were read as unknown fields and dropped:
     # a ``bad_words`` answer could hold the banned word)
     ("allowed_token_ids", [65, 66], None), ("bad_words", ["Paris"], []), ("prompt_logprobs", 1, None),
@@ -143,8 +143,19 @@ def test_template_options_that_cannot_render_are_a_400(fields: dict[str, Any], p
 
 def test_generate_options_not_implemented_are_refused() -> None:
     front = _frontend()
-    for body, param in (({"sampling_params": {"skip_special_tokens": False}}, "sampling_params.skip_special_tokens"),
+    for body, param in (({"sampling_params": {"spaces_between_special_tokens": False}},
+                         "sampling_params.spaces_between_special_tokens"),
                         ({"top_logprobs_num": 3, "return_logprob": True}, "top_logprobs_num")):
         with pytest.raises(BadRequest) as err:
             front.prepare_generate(msgspec.convert({"text": "hi", **body}, GenerateRequest))
         assert err.value.param == param
+
+
+def test_skip_special_tokens_reaches_every_route() -> None:
+    front = _frontend()
+    assert front.prepare_chat(_chat()).skip_special and front.prepare_chat(_chat(skip_special_tokens=True)).skip_special
+    assert not front.prepare_chat(_chat(skip_special_tokens=False)).skip_special
+    completion = msgspec.convert({"prompt": "hi", "skip_special_tokens": False}, CompletionRequest)
+    assert not front.prepare_completion(completion).skip_special
+    generate = msgspec.convert({"text": "hi", "sampling_params": {"skip_special_tokens": False}}, GenerateRequest)
+    assert not front.prepare_generate(generate)[0].skip_special
