@@ -672,8 +672,10 @@ class _Attempt:
             if self.outcome == "cancelled" and self.got_token:
                 # The consumer stopped (a stop string the gateway found, the client left) after the decode
                 # served tokens: a success of the decode's, as its final output would have been (a
-                # half-open breaker closes on these too), and of the prefill's when it had not said so yet.
-                self.decode.health.breaker.record_success()
+                # half-open breaker closes on these too; not twice: a final output held for the prompt
+                # logprobs was counted when it came), and of the prefill's when it had not said so yet.
+                if "decode" in self.open_rids:
+                    self.decode.health.breaker.record_success()
                 if prefill is not None:
                     prefill.health.breaker.record_success()
         if self.sent:

@@ -989,3 +989,43 @@ def test_a_failed_request_of_several_choices_does_not_count_as_served() -> None:
         assert metrics.generation_tokens._value.value == 1
 
     asyncio.run(main())
+
+
+def test_a_decode_is_credited_once_per_request() -> None:
+    """A decode's final output held for the prefill's prompt logprobs is its success; the client leaving
+    before the hand-over credited it again, so a half-open breaker closed on half the trials it asks for."""
+    from gateway.dispatch import Dispatcher
+    from gateway.policies.simple import RoundRobinPolicy
+    from gateway.router import Router
+    from workers.protocol import Submit
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        prefills, _ = _connected_workers(loop, "prefill", 1)
+        decodes, d_transports = _connected_workers(loop, "decode", 1)
+        breaker = decodes[0].health.breaker
+        breaker.failures_to_open, breaker.cooldown_s, breaker.successes_to_close = 1, 0.0, 2
+        breaker.record_failure()  # open; with no cooldown, half-open at once
+        assert breaker.allows and not breaker.closed
+        policy = RoundRobinPolicy()
+        dispatcher = Dispatcher(prefills, decodes, Router(policy, policy))
+
+        async def consume() -> None:
+            async for _ in dispatcher.generate([1, 2, 3], SamplingParams(max_new_tokens=2, prompt_logprobs=True)):
+                pass
+
+        task = asyncio.create_task(consume())
+        for _ in range(200):
+            if _sent(d_transports[0], Submit):
+                break
+            await asyncio.sleep(0.005)
+        (submit,) = _sent(d_transports[0], Submit)
+        decodes[0]._dispatch(Outputs([StepOutput(submit.rid, [65, 66], "length")]))  # held: no hand-over yet
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not task.done()
+        task.cancel()  # the client leaves
+        await asyncio.gather(task, return_exceptions=True)
+        assert not breaker.closed, "one request counted as two of the two successes a half-open breaker asks"
+
+    asyncio.run(main())
