@@ -31,7 +31,7 @@ import uvicorn
 
 from gateway.http_protocol import ClientLimits, protocol_class
 from gateway.tokenizer import Tokenizer, load_tokenizer, tokenizer_digest
-from transfer.netaddr import is_wildcard, join_host_port, listener
+from transfer.netaddr import is_loopback, is_wildcard, join_host_port, listener
 from workers.addresses import advertised_host
 from workers.config import WorkerConfig
 from workers.engines import EngineOptions, create_engine
@@ -285,7 +285,10 @@ class Worker:
         if self.bootstrap_url:
             url = urlsplit(self.bootstrap_url)
             boot_host, boot_port = url.hostname, url.port or 8998
-            if boot_host is None or is_wildcard(boot_host):  # our embedded registry on every interface
+            # Our embedded registry on every interface; or one on this host's loopback, which a decode on
+            # another host would look for on its own loopback: both are reached at our advertised address.
+            if boot_host is None or is_wildcard(boot_host) or (is_loopback(boot_host)
+                                                              and not is_loopback(self.advertise_host)):
                 boot_host = self.advertise_host
         return HelloAck(
             version=PROTOCOL_VERSION, worker_id=self.worker_id, role=self.config.role,

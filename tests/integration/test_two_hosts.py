@@ -72,8 +72,13 @@ def _url_host(addr: str) -> str:
     return f"[{addr}]" if ":" in addr else addr
 
 
-@pytest.mark.parametrize(("transfer", "family"), [("tcp", 4), ("mooncake", 4), ("nixl", 4), ("tcp", 6)])
-def test_pd_chat_crosses_the_veth(hosts: TwoHosts, transfer: str, family: int) -> None:
+@pytest.mark.parametrize(("transfer", "family", "local_registry"), [
+    ("tcp", 4, False), ("mooncake", 4, False), ("nixl", 4, False), ("tcp", 6, False),
+    # the prefill finds its registry on its own loopback (``--bootstrap http://127.0.0.1:...``), the decode on
+    # the other host at the prefill's advertised address (it was sent to its own loopback: every request a 502)
+    ("tcp", 4, True),
+])
+def test_pd_chat_crosses_the_veth(hosts: TwoHosts, transfer: str, family: int, local_registry: bool) -> None:
     reason = _missing(transfer)
     if reason:
         pytest.skip(reason)
@@ -89,13 +94,16 @@ def test_pd_chat_crosses_the_veth(hosts: TwoHosts, transfer: str, family: int) -
                                     "UCX_TLS": None, "UCX_NET_DEVICES": None}
     transfer_args = [arg for opt in OPTIONS[transfer] for arg in ("--transfer-option", opt)]
     registry = f"http://{_url_host(a.addr)}:{PORTS['registry']}"
-    a.start("registry", "-m", "bootstrap.cli", "--host", a.addr, "--port", str(PORTS["registry"]), env=clean)
+    a.start("registry", "-m", "bootstrap.cli", "--host", "0.0.0.0" if local_registry else a.addr,
+            "--port", str(PORTS["registry"]), env=clean)
     a.wait_http_ok(f"{registry}/health")
     # The prefill binds every interface and advertises the address that routes to the registry (a.addr).
     wildcard = "0.0.0.0" if family == 4 else "::"
+    where = ["--bootstrap", f"http://127.0.0.1:{PORTS['registry']}", "--advertise-host", a.addr] if local_registry \
+        else ["--bootstrap", registry]
     a.start("prefill", "-m", "workers.cli", "--role", "prefill", "--host", wildcard, "--port", str(PORTS["prefill"]),
-            "--http-port", str(PORTS["prefill_http"]), "--bootstrap", registry, "--transfer", transfer,
-            *transfer_args, *SIM, env=clean)
+            "--http-port", str(PORTS["prefill_http"]), *where, "--transfer", transfer, *transfer_args, *SIM,
+            env=clean)
     b.start("decode", "-m", "workers.cli", "--role", "decode", "--host", b.addr, "--port", str(PORTS["decode"]),
             "--http-port", str(PORTS["decode_http"]), "--transfer", transfer, *transfer_args, *SIM, env=clean)
     try:
