@@ -20,7 +20,7 @@ HASHES = page_hashes(PROMPT, 16, 8)
 
 
 async def fake_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, role: str,
-                      answer_pings: list[bool], hashes: list[bytes] = HASHES) -> None:
+                      answer_pings: list[bool], hashes: list[bytes] = HASHES, transfer: str = "tcp") -> None:
     """A worker's native side: the handshake, ``hashes`` as its prefix cache (a prefill), pongs while
     ``answer_pings[0]``."""
     decoder, encoder = worker_codec(), gateway_codec()._encoder
@@ -38,7 +38,8 @@ async def fake_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
         if isinstance(msg, Hello):
             port = writer.get_extra_info("sockname")[1]  # (one worker per server: its id names its port)
             send(HelloAck(PROTOCOL_VERSION, f"{role}-{port}", role, "sim", "m", "byte", 16, 4096, 1024,
-                          bootstrap_host="127.0.0.1" if role == "prefill" else None, bootstrap_port=1))
+                          bootstrap_host="127.0.0.1" if role == "prefill" else None, bootstrap_port=1,
+                          transfer=transfer))
             if role == "prefill":
                 send(KVEvents(stored=hashes, reset=True))
         elif isinstance(msg, Ping) and answer_pings[0]:
@@ -150,5 +151,24 @@ def test_one_worker_under_two_urls_is_used_once() -> None:
             gw.remove_worker(first.url)
             assert await again.wait_ready(10), again.last_error  # the one left connects at its next try
             assert gw.decodes == [again]
+
+    asyncio.run(main())
+
+
+def test_a_worker_on_another_kv_backend_is_not_used() -> None:
+    """A decode started with another ``--transfer`` than the fleet's could pair with none of its prefills:
+    every room it took part in failed (a wasted attempt per request, a 502 where it was the only decode). It
+    is not connected, and says why."""
+    async def main() -> None:
+        async with fleet([True], drain_timeout_s=1) as (gw, _, _):
+            other = await asyncio.start_server(
+                lambda r, w: fake_worker(r, w, "decode", [True], transfer="nixl"), "127.0.0.1", 0)
+            try:
+                odd = gw.add_worker(f"pd://127.0.0.1:{other.sockets[0].getsockname()[1]}", "decode")
+                assert not await odd.wait_ready(10.0)
+                assert not odd.is_connected and "moves KV over 'nixl'" in (odd.last_error or ""), odd.last_error
+                assert gw.decodes[0].healthy and gw.prefills[0].healthy
+            finally:
+                other.close()
 
     asyncio.run(main())
