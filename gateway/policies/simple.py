@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
@@ -27,7 +28,11 @@ class RandomPolicy:
 
 
 class RoundRobinPolicy:
-    """Each side in turn, over whichever workers are healthy at the time."""
+    """Each side in turn, over whichever workers are healthy at the time. The decodes' turn moves one place
+    further each time both turns are back where they started together, so that every prefill meets every
+    decode (turns in step paired prefill i with decode i for good when the two counts share a divisor: a
+    decode then never learned the other prefills' addresses, and failed every room of a surviving prefill
+    while the registry was down)."""
 
     name = "round_robin"
 
@@ -40,6 +45,9 @@ class RoundRobinPolicy:
         if prefills:
             prefill = prefills[self._next_prefill % len(prefills)]
             self._next_prefill += 1
-        decode = decodes[self._next_decode % len(decodes)]
+        turn = self._next_decode
+        if prefills:
+            turn += turn // math.lcm(len(prefills), len(decodes))
+        decode = decodes[turn % len(decodes)]
         self._next_decode += 1
         return Pair(prefill, decode)

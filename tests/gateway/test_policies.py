@@ -1,3 +1,4 @@
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -286,3 +287,18 @@ def test_cache_aware_with_combined_workers_skips_one_that_cannot_take_the_reques
     # When none can take it now, the prefix still decides (both would make it wait).
     also_full = FakeWorker("pd://d:1", "both", num_free_pages=0, num_running_seqs=64, max_running_seqs=64)
     assert policy.select([], [also_full, full], request) == Pair(None, full)
+
+
+@pytest.mark.parametrize(("num_prefills", "num_decodes"), [(2, 2), (2, 4), (3, 6), (4, 6), (2, 3), (1, 3), (3, 1)])
+def test_round_robin_pairs_every_prefill_with_every_decode_evenly(num_prefills: int, num_decodes: int) -> None:
+    """Both turns in step paired prefill i with decode i for good when the counts share a divisor (2 and 2):
+    under a registry outage a decode that had never met a surviving prefill failed all of its rooms."""
+    p = [W(f"p{i}", "prefill") for i in range(num_prefills)]
+    d = [W(f"d{i}") for i in range(num_decodes)]
+    policy = RoundRobinPolicy()
+    rounds = num_prefills * num_decodes * math.lcm(num_prefills, num_decodes)
+    pairs = [policy.select(p, d, REQ) for _ in range(rounds)]
+    met = Counter((x.prefill.url, x.decode.url) for x in pairs)  # type: ignore[union-attr]
+    assert len(met) == num_prefills * num_decodes, sorted(met)
+    assert len(set(Counter(x.decode.url for x in pairs).values())) == 1  # every decode as often
+    assert len(set(Counter(x.prefill.url for x in pairs).values())) == 1  # type: ignore[union-attr]
