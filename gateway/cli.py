@@ -178,9 +178,10 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 
 
 class DrainingServer(uvicorn.Server):
-    """SIGTERM/SIGINT: the gateway refuses new requests at once (503, Connection: close), then uvicorn
-    closes the listeners and waits up to ``--drain-timeout-s`` for open requests before cancelling them
-    (the dispatcher then aborts them on both workers)."""
+    """SIGTERM/SIGINT: uvicorn closes the listeners at once (new connections are refused), a request that
+    arrives on a connection kept alive gets a 503 with ``Connection: close``, and open requests have up to
+    ``--drain-timeout-s`` before they are cancelled (the dispatcher then aborts them on both workers). The
+    process then ends by the signal it got (uvicorn raises it again: exit status 128 + its number)."""
 
     def __init__(self, config: uvicorn.Config, app: Any) -> None:
         super().__init__(config)
