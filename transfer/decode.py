@@ -167,12 +167,25 @@ class DecodeSide:
             self._fail_one(receiver, room_error(room, exc))
             return None
         except Exception as exc:
+            live = self._live_address((host, port, instance_id))
+            if live is not None:
+                # The registry failed the look-up (down past its replies' stale window, say), but a registered,
+                # heartbeating connection serves that very prefill: it still is where it was.
+                return live
             error = TransferError(
                 TransferErrorKind.BOOTSTRAP,
                 f"room {room}: resolving bootstrap target {host}:{port} ({instance_id}) failed: {exc!r}",
             )
             self._fail_one(receiver, error)
             return None
+
+    def _live_address(self, target: tuple[str, int | None, str | None]) -> tuple[str, int] | None:
+        """The address of a ready connection that a room for ``target`` was served over, if there is one."""
+        with self._ctx.lock:
+            for address, conn in self._conns.items():
+                if conn.ready and conn.error is None and target in conn.targets:
+                    return address
+        return None
 
     def _address(self, host: str, port: int | None, instance_id: str | None) -> tuple[str, int]:
         if self._resolver is not None:

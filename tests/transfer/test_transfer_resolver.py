@@ -185,3 +185,41 @@ def test_an_abort_while_the_dead_address_is_connecting_reaches_the_restarted_pre
 
     monkeypatch.setattr(decode_side.socket, "create_connection", black_holed)
     _aborted_meanwhile(made, registry, connecting)
+
+
+class FailingRegistry(CachingRegistry):
+    """A registry that answers until ``down`` is set, and then fails every look-up (its stale replies gone)."""
+
+    down = False
+
+    def __call__(self, host: str, port: int | None, instance_id: str | None) -> tuple[str, int]:
+        if self.down:
+            raise ConnectionRefusedError("the registry is unreachable")
+        return super().__call__(host, port, instance_id)
+
+    def cached(self, host: str, port: int | None, instance_id: str | None) -> tuple[str, int] | None:
+        return None  # (nothing fresh in the cache: every room asks)
+
+
+def test_a_registry_down_for_good_does_not_fail_rooms_of_a_connected_prefill() -> None:
+    """The registry unreachable past its stale replies' window: every room failed (a 502 for every request)
+    although the decode's registered, heartbeating connection to that very prefill was up; it is used."""
+    made: list[KVManager] = []
+    try:
+        prefill = KVManager("prefill", make_args(), FakeBackend(), timeouts=QUICK)
+        made.append(prefill)
+        registry = FailingRegistry(prefill.control_address)
+        decode = KVManager("decode", make_args(), FakeBackend(), timeouts=QUICK, resolver=registry)
+        made.append(decode)
+        first = decode.create_receiver(1, "registry.local", 8998, "prefill-0")
+        assert wait_for(lambda: first.poll() == KVPoll.WaitingForInput)
+        registry.down = True
+        second = decode.create_receiver(2, "registry.local", 8998, "prefill-0")
+        assert wait_for(lambda: second.poll() != KVPoll.Bootstrapping)
+        assert second.poll() == KVPoll.WaitingForInput, second.failure()
+        other = decode.create_receiver(3, "registry.local", 8998, "prefill-1")  # never met: nothing to go on
+        assert wait_for(lambda: other.poll() == KVPoll.Failed)
+        assert other.failure().kind == TransferErrorKind.BOOTSTRAP  # type: ignore[union-attr]
+    finally:
+        for m in made:
+            m.close()
