@@ -8,9 +8,8 @@ change:
 * with a specific ``--host``, the advertised address is that address; another ``--advertise-host`` is a
   mismatch (peers would connect where nothing listens);
 * with a wildcard ``--host``, ``--advertise-host`` (a name is resolved once) must be an address of this
-  machine; by default it is the source address of the route to the registry (or, with no registry or a
-  registry on loopback, of the default route: a worker on every interface is there to be reached from
-  elsewhere; 127.0.0.1 where loopback is the only interface);
+  machine; by default it is the source address of the route to the registry (or, with no registry, of
+  the default route; 127.0.0.1 where loopback is the only interface);
 * a loopback address is refused as soon as the registry is on another host (nobody there could reach it).
 """
 
@@ -62,18 +61,15 @@ def advertised_host(host: str, advertise_host: str | None, registry_url: str | N
     elif not is_wildcard(host):
         advertised = _literal(host, "--host")
     else:
-        local_registry = registry_host is not None and is_loopback(_literal(registry_host, "--bootstrap"))
-        # (the route to a loopback registry's address is loopback itself: what others reach is the default route's)
-        target = _DEFAULT_ROUTE_PROBE if registry_host is None or local_registry else registry_host
+        target = registry_host or _DEFAULT_ROUTE_PROBE
         try:
             advertised = route_source(target.strip("[]"))
         except OSError as exc:
-            if target == _DEFAULT_ROUTE_PROBE and _only_loopback():
+            if registry_host is None and _only_loopback():
                 return "127.0.0.1"  # nothing but loopback here: nobody elsewhere could reach us anyway
-            where = f"no route to the registry {registry_host}" if target != _DEFAULT_ROUTE_PROBE else \
-                "no default route"
-            raise AddressError(f"--host {host}: cannot pick an address to advertise: {where} ({exc}); give "
-                               "--advertise-host") from None
+            where = f"the registry {registry_host}" if registry_host else "a default route"
+            raise AddressError(f"--host {host}: cannot pick an address to advertise: no route to {where} "
+                               f"({exc}); give --advertise-host") from None
     if is_loopback(advertised) and registry_host and not is_loopback(_literal(registry_host, "--bootstrap")):
         raise AddressError(
             f"this worker would advertise the loopback address {advertised}, but the registry {registry_host} "

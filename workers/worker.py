@@ -285,9 +285,11 @@ class Worker:
         if self.bootstrap_url:
             url = urlsplit(self.bootstrap_url)
             boot_host, boot_port = url.hostname, url.port or 8998
-            # Our embedded registry on every interface; or one on this host's loopback, which a decode on
-            # another host would look for on its own loopback: both are reached at our advertised address.
-            if boot_host is None or is_wildcard(boot_host) or (is_loopback(boot_host)
+            # Our embedded registry on every interface; or, with an --advertise-host given for peers on other
+            # hosts, one on this host's loopback, which they would look for on their own: both are reached at
+            # the advertised address (the registry must listen there). Without it, a loopback registry means
+            # one host: its decodes reach it where we do.
+            if boot_host is None or is_wildcard(boot_host) or (is_loopback(boot_host) and self.config.advertise_host
                                                               and not is_loopback(self.advertise_host)):
                 boot_host = self.advertise_host
         return HelloAck(
