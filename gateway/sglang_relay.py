@@ -388,11 +388,15 @@ class SGLangResponder:
     async def _whole(self, reply: aiohttp.ClientResponse, decode: HttpWorker, p_task: asyncio.Task[_PrefillReply],
                      merge_logprobs: bool, send: Send, figures: _Figures) -> int | _Failure:
         """A whole answer relayed: the client's status; or, when the decode's body broke off (nothing was
-        sent to the client yet), the failure, retried."""
+        sent to the client yet), the failure, retried. One that did not come within the request's timeout
+        is a 504, not retried (another run would take as long) and no failure of the decode's."""
         content_type = reply.headers.get("content-type", "application/json")
         try:
             data = await reply.read()
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except TimeoutError:
+            raise UpstreamTimeout(f"the SGLang decode worker's answer did not come within "
+                                  f"{self.fleet.config.request_timeout_s:g}s") from None
+        except (aiohttp.ClientError, OSError) as exc:
             return _Failure(decode, f"its response broke: {type(exc).__name__}: {exc}")
         if merge_logprobs and reply.status == 200:
             data = _merge_whole(await _prefill_logprobs(p_task, self.fleet.config.read_timeout_s, self.route), data)

@@ -162,3 +162,28 @@ def test_a_whole_answer_that_breaks_off_is_retried() -> None:
             assert len(calls) == 2
 
     asyncio.run(main())
+
+
+def test_a_whole_answer_past_the_request_timeout_is_a_504_not_rerun() -> None:
+    """The decode's head came at once, its body past ``request_timeout_s``: a 504, and the generation is not
+    run again on another pair (each run would take as long) nor held against the decode."""
+    calls: list[int] = []
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        calls.append(1)
+        response = web.StreamResponse(headers={"content-type": "application/json"})
+        await response.prepare(request)
+        await asyncio.sleep(5)
+        await response.write(b'{"text": "late"}')
+        return response
+
+    async def main() -> None:
+        config = RelayConfig(retry_backoff_s=0.01, request_timeout_s=0.5, max_retries=2)
+        async with relay(prefill_ok, decode, config=config) as (responder, fleet):
+            exchange = Exchange(jbody({"text": "hi"}))
+            await call(responder, exchange)
+            assert exchange.status == 504, (exchange.status, exchange.content)
+            assert len(calls) == 1 and fleet.decodes[0].health.breaker.failures == 0
+
+    asyncio.run(main())
