@@ -89,6 +89,7 @@ class Prepared:
     keep_stop: bool = False  # the stop string that ended a choice's text stays in it (vLLM, SGLang options)
     item_ids: list[str] | None = None  # /generate: a batch's ``rid`` list, item i's id at i
     skip_special: bool = True  # special tokens have no text (``skip_special_tokens``: false writes them out)
+    logprob_text: bool = False  # /generate's ``return_text_in_logprobs``: each logprob entry names its token
 
     def prompt_text_of(self, choice: int) -> str | None:
         return self.prompt_texts[choice // self.per_prompt] if self.prompt_texts else None
@@ -354,7 +355,8 @@ class Frontend:
         return Prepared(prompts[0], params, len(prompts), stops, bool(req.stream), False, logprobs,
                         bootstrap=ClientBootstrap.of(req), param_prefix="sampling_params.",
                         batch=prompts if batched else None, keep_stop=bool(sp.no_stop_trim),
-                        skip_special=sp.skip_special_tokens is not False), sp
+                        skip_special=sp.skip_special_tokens is not False,
+                        logprob_text=bool(req.return_text_in_logprobs)), sp
 
     # -- running choices ---------------------------------------------------------------------
     def _choice(self, prep: Prepared, index: int = 0) -> ChoiceState:

@@ -83,8 +83,7 @@ GENERATE_RULES = Rules(
     ("custom_logit_processor", _unset, ""),
     ("return_hidden_states", _unset, ""),
     ("top_logprobs_num", _is(0), "0"),
-    ("return_text_in_logprobs", _is(False), "false"),
-    ("token_ids_logprob", _unset, ""),
+    ("token_ids_logprob", lambda value, req: _unset(value, req) or not req.return_logprob, ""),
 )
 GENERATE_SAMPLING_RULES = Rules(
     ("n", _is(1), "1"),

@@ -277,12 +277,15 @@ class GenerateShape(Shape):
             else:
                 meta["finish_reason"] = {"type": "length", "length": len(state.token_ids)}
         if prep.want_logprobs:
-            meta["output_token_logprobs"] = [[e["logprob"], t, None] for e, t in
+            # (each entry [logprob, token id, its text with ``return_text_in_logprobs``, else null], as SGLang's)
+            text = prep.logprob_text
+            meta["output_token_logprobs"] = [[e["logprob"], t, e["token"] if text else None] for e, t in
                                              zip(state.logprobs, state.token_ids, strict=False)]
             # Always a list: an SGLang router in front of a decode worker puts the prefill's in front
             # of it (the prompt's logprobs come from the prefill; the decode's own part is empty).
+            name = token_text_of(run.frontend.tokenizer) if text else None
             meta["input_token_logprobs"] = [
-                [None if i == 0 or lp != lp else lp, t, None]  # lp != lp: NaN (no prefix row)
+                [None if i == 0 or lp != lp else lp, t, name(t) if name is not None else None]  # (lp != lp: NaN)
                 for i, (lp, t) in enumerate(zip(state.prompt_logprobs or [], prompt, strict=False))
             ]
         payload: dict[str, Any] = {"text": state.text, "output_ids": list(state.token_ids), "meta_info": meta}

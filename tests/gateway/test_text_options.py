@@ -86,7 +86,7 @@ def test_options_not_implemented_are_refused(field: str, value: Any, neutral: An
 @pytest.mark.parametrize("route, field, value, neutral", [
     ("chat", "chat_template", "{{ messages }}", None), ("chat", "echo", True, False),
     ("chat", "add_special_tokens", True, False), ("completions", "add_special_tokens", False, True),
-    ("generate", "return_text_in_logprobs", True, False), ("generate", "token_ids_logprob", [1, 2], None),
+    ("generate", "token_ids_logprob", [1, 2], None),
     ("generate", "sampling_params.stop_regex", "a+", None),
 ])
 def test_route_options_not_implemented_are_refused(route: str, field: str, value: Any, neutral: Any) -> None:
@@ -99,7 +99,7 @@ def test_route_options_not_implemented_are_refused(route: str, field: str, value
             front.prepare_completion(msgspec.convert({"prompt": "hi", field: value}, CompletionRequest))
         else:
             name = field.removeprefix("sampling_params.")
-            body: dict[str, Any] = {"text": "hi"}
+            body: dict[str, Any] = {"text": "hi", "return_logprob": True}
             if name != field:
                 body["sampling_params"] = {name: value}
             else:
@@ -159,3 +159,26 @@ def test_skip_special_tokens_reaches_every_route() -> None:
     assert not front.prepare_completion(completion).skip_special
     generate = msgspec.convert({"text": "hi", "sampling_params": {"skip_special_tokens": False}}, GenerateRequest)
     assert not front.prepare_generate(generate)[0].skip_special
+
+
+def test_generate_logprob_entries_name_their_tokens_when_asked() -> None:
+    """SGLang's ``return_text_in_logprobs`` (its docs' and RL clients' habit): each ``[logprob, id, text]``
+    entry names its token; it was a 400, and before that the text was always null."""
+    from gateway.shapes import GenerateShape, Run
+    from gateway.text import ChoiceState
+    from workers.protocol import StepOutput
+
+    front = _frontend()
+    for asked in (True, False):
+        body = {"text": "hi", "return_logprob": True, "return_text_in_logprobs": asked}
+        prep = front.prepare_generate(msgspec.convert(body, GenerateRequest))[0]
+        state = ChoiceState(0, front.tokenizer, [], True)
+        state.prompt_logprobs = [float("nan"), -0.5]
+        state.accept(StepOutput(1, [ord("o"), ord("k")], "length", logprobs=[-0.1, -0.2]))
+        meta = GenerateShape._payload(Run(front, prep, "r"), state)["meta_info"]
+        out, prompt = meta["output_token_logprobs"], meta["input_token_logprobs"]
+        assert [entry[2] for entry in out] == (["o", "k"] if asked else [None, None])
+        assert [entry[2] for entry in prompt] == (["h", "i"] if asked else [None, None])
+        assert [entry[:2] for entry in out] == [[-0.1, ord("o")], [-0.2, ord("k")]]
+    # token_ids_logprob is only looked at with return_logprob (as SGLang): without it, not refused
+    front.prepare_generate(msgspec.convert({"text": "hi", "token_ids_logprob": [1]}, GenerateRequest))
