@@ -217,7 +217,7 @@ class Gateway:
         client.on_up = self._worker_up
         client.on_down = self._worker_down
         client.on_kv_events = lambda c, events: self.router.kv_events(c.state, events)
-        client.vet = lambda ack: self._same_worker_elsewhere(client, ack) or self._other_transfer(client, ack)
+        client.vet = lambda ack: self._same_worker_elsewhere(client, ack)
         # The dispatcher holds these same lists: a worker added here is selectable once it connects.
         (self.prefills if role == "prefill" else self.decodes).append(client)
         return client
@@ -235,23 +235,24 @@ class Gateway:
                 return why
         return None
 
-    def _other_transfer(self, client: WorkerClient, ack: HelloAck) -> str | None:
+    def _check_transfer(self, client: WorkerClient) -> None:
         """A prefill and a decode move KV only over the same backend (``--transfer``): a worker whose backend
-        is not that of the workers connected already could pair with none of them (every room it took part in
-        would fail, each a wasted attempt), so it is not used until they are gone."""
-        if not ack.transfer:  # (a combined worker moves no KV; an older worker does not say)
-            return None
+        is not that of the others pairs with none of them (every room it takes part in fails, a wasted
+        attempt each). Said loudly; it stays in use (which of the two is wrong is not the gateway's to guess:
+        refusing the later one locked a whole fleet out behind one stray worker that connected first)."""
+        info = client.info
+        if info is None or not info.transfer:  # (a combined worker moves no KV; an older worker does not say)
+            return
         for other in self.clients:
             if other is not client and other.is_connected and other.info is not None \
-                    and other.info.transfer and other.info.transfer != ack.transfer:
-                why = (f"{client.url} moves KV over {ack.transfer!r}, the connected workers over "
-                       f"{other.info.transfer!r} ({other.url}): not used (start every worker with the same --transfer)")
-                if not (client.last_error or "").endswith(why):  # (once, not at every reconnect)
-                    log.error("%s", why)
-                return why
-        return None
+                    and other.info.transfer and other.info.transfer != info.transfer:
+                log.error("%s worker %s moves KV over %r, %s worker %s over %r: they cannot pair (start every "
+                          "worker with the same --transfer)", client.role, client.url, info.transfer, other.role,
+                          other.url, other.info.transfer)
+                return
 
     def _worker_up(self, client: WorkerClient) -> None:
+        self._check_transfer(client)
         self.router.worker_added(client.state)
         self._check_stop_tokenizer(client)
         frontend, info = self.frontend, client.info
