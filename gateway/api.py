@@ -270,6 +270,7 @@ class Frontend:
         params, stops = self._params(req, input_ids, max_tokens, logprobs, req.top_logprobs or 0,
                                      prompt="messages", max_tokens_name=named)
         params.grammar = grammar_for(req)
+        _literal_stops(params, req.skip_special_tokens)
         if tools is not None and tools.grammar is not None:
             if params.grammar is not None:
                 raise BadRequest(f"tool_choice {tools.mode} cannot be combined with {params.grammar.param}",
@@ -301,6 +302,7 @@ class Frontend:
         params, stops = self._params(req, max(prompts, key=len), req.max_tokens, logprobs, req.logprobs or 0)
         params.prompt_logprobs = logprobs and echo
         params.grammar = grammar_for(req)
+        _literal_stops(params, req.skip_special_tokens)
         return Prepared(input_ids, params, n * len(prompts), stops, bool(req.stream),
                         bool(req.stream_options and req.stream_options.include_usage), logprobs, echo,
                         ClientBootstrap.of(req), batch=prompts if len(prompts) > 1 else None,
@@ -351,6 +353,7 @@ class Frontend:
             raise BadRequest(f"{name}: a prompt of the batch is empty", param=name)
         params.prompt_logprobs = logprobs
         params.grammar = grammar_for(sp, prefix="sampling_params.")
+        _literal_stops(params, sp.skip_special_tokens)
         # A batch (even of one item) is answered as a list, item i by choice i (its own bootstrap fields).
         return Prepared(prompts[0], params, len(prompts), stops, bool(req.stream), False, logprobs,
                         bootstrap=ClientBootstrap.of(req), param_prefix="sampling_params.",
@@ -465,6 +468,13 @@ class Frontend:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _literal_stops(params: SamplingParams, skip_special_tokens: bool | None) -> None:
+    """With ``skip_special_tokens: false`` the gateway alone watches the stop strings: a worker watches text
+    without special tokens, where one could match across a marker that the answer's text holds."""
+    if skip_special_tokens is False:
+        params.stop = []
 
 
 TEMPLATE_OWN_NAMES = ("messages", "tools", "add_generation_prompt", "continue_final_message")

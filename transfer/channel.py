@@ -103,7 +103,7 @@ class ControlChannel:
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name=f"kv-ctl-w-{self.name}", daemon=True)
             self._writer.start()
-        self._has_backlog.notify()
+        self._has_backlog.notify_all()  # (the writer; ``settle`` waits on it too)
         return None
 
     def _write_loop(self) -> None:
@@ -170,6 +170,8 @@ class ControlChannel:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        with self._send_lock:  # (the writer and ``settle`` wait for it; nobody holding this lock waits on more)
+            self._has_backlog.notify_all()
 
     def join(self, timeout: float | None = None) -> None:
         for thread in (self._thread, self._writer):
@@ -202,4 +204,5 @@ class ControlChannel:
                 self.sock.close()
             except OSError:
                 pass
+            self._has_backlog.notify_all()
         self._on_close(self, error)

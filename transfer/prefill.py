@@ -154,6 +154,7 @@ class PrefillSide:
         reason = self._check_register(msg)
         if reason:
             channel.send(RegisterAck(False, f"rejected: {reason}", TransferErrorKind.PROTOCOL.value))
+            channel.settle(1.0)  # (the refusal's reason, not lost in a backlog as the channel closes)
             channel.close(TransferError(TransferErrorKind.PROTOCOL, f"{channel.name}: {reason}"))
             return
         link.connecting = True  # (a first NIXL wire-up, a Mooncake warm-up: seconds, maybe past the heartbeat)
@@ -161,6 +162,7 @@ class PrefillSide:
             peer = self._ctx.backend.connect(msg.endpoint)
         except TransferError as exc:
             channel.send(RegisterAck(False, f"prefill cannot reach your data endpoint: {exc.message}", exc.kind))
+            channel.settle(1.0)
             channel.close(exc)
             return
         finally:

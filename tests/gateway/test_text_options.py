@@ -152,9 +152,14 @@ def test_generate_options_not_implemented_are_refused() -> None:
 
 
 def test_skip_special_tokens_reaches_every_route() -> None:
+    """... and with it false the workers are not given the stop strings (they watch text without special
+    tokens, where one could match across a marker the answer holds): the gateway alone watches them."""
     front = _frontend()
     assert front.prepare_chat(_chat()).skip_special and front.prepare_chat(_chat(skip_special_tokens=True)).skip_special
     assert not front.prepare_chat(_chat(skip_special_tokens=False)).skip_special
+    literal = front.prepare_chat(_chat(skip_special_tokens=False, stop=["ab"]))
+    assert literal.stops == ["ab"] and literal.params.stop == []
+    assert front.prepare_chat(_chat(stop=["ab"])).params.stop == ["ab"]
     completion = msgspec.convert({"prompt": "hi", "skip_special_tokens": False}, CompletionRequest)
     assert not front.prepare_completion(completion).skip_special
     generate = msgspec.convert({"text": "hi", "sampling_params": {"skip_special_tokens": False}}, GenerateRequest)

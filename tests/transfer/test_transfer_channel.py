@@ -105,3 +105,19 @@ def test_a_broken_socket_fails_the_send_and_closes_the_channel(pair) -> None:
     theirs.close()  # a reset
     assert closed.done.wait(10)
     assert not chan.send(RoomRequest(1, [1], 0))
+
+
+def test_settle_ends_when_the_channel_closes(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frames wait for a peer that goes away: ``settle`` returns once the channel has closed (it slept its whole
+    timeout: a prefill's KV manager closing spent its one second there)."""
+    chan, theirs, closed = pair
+    monkeypatch.setattr(channel, "SEND_TIMEOUT_S", 600.0)
+    for room in range(20):  # a backlog the peer does not read
+        assert chan.send(RoomRequest(room, _BIG_PAGES, 0))
+    settled: list[bool] = []
+    waiting = threading.Thread(target=lambda: settled.append(chan.settle(600.0)), daemon=True)
+    waiting.start()
+    theirs.close()  # the peer goes away
+    waiting.join(60)  # (a liveness bound far below settle's own, not a speed check)
+    assert not waiting.is_alive(), "settle() waited on a closed channel"
+    assert settled == [True] and closed.done.wait(10)
