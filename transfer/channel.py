@@ -115,7 +115,7 @@ class ControlChannel:
         while error is None:
             with self._send_lock:
                 while not self._backlog and not self._closed.is_set():
-                    self._has_backlog.wait(_POLL_S)  # (rechecks ``close``, which does not take this lock)
+                    self._has_backlog.wait(_POLL_S)  # (``close`` wakes it; the timeout is only a backstop)
                 if self._closed.is_set():
                     return
             waited = 0.0  # (in slices: a closed channel's descriptor may be another file's by now)
