@@ -35,6 +35,7 @@ from gateway.request_checks import (
     COMPLETION_RULES,
     GENERATE_RULES,
     GENERATE_SAMPLING_RULES,
+    check_batch_choices,
     reject_non_text_content,
     reject_unsupported,
 )
@@ -288,9 +289,7 @@ class Frontend:
         prompt: Any = req.prompt
         n = req.n or 1
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):  # a batch
-            if len(prompt) * n > MAX_BATCH_CHOICES:
-                raise BadRequest(f"a batch of {len(prompt)} prompts x n={n} is more than {MAX_BATCH_CHOICES} "
-                                 "choices; split it", param="prompt")
+            check_batch_choices(len(prompt), n, "prompt")
             prompts = [self._prompt_ids(item, f"prompt[{i}]") for i, item in enumerate(prompt)]
             texts = [item if isinstance(item, str) else None for item in prompt]
         else:

@@ -11,8 +11,15 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gateway.api_models import ChatMessage
+from gateway.api_models import MAX_BATCH_CHOICES, ChatMessage
 from gateway.errors import BadRequest
+
+
+def check_batch_choices(items: int, n: int, param: str) -> None:
+    """A batch of ``items`` prompts with ``n`` choices each: at most ``MAX_BATCH_CHOICES`` choices in all."""
+    if items * n > MAX_BATCH_CHOICES:
+        raise BadRequest(f"a batch of {items} prompts x n={n} is more than {MAX_BATCH_CHOICES} choices; split it",
+                         param=param)
 
 # -- features the gateway does not implement -----------------------------------------------------
 # A request that asks for one of these would silently get something else, so it is a 400 naming the

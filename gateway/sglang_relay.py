@@ -46,10 +46,11 @@ import aiohttp
 import msgspec
 
 from gateway.api import SSE_DONE, error_event
-from gateway.api_models import MAX_BATCH_CHOICES, MAX_N
+from gateway.api_models import MAX_N
 from gateway.context import REQUEST_ID, REQUEST_T0
 from gateway.errors import APIError, BadGateway, BadRequest, Overloaded, UpstreamTimeout
 from gateway.policies.base import Pair
+from gateway.request_checks import check_batch_choices
 from gateway.responder import ClientGone, read_body, send_error, shutdown_cut_error, watch_disconnect
 from gateway.sglang_fleet import HttpWorker, SGLangFleet
 from gateway.sglang_routing import dispatch_cost, routing_request
@@ -185,9 +186,7 @@ def _choices(n: object, name: str) -> int:
 def _batch(items: int, n: int, name: str) -> int:
     if not items:
         raise BadRequest(f"{name} is an empty batch", param=name)
-    if items * n > MAX_BATCH_CHOICES:
-        raise BadRequest(f"a batch of {items} prompts x n={n} is more than {MAX_BATCH_CHOICES} choices; split it",
-                         param=name)
+    check_batch_choices(items, n, name)
     return items
 
 
