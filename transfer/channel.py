@@ -173,6 +173,17 @@ class ControlChannel:
         with self._send_lock:  # (the writer and ``settle`` wait for it; nobody holding this lock waits on more)
             self._has_backlog.notify_all()
 
+    @staticmethod
+    def close_all(channels: list[ControlChannel], settle_s: float = 1.0) -> None:
+        """Close ``channels`` (a side's at its close), each first let settle (``settle_s`` for them all:
+        their last messages, Quiesced or Aborts, may wait in a backlog), and wait for their threads."""
+        settle_by = time.monotonic() + settle_s
+        for channel in channels:
+            channel.settle(max(0.0, settle_by - time.monotonic()))
+            channel.close()
+        for channel in channels:
+            channel.join(timeout=5.0)
+
     def join(self, timeout: float | None = None) -> None:
         for thread in (self._thread, self._writer):
             if thread is not None and thread.is_alive() and threading.current_thread() is not thread:

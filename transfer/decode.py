@@ -569,9 +569,4 @@ class DecodeSide:
         self._pool.shutdown(wait=True, cancel_futures=True)
         with self._ctx.lock:
             channels = list(self._by_channel)
-        settle_by = time.monotonic() + 1.0  # (the prefills' last messages, Aborts, may wait in a backlog)
-        for channel in channels:
-            channel.settle(max(0.0, settle_by - time.monotonic()))
-            channel.close()
-        for channel in channels:
-            channel.join(timeout=5.0)
+        ControlChannel.close_all(channels)

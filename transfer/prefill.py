@@ -227,9 +227,4 @@ class PrefillSide:
             self._accept_thread.join(timeout=5.0)
         with self._ctx.lock:
             channels = list(self._links)
-        settle_by = time.monotonic() + 1.0  # (the decodes' last messages, Quiesced, may wait in a backlog)
-        for channel in channels:
-            channel.settle(max(0.0, settle_by - time.monotonic()))
-            channel.close()
-        for channel in channels:
-            channel.join(timeout=5.0)
+        ControlChannel.close_all(channels)
