@@ -48,6 +48,7 @@ Lifecycle of one request:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import random
 import time
@@ -83,6 +84,7 @@ MAX_BACKOFF_S = 2.0
 # without them.
 HANDOVER_WAIT_S = 5.0
 _monotonic = time.monotonic
+_bisect_left = bisect.bisect_left
 
 
 @dataclass(frozen=True)
@@ -105,11 +107,14 @@ class DirectConsumer(Protocol):
 
     ``ready()``: can it take one now (e.g. the client's socket has room)? ``take(output)``: handle it
     completely (it is not yielded); must not raise and must not end the stream (no stop strings).
+    ``offer(output)``: ``take`` it if ``ready()`` and say so, in one call (the steady path, per token).
     """
 
     def ready(self) -> bool: ...
 
     def take(self, output: StepOutput) -> None: ...
+
+    def offer(self, output: StepOutput) -> bool: ...
 
 
 class SlowClient(APIError):
@@ -296,6 +301,10 @@ class _Collect:
 
     def take(self, output: StepOutput) -> None:
         self.collector.accept(output)
+
+    def offer(self, output: StepOutput) -> bool:
+        self.collector.accept(output)
+        return True
 
 
 class _Choice:
@@ -507,39 +516,42 @@ class _Attempt:
                 if self.prefill is None:
                     self._prefilled()
                 self.sink.slide(self.idle_s)  # the first-token deadline set at ``submit`` gives way
-                self.sink.tap = self._steady
+                self.sink.tap = self._steady()
                 return True
         if self.got_token:
             sink = self.sink
             sink.active = sink.clock()  # progress: the idle deadline moves on
         return True
 
-    def _steady(self, item: tuple[Any, Event]) -> bool:
-        """``_tap`` once the direct path has passed on a token: a non-final decode output goes
-        straight to ``direct`` (recorded as ``_Choice.record`` would); anything else to ``_tap``."""
-        side, event = item
-        if side != "decode" or type(event) is not StepOutput or event.finish_reason is not None:
-            return self._tap(item)
-        direct = self.direct
-        assert direct is not None  # (installed by ``_tap`` only after ``direct`` took a token)
-        if not direct.ready():
-            return False
-        run = self.run
-        token_ids = event.token_ids
-        if token_ids:  # (``_Choice.record``, for a choice that has tokens already)
-            now = _monotonic()
-            n = len(token_ids)
-            run.itl.observe((now - run.last_t) / n, n)
-            run.last_t = now
-            run.generated.extend(token_ids)
-        if run.migrations:
-            event.cached_tokens = run.cached_tokens
-        else:
+    def _steady(self) -> Callable[[tuple[Any, Event]], bool]:
+        """The tap once the direct path has passed on a token (``_tap`` installs it): a non-final decode
+        output goes straight to ``direct.offer``, recorded as ``_Choice.record`` would, the latency
+        histogram observed in place; anything else, and a migrated stream's outputs, to ``_tap``. Run
+        once per streamed token: what it reads is bound here, once per attempt."""
+        run, sink, tap, offer = self.run, self.sink, self._tap, self.direct.offer  # type: ignore[union-attr]
+        itl, generated, clock = run.itl, run.generated, sink.clock
+        counts, bounds = itl.counts, itl.bounds
+
+        def steady(item: tuple[Any, Event]) -> bool:
+            side, event = item
+            if side != "decode" or type(event) is not StepOutput or event.finish_reason is not None \
+                    or run.migrations:
+                return tap(item)
+            if not offer(event):
+                return False
+            token_ids = event.token_ids
+            if token_ids:
+                now = _monotonic()
+                n = len(token_ids)
+                gap = (now - run.last_t) / n
+                counts[_bisect_left(bounds, gap)] += n  # (``PlainHistogram.observe``)
+                itl.sum += gap * n
+                run.last_t = now
+                generated.extend(token_ids)
             run.cached_tokens = event.cached_tokens
-        direct.take(event)
-        sink = self.sink
-        sink.active = sink.clock()
-        return True
+            sink.active = clock()  # progress: the idle deadline moves on
+            return True
+        return steady
 
     def _handed_over(self, event: StepOutput) -> None:
         """The prefill's part is done (its KV is on the decode); the decode carries on."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
@@ -48,6 +49,7 @@ from gateway.responder import SSE_HEADERS, ClientGone, Responder, check_length
 
 if TYPE_CHECKING:
     from gateway.http_protocol import GuardedHttpProtocol
+    from workers.protocol import StepOutput
 
 log = logging.getLogger(__name__)
 Headers = list[tuple[bytes, bytes]]
@@ -264,6 +266,33 @@ class HotCycle:
 
     def write_now(self, chunk: bytes) -> None:
         write_batch.write(self.transport, b"%x\r\n%b\r\n" % (len(chunk), chunk) if self.chunked else chunk)
+
+    def text_lane(self, accept: Callable[[StepOutput], str], encode: Callable[[str], bytes], before: bytes,
+                  after: bytes) -> Callable[[StepOutput], bool]:
+        """``is_writable`` and ``write_now`` of ``before + encode(accept(output)) + after`` in one call, the
+        chunk framed in one step (no write for no text); False, nothing accepted, when not writable.
+        Run once per streamed token (``gateway.responder``'s direct path, once the stream started)."""
+        transport, flow, write = self.transport, self.flow, write_batch.write
+        if not self.chunked:  # (HTTP/1.0: the body as it is)
+            def lane(output: StepOutput) -> bool:
+                if flow.write_paused or self.disconnected or self.response_complete or transport.is_closing():
+                    return False
+                text = accept(output)
+                if text:
+                    write(transport, before + encode(text) + after)
+                return True
+            return lane
+        fixed = len(before) + len(after)
+
+        def chunked_lane(output: StepOutput) -> bool:
+            if flow.write_paused or self.disconnected or self.response_complete or transport.is_closing():
+                return False
+            text = accept(output)
+            if text:
+                data = encode(text)
+                write(transport, b"%x\r\n%b%b%b\r\n" % (fixed + len(data), before, data, after))
+            return True
+        return chunked_lane
 
     def can_start(self) -> bool:
         return not (self.response_started or self.flow.write_paused or self.disconnected

@@ -140,6 +140,12 @@ class Exchange(Protocol):
         """One more chunk of the stream, written at once from outside the request's task (``is_writable``)."""
         ...
 
+    def text_lane(self, accept: Callable[[StepOutput], str], encode: Callable[[str], bytes], before: bytes,
+                  after: bytes) -> Callable[[StepOutput], bool] | None:
+        """``is_writable`` then ``write_now(before + encode(accept(output)) + after)`` as one call (False when
+        not writable, nothing accepted), for a started stream's middle chunks; None: not offered."""
+        ...
+
     def can_start(self) -> bool:
         """Can ``start_now`` start the stream (nothing sent yet, the client there, its socket has room)?"""
         ...
@@ -371,6 +377,10 @@ class AsgiExchange:
     def write_now(self, chunk: bytes) -> None:
         raise RuntimeError("an ASGI stream is written through its task")
 
+    def text_lane(self, accept: Callable[[StepOutput], str], encode: Callable[[str], bytes], before: bytes,
+                  after: bytes) -> None:
+        return None
+
     def can_start(self) -> bool:
         return False
 
@@ -383,7 +393,7 @@ class _StreamEmitter:
     with the response's head, then the middle ones. For the one choice it is given (``direct``), it is
     the dispatcher's ``DirectConsumer``: each output detokenized, shaped and written in one call."""
 
-    __slots__ = ("after", "before", "exchange", "ready", "run", "shape", "state", "write")
+    __slots__ = ("after", "before", "exchange", "offer", "ready", "run", "shape", "state", "write")
     state: ChoiceState  # (set by ``direct``, before any ``take``)
 
     def __init__(self, run: Run, shape: Shape, exchange: Exchange) -> None:
@@ -396,6 +406,9 @@ class _StreamEmitter:
         # Can ``take`` write now? Until the stream has started: can it start; then the exchange's
         # ``is_writable`` itself (one call less per token).
         self.ready: Callable[[], bool] = self._ready_to_start
+        # ``take`` if ``ready()``, in one call (the direct path's steady state, once per token): until the
+        # stream has started, ``_offer``; then the exchange's ``text_lane`` where it has one.
+        self.offer: Callable[[StepOutput], bool] = self._offer
 
     def direct(self, state: ChoiceState) -> _StreamEmitter:
         self.state = state
@@ -415,6 +428,18 @@ class _StreamEmitter:
         text = self.state.accept_middle(output)  # (the short path, once the first output is out)
         if text:
             self.write(before + _encode(text) + self.after)
+
+    def _offer(self, output: StepOutput) -> bool:
+        if not self.ready():
+            return False
+        before = self.before
+        if before is None:
+            self._take(output)
+            return True
+        text = self.state.accept_middle(output)
+        if text:
+            self.write(before + _encode(text) + self.after)
+        return True
 
     def _take(self, output: StepOutput) -> None:
         """``take`` for the first output, and for a shape without a template."""
@@ -436,6 +461,9 @@ class _StreamEmitter:
             template = self.shape.middle_template(run, state.index)
             if template is not None:
                 self.before, self.after = template
+                lane = exchange.text_lane(state.accept_middle, _encode, *template)
+                if lane is not None:
+                    self.offer = lane
 
 
 async def watch_disconnect(receive: Receive, task: asyncio.Task[Any], gone: list[bool]) -> None:

@@ -20,12 +20,18 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-_local = threading.local()  # .pending: the open batch of this thread's loop, or None
+
+
+class _Batch(threading.local):
+    pending: list[tuple[Any, bytes]] | None = None  # the open batch of this thread's loop
+
+
+_local = _Batch()
 
 
 def begin() -> bool:
     """Start gathering; False when a batch is already open (then the caller must not ``end`` it)."""
-    if getattr(_local, "pending", None) is not None:
+    if _local.pending is not None:
         return False
     _local.pending = []
     return True
@@ -35,7 +41,7 @@ def end() -> None:
     """Write what was gathered, in order, and stop gathering. A transport that refuses a write (one
     half-closed meanwhile) loses its own; the others are written all the same, and nothing raises
     into the worker connection's callback that ends the batch."""
-    pending, _local.pending = _local.pending, None
+    pending, _local.pending = _local.pending or (), None
     for transport, data in pending:
         if not transport.is_closing():
             try:
@@ -47,7 +53,7 @@ def end() -> None:
 
 def write(transport: Any, data: bytes) -> None:
     """``transport.write(data)`` now, or when the open batch ends."""
-    pending = getattr(_local, "pending", None)
+    pending = _local.pending
     if pending is None:
         transport.write(data)
     else:

@@ -283,7 +283,8 @@ class _Capture:
     """An ``Exchange``'s writes from outside the task: what the direct path sent, in order. ``full``:
     the numbers of the offers (0, 1, ...) it refuses, as a client's full socket does."""
 
-    def __init__(self, full: frozenset[int] = frozenset()) -> None:
+    def __init__(self, full: frozenset[int] = frozenset(), lane: bool = False) -> None:
+        self.lane = lane
         self.chunks: list[bytes] = []
         self.started = False
         self.full = full
@@ -311,6 +312,20 @@ class _Capture:
         assert self.started, "a middle chunk before the response's head"
         self.chunks.append(chunk)
 
+    def text_lane(self, accept: Any, encode: Any, before: bytes, after: bytes) -> Any:
+        """``HotCycle.text_lane``'s contract over this exchange's own calls (None: ``lane`` is off)."""
+        if not self.lane:
+            return None
+
+        def lane(output: StepOutput) -> bool:
+            if not self.is_writable():
+                return False
+            text = accept(output)
+            if text:
+                self.write_now(before + encode(text) + after)
+            return True
+        return lane
+
 
 class _OneChoice:
     """``Frontend`` for a shape's ``events``: one choice's outputs, the non-final ones to the emitter when
@@ -330,8 +345,7 @@ class _OneChoice:
         state = ChoiceState(0, self.tokenizer, [], False)
         direct = emitter.direct(state) if emitter is not None else None
         for output in self.outputs:
-            if direct is not None and output.finish_reason is None and direct.ready():
-                direct.take(output)
+            if direct is not None and output.finish_reason is None and direct.offer(output):
                 continue
             text, entries = state.accept(output)
             yield state, text, entries
@@ -342,12 +356,14 @@ class _OneChoice:
 @pytest.mark.parametrize("full", [frozenset(), frozenset({0}), frozenset({1, 2})], ids=["room", "first-full",
                                                                                       "middle-full"])
 @pytest.mark.parametrize("first_empty", [False, True], ids=["first-text", "first-empty"])
+@pytest.mark.parametrize("lane", [False, True], ids=["no-lane", "lane"])
 def test_a_stream_through_the_direct_path_equals_the_stream_through_the_task(route: str, include_usage: bool,
                                                                            full: frozenset[int],
-                                                                           first_empty: bool) -> None:
+                                                                           first_empty: bool, lane: bool) -> None:
     """Chunks written from the worker connection's callback (the first one with the head included) are
     byte for byte what the request's task would have sent, also when the client's socket is full for
-    some outputs (those the direct path refuses go through the task, unchanged)."""
+    some outputs (those the direct path refuses go through the task, unchanged), with or without the
+    exchange's ``text_lane`` for the middle chunks."""
     from gateway.responder import _StreamEmitter
     from gateway.shapes import GenerateShape
 
@@ -363,7 +379,7 @@ def test_a_stream_through_the_direct_path_equals_the_stream_through_the_task(rou
                         echo=route == "completions-echo")
         run = Run(_OneChoice(outputs), prep, "id-1")  # type: ignore[arg-type]
         run.created = 1
-        capture = _Capture(full)
+        capture = _Capture(full, lane)
         if direct:
             run.emitter = _StreamEmitter(run, shape, capture)  # type: ignore[arg-type]
         async for chunk in shape.events(run):  # (the task's chunks, in order with the direct path's)
@@ -471,6 +487,12 @@ class RecordingConsumer:
 
     def take(self, output: StepOutput) -> None:
         self.taken.append((list(output.token_ids), output.cached_tokens))
+
+    def offer(self, output: StepOutput) -> bool:
+        if not self.ready():
+            return False
+        self.take(output)
+        return True
 
 
 class _RecordingTransport:
@@ -1029,3 +1051,66 @@ def test_a_decode_is_credited_once_per_request() -> None:
         assert not breaker.closed, "one request counted as two of the two successes a half-open breaker asks"
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["http1.1", "http1.0"])
+def test_the_hot_cycles_text_lane_writes_what_write_now_would(chunked: bool) -> None:
+    """``HotCycle.text_lane`` (a stream's middle chunks, one call per output) writes byte for byte what
+    ``is_writable`` + ``write_now`` would, nothing for no text; and refuses, accepting nothing, whenever
+    ``is_writable`` is False (the client's socket full, the client gone, the response ended, the
+    transport closing)."""
+    from types import SimpleNamespace
+
+    import msgspec
+
+    from gateway.hot_cycle import HotCycle
+    from workers.protocol import StepOutput
+
+    class Transport:
+        def __init__(self) -> None:
+            self.writes: list[bytes] = []
+            self.closing = False
+
+        def write(self, data: bytes) -> None:
+            self.writes.append(data)
+
+        def is_closing(self) -> bool:
+            return self.closing
+
+    def cycle() -> tuple[HotCycle, Transport]:
+        transport = Transport()
+        protocol = SimpleNamespace(transport=transport, loop=None, flow=SimpleNamespace(write_paused=False),
+                                   server_state=SimpleNamespace(default_headers=[]), on_response_complete=None)
+        hot = HotCycle(protocol, None, None, "/v1/chat/completions", [], True, False, chunked)  # type: ignore[arg-type]
+        hot.response_started = True
+        return hot, transport
+
+    texts = ["Hel", "", "l\u00f6 \"w\"\n", "\U0001F600" * 40]
+    encode = msgspec.json.encode
+    before, after = b'data: {"choices":[{"delta":{"content":', b'}}]}\n\n'
+    lane_cycle, lane_transport = cycle()
+    plain_cycle, plain_transport = cycle()
+    accepted: list[int] = []
+
+    def accept(output: StepOutput) -> str:
+        accepted.append(output.rid)
+        return texts[output.rid]
+
+    lane = lane_cycle.text_lane(accept, encode, before, after)
+    for i, text in enumerate(texts):
+        assert lane(StepOutput(i, [1])) is True
+        assert plain_cycle.is_writable()
+        if text:
+            plain_cycle.write_now(before + encode(text) + after)
+    assert accepted == list(range(len(texts)))
+    assert lane_transport.writes == plain_transport.writes and len(lane_transport.writes) == 3
+
+    refusals = [lambda c, t: setattr(c.flow, "write_paused", True), lambda c, t: setattr(c, "disconnected", True),
+                lambda c, t: setattr(c, "response_complete", True), lambda c, t: setattr(t, "closing", True)]
+    for refuse in refusals:
+        hot, transport = cycle()
+        lane = hot.text_lane(accept, encode, before, after)
+        refuse(hot, transport)
+        accepted.clear()
+        assert not hot.is_writable()
+        assert lane(StepOutput(0, [1])) is False and not accepted and not transport.writes
