@@ -528,7 +528,8 @@ class _Attempt:
         output goes straight to ``direct.offer``, recorded as ``_Choice.record`` would, the latency
         histogram observed in place; anything else, and a migrated stream's outputs, to ``_tap``. Run
         once per streamed token: what it reads is bound here, once per attempt."""
-        run, sink, tap, offer = self.run, self.sink, self._tap, self.direct.offer  # type: ignore[union-attr]
+        run, sink, tap, direct = self.run, self.sink, self._tap, self.direct
+        assert direct is not None  # (a token went to it)
         itl, generated, clock = run.itl, run.generated, sink.clock
         counts, bounds = itl.counts, itl.bounds
 
@@ -537,7 +538,7 @@ class _Attempt:
             if side != "decode" or type(event) is not StepOutput or event.finish_reason is not None \
                     or run.migrations:
                 return tap(item)
-            if not offer(event):
+            if not direct.offer(event):  # (read per output: a stream's consumer may find a faster one)
                 return False
             token_ids = event.token_ids
             if token_ids:
