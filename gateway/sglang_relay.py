@@ -39,6 +39,7 @@ import logging
 import random
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -380,8 +381,9 @@ class SGLangResponder:
             message += " (it refused the gateway's key: start the gateway with the workers' --api-key as " \
                        "--worker-api-key)"
         log.warning("%s", message)
-        if status == 429:
-            return _Retry(Overloaded(message, code="worker_overloaded", retry_after_s=1.0), worker)
+        if status == 429:  # (the client is told when to come back: the worker's own figure, else 1 s)
+            return _Retry(Overloaded(message, code="worker_overloaded", retry_after_s=failure.retry_after_s or 1.0),
+                          worker)
         return _Retry(BadGateway(message, code="worker_failed"), worker)
 
     async def _whole(self, reply: aiohttp.ClientResponse, decode: HttpWorker, p_task: asyncio.Task[_PrefillReply],
@@ -562,6 +564,7 @@ class _PrefillReply:
     status: int
     content_type: str
     body: bytes
+    retry_after_s: float | None = None
 
 
 @dataclass
@@ -571,6 +574,16 @@ class _Failure:
     status: int | None = None  # the worker's own status when it answered
     content_type: str = "application/json"
     body: bytes = b""
+    retry_after_s: float | None = None  # its ``Retry-After`` (seconds), when it gave one
+
+
+MAX_RETRY_AFTER_S = 300.0  # (a worker's ``Retry-After`` passed on is capped: the client's wait is ours to bound)
+
+
+def _retry_after_s(headers: Mapping[str, str]) -> float | None:
+    """A reply's ``Retry-After`` in seconds (the delta-seconds form; an HTTP date is not read)."""
+    value = headers.get("retry-after", "").strip()
+    return min(float(value), MAX_RETRY_AFTER_S) if value.isdigit() else None
 
 
 @dataclass
@@ -589,7 +602,8 @@ async def _post(session: aiohttp.ClientSession, url: str, data: bytes, headers: 
     async with session.post(url, data=data, headers=headers) as reply:
         body = await reply.read()
         content_type = reply.headers.get("content-type", "application/json")
-        return _PrefillReply(reply.status, content_type, body if keep_body or reply.status >= 300 else b"")
+        return _PrefillReply(reply.status, content_type, body if keep_body or reply.status >= 300 else b"",
+                             _retry_after_s(reply.headers))
 
 
 async def _open(session: aiohttp.ClientSession, url: str, data: bytes, headers: dict[str, str],
@@ -608,7 +622,8 @@ def _failure(task: asyncio.Task[_PrefillReply], worker: HttpWorker) -> _Failure 
     reply = task.result()
     if 200 <= reply.status < 300:
         return None
-    return _Failure(worker, f"answered {reply.status}", reply.status, reply.content_type, reply.body)
+    return _Failure(worker, f"answered {reply.status}", reply.status, reply.content_type, reply.body,
+                    reply.retry_after_s)
 
 
 async def _settle(task: asyncio.Task[aiohttp.ClientResponse], worker: HttpWorker) -> aiohttp.ClientResponse | _Failure:
@@ -625,7 +640,7 @@ async def _settle(task: asyncio.Task[aiohttp.ClientResponse], worker: HttpWorker
     finally:
         reply.release()
     return _Failure(worker, f"answered {reply.status}", reply.status,
-                    reply.headers.get("content-type", "application/json"), body)
+                    reply.headers.get("content-type", "application/json"), body, _retry_after_s(reply.headers))
 
 
 LogprobsByItem = dict[int, list[Any]]
