@@ -272,7 +272,7 @@ class HotCycle:
         """``is_writable`` and ``write_now`` of ``before + encode(accept(output)) + after`` in one call, the
         chunk framed in one step (no write for no text); False, nothing accepted, when not writable.
         Run once per streamed token (``gateway.responder``'s direct path, once the stream started)."""
-        transport, flow, write = self.transport, self.flow, write_batch.write
+        transport, flow, write, batch = self.transport, self.flow, write_batch.write, write_batch.local
         if not self.chunked:  # (HTTP/1.0: the body as it is)
             def lane(output: StepOutput) -> bool:
                 if flow.write_paused or self.disconnected or self.response_complete or transport.is_closing():
@@ -290,7 +290,12 @@ class HotCycle:
             text = accept(output)
             if text:
                 data = encode(text)
-                write(transport, b"%x\r\n%b%b%b\r\n" % (fixed + len(data), before, data, after))
+                data = b"%x\r\n%b%b%b\r\n" % (fixed + len(data), before, data, after)
+                pending = batch.pending  # (``write_batch.write``, in place)
+                if pending is None:
+                    transport.write(data)
+                else:
+                    pending.append((transport, data))
             return True
         return chunked_lane
 

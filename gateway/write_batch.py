@@ -27,6 +27,7 @@ class _Batch(threading.local):
 
 
 _local = _Batch()
+local = _local  # (for a caller that gathers in place, once per streamed token: ``pending`` is the open batch)
 
 
 def begin() -> bool:

@@ -1105,6 +1105,17 @@ def test_the_hot_cycles_text_lane_writes_what_write_now_would(chunked: bool) -> 
     assert accepted == list(range(len(texts)))
     assert lane_transport.writes == plain_transport.writes and len(lane_transport.writes) == 3
 
+    from gateway import write_batch  # inside a worker frame's batch, written when it ends, in order
+    assert write_batch.begin()
+    try:
+        assert lane(StepOutput(0, [1])) is True and lane(StepOutput(2, [1])) is True
+        plain_cycle.write_now(before + encode(texts[0]) + after)
+        plain_cycle.write_now(before + encode(texts[2]) + after)
+        assert len(lane_transport.writes) == 3
+    finally:
+        write_batch.end()
+    assert lane_transport.writes == plain_transport.writes and len(lane_transport.writes) == 5
+
     refusals = [lambda c, t: setattr(c.flow, "write_paused", True), lambda c, t: setattr(c, "disconnected", True),
                 lambda c, t: setattr(c, "response_complete", True), lambda c, t: setattr(t, "closing", True)]
     for refuse in refusals:
