@@ -61,9 +61,11 @@ def create_app(config: GatewayConfig) -> Any:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        await gw.start()
+        # The port opens now; the first workers are waited for in the background (``Gateway.launch``).
+        first_workers = gw.launch()
+        first_workers.add_done_callback(lambda _: gc.freeze())  # (the tokenizer, loaded by then, joins them)
         gc.collect()
-        gc.freeze()  # start-up objects (modules, tokenizer, config) leave the collector's generations
+        gc.freeze()  # start-up objects (modules, config) leave the collector's generations
         # A young-generation pass walks every object still alive since the last one; at the default
         # threshold (700 net allocations) that is mostly the in-flight requests' state, walked again
         # every few requests (~8 us of CPU per request at 64 concurrent). Requests leave no reference

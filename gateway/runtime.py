@@ -290,7 +290,10 @@ class Gateway:
                         "digest %s, here %s): the gateway stops its requests at them itself", client.url,
                         client.info.tokenizer_digest if client.info is not None else "?", digest)
 
-    async def start(self) -> None:
+    def launch(self) -> asyncio.Task[None]:
+        """Connect to the workers and return at once (the server opens its port now: liveness answers and
+        SIGTERM is heard while workers are down); the task returned waits for the first of them in the
+        background (``_first_workers``). Readiness says 503 until a pair is selectable."""
         self._started = True
         if self.fleet is not None and self.config.tokenizer:
             # SGLang workers tokenize for themselves: a tokenizer here only lets the policies see prompts.
@@ -300,8 +303,19 @@ class Gateway:
         if self.fleet is not None:
             self.fleet.start()
         self._refresher = asyncio.create_task(self._refresh_load_states(), name="load-freshness")
-        # Until every worker is ready, or a pair is (the others join when they connect: a worker that is
-        # down must not keep the gateway from serving, nor its port from opening, for the whole timeout).
+        task = asyncio.create_task(self._first_workers(), name="first-workers")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def start(self) -> None:
+        """``launch``, then wait for the first workers (as a server's start-up would if it had to)."""
+        await self.launch()
+
+    async def _first_workers(self) -> None:
+        """Until every worker is ready, or a pair is, at most ``startup_timeout_s`` (the others join when
+        they connect), then the front end from one of them: its tokenizer, fetched when this machine has
+        no copy (a request before that makes it itself, ``require_frontend``)."""
         timeout_s = self.config.startup_timeout_s
         pending = {asyncio.ensure_future(c.wait_ready(timeout_s)) for c in self.clients}
         if self.fleet is not None:
@@ -312,20 +326,23 @@ class Gateway:
         finally:
             for waiting in pending:
                 waiting.cancel()
-        if not self.clients:
+        if not self.clients or self.frontend is not None:  # (made meanwhile for a request: ``require_frontend``)
             return
         source = self._tokenizer_source()
         if source is None:
             if not self.is_ready():  # (else SGLang workers serve meanwhile)
                 log.warning("no worker answered within %.0fs; serving 503 until one does", timeout_s)
             return
+        # (as ``_tokenizer_fetch``: a request meanwhile waits for this fetch instead of starting its own)
+        self._tokenizer_fetch = fetch = asyncio.create_task(self._fetch_tokenizer(source), name="tokenizer-fetch")
         try:
-            await self._fetch_tokenizer(source)
+            await fetch
         except RemoteTokenizerError as exc:
             log.warning("%s; serving 503 until a worker sends it", exc)
             return
-        with contextlib.suppress(NoWorkers):  # (a tokenizer that does not load: logged; requests get a 503)
-            self._init_frontend(source)
+        if self.frontend is None:
+            with contextlib.suppress(NoWorkers):  # (a tokenizer that does not load: logged; requests get a 503)
+                self._init_frontend(source)
 
     async def _fetch_tokenizer(self, client: WorkerClient) -> None:
         """A worker's tokenizer directory that is not on this machine comes from the worker itself."""

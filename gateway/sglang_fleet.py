@@ -50,7 +50,7 @@ def is_http_url(url: str) -> bool:
 
 def check_http_url(url: str) -> None:
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    if not url.isprintable() or parts.scheme not in ("http", "https") or not parts.hostname:  # (urlsplit drops \n)
         raise ValueError(f"SGLang worker URL must look like http://HOST:PORT, got {url!r}")
     if parts.username is not None or parts.password is not None:  # (they would show in /health, metrics, logs)
         raise ValueError(f"SGLang worker URL must not carry credentials, got one for {parts.hostname}")

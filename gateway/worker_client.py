@@ -149,7 +149,8 @@ def parse_worker_url(url: str) -> tuple[str, int]:
         port = parts.port
     except ValueError:  # (out of range, not a number)
         port = None
-    if (parts.scheme not in ("pd", "tcp") or not parts.hostname or not _HOST.fullmatch(parts.hostname)
+    if (not url.isprintable() or parts.scheme not in ("pd", "tcp")  # (urlsplit drops tabs and newlines: checked first)
+            or not parts.hostname or not _HOST.fullmatch(parts.hostname)
             or not port or parts.path not in ("", "/") or parts.query or parts.fragment or parts.username is not None):
         raise ValueError(f"worker URL must look like pd://HOST:PORT (the native port), got {url!r}")
     return parts.hostname, port
@@ -248,6 +249,9 @@ class WorkerClient:
                 raise
             except Exception as exc:  # any failure: mark down, fail open requests, retry
                 self.last_error = f"{type(exc).__name__}: {exc}"
+            if self._up_since is not None:  # (a connection that was up: said once, not per reconnect try)
+                log.warning("lost connection to %s worker %s: %s (%d requests open; reconnecting)", self.role,
+                            self.url, self.last_error or "connection closed", len(self._open))
             if self._up_since is not None and loop.time() - self._up_since >= STAYED_UP_S:
                 backoff = 0.05  # a connection that served a while: the next try is soon (not after old failures')
             try:

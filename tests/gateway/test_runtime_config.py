@@ -270,3 +270,20 @@ def test_a_url_added_again_keeps_its_prefix_index_when_the_old_connection_closes
             await worker.stop()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("url, clean", [("pd://a\nb:5", "pd://ab:5"), ("pd://127.0.0.1\r\n:5", "pd://127.0.0.1:5"),
+                                        ("pd://host\t:5", "pd://host:5"), ("127.0.0.1:5\n", "127.0.0.1:5")])
+def test_worker_urls_with_control_characters_are_refused(url: str, clean: str) -> None:
+    """``urlsplit`` drops tabs and newlines before the host is checked: such a URL was accepted (admin API)
+    and went as it is into log lines (a forged line) and metric labels. Without them it is a good URL."""
+    from gateway.sglang_fleet import check_http_url
+    from gateway.worker_client import parse_worker_url
+
+    with pytest.raises(ValueError, match="must look like"):
+        parse_worker_url(url)
+    http_url = "http://" + url.removeprefix("pd://")
+    with pytest.raises(ValueError, match="must look like"):
+        check_http_url(http_url)
+    assert parse_worker_url(clean)[1] == 5
+    check_http_url("http://" + clean.removeprefix("pd://"))
