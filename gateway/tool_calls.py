@@ -39,7 +39,9 @@ from gateway.structured_output import checked
 from gateway.tokenizer import TemplateOptions, content_text
 from workers.protocol import Grammar
 
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+# A block's JSON; the last one may lack its closing tag (the model ended there, or a stop string took it),
+# as vLLM's Hermes parser reads it: a call that parses is kept, one that does not makes it all content.
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 _HERMES_OPEN = "<tool_call>"
 _CALL_START = (_HERMES_OPEN, "{")
 _call_decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])  # a call's fields, each as its JSON text
@@ -371,12 +373,13 @@ class _ChoiceStream:
             rest = self.text[self.sent :]
             return ([{"content": rest}] if rest else []), reason
         # Held to the end (auto: it started like a call, or its call did; required: its arguments never
-        # began): as a whole answer
+        # began): as a whole answer (``split_calls``: in Hermes format, text before the first block is content)
         held = self.text[self.held_from :]
-        calls = parse_calls(plan, held) if reason == "stop" else None
+        content, calls = split_calls(plan, held) if reason == "stop" else (None, None)
         if calls is None:
             return ([{"content": held}] if held else []), reason
-        return [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(calls)], "tool_calls"
+        deltas: list[dict[str, Any]] = [{"content": content}] if content is not None else []
+        return deltas + [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(calls)], "tool_calls"
 
 
 async def tool_events(run: Any, chunk: Callable[..., bytes], usage: Callable[..., dict[str, Any]],

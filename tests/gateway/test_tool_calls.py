@@ -196,6 +196,14 @@ def test_auto_parses_the_models_own_format_and_streams_plain_text() -> None:
     ('Checking.\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', "length"),
     ("Some text <tool_call>{broken</tool_call>", "stop"),
     ("Just an answer, with a < sign.", "stop"),
+    # an answer that starts like a JSON call (held from its start), then text and a block: that text is content
+    ('{"plan": 1} then\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>', "stop"),
+    # the last block without its closing tag (the model ended there): a call that parses is kept...
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+     '<tool_call>\n{"name": "get_time", "arguments": {}}\n', "stop"),
+    # ...one that does not makes the whole answer content (no call reported while one was lost)
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n<tool_call>{"name": "get_t',
+     "stop"),
 ])
 def test_auto_hermes_text_before_a_call_streams_as_the_whole_answer_has_it(text: str, finish: str, size: int) -> None:
     """Content before a ``<tool_call>`` block: the stream sends it as content and the call as tool_calls,
@@ -214,6 +222,12 @@ def test_auto_hermes_text_before_a_call_streams_as_the_whole_answer_has_it(text:
              for c in choice["message"].get("tool_calls", [])]
     assert [(c["name"], json.loads(c["arguments"])) for c in merged_calls(deltas).values()] == whole
     assert bool(whole) == (reason == "tool_calls")
+    if text.startswith('{"plan"'):
+        assert streamed == '{"plan": 1} then\n' and len(whole) == 1
+    if text.endswith("{}}\n"):  # (the unclosed last call)
+        assert [name for name, _ in whole] == ["get_weather", "get_time"]
+    if text.endswith('"get_t'):
+        assert not whole and streamed == text
 
 
 @pytest.mark.parametrize("answer", ["<", "<tool", " <tool_c", "\n"])
