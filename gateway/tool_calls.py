@@ -378,8 +378,8 @@ class _ChoiceStream:
         content, calls = split_calls(plan, held) if reason == "stop" else (None, None)
         if calls is None:
             return ([{"content": held}] if held else []), reason
-        deltas: list[dict[str, Any]] = [{"content": content}] if content is not None else []
-        return deltas + [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(calls)], "tool_calls"
+        before: list[dict[str, Any]] = [{"content": content}] if content is not None else []
+        return before + [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(calls)], "tool_calls"
 
 
 async def tool_events(run: Any, chunk: Callable[..., bytes], usage: Callable[..., dict[str, Any]],
