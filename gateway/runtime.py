@@ -306,6 +306,7 @@ class Gateway:
         task = asyncio.create_task(self._first_workers(), name="first-workers")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_log_failure)
         return task
 
     async def start(self) -> None:
@@ -504,3 +505,10 @@ class Gateway:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(c.aclose() for c in self.clients), return_exceptions=True)
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    """``_first_workers``' unexpected end, in the log at once (not at garbage collection, or never)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("waiting for the first workers failed; the front end is made at the first request instead",
+                  exc_info=task.exception())
