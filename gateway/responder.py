@@ -155,13 +155,30 @@ class Exchange(Protocol):
         ...
 
 
+class _StreamField(msgspec.Struct):
+    stream: Any = None
+
+
+def _asked_to_stream(body: bytes) -> bool:
+    """The request body's ``stream`` is true (False for a body that is not a JSON object)."""
+    try:
+        return msgspec.json.decode(body, type=_StreamField).stream is True
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+
+
 class Responder:
     """One generation route (``POST`` only): raw ASGI (``__call__``) or any ``Exchange`` (``serve``)."""
 
-    def __init__(self, gw: Host, shape: Shape, prepare_thread_bytes: int = PREPARE_THREAD_BYTES) -> None:
+    def __init__(self, gw: Host, shape: Shape, prepare_thread_bytes: int = PREPARE_THREAD_BYTES, *,
+                 refusals_as_events: bool = False) -> None:
+        """``refusals_as_events``: a request that asked to stream and is refused (a 400) is answered as
+        SGLang's server answers its ``/generate``: status 200, an error event, ``[DONE]`` (SGLang's Rust
+        router turns a streamed non-2xx answer into a cut-off, unreadable body)."""
         self.gw = gw
         self.shape = shape
         self.prepare_thread_bytes = prepare_thread_bytes  # (see ``PREPARE_THREAD_BYTES``)
+        self.refusals_as_events = refusals_as_events
         self._counters: dict[int, Any] = {}  # status -> the route's request counter child
 
     def _count(self, status: int) -> None:
@@ -189,6 +206,7 @@ class Responder:
     async def serve(self, exchange: Exchange) -> None:
         gw, shape = self.gw, self.shape
         release = None
+        body = b""
         gone = [False]
         run: Run | None = None
         answering: APIError | None = None  # an error answer counted and going out (not counted again if cut)
@@ -226,7 +244,12 @@ class Responder:
                 log.log(logging.WARNING if exc.status >= 500 else logging.INFO, "%s -> %d %s: %s", shape.route,
                         exc.status, exc.type, exc.message)
                 exchange.stop_watching()
-                await exchange.send_json(_json.encode(exc.body()), exc.status, exc.headers())
+                if self.refusals_as_events and exc.status == 400 and not exchange.response_started \
+                        and _asked_to_stream(body):
+                    await exchange.start_stream(error_event(exc))
+                    await exchange.end_stream(SSE_DONE)
+                else:
+                    await exchange.send_json(_json.encode(exc.body()), exc.status, exc.headers())
             except ClientGone:
                 raise  # (below: not an error of ours)
             except Exception:

@@ -244,7 +244,7 @@ class SGLangAPI:
     def routes(self) -> list[BaseRoute]:
         chat, completions, generate = (_WhenReady(self, Responder(self, ChatShape())),
                                        _WhenReady(self, Responder(self, CompletionShape())),
-                                       _WhenReady(self, Responder(self, GenerateShape())))
+                                       _WhenReady(self, Responder(self, GenerateShape(), refusals_as_events=True)))
         return [
             Route("/generate", generate, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),

@@ -243,6 +243,30 @@ def test_a_request_without_a_model_is_served(stack: Stack, router: str) -> None:
     assert other.status_code == 404, other.text
 
 
+@pytest.mark.parametrize("via", ["decode", "rust", "mini_lb"])
+def test_a_refused_streamed_generate_is_an_error_event_every_router_can_read(stack: Stack, via: str) -> None:
+    """A streamed ``/generate`` the workers refuse (a sampling field the sim engine lacks, a budget of 0) is
+    answered as SGLang's server answers it: 200, ``data: {"error": {"message": ...}}``, ``data: [DONE]``. A
+    400 was turned by the Rust router into a cut-off ``data: {'error': ...`` line no client could parse; a
+    whole answer stays a 400."""
+    bad = [{"text": PROMPT, "sampling_params": {"max_new_tokens": 4, "presence_penalty": 1.0}},
+           {"text": PROMPT, "sampling_params": {"max_new_tokens": 0}}]
+    if via == "decode":
+        url = f"http://127.0.0.1:{stack.decode.http_port}/generate"
+        extra: dict[str, object] = {"bootstrap_host": "127.0.0.1", "bootstrap_port": None, "bootstrap_room": 7}
+    else:
+        url, extra = f"{stack.routers[via]}/generate", {}
+    for body in bad:
+        reply = httpx.post(url, json={**body, **extra, "stream": True}, timeout=30)
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream"), \
+            (reply.status_code, reply.headers, reply.text)
+        lines = [line for line in reply.text.splitlines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and len(lines) == 2, reply.text
+        assert json.loads(lines[0][6:])["error"]["message"], reply.text
+        whole = httpx.post(url, json={**body, **extra}, timeout=30)
+        assert whole.status_code == 400 and whole.json()["error"]["message"], whole.text
+
+
 def test_pools_full_after_the_routers_requests(stack: Stack) -> None:
     deadline = time.monotonic() + 20
     while not stack.pools_full():
