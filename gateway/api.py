@@ -327,6 +327,8 @@ class Frontend:
         sp = req.sampling_params if req.sampling_params is not None else GenerateSampling()
         reject_unsupported(req, GENERATE_RULES)
         reject_unsupported(sp, GENERATE_SAMPLING_RULES, prefix="sampling_params.")
+        if req.text is not None and req.input_ids is not None:  # (SGLang's 400 too: which one is the prompt?)
+            raise BadRequest("give one of text or input_ids, not both", param="input_ids")
         batched = isinstance(req.text, list) if req.input_ids is None else isinstance(req.input_ids[0], list)
         if req.input_ids is not None:
             name = "input_ids"

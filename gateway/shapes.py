@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.api import Frontend, Prepared, TextEmitter, now_s, sse
+from gateway.api import Frontend, Prepared, TextEmitter, new_id, now_s, sse
 from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from gateway.errors import BadRequest
 from gateway.text import ChoiceState
@@ -237,7 +237,12 @@ class GenerateShape(Shape):
     def prepare(self, frontend: Frontend, req: Any) -> tuple[Prepared, str | None]:
         prep, _ = frontend.prepare_generate(req)
         rid = req.rid
+        if prep.batch is not None and rid is None:  # each item its own id, as SGLang gives them
+            prep.item_ids = [new_id(self.id_prefix) for _ in prep.batch]
+            return prep, None
         if not isinstance(rid, list):
+            if prep.batch is not None:  # (SGLang's 400 too: one id for several items)
+                raise BadRequest("rid: a batch needs a list of ids, one per prompt", param="rid")
             return prep, rid
         if prep.batch is None or len(rid) != len(prep.batch):
             raise BadRequest("rid: a list of ids needs a batch of as many prompts (text or input_ids as a list)",

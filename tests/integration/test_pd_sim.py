@@ -316,6 +316,14 @@ def test_stop_strings_n_choices_and_generate_stream(sim_cluster) -> None:  # typ
     assert [a["meta_info"]["id"] for a in answers] == ["a", "b"], answers
     refused = httpx.post(f"{cluster.base_url}/generate", json={**batch, "rid": ["a"]}, timeout=30)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "rid", refused.text
+    # Unnamed, each item gets its own id (as SGLang gives them); one id for the whole batch is a 400 (as SGLang's).
+    unnamed = httpx.post(f"{cluster.base_url}/generate", json={**batch, "rid": None}, timeout=30).json()
+    assert len({a["meta_info"]["id"] for a in unnamed}) == 2, unnamed
+    refused = httpx.post(f"{cluster.base_url}/generate", json={**batch, "rid": "one"}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "rid", refused.text
+    # text and input_ids both: which is the prompt? A 400 (as SGLang's), not input_ids silently.
+    both = httpx.post(f"{cluster.base_url}/generate", json={"text": "hi", "input_ids": PROMPT}, timeout=30)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "input_ids", both.text
     cluster.wait_pools_full()
 
 
