@@ -340,6 +340,8 @@ class Responder:
         finally:
             active.dec()
             await events.aclose()
+            if isinstance(run.emitter, _StreamEmitter):
+                run.emitter.close()
             run.emitter = None  # (it refers to the run: freed by reference counting, not the collector)
 
 
@@ -411,6 +413,10 @@ class AsgiExchange:
         raise RuntimeError("an ASGI stream is written through its task")
 
 
+def _refuse(*_: object) -> bool:
+    return False
+
+
 class _StreamEmitter:
     """A stream's chunks from outside its task (``Frontend.run_choices``' ``emitter``): the first one
     with the response's head, then the middle ones. For the one choice it is given (``direct``), it is
@@ -436,6 +442,11 @@ class _StreamEmitter:
     def direct(self, state: ChoiceState) -> _StreamEmitter:
         self.state = state
         return self
+
+    def close(self) -> None:
+        """The stream is over: refuse what comes (nothing should), and drop the bound methods of its own it
+        holds (``ready``, ``offer``), so that it is freed by reference counting, not the collector."""
+        self.ready = self.offer = _refuse
 
     def _ready_to_start(self) -> bool:
         if self.run.started:  # (started by the task meanwhile: its first chunk went through it)
