@@ -21,7 +21,6 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-
 class _Batch(threading.local):
     pending: list[tuple[Any, bytes]] | None = None  # the open batch of this thread's loop
 
