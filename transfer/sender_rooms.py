@@ -326,9 +326,14 @@ class SenderRooms:
                 self._progress(sender, now, outbox)
                 busy = busy or sender.has_writes
             elif sender.poll() == KVPoll.Bootstrapping and now - sender.created > timeouts.bootstrap_s:
+                # (BOOTSTRAP: the room never got going, no worker's fault: a decode whose pages are all in use
+                # holds its requests until pages free up, and overload must not open its breaker. A decode
+                # that is gone or frozen is told apart by its connection and heartbeats, and the gateway's
+                # probes.)
                 error = TransferError(
-                    TransferErrorKind.TIMEOUT,
-                    f"room {sender.room}: no page list from a decode within {timeouts.bootstrap_s:g}s",
+                    TransferErrorKind.BOOTSTRAP,
+                    f"room {sender.room}: no page list from a decode within {timeouts.bootstrap_s:g}s (its KV "
+                    "pages may all be in use)",
                 )
                 self._fail(sender, error, outbox)
         for room, request in list(self._requests.items()):
