@@ -840,10 +840,15 @@ def test_a_prefilling_request_its_decode_ended_is_failed_without_waiting_for_chu
         slow.bind(p.pool)
         p.engine = slow
         p.config = SchedulerConfig("prefill", chunk_size=64, max_running=8)
-        prompts = {1: [i % 250 for i in range(1600)], 2: list(range(100, 140))}
-        for rid, prompt in prompts.items():
-            _submit_pd(d, p, pkv, rid, SamplingParams(max_new_tokens=4), prompt)
+        # The long one first, and prefilling before the short one comes: a short one whose page list reached the
+        # prefill first (a loaded machine) was prefilled at once, and never seen waiting for the chunk budget.
+        _submit_pd(d, p, pkv, 1, SamplingParams(max_new_tokens=4), [i % 250 for i in range(1600)])
         deadline = time.monotonic() + 20
+        while not ((1, 1) in p.reqs and p.reqs[(1, 1)].stage == "prefill"):
+            assert time.monotonic() < deadline, {k: r.stage for k, r in p.reqs.items()}
+            d.step()
+            p.step()
+        _submit_pd(d, p, pkv, 2, SamplingParams(max_new_tokens=4), list(range(100, 140)))
         while not ((1, 2) in p.reqs and p.reqs[(1, 2)].stage == "prefill"):
             assert time.monotonic() < deadline, {k: r.stage for k, r in p.reqs.items()}
             d.step()
