@@ -63,7 +63,7 @@ def create_app(config: GatewayConfig) -> Any:
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         # The port opens now; the first workers are waited for in the background (``Gateway.launch``).
         first_workers = gw.launch()
-        first_workers.add_done_callback(lambda _: gc.freeze())  # (the tokenizer, loaded by then, joins them)
+        first_workers.add_done_callback(_freeze_start_up)  # (the tokenizer, loaded by then, joins them)
         gc.collect()
         gc.freeze()  # start-up objects (modules, config) leave the collector's generations
         # A young-generation pass walks every object still alive since the last one; at the default
@@ -191,12 +191,19 @@ def _served_model(gw: Gateway) -> str:
     return name
 
 
+def _freeze_start_up(_: object) -> None:
+    """What start-up made leaves the collector's generations (collected first: the garbage made while the
+    workers were waited for is freed, not frozen)."""
+    gc.collect()
+    gc.freeze()
+
+
 def _model_card(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": now_s(), "owned_by": "pd-gateway"}
 
 
 def status(gw: Gateway) -> dict[str, Any]:
-    ready = gw.is_ready() and not gw.is_draining
+    ready = not gw.is_draining and gw.serves()
     return {
         "status": "draining" if gw.is_draining else "ok" if ready else "unavailable",
         "ready": ready,

@@ -29,7 +29,7 @@ _REF = "#/components/schemas/{name}"
 _REQUIRED: dict[str, dict[str, Any]] = {
     "ChatCompletionRequest": {"required": ["messages"]},
     "CompletionRequest": {"required": ["prompt"]},
-    "GenerateRequest": {"anyOf": [{"required": ["text"]}, {"required": ["input_ids"]}]},
+    "GenerateRequest": {"oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]},  # (not both: a 400)
 }
 
 _INT = {"type": "integer"}

@@ -334,13 +334,13 @@ class Gateway:
             if not self.is_ready():  # (else SGLang workers serve meanwhile)
                 log.warning("no worker answered within %.0fs; serving 503 until one does", timeout_s)
             return
-        # (as ``_tokenizer_fetch``: a request meanwhile waits for this fetch instead of starting its own)
-        self._tokenizer_fetch = fetch = asyncio.create_task(self._fetch_tokenizer(source), name="tokenizer-fetch")
-        try:
-            await fetch
-        except RemoteTokenizerError as exc:
-            log.warning("%s; serving 503 until a worker sends it", exc)
-            return
+        # One fetch at a time (``_tokenizer_fetch``): a request's under way is waited for, one started here is
+        # what a request meanwhile waits for.
+        fetch = self._tokenizer_fetch
+        if fetch is None or fetch.done():
+            self._tokenizer_fetch = fetch = asyncio.create_task(self._fetch_tokenizer_quietly(source),
+                                                                name="tokenizer-fetch")
+        await asyncio.wait({fetch})
         if self.frontend is None:
             with contextlib.suppress(NoWorkers):  # (a tokenizer that does not load: logged; requests get a 503)
                 self._init_frontend(source)
@@ -496,6 +496,18 @@ class Gateway:
         """A healthy pair (or combined worker) is selectable, of either kind."""
         return (self.fleet is not None and self.fleet.is_ready()) or (
             self.has_native_workers and self.dispatcher.is_ready())
+
+    def serves(self) -> bool:
+        """``is_ready``, and a request would be answered now (readiness): native workers also need the front
+        end, which is made here when it can be at once (its tokenizer loaded; not while it is being fetched)."""
+        if self.fleet is not None and self.fleet.is_ready():
+            return True
+        if not (self.has_native_workers and self.dispatcher.is_ready()):
+            return False
+        if self.frontend is None:
+            with contextlib.suppress(NoWorkers):
+                self.require_frontend()
+        return self.frontend is not None
 
     async def aclose(self) -> None:
         if self.fleet is not None:

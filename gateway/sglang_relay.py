@@ -583,7 +583,7 @@ MAX_RETRY_AFTER_S = 300.0  # (a worker's ``Retry-After`` passed on is capped: th
 def _retry_after_s(headers: Mapping[str, str]) -> float | None:
     """A reply's ``Retry-After`` in seconds (the delta-seconds form; an HTTP date is not read)."""
     value = headers.get("retry-after", "").strip()
-    return min(float(value), MAX_RETRY_AFTER_S) if value.isdigit() else None
+    return min(float(value), MAX_RETRY_AFTER_S) if value.isascii() and value.isdigit() else None  # (not "²")
 
 
 @dataclass

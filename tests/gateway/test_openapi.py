@@ -125,3 +125,34 @@ def test_metrics_stay_readable_while_draining() -> None:
     assert guarded.refusal("/metrics", [])[0] == 401  # type: ignore[index]
     assert guarded.refusal("/metrics", [(b"authorization", b"Bearer a")]) is None
     assert refused == ["draining", "unauthorized"], "each refusal is counted (pd_gateway_rejected_requests)"
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "\u00b9\u2070"])
+def test_a_retry_after_that_is_no_number_is_ignored_not_raised(value: str) -> None:
+    """``str.isdigit()`` is True for superscripts, ``float()`` refuses them: a worker's odd Retry-After (aiohttp
+    decodes header bytes as UTF-8) raised in ``_post`` (every prefill reply: the attempt failed) and in
+    ``_settle`` (a decode's non-2xx: a 500)."""
+    from gateway.sglang_relay import _retry_after_s
+
+    assert _retry_after_s({"retry-after": value}) is None
+
+
+def test_the_openapi_generate_schema_refuses_text_and_input_ids_together() -> None:
+    """/generate with both text and input_ids is a 400: the document says so (it said anyOf: both allowed)."""
+    from gateway.openapi import _REQUIRED
+
+    rule = _REQUIRED["GenerateRequest"]
+    body = {"text": "hi", "input_ids": [1, 2]}
+
+    def matches(schema: dict[str, object]) -> bool:
+        if "required" in schema:
+            return all(k in body for k in schema["required"])  # type: ignore[attr-defined]
+        if "not" in schema:
+            return not matches(schema["not"])  # type: ignore[arg-type]
+        if "anyOf" in schema:
+            return any(matches(s) for s in schema["anyOf"])  # type: ignore[attr-defined]
+        if "oneOf" in schema:
+            return sum(matches(s) for s in schema["oneOf"]) == 1  # type: ignore[attr-defined]
+        return True
+
+    assert not matches(rule), rule
