@@ -466,13 +466,7 @@ class _StreamEmitter:
     def _offer(self, output: StepOutput) -> bool:
         if not self.ready():
             return False
-        before = self.before
-        if before is None:
-            self._take(output)
-            return True
-        text = self.state.accept_middle(output)
-        if text:
-            self.write(before + _encode(text) + self.after)
+        self.take(output)
         return True
 
     def _take(self, output: StepOutput) -> None:
