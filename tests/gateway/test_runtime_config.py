@@ -49,17 +49,18 @@ class StandIn:
 
     def __init__(self, worker_id: str, *, tokenizer: str = "/models/not-on-this-host", max_context: int = 4096,
                  files: dict[str, bytes] | None = None, answer_files: bool = True, serves_files: bool = True,
-                 cached: tuple[bytes, ...] = ()) -> None:
+                 cached: tuple[bytes, ...] = (), role: str = "both", files_delay_s: float = 0.0) -> None:
         self.worker_id, self.tokenizer, self.max_context = worker_id, tokenizer, max_context
         self.files, self.answer_files, self.serves_files = files, answer_files, serves_files
+        self.role, self.files_delay_s = role, files_delay_s  # (the tokenizer's files sent that much later)
         self.cached = cached  # prefix-cache page hashes it reports to each new connection
         self.asked = 0
         self.writers: list[asyncio.StreamWriter] = []
         self.server: asyncio.Server | None = None
         self.port = 0
 
-    async def start(self) -> StandIn:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+    async def start(self, port: int = 0) -> StandIn:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", port)
         self.port = self.server.sockets[0].getsockname()[1]
         return self
 
@@ -79,8 +80,11 @@ class StandIn:
         self.writers.append(writer)
         try:
             await read_frame(reader)  # Hello
-            writer.write(codec.encode(HelloAck(PROTOCOL_VERSION, self.worker_id, "both", "sim", "m", self.tokenizer,
-                                               16, self.max_context, 256, tokenizer_files=int(self.serves_files))))
+            prefill = self.role == "prefill"  # (a prefill names its bootstrap address)
+            writer.write(codec.encode(HelloAck(PROTOCOL_VERSION, self.worker_id, self.role, "sim", "m", self.tokenizer,
+                                               16, self.max_context, 256, tokenizer_files=int(self.serves_files),
+                                               bootstrap_host="127.0.0.1" if prefill else None,
+                                               bootstrap_port=1 if prefill else None)))
             writer.write(codec.encode(LoadReport(0, 0, 256, 256)))
             if self.cached:
                 writer.write(codec.encode(KVEvents(stored=list(self.cached), reset=True)))
@@ -90,6 +94,7 @@ class StandIn:
                     writer.write(codec.encode(Pong(message.nonce)))
                 elif isinstance(message, GetTokenizer):
                     self.asked += 1
+                    await asyncio.sleep(self.files_delay_s)
                     if self.answer_files and self.files is not None:
                         writer.write(codec.encode(TokenizerFiles(self.tokenizer, self.files)))
                     elif self.files is None:

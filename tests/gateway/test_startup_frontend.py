@@ -12,52 +12,6 @@ from test_runtime_config import StandIn, tokenizer_files
 from gateway.app import status
 from gateway.errors import NoWorkers
 from gateway.runtime import Gateway, GatewayConfig
-from workers.protocol import (
-    PROTOCOL_VERSION,
-    GetTokenizer,
-    HelloAck,
-    LoadReport,
-    Ping,
-    Pong,
-    TokenizerFiles,
-    read_frame,
-    worker_codec,
-)
-
-
-class SlowFiles(StandIn):
-    """A StandIn of a given role that answers GetTokenizer after ``delay_s`` (a big tokenizer, a slow link)."""
-
-    def __init__(self, worker_id: str, role: str, delay_s: float, **kw: object) -> None:
-        super().__init__(worker_id, files=tokenizer_files(), **kw)  # type: ignore[arg-type]
-        self.role, self.delay_s = role, delay_s
-
-    async def start_at(self, port: int) -> SlowFiles:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", port)
-        self.port = port
-        return self
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        codec = worker_codec()
-        self.writers.append(writer)
-        try:
-            await read_frame(reader)
-            writer.write(codec.encode(HelloAck(PROTOCOL_VERSION, self.worker_id, self.role, "sim", "m", self.tokenizer,
-                                               16, self.max_context, 256, tokenizer_files=1,
-                                               bootstrap_host="127.0.0.1", bootstrap_port=1)))
-            writer.write(codec.encode(LoadReport(0, 0, 256, 256)))
-            while True:
-                message = codec.decode(await read_frame(reader))
-                if isinstance(message, Ping):
-                    writer.write(codec.encode(Pong(message.nonce)))
-                elif isinstance(message, GetTokenizer):
-                    self.asked += 1
-                    await asyncio.sleep(self.delay_s)
-                    writer.write(codec.encode(TokenizerFiles(self.tokenizer, self.files)))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
 
 
 def test_ready_means_requests_are_served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -66,7 +20,7 @@ def test_ready_means_requests_are_served(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("PD_GATEWAY_CACHE", str(tmp_path))
 
     async def main() -> None:
-        worker = await SlowFiles("a", "both", delay_s=0.0).start()
+        worker = await StandIn("a", files=tokenizer_files()).start()
         gw = Gateway(GatewayConfig(worker=(worker.url,), startup_timeout_s=30))
         try:
             gw.launch()
@@ -95,7 +49,7 @@ def test_a_request_before_the_pair_and_the_start_up_fetch_the_tokenizer_once(tmp
     from pdtest import free_port
 
     async def main() -> None:
-        prefill = await SlowFiles("p", "prefill", delay_s=1.5).start()
+        prefill = await StandIn("p", role="prefill", files=tokenizer_files(), files_delay_s=1.5).start()
         decode_port = free_port()
         gw = Gateway(GatewayConfig(prefill=(prefill.url,), decode=(f"pd://127.0.0.1:{decode_port}",),
                                    startup_timeout_s=30))
@@ -106,7 +60,7 @@ def test_a_request_before_the_pair_and_the_start_up_fetch_the_tokenizer_once(tmp
             with pytest.raises(NoWorkers, match="fetching the tokenizer"):
                 gw.require_frontend()  # (a request: it starts the fetch)
             first = gw._tokenizer_fetch
-            decode = await SlowFiles("d", "decode", delay_s=0).start_at(decode_port)
+            decode = await StandIn("d", role="decode", files=tokenizer_files()).start(decode_port)
             assert await gw.decodes[0].wait_ready(10)
             await asyncio.sleep(2.5)
             assert gw.frontend is not None
