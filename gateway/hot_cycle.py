@@ -272,32 +272,24 @@ class HotCycle:
         """``is_writable`` and ``write_now`` of ``before + encode(accept(output)) + after`` in one call, the
         chunk framed in one step (no write for no text); False, nothing accepted, when not writable.
         Run once per streamed token (``gateway.responder``'s direct path, once the stream started)."""
-        transport, flow, write, batch = self.transport, self.flow, write_batch.write, write_batch.local
-        if not self.chunked:  # (HTTP/1.0: the body as it is)
-            def lane(output: StepOutput) -> bool:
-                if flow.write_paused or self.disconnected or self.response_complete or transport.is_closing():
-                    return False
-                text = accept(output)
-                if text:
-                    write(transport, before + encode(text) + after)
-                return True
-            return lane
+        transport, flow, batch, chunked = self.transport, self.flow, write_batch.local, self.chunked
         fixed = len(before) + len(after)
 
-        def chunked_lane(output: StepOutput) -> bool:
+        def lane(output: StepOutput) -> bool:
             if flow.write_paused or self.disconnected or self.response_complete or transport.is_closing():
                 return False
             text = accept(output)
             if text:
                 data = encode(text)
-                data = b"%x\r\n%b%b%b\r\n" % (fixed + len(data), before, data, after)
+                data = b"%x\r\n%b%b%b\r\n" % (fixed + len(data), before, data, after) if chunked \
+                    else before + data + after  # (HTTP/1.0: the body as it is)
                 pending = batch.pending  # (``write_batch.write``, in place)
                 if pending is None:
                     transport.write(data)
                 else:
                     pending.append((transport, data))
             return True
-        return chunked_lane
+        return lane
 
     def can_start(self) -> bool:
         return not (self.response_started or self.flow.write_paused or self.disconnected

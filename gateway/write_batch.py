@@ -25,15 +25,14 @@ class _Batch(threading.local):
     pending: list[tuple[Any, bytes]] | None = None  # the open batch of this thread's loop
 
 
-_local = _Batch()
-local = _local  # (for a caller that gathers in place, once per streamed token: ``pending`` is the open batch)
+local = _Batch()  # (``pending``: read in place by a caller that gathers once per streamed token)
 
 
 def begin() -> bool:
     """Start gathering; False when a batch is already open (then the caller must not ``end`` it)."""
-    if _local.pending is not None:
+    if local.pending is not None:
         return False
-    _local.pending = []
+    local.pending = []
     return True
 
 
@@ -41,7 +40,7 @@ def end() -> None:
     """Write what was gathered, in order, and stop gathering. A transport that refuses a write (one
     half-closed meanwhile) loses its own; the others are written all the same, and nothing raises
     into the worker connection's callback that ends the batch."""
-    pending, _local.pending = _local.pending or (), None
+    pending, local.pending = local.pending or (), None
     for transport, data in pending:
         if not transport.is_closing():
             try:
@@ -53,7 +52,7 @@ def end() -> None:
 
 def write(transport: Any, data: bytes) -> None:
     """``transport.write(data)`` now, or when the open batch ends."""
-    pending = _local.pending
+    pending = local.pending
     if pending is None:
         transport.write(data)
     else:
