@@ -91,6 +91,11 @@ class Prepared:
     item_ids: list[str] | None = None  # /generate: a batch's ``rid`` list, item i's id at i
     skip_special: bool = True  # special tokens have no text (``skip_special_tokens``: false writes them out)
     logprob_text: bool = False  # /generate's ``return_text_in_logprobs``: each logprob entry names its token
+    # /generate with ``return_logprob``: each prompt's first position with a prompt logprob (``logprob_start_len``)
+    logprob_starts: list[int] | None = None
+
+    def logprob_start_of(self, choice: int) -> int:
+        return self.logprob_starts[choice // self.per_prompt] if self.logprob_starts else 0
 
     def prompt_text_of(self, choice: int) -> str | None:
         return self.prompt_texts[choice // self.per_prompt] if self.prompt_texts else None
@@ -147,6 +152,32 @@ class TextEmitter(Protocol):
         """The consumer of ``state``'s choice's non-final outputs, from the worker connection's callback
         (``Dispatcher.generate``'s ``direct``): it detokenizes each into ``state`` and writes its chunk."""
         ...
+
+
+def _logprob_starts(value: int | list[int] | None, prompts: list[list[int]], batched: bool) -> list[int]:
+    """SGLang's ``logprob_start_len`` as each prompt's first position with a prompt logprob: -1 (the default)
+    its last position (SGLang's: only the output's logprobs are wanted), else the position given, which must be
+    inside the prompt. A list gives one per item of a batch."""
+    if isinstance(value, list):
+        if not batched:
+            raise BadRequest("logprob_start_len is a list only for a batch of prompts", param="logprob_start_len")
+        if len(value) != len(prompts):
+            raise BadRequest(f"logprob_start_len has {len(value)} items for a batch of {len(prompts)} prompts",
+                             param="logprob_start_len")
+        values = value
+    else:
+        values = [-1 if value is None else value] * len(prompts)
+    starts = []
+    for i, (given, prompt) in enumerate(zip(values, prompts, strict=True)):
+        param = f"logprob_start_len[{i}]" if isinstance(value, list) else "logprob_start_len"
+        if given < -1:
+            raise BadRequest(f"{param} must be -1 (the prompt's last position) or a position >= 0, got {given}",
+                             param=param)
+        if given >= len(prompt):
+            raise BadRequest(f"{param} ({given}) must be below the number of prompt tokens ({len(prompt)})",
+                             param=param)
+        starts.append(len(prompt) - 1 if given == -1 else given)
+    return starts
 
 
 def decode_body(body: bytes, kind: type[Any]) -> Any:
@@ -353,6 +384,9 @@ class Frontend:
         if not all(prompts):
             raise BadRequest(f"{name}: a prompt of the batch is empty", param=name)
         params.prompt_logprobs = logprobs
+        starts = _logprob_starts(req.logprob_start_len, prompts, batched) if logprobs else None
+        if starts is not None:
+            params.prompt_logprobs_start = starts[0]  # (a batch's others: per choice, ``run_choices``)
         params.grammar = grammar_for(sp, prefix="sampling_params.")
         _literal_stops(params, sp.skip_special_tokens)
         # A batch (even of one item) is answered as a list, item i by choice i (its own bootstrap fields).
@@ -360,7 +394,7 @@ class Frontend:
                         bootstrap=ClientBootstrap.of(req), param_prefix="sampling_params.",
                         batch=prompts if batched else None, keep_stop=bool(sp.no_stop_trim),
                         skip_special=sp.skip_special_tokens is not False,
-                        logprob_text=bool(req.return_text_in_logprobs)), sp
+                        logprob_text=bool(req.return_text_in_logprobs), logprob_starts=starts), sp
 
     # -- running choices ---------------------------------------------------------------------
     def _choice(self, prep: Prepared, index: int = 0) -> ChoiceState:
@@ -429,6 +463,8 @@ class Frontend:
             params = prep.params
             if params.seed is not None and index % prep.per_prompt:  # (each prompt's choices: seed, seed + 1...)
                 params = msgspec.structs.replace(params, seed=params.seed + index % prep.per_prompt)
+            if params.prompt_logprobs and prep.logprob_start_of(index) != params.prompt_logprobs_start:
+                params = msgspec.structs.replace(params, prompt_logprobs_start=prep.logprob_start_of(index))
             events = self.dispatcher.generate(prep.prompt_of(index), params, choice=index, bootstrap=prep.bootstrap,
                                               counts_prompt=index % prep.per_prompt == 0,
                                               served=lambda: not failed)

@@ -210,6 +210,8 @@ class GenerateRequest(msgspec.Struct):
     sampling_params: GenerateSampling | None = msgspec.field(default_factory=GenerateSampling)
     stream: bool | None = False
     return_logprob: bool | None = False
+    # the first prompt position of ``input_token_logprobs``: -1 (the default) the last; a batch may give one per item
+    logprob_start_len: int | Annotated[list[int], Meta(min_length=1, max_length=MAX_BATCH_CHOICES)] | None = None
     # the request's id in ``meta_info.id``; a batch may give one per item (SGLang's routers pass the client's on)
     rid: str | Annotated[list[str], Meta(min_length=1, max_length=MAX_BATCH_CHOICES)] | None = None
     bootstrap_host: Any = None  # SGLang's PD fields: see ``_Sampling``

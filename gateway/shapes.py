@@ -288,10 +288,13 @@ class GenerateShape(Shape):
                                              zip(state.logprobs, state.token_ids, strict=False)]
             # Always a list: an SGLang router in front of a decode worker puts the prefill's in front
             # of it (the prompt's logprobs come from the prefill; the decode's own part is empty).
+            # Positions from ``logprob_start_len`` on (-1, the default: the last alone), as SGLang's.
             name = token_text_of(run.frontend.tokenizer) if text else None
+            start = prep.logprob_start_of(state.index)
             meta["input_token_logprobs"] = [
                 [None if i == 0 or lp != lp else lp, t, name(t) if name is not None else None]  # (lp != lp: NaN)
-                for i, (lp, t) in enumerate(zip(state.prompt_logprobs or [], prompt, strict=False))
+                for i, lp, t in zip(range(start, len(prompt)), state.prompt_logprobs or [], prompt[start:],
+                                    strict=False)
             ]
         payload: dict[str, Any] = {"text": state.text, "output_ids": list(state.token_ids), "meta_info": meta}
         if prep.batch is not None:  # (a batch's events interleave: each names its item, as SGLang's)

@@ -35,8 +35,9 @@ from enum import StrEnum
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: KVEvents, LoadReport fields for routing; 3: SamplingParams.logit_bias, penalties,
-# min_new_tokens, grammar (a version-2 worker would silently drop them), Error.param, GetTokenizer
+PROTOCOL_VERSION = 4  # 2: KVEvents, LoadReport fields for routing; 3: SamplingParams.logit_bias, penalties,
+# min_new_tokens, grammar (a version-2 worker would silently drop them), Error.param, GetTokenizer;
+# 4: SamplingParams.prompt_logprobs_start (a version-3 worker would send the whole prompt's, read as a tail)
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 MAX_UNREAD_BYTES = 64 * 1024 * 1024  # written, still unread by the peer: past it the peer is not reading
 _LEN = struct.Struct(">I")
@@ -74,6 +75,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: bool = False
+    # The first prompt position whose logprob is wanted (SGLang's ``logprob_start_len``, resolved by the
+    # gateway): positions before it are neither computed nor sent, and may come from the prefix cache.
+    prompt_logprobs_start: int = 0
     # Outputs generated before this request (a migrated stream): seeded draws continue at their true
     # output position (``workers/engines/llama/sampling.py``).
     output_offset: int = 0

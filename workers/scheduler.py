@@ -563,10 +563,17 @@ class Scheduler:
                    failure_fault(req.kv_sender))
         return True
 
-    def _may_share(self, req: Req) -> bool:
-        """Whether ``req`` may take cached prefix pages: not when it wants its prompt's logprobs, which
-        only positions it computes itself have (a preempted request's recompute has them already)."""
-        return self.cache.enabled and (not req.params.prompt_logprobs or req.is_recompute)
+    def _shareable(self, req: Req) -> int:
+        """How many leading prompt tokens ``req`` may take from cached pages (at most all but its last): only
+        positions it computes itself have prompt logprobs, so one that wants them shares no page past
+        ``prompt_logprobs_start`` (the first wanted position may be cached: the engine re-runs the one before
+        it). A preempted request's recompute has its logprobs already."""
+        if not self.cache.enabled:
+            return 0
+        params = req.params
+        if params.prompt_logprobs and not req.is_recompute:
+            return min(req.prefill_len - 1, params.prompt_logprobs_start)
+        return req.prefill_len - 1
 
     def _hashes(self, req: Req) -> list[bytes]:
         """``req``'s page hashes (computed once per prefill: a preemption resets them)."""
@@ -581,11 +588,11 @@ class Scheduler:
         waits for it instead of computing the same KV alongside (a burst of one system prompt, which a
         prefix-aware router sends to one worker); it goes once the page is cached or that request is
         gone, and then computes only what it does not share."""
-        if not (self.config.wait_for_prefix and self._may_share(req)):
+        limit = self._shareable(req) // self.pool.page_size  # (``match`` leaves at least one token to compute)
+        if not (self.config.wait_for_prefix and limit):
             return False
         page_size = self.pool.page_size
         hashes = self._hashes(req)
-        limit = (req.prefill_len - 1) // page_size  # (``match`` leaves at least one token to compute)
         first = self.cache.num_cached_pages(hashes, limit)
         if first >= limit:
             return False
@@ -611,7 +618,7 @@ class Scheduler:
         hashes = self._hashes(req)[:QUEUED_PAGES_INDEXED]
         queued = self._queued_pages
         n = 0
-        for h in hashes[: (req.prefill_len - 1) // page_size] if self._may_share(req) else ():
+        for h in hashes[: self._shareable(req) // page_size]:
             if h not in queued and not cache.holds(h):
                 break
             n += 1
@@ -634,8 +641,8 @@ class Scheduler:
 
     def _take_pages(self, req: Req) -> bool:
         """Pages for the positions to prefill: cached prefix pages first, fresh pages for the rest."""
-        tokens = req.all_ids[: req.prefill_len]
-        shared = self.cache.match(tokens, self._hashes(req)) if self._may_share(req) else []
+        shareable = self._shareable(req)
+        shared = self.cache.match(req.all_ids[: shareable + 1], self._hashes(req)) if shareable else []
         fresh = self.cache.alloc(self.pool.pages_for(req.prefill_len) - len(shared))
         if fresh is None:
             self.cache.release(shared)
@@ -767,12 +774,13 @@ class Scheduler:
         return req.params.grammar is not None and req.params.output_offset > 0 and len(req.output_ids) == 1
 
     def _after_chunk(self, req: Req, seq: SeqInput, out: SeqOutput) -> None:
+        if out.prompt_logprobs:  # (from the first wanted position on: an engine's chunk covers all of its own)
+            skip = max(0, req.params.prompt_logprobs_start - req.num_computed)
+            req.prompt_logprobs.extend(out.prompt_logprobs[skip:])
+            if out.prompt_top_logprobs is not None:
+                req.prompt_top_logprobs.extend(out.prompt_top_logprobs[skip:])
         req.num_computed += len(seq.token_ids)
         self.cache.insert(req.all_ids, req.pages, req.num_computed, req.page_hashes)
-        if out.prompt_logprobs:
-            req.prompt_logprobs.extend(out.prompt_logprobs)
-            if out.prompt_top_logprobs is not None:
-                req.prompt_top_logprobs.extend(out.prompt_top_logprobs)
         finished_prompt = req.num_computed == req.prefill_len
         if finished_prompt:
             self._unqueue_pages(req)

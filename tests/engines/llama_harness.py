@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,6 +98,8 @@ def run_requests(engine: TorchEngine, pool: KVPool, requests: list[Request]) -> 
             state[req.rid]["pos"] += len(seq.token_ids)
             if out.prompt_logprobs is not None:
                 req.prompt_logprobs.extend(out.prompt_logprobs)
+            elif seq.params.prompt_logprobs and not req.outputs:  # (a chunk before ``prompt_logprobs_start``)
+                req.prompt_logprobs.extend([math.nan] * len(seq.token_ids))
             if seq.sample:
                 assert out.token_id is not None and logits is not None
                 req.outputs.append(out.token_id)

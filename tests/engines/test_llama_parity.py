@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import random
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -168,6 +169,26 @@ def test_prompt_logprobs_across_chunks(pass_all_ids, tiny_model, make_engine) ->
     assert not eut.engine._prompt_carry
 
 
+@pytest.mark.parametrize("start", [1, 4, 5, 6, 16])
+def test_prompt_logprobs_from_a_start(start, tiny_model, make_engine) -> None:
+    """``prompt_logprobs_start``: positions before it are NaN (not scored), those from it on as when the whole
+    prompt's are asked, whichever chunk they fall in (the chunk ending right before it carries its row)."""
+    from workers.protocol import SamplingParams
+
+    model = tiny_model("qwen3")
+    eut = make_engine(model.path, page_size=4)
+    prompt = _prompt(41, 17)
+    params = SamplingParams(temperature=0.0, prompt_logprobs=True, prompt_logprobs_start=start)
+    req = Request(rid=1, prompt=prompt, max_new_tokens=2, chunks=[5, 1, 11], params=params, pass_all_ids=False)
+    run_requests(eut.engine, eut.pool, [req])
+    got = req.prompt_logprobs
+    assert got is not None and len(got) == len(prompt)
+    assert all(math.isnan(v) for v in got[:start])
+    expected = _reference_prompt_logprobs(model, prompt)  # (position i's at i - 1)
+    assert all(abs(a - b) < ATOL for a, b in zip(got[start:], expected[start - 1:], strict=True)), got
+    assert not eut.engine._prompt_carry
+
+
 def test_a_carried_row_is_not_evicted_by_its_own_batch(tiny_model, make_engine, monkeypatch) -> None:
     """With the carry table full, a chunk keeping its last row evicts the oldest kept one: never one that a
     later sequence of the same batch is about to use (its first prompt logprob came back as NaN)."""
@@ -220,6 +241,12 @@ def test_prompt_logprobs_on_prefix_hit(tiny_model, make_engine) -> None:
         else:  # nothing to condition the first entry on
             assert math.isnan(got[0])
             assert all(abs(a - b) < ATOL for a, b in zip(got[1:], expected[8:], strict=True))
+        # Positions from 10 on wanted: the cached position 7 is not re-run, 8 and 9 are not scored.
+        tail = Request(rid=6, prompt=prompt, max_new_tokens=1, page_ids=first.page_ids[:2] + fresh, num_cached=8,
+                       params=msgspec.structs.replace(params, prompt_logprobs_start=10), pass_all_ids=pass_all_ids)
+        run_requests(eut.engine, eut.pool, [tail])
+        assert tail.prompt_logprobs is not None and all(math.isnan(v) for v in tail.prompt_logprobs[:2])
+        assert all(abs(a - b) < ATOL for a, b in zip(tail.prompt_logprobs[2:], expected[9:], strict=True))
         # The shared pages were only read: the re-run row did not rewrite position 7.
         for before, after in zip(cached_before, eut.pool.kv_buffers(), strict=True):
             for page in first.page_ids[:2]:

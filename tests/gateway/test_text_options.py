@@ -175,7 +175,7 @@ def test_generate_logprob_entries_name_their_tokens_when_asked() -> None:
 
     front = _frontend()
     for asked in (True, False):
-        body = {"text": "hi", "return_logprob": True, "return_text_in_logprobs": asked}
+        body = {"text": "hi", "return_logprob": True, "return_text_in_logprobs": asked, "logprob_start_len": 0}
         prep = front.prepare_generate(msgspec.convert(body, GenerateRequest))[0]
         state = ChoiceState(0, front.tokenizer, [], True)
         state.prompt_logprobs = [float("nan"), -0.5]
@@ -187,3 +187,45 @@ def test_generate_logprob_entries_name_their_tokens_when_asked() -> None:
         assert [entry[:2] for entry in out] == [[-0.1, ord("o")], [-0.2, ord("k")]]
     # token_ids_logprob is only looked at with return_logprob (as SGLang): without it, not refused
     front.prepare_generate(msgspec.convert({"text": "hi", "token_ids_logprob": [1]}, GenerateRequest))
+
+
+def test_logprob_start_len_picks_the_prompt_positions() -> None:
+    """SGLang's ``logprob_start_len``: -1 (the default) gives the prompt's last position alone, k the positions
+    from k on (position 0 has no logprob: null), sent to the workers as ``prompt_logprobs_start`` so that they
+    score only those; a batch may give one per item; a start outside the prompt is a 400 naming it."""
+    from gateway.shapes import GenerateShape, Run
+
+    front = _frontend()
+
+    def prepare(**fields: Any) -> Any:
+        return front.prepare_generate(msgspec.convert({"return_logprob": True, **fields}, GenerateRequest))[0]
+
+    def entries(prep: Any, index: int, values: list[float]) -> list[Any]:
+        state = ChoiceState(index, front.tokenizer, [], True)
+        state.prompt_logprobs = values
+        state.accept(StepOutput(1, [ord("k")], "length", logprobs=[-0.1]))
+        return GenerateShape._payload(Run(front, prep, "r"), state)["meta_info"]["input_token_logprobs"]
+
+    prep = prepare(text="abcd")
+    assert prep.params.prompt_logprobs_start == 3
+    assert entries(prep, 0, [-0.4]) == [[-0.4, ord("d"), None]]
+    prep = prepare(text="abcd", logprob_start_len=0)
+    assert prep.params.prompt_logprobs_start == 0
+    assert entries(prep, 0, [float("nan"), -0.2, -0.3, -0.4]) == [
+        [None, ord("a"), None], [-0.2, ord("b"), None], [-0.3, ord("c"), None], [-0.4, ord("d"), None]]
+    prep = prepare(text="abcd", logprob_start_len=2)
+    assert entries(prep, 0, [-0.3, -0.4]) == [[-0.3, ord("c"), None], [-0.4, ord("d"), None]]
+    batch = prepare(text=["abcd", "xyz"], logprob_start_len=[1, -1])
+    assert batch.logprob_starts == [1, 2] and batch.params.prompt_logprobs_start == 1
+    assert entries(batch, 1, [-0.9]) == [[-0.9, ord("z"), None]]
+    assert prepare(text=["abcd", "xyz"]).logprob_starts == [3, 2]
+    # without return_logprob it is not looked at (as SGLang)
+    assert front.prepare_generate(msgspec.convert({"text": "ab", "logprob_start_len": 9}, GenerateRequest))[0]
+    for fields, param in (({"text": "abcd", "logprob_start_len": 4}, "logprob_start_len"),
+                          ({"text": "abcd", "logprob_start_len": -2}, "logprob_start_len"),
+                          ({"text": "abcd", "logprob_start_len": [0]}, "logprob_start_len"),
+                          ({"text": ["ab", "cd"], "logprob_start_len": [0]}, "logprob_start_len"),
+                          ({"text": ["ab", "cd"], "logprob_start_len": [0, 2]}, "logprob_start_len[1]")):
+        with pytest.raises(BadRequest) as err:
+            prepare(**fields)
+        assert err.value.param == param, fields

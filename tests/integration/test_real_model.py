@@ -6,6 +6,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -156,7 +157,7 @@ def test_chat_logprobs_through_the_split(deployment: SmolDeployment) -> None:
 
 def test_generate_returns_input_and_output_logprobs(deployment: SmolDeployment) -> None:
     body = {"text": "The quick brown fox jumps over the lazy dog.",
-            "sampling_params": {"max_new_tokens": 4, "temperature": 0}, "return_logprob": True}
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0}, "return_logprob": True, "logprob_start_len": 0}
     results = []
     for url in (deployment.pd_v1, deployment.both_v1):
         r = httpx.post(url.removesuffix("/v1") + "/generate", json=body, timeout=120)
@@ -180,7 +181,8 @@ def test_prompt_logprobs_of_a_cached_prompt_are_the_whole_prompts(deployment: Sm
     gave only the uncached suffix's, which the response put at the prompt's first positions)."""
     text = ("A prefix cache keeps the key and value pages of prompts it has seen, so that a request "
             "sharing their beginning skips computing it again; logprobs of the prompt need every position.")
-    body = {"text": text, "sampling_params": {"max_new_tokens": 2, "temperature": 0}, "return_logprob": True}
+    body = {"text": text, "sampling_params": {"max_new_tokens": 2, "temperature": 0}, "return_logprob": True,
+            "logprob_start_len": 0}
     for url in (deployment.pd_v1, deployment.both_v1):
         rounds = []
         for _ in range(2):
@@ -193,6 +195,45 @@ def test_prompt_logprobs_of_a_cached_prompt_are_the_whole_prompts(deployment: Sm
         a = [lp for lp, _, _ in first["input_token_logprobs"][1:]]
         b = [lp for lp, _, _ in second["input_token_logprobs"][1:]]
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4, url
+
+
+def test_logprob_start_len_scores_the_prompt_from_there(deployment: SmolDeployment) -> None:
+    """SGLang's ``logprob_start_len``: by default (-1) the prompt's last position alone, k the positions from k
+    on, each the value the whole prompt's request gives there; a prompt asked again shares its cached pages
+    before the start (before, a request for prompt logprobs shared none); a batch takes one start per item."""
+    text = ("Logprobs of a prompt's tail are what a reinforcement learning loop asks for most: the model's "
+            "belief in the tokens after a shared instruction, which the prefix cache already holds. Asked again "
+            "with another start, only the positions from there on are scored, and the rest comes from the cache.")
+    for url in (deployment.pd_v1, deployment.both_v1):
+        generate = url.removesuffix("/v1") + "/generate"
+
+        def ask(**fields: Any) -> dict[str, Any]:
+            body = {"text": text, "sampling_params": {"max_new_tokens": 2, "temperature": 0}, "return_logprob": True,
+                    **fields}
+            r = httpx.post(generate, json=body, timeout=120)  # noqa: B023
+            assert r.status_code == 200, r.text
+            return r.json()["meta_info"]
+
+        whole = ask(logprob_start_len=0)
+        n = whole["prompt_tokens"]
+        assert n > 40 and len(whole["input_token_logprobs"]) == n
+        default = ask()["input_token_logprobs"]
+        assert len(default) == 1 and default[0][1] == whole["input_token_logprobs"][-1][1]
+        assert abs(default[0][0] - whole["input_token_logprobs"][-1][0]) < 1e-4, url
+        tail = ask(logprob_start_len=36)  # past two full pages of 16: those may come from the cache
+        assert tail["cached_tokens"] >= 32, (url, tail["cached_tokens"])
+        assert [t for _, t, _ in tail["input_token_logprobs"]] == [t for _, t, _ in whole["input_token_logprobs"][36:]]
+        assert max(abs(a - b) for (a, _, _), (b, _, _) in
+                   zip(tail["input_token_logprobs"], whole["input_token_logprobs"][36:], strict=True)) < 1e-4, url
+        r = httpx.post(generate, timeout=120, json={"text": [text, "Hello there"], "return_logprob": True,
+                                                   "logprob_start_len": [n - 2, 0],
+                                                   "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        assert r.status_code == 200, r.text
+        items = r.json()
+        assert len(items[0]["meta_info"]["input_token_logprobs"]) == 2
+        assert len(items[1]["meta_info"]["input_token_logprobs"]) == items[1]["meta_info"]["prompt_tokens"]
+        r = httpx.post(generate, timeout=120, json={"text": text, "return_logprob": True, "logprob_start_len": n})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_start_len", r.text
 
 
 def test_completions_echo_with_logprobs(deployment: SmolDeployment) -> None:

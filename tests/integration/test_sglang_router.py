@@ -308,7 +308,7 @@ def test_real_model_through_the_rust_router(router_site: Path, procs: Procs) -> 
         answers.append(out.choices[0].message.content or "")
     assert "Paris" in answers[0] and answers[1] == answers[0]
     body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4, "temperature": 0},
-            "return_logprob": True}
+            "return_logprob": True, "logprob_start_len": 0}
     mine = httpx.post(f"{ours}/generate", json=body, timeout=120).json()
     theirs = httpx.post(f"{rust}/generate", json=body, timeout=120).json()
     assert theirs["text"] == mine["text"]

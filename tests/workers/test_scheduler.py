@@ -262,6 +262,50 @@ def test_a_request_for_prompt_logprobs_computes_its_whole_prompt() -> None:
     assert sched.cache.num_available == pool.num_pages and not sched._queued_pages
 
 
+def _with_position_logprobs(sched: Scheduler) -> None:
+    """The sim engine has no prompt logprobs: its chunks get value -i at prompt position i."""
+    real = sched.engine.forward
+
+    def forward(batch: list[Any]) -> list[Any]:
+        outs = real(batch)
+        for seq, out in zip(batch, outs, strict=True):
+            if seq.params.prompt_logprobs and seq.num_generated == 0:
+                out.prompt_logprobs = [-float(seq.num_cached + j) for j in range(len(seq.token_ids))]
+        return outs
+
+    sched.engine.forward = forward  # type: ignore[method-assign]
+
+
+def test_prompt_logprobs_from_a_start_share_the_prefix_before_it() -> None:
+    """SGLang's ``logprob_start_len`` (``prompt_logprobs_start``): only positions from the start on are sent,
+    and the cached pages before it are shared (the start itself may be cached: the engine re-runs the row
+    before it). A start of 0 still shares nothing; the request's own pages are cached for the next."""
+    sched, sink, pool = make(chunk_size=8)
+    _with_position_logprobs(sched)
+    prompt = list(range(100, 130))  # 30 tokens: 7 full pages of 4
+    sched.submit(0, Submit(1, prompt, SamplingParams(max_new_tokens=2)))
+    run_until_idle(sched)
+    for rid, start, cached in ((2, 20, 20), (3, 21, 20), (4, 0, 0), (5, 29, 28), (6, 3, 0)):
+        sched.submit(0, Submit(rid, prompt, SamplingParams(max_new_tokens=2, prompt_logprobs=True,
+                                                           prompt_logprobs_start=start)))
+        run_until_idle(sched)
+        outputs = sink.outputs(rid)
+        assert outputs[-1].cached_tokens == cached, rid
+        assert outputs[0].prompt_logprobs == [-float(j) for j in range(start, len(prompt))], rid
+        assert all(o.prompt_logprobs is None for o in outputs[1:])
+    assert sched.cache.num_available == pool.num_pages and not sched._queued_pages
+    # a start past the prompt (the gateway refuses it): no prompt logprobs, the request still served
+    sched.submit(0, Submit(7, prompt, SamplingParams(max_new_tokens=2, prompt_logprobs=True,
+                                                     prompt_logprobs_start=40)))
+    run_until_idle(sched)
+    assert sink.outputs(7)[-1].finish_reason == "length" and sink.outputs(7)[0].prompt_logprobs is None
+    # a negative start is refused
+    sched.submit(0, Submit(8, prompt, SamplingParams(max_new_tokens=2, prompt_logprobs=True,
+                                                     prompt_logprobs_start=-1)))
+    run_until_idle(sched)
+    assert [e.code for e in sink.errors(8)] == ["bad_request"] and not sink.outputs(8)
+
+
 def test_preemption_by_recompute_when_pages_run_out() -> None:
     # 10 pages of 4 tokens; 3 requests of 8 + 20 tokens need 7 pages each at the end.
     prompts = [list(range(i * 10, i * 10 + 8)) for i in range(3)]

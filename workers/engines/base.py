@@ -131,6 +131,8 @@ def check_sampling(params: SamplingParams, engine: Engine) -> str | None:
         return f"repetition_penalty must be a positive number, got {params.repetition_penalty}"
     if params.min_new_tokens < 0:
         return f"min_new_tokens must be >= 0, got {params.min_new_tokens}"
+    if params.prompt_logprobs_start < 0:
+        return f"prompt_logprobs_start must be >= 0, got {params.prompt_logprobs_start}"
     # the fields every request carries: a value outside these cannot be sampled from (NaN probabilities)
     if not (math.isfinite(params.temperature) and params.temperature >= 0):
         return f"temperature must be a number >= 0, got {params.temperature}"

@@ -23,7 +23,8 @@ NaN for position 0 (nothing precedes it; msgspec JSON writes NaN as null). For a
 after cached positions the first entry needs the previous position's final hidden state: after an
 earlier chunk of the same rid on this engine it is carried over (kept for at most 1024 requests
 mid-prefill); otherwise (prefix-cache hit) the previous token, from ``all_token_ids``, is re-run
-as an extra query row whose KV is not rewritten; with neither, that entry is NaN.
+as an extra query row whose KV is not rewritten; with neither, that entry is NaN. Positions before
+``params.prompt_logprobs_start`` are NaN and not scored (a chunk that ends before it is not looked at).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import math
 import os
 import secrets
 import threading
+from bisect import bisect_left
 from dataclasses import dataclass
 
 import torch
@@ -179,6 +181,7 @@ class TorchEngine(Engine):
             extra = (
                 self._wants_prompt_logprobs(seq)
                 and seq.num_cached > 0
+                and seq.num_cached >= seq.params.prompt_logprobs_start  # (the re-run row scores position num_cached)
                 and seq.all_token_ids is not None
                 and (seq.rid, seq.num_cached) not in self._prompt_carry
             )
@@ -255,7 +258,11 @@ class TorchEngine(Engine):
 
     @staticmethod
     def _wants_prompt_logprobs(seq: SeqInput) -> bool:
-        return seq.params.prompt_logprobs and seq.num_generated == 0
+        """A prompt chunk of a request for prompt logprobs that reaches their start (a chunk ending right before
+        it keeps its last row for the next one)."""
+        params = seq.params
+        return (params.prompt_logprobs and seq.num_generated == 0
+                and seq.num_cached + len(seq.token_ids) >= params.prompt_logprobs_start)
 
     def _sample(
         self, batch: list[SeqInput], rows: list[_SeqRows], hidden: torch.Tensor, outputs: list[SeqOutput]
@@ -295,7 +302,8 @@ class TorchEngine(Engine):
 
     def _prompt_logprobs(self, seq: SeqInput, rows: _SeqRows, hidden: torch.Tensor, carried: torch.Tensor | None,
                          ) -> tuple[list[float], list[list[TokenLogprob]] | None]:
-        """Logprob of each chunk token given its prefix (NaN where the prefix's row is unknown), and with
+        """Logprob of each chunk token given its prefix (NaN where the prefix's row is unknown, and before
+        ``params.prompt_logprobs_start``: not scored), and with
         ``top_logprobs`` the most likely tokens there ([] where unknown); ``carried``: the previous chunk's
         last row (kept for this one)."""
         n = len(seq.token_ids)
@@ -317,6 +325,9 @@ class TorchEngine(Engine):
             if carried is not None:
                 sources = torch.cat([carried[None], sources])
                 targets = [0, *targets]
+        skip = bisect_left(targets, seq.params.prompt_logprobs_start - seq.num_cached)  # (targets ascend)
+        if skip:
+            sources, targets = sources[skip:], targets[skip:]
         for begin in range(0, len(targets), _PROMPT_LOGPROB_BLOCK):
             block = targets[begin : begin + _PROMPT_LOGPROB_BLOCK]
             ids = torch.tensor([seq.token_ids[j] for j in block], device=self.device)
