@@ -145,6 +145,7 @@ class ChatCompletionRequest(_Sampling):
     # function tools: "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (the answer's first)
     # the template (vLLM's and SGLang's fields): more variables, the generation prompt, an open final message
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None

@@ -55,6 +55,7 @@ class ToolPlan:
     name: str | None = None  # the named function
     grammar: Grammar | None = None
     hermes: bool = False  # the chat template defines <tool_call> blocks
+    parallel: bool = True  # several calls in one answer (``parallel_tool_calls: false``: only its first)
 
     @property
     def names(self) -> list[str]:
@@ -101,8 +102,8 @@ def plan_tools(req: Any, chat_template: str | None) -> ToolPlan | None:
         return None
     tools = _functions(req.tools)
     hermes = chat_template is not None and _HERMES_OPEN in chat_template
-    if choice is None or choice == "auto":
-        return ToolPlan("auto", tools, hermes=hermes)
+    if choice is None or choice == "auto":  # (required and named modes make one call by their grammar)
+        return ToolPlan("auto", tools, hermes=hermes, parallel=getattr(req, "parallel_tool_calls", None) is not False)
     if choice == "none":
         return ToolPlan("none", tools, hermes=hermes)
     if choice == "required":
@@ -246,7 +247,7 @@ def parse_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
         if not isinstance(name, str) or name not in plan.names or not arguments.startswith("{"):
             return None
         calls.append(_new_call(name, arguments))
-    return calls or None
+    return (calls if plan.parallel else calls[:1]) or None
 
 
 def split_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from gateway.api_models import ChatCompletionRequest
 from gateway.errors import BadRequest
 from gateway.tool_calls import _ChoiceStream, parse_calls, plan_tools, shape_choices
 
@@ -18,8 +19,8 @@ TIME = {"type": "function", "function": {"name": "get_time"}}
 HERMES_TEMPLATE = "{% for m in messages %}...{% endfor %}<tool_call>"
 
 
-def req(tools: Any = None, tool_choice: Any = None) -> Any:
-    return SimpleNamespace(tools=tools, tool_choice=tool_choice)
+def req(tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool | None = None) -> Any:
+    return SimpleNamespace(tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
 
 
 def feed(stream: _ChoiceStream, text: str, finish: str = "stop", size: int = 3) -> tuple[list[dict[str, Any]], Any]:
@@ -187,6 +188,27 @@ def test_auto_parses_the_models_own_format_and_streams_plain_text() -> None:
     deltas, reason = feed(_ChoiceStream(plan), "<tool_call>{not json</tool_call>")
     assert reason == "stop" and deltas[-1]["content"] == "<tool_call>{not json</tool_call>"
     assert parse_calls(plan, '{"name": "unknown", "arguments": {}}') is None
+
+
+def test_parallel_tool_calls_false_answers_the_first_call_alone() -> None:
+    """``parallel_tool_calls: false`` (OpenAI: at most one call): an answer with several blocks gives its first,
+    whole and streamed alike; the default and true give them all. (It used to be ignored.)"""
+    text = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    for parallel, names in ((False, ["get_weather"]), (True, ["get_weather", "get_time"]),
+                            (None, ["get_weather", "get_time"])):
+        plan = plan_tools(req([WEATHER, TIME], None, parallel), HERMES_TEMPLATE)
+        assert plan is not None
+        result: dict[str, Any] = {"choices": [{"message": {"role": "assistant", "content": text},
+                                               "finish_reason": "stop"}]}
+        shape_choices(plan, result)
+        choice = result["choices"][0]
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == names
+        assert choice["finish_reason"] == "tool_calls"
+        deltas, reason = feed(_ChoiceStream(plan), text)
+        assert reason == "tool_calls" and [c["name"] for c in merged_calls(deltas).values()] == names
+    with pytest.raises(msgspec.ValidationError):  # (a 400 naming it on the route)
+        msgspec.convert({"messages": [], "parallel_tool_calls": "no"}, ChatCompletionRequest)
 
 
 @pytest.mark.parametrize("size", [1, 3, 7])
