@@ -69,6 +69,13 @@ class SenderRooms:
     def on_room_request(self, link: Link, msg: RoomRequest) -> None:
         outbox: Outbox = []
         channel, room = link.channel, msg.room
+        if len(msg.page_ids) > link.num_pages:  # (before any per-id work, and outside the lock: no real list is
+            # longer than the decode's pool, and a forged one of millions would stall every room and be kept)
+            _refuse(outbox, channel, room, TransferError(
+                TransferErrorKind.RANGE_REJECTED,
+                f"room {room}: a page list of {len(msg.page_ids)} ids for a decode of {link.num_pages} pages"))
+            flush(outbox)
+            return
         with self._ctx.lock:
             sender = self._senders.get(room)
             problem: TransferError | None = None
