@@ -100,7 +100,10 @@ class DecodeSide:
         self._receivers: dict[int, KVReceiver] = {}
         self._conns: dict[tuple[str, int], PrefillConn] = {}
         self._by_channel: dict[ControlChannel, PrefillConn] = {}
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-bootstrap")
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-bootstrap")
+        # target -> the rooms waiting for its look-up, under way on one pool thread (a registry that hangs holds
+        # one thread, not one per room: rooms of other prefills are not queued behind its rooms)
+        self._resolving: dict[tuple[str, int | None, str | None], list[KVReceiver]] = {}
         self._generations = itertools.count(1)
         self._last_beat = time.monotonic()
         backend = ctx.backend
@@ -116,16 +119,21 @@ class DecodeSide:
             if room in self._receivers:
                 raise ValueError(f"room {room} already has a receiver")
             receiver = KVReceiver(self, room, time.monotonic())
-            receiver.target = (host, port, instance_id)
+            target = receiver.target = (host, port, instance_id)
             self._receivers[room] = receiver
             conn = self._conns.get(self._known_address(host, port, instance_id) or ("", 0))
             if conn is not None and conn.ready:  # fast path: nothing to resolve, connect or register
                 receiver.join(conn)
-                conn.targets.add((host, port, instance_id))
+                conn.targets.add(target)
                 conn.receivers.add(receiver)
                 self._ctx.changed()
                 return receiver
-        self._pool.submit(self._bootstrap, receiver, host, port, instance_id)
+            waiting = self._resolving.get(target)
+            if waiting is not None:  # its look-up is under way: its answer serves this room too
+                waiting.append(receiver)
+                return receiver
+            self._resolving[target] = [receiver]
+        self._pool.submit(self._bootstrap, target)
         return receiver
 
     def _known_address(self, host: str, port: int | None, instance_id: str | None) -> tuple[str, int] | None:
@@ -140,44 +148,50 @@ class DecodeSide:
             return None
         return (str(address[0]), int(address[1])) if address is not None else None
 
-    def _bootstrap(self, receiver: KVReceiver, host: str, port: int | None, instance_id: str | None) -> None:
-        conn = None
-        try:
-            address = self._resolve(receiver, host, port, instance_id)
+    def _bootstrap(self, target: tuple[str, int | None, str | None]) -> None:
+        """On a pool thread: look ``target`` up once (may block on the registry), then join every room that
+        waited for it (those created meanwhile too) to its connection, opening it if new."""
+        host, port, instance_id = target
+        address, failure = self._resolve(target)
+        with self._ctx.lock:
+            receivers = self._resolving.pop(target, [])
+        opened: list[PrefillConn] = []
+        for receiver in receivers:
             if address is None:
-                return
-            conn = self._attach(receiver, address)
-            if conn is not None:
-                self._open(conn)
-        except Exception as exc:  # (on the pool's thread: raised, it would be lost and the room left waiting)
-            error = TransferError(TransferErrorKind.BOOTSTRAP,
-                                  f"room {receiver.room}: connecting to the prefill {host}:{port} failed: {exc!r}")
-            if conn is not None:
-                self._conn_failed(conn, error)
-            else:
+                if isinstance(failure, TransferError):
+                    error = room_error(receiver.room, failure)
+                else:
+                    error = TransferError(TransferErrorKind.BOOTSTRAP, f"room {receiver.room}: resolving bootstrap "
+                                          f"target {host}:{port} ({instance_id}) failed: {failure!r}")
                 self._fail_one(receiver, error)
+                continue
+            try:
+                conn = self._attach(receiver, address)
+            except Exception as exc:  # (on the pool's thread: raised, it would be lost and the rooms left waiting)
+                self._fail_one(receiver, TransferError(
+                    TransferErrorKind.BOOTSTRAP,
+                    f"room {receiver.room}: connecting to the prefill {host}:{port} failed: {exc!r}"))
+                continue
+            if conn is not None:
+                opened.append(conn)
+        for conn in opened:
+            try:
+                self._open(conn)
+            except Exception as exc:
+                self._conn_failed(conn, TransferError(
+                    TransferErrorKind.BOOTSTRAP, f"connecting to the prefill {host}:{port} failed: {exc!r}"))
 
-    def _resolve(self, receiver: KVReceiver, host: str, port: int | None,
-                 instance_id: str | None) -> tuple[str, int] | None:
-        """The prefill's control address (may block on the registry); None: the room failed."""
-        room = receiver.room
+    def _resolve(self, target: tuple[str, int | None, str | None]) -> tuple[tuple[str, int] | None, Exception | None]:
+        """The prefill's control address (may block on the registry), or None and why not."""
         try:
-            return self._address(host, port, instance_id)
+            return self._address(*target), None
         except TransferError as exc:
-            self._fail_one(receiver, room_error(room, exc))
-            return None
+            return None, exc
         except Exception as exc:
-            live = self._live_address((host, port, instance_id))
-            if live is not None:
-                # The registry failed the look-up (down past its replies' stale window, say), but a registered,
-                # heartbeating connection serves that very prefill: it still is where it was.
-                return live
-            error = TransferError(
-                TransferErrorKind.BOOTSTRAP,
-                f"room {room}: resolving bootstrap target {host}:{port} ({instance_id}) failed: {exc!r}",
-            )
-            self._fail_one(receiver, error)
-            return None
+            # The registry failed the look-up (down past its replies' stale window, say), but a registered,
+            # heartbeating connection may serve that very prefill: it still is where it was.
+            live = self._live_address(target)
+            return (live, None) if live is not None else (None, exc)
 
     def _live_address(self, target: tuple[str, int | None, str | None]) -> tuple[str, int] | None:
         """The address of a ready connection that a room for ``target`` was served over, if there is one."""

@@ -8,6 +8,7 @@ those failures against the decodes, whose breakers opened: the whole cluster ans
 
 from __future__ import annotations
 
+import threading
 import time
 
 from kvunit import make_args, wait_for
@@ -221,5 +222,55 @@ def test_a_registry_down_for_good_does_not_fail_rooms_of_a_connected_prefill() -
         assert wait_for(lambda: other.poll() == KVPoll.Failed)
         assert other.failure().kind == TransferErrorKind.BOOTSTRAP  # type: ignore[union-attr]
     finally:
+        for m in made:
+            m.close()
+
+
+class HangingRegistry(CachingRegistry):
+    """Look-ups of ``hung`` block until ``release`` is set, then fail (a registry that accepts and never
+    answers, until its client's timeout); the rest answer at once. ``calls`` counts look-ups per target."""
+
+    def __init__(self, address: tuple[str, int], hung: str) -> None:
+        super().__init__(address)
+        self.hung = hung
+        self.release = threading.Event()
+        self.calls: dict[str, int] = {}
+
+    def __call__(self, host: str, port: int | None, instance_id: str | None) -> tuple[str, int]:
+        self.calls[host] = self.calls.get(host, 0) + 1
+        if host == self.hung:
+            self.release.wait(30)
+            raise TimeoutError("the registry did not answer")
+        return super().__call__(host, port, instance_id)
+
+    def cached(self, host: str, port: int | None, instance_id: str | None) -> tuple[str, int] | None:
+        return None  # (every room asks)
+
+
+def test_rooms_of_a_hung_registry_do_not_hold_up_other_prefills_rooms() -> None:
+    """One look-up per target at a time, shared by the rooms that wait for it: a registry that hangs holds one
+    of the decode's bootstrap threads, not one per room (with 8 rooms behind it, a room for a healthy prefill
+    waited two of its timeouts: found by review), and its failure fails them all at once."""
+    made: list[KVManager] = []
+    registry = None
+    try:
+        prefill = KVManager("prefill", make_args(), FakeBackend(), timeouts=QUICK)
+        made.append(prefill)
+        registry = HangingRegistry(prefill.control_address, hung="frozen.local")
+        decode = KVManager("decode", make_args(), FakeBackend(), timeouts=QUICK, resolver=registry)
+        made.append(decode)
+        stuck = [decode.create_receiver(100 + i, "frozen.local", 8998, None) for i in range(12)]
+        healthy = decode.create_receiver(1, "registry.local", 8998, None)
+        assert wait_for(lambda: healthy.poll() == KVPoll.WaitingForInput)
+        assert all(r.poll() == KVPoll.Bootstrapping for r in stuck)  # (their look-up still hangs)
+        assert registry.calls == {"frozen.local": 1, "registry.local": 1}
+        registry.release.set()
+        assert wait_for(lambda: all(r.poll() == KVPoll.Failed for r in stuck))
+        assert {r.failure().kind for r in stuck} == {TransferErrorKind.BOOTSTRAP}  # type: ignore[union-attr]
+        assert all(f"room {r.room}:" in r.failure().message for r in stuck)  # type: ignore[union-attr]
+        assert registry.calls["frozen.local"] == 1
+    finally:
+        if registry is not None:
+            registry.release.set()
         for m in made:
             m.close()
