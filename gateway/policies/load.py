@@ -3,7 +3,10 @@
 Prefill load is time: queued prompt tokens divided by the worker's measured throughput, so a worker
 three times slower looks three times as loaded for the same queue. Decode load is pressure: the
 share of the KV pool or of the batch slots in use once this request is placed, whichever is higher,
-plus a penalty when the request would have to wait for pages.
+plus a penalty when the request would have to wait for pages. A decode whose KV pool is unknown (an
+SGLang worker without ``/v1/loads``: no report, no pool size) is judged by its slots alone, its own open
+requests over its batch limit or, unknown too, ``NOMINAL_SLOTS``: neither full nor free, so that it
+neither starves next to reporting workers nor wins every tie among its peers.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Sequence
 from gateway.policies.base import RequestInfo, WorkerView
 
 UNKNOWN_RATE = 1.0  # tokens/s stand-in when no worker has measured its prefill throughput yet
+NOMINAL_SLOTS = 256  # batch slots assumed for a decode that reports neither its KV pool nor its batch limit
 
 
 def fallback_rate(prefills: Sequence[WorkerView]) -> float:
@@ -36,9 +40,16 @@ def prefill_wait_s(worker: WorkerView, fallback: float) -> float:
     return worker.num_prefill_tokens / rate_of(worker, fallback)
 
 
+def fits_pages(worker: WorkerView, need_pages: int) -> bool:
+    """The request's pages are free on the worker now (assumed where its pool is unknown)."""
+    return worker.num_total_pages <= 0 or need_pages <= worker.num_free_pages
+
+
 def decode_pressure(worker: WorkerView, need_pages: int) -> float:
     """Utilization (0..1, more when over-committed) of a decode worker once this request is placed."""
     total = worker.num_total_pages
+    if total <= 0:  # the pool is unknown: the slots alone, no page term and no wait penalty
+        return (worker.num_running_seqs + worker.num_waiting_seqs + 1) / (worker.max_running_seqs or NOMINAL_SLOTS)
     free = worker.num_free_pages
     kv = (total - free + need_pages) / total if total > 0 else 0.0
     limit = worker.max_running_seqs
@@ -52,6 +63,8 @@ def decode_pressure(worker: WorkerView, need_pages: int) -> float:
 def decode_utilization(worker: WorkerView) -> float:
     """Share of a decode worker's KV pool or batch slots in use now, whichever is higher."""
     total, limit = worker.num_total_pages, worker.max_running_seqs
+    if total <= 0:  # (the pool unknown: as ``decode_pressure``)
+        limit = limit or NOMINAL_SLOTS
     kv = (total - worker.num_free_pages) / total if total > 0 else 0.0
     seqs = (worker.num_running_seqs + worker.num_waiting_seqs) / limit if limit > 0 else 0.0
     return max(kv, seqs)
@@ -66,7 +79,7 @@ def can_take_now(workers: Sequence[WorkerView], request: RequestInfo) -> list[Wo
     fit = []
     for w in workers:
         limit = w.max_running_seqs
-        if decode_need(request, w) <= w.num_free_pages and (
+        if fits_pages(w, decode_need(request, w)) and (
                 limit <= 0 or w.num_running_seqs + w.num_waiting_seqs < limit):
             fit.append(w)
     return fit
@@ -81,12 +94,15 @@ def least_pressured(decodes: Sequence[WorkerView], request: RequestInfo) -> Work
     best, best_pressure, best_active = decodes[0], float("inf"), 0
     for w in decodes:
         total, free, limit = w.num_total_pages, w.num_free_pages, w.max_running_seqs
-        need = -(-tokens // (w.page_size or 16))
-        pressure = (total - free + need) / total if total > 0 else 0.0
-        if limit > 0:
-            pressure = max(pressure, (w.num_running_seqs + w.num_waiting_seqs + 1) / limit)
-        if need > free:
-            pressure += 1.0 + w.num_waiting_seqs
+        if total > 0:
+            need = -(-tokens // (w.page_size or 16))
+            pressure = (total - free + need) / total
+            if limit > 0:
+                pressure = max(pressure, (w.num_running_seqs + w.num_waiting_seqs + 1) / limit)
+            if need > free:
+                pressure += 1.0 + w.num_waiting_seqs
+        else:  # the pool unknown: the slots alone
+            pressure = (w.num_running_seqs + w.num_waiting_seqs + 1) / (limit or NOMINAL_SLOTS)
         if pressure < best_pressure or (pressure == best_pressure and w.num_active < best_active):
             best, best_pressure, best_active = w, pressure, w.num_active
     return best

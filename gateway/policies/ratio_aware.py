@@ -18,7 +18,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from gateway.policies.base import Pair, RequestInfo, WorkerView
-from gateway.policies.load import decode_need, decode_pressure, decode_utilization, fallback_rate, rate_of
+from gateway.policies.load import (
+    decode_need,
+    decode_pressure,
+    decode_utilization,
+    fallback_rate,
+    fits_pages,
+    rate_of,
+)
 
 
 class RatioAwarePolicy:
@@ -35,7 +42,7 @@ class RatioAwarePolicy:
         decode, best_key = decodes[0], (True, float("inf"))
         for w in _rotated(decodes, self._turn):
             need = decode_need(request, w)
-            key = (need > w.num_free_pages, decode_pressure(w, need))
+            key = (not fits_pages(w, need), decode_pressure(w, need))
             if key < best_key:
                 decode, best_key = w, key
         prefill = None
@@ -58,8 +65,12 @@ class RatioAwarePolicy:
     def stats(self) -> Mapping[str, float]:
         decode_util = _mean([decode_utilization(w) for w in self._decodes])
         out = {"decode_utilization": decode_util}
-        if self._prefills:  # (the decode side of a split sees no prefills: no figures for them, not zeros)
-            prefill_util = _mean([w.busy_fraction for w in self._prefills])
+        # Prefills: the busy share of those with a fresh report (0.0 is also "unknown": a stale report's, one not
+        # come yet, an SGLang worker's); none such, no figures rather than an idle pool. (The decode side of a
+        # split sees no prefills: no figures for them either.)
+        busy = [w.busy_fraction for w in self._prefills if w.is_load_fresh]
+        if busy:
+            prefill_util = _mean(busy)
             out["prefill_utilization"] = prefill_util
             if decode_util > 0:
                 out["pd_load_ratio"] = prefill_util / decode_util
