@@ -11,7 +11,10 @@ Lifecycle (event loop only; nothing here blocks):
    before the worker's events arrive (each routing renews what its events do not cover yet, so a
    prefix kept busy stays where it is). One (mask, expiry) per hash: re-assuming a hash for any
    worker extends it for every worker assumed on it (a heuristic's cheap approximation; the
-   events are the truth). Expired entries are ignored by look-ups and swept in bulk.
+   events are the truth). Expired entries are ignored by look-ups and swept in bulk; past
+   ``MAX_ASSUMED`` live ones, those assumed longest ago go first (a long ``--assume-ttl-s`` at a high
+   rate of new prompts kept every one, without bound: ~150 bytes per page, and a lost prefill's
+   clean-up passed over them all on the event loop).
 3. ``match(hashes)`` -> {url: leading pages held}: the longest run of consecutive hashes per worker
    (a worker serves a prefix only up to its first missing page, as ``PageCache.match`` does).
 
@@ -29,6 +32,7 @@ from workers.protocol import KVEvents
 
 DEFAULT_ASSUME_TTL_S = 2.0
 SWEEP_MIN = 4096  # assumed entries kept before the first bulk sweep of expired ones
+MAX_ASSUMED = 65_536  # assumed entries kept after a sweep (at most twice that between), oldest dropped first
 
 
 class PrefixIndex:
@@ -41,7 +45,8 @@ class PrefixIndex:
         self._free: list[int] = []
         self._held: dict[bytes, int] = {}  # hash -> mask of workers that reported it stored
         self._by_worker: dict[int, set[bytes]] = {}
-        self._assumed: dict[bytes, tuple[int, float]] = {}  # hash -> (mask of workers, until)
+        self._assumed: dict[bytes, tuple[int, float]] = {}  # hash -> (mask of workers, until), oldest first
+        self._assumed_bits = 0  # the workers with assumptions (a worker without any costs no pass over them)
         self._sweep_at = SWEEP_MIN
         self.num_events = 0
 
@@ -99,8 +104,11 @@ class PrefixIndex:
         heapq.heappush(self._free, bit)
 
     def _unassume(self, bit: int) -> None:
+        if not self._assumed_bits >> bit & 1:  # (a decode, or a prefill nothing was routed to)
+            return
         keep = ~(1 << bit)
         self._assumed = {h: (mask & keep, until) for h, (mask, until) in self._assumed.items() if mask & keep}
+        self._assumed_bits &= keep
 
     def _clear(self, bit: int) -> None:
         """Forget every page the worker on ``bit`` reported holding."""
@@ -120,15 +128,23 @@ class PrefixIndex:
         now = self._clock() if now is None else now
         until = now + self.assume_ttl_s
         mask = 1 << self._bit(url)
+        self._assumed_bits |= mask
         assumed = self._assumed
         for h in hashes:
-            entry = assumed.get(h)
+            entry = assumed.pop(h, None)  # (put back last: the most recently assumed)
             assumed[h] = (mask if entry is None or entry[1] <= now else entry[0] | mask, until)
         if len(assumed) > self._sweep_at:
             self._sweep(now)
 
     def _sweep(self, now: float) -> None:
-        self._assumed = {h: e for h, e in self._assumed.items() if e[1] > now}
+        """Expired entries out, and past ``MAX_ASSUMED`` the oldest (so at most twice that many are ever kept:
+        the next sweep comes when the entries have doubled)."""
+        live = [(h, e) for h, e in self._assumed.items() if e[1] > now]
+        self._assumed = dict(live[-MAX_ASSUMED:])  # (oldest first: past the cap, those assumed longest ago go)
+        bits = 0
+        for mask, _ in self._assumed.values():
+            bits |= mask
+        self._assumed_bits = bits
         self._sweep_at = max(SWEEP_MIN, 2 * len(self._assumed))
 
     # -- look-ups ---------------------------------------------------------------------------------

@@ -58,3 +58,37 @@ def test_many_workers_as_bits() -> None:
         index.apply(f"w{i}", KVEvents(stored=H[: 1 + i % 4]))
     got = index.match(H)
     assert len(got) == 300 and all(got[f"w{i}"] == 1 + i % 4 for i in range(300))
+
+
+def test_assumed_entries_are_bounded_the_least_recently_assumed_going_first(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A long ``--assume-ttl-s`` at a high rate of new prompts kept every assumed page (found by review: ~150
+    bytes each, without bound): past the cap those assumed longest ago go, a prefix assumed again stays."""
+    import gateway.prefix_index as module
+
+    monkeypatch.setattr(module, "MAX_ASSUMED", 100)
+    monkeypatch.setattr(module, "SWEEP_MIN", 50)
+    index = PrefixIndex(assume_ttl_s=300.0, clock=lambda: 0.0)
+    hot = [bytes([255, i]) for i in range(4)]
+    index.assume("a", hot)
+    for i in range(1000):
+        index.assume("b", [i.to_bytes(4, "big")])
+        if i % 10 == 0:
+            index.assume("a", hot)  # kept busy
+        assert len(index._assumed) <= 2 * 100
+    assert index.match(hot) == {"a": 4}
+    assert index.match([(999).to_bytes(4, "big")]) == {"b": 1}
+    assert index.match([(0).to_bytes(4, "big")]) == {}  # the oldest went
+
+
+def test_a_worker_never_assumed_costs_no_pass_over_the_assumptions() -> None:
+    """A decode (never assumed) losing its connection must not rebuild every assumed entry on the event loop."""
+    index = PrefixIndex(assume_ttl_s=60.0, clock=lambda: 0.0)
+    index.assume("prefill", H)
+    index.apply("decode", KVEvents(stored=H[:1]))
+    before = index._assumed
+    index.drop_worker("decode")
+    assert index._assumed is before  # (not rebuilt)
+    index.drop_worker("prefill")
+    assert index._assumed is not before and index.match(H) == {}
+    index.assume("prefill", H[:2])  # back: assumed again
+    assert index.match(H) == {"prefill": 2}
