@@ -62,6 +62,14 @@ class Router:
         if unknown:
             names = ", ".join(sorted(set(sides.values())))
             raise PolicyError(f"unknown policy option(s) {', '.join(unknown)} for policy {names}")
+        # A policy may say which of its options matter when it only picks the decode (``decode_options``): one of
+        # the others set for that side alone would be taken and change nothing.
+        decode_options = getattr(load_policy_class(decode_name), "decode_options", None)
+        idle = [f"decode.{k}" for k in options.get("decode", {})
+                if decode_options is not None and k not in decode_options]
+        if idle:
+            raise PolicyError(f"policy option(s) {', '.join(idle)} change nothing: policy {decode_name} picks a decode "
+                              "without them (they are its prefill side's)")
 
         def side_options(side: str) -> dict[str, str]:
             mine = {k: v for k, v in shared.items() if k in accepted[side]}

@@ -28,6 +28,7 @@ from gateway.errors import NoWorkers
 from gateway.health import HealthConfig
 from gateway.metrics import GatewayMetrics, WorkerCollector
 from gateway.policies import parse_option_args
+from gateway.policies.loader import load_policy_class
 from gateway.remote_tokenizer import RemoteTokenizerError, fetch_tokenizer, needs_fetch
 from gateway.router import Router
 from gateway.sglang_fleet import RelayConfig, SGLangFleet, check_http_url, is_http_url
@@ -158,6 +159,8 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.metrics = GatewayMetrics()
+        if config.prefill_policy and config.decode_policy:
+            load_policy_class(config.policy)  # (overridden on both sides, a misspelled --policy is still an error)
         self.router = Router.build(config.prefill_policy or config.policy, config.decode_policy or config.policy,
                                    parse_option_args(config.policy_options), assume_ttl_s=config.assume_ttl_s)
         self.is_combined = bool(config.worker)

@@ -37,6 +37,7 @@ from gateway.policies.load import can_take_now, fallback_rate, least_pressured
 
 class CacheAwarePolicy:
     name = "cache_aware"
+    decode_options: frozenset[str] = frozenset()  # (its decode side is the least pressured: no option applies)
 
     class Options(msgspec.Struct, forbid_unknown_fields=True):
         cache_weight: float = 2.0
