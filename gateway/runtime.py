@@ -271,8 +271,9 @@ class Gateway:
         """Its connection closed. The prefix index's entry for its URL goes too, unless that URL is now
         another client's (removed by the admin API and added again before this one's drain ended: the
         new connection's snapshot is the index's now)."""
-        current = self.find(client.url)
-        self.router.worker_removed(client.state, drop_index=current is None or current is client)
+        current = self.find(client.url)  # (by address: another spelling of it is another key in the index)
+        self.router.worker_removed(client.state, drop_index=current is None or current is client
+                                   or current.url != client.url)
 
     def _max_context(self) -> int | None:
         """The shortest context of the workers this gateway has (that have ever connected): a prompt must
@@ -466,7 +467,8 @@ class Gateway:
             # Requests still open past the drain timeout: dropped by the worker as its connection closes,
             # and continued on other workers here (migrated, retried), as after a lost connection.
             await client.aclose("removed by the admin API (its drain timeout passed)")
-        if self.find(client.url) is None:  # (not added again meanwhile: then its place stays its own)
+        current = self.find(client.url)  # (added again meanwhile, under the same URL: its place stays its own)
+        if current is None or current.url != client.url:
             self.router.worker_forgotten(client.url)
             self.metrics.worker_failures.forget("worker", client.url)  # (URLs may never come back: pod IPs)
         max_context = self._max_context()

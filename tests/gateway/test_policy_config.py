@@ -77,3 +77,44 @@ def test_the_contract_runner_says_why_it_cannot_build_a_policy(capsys: pytest.Ca
     assert "cache_weight" in capsys.readouterr().err
     assert contract_main(["round_robin"]) == 0
     assert "round_robin: 8/8 checks passed" in capsys.readouterr().out
+
+
+def test_a_worker_added_again_under_another_spelling_during_its_drain_leaves_no_index_entry() -> None:
+    """The drain takes the worker out of the pools, then closes it; the admin API adding the same address spelled
+    otherwise (``127.0.0.1:11`` for ``pd://127.0.0.1:11``) in that window made both clean-ups skip the old URL,
+    whose place and pages then stayed in the prefix index for good (keyed by URL string, not by address)."""
+    import asyncio
+    import os
+
+    from test_hot_path import _RecordingTransport
+
+    from workers.protocol import PROTOCOL_VERSION, HelloAck, KVEvents
+
+    async def run() -> None:
+        gw = Gateway(GatewayConfig(prefill=("pd://127.0.0.1:11", "pd://127.0.0.1:12"), decode=("pd://127.0.0.1:21",),
+                                   policy="cache_aware", drain_timeout_s=1.0))
+        loop = asyncio.get_running_loop()
+        for i, client in enumerate(gw.clients):
+            client.loop = loop
+            client._transport = _RecordingTransport()  # type: ignore[assignment]
+            boot = ("127.0.0.1", 9000 + i, f"inst{i}") if client.role == "prefill" else (None, None, None)
+            client.info = HelloAck(PROTOCOL_VERSION, f"w{i}", client.role, "sim", "m", "byte", 4, 4096, 64, *boot)
+            client.state.connected(client.info)
+            client._announce(True)
+        old = gw.prefills[0]
+        old.on_kv_events(old, KVEvents(stored=[os.urandom(16) for _ in range(100)], reset=True))
+        old._task = asyncio.create_task(asyncio.sleep(3600))  # its connection: ``aclose`` awaits its end
+        gw.remove_worker(old.url)
+        drain = next(iter(gw._tasks))
+        while old in gw.prefills:  # the drain has taken it out of the pools and is closing it
+            await asyncio.sleep(0)
+        new = gw.add_worker("127.0.0.1:11", "prefill")
+        await drain
+        index = gw.router.index
+        assert old.url not in index._bit_of and not index._held
+        assert new.url != old.url
+        for client in gw.clients:
+            if client._task is not None:
+                client._task.cancel()
+
+    asyncio.run(run())
