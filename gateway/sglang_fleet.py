@@ -258,6 +258,10 @@ class SGLangFleet:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for worker in self.workers:  # (the policies hear of every worker that was up, as of native ones)
+            if worker.is_up:
+                worker.is_up = False
+                self.router.worker_removed(worker.state)
         for session in (self.session, self._checks):
             if session is not None:
                 await session.close()

@@ -77,3 +77,43 @@ def test_relayed_token_figures_count_each_prompt_once() -> None:
     one.answered(json.dumps({"usage": {"prompt_tokens": 7, "completion_tokens": 2,
                                        "prompt_tokens_details": {"cached_tokens": 4}}}).encode())
     assert counted(one) == (7, 4, 2)
+
+
+def test_closing_the_fleet_tells_the_policies_each_worker_that_was_up_is_removed() -> None:
+    """The policy hook ``on_worker_removed`` runs when a worker is lost or the gateway closes (docs/policies.md):
+    native workers' did at close, SGLang workers' did not (found by review)."""
+    removed: list[str] = []
+
+    class Recording:
+        name = "recording"
+
+        def select(self, prefills, decodes, request):  # type: ignore[no-untyped-def]
+            from gateway.policies.base import Pair
+            return Pair(prefills[0] if prefills else None, decodes[0])
+
+        def on_worker_removed(self, worker) -> None:  # type: ignore[no-untyped-def]
+            removed.append(f"{worker.role} {worker.url}")
+
+    async def main() -> None:
+        async def health(_: web.Request) -> web.Response:
+            return web.json_response({})
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        policy = Recording()
+        fleet = SGLangFleet([(url, 8998)], [url.replace("127.0.0.1", "localhost")], Router(policy, policy),
+                            HealthConfig(probe_interval_s=0.1, probe_timeout_s=0.3))
+        fleet.start()
+        try:
+            assert await fleet.wait_ready(5)
+        finally:
+            await fleet.aclose()
+            await runner.cleanup()
+        assert sorted(removed) == sorted([f"prefill {url}", f"decode {url.replace('127.0.0.1', 'localhost')}"])
+
+    asyncio.run(main())
