@@ -93,6 +93,9 @@ class Prepared:
     logprob_text: bool = False  # /generate's ``return_text_in_logprobs``: each logprob entry names its token
     # /generate with ``return_logprob``: each prompt's first position with a prompt logprob (``logprob_start_len``)
     logprob_starts: list[int] | None = None
+    # /generate's ``max_new_tokens: 0`` (the prompt alone: its logprobs, SGLang's scoring): run for one token,
+    # answered without it
+    no_output: bool = False
 
     def logprob_start_of(self, choice: int) -> int:
         return self.logprob_starts[choice // self.per_prompt] if self.logprob_starts else 0
@@ -376,9 +379,14 @@ class Frontend:
                              param=name)
         shim = _GenerateShim(sp)
         logprobs = bool(req.return_logprob)
+        no_output = sp.max_new_tokens == 0
+        if no_output and sp.min_new_tokens:
+            raise BadRequest(f"sampling_params.min_new_tokens ({sp.min_new_tokens}) must not exceed max_new_tokens (0)",
+                             param="sampling_params.min_new_tokens")
         # (a batch shares its sampling parameters: its longest prompt decides what fits the context; without
         # max_new_tokens, SGLang's default budget, cut to what fits, as SGLang's scheduler does)
-        params, stops = self._params(shim, max(prompts, key=len), sp.max_new_tokens, logprobs, 0, "sampling_params.",
+        params, stops = self._params(shim, max(prompts, key=len), 1 if no_output else sp.max_new_tokens, logprobs, 0,
+                                     "sampling_params.",
                                      prompt=name, max_tokens_name="max_new_tokens",
                                      default_max=GENERATE_MAX_NEW_TOKENS)
         if not all(prompts):
@@ -394,7 +402,8 @@ class Frontend:
                         bootstrap=ClientBootstrap.of(req), param_prefix="sampling_params.",
                         batch=prompts if batched else None, keep_stop=bool(sp.no_stop_trim),
                         skip_special=sp.skip_special_tokens is not False,
-                        logprob_text=bool(req.return_text_in_logprobs), logprob_starts=starts), sp
+                        logprob_text=bool(req.return_text_in_logprobs), logprob_starts=starts,
+                        no_output=no_output), sp
 
     # -- running choices ---------------------------------------------------------------------
     def _choice(self, prep: Prepared, index: int = 0) -> ChoiceState:

@@ -173,7 +173,8 @@ class GenerateSampling(msgspec.Struct):
     """SGLang's ``sampling_params``; ``null`` means the default here too (SGLang's router sends its
     unset optional fields as ``null``)."""
 
-    max_new_tokens: Count | None = None  # (SGLang's default budget, GENERATE_MAX_NEW_TOKENS, cut to what fits)
+    # (SGLang's default budget, GENERATE_MAX_NEW_TOKENS, cut to what fits; 0: the prompt alone, as SGLang)
+    max_new_tokens: Annotated[int, Meta(ge=0)] | None = None
     temperature: Temperature | None = 1.0
     top_p: TopP | None = 1.0
     top_k: TopK | None = -1

@@ -268,6 +268,8 @@ class GenerateShape(Shape):
     @staticmethod
     def _payload(run: Run, state: ChoiceState) -> dict[str, Any]:
         prep = run.prep
+        if prep.no_output:  # (``max_new_tokens: 0``: the one token it ran for is not the answer's)
+            state = state.prompt_only()
         prompt = prep.prompt_of(state.index)
         meta: dict[str, Any] = {
             "id": run.rid if prep.item_ids is None else prep.item_ids[state.index // prep.per_prompt],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -83,6 +84,16 @@ class ChoiceState:
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
+
+    def prompt_only(self) -> ChoiceState:
+        """This choice without its output (a budget of 0, run for one token): no tokens, text or logprobs, cut at
+        its length once it has ended."""
+        bare = copy.copy(self)
+        bare.token_ids, bare.text_parts, bare.logprobs = [], [], []
+        bare.stop = StopMatcher([], False)
+        if self.finish_reason is not None:
+            bare.finish_reason = "length"
+        return bare
 
     def accept(self, event: StepOutput) -> tuple[str, list[dict[str, Any]]]:
         """Apply one step; returns (new text, new logprob entries). Sets ``finish_reason`` when done."""

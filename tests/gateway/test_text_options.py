@@ -229,3 +229,32 @@ def test_logprob_start_len_picks_the_prompt_positions() -> None:
         with pytest.raises(BadRequest) as err:
             prepare(**fields)
         assert err.value.param == param, fields
+
+
+def test_max_new_tokens_0_answers_the_prompt_alone() -> None:
+    """SGLang's ``max_new_tokens: 0`` (scoring a prompt: its logprobs, no output) was a 400: it runs for one token,
+    which the answer leaves out (no text, ids or output logprobs; finish ``length`` 0)."""
+    from gateway.shapes import GenerateShape, Run
+
+    front = _frontend()
+    body = {"text": "abcd", "return_logprob": True, "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 0}}
+    prep = front.prepare_generate(msgspec.convert(body, GenerateRequest))[0]
+    assert prep.no_output and prep.params.max_new_tokens == 1
+    state = ChoiceState(0, front.tokenizer, [], True)
+    state.prompt_logprobs = [float("nan"), -0.2, -0.3, -0.4]
+    state.accept(StepOutput(1, [ord("k")], "length", logprobs=[-0.1]))
+    payload = GenerateShape._payload(Run(front, prep, "r"), state)
+    meta = payload["meta_info"]
+    assert payload["text"] == "" and payload["output_ids"] == [] and meta["completion_tokens"] == 0
+    assert meta["finish_reason"] == {"type": "length", "length": 0} and meta["output_token_logprobs"] == []
+    assert [entry[0] for entry in meta["input_token_logprobs"]] == [None, -0.2, -0.3, -0.4]
+    assert state.text == "k"  # (the choice's own state is left as it was)
+    unfinished = ChoiceState(0, front.tokenizer, [], True)
+    assert GenerateShape._payload(Run(front, prep, "r"), unfinished)["meta_info"]["finish_reason"] is None
+    with pytest.raises(BadRequest) as err:  # a minimum above the budget
+        front.prepare_generate(msgspec.convert({"text": "ab", "sampling_params": {"max_new_tokens": 0,
+                                                                                   "min_new_tokens": 1}},
+                                               GenerateRequest))
+    assert err.value.param == "sampling_params.min_new_tokens"
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"text": "ab", "sampling_params": {"max_new_tokens": -1}}, GenerateRequest)

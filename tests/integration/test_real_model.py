@@ -234,6 +234,15 @@ def test_logprob_start_len_scores_the_prompt_from_there(deployment: SmolDeployme
         assert len(items[1]["meta_info"]["input_token_logprobs"]) == items[1]["meta_info"]["prompt_tokens"]
         r = httpx.post(generate, timeout=120, json={"text": text, "return_logprob": True, "logprob_start_len": n})
         assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_start_len", r.text
+        # SGLang's scoring: max_new_tokens 0, the prompt's logprobs alone
+        scored = httpx.post(generate, timeout=120, json={"text": text, "return_logprob": True, "logprob_start_len": 0,
+                                                        "sampling_params": {"max_new_tokens": 0}})
+        assert scored.status_code == 200, scored.text
+        out = scored.json()
+        assert out["text"] == "" and out["output_ids"] == [] and out["meta_info"]["output_token_logprobs"] == []
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+        assert max(abs(a - b) for (a, _, _), (b, _, _) in zip(out["meta_info"]["input_token_logprobs"][1:],
+                                                              whole["input_token_logprobs"][1:], strict=True)) < 1e-4
 
 
 def test_completions_echo_with_logprobs(deployment: SmolDeployment) -> None:

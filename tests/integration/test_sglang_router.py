@@ -245,12 +245,12 @@ def test_a_request_without_a_model_is_served(stack: Stack, router: str) -> None:
 
 @pytest.mark.parametrize("via", ["decode", "rust", "mini_lb"])
 def test_a_refused_streamed_generate_is_an_error_event_every_router_can_read(stack: Stack, via: str) -> None:
-    """A streamed ``/generate`` the workers refuse (a sampling field the sim engine lacks, a budget of 0) is
+    """A streamed ``/generate`` the workers refuse (a sampling field the sim engine lacks, a minimum over its budget) is
     answered as SGLang's server answers it: 200, ``data: {"error": {"message": ...}}``, ``data: [DONE]``. A
     400 was turned by the Rust router into a cut-off ``data: {'error': ...`` line no client could parse; a
     whole answer stays a 400."""
     bad = [{"text": PROMPT, "sampling_params": {"max_new_tokens": 4, "presence_penalty": 1.0}},
-           {"text": PROMPT, "sampling_params": {"max_new_tokens": 0}}]
+           {"text": PROMPT, "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 4}}]
     if via == "decode":
         url = f"http://127.0.0.1:{stack.decode.http_port}/generate"
         extra: dict[str, object] = {"bootstrap_host": "127.0.0.1", "bootstrap_port": None, "bootstrap_room": 7}
