@@ -15,10 +15,12 @@ Lifecycle:
    unreachable peer raises PEER_UNREACHABLE).
 5. ``write`` range-checks the blocks against the peer's advertised regions and queues them on the
    peer's sender thread, which moves them with ``batch_transfer_sync_write`` in sub-batches of at most
-   ``max_batch_blocks`` entries while keeping at most ``max_inflight_blocks`` entries in flight engine-wide.
-   (Measured with 0.3.13.post1 over tcp: a batch of more than 2048 entries fails at once, and batches in
-   flight together holding more than 2048 entries fail, some only after MC_TRANSFER_TIMEOUT.) The
-   blocking call runs in that thread because Mooncake has no non-blocking status for a multi-entry batch.
+   ``max_batch_blocks`` entries while keeping at most ``max_inflight_blocks`` entries in flight per target
+   session. (Measured with 0.3.13.post1 over tcp: batches in flight together to one target holding more
+   than 2048 entries fail, some only after MC_TRANSFER_TIMEOUT; to different targets, 6 x 1024 at once
+   succeed. An engine-wide budget let two frozen decodes' batches, each held until that timeout, stall
+   every other decode's transfers for 30 s.) The blocking call runs in that thread because Mooncake has no
+   non-blocking status for a multi-entry batch.
 6. ``close`` unregisters the memory; sender threads end once their engine call returns.
 """
 
@@ -55,7 +57,7 @@ from transfer.peer_threads import PeerThreadBackend, SenderPeer
 log = logging.getLogger(__name__)
 
 _SCRATCH_BYTES = 64
-ENGINE_MAX_ENTRIES = 2048  # entries Mooncake's tcp transport accepts in flight (see the lifecycle note)
+ENGINE_MAX_ENTRIES = 2048  # entries Mooncake's tcp transport accepts in flight to one target (lifecycle note)
 _PROBE_WAIT_S = 1.0  # send_probe blocks ~60 s on a frozen peer: give up waiting after this
 
 
@@ -141,7 +143,7 @@ class MooncakeBackend(PeerThreadBackend):
                "RDMA devices to use, comma-separated (e.g. mlx5_0,mlx5_1; rdma only; default: all)"),
         Option("metadata_server", _metadata_server, "P2PHANDSHAKE (default) or the metadata server's URL"),
         Option("max_batch_blocks", positive_int, "entries per sub-batch (default 1024)"),
-        Option("max_inflight_blocks", positive_int, "entries in flight engine-wide (default 2048)"),
+        Option("max_inflight_blocks", positive_int, "entries in flight to one target (default 2048)"),
     )
 
     def __init__(
@@ -173,7 +175,9 @@ class MooncakeBackend(PeerThreadBackend):
             )
         self._max_batch = max_batch_blocks
         self._max_inflight = max_inflight_blocks
-        self._inflight = 0
+        # target session -> entries in flight to it (one sender thread per peer sends one batch at a time: two
+        # meet here when a reconnected peer's old thread is still in a call to the same session)
+        self._inflight: dict[str, int] = {}
         self._budget = threading.Condition()
         try:
             from mooncake.engine import TransferEngine
@@ -248,12 +252,14 @@ class MooncakeBackend(PeerThreadBackend):
             if not fence.live():  # the room died on our side: send none of the rest
                 return fenced("mooncake", fence)
             part = blocks[start : start + self._max_batch]
-            # The wait for the budget may outlast the peer or the room (another peer's batches held it: one
+            session, inflight = peer.label, self._inflight
+            # The wait for the budget may outlast the peer or the room (the same target's other batch held it: a
             # frozen decode): a batch sent after that could land in pages its decode has already given back.
             while True:
                 with self._budget:
-                    if self._inflight + len(part) <= self._max_inflight:
-                        self._inflight += len(part)
+                    held = inflight.get(session, 0)
+                    if held + len(part) <= self._max_inflight:
+                        inflight[session] = held + len(part)
                         break
                     self._budget.wait(0.05)  # (woken by a batch ending; a dropped peer or dead room ends none)
                 if peer.dead is not None:  # (``fence.live`` outside the budget's lock: it may take the manager's)
@@ -263,11 +269,15 @@ class MooncakeBackend(PeerThreadBackend):
             started = time.monotonic()
             try:
                 rc = self._engine.batch_transfer_sync_write(
-                    peer.label, [b[0] for b in part], [b[1] for b in part], [b[2] for b in part]
+                    session, [b[0] for b in part], [b[1] for b in part], [b[2] for b in part]
                 )
             finally:
                 with self._budget:
-                    self._inflight -= len(part)
+                    left = inflight[session] - len(part)
+                    if left:
+                        inflight[session] = left
+                    else:
+                        del inflight[session]
                     self._budget.notify_all()
             if rc != 0:
                 return self._classify(peer.label, rc, time.monotonic() - started, timeout_s)
