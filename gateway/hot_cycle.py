@@ -116,8 +116,8 @@ class HotCycle:
     """One request to a generation route, answered on the connection's transport (see the module doc)."""
 
     __slots__ = ("_waiter", "_watch", "body", "chunked", "default_headers", "disconnected", "flow", "gatekeeper",
-                 "headers", "keep_alive", "loop", "message_event", "more_body", "on_response", "path", "request_id",
-                 "responder", "response_complete", "response_started", "t0", "task", "transport",
+                 "headers", "keep_alive", "loop", "message_event", "more_body", "on_response", "path", "refused",
+                 "request_id", "responder", "response_complete", "response_started", "t0", "task", "transport",
                  "waiting_for_100_continue")
 
     def __init__(self, protocol: GuardedHttpProtocol, responder: Responder, gatekeeper: GatekeeperMiddleware,
@@ -138,6 +138,7 @@ class HotCycle:
         self.t0 = time.monotonic()
         self.message_event = _Signal(self)
         self.disconnected = False
+        self.refused = 0  # the status the protocol answered this request with itself (its body unreadable)
         self.body = bytearray()
         self.more_body = True
         self.response_started = False
@@ -212,8 +213,12 @@ class HotCycle:
                             self._waiter = None
             except TimeoutError:
                 raise RequestTimeout(f"the request body did not arrive within {timeout_s:g}s") from None
+        if self.flow.read_paused and not self.more_body and not self.transport.is_closing():
+            # The last piece paused reading (past uvicorn's high-water mark, 64 KiB): read on, or the client's
+            # leaving would go unseen (its generation run to the end, counted a 200)
+            self.flow.resume_reading()
         if self.disconnected:
-            raise ClientGone
+            raise ClientGone(self.refused or 499)
         if len(self.body) > limit:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes")
         return bytes(self.body)

@@ -39,6 +39,7 @@ The body of a request being read by the app is bounded by the app (``gateway.res
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import re
@@ -201,6 +202,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                     self._ignored_upgrade = False
                     data = self._head_without_upgrade() + data[exc.args[0]:]
                     self.parser = httptools.HttpRequestParser(self)
+                    with contextlib.suppress(AttributeError):  # (as uvicorn's own parser: bytes after a
+                        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)  # close request)
                     continue
                 if self._should_upgrade():
                     self.handle_websocket_upgrade()
@@ -273,7 +276,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 if existing is None or existing.response_complete:
                     self._unstarted = cycle  # started when its body is complete, or at the end of this read
                 else:  # pipelined behind a response still going out: as uvicorn queues its own cycles
-                    self.flow.pause_reading()
+                    if self.pipeline:  # (from the second on: with one queued, reading on sees the client leave)
+                        self.flow.pause_reading()
                     self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]
                 return
         if hot is not None:  # uvicorn's start of a message (its scope) with what was parsed since
@@ -342,8 +346,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._start_asgi_task(pipelined, app)
         elif self._waiting_for != "head":  # (a next request's head under way keeps its own timeout)
             self._arm("idle")
-        cycle = self.cycle
-        if cycle is not None and cycle.more_body and not transport.is_closing():
+        cycle = self.cycle  # (the newest: a pipelined one just started reads its own body, on its own timeout)
+        if cycle is not None and cycle.response_complete and cycle.more_body and not transport.is_closing():
             self._arm("body")  # the rest of the body is being discarded: not for ever
 
     # -- timer and refusals --------------------------------------------------------------------------
@@ -391,11 +395,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         newest: Any = self.cycle
         cycles: list[Any] = [newest, *self._cycles, *(c for c, _ in self.pipeline)]
         unanswered = [c for c in cycles if c is not None and not c.response_complete]
+        answers_newest = newest is not None and newest.more_body and not newest.response_started and all(
+            c is newest for c in unanswered)
+        if answers_newest and hasattr(newest, "refused"):  # (a generation route's: it counts this status, not 499)
+            newest.refused = error.status
         for cycle in unanswered:
             cycle.disconnected = True
             cycle.message_event.set()
-        answers_newest = newest is not None and newest.more_body and not newest.response_started and all(
-            c is newest for c in unanswered)
         if unanswered and not answers_newest:
             transport.close()
         if transport.is_closing():

@@ -61,7 +61,12 @@ SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
 
 
 class ClientGone(Exception):
-    """The client closed the connection before the response was complete."""
+    """The client closed the connection before the response was complete (``status`` 499), or the server's
+    protocol answered the request itself while it was being read (its body's framing broken: ``status``)."""
+
+    def __init__(self, status: int = 499) -> None:
+        super().__init__(status)
+        self.status = status
 
 
 # A request body at least this long is prepared (parsed, templated, tokenized) on a thread, not on the
@@ -268,12 +273,15 @@ class Responder:
             task = asyncio.current_task(exchange.loop)
             assert task is not None
             task.uncancel()
+            refused = getattr(exchange, "refused", 0)  # (the protocol answered it itself: its body unreadable)
             if answering is None:
-                self._count(499)
-            log.info("%s -> 499: the client closed the connection", shape.route)
-        except ClientGone:
-            self._count(499)
-            log.info("%s -> 499: the client closed the connection while sending its request", shape.route)
+                self._count(refused or 499)
+            if not refused:
+                log.info("%s -> 499: the client closed the connection", shape.route)
+        except ClientGone as exc:
+            self._count(exc.status)
+            if exc.status == 499:
+                log.info("%s -> 499: the client closed the connection while sending its request", shape.route)
         finally:
             exchange.stop_watching()
             if release is not None:
