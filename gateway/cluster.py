@@ -110,9 +110,11 @@ def _family(host: str) -> socket.AddressFamily:
 
 
 def is_free(host: str, port: int) -> bool:
-    """Can ``port`` be bound on ``host`` now?"""
+    """Can ``port`` be bound on ``host`` now, as the servers bind it (``SO_REUSEADDR``: a port whose last
+    connections linger in TIME_WAIT, as after the cluster's own stop, is free; one listened on is not)?"""
     with socket.socket(_family(host)) as sock:
         try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
         except OSError:
             return False

@@ -167,6 +167,9 @@ class WorkerClient:
         self.state = WorkerState(url, role, self, stale_after_s=stale_after_s)
         self.health = WorkerHealth(health or HealthConfig())
         self.is_draining = False  # removed through the admin API: no new requests, open ones finish
+        # It said it is shutting down (an ``Error`` with that code): not selectable, and the loss of its connection
+        # is no failure of its own, until it connects again (a restart)
+        self.is_stopping = False
         self.last_error: str | None = None
         self.on_up: Callable[[WorkerClient], None] | None = None
         self.on_down: Callable[[WorkerClient], None] | None = None
@@ -222,12 +225,12 @@ class WorkerClient:
         """Selectable: connected, passing probes, breaker not open, not being removed."""
         transport = self._transport  # (``is_connected``, inline: read for every worker per request)
         return (transport is not None and not transport.is_closing() and self.info is not None
-                and not self.is_draining and self.health.is_selectable)
+                and not self.is_draining and not self.is_stopping and self.health.is_selectable)
 
     @property
     def available(self) -> bool:
         """``healthy``, or only waiting for its breaker's half-open trials to end (readiness: not per request)."""
-        return self.is_connected and not self.is_draining and self.health.is_available
+        return self.is_connected and not self.is_draining and not self.is_stopping and self.health.is_available
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -254,8 +257,8 @@ class WorkerClient:
                             self.url, self.last_error or "connection closed", len(self._open))
             if self._up_since is not None and loop.time() - self._up_since >= STAYED_UP_S:
                 backoff = 0.05  # a connection that served a while: the next try is soon (not after old failures')
-            try:
-                self._mark_down(self.last_error or "connection closed")
+            try:  # (a worker that said it is shutting down: its going is no failure of its own)
+                self._mark_down(self.last_error or "connection closed", blameless=self.is_stopping)
             except Exception:  # (a bug in its bookkeeping must not end the reconnecting for good)
                 log.exception("worker %s: marking it down failed", self.url)
             await asyncio.sleep(backoff)
@@ -287,6 +290,7 @@ class WorkerClient:
                 self._ready.set()  # (start-up waits for workers to be ready: this one has answered, no)
                 raise ConnectionError(refusal)
             self.info, self._transport, self.last_error = ack, transport, None
+            self.is_stopping = False
             self._up_since = loop.time()
             self.state.connected(ack)
             self.health.connected()
@@ -373,6 +377,10 @@ class WorkerClient:
                     if batch:
                         write_batch.end()
             case Error(rid=rid) as err:
+                if err.code == "shutting_down" and not self.is_stopping:
+                    self.is_stopping = True  # (its retries and migrations go elsewhere: not back to it)
+                    log.info("%s worker %s is shutting down: no new requests until it connects again", self.role,
+                             self.url)
                 entry = self._open.get(rid)
                 if entry is not None:
                     entry[0].put_nowait((entry[1], err))

@@ -50,3 +50,66 @@ def test_a_connection_that_served_a_while_is_retried_soon_after_old_failures() -
             server.close()
 
     asyncio.run(main())
+
+
+def test_a_worker_shutting_down_is_not_chosen_and_its_going_is_not_held_against_it() -> None:
+    """A SIGTERMed worker fails its open requests with ``shutting_down`` and goes: its retries and migrations
+    went back to it while it was the only healthy one of its role (its connection still up), and its going
+    counted as a ``worker_gone`` failure against its breaker (found by review). Now it is not selectable
+    from its first ``shutting_down`` until it connects again, and losing its connection blames no one."""
+    from workers.protocol import Error, SamplingParams, Submit
+
+    async def main() -> None:
+        codec = worker_codec()
+        connects: list[int] = []
+        stop = asyncio.Event()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            connects.append(1)
+            await read_frame(reader)
+            writer.write(codec.encode(HelloAck(PROTOCOL_VERSION, "w", "decode", "sim", "m", "byte", 16, 4096, 64)))
+            if len(connects) == 1:
+                submit = codec.decode(await read_frame(reader))
+                writer.write(codec.encode(Error(submit.rid, "shutting_down", "worker stopped")))
+                await stop.wait()
+                writer.close()
+            else:
+                await asyncio.sleep(30)
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        client = WorkerClient(f"pd://127.0.0.1:{server.sockets[0].getsockname()[1]}", "decode", max_backoff_s=0.1)
+        client.start()
+        events: list[object] = []
+
+        class Sink:
+            def put_nowait(self, item: tuple[object, object]) -> None:
+                events.append(item[1])
+
+        try:
+            assert await client.wait_ready(5) and client.healthy
+            client.submit(Submit(0, [1, 2, 3], SamplingParams(max_new_tokens=4)), Sink(), "decode", urgent=True)
+            open_rid = client.submit(Submit(0, [4, 5], SamplingParams(max_new_tokens=4)), Sink(), "decode",
+                                     urgent=True)
+            for _ in range(100):
+                if events:
+                    break
+                await asyncio.sleep(0.02)
+            assert isinstance(events[0], Error) and events[0].code == "shutting_down"
+            assert client.is_stopping and not client.healthy and not client.available
+            stop.set()  # its connection goes: the request still open there gets WorkerGone, counted already
+            for _ in range(100):
+                if len(events) > 1:
+                    break
+                await asyncio.sleep(0.02)
+            gone = events[1]
+            assert type(gone).__name__ == "WorkerGone" and gone.counted, (gone, open_rid)  # type: ignore[attr-defined]
+            for _ in range(200):
+                if len(connects) >= 2 and client.healthy:
+                    break
+                await asyncio.sleep(0.02)
+            assert client.healthy and not client.is_stopping  # (connected again: a restart)
+        finally:
+            await client.aclose()
+            server.close()
+
+    asyncio.run(main())

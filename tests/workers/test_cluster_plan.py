@@ -131,3 +131,20 @@ def test_the_no_proxy_hosts_join_what_either_spelling_gave(monkeypatch: pytest.M
     for name in ("no_proxy", "NO_PROXY"):
         assert os.environ[name].split(",") == ["corp.internal", "127.0.0.1", "10.0.0.5"]
     assert urllib.request.proxy_bypass("corp.internal")
+
+
+def test_a_port_whose_last_connections_linger_in_time_wait_is_free() -> None:
+    """After the cluster's own stop, its port holds TIME_WAIT connections (its liveness probes close theirs):
+    the servers bind with SO_REUSEADDR and would start, but the plan's check said "the port is in use" for up
+    to a minute (found by review)."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()  # (the server side closes first: its end waits in TIME_WAIT)
+        client.close()
+    children = plan(build_parser().parse_args(["--engine", "sim", "--port", str(port)]))
+    assert any(f"{port}" in arg for arg in children[-1].argv)
