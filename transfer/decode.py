@@ -122,6 +122,10 @@ class DecodeSide:
             target = receiver.target = (host, port, instance_id)
             self._receivers[room] = receiver
             conn = self._conns.get(self._known_address(host, port, instance_id) or ("", 0))
+            if conn is None or not conn.ready:
+                # The registry's answer is not cached (any more), but a registered, heartbeating connection serves
+                # this prefill already: it is where it was (asking a registry that hangs cost each room seconds)
+                conn = self._live_conn(target)
             if conn is not None and conn.ready:  # fast path: nothing to resolve, connect or register
                 receiver.join(conn)
                 conn.targets.add(target)
@@ -196,9 +200,14 @@ class DecodeSide:
     def _live_address(self, target: tuple[str, int | None, str | None]) -> tuple[str, int] | None:
         """The address of a ready connection that a room for ``target`` was served over, if there is one."""
         with self._ctx.lock:
-            for address, conn in self._conns.items():
-                if conn.ready and conn.error is None and target in conn.targets:
-                    return address
+            conn = self._live_conn(target)
+            return conn.address if conn is not None else None
+
+    def _live_conn(self, target: tuple[str, int | None, str | None]) -> PrefillConn | None:
+        """Lock held: a ready connection that a room for ``target`` was served over, if there is one."""
+        for conn in self._conns.values():
+            if conn.ready and conn.error is None and target in conn.targets:
+                return conn
         return None
 
     def _address(self, host: str, port: int | None, instance_id: str | None) -> tuple[str, int]:

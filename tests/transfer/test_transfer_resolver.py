@@ -274,3 +274,28 @@ def test_rooms_of_a_hung_registry_do_not_hold_up_other_prefills_rooms() -> None:
             registry.release.set()
         for m in made:
             m.close()
+
+
+def test_a_room_of_a_connected_prefill_does_not_wait_for_a_registry_that_hangs() -> None:
+    """Once the registry's answer is no longer cached, a room for a prefill the decode holds a registered,
+    heartbeating connection to joins that connection at once: it asked the registry first, and a frozen one
+    made every such room wait its look-up timeouts (~10 s to the first token, found by review)."""
+    made: list[KVManager] = []
+    registry = None
+    try:
+        prefill = KVManager("prefill", make_args(), FakeBackend(), timeouts=QUICK)
+        made.append(prefill)
+        registry = HangingRegistry(prefill.control_address, hung="nobody")
+        decode = KVManager("decode", make_args(), FakeBackend(), timeouts=QUICK, resolver=registry)
+        made.append(decode)
+        first = decode.create_receiver(1, "registry.local", 8998, "prefill-0")
+        assert wait_for(lambda: first.poll() == KVPoll.WaitingForInput)
+        registry.hung = "registry.local"  # frozen from now on
+        second = decode.create_receiver(2, "registry.local", 8998, "prefill-0")
+        assert second.poll() == KVPoll.WaitingForInput  # (joined at once)
+        assert registry.calls == {"registry.local": 1}
+    finally:
+        if registry is not None:
+            registry.release.set()
+        for m in made:
+            m.close()
