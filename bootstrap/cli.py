@@ -19,7 +19,8 @@ TOKEN_ENV = "PD_BOOTSTRAP_TOKEN"
 
 def parse_args(argv: Sequence[str] | None = None) -> BootstrapConfig:
     d = BootstrapConfig()
-    p = argparse.ArgumentParser(prog="pd-bootstrap", description="Bootstrap registry for prefill/decode workers")
+    p = argparse.ArgumentParser(prog="pd-bootstrap", description="Bootstrap registry for prefill/decode workers",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default=d.host, help="bind address (default %(default)s)")
     p.add_argument("--port", type=int, default=d.port, help="bind port (default %(default)s, SGLang's)")
     p.add_argument(

@@ -18,7 +18,8 @@ from transfer.netaddr import dual_stack_sockets
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gateway", description=__doc__)
+    p = argparse.ArgumentParser(prog="gateway", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--prefill", action="extend", nargs="+", default=[], metavar="URL",
                    help="prefill workers, pd://HOST:PORT (ours, native) or http://HOST:PORT [BOOTSTRAP_PORT|none] "
                         "(SGLang's HTTP PD protocol; the port of its bootstrap server follows the URL) (repeatable)")

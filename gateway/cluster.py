@@ -321,7 +321,8 @@ def kill(proc: subprocess.Popen[bytes], grace_s: float = 0.0) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pd-cluster", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="pd-cluster", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
     p.add_argument("--engine", default="torch", help="engine for every worker: torch (real model) or sim")

@@ -17,7 +17,8 @@ log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pd-worker", description=__doc__)
+    p = argparse.ArgumentParser(prog="pd-worker", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
     p.add_argument("--engine", default="sim", help="engine plugin name (sim, torch) or module:attr")
     p.add_argument("--model", default=None, help="model directory (torch engine); 'default' = SmolLM2")
