@@ -247,6 +247,16 @@ class HangingRegistry(CachingRegistry):
         return None  # (every room asks)
 
 
+def _behind_a_hanging_registry(made: list[KVManager], hung: str) -> tuple[HangingRegistry, KVManager]:
+    """A prefill, and a decode whose registry hangs on look-ups of ``hung`` (both added to ``made``)."""
+    prefill = KVManager("prefill", make_args(), FakeBackend(), timeouts=QUICK)
+    made.append(prefill)
+    registry = HangingRegistry(prefill.control_address, hung=hung)
+    decode = KVManager("decode", make_args(), FakeBackend(), timeouts=QUICK, resolver=registry)
+    made.append(decode)
+    return registry, decode
+
+
 def test_rooms_of_a_hung_registry_do_not_hold_up_other_prefills_rooms() -> None:
     """One look-up per target at a time, shared by the rooms that wait for it: a registry that hangs holds one
     of the decode's bootstrap threads, not one per room (with 8 rooms behind it, a room for a healthy prefill
@@ -254,11 +264,7 @@ def test_rooms_of_a_hung_registry_do_not_hold_up_other_prefills_rooms() -> None:
     made: list[KVManager] = []
     registry = None
     try:
-        prefill = KVManager("prefill", make_args(), FakeBackend(), timeouts=QUICK)
-        made.append(prefill)
-        registry = HangingRegistry(prefill.control_address, hung="frozen.local")
-        decode = KVManager("decode", make_args(), FakeBackend(), timeouts=QUICK, resolver=registry)
-        made.append(decode)
+        registry, decode = _behind_a_hanging_registry(made, hung="frozen.local")
         stuck = [decode.create_receiver(100 + i, "frozen.local", 8998, None) for i in range(12)]
         healthy = decode.create_receiver(1, "registry.local", 8998, None)
         assert wait_for(lambda: healthy.poll() == KVPoll.WaitingForInput)
@@ -283,11 +289,7 @@ def test_a_room_of_a_connected_prefill_does_not_wait_for_a_registry_that_hangs()
     made: list[KVManager] = []
     registry = None
     try:
-        prefill = KVManager("prefill", make_args(), FakeBackend(), timeouts=QUICK)
-        made.append(prefill)
-        registry = HangingRegistry(prefill.control_address, hung="nobody")
-        decode = KVManager("decode", make_args(), FakeBackend(), timeouts=QUICK, resolver=registry)
-        made.append(decode)
+        registry, decode = _behind_a_hanging_registry(made, hung="nobody")
         first = decode.create_receiver(1, "registry.local", 8998, "prefill-0")
         assert wait_for(lambda: first.poll() == KVPoll.WaitingForInput)
         registry.hung = "registry.local"  # frozen from now on

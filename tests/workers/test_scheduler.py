@@ -356,16 +356,7 @@ def test_prompt_logprobs_survive_giving_way() -> None:
              (8, 2, (9, 14), (20, 8)), (10, 4, (9, 6), (20, 8))]
     for num_pages, chunk, first, second in cases:
         sched, sink, _ = make(num_pages=num_pages, chunk_size=chunk, max_running=64)
-        real = sched.engine.forward
-
-        def forward(batch: list[Any], real: Any = real) -> list[Any]:
-            outs = real(batch)
-            for seq, out in zip(batch, outs, strict=True):
-                if seq.params.prompt_logprobs and seq.num_generated == 0:
-                    out.prompt_logprobs = [-float(seq.num_cached + j) for j in range(len(seq.token_ids))]
-            return outs
-
-        sched.engine.forward = forward  # type: ignore[method-assign]
+        _with_position_logprobs(sched)
         prompts = {rid: list(range(10 + 100 * rid, 10 + 100 * rid + n)) for rid, (n, _) in enumerate((first, second))}
         for rid, (_, max_tokens) in enumerate((first, second)):
             sched.submit(0, Submit(rid, prompts[rid], SamplingParams(max_new_tokens=max_tokens, ignore_eos=True,
