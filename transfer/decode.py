@@ -121,11 +121,11 @@ class DecodeSide:
             receiver = KVReceiver(self, room, time.monotonic())
             target = receiver.target = (host, port, instance_id)
             self._receivers[room] = receiver
-            conn = self._conns.get(self._known_address(host, port, instance_id) or ("", 0))
-            if conn is None or not conn.ready:
-                # The registry's answer is not cached (any more), but a registered, heartbeating connection serves
-                # this prefill already: it is where it was (asking a registry that hangs cost each room seconds)
-                conn = self._live_conn(target)
+            # With the registry's answer not cached (any more), a registered, heartbeating connection serving this
+            # prefill already is where it still is (asking a registry that hangs cost each room seconds); a cached
+            # answer naming another address wins (the prefill may have moved)
+            known = self._known_address(host, port, instance_id)
+            conn = self._conns.get(known) if known is not None else self._live_conn(target)
             if conn is not None and conn.ready:  # fast path: nothing to resolve, connect or register
                 receiver.join(conn)
                 conn.targets.add(target)

@@ -46,7 +46,12 @@ class PrefillSide:
         self.rooms = SenderRooms(ctx)
         # (as the decode decides: with fences, it refuses a closed room's writes itself; without, it takes the
         # control connection's close as the end of every write of that connection's rooms)
-        self._fences_writes = isinstance(ctx.backend, FencesWrites)
+        backend = ctx.backend
+        self._fences_writes = isinstance(backend, FencesWrites)
+        if isinstance(backend, FencesWrites):
+            # Fencing on and no fence ever opened: a prefill takes no writes (before, anyone reaching its data port
+            # could write into its pool, prefix-cache pages included)
+            backend.set_fence_listener(_receives_nothing)
         self._last_beat = time.monotonic()
         self._listener = listener(host, port)
         self.control_address: tuple[str, int] = self._listener.getsockname()[:2]
@@ -228,3 +233,7 @@ class PrefillSide:
         with self._ctx.lock:
             channels = list(self._links)
         ControlChannel.close_all(channels)
+
+
+def _receives_nothing(room: int, generation: int) -> None:
+    """A prefill's fence listener: it opens no fence, so no write of its backend's is ever under way to end."""

@@ -69,11 +69,16 @@ class SenderRooms:
     def on_room_request(self, link: Link, msg: RoomRequest) -> None:
         outbox: Outbox = []
         channel, room = link.channel, msg.room
-        if len(msg.page_ids) > link.num_pages:  # (before any per-id work, and outside the lock: no real list is
-            # longer than the decode's pool, and a forged one of millions would stall every room and be kept)
-            _refuse(outbox, channel, room, TransferError(
+        if len(msg.page_ids) > link.num_pages:  # (before any per-id work: no real list is longer than the decode's
+            # pool, and a forged one of millions held the lock for a second, id by id, and was kept)
+            too_long = TransferError(
                 TransferErrorKind.RANGE_REJECTED,
-                f"room {room}: a page list of {len(msg.page_ids)} ids for a decode of {link.num_pages} pages"))
+                f"room {room}: a page list of {len(msg.page_ids)} ids for a decode of {link.num_pages} pages")
+            with self._ctx.lock:
+                _refuse(outbox, channel, room, too_long)
+                waiting = self._senders.get(room)
+                if waiting is not None and waiting.request is None:  # (as any other list it cannot take)
+                    self._fail(waiting, too_long, outbox, notify=False)
             flush(outbox)
             return
         with self._ctx.lock:

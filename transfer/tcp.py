@@ -12,11 +12,11 @@ Lifecycle:
 4. ``write`` queues a batch on the peer's sender thread and returns at once. Wire format per batch:
    header ``(seq u64, room u64, generation u64, n u32)``, ``n`` entries ``(dst u64, len u64)``, then
    the payload bytes, sent zero-copy from the source memory (unless ``fence.live()`` is False by then:
-   the write fails without a byte sent). The receiver range-checks every entry against its regions and
-   checks that the batch's ``(room, generation)`` fence is open (a backend whose owner never opens one,
-   a prefill's, takes no writes at all); then it ``recv_into`` the destination memory directly, checking
-   the fence again between blocks (or drains and rejects the batch: the connection stays usable) and
-   answers ``(seq u64, status u8)``.
+   the write fails without a byte sent). The receiver range-checks every entry against its regions and,
+   once fencing is on (``set_fence_listener``), checks that the batch's ``(room, generation)`` fence is
+   open (a prefill's KV manager turns fencing on and opens none: it takes no writes at all); then it
+   ``recv_into`` the destination memory directly, checking the fence again between blocks (or drains and
+   rejects the batch: the connection stays usable) and answers ``(seq u64, status u8)``.
 5. Fences (``FencesWrites``): ``close_fence`` refuses the room's later batches at once; a batch of it
    being received finishes into scratch, or, with ``cut``, has its connection shut down (a frozen
    writer would otherwise complete it whenever it resumes); the listener hears when it is out.
@@ -221,8 +221,8 @@ class TcpBackend(PeerThreadBackend):
                     status = _ACK_OK
                     if not self._regions.all_contain(entries):
                         status = _ACK_REJECTED
-                    elif fence not in self._open_fences:  # (none open without fencing on: a prefill's backend
-                        status = _ACK_FENCED              # takes no writes, e.g. into its prefix-cache pages)
+                    elif self._fence_listener is not None and fence not in self._open_fences:
+                        status = _ACK_FENCED
                     else:
                         self._receiving[sock] = fence
                 if status == _ACK_OK:
@@ -242,7 +242,7 @@ class TcpBackend(PeerThreadBackend):
         status = _ACK_OK
         try:
             for i, (dst, length) in enumerate(entries):
-                if fence not in self._open_fences:
+                if self._fence_listener is not None and fence not in self._open_fences:
                     _drain(sock, sum(n for _, n in entries[i:]))
                     status = _ACK_FENCED
                     break

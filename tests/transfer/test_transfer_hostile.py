@@ -13,7 +13,7 @@ import struct
 import pytest
 from kvunit import make_args, wait_for
 
-from transfer import KVManager, KVTimeouts
+from transfer import KVManager, KVPoll, KVTimeouts
 from transfer.fake import FakeBackend
 from transfer.messages import (
     PROTOCOL_VERSION,
@@ -64,6 +64,10 @@ def test_a_page_list_longer_than_the_decodes_pool_is_refused_at_once() -> None:
         assert isinstance(status, RoomStatus) and status.room == 7 and not status.ok
         assert status.kind == "range_rejected" and f"{args.num_pages} pages" in status.reason, status
         assert isinstance(reader.read(), Quiesced)
+        waiting = prefill.create_sender(9)  # a request waiting for its page list: failed by one it cannot take
+        sock.sendall(encode_frame(RoomRequest(9, [0] * (args.num_pages + 1), 0, 1)))
+        assert wait_for(lambda: waiting.poll() == KVPoll.Failed, 5)
+        waiting.release()
         # one as long as the pool is a page list like any other: kept for the room's sender
         sock.sendall(encode_frame(RoomRequest(8, [0] * args.num_pages, 0, 1)))
         sender = prefill.create_sender(8)
@@ -75,3 +79,30 @@ def test_a_page_list_longer_than_the_decodes_pool_is_refused_at_once() -> None:
     finally:
         sock.close()
         prefill.close()
+
+
+def test_a_decode_on_a_backend_that_does_not_fence_still_takes_its_writes() -> None:
+    """The prefill shuts its door by turning fencing on; a tcp backend whose owner never does (a decode on a plain
+    ``ShmBackend(network="tcp")``, which does not pass fences on) takes writes as before (the first version of
+    the fix refused every write of a backend without an open fence, and such a decode failed every room)."""
+    from transfer.base import FencesWrites
+    from transfer.shm import ShmBackend
+
+    quick = KVTimeouts(bootstrap_s=5.0, waiting_s=5.0, transfer_s=5.0, heartbeat_interval_s=0.1,
+                       heartbeat_timeout_s=2.0)
+    backend = ShmBackend("tcp", same_host=False)
+    assert not isinstance(backend, FencesWrites)
+    prefill = KVManager("prefill", make_args(), ShmBackend("tcp", same_host=False), timeouts=quick)
+    decode = KVManager("decode", make_args(), backend, timeouts=quick)
+    try:
+        sender = prefill.create_sender(7)
+        receiver = decode.create_receiver(7, *prefill.control_address)
+        assert wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput)
+        receiver.send_metadata([2, 3], 0)
+        assert wait_for(lambda: sender.poll() == KVPoll.WaitingForInput)
+        sender.send([0, 1], last=True, aux=b"xy")
+        assert wait_for(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed))
+        assert receiver.poll() == KVPoll.Success, receiver.failure()
+    finally:
+        prefill.close()
+        decode.close()

@@ -301,3 +301,27 @@ def test_a_room_of_a_connected_prefill_does_not_wait_for_a_registry_that_hangs()
             registry.release.set()
         for m in made:
             m.close()
+
+
+def test_a_fresh_cached_answer_wins_over_the_old_live_connection() -> None:
+    """The live connection stands in for the registry only when its answer is not cached: one that is, naming
+    another address (the instance registered again elsewhere), is followed (the first version joined the old
+    connection whenever the cached address had no ready connection yet: found by review)."""
+    made: list[KVManager] = []
+    try:
+        old = KVManager("prefill", make_args(), FakeBackend(), timeouts=QUICK)
+        made.append(old)
+        new = KVManager("prefill", make_args(), FakeBackend(), timeouts=QUICK)
+        made.append(new)
+        registry = CachingRegistry(old.control_address)
+        decode = KVManager("decode", make_args(), FakeBackend(), timeouts=QUICK, resolver=registry)
+        made.append(decode)
+        first = decode.create_receiver(1, "registry.local", 8998, "prefill-0")
+        assert wait_for(lambda: first.poll() == KVPoll.WaitingForInput)
+        registry.cache[("registry.local", 8998, "prefill-0")] = registry.registered = new.control_address
+        second = decode.create_receiver(2, "registry.local", 8998, "prefill-0")
+        assert wait_for(lambda: second.poll() == KVPoll.WaitingForInput)
+        assert second.conn is not None and second.conn.address == new.control_address
+    finally:
+        for m in made:
+            m.close()
