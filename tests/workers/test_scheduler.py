@@ -839,7 +839,9 @@ def test_a_prefill_ends_a_waiting_request_its_decode_ended_without_waiting_its_t
 
     (p, psink, pkv), (d, _, dkv) = _pd_pair(512, 512)
     try:
-        slow = SimEngine(EngineOptions(extra={"prefill_token_s": "1e-3"}))  # (the long prompt: ~0.8 s)
+        # (the long prompt: ~4 s, so that on a loaded machine the short one's page list still comes while it waits
+        # behind it: with ~0.8 s it could find the long one done, never be seen waiting, and the loop time out)
+        slow = SimEngine(EngineOptions(extra={"prefill_token_s": "5e-3"}))
         slow.bind(p.pool)
         p.engine = slow
         p.config = SchedulerConfig("prefill", chunk_size=64, max_running=1)
