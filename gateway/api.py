@@ -472,8 +472,9 @@ class Frontend:
             params = prep.params
             if params.seed is not None and index % prep.per_prompt:  # (each prompt's choices: seed, seed + 1...)
                 params = msgspec.structs.replace(params, seed=params.seed + index % prep.per_prompt)
-            if params.prompt_logprobs and prep.logprob_start_of(index) != params.prompt_logprobs_start:
-                params = msgspec.structs.replace(params, prompt_logprobs_start=prep.logprob_start_of(index))
+            start = prep.logprob_start_of(index)
+            if params.prompt_logprobs and start != params.prompt_logprobs_start:
+                params = msgspec.structs.replace(params, prompt_logprobs_start=start)
             events = self.dispatcher.generate(prep.prompt_of(index), params, choice=index, bootstrap=prep.bootstrap,
                                               counts_prompt=index % prep.per_prompt == 0,
                                               served=lambda: not failed)

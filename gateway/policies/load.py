@@ -101,8 +101,8 @@ def least_pressured(decodes: Sequence[WorkerView], request: RequestInfo) -> Work
                 pressure = max(pressure, (w.num_running_seqs + w.num_waiting_seqs + 1) / limit)
             if need > free:
                 pressure += 1.0 + w.num_waiting_seqs
-        else:  # the pool unknown: the slots alone
-            pressure = (w.num_running_seqs + w.num_waiting_seqs + 1) / (limit or NOMINAL_SLOTS)
+        else:  # the pool unknown: the slots alone (not inlined: the rare case)
+            pressure = decode_pressure(w, 0)
         if pressure < best_pressure or (pressure == best_pressure and w.num_active < best_active):
             best, best_pressure, best_active = w, pressure, w.num_active
     return best
