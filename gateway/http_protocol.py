@@ -58,6 +58,9 @@ if TYPE_CHECKING:
     from gateway.hot_cycle import HotRoutes
 
 LINGER_S = 2.0
+# Answered during a drain on a connection kept open (not closed after their answer, unlike any other route's):
+# a scraper or a probe reads the open requests falling to zero on one connection until the last response ends.
+DRAIN_PROBES = frozenset(("/health", "/readiness", "/metrics"))
 log = logging.getLogger(__name__)
 
 # A body that asks for a stream: such a request starts in the read's callback (``gateway.eager``),
@@ -141,9 +144,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         """The server's graceful shutdown (SIGTERM: the gateway drains). A response going out finishes and
         the connection closes after it (uvicorn's). An idle kept-alive connection stays open while any
         connection still has a response going out, so that a request arriving on it is answered rather
-        than cut (a generation route: 503 ``draining``; ``/health``, ``/readiness``, ``/metrics``: served),
-        with ``Connection: close``; the idle ones close once no response is left (the server waits for
-        every connection to close before it exits)."""
+        than cut (a generation route: 503 ``draining``, with ``Connection: close``; ``/health``, ``/readiness``,
+        ``/metrics``: served, the connection kept, so that a scraper reads on); the idle ones close once no
+        response is left (the server waits for every connection to close before it exits)."""
         self._shutting_down = True
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
@@ -290,7 +293,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         made = self.cycle
         if made is not None and made is not before:
             self._cycles = [c for c in self._cycles if not c.response_complete] + [made]
-            if self._shutting_down:  # (its answer closes the connection)
+            if self._shutting_down and made.scope["path"] not in DRAIN_PROBES:  # (its answer closes the connection)
                 made.keep_alive = False
 
     def on_message_complete(self) -> None:

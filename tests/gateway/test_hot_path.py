@@ -880,6 +880,27 @@ def test_inter_token_latency_counts_every_token_of_a_gathered_output(monkeypatch
     assert run.generated == [65, 66, 67, 68, 69]
 
 
+def test_a_first_output_of_several_tokens_counts_its_others_as_gaps_of_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A choice's first output may carry several tokens (n > 1, a batch, stop strings: the decode gathers
+    them): one is the time to first token, each other one an inter-token gap of 0 (they came with it), so
+    the histogram counts every token after each choice's first (it left them out)."""
+    import gateway.dispatch as dispatch
+    from gateway.policies.simple import RoundRobinPolicy
+    from gateway.router import Router
+
+    policy = RoundRobinPolicy()
+    dispatcher = dispatch.Dispatcher([], [], Router(policy, policy), combined=True)
+    clock = iter([1.0, 1.5])
+    monkeypatch.setattr(dispatch, "_monotonic", lambda: next(clock))
+    run = dispatch._Choice(dispatcher, [1, 2, 3], SamplingParams(max_new_tokens=8))
+    run.record(StepOutput(1, [65, 66, 67]))
+    run.record(StepOutput(1, [68, 69]))  # 0.5 s for two tokens: two gaps of 0.25 s
+    itl, ttft = dispatcher.metrics.itl, dispatcher.metrics.ttft
+    assert sum(ttft.counts) == 1
+    assert sum(itl.counts) == 4 == len(run.generated) - 1 and itl.sum == pytest.approx(0.5)
+    assert itl.counts[0] == 2 and itl.counts[itl.bounds.index(0.25)] == 2
+
+
 def test_legacy_top_logprobs_always_hold_the_token_itself() -> None:
     """OpenAI's legacy completions: "up to logprobs + 1" tokens, the chosen one always among them; with
     ``logprobs: 0`` it alone (a sampled token outside the most likely ones was missing, and 0 gave {})."""

@@ -228,17 +228,21 @@ def test_drain_on_sigterm_finishes_open_streams_and_refuses_new_ones(sim_cluster
         with pytest.raises(httpx.ConnectError):  # the listener is closed
             httpx.get(f"{cluster.base_url}/health", timeout=5)
         # Idle kept-alive connections stay open while a response is going out: a request on one is answered
-        # (a generation route: 503; metrics: served, its open request still counted), and the connection closes.
+        # (a generation route: 503, and the connection closes; metrics: served, its open request still
+        # counted, and the connection kept, so that the scraper reads on until the drain ends).
         refused = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
         assert refused.status_code == 503 and refused.headers.get("connection") == "close", refused.text
         assert refused.json()["error"]["type"] == "service_unavailable"
-        metrics = scraper.get("/metrics")
-        assert metrics.status_code == 200 and metrics.headers.get("connection") == "close"
-        assert "pd_gateway_active_requests 1.0" in metrics.text
+        for _ in range(3):
+            metrics = scraper.get("/metrics")
+            assert metrics.status_code == 200 and metrics.headers.get("connection") != "close"
+            assert "pd_gateway_active_requests 1.0" in metrics.text
         rest = list(chunks)
     assert "data: [DONE]" in rest
     assert any('"finish_reason":"length"' in line for line in rest), "the open stream ran to its end"
     assert gateway.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once drained
+    with pytest.raises(httpx.TransportError):  # (closed with the drain's last response)
+        scraper.get("/metrics")
     cluster.wait_pools_full()
 
 
