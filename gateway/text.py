@@ -10,6 +10,10 @@ from gateway.tokenizer import Tokenizer, token_text_of
 from workers.protocol import StepOutput, TokenLogprob
 
 
+def _end_then_start(hit: tuple[int, str]) -> tuple[int, int]:
+    return hit[0] + len(hit[1]), hit[0]
+
+
 class StopMatcher:
     """Finds the first stop string in a growing text; holds back a tail that could start one.
 
@@ -38,8 +42,8 @@ class StopMatcher:
             floor = self._exempt  # (a string must end past the exempt text)
             hits = [(buf.find(s, max(0, floor - len(s) + 1)), s) for s in self.stops]
             hits = [(i, s) for i, s in hits if i >= 0]
-            if hits:
-                index, stop = min(hits)
+            if hits:  # the one that ends first (ties: the longer), as if the text had come a character at a time:
+                index, stop = min(hits, key=_end_then_start)  # so the match is the same however it is split
                 self.matched = stop
                 self._pending = ""
                 return buf[:index + len(stop)] if self.keep else buf[:index]
@@ -108,7 +112,10 @@ class ChoiceState:
             ids = ids[:-1]  # the stop token's text is not the answer's (``stop_tokens``)
         head = ""
         if exempt > 0:  # (the text of tokens within min_tokens: no stop string ends in it)
-            head_text = self.decoder.push(ids[:exempt])
+            # a token at a time, as the worker's ``StopWatch``: pushed together, ids that end inside a character
+            # hold back the text before it too, which would then count as searchable text after them
+            push = self.decoder.push
+            head_text = "".join([push([token]) for token in ids[:exempt]])
             ids = ids[exempt:]
             if final and not ids:
                 head_text += self.decoder.flush()

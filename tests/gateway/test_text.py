@@ -26,6 +26,50 @@ def test_earliest_of_several_stops_wins() -> None:
     assert m.matched == "bb"
 
 
+def test_of_overlapping_stops_the_first_to_end_wins_however_the_text_is_split() -> None:
+    """A stream sees the text a token at a time, a whole response's decode may gather several tokens in one
+    output: the match must not depend on it. "bc" ends before "abcd" does (it used to lose to it when both
+    came in one piece, as the earlier start); of two ending together the longer wins."""
+    for stops, text, want, matched in [(["bc", "abcd"], "xabcdy", "xa", "bc"), (["cd", "abcd"], "xabcdy", "x", "abcd"),
+                                       (["abcd", "cd"], "xabcdy", "x", "abcd"), (["b", "zz"], "zzb", "", "zz")]:
+        for cuts in range(1 << (len(text) - 1)):  # every split of the text into pieces
+            pieces, start = [], 0
+            for i in range(1, len(text)):
+                if cuts >> (i - 1) & 1:
+                    pieces.append(text[start:i])
+                    start = i
+            pieces.append(text[start:])
+            m = StopMatcher(stops)
+            assert (feed(m, pieces), m.matched) == (want, matched), (stops, pieces)
+
+
+def test_min_tokens_ending_inside_a_character_protects_the_same_text_however_grouped() -> None:
+    """The text of the first ``min_tokens`` tokens is decoded a token at a time, as the worker's watch does:
+    SmolLM2's decoder, given ids that end inside a character (a byte-level emoji split over tokens), holds
+    back the whole text before it, which then was searched for stop strings as if it came after them (a
+    whole answer, its tokens gathered, stopped earlier than the stream and the worker did)."""
+    import random
+
+    from gateway.hf_tokenizer import HFTokenizer
+    from workers.engines.llama.gguf_convert import default_model_dir
+    from workers.stop_strings import StopWatch
+
+    tok = HFTokenizer.from_dir(default_model_dir())
+    ids = tok.encode("Hello \U0001f355\U0001f355 world. The end.")
+    for min_tokens in range(1, 8):
+        watch = StopWatch(tok, ["e"], exempt=min_tokens)
+        at = next((i + 1 for i, t in enumerate(ids) if watch.push(t)), len(ids))
+        whole = tok.decode(ids[:at])
+        want = whole[:whole.rfind("e")] if at < len(ids) or whole.endswith("e") else whole
+        for seed in range(20):
+            rng, state, i = random.Random(seed), ChoiceState(0, tok, ["e"], False, min_tokens=min_tokens), 0
+            while state.finish_reason is None:
+                end = min(i + rng.randint(1, 4), at)
+                state.accept(StepOutput(1, ids[i:end], finish_reason="length" if end == len(ids) else None))
+                i = end
+            assert state.text == want, (min_tokens, seed, state.text, want)
+
+
 def test_choice_state_streams_utf8_safely_and_finishes_on_stop() -> None:
     tok = ByteTokenizer()
     state = ChoiceState(0, tok, ["!"], want_logprobs=True)
@@ -76,7 +120,7 @@ def test_a_stop_string_may_start_within_min_tokens_and_end_after_them() -> None:
     for stops, min_tokens, want_text, want_at in [([". b"], 2, "a", 4),  # starts in "a.", ends in "b"
                                                   (["a."], 2, "a. b. c", None),  # wholly within "a.": never
                                                   (["a.", ". c"], 2, "a. b", 7),
-                                                  ([". b", "."], 3, "a", 4)]:  # (earliest start wins)
+                                                  ([". b", "."], 3, "a", 4)]:  # (the first to end wins)
         watch = StopWatch(tok, stops, exempt=min_tokens)
         at = next((i + 1 for i, t in enumerate(ids) if watch.push(t)), None)
         assert at == want_at, (stops, min_tokens, at)
