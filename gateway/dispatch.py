@@ -344,8 +344,8 @@ class _Choice:
                 self.itl.observe((now - self.last_t) / n, n)
             else:
                 self.dispatcher.metrics.ttft.observe(now - self.t0)
-                if len(token_ids) > 1:  # the first output's other tokens came with the first: no gap
-                    self.itl.observe(0.0, len(token_ids) - 1)
+                if len(token_ids) > 1:  # the first output's other tokens came with the first: gaps of 0
+                    self.itl.counts[0] += len(token_ids) - 1  # (``observe(0.0, n)``: the lowest bucket, sum as it was)
             self.last_t = now
             self.generated.extend(token_ids)
         if self.migrations:  # the new prompt's cache hits include our own output: not the client's
