@@ -339,13 +339,13 @@ class _Choice:
         token_ids = item.token_ids
         if token_ids:
             now = _monotonic()
+            n = len(token_ids)
             if self.generated:  # one gap per token: an output of several (merged, or gathered) counts each
-                n = len(token_ids)
                 self.itl.observe((now - self.last_t) / n, n)
             else:
                 self.dispatcher.metrics.ttft.observe(now - self.t0)
-                if len(token_ids) > 1:  # the first output's other tokens came with the first: gaps of 0
-                    self.itl.counts[0] += len(token_ids) - 1  # (``observe(0.0, n)``: the lowest bucket, sum as it was)
+                if n > 1:  # the first output's other tokens came with the first: gaps of 0
+                    self.itl.counts[0] += n - 1  # (``observe(0.0, n - 1)``: the lowest bucket, the sum as it was)
             self.last_t = now
             self.generated.extend(token_ids)
         if self.migrations:  # the new prompt's cache hits include our own output: not the client's
