@@ -25,6 +25,13 @@ MAX_BATCH_CHOICES = 64  # a batched completion's prompts x n
 MAX_N = MAX_BATCH_CHOICES  # choices per request (OpenAI's own limit is 128)
 GENERATE_MAX_NEW_TOKENS = 128  # /generate's default budget (SGLang's)
 MAX_STOP_STRINGS = 8
+# Bounds on what every choice carries to both of its workers (a request's n choices each send their own copy:
+# unbounded, one request of a few MB made frames of over 100 MB, past the connection's unread limit, and every
+# request open on those workers failed with it)
+MAX_STOP_CHARS = 1024  # characters per stop string
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries (OpenAI's own limit is 300)
+MAX_TOOLS = 128  # OpenAI's limit
 MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -44,13 +51,14 @@ Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # (choice i of n uses se
 MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
 NumChoices = Annotated[int, Meta(ge=1, le=MAX_N)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
-StopString = Annotated[str, Meta(min_length=1)]
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
 ModelName = Annotated[str, Meta(description="the served model (GET /v1/models) or 'default'; another is a 404")]
 IgnoredTimeout = Annotated[float, Meta(description="accepted and not used: --request-timeout-s bounds every request")]
 Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] | None
 # OpenAI's ranges; token ids as strings (JSON keys), checked against the vocabulary by the workers
-LogitBias = dict[Annotated[str, Meta(pattern=r"^[0-9]{1,10}$", description="a token id")],
-                 Annotated[float, Meta(ge=-100.0, le=100.0)]]
+LogitBias = Annotated[dict[Annotated[str, Meta(pattern=r"^[0-9]{1,10}$", description="a token id")],
+                           Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=MAX_LOGIT_BIAS)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=1e6, description="1 is off; > 1 discourages repeats")]
 MinTokens = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
@@ -89,7 +97,7 @@ class _Sampling(msgspec.Struct):
     min_p: MinP | None = None
     seed: Seed | None = None
     stop: Stop = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool | None = False
     n: NumChoices | None = 1
     stream: bool | None = False
@@ -143,7 +151,7 @@ class ChatCompletionRequest(_Sampling):
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}
     response_format: dict[str, Any] | None = None
     # function tools: "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call (the answer's first)
     # the template (vLLM's and SGLang's fields): more variables, the generation prompt, an open final message
@@ -180,7 +188,7 @@ class GenerateSampling(msgspec.Struct):
     top_k: TopK | None = -1
     min_p: MinP | None = 0.0
     stop: Stop = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool | None = False
     seed: Seed | None = msgspec.field(default=None, name="sampling_seed")
     presence_penalty: Penalty | None = 0.0

@@ -94,8 +94,7 @@ class HFTokenizer:
 
     # -- Tokenizer protocol -------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        ids: list[int] = self._tok.encode(text, add_special_tokens=True).ids
-        return ids
+        return encode_ids(self._tok, text, True)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -106,8 +105,7 @@ class HFTokenizer:
             text = self.render_chat(messages, add_generation_prompt, tools, template_kwargs)
         if self._pieces is not None:
             return self._pieces.encode(text)
-        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
-        return ids
+        return encode_ids(self._tok, text, False)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of ``token_ids`` as an answer shows it: special tokens (EOS, chat markers) left out."""
@@ -181,6 +179,20 @@ class HFTokenizer:
         return result
 
 
+LONG_TEXT = 1 << 14  # characters
+
+
+def encode_ids(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """``tokenizer.encode(text).ids``; a long text through ``encode_batch``, which lets other threads run while it
+    works: ``encode`` can hold the interpreter's lock for the whole text (measured: a 2 MB prompt, prepared on a
+    thread, stopped the event loop for 7 s, every stream and probe with it)."""
+    if len(text) > LONG_TEXT:
+        batch: list[int] = tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return batch
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    return ids
+
+
 class PieceEncoder:
     """``encode(text, add_special_tokens=False)`` as its pieces between added tokens, each piece's ids
     kept for the next request that has it.
@@ -202,7 +214,7 @@ class PieceEncoder:
     __slots__ = ("_added", "_cache", "_encode", "_lock", "_split", "max_tokens", "size")
 
     def __init__(self, tokenizer: Any, added: dict[str, int], max_tokens: int = 1 << 18) -> None:
-        self._encode = tokenizer.encode
+        self._encode = functools.partial(encode_ids, tokenizer)
         self._added = added
         alternatives = "|".join(re.escape(token) for token in sorted(added, key=len, reverse=True))
         self._split = re.compile(f"({alternatives})").split  # text, token, text, ..., text
@@ -250,8 +262,8 @@ class PieceEncoder:
                     piece = cache.pop(part, None)
                     if piece is not None:
                         cache[part] = piece  # (put back last: the most recently used)
-                if piece is None:  # (encoded outside the lock: the tokenizer lets other threads run meanwhile)
-                    piece = self._encode(part, add_special_tokens=False).ids
+                if piece is None:  # (encoded outside the lock: a long piece lets other threads run meanwhile)
+                    piece = self._encode(part, False)
                     self._keep(part, piece)
                 ids += piece
         return ids

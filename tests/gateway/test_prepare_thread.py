@@ -143,3 +143,42 @@ def test_a_schema_nested_just_shallow_enough_to_decode_is_a_400() -> None:
                 assert statuses == {400}, (threshold, wrap[:20], statuses)
 
     asyncio.run(main())
+
+
+def test_a_long_text_is_encoded_letting_other_threads_run() -> None:
+    """SmolLM2's tokenizer encoding a chat of ~1 MB on a thread (where a long prompt is prepared) held the
+    interpreter's lock for the whole run: the event loop stood still for seconds (7 s for 2 MB), every
+    stream and health probe with it. Long texts are encoded through ``encode_batch``, which lets other
+    threads run; the ids are the same. (Counted, not timed: the main thread wakes many times meanwhile.)"""
+    import random
+    import time
+
+    from gateway.hf_tokenizer import LONG_TEXT, HFTokenizer
+    from workers.engines.llama.gguf_convert import default_model_dir
+
+    tokenizer = HFTokenizer.from_dir(default_model_dir())
+    rng = random.Random(1)
+    text = " ".join(rng.choice(("alpha", "beta", "gamma")) + str(rng.randint(0, 99999)) for _ in range(100_000))
+    assert len(text) > LONG_TEXT
+    messages = [{"role": "user", "content": text}]
+    done = threading.Event()
+    out: list[list[int]] = []
+
+    def encode() -> None:
+        try:
+            out.append(tokenizer.apply_chat_template(messages))
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=encode)
+    worker.start()
+    wakes = 0
+    while not done.is_set():
+        time.sleep(0.001)
+        wakes += 1
+    worker.join()
+    assert wakes >= 20, f"the main thread ran {wakes} times while a long text was encoded"
+    rendered = tokenizer.render_chat(messages, True, None, None)
+    assert out[0] == tokenizer._tok.encode(rendered, add_special_tokens=False).ids
+    short = "Hello, world! " * 10
+    assert tokenizer.encode(short) == tokenizer._tok.encode(short, add_special_tokens=True).ids

@@ -128,3 +128,25 @@ def test_generate_without_max_new_tokens_near_the_context_gets_what_fits() -> No
     with_min = {**near, "sampling_params": {"min_new_tokens": 90}}
     prep = fe.prepare_generate(decode_body(msgspec.json.encode(with_min), GenerateRequest))[0]
     assert prep.params.max_new_tokens == 96
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("stop", ["s" * 1025], "stop[0]"), ("stop_token_ids", [1] * 1025, "stop_token_ids"),
+    ("logit_bias", {str(i): 1 for i in range(1025)}, "logit_bias"), ("tools", [{}] * 129, "tools")])
+def test_what_each_choice_carries_to_its_workers_is_bounded(field: str, value: Any, param: str) -> None:
+    """A request's n choices each carry their own stop strings, stop token ids and logit bias to both of their
+    workers: unbounded, a request of a few MB made over 100 MB of frames, past a worker connection's unread
+    limit, and the gateway dropped the connection with every request open on it. Past the bounds: a 400
+    naming the field (the bound itself is accepted); the /generate route's sampling fields alike."""
+    from gateway.api_models import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_TOOLS
+
+    assert (MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_LOGIT_BIAS, MAX_TOOLS) == (1024, 1024, 1024, 128)
+    with pytest.raises(BadRequest) as exc:
+        chat(**{field: value})
+    assert exc.value.status == 400 and exc.value.param == param, exc.value.message
+    chat(**{field: value[:-1] if isinstance(value, list) and field != "stop" else
+            dict(list(value.items())[:-1]) if isinstance(value, dict) else ["s" * 1024]})
+    if field != "tools":
+        with pytest.raises(BadRequest) as exc:
+            generate(**{field: value})
+        assert exc.value.param == f"sampling_params.{param}", exc.value.message
