@@ -170,8 +170,15 @@ def grammar_for(obj: Any, prefix: str = "") -> Grammar | None:
     return checked(found[0])
 
 
+# A grammar's text (a schema, a regex...): each of a request's n choices carries it to both of its workers
+MAX_GRAMMAR_CHARS = 1 << 18
+
+
 def checked(grammar: Grammar) -> Grammar:
     """``grammar``, after the library (when importable here) accepted it; else a 400 naming its field."""
+    if len(grammar.source) > MAX_GRAMMAR_CHARS:  # (unbounded: n=64 copies of a 3 MB schema broke worker connections)
+        raise BadRequest(f"{grammar.param} is too large: {len(grammar.source)} characters as a grammar, at most "
+                         f"{MAX_GRAMMAR_CHARS}", param=grammar.param)
     # (a grammar's text is kept as its cache key: only small ones are, so 256 keys hold at most 16 MiB)
     small = len(grammar.source) <= grammars.MAX_CACHED_SOURCE
     problem = _library_says(grammar) if small else _library_says.__wrapped__(grammar)

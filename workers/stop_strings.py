@@ -42,8 +42,9 @@ class StopWatch:
         self._exempt = exempt
         if history:
             free = max(0, min(exempt, len(history)))
-            if free:
-                self._matcher.push(self._decoder.push(history[:free]), exempt=True)
+            if free:  # (a token at a time, as the gateway's ``ChoiceState`` decodes the first min_tokens)
+                push = self._decoder.push
+                self._matcher.push("".join([push([token]) for token in history[:free]]), exempt=True)
                 self._exempt -= free
             if len(history) > free:
                 self._matcher.push(self._decoder.push(history[free:]))

@@ -84,3 +84,38 @@ def test_strict_true_false_and_null_are_read_as_they_say() -> None:
         fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": strict}}
         grammar = structured_output.grammar_for(ChatCompletionRequest(messages=[], response_format=fmt))
         assert grammar is not None and grammar.strict is want
+
+
+@pytest.mark.parametrize("field", ["response_format", "regex", "tool"])
+def test_a_grammar_past_its_bound_is_a_400_naming_its_field(field: str) -> None:
+    """Each of a request's n choices carries its grammar's text to both of its workers: a 3 MB schema with
+    n=64 made ~180 MB of frames, past the worker connections' unread limit, which the gateway then dropped
+    with every request open on them. Past ``MAX_GRAMMAR_CHARS``: a 400 naming the field; at it, accepted
+    by the bound (the library then judges it)."""
+    from gateway.tool_calls import plan_tools
+
+    bound = structured_output.MAX_GRAMMAR_CHARS
+
+    def schema(size: int) -> dict[str, Any]:  # (a JSON text of exactly ``size`` characters)
+        base = {"type": "object", "description": ""}
+        base["description"] = "d" * (size - len(structured_output._schema_text(base, "x")))
+        return base
+
+    def run(size: int) -> Any:
+        if field == "response_format":
+            fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema(size)}}
+            return structured_output.grammar_for(ChatCompletionRequest(messages=[], response_format=fmt))
+        if field == "regex":
+            return structured_output.grammar_for(CompletionRequest(prompt="p", regex="a" * size))
+        tools = [{"type": "function", "function": {"name": "f", "parameters": schema(size)}}]
+        return plan_tools(ChatCompletionRequest(messages=[], tools=tools,
+                                                tool_choice={"type": "function", "function": {"name": "f"}}), None)
+
+    with pytest.raises(BadRequest) as err:
+        run(bound + 1)
+    assert "too large" in err.value.message and err.value.param in (
+        "response_format.json_schema.schema", "regex", "tools[0].function.parameters"), err.value
+    try:
+        run(bound)
+    except BadRequest as exc:
+        assert "too large" not in exc.message
