@@ -19,10 +19,10 @@ import pytest
 from test_hot_path import RecordingConsumer, _connected_workers, _sent
 
 from gateway.dispatch import DispatchConfig, Dispatcher
-from gateway.errors import UpstreamTimeout
+from gateway.errors import BadGateway, UpstreamTimeout
 from gateway.policies.simple import RoundRobinPolicy
 from gateway.router import Router
-from workers.protocol import Abort, Error, Outputs, SamplingParams, StepOutput, Submit
+from workers.protocol import Abort, Error, Fault, Outputs, SamplingParams, StepOutput, Submit
 
 
 def combined(n: int, config: DispatchConfig) -> tuple[Dispatcher, list, list]:  # type: ignore[type-arg]
@@ -56,6 +56,17 @@ def _half_open(worker: Any) -> Any:
     for _ in range(breaker.failures_to_open):
         breaker.record_failure()
     return breaker
+
+
+class First:
+    """A policy that always picks the first worker it is given on each side (a load-aware policy's
+    favourite): only the dispatcher's avoiding a failed worker keeps a retry off it."""
+
+    name = "first"
+
+    def select(self, prefills, decodes, request):  # type: ignore[no-untyped-def]
+        from gateway.policies.base import Pair
+        return Pair(prefills[0] if prefills else None, decodes[0])
 
 
 async def drain(gen) -> list[StepOutput]:  # type: ignore[no-untyped-def]
@@ -452,15 +463,6 @@ def test_a_retry_after_a_failure_nobody_is_blamed_for_goes_to_another_worker() -
     failure, e.g. a decode restarted while the registry was down, with nothing cached) is not blamed, but
     the retry goes to another decode, which may have the address cached (it went back to the same one,
     with the same failure, for every attempt)."""
-    from workers.protocol import Fault
-
-    class First:
-        name = "first"
-
-        def select(self, prefills, decodes, request):  # type: ignore[no-untyped-def]
-            from gateway.policies.base import Pair
-            return Pair(prefills[0] if prefills else None, decodes[0])
-
     async def main() -> None:
         loop = asyncio.get_running_loop()
         prefills, _ = _connected_workers(loop, "prefill", 1)
@@ -477,6 +479,89 @@ def test_a_retry_after_a_failure_nobody_is_blamed_for_goes_to_another_worker() -
         decodes[1]._dispatch(Outputs([StepOutput(retry.rid, [65], "length")]))
         assert [t for out in await asyncio.wait_for(task, 5) for t in out.token_ids] == [65]
         assert decodes[0].health.breaker.failures == 0
+
+    asyncio.run(main())
+
+
+def test_a_migrated_stream_goes_on_from_its_last_token_on_another_decode() -> None:
+    """A decode that fails after streaming tokens: the stream goes on on another decode, whose ``Submit``
+    has the prompt plus the tokens so far, the rest of the token budget and ``output_offset`` = the tokens
+    so far (seeded draws continue the sequence, not repeat it; ``min_new_tokens`` counts them), and never
+    goes back to the failed decode, even one the policy prefers."""
+    async def main() -> None:
+        workers, transports = _connected_workers(asyncio.get_running_loop(), "both", 2)
+        policy = First()
+        dispatcher = Dispatcher([], workers, Router(policy, policy),
+                                DispatchConfig(max_migrations=1), combined=True)
+        task = asyncio.create_task(drain(dispatcher.generate([1, 2, 3], SamplingParams(max_new_tokens=8, seed=7))))
+        assert await until(lambda: bool(_sent(transports[0], Submit)), 5)
+        (submit,) = _sent(transports[0], Submit)
+        assert submit.params.output_offset == 0
+        workers[0]._dispatch(Outputs([StepOutput(submit.rid, [65, 66])]))
+        workers[0]._dispatch(Outputs([StepOutput(submit.rid, [67])]))
+        workers[0]._dispatch(Error(submit.rid, "internal", "the engine broke"))  # mid-stream: it migrates
+        assert await until(lambda: bool(_sent(transports[1], Submit)), 5), "not migrated to the other decode"
+        (moved,) = _sent(transports[1], Submit)
+        assert moved.input_ids == [1, 2, 3, 65, 66, 67]
+        assert moved.params.max_new_tokens == 5 and moved.params.output_offset == 3 and moved.params.seed == 7
+        workers[1]._dispatch(Outputs([StepOutput(moved.rid, [68, 69, 70, 71, 72], "length")]))
+        outputs = await asyncio.wait_for(task, 5)
+        assert [t for out in outputs for t in out.token_ids] == list(range(65, 73))
+        assert len(_sent(transports[0], Submit)) == 1, "the failed decode was sent the stream again"
+        assert dispatcher.metrics.migrations._value.value == 1
+
+    asyncio.run(main())
+
+
+def test_retries_stop_at_max_retries_and_the_last_error_reaches_the_client() -> None:
+    """``max_retries=1``: a request whose every attempt fails retryably before its first token (the KV did
+    not arrive) is tried twice in all, then the client gets the last attempt's error (a third attempt would
+    keep the client waiting and load yet another worker)."""
+    async def main() -> None:
+        dispatcher, workers, transports = combined(2, DispatchConfig(max_retries=1, retry_backoff_s=0.01))
+        task = asyncio.create_task(drain(dispatcher.generate([1, 2, 3], SamplingParams(max_new_tokens=4))))
+
+        def attempts() -> int:
+            return sum(len(_sent(t, Submit)) for t in transports)
+
+        failed: set[tuple[int, int]] = set()
+        for n in (1, 2):
+            assert await until(lambda n=n: attempts() == n, 5)
+            i, rid = next((i, m.rid) for i in range(2) for m in _sent(transports[i], Submit)
+                          if (i, m.rid) not in failed)  # (this attempt's, not yet failed)
+            workers[i]._dispatch(Error(rid, "transfer_failed", f"the KV did not arrive ({n})"))
+            failed.add((i, rid))
+        assert await until(task.done, 5), f"still going after {attempts()} attempts"
+        with pytest.raises(BadGateway, match=r"the KV did not arrive \(2\)"):
+            await task
+        assert attempts() == 2 and dispatcher.num_retries == 1
+
+    asyncio.run(main())
+
+
+def test_a_decode_reporting_its_peers_fault_blames_the_prefill() -> None:
+    """A decode whose Error says the fault is its KV peer's (``Fault.PEER``: the prefill went away, fell
+    silent or could not be reached) counts against the prefill's breaker, not its own, and the retry goes
+    to another prefill (the same decode is fine)."""
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        prefills, p_transports = _connected_workers(loop, "prefill", 2)
+        decodes, d_transports = _connected_workers(loop, "decode", 1)
+        policy = First()
+        dispatcher = Dispatcher(prefills, decodes, Router(policy, policy),
+                                DispatchConfig(max_retries=1, retry_backoff_s=0.01))
+        task = asyncio.create_task(drain(dispatcher.generate([1, 2, 3], SamplingParams(max_new_tokens=1))))
+        assert await until(lambda: bool(_sent(d_transports[0], Submit)), 5)
+        (submit,) = _sent(d_transports[0], Submit)
+        decodes[0]._dispatch(Error(submit.rid, "transfer_failed", "the prefill did not answer", fault=Fault.PEER))
+        assert await until(lambda: len(_sent(d_transports[0], Submit)) == 2, 5)
+        assert prefills[0].health.breaker.failures == 1 and decodes[0].health.breaker.failures == 0
+        assert len(_sent(p_transports[0], Submit)) == 1, "the retry went to the prefill at fault"
+        (p_retry,) = _sent(p_transports[1], Submit)
+        retry = _sent(d_transports[0], Submit)[1]
+        prefills[1]._dispatch(Outputs([StepOutput(p_retry.rid, [], "transferred")]))
+        decodes[0]._dispatch(Outputs([StepOutput(retry.rid, [65], "length")]))
+        assert [t for out in await asyncio.wait_for(task, 5) for t in out.token_ids] == [65]
 
     asyncio.run(main())
 
@@ -522,3 +607,25 @@ def test_an_sglang_workers_half_open_breaker_limits_its_trials_too() -> None:
     assert not worker.healthy  # (two trials open: as many as it needs successes)
     worker.closed(rids[0])
     assert worker.healthy and breaker.trials == {rids[1]}
+
+
+def test_a_failure_while_half_open_opens_the_breaker_again() -> None:
+    """A half-open worker that fails a trial is out again (open, taking no requests) for a whole cooldown
+    from that failure: one failed trial is enough, not ``breaker_failures`` more, or a worker failing its
+    trials would keep taking trial traffic."""
+    from gateway.health import BreakerState, CircuitBreaker
+
+    now = [0.0]
+    breaker = CircuitBreaker(failures_to_open=3, cooldown_s=10.0, successes_to_close=2, clock=lambda: now[0])
+    for _ in range(3):
+        breaker.record_failure()
+    now[0] = 10.0
+    assert breaker.state is BreakerState.HALF_OPEN and breaker.allows
+    breaker.trial_started(1)
+    breaker.record_failure()  # the trial failed
+    assert breaker.state is BreakerState.OPEN and not breaker.allows and not breaker.closed
+    assert breaker.num_opened == 2 and not breaker.trials
+    now[0] = 19.5
+    assert breaker.state is BreakerState.OPEN and not breaker.allows, "its cooldown runs from the failed trial"
+    now[0] = 20.0
+    assert breaker.state is BreakerState.HALF_OPEN and breaker.allows

@@ -238,6 +238,21 @@ def test_least_pressured_is_the_argmin_of_decode_pressure() -> None:
             decode_pressure(best, decode_need(request, best)), best.num_active)
 
 
+def test_a_decode_with_exactly_the_pages_needed_takes_the_request_now() -> None:
+    """``num_free_pages == need`` is a fit: every page the request needs is free, it does not wait. Taken for
+    a wait, a decode's last free pages would never be used while another has room, and its pressure would
+    carry the wait penalty (ranked below any decode that can take the request at once)."""
+    from gateway.policies.load import can_take_now, decode_need, decode_pressure, fits_pages
+
+    request = req()  # 320 + 16 tokens: 21 pages of 16
+    need = decode_need(request, decode("d"))
+    exact = decode("exact", total=100, free=need)
+    assert fits_pages(exact, need) and not fits_pages(exact, need + 1)
+    assert can_take_now([exact], request) == [exact]
+    assert decode_pressure(exact, need) == 1.0, "its pool full once placed, and no wait penalty"
+    assert decode_pressure(exact, need + 1) > 2.0  # one page short: it would wait
+
+
 def test_a_prefix_kept_busy_stays_on_its_prefill_past_the_first_assumption() -> None:
     """With no KV events yet (a busy worker, or an SGLang worker that sends none), each routing of a
     prefix renews its assumption: the same prompt every 1.5 s with a 2 s TTL keeps its prefill."""

@@ -43,6 +43,18 @@ def test_assumed_entries_count_until_they_expire() -> None:
     assert index.match(H) == {"b": 1}
 
 
+def test_an_expired_assumption_is_not_revived_by_another_workers() -> None:
+    """Re-assuming a hash extends every worker assumed on it, but only while its entry is live: a worker
+    whose assumption had expired (no request routed to it for the TTL) must not come back as holding the
+    prefix because another worker was routed it, or requests would follow a cache it may long have evicted."""
+    index = PrefixIndex()  # (the default TTL: 2 s)
+    index.assume("a", H[:1], now=0.0)
+    index.assume("b", H[:1], now=3.0)  # "a"'s entry expired at 2.0
+    assert index.match(H, now=3.0) == {"b": 1}
+    index.assume("a", H[:1], now=4.0)  # while "b"'s is live, both are assumed on it
+    assert index.match(H, now=4.0) == {"a": 1, "b": 1}
+
+
 def test_a_lost_worker_loses_its_assumed_pages_too() -> None:
     """A restarted worker comes back empty: what it was assumed to hold must not outlive its connection."""
     index = PrefixIndex(assume_ttl_s=60.0)

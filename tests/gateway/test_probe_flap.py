@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from gateway.health import HealthConfig
+from gateway.health import HealthConfig, WorkerHealth
 from gateway.runtime import Gateway, GatewayConfig
 from workers.page_cache import page_hashes
 from workers.protocol import PROTOCOL_VERSION, Hello, HelloAck, KVEvents, Ping, Pong, gateway_codec, worker_codec
@@ -174,3 +174,30 @@ def test_a_worker_on_another_kv_backend_is_reported(caplog: pytest.LogCaptureFix
     with caplog.at_level(logging.ERROR, logger="gateway.runtime"):
         asyncio.run(main())
     assert any("moves KV over 'nixl'" in r.getMessage() and "'tcp'" in r.getMessage() for r in caplog.records)
+
+
+def test_probe_failures_count_only_in_a_row() -> None:
+    """``unhealthy_after`` counts consecutive failed probes: a probe that passes between two failures (a
+    Pong lost now and then) leaves the worker healthy, keeping its requests and its place in selection;
+    two failures in a row do not."""
+    health = WorkerHealth(HealthConfig(unhealthy_after=2, healthy_after=2))
+    assert not health.probe_failed("no Pong in time")
+    assert not health.probe_passed(0.0)
+    assert not health.probe_failed("no Pong in time")
+    assert health.is_probe_healthy and health.is_selectable
+    assert health.probe_failed("no Pong in time")  # the second in a row
+    assert not health.is_probe_healthy
+
+
+def test_a_scheduler_stalled_past_the_stall_timeout_fails_its_probes() -> None:
+    """A worker that answers pings while its scheduler makes no progress (a wedged engine, the connection's
+    thread alive) fails its probes once the stall is longer than ``stall_timeout_s``: ``unhealthy_after``
+    such probes make it unhealthy; a stall of up to the timeout (a long prefill) passes."""
+    health = WorkerHealth(HealthConfig(unhealthy_after=2, stall_timeout_s=10.0))
+    for _ in range(3):
+        assert not health.probe_passed(10.0)
+    assert health.is_probe_healthy and health.num_probe_failures == 0
+    assert not health.probe_passed(10.5)
+    assert health.probe_passed(10.5)  # the second in a row: unhealthy
+    assert not health.is_probe_healthy and health.num_probe_failures == 2
+    assert "no progress" in (health.last_probe_error or "")

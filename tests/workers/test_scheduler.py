@@ -140,6 +140,29 @@ def test_pool_pressure_queues_instead_of_failing() -> None:
     assert sched.cache.num_available == pool.num_pages
 
 
+def test_max_running_bounds_every_batch_of_a_combined_worker() -> None:
+    """``max_running`` 2 and three short prompts that all fit the pool and one step's chunk budget: each
+    admission re-checks the bound after the request it let in, so the third waits until a sequence ends
+    and no forward step ever holds more than 2 sequences (an admission loop that let one past the bound
+    would prefill all three in the first step). Recorded at the engine, the batch as the model sees it."""
+    sched, sink, _ = make(chunk_size=64, max_running=2)
+    sizes: list[int] = []
+    forward = sched.engine.forward
+
+    def recording(batch: list[Any]) -> list[Any]:
+        sizes.append(len(batch))
+        return forward(batch)
+
+    sched.engine.forward = recording  # type: ignore[method-assign]
+    for rid in range(3):
+        sched.submit(0, Submit(rid, [10 * rid + i for i in range(3)], SamplingParams(max_new_tokens=4,
+                                                                                     ignore_eos=True)))
+    run_until_idle(sched)
+    assert sizes and max(sizes) == 2, sizes
+    for rid in range(3):
+        assert len(tokens_of(sink, rid)) == 4 and sink.outputs(rid)[-1].finish_reason == "length"
+
+
 def test_threaded_loop_serves_and_stops() -> None:
     sched, sink, pool = make()
     sched.start()
@@ -320,6 +343,48 @@ def test_preemption_by_recompute_when_pages_run_out() -> None:
         solo.submit(0, Submit(rid, p, SamplingParams(max_new_tokens=20)))
         run_until_idle(solo)
         assert tokens_of(sink, rid) == tokens_of(solo_sink, rid), "preemption must not change outputs"
+    assert sched.cache.num_available == pool.num_pages
+
+
+def test_a_preempted_request_keeps_the_pages_it_computed_in_the_prefix_cache() -> None:
+    """A request that gives way publishes what it computed before releasing it, so its recompute takes
+    those pages back from the prefix cache. The case where the publication at the end of its prefill was
+    not enough: B repeats A's 8-token prompt (two whole pages) and shares only A's first page (a match leaves
+    a token to compute), so it computes its own copy of the second, which is not published then (A's copy
+    has that hash). By the time the pool runs dry A's cached copy has been evicted; B (the youngest) gives
+    way, and its recompute must find both prompt pages cached, B's own second page included. (C, the
+    older request whose growth preempts B, ends before it needs another page: nothing evicts B's cached
+    pages before its recompute is admitted.)"""
+    sched, sink, pool = make(num_pages=8, chunk_size=64, max_running=64)
+    prompt = list(range(40, 48))
+    params = {1: SamplingParams(max_new_tokens=12, ignore_eos=True), 2: SamplingParams(max_new_tokens=20,
+                                                                                        ignore_eos=True)}
+    sched.submit(0, Submit(0, prompt, SamplingParams(max_new_tokens=1)))  # A: leaves both pages cached
+    run_until_idle(sched)
+    sched.submit(0, Submit(1, list(range(60, 68)), params[1]))  # C: older than B, so B is the one to give way
+    sched.submit(0, Submit(2, prompt, params[2]))  # B
+    sched.step()
+    b = sched.reqs[(0, 2)]
+    assert b.stage == "running" and b.cached_tokens == 4, "B shares A's first page only"
+    for _ in range(200):
+        if sched.num_preemptions:
+            break
+        sched.step()
+    assert sched.num_preemptions == 1 and b.stage == "waiting" and sched.cache.num_evictions >= 1
+    hits = sched.cache.num_hit_tokens
+    for _ in range(200):
+        if b.stage != "waiting" or b.done:
+            break
+        sched.step()
+    assert b.is_recompute and b.stage in ("prefill", "running")
+    assert sched.cache.num_hit_tokens - hits == len(prompt), "the recompute found both prompt pages cached"
+    run_until_idle(sched, 2000)
+    for rid, p in ((1, list(range(60, 68))), (2, prompt)):
+        solo, solo_sink, _ = make(chunk_size=64)
+        solo.submit(0, Submit(rid, p, params[rid]))
+        run_until_idle(solo)
+        assert tokens_of(sink, rid) == tokens_of(solo_sink, rid)
+        assert len(tokens_of(sink, rid)) == params[rid].max_new_tokens
     assert sched.cache.num_available == pool.num_pages
 
 
@@ -673,7 +738,7 @@ def test_a_step_never_idles_while_a_finished_request_holds_batch_room() -> None:
 
 
 def _pd_pair(prefill_pages: int, decode_pages: int, num_aux_slots: int = 256, decode_max_running: int = 64,
-             ) -> list[tuple[Scheduler, Collector, Any]]:
+             prefill_chunk_size: int = 64) -> list[tuple[Scheduler, Collector, Any]]:
     """A prefill and a decode scheduler moving KV over the tcp backend, stepped by the test."""
     from transfer import KVArgs, KVManager, create_backend
 
@@ -687,7 +752,8 @@ def _pd_pair(prefill_pages: int, decode_pages: int, num_aux_slots: int = 256, de
         kv = KVManager(role, KVArgs.from_pool(pool), create_backend("tcp"))
         sink = Collector()
         max_running = decode_max_running if role == "decode" else 64
-        sched = Scheduler(SchedulerConfig(role, chunk_size=64, max_running=max_running), engine, pool, sink, kv)
+        chunk_size = prefill_chunk_size if role == "prefill" else 64
+        sched = Scheduler(SchedulerConfig(role, chunk_size=chunk_size, max_running=max_running), engine, pool, sink, kv)
         sched.connect(1)
         sides.append((sched, sink, kv))
     return sides
@@ -1025,6 +1091,58 @@ def test_a_decode_batch_holds_at_most_max_running_sequences() -> None:
         for rid in finished:
             assert sum(len(o.token_ids) for o in dsink.outputs(rid)) == 8
         _until_pool_full(d)
+    finally:
+        pkv.close()
+        dkv.close()
+
+
+def test_a_prefill_chunk_ending_inside_a_page_sends_only_the_pages_it_completed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill chunks of 6 tokens on pages of 4, a 20-token prompt: chunks end at 6, 12 and 18, inside a page.
+    Each non-final send carries only pages whose every position is computed (the page a chunk ends in is
+    the next chunk's to send): a page sent half-computed is never sent again, and the decode would hold
+    whatever the rest of that page held before. Checked at each send, against the KV those positions must
+    hold (the sim engine's rows are a function of token and position); at the end the decode holds the
+    prompt's exact KV and answers as a combined worker does."""
+    (p, _, pkv), (d, dsink, dkv) = _pd_pair(64, 64, prefill_chunk_size=6)
+    engine = p.engine
+    assert isinstance(engine, SimEngine)
+    prompt = list(range(30, 50))
+    sent: list[int] = []
+    sends: list[tuple[list[int], bool, bool | None]] = []
+    create_sender = pkv.create_sender
+
+    def checked_sender(room: int) -> Any:
+        sender = create_sender(room)
+        send = sender.send
+
+        def checked(page_ids: list[int], *, last: bool, aux: bytes | None = None) -> None:
+            sent.extend(page_ids)  # (pages go in order: ``sent`` is the request's leading pages)
+            sends.append((list(page_ids), last, None if last else engine.verify(sent, prompt[: len(sent) * 4])))
+            send(page_ids, last=last, aux=aux)
+
+        monkeypatch.setattr(sender, "send", checked)
+        return sender
+
+    monkeypatch.setattr(pkv, "create_sender", checked_sender)
+    try:
+        params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+        _submit_pd(d, p, pkv, 1, params, prompt)
+        deadline = time.monotonic() + 30
+        d.step()
+        while d.reqs or p.reqs:
+            assert time.monotonic() < deadline, {k: r.stage for k, r in d.reqs.items()}
+            p.step()
+            d.step()
+            time.sleep(0.001)
+        assert [(len(pages), last) for pages, last, _ in sends] == [(1, False), (2, False), (1, False), (1, True)]
+        assert all(ok for _, last, ok in sends if not last), sends
+        outputs = dsink.outputs(1)
+        assert outputs and outputs[-1].finish_reason == "length" and outputs[-1].kv_verified is True
+        solo, solo_sink, _ = make(chunk_size=64)
+        solo.submit(0, Submit(1, prompt, params))
+        run_until_idle(solo)
+        assert tokens_of(dsink, 1) == tokens_of(solo_sink, 1) and len(tokens_of(dsink, 1)) == 6
     finally:
         pkv.close()
         dkv.close()
