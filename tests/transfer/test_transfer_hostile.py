@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import socket
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
@@ -50,17 +51,23 @@ def test_a_prefills_tcp_data_port_takes_no_writes() -> None:
         prefill.close()
 
 
+def _registered(prefill: KVManager, args: Any) -> tuple[socket.socket, FrameReader]:
+    """A decode's control connection to ``prefill``, registered (as a fake backend with ``args``' buffers)."""
+    sock = socket.create_connection(prefill.control_address)
+    sock.sendall(encode_frame(Register(
+        PROTOCOL_VERSION, "fake", FakeBackend().endpoint(), args.kv_ptrs, args.kv_data_lens, args.kv_item_lens,
+        args.aux_ptrs, args.aux_data_lens, args.aux_item_lens, args.page_size, args.kv_dtype)))
+    reader = FrameReader(sock)
+    ack = reader.read()
+    assert isinstance(ack, RegisterAck) and ack.ok, ack
+    return sock, reader
+
+
 def test_a_page_list_longer_than_the_decodes_pool_is_refused_at_once() -> None:
     args = make_args()
     prefill = KVManager("prefill", args, FakeBackend(), timeouts=KVTimeouts())
-    sock = socket.create_connection(prefill.control_address)
+    sock, reader = _registered(prefill, args)
     try:
-        sock.sendall(encode_frame(Register(
-            PROTOCOL_VERSION, "fake", FakeBackend().endpoint(), args.kv_ptrs, args.kv_data_lens, args.kv_item_lens,
-            args.aux_ptrs, args.aux_data_lens, args.aux_item_lens, args.page_size, args.kv_dtype)))
-        reader = FrameReader(sock)
-        ack = reader.read()
-        assert isinstance(ack, RegisterAck) and ack.ok, ack
         sock.sendall(encode_frame(RoomRequest(7, [0] * (args.num_pages + 1), 0, 1)))
         status = reader.read()
         assert isinstance(status, RoomStatus) and status.room == 7 and not status.ok
@@ -90,14 +97,8 @@ def test_a_page_id_one_past_the_decodes_pool_is_refused() -> None:
     other."""
     args = make_args()
     prefill = KVManager("prefill", args, FakeBackend(), timeouts=KVTimeouts())
-    sock = socket.create_connection(prefill.control_address)
+    sock, reader = _registered(prefill, args)
     try:
-        sock.sendall(encode_frame(Register(
-            PROTOCOL_VERSION, "fake", FakeBackend().endpoint(), args.kv_ptrs, args.kv_data_lens, args.kv_item_lens,
-            args.aux_ptrs, args.aux_data_lens, args.aux_item_lens, args.page_size, args.kv_dtype)))
-        reader = FrameReader(sock)
-        ack = reader.read()
-        assert isinstance(ack, RegisterAck) and ack.ok, ack
         waiting = prefill.create_sender(7)
         sock.sendall(encode_frame(RoomRequest(7, [args.num_pages - 1, args.num_pages], 0, 1)))
         status = reader.read()
