@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from transfer import KVArgs
+from transfer import KVArgs, KVPoll
 from workers.kv_pool import KVPool
 
 _POOLS: list[KVPool] = []  # keep registered memory alive for the whole test session
@@ -27,6 +27,17 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
     while not predicate() and time.monotonic() < deadline:
         time.sleep(0.002)
     return predicate()
+
+
+def open_room(prefill: Any, decode: Any, room: int, dst_pages: list[int], aux_index: int) -> tuple[Any, Any]:
+    """A room open on both sides, its page list sent and taken: (the prefill's sender, the decode's receiver),
+    both waiting for input."""
+    sender = prefill.create_sender(room)
+    receiver = decode.create_receiver(room, *prefill.control_address)
+    assert wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput)
+    receiver.send_metadata(dst_pages, aux_index)
+    assert wait_for(lambda: sender.poll() == KVPoll.WaitingForInput)
+    return sender, receiver
 
 
 class Waker:

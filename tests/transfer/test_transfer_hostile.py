@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvunit import make_args, wait_for
+from kvunit import make_args, open_room, wait_for
 
 from transfer import KVManager, KVPoll, KVTimeouts
 from transfer.fake import FakeBackend
@@ -170,11 +170,7 @@ def test_a_decode_on_a_backend_that_does_not_fence_still_takes_its_writes() -> N
     prefill = KVManager("prefill", make_args(), ShmBackend("tcp", same_host=False), timeouts=quick)
     decode = KVManager("decode", make_args(), backend, timeouts=quick)
     try:
-        sender = prefill.create_sender(7)
-        receiver = decode.create_receiver(7, *prefill.control_address)
-        assert wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput)
-        receiver.send_metadata([2, 3], 0)
-        assert wait_for(lambda: sender.poll() == KVPoll.WaitingForInput)
+        sender, receiver = open_room(prefill, decode, 7, [2, 3], 0)
         sender.send([0, 1], last=True, aux=b"xy")
         assert wait_for(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed))
         assert receiver.poll() == KVPoll.Success, receiver.failure()

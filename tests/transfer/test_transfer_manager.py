@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from kvunit import Waker, make_args, wait_for
+from kvunit import Waker, make_args, open_room, wait_for
 
 from transfer import (
     KVArgs,
@@ -620,7 +620,7 @@ def test_a_prefill_closing_lets_its_writes_settle_before_its_connections_close()
     takes the control connection's close as the end of every write of its rooms, so the prefill waits (a
     bounded while) for its writes to settle and says ``Quiesced`` first. Before: it closed the connections
     at once, and the decode gave the pages back while the write could still land."""
-    from transfer import KVManager, KVPoll, KVTimeouts
+    from transfer import KVManager, KVTimeouts
 
     class Held(FakeBackend):
         def write(self, peer, blocks, fence=UNFENCED):  # type: ignore[no-untyped-def]
@@ -645,11 +645,7 @@ def test_a_prefill_closing_lets_its_writes_settle_before_its_connections_close()
     prefill = KVManager("prefill", make_args(), held, timeouts=timeouts)
     decode = KVManager("decode", make_args(), FakeBackend(), timeouts=timeouts)
     try:
-        sender = prefill.create_sender(1)
-        receiver = decode.create_receiver(1, *prefill.control_address)
-        assert wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput)
-        receiver.send_metadata([3, 4], 1)
-        assert wait_for(lambda: sender.poll() == KVPoll.WaitingForInput)
+        sender, receiver = open_room(prefill, decode, 1, [3, 4], 1)
         sender.send([0, 1], last=True, aux=b"x")  # (on the wire until ``settle``)
         seen: list[bool] = []
 
