@@ -128,7 +128,7 @@ class Prepared:
 
 
 # ``SamplingParams`` fields a worker may refuse -> the OpenAI routes' names for them
-_CLIENT_NAMES = {"logit_bias": "logit_bias", "presence_penalty": "presence_penalty",
+_CLIENT_NAMES = {"max_new_tokens": "max_tokens", "logit_bias": "logit_bias", "presence_penalty": "presence_penalty",
                  "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
                  "min_new_tokens": "min_tokens", "stop_token_ids": "stop_token_ids"}
 

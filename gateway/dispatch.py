@@ -51,6 +51,7 @@ import asyncio
 import bisect
 import logging
 import random
+import sys
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
@@ -60,12 +61,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from gateway.context import REQUEST_ID, REQUEST_T0, random_room
-from gateway.errors import APIError, BadGateway, NoWorkers, UpstreamTimeout, from_worker_error
+from gateway.errors import APIError, BadGateway, BadRequest, NoWorkers, UpstreamTimeout, from_worker_error
 from gateway.event_sink import DirectPathFailed, EventSink, SinkOverflow
 from gateway.metrics import GatewayMetrics
 from gateway.policies import Pair, RequestInfo
 from gateway.router import Router
 from gateway.worker_client import Event, WorkerClient, WorkerGone
+from gateway.worker_state import WorkerState
 from workers.protocol import BootstrapTarget, Error, Fault, SamplingParams, StepOutput, Submit, TokenLogprob
 
 if TYPE_CHECKING:
@@ -140,6 +142,11 @@ class Dispatcher:
         # ``gateway.tokenizer.tokenizer_digest`` of the text the gateway makes of outputs (set with the
         # frontend): a decode watching stop strings with another tokenizer is not sent them (``submit``).
         self.tokenizer_digest = ""
+        # The smallest pool among the decodes (tokens of KV: prompt + max_new_tokens) and the prefills (the
+        # prompt) that have connected, as of ``WorkerState.shape_epoch``: a request within both fits any
+        # worker, and only one past them has the workers that cannot hold it left out (``_fitting``).
+        self._floors_epoch = -1
+        self._decode_floor = self._prefill_floor = 0
 
     @property
     def is_disaggregated(self) -> bool:
@@ -159,6 +166,11 @@ class Dispatcher:
         if not decodes or not (prefills or combined):
             missing = "combined" if combined else "decode" if not decodes else "prefill"
             raise NoWorkers(f"no healthy {missing} worker", retry_after_s=1.0)
+        if self._floors_epoch != WorkerState.shape_epoch:
+            self._set_floors()
+        prompt = len(request.input_ids)
+        if prompt + request.max_new_tokens > self._decode_floor or prompt > self._prefill_floor:
+            prefills, decodes = self._fitting(prefills, decodes, request)
         router = self.router
         pair = router.pick(prefills, decodes, request)
         prefill = pair.prefill
@@ -168,6 +180,35 @@ class Dispatcher:
             return pair, None, router.client_of(pair.decode, decodes, WorkerClient)
         return pair, router.client_of(prefill, prefills, WorkerClient), router.client_of(pair.decode, decodes,
                                                                                           WorkerClient)
+
+    def _set_floors(self) -> None:
+        self._floors_epoch = WorkerState.shape_epoch
+        self._decode_floor = min((c.state.capacity_tokens for c in self.decodes if c.state.page_size), default=0)
+        self._prefill_floor = min((c.state.capacity_tokens for c in self.prefills if c.state.page_size),
+                                  default=0 if self.prefills else sys.maxsize)
+
+    def _fitting(self, prefills: list[Any], decodes: list[Any], request: RequestInfo) -> tuple[list[Any], list[Any]]:
+        """The selectable workers whose KV pool can hold ``request`` (a decode reserves prompt +
+        max_new_tokens, a prefill the prompt); when one side has none: a 503 if a worker that is out of
+        the selection now could (unhealthy, avoided), else a 400, sent to no worker."""
+        prompt = len(request.input_ids)
+        total = prompt + request.max_new_tokens
+        decodes = [v for v in decodes if v.capacity_tokens >= total]
+        prefills = [v for v in prefills if v.capacity_tokens >= prompt]
+        if decodes and (prefills or self.combined):
+            return prefills, decodes
+        if not decodes:
+            side, pool, need, what = "combined" if self.combined else "decode", self.decodes, total, \
+                "prompt + max_tokens"
+        else:
+            side, pool, need, what = "prefill", self.prefills, prompt, "the prompt"
+        largest = max((c.state.capacity_tokens for c in pool), default=0)
+        if largest >= need:
+            raise NoWorkers(f"no healthy {side} worker has a KV pool that holds this request ({need} tokens: "
+                            f"{what}); the one that does is unavailable", retry_after_s=1.0)
+        raise BadRequest(f"the request needs {need} tokens of KV cache ({what}); the largest {side} worker's pool "
+                         f"holds {largest}", param="max_new_tokens" if side != "prefill" else None,
+                         code="context_length_exceeded")
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
                        bootstrap: ClientBootstrap | None = None, direct: DirectConsumer | None = None,

@@ -39,6 +39,10 @@ class WorkerState:
     ``refresh(now)``, which the gateway calls every ``REFRESH_INTERVAL_S`` for every worker.
     """
 
+    # Bumped whenever any worker's shape (its KV pool) may have changed: what is derived from every worker's
+    # pool (``gateway.dispatch.Dispatcher``'s capacity floors) is recomputed when it moved.
+    shape_epoch = 0
+
     def __init__(self, url: str, role: str, client: Any = None, *, stale_after_s: float = DEFAULT_STALE_AFTER_S,
                  clock: Callable[[], float] = time.monotonic):
         self._clock = clock  # simulators pass their virtual clock
@@ -73,6 +77,7 @@ class WorkerState:
     # -- updates (event loop) -------------------------------------------------------------------
     def connected(self, ack: HelloAck) -> None:
         self.page_size, self.num_total_pages = ack.page_size, ack.num_pages
+        WorkerState.shape_epoch += 1
         self.report, self.is_load_fresh = None, False
         self._unacked.clear()
         self._unacked_tokens = self._unacked_pages = 0
@@ -164,6 +169,12 @@ class WorkerState:
         self.num_running_seqs = self.num_active
         self.num_reserved_pages = self.own_pages
         self.num_free_pages = max(0, self.num_total_pages - self.own_pages)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens of KV the worker's whole pool holds (0 before it connected): a request needing more
+        (a decode: prompt + max_new_tokens; a prefill: the prompt) is refused by it."""
+        return self.page_size * self.num_total_pages
 
     @property
     def report_age_s(self) -> float:

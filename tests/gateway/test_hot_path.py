@@ -658,7 +658,7 @@ def _connected_workers(loop: asyncio.AbstractEventLoop, role: str,
         transport = _RecordingTransport()
         client._transport = transport  # type: ignore[assignment]
         boot = ("127.0.0.1", 9000 + i, f"inst-{role}{i}") if role == "prefill" else (None, None, None)
-        client.info = HelloAck(PROTOCOL_VERSION, f"{role}{i}", role, "sim", "m", "byte", 4, 4096, 64, *boot)
+        client.info = HelloAck(PROTOCOL_VERSION, f"{role}{i}", role, "sim", "m", "byte", 4, 4096, 4096, *boot)
         client.state.connected(client.info)
         workers.append(client)
         transports.append(transport)

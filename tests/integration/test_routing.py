@@ -150,3 +150,32 @@ def test_the_gateway_calls_every_hook(sim_cluster) -> None:  # type: ignore[no-u
     assert counts().get("removed_decode") == 1
     c.completions.create(model="sim", prompt=tenant_prompt(9, 0), max_tokens=2)  # the other decode serves
     cluster.wait_pools_full(alive_only=True)
+
+
+def test_decodes_with_pools_of_different_sizes_serve_what_each_can_hold(procs) -> None:  # type: ignore[no-untyped-def]
+    """A long request goes to the decode whose pool holds it, whichever the policy's turn is; one no pool holds
+    is the gateway's own 400 (before any worker saw it), naming the client's field."""
+    from pdtest import start_bootstrap, start_gateway, start_worker, wait_pools_full
+
+    boot = start_bootstrap(procs)
+    common = ("--engine", "sim", "--page-size", "4")
+    prefill = start_worker(procs, "prefill", *common, "--num-pages", "256", bootstrap=boot)
+    small = start_worker(procs, "decode", *common, "--num-pages", "32", bootstrap=boot)  # 128 tokens
+    big = start_worker(procs, "decode", *common, "--num-pages", "256", bootstrap=boot)  # 1,024 tokens
+    port = start_gateway(procs, "--prefill", prefill.url, "--decode", small.url, big.url, "--policy", "round_robin")
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    for i in range(6):  # 10 + 150 tokens: only the big decode
+        out = c.completions.create(model="sim", prompt=[i + 1] * 10, max_tokens=150, extra_body={"ignore_eos": True})
+        assert out.usage is not None and out.usage.completion_tokens == 150
+        out = c.completions.create(model="sim", prompt=[i + 1] * 10, max_tokens=8)  # fits both: both serve
+    assert all(w.get("/stats")["num_steps"] > 0 for w in (small, big))  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=1100)
+    body = err.value.body
+    assert isinstance(body, dict) and body["code"] == "context_length_exceeded" and body["param"] == "max_tokens"
+    assert "the largest decode worker's pool holds 1024" in body["message"]
+    for worker in (prefill, small, big):  # no worker saw it (a worker counts each request it refuses)
+        text = httpx.get(f"http://127.0.0.1:{worker.http_port}/metrics", timeout=10).text
+        assert "bad_request" not in text, [ln for ln in text.splitlines() if "bad_request" in ln]
+        assert worker is prefill or 'pd_worker_requests_finished_total{reason="length"' in text
+    wait_pools_full([prefill, small, big])

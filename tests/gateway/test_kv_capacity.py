@@ -1,0 +1,119 @@
+"""Workers whose KV pools differ: a request goes only to workers whose whole pool can hold it (a decode:
+prompt + max_new_tokens; a prefill: the prompt), whatever the policy would have picked; one that no worker
+can hold is a 400 sent to no worker, and one that only an unavailable worker could hold a 503."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import pytest
+from test_hot_path import _connected_workers, _sent
+
+from gateway.dispatch import DispatchConfig, Dispatcher
+from gateway.errors import BadRequest, NoWorkers
+from gateway.policies.simple import RoundRobinPolicy
+from gateway.router import Router
+from workers.protocol import SamplingParams, Submit
+
+
+def _resize(worker: Any, num_pages: int) -> None:
+    """The worker (re)connected with a pool of ``num_pages`` pages of 4 tokens."""
+    worker.info = msgspec.structs.replace(worker.info, num_pages=num_pages)
+    worker.state.connected(worker.info)
+
+
+def _fleet(prefill_pages: list[int], decode_pages: list[int], *, combined: bool = False,
+           ) -> tuple[Dispatcher, list[Any], list[Any], list[Any]]:
+    loop = asyncio.get_running_loop()
+    prefills, p_transports = _connected_workers(loop, "prefill", len(prefill_pages)) if not combined else ([], [])
+    decodes, d_transports = _connected_workers(loop, "both" if combined else "decode", len(decode_pages))
+    for worker, pages in zip([*prefills, *decodes], [*prefill_pages, *decode_pages], strict=True):
+        _resize(worker, pages)
+    policy = RoundRobinPolicy()
+    dispatcher = Dispatcher(prefills, decodes, Router(policy, policy), DispatchConfig(max_retries=0),
+                            combined=combined)
+    return dispatcher, prefills, decodes, [*p_transports, *d_transports]
+
+
+def _picks(dispatcher: Dispatcher, prompt: int, max_new: int, times: int = 6) -> list[tuple[Any, Any]]:
+    request = dispatcher.router.request(list(range(prompt)), max_new)
+    return [dispatcher._select(request, set())[1:] for _ in range(times)]
+
+
+def test_a_request_goes_only_to_the_workers_that_can_hold_it() -> None:
+    async def main() -> None:
+        # decode 0 holds 256 tokens, decode 1 4096; prefill 0 holds 64, prefill 1 4096
+        dispatcher, prefills, decodes, _ = _fleet([16, 1024], [64, 1024])
+        small = _picks(dispatcher, 10, 10)
+        assert {d for _, d in small} == set(decodes) and {p for p, _ in small} == set(prefills)  # round robin
+        assert {d for _, d in _picks(dispatcher, 100, 200)} == {decodes[1]}  # 300 tokens: only the big decode
+        assert {d for _, d in _picks(dispatcher, 100, 156)} == set(decodes)  # 256: both (a pool exactly full)
+        assert {p for p, _ in _picks(dispatcher, 65, 1)} == {prefills[1]}  # a 65-token prompt: the big prefill
+        assert {p for p, _ in _picks(dispatcher, 64, 1)} == set(prefills)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("combined", [False, True])
+def test_a_request_no_worker_can_hold_is_a_400_sent_to_no_worker(combined: bool) -> None:
+    async def main() -> None:
+        dispatcher, prefills, decodes, transports = _fleet([] if combined else [1024], [64, 100], combined=combined)
+        with pytest.raises(BadRequest) as err:
+            async with asyncio.timeout(10):  # (sent to a worker, it would wait for an answer that never comes)
+                async for _ in dispatcher.generate(list(range(300)), SamplingParams(max_new_tokens=120)):
+                    pass
+        side = "combined" if combined else "decode"
+        assert err.value.status == 400 and err.value.code == "context_length_exceeded"
+        assert err.value.param == "max_new_tokens"
+        assert f"needs 420 tokens of KV cache (prompt + max_tokens); the largest {side} worker's pool holds 400" \
+            in err.value.message
+        assert not any(_sent(t, Submit) for t in transports)
+        assert not any(w.state.num_active for w in (*prefills, *decodes))
+
+    asyncio.run(main())
+
+
+def test_a_prompt_no_prefill_can_hold_is_a_400_naming_the_prompt() -> None:
+    async def main() -> None:
+        dispatcher, _, _, transports = _fleet([16, 20], [1024])
+        with pytest.raises(BadRequest) as err:
+            async with asyncio.timeout(10):
+                await dispatcher.complete(list(range(81)), SamplingParams(max_new_tokens=1), _Nothing())
+        assert err.value.param is None and "needs 81 tokens of KV cache (the prompt); the largest prefill " \
+            "worker's pool holds 80" in err.value.message
+        assert not any(_sent(t, Submit) for t in transports)
+
+    asyncio.run(main())
+
+
+class _Nothing:
+    finish_reason = None
+
+    def accept(self, output: Any) -> None:
+        raise AssertionError("nothing is sent, so nothing comes back")
+
+
+def test_a_request_only_an_unavailable_worker_could_hold_is_a_503() -> None:
+    async def main() -> None:
+        dispatcher, _, decodes, _ = _fleet([1024], [64, 1024])
+        decodes[1].is_draining = True
+        with pytest.raises(NoWorkers) as err:
+            _picks(dispatcher, 100, 200, times=1)
+        assert err.value.status == 503 and "no healthy decode worker has a KV pool that holds" in err.value.message
+        assert {d for _, d in _picks(dispatcher, 10, 10)} == {decodes[0]}  # a small one is served meanwhile
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_reconnects_with_another_pool_is_judged_by_its_new_one() -> None:
+    async def main() -> None:
+        dispatcher, _, decodes, _ = _fleet([1024], [1024, 1024])
+        assert {d for _, d in _picks(dispatcher, 100, 200)} == set(decodes)
+        _resize(decodes[0], 64)  # restarted with a smaller pool
+        assert {d for _, d in _picks(dispatcher, 100, 200)} == {decodes[1]}
+        _resize(decodes[0], 2048)
+        assert {d for _, d in _picks(dispatcher, 100, 200)} == set(decodes)
+
+    asyncio.run(main())
