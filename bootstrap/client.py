@@ -15,7 +15,12 @@ Decode side, ``BootstrapResolver`` (sync, thread-safe, shared by the KV-transfer
    SGLang's prefills announce their registry; a registry the resolver was given in full, ``registries``,
    e.g. an ``https://`` one behind a proxy with a path, is asked at its own URL) and cache replies for
    ``cache_ttl_s``; errors are never cached. 503 raises ``BootstrapNotReady``, no reply raises
-   ``BootstrapUnreachable``, anything else unexpected ``BootstrapError``. When the registry does not
+   ``BootstrapUnreachable``, anything else unexpected ``BootstrapError``. The token goes only to the
+   ``registries`` the resolver was given (at their addresses as written and as their host names resolve
+   when it is made): a request names its ``bootstrap_host`` itself, and anyone who can reach a decode's
+   ports could otherwise have it hand the token (the registry's write key) to a host of their choosing.
+   A registry elsewhere is asked without it (SGLang's and our embedded ones guard writes only, not reads).
+   When the registry does not
    answer at all, or answers that the instance is not registered (a registry restarted empty, until
    the prefill's next heartbeat), a reply that expired less than ``stale_if_unreachable_s`` ago
    answers instead (a registry restart must not fail every room of prefills that have not moved; a
@@ -34,6 +39,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -171,6 +177,15 @@ def _host_port(host: str, port: int | None) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"{host}:{DEFAULT_BOOTSTRAP_PORT if port is None else port}"
+
+
+def _addresses(host: str, port: int) -> set[str]:
+    """``host:port`` as written and with each address ``host`` resolves to now (none if it does not)."""
+    found = {_host_port(host, port)}
+    with contextlib.suppress(OSError):
+        found.update(_host_port(str(info[4][0]), port) for info in socket.getaddrinfo(host, port,
+                                                                                     type=socket.SOCK_STREAM))
+    return found
 
 
 def _auth(token: str | None) -> dict[str, str]:
@@ -346,17 +361,19 @@ class BootstrapResolver:
                  stale_if_unreachable_s: float = 60.0, registries: Iterable[str] = ()) -> None:
         # host:port -> the registry's whole URL (scheme, path) for those known in full; others are http://
         self._bases: dict[str, str] = {}
+        self._trusted: set[str] = set()  # host:port of the registries given, also as their names resolve
         for url in registries:
             base = registry_url(url)
             parts = urlsplit(base)
             assert parts.hostname is not None and parts.port is not None  # (``registry_url`` spells both)
             self._bases[_host_port(parts.hostname, parts.port)] = base
+            self._trusted.update(_addresses(parts.hostname, parts.port))
+        self._auth = _auth(token)
         self.cache_ttl_s = cache_ttl_s
         self.stale_if_unreachable_s = stale_if_unreachable_s
         self._client = httpx.Client(
             timeout=httpx.Timeout(timeout_s),
             limits=httpx.Limits(max_connections=32, max_keepalive_connections=8),
-            headers=_auth(token),
         )
         self._lock = threading.Lock()
         self._cache: dict[tuple[Any, ...], tuple[Any, float]] = {}
@@ -479,7 +496,8 @@ class BootstrapResolver:
         if instance_id is not None:
             params["instance_id"] = instance_id
         try:
-            response = self._client.get(f"{self._bases.get(address) or 'http://' + address}/route", params=params)
+            response = self._client.get(f"{self._bases.get(address) or 'http://' + address}/route", params=params,
+                                        headers=self._auth if address in self._trusted else None)
         except httpx.HTTPError as exc:
             raise BootstrapUnreachable(
                 f"bootstrap registry {address} unreachable: {type(exc).__name__}: {exc}"
@@ -488,8 +506,12 @@ class BootstrapResolver:
         if response.status_code == 503:
             raise BootstrapNotReady(f"{address}: {_reason(response)}", status_code=503, code=_code(response))
         if response.status_code != 200:
+            hint = ""
+            if response.status_code in (401, 403) and self._auth and address not in self._trusted:
+                hint = (" (this worker sends its --bootstrap-token only to its own --bootstrap registry, "
+                        f"{' or '.join(sorted(self._trusted)) or 'none given'}: spell it as the prefills do)")
             raise BootstrapError(
-                f"{address}: {what} lookup failed with HTTP {response.status_code}: {_reason(response)}",
+                f"{address}: {what} lookup failed with HTTP {response.status_code}: {_reason(response)}{hint}",
                 status_code=response.status_code,
             )
         try:

@@ -117,7 +117,10 @@ def _read_keys(path: str | None, flag: str = "api_key_file") -> list[str]:
         lines = Path(path).read_text().splitlines()
     except OSError as exc:
         raise ValueError(f"{flag}: cannot read {path}: {exc.strerror}") from None
-    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:  # (read as "no keys", an empty file would leave what it guards open)
+        raise ValueError(f"{flag}: {path} holds no key")
+    return keys
 
 
 def _worker_key(args: argparse.Namespace) -> str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from contextvars import ContextVar
 
 _ids = random.Random()  # seeded from the OS once; ids must be unique, not secret
@@ -52,13 +53,25 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+class TextFormatter(logging.Formatter):
+    """One line per record: control characters in the message (client input echoed by an error: a newline
+    would start a forged line, ESC drive the operator's terminal) are escaped; a traceback keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), record.message)
+        return super().formatMessage(record)
+
+
 def configure_logging(level: str, fmt: str) -> None:
     """Root logging for the gateway process: ``text`` or ``json``, every record with its request id."""
     handler = logging.StreamHandler()
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"))
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"))
     handler.addFilter(RequestIdFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -84,8 +84,8 @@ class GatewayConfig:
     max_queued_requests: int = 256
     queue_timeout_s: float = 30.0
     drain_timeout_s: float = 30.0
-    api_keys: tuple[str, ...] = ()
-    admin_api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    admin_api_keys: tuple[str, ...] = field(default=(), repr=False)
     metrics_require_admin: bool = False
     worker_api_key: str | None = field(default=None, repr=False)  # to SGLang workers: 'Authorization: Bearer KEY'
     health: HealthConfig = field(default_factory=HealthConfig)

@@ -222,6 +222,9 @@ class SGLangResponder:
                     raise BadRequest(f"request body is not valid JSON: {exc}") from None
                 if not isinstance(body, dict):
                     raise BadRequest("the request body must be a JSON object")
+                if body.get("custom_logit_processor") is not None:  # (the native routes refuse it too)
+                    raise BadRequest("custom_logit_processor is not accepted: it is code for the worker to run",
+                                     param="custom_logit_processor")
                 # The client leaving cancels this task: while queued for admission (it gives up its place),
                 # or later (the workers' requests are closed, which aborts them).
                 watcher = asyncio.create_task(watch_disconnect(receive, task, gone))

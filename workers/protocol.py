@@ -39,6 +39,7 @@ PROTOCOL_VERSION = 4  # 2: KVEvents, LoadReport fields for routing; 3: SamplingP
 # min_new_tokens, grammar (a version-2 worker would silently drop them), Error.param, GetTokenizer;
 # 4: SamplingParams.prompt_logprobs_start (a version-3 worker would send the whole prompt's, read as a tail)
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+MAX_HELLO_BYTES = 64 * 1024  # a peer's first frame (its ``Hello``, a few bytes) before it is known to speak
 MAX_UNREAD_BYTES = 64 * 1024 * 1024  # written, still unread by the peer: past it the peer is not reading
 _LEN = struct.Struct(">I")
 
@@ -297,12 +298,12 @@ def worker_codec() -> FrameCodec:
     return FrameCodec(ToWorker)
 
 
-async def read_frame(reader: asyncio.StreamReader) -> bytes:
-    """Read one frame body; raises ``asyncio.IncompleteReadError`` on EOF."""
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    """Read one frame body of at most ``max_bytes``; raises ``asyncio.IncompleteReadError`` on EOF."""
     header = await reader.readexactly(_LEN.size)
     (length,) = _LEN.unpack(header)
-    if length > MAX_FRAME_BYTES:
-        raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    if length > max_bytes:
+        raise ValueError(f"frame of {length} bytes exceeds the {max_bytes}-byte limit")
     return await reader.readexactly(length)
 
 

@@ -28,6 +28,7 @@ import msgspec
 
 from transfer.netaddr import listener
 from workers.protocol import (
+    MAX_HELLO_BYTES,
     MAX_UNREAD_BYTES,
     PROTOCOL_VERSION,
     Abort,
@@ -128,7 +129,7 @@ class NativeServer:
         self._tasks.add(task)
         conn_id = next(self._ids)
         try:
-            hello = self._codec.decode(await asyncio.wait_for(read_frame(reader), 10.0))
+            hello = self._codec.decode(await asyncio.wait_for(read_frame(reader, MAX_HELLO_BYTES), 10.0))
             if not isinstance(hello, Hello) or hello.version != PROTOCOL_VERSION:
                 got = hello.version if isinstance(hello, Hello) else type(hello).__name__
                 writer.write(self._codec.encode(Rejected(f"protocol version {PROTOCOL_VERSION} required, got {got}")))

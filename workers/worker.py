@@ -132,7 +132,8 @@ class Worker:
             from bootstrap import BootstrapConfig
             from bootstrap.client import serve_embedded
 
-            registry_config = BootstrapConfig(token=cfg.bootstrap_token)
+            # (reads open, as SGLang's own prefills serve them: decodes send the token only to their own --bootstrap)
+            registry_config = BootstrapConfig(token=cfg.bootstrap_token, token_scope="writes")
             self._embedded = await serve_embedded(cfg.host, cfg.bootstrap_embedded, registry_config)
             self.bootstrap_url = self._embedded.url
         elif cfg.role == "decode" and self.bootstrap_url:  # (a prefill's registration checks its token itself)

@@ -361,3 +361,39 @@ def test_a_registrar_closing_after_a_failed_renewal_still_deregisters(
 
     asyncio.run(run())
     assert topology(reg.url, "brief").status_code != 200
+
+
+def test_the_token_goes_only_to_the_registries_the_resolver_was_given(
+    start_registry: Callable[..., RegistryProc],
+) -> None:
+    """A decode looks prefills up at the ``bootstrap_host:bootstrap_port`` a request names, and anyone who can
+    reach a decode's HTTP port (``POST /generate``, no key) or native port (``Submit``) names them: the
+    decode's ``--bootstrap-token`` must not go to such a host, which could then write the real registry
+    (take over a prefill's rank: decodes fetch their KV from it)."""
+    reg = start_registry("--ttl-s", "0", "--token", "s3cret", "--token-scope", "all")
+    httpx.put(f"{reg.url}/route", json=rank_body(instance_id="c", rank_port=52000), timeout=5,
+              headers={"authorization": "Bearer s3cret"})
+    seen: list[str | None] = []
+
+    class Elsewhere(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("authorization"))
+            self.send_error(404)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    other = ThreadingHTTPServer(("127.0.0.1", 0), Elsewhere)
+    thread = threading.Thread(target=other.serve_forever, daemon=True)
+    thread.start()
+    resolver = BootstrapResolver(cache_ttl_s=0, token="s3cret", registries=[reg.url])
+    try:
+        assert resolver.resolve("127.0.0.1", reg.port, "c") == ("127.0.0.1", 52000)  # (its own registry: the token)
+        with pytest.raises(BootstrapError):
+            resolver.resolve("127.0.0.1", int(other.server_address[1]), "c")
+        assert seen == [None], f"the registry token went to a host the request named: {seen}"
+    finally:
+        resolver.close()
+        other.shutdown()
+        other.server_close()
+        thread.join(timeout=5)

@@ -1,0 +1,55 @@
+"""Security review: key configuration that must not fail open, keys kept out of reprs, and text logs that a
+client cannot forge lines into."""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import build_parser, config_from_args
+from gateway.context import configure_logging
+from gateway.runtime import GatewayConfig
+
+WORKERS = ["--prefill", "pd://127.0.0.1:1", "--decode", "pd://127.0.0.1:2"]
+
+
+@pytest.mark.parametrize("flags", [("--api-key-file",), ("--api-key", "client", "--admin-api-key-file")])
+def test_a_key_file_without_a_key_is_refused_not_read_as_no_keys(flags: tuple[str, ...], tmp_path: Path) -> None:
+    """An operator who gives a key file means to set keys: a file left empty (or all comments, keys rotated out)
+    must stop the gateway, not start it open (``--api-key-file``: every route, the admin API included, with no
+    key; ``--admin-api-key-file``: the admin API silently guarded by the client keys instead)."""
+    empty = tmp_path / "keys"
+    empty.write_text("# rotated out\n\n")
+    with pytest.raises(ValueError, match="key"):
+        config_from_args(build_parser().parse_args([*WORKERS, *flags, str(empty)]))
+
+
+def test_the_config_repr_shows_no_key() -> None:
+    """``worker_api_key`` is ``repr=False``; the client and admin keys are not, so any log or traceback of the
+    config would carry them."""
+    config = GatewayConfig(prefill=("pd://127.0.0.1:1",), decode=("pd://127.0.0.1:2",),
+                           api_keys=("client-secret",), admin_api_keys=("admin-secret",))
+    assert "client-secret" not in repr(config) and "admin-secret" not in repr(config), repr(config)
+
+
+def test_a_text_log_line_is_one_line_whatever_the_client_sent() -> None:
+    """The responder logs a refused request's error message, which echoes client input (a content part's type, a
+    json_schema's type, a regex): in the text format a newline starts a forged log line and ESC drives the
+    operator's terminal. (The JSON format escapes both.)"""
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    try:
+        configure_logging("info", "text")
+        stream = io.StringIO()
+        root.handlers[0].setStream(stream)  # type: ignore[attr-defined]
+        client_text = "EVIL\n2026-01-01 00:00:00,000 CRITICAL gateway.fake [-]: INJECTED \x1b[31mRED\x1b[0m"
+        logging.getLogger("gateway.responder").info("%s -> %d %s: %s", "chat", 400, "invalid_request_error",
+                                                    f"{client_text} content parts are not supported")
+        out = stream.getvalue()
+        assert out.count("\n") == 1 and "\x1b" not in out, repr(out)
+    finally:
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
