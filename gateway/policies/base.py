@@ -10,8 +10,9 @@ and selected by name on the gateway's command line (``--policy``, or ``--prefill
    ``on_worker_removed(worker)`` when it leaves it (connection lost, gateway closing).
 3. ``select(prefills, decodes, request)`` per attempt: synchronous, no I/O, reads only the views
    and the request it is given, costs O(workers). The lists hold healthy workers only, whose KV pools
-   can hold the request (``gateway.dispatch.Dispatcher._fitting``); ``decodes`` is never empty; ``prefills`` is empty when the gateway runs combined workers (return
-   ``prefill=None`` then). Return members of the given lists.
+   can hold the request (``gateway.dispatch.Dispatcher._fitting``); ``decodes`` is never empty;
+   ``prefills`` is empty when the gateway runs combined workers (return ``prefill=None`` then).
+   Return members of the given lists.
 4. ``on_dispatch(pair, request)`` once the request was sent to the pair; ``on_finish(pair, request,
    outcome)`` when that attempt ended (``outcome`` is "finished", "failed" or "cancelled").
 
