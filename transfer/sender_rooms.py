@@ -205,9 +205,11 @@ class SenderRooms:
             if blocks:
                 try:
                     handle = ctx.backend.write(link.peer, blocks, sender.fence)
-                except TransferError as exc:
+                except BaseException as exc:  # (any exception: a plugin backend's too must not keep the slot)
                     if slot is not None:
                         self._free_slots.append(slot)
+                    if not isinstance(exc, TransferError):
+                        raise
                     error = exc
                 else:
                     write = PostedWrite(room, handle, posted, slot)

@@ -116,10 +116,12 @@ class GrammarWait:
         future.add_done_callback(lambda _f: self._wake())
         return True
 
-    def advance(self) -> tuple[list[Any], list[tuple[Any, str]]]:
-        """(requests ready to enter their first stage, (request, error) pairs); ended ones dropped."""
+    def advance(self) -> tuple[list[Any], list[tuple[Any, str, bool]]]:
+        """(requests ready to enter their first stage, (request, error, the client's?) triples); ended ones
+        dropped. Only a ``GrammarError`` (the library refused the grammar) is the client's: anything else
+        the compile raised (a crash, no memory, a tokenizer file missing) is the worker's."""
         ready: list[Any] = []
-        failed: list[tuple[Any, str]] = []
+        failed: list[tuple[Any, str, bool]] = []
         keep = []
         for req, future in self._held:
             if req.done:
@@ -130,9 +132,11 @@ class GrammarWait:
             exc = future.exception()
             if exc is None:
                 ready.append(req)
+            elif isinstance(exc, GrammarError):
+                failed.append((req, f"{exc.param or req.params.grammar.param}: {exc}", True))
             else:
-                param = getattr(exc, "param", req.params.grammar.param)
-                failed.append((req, f"{param}: {exc}"))
+                failed.append((req, f"compiling the {req.params.grammar.kind} failed: {type(exc).__name__}: {exc}",
+                               False))
         self._held = keep
         return ready, failed
 

@@ -18,6 +18,7 @@ could still land waits in ``DecodeQuarantine`` until its receiver is quiesced.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,8 @@ from transfer.types import KVPoll
 from workers.protocol import Fault
 from workers.request import Req
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from workers.kv_pool import KVPool
     from workers.page_cache import PageCache
@@ -34,10 +37,13 @@ if TYPE_CHECKING:
 
 @dataclass
 class Moved:
-    """What one ``advance()`` moved on: ``ready`` for the next stage, ``failed`` with a reason each."""
+    """What one ``advance()`` moved on: ``ready`` for the next stage, ``failed`` (its transfer) with a reason
+    each, ``broken``: a call on its KV handle raised (a transfer backend's bug: that request fails, not the
+    scheduler's loop)."""
 
     ready: list[Req] = field(default_factory=list)
     failed: list[tuple[Req, str]] = field(default_factory=list)
+    broken: list[tuple[Req, str]] = field(default_factory=list)
 
 
 class StageQueue:
@@ -69,14 +75,18 @@ class StageQueue:
         for req in self._reqs:
             if req.done:
                 continue
-            handle = self._handle(req)
-            state = handle.poll()
-            if state == KVPoll.Failed:
-                moved.failed.append((req, failure_reason(handle, self._failure_default)))
-            elif self._is_ready(req, state, moved):
-                moved.ready.append(req)
-            else:
-                keep.append(req)
+            try:
+                handle = self._handle(req)
+                state = handle.poll()
+                if state == KVPoll.Failed:
+                    moved.failed.append((req, failure_reason(handle, self._failure_default)))
+                elif self._is_ready(req, state, moved):
+                    moved.ready.append(req)
+                else:
+                    keep.append(req)
+            except Exception as exc:
+                log.exception("request %s: its KV handle failed in stage %s", req.key, self.stage)
+                moved.broken.append((req, f"KV transfer ({self.stage}): {type(exc).__name__}: {exc}"))
         self._reqs = keep
         return moved
 
@@ -189,13 +199,26 @@ class DecodeQuarantine:
         ready: list[Req] = []
         keep: list[Req] = []
         for req in self._reqs:
-            (ready if req.kv_receiver.quiesced else keep).append(req)
+            (ready if is_quiesced(req.kv_receiver) else keep).append(req)
         self._reqs = keep
         return ready
 
 
+def is_quiesced(receiver: Any) -> bool:
+    """``receiver.quiesced``; a receiver that cannot tell is taken as not (its pages wait: never reused under a
+    write that could still land)."""
+    try:
+        return bool(receiver.quiesced)
+    except Exception:
+        log.exception("a KV receiver could not tell whether it is quiesced")
+        return False
+
+
 def failure_reason(handle: Any, default: str) -> str:
-    exc = handle.failure()
+    try:
+        exc = handle.failure()
+    except Exception as err:
+        return f"{default} (and its handle failed to say why: {type(err).__name__}: {err})"
     return str(exc) if exc is not None else default
 
 
@@ -210,7 +233,10 @@ def failure_fault(handle: Any) -> Fault:
     A failure the peer reported (``PeerReport``) is judged as the peer judged it, from our side: its
     "the peer went away" means us. Both workers then name the same culprit, whichever of their two
     reports reaches the gateway first."""
-    exc = handle.failure() if handle is not None else None
+    try:
+        exc = handle.failure() if handle is not None else None
+    except Exception:  # (a backend's bug: its own failure, as a handle that cannot say)
+        exc = None
     kind = getattr(exc, "kind", None)
     if kind in _NOBODYS_KINDS:
         return Fault.NONE

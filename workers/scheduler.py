@@ -71,6 +71,7 @@ from workers.pd_queues import (
     StageQueue,
     failure_fault,
     failure_reason,
+    is_quiesced,
 )
 from workers.protocol import Error, Fault, KVEvents, LoadReport, Outputs, StepOutput, Submit, joined
 from workers.request import Req, live
@@ -235,9 +236,14 @@ class Scheduler:
             log.exception("scheduler loop crashed")
             self.error = exc
         finally:
-            for req in list(self.reqs.values()):
-                self._fail(req, "internal" if self.error else "shutting_down", "worker stopped")
-            self._flush()
+            try:
+                for req in list(self.reqs.values()):
+                    try:
+                        self._fail(req, "internal" if self.error else "shutting_down", "worker stopped")
+                    except Exception:  # (its message is queued first: the others must be told too)
+                        log.exception("request %s: failing it at the loop's end failed", req.key)
+            finally:
+                self._flush()
 
     def _idle_wait_s(self, now: float) -> float:
         """How long the loop may sleep: until the next load report or request deadline is due."""
@@ -282,8 +288,11 @@ class Scheduler:
             self._advance(self.prealloc_queue, self._to_transfer)
         if self.grammar_wait is not None:
             ready, failed = self.grammar_wait.advance()
-            for req, problem in failed:
-                self._fail(req, "bad_request", problem, param=req.params.grammar.param)
+            for req, problem, clients in failed:
+                if clients:
+                    self._fail(req, "bad_request", problem, param=req.params.grammar.param)
+                else:
+                    self._fail(req, "internal", problem)
             for req in ready:
                 self._first_stage(req)
         if self._imported:
@@ -439,6 +448,8 @@ class Scheduler:
         moved = queue_.advance()
         for req, reason in moved.failed:
             self._fail(req, "transfer_failed", reason, failure_fault(req.kv_receiver or req.kv_sender))
+        for req, reason in moved.broken:
+            self._fail(req, "internal", reason)
         for req in moved.ready:
             try:
                 on_ready(req)
@@ -557,7 +568,15 @@ class Scheduler:
     def _decode_ended(self, req: Req) -> bool:
         """A prefill's request whose KV transfer failed (its decode ended the room: aborted, timed out,
         gone): failed here now, and True."""
-        if self.role != "prefill" or req.kv_sender.poll() != KVPoll.Failed:
+        if self.role != "prefill":
+            return False
+        try:
+            failed = req.kv_sender.poll() == KVPoll.Failed
+        except Exception as exc:  # (a transfer backend's bug: this request fails, not the loop)
+            log.exception("request %s: polling its KV sender failed", req.key)
+            self._fail(req, "internal", f"KV sender poll failed: {type(exc).__name__}: {exc}")
+            return True
+        if not failed:
             return False
         self._fail(req, "transfer_failed", failure_reason(req.kv_sender, "KV transfer failed"),
                    failure_fault(req.kv_sender))
@@ -903,17 +922,18 @@ class Scheduler:
         req.done = True
         self._load_dirty = True
         self.reqs.pop(req.key, None)
-        self._unqueue_pages(req)
+        # Each clean-up call on its own: one that raises (an engine's or a transfer backend's bug) must
+        # neither keep the request's pages for good nor take the scheduler's loop down.
+        _cleanly(req, "unqueuing its pages", self._unqueue_pages, req)
         if self.seq_state is not None:
-            self.seq_state.forget(req.seq_id)
+            _cleanly(req, "forgetting its engine state", self.seq_state.forget, req.seq_id)
         for handle in (req.kv_sender, req.kv_receiver):
-            if handle is not None and abort_reason is not None and handle.poll() not in (KVPoll.Success,
-                                                                                          KVPoll.Failed):
-                handle.abort(abort_reason)
+            if handle is not None and abort_reason is not None:
+                _cleanly(req, "aborting its KV transfer", _abort_unsettled, handle, abort_reason)
         if req.kv_sender is not None:
-            req.kv_sender.release()
+            _cleanly(req, "releasing its KV sender", req.kv_sender.release)
         rx = req.kv_receiver
-        if rx is not None and not rx.quiesced:
+        if rx is not None and not is_quiesced(rx):
             # A write the prefill already posted may still land in these pages: hold them (and keep
             # the receiver, which learns when none is left) until then.
             self.quarantine.append(req)
@@ -922,7 +942,7 @@ class Scheduler:
 
     def _free(self, req: Req) -> None:
         if req.kv_receiver is not None:
-            req.kv_receiver.release()
+            _cleanly(req, "releasing its KV receiver", req.kv_receiver.release)
         if req.pages:
             self.cache.release(req.pages)
             req.pages = []
@@ -1033,3 +1053,16 @@ class Scheduler:
             num_transfer_seqs=self.transfer_queue.num_live,
             num_queued_pages=queued_pages,
         )
+
+
+def _cleanly(req: Req, what: str, fn: Callable[..., object], *args: Any) -> None:
+    """``fn(*args)``, part of ending ``req``: an exception is logged, not raised (the rest of the clean-up goes on)."""
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("request %s: %s failed", req.key, what)
+
+
+def _abort_unsettled(handle: Any, reason: str) -> None:
+    if handle.poll() not in (KVPoll.Success, KVPoll.Failed):
+        handle.abort(reason)

@@ -32,6 +32,9 @@ from workers.grammar import MAX_CACHED_SOURCE, GrammarError, to_llguidance
 from workers.protocol import Grammar
 
 log = logging.getLogger(__name__)
+# What a matcher call may raise that fails only its sequence: any exception, and a panic of llguidance's Rust
+# code (pyo3's ``PanicException`` derives from ``BaseException``); an interrupt or exit is re-raised.
+_MATCHER_FAILURES = BaseException
 MAX_CACHED_GRAMMARS = 256
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
@@ -87,7 +90,8 @@ class Constraints:
         if self._tokenizer is None:
             path = os.path.join(self._tokenizer_dir, "tokenizer.json")
             if not os.path.isfile(path):
-                raise GrammarError("constrained decoding needs the model's tokenizer.json", grammar.param)
+                # (the deployment's fault, not the request's: the worker's ``internal``)
+                raise RuntimeError(f"constrained decoding needs the model's tokenizer.json ({path} is missing)")
             with open(path, encoding="utf-8") as f:
                 self._tokenizer = llguidance.LLTokenizer(f.read(), n_vocab=self.vocab_size, eos_token=self._eos)
         matcher = llguidance.LLMatcher(self._tokenizer, to_llguidance(grammar), log_level=0)
@@ -122,7 +126,9 @@ class Constraints:
                 state.matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
                 if state.matcher.is_error():
                     raise RuntimeError(_first_line(state.matcher.get_error()))
-            except Exception as exc:  # (the matcher's error: a grammar past its limits, a failed recompile...)
+            except _MATCHER_FAILURES as exc:  # (the matcher's error: a grammar past its limits, a failed recompile,
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):  # a panic of the library's Rust code...)
+                    raise
                 # this sequence fails (``failures``: the engine samples nothing for it); the batch goes on
                 log.warning("rid %s: the grammar matcher failed: %s", seqs[i].rid, exc)
                 grammar = seqs[i].params.grammar
@@ -147,13 +153,25 @@ class Constraints:
             word = int(row[eos // 32]) & 0xFFFFFFFF | (1 << (eos % 32))
             row[eos // 32] = word - (1 << 32) if word >= 1 << 31 else word
 
-    def accept(self, seqs: list[SeqInput], tokens: list[int | None]) -> None:
-        for seq, token in zip(seqs, tokens, strict=True):
+    def accept(self, seqs: list[SeqInput], tokens: list[int | None]) -> dict[int, str]:
+        """Advance each constrained sequence's matcher by its sampled token; the rows whose matcher failed
+        (index -> why): those sequences fail, the batch goes on."""
+        failures: dict[int, str] = {}
+        for j, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             state = self._seqs.get(seq.rid) if seq.params.grammar is not None else None
             if state is not None and token is not None:
-                if not state.matcher.is_stopped():
-                    state.matcher.consume_token(token)
+                try:
+                    if not state.matcher.is_stopped():
+                        state.matcher.consume_token(token)
+                except _MATCHER_FAILURES as exc:
+                    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                        raise
+                    log.warning("rid %s: the grammar matcher failed on its token: %s", seq.rid, exc)
+                    self._seqs.pop(seq.rid, None)
+                    failures[j] = f"the grammar matcher failed: {type(exc).__name__}: {exc}"
+                    continue
                 state.num_outputs += 1
+        return failures
 
     def forget(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)

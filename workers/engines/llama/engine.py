@@ -277,6 +277,9 @@ class TorchEngine(Engine):
         scores = self.adjuster.adjust(logits, seqs)
         scores, failures = self.constraints.mask(seqs, scores, logits)  # grammars: banned tokens at -inf
         argmax = scores.argmax(dim=-1).tolist()  # one call for every greedy sequence
+        # A row with a NaN or +inf score, or none finite (every token banned): nothing to take its argmax of
+        unusable = ((torch.isnan(scores) | (scores == math.inf)).any(dim=-1)
+                    | ~torch.isfinite(scores).any(dim=-1)).tolist()
         for j, i in enumerate(sampled):
             seq, row = batch[i], logits[j]
             self.last_logits[i] = row
@@ -285,7 +288,11 @@ class TorchEngine(Engine):
                 outputs[i].error = failures[j]
                 token = None
             elif is_greedy(seq.params):
-                token = argmax[j]
+                if unusable[j]:  # (the sampled path's check, ``sample``: this request fails, not the batch)
+                    log.warning("rid %s: cannot take a greedy token: its scores are not finite", seq.rid)
+                    token = None
+                else:
+                    token = argmax[j]
             else:
                 try:
                     token = sample(scores[j], seq.params, generator_for(seq.params, seq.num_generated, self._rng))
@@ -298,7 +305,10 @@ class TorchEngine(Engine):
                 continue
             if seq.params.logprobs or seq.params.top_logprobs > 0:
                 out.logprob, out.top_logprobs = token_logprobs(row, token, seq.params.top_logprobs)
-        self.constraints.accept(seqs, [outputs[i].token_id for i in sampled])
+        failed = self.constraints.accept(seqs, [outputs[i].token_id for i in sampled])
+        for j, why in failed.items():
+            out = outputs[sampled[j]]
+            out.token_id, out.error = None, why
 
     def _prompt_logprobs(self, seq: SeqInput, rows: _SeqRows, hidden: torch.Tensor, carried: torch.Tensor | None,
                          ) -> tuple[list[float], list[list[TokenLogprob]] | None]:
