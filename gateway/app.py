@@ -116,7 +116,7 @@ class GatewayApp:
         if gw.fleet is not None:  # SGLang workers: the body goes through as is (gateway/sglang_relay.py)
             relays = {
                 f"/{path}": SGLangResponder(gw.fleet, route, path, gw.admission, gw.metrics, gw.max_body_bytes,
-                                            gw.body_timeout_s)
+                                            gw.body_timeout_s, lambda: _served_model_or_none(gw))
                 for route, path in (("chat", "v1/chat/completions"), ("completions", "v1/completions"),
                                     ("generate", "generate"))
             }
@@ -191,6 +191,14 @@ def _served_model(gw: Gateway) -> str:
     return name
 
 
+def _served_model_or_none(gw: Gateway) -> str | None:
+    """``_served_model``, None while it is not known yet (the relay then passes the request on)."""
+    try:
+        return _served_model(gw)
+    except APIError:
+        return None
+
+
 def _freeze_start_up(_: object) -> None:
     """What start-up made leaves the collector's generations (collected first: the garbage made while the
     workers were waited for is freed, not frozen)."""
@@ -206,6 +214,7 @@ def status(gw: Gateway) -> dict[str, Any]:
     ready = not gw.is_draining and gw.serves()
     return {
         "status": "draining" if gw.is_draining else "ok" if ready else "unavailable",
+        "role": "gateway",  # (as a worker's /health names its role: a gateway given as a worker is refused)
         "ready": ready,
         "policy": gw.router.name,
         "active_requests": gw.admission.num_active,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -109,6 +110,7 @@ class HttpWorker:
         self.has_loads: bool | None = None  # serves /v1/loads (None: not known yet)
         self.is_draining = False  # being removed (the admin API): never selected again
         self.last_error: str | None = None
+        self.addresses: frozenset[tuple[str, int]] | None = None  # where its URL reaches (the first probe's look-up)
         self._rids = 0
 
     @property
@@ -273,11 +275,15 @@ class SGLangFleet:
             try:
                 async with self._checks.get(f"{worker.url}/health",
                                             timeout=aiohttp.ClientTimeout(total=config.probe_timeout_s)) as reply:
-                    await reply.read()
+                    data = await reply.read()
                     ok, reason = reply.status == 200, f"/health answered {reply.status}"
                     if reply.status in (401, 403):
                         reason += (" (wrong --worker-api-key)" if self.config.worker_api_key else
                                    " (the worker wants a key: --worker-api-key)")
+                if ok:
+                    ok, reason = _is_what_it_was_added_as(worker, data)
+                if ok:
+                    ok, reason = await self._is_not_a_twin(worker)
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 ok, reason = False, f"/health failed: {type(exc).__name__}: {exc}"
             if ok:
@@ -298,6 +304,18 @@ class SGLangFleet:
                         worker.url, "up" if healthy else f"unhealthy: {reason}")
                 (self.router.worker_added if healthy else self.router.worker_removed)(worker.state)
             await asyncio.sleep(config.probe_interval_s)
+
+    async def _is_not_a_twin(self, worker: HttpWorker) -> tuple[bool, str]:
+        """A worker whose URL reaches the same server as one of its role listed before it (``http://localhost:P``
+        next to ``http://127.0.0.1:P``) would be selected twice as often as it should: it is never up."""
+        if worker.addresses is None:
+            worker.addresses = await _addresses(worker.url)
+        for other in self.prefills if worker.role == "prefill" else self.decodes:
+            if other is worker:
+                return True, ""
+            if not other.is_draining and other.addresses and worker.addresses & other.addresses:
+                return False, f"the same worker as {other.url} (both reach {min(worker.addresses & other.addresses)})"
+        return True, ""
 
     async def _poll_load(self, worker: HttpWorker) -> None:
         """``GET /v1/loads`` into the worker's routing view, where the worker has it (a 404 stops asking)."""
@@ -350,6 +368,31 @@ class SGLangFleet:
         decode = router.client_of(pair.decode, decodes, HttpWorker)
         router.dispatched(pair, request)
         return prefill, decode
+
+
+def _is_what_it_was_added_as(worker: HttpWorker, health: bytes) -> tuple[bool, str]:
+    """Our own workers and gateways name their role in their ``/health`` body (SGLang's workers do not): a
+    gateway, or a worker of the other role, given as this worker is not one (the gateway's own URL as a decode
+    relayed every request it got back into itself)."""
+    try:
+        role = msgspec.json.decode(health).get("role") if health.startswith(b"{") else None
+    except (msgspec.DecodeError, AttributeError):
+        role = None
+    if not isinstance(role, str) or role == worker.role:
+        return True, ""
+    what = "a pd-gateway, not a worker" if role == "gateway" else f"a {role} worker, not a {worker.role}"
+    return False, f"{worker.url} is {what}"
+
+
+async def _addresses(url: str) -> frozenset[tuple[str, int]]:
+    """The (address, port) pairs ``url``'s host resolves to (empty when it does not, for now)."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return frozenset()
+    return frozenset((str(info[4][0]), port) for info in infos)
 
 
 def load_report_of(loads: Any, last_rid: int) -> LoadReport | None:

@@ -39,14 +39,14 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import msgspec
 
-from gateway.api import SSE_DONE, error_event
+from gateway.api import SSE_DONE, ModelNotFound, error_event
 from gateway.api_models import MAX_N
 from gateway.context import REQUEST_ID, REQUEST_T0
 from gateway.errors import APIError, BadGateway, BadRequest, Overloaded, UpstreamTimeout
@@ -195,8 +195,12 @@ class SGLangResponder:
     """Raw ASGI endpoint relaying one generation route to a prefill + decode pair (see the module doc)."""
 
     def __init__(self, fleet: SGLangFleet, route: str, path: str, admission: Admission, metrics: GatewayMetrics,
-                 max_body_bytes: int, body_timeout_s: float) -> None:
+                 max_body_bytes: int, body_timeout_s: float, served_model: Callable[[], str | None] | None = None,
+                 ) -> None:
+        """``served_model``: the model name the gateway answers to (None while unknown): a request naming another
+        (but ``default``) is the 404 the native routes answer, whichever kind of worker would serve it."""
         self.fleet, self.route, self.path = fleet, route, path
+        self.served_model = served_model
         self.admission, self.metrics, self.max_body_bytes = admission, metrics, max_body_bytes
         self.body_timeout_s = body_timeout_s
         self._background: set[asyncio.Task[_PrefillReply]] = set()  # prefill replies trailing an answer
@@ -222,6 +226,12 @@ class SGLangResponder:
                     raise BadRequest(f"request body is not valid JSON: {exc}") from None
                 if not isinstance(body, dict):
                     raise BadRequest("the request body must be a JSON object")
+                model = body.get("model")
+                if isinstance(model, str) and model != "default" and self.served_model is not None:
+                    served = self.served_model()
+                    if served is not None and model != served:
+                        raise ModelNotFound(f"The model {model!r} does not exist here; use {served!r}",
+                                            param="model", code="model_not_found")
                 if body.get("custom_logit_processor") is not None:  # (the native routes refuse it too)
                     raise BadRequest("custom_logit_processor is not accepted: it is code for the worker to run",
                                      param="custom_logit_processor")
