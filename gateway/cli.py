@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from types import FrameType
@@ -91,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="key for the admin API (/workers ...); repeatable (without one, the client keys guard it)")
     ops.add_argument("--admin-api-key-file", default=None, help="file with one admin API key per line")
     ops.add_argument("--worker-api-key", default=None, metavar="KEY",
-                     help="sent to SGLang (http://) workers as 'Authorization: Bearer KEY' (their --api-key)")
+                     help="the workers' --api-key: sent to native workers in the handshake, to SGLang (http://) "
+                          "ones as 'Authorization: Bearer KEY'; default: $PD_WORKER_API_KEY")
     ops.add_argument("--worker-api-key-file", default=None, help="file holding --worker-api-key (one line)")
     ops.add_argument("--metrics-require-admin", action="store_true", help="/metrics needs the admin key")
     ops.add_argument("--health-interval-s", type=float, default=1.0, help="probe each worker this often")
@@ -125,7 +127,7 @@ def _read_keys(path: str | None, flag: str = "api_key_file") -> list[str]:
 
 def _worker_key(args: argparse.Namespace) -> str | None:
     if args.worker_api_key_file is None:
-        return args.worker_api_key
+        return args.worker_api_key if args.worker_api_key is not None else os.environ.get("PD_WORKER_API_KEY") or None
     if args.worker_api_key is not None:
         raise ValueError("worker_api_key: give --worker-api-key or --worker-api-key-file, not both")
     keys = _read_keys(args.worker_api_key_file, "worker_api_key_file")

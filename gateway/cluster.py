@@ -33,6 +33,7 @@ import http.client
 import math
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from transfer.netaddr import join_host_port
+from transfer.netaddr import is_loopback, join_host_port
 
 MAX_BACKOFF_S = 30.0
 GATEWAY_DRAIN_S = 30.0  # the gateway's --drain-timeout-s (its default: the children are started with it)
@@ -420,6 +421,16 @@ def plan(args: argparse.Namespace) -> list[Child]:
     return children
 
 
+def _cluster_secrets() -> None:
+    """A cluster whose servers bind beyond loopback: its workers want a key of their peers (the gateway's
+    ``--worker-api-key``) and its registry a token for writes, each random unless the environment sets it
+    (``PD_WORKER_API_KEY``, ``PD_BOOTSTRAP_TOKEN``); the children read them from the environment they inherit
+    (never on a command line, which ``ps`` shows)."""
+    for name in ("PD_WORKER_API_KEY", "PD_BOOTSTRAP_TOKEN"):
+        if not os.environ.get(name):
+            os.environ[name] = secrets.token_urlsafe(24)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.prefill < 1 or args.decode < 1:
@@ -446,6 +457,8 @@ def main(argv: list[str] | None = None) -> None:
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # (under nohup it stays ignored)
         signal.signal(signal.SIGHUP, on_signal)  # the terminal closed: its children are in their own sessions
     _no_proxy_for("127.0.0.1", "localhost", "::1", reach_host(args))
+    if not is_loopback(args.host):  # reachable from elsewhere: the workers and the registry take keys
+        _cluster_secrets()
     code = 0
     try:
         children = plan(args)

@@ -135,3 +135,24 @@ def _key_ok(given: bytes, keys: Sequence[bytes]) -> bool:
 def _error(status: int, message: str, kind: str, code: str | None,
            headers: Headers) -> tuple[int, bytes, Headers]:
     return status, _json.encode({"error": {"message": message, "type": kind, "param": None, "code": code}}), headers
+
+
+class KeyGuardMiddleware:
+    """A worker's HTTP side with ``--api-key``: every request but ``open_paths`` (its health probes) needs
+    ``Authorization: Bearer KEY``, else a 401 of the gateway's shape."""
+
+    def __init__(self, app: ASGIApp, key: str, open_paths: frozenset[str]) -> None:
+        self.app, self.keys, self.open_paths = app, [key.encode()], open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths \
+                and not _key_ok(_bearer(scope["headers"]), self.keys):
+            status, body, headers = _error(401, "Incorrect or missing key: send 'Authorization: Bearer <key>' (the "
+                                           "worker's --api-key)", "invalid_request_error", "invalid_api_key",
+                                           [(b"www-authenticate", b"Bearer")])
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode()), *headers]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)

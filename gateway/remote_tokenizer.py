@@ -46,10 +46,10 @@ def cache_root() -> str:
     return os.environ.get("PD_GATEWAY_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pd-gateway")
 
 
-async def fetch_tokenizer(host: str, port: int, timeout_s: float = 60.0) -> str:
+async def fetch_tokenizer(host: str, port: int, timeout_s: float = 60.0, key: str | None = None) -> str:
     where = f"worker {host}:{port}"
     try:
-        answer = await asyncio.wait_for(_ask(host, port), timeout_s)
+        answer = await asyncio.wait_for(_ask(host, port, key), timeout_s)
     except TimeoutError:  # (first: on Python 3.11 it is an OSError too)
         raise RemoteTokenizerError(f"fetching the tokenizer from {where}: no answer within {timeout_s:g}s") from None
     except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
@@ -65,11 +65,11 @@ async def fetch_tokenizer(host: str, port: int, timeout_s: float = 60.0) -> str:
         raise RemoteTokenizerError(f"storing the tokenizer from {where} under {cache_root()}: {exc}") from exc
 
 
-async def _ask(host: str, port: int) -> TokenizerFiles:
+async def _ask(host: str, port: int, key: str | None = None) -> TokenizerFiles:
     codec = gateway_codec()
     reader, writer = await asyncio.open_connection(host, port)
     try:
-        writer.write(codec.encode(Hello(PROTOCOL_VERSION, client="gateway-tokenizer")))
+        writer.write(codec.encode(Hello(PROTOCOL_VERSION, client="gateway-tokenizer", key=key or "")))
         ack = codec.decode(await read_frame(reader))
         if isinstance(ack, Rejected):
             raise ValueError(f"handshake rejected: {ack.reason}")

@@ -87,7 +87,8 @@ class GatewayConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     admin_api_keys: tuple[str, ...] = field(default=(), repr=False)
     metrics_require_admin: bool = False
-    worker_api_key: str | None = field(default=None, repr=False)  # to SGLang workers: 'Authorization: Bearer KEY'
+    # the workers' --api-key: SGLang workers get 'Authorization: Bearer KEY', native ones it in their handshake
+    worker_api_key: str | None = field(default=None, repr=False)
     health: HealthConfig = field(default_factory=HealthConfig)
 
     def __post_init__(self) -> None:
@@ -143,12 +144,9 @@ class GatewayConfig:
                 o.startswith(("prefill.", "decode.")) for o in self.policy_options)):
             raise ValueError("prefill_policy/decode_policy: combined workers (--worker) are chosen by one policy; "
                              "use --policy and unprefixed --policy-option")
-        if self.worker_api_key is not None:
-            if not self.worker_api_key or any(c.isspace() or not c.isprintable() for c in self.worker_api_key):
-                raise ValueError("worker_api_key: must be non-empty, without white space or control characters")
-            if not any(is_http_url(url) for url in self.prefill):
-                raise ValueError("worker_api_key: only SGLang (http://) workers take a key; no --prefill/--decode "
-                                 "URL here is one")
+        if self.worker_api_key is not None and (
+                not self.worker_api_key or any(c.isspace() or not c.isprintable() for c in self.worker_api_key)):
+            raise ValueError("worker_api_key: must be non-empty, without white space or control characters")
         if self.metrics_require_admin and not self.admin_api_keys:
             raise ValueError("metrics_require_admin needs an admin key (--admin-api-key or --admin-api-key-file)")
 
@@ -216,7 +214,8 @@ class Gateway:
         return self.prefills + self.decodes
 
     def _new_client(self, url: str, role: str) -> WorkerClient:
-        client = WorkerClient(url, role, stale_after_s=self.config.load_stale_s, health=self.config.health)
+        client = WorkerClient(url, role, stale_after_s=self.config.load_stale_s, health=self.config.health,
+                              key=self.config.worker_api_key)
         client.on_up = self._worker_up
         client.on_down = self._worker_down
         client.on_kv_events = lambda c, events: self.router.kv_events(c.state, events)
@@ -355,7 +354,8 @@ class Gateway:
         if info is None or self.config.tokenizer or self._tokenizer_dir or not needs_fetch(info.tokenizer, info):
             return
         try:
-            self._tokenizer_dir = await fetch_tokenizer(client.host, client.port, TOKENIZER_FETCH_TIMEOUT_S)
+            self._tokenizer_dir = await fetch_tokenizer(client.host, client.port, TOKENIZER_FETCH_TIMEOUT_S,
+                                                        client.key)
         except RemoteTokenizerError:
             self._fetch_failed_from = client.url  # (the next try asks another worker first, if there is one)
             self._fetch_again_at = asyncio.get_running_loop().time() + FETCH_RETRY_S  # (not at every request)

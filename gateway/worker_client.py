@@ -159,8 +159,10 @@ def parse_worker_url(url: str) -> tuple[str, int]:
 class WorkerClient:
     def __init__(self, url: str, role: str, *, connect_timeout_s: float = 5.0, max_backoff_s: float = 2.0,
                  stale_after_s: float = DEFAULT_STALE_AFTER_S, health: HealthConfig | None = None,
-                 max_unread_bytes: int = MAX_UNREAD_BYTES) -> None:
+                 max_unread_bytes: int = MAX_UNREAD_BYTES, key: str | None = None) -> None:
+        """``key``: the worker's ``--api-key`` (sent in the handshake)."""
         self.url = url
+        self.key = key
         self.role = role  # what the gateway uses it as: prefill | decode | both
         self.host, self.port = parse_worker_url(url)
         self.info: HelloAck | None = None
@@ -271,7 +273,7 @@ class WorkerClient:
             loop.create_connection(lambda: proto, self.host, self.port), self._connect_timeout_s
         )
         try:
-            transport.write(self._codec.encode(Hello(PROTOCOL_VERSION)))
+            transport.write(self._codec.encode(Hello(PROTOCOL_VERSION, key=self.key or "")))
             ack = await asyncio.wait_for(self._first_message(proto), self._connect_timeout_s)
             if isinstance(ack, Rejected):
                 raise ConnectionError(f"worker rejected the handshake: {ack.reason}")

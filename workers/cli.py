@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap-embedded", type=int, default=None, metavar="PORT",
                    help="prefill only: serve the bootstrap registry inside this worker (SGLang-style)")
     p.add_argument("--bootstrap-token", default=os.environ.get("PD_BOOTSTRAP_TOKEN"))
+    p.add_argument("--api-key", default=None,
+                   help="required of the gateway (its --worker-api-key) on the native port and of every HTTP request "
+                        "but the health probes; default: $PD_WORKER_API_KEY")
+    p.add_argument("--api-key-file", default=None, help="--api-key read from this file (one line; # comments)")
     p.add_argument("--instance-id", default=None, help="prefill instance key in the registry")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=2048)
@@ -97,7 +101,23 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         heartbeat_interval_s=args.heartbeat_interval_s,
         max_unread_bytes=_mib(args.max_unread_mib, "max_unread_mib"), engine_options=extra,
         advertise_host=args.advertise_host, transfer_options=transfer_options, same_host_kv=args.same_host_kv,
+        api_key=_api_key(args),
     )
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key_file is None:
+        return args.api_key if args.api_key is not None else os.environ.get("PD_WORKER_API_KEY") or None
+    if args.api_key is not None:
+        raise ConfigError("api_key: give --api-key or --api-key-file, not both")
+    try:
+        with open(args.api_key_file, encoding="utf-8") as f:
+            keys = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    except OSError as exc:
+        raise ConfigError(f"api_key_file: cannot read {args.api_key_file}: {exc.strerror}") from None
+    if len(keys) != 1:
+        raise ConfigError(f"api_key_file: needs exactly one key, found {len(keys)}")
+    return keys[0]
 
 
 async def _serve(config: WorkerConfig) -> None:

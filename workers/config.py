@@ -23,7 +23,10 @@ class WorkerConfig:
     port: int = 0  # native protocol
     http_port: int = 0
     bootstrap: str | None = None  # registry URL (prefill registers, decode looks up)
-    bootstrap_token: str | None = None
+    bootstrap_token: str | None = field(default=None, repr=False)
+    # Required of every peer of the native port (``Hello.key``) and of the HTTP side's requests but its health
+    # probes (``Authorization: Bearer KEY``): the gateway's --worker-api-key
+    api_key: str | None = field(default=None, repr=False)
     bootstrap_embedded: int | None = None  # prefill: serve the registry in this process on this port
     instance_id: str | None = None
     page_size: int = 16
@@ -49,6 +52,9 @@ class WorkerConfig:
     same_host_kv: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.api_key is not None and (not self.api_key or any(c.isspace() or not c.isprintable()
+                                                                 for c in self.api_key)):
+            raise ConfigError("api_key: must be non-empty, without white space or control characters")
         if self.model == "default":  # the embedded SmolLM2 (torch engine)
             object.__setattr__(self, "model", None)
         if self.role not in ("prefill", "decode", "both"):

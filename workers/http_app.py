@@ -13,8 +13,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from gateway.errors import APIError, api_error, http_error
+from gateway.middleware import KeyGuardMiddleware
 from workers.metrics import CONTENT_TYPE, create_registry
 
 if TYPE_CHECKING:
@@ -27,7 +29,11 @@ def _reply(body: object, status: int = 200) -> Response:
     return Response(_json.encode(body), status_code=status, media_type="application/json")
 
 
-def create_http_app(worker: Worker) -> Starlette:
+# Answered without the worker's --api-key: the health probes (SGLang asks no key of /health* either)
+OPEN_PATHS = frozenset(("/health", "/liveness", "/health_generate"))
+
+
+def create_http_app(worker: Worker) -> ASGIApp:
     registry = create_registry(worker)
 
     def status() -> str:
@@ -73,7 +79,7 @@ def create_http_app(worker: Worker) -> Starlette:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE)
 
     sglang = worker.sglang.routes() if worker.sglang is not None else []
-    return Starlette(
+    app = Starlette(
         # (JSON for a wrong path or method, and for an APIError out of a plain route: /v1/models before
         # the worker's frontend is up)
         exception_handlers={HTTPException: http_error, APIError: api_error},
@@ -88,3 +94,5 @@ def create_http_app(worker: Worker) -> Starlette:
             Route("/debug/rooms", rooms),
         ]
     )
+    key = worker.config.api_key
+    return KeyGuardMiddleware(app, key, OPEN_PATHS) if key else app

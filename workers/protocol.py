@@ -97,6 +97,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
 class Hello(msgspec.Struct, tag="hello"):
     version: int
     client: str = "gateway"
+    key: str = ""  # the worker's --api-key, when it was started with one (the gateway's --worker-api-key)
 
 
 class HelloAck(msgspec.Struct, tag="hello_ack"):

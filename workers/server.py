@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import itertools
 import logging
 import threading
@@ -52,8 +53,10 @@ log = logging.getLogger(__name__)
 class NativeServer:
     def __init__(self, scheduler: Scheduler, hello_ack: Callable[[], HelloAck], host: str, port: int, *,
                  max_unread_bytes: int = MAX_UNREAD_BYTES,
-                 tokenizer_files: Callable[[], TokenizerFiles] | None = None) -> None:
+                 tokenizer_files: Callable[[], TokenizerFiles] | None = None, api_key: str | None = None) -> None:
+        """``api_key``: a peer's ``Hello`` must carry it (else ``Rejected``)."""
         self._scheduler = scheduler
+        self._api_key = api_key.encode() if api_key else None
         self._max_unread = max_unread_bytes
         self._hello_ack = hello_ack
         self._tokenizer_files = tokenizer_files  # answers GetTokenizer (read in a thread: files may be MBs)
@@ -133,6 +136,14 @@ class NativeServer:
             if not isinstance(hello, Hello) or hello.version != PROTOCOL_VERSION:
                 got = hello.version if isinstance(hello, Hello) else type(hello).__name__
                 writer.write(self._codec.encode(Rejected(f"protocol version {PROTOCOL_VERSION} required, got {got}")))
+                await writer.drain()
+                return
+            if self._api_key is not None and not hmac.compare_digest(hello.key.encode(), self._api_key):
+                log.warning("refused a %s connection from %s: %s API key", hello.client,
+                            writer.get_extra_info("peername"), "a wrong" if hello.key else "no")
+                why = "no API key" if not hello.key else "a wrong API key"
+                writer.write(self._codec.encode(Rejected(
+                    f"{why}: this worker takes peers with its --api-key (the gateway's --worker-api-key)")))
                 await writer.drain()
                 return
             if not self._scheduler.is_alive:

@@ -193,7 +193,7 @@ class SGLangAPI:
         self.metrics = GatewayMetrics()
         self.admission = Admission(0, 0, 1.0, self.metrics)  # the scheduler's own queue limits apply
         host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(cfg.host, cfg.host)
-        self.client = WorkerClient(f"pd://{join_host_port(host, worker.native_port)}", cfg.role)
+        self.client = WorkerClient(f"pd://{join_host_port(host, worker.native_port)}", cfg.role, key=cfg.api_key)
         self.dispatcher = RelayDispatcher(self.client, cfg.role, config or SGLangAPIConfig.of(cfg))
         self.frontend: Frontend | None = None
         self._unavailable: str | None = None  # why the API cannot serve (a tokenizer it cannot load)

@@ -157,7 +157,7 @@ class Worker:
         sched_cfg = SchedulerConfig(role=cfg.role, chunk_size=cfg.chunk_size, max_running=cfg.max_running)
         stop_tokenizer = await loading if loading is not None else None
         self.scheduler = Scheduler(sched_cfg, self.engine, self.pool, self._deliver, self.kv, stop_tokenizer)
-        self.server = NativeServer(self.scheduler, self._hello_ack, cfg.host, cfg.port,
+        self.server = NativeServer(self.scheduler, self._hello_ack, cfg.host, cfg.port, api_key=cfg.api_key,
                                    max_unread_bytes=cfg.max_unread_bytes, tokenizer_files=self._tokenizer_files)
         # A prefill takes requests only once registered: a decode asked to fetch from it must find it at
         # this address, not the one a previous run of it on this port registered (refused)

@@ -53,3 +53,28 @@ def test_a_text_log_line_is_one_line_whatever_the_client_sent() -> None:
     finally:
         root.handlers[:] = saved_handlers
         root.setLevel(saved_level)
+
+
+def test_a_cluster_reachable_from_elsewhere_gets_keys_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pd-cluster --host 0.0.0.0``: its workers and registry take keys, random unless the environment gives
+    them (the children inherit them from the environment, never on a command line)."""
+    from gateway.cluster import _cluster_secrets
+
+    monkeypatch.setenv("PD_WORKER_API_KEY", "")  # (unset, as an empty one reads; restored after the test)
+    monkeypatch.setenv("PD_BOOTSTRAP_TOKEN", "given")
+    _cluster_secrets()
+    import os
+
+    key = os.environ["PD_WORKER_API_KEY"]
+    assert len(key) >= 24 and os.environ["PD_BOOTSTRAP_TOKEN"] == "given"
+    _cluster_secrets()
+    assert os.environ["PD_WORKER_API_KEY"] == key
+
+
+@pytest.mark.parametrize("key", ["", "with space", "tab\tkey"])
+def test_a_worker_key_that_cannot_be_sent_is_refused(key: str) -> None:
+    from workers.config import ConfigError, WorkerConfig
+
+    with pytest.raises(ConfigError, match="api_key"):
+        WorkerConfig(api_key=key)
+    assert "s3cret" not in repr(WorkerConfig(api_key="s3cret", bootstrap_token="s3cret"))

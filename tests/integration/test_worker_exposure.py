@@ -61,3 +61,54 @@ def test_a_huge_first_frame_on_the_native_port_is_refused_at_its_length(procs) -
             answer = None
         assert answer is not None and time.monotonic() - started < 3, \
             "the worker waits for a 60 MB first frame from a peer that has not said Hello"
+
+
+def test_a_worker_with_an_api_key_serves_only_peers_that_send_it(procs) -> None:  # type: ignore[no-untyped-def]
+    """``pd-worker --api-key``: its native port refuses a handshake without the key (a gateway without
+    ``--worker-api-key`` never gets the worker, and says why), its HTTP side every request but the health
+    probes; the gateway with the key serves through it, natively and over the worker's SGLang side."""
+    import openai
+
+    from pdtest import start_gateway
+
+    registry = start_bootstrap(procs)
+    sim = ("--engine", "sim", "--num-pages", "64", "--page-size", "4", "--api-key", "w0rker")
+    prefill = start_worker(procs, "prefill", *sim, bootstrap=registry)
+    decode = start_worker(procs, "decode", *sim, bootstrap=registry)
+    http = f"http://127.0.0.1:{decode.http_port}"
+    assert httpx.get(f"{http}/health", timeout=10).status_code == 200  # (the probes need no key)
+    assert httpx.get(f"{http}/liveness", timeout=10).status_code == 200
+    for path in ("/load", "/metrics", "/debug/rooms", "/get_server_info"):
+        refused = httpx.get(f"{http}{path}", timeout=10)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key", path
+        assert httpx.get(f"{http}{path}", headers={"authorization": "Bearer wrong"}, timeout=10).status_code == 401
+    assert httpx.get(f"{http}/load", headers={"authorization": "Bearer w0rker"}, timeout=10).status_code == 200
+
+    port = free_port_of(procs)
+    procs.start(f"gateway-{port}", "-m", "gateway.cli", "--port", str(port), "--log-level", "warning",
+                "--prefill", prefill.url, "--decode", decode.url)
+    deadline = time.monotonic() + 30
+    while True:  # the gateway comes up, its workers never do: they refuse its handshake and it says so
+        try:
+            workers = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()["workers"]
+            if all(w["error"] and "API key" in w["error"] for w in workers):
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the workers' refusal never showed"
+        time.sleep(0.2)
+    assert not any(w["healthy"] for w in workers)
+    assert httpx.get(f"http://127.0.0.1:{port}/readiness", timeout=5).status_code == 503
+
+    keyed = start_gateway(procs, "--prefill", prefill.url, "--decode", decode.url, "--worker-api-key", "w0rker")
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{keyed}/v1", api_key="none", max_retries=0, timeout=60)
+    assert c.completions.create(model="sim", prompt="keyed", max_tokens=3).choices[0].finish_reason == "length"
+    # Its own SGLang side reaches its native port with the key (the connection it opens on first use)
+    models = httpx.get(f"{http}/v1/models", headers={"authorization": "Bearer w0rker"}, timeout=30)
+    assert models.status_code == 200, models.text
+
+
+def free_port_of(_procs) -> int:  # type: ignore[no-untyped-def]
+    from pdtest import free_port
+
+    return free_port()

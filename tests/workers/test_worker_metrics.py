@@ -54,7 +54,7 @@ def run_until_idle(sched: Scheduler, limit: int = 500) -> None:
 
 def app_for(sched: Scheduler) -> TestClient:
     worker = SimpleNamespace(worker_id="both-test", scheduler=sched, kv=None, sglang=None,
-                             config=SimpleNamespace(role="both", engine="sim", transfer="tcp"))
+                             config=SimpleNamespace(role="both", engine="sim", transfer="tcp", api_key=None))
     return TestClient(create_http_app(worker))  # type: ignore[arg-type]
 
 

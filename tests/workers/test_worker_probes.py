@@ -16,7 +16,7 @@ def client(started: bool, scheduler_alive: bool | None, registration_error: str 
     scheduler = None if scheduler_alive is None else SimpleNamespace(is_alive=scheduler_alive)
     worker = SimpleNamespace(worker_id="p", started=started, scheduler=scheduler, kv=None, sglang=None,
                              registration_error=registration_error,
-                             config=SimpleNamespace(role="prefill", engine="sim", transfer="tcp"))
+                             config=SimpleNamespace(role="prefill", engine="sim", transfer="tcp", api_key=None))
     return TestClient(create_http_app(worker))  # type: ignore[arg-type]
 
 
