@@ -9,7 +9,8 @@ import threading
 import time
 
 import httpx
-from pdtest import start_bootstrap, start_worker
+import openai
+from pdtest import free_port, start_bootstrap, start_gateway, start_worker
 
 
 def test_an_unauthenticated_generate_does_not_send_the_registry_token_elsewhere(procs) -> None:  # type: ignore[no-untyped-def]
@@ -67,10 +68,6 @@ def test_a_worker_with_an_api_key_serves_only_peers_that_send_it(procs) -> None:
     """``pd-worker --api-key``: its native port refuses a handshake without the key (a gateway without
     ``--worker-api-key`` never gets the worker, and says why), its HTTP side every request but the health
     probes; the gateway with the key serves through it, natively and over the worker's SGLang side."""
-    import openai
-
-    from pdtest import start_gateway
-
     registry = start_bootstrap(procs)
     sim = ("--engine", "sim", "--num-pages", "64", "--page-size", "4", "--api-key", "w0rker")
     prefill = start_worker(procs, "prefill", *sim, bootstrap=registry)
@@ -84,7 +81,7 @@ def test_a_worker_with_an_api_key_serves_only_peers_that_send_it(procs) -> None:
         assert httpx.get(f"{http}{path}", headers={"authorization": "Bearer wrong"}, timeout=10).status_code == 401
     assert httpx.get(f"{http}/load", headers={"authorization": "Bearer w0rker"}, timeout=10).status_code == 200
 
-    port = free_port_of(procs)
+    port = free_port()
     procs.start(f"gateway-{port}", "-m", "gateway.cli", "--port", str(port), "--log-level", "warning",
                 "--prefill", prefill.url, "--decode", decode.url)
     deadline = time.monotonic() + 30
@@ -106,9 +103,3 @@ def test_a_worker_with_an_api_key_serves_only_peers_that_send_it(procs) -> None:
     # Its own SGLang side reaches its native port with the key (the connection it opens on first use)
     models = httpx.get(f"{http}/v1/models", headers={"authorization": "Bearer w0rker"}, timeout=30)
     assert models.status_code == 200, models.text
-
-
-def free_port_of(_procs) -> int:  # type: ignore[no-untyped-def]
-    from pdtest import free_port
-
-    return free_port()
