@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV peers ping each other this often (silent for 3x: gone); a prefill renews its "
                         "bootstrap registration this often too, but at least every 2.5 s (the registry's "
                         "lease: 10 s by default)")
+    p.add_argument("--watchdog-timeout-s", type=float, default=300.0,
+                   help="/liveness answers 503 once the scheduler, holding requests, has not finished a step for "
+                        "this long (a hung forward), so that the worker is restarted")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                    help="engine-specific setting (repeatable), e.g. decode_step_s=0.002 for sim")
     p.add_argument("--transfer-option", action="append", default=[], metavar="KEY=VALUE",
@@ -98,7 +101,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         device=args.device, dtype=args.dtype, attention=args.attention, num_threads=args.num_threads,
         bootstrap_timeout_s=args.bootstrap_timeout_s, waiting_timeout_s=args.waiting_timeout_s,
         transfer_timeout_s=args.transfer_timeout_s, http_request_timeout_s=args.http_request_timeout_s,
-        heartbeat_interval_s=args.heartbeat_interval_s,
+        heartbeat_interval_s=args.heartbeat_interval_s, watchdog_timeout_s=args.watchdog_timeout_s,
         max_unread_bytes=_mib(args.max_unread_mib, "max_unread_mib"), engine_options=extra,
         advertise_host=args.advertise_host, transfer_options=transfer_options, same_host_kv=args.same_host_kv,
         api_key=_api_key(args),

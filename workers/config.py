@@ -44,6 +44,9 @@ class WorkerConfig:
     # request carries its gateway's.
     http_request_timeout_s: float = 1800.0
     heartbeat_interval_s: float = 2.0
+    # /liveness turns 503 once the scheduler, holding requests, has not finished a step for this long (a hung
+    # forward: a stuck GPU kernel or collective), so that the orchestrator (or pd-cluster) restarts the worker
+    watchdog_timeout_s: float = 300.0
     max_unread_bytes: int = MAX_UNREAD_BYTES  # per gateway connection: past it the gateway is not reading
     engine_options: dict[str, str] = field(default_factory=dict)
     transfer_options: dict[str, str] = field(default_factory=dict)  # --transfer-option, checked by the backend
@@ -76,7 +79,7 @@ class WorkerConfig:
         if self.max_unread_bytes < 1 << 16:
             raise ConfigError("max_unread_bytes: must be at least 64 KiB")
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s", "http_request_timeout_s",
-                     "heartbeat_interval_s"):
+                     "heartbeat_interval_s", "watchdog_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:  # (NaN and inf refused too)
                 raise ConfigError(f"{name}: must be positive and finite")
         if self.bootstrap:

@@ -55,9 +55,16 @@ def create_http_app(worker: Worker) -> ASGIApp:
 
     async def liveness(_: Request) -> Response:
         """Liveness: 200 while starting too (a prefill may retry its registration for a while: a probe
-        with a short threshold must not kill it for that); 503 only once its scheduler has died."""
+        with a short threshold must not kill it for that); 503 only once its scheduler has died, or has held
+        requests without finishing a step for ``--watchdog-timeout-s`` (a forward that hangs)."""
         state = status()
-        return _reply({"status": state, "role": worker.config.role}, 503 if state == "unhealthy" else 200)
+        body: dict[str, object] = {"status": state, "role": worker.config.role}
+        scheduler = worker.scheduler
+        stalled_s = scheduler.stalled_s if scheduler is not None and state != "unhealthy" else 0.0
+        if stalled_s > worker.config.watchdog_timeout_s:
+            state = body["status"] = "stalled"
+            body["error"] = f"the scheduler has not finished a step for {stalled_s:.0f}s (a hung forward?)"
+        return _reply(body, 503 if state in ("unhealthy", "stalled") else 200)
 
     async def info(_: Request) -> Response:
         return _reply(worker.info())

@@ -12,11 +12,13 @@ from starlette.testclient import TestClient
 from workers.http_app import create_http_app
 
 
-def client(started: bool, scheduler_alive: bool | None, registration_error: str | None = None) -> TestClient:
-    scheduler = None if scheduler_alive is None else SimpleNamespace(is_alive=scheduler_alive)
+def client(started: bool, scheduler_alive: bool | None, registration_error: str | None = None,
+           stalled_s: float = 0.0) -> TestClient:
+    scheduler = None if scheduler_alive is None else SimpleNamespace(is_alive=scheduler_alive, stalled_s=stalled_s)
     worker = SimpleNamespace(worker_id="p", started=started, scheduler=scheduler, kv=None, sglang=None,
                              registration_error=registration_error,
-                             config=SimpleNamespace(role="prefill", engine="sim", transfer="tcp", api_key=None))
+                             config=SimpleNamespace(role="prefill", engine="sim", transfer="tcp", api_key=None,
+                                                    watchdog_timeout_s=300.0))
     return TestClient(create_http_app(worker))  # type: ignore[arg-type]
 
 
@@ -73,3 +75,13 @@ def test_an_embedded_registry_on_port_0_reports_the_port_it_got() -> None:
     assert worker.embedded_registry_port == 43210
     worker._embedded = None
     assert worker.embedded_registry_port == 0
+
+
+@pytest.mark.parametrize(("stalled_s", "liveness"), [(0.0, 200), (299.0, 200), (301.0, 503)])
+def test_liveness_fails_once_a_forward_has_hung_past_the_watchdog(stalled_s: float, liveness: int) -> None:
+    """A scheduler holding requests that has not finished a step for ``--watchdog-timeout-s`` (a hung GPU kernel)
+    is alive in name only: /liveness says so, so that the orchestrator (or pd-cluster) restarts the worker."""
+    with client(True, True, stalled_s=stalled_s) as c:
+        reply = c.get("/liveness")
+        assert reply.status_code == liveness
+        assert (reply.json()["status"] == "stalled") is (liveness == 503)
