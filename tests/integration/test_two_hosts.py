@@ -54,15 +54,16 @@ def hosts(tmp_path: Path) -> Iterator[TwoHosts]:
         made.close()
 
 
-def _chat(hosts: TwoHosts) -> dict[str, object]:
-    """The client, in the decode's namespace: one chat completion and the decode's view of its room."""
+def _chat(hosts: TwoHosts, auth: dict[str, str]) -> dict[str, object]:
+    """The client, in the decode's namespace: one chat completion and the decode's view of its room (``auth``:
+    the headers the decode's HTTP side wants)."""
     code = f"""
 import json, urllib.request, openai
 c = openai.OpenAI(base_url="http://127.0.0.1:{PORTS['gateway']}/v1", api_key="none", max_retries=0, timeout=120)
 out = c.chat.completions.create(model="sim", max_tokens={MAX_TOKENS},
                                 messages=[{{"role": "user", "content": {QUESTION!r}}}])
 url = "http://{_url_host(hosts.b.addr)}:{PORTS['decode_http']}/debug/rooms"
-rooms = json.loads(urllib.request.urlopen(url, timeout=10).read())
+rooms = json.loads(urllib.request.urlopen(urllib.request.Request(url, headers={auth!r}), timeout=10).read())
 print(json.dumps({{"text": out.choices[0].message.content, "prompt_tokens": out.usage.prompt_tokens, "rooms": rooms}}))
 """
     return dict(json.loads(hosts.b.python(code).strip().splitlines()[-1]))
@@ -72,13 +73,17 @@ def _url_host(addr: str) -> str:
     return f"[{addr}]" if ":" in addr else addr
 
 
-@pytest.mark.parametrize(("transfer", "family", "local_registry"), [
-    ("tcp", 4, False), ("mooncake", 4, False), ("nixl", 4, False), ("tcp", 6, False),
+@pytest.mark.parametrize(("transfer", "family", "local_registry", "secured"), [
+    ("tcp", 4, False, False), ("mooncake", 4, False, False), ("nixl", 4, False, False), ("tcp", 6, False, False),
     # the prefill finds its registry on its own loopback (``--bootstrap http://127.0.0.1:...``), the decode on
     # the other host at the prefill's advertised address (it was sent to its own loopback: every request a 502)
-    ("tcp", 4, True),
+    ("tcp", 4, True, False),
+    # a registry token (reads guarded too) and worker keys: the decode sends the token to its own --bootstrap,
+    # the registry as it reaches it, which is where the prefill's handshake says its registry is
+    ("tcp", 4, False, True), ("tcp", 4, True, True),
 ])
-def test_pd_chat_crosses_the_veth(hosts: TwoHosts, transfer: str, family: int, local_registry: bool) -> None:
+def test_pd_chat_crosses_the_veth(hosts: TwoHosts, transfer: str, family: int, local_registry: bool,
+                                  secured: bool) -> None:
     reason = _missing(transfer)
     if reason:
         pytest.skip(reason)
@@ -94,8 +99,10 @@ def test_pd_chat_crosses_the_veth(hosts: TwoHosts, transfer: str, family: int, l
                                     "UCX_TLS": None, "UCX_NET_DEVICES": None}
     transfer_args = [arg for opt in OPTIONS[transfer] for arg in ("--transfer-option", opt)]
     registry = f"http://{_url_host(a.addr)}:{PORTS['registry']}"
+    token = ["--token", "t0ken"] if secured else []
+    keyed = ["--api-key", "k3y"] if secured else []
     a.start("registry", "-m", "bootstrap.cli", "--host", "0.0.0.0" if local_registry else a.addr,
-            "--port", str(PORTS["registry"]), env=clean)
+            "--port", str(PORTS["registry"]), *token, env=clean)
     a.wait_http_ok(f"{registry}/health")
     # The prefill binds every interface and advertises the address that routes to the registry (a.addr).
     wildcard = "0.0.0.0" if family == 4 else "::"
@@ -103,23 +110,27 @@ def test_pd_chat_crosses_the_veth(hosts: TwoHosts, transfer: str, family: int, l
         else ["--bootstrap", registry]
     a.start("prefill", "-m", "workers.cli", "--role", "prefill", "--host", wildcard, "--port", str(PORTS["prefill"]),
             "--http-port", str(PORTS["prefill_http"]), *where, "--transfer", transfer, *transfer_args, *SIM,
-            env=clean)
+            *(["--bootstrap-token", "t0ken", *keyed] if secured else []), env=clean)
     b.start("decode", "-m", "workers.cli", "--role", "decode", "--host", b.addr, "--port", str(PORTS["decode"]),
-            "--http-port", str(PORTS["decode_http"]), "--transfer", transfer, *transfer_args, *SIM, env=clean)
+            "--http-port", str(PORTS["decode_http"]), "--transfer", transfer, *transfer_args, *SIM,
+            *(["--bootstrap", registry, "--bootstrap-token", "t0ken", *keyed] if secured else []), env=clean)
     try:
         a.wait_http_ok(f"http://{_url_host(a.addr)}:{PORTS['prefill_http']}/health")
         b.wait_http_ok(f"http://{_url_host(b.addr)}:{PORTS['decode_http']}/health")
         b.start("gateway", "-m", "gateway.cli", "--host", "127.0.0.1", "--port", str(PORTS["gateway"]),
                 "--log-level", "warning", "--prefill", f"pd://{_url_host(a.addr)}:{PORTS['prefill']}",
-                "--decode", f"pd://{_url_host(b.addr)}:{PORTS['decode']}", env=clean)
+                "--decode", f"pd://{_url_host(b.addr)}:{PORTS['decode']}",
+                *(["--worker-api-key", "k3y"] if secured else []), env=clean)
         b.wait_http_ok(f"http://127.0.0.1:{PORTS['gateway']}/readiness")
-        info = json.loads(a.python(f"import urllib.request; print(urllib.request.urlopen("
-                                   f"'http://{_url_host(a.addr)}:{PORTS['prefill_http']}/info').read().decode())"))
+        auth = {"authorization": "Bearer k3y"} if secured else {}
+        info = json.loads(a.python(f"import urllib.request; print(urllib.request.urlopen(urllib.request.Request("
+                                   f"'http://{_url_host(a.addr)}:{PORTS['prefill_http']}/info', headers={auth!r}))"
+                                   ".read().decode())"))
         assert info["instance_id"].endswith(f"{a.addr}:{PORTS['prefill']}"), "the prefill advertises its veth address"
 
         before = {"a_veth": a.counters(a.ifname), "a_lo": a.counters("lo"),
                   "b_veth": b.counters(b.ifname), "b_lo": b.counters("lo")}
-        result = _chat(hosts)
+        result = _chat(hosts, auth)
         after = {"a_veth": a.counters(a.ifname), "a_lo": a.counters("lo"),
                  "b_veth": b.counters(b.ifname), "b_lo": b.counters("lo")}
     except Exception:
