@@ -17,9 +17,10 @@ Decode side, ``BootstrapResolver`` (sync, thread-safe, shared by the KV-transfer
    ``cache_ttl_s``; errors are never cached. 503 raises ``BootstrapNotReady``, no reply raises
    ``BootstrapUnreachable``, anything else unexpected ``BootstrapError``. The token goes only to the
    ``registries`` the resolver was given (at their addresses as written and as their host names resolve
-   when it is made): a request names its ``bootstrap_host`` itself, and anyone who can reach a decode's
-   ports could otherwise have it hand the token (the registry's write key) to a host of their choosing.
-   A registry elsewhere is asked without it (SGLang's and our embedded ones guard writes only, not reads).
+   when it is made; a ``bootstrap_host`` spelled otherwise that resolves to one of those addresses is asked
+   at that registry's own URL): a request names its ``bootstrap_host`` itself, and anyone who can reach a
+   decode's ports could otherwise have it hand the token (the registry's write key) to a host of their
+   choosing. A registry elsewhere is asked without it (SGLang's and our embedded ones guard writes only).
    When the registry does not
    answer at all, or answers that the instance is not registered (a registry restarted empty, until
    the prefill's next heartbeat), a reply that expired less than ``stale_if_unreachable_s`` ago
@@ -177,6 +178,9 @@ def _host_port(host: str, port: int | None) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"{host}:{DEFAULT_BOOTSTRAP_PORT if port is None else port}"
+
+
+TRUST_RESOLVE_TTL_S = 60.0
 
 
 def _addresses(host: str, port: int) -> set[str]:
@@ -359,16 +363,18 @@ class BootstrapResolver:
 
     def __init__(self, *, token: str | None = None, timeout_s: float = 5.0, cache_ttl_s: float = 5.0,
                  stale_if_unreachable_s: float = 60.0, registries: Iterable[str] = ()) -> None:
-        # host:port -> the registry's whole URL (scheme, path) for those known in full; others are http://
-        self._bases: dict[str, str] = {}
-        self._trusted: set[str] = set()  # host:port of the registries given, also as their names resolve
+        # host:port of each registry given, as written and as its name resolves now -> its whole URL (scheme,
+        # path): asked there, with the token; any other registry at http://host:port, without it
+        self._trusted: dict[str, str] = {}
         for url in registries:
             base = registry_url(url)
             parts = urlsplit(base)
             assert parts.hostname is not None and parts.port is not None  # (``registry_url`` spells both)
-            self._bases[_host_port(parts.hostname, parts.port)] = base
-            self._trusted.update(_addresses(parts.hostname, parts.port))
+            for address in _addresses(parts.hostname, parts.port):
+                self._trusted.setdefault(address, base)
+            self._trusted[_host_port(parts.hostname, parts.port)] = base
         self._auth = _auth(token)
+        self._resolved: dict[tuple[str, int], tuple[str | None, float]] = {}  # (``_trusted_base``) with expiry
         self.cache_ttl_s = cache_ttl_s
         self.stale_if_unreachable_s = stale_if_unreachable_s
         self._client = httpx.Client(
@@ -425,6 +431,25 @@ class BootstrapResolver:
         result = (address.rank_ip, address.rank_port)
         self._store(key, result)
         return result
+
+    def _trusted_base(self, host: str, port: int | None) -> str | None:
+        """The URL of the registry given that ``host:port`` reaches (its name resolves to one of its addresses:
+        ``localhost`` for ``127.0.0.1``), None if none; resolved at most every ``TRUST_RESOLVE_TTL_S``. The
+        look-up then goes to that registry's own URL, not to whatever the name resolves to next."""
+        if not self._auth or not self._trusted:
+            return None
+        key = (host, DEFAULT_BOOTSTRAP_PORT if port is None else port)
+        with self._lock:
+            known = self._resolved.get(key)
+        now = time.monotonic()
+        if known is not None and known[1] > now:
+            return known[0]
+        base = next((self._trusted[a] for a in sorted(_addresses(*key)) if a in self._trusted), None)
+        with self._lock:
+            if len(self._resolved) >= 1024:  # (hosts named by requests: bounded)
+                self._resolved.clear()
+            self._resolved[key] = (base, now + TRUST_RESOLVE_TTL_S)
+        return base
 
     def cached_topology(self, host: str, port: int | None, instance_id: str | None = None) -> Topology | None:
         """What ``topology`` would return from its cache now; None if it would ask the registry."""
@@ -495,9 +520,10 @@ class BootstrapResolver:
         }
         if instance_id is not None:
             params["instance_id"] = instance_id
+        base = self._trusted.get(address) or self._trusted_base(host, port)
         try:
-            response = self._client.get(f"{self._bases.get(address) or 'http://' + address}/route", params=params,
-                                        headers=self._auth if address in self._trusted else None)
+            response = self._client.get(f"{base or 'http://' + address}/route", params=params,
+                                        headers=self._auth if base is not None else None)
         except httpx.HTTPError as exc:
             raise BootstrapUnreachable(
                 f"bootstrap registry {address} unreachable: {type(exc).__name__}: {exc}"
@@ -507,9 +533,9 @@ class BootstrapResolver:
             raise BootstrapNotReady(f"{address}: {_reason(response)}", status_code=503, code=_code(response))
         if response.status_code != 200:
             hint = ""
-            if response.status_code in (401, 403) and self._auth and address not in self._trusted:
+            if response.status_code in (401, 403) and self._auth and base is None:
                 hint = (" (this worker sends its --bootstrap-token only to its own --bootstrap registry, "
-                        f"{' or '.join(sorted(self._trusted)) or 'none given'}: spell it as the prefills do)")
+                        f"{' or '.join(sorted(set(self._trusted.values()))) or 'none given'}, which this is not)")
             raise BootstrapError(
                 f"{address}: {what} lookup failed with HTTP {response.status_code}: {_reason(response)}{hint}",
                 status_code=response.status_code,

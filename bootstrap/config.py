@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 TokenScope = Literal["all", "writes"]
@@ -25,7 +25,7 @@ class BootstrapConfig:
     host: str = "127.0.0.1"
     port: int = 8998
     ttl_s: float = 10.0
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
     token_scope: TokenScope = "all"
     room_ttl_s: float = 120.0
     max_body_bytes: int = 1 << 20

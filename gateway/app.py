@@ -47,6 +47,7 @@ from gateway.responder import Responder
 from gateway.runtime import Gateway, GatewayConfig
 from gateway.sglang_relay import SGLangResponder
 from gateway.shapes import ChatShape, CompletionShape, GenerateShape
+from transfer.netaddr import is_loopback
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -95,7 +96,8 @@ def create_app(config: GatewayConfig) -> Any:
     guarded = GatekeeperMiddleware(app, api_keys=config.api_keys, admin_api_keys=config.admin_api_keys,
                                    metrics_require_admin=config.metrics_require_admin,
                                    is_draining=lambda: gw.is_draining,
-                                   on_refused=lambda reason: gw.metrics.rejected.labels(reason).inc())
+                                   on_refused=lambda reason: gw.metrics.rejected.labels(reason).inc(),
+                                   admin_off=_admin_off(config))
     outer = RequestContextMiddleware(guarded)
     outer.state = rest.state  # type: ignore[attr-defined]
     # Native workers only: the generation routes' POSTs skip ASGI (gateway/hot_cycle.py; gateway.cli installs it)
@@ -189,6 +191,14 @@ def _served_model(gw: Gateway) -> str:
     if name is None:
         raise NoWorkers("no SGLang worker has reported its model yet", retry_after_s=2.0)
     return name
+
+
+def _admin_off(config: GatewayConfig) -> str | None:
+    """Why the admin API is off: the gateway listens beyond loopback and no key guards the admin API."""
+    if config.api_keys or config.admin_api_keys or is_loopback(config.host):
+        return None
+    return (f"the gateway listens on {config.host} and no key guards this API (--admin-api-key, or --api-key): "
+            "anyone could add a worker of theirs")
 
 
 def _served_model_or_none(gw: Gateway) -> str | None:

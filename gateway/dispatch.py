@@ -170,7 +170,7 @@ class Dispatcher:
             self._set_floors()
         prompt = len(request.input_ids)
         if prompt + request.max_new_tokens > self._decode_floor or prompt > self._prefill_floor:
-            prefills, decodes = self._fitting(prefills, decodes, request)
+            prefills, decodes = self._fitting(request, avoid)
         router = self.router
         pair = router.pick(prefills, decodes, request)
         prefill = pair.prefill
@@ -187,28 +187,27 @@ class Dispatcher:
         self._prefill_floor = min((c.state.capacity_tokens for c in self.prefills if c.state.page_size),
                                   default=0 if self.prefills else sys.maxsize)
 
-    def _fitting(self, prefills: list[Any], decodes: list[Any], request: RequestInfo) -> tuple[list[Any], list[Any]]:
-        """The selectable workers whose KV pool can hold ``request`` (a decode reserves prompt +
-        max_new_tokens, a prefill the prompt); when one side has none: a 503 if a worker that is out of
-        the selection now could (unhealthy, avoided), else a 400, sent to no worker."""
+    def _fitting(self, request: RequestInfo, avoid: set[WorkerClient]) -> tuple[list[Any], list[Any]]:
+        """``_selectable``'s views, of the workers whose KV pool can hold ``request`` (a decode reserves prompt +
+        max_new_tokens, a prefill the prompt): the avoided ones too when only they can. When one side has none:
+        a 503 if a worker that is unhealthy now could, else a 400, sent to no worker."""
         prompt = len(request.input_ids)
         total = prompt + request.max_new_tokens
-        decodes = [v for v in decodes if v.capacity_tokens >= total]
-        prefills = [v for v in prefills if v.capacity_tokens >= prompt]
+        decodes = _selectable([w for w in self.decodes if w.state.capacity_tokens >= total], avoid)
+        prefills = _selectable([w for w in self.prefills if w.state.capacity_tokens >= prompt], avoid)
         if decodes and (prefills or self.combined):
             return prefills, decodes
-        if not decodes:
-            side, pool, need, what = "combined" if self.combined else "decode", self.decodes, total, \
-                "prompt + max_tokens"
-        else:
-            side, pool, need, what = "prefill", self.prefills, prompt, "the prompt"
+        side, pool, need = ("combined" if self.combined else "decode", self.decodes, total) if not decodes \
+            else ("prefill", self.prefills, prompt)
         largest = max((c.state.capacity_tokens for c in pool), default=0)
+        prompt_alone = side == "prefill" or prompt > largest  # (no budget would make it fit)
+        what = "the prompt" if prompt_alone else "the prompt and the most tokens to generate"
         if largest >= need:
             raise NoWorkers(f"no healthy {side} worker has a KV pool that holds this request ({need} tokens: "
                             f"{what}); the one that does is unavailable", retry_after_s=1.0)
-        raise BadRequest(f"the request needs {need} tokens of KV cache ({what}); the largest {side} worker's pool "
-                         f"holds {largest}", param="max_new_tokens" if side != "prefill" else None,
-                         code="context_length_exceeded")
+        raise BadRequest(f"the request needs {prompt if prompt_alone else need} tokens of KV cache ({what}); the "
+                         f"largest {side} worker's pool holds {largest}",
+                         param=None if prompt_alone else "max_new_tokens", code="context_length_exceeded")
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
                        bootstrap: ClientBootstrap | None = None, direct: DirectConsumer | None = None,

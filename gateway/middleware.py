@@ -54,8 +54,12 @@ class RequestContextMiddleware:
 class GatekeeperMiddleware:
     def __init__(self, app: ASGIApp, *, api_keys: Sequence[str], admin_api_keys: Sequence[str],
                  metrics_require_admin: bool, is_draining: Callable[[], bool],
-                 on_refused: Callable[[str], None] | None = None) -> None:
+                 on_refused: Callable[[str], None] | None = None, admin_off: str | None = None) -> None:
+        """``admin_off``: why the admin API answers nothing but 403 (a gateway reachable from other hosts with
+        no key to guard it: anyone could add a "worker" of theirs, receive the clients' prompts and the
+        workers' key); None: served."""
         self.app = app
+        self.admin_off = admin_off
         self.on_refused = on_refused  # told "draining" or "unauthorized" for each refusal (metrics)
         self.api_keys = [k.encode() for k in api_keys]
         # Without admin keys, a gateway with client keys guards its admin API with them: never open by
@@ -70,11 +74,7 @@ class GatekeeperMiddleware:
             return
         refusal = self.refusal(scope["path"], scope["headers"])
         if refusal is not None:
-            status, body, headers = refusal
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode()), *headers]})
-            await send({"type": "http.response.body", "body": body})
+            await _send_refusal(send, refusal)
             return
         await self.app(scope, receive, send)
 
@@ -86,6 +86,9 @@ class GatekeeperMiddleware:
             self._refused("draining")
             return _error(503, "the gateway is shutting down", "service_unavailable", None,
                           [(b"connection", b"close"), (b"retry-after", b"1")])
+        if path in ADMIN_PATHS and self.admin_off is not None:
+            self._refused("unauthorized")
+            return _error(403, f"the admin API is off: {self.admin_off}", "permission_error", "admin_api_off", [])
         if path in ADMIN_PATHS or (path == "/metrics" and self.metrics_require_admin):
             keys, what = self.admin_api_keys, "admin"
         elif path == "/metrics":
@@ -147,12 +150,16 @@ class KeyGuardMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths \
                 and not _key_ok(_bearer(scope["headers"]), self.keys):
-            status, body, headers = _error(401, "Incorrect or missing key: send 'Authorization: Bearer <key>' (the "
-                                           "worker's --api-key)", "invalid_request_error", "invalid_api_key",
-                                           [(b"www-authenticate", b"Bearer")])
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode()), *headers]})
-            await send({"type": "http.response.body", "body": body})
+            await _send_refusal(send, _error(401, "Incorrect or missing key: send 'Authorization: Bearer <key>' (the "
+                                             "worker's --api-key)", "invalid_request_error", "invalid_api_key",
+                                             [(b"www-authenticate", b"Bearer")]))
             return
         await self.app(scope, receive, send)
+
+
+async def _send_refusal(send: Send, refusal: tuple[int, bytes, Headers]) -> None:
+    status, body, headers = refusal
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})

@@ -110,7 +110,7 @@ class HttpWorker:
         self.has_loads: bool | None = None  # serves /v1/loads (None: not known yet)
         self.is_draining = False  # being removed (the admin API): never selected again
         self.last_error: str | None = None
-        self.addresses: frozenset[tuple[str, int]] | None = None  # where its URL reaches (the first probe's look-up)
+        self.addresses: frozenset[tuple[str, int, str]] = frozenset()  # where its URL leads (its last passed probe's)
         self._rids = 0
 
     @property
@@ -308,13 +308,15 @@ class SGLangFleet:
     async def _is_not_a_twin(self, worker: HttpWorker) -> tuple[bool, str]:
         """A worker whose URL reaches the same server as one of its role listed before it (``http://localhost:P``
         next to ``http://127.0.0.1:P``) would be selected twice as often as it should: it is never up."""
-        if worker.addresses is None:
-            worker.addresses = await _addresses(worker.url)
+        worker.addresses = await _addresses(worker.url)  # (each time: a worker moves, its old address is reused)
         for other in self.prefills if worker.role == "prefill" else self.decodes:
             if other is worker:
                 return True, ""
             if not other.is_draining and other.addresses and worker.addresses & other.addresses:
-                return False, f"the same worker as {other.url} (both reach {min(worker.addresses & other.addresses)})"
+                other.addresses = await _addresses(other.url)  # (confirmed where it leads now: it may have moved)
+            if not other.is_draining and other.addresses and worker.addresses & other.addresses:
+                address, port, path = min(worker.addresses & other.addresses)
+                return False, f"the same worker as {other.url} (both lead to {address}:{port}{path})"
         return True, ""
 
     async def _poll_load(self, worker: HttpWorker) -> None:
@@ -384,15 +386,17 @@ def _is_what_it_was_added_as(worker: HttpWorker, health: bytes) -> tuple[bool, s
     return False, f"{worker.url} is {what}"
 
 
-async def _addresses(url: str) -> frozenset[tuple[str, int]]:
-    """The (address, port) pairs ``url``'s host resolves to (empty when it does not, for now)."""
+async def _addresses(url: str) -> frozenset[tuple[str, int, str]]:
+    """Where ``url`` leads: (address, port, path) for each address its host resolves to now (none when it does
+    not; the path tells apart the workers behind one proxy)."""
     parts = urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
     except OSError:
         return frozenset()
-    return frozenset((str(info[4][0]), port) for info in infos)
+    path = parts.path.rstrip("/")
+    return frozenset((str(info[4][0]), port, path) for info in infos)
 
 
 def load_report_of(loads: Any, last_rid: int) -> LoadReport | None:

@@ -229,7 +229,8 @@ class SGLangResponder:
                 model = body.get("model")
                 if isinstance(model, str) and model != "default" and self.served_model is not None:
                     served = self.served_model()
-                    if served is not None and model != served:
+                    # (SGLang's "<served>:<adapter>" picks one of its LoRA adapters: the worker judges the adapter)
+                    if served is not None and model != served and not model.startswith(served + ":"):
                         raise ModelNotFound(f"The model {model!r} does not exist here; use {served!r}",
                                             param="model", code="model_not_found")
                 if body.get("custom_logit_processor") is not None:  # (the native routes refuse it too)

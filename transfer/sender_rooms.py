@@ -22,6 +22,7 @@ Lifecycle of one room (``KVSender`` in ``transfer.sender`` holds its own state; 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
@@ -35,6 +36,8 @@ from transfer.errors import TransferError, TransferErrorKind
 from transfer.messages import Abort, Quiesced, RoomRequest, RoomStatus
 from transfer.sender import KVSender, Link, PageList, PostedWrite
 from transfer.types import KVPoll
+
+log = logging.getLogger(__name__)
 
 NUM_STAGING_SLOTS = 1024  # aux payloads waiting to be written (one per room between last send and DONE)
 SETTLE_HERE_MAX_ROOMS = 8  # settle_here progresses rooms itself up to this many (else the monitor ticks)
@@ -205,12 +208,14 @@ class SenderRooms:
             if blocks:
                 try:
                     handle = ctx.backend.write(link.peer, blocks, sender.fence)
-                except BaseException as exc:  # (any exception: a plugin backend's too must not keep the slot)
+                except TransferError as exc:  # (refused before it was posted: the slot is free again)
                     if slot is not None:
                         self._free_slots.append(slot)
-                    if not isinstance(exc, TransferError):
-                        raise
                     error = exc
+                except BaseException:  # a backend's bug: its write may be under way, reading the slot: not reused
+                    log.error("room %s: the transfer backend's write raised; aux staging slot %s is not reused", room,
+                              slot)
+                    raise
                 else:
                     write = PostedWrite(room, handle, posted, slot)
                     ctx.num_bytes_sent += sum(length for _, _, length in blocks)

@@ -204,13 +204,20 @@ class DecodeQuarantine:
         return ready
 
 
+_UNTELLING: dict[int, None] = {}  # (``is_quiesced``) ids of receivers whose failure was logged, the newest kept
+
+
 def is_quiesced(receiver: Any) -> bool:
     """``receiver.quiesced``; a receiver that cannot tell is taken as not (its pages wait: never reused under a
-    write that could still land)."""
+    write that could still land), said once per receiver (the quarantine asks every scheduler pass)."""
     try:
         return bool(receiver.quiesced)
     except Exception:
-        log.exception("a KV receiver could not tell whether it is quiesced")
+        if id(receiver) not in _UNTELLING:
+            log.exception("a KV receiver could not tell whether it is quiesced; its pages stay in quarantine")
+            _UNTELLING[id(receiver)] = None
+            if len(_UNTELLING) > 1024:
+                del _UNTELLING[next(iter(_UNTELLING))]
         return False
 
 

@@ -139,7 +139,7 @@ class NativeServer:
                 await writer.drain()
                 return
             if self._api_key is not None and not hmac.compare_digest(hello.key.encode(), self._api_key):
-                log.warning("refused a %s connection from %s: %s API key", hello.client,
+                log.warning("refused a connection (%r) from %s: %s API key", hello.client[:64],
                             writer.get_extra_info("peername"), "a wrong" if hello.key else "no")
                 why = "no API key" if not hello.key else "a wrong API key"
                 writer.write(self._codec.encode(Rejected(

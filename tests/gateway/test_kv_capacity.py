@@ -67,8 +67,8 @@ def test_a_request_no_worker_can_hold_is_a_400_sent_to_no_worker(combined: bool)
         side = "combined" if combined else "decode"
         assert err.value.status == 400 and err.value.code == "context_length_exceeded"
         assert err.value.param == "max_new_tokens"
-        assert f"needs 420 tokens of KV cache (prompt + max_tokens); the largest {side} worker's pool holds 400" \
-            in err.value.message
+        assert f"needs 420 tokens of KV cache (the prompt and the most tokens to generate); the largest {side} " \
+            "worker's pool holds 400" in err.value.message
         assert not any(_sent(t, Submit) for t in transports)
         assert not any(w.state.num_active for w in (*prefills, *decodes))
 
@@ -93,6 +93,18 @@ class _Nothing:
 
     def accept(self, output: Any) -> None:
         raise AssertionError("nothing is sent, so nothing comes back")
+
+
+def test_a_prompt_longer_than_every_decode_pool_is_not_blamed_on_max_tokens() -> None:
+    async def main() -> None:
+        dispatcher, _, _, _ = _fleet([1024], [64, 100])
+        with pytest.raises(BadRequest) as err:
+            _picks(dispatcher, 500, 10, times=1)
+        assert err.value.param is None
+        assert "needs 500 tokens of KV cache (the prompt); the largest decode worker's pool holds 400" \
+            in err.value.message
+
+    asyncio.run(main())
 
 
 def test_a_request_only_an_unavailable_worker_could_hold_is_a_503() -> None:

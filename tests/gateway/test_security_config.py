@@ -78,3 +78,27 @@ def test_a_worker_key_that_cannot_be_sent_is_refused(key: str) -> None:
     with pytest.raises(ConfigError, match="api_key"):
         WorkerConfig(api_key=key)
     assert "s3cret" not in repr(WorkerConfig(api_key="s3cret", bootstrap_token="s3cret"))
+
+
+@pytest.mark.parametrize(("host", "api_keys", "admin_keys", "off"), [
+    ("0.0.0.0", (), (), True), ("::", (), (), True), ("10.1.2.3", (), (), True),
+    ("0.0.0.0", ("k",), (), False), ("0.0.0.0", (), ("a",), False),
+    ("127.0.0.1", (), (), False), ("localhost", (), (), False), ("::1", (), (), False),
+])
+def test_the_admin_api_is_off_on_a_gateway_others_reach_with_no_key_for_it(
+        host: str, api_keys: tuple[str, ...], admin_keys: tuple[str, ...], off: bool) -> None:
+    """An open admin API on a gateway other hosts reach hands anyone the fleet: a worker of theirs added gets
+    the clients' prompts and the workers' key (``--worker-api-key`` goes to every worker). ``pd-cluster --host
+    0.0.0.0`` started exactly that. Off (403) unless a key guards it; served on loopback as before."""
+    from gateway.app import create_app
+
+    app = create_app(GatewayConfig(prefill=("pd://127.0.0.1:1",), decode=("pd://127.0.0.1:2",), host=host,
+                                   api_keys=api_keys, admin_api_keys=admin_keys))
+    gate = app.app  # (RequestContextMiddleware -> GatekeeperMiddleware)
+    for path in ("/workers", "/add_worker", "/remove_worker", "/list_workers"):
+        refusal = gate.refusal(path, [])
+        if off:
+            assert refusal is not None and refusal[0] == 403 and b"admin_api_off" in refusal[1], path
+        else:
+            assert refusal is None or refusal[0] == 401, path
+    assert gate.refusal("/health", []) is None

@@ -276,10 +276,10 @@ class TorchEngine(Engine):
         seqs = [batch[i] for i in sampled]
         scores = self.adjuster.adjust(logits, seqs)
         scores, failures = self.constraints.mask(seqs, scores, logits)  # grammars: banned tokens at -inf
-        argmax = scores.argmax(dim=-1).tolist()  # one call for every greedy sequence
-        # A row with a NaN or +inf score, or none finite (every token banned): nothing to take its argmax of
-        unusable = ((torch.isnan(scores) | (scores == math.inf)).any(dim=-1)
-                    | ~torch.isfinite(scores).any(dim=-1)).tolist()
+        # One pass for every greedy sequence: its token, and whether its row can give one (a row with a NaN or
+        # +inf score, or none finite, every token banned, has a non-finite maximum: max propagates NaN)
+        best, top = scores.max(dim=-1)
+        argmax, unusable = top.tolist(), (~torch.isfinite(best)).tolist()
         for j, i in enumerate(sampled):
             seq, row = batch[i], logits[j]
             self.last_logits[i] = row
