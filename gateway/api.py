@@ -139,12 +139,13 @@ class ChoiceDispatcher(Protocol):
 
     def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
                  bootstrap: ClientBootstrap | None = None, direct: DirectConsumer | None = None,
-                 counts_prompt: bool = True, served: Callable[[], bool] | None = None,
+                 counts_prompt: bool = True, served: Callable[[], bool] | None = None, counts_output: bool = True,
                  ) -> AsyncGenerator[StepOutput, None]:
         """The choice's ``StepOutput`` events until the final one; errors as ``APIError``. A dispatcher
         may hand non-final outputs to ``direct`` instead of yielding them (``gateway.dispatch``), or ignore it.
         ``counts_prompt``: the first choice of its prompt (a prompt's tokens are counted once, as in usage).
-        ``served``: a choice stopped early counts as served only if this says so (``Dispatcher.generate``)."""
+        ``served``: a choice stopped early counts as served only if this says so (``Dispatcher.generate``).
+        ``counts_output``: its tokens count as generated ones in the figures (not for ``max_new_tokens: 0``)."""
         ...
 
 
@@ -428,7 +429,8 @@ class Frontend:
             return last
         state = self._choice(prep)
         try:
-            await complete(prep.input_ids, prep.params, state, in_callback=not prep.stops)
+            await complete(prep.input_ids, prep.params, state, in_callback=not prep.stops,
+                           counts_output=not prep.no_output)
         except BadRequest as exc:
             prep.name_for_client(exc)
             raise
@@ -448,7 +450,8 @@ class Frontend:
             state = self._choice(prep)
             direct = emitter.direct(state) if emitter is not None and not prep.stops and \
                 not prep.want_logprobs else None
-            events = self.dispatcher.generate(prep.input_ids, prep.params, bootstrap=prep.bootstrap, direct=direct)
+            events = self.dispatcher.generate(prep.input_ids, prep.params, bootstrap=prep.bootstrap, direct=direct,
+                                              counts_output=not prep.no_output)
             try:
                 async for event in events:
                     text, entries = state.accept(event)
@@ -477,7 +480,7 @@ class Frontend:
                 params = msgspec.structs.replace(params, prompt_logprobs_start=start)
             events = self.dispatcher.generate(prep.prompt_of(index), params, choice=index, bootstrap=prep.bootstrap,
                                               counts_prompt=index % prep.per_prompt == 0,
-                                              served=lambda: not failed)
+                                              served=lambda: not failed, counts_output=not prep.no_output)
             try:
                 async with contextlib.aclosing(events):  # (cancelled while waiting below: its requests end now)
                     async for event in events:

@@ -212,7 +212,7 @@ class Dispatcher:
     async def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
                        bootstrap: ClientBootstrap | None = None, direct: DirectConsumer | None = None,
                        counts_prompt: bool = True, served: Callable[[], bool] | None = None,
-                       ) -> AsyncGenerator[StepOutput, None]:
+                       counts_output: bool = True) -> AsyncGenerator[StepOutput, None]:
         """Run one completion choice; yields the decode's ``StepOutput`` events (see the module doc).
 
         ``choice`` and the client's ``bootstrap`` fields do not matter here: every attempt gets a
@@ -223,7 +223,7 @@ class Dispatcher:
         if it had tokens, unless this says no: a choice of a request another choice of which failed).
         """
         run = _Choice(self, input_ids, params)
-        run.counts_prompt = counts_prompt
+        run.counts_prompt, run.counts_output = counts_prompt, counts_output
         try:
             while True:
                 num_before = len(run.generated)
@@ -254,7 +254,7 @@ class Dispatcher:
             run.close()
 
     async def complete(self, input_ids: list[int], params: SamplingParams, collector: Collector, *,
-                       in_callback: bool = False) -> None:
+                       in_callback: bool = False, counts_output: bool = True) -> None:
         """Run one choice to its end for a whole (non-streamed) response: ``generate``'s lifecycle
         (retries, migration, deadlines, bookkeeping) in one coroutine, without the generator layers.
 
@@ -266,6 +266,7 @@ class Dispatcher:
         first (``DispatchConfig.gather_s``); with stop strings only one that ends requests at them.
         """
         run = _Choice(self, input_ids, params)
+        run.counts_output = counts_output
         direct = _Collect(collector) if in_callback else None
         gather_s = self.config.gather_s  # (with stop strings, only a decode that stops at them: ``submit``)
         try:
@@ -351,7 +352,8 @@ class _Choice:
     """One choice across its attempts (``generate``, ``complete``): what the next attempt sends, the
     tokens so far, the latency figures, and the request's figures once it has been served."""
 
-    __slots__ = ("attempt_params", "avoid", "cached_tokens", "completed", "counts_prompt", "deadline", "dispatcher",
+    __slots__ = ("attempt_params", "avoid", "cached_tokens", "completed", "counts_output", "counts_prompt", "deadline",
+                 "dispatcher",
                  "generated", "input_ids", "itl", "last_t", "migrations", "params", "prompt", "request", "retries",
                  "t0")
 
@@ -373,6 +375,7 @@ class _Choice:
         self.cached_tokens = 0
         self.completed = False  # finished, or the consumer stopped early (a stop string): counts as served
         self.counts_prompt = True  # the first choice of its prompt: its prompt's tokens are counted (once)
+        self.counts_output = True  # its tokens are the answer's (not: /generate's max_new_tokens 0, run for one)
 
     def record(self, item: StepOutput) -> None:
         """An output on its way to the consumer: latency figures, tokens so far, cache hits."""
@@ -433,7 +436,8 @@ class _Choice:
 
     def close(self) -> None:
         metrics = self.dispatcher.metrics
-        metrics.generation_tokens.inc(len(self.generated))  # (generated and sent, also before a failure)
+        if self.counts_output:
+            metrics.generation_tokens.inc(len(self.generated))  # (generated and sent, also before a failure)
         if self.completed:
             metrics.e2e.observe(time.monotonic() - self.t0)
             if self.counts_prompt:  # (one choice per prompt: as the response's usage counts it)

@@ -103,7 +103,8 @@ class RelayDispatcher:
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
                        bootstrap: ClientBootstrap | None = None, direct: Any = None, counts_prompt: bool = True,
-                       served: Any = None) -> AsyncGenerator[StepOutput, None]:  # (every output is yielded)
+                       served: Any = None, counts_output: bool = True,
+                       ) -> AsyncGenerator[StepOutput, None]:  # (every output is yielded)
         target = self.target(bootstrap, choice)
         sink = EventSink()
         cfg = self.config

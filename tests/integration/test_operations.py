@@ -428,6 +428,16 @@ def test_openai_client_suite_and_request_metrics(sim_cluster) -> None:  # type: 
     assert metric(cluster, "pd_gateway_prompt_tokens_total") - before["pd_gateway_prompt_tokens_total"] == 8
     assert metric(cluster, "pd_gateway_generation_tokens_total") - before["pd_gateway_generation_tokens_total"] == \
         batch.usage.completion_tokens == 2 * 3 * 4
+    # /generate's max_new_tokens 0 (the prompt alone, SGLang's scoring) runs for one token it does not answer
+    # with: no generated token is counted, whole, batched or streamed; its prompt is
+    before = {name: metric(cluster, name) for name in ("pd_gateway_prompt_tokens_total",
+                                                       "pd_gateway_generation_tokens_total")}
+    for body in ({"text": "abcd"}, {"text": ["ab", "cde"]}, {"text": "abcd", "stream": True}):
+        reply = httpx.post(f"{cluster.base_url}/generate", timeout=30,
+                           json={**body, "sampling_params": {"max_new_tokens": 0}})
+        assert reply.status_code == 200, reply.text
+    assert metric(cluster, "pd_gateway_generation_tokens_total") == before["pd_gateway_generation_tokens_total"]
+    assert metric(cluster, "pd_gateway_prompt_tokens_total") > before["pd_gateway_prompt_tokens_total"]
     cluster.wait_pools_full()
 
 
