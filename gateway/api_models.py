@@ -24,7 +24,7 @@ from msgspec import Meta
 MAX_BATCH_CHOICES = 64  # a batched completion's prompts x n
 MAX_N = MAX_BATCH_CHOICES  # choices per request (OpenAI's own limit is 128)
 GENERATE_MAX_NEW_TOKENS = 128  # /generate's default budget (SGLang's)
-MAX_STOP_STRINGS = 8
+MAX_STOP_STRINGS = 64  # (vLLM and SGLang take any number; Continue's autocomplete sends 12 to 17)
 # Bounds on what every choice carries to both of its workers (a request's n choices each send their own copy:
 # unbounded, one request of a few MB made frames of over 100 MB, past the connection's unread limit, and every
 # request open on those workers failed with it)

@@ -171,7 +171,8 @@ def _guarded(gw: Gateway, route: str, endpoint: Callable[[Request], Awaitable[Re
 
 
 async def models(request: Request) -> Response:
-    return _reply({"object": "list", "data": [_model_card(_served_model(_gateway(request)))]})
+    gw = _gateway(request)
+    return _reply({"object": "list", "data": [_model_card(_served_model(gw), _context_length(gw))]})
 
 
 async def model(request: Request) -> Response:
@@ -180,7 +181,7 @@ async def model(request: Request) -> Response:
     if asked not in (name, "default"):
         raise ModelNotFound(f"The model {asked!r} does not exist here; use {name!r}", param="model",
                             code="model_not_found")
-    return _reply(_model_card(name))
+    return _reply(_model_card(name, _context_length(_gateway(request))))
 
 
 def _served_model(gw: Gateway) -> str:
@@ -216,8 +217,18 @@ def _freeze_start_up(_: object) -> None:
     gc.freeze()
 
 
-def _model_card(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": now_s(), "owned_by": "pd-gateway"}
+def _context_length(gw: Gateway) -> int | None:
+    """The served context length, when native workers have told it (None with SGLang workers only)."""
+    return gw.require_frontend().max_context if gw.has_native_workers else None
+
+
+def _model_card(name: str, max_model_len: int | None = None) -> dict[str, Any]:
+    """vLLM's and SGLang's card: ``root`` and ``max_model_len`` too (Continue's vllm provider reads the latter as
+    the context length)."""
+    card: dict[str, Any] = {"id": name, "object": "model", "created": now_s(), "owned_by": "pd-gateway", "root": name}
+    if max_model_len is not None:
+        card["max_model_len"] = max_model_len
+    return card
 
 
 def status(gw: Gateway) -> dict[str, Any]:

@@ -64,6 +64,11 @@ class PayloadTooLarge(APIError):
     type = "invalid_request_error"
 
 
+class UnsupportedMediaType(APIError):
+    status = 415
+    type = "invalid_request_error"
+
+
 class HeadersTooLarge(APIError):
     status = 431
     type = "invalid_request_error"

@@ -114,7 +114,8 @@ _RESPONSES: dict[str, dict[str, Any]] = {
     },
     "Model": {
         "type": "object", "required": ["id", "object", "created", "owned_by"],
-        "properties": {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR},
+        "properties": {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR, "root": _STR,
+                       "max_model_len": _INT},
     },
     "Worker": {
         "type": "object",

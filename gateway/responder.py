@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from gateway.api import SSE_DONE, Frontend, Prepared, decode_body, error_event, new_id
-from gateway.errors import APIError, BadRequest, NoWorkers, PayloadTooLarge, RequestTimeout
+from gateway.errors import APIError, BadRequest, NoWorkers, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 from gateway.shapes import Run, Shape
 from gateway.text import ChoiceState
 
@@ -108,6 +108,10 @@ class Exchange(Protocol):
     # on the hot path the loop is passed around instead.)
     loop: asyncio.AbstractEventLoop
     response_started: bool  # the response's status line has gone out (or to the server that writes it)
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """The request's headers, as received (names lower case)."""
+        ...
 
     def check_length(self, limit: int) -> None:
         """413 (``PayloadTooLarge``) at once when the request declares a body over ``limit`` bytes: before
@@ -230,11 +234,14 @@ class Responder:
                     release = await gw.admission.admit()
                     body = await exchange.read_body(gw.max_body_bytes, gw.body_timeout_s)
                 frontend = gw.require_frontend()
-                if len(body) >= self.prepare_thread_bytes > 0:  # a long prompt: tokenized off the event loop
-                    prep, client_id = await exchange.loop.run_in_executor(
-                        _prepare_threads(), contextvars.copy_context().run, self._prepare, frontend, body)
-                else:
-                    prep, client_id = self._prepare(frontend, body)
+                try:
+                    if len(body) >= self.prepare_thread_bytes > 0:  # a long prompt: tokenized off the event loop
+                        prep, client_id = await exchange.loop.run_in_executor(
+                            _prepare_threads(), contextvars.copy_context().run, self._prepare, frontend, body)
+                    else:
+                        prep, client_id = self._prepare(frontend, body)
+                except BadRequest as exc:
+                    raise encoded_refusal(exc, exchange.headers) from None
                 run = Run(frontend, prep, client_id or new_id(shape.id_prefix))
                 if prep.stream:
                     await self._stream(run, exchange)
@@ -353,6 +360,17 @@ class Responder:
             run.emitter = None  # (it refers to the run: freed by reference counting, not the collector)
 
 
+def encoded_refusal(exc: BadRequest, headers: list[tuple[bytes, bytes]]) -> APIError:
+    """A body that is not JSON because it came compressed (``Content-Encoding``, which no route decodes, as
+    vLLM's and SGLang's do not): a 415 that says so, not "not valid JSON"; any other refusal as it is."""
+    if exc.param is None and exc.message.startswith("request body is not valid"):
+        for name, value in headers:
+            if name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
+                return UnsupportedMediaType(f"the request body's Content-Encoding {value.decode('latin-1')!r} is not "
+                                            "supported: send it uncompressed", code="unsupported_content_encoding")
+    return exc
+
+
 def shutdown_cut_error() -> APIError:
     """What a request the gateway's shutdown cuts past its drain timeout is told (503 ``shutting_down``)."""
     return NoWorkers("the gateway shut down before this request finished (its drain timeout passed)",
@@ -370,6 +388,10 @@ class AsgiExchange:
         self.response_started = False
         self.loop = asyncio.get_running_loop()
         self.watcher: asyncio.Task[None] | None = None
+
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return self.scope["headers"]
 
     def check_length(self, limit: int) -> None:
         check_length(self.scope["headers"], limit)

@@ -52,7 +52,14 @@ from gateway.context import REQUEST_ID, REQUEST_T0
 from gateway.errors import APIError, BadGateway, BadRequest, Overloaded, UpstreamTimeout
 from gateway.policies.base import Pair
 from gateway.request_checks import check_batch_choices
-from gateway.responder import ClientGone, read_body, send_error, shutdown_cut_error, watch_disconnect
+from gateway.responder import (
+    ClientGone,
+    encoded_refusal,
+    read_body,
+    send_error,
+    shutdown_cut_error,
+    watch_disconnect,
+)
 from gateway.sglang_fleet import HttpWorker, SGLangFleet
 from gateway.sglang_routing import dispatch_cost, routing_request
 
@@ -223,7 +230,8 @@ class SGLangResponder:
                 try:
                     body = msgspec.json.decode(raw)
                 except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
-                    raise BadRequest(f"request body is not valid JSON: {exc}") from None
+                    raise encoded_refusal(BadRequest(f"request body is not valid JSON: {exc}"),
+                                          scope["headers"]) from None
                 if not isinstance(body, dict):
                     raise BadRequest("the request body must be a JSON object")
                 model = body.get("model")
