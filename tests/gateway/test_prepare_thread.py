@@ -57,6 +57,7 @@ class _Exchange:
     def __init__(self, body: bytes) -> None:
         self.loop = asyncio.get_running_loop()
         self.body = body
+        self.headers: list[tuple[bytes, bytes]] = []
         self.answers: list[tuple[int, dict[str, Any]]] = []
 
     def check_length(self, limit: int) -> None:
