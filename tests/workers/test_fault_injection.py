@@ -14,6 +14,7 @@ from tests.workers.test_scheduler import (
     _pd_pair,
     _submit_pd,
     _until_pool_full,
+    fail_on_call,
     make,
     run_until_idle,
     tokens_of,
@@ -52,17 +53,7 @@ def test_decode_step_failure_with_a_batch_of_several() -> None:
 @pytest.mark.parametrize("where", ["prefill_chunk", "decode_step"])
 def test_pd_forward_failure(where: str) -> None:
     (p, psink, pkv), (d, dsink, dkv) = _pd_pair(64, 64, prefill_chunk_size=4)
-    side = p if where == "prefill_chunk" else d
-    real = side.engine.forward
-    calls = {"n": 0}
-
-    def flaky(batch):  # type: ignore[no-untyped-def]
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("injected")
-        return real(batch)
-
-    side.engine.forward = flaky  # type: ignore[method-assign]
+    fail_on_call((p if where == "prefill_chunk" else d).engine, 2, RuntimeError("injected"))
     try:
         _submit_pd(d, p, pkv, 1, SamplingParams(max_new_tokens=8))
         deadline = time.monotonic() + 20
@@ -266,8 +257,6 @@ def test_release_frees_pages_even_when_a_cleanup_call_raises() -> None:
     and only then frees pages and the aux slot: any of those raising leaves the pages taken for good (the
     request is done, nothing releases it again)."""
     from workers.engines.sim import SimEngine
-    from workers.kv_pool import KVPool
-    from workers.scheduler import Scheduler, SchedulerConfig
 
     class Forgetful(SimEngine):
         calls = 0
@@ -277,13 +266,7 @@ def test_release_frees_pages_even_when_a_cleanup_call_raises() -> None:
             if Forgetful.calls == 1:
                 raise KeyError(f"seq {seq_id} (injected)")
 
-    engine = Forgetful()
-    info = engine.info
-    pool = KVPool(num_layers=info.num_layers, num_pages=64, page_size=4, num_kv_heads=info.num_kv_heads,
-                  head_dim=info.head_dim)
-    engine.bind(pool)
-    sink = Collector()
-    sched = Scheduler(SchedulerConfig("both", chunk_size=64), engine, pool, sink)
+    sched, sink, pool = make(chunk_size=64, engine=Forgetful())
     sched.submit(0, Submit(1, list(range(20)), SamplingParams(max_new_tokens=50)))
     sched.submit(0, Submit(2, list(range(30, 50)), SamplingParams(max_new_tokens=5)))
     for _ in range(3):

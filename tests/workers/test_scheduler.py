@@ -30,8 +30,10 @@ class Collector:
 
 
 def make(chunk_size: int = 8, num_pages: int = 64, max_running: int = 8,
-         stop_tokenizer: ByteTokenizer | None = None) -> tuple[Scheduler, Collector, KVPool]:
-    engine = SimEngine()
+         stop_tokenizer: ByteTokenizer | None = None, engine: SimEngine | None = None,
+         ) -> tuple[Scheduler, Collector, KVPool]:
+    """A combined scheduler over ``engine`` (a ``SimEngine``, or a subclass with faults) and a pool of its own."""
+    engine = engine or SimEngine()
     info = engine.info
     pool = KVPool(num_layers=info.num_layers, num_pages=num_pages, page_size=4, num_kv_heads=info.num_kv_heads,
                   head_dim=info.head_dim)
@@ -435,18 +437,23 @@ def test_prompt_logprobs_survive_giving_way() -> None:
             assert carrying[0].prompt_logprobs == [-float(j) for j in range(len(prompt))], (num_pages, chunk, rid)
 
 
-def test_engine_failure_fails_the_batch_not_the_worker() -> None:
-    sched, sink, pool = make()
-    real_forward = sched.engine.forward
+def fail_on_call(engine: Any, n: int, exc: Exception) -> None:
+    """``engine.forward`` raising ``exc`` on its ``n``-th call (the others go through)."""
+    real = engine.forward
     calls = {"n": 0}
 
     def flaky(batch):  # type: ignore[no-untyped-def]
         calls["n"] += 1
-        if calls["n"] == 2:
-            raise ValueError("boom")
-        return real_forward(batch)
+        if calls["n"] == n:
+            raise exc
+        return real(batch)
 
-    sched.engine.forward = flaky  # type: ignore[method-assign]
+    engine.forward = flaky
+
+
+def test_engine_failure_fails_the_batch_not_the_worker() -> None:
+    sched, sink, pool = make()
+    fail_on_call(sched.engine, 2, ValueError("boom"))
     sched.submit(0, Submit(1, [1, 2, 3], SamplingParams(max_new_tokens=5)))
     run_until_idle(sched)
     assert sink.errors(1)[0].code == "internal" and "boom" in sink.errors(1)[0].message
@@ -982,13 +989,7 @@ def test_an_engine_returning_too_few_outputs_fails_its_batch_not_the_loop() -> N
             ShortEngine.calls += 1
             return out[:-1] if ShortEngine.calls == 3 and len(out) > 1 else out
 
-    engine = ShortEngine()
-    info = engine.info
-    pool = KVPool(num_layers=info.num_layers, num_pages=64, page_size=4, num_kv_heads=info.num_kv_heads,
-                  head_dim=info.head_dim)
-    engine.bind(pool)
-    sink = Collector()
-    sched = Scheduler(SchedulerConfig("both", chunk_size=64), engine, pool, sink)
+    sched, sink, pool = make(chunk_size=64, engine=ShortEngine())
     sched.start()
     try:
         for rid in (1, 2):
