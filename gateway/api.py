@@ -21,6 +21,7 @@ from gateway.api_models import (
     CHAT_ROLES,
     GENERATE_MAX_NEW_TOKENS,
     MAX_BATCH_CHOICES,
+    MAX_STOP_TOTAL_CHARS,
     MAX_TOKEN_ID,
     ChatCompletionRequest,
     CompletionRequest,
@@ -261,6 +262,9 @@ class Frontend:
             top_p, top_k = 1.0, 1
         min_p = 0.0 if req.min_p is None else req.min_p
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stops) > 8 and sum(len(s) for s in stops) > MAX_STOP_TOTAL_CHARS:  # (8 or fewer are within it)
+            raise BadRequest(f"the stop strings have {sum(len(s) for s in stops)} characters in all; at most "
+                             f"{MAX_STOP_TOTAL_CHARS} are allowed", param=prefix + "stop")
         if min_tokens > max_tokens:
             raise BadRequest(f"{name} ({min_tokens}) must not exceed max_tokens ({max_tokens})", param=prefix + name)
         params = SamplingParams(

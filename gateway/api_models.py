@@ -29,6 +29,9 @@ MAX_STOP_STRINGS = 64  # (vLLM and SGLang take any number; Continue's autocomple
 # unbounded, one request of a few MB made frames of over 100 MB, past the connection's unread limit, and every
 # request open on those workers failed with it)
 MAX_STOP_CHARS = 1024  # characters per stop string
+# ... and in all (each token is searched for every stop string, on the worker's step and the gateway's loop):
+# as much as 8 strings of the longest, whatever their number
+MAX_STOP_TOTAL_CHARS = 8 * MAX_STOP_CHARS
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI's own limit is 300)
 MAX_TOOLS = 128  # OpenAI's limit

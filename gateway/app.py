@@ -98,6 +98,8 @@ def create_app(config: GatewayConfig) -> Any:
                                    is_draining=lambda: gw.is_draining,
                                    on_refused=lambda reason: gw.metrics.rejected.labels(reason).inc(),
                                    admin_off=_admin_off(config))
+    if guarded.admin_off is not None:
+        log.warning("the admin API is off: %s", guarded.admin_off)
     outer = RequestContextMiddleware(guarded)
     outer.state = rest.state  # type: ignore[attr-defined]
     # Native workers only: the generation routes' POSTs skip ASGI (gateway/hot_cycle.py; gateway.cli installs it)
@@ -198,8 +200,9 @@ def _admin_off(config: GatewayConfig) -> str | None:
     """Why the admin API is off: the gateway listens beyond loopback and no key guards the admin API."""
     if config.api_keys or config.admin_api_keys or is_loopback(config.host):
         return None
-    return (f"the gateway listens on {config.host} and no key guards this API (--admin-api-key, or --api-key): "
-            "anyone could add a worker of theirs")
+    return (f"the gateway listens on {config.host} and no key guards this API: give --admin-api-key (or "
+            "--api-key, or $PD_ADMIN_API_KEY), or bind --host to loopback (127.0.0.1); anyone could add a worker "
+            "of theirs")
 
 
 def _served_model_or_none(gw: Gateway) -> str | None:

@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="client API key (repeatable); requests need 'Authorization: Bearer KEY'")
     ops.add_argument("--api-key-file", default=None, help="file with one client API key per line")
     ops.add_argument("--admin-api-key", action="append", default=[], metavar="KEY",
-                     help="key for the admin API (/workers ...); repeatable (without one, the client keys guard it)")
+                     help="key for the admin API (/workers ...); repeatable (without one, the client keys guard it); "
+                          "$PD_ADMIN_API_KEY adds one")
     ops.add_argument("--admin-api-key-file", default=None, help="file with one admin API key per line")
     ops.add_argument("--worker-api-key", default=None, metavar="KEY",
                      help="the workers' --api-key: sent to native workers in the handshake, to SGLang (http://) "
@@ -123,6 +124,12 @@ def _read_keys(path: str | None, flag: str = "api_key_file") -> list[str]:
     if not keys:  # (read as "no keys", an empty file would leave what it guards open)
         raise ValueError(f"{flag}: {path} holds no key")
     return keys
+
+
+def _env_key(name: str) -> list[str]:
+    """A key from the environment (a process that starts the gateway, e.g. pd-cluster, passes it that way)."""
+    key = os.environ.get(name, "").strip()
+    return [key] if key else []
 
 
 def _worker_key(args: argparse.Namespace) -> str | None:
@@ -172,7 +179,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         default_max_tokens=args.default_max_tokens, max_concurrent_requests=args.max_concurrent_requests,
         max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s,
         drain_timeout_s=args.drain_timeout_s, api_keys=tuple(args.api_key + _read_keys(args.api_key_file)),
-        admin_api_keys=tuple(args.admin_api_key + _read_keys(args.admin_api_key_file, "admin_api_key_file")),
+        admin_api_keys=tuple(args.admin_api_key + _read_keys(args.admin_api_key_file, "admin_api_key_file")
+                             + _env_key("PD_ADMIN_API_KEY")),
         metrics_require_admin=args.metrics_require_admin, worker_api_key=_worker_key(args),
         health=HealthConfig(
             probe_interval_s=args.health_interval_s, probe_timeout_s=args.health_timeout_s,

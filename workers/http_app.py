@@ -29,8 +29,9 @@ def _reply(body: object, status: int = 200) -> Response:
     return Response(_json.encode(body), status_code=status, media_type="application/json")
 
 
-# Answered without the worker's --api-key: the health probes (SGLang asks no key of /health* either)
-OPEN_PATHS = frozenset(("/health", "/liveness", "/health_generate"))
+# Answered without the worker's --api-key: the health probes (SGLang asks no key of /health* either) and the
+# Prometheus metrics (as the gateway's own: figures, no requests)
+OPEN_PATHS = frozenset(("/health", "/liveness", "/health_generate", "/metrics"))
 
 
 def create_http_app(worker: Worker) -> ASGIApp:

@@ -75,7 +75,7 @@ def test_a_worker_with_an_api_key_serves_only_peers_that_send_it(procs) -> None:
     http = f"http://127.0.0.1:{decode.http_port}"
     assert httpx.get(f"{http}/health", timeout=10).status_code == 200  # (the probes need no key)
     assert httpx.get(f"{http}/liveness", timeout=10).status_code == 200
-    for path in ("/load", "/metrics", "/debug/rooms", "/get_server_info"):
+    for path in ("/load", "/stats", "/debug/rooms", "/get_server_info"):
         refused = httpx.get(f"{http}{path}", timeout=10)
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key", path
         assert httpx.get(f"{http}{path}", headers={"authorization": "Bearer wrong"}, timeout=10).status_code == 401
