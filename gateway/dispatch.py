@@ -353,9 +353,8 @@ class _Choice:
     tokens so far, the latency figures, and the request's figures once it has been served."""
 
     __slots__ = ("attempt_params", "avoid", "cached_tokens", "completed", "counts_output", "counts_prompt", "deadline",
-                 "dispatcher",
-                 "generated", "input_ids", "itl", "last_t", "migrations", "params", "prompt", "request", "retries",
-                 "t0")
+                 "dispatcher", "generated", "input_ids", "itl", "last_t", "migrations", "params", "prompt", "request",
+                 "retries", "t0")
 
     def __init__(self, dispatcher: Dispatcher, input_ids: list[int], params: SamplingParams) -> None:
         self.dispatcher = dispatcher

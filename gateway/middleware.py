@@ -86,7 +86,7 @@ class GatekeeperMiddleware:
             self._refused("draining")
             return _error(503, "the gateway is shutting down", "service_unavailable", None,
                           [(b"connection", b"close"), (b"retry-after", b"1")])
-        if path in ADMIN_PATHS and self.admin_off is not None:
+        if self.admin_off is not None and path in ADMIN_PATHS:
             self._refused("unauthorized")
             return _error(403, f"the admin API is off: {self.admin_off}", "permission_error", "admin_api_off", [])
         if path in ADMIN_PATHS or (path == "/metrics" and self.metrics_require_admin):
