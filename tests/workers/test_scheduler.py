@@ -910,18 +910,19 @@ def test_a_prefill_ends_a_waiting_request_its_decode_ended_without_waiting_its_t
     line (its answer, its count in the load reports and its place in line were held until then)."""
     from workers.engines.base import EngineOptions
 
-    (p, psink, pkv), (d, _, dkv) = _pd_pair(512, 512)
+    (p, psink, pkv), (d, _, dkv) = _pd_pair(1024, 1024)
     try:
-        # (the long prompt: ~4 s, so that on a loaded machine the short one's page list still comes while it waits
-        # behind it: with ~0.8 s it could find the long one done, never be seen waiting, and the loop time out)
+        # (the long prompt: ~12 s, so that on a loaded machine the short one's page list still comes while it waits
+        # behind it: with ~4 s, under a full CI run it sometimes found the long one done, was never seen waiting,
+        # and the loop timed out; the test ends once the short one is answered, not when the long one is)
         slow = SimEngine(EngineOptions(extra={"prefill_token_s": "5e-3"}))
         slow.bind(p.pool)
         p.engine = slow
         p.config = SchedulerConfig("prefill", chunk_size=64, max_running=1)
-        prompts = {1: [i % 250 for i in range(800)], 2: list(range(40))}
+        prompts = {1: [i % 250 for i in range(2400)], 2: list(range(40))}
         for rid, prompt in prompts.items():
             _submit_pd(d, p, pkv, rid, SamplingParams(max_new_tokens=4), prompt)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 30
         while not ((1, 2) in p.reqs and p.reqs[(1, 2)].stage == "waiting"):  # (its decode's page list came)
             assert time.monotonic() < deadline, {k: r.stage for k, r in p.reqs.items()}
             d.step()
