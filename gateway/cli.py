@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -15,6 +14,7 @@ from gateway.app import GatewayConfig, create_app
 from gateway.context import configure_logging
 from gateway.health import HealthConfig
 from gateway.http_protocol import ClientLimits, protocol_class
+from gateway.keys import one_key, read_keys
 from transfer.netaddr import dual_stack_sockets
 
 
@@ -113,19 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _read_keys(path: str | None, flag: str = "api_key_file") -> list[str]:
-    if path is None:
-        return []
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise ValueError(f"{flag}: cannot read {path}: {exc.strerror}") from None
-    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-    if not keys:  # (read as "no keys", an empty file would leave what it guards open)
-        raise ValueError(f"{flag}: {path} holds no key")
-    return keys
-
-
 def _env_key(name: str) -> list[str]:
     """A key from the environment (a process that starts the gateway, e.g. pd-cluster, passes it that way)."""
     key = os.environ.get(name, "").strip()
@@ -133,14 +120,7 @@ def _env_key(name: str) -> list[str]:
 
 
 def _worker_key(args: argparse.Namespace) -> str | None:
-    if args.worker_api_key_file is None:
-        return args.worker_api_key if args.worker_api_key is not None else os.environ.get("PD_WORKER_API_KEY") or None
-    if args.worker_api_key is not None:
-        raise ValueError("worker_api_key: give --worker-api-key or --worker-api-key-file, not both")
-    keys = _read_keys(args.worker_api_key_file, "worker_api_key_file")
-    if len(keys) != 1:
-        raise ValueError(f"worker_api_key_file: needs exactly one key, found {len(keys)}")
-    return keys[0]
+    return one_key(args.worker_api_key, args.worker_api_key_file, "PD_WORKER_API_KEY", "worker_api_key")
 
 
 def split_prefill_args(values: list[str]) -> tuple[tuple[str, ...], tuple[int | None, ...]]:
@@ -178,8 +158,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         gather_s=args.gather_ms / 1000.0, prepare_thread_bytes=args.prepare_thread_bytes,
         default_max_tokens=args.default_max_tokens, max_concurrent_requests=args.max_concurrent_requests,
         max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s,
-        drain_timeout_s=args.drain_timeout_s, api_keys=tuple(args.api_key + _read_keys(args.api_key_file)),
-        admin_api_keys=tuple(args.admin_api_key + _read_keys(args.admin_api_key_file, "admin_api_key_file")
+        drain_timeout_s=args.drain_timeout_s, api_keys=tuple(args.api_key + read_keys(args.api_key_file)),
+        admin_api_keys=tuple(args.admin_api_key + read_keys(args.admin_api_key_file, "admin_api_key_file")
                              + _env_key("PD_ADMIN_API_KEY")),
         metrics_require_admin=args.metrics_require_admin, worker_api_key=_worker_key(args),
         health=HealthConfig(

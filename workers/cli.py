@@ -109,18 +109,12 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
-    if args.api_key_file is None:
-        return args.api_key if args.api_key is not None else os.environ.get("PD_WORKER_API_KEY") or None
-    if args.api_key is not None:
-        raise ConfigError("api_key: give --api-key or --api-key-file, not both")
+    from gateway.keys import one_key
+
     try:
-        with open(args.api_key_file, encoding="utf-8") as f:
-            keys = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
-    except OSError as exc:
-        raise ConfigError(f"api_key_file: cannot read {args.api_key_file}: {exc.strerror}") from None
-    if len(keys) != 1:
-        raise ConfigError(f"api_key_file: needs exactly one key, found {len(keys)}")
-    return keys[0]
+        return one_key(args.api_key, args.api_key_file, "PD_WORKER_API_KEY", "api_key")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 async def _serve(config: WorkerConfig) -> None:
