@@ -1,7 +1,8 @@
 """The gateway's ASGI app: OpenAI routes, SGLang ``/generate``, health, metrics and the admin API.
 
 Layout (``create_app(config)``), outermost first:
-1. Pure ASGI middleware (``gateway/middleware.py``): request id and context, drain refusal, API keys.
+1. Pure ASGI middleware: with ``--cors-allow-origin``, CORS (``gateway/cors.py``: preflights answered, the
+   headers added); then (``gateway/middleware.py``) request id and context, drain refusal, API keys.
 2. ``GatewayApp``: the generation routes (``/v1/chat/completions``, ``/v1/completions``,
    ``/generate``) go straight to their raw-ASGI ``Responder`` (``gateway/responder.py``: admission,
    body, validation, dispatch, JSON or SSE); everything else goes to Starlette.
@@ -13,7 +14,8 @@ Layout (``create_app(config)``), outermost first:
    drain, closes every worker connection (open requests are aborted worker-side when it drops).
 With native workers only, ``gateway.cli`` installs ``app.hot_routes`` in the HTTP protocol: the generation
 routes' ``POST``s are then answered on the gateway's own cycle (``gateway/hot_cycle.py``: the same
-request id, gatekeeper checks and responders, no ASGI); other methods and paths come here as above.
+request id, gatekeeper checks, CORS headers and responders, no ASGI); other methods and paths come here as
+above.
 Every error is one ``APIError`` mapped to an OpenAI-shaped body with its status code (an unexpected
 exception in a Starlette route too: a 500 of the same shape). Limits on the client below the app
 (request heads, slow connections) are in ``gateway/http_protocol.py``, installed by ``gateway.cli``.
@@ -39,6 +41,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.admin import admin_routes
 from gateway.api import ModelNotFound, now_s
+from gateway.cors import CorsMiddleware, CorsPolicy
 from gateway.errors import APIError, NoWorkers, http_error
 from gateway.hot_cycle import HotRoutes
 from gateway.middleware import GatekeeperMiddleware, RequestContextMiddleware
@@ -100,10 +103,13 @@ def create_app(config: GatewayConfig) -> Any:
                                    admin_off=_admin_off(config))
     if guarded.admin_off is not None:
         log.warning("the admin API is off: %s", guarded.admin_off)
-    outer = RequestContextMiddleware(guarded)
-    outer.state = rest.state  # type: ignore[attr-defined]
+    outer: Any = RequestContextMiddleware(guarded)
+    cors = CorsPolicy(config.cors_allow_origins) if config.cors_allow_origins else None
+    if cors is not None:  # (outermost: a preflight carries no key, and is answered while draining too)
+        outer = CorsMiddleware(outer, cors)
+    outer.state = rest.state
     # Native workers only: the generation routes' POSTs skip ASGI (gateway/hot_cycle.py; gateway.cli installs it)
-    outer.hot_routes = HotRoutes(app.responders, guarded) if gw.fleet is None else None  # type: ignore[attr-defined]
+    outer.hot_routes = HotRoutes(app.responders, guarded, cors) if gw.fleet is None else None
     return outer
 
 

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "ones as 'Authorization: Bearer KEY'; default: $PD_WORKER_API_KEY")
     ops.add_argument("--worker-api-key-file", default=None, help="file holding --worker-api-key (one line)")
     ops.add_argument("--metrics-require-admin", action="store_true", help="/metrics needs the admin key")
+    ops.add_argument("--cors-allow-origin", action="append", default=[], metavar="ORIGIN",
+                     help="let browser pages of this origin (https://host[:port], or '*' for any) call the gateway "
+                          "(CORS); repeatable; default: none")
     ops.add_argument("--health-interval-s", type=float, default=1.0, help="probe each worker this often")
     ops.add_argument("--health-timeout-s", type=float, default=2.0, help="a probe not answered by then fails")
     ops.add_argument("--unhealthy-after", type=int, default=2, help="consecutive failed probes -> unhealthy")
@@ -162,6 +165,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         admin_api_keys=tuple(args.admin_api_key + read_keys(args.admin_api_key_file, "admin_api_key_file")
                              + _env_key("PD_ADMIN_API_KEY")),
         metrics_require_admin=args.metrics_require_admin, worker_api_key=_worker_key(args),
+        cors_allow_origins=tuple(args.cors_allow_origin),
         health=HealthConfig(
             probe_interval_s=args.health_interval_s, probe_timeout_s=args.health_timeout_s,
             unhealthy_after=args.unhealthy_after, healthy_after=args.healthy_after,

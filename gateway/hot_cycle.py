@@ -28,7 +28,7 @@ Lifecycle of one request (event loop only):
 4. The response's end calls the protocol's ``on_response_complete`` (keep-alive timer, the next
    pipelined request), or closes the connection when it is not kept alive.
 Responses carry uvicorn's default headers (``server``, ``date``) and ``x-request-id``, as the ASGI
-path's do.
+path's do, and with ``--cors-allow-origin`` the CORS headers for an allowed origin (``gateway.cors``).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from gateway.middleware import GatekeeperMiddleware, request_id_of
 from gateway.responder import SSE_HEADERS, ClientGone, Responder, check_length
 
 if TYPE_CHECKING:
+    from gateway.cors import CorsPolicy
     from gateway.http_protocol import GuardedHttpProtocol
     from workers.protocol import StepOutput
 
@@ -77,9 +78,11 @@ def _default_headers(headers: Headers) -> bytes:
 class HotRoutes:
     """The generation routes that get a ``HotCycle``: path -> responder, behind the gatekeeper's checks."""
 
-    def __init__(self, responders: dict[str, Responder], gatekeeper: GatekeeperMiddleware) -> None:
+    def __init__(self, responders: dict[str, Responder], gatekeeper: GatekeeperMiddleware,
+                 cors: CorsPolicy | None = None) -> None:
         self.responders = {path.encode(): responder for path, responder in responders.items()}
         self.gatekeeper = gatekeeper
+        self.cors = cors  # (``--cors-allow-origin``: its headers go on every answer to an allowed origin)
 
     def cycle(self, raw_path: bytes, protocol: GuardedHttpProtocol, headers: Headers, keep_alive: bool,
               expect_100_continue: bool, *, chunked: bool = True) -> HotCycle | None:
@@ -88,8 +91,11 @@ class HotRoutes:
         responder = self.responders.get(raw_path)
         if responder is None:
             return None
-        return HotCycle(protocol, responder, self.gatekeeper, raw_path.decode("ascii"), headers, keep_alive,
-                        expect_100_continue, chunked)
+        cycle = HotCycle(protocol, responder, self.gatekeeper, raw_path.decode("ascii"), headers, keep_alive,
+                         expect_100_continue, chunked)
+        if self.cors is not None:
+            cycle.cors_head = self.cors.head(headers)
+        return cycle
 
 
 class _Signal:
@@ -115,10 +121,10 @@ _SETTLED = _Signal(None)  # a finished cycle's ``message_event``: nothing is wai
 class HotCycle:
     """One request to a generation route, answered on the connection's transport (see the module doc)."""
 
-    __slots__ = ("_waiter", "_watch", "body", "chunked", "default_headers", "disconnected", "flow", "gatekeeper",
-                 "headers", "keep_alive", "loop", "message_event", "more_body", "on_response", "path", "refused",
-                 "request_id", "responder", "response_complete", "response_started", "t0", "task", "transport",
-                 "waiting_for_100_continue")
+    __slots__ = ("_waiter", "_watch", "body", "chunked", "cors_head", "default_headers", "disconnected", "flow",
+                 "gatekeeper", "headers", "keep_alive", "loop", "message_event", "more_body", "on_response", "path",
+                 "refused", "request_id", "responder", "response_complete", "response_started", "t0", "task",
+                 "transport", "waiting_for_100_continue")
 
     def __init__(self, protocol: GuardedHttpProtocol, responder: Responder, gatekeeper: GatekeeperMiddleware,
                  path: str, headers: Headers, keep_alive: bool, expect_100_continue: bool,
@@ -127,6 +133,7 @@ class HotCycle:
         self.loop = protocol.loop
         self.flow = protocol.flow
         self.default_headers = _default_headers(protocol.server_state.default_headers)
+        self.cors_head = b""  # (``HotRoutes.cycle``: CORS headers for an allowed origin)
         self.on_response = protocol.on_response_complete
         self.responder = responder
         self.gatekeeper = gatekeeper
@@ -314,7 +321,7 @@ class HotCycle:
         return self._head(200, [], _SSE_HEAD) + (b"%x\r\n%b\r\n" % (len(first), first) if first else b"")
 
     def _head(self, status: int, headers: Headers, content: bytes) -> bytes:
-        parts = [STATUS_LINE[status], self.default_headers, content]
+        parts = [STATUS_LINE[status], self.default_headers, self.cors_head, content]
         close = False
         for name, value in headers:
             if name == b"connection" and b"close" in value.lower():

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from gateway.admission import Admission
 from gateway.api import Frontend
+from gateway.cors import check_origins
 from gateway.dispatch import DispatchConfig, Dispatcher
 from gateway.errors import NoWorkers
 from gateway.health import HealthConfig
@@ -87,6 +88,8 @@ class GatewayConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     admin_api_keys: tuple[str, ...] = field(default=(), repr=False)
     metrics_require_admin: bool = False
+    # Origins whose browser pages may call the gateway (CORS, gateway/cors.py): "https://host[:port]" or "*"
+    cors_allow_origins: tuple[str, ...] = ()
     # the workers' --api-key: SGLang workers get 'Authorization: Bearer KEY', native ones it in their handshake
     worker_api_key: str | None = field(default=None, repr=False)
     health: HealthConfig = field(default_factory=HealthConfig)
@@ -147,6 +150,7 @@ class GatewayConfig:
         if self.worker_api_key is not None and (
                 not self.worker_api_key or any(c.isspace() or not c.isprintable() for c in self.worker_api_key)):
             raise ValueError("worker_api_key: must be non-empty, without white space or control characters")
+        check_origins(self.cors_allow_origins)
         if self.metrics_require_admin and not self.admin_api_keys:
             raise ValueError("metrics_require_admin needs an admin key (--admin-api-key or --admin-api-key-file)")
 
