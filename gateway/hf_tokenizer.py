@@ -30,6 +30,12 @@ from tokenizers.decoders import DecodeStream
 from gateway.tokenizer import IncrementalDecoder, content_text, render_continuing
 
 REPLACEMENT_CHAR = "\ufffd"
+# Ids an incremental decoder holds back while their text ends mid-character: a UTF-8 character is at most
+# 4 bytes, so at most 3 tokens of one can be waiting for the next. A longer held run that still ends in U+FFFD
+# is bytes that never make a character (garbled output, lone bytes a logit_bias forced): its text goes out
+# (as U+FFFD), all but the last ``HELD_TAIL`` ids, rather than the whole growing run being decoded per token.
+MAX_HELD_IDS = 8
+HELD_TAIL = 4
 log = logging.getLogger(__name__)
 
 
@@ -336,10 +342,12 @@ class HFIncrementalDecoder:
                 log.debug("DecodeStream refused a push (%s); decoding this stream in Python", exc)
                 self._stream = None
             else:
-                if text is None:
+                if text is not None:
+                    self._prefix, self._read = self._read, len(ids)
+                    return text
+                if len(ids) - self._read <= MAX_HELD_IDS:
                     return ""
-                self._prefix, self._read = self._read, len(ids)
-                return text
+                self._stream = None  # (a run that is no character: its own window would go on growing)
         prefix_text = self._decode(ids[self._prefix : self._read])
         full_text = self._decode(ids[self._prefix :])
         if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT_CHAR):
@@ -347,7 +355,25 @@ class HFIncrementalDecoder:
             self._prefix = self._read
             self._read = len(ids)
             return new
+        if len(ids) - self._read > MAX_HELD_IDS:
+            return self._past_held(prefix_text, full_text)
         return ""
+
+    def _past_held(self, prefix_text: str, full_text: str) -> str:
+        """A held run longer than ``MAX_HELD_IDS`` (``full_text``, its window's text, ends in U+FFFD): the text
+        up to where its unfinished character begins (among the last ``HELD_TAIL - 1`` ids: the last cut whose
+        text the whole window's text extends, a complete character never split) goes out, the window moving
+        past it; only those ids stay held."""
+        ids, start, end = self._ids, self._prefix, len(self._ids)
+        for cut in range(end - 1, end - HELD_TAIL, -1):
+            text = self._decode(ids[start:cut])
+            if len(text) < len(full_text) and full_text.startswith(text):
+                break
+        else:  # (no clean cut: a tokenizer whose text is not a prefix's; the run goes out all the same)
+            cut = end - HELD_TAIL
+            text = self._decode(ids[start:cut])
+        self._prefix, self._read = self._read, cut
+        return text[len(prefix_text) :]
 
     def flush(self) -> str:
         ids = self._ids

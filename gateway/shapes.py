@@ -28,7 +28,7 @@ _json = msgspec.json.Encoder()
 class Run:
     """One request being answered: what the shapes need to build its JSON."""
 
-    __slots__ = ("created", "emitter", "frontend", "opened", "prep", "rid", "started", "templates")
+    __slots__ = ("created", "cumulative", "emitter", "frontend", "opened", "prep", "rid", "started", "templates")
 
     def __init__(self, frontend: Frontend, prep: Prepared, rid: str) -> None:
         self.frontend = frontend
@@ -39,6 +39,7 @@ class Run:
         self.started = False  # the response has started (streaming): errors are events from here on
         self.opened: set[int] = set()  # choices whose first output has been shaped (streaming)
         self.emitter: TextEmitter | None = None  # a stream's chunks, written from outside its task
+        self.cumulative: dict[int, _Cumulative] | None = None  # (a ``/generate`` stream's lists, per choice)
 
 
 class Shape:
@@ -257,19 +258,22 @@ class GenerateShape(Shape):
 
     async def events(self, run: Run) -> AsyncGenerator[bytes, None]:
         async for state, _, _ in run.frontend.run_choices(run.prep, run.emitter):
-            yield sse(self._payload(run, state))
+            yield sse(self._payload(run, state, streamed=True))
 
     def middle(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
-        return sse(self._payload(run, state))
+        return sse(self._payload(run, state, streamed=True))
 
     def middle_template(self, run: Run, index: int) -> tuple[bytes, bytes] | None:
         return None  # every chunk carries the cumulative text and ids
 
     @staticmethod
-    def _payload(run: Run, state: ChoiceState) -> dict[str, Any]:
+    def _payload(run: Run, state: ChoiceState, streamed: bool = False) -> dict[str, Any]:
+        """``streamed``: a chunk of a stream (each repeats the lists so far: their entries encoded once each,
+        ``_Cumulative``)."""
         prep = run.prep
         if prep.no_output:  # (``max_new_tokens: 0``: the one token it ran for is not the answer's)
             state = state.prompt_only()
+            streamed = False
         prompt = prep.prompt_of(state.index)
         meta: dict[str, Any] = {
             "id": run.rid if prep.item_ids is None else prep.item_ids[state.index // prep.per_prompt],
@@ -283,25 +287,94 @@ class GenerateShape(Shape):
                 meta["finish_reason"] = {"type": "stop", "matched": state.token_ids[-1]}
             else:
                 meta["finish_reason"] = {"type": "length", "length": len(state.token_ids)}
-        if prep.want_logprobs:
-            # (each entry [logprob, token id, its text with ``return_text_in_logprobs``, else null], as SGLang's)
-            text = prep.logprob_text
-            meta["output_token_logprobs"] = [[e["logprob"], t, e["token"] if text else None] for e, t in
-                                             zip(state.logprobs, state.token_ids, strict=False)]
-            # Always a list: an SGLang router in front of a decode worker puts the prefill's in front
-            # of it (the prompt's logprobs come from the prefill; the decode's own part is empty).
-            # Positions from ``logprob_start_len`` on (-1, the default: the last alone), as SGLang's.
-            name = token_text_of(run.frontend.tokenizer) if text else None
-            start = prep.logprob_start_of(state.index)
-            meta["input_token_logprobs"] = [
-                [None if i == 0 or lp != lp else lp, t, name(t) if name is not None else None]  # (lp != lp: NaN)
-                for i, lp, t in zip(range(start, len(prompt)), state.prompt_logprobs or [], prompt[start:],
-                                    strict=False)
-            ]
-        payload: dict[str, Any] = {"text": state.text, "output_ids": list(state.token_ids), "meta_info": meta}
+        output_ids: Any
+        if streamed:
+            cumulative = run.cumulative
+            if cumulative is None:
+                cumulative = run.cumulative = {}
+            lists = cumulative.get(state.index)
+            if lists is None:
+                lists = cumulative[state.index] = _Cumulative()
+            output_ids = lists.output_ids(state)
+            if prep.want_logprobs:
+                meta["output_token_logprobs"], meta["input_token_logprobs"] = lists.logprobs(run, state)
+        else:
+            output_ids = list(state.token_ids)
+            if prep.want_logprobs:
+                meta["output_token_logprobs"] = _output_logprobs(prep, state, 0)
+                meta["input_token_logprobs"] = _input_logprobs(run, state)
+        payload: dict[str, Any] = {"text": state.text, "output_ids": output_ids, "meta_info": meta}
         if prep.batch is not None:  # (a batch's events interleave: each names its item, as SGLang's)
             payload["index"] = state.index
         return payload
+
+
+def _output_logprobs(prep: Prepared, state: ChoiceState, start: int) -> list[list[Any]]:
+    """``output_token_logprobs`` from output position ``start`` on: [logprob, token id, its text with
+    ``return_text_in_logprobs``, else null] each, as SGLang's."""
+    text = prep.logprob_text
+    return [[e["logprob"], t, e["token"] if text else None] for e, t in
+            zip(state.logprobs[start:], state.token_ids[start:], strict=False)]
+
+
+def _input_logprobs(run: Run, state: ChoiceState) -> list[list[Any]]:
+    """``input_token_logprobs``: always a list (an SGLang router in front of a decode worker puts the prefill's
+    in front of it: the prompt's logprobs come from the prefill, the decode's own part is empty); positions from
+    ``logprob_start_len`` on (-1, the default: the last alone), as SGLang's."""
+    prep = run.prep
+    prompt = prep.prompt_of(state.index)
+    name = token_text_of(run.frontend.tokenizer) if prep.logprob_text else None
+    start = prep.logprob_start_of(state.index)
+    return [
+        [None if i == 0 or lp != lp else lp, t, name(t) if name is not None else None]  # (lp != lp: NaN)
+        for i, lp, t in zip(range(start, len(prompt)), state.prompt_logprobs or [], prompt[start:], strict=False)
+    ]
+
+
+class _Cumulative:
+    """One choice's ``/generate`` stream: SGLang's chunks each carry the whole output so far (``text``,
+    ``output_ids``, ``output_token_logprobs``) and the prompt's logprobs. Each output entry is encoded once, as it
+    comes, into a growing JSON list that every later chunk repeats as it is (``msgspec.Raw``), and the prompt's
+    entries are made once; a chunk then costs copying bytes, not building and encoding every entry again."""
+
+    __slots__ = ("encoded_logprobs", "ids", "input", "num_ids", "num_logprobs", "prompt_logprobs")
+
+    def __init__(self) -> None:
+        self.ids = bytearray()
+        self.num_ids = 0
+        self.encoded_logprobs = bytearray()
+        self.num_logprobs = 0
+        self.prompt_logprobs: list[float] | None = None  # what ``input`` was made from
+        self.input: msgspec.Raw | None = None
+
+    def output_ids(self, state: ChoiceState) -> msgspec.Raw:
+        token_ids = state.token_ids
+        if len(token_ids) < self.num_ids:  # (never seen: the lists only grow; start again rather than lie)
+            self.ids, self.num_ids = bytearray(), 0
+        if len(token_ids) > self.num_ids:
+            self.num_ids = _append(self.ids, token_ids[self.num_ids:], len(token_ids))
+        return msgspec.Raw(b"[" + self.ids + b"]")
+
+    def logprobs(self, run: Run, state: ChoiceState) -> tuple[msgspec.Raw, msgspec.Raw]:
+        """(``output_token_logprobs``, ``input_token_logprobs``)."""
+        if len(state.logprobs) < self.num_logprobs:
+            self.encoded_logprobs, self.num_logprobs = bytearray(), 0
+        if len(state.logprobs) > self.num_logprobs:
+            new = _output_logprobs(run.prep, state, self.num_logprobs)
+            self.num_logprobs = _append(self.encoded_logprobs, new, self.num_logprobs + len(new))
+        if self.input is None or self.prompt_logprobs is not state.prompt_logprobs:
+            self.prompt_logprobs = state.prompt_logprobs
+            self.input = msgspec.Raw(_json.encode(_input_logprobs(run, state)))
+        return msgspec.Raw(b"[" + self.encoded_logprobs + b"]"), self.input
+
+
+def _append(encoded: bytearray, items: list[Any], count: int) -> int:
+    """``items`` encoded onto the JSON list ``encoded`` holds (without its brackets); returns ``count``."""
+    if items:
+        if encoded:
+            encoded += b","
+        encoded += _json.encode(items)[1:-1]
+    return count
 
 
 def usage(prep: Prepared, choices: list[ChoiceState]) -> dict[str, Any]:

@@ -172,6 +172,10 @@ def grammar_for(obj: Any, prefix: str = "") -> Grammar | None:
 
 # A grammar's text (a schema, a regex...): each of a request's n choices carries it to both of its workers
 MAX_GRAMMAR_CHARS = 1 << 18
+# GBNF rules in one ``ebnf``: its conversion (llguidance's ``gbnf_to_lark``, pure Python) is quadratic in them
+# (0.6 s for 1,000 rules on the development machine, 11 s for 3,000), on the gateway's prepare thread and
+# again on each worker that compiles it.
+MAX_EBNF_RULES = 1024
 
 
 def checked(grammar: Grammar) -> Grammar:
@@ -179,6 +183,9 @@ def checked(grammar: Grammar) -> Grammar:
     if len(grammar.source) > MAX_GRAMMAR_CHARS:  # (unbounded: n=64 copies of a 3 MB schema broke worker connections)
         raise BadRequest(f"{grammar.param} is too large: {len(grammar.source)} characters as a grammar, at most "
                          f"{MAX_GRAMMAR_CHARS}", param=grammar.param)
+    if grammar.kind == "ebnf" and grammar.source.count("::=") > MAX_EBNF_RULES:
+        raise BadRequest(f"{grammar.param} has {grammar.source.count('::=')} rules; at most {MAX_EBNF_RULES} are "
+                         "allowed", param=grammar.param)
     # (a grammar's text is kept as its cache key: only small ones are, so 256 keys hold at most 16 MiB)
     small = len(grammar.source) <= grammars.MAX_CACHED_SOURCE
     problem = _library_says(grammar) if small else _library_says.__wrapped__(grammar)
