@@ -327,16 +327,21 @@ class _ChoiceStream:
                     return []
                 self.name, self.args_start = call_start
                 self.sent = self.args_start
-            # (the last character, but for white space after it, may be the object's closing "}")
-            return self._arguments(self.args_start, len(self.text.rstrip()) - 1, self.name)
+            # (the last character, but for white space after it, may be the object's closing "}"; found
+            # without copying the text: this runs per token)
+            end = len(self.text)
+            while end > self.args_start and self.text[end - 1].isspace():
+                end -= 1
+            return self._arguments(self.args_start, end - 1, self.name)
         if self.sent < 0:
             return []  # auto, an answer that started like a call: held until the end
-        stripped = self.text.lstrip()
-        if self.sent == 0 and any(stripped.startswith(p) for p in _CALL_START):
-            self.sent = -1
-            return []
-        if self.sent == 0 and any(p.startswith(stripped) for p in _CALL_START):
-            return []  # nothing yet, or a prefix of "<tool_call>": wait for more
+        if self.sent == 0:
+            stripped = self.text.lstrip()
+            if any(stripped.startswith(p) for p in _CALL_START):
+                self.sent = -1
+                return []
+            if any(p.startswith(stripped) for p in _CALL_START):
+                return []  # nothing yet, or a prefix of "<tool_call>": wait for more
         end = len(self.text)
         if plan.hermes:  # content, then a call: the content goes, the call is held from its "<tool_call>"
             start = self.text.find(_HERMES_OPEN, self.sent)
@@ -402,12 +407,16 @@ async def tool_events(run: Any, chunk: Callable[..., bytes], usage: Callable[...
         if state.finish_reason is not None:
             more, finish = stream.finish(state.finish_reason)
             deltas += more
-        if state.index in held:
-            entries = held.pop(state.index) + entries
+        pending = held.get(state.index)  # (entries of outputs whose text was held back, extended in place)
+        if pending is not None:
+            pending.extend(entries)
+            entries = pending
         if not deltas and finish is None:
-            if entries:
-                held[state.index] = entries
+            if entries and pending is None:
+                held[state.index] = list(entries)
             continue
+        if pending is not None:
+            del held[state.index]
         logprobs = {"content": entries} if prep.want_logprobs else None
         for k, delta in enumerate(deltas):
             last = k == len(deltas) - 1
