@@ -150,9 +150,11 @@ class _Instruments(Collector):
 class WorkerCollector(Collector):
     """Per-worker routing state, health and breaker, and policy stats, read at scrape time."""
 
-    def __init__(self, clients: Callable[[], Sequence[Any]], policy_stats: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, clients: Callable[[], Sequence[Any]], policy_stats: Callable[[], dict[str, float]],
+                 policy_errors: Callable[[], int] = lambda: 0) -> None:
         self._clients = clients
         self._policy_stats = policy_stats
+        self._policy_errors = policy_errors
 
     def describe(self) -> list[Any]:
         return []
@@ -195,3 +197,7 @@ class WorkerCollector(Collector):
         for name, value in self._policy_stats().items():
             stats.add_metric([name], value)
         yield stats
+        errors = CounterMetricFamily("pd_gateway_policy_errors", "Calls into the routing policies that raised "
+                                     "(select: that request's 500; a hook or stats(): ignored)")
+        errors.add_metric([], self._policy_errors())
+        yield errors

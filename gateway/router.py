@@ -45,7 +45,7 @@ class Router:
         }
         self._stats = [p for p in policies if isinstance(p, PolicyStats)]
         self.policies = policies
-        self.num_hook_errors = 0  # policy hooks and stats() that raised (each logged, at most so often)
+        self.num_hook_errors = 0  # selects, hooks and stats() of the policies that raised (logged at most so often)
         self._last_hook_log = -math.inf
         self._unlogged = 0
 
@@ -104,12 +104,12 @@ class Router:
     def pick(self, prefills: Sequence[WorkerView], decodes: Sequence[WorkerView], request: RequestInfo) -> Pair:
         """``select``, with a policy's failure (an exception, or not a ``Pair``) as the gateway's 500 naming the
         policy, sent to no worker. That the pair's workers are among those given is ``client_of``'s check."""
-        try:
-            pair = self.select(prefills, decodes, request)
+        try:  # (tuples: ``client_of`` checks the pair against the lists as given, which a policy cannot change)
+            pair = self.select(tuple(prefills), tuple(decodes), request)
         except APIError:
             raise
         except Exception as exc:
-            log.exception("routing policy %s failed", self.name)
+            self._hook_failed(f"routing policy {self.name}'s select")  # (logged at most every few seconds)
             raise APIError(f"routing policy {self.name} failed: {type(exc).__name__}: {exc}") from None
         if not isinstance(pair, Pair):
             raise APIError(f"routing policy {self.name} returned {pair!r}, not a Pair")

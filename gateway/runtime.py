@@ -201,7 +201,8 @@ class Gateway:
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests,
                                    config.queue_timeout_s, self.metrics)
         self.metrics.add_collector(WorkerCollector(
-            lambda: [*self.clients, *(self.fleet.workers if self.fleet is not None else ())], self.router.stats))
+            lambda: [*self.clients, *(self.fleet.workers if self.fleet is not None else ())], self.router.stats,
+            lambda: self.router.num_hook_errors))
         self.frontend: Frontend | None = None
         self._tokenizer_dir: str | None = None  # the worker's tokenizer, fetched (no local copy of the model)
         self._tokenizer_fetch: asyncio.Task[None] | None = None

@@ -38,7 +38,7 @@ from gateway.worker_state import DEFAULT_STALE_AFTER_S, WorkerState
 from workers.protocol import LoadReport
 
 if TYPE_CHECKING:
-    from gateway.policies.base import RequestInfo
+    from gateway.policies.base import Pair, RequestInfo
     from gateway.router import Router
     from gateway.tokenizer import Tokenizer
 
@@ -352,9 +352,10 @@ class SGLangFleet:
         if isinstance(name, str) and name:
             self.model_name = name
 
-    def select(self, request: RequestInfo, avoid: set[HttpWorker]) -> tuple[HttpWorker, HttpWorker]:
-        """A healthy pair for one attempt (avoiding the workers that failed it before, while others are up);
-        the prompt counts as cached on the chosen prefill for a moment (``Router.dispatched``)."""
+    def select(self, request: RequestInfo, avoid: set[HttpWorker]) -> tuple[Pair, HttpWorker, HttpWorker]:
+        """A healthy pair for one attempt (avoiding the workers that failed it before, while others are up): the
+        policy's ``Pair`` (what its ``on_finish`` hears of again), its prefill and its decode; the prompt counts as
+        cached on the chosen prefill for a moment (``Router.dispatched``)."""
         def pick(pool: list[HttpWorker]) -> list[WorkerState]:
             healthy = [w for w in pool if w.healthy]
             return [w.state for w in healthy if w not in avoid] or [w.state for w in healthy]
@@ -369,7 +370,7 @@ class SGLangFleet:
         prefill = router.client_of(pair.prefill, prefills, HttpWorker)
         decode = router.client_of(pair.decode, decodes, HttpWorker)
         router.dispatched(pair, request)
-        return prefill, decode
+        return pair, prefill, decode
 
 
 def _is_what_it_was_added_as(worker: HttpWorker, health: bytes) -> tuple[bool, str]:

@@ -50,7 +50,6 @@ from gateway.api import SSE_DONE, ModelNotFound, error_event
 from gateway.api_models import MAX_N
 from gateway.context import REQUEST_ID, REQUEST_T0
 from gateway.errors import APIError, BadGateway, BadRequest, Overloaded, UpstreamTimeout
-from gateway.policies.base import Pair
 from gateway.request_checks import check_batch_choices
 from gateway.responder import (
     ClientGone,
@@ -287,7 +286,7 @@ class SGLangResponder:
         avoid: set[HttpWorker] = set()
         attempt = 0
         while True:
-            prefill, decode = fleet.select(request, avoid)
+            pair, prefill, decode = fleet.select(request, avoid)
             rooms = [secrets.randbits(63) for _ in range(num_items or 1)]
             payload = dict(body)
             if num_items is None:
@@ -296,7 +295,7 @@ class SGLangResponder:
             else:
                 payload.update(bootstrap_host=[prefill.bootstrap_host] * num_items,
                                bootstrap_port=[prefill.bootstrap_port] * num_items, bootstrap_room=rooms)
-            pair, result = Pair(prefill.state, decode.state), "cancelled"
+            result = "cancelled"
             data = _json.encode(payload)
             cost = dispatch_cost(request, prefill.state, num_items, len(data))
             try:

@@ -170,6 +170,9 @@ class WorkerState:
         self.num_reserved_pages = self.own_pages
         self.num_free_pages = max(0, self.num_total_pages - self.own_pages)
 
+    def __repr__(self) -> str:  # (what a policy's error names: the worker, not an address in memory)
+        return f"<{self.role} worker {self.url}>"
+
     @property
     def capacity_tokens(self) -> int:
         """Tokens of KV the worker's whole pool holds (0 before it connected): a request needing more

@@ -20,7 +20,9 @@ cache contents) and the hooks the policy defines, and verify that the policy:
 4. works in combined mode (no prefills: ``prefill`` is None);
 5. is deterministic: two instances from ``factory`` make the same choices on the same inputs;
 6. has bounded ``select`` cost: attribute reads on the views and cache look-ups grow at most
-   linearly with the pool (measured at 64 and 512 workers), at most ``MAX_READS_PER_WORKER`` each;
+   linearly with the pool (measured at 64 and 512 workers), at most ``MAX_READS_PER_WORKER`` each, and so
+   does the Python it runs (bytecode instructions counted at 32 and 256 workers: a policy that copies the
+   figures out once, then compares every pair of workers, runs on the event loop for every request);
 7. accepts every hook it defines (``on_dispatch``, ``on_finish``, ``on_worker_added``,
    ``on_worker_removed``) with the documented arguments;
 8. defines ``select`` and these hooks as plain functions (an ``async def`` one would never run: the
@@ -33,6 +35,7 @@ import random
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.policies.base import OUTCOMES, Pair, Policy, RequestInfo, WorkerView
 from gateway.policies.loader import async_members
@@ -199,12 +202,40 @@ def _reads_per_select(policy: Policy, n: int) -> float:
     return (_reads[0] - before) / len(requests)
 
 
+def _instructions_per_select(policy: Policy, n: int) -> int:
+    """Bytecode instructions one ``select`` runs (its own and every Python function it calls), counted by a
+    tracer: the same on every machine, unlike its time."""
+    rng = random.Random(7)
+    prefills, decodes = random_pool(rng, n, n)
+    request = random_request(rng, prefills)
+    policy.select(prefills, decodes, request)  # warm-up (lazy set-up)
+    count = [0]
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call":
+            frame.f_trace_opcodes = True
+        elif event == "opcode":
+            count[0] += 1
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        policy.select(prefills, decodes, request)
+    finally:
+        sys.settrace(previous)
+    return count[0]
+
+
 def check_bounded_cost(factory: Callable[[], Policy]) -> None:
     small, large = _reads_per_select(factory(), 64), _reads_per_select(factory(), 512)
     per_worker = large / (2 * 512)
     assert per_worker <= MAX_READS_PER_WORKER, f"{per_worker:.0f} view reads per worker per select() at 512 workers"
     assert large <= 8 * small * 1.5 + 64, (
         f"select() cost grows faster than linearly: {small:.0f} reads at 64 workers, {large:.0f} at 512")
+    small, large = _instructions_per_select(factory(), 32), _instructions_per_select(factory(), 256)
+    assert large <= 8 * small * 1.5 + 2000, (
+        f"select() cost grows faster than linearly: {small} bytecode instructions at 32 workers, {large} at 256")
 
 
 def check_synchronous(factory: Callable[[], Policy]) -> None:
