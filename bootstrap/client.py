@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import socket
 import threading
@@ -76,6 +77,7 @@ _ENCODER = msgspec.json.Encoder()
 _TOPOLOGY_DECODER = msgspec.json.Decoder(Topology)
 _ADDRESS_DECODER = msgspec.json.Decoder(RankAddress)
 _FATAL_PUT_STATUSES = frozenset({400, 401, 403, 404, 405, 413})
+WAIT_LOG_INTERVAL_S = 10.0  # a registrar still trying its first registration says so this often
 _JSON_HEADERS = {"content-type": "application/json"}
 
 
@@ -276,6 +278,7 @@ class BootstrapRegistrar:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.start_timeout_s
         delay_s = 0.05
+        said_at = loop.time()  # (waiting for a registry not up yet is said every WAIT_LOG_INTERVAL_S)
         try:
             while True:
                 status = await self._put()
@@ -293,6 +296,11 @@ class BootstrapRegistrar:
                         f"{self.start_timeout_s}s: {self.last_error}",
                         status_code=status or None,
                     )
+                if loop.time() - said_at >= WAIT_LOG_INTERVAL_S:
+                    said_at = loop.time()
+                    logger.warning("rank %s: not registered with %s yet (%s); retrying%s", self.registration.label,
+                                   self.url, self.last_error, "" if math.isinf(remaining) else
+                                   f" for {remaining:.0f}s more")
                 await asyncio.sleep(min(remaining, delay_s * random.uniform(0.75, 1.25)))
                 delay_s = min(delay_s * 2, 2.0)
         except BaseException:

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV peers ping each other this often (silent for 3x: gone); a prefill renews its "
                         "bootstrap registration this often too, but at least every 2.5 s (the registry's "
                         "lease: 10 s by default)")
+    p.add_argument("--registry-wait-s", type=float, default=0.0,
+                   help="a prefill started before its --bootstrap registry is up waits this long for it (its native "
+                        "port closed, /health 503 meanwhile), then exits; 0: no limit")
     p.add_argument("--watchdog-timeout-s", type=float, default=300.0,
                    help="/liveness answers 503 once the scheduler, holding requests, has not finished a step for "
                         "this long (a hung forward), so that the worker is restarted")
@@ -102,6 +105,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         bootstrap_timeout_s=args.bootstrap_timeout_s, waiting_timeout_s=args.waiting_timeout_s,
         transfer_timeout_s=args.transfer_timeout_s, http_request_timeout_s=args.http_request_timeout_s,
         heartbeat_interval_s=args.heartbeat_interval_s, watchdog_timeout_s=args.watchdog_timeout_s,
+        registry_wait_s=args.registry_wait_s,
         max_unread_bytes=_mib(args.max_unread_mib, "max_unread_mib"), engine_options=extra,
         advertise_host=args.advertise_host, transfer_options=transfer_options, same_host_kv=args.same_host_kv,
         api_key=_api_key(args),

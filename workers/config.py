@@ -44,6 +44,9 @@ class WorkerConfig:
     # request carries its gateway's.
     http_request_timeout_s: float = 1800.0
     heartbeat_interval_s: float = 2.0
+    # A prefill starting before its registry is up waits this long for it, its native port closed and /health 503
+    # "starting" meanwhile (0: for as long as it takes, as under an orchestrator that starts them in any order)
+    registry_wait_s: float = 0.0
     # /liveness turns 503 once the scheduler, holding requests, has not finished a step for this long (a hung
     # forward: a stuck GPU kernel or collective), so that the orchestrator (or pd-cluster) restarts the worker
     watchdog_timeout_s: float = 300.0
@@ -82,6 +85,8 @@ class WorkerConfig:
                      "heartbeat_interval_s", "watchdog_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:  # (NaN and inf refused too)
                 raise ConfigError(f"{name}: must be positive and finite")
+        if not 0 <= self.registry_wait_s < math.inf:
+            raise ConfigError("registry_wait_s: must be >= 0 (0: no limit) and finite")
         if self.bootstrap:
             from bootstrap.client import registry_url
 

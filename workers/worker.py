@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -240,7 +241,7 @@ class Worker:
         )
         self._registrar = BootstrapRegistrar(
             self.bootstrap_url, registration, interval_s=min(cfg.heartbeat_interval_s, MAX_REGISTRY_BEAT_S),
-            token=cfg.bootstrap_token,
+            token=cfg.bootstrap_token, start_timeout_s=cfg.registry_wait_s or math.inf,
         )
         await self._registrar.start()
 
