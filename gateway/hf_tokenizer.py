@@ -360,18 +360,21 @@ class HFIncrementalDecoder:
         return ""
 
     def _past_held(self, prefix_text: str, full_text: str) -> str:
-        """A held run longer than ``MAX_HELD_IDS`` (``full_text``, its window's text, ends in U+FFFD): the text
-        up to where its unfinished character begins (among the last ``HELD_TAIL - 1`` ids: the last cut whose
-        text the whole window's text extends, a complete character never split) goes out, the window moving
-        past it; only those ids stay held."""
+        """A held run longer than ``MAX_HELD_IDS`` (``full_text``, its window's text, ends in U+FFFD): the text up
+        to where its unfinished character begins (among the last ``HELD_TAIL - 1`` ids) goes out, the window
+        moving past it; only those ids stay held. The cut: the last one whose text ends in a whole character (a
+        push of several ids that ends inside one); else the last whose text the window's extends (byte-level
+        tokens: a character is never split); else, ``HELD_TAIL`` ids from the end (bytes that make nothing)."""
         ids, start, end = self._ids, self._prefix, len(self._ids)
-        for cut in range(end - 1, end - HELD_TAIL, -1):
-            text = self._decode(ids[start:cut])
-            if len(text) < len(full_text) and full_text.startswith(text):
-                break
-        else:  # (no clean cut: a tokenizer whose text is not a prefix's; the run goes out all the same)
-            cut = end - HELD_TAIL
-            text = self._decode(ids[start:cut])
+        candidates = [(cut, self._decode(ids[start:cut])) for cut in range(end - 1, end - HELD_TAIL, -1)]
+        found = next(((cut, text) for cut, text in candidates
+                      if len(text) > len(prefix_text) and not text.endswith(REPLACEMENT_CHAR)), None)
+        if found is None:
+            found = next(((cut, text) for cut, text in candidates
+                          if len(prefix_text) < len(text) < len(full_text) and full_text.startswith(text)), None)
+        if found is None:
+            found = end - HELD_TAIL, self._decode(ids[start : end - HELD_TAIL])
+        cut, text = found
         self._prefix, self._read = self._read, cut
         return text[len(prefix_text) :]
 
