@@ -1,6 +1,8 @@
 """Page allocation with prefix caching: chained hashes of full pages, ref counts, LRU reuse.
 
-Lifecycle (owned by the scheduler thread; not thread-safe):
+Lifecycle (owned by the scheduler thread; other threads read only ``num_available``, under ``_moving``: an
+eviction or a flush moves pages from the evictable list to the pool's free list, and a reader between the two
+steps would see them in neither):
 1. ``match(token_ids)`` finds the longest run of full pages whose chained hash is cached, takes a
    reference on each and returns them; the caller computes only the rest of the prompt.
 2. ``alloc(n)`` takes fresh pages from the pool, evicting least-recently-used unreferenced cached
@@ -22,6 +24,7 @@ computes the same hashes with ``page_hashes``).
 
 from __future__ import annotations
 
+import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -56,14 +59,16 @@ class PageCache:
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+        self._moving = threading.Lock()  # (see the module doc)
         self.num_hit_tokens = 0
         self.num_evictions = 0
         self._events: dict[bytes, bool] = {}  # hash -> published (True) / dropped (False), since take_events
 
     @property
     def num_available(self) -> int:
-        """Pages an ``alloc`` could hand out now (free + evictable)."""
-        return self.pool.num_free_pages + len(self._evictable)
+        """Pages an ``alloc`` could hand out now (free + evictable); from any thread."""
+        with self._moving:
+            return self.pool.num_free_pages + len(self._evictable)
 
     @property
     def num_cached(self) -> int:
@@ -106,13 +111,16 @@ class PageCache:
         self.num_hit_tokens += len(pages) * self.pool.page_size
 
     def alloc(self, num_pages: int) -> list[int] | None:
-        if num_pages > self.num_available:
+        pool = self.pool
+        if num_pages > pool.num_free_pages + len(self._evictable):
             return None
-        while self.pool.num_free_pages < num_pages:
-            page, _ = self._evictable.popitem(last=False)
-            self._drop_hash(self._hash_of.pop(page))
-            self.pool.free([page])
-            self.num_evictions += 1
+        if pool.num_free_pages < num_pages:
+            with self._moving:
+                while pool.num_free_pages < num_pages:
+                    page, _ = self._evictable.popitem(last=False)
+                    self._drop_hash(self._hash_of.pop(page))
+                    pool.free([page])
+                    self.num_evictions += 1
         pages = self.pool.alloc(num_pages)
         assert pages is not None
         for page in pages:
@@ -158,11 +166,12 @@ class PageCache:
 
     def clear(self) -> int:
         """Forget every unreferenced cached page (``/flush_cache``); returns how many were freed."""
-        freed = list(self._evictable)
-        self._evictable.clear()
-        for page in freed:
-            self._drop_hash(self._hash_of.pop(page))
-        self.pool.free(freed)
+        with self._moving:
+            freed = list(self._evictable)
+            self._evictable.clear()
+            for page in freed:
+                self._drop_hash(self._hash_of.pop(page))
+            self.pool.free(freed)
         return len(freed)
 
     def _drop_hash(self, h: bytes) -> None:

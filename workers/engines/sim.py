@@ -142,11 +142,12 @@ class SimEngine(Engine):
         """``digest`` of the sequence, folding in only rows not seen at its previous sample.
 
         The first sample of a sequence in this worker (the prefill's last chunk, or the decode's
-        first step after importing KV) reads every row from the pool; later steps add their rows.
+        first step after importing KV) reads every row from the pool; later steps add their rows. A request
+        preempted and computed again (its pages new, or shared from the cache) is read again from its first row.
         """
         end = seq.num_cached + len(seq.token_ids)
         seen = self._seen.pop(seq.rid, None)
-        if seen is not None and seen[0] <= end:
+        if seen is not None and seq.num_cached == seen[0]:  # (a step right after the last: else a recompute)
             crcs = self._fold(seq.page_ids, seen[0], end, seen[1])
         else:
             crcs = self._fold(seq.page_ids, 0, end, [0] * 2 * self.pool.num_layers)
@@ -186,7 +187,8 @@ class SimEngine(Engine):
             if seq.sample:
                 crc = self._sample_digest(seq) if self.verify_kv else _chain(seq)
                 outputs.append(SeqOutput(token_id=self._pick(seq, crc), logprob=0.0))
-            else:
+            else:  # a prompt chunk: the rows of a recomputed request (preempted) are all read again at its sample
+                self._seen.pop(seq.rid, None)
                 outputs.append(SeqOutput())
         modelled = num_prefill_tokens * self.prefill_token_s
         if num_decode:
