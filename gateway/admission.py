@@ -42,7 +42,7 @@ class Admission:
     def _refuse_full(self) -> None:
         self.metrics.rejected.labels("queue_full").inc()
         raise Overloaded(f"the gateway is at capacity ({self.max_concurrent} requests, {self.max_queued} queued)",
-                         retry_after_s=1.0)
+                         code="rate_limit_exceeded", retry_after_s=1.0)
 
     async def admit(self) -> Callable[[], None]:
         if not self.max_concurrent or (self.num_active < self.max_concurrent and not self._waiters):
@@ -60,7 +60,8 @@ class Admission:
             if not done:
                 self.metrics.queue_time.observe(time.monotonic() - started)  # (the longest waits count too)
                 self.metrics.rejected.labels("queue_timeout").inc()
-                raise Overloaded(f"waited {self.queue_timeout_s:g}s for a free slot", retry_after_s=1.0)
+                raise Overloaded(f"waited {self.queue_timeout_s:g}s for a free slot", code="rate_limit_exceeded",
+                                 retry_after_s=1.0)
         except asyncio.CancelledError:  # (the client left: its wait counts too, the longest ones most of all)
             self.metrics.queue_time.observe(time.monotonic() - started)
             if future.done() and not future.cancelled():

@@ -168,6 +168,7 @@ class ChatCompletionRequest(_Sampling):
     function_call: Any = None
     modalities: list[str] | None = None
     audio: Any = None
+    web_search_options: Any = None  # (OpenAI's search models: no search here, a 400 when set)
 
 
 class CompletionRequest(_Sampling):

@@ -741,7 +741,8 @@ class _Attempt:
 
 
 def _request_timed_out(config: DispatchConfig) -> UpstreamTimeout:
-    return UpstreamTimeout(f"the request ran past its timeout ({config.request_timeout_s:g}s)")
+    return UpstreamTimeout(f"the request ran past its timeout ({config.request_timeout_s:g}s)", code="request_timeout",
+                           final=True)
 
 
 def _selectable(pool: list[WorkerClient], avoid: set[WorkerClient]) -> list[Any]:

@@ -18,12 +18,15 @@ class APIError(Exception):
     close_connection = False  # the request could not be read to its end: the connection closes after the answer
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after_s: float | None = None) -> None:
+                 retry_after_s: float | None = None, final: bool = False) -> None:
+        """``final``: sending the same request again would end the same way (the request's own deadline): its
+        answer says ``x-should-retry: false``, which OpenAI's SDKs obey (they retry every 5xx otherwise)."""
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
         self.retry_after_s = retry_after_s
+        self.final = final
 
     def body(self) -> dict[str, object]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -34,6 +37,8 @@ class APIError(Exception):
             out.append((b"retry-after", b"%d" % max(1, round(self.retry_after_s))))
         if self.close_connection:
             out.append((b"connection", b"close"))
+        if self.final:
+            out.append((b"x-should-retry", b"false"))
         return out
 
     def to_response(self) -> Response:

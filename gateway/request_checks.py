@@ -74,6 +74,7 @@ CHAT_RULES = Rules(
     ("function_call", _is("none"), '"none"'),
     ("modalities", lambda value, _req: value is None or value == ["text"], '["text"]'),
     ("audio", _unset, ""),
+    ("web_search_options", _is(None), ""),  # ({} asks for a search too)
 )
 COMPLETION_RULES = Rules(
     *_SAMPLING_RULES,

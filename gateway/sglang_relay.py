@@ -417,7 +417,8 @@ class SGLangResponder:
             data = await reply.read()
         except TimeoutError:
             raise UpstreamTimeout(f"the SGLang decode worker's answer did not come within "
-                                  f"{self.fleet.config.request_timeout_s:g}s") from None
+                                  f"{self.fleet.config.request_timeout_s:g}s", code="request_timeout",
+                                  final=True) from None
         except (aiohttp.ClientError, OSError) as exc:
             return _Failure(decode, f"its response broke: {type(exc).__name__}: {exc}")
         if merge_logprobs and reply.status == 200:

@@ -56,6 +56,8 @@ class ToolPlan:
     grammar: Grammar | None = None
     hermes: bool = False  # the chat template defines <tool_call> blocks
     parallel: bool = True  # several calls in one answer (``parallel_tool_calls: false``: only its first)
+    # (auto) strict tools' argument checks, by name: an answer whose call to one does not pass is content
+    validators: dict[str, Callable[[Any], bool]] | None = None
 
     @property
     def names(self) -> list[str]:
@@ -103,7 +105,8 @@ def plan_tools(req: Any, chat_template: str | None) -> ToolPlan | None:
     tools = _functions(req.tools)
     hermes = chat_template is not None and _HERMES_OPEN in chat_template
     if choice is None or choice == "auto":  # (required and named modes make one call by their grammar)
-        return ToolPlan("auto", tools, hermes=hermes, parallel=getattr(req, "parallel_tool_calls", None) is not False)
+        return ToolPlan("auto", tools, hermes=hermes, parallel=getattr(req, "parallel_tool_calls", None) is not False,
+                        validators=_strict_validators(tools))
     if choice == "none":
         return ToolPlan("none", tools, hermes=hermes)
     if choice == "required":
@@ -127,6 +130,31 @@ def plan_tools(req: Any, chat_template: str | None) -> ToolPlan | None:
     grammar = Grammar("json_schema", json.dumps(tool["parameters"]), tool["strict"],
                       param=f"tools[{tools.index(tool)}].function.parameters")
     return ToolPlan("named", tools, name=name, grammar=checked(grammar), hermes=hermes)
+
+
+def _strict_validators(tools: list[dict[str, Any]]) -> dict[str, Callable[[Any], bool]] | None:
+    """Under ``auto`` nothing constrains the answer, so ``strict: true`` (arguments valid against the schema, which
+    OpenAI's SDKs rely on: ``parse`` validates them) is kept by checking: each strict tool's schema as the grammar
+    library takes it (a 400 when it cannot enforce it, as under ``required``), then a call's arguments against it
+    (``jsonschema_rs``, when installed; a call that fails is not reported as one: the answer is content)."""
+    strict = [(i, t) for i, t in enumerate(tools) if t["strict"]]
+    if not strict:
+        return None
+    validators: dict[str, Callable[[Any], bool]] = {}
+    library: Any
+    try:
+        import jsonschema_rs as library
+    except ImportError:  # (the gateway without its optional libraries: the schema check alone, where it can)
+        library = None
+    for i, tool in strict:
+        param = f"tools[{i}].function.parameters"
+        checked(Grammar("json_schema", json.dumps(tool["parameters"]), True, param=param))
+        if library is not None:
+            try:
+                validators[tool["name"]] = library.validator_for(tool["parameters"]).is_valid
+            except Exception as exc:  # (its ValidationError for a schema it cannot read)
+                raise BadRequest(f"{param} is not a valid JSON Schema: {exc}", param=param) from None
+    return validators
 
 
 # Keywords whose values are data, not schemas (a "$ref" key inside them is a value like any other), and
@@ -246,8 +274,18 @@ def parse_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
         arguments = bytes(obj.get("arguments") or b"").decode()
         if not isinstance(name, str) or name not in plan.names or not arguments.startswith("{"):
             return None
+        check = plan.validators.get(name) if plan.validators else None
+        if check is not None and not _passes(check, arguments):
+            return None  # (a strict tool's call whose arguments break its schema: the answer is text)
         calls.append(_new_call(name, arguments))
     return (calls if plan.parallel else calls[:1]) or None
+
+
+def _passes(check: Callable[[Any], bool], arguments: str) -> bool:
+    try:
+        return check(json.loads(arguments))
+    except ValueError:  # (not JSON after all)
+        return False
 
 
 def split_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
