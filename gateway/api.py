@@ -316,11 +316,7 @@ class Frontend:
                 raise BadRequest(f"tool_choice {tools.mode} cannot be combined with {params.grammar.param}",
                                  param="tool_choice")
             params.grammar = tools.grammar
-        elif tools is not None and tools.mode == "auto" and params.grammar is not None:
-            # (its grammar alone would constrain the answer: the model could never call a tool)
-            raise BadRequest(f"{params.grammar.param} cannot be combined with tools the model may call (tool_choice "
-                             "auto): use tool_choice none, or a required or named tool",
-                             param=params.grammar.param.split(".")[0])
+
         return Prepared(input_ids, params, req.n or 1, stops, bool(req.stream),
                         bool(req.stream_options and req.stream_options.include_usage), logprobs,
                         bootstrap=ClientBootstrap.of(req), tools=tools if tools and tools.mode != "none" else None,

@@ -12,7 +12,8 @@ credentials. So, with origins configured:
    goes on to the routes (a 405, as without CORS).
 2. Every other response to a request whose ``Origin`` is allowed carries ``Access-Control-Allow-Origin``
    (the origin itself, with ``Vary: Origin``; or ``*`` when every origin is allowed) and exposes
-   ``x-request-id`` and ``retry-after``: error answers included, so a page can read why it was refused.
+   ``x-request-id``, ``retry-after`` and ``x-should-retry``: error answers included, so a page can read why
+   it was refused.
    Requests from other origins are served as before, without the header (a browser hides the answer
    from the page; a non-browser client never sends ``Origin`` or ignores it).
 
@@ -31,7 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 Headers = list[tuple[bytes, bytes]]
 ALLOW_METHODS = b"GET, POST, DELETE, OPTIONS"
-EXPOSE_HEADERS = b"x-request-id, retry-after"
+EXPOSE_HEADERS = b"x-request-id, retry-after, x-should-retry"  # (the last: OpenAI's SDKs read it)
 MAX_AGE_S = 600  # how long a browser may reuse a preflight's answer
 # A scheme, a host and an optional port, nothing else: what a browser sends as ``Origin``.
 _ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://(?:\[[0-9a-f:.]+\]|[^\s/?#@:\[\]]+)(:\d{1,5})?")

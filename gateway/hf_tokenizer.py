@@ -345,7 +345,8 @@ class HFIncrementalDecoder:
                 if text is not None:
                     self._prefix, self._read = self._read, len(ids)
                     return text
-                if len(ids) - self._read <= MAX_HELD_IDS:
+                if len(ids) - self._read <= MAX_HELD_IDS or not self._decode(ids[self._read :]).endswith(
+                        REPLACEMENT_CHAR):  # (a long run of skipped special tokens is held as it always was)
                     return ""
                 self._stream = None  # (a run that is no character: its own window would go on growing)
         prefix_text = self._decode(ids[self._prefix : self._read])
@@ -355,7 +356,7 @@ class HFIncrementalDecoder:
             self._prefix = self._read
             self._read = len(ids)
             return new
-        if len(ids) - self._read > MAX_HELD_IDS:
+        if len(ids) - self._read > MAX_HELD_IDS and full_text.endswith(REPLACEMENT_CHAR):
             return self._past_held(prefix_text, full_text)
         return ""
 

@@ -43,6 +43,7 @@ import msgspec
 from gateway.api import SSE_DONE, Frontend, Prepared, decode_body, error_event, new_id
 from gateway.errors import APIError, BadRequest, NoWorkers, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 from gateway.shapes import Run, Shape
+from gateway.structured_output import CHECK_ON_LOOP, CheckOffLoop
 from gateway.text import ChoiceState
 
 if TYPE_CHECKING:
@@ -217,6 +218,14 @@ class Responder:
             # what serializes or checks them: a 400, not the catch-all's 500)
             raise BadRequest("the request is nested too deeply") from None
 
+    async def _prepare_off_loop(self, exchange: Exchange, frontend: Frontend, body: bytes) -> tuple[Prepared,
+                                                                                                   str | None]:
+        context = contextvars.copy_context()
+        if self.prepare_thread_bytes <= 0:  # (no threads: its grammars are checked here after all)
+            context.run(CHECK_ON_LOOP.set, True)
+            return context.run(self._prepare, frontend, body)
+        return await exchange.loop.run_in_executor(_prepare_threads(), context.run, self._prepare, frontend, body)
+
     def _encode_whole(self, run: Run, choices: list[ChoiceState]) -> bytes:
         return _json.encode(self.shape.whole(run, choices))
 
@@ -251,13 +260,13 @@ class Responder:
                     body = await exchange.read_body(gw.max_body_bytes, gw.body_timeout_s)
                 frontend = gw.require_frontend()
                 try:
-                    if self.prepare_thread_bytes > 0 and (len(body) >= self.prepare_thread_bytes or b'"ebnf"' in body):
-                        # a long prompt, tokenized off the event loop; or a GBNF grammar (its check's cost grows
-                        # with the square of its rules: ``structured_output.MAX_EBNF_RULES``)
-                        prep, client_id = await exchange.loop.run_in_executor(
-                            _prepare_threads(), contextvars.copy_context().run, self._prepare, frontend, body)
+                    if len(body) >= self.prepare_thread_bytes > 0:  # a long prompt: tokenized off the event loop
+                        prep, client_id = await self._prepare_off_loop(exchange, frontend, body)
                     else:
-                        prep, client_id = self._prepare(frontend, body)
+                        try:
+                            prep, client_id = self._prepare(frontend, body)
+                        except CheckOffLoop:  # a GBNF grammar (its check costs the square of its rules)
+                            prep, client_id = await self._prepare_off_loop(exchange, frontend, body)
                 except BadRequest as exc:
                     raise encoded_refusal(exc, exchange.headers) from None
                 run = Run(frontend, prep, client_id or new_id(shape.id_prefix))

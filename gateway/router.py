@@ -109,7 +109,7 @@ class Router:
         except APIError:
             raise
         except Exception as exc:
-            self._hook_failed(f"routing policy {self.name}'s select")  # (logged at most every few seconds)
+            self._hook_failed(f"routing policy {self.name}'s select", outcome="the request's answer is a 500")
             raise APIError(f"routing policy {self.name} failed: {type(exc).__name__}: {exc}") from None
         if not isinstance(pair, Pair):
             raise APIError(f"routing policy {self.name} returned {pair!r}, not a Pair")
@@ -190,7 +190,7 @@ class Router:
             out.update((k, v) for k, v in figures.items() if math.isfinite(v))
         return out
 
-    def _hook_failed(self, what: str, *, raised: bool = True) -> None:
+    def _hook_failed(self, what: str, *, raised: bool = True, outcome: str = "ignored") -> None:
         self.num_hook_errors += 1
         now = time.monotonic()
         if now - self._last_hook_log < HOOK_ERROR_LOG_INTERVAL_S:
@@ -199,7 +199,7 @@ class Router:
         more = f" ({self._unlogged} more policy errors since the last logged)" if self._unlogged else ""
         self._last_hook_log, self._unlogged = now, 0
         if raised:
-            log.exception("%s raised; ignored%s", what, more)
+            log.exception("%s raised; %s%s", what, outcome, more)
         else:
-            log.error("%s; ignored%s", what, more)
+            log.error("%s; %s%s", what, outcome, more)
 

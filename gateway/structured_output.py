@@ -16,6 +16,8 @@ compiles, so a bad one is refused before any worker sees the request; the worker
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import functools
 import json
 from collections.abc import Callable
@@ -178,8 +180,27 @@ MAX_GRAMMAR_CHARS = 1 << 18
 MAX_EBNF_RULES = 1024
 
 
+class CheckOffLoop(Exception):
+    """A GBNF grammar met on an event loop: its check is dear (``MAX_EBNF_RULES``); prepare the request again
+    on a thread (``gateway.responder``), where ``checked`` runs it."""
+
+
+# Set where a request is prepared on an event loop that must check its GBNF grammars there all the same
+# (``--prepare-thread-bytes 0``: no threads).
+CHECK_ON_LOOP: contextvars.ContextVar[bool] = contextvars.ContextVar("check_grammars_on_loop", default=False)
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return not CHECK_ON_LOOP.get()
+
+
 def checked(grammar: Grammar) -> Grammar:
-    """``grammar``, after the library (when importable here) accepted it; else a 400 naming its field."""
+    """``grammar``, after the library (when importable here) accepted it; else a 400 naming its field. A GBNF
+    grammar met on an event loop: ``CheckOffLoop``."""
     if len(grammar.source) > MAX_GRAMMAR_CHARS:  # (unbounded: n=64 copies of a 3 MB schema broke worker connections)
         raise BadRequest(f"{grammar.param} is too large: {len(grammar.source)} characters as a grammar, at most "
                          f"{MAX_GRAMMAR_CHARS}", param=grammar.param)
@@ -188,6 +209,8 @@ def checked(grammar: Grammar) -> Grammar:
                          "allowed", param=grammar.param)
     # (a grammar's text is kept as its cache key: only small ones are, so 256 keys hold at most 16 MiB)
     small = len(grammar.source) <= grammars.MAX_CACHED_SOURCE
+    if grammar.kind == "ebnf" and grammars.is_available() and _on_event_loop():
+        raise CheckOffLoop
     problem = _library_says(grammar) if small else _library_says.__wrapped__(grammar)
     if problem is not None:
         raise BadRequest(problem[0], param=problem[1])

@@ -25,6 +25,7 @@ Lifecycle of a request with tools (hooks in ``gateway.api.Frontend.prepare_chat`
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import AsyncGenerator, Callable
@@ -148,13 +149,23 @@ def _strict_validators(tools: list[dict[str, Any]]) -> dict[str, Callable[[Any],
         library = None
     for i, tool in strict:
         param = f"tools[{i}].function.parameters"
-        checked(Grammar("json_schema", json.dumps(tool["parameters"]), True, param=param))
+        source = json.dumps(tool["parameters"])
+        checked(Grammar("json_schema", source, True, param=param))
         if library is not None:
             try:
-                validators[tool["name"]] = library.validator_for(tool["parameters"]).is_valid
+                validators[tool["name"]] = _validator(source)
             except Exception as exc:  # (its ValidationError for a schema it cannot read)
                 raise BadRequest(f"{param} is not a valid JSON Schema: {exc}", param=param) from None
     return validators
+
+
+@functools.lru_cache(maxsize=256)  # (clients send the same tools every turn: ~80 µs each to build)
+def _validator(source: str) -> Callable[[Any], bool]:
+    import jsonschema_rs
+
+    # (a remote "$ref" is refused by the grammar check before this; no retriever is given all the same)
+    validator: Callable[[Any], bool] = jsonschema_rs.validator_for(json.loads(source)).is_valid
+    return validator
 
 
 # Keywords whose values are data, not schemas (a "$ref" key inside them is a value like any other), and
@@ -269,7 +280,7 @@ def parse_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
         try:
             obj = _call_decoder.decode(body)
             name = msgspec.json.decode(obj["name"]) if "name" in obj else None
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             return None
         arguments = bytes(obj.get("arguments") or b"").decode()
         if not isinstance(name, str) or name not in plan.names or not arguments.startswith("{"):
@@ -282,10 +293,14 @@ def parse_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
 
 
 def _passes(check: Callable[[Any], bool], arguments: str) -> bool:
-    try:
-        return check(json.loads(arguments))
-    except ValueError:  # (not JSON after all)
+    try:  # (NaN and Infinity are not JSON: a strict client's parser refuses them)
+        return check(json.loads(arguments, parse_constant=_not_json))
+    except (ValueError, RecursionError):  # (not JSON after all, or nested past what Python can hold)
         return False
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
 
 
 def split_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
