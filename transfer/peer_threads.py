@@ -73,6 +73,7 @@ class WriteRecord:
     state: WriteState = WriteState.PENDING
     error: TransferError | None = None
     sending: bool = False  # the peer's thread took it
+    started: float | None = None  # time.monotonic() when it was taken: its bytes began to move (``started_at``)
 
 
 class PeerThreadBackend(WriteTable, TransferBackend):
@@ -210,6 +211,13 @@ class PeerThreadBackend(WriteTable, TransferBackend):
             peer.send_lock.release()
         return True
 
+    def started_at(self, handle: WriteHandle) -> float | None:
+        """When the batch was taken to be sent (``time.monotonic()``); None while it waits in its peer's queue
+        behind other batches (``transfer_s`` times a batch from here: a busy link is not a stalled one)."""
+        with self._lock:
+            record = self._writes.get(handle)
+            return record.started if record is not None else None
+
     def _mark_sending(self, handle: WriteHandle, sending: bool) -> None:
         with self._lock:
             record = self._writes.get(handle)
@@ -233,7 +241,7 @@ class PeerThreadBackend(WriteTable, TransferBackend):
         with self._lock:
             record = self._writes.get(handle)
             if record is not None:
-                record.sending = True
+                record.sending, record.started = True, time.monotonic()
         if peer.dead is not None:
             self._finish(handle, WriteState.FAILED, peer.dead, notify=notify)
             return False

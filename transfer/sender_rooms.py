@@ -409,14 +409,15 @@ class SenderRooms:
         backend, room = self._ctx.backend, sender.room
         request = sender.request
         assert request is not None
-        done, failed, overdue = sender.settle(backend.poll, now, self._ctx.timeouts.transfer_s)
+        done, failed, overdue = sender.settle(backend.poll, now, self._ctx.timeouts.transfer_s,
+                                              getattr(backend, "started_at", None))
         for write in done:
             self._retire(write)
         if overdue:
             error = TransferError(
                 TransferErrorKind.TIMEOUT,
-                f"room {room}: a chunk to {request.link.channel.name} still pending after "
-                f"{self._ctx.timeouts.transfer_s:g}s",
+                f"room {room}: a chunk to {request.link.channel.name} still pending "
+                f"{self._ctx.timeouts.transfer_s:g}s after it began to be sent",
             )
             self._fail(sender, error, outbox)
         elif failed is not None:

@@ -103,7 +103,7 @@ class KVTimeouts:
 
     bootstrap_s: float = 300.0  # prefill: waiting for the decode's page list; decode: resolve + register
     waiting_s: float = 300.0  # decode: after send_metadata, waiting for KV + status
-    transfer_s: float = 60.0  # prefill: a chunk's writes still pending after this -> TIMEOUT
+    transfer_s: float = 60.0  # prefill: a chunk's write still pending this long after it began to be sent -> TIMEOUT
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 6.0  # no frame from a peer for this long -> peer dead, its rooms fail
 

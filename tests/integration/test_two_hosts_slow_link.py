@@ -1,0 +1,139 @@
+"""Two hosts (``netns``) joined by a slow link: a ``tbf`` rate limit on the prefill's veth end, so that the KV of
+a long prompt takes seconds to cross. What must hold however slow the link (as long as it moves bytes):
+``--transfer-timeout-s`` judges writes that do not move, not writes queued behind other rooms' writes on a link
+that is busy moving them (every request of a burst whose KV the link carries at its rate ends 200).
+(Not yet true, and not tested here: a small request's KV still waits behind every big transfer queued before
+it on the same prefill -> decode path, one FIFO per peer.)
+
+Needs root and the ``tbf`` qdisc; skips with the reason elsewhere. Slow (tens of seconds each).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from netns import TwoHosts, Unavailable
+
+pytestmark = pytest.mark.slow
+
+LAYERS = 16  # sim engine: 2 x 16 layers x 2 heads x 16 dims x 4 B = 4 KiB of KV per token
+TOKEN_KV_BYTES = 2 * LAYERS * 2 * 16 * 4
+BIG_WORDS = 1500  # ~7.9k tokens: ~31 MiB of KV per big request
+PORTS = {"registry": 18998, "prefill": 18100, "prefill_http": 18101, "decode": 18200, "decode_http": 18201,
+         "gateway": 18000}
+OPTIONS = {"tcp": [], "mooncake": ["protocol=tcp"], "nixl": ["ucx_tls=tcp"]}
+CLEAN: dict[str, str | None] = {"NIXL_LOG_LEVEL": "WARN", "MC_LOG_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1",
+                                "UCX_TLS": None, "UCX_NET_DEVICES": None}
+
+
+def _missing(transfer: str) -> str | None:
+    if transfer == "mooncake" and importlib.util.find_spec("mooncake") is None:
+        return "mooncake-transfer-engine is not installed"
+    if transfer == "nixl" and not (importlib.util.find_spec("nixl_cu12") or importlib.util.find_spec("nixl")):
+        return "nixl is not installed"
+    return None
+
+
+@pytest.fixture
+def hosts(tmp_path: Path) -> Iterator[TwoHosts]:
+    try:
+        made = TwoHosts.create(tmp_path, subnet="10.215.0")
+    except Unavailable as exc:
+        pytest.skip(f"two network namespaces joined by a veth pair cannot be made here: {exc}")
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def _rate_limit(hosts: TwoHosts, rate: str) -> None:
+    a = hosts.a
+    assert a.holder is not None
+    out = subprocess.run(["nsenter", "-t", str(a.holder.pid), "--net", "--", "tc", "qdisc", "replace", "dev",
+                          a.ifname, "root", "tbf", "rate", rate, "burst", "64kbit", "latency", "2s"],
+                         capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        pytest.skip(f"no tbf qdisc here: {out.stderr.strip()}")
+
+
+def _start(hosts: TwoHosts, transfer: str, extra: list[str]) -> None:
+    a, b = hosts.a, hosts.b
+    targs = [x for o in OPTIONS[transfer] for x in ("--transfer-option", o)]
+    registry = f"http://{a.addr}:{PORTS['registry']}"
+    a.start("registry", "-m", "bootstrap.cli", "--host", a.addr, "--port", str(PORTS["registry"]), env=CLEAN)
+    a.wait_http_ok(f"{registry}/health")
+    common = ["--engine", "sim", "--engine-option", f"layers={LAYERS}", "--num-pages", "8192", "--page-size", "16",
+              "--log-level", "warning", "--transfer", transfer, *targs, *extra]
+    a.start("prefill", "-m", "workers.cli", "--role", "prefill", "--host", a.addr, "--port", str(PORTS["prefill"]),
+            "--http-port", str(PORTS["prefill_http"]), "--bootstrap", registry, *common, env=CLEAN)
+    b.start("decode", "-m", "workers.cli", "--role", "decode", "--host", b.addr, "--port", str(PORTS["decode"]),
+            "--http-port", str(PORTS["decode_http"]), *common, env=CLEAN)
+    a.wait_http_ok(f"http://{a.addr}:{PORTS['prefill_http']}/health")
+    b.wait_http_ok(f"http://{b.addr}:{PORTS['decode_http']}/health")
+    b.start("gateway", "-m", "gateway.cli", "--host", "127.0.0.1", "--port", str(PORTS["gateway"]),
+            "--log-level", "warning", "--prefill", f"pd://{a.addr}:{PORTS['prefill']}",
+            "--decode", f"pd://{b.addr}:{PORTS['decode']}", env=CLEAN)
+    b.wait_http_ok(f"http://127.0.0.1:{PORTS['gateway']}/readiness")
+
+
+def _client(hosts: TwoHosts, num_big: int, small: bool) -> dict[str, object]:
+    """In the decode's namespace: ``num_big`` long prompts at once; with ``small``, once the first MiB of their
+    KV crossed, one short prompt, noting the veth's received bytes when it was sent and when it ended."""
+    code = f"""
+import json, threading, time, httpx
+RX = "/sys/class/net/{hosts.b.ifname}/statistics/rx_bytes"
+rx = lambda: int(open(RX).read())
+URL = "http://127.0.0.1:{PORTS['gateway']}/v1/completions"
+def post(prompt):
+    r = httpx.post(URL, json={{"model": "sim", "prompt": prompt, "max_tokens": 4, "temperature": 0}}, timeout=600)
+    return {{"status": r.status_code, "body": r.json() if r.status_code != 200 else None}}
+bigs = [None] * {num_big}
+def big(i):
+    bigs[i] = post(f"big{{i}} " + " ".join(f"w{{j}}" for j in range({BIG_WORDS})))
+start = rx()
+threads = [threading.Thread(target=big, args=(i,)) for i in range({num_big})]
+for t in threads: t.start()
+out = {{"bigs": bigs}}
+if {small}:
+    while rx() - start < 2**20: time.sleep(0.01)
+    sent = rx()
+    out["small"] = post("small hi")
+    out["small_rx"] = rx() - sent
+    out["big_rx_so_far"] = sent - start
+for t in threads: t.join()
+out["total_rx"] = rx() - start
+print(json.dumps(out))
+"""
+    return dict(json.loads(hosts.b.python(code, timeout_s=900).strip().splitlines()[-1]))
+
+
+def _load(hosts: TwoHosts) -> dict[str, dict[str, int]]:
+    a, b = hosts.a, hosts.b
+    get = "import urllib.request; print(urllib.request.urlopen({!r}, timeout=10).read().decode())"
+    return {"prefill": json.loads(a.python(get.format(f"http://{a.addr}:{PORTS['prefill_http']}/load"))),
+            "decode": json.loads(b.python(get.format(f"http://{b.addr}:{PORTS['decode_http']}/load")))}
+
+
+def _dump(hosts: TwoHosts) -> None:
+    for side, name in ((hosts.a, "prefill"), (hosts.b, "decode"), (hosts.b, "gateway")):
+        print(f"--- {side.name}/{name} ---\n{side.log(name)[-3000:]}")
+
+
+def test_transfer_timeout_does_not_fire_on_writes_queued_behind_a_moving_link(hosts: TwoHosts) -> None:
+    # 3 x ~31 MiB at 50 mbit/s: ~15 s of KV in all, every chunk posted at once (the sim prefills in ~1 s).
+    # Each write moves at the link's rate once it is on the wire; only waiting in the queue takes longer
+    # than the 5 s timeout. The link never stalls: no request may end with "a chunk ... still pending".
+    _rate_limit(hosts, "50mbit")
+    _start(hosts, "tcp", ["--transfer-timeout-s", "5"])
+    try:
+        out = _client(hosts, num_big=3, small=False)
+    except Exception:
+        _dump(hosts)
+        raise
+    statuses = [b["status"] for b in out["bigs"]]  # type: ignore[union-attr]
+    assert statuses == [200, 200, 200], [b["body"] for b in out["bigs"]]  # type: ignore[union-attr]
