@@ -201,6 +201,15 @@ def decode_body(body: bytes, kind: type[Any]) -> Any:
         raise BadRequest("request body is nested too deeply") from None
 
 
+def _reads_calls(tools: ToolPlan | None, params: SamplingParams) -> bool:
+    """Whether the answer may hold tool calls to read: not under ``tool_choice: none``, nor under ``auto`` with
+    a format of the request's own (its grammar constrains the answer: it is the format, content, never a call,
+    and a stream of it is not held back as one that might be)."""
+    if tools is None or tools.mode == "none":
+        return False
+    return not (tools.mode == "auto" and params.grammar is not None)
+
+
 class ModelNotFound(NotFound):
     """OpenAI's answer to an unknown model: 404, invalid_request_error, code model_not_found."""
 
@@ -319,7 +328,7 @@ class Frontend:
 
         return Prepared(input_ids, params, req.n or 1, stops, bool(req.stream),
                         bool(req.stream_options and req.stream_options.include_usage), logprobs,
-                        bootstrap=ClientBootstrap.of(req), tools=tools if tools and tools.mode != "none" else None,
+                        bootstrap=ClientBootstrap.of(req), tools=tools if _reads_calls(tools, params) else None,
                         keep_stop=bool(req.include_stop_str_in_output),
                         skip_special=req.skip_special_tokens is not False)
 

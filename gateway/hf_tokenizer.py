@@ -64,6 +64,8 @@ class HFTokenizer:
         self._template: Any = None
         self._token_texts: dict[int, str] = {}  # id -> token_text(id) (at most the vocabulary)
         self._pieces = PieceEncoder.of(tokenizer)  # (None: this tokenizer's chats are encoded whole)
+        # The special tokens a decode that skips them leaves out (before its decoder runs: the same text)
+        self.skipped_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
 
     @classmethod
     def from_dir(cls, path: str) -> HFTokenizer:
@@ -319,11 +321,14 @@ class HFIncrementalDecoder:
     the Python algorithm carries on from the same boundary, so the text is the same either way.
     """
 
-    __slots__ = ("_decode", "_ids", "_prefix", "_raw", "_read", "_stream")
+    __slots__ = ("_decode", "_ids", "_prefix", "_raw", "_read", "_skipped", "_stream")
 
     def __init__(self, tokenizer: HFTokenizer, context: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         # (``skip_special_tokens=False``: special tokens' text written out, as ``decode_literally`` writes it)
         self._decode = tokenizer.decode if skip_special_tokens else tokenizer.decode_literally
+        # Skipped special tokens never enter the window (their text is none): a run of them (EOS after EOS under
+        # ignore_eos) would otherwise be decoded again with every push
+        self._skipped = tokenizer.skipped_ids if skip_special_tokens and tokenizer.skipped_ids else None
         self._raw = tokenizer._tok  # (``tokenizers.Tokenizer``, what ``DecodeStream.step`` takes)
         ids = _whole_characters(tokenizer, list(context))  # (``gateway.tokenizer``: the text before, never emitted)
         self._stream: DecodeStream | None = DecodeStream(ids=ids or None, skip_special_tokens=skip_special_tokens)
@@ -332,6 +337,11 @@ class HFIncrementalDecoder:
         self._read = len(ids)  # ids up to here are reflected in emitted text
 
     def push(self, token_ids: Sequence[int]) -> str:
+        skipped = self._skipped
+        if skipped is not None and not skipped.isdisjoint(token_ids):
+            token_ids = [t for t in token_ids if t not in skipped]
+            if not token_ids:
+                return ""
         ids = self._ids
         ids.extend(token_ids)
         stream = self._stream
@@ -345,8 +355,7 @@ class HFIncrementalDecoder:
                 if text is not None:
                     self._prefix, self._read = self._read, len(ids)
                     return text
-                if len(ids) - self._read <= MAX_HELD_IDS or not self._decode(ids[self._read :]).endswith(
-                        REPLACEMENT_CHAR):  # (a long run of skipped special tokens is held as it always was)
+                if len(ids) - self._read <= MAX_HELD_IDS:
                     return ""
                 self._stream = None  # (a run that is no character: its own window would go on growing)
         prefix_text = self._decode(ids[self._prefix : self._read])

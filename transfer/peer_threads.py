@@ -211,12 +211,13 @@ class PeerThreadBackend(WriteTable, TransferBackend):
             peer.send_lock.release()
         return True
 
-    def started_at(self, handle: WriteHandle) -> float | None:
+    def started_at(self, handle: WriteHandle, unknown: float) -> float | None:
         """When the batch was taken to be sent (``time.monotonic()``); None while it waits in its peer's queue
-        behind other batches (``transfer_s`` times a batch from here: a busy link is not a stalled one)."""
+        behind other batches (``transfer_s`` times a batch from here: a busy link is not a stalled one);
+        ``unknown`` for a handle this backend does not hold."""
         with self._lock:
             record = self._writes.get(handle)
-            return record.started if record is not None else None
+            return record.started if record is not None else unknown
 
     def _mark_sending(self, handle: WriteHandle, sending: bool) -> None:
         with self._lock:

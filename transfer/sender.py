@@ -160,18 +160,19 @@ class KVSender(RoomHandle):
             self._writes.append(write)
 
     def settle(self, poll: Callable[[WriteHandle], WriteState], now: float, transfer_s: float,
-               started_at: Callable[[WriteHandle], float | None] | None = None,
+               started_at: Callable[[WriteHandle, float], float | None] | None = None,
                ) -> tuple[list[PostedWrite], PostedWrite | None, bool]:
         """Progress of the posted writes, oldest first: (writes DONE and done with, the first FAILED one
         or None, whether one is still PENDING past ``transfer_s``). Stops at the first PENDING or FAILED.
-        ``started_at``: when the backend began sending a write (None: still queued behind others to the same
-        peer, not timed: the decode's ``waiting_s`` and the heartbeats bound that); without it, from its post."""
+        ``started_at(handle, posted)``: when the backend began sending a write (None: still queued behind others
+        to the same peer, not timed: the decode's ``waiting_s`` and the heartbeats bound that; ``posted`` where it
+        cannot tell); without it, from its post."""
         done: list[PostedWrite] = []
         while self._writes:
             write = self._writes[0]
             state = poll(write.handle)
             if state == WriteState.PENDING:
-                since = write.posted if started_at is None else started_at(write.handle)
+                since = write.posted if started_at is None else started_at(write.handle, write.posted)
                 return done, None, since is not None and now - since > transfer_s
             self._writes.pop(0)
             if state == WriteState.FAILED:

@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -219,6 +219,14 @@ class ShmBackend(PeerThreadBackend):
         with self._lock:
             inner = self._net_writes.get(handle)
         return super().error(handle) if inner is None else self.network.error(inner)
+
+    def started_at(self, handle: WriteHandle, unknown: float) -> float | None:
+        with self._lock:
+            inner = self._net_writes.get(handle)
+        if inner is None:
+            return super().started_at(handle, unknown)
+        network = getattr(self.network, "started_at", None)  # (a backend that cannot tell: timed from its post)
+        return unknown if network is None else cast(float | None, network(inner, unknown))
 
     def release(self, handle: WriteHandle) -> None:
         with self._lock:

@@ -56,10 +56,10 @@ def test_a_batch_queued_behind_another_is_not_timed_until_it_is_sent() -> None:
         first = backend.write(peer, [(0, 0, 1)], UNFENCED)
         queued = backend.write(peer, [(0, 0, 1)], UNFENCED)
         deadline = time.monotonic() + 10
-        while backend.started_at(first) is None:
+        while backend.started_at(first, 0.0) is None:
             assert time.monotonic() < deadline, "the peer's thread never took the first batch"
             time.sleep(0.01)
-        assert backend.started_at(queued) is None
+        assert backend.started_at(queued, 0.0) is None
         later = time.monotonic() + 60  # (both pending 60 s after their post: the first in hand, the second queued)
         assert _overdue(backend, first, posted, later, timed_from_start=True)
         assert not _overdue(backend, queued, posted, later, timed_from_start=True)
@@ -69,7 +69,7 @@ def test_a_batch_queued_behind_another_is_not_timed_until_it_is_sent() -> None:
         while backend.poll(queued) == WriteState.PENDING:
             assert time.monotonic() < deadline, "the queued batch was never sent"
             time.sleep(0.01)
-        assert backend.started_at(queued) is not None
+        assert backend.started_at(queued, 0.0) is not None
     finally:
         backend.gate.set()
         backend.close()
