@@ -12,57 +12,22 @@ import threading
 from typing import Any
 
 from gateway import structured_output
-from gateway.admission import Admission
 from gateway.api import Frontend, Prepared
-from gateway.errors import NoWorkers
-from gateway.metrics import GatewayMetrics
 from gateway.responder import PREPARE_THREAD_BYTES, Responder
 from gateway.shapes import ChatShape, GenerateShape, Run
 from gateway.text import ChoiceState
 from gateway.tokenizer import ByteTokenizer
+from tests.gateway.test_prepare_thread import _Exchange
+from tests.gateway.test_prepare_thread import _Host as _PreparingHost
 from workers import grammar as grammars
 from workers.protocol import SamplingParams, StepOutput, TokenLogprob
 
 
-class _NoWorkers:
-    async def complete(self, *args: Any, **kwargs: Any) -> None:
-        raise NoWorkers("no healthy decode worker", retry_after_s=1.0)
-
-
-class _Host:
-    max_body_bytes = 1 << 20
-    body_timeout_s = 5.0
+class _Host(_PreparingHost):
+    """A responder's host whose dispatcher has no workers (a 503 once a request is prepared)."""
 
     def __init__(self) -> None:
-        self.metrics = GatewayMetrics()
-        self.admission = Admission(0, 0, 1.0, self.metrics)
-        self.frontend = Frontend(_NoWorkers(), ByteTokenizer(), "m", max_context=1 << 20)  # type: ignore[arg-type]
-
-    def require_frontend(self) -> Frontend:
-        return self.frontend
-
-
-class _Exchange:
-    def __init__(self, body: bytes) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.body = body
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.answers: list[tuple[int, dict[str, Any]]] = []
-
-    def check_length(self, limit: int) -> None:
-        pass
-
-    async def read_body(self, limit: int, timeout_s: float) -> bytes:
-        return self.body
-
-    def watch_disconnect(self, gone: list[bool]) -> None:
-        pass
-
-    def stop_watching(self) -> None:
-        pass
-
-    async def send_json(self, body: bytes, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        self.answers.append((status, json.loads(body)))
+        super().__init__(ByteTokenizer())  # type: ignore[arg-type]
 
 
 def _gbnf(rules: int) -> str:
