@@ -64,8 +64,11 @@ class HFTokenizer:
         self._template: Any = None
         self._token_texts: dict[int, str] = {}  # id -> token_text(id) (at most the vocabulary)
         self._pieces = PieceEncoder.of(tokenizer)  # (None: this tokenizer's chats are encoded whole)
-        # The special tokens a decode that skips them leaves out (before its decoder runs: the same text)
-        self.skipped_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        # The special tokens a decode that skips them leaves out (before its decoder runs: the same text); asked of
+        # the decode itself (a "normalized" special token behind a prepending normalizer is written out all the
+        # same): one missed is only decoded, as it was before
+        self.skipped_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items()
+                                     if t.special and tokenizer.decode([i], skip_special_tokens=True) == "")
 
     @classmethod
     def from_dir(cls, path: str) -> HFTokenizer:

@@ -38,7 +38,6 @@ from gateway.context import random_hex
 from gateway.errors import BadRequest
 from gateway.structured_output import checked
 from gateway.tokenizer import TemplateOptions, content_text
-from workers import grammar as grammars
 from workers.protocol import Grammar
 
 # A block's JSON; the last one may lack its closing tag (the model ended there, or a stop string took it),
@@ -153,12 +152,15 @@ def _strict_validators(tools: list[dict[str, Any]]) -> dict[str, Callable[[Any],
         source = json.dumps(tool["parameters"])
         checked(Grammar("json_schema", source, True, param=param))
         if library is not None:
-            try:  # (a large schema's validator is ~20x its text: cached only when small)
-                make = _validator if len(source) <= grammars.MAX_CACHED_SOURCE else _validator.__wrapped__
+            try:  # (a schema's validator is ~20x its text: cached only when small, at most ~20 MiB in all)
+                make = _validator if len(source) <= MAX_CACHED_SCHEMA_CHARS else _validator.__wrapped__
                 validators[tool["name"]] = make(source)
             except Exception as exc:  # (its ValidationError for a schema it cannot read)
                 raise BadRequest(f"{param} is not a valid JSON Schema: {exc}", param=param) from None
     return validators
+
+
+MAX_CACHED_SCHEMA_CHARS = 4096  # a strict tool's schema whose validator is kept (256 of them: ~20 MiB at most)
 
 
 @functools.lru_cache(maxsize=256)  # (clients send the same tools every turn: ~80 µs each to build)
