@@ -30,6 +30,8 @@ from collections.abc import Sequence
 import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.middleware import header_text
+
 Headers = list[tuple[bytes, bytes]]
 ALLOW_METHODS = b"GET, POST, DELETE, OPTIONS"
 EXPOSE_HEADERS = b"x-request-id, retry-after, x-should-retry"  # (the last: OpenAI's SDKs read it)
@@ -64,7 +66,7 @@ class CorsPolicy:
     def response_headers(self, headers: Headers) -> Headers:
         """The headers an answer to a request with these headers gets (none: not a cross-origin request
         from an allowed origin)."""
-        origin = _header(headers, b"origin")
+        origin = _value(headers, b"origin")
         if not self.allows(origin):
             return []
         if self.any_origin:
@@ -78,8 +80,8 @@ class CorsPolicy:
 
     def preflight(self, headers: Headers) -> tuple[int, bytes, Headers] | None:
         """(status, body, headers) answering a preflight ``OPTIONS``; None: not a preflight."""
-        origin = _header(headers, b"origin")
-        if not origin or not _header(headers, b"access-control-request-method"):
+        origin = _value(headers, b"origin")
+        if not origin or not header_text(headers, b"access-control-request-method"):
             return None
         if not self.allows(origin):
             body = _json.encode({"error": {"message": f"the origin {origin.decode('latin-1')!r} is not allowed "
@@ -88,7 +90,7 @@ class CorsPolicy:
             return 403, body, [(b"content-type", b"application/json"), (b"vary", b"Origin")]
         answer = [*self.response_headers(headers), (b"access-control-allow-methods", ALLOW_METHODS),
                   (b"access-control-max-age", b"%d" % MAX_AGE_S)]
-        asked = _header(headers, b"access-control-request-headers").strip()
+        asked = _value(headers, b"access-control-request-headers").strip()
         if asked and len(asked) <= MAX_REQUEST_HEADERS_LEN and _HEADER_LIST.fullmatch(asked):
             answer += [(b"access-control-allow-headers", asked), (b"vary", b"Access-Control-Request-Headers")]
         return 204, b"", answer
@@ -127,8 +129,5 @@ class CorsMiddleware:
         await self.app(scope, receive, send_with_cors)
 
 
-def _header(headers: Headers, name: bytes) -> bytes:
-    for key, value in headers:
-        if key == name:
-            return bytes(value)
-    return b""
+def _value(headers: Headers, name: bytes) -> bytes:
+    return header_text(headers, name).encode("latin-1")  # (latin-1: the bytes as sent)

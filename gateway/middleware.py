@@ -108,14 +108,15 @@ class GatekeeperMiddleware:
 
 def request_id_of(headers: Headers) -> str:
     """The client's ``x-request-id`` if it is usable (printable ASCII, at most 128 characters), else a new one."""
-    request_id = _header(headers, b"x-request-id")
+    request_id = header_text(headers, b"x-request-id")
     if (not request_id or len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isascii()
             or not request_id.isprintable()):
         request_id = random_hex()
     return request_id
 
 
-def _header(headers: Headers, name: bytes) -> str:
+def header_text(headers: Headers, name: bytes) -> str:
+    """The first value of header ``name`` (lower case, as the server gives names), or ""."""
     for key, value in headers:
         if key == name:
             return str(value.decode("latin-1"))
@@ -123,7 +124,7 @@ def _header(headers: Headers, name: bytes) -> str:
 
 
 def _bearer(headers: Headers) -> bytes:
-    value = _header(headers, b"authorization")
+    value = header_text(headers, b"authorization")
     scheme, _, token = value.partition(" ")
     return token.strip().encode("latin-1") if scheme.lower() == "bearer" else b""
 

@@ -21,9 +21,11 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 from pdtest import stop_processes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,3 +155,16 @@ class TwoHosts:
     def close(self) -> None:
         for side in (self.a, self.b):
             side.stop()
+
+
+def two_hosts_or_skip(tmp: Path, subnet: str = "10.213.0") -> Iterator[TwoHosts]:
+    """A pytest fixture's body: ``TwoHosts.create`` (the test skipped, with the reason, where namespaces and veth
+    pairs cannot be made), closed after the test."""
+    try:
+        made = TwoHosts.create(tmp, subnet=subnet)
+    except Unavailable as exc:
+        pytest.skip(f"two network namespaces joined by a veth pair cannot be made here: {exc}")
+    try:
+        yield made
+    finally:
+        made.close()

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from netns import TwoHosts, Unavailable
+from netns import TwoHosts, two_hosts_or_skip
 from sim_reference import expected_tokens, text_of
 
 from gateway.tokenizer import ByteTokenizer
@@ -44,14 +44,7 @@ def _missing(transfer: str) -> str | None:
 
 @pytest.fixture
 def hosts(tmp_path: Path) -> Iterator[TwoHosts]:
-    try:
-        made = TwoHosts.create(tmp_path)
-    except Unavailable as exc:
-        pytest.skip(f"two network namespaces joined by a veth pair cannot be made here: {exc}")
-    try:
-        yield made
-    finally:
-        made.close()
+    yield from two_hosts_or_skip(tmp_path)
 
 
 def _chat(hosts: TwoHosts, auth: dict[str, str]) -> dict[str, object]:

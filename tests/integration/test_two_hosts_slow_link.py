@@ -10,14 +10,13 @@ Needs root and the ``tbf`` qdisc; skips with the reason elsewhere. Slow (tens of
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from netns import TwoHosts, Unavailable
+from netns import TwoHosts, two_hosts_or_skip
 
 pytestmark = pytest.mark.slow
 
@@ -31,24 +30,9 @@ CLEAN: dict[str, str | None] = {"NIXL_LOG_LEVEL": "WARN", "MC_LOG_LEVEL": "ERROR
                                 "UCX_TLS": None, "UCX_NET_DEVICES": None}
 
 
-def _missing(transfer: str) -> str | None:
-    if transfer == "mooncake" and importlib.util.find_spec("mooncake") is None:
-        return "mooncake-transfer-engine is not installed"
-    if transfer == "nixl" and not (importlib.util.find_spec("nixl_cu12") or importlib.util.find_spec("nixl")):
-        return "nixl is not installed"
-    return None
-
-
 @pytest.fixture
 def hosts(tmp_path: Path) -> Iterator[TwoHosts]:
-    try:
-        made = TwoHosts.create(tmp_path, subnet="10.215.0")
-    except Unavailable as exc:
-        pytest.skip(f"two network namespaces joined by a veth pair cannot be made here: {exc}")
-    try:
-        yield made
-    finally:
-        made.close()
+    yield from two_hosts_or_skip(tmp_path, subnet="10.215.0")
 
 
 def _rate_limit(hosts: TwoHosts, rate: str) -> None:
