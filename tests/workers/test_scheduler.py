@@ -919,10 +919,15 @@ def test_a_prefill_ends_a_waiting_request_its_decode_ended_without_waiting_its_t
         slow.bind(p.pool)
         p.engine = slow
         p.config = SchedulerConfig("prefill", chunk_size=64, max_running=1)
-        prompts = {1: [i % 250 for i in range(2400)], 2: list(range(40))}
-        for rid, prompt in prompts.items():
-            _submit_pd(d, p, pkv, rid, SamplingParams(max_new_tokens=4), prompt)
+        # The long one first, and prefilling before the short one comes: submitted together, the short one's page
+        # list sometimes reached the prefill first (a loaded CI machine), went first, and was never seen waiting.
+        _submit_pd(d, p, pkv, 1, SamplingParams(max_new_tokens=4), [i % 250 for i in range(2400)])
         deadline = time.monotonic() + 30
+        while not ((1, 1) in p.reqs and p.reqs[(1, 1)].stage == "prefill"):
+            assert time.monotonic() < deadline, {k: r.stage for k, r in p.reqs.items()}
+            d.step()
+            p.step()
+        _submit_pd(d, p, pkv, 2, SamplingParams(max_new_tokens=4), list(range(40)))
         while not ((1, 2) in p.reqs and p.reqs[(1, 2)].stage == "waiting"):  # (its decode's page list came)
             assert time.monotonic() < deadline, {k: r.stage for k, r in p.reqs.items()}
             d.step()
