@@ -17,9 +17,10 @@ Lifecycle:
    scratch, so the UCX wire-up (up to ~2 s) is paid here and not on a request's path.
 5. ``write`` only queues the batch: building the descriptor lists, ``initialize_xfer("WRITE")`` and
    ``transfer`` take milliseconds (UCX may even push the bytes inline), so the peer's sender thread
-   (``transfer.peer_threads``, pipelined) does them for every queued batch, then polls
-   ``check_xfer_state`` of every batch in flight, sleeping ~0.2 ms between rounds (spinning on it was
-   slower on 2 cores). ``poll`` only reads the state it recorded. A destination the peer never
+   (``transfer.peer_threads``, pipelined) does them for queued batches in turns of at most ``turn_bytes``
+   (rooms round-robin) while less than ``pipeline_bytes`` (default: 10 ms at the link's measured rate) is
+   in flight, then polls ``check_xfer_state`` of every turn in flight, sleeping ~0.2 ms between rounds
+   (spinning on it was slower on 2 cores). ``poll`` only reads the state it recorded. A destination the peer never
    registered is refused by NIXL (RANGE_REJECTED). NIXL imposes no deadline on a frozen peer (the
    write stays "PROC"): the KV manager's timeouts do.
 6. ``disconnect`` fails the peer's writes at once; its thread releases their handles and removes the
@@ -184,6 +185,10 @@ class NixlBackend(PeerThreadBackend):
                "peer (default: a dead peer fails its writes) or none (needed by shared-memory-only UCX_TLS)"),
         Option("ucx_num_workers", positive_int, "UCX workers of the agent (default 1)"),
         Option("num_threads", non_negative_int, "NIXL backend threads (default 0: none)"),
+        Option("turn_bytes", positive_int, "the most of one room's batch posted before another room's turn to the "
+               "same peer (default 4 MiB)"),
+        Option("pipeline_bytes", positive_int, "turns are posted to a peer while less than this is in flight to it "
+               "(default: 10 ms of its link's measured rate, at least one turn)"),
     )
 
     def __init__(self, num_threads: int = 0, *, host: str | None = None, advertise_host: str | None = None,
@@ -212,6 +217,8 @@ class NixlBackend(PeerThreadBackend):
         # is still ending) share its loaded metadata, removed only when the last of them ends.
         self._remote_refs: dict[Any, int] = {}
         super().__init__()  # peers, sender threads, write records (transfer.peer_threads)
+        self.turn_bytes = opts.get("turn_bytes", self.turn_bytes)
+        self.pipeline_bytes = opts.get("pipeline_bytes", self.pipeline_bytes)
         self._reg: list[Any] | None = None
         self._vram: list[DeviceRegion] = []  # our registered device memory
         self._scratch = (ctypes.c_ubyte * _SCRATCH_BYTES)()

@@ -10,12 +10,16 @@ Lifecycle:
    thread has nothing queued or in hand, is sent right there in the caller's thread (no hand-off to the
    peer's thread and back: at one request at a time those wake-ups cost more than the copy), and
    ``write`` returns its handle already DONE or FAILED (not notified: the caller polls it).
-3. The peer's thread takes jobs in order: a job whose fence is dead fails (ABORTED, "fenced") without a
-   byte sent; else ``_send(peer, blocks, fence)`` moves it (blocking) and answers None (DONE) or the
-   ``TransferError``. A ``pipelined`` backend (nixl) instead starts each batch with ``_post`` and
-   polls the ones in flight with ``_check`` between new ones (``_forget`` frees each at its end).
-   ``_send`` marks the peer dead (``peer.dead = error``) when its data path broke; the
-   thread then fails the rest of its queue and ends, and ``_peer_ended`` frees the peer's resources.
+3. The peer's thread takes jobs in turns (``TurnQueue``): in order within one room incarnation (fence), the
+   rooms with queued jobs round-robin, at most ``turn_bytes`` of one room's batch per turn (the rest goes
+   back to the head of its room's line), so a small request's KV waits for a turn of each room ahead of it,
+   not for every byte queued before it. A job whose fence is dead fails (ABORTED, "fenced") without (more
+   of) it sent; else ``_send(peer, blocks, fence)`` moves the turn's piece (blocking) and answers None (the
+   batch is DONE after its last piece) or the ``TransferError``. A ``pipelined`` backend (nixl) instead
+   starts each batch, whole, with ``_post`` and polls the ones in flight with ``_check`` between new ones
+   (``_forget`` frees each at its end). ``_send`` marks the peer dead (``peer.dead = error``) when its data
+   path broke; the thread then fails the rest of its queue and ends, and ``_peer_ended`` frees the peer's
+   resources.
 4. ``disconnect``/``close`` drop peers: queued writes fail at once; a write already being sent fails
    when ``_send`` returns (its bytes may still be landing until then), or at once when the subclass
    sets ``fail_inflight_on_drop`` (its engine call may outlive the drop); ``_interrupt`` unblocks a
@@ -29,6 +33,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -50,6 +55,102 @@ from transfer.errors import TransferError, TransferErrorKind
 log = logging.getLogger(__name__)
 
 Job = tuple[WriteHandle, list[Block], Fence]
+TURN_BYTES = 4 << 20  # default: the most of one room's batch a peer's thread sends before another room's turn
+
+
+class TurnQueue:
+    """A peer's queued jobs: first in, first out within one room incarnation (its fence), the rooms served in
+    turns. ``put(None)`` stops the queue: ``get`` answers None from then on, before any job still queued (the
+    peer is dead by then, and its thread fails what is left). ``get`` raises ``queue.Empty`` past its
+    ``timeout`` (or at once with ``block=False``), as ``queue.Queue``."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Condition(threading.Lock())
+        self._rooms: dict[tuple[int, int], deque[Job]] = {}  # in turn order: the first is next
+        self._stopped = False
+
+    def put(self, job: Job | None) -> None:
+        with self._ready:
+            if job is None:
+                self._stopped = True
+            else:
+                fence = job[2]
+                line = self._rooms.get((fence.room, fence.generation))
+                if line is None:
+                    self._rooms[(fence.room, fence.generation)] = deque((job,))
+                else:
+                    line.append(job)
+            self._ready.notify()
+
+    def put_back(self, job: Job) -> None:
+        """The rest of a job whose turn ended: first in its room's line, the room last in turn."""
+        with self._ready:
+            key = (job[2].room, job[2].generation)
+            line = self._rooms.pop(key, None)
+            if line is None:
+                line = deque()
+            line.appendleft(job)
+            self._rooms[key] = line
+            self._ready.notify()
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Job | None:
+        with self._ready:
+            if block and not self._ready.wait_for(lambda: self._stopped or bool(self._rooms), timeout):
+                raise queue.Empty
+            if self._stopped:
+                return None
+            if not self._rooms:
+                raise queue.Empty
+            key = next(iter(self._rooms))
+            line = self._rooms.pop(key)
+            job = line.popleft()
+            if line:
+                self._rooms[key] = line  # its next job waits for the other rooms' turns
+            return job
+
+    def get_nowait(self) -> Job | None:
+        return self.get(block=False)
+
+    def take_all(self) -> list[Job]:
+        """Every job still queued (the peer is ending)."""
+        with self._ready:
+            jobs = [job for line in self._rooms.values() for job in line]
+            self._rooms.clear()
+            return jobs
+
+
+def split_blocks(blocks: list[Block], limit: int) -> tuple[list[Block], list[Block]]:
+    """The first ``limit`` bytes of ``blocks`` and the rest (a block across the boundary is cut in two)."""
+    total = 0
+    for i, (src, dst, length) in enumerate(blocks):
+        if total + length > limit:
+            head_len = limit - total
+            if head_len <= 0:
+                return blocks[:i], blocks[i:]
+            return ([*blocks[:i], (src, dst, head_len)],
+                    [(src + head_len, dst + head_len, length - head_len), *blocks[i + 1:]])
+        total += length
+    return blocks, []
+
+
+class _LinkRate:
+    """A pipelined peer's link rate (bytes/s), from its turns' completions while it was busy: the bytes that
+    ended in one poll, over the time since the previous completion or since the link last went busy."""
+
+    def __init__(self) -> None:
+        self.rate = 0.0
+        self._since: float | None = None
+
+    def posted(self, busy: bool) -> None:
+        if not busy:  # (idle until now: time from here)
+            self._since = time.monotonic()
+
+    def ended(self, num_bytes: int) -> None:
+        now = time.monotonic()
+        if self._since is not None and now > self._since:
+            sample = num_bytes / (now - self._since)
+            self.rate = sample if not self.rate else 0.75 * self.rate + 0.25 * sample
+        self._since = now
 
 
 @dataclass(eq=False)
@@ -58,7 +159,7 @@ class SenderPeer:
 
     label: str  # for messages: an address, a session, a path
     peer_id: PeerId = 0
-    jobs: queue.Queue[Job | None] = field(default_factory=queue.Queue)
+    jobs: TurnQueue = field(default_factory=TurnQueue)
     dead: TransferError | None = None
     thread: threading.Thread | None = None
     num_queued: int = 0  # jobs queued or in the thread's hands (the backend's lock guards it)
@@ -72,8 +173,12 @@ class WriteRecord:
     peer: PeerId
     state: WriteState = WriteState.PENDING
     error: TransferError | None = None
-    sending: bool = False  # the peer's thread took it
-    started: float | None = None  # time.monotonic() when it was taken: its bytes began to move (``started_at``)
+    sending: bool = False  # a piece of it is in the peer's thread's hands (sent, or posted and in flight)
+    # time.monotonic() when its bytes began to move, or last moved (a piece ended while another is in flight);
+    # None while nothing of it is in hand (queued, or waiting for its next turn): ``started_at``
+    started: float | None = None
+    in_flight: int = 0  # pieces in hand (pipelined: posted, not ended; else at most one)
+    rest_queued: bool = False  # the rest of it waits for its room's next turn
 
 
 class PeerThreadBackend(WriteTable, TransferBackend):
@@ -89,6 +194,14 @@ class PeerThreadBackend(WriteTable, TransferBackend):
     join_on_disconnect: ClassVar[bool] = True  # False: disconnect returns without waiting for the thread
     join_timeout_s: ClassVar[float] = 5.0
     inline_max_bytes: ClassVar[int] = 0  # > 0: smaller batches to an idle peer go in the caller's thread
+    # the most of one room's batch sent in one turn (one ``_send`` or ``_post``) while other rooms' batches wait
+    # theirs; a backend may set it per instance (an option)
+    turn_bytes: int = TURN_BYTES
+    # pipelined: turns are started while less than this is in flight to the peer (beyond what keeps its link busy,
+    # they would only queue in the engine, first in, first out, and be timed by ``transfer_s`` there); None:
+    # ``pipeline_s`` of the link's rate as measured from the turns' completions, at least ``turn_bytes``
+    pipeline_bytes: int | None = None
+    pipeline_s: ClassVar[float] = 0.01
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -235,14 +348,48 @@ class PeerThreadBackend(WriteTable, TransferBackend):
         if changed and notify:
             self._settled()
 
+    def _piece_ended(self, handle: WriteHandle, error: TransferError | None, rest: bool = False) -> None:
+        """A piece of a batch ended (``rest``: and the rest of it goes back to wait for its room's next turn).
+        The batch fails with the first error, and is DONE once no piece is in flight and no rest waits; with
+        none in flight and a rest waiting, it counts as queued again (``started_at`` None; a drop fails it)."""
+        with self._lock:
+            record = self._writes.get(handle)
+            if record is None or record.state != WriteState.PENDING:
+                return
+            record.in_flight -= 1
+            record.rest_queued = record.rest_queued or rest
+            if error is not None:
+                record.state, record.error = WriteState.FAILED, error
+            elif record.in_flight:
+                record.started = time.monotonic()  # (moving: a piece of it landed)
+                return
+            elif record.rest_queued:
+                record.sending, record.started = False, None
+                return
+            else:
+                record.state = WriteState.DONE
+        self._settled()
+
+    def _rest_queued(self, handle: WriteHandle) -> None:
+        with self._lock:
+            record = self._writes.get(handle)
+            if record is not None:
+                record.rest_queued = True
+
     def _take(self, peer: SenderPeer, job: Job, *, notify: bool = True) -> bool:
-        """Mark a job taken by the peer's thread (or an inline sender); False (job failed) when the peer
-        is dead or its fence is (nothing of it is sent)."""
+        """Mark a job (or the rest of one, at its next turn) taken by the peer's thread or an inline sender;
+        False (nothing of it is sent) when the peer or its fence is dead (the job fails) or it already ended
+        (failed while it waited for its next turn)."""
         handle, _, fence = job
         with self._lock:
             record = self._writes.get(handle)
             if record is not None:
-                record.sending, record.started = True, time.monotonic()
+                if record.state != WriteState.PENDING:
+                    return False
+                if not record.in_flight:
+                    record.started = time.monotonic()
+                record.sending, record.rest_queued = True, False
+                record.in_flight += 1
         if peer.dead is not None:
             self._finish(handle, WriteState.FAILED, peer.dead, notify=notify)
             return False
@@ -258,7 +405,7 @@ class PeerThreadBackend(WriteTable, TransferBackend):
         return peer.dead
 
     def _send_loop(self, peer: SenderPeer) -> None:
-        active: list[tuple[WriteHandle, Any]] = []  # pipelined: batches started, not ended
+        active: list[tuple[WriteHandle, Any, int]] = []  # pipelined: pieces started, not ended (and their bytes)
         try:
             if self.pipelined:
                 self._pipeline(peer, active)
@@ -267,77 +414,103 @@ class PeerThreadBackend(WriteTable, TransferBackend):
                 job = peer.jobs.get()
                 if job is None:
                     break
+                rest: list[Block] = []
                 try:
                     with peer.send_lock:
                         if not self._take(peer, job):
                             continue
                         handle, blocks, fence = job
+                        blocks, rest = split_blocks(blocks, self.turn_bytes)
                         try:
                             error = self._send(peer, blocks, fence)
                         except Exception as exc:
                             error = self._bug(peer, exc)
-                        self._finish(handle, WriteState.DONE if error is None else WriteState.FAILED, error)
+                        if error is not None:
+                            rest = []
+                        self._piece_ended(handle, error, bool(rest))
                 finally:
-                    with self._lock:
-                        peer.num_queued -= 1
+                    if rest:
+                        peer.jobs.put_back((handle, rest, fence))
+                    else:
+                        with self._lock:
+                            peer.num_queued -= 1
         finally:
             dead = peer.dead or TransferError(TransferErrorKind.PEER_GONE, f"{self.name}: peer {peer.label} dropped")
             peer.dead = dead  # an inline sender checks it under ``send_lock``: nothing is sent past here
-            for handle, token in active:
+            for handle, token, _ in active:
                 self._finish(handle, WriteState.FAILED, dead)
                 self._forget(peer, token)
-            while True:  # fail whatever is still queued
-                try:
-                    job = peer.jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if job is not None:
-                    self._finish(job[0], WriteState.FAILED, dead)
+            for job in peer.jobs.take_all():  # fail whatever is still queued
+                self._finish(job[0], WriteState.FAILED, dead)
             with peer.send_lock:  # an inline batch being sent finishes first
                 self._peer_ended(peer)
 
-    def _pipeline(self, peer: SenderPeer, active: list[tuple[WriteHandle, Any]]) -> None:
-        """The pipelined loop: start every queued batch, then poll those in flight, until dropped."""
+    def _pipeline(self, peer: SenderPeer, active: list[tuple[WriteHandle, Any, int]]) -> None:
+        """The pipelined loop: start queued turns while less than the pipeline's budget is in flight, then poll
+        those in flight, until dropped."""
+        in_flight = 0
+        link = _LinkRate()
         while peer.dead is None:
-            try:
-                job = peer.jobs.get(timeout=0.05) if not active else peer.jobs.get_nowait()
-            except queue.Empty:
-                job = ()  # type: ignore[assignment]
+            job: Job | tuple[()] | None = ()
+            budget = self.pipeline_bytes or max(self.turn_bytes, int(link.rate * self.pipeline_s))
+            if in_flight < budget:
+                try:
+                    job = peer.jobs.get(timeout=0.05) if not active else peer.jobs.get_nowait()
+                except queue.Empty:
+                    pass
             if job is None:
                 return
             if job:
-                with self._lock:
-                    peer.num_queued -= 1
-                if self._take(peer, job):
-                    handle, blocks, fence = job
+                handle, blocks, fence = job
+                if not self._take(peer, job):
+                    rest: list[Block] = []
+                else:
+                    blocks, rest = split_blocks(blocks, self.turn_bytes)
+                    if rest:
+                        self._rest_queued(handle)
+                        peer.jobs.put_back((handle, rest, fence))
+                    link.posted(bool(active))
                     try:
                         token, error, done = self._post(peer, blocks, fence)
                     except Exception as exc:
                         token, error, done = None, self._bug(peer, exc), False
                     if error is not None or done:
-                        self._finish(handle, WriteState.FAILED if error else WriteState.DONE, error)
+                        self._piece_ended(handle, error)
                         self._forget(peer, token)
                     else:
-                        active.append((handle, token))
-                continue  # start everything queued before polling
-            still = []
-            for handle, token in active:
+                        size = sum(length for _, _, length in blocks)
+                        active.append((handle, token, size))
+                        in_flight += size
+                if not rest:
+                    with self._lock:
+                        peer.num_queued -= 1
+                continue  # start what may start before polling
+            still, ended = [], 0
+            for handle, token, size in active:
                 with self._lock:
                     record = self._writes.get(handle)
                     dropped = record is not None and record.state != WriteState.PENDING  # failed by a drop
                 if dropped:
                     self._forget(peer, token)
+                    in_flight -= size
                     continue  # (a released write is still polled: its token is freed once it ended)
                 try:
                     state, error = self._check(peer, token)
                 except Exception as exc:
                     state, error = WriteState.FAILED, self._bug(peer, exc)
                 if state == WriteState.PENDING:
-                    still.append((handle, token))
+                    still.append((handle, token, size))
+                    continue
+                if state == WriteState.FAILED:
+                    error = error or TransferError(TransferErrorKind.PEER_GONE, f"{self.name}: a write failed")
                 else:
-                    self._finish(handle, state, error)
-                    self._forget(peer, token)
+                    error, ended = None, ended + size
+                self._piece_ended(handle, error)
+                self._forget(peer, token)
+                in_flight -= size
             active[:] = still
+            if ended:
+                link.ended(ended)
             if active:
                 time.sleep(self.poll_sleep_s)
 

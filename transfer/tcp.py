@@ -3,8 +3,8 @@
 Lifecycle:
 1. ``TcpBackend(host="127.0.0.1", advertise_host=None, options=None)`` listens on an ephemeral port of
    ``host`` (``0.0.0.0`` for every interface); an accept thread serves every incoming connection with
-   its own receive thread. ``options`` (``--transfer-option``, ``OPTIONS``): socket buffer sizes and
-   the connect timeout.
+   its own receive thread. ``options`` (``--transfer-option``, ``OPTIONS``): socket buffer sizes, the
+   connect timeout and ``turn_bytes`` (rooms to one peer take turns: ``transfer.peer_threads``).
 2. ``register(regions)``: incoming batches may only write inside these regions.
 3. ``endpoint()`` is ``b"advertise_host:port"`` (``advertise_host`` defaults to ``host``; a wildcard
    ``host`` needs one); ``connect(endpoint)`` opens one persistent connection per peer
@@ -115,6 +115,8 @@ class TcpBackend(PeerThreadBackend):
         Option("sndbuf_bytes", positive_int, "SO_SNDBUF of outgoing data connections (default: the kernel's)"),
         Option("rcvbuf_bytes", positive_int, "SO_RCVBUF of incoming data connections (default: the kernel's)"),
         Option("connect_timeout_s", positive_float, "connecting to a peer's data port (default 5)"),
+        Option("turn_bytes", positive_int,
+               "the most of one room's batch sent before another room's turn to the same peer (default 4 MiB)"),
     )
 
     def __init__(self, host: str = "127.0.0.1", connect_timeout_s: float = 5.0, *,
@@ -128,6 +130,7 @@ class TcpBackend(PeerThreadBackend):
         self._sndbuf: int | None = opts.get("sndbuf_bytes")
         self._rcvbuf: int | None = opts.get("rcvbuf_bytes")
         super().__init__()  # peers, sender threads, write records (transfer.peer_threads)
+        self.turn_bytes = opts.get("turn_bytes", self.turn_bytes)
         self._regions = RegionSet([])
         self._inbound: list[tuple[socket.socket, threading.Thread]] = []
         # fencing (receiving side), under ``_lock``: on once a listener is set

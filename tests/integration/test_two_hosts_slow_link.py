@@ -2,8 +2,9 @@
 a long prompt takes seconds to cross. What must hold however slow the link (as long as it moves bytes):
 ``--transfer-timeout-s`` judges writes that do not move, not writes queued behind other rooms' writes on a link
 that is busy moving them (every request of a burst whose KV the link carries at its rate ends 200).
-(Not yet true, and not tested here: a small request's KV still waits behind every big transfer queued before
-it on the same prefill -> decode path, one FIFO per peer.)
+And rooms take turns on one prefill -> decode path: a small request's KV waits for a turn of each big
+transfer ahead of it, not for all of their bytes (it did, one FIFO per peer: 39 s at 20 mbit behind three long
+prompts).
 
 Needs root and the ``tbf`` qdisc; skips with the reason elsewhere. Slow (tens of seconds each).
 """
@@ -121,3 +122,30 @@ def test_transfer_timeout_does_not_fire_on_writes_queued_behind_a_moving_link(ho
         raise
     statuses = [b["status"] for b in out["bigs"]]  # type: ignore[union-attr]
     assert statuses == [200, 200, 200], [b["body"] for b in out["bigs"]]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("transfer", ["tcp", "mooncake", "nixl"])
+def test_a_small_request_does_not_wait_for_every_big_transfer_queued_before_it(hosts: TwoHosts, transfer: str) -> None:
+    # 3 x ~31 MiB at 50 mbit/s (~15 s), every chunk (2 MiB: 512 tokens) queued at once; once 1 MiB crossed, a
+    # short prompt. Measured in bytes, not time: what the decode's veth received while the short one was
+    # answered. First in, first out, that was all the big transfers' rest (~90 MiB); in turns, a turn of each
+    # (one chunk) plus what sits in the socket buffers and the tbf queue (2 s at the rate: ~12 MB).
+    pytest.importorskip({"tcp": "socket", "mooncake": "mooncake.engine", "nixl": "nixl"}[transfer])
+    _rate_limit(hosts, "50mbit")
+    _start(hosts, transfer, [])
+    try:
+        out = _client(hosts, num_big=3, small=True)
+    except Exception:
+        _dump(hosts)
+        raise
+    statuses = [b["status"] for b in out["bigs"]]  # type: ignore[union-attr]
+    assert statuses == [200, 200, 200], [b["body"] for b in out["bigs"]]  # type: ignore[union-attr]
+    assert out["small"]["status"] == 200, out["small"]  # type: ignore[index]
+    total, before, during = out["total_rx"], out["big_rx_so_far"], out["small_rx"]
+    assert isinstance(total, int) and isinstance(before, int) and isinstance(during, int)
+    assert total > 3 * 25 * 2**20, total  # (the big prompts' KV did cross)
+    left = total - before
+    print(f"{transfer}: {during / 2**20:.1f} MiB crossed while the short request was answered, "
+          f"of {left / 2**20:.1f} MiB left when it came")
+    assert during < left / 3, (f"the short request was answered after {during / 2**20:.1f} MiB of the "
+                               f"{left / 2**20:.1f} MiB still to cross when it came")
