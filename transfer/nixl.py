@@ -188,7 +188,7 @@ class NixlBackend(PeerThreadBackend):
         Option("turn_bytes", positive_int, "the most of one room's batch posted before another room's turn to the "
                "same peer (default 4 MiB)"),
         Option("pipeline_bytes", positive_int, "turns are posted to a peer while less than this is in flight to it "
-               "(default: 10 ms of its link's measured rate, at least one turn)"),
+               "(default: 10 ms of its link's measured rate, at least two turns in flight)"),
     )
 
     def __init__(self, num_threads: int = 0, *, host: str | None = None, advertise_host: str | None = None,

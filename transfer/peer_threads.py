@@ -135,22 +135,27 @@ def split_blocks(blocks: list[Block], limit: int) -> tuple[list[Block], list[Blo
 
 class _LinkRate:
     """A pipelined peer's link rate (bytes/s), from its turns' completions while it was busy: the bytes that
-    ended in one poll, over the time since the previous completion or since the link last went busy."""
+    ended over at least ``window_s`` of busy time (completions that bunch up, as transfers moved side by side
+    end, are averaged over the time they took, not over the gap between two polls)."""
+
+    window_s = 0.005
 
     def __init__(self) -> None:
         self.rate = 0.0
         self._since: float | None = None
+        self._bytes = 0
 
-    def posted(self, busy: bool) -> None:
+    def posted(self, busy: bool, now: float | None = None) -> None:
         if not busy:  # (idle until now: time from here)
-            self._since = time.monotonic()
+            self._since, self._bytes = time.monotonic() if now is None else now, 0
 
-    def ended(self, num_bytes: int) -> None:
-        now = time.monotonic()
-        if self._since is not None and now > self._since:
-            sample = num_bytes / (now - self._since)
+    def ended(self, num_bytes: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._bytes += num_bytes
+        if self._since is not None and now - self._since >= self.window_s:
+            sample = self._bytes / (now - self._since)
             self.rate = sample if not self.rate else 0.75 * self.rate + 0.25 * sample
-        self._since = now
+            self._since, self._bytes = now, 0
 
 
 @dataclass(eq=False)
@@ -179,6 +184,7 @@ class WriteRecord:
     started: float | None = None
     in_flight: int = 0  # pieces in hand (pipelined: posted, not ended; else at most one)
     rest_queued: bool = False  # the rest of it waits for its room's next turn
+    failing: TransferError | None = None  # failed while a piece was in flight: FAILED once none is
 
 
 class PeerThreadBackend(WriteTable, TransferBackend):
@@ -199,7 +205,7 @@ class PeerThreadBackend(WriteTable, TransferBackend):
     turn_bytes: int = TURN_BYTES
     # pipelined: turns are started while less than this is in flight to the peer (beyond what keeps its link busy,
     # they would only queue in the engine, first in, first out, and be timed by ``transfer_s`` there); None:
-    # ``pipeline_s`` of the link's rate as measured from the turns' completions, at least ``turn_bytes``
+    # ``pipeline_s`` of the link's rate as measured from the turns' completions, at least two turns in flight
     pipeline_bytes: int | None = None
     pipeline_s: ClassVar[float] = 0.01
 
@@ -358,6 +364,10 @@ class PeerThreadBackend(WriteTable, TransferBackend):
                 return
             record.in_flight -= 1
             record.rest_queued = record.rest_queued or rest
+            error = record.failing or error
+            if error is not None and record.in_flight:
+                record.failing, record.rest_queued = error, False  # (its other pieces are still landing)
+                return
             if error is not None:
                 record.state, record.error = WriteState.FAILED, error
             elif record.in_flight:
@@ -381,20 +391,21 @@ class PeerThreadBackend(WriteTable, TransferBackend):
         False (nothing of it is sent) when the peer or its fence is dead (the job fails) or it already ended
         (failed while it waited for its next turn)."""
         handle, _, fence = job
+        dead = peer.dead or (None if fence.live() else fenced(self.name, fence))
         with self._lock:
             record = self._writes.get(handle)
             if record is not None:
-                if record.state != WriteState.PENDING:
+                if record.state != WriteState.PENDING or record.failing is not None:
+                    return False
+                if dead is not None and record.in_flight:  # fails once its pieces in flight ended
+                    record.failing, record.rest_queued = dead, False
                     return False
                 if not record.in_flight:
                     record.started = time.monotonic()
                 record.sending, record.rest_queued = True, False
                 record.in_flight += 1
-        if peer.dead is not None:
-            self._finish(handle, WriteState.FAILED, peer.dead, notify=notify)
-            return False
-        if not fence.live():  # the room died on our side: send nothing of it
-            self._finish(handle, WriteState.FAILED, fenced(self.name, fence), notify=notify)
+        if dead is not None:  # the peer, or the room on our side: send nothing of it
+            self._finish(handle, WriteState.FAILED, dead, notify=notify)
             return False
         return True
 
@@ -452,8 +463,11 @@ class PeerThreadBackend(WriteTable, TransferBackend):
         link = _LinkRate()
         while peer.dead is None:
             job: Job | tuple[()] | None = ()
-            budget = self.pipeline_bytes or max(self.turn_bytes, int(link.rate * self.pipeline_s))
-            if in_flight < budget:
+            if self.pipeline_bytes is not None:
+                room = in_flight < self.pipeline_bytes
+            else:  # (two turns at least: one moving while the next is posted)
+                room = len(active) < 2 or in_flight < link.rate * self.pipeline_s
+            if room:
                 try:
                     job = peer.jobs.get(timeout=0.05) if not active else peer.jobs.get_nowait()
                 except queue.Empty:

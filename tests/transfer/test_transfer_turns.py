@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from transfer.base import UNFENCED, Block, Fence, WriteState
 from transfer.errors import TransferError, TransferErrorKind
-from transfer.peer_threads import PeerThreadBackend, SenderPeer, TurnQueue, split_blocks
+from transfer.peer_threads import PeerThreadBackend, SenderPeer, TurnQueue, _LinkRate, split_blocks
 from transfer.tcp import TcpBackend
 
 MiB = 1 << 20
@@ -248,10 +248,94 @@ def test_a_pipelined_backend_posts_turns_in_turn_within_its_budget() -> None:
         failing = backend.write(peer, [(0, 0, 3500)], Fence(4, 1))
         backend.wait_posted(len(backend.posted) + 3)
         backend.finish("failed")
-        _until(lambda: backend.poll(failing) == WriteState.FAILED)
+        time.sleep(0.05)
+        assert backend.poll(failing) == WriteState.PENDING  # (two of its turns are still in flight)
         for _ in range(2):
             backend.finish()
+        _until(lambda: backend.poll(failing) == WriteState.FAILED)
         time.sleep(0.05)
         assert [n for room, n in backend.posted if room == 4] == [1000] * 3  # (its last 500 bytes: not posted)
     finally:
         backend.close()
+
+
+class _Forgetful(_Pipelined):
+    """Records the tokens forgotten (freed) while still pending in the engine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forgot_pending: list[int] = []
+
+    def _forget(self, peer: SenderPeer, token: Any) -> None:
+        with self.lock:
+            if token is not None and self.open.get(token) == "pending":
+                self.forgot_pending.append(token)
+
+
+def test_a_pipelined_write_whose_room_dies_between_turns_fails_once_its_turns_in_flight_ended() -> None:
+    """(Review.) The room dies after its write's first turn was posted, before the rest's turn: FAILED at once,
+    the KV sender would retire it and tell the decode the room is quiet (nixl does not fence writes): the decode
+    would reuse the room's pages while the first turn's bytes were still on their way."""
+    backend = _Forgetful()
+    calls = {"n": 0}
+
+    def live() -> bool:  # alive for the first turn's take, dead from the second on (the room was aborted)
+        calls["n"] += 1
+        return calls["n"] == 1
+
+    try:
+        peer = backend.connect(b"")
+        handle = backend.write(peer, [(0, 0, 2000)], Fence(1, 1, live))
+        backend.wait_posted(1)
+        time.sleep(0.05)  # (the rest's turn was taken: its fence is dead, nothing more posted)
+        assert backend.posted == [(1, 1000)]
+        assert backend.poll(handle) == WriteState.PENDING, "FAILED while its first turn is still in flight"
+        assert backend.forgot_pending == [], "a turn still in flight was released"
+        backend.finish()
+        _until(lambda: backend.poll(handle) == WriteState.FAILED)
+    finally:
+        backend.close()
+
+
+def test_a_pipelined_write_with_a_failed_turn_fails_once_its_other_turns_ended() -> None:
+    backend = _Forgetful()
+    try:
+        peer = backend.connect(b"")
+        handle = backend.write(peer, [(0, 0, 2000)], Fence(1, 1))
+        backend.wait_posted(2)
+        with backend.lock:  # the second turn fails first; the first is still in the engine
+            backend.open[2] = "failed"
+        time.sleep(0.05)
+        assert backend.poll(handle) == WriteState.PENDING, "FAILED while another turn is still in flight"
+        assert backend.forgot_pending == [], "a turn still in flight was released"
+        backend.finish()
+        _until(lambda: backend.poll(handle) == WriteState.FAILED)
+    finally:
+        backend.close()
+
+
+def test_a_pipelined_peer_keeps_two_turns_in_flight_before_its_rate_is_known() -> None:
+    """(Review.) With one turn in flight at a time the link idled for every post and poll between turns."""
+    backend = _Pipelined()
+    backend.pipeline_bytes = None  # (measured: nothing has ended yet, so at least two turns)
+    try:
+        peer = backend.connect(b"")
+        backend.write(peer, [(0, 0, 5000)], Fence(1, 1))
+        backend.wait_posted(2)
+        assert backend.posted == [(1, 1000)] * 2
+    finally:
+        backend.close()
+
+
+def test_link_rate_averages_completions_that_bunch_up() -> None:
+    """(Review.) Transfers that move side by side end together: the bytes of one poll over the gap since the
+    previous completion read as a rate hundreds of times the link's, and the budget ran away with it."""
+    link = _LinkRate()
+    link.posted(False, now=0.0)
+    t = 0.0
+    for _ in range(20):  # a 100 MB/s link: eight 1 MB transfers side by side end together every 80 ms,
+        t += 0.08        # in two polls 0.2 ms apart
+        link.ended(4_000_000, now=t)
+        link.ended(4_000_000, now=t + 0.0002)
+        t += 0.0002
+    assert 50e6 < link.rate < 200e6, link.rate
