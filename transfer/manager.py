@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from transfer.base import NotifiesCompletion, TransferBackend
+from transfer.base import NotifiesCompletion, PeerId, TransferBackend
 from transfer.context import Context, Outbox, flush
 from transfer.decode import DecodeSide, Resolver
 from transfer.prefill import PrefillSide
@@ -163,9 +163,12 @@ class KVManager:
                     return
                 ctx.kicked = False  # kicks from now on are seen by the wait below
                 now = time.monotonic()
+                stalled: list[PeerId] = []
                 try:
                     busy = side.tick(now, outbox)
                     silent = side.take_broken()
+                    if self._prefill is not None:
+                        stalled = self._prefill.rooms.take_stalled()
                     if now >= next_beat:
                         silent += side.heartbeat(now, outbox)
                         next_beat = now + self.timeouts.heartbeat_interval_s
@@ -175,6 +178,9 @@ class KVManager:
             flush(outbox)
             for channel, error in silent:
                 channel.close(error)
+            for peer in stalled:  # (a drop may wait seconds for the peer's sender thread: not on this thread)
+                threading.Thread(target=ctx.backend.disconnect, args=(peer,), name="kv-drop-stalled",
+                                 daemon=True).start()
             with ctx.lock:
                 if ctx.closed:
                     return

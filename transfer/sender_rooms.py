@@ -28,7 +28,7 @@ from collections import deque
 
 import numpy as np
 
-from transfer.base import WriteState
+from transfer.base import PeerId, WriteState
 from transfer.blocks import check_pages, kv_blocks, merge_runs
 from transfer.channel import ControlChannel
 from transfer.context import Context, Outbox, flush, room_error
@@ -61,6 +61,7 @@ class SenderRooms:
         # links to close once none of their writes is in flight (``take_broken``): their data path died under
         # an open control connection, or their decode fell silent; id(link) -> (link, why, that is the close's)
         self._broken: dict[int, tuple[Link, TransferError, bool]] = {}
+        self._stalled: list[PeerId] = []  # data paths to drop (``take_stalled``): a write on them stopped moving
         slot_bytes = max(ctx.args.aux_slot_bytes, 1)
         self.staging = np.zeros((NUM_STAGING_SLOTS, slot_bytes), dtype=np.uint8)
         self._free_slots = list(range(NUM_STAGING_SLOTS - 1, -1, -1))
@@ -255,6 +256,24 @@ class SenderRooms:
             self._broken[id(link)] = (link, error, False)
             self._ctx.kick()
 
+    def _data_path_stalled(self, link: Link, error: TransferError) -> None:
+        """A write to ``link``'s decode moved nothing for ``transfer_s`` (lock held) while its heartbeats live: a
+        data path that broke silently (a route or a firewall that drops the data connection's packets, large
+        packets black-holed, a wedged receiver). Every room queued to that decode behind it would wait for the
+        decode's ``waiting_s``: the data path is dropped instead (``take_stalled``: its queued writes fail at
+        once, a write stuck in a socket is cut off), and the connection closed once none of its writes is in
+        flight, so that the decode registers again with a fresh data path."""
+        if link.closed or link.peer is None or id(link) in self._broken:
+            return
+        self._broken[id(link)] = (link, error, False)
+        self._stalled.append(link.peer)
+        self._ctx.kick()
+
+    def take_stalled(self) -> list[PeerId]:
+        """Data paths to drop (lock held; the caller disconnects them outside it: a drop may wait for a thread)."""
+        stalled, self._stalled = self._stalled, []
+        return stalled
+
     def close_when_quiet(self, link: Link, error: TransferError) -> None:
         """Close ``link`` (with ``error``) once none of its writes is in flight (lock held): a silent decode
         of a backend that does not fence writes takes the close as the end of every write of its rooms, and
@@ -409,8 +428,8 @@ class SenderRooms:
         backend, room = self._ctx.backend, sender.room
         request = sender.request
         assert request is not None
-        done, failed, overdue = sender.settle(backend.poll, now, self._ctx.timeouts.transfer_s,
-                                              getattr(backend, "started_at", None))
+        started_at = getattr(backend, "started_at", None)
+        done, failed, overdue = sender.settle(backend.poll, now, self._ctx.timeouts.transfer_s, started_at)
         for write in done:
             self._retire(write)
         if overdue:
@@ -419,6 +438,8 @@ class SenderRooms:
                 f"room {room}: a chunk to {request.link.channel.name} still pending "
                 f"{self._ctx.timeouts.transfer_s:g}s after it began to be sent",
             )
+            if started_at is not None:  # (else timed from its post: it may only have queued behind others)
+                self._data_path_stalled(request.link, error)
             self._fail(sender, error, outbox)
         elif failed is not None:
             cause = backend.error(failed.handle)

@@ -12,6 +12,7 @@ Needs root and the ``tbf`` qdisc; skips with the reason elsewhere. Slow (tens of
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -149,3 +150,68 @@ def test_a_small_request_does_not_wait_for_every_big_transfer_queued_before_it(h
           f"of {left / 2**20:.1f} MiB left when it came")
     assert during < left / 3, (f"the short request was answered after {during / 2**20:.1f} MiB of the "
                                f"{left / 2**20:.1f} MiB still to cross when it came")
+
+
+def _iptables(hosts: TwoHosts, *rule: str) -> None:
+    b = hosts.b
+    assert b.holder is not None
+    out = subprocess.run(["nsenter", "-t", str(b.holder.pid), "--net", "--", "iptables", *rule],
+                         capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        pytest.skip(f"no iptables here: {out.stderr.strip()}")
+
+
+def test_a_data_path_that_stops_moving_is_dropped_and_the_next_request_goes_over_a_fresh_one(hosts: TwoHosts) -> None:
+    # The decode's host drops every large packet from the prefill's (small ones pass: heartbeats, control
+    # messages): the data connection stalls while the control connection lives, as behind a black hole for
+    # large packets. Each request still ends (the rooms queued behind the stalled write fail with it instead of
+    # waiting for the decode's waiting_s, 300 s); once the path is clear again, a request succeeds at once over
+    # a fresh data connection (the old one's retransmissions back off for minutes after a long outage).
+    _start(hosts, "tcp", ["--transfer-timeout-s", "3"])
+    rule = ["INPUT", "-i", hosts.b.ifname, "-p", "tcp", "-m", "length", "--length", "1200:65535", "-j", "DROP"]
+    code = f"""
+import json, threading, time, httpx
+URL = "http://127.0.0.1:{PORTS['gateway']}/v1/completions"
+def post(prompt, timeout):
+    try:
+        body = {{"model": "sim", "prompt": prompt, "max_tokens": 4, "temperature": 0}}
+        r = httpx.post(URL, json=body, timeout=timeout)
+        return {{"status": r.status_code, "body": r.text[:300]}}
+    except httpx.TimeoutException as exc:
+        return {{"status": "client timeout", "body": repr(exc)}}
+"""
+    try:
+        warm = json.loads(hosts.b.python(code + "print(json.dumps(post('warm up', 30)))"))
+        assert warm["status"] == 200, warm
+        _iptables(hosts, "-A", *rule)
+        try:
+            stalled = json.loads(hosts.b.python(code + """
+out = {}
+def big(): out["big"] = post("big " + " ".join(f"w{j}" for j in range(400)), 90)
+t = threading.Thread(target=big); t.start(); time.sleep(0.5)
+out["small"] = post("small hi", 90)
+t.join()
+print(json.dumps(out))""", timeout_s=200))
+        finally:
+            _iptables(hosts, "-D", *rule)
+        after = json.loads(hosts.b.python(code + """
+tries = []
+end = time.monotonic() + 60
+while time.monotonic() < end:  # (the gateway's breaker may hold the pair out for its cool-down first)
+    tries.append(post("after it cleared", 30))
+    if tries[-1]["status"] == 200:
+        break
+    time.sleep(1)
+print(json.dumps(tries))""", timeout_s=200))
+    except Exception:
+        _dump(hosts)
+        raise
+    # (while the path is black-holed every request ends, with an error: the gateway retried on the only pair)
+    for name in ("big", "small"):
+        assert stalled[name]["status"] != "client timeout", (name, stalled)
+    print("while stalled:", stalled, f"\nafter: {len(after)} tries, the last {after[-1]['status']}")
+    assert after[-1]["status"] == 200, after
+    log = hosts.a.log("prefill")
+    assert "still pending" in log, log[-3000:]
+    # (each retry came over a new control connection: the decode registered again, with a fresh data path)
+    assert len(set(re.findall(r"a chunk to (decode@[0-9.]+:[0-9]+) still pending", log))) >= 2, log[-3000:]
