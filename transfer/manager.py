@@ -34,6 +34,7 @@ from typing import Literal
 from transfer.base import NotifiesCompletion, PeerId, TransferBackend
 from transfer.context import Context, Outbox, flush
 from transfer.decode import DecodeSide, Resolver
+from transfer.errors import TransferError, TransferErrorKind
 from transfer.prefill import PrefillSide
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
@@ -178,9 +179,11 @@ class KVManager:
             flush(outbox)
             for channel, error in silent:
                 channel.close(error)
-            for peer in stalled:  # (a drop may wait seconds for the peer's sender thread: not on this thread)
-                threading.Thread(target=ctx.backend.disconnect, args=(peer,), name="kv-drop-stalled",
-                                 daemon=True).start()
+            fail_queued: Callable[[PeerId, TransferError], None] | None = getattr(ctx.backend, "fail_queued", None)
+            for peer in stalled:
+                if fail_queued is not None:
+                    fail_queued(peer, TransferError(TransferErrorKind.PEER_GONE, "the data path to the decode "
+                                                    "stalled behind another room's write"))
             with ctx.lock:
                 if ctx.closed:
                     return

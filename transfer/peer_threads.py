@@ -532,6 +532,19 @@ class PeerThreadBackend(WriteTable, TransferBackend):
         target = self._peer(peer)
         return target is not None and target.dead is None and target.thread is not None and target.thread.is_alive()
 
+    def fail_queued(self, peer: PeerId, error: TransferError) -> None:
+        """Fail the peer's writes nothing of which is on the wire now (queued, or waiting for their next turn),
+        leaving the peer and the writes in hand as they are: they wait behind a stalled one (the KV manager
+        closes the decode's connection once that one ended)."""
+        with self._lock:
+            failed = 0
+            for record in self._writes.values():
+                if record.peer == peer and record.state == WriteState.PENDING and not record.sending:
+                    record.state, record.error = WriteState.FAILED, error
+                    failed += 1
+        if failed:
+            self._settled()
+
     def disconnect(self, peer: PeerId) -> None:
         with self._lock:
             target = self._peers.pop(peer, None)

@@ -43,11 +43,11 @@ class PrefillSide:
     def __init__(self, ctx: Context, host: str, port: int) -> None:
         self._ctx = ctx
         self._links: dict[ControlChannel, Link] = {}
-        self.rooms = SenderRooms(ctx)
         # (as the decode decides: with fences, it refuses a closed room's writes itself; without, it takes the
         # control connection's close as the end of every write of that connection's rooms)
         backend = ctx.backend
         self._fences_writes = isinstance(backend, FencesWrites)
+        self.rooms = SenderRooms(ctx, fences_writes=self._fences_writes)
         if isinstance(backend, FencesWrites):
             # Fencing on and no fence ever opened: a prefill takes no writes (before, anyone reaching its data port
             # could write into its pool, prefix-cache pages included)

@@ -44,8 +44,9 @@ SETTLE_HERE_MAX_ROOMS = 8  # settle_here progresses rooms itself up to this many
 
 
 class SenderRooms:
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, *, fences_writes: bool = False) -> None:
         self._ctx = ctx
+        self._fences_writes = fences_writes  # the decodes' backend refuses a closed room's writes itself
         self._senders: dict[int, KVSender] = {}
         self._requests: dict[int, PageList] = {}
         # rooms the decode ended (aborted, or its connection closed) before a sender: (why, expiry)
@@ -59,9 +60,10 @@ class SenderRooms:
         self._graveyard: list[PostedWrite] = []
         self._unquiet: dict[int, Link] = {}  # failed rooms whose decode awaits Quiesced
         # links to close once none of their writes is in flight (``take_broken``): their data path died under
-        # an open control connection, or their decode fell silent; id(link) -> (link, why, that is the close's)
-        self._broken: dict[int, tuple[Link, TransferError, bool]] = {}
-        self._stalled: list[PeerId] = []  # data paths to drop (``take_stalled``): a write on them stopped moving
+        # an open control connection, or their decode fell silent; id(link) -> (link, why, that is the close's,
+        # close it at once: a stalled data path to a decode that fences)
+        self._broken: dict[int, tuple[Link, TransferError, bool, bool]] = {}
+        self._stalled: list[PeerId] = []  # data paths whose queued writes fail now (``take_stalled``)
         slot_bytes = max(ctx.args.aux_slot_bytes, 1)
         self.staging = np.zeros((NUM_STAGING_SLOTS, slot_bytes), dtype=np.uint8)
         self._free_slots = list(range(NUM_STAGING_SLOTS - 1, -1, -1))
@@ -107,6 +109,8 @@ class SenderRooms:
                 problem = _ended_error(room, self._ended.pop(room)[0])
             elif sender is not None and sender.poll() == KVPoll.Failed:
                 problem = sender.failure()
+            elif id(link) in self._broken:
+                problem = _resetting(room, link)
             if problem is not None:
                 _refuse(outbox, channel, room, problem)
                 if sender is not None and sender.request is None:
@@ -206,7 +210,11 @@ class SenderRooms:
             write: PostedWrite | None = None
             error: TransferError | None = None
             posted = time.monotonic()  # (before write(): a batch it completes inline is timed too)
-            if blocks:
+            if blocks and id(link) in self._broken:  # (queued behind a stalled write, or to a dead peer)
+                if slot is not None:
+                    self._free_slots.append(slot)
+                error = _resetting(room, link)
+            elif blocks:
                 try:
                     handle = ctx.backend.write(link.peer, blocks, sender.fence)
                 except TransferError as exc:  # (refused before it was posted: the slot is free again)
@@ -253,24 +261,30 @@ class SenderRooms:
         with a fresh data path, for its next room."""
         if error.kind in (TransferErrorKind.PEER_GONE, TransferErrorKind.PEER_UNREACHABLE) and not link.closed \
                 and id(link) not in self._broken:
-            self._broken[id(link)] = (link, error, False)
+            self._broken[id(link)] = (link, error, False, False)
             self._ctx.kick()
 
     def _data_path_stalled(self, link: Link, error: TransferError) -> None:
         """A write to ``link``'s decode moved nothing for ``transfer_s`` (lock held) while its heartbeats live: a
         data path that broke silently (a route or a firewall that drops the data connection's packets, large
         packets black-holed, a wedged receiver). Every room queued to that decode behind it would wait for the
-        decode's ``waiting_s``: the data path is dropped instead (``take_stalled``: its queued writes fail at
-        once, a write stuck in a socket is cut off), and the connection closed once none of its writes is in
-        flight, so that the decode registers again with a fresh data path."""
+        decode's ``waiting_s``, and the stuck connection, once the path cleared, resumes at TCP's backed-off
+        retransmission. So the control connection is closed, and the decode registers again with a fresh data
+        path: at once when the decode fences writes (its fences keep the stuck write's bytes out of its pages;
+        the close drops the data path, which cuts the stuck write off and fails the writes queued behind it);
+        else once the stuck write ended (it may still land: the decode takes the close as the end of every
+        write), the writes queued behind it failed at once (``take_stalled``: nothing of them is on the wire)
+        and no more rooms or writes taken on the link meanwhile."""
         if link.closed or link.peer is None or id(link) in self._broken:
             return
-        self._broken[id(link)] = (link, error, False)
-        self._stalled.append(link.peer)
+        self._broken[id(link)] = (link, error, False, self._fences_writes)
+        if not self._fences_writes:
+            self._stalled.append(link.peer)
         self._ctx.kick()
 
     def take_stalled(self) -> list[PeerId]:
-        """Data paths to drop (lock held; the caller disconnects them outside it: a drop may wait for a thread)."""
+        """Data paths whose queued writes (none of whose bytes are on the wire) are to fail now (lock held; the
+        caller fails them outside it, ``fail_queued`` of a thread-per-peer backend)."""
         stalled, self._stalled = self._stalled, []
         return stalled
 
@@ -279,7 +293,7 @@ class SenderRooms:
         of a backend that does not fence writes takes the close as the end of every write of its rooms, and
         one frozen mid-write would, when it wakes, give out pages that a write still on the wire lands in."""
         if not link.closed and id(link) not in self._broken:
-            self._broken[id(link)] = (link, error, True)
+            self._broken[id(link)] = (link, error, True, False)
             self._ctx.kick()
 
     def take_broken(self) -> list[tuple[ControlChannel, TransferError]]:
@@ -289,10 +303,11 @@ class SenderRooms:
         its way (of a room the backend has not failed yet) could land in pages it gave out again."""
         in_flight = {write.room for write in self._graveyard}
         broken = []
-        for key, (link, error, as_is) in list(self._broken.items()):
+        for key, (link, error, as_is, at_once) in list(self._broken.items()):
             if not link.closed:
-                if any(room in in_flight and waiting is link for room, waiting in self._unquiet.items()) or any(
-                        sender.has_writes and sender.belongs_to(link) for sender in self._senders.values()):
+                busy = any(room in in_flight and waiting is link for room, waiting in self._unquiet.items()) or any(
+                    sender.has_writes and sender.belongs_to(link) for sender in self._senders.values())
+                if busy and not at_once:
                     continue  # (the next tick looks again: it runs while writes are pending)
                 closing = error if as_is else TransferError(
                     TransferErrorKind.PEER_GONE, f"{link.channel.name}: the data path broke ({error.message}); "
@@ -491,6 +506,12 @@ class SenderRooms:
 
 def _ended_error(room: int, reason: str) -> TransferError:
     return TransferError(TransferErrorKind.ABORTED, f"room {room}: the prefill ended it: {reason}")
+
+
+def _resetting(room: int, link: Link) -> TransferError:
+    return TransferError(TransferErrorKind.PEER_GONE, f"room {room}: the data path to {link.channel.name} broke or "
+                         "stalled; its connection closes once none of its writes is on the wire, and the decode "
+                         "registers again")
 
 
 def _refuse(outbox: Outbox, channel: ControlChannel, room: int, error: TransferError) -> None:

@@ -255,6 +255,14 @@ class ShmBackend(PeerThreadBackend):
             inner = self._net_peers.get(peer)
         return super().probe(peer) if inner is None else self.network.probe(inner)
 
+    def fail_queued(self, peer: PeerId, error: TransferError) -> None:
+        with self._lock:
+            inner = self._net_peers.get(peer)
+        if inner is None:
+            super().fail_queued(peer, error)
+        elif (fail := getattr(self.network, "fail_queued", None)) is not None:
+            fail(inner, error)
+
     def disconnect(self, peer: PeerId) -> None:
         with self._lock:
             inner = self._net_peers.pop(peer, None)
