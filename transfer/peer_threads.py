@@ -389,21 +389,23 @@ class PeerThreadBackend(WriteTable, TransferBackend):
     def _take(self, peer: SenderPeer, job: Job, *, notify: bool = True) -> bool:
         """Mark a job (or the rest of one, at its next turn) taken by the peer's thread or an inline sender;
         False (nothing of it is sent) when the peer or its fence is dead (the job fails) or it already ended
-        (failed while it waited for its next turn)."""
+        (failed while it waited for its next turn, or released: (review) a write ``fail_queued`` failed, whose
+        room the KV manager then called quiet, went out when the thread took it after its release)."""
         handle, _, fence = job
         dead = peer.dead or (None if fence.live() else fenced(self.name, fence))
         with self._lock:
             record = self._writes.get(handle)
-            if record is not None:
-                if record.state != WriteState.PENDING or record.failing is not None:
-                    return False
-                if dead is not None and record.in_flight:  # fails once its pieces in flight ended
-                    record.failing, record.rest_queued = dead, False
-                    return False
-                if not record.in_flight:
-                    record.started = time.monotonic()
-                record.sending, record.rest_queued = True, False
-                record.in_flight += 1
+            if record is None:  # released: its end was reported and acted on (a FAILED one's room is quiet)
+                return False
+            if record.state != WriteState.PENDING or record.failing is not None:
+                return False
+            if dead is not None and record.in_flight:  # fails once its pieces in flight ended
+                record.failing, record.rest_queued = dead, False
+                return False
+            if not record.in_flight:
+                record.started = time.monotonic()
+            record.sending, record.rest_queued = True, False
+            record.in_flight += 1
         if dead is not None:  # the peer, or the room on our side: send nothing of it
             self._finish(handle, WriteState.FAILED, dead, notify=notify)
             return False
@@ -439,6 +441,12 @@ class PeerThreadBackend(WriteTable, TransferBackend):
                         if error is not None:
                             rest = []
                         self._piece_ended(handle, error, bool(rest))
+                        if error is not None and error.kind == TransferErrorKind.TIMEOUT:
+                            # (the engine's own verdict on a stalled path, before the KV manager's: what waits
+                            # behind it would go into the engine in turn and wait out a timeout of its own)
+                            self.fail_queued(peer.peer_id, TransferError(
+                                TransferErrorKind.PEER_GONE, f"{self.name}: the data path to {peer.label} stalled "
+                                "behind another room's write"))
                 finally:
                     if rest:
                         peer.jobs.put_back((handle, rest, fence))

@@ -60,9 +60,9 @@ class SenderRooms:
         self._graveyard: list[PostedWrite] = []
         self._unquiet: dict[int, Link] = {}  # failed rooms whose decode awaits Quiesced
         # links to close once none of their writes is in flight (``take_broken``): their data path died under
-        # an open control connection, or their decode fell silent; id(link) -> (link, why, that is the close's,
-        # close it at once: a stalled data path to a decode that fences)
-        self._broken: dict[int, tuple[Link, TransferError, bool, bool]] = {}
+        # an open control connection, or their decode fell silent; id(link) -> (link, why, that is the close's)
+        self._broken: dict[int, tuple[Link, TransferError, bool]] = {}
+        self._closing: list[tuple[ControlChannel, TransferError]] = []  # closed already: their channels to close
         self._stalled: list[PeerId] = []  # data paths whose queued writes fail now (``take_stalled``)
         slot_bytes = max(ctx.args.aux_slot_bytes, 1)
         self.staging = np.zeros((NUM_STAGING_SLOTS, slot_bytes), dtype=np.uint8)
@@ -230,8 +230,10 @@ class SenderRooms:
                     ctx.num_bytes_sent += sum(length for _, _, length in blocks)
             sender.chunk_posted(len(page_ids), last, len(aux) if aux else None, write, posted)
             if error is not None:
-                self._data_path_failed(link, error)
-                self._fail(sender, room_error(room, error), outbox)
+                breaks = error.kind in _BROKEN
+                self._fail(sender, room_error(room, error), outbox, notify=not (breaks and self._closes_now(link)))
+                if breaks:
+                    self._data_path_broke(link, error)
             elif write is None or ctx.backend.poll(write.handle) != WriteState.PENDING:
                 # settled already (a small same-host copy, or nothing to write): no hand-off to the monitor
                 self._progress(sender, time.monotonic(), outbox)
@@ -253,33 +255,36 @@ class SenderRooms:
         if notify and request is not None and not request.link.closed:
             outbox.append((request.link.channel, RoomStatus(sender.room, False, error.kind.value, error.message)))
 
-    def _data_path_failed(self, link: Link, error: TransferError) -> None:
-        """A write to ``link``'s decode failed because the data path broke (lock held). The tcp backend
-        keeps a broken peer's mark (every later write fails with it), so while the control connection
-        stays up every room of the pair would fail for good; Mooncake and NIXL may recover, or not. The
-        connection is closed instead (by the monitor, ``take_broken``), and the decode registers again,
-        with a fresh data path, for its next room."""
-        if error.kind in (TransferErrorKind.PEER_GONE, TransferErrorKind.PEER_UNREACHABLE) and not link.closed \
-                and id(link) not in self._broken:
-            self._broken[id(link)] = (link, error, False, False)
-            self._ctx.kick()
+    def _closes_now(self, link: Link) -> bool:
+        """Whether ``_data_path_broke`` would close ``link`` at once (lock held): the caller then fails the room
+        it is at without a word (the decode learns it from the close: a status first, and its next room could go
+        over the dying connection before it read the close)."""
+        return self._fences_writes and not link.closed and link.peer is not None and id(link) not in self._broken
 
-    def _data_path_stalled(self, link: Link, error: TransferError) -> None:
-        """A write to ``link``'s decode moved nothing for ``transfer_s`` (lock held) while its heartbeats live: a
-        data path that broke silently (a route or a firewall that drops the data connection's packets, large
-        packets black-holed, a wedged receiver). Every room queued to that decode behind it would wait for the
-        decode's ``waiting_s``, and the stuck connection, once the path cleared, resumes at TCP's backed-off
-        retransmission. So the control connection is closed, and the decode registers again with a fresh data
-        path: at once when the decode fences writes (its fences keep the stuck write's bytes out of its pages;
-        the close drops the data path, which cuts the stuck write off and fails the writes queued behind it);
-        else once the stuck write ended (it may still land: the decode takes the close as the end of every
-        write), the writes queued behind it failed at once (``take_stalled``: nothing of them is on the wire)
-        and no more rooms or writes taken on the link meanwhile."""
+    def _data_path_broke(self, link: Link, error: TransferError, *, stalled: bool = False) -> None:
+        """A write to ``link``'s decode failed because its data path broke (PEER_GONE, PEER_UNREACHABLE), or moved
+        nothing for ``transfer_s`` while the decode's heartbeats live (``stalled``: a route or a firewall dropping
+        the data connection's packets, large packets black-holed, a wedged receiver); lock held. The tcp backend
+        keeps a broken peer's mark (every later write fails with it); a stalled path holds every room queued to
+        that decode behind it until the decode's ``waiting_s``, and a stuck tcp connection, once the path clears,
+        resumes at TCP's backed-off retransmission. So the control connection is closed, and the decode registers
+        again, with a fresh data path, for its next room: at once when the decode fences writes (its fences keep
+        a stuck write's bytes out of its pages; the close drops the data path, which cuts that write off and
+        fails those queued behind it); else once none of the link's writes is in flight (the decode takes the
+        close as the end of every write, and a stuck one may still land), the writes queued behind a stalled one
+        failed at once meanwhile (``take_stalled``: nothing of them is on the wire), and no new room or write
+        taken on the link."""
         if link.closed or link.peer is None or id(link) in self._broken:
             return
-        self._broken[id(link)] = (link, error, False, self._fences_writes)
-        if not self._fences_writes:
-            self._stalled.append(link.peer)
+        if self._fences_writes:
+            closing = _closing_error(link, error)
+            link.closed = True
+            self.on_link_closed(link, closing)
+            self._closing.append((link.channel, closing))
+        else:
+            self._broken[id(link)] = (link, error, False)
+            if stalled:
+                self._stalled.append(link.peer)
         self._ctx.kick()
 
     def take_stalled(self) -> list[PeerId]:
@@ -293,7 +298,7 @@ class SenderRooms:
         of a backend that does not fence writes takes the close as the end of every write of its rooms, and
         one frozen mid-write would, when it wakes, give out pages that a write still on the wire lands in."""
         if not link.closed and id(link) not in self._broken:
-            self._broken[id(link)] = (link, error, True, False)
+            self._broken[id(link)] = (link, error, True)
             self._ctx.kick()
 
     def take_broken(self) -> list[tuple[ControlChannel, TransferError]]:
@@ -302,16 +307,13 @@ class SenderRooms:
         the connection's rooms (a backend that does not fence: docs/transfer.md), so a write still on
         its way (of a room the backend has not failed yet) could land in pages it gave out again."""
         in_flight = {write.room for write in self._graveyard}
-        broken = []
-        for key, (link, error, as_is, at_once) in list(self._broken.items()):
+        broken, self._closing = self._closing, []
+        for key, (link, error, as_is) in list(self._broken.items()):
             if not link.closed:
-                busy = any(room in in_flight and waiting is link for room, waiting in self._unquiet.items()) or any(
-                    sender.has_writes and sender.belongs_to(link) for sender in self._senders.values())
-                if busy and not at_once:
+                if any(room in in_flight and waiting is link for room, waiting in self._unquiet.items()) or any(
+                        sender.has_writes and sender.belongs_to(link) for sender in self._senders.values()):
                     continue  # (the next tick looks again: it runs while writes are pending)
-                closing = error if as_is else TransferError(
-                    TransferErrorKind.PEER_GONE, f"{link.channel.name}: the data path broke ({error.message}); "
-                    "closing the connection so that the decode registers again")
+                closing = error if as_is else _closing_error(link, error)
                 # Closed here, under the lock, not only when the caller closes the channel outside it: in
                 # between, the scheduler's ``send`` for a room of this link would post a write (its room
                 # not failed yet), and a reader thread could attach a new room to it.
@@ -453,17 +455,22 @@ class SenderRooms:
                 f"room {room}: a chunk to {request.link.channel.name} still pending "
                 f"{self._ctx.timeouts.transfer_s:g}s after it began to be sent",
             )
-            if started_at is not None:  # (else timed from its post: it may only have queued behind others)
-                self._data_path_stalled(request.link, error)
-            self._fail(sender, error, outbox)
+            stalled = started_at is not None  # (else timed from its post: it may only have queued behind others)
+            self._fail(sender, error, outbox, notify=not (stalled and self._closes_now(request.link)))
+            if stalled:
+                self._data_path_broke(request.link, error, stalled=True)
         elif failed is not None:
             cause = backend.error(failed.handle)
             self._retire(failed)
             kind = cause.kind if cause else TransferErrorKind.PEER_GONE
             detail = cause.message if cause else "write failed"
             error = TransferError(kind, f"room {room}: {detail}")
-            self._data_path_failed(request.link, error)
-            self._fail(sender, error, outbox)
+            # (a TIMEOUT: the backend's own verdict on a stalled path, Mooncake's MC_TRANSFER_TIMEOUT)
+            stalled = kind == TransferErrorKind.TIMEOUT and started_at is not None
+            breaks = stalled or kind in _BROKEN
+            self._fail(sender, error, outbox, notify=not (breaks and self._closes_now(request.link)))
+            if breaks:
+                self._data_path_broke(request.link, error, stalled=stalled)
         elif sender.is_complete:
             sender.succeed(now)
             self._ctx.changed()
@@ -506,6 +513,14 @@ class SenderRooms:
 
 def _ended_error(room: int, reason: str) -> TransferError:
     return TransferError(TransferErrorKind.ABORTED, f"room {room}: the prefill ended it: {reason}")
+
+
+_BROKEN = (TransferErrorKind.PEER_GONE, TransferErrorKind.PEER_UNREACHABLE)  # a write failing so: its data path broke
+
+
+def _closing_error(link: Link, error: TransferError) -> TransferError:
+    return TransferError(TransferErrorKind.PEER_GONE, f"{link.channel.name}: the data path broke ({error.message}); "
+                         "closing the connection so that the decode registers again")
 
 
 def _resetting(room: int, link: Link) -> TransferError:

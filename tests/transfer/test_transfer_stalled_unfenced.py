@@ -11,6 +11,7 @@ room's bytes in pages the decode had given out again.) Needs a private network n
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -92,5 +93,58 @@ def test_a_stalled_unfenced_write_lands_nothing_in_reused_pages_and_the_rooms_be
                             f"the call then landed in pages {landed} (buffer, page) it had given out again")
     finally:
         engine.go.set()
+        prefill.close()
+        decode.close()
+
+
+class _BlackHoled:
+    """Mooncake's engine on a black-holed path, once ``stall`` is set: each batch call hangs for the engine's
+    transfer timeout, then fails (-1), as the engine does."""
+
+    def __init__(self, engine: object, timeout_s: float) -> None:
+        self._engine, self._timeout_s = engine, timeout_s
+        self.stall = threading.Event()
+        self.calls = 0
+
+    def batch_transfer_sync_write(self, *args: object) -> int:
+        if not self.stall.is_set():
+            return self._engine.batch_transfer_sync_write(*args)  # type: ignore[attr-defined]
+        self.calls += 1
+        time.sleep(self._timeout_s)
+        return -1
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._engine, name)
+
+
+def test_a_batch_the_engine_timed_out_fails_the_rooms_queued_behind_it_at_once(monkeypatch) -> None:
+    """(Review.) Mooncake ends a stuck batch itself at ``MC_TRANSFER_TIMEOUT`` (30 s by default, below the default
+    ``transfer_s``): that verdict counts as a stall too, and what was queued behind it fails at once instead of
+    going into the engine in turn, each waiting out a timeout of its own."""
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")  # (the least it takes; 30 s by default)
+    backend = MooncakeBackend()
+    engine = _BlackHoled(backend._engine, 5.0)
+    backend._engine = engine
+    timeouts = KVTimeouts(bootstrap_s=30.0, waiting_s=60.0, transfer_s=20.0, heartbeat_interval_s=0.1,
+                          heartbeat_timeout_s=5.0)  # (transfer_s above the engine's timeout, as by default)
+    prefill = KVManager("prefill", make_args(), backend, timeouts=timeouts)
+    decode = KVManager("decode", make_args(), MooncakeBackend(), timeouts=timeouts)
+    try:
+        warm, _ = open_room(prefill, decode, 1, [9, 10], 0)
+        warm.send([3, 4], last=True)
+        assert wait_for(lambda: warm.poll() == KVPoll.Success, 10)
+        engine.stall.set()
+        stuck, _ = open_room(prefill, decode, 2, [1, 2], 1)
+        behind, behind_rx = open_room(prefill, decode, 3, [5, 6], 2)
+        stuck.send([3, 4], last=True)
+        assert wait_for(lambda: engine.calls == 1, 10)
+        behind.send([3, 4], last=True)  # (queued behind the stuck batch)
+        assert wait_for(lambda: stuck.poll() == KVPoll.Failed, 15)
+        assert stuck.failure().kind == TransferErrorKind.TIMEOUT
+        # the room behind it: failed at once (nothing of it on the wire), not after an engine timeout of its own
+        assert wait_for(lambda: behind.poll() == KVPoll.Failed and behind_rx.poll() == KVPoll.Failed, 2), (
+            "the room queued behind a batch the engine timed out went into the engine in its turn")
+        assert engine.calls == 1
+    finally:
         prefill.close()
         decode.close()
