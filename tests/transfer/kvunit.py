@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from transfer import KVArgs, KVPoll
+from transfer.peer_threads import PeerThreadBackend, SenderPeer
 from workers.kv_pool import KVPool
 
 _POOLS: list[KVPool] = []  # keep registered memory alive for the whole test session
@@ -38,6 +39,29 @@ def open_room(prefill: Any, decode: Any, room: int, dst_pages: list[int], aux_in
     receiver.send_metadata(dst_pages, aux_index)
     assert wait_for(lambda: sender.poll() == KVPoll.WaitingForInput)
     return sender, receiver
+
+
+def warm_room(prefill: Any, decode: Any, room: int = 1) -> None:
+    """One room's KV moved from ``prefill`` to ``decode`` (their data path is up and works)."""
+    sender, _ = open_room(prefill, decode, room, [9, 10], 0)
+    sender.send([3, 4], last=True)
+    assert wait_for(lambda: sender.poll() == KVPoll.Success, 10)
+
+
+class StubPeerBackend(PeerThreadBackend):
+    """A thread-per-peer backend with no data path of its own (``connect`` adds a peer): a test gives it
+    ``_send``, or ``pipelined`` and ``_post``/``_check``."""
+
+    name = "stub"
+
+    def register(self, regions: Any) -> None:
+        pass
+
+    def endpoint(self) -> bytes:
+        return b""
+
+    def connect(self, endpoint: bytes = b"") -> int:
+        return self._add_peer(SenderPeer(label="peer"))
 
 
 class Waker:

@@ -14,12 +14,14 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+from kvunit import StubPeerBackend
+
 from transfer.base import UNFENCED, WriteState
-from transfer.peer_threads import PeerThreadBackend, SenderPeer
+from transfer.peer_threads import SenderPeer
 from transfer.sender import KVSender, PostedWrite
 
 
-class _Gated(PeerThreadBackend):
+class _Gated(StubPeerBackend):
     """A backend whose sends wait for ``gate``: the first batch stays in hand, the next ones queued."""
 
     name = "gated"
@@ -27,15 +29,6 @@ class _Gated(PeerThreadBackend):
     def __init__(self) -> None:
         super().__init__()
         self.gate = threading.Event()
-
-    def register(self, regions: Any) -> None:
-        pass
-
-    def endpoint(self) -> bytes:
-        return b""
-
-    def connect(self, endpoint: bytes) -> int:
-        return self._add_peer(SenderPeer(label="peer"))
 
     def _send(self, peer: SenderPeer, blocks: Any, fence: Any) -> None:
         self.gate.wait(30)

@@ -11,12 +11,12 @@ import time
 from typing import Any
 
 import pytest
-from kvunit import make_args, open_room, wait_for
+from kvunit import StubPeerBackend, make_args, open_room, wait_for, warm_room
 
 from transfer import KVManager, KVPoll, KVTimeouts, TransferErrorKind
 from transfer.base import Block, Fence, WriteState
 from transfer.errors import TransferError
-from transfer.peer_threads import PeerThreadBackend, SenderPeer
+from transfer.peer_threads import SenderPeer
 from transfer.tcp import TcpBackend
 
 
@@ -61,9 +61,7 @@ def pair():
 
 def test_a_stalled_data_path_is_dropped_and_the_rooms_behind_it_fail_at_once(pair) -> None:
     backend, prefill, decode = pair
-    warm, _ = open_room(prefill, decode, 1, [1, 2], 0)
-    warm.send([3, 4], last=True)
-    assert wait_for(lambda: warm.poll() == KVPoll.Success, 10)  # (the data path works)
+    warm_room(prefill, decode)  # (the data path works)
     backend.stall.set()
     stuck, stuck_rx = open_room(prefill, decode, 2, [1, 2], 0)
     behind, behind_rx = open_room(prefill, decode, 3, [5, 6], 1)
@@ -115,9 +113,7 @@ def test_the_decodes_next_room_after_a_stall_does_not_wait_for_the_stuck_write_t
     prefill = KVManager("prefill", make_args(), backend, timeouts=timeouts)
     decode = KVManager("decode", make_args(), TcpBackend(), timeouts=timeouts)
     try:
-        warm, _ = open_room(prefill, decode, 1, [1, 2], 0)
-        warm.send([3, 4], last=True)
-        assert wait_for(lambda: warm.poll() == KVPoll.Success, 10)
+        warm_room(prefill, decode)
         backend.stall.set()
         stuck, stuck_rx = open_room(prefill, decode, 2, [1, 2], 0)
         stuck.send([3, 4], last=True)
@@ -129,7 +125,7 @@ def test_the_decodes_next_room_after_a_stall_does_not_wait_for_the_stuck_write_t
         decode.close()
 
 
-class _OneAtATime(PeerThreadBackend):
+class _OneAtATime(StubPeerBackend):
     """Pipelined, one turn in flight (the stuck one): the next write waits queued. Turns end on ``clear``."""
 
     name = "one-at-a-time"
@@ -140,15 +136,6 @@ class _OneAtATime(PeerThreadBackend):
         super().__init__()
         self.posted: list[int] = []
         self.clear = threading.Event()
-
-    def register(self, regions: Any) -> None:
-        pass
-
-    def endpoint(self) -> bytes:
-        return b""
-
-    def connect(self, endpoint: bytes = b"") -> int:
-        return self._add_peer(SenderPeer(label="decode"))
 
     def _post(self, peer: SenderPeer, blocks: list[Block], fence: Fence) -> tuple[Any, TransferError | None, bool]:
         self.posted.append(fence.room)

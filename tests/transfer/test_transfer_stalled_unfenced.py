@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from kvunit import _POOLS, make_args, open_room, wait_for
+from kvunit import _POOLS, make_args, open_room, wait_for, warm_room
 
 from transfer import KVManager, KVPoll, KVTimeouts, TransferErrorKind
 from transfer.mooncake import MooncakeBackend
@@ -59,9 +59,7 @@ def test_a_stalled_unfenced_write_lands_nothing_in_reused_pages_and_the_rooms_be
     for buf in src_pool.kv_buffers():
         buf.view(np.uint8)[...] = 0x5A
     try:
-        warm, _ = open_room(prefill, decode, 1, [9, 10], 0)
-        warm.send([3, 4], last=True)
-        assert wait_for(lambda: warm.poll() == KVPoll.Success, 10)
+        warm_room(prefill, decode)
         engine.stall.set()
         stuck, stuck_rx = open_room(prefill, decode, 2, [1, 2], 1)
         behind, behind_rx = open_room(prefill, decode, 3, [5, 6], 2)
@@ -130,9 +128,7 @@ def test_a_batch_the_engine_timed_out_fails_the_rooms_queued_behind_it_at_once(m
     prefill = KVManager("prefill", make_args(), backend, timeouts=timeouts)
     decode = KVManager("decode", make_args(), MooncakeBackend(), timeouts=timeouts)
     try:
-        warm, _ = open_room(prefill, decode, 1, [9, 10], 0)
-        warm.send([3, 4], last=True)
-        assert wait_for(lambda: warm.poll() == KVPoll.Success, 10)
+        warm_room(prefill, decode)
         engine.stall.set()
         stuck, _ = open_room(prefill, decode, 2, [1, 2], 1)
         behind, behind_rx = open_room(prefill, decode, 3, [5, 6], 2)

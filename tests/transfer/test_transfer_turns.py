@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from kvunit import StubPeerBackend
 
 from transfer.base import UNFENCED, Block, Fence, WriteState
 from transfer.errors import TransferError, TransferErrorKind
-from transfer.peer_threads import PeerThreadBackend, SenderPeer, TurnQueue, _LinkRate, split_blocks
+from transfer.peer_threads import SenderPeer, TurnQueue, _LinkRate, split_blocks
 from transfer.tcp import TcpBackend
 
 MiB = 1 << 20
@@ -162,7 +163,7 @@ def test_a_room_keeps_its_order_and_a_drop_between_turns_sends_no_more(tcp_pair)
     assert np.array_equal(dst[3 * MiB : 4 * MiB], src[3 * MiB : 4 * MiB]) and not dst[4 * MiB :].any()
 
 
-class _Pipelined(PeerThreadBackend):
+class _Pipelined(StubPeerBackend):
     """A pipelined backend whose turns end when the test says (``finish``), recording what was posted."""
 
     name = "pipelined-fake"
@@ -176,15 +177,6 @@ class _Pipelined(PeerThreadBackend):
         self.open: dict[int, str] = {}  # token -> "pending" | "done" | "failed"
         self.tokens = iter(range(1, 10**6))
         self.lock = threading.Lock()
-
-    def register(self, regions: Any) -> None:
-        pass
-
-    def endpoint(self) -> bytes:
-        return b""
-
-    def connect(self, endpoint: bytes) -> int:
-        return self._add_peer(SenderPeer(label="peer"))
 
     def _post(self, peer: SenderPeer, blocks: list[Block], fence: Fence) -> tuple[Any, TransferError | None, bool]:
         with self.lock:
