@@ -88,6 +88,8 @@ class InvalidatingResolver(Protocol):
 
 _TERMINAL = (KVPoll.Failed, KVPoll.Success)
 _MAX_CONNECT_S = 10.0
+# a prefill's failed RoomStatus of these kinds: its data path to this decode broke or stalled (transfer.sender_rooms)
+_DATA_PATH_FAILURES = (TransferErrorKind.PEER_GONE, TransferErrorKind.PEER_UNREACHABLE, TransferErrorKind.TIMEOUT)
 
 
 class DecodeSide:
@@ -482,9 +484,13 @@ class DecodeSide:
                             f"room {room}: {channel.name} reported success before our page list",
                         ))
                     else:
-                        self._fail(receiver, PeerReport(
-                            TransferErrorKind.parse(kind), f"room {room}: {channel.name} reported: {reason}"
-                        ))
+                        failure = TransferErrorKind.parse(kind)
+                        self._fail(receiver, PeerReport(failure, f"room {room}: {channel.name} reported: {reason}"))
+                        if failure in _DATA_PATH_FAILURES and self._conns.get(conn.address) is conn:
+                            # its data path to us broke or stalled: the prefill closes this connection (at once,
+                            # or once none of its writes is in flight); new rooms go over a new one (one that came
+                            # between this status and the close went over the dying connection and failed)
+                            del self._conns[conn.address]
             case Quiesced(room=room):
                 # The prefill sends it once it has failed the room and none of its writes is in flight.
                 # Its own Abort or failed RoomStatus leaves from another of its threads and may come

@@ -62,7 +62,8 @@ class SenderRooms:
         # links to close once none of their writes is in flight (``take_broken``): their data path died under
         # an open control connection, or their decode fell silent; id(link) -> (link, why, that is the close's)
         self._broken: dict[int, tuple[Link, TransferError, bool]] = {}
-        self._closing: list[tuple[ControlChannel, TransferError]] = []  # closed already: their channels to close
+        # links closed already, their channels to close (``take_broken``), each after the failed room's status
+        self._closing: list[tuple[ControlChannel, TransferError, RoomStatus | None]] = []
         self._stalled: list[PeerId] = []  # data paths whose queued writes fail now (``take_stalled``)
         slot_bytes = max(ctx.args.aux_slot_bytes, 1)
         self.staging = np.zeros((NUM_STAGING_SLOTS, slot_bytes), dtype=np.uint8)
@@ -231,9 +232,7 @@ class SenderRooms:
             sender.chunk_posted(len(page_ids), last, len(aux) if aux else None, write, posted)
             if error is not None:
                 breaks = error.kind in _BROKEN
-                self._fail(sender, room_error(room, error), outbox, notify=not (breaks and self._closes_now(link)))
-                if breaks:
-                    self._data_path_broke(link, error)
+                self._fail_room(sender, room_error(room, error), outbox, link if breaks else None)
             elif write is None or ctx.backend.poll(write.handle) != WriteState.PENDING:
                 # settled already (a small same-host copy, or nothing to write): no hand-off to the monitor
                 self._progress(sender, time.monotonic(), outbox)
@@ -255,13 +254,21 @@ class SenderRooms:
         if notify and request is not None and not request.link.closed:
             outbox.append((request.link.channel, RoomStatus(sender.room, False, error.kind.value, error.message)))
 
-    def _closes_now(self, link: Link) -> bool:
-        """Whether ``_data_path_broke`` would close ``link`` at once (lock held): the caller then fails the room
-        it is at without a word (the decode learns it from the close: a status first, and its next room could go
-        over the dying connection before it read the close)."""
-        return self._fences_writes and not link.closed and link.peer is not None and id(link) not in self._broken
+    def _fail_room(self, sender: KVSender, error: TransferError, outbox: Outbox, broke: Link | None,
+                   stalled: bool = False) -> None:
+        """Fail ``sender``'s room with ``error`` (lock held) and, with ``broke``, take that link's data path as
+        broken (``_data_path_broke``). The decode hears the room's status before the connection's close, when
+        that comes at once: sent by the monitor that closes it, not by whichever thread flushes ``outbox``
+        (its verdict is the decode's own fault: told only by the close, the decode blamed the prefill)."""
+        closes_now = broke is not None and self._fences_writes and not broke.closed and broke.peer is not None \
+            and id(broke) not in self._broken
+        self._fail(sender, error, outbox, notify=not closes_now)
+        if broke is not None:
+            status = RoomStatus(sender.room, False, error.kind.value, error.message) if closes_now else None
+            self._data_path_broke(broke, error, stalled=stalled, status=status)
 
-    def _data_path_broke(self, link: Link, error: TransferError, *, stalled: bool = False) -> None:
+    def _data_path_broke(self, link: Link, error: TransferError, *, stalled: bool = False,
+                         status: RoomStatus | None = None) -> None:
         """A write to ``link``'s decode failed because its data path broke (PEER_GONE, PEER_UNREACHABLE), or moved
         nothing for ``transfer_s`` while the decode's heartbeats live (``stalled``: a route or a firewall dropping
         the data connection's packets, large packets black-holed, a wedged receiver); lock held. The tcp backend
@@ -280,7 +287,7 @@ class SenderRooms:
             closing = _closing_error(link, error)
             link.closed = True
             self.on_link_closed(link, closing)
-            self._closing.append((link.channel, closing))
+            self._closing.append((link.channel, closing, status))
         else:
             self._broken[id(link)] = (link, error, False)
             if stalled:
@@ -302,12 +309,14 @@ class SenderRooms:
             self._ctx.kick()
 
     def take_broken(self) -> list[tuple[ControlChannel, TransferError]]:
-        """The control connections to close for a broken data path (lock held; closed outside it), each
-        once no write to its decode is in flight: a decode takes the close as the end of every write of
-        the connection's rooms (a backend that does not fence: docs/transfer.md), so a write still on
-        its way (of a room the backend has not failed yet) could land in pages it gave out again."""
+        """The control connections to close for a broken data path (lock held; closed outside it, after the
+        statuses ``tick`` queued for them: the monitor calls the two in one hold of the lock). To a decode that
+        fences, at once; else once no write to its decode is in flight: such a decode takes the close as the end
+        of every write of the connection's rooms (docs/transfer.md), so a write still on its way (of a room the
+        backend has not failed yet) could land in pages it gave out again."""
         in_flight = {write.room for write in self._graveyard}
-        broken, self._closing = self._closing, []
+        broken = [(channel, error) for channel, error, _ in self._closing]
+        self._closing = []
         for key, (link, error, as_is) in list(self._broken.items()):
             if not link.closed:
                 if any(room in in_flight and waiting is link for room, waiting in self._unquiet.items()) or any(
@@ -422,6 +431,9 @@ class SenderRooms:
                     del self._unquiet[room]
                     if not link.closed:
                         outbox.append((link.channel, Quiesced(room)))
+        for channel, _, status in self._closing:  # (sent by the monitor before it closes the channel)
+            if status is not None:
+                outbox.append((channel, status))
         return busy
 
     def settle_here(self, now: float, outbox: Outbox) -> bool:
@@ -456,9 +468,7 @@ class SenderRooms:
                 f"{self._ctx.timeouts.transfer_s:g}s after it began to be sent",
             )
             stalled = started_at is not None  # (else timed from its post: it may only have queued behind others)
-            self._fail(sender, error, outbox, notify=not (stalled and self._closes_now(request.link)))
-            if stalled:
-                self._data_path_broke(request.link, error, stalled=True)
+            self._fail_room(sender, error, outbox, request.link if stalled else None, stalled=True)
         elif failed is not None:
             cause = backend.error(failed.handle)
             self._retire(failed)
@@ -468,9 +478,7 @@ class SenderRooms:
             # (a TIMEOUT: the backend's own verdict on a stalled path, Mooncake's MC_TRANSFER_TIMEOUT)
             stalled = kind == TransferErrorKind.TIMEOUT and started_at is not None
             breaks = stalled or kind in _BROKEN
-            self._fail(sender, error, outbox, notify=not (breaks and self._closes_now(request.link)))
-            if breaks:
-                self._data_path_broke(request.link, error, stalled=stalled)
+            self._fail_room(sender, error, outbox, request.link if breaks else None, stalled=stalled)
         elif sender.is_complete:
             sender.succeed(now)
             self._ctx.changed()

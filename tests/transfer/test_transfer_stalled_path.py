@@ -6,6 +6,7 @@ for the decode's ``waiting_s``, and the decode's next room goes over a fresh dat
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from typing import Any
@@ -15,9 +16,11 @@ from kvunit import StubPeerBackend, make_args, open_room, wait_for, warm_room
 
 from transfer import KVManager, KVPoll, KVTimeouts, TransferErrorKind
 from transfer.base import Block, Fence, WriteState
-from transfer.errors import TransferError
+from transfer.errors import PeerReport, TransferError
 from transfer.peer_threads import SenderPeer
 from transfer.tcp import TcpBackend
+from workers.pd_queues import failure_fault
+from workers.protocol import Fault
 
 
 class _Stalling(TcpBackend):
@@ -177,3 +180,41 @@ def test_a_queued_write_failed_by_fail_queued_and_released_is_never_posted() -> 
         assert backend.posted == [1], "a write reported FAILED (and released) went on the wire"
     finally:
         backend.close()
+
+
+def _same_culprit(sender: Any, receiver: Any) -> None:
+    """Both workers hold the failure against the decode (``workers.pd_queues.failure_fault``): the prefill, and the
+    decode told by the prefill's ``RoomStatus`` (a ``PeerReport``). (Review.) Failed without a status and learnt
+    from the connection's close, the decode blamed the prefill: whichever report reached the gateway first
+    decided whose breaker counted it and which worker the retry avoided."""
+    assert wait_for(lambda: sender.poll() == KVPoll.Failed and receiver.poll() == KVPoll.Failed, 10)
+    assert failure_fault(sender) is Fault.PEER
+    assert isinstance(receiver.failure(), PeerReport), receiver.failure()
+    assert failure_fault(receiver) is Fault.OWN, f"the decode blames the prefill: {receiver.failure()}"
+
+
+def test_a_broken_data_path_to_a_fencing_decode_is_held_against_the_decode_on_both_sides() -> None:
+    timeouts = KVTimeouts(bootstrap_s=10.0, waiting_s=60.0, transfer_s=30.0, heartbeat_interval_s=0.1,
+                          heartbeat_timeout_s=5.0)
+    prefill = KVManager("prefill", make_args(), TcpBackend(), timeouts=timeouts)
+    decode = KVManager("decode", make_args(), TcpBackend(), timeouts=timeouts)
+    try:
+        warm_room(prefill, decode)
+        for peer in list(prefill.backend._peers.values()):  # the data connection breaks (a reset, ss -K)
+            peer.sock.shutdown(socket.SHUT_RDWR)
+        sender, receiver = open_room(prefill, decode, 2, [1, 2], 1)
+        sender.send([3, 4], last=True)
+        _same_culprit(sender, receiver)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_stalled_data_path_to_a_fencing_decode_is_held_against_the_decode_on_both_sides(pair) -> None:
+    backend, prefill, decode = pair
+    warm_room(prefill, decode)
+    backend.stall.set()
+    sender, receiver = open_room(prefill, decode, 2, [1, 2], 1)
+    sender.send([3, 4], last=True)
+    _same_culprit(sender, receiver)
+    assert sender.failure().kind == TransferErrorKind.TIMEOUT
