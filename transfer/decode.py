@@ -491,6 +491,7 @@ class DecodeSide:
                             # or once none of its writes is in flight); new rooms go over a new one (one that came
                             # between this status and the close went over the dying connection and failed)
                             del self._conns[conn.address]
+                            conn.left = True
             case Quiesced(room=room):
                 # The prefill sends it once it has failed the room and none of its writes is in flight.
                 # Its own Abort or failed RoomStatus leaves from another of its threads and may come
@@ -559,6 +560,10 @@ class DecodeSide:
         # after a stall of our own (SIGSTOP, a starved machine) every peer looks silent: judge next beat
         stalled, self._last_beat = now - self._last_beat > limit, now
         for channel, conn in list(self._by_channel.items()):
+            if conn.left and not conn.draining and not conn.receivers and not conn.pending_aborts:
+                # (a prefill that does not close it itself: e.g. a TIMEOUT of a backend without started_at)
+                to_close.append((channel, TransferError(TransferErrorKind.ABORTED, f"{channel.name}: left")))
+                continue
             if conn.draining:
                 if not any(not r.quiesced for r in conn.receivers):
                     to_close.append((channel, conn.error or TransferError(TransferErrorKind.TIMEOUT, "drained")))

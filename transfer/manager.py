@@ -165,9 +165,10 @@ class KVManager:
                 ctx.kicked = False  # kicks from now on are seen by the wait below
                 now = time.monotonic()
                 stalled: list[PeerId] = []
+                silent: list = []
                 try:
                     busy = side.tick(now, outbox)
-                    silent = side.take_broken()
+                    silent += side.take_broken()
                     if self._prefill is not None:
                         stalled = self._prefill.rooms.take_stalled()
                     if now >= next_beat:
@@ -175,7 +176,7 @@ class KVManager:
                         next_beat = now + self.timeouts.heartbeat_interval_s
                 except Exception:
                     log.exception("KV monitor tick failed")
-                    busy, silent = False, []
+                    busy = False  # (what take_broken took is closed all the same: nothing else would)
             flush(outbox)
             for channel, error in silent:
                 channel.close(error)

@@ -63,7 +63,7 @@ class SenderRooms:
         # an open control connection, or their decode fell silent; id(link) -> (link, why, that is the close's)
         self._broken: dict[int, tuple[Link, TransferError, bool]] = {}
         # links closed already, their channels to close (``take_broken``), each after the failed room's status
-        self._closing: list[tuple[ControlChannel, TransferError, RoomStatus | None]] = []
+        self._closing: list[tuple[ControlChannel, TransferError, list[RoomStatus]]] = []
         self._stalled: list[PeerId] = []  # data paths whose queued writes fail now (``take_stalled``)
         slot_bytes = max(ctx.args.aux_slot_bytes, 1)
         self.staging = np.zeros((NUM_STAGING_SLOTS, slot_bytes), dtype=np.uint8)
@@ -285,9 +285,13 @@ class SenderRooms:
             return
         if self._fences_writes:
             closing = _closing_error(link, error)
+            others = [s for s in self._senders.values() if s.belongs_to(link) and not s.is_terminal]
             link.closed = True
             self.on_link_closed(link, closing)
-            self._closing.append((link.channel, closing, status))
+            statuses = [status] if status is not None else []
+            statuses += [RoomStatus(s.room, False, closing.kind.value, room_error(s.room, closing).message)
+                         for s in others]
+            self._closing.append((link.channel, closing, statuses))
         else:
             self._broken[id(link)] = (link, error, False)
             if stalled:
@@ -431,9 +435,8 @@ class SenderRooms:
                     del self._unquiet[room]
                     if not link.closed:
                         outbox.append((link.channel, Quiesced(room)))
-        for channel, _, status in self._closing:  # (sent by the monitor before it closes the channel)
-            if status is not None:
-                outbox.append((channel, status))
+        for channel, _, statuses in self._closing:  # (sent by the monitor before it closes the channel)
+            outbox.extend((channel, status) for status in statuses)
         return busy
 
     def settle_here(self, now: float, outbox: Outbox) -> bool:

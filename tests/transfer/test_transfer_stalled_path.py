@@ -218,3 +218,59 @@ def test_a_stalled_data_path_to_a_fencing_decode_is_held_against_the_decode_on_b
     sender.send([3, 4], last=True)
     _same_culprit(sender, receiver)
     assert sender.failure().kind == TransferErrorKind.TIMEOUT
+
+
+def test_every_room_of_a_link_closed_for_a_broken_data_path_is_held_against_the_decode_on_both_sides() -> None:
+    """(Review.) The other rooms of the link, failed by its close: each told by its own status first, as the room
+    whose write failed (told by the close alone, the decode blamed the prefill for them)."""
+    timeouts = KVTimeouts(bootstrap_s=10.0, waiting_s=60.0, transfer_s=30.0, heartbeat_interval_s=0.1,
+                          heartbeat_timeout_s=5.0)
+    prefill = KVManager("prefill", make_args(), TcpBackend(), timeouts=timeouts)
+    decode = KVManager("decode", make_args(), TcpBackend(), timeouts=timeouts)
+    try:
+        warm_room(prefill, decode)
+        other, other_rx = open_room(prefill, decode, 3, [5, 6], 0)  # (a second request to the same decode)
+        for peer in list(prefill.backend._peers.values()):  # the data connection breaks
+            peer.sock.shutdown(socket.SHUT_RDWR)
+        sender, receiver = open_room(prefill, decode, 2, [1, 2], 1)
+        sender.send([3, 4], last=True)
+        _same_culprit(sender, receiver)
+        _same_culprit(other, other_rx)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_link_taken_to_close_is_closed_even_if_the_heartbeat_then_raises() -> None:
+    """(Review.) The monitor's tick took the link to close, then its heartbeat raised: the close was dropped (the
+    link marked closed, its status sent, the decode gone to a new connection: the old one open for ever)."""
+    timeouts = KVTimeouts(bootstrap_s=10.0, waiting_s=60.0, transfer_s=30.0, heartbeat_interval_s=0.001,
+                          heartbeat_timeout_s=5.0)
+    prefill = KVManager("prefill", make_args(), TcpBackend(), timeouts=timeouts)
+    decode = KVManager("decode", make_args(), TcpBackend(), timeouts=timeouts)
+    side = prefill._prefill
+    assert side is not None
+    real = side.heartbeat
+    failing = [False]
+
+    def heartbeat(now: float, outbox: Any) -> Any:
+        if failing[0]:
+            raise RuntimeError("a bug in the heartbeat")
+        return real(now, outbox)
+
+    try:
+        warm_room(prefill, decode)
+        for peer in list(prefill.backend._peers.values()):
+            peer.sock.shutdown(socket.SHUT_RDWR)
+        sender, receiver = open_room(prefill, decode, 2, [1, 2], 1)
+        old = receiver.conn
+        side.heartbeat = heartbeat  # type: ignore[method-assign]
+        failing[0] = True
+        sender.send([3, 4], last=True)
+        assert wait_for(lambda: receiver.poll() == KVPoll.Failed, 10)
+        time.sleep(0.3)
+        failing[0] = False
+        assert wait_for(lambda: old.channel.is_closed, 3), "the broken link's control connection was never closed"
+    finally:
+        prefill.close()
+        decode.close()

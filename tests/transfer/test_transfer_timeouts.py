@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from kvunit import make_args, wait_for
+from kvunit import make_args, open_room, wait_for
 
 from transfer import UNFENCED, KVManager, KVPoll, KVTimeouts, TransferErrorKind, WriteState
 from transfer.fake import FakeBackend
@@ -202,3 +202,26 @@ def test_a_data_path_connect_longer_than_the_heartbeat_timeout_is_not_silence(ma
     receiver = decode.create_receiver(1, *prefill.control_address)
     assert wait_for(lambda: receiver.poll() != KVPoll.Bootstrapping, 10)
     assert receiver.poll() == KVPoll.WaitingForInput, receiver.failure()
+
+
+def test_a_connection_the_decode_leaves_on_a_timeout_status_is_closed_once_its_rooms_are_done(managers):
+    """(Review.) A backend that cannot tell when a write began to move (no ``started_at``): its overdue write fails
+    TIMEOUT and the decode is told, but the prefill does not take the link as stalled and never closes it. The
+    decode leaves it all the same (new rooms go over a new connection): it closes it itself once none of its
+    rooms uses it (it stayed open, pinged, for ever: one more per such timeout)."""
+    stuck = StuckBackend()
+    prefill = managers("prefill", _t(transfer_s=0.3), backend=stuck)
+    decode = managers("decode", _t(waiting_s=30.0))
+    sender, receiver = open_room(prefill, decode, 1, [1, 2], 0)
+    sender.send([3, 4], last=True)
+    assert wait_for(lambda: receiver.poll() == KVPoll.Failed, 5)
+    assert receiver.failure().kind == TransferErrorKind.TIMEOUT
+    stuck.unstick()
+    assert wait_for(lambda: receiver.quiesced, 5)
+    receiver.release()
+    sender.release()
+    after, after_rx = open_room(prefill, decode, 2, [1, 2], 0)  # (over a new connection)
+    after.send([3, 4], last=True)
+    assert wait_for(lambda: after_rx.poll() == KVPoll.Success, 5)
+    assert wait_for(lambda: len(decode._decode._by_channel) == 1, 3), \
+        f"{len(decode._decode._by_channel)} connections to one prefill"
