@@ -16,10 +16,11 @@ Lifecycle:
    not for every byte queued before it. A job whose fence is dead fails (ABORTED, "fenced") without (more
    of) it sent; else ``_send(peer, blocks, fence)`` moves the turn's piece (blocking) and answers None (the
    batch is DONE after its last piece) or the ``TransferError``. A ``pipelined`` backend (nixl) instead
-   starts each batch, whole, with ``_post`` and polls the ones in flight with ``_check`` between new ones
-   (``_forget`` frees each at its end). ``_send`` marks the peer dead (``peer.dead = error``) when its data
-   path broke; the thread then fails the rest of its queue and ends, and ``_peer_ended`` frees the peer's
-   resources.
+   starts turns with ``_post`` while less than its budget is in flight (``pipeline_bytes``, or ~10 ms of the
+   link's measured rate and at least two turns) and polls those with ``_check`` between new ones
+   (``_forget`` frees each at its end; a batch fails only once none of its turns is in flight). ``_send``
+   marks the peer dead (``peer.dead = error``) when its data path broke; the thread then fails the rest of
+   its queue and ends, and ``_peer_ended`` frees the peer's resources.
 4. ``disconnect``/``close`` drop peers: queued writes fail at once; a write already being sent fails
    when ``_send`` returns (its bytes may still be landing until then), or at once when the subclass
    sets ``fail_inflight_on_drop`` (its engine call may outlive the drop); ``_interrupt`` unblocks a
