@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from transfer.base import NotifiesCompletion, PeerId, TransferBackend
+from transfer.channel import ControlChannel
 from transfer.context import Context, Outbox, flush
 from transfer.decode import DecodeSide, Resolver
 from transfer.errors import TransferError, TransferErrorKind
@@ -165,7 +166,7 @@ class KVManager:
                 ctx.kicked = False  # kicks from now on are seen by the wait below
                 now = time.monotonic()
                 stalled: list[PeerId] = []
-                silent: list = []
+                silent: list[tuple[ControlChannel, TransferError]] = []
                 try:
                     busy = side.tick(now, outbox)
                     silent += side.take_broken()
@@ -180,9 +181,10 @@ class KVManager:
             flush(outbox)
             for channel, error in silent:
                 channel.close(error)
-            fail_queued: Callable[[PeerId, TransferError], None] | None = getattr(ctx.backend, "fail_queued", None)
-            for peer in stalled:
-                if fail_queued is not None:
+            fail_queued: Callable[[PeerId, TransferError], None] | None = (
+                getattr(ctx.backend, "fail_queued", None) if stalled else None)
+            if fail_queued is not None:
+                for peer in stalled:
                     fail_queued(peer, TransferError(TransferErrorKind.PEER_GONE, "the data path to the decode "
                                                     "stalled behind another room's write"))
             with ctx.lock:

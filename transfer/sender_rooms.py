@@ -260,12 +260,15 @@ class SenderRooms:
         broken (``_data_path_broke``). The decode hears the room's status before the connection's close, when
         that comes at once: sent by the monitor that closes it, not by whichever thread flushes ``outbox``
         (its verdict is the decode's own fault: told only by the close, the decode blamed the prefill)."""
-        closes_now = broke is not None and self._fences_writes and not broke.closed and broke.peer is not None \
-            and id(broke) not in self._broken
+        closes_now = broke is not None and self._fences_writes and self._breakable(broke)
         self._fail(sender, error, outbox, notify=not closes_now)
         if broke is not None:
             status = RoomStatus(sender.room, False, error.kind.value, error.message) if closes_now else None
             self._data_path_broke(broke, error, stalled=stalled, status=status)
+
+    def _breakable(self, link: Link) -> bool:
+        """Whether ``_data_path_broke`` acts on ``link`` (lock held): open, registered, not already broken."""
+        return not link.closed and link.peer is not None and id(link) not in self._broken
 
     def _data_path_broke(self, link: Link, error: TransferError, *, stalled: bool = False,
                          status: RoomStatus | None = None) -> None:
@@ -281,7 +284,7 @@ class SenderRooms:
         close as the end of every write, and a stuck one may still land), the writes queued behind a stalled one
         failed at once meanwhile (``take_stalled``: nothing of them is on the wire), and no new room or write
         taken on the link."""
-        if link.closed or link.peer is None or id(link) in self._broken:
+        if not self._breakable(link):
             return
         if self._fences_writes:
             closing = _closing_error(link, error)
@@ -295,6 +298,7 @@ class SenderRooms:
         else:
             self._broken[id(link)] = (link, error, False)
             if stalled:
+                assert link.peer is not None  # (``_breakable``)
                 self._stalled.append(link.peer)
         self._ctx.kick()
 

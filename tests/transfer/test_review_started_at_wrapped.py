@@ -42,7 +42,7 @@ def test_a_frozen_data_path_behind_the_workers_shm_wrapper_still_times_the_room_
     """The worker's wiring (workers/worker.py wraps tcp/mooncake/nixl in ``create_shm_backend``): a batch the
     network backend holds and never finishes (a decode whose data path froze, its control channel alive) fails
     its room after ``transfer_s`` (0.3 s here), as before 44fca1e; on HEAD the room stays Transferring."""
-    from kvunit import make_args, wait_for
+    from kvunit import make_args, open_room, wait_for
 
     from transfer import KVManager, KVPoll, KVTimeouts, TransferErrorKind
 
@@ -52,11 +52,7 @@ def test_a_frozen_data_path_behind_the_workers_shm_wrapper_still_times_the_room_
     prefill = KVManager("prefill", make_args(), ShmBackend(network, same_host=False), timeouts=timeouts)
     decode = KVManager("decode", make_args(), ShmBackend(_Gated(), same_host=False), timeouts=timeouts)
     try:
-        sender = prefill.create_sender(6)
-        receiver = decode.create_receiver(6, *prefill.control_address)
-        assert wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput)
-        receiver.send_metadata([1, 2], 0)
-        assert wait_for(lambda: sender.poll() == KVPoll.WaitingForInput)
+        sender, _ = open_room(prefill, decode, 6, [1, 2], 0)
         sender.send([3, 4], last=True)
         assert wait_for(lambda: sender.poll() == KVPoll.Failed, 5), "the room never timed out"
         assert sender.failure().kind == TransferErrorKind.TIMEOUT

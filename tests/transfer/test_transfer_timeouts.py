@@ -140,11 +140,7 @@ def test_transfer_timeout_and_late_quiesce(managers):
     stuck = StuckBackend()
     prefill = managers("prefill", _t(transfer_s=0.3), backend=stuck)
     decode = managers("decode", _t())
-    sender = prefill.create_sender(6)
-    receiver = decode.create_receiver(6, *prefill.control_address)
-    assert wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput)
-    receiver.send_metadata([1, 2], 0)
-    assert wait_for(lambda: sender.poll() == KVPoll.WaitingForInput)
+    sender, receiver = open_room(prefill, decode, 6, [1, 2], 0)
     sender.send([3, 4], last=True)
     assert sender.poll() == KVPoll.Transferring
     assert wait_for(lambda: sender.poll() == KVPoll.Failed, 5)
