@@ -10,7 +10,9 @@ Lifecycle:
    once the channel is closed; the channel closes itself when the socket breaks, when the peer reads
    nothing for ``SEND_TIMEOUT_S`` while frames wait, or when more than ``MAX_BACKLOG_BYTES`` wait.
 4. ``close(reason)`` from any thread (``settle`` first waits for frames still queued); the reader then
-   ends and reports ``on_close``. ``join()`` waits.
+   ends and reports ``on_close``. ``join()`` waits. ``close_after(reason, settle_s)`` closes once the
+   frames already queued are written (at most ``settle_s`` later) without the caller waiting: the writer
+   thread closes it; nothing sent after it is taken.
 ``last_rx`` (monotonic seconds) is refreshed by every received frame: the heartbeat check reads it.
 """
 
@@ -54,6 +56,9 @@ class ControlChannel:
         self._writer: threading.Thread | None = None
         self._closed = threading.Event()
         self._close_error: TransferError | None = None
+        # (``close_after``) the close waits for the backlog until then, with this error; no send is taken
+        self._close_by: float | None = None
+        self._close_after_error = TransferError(TransferErrorKind.ABORTED, f"{name}: closed locally")
         self.last_rx = time.monotonic()
         self.last_tx = time.monotonic()
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -74,6 +79,8 @@ class ControlChannel:
             return False
         frame = memoryview(encode_frame(msg))
         with self._send_lock:
+            if self._close_by is not None:  # (``close_after``: closing once what came before is written)
+                return False
             error = self._send_locked(frame)
         if error is None:
             return True
@@ -114,15 +121,19 @@ class ControlChannel:
         error: TransferError | None = None
         while error is None:
             with self._send_lock:
-                while not self._backlog and not self._closed.is_set():
+                while not self._backlog and not self._closed.is_set() and self._close_by is None:
                     self._has_backlog.wait(_POLL_S)  # (``close`` wakes it; the timeout is only a backstop)
                 if self._closed.is_set():
                     return
+                if self._close_by is not None and (not self._backlog or time.monotonic() >= self._close_by):
+                    break  # (``close_after``: what was queued is written, or its time is up)
             waited = 0.0  # (in slices: a closed channel's descriptor may be another file's by now)
             while not poller.poll(_POLL_S * 1000):  # (a shut-down socket polls at once: a failed write below)
                 waited += _POLL_S
                 if self._closed.is_set():
                     return
+                if self._close_by is not None and time.monotonic() >= self._close_by:
+                    break  # (``close_after``: the peer did not take what was queued in time)
                 if waited >= SEND_TIMEOUT_S:
                     error = TransferError(TransferErrorKind.PEER_GONE, f"{self.name}: send failed: the peer "
                                           f"read nothing for {SEND_TIMEOUT_S:g}s")
@@ -133,7 +144,7 @@ class ControlChannel:
                 if self._closed.is_set():  # (the reader closes the socket under this lock: ``fd`` may be reused)
                     return
                 error = self._drain(fd)
-        self.close(error)
+        self.close(error or self._close_after_error)
 
     def _drain(self, fd: int) -> TransferError | None:
         """Write waiting frames until the socket is full (under the send lock)."""
@@ -160,6 +171,18 @@ class ControlChannel:
         lose what was sent last. True: nothing waits (or the channel closed)."""
         with self._send_lock:
             return self._has_backlog.wait_for(lambda: not self._backlog or self._closed.is_set(), timeout_s)
+
+    def close_after(self, error: TransferError, settle_s: float) -> None:
+        """``close(error)`` once every frame already queued is written, or ``settle_s`` from now if the
+        peer has not taken them by then, without waiting here (the writer thread closes it); a send from now
+        on is refused. What was sent last before a close (a room's status) is then not lost to a backlog."""
+        with self._send_lock:
+            if not self._closed.is_set() and self._close_by is None and self._backlog:
+                self._close_after_error = error
+                self._close_by = time.monotonic() + settle_s
+                self._has_backlog.notify_all()
+                return
+        self.close(error)  # (nothing waits: at once)
 
     def close(self, error: TransferError | None = None) -> None:
         if self._closed.is_set():

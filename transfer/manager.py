@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 
 _BUSY_POLL_S = 0.0005  # monitor tick while writes are in flight on a backend that does not notify
 _IDLE_POLL_S = 0.05  # otherwise: timeouts and heartbeats
+# A connection closed for a broken data path: the rooms' statuses sent just before it may wait in its backlog;
+# it closes once they are written, or this long after (``ControlChannel.close_after``, not waited for here).
+_STATUS_SETTLE_S = 1.0
 
 
 class KVManager:
@@ -167,9 +170,10 @@ class KVManager:
                 now = time.monotonic()
                 stalled: list[PeerId] = []
                 silent: list[tuple[ControlChannel, TransferError]] = []
+                broken: list[tuple[ControlChannel, TransferError]] = []
                 try:
                     busy = side.tick(now, outbox)
-                    silent += side.take_broken()
+                    broken = side.take_broken()
                     if self._prefill is not None:
                         stalled = self._prefill.rooms.take_stalled()
                     if now >= next_beat:
@@ -179,6 +183,8 @@ class KVManager:
                     log.exception("KV monitor tick failed")
                     busy = False  # (what take_broken took is closed all the same: nothing else would)
             flush(outbox)
+            for channel, error in broken:  # (their rooms' statuses, just flushed, go first)
+                channel.close_after(error, _STATUS_SETTLE_S)
             for channel, error in silent:
                 channel.close(error)
             fail_queued: Callable[[PeerId, TransferError], None] | None = (

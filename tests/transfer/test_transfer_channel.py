@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from transfer import TransferErrorKind, channel
+from transfer import TransferError, TransferErrorKind, channel
 from transfer.channel import ControlChannel
 from transfer.messages import FrameReader, RoomRequest
 
@@ -121,3 +121,48 @@ def test_settle_ends_when_the_channel_closes(pair, monkeypatch: pytest.MonkeyPat
     waiting.join(60)  # (a liveness bound far below settle's own, not a speed check)
     assert not waiting.is_alive(), "settle() waited on a closed channel"
     assert settled == [True] and closed.done.wait(10)
+
+
+def test_close_after_writes_what_was_queued_before_it_closes(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection closed right after a room's status was sent (a broken data path: the statuses go first)
+    must not drop the status if it waited in the backlog: ``close_after`` returns at once, refuses what is sent
+    after it, and closes once the peer has taken what came before."""
+    chan, theirs, closed = pair
+    monkeypatch.setattr(channel, "SEND_TIMEOUT_S", 600.0)
+    for room in range(20):  # a backlog the peer does not read yet
+        assert chan.send(RoomRequest(room, _BIG_PAGES, 0))
+    assert chan.send(RoomRequest(20, [7], 0))  # the last word before the close (queued behind the rest)
+    error = TransferError(TransferErrorKind.PEER_GONE, "the data path broke")
+    returned = threading.Event()
+    threading.Thread(target=lambda: (chan.close_after(error, 600.0), returned.set()), daemon=True).start()
+    assert returned.wait(10), "close_after waited for the peer"
+    assert not chan.send(RoomRequest(21, [1], 0))  # (after the close was asked for: not taken)
+    assert not closed.done.is_set()
+    theirs.settimeout(30)
+    reader = FrameReader(theirs)
+    rooms = [reader.read() for _ in range(21)]
+    assert [msg.room for msg in rooms] == list(range(21))  # type: ignore[union-attr]
+    assert reader.read() is None  # then the close, and nothing sent after it
+    assert closed.done.wait(10) and closed.errors == [error]
+
+
+def test_close_after_closes_by_its_deadline_when_the_peer_reads_nothing(pair, monkeypatch) -> None:
+    chan, _theirs, closed = pair
+    monkeypatch.setattr(channel, "SEND_TIMEOUT_S", 600.0)
+    for room in range(20):
+        assert chan.send(RoomRequest(room, _BIG_PAGES, 0))
+    error = TransferError(TransferErrorKind.PEER_GONE, "the data path broke")
+    chan.close_after(error, 1.0)
+    assert closed.done.wait(30), "close_after waited past its deadline for a peer that reads nothing"
+    assert closed.errors == [error] and chan.is_closed
+
+
+def test_close_after_with_nothing_queued_closes_at_once(pair) -> None:
+    chan, theirs, closed = pair
+    assert chan.send(RoomRequest(1, [1], 0))
+    error = TransferError(TransferErrorKind.PEER_GONE, "the data path broke")
+    chan.close_after(error, 600.0)
+    assert chan.is_closed and closed.done.wait(10) and closed.errors == [error]
+    theirs.settimeout(10)
+    reader = FrameReader(theirs)
+    assert reader.read() == RoomRequest(1, [1], 0) and reader.read() is None
