@@ -232,6 +232,7 @@ def test_a_pipelined_backend_posts_turns_in_turn_within_its_budget() -> None:
         backend.finish()  # big's fourth turn was the oldest still pending (big's first three: ended)
         _until(lambda: backend.poll(big) == WriteState.DONE)
         assert backend.poll(other) == WriteState.PENDING
+        backend.wait_posted(8)  # (the other room's third turn: posted by the peer's thread once big's ended)
         for _ in range(4):
             backend.finish()
         _until(lambda: backend.poll(small) == WriteState.DONE and backend.poll(other) == WriteState.DONE)
