@@ -239,7 +239,8 @@ class Frontend:
                 max_tokens_name: str = "max_tokens", default_max: int | None = None,
                 ) -> tuple[SamplingParams, list[str]]:
         """``prompt``, ``max_tokens_name``: what the client called them (``param`` of a 400). ``max_tokens`` None:
-        the route's default budget (``default_max``, else ``--default-max-tokens``), cut to what fits the context."""
+        the route's default budget (``default_max``, else ``--default-max-tokens``), cut to what fits the context
+        and the largest decode's KV pool."""
         if not input_ids:
             raise BadRequest("the prompt is empty", param=prompt)
         room = self.max_context - len(input_ids)
@@ -252,7 +253,14 @@ class Frontend:
             if min_tokens > room:
                 raise BadRequest(f"{name} ({min_tokens}) + prompt ({len(input_ids)} tokens) exceeds the context "
                                  f"length {self.max_context}", param=prefix + name, code="context_length_exceeded")
-            max_tokens = min(max(default_max or self.default_max_tokens, min_tokens), room)
+            budget_room = room
+            capacity = getattr(self.dispatcher, "decode_capacity", None)
+            pool = capacity() if capacity is not None else None
+            if pool is not None and pool - len(input_ids) >= max(min_tokens, 1):
+                # (also what the largest decode's KV pool holds, as SGLang's scheduler cuts it: a budget the
+                # client did not set is no reason for a 400; a prompt no pool holds is the dispatcher's 400)
+                budget_room = min(room, pool - len(input_ids))
+            max_tokens = min(max(default_max or self.default_max_tokens, min_tokens), budget_room)
         if max_tokens > room:  # (ranges of single fields are checked by the decoder: gateway/api_models.py)
             raise BadRequest(f"{max_tokens_name} ({max_tokens}) + prompt ({len(input_ids)} tokens) exceeds the "
                              f"context length {self.max_context}", param=prefix + max_tokens_name,

@@ -147,6 +147,14 @@ class Dispatcher:
         # worker, and only one past them has the workers that cannot hold it left out (``_fitting``).
         self._floors_epoch = -1
         self._decode_floor = self._prefill_floor = 0
+        self._decode_ceiling = 0  # (the largest decode pool, as of the same epoch: ``decode_capacity``)
+
+    def decode_capacity(self) -> int | None:
+        """The most tokens (prompt + max_new_tokens) one decode (or combined) worker's KV pool holds; None before
+        any has connected. A default budget is cut to it (``Frontend._params``), as SGLang's scheduler cuts one."""
+        if self._floors_epoch != WorkerState.shape_epoch:
+            self._set_floors()
+        return self._decode_ceiling or None
 
     @property
     def is_disaggregated(self) -> bool:
@@ -183,7 +191,8 @@ class Dispatcher:
 
     def _set_floors(self) -> None:
         self._floors_epoch = WorkerState.shape_epoch
-        self._decode_floor = min((c.state.capacity_tokens for c in self.decodes if c.state.page_size), default=0)
+        pools = [c.state.capacity_tokens for c in self.decodes if c.state.page_size]
+        self._decode_floor, self._decode_ceiling = min(pools, default=0), max(pools, default=0)
         self._prefill_floor = min((c.state.capacity_tokens for c in self.prefills if c.state.page_size),
                                   default=0 if self.prefills else sys.maxsize)
 

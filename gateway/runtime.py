@@ -35,7 +35,7 @@ from gateway.router import Router
 from gateway.sglang_fleet import RelayConfig, SGLangFleet, check_http_url, is_http_url
 from gateway.tokenizer import load_tokenizer, tokenizer_digest
 from gateway.worker_client import WorkerClient, parse_worker_url
-from gateway.worker_state import REFRESH_INTERVAL_S
+from gateway.worker_state import REFRESH_INTERVAL_S, WorkerState
 from workers.protocol import HelloAck
 
 log = logging.getLogger(__name__)
@@ -468,6 +468,7 @@ class Gateway:
         for pool in (self.prefills, self.decodes):
             if client in pool:
                 pool.remove(client)
+        WorkerState.shape_epoch += 1  # (the dispatcher's pool floor and ceiling are looked at again without it)
         with contextlib.suppress(Exception):  # (closing announces on_worker_removed if it was up)
             # Requests still open past the drain timeout: dropped by the worker as its connection closes,
             # and continued on other workers here (migrated, retried), as after a lost connection.

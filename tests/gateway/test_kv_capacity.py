@@ -129,3 +129,17 @@ def test_a_worker_that_reconnects_with_another_pool_is_judged_by_its_new_one() -
         assert {d for _, d in _picks(dispatcher, 100, 200)} == set(decodes)
 
     asyncio.run(main())
+
+
+def test_the_default_budget_is_cut_to_the_largest_decode_pool() -> None:
+    """``decode_capacity`` (what a budget the client did not set is cut to) is the largest connected decode's
+    pool, and follows a decode that reconnects with another pool."""
+    async def main() -> None:
+        dispatcher, _, decodes, _ = _fleet([1024], [64, 256])
+        assert dispatcher.decode_capacity() == 1024  # 256 pages of 4 tokens
+        _resize(decodes[1], 32)
+        assert dispatcher.decode_capacity() == 256  # the other one's 64 pages
+        _resize(decodes[0], 2048)
+        assert dispatcher.decode_capacity() == 8192
+
+    asyncio.run(main())

@@ -49,8 +49,10 @@ class StandIn:
 
     def __init__(self, worker_id: str, *, tokenizer: str = "/models/not-on-this-host", max_context: int = 4096,
                  files: dict[str, bytes] | None = None, answer_files: bool = True, serves_files: bool = True,
-                 cached: tuple[bytes, ...] = (), role: str = "both", files_delay_s: float = 0.0) -> None:
+                 cached: tuple[bytes, ...] = (), role: str = "both", files_delay_s: float = 0.0,
+                 num_pages: int = 256) -> None:
         self.worker_id, self.tokenizer, self.max_context = worker_id, tokenizer, max_context
+        self.num_pages = num_pages  # (of 16 tokens)
         self.files, self.answer_files, self.serves_files = files, answer_files, serves_files
         self.role, self.files_delay_s = role, files_delay_s  # (the tokenizer's files sent that much later)
         self.cached = cached  # prefix-cache page hashes it reports to each new connection
@@ -82,7 +84,7 @@ class StandIn:
             await read_frame(reader)  # Hello
             prefill = self.role == "prefill"  # (a prefill names its bootstrap address)
             writer.write(codec.encode(HelloAck(PROTOCOL_VERSION, self.worker_id, self.role, "sim", "m", self.tokenizer,
-                                               16, self.max_context, 256, tokenizer_files=int(self.serves_files),
+                                               16, self.max_context, self.num_pages, tokenizer_files=int(self.serves_files),
                                                bootstrap_host="127.0.0.1" if prefill else None,
                                                bootstrap_port=1 if prefill else None)))
             writer.write(codec.encode(LoadReport(0, 0, 256, 256)))
@@ -222,6 +224,31 @@ def test_the_prompt_limit_follows_the_workers_left() -> None:
             await gw.aclose()
             await long.stop()
             await short.stop()
+
+    asyncio.run(main())
+
+
+def test_the_default_budget_follows_the_decode_pools_left() -> None:
+    """A budget the client did not set is cut to the largest decode pool (``decode_capacity``); once the admin
+    API has removed the worker that had it, to the largest of those left."""
+    async def main() -> None:
+        big = await StandIn("big", tokenizer="byte", num_pages=256).start()
+        small = await StandIn("small", tokenizer="byte", num_pages=64).start()
+        gw = Gateway(GatewayConfig(worker=(small.url, big.url), startup_timeout_s=5, drain_timeout_s=1))
+        try:
+            await gw.start()
+            assert all([await w.wait_ready(5) for w in gw.decodes])
+            assert gw.dispatcher.decode_capacity() == 256 * 16
+            gw.remove_worker(big.url)
+            for _ in range(100):
+                if gw.find(big.url) is None:
+                    break
+                await asyncio.sleep(0.05)
+            assert gw.find(big.url) is None and gw.dispatcher.decode_capacity() == 64 * 16
+        finally:
+            await gw.aclose()
+            await big.stop()
+            await small.stop()
 
     asyncio.run(main())
 
