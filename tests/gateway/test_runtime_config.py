@@ -84,7 +84,8 @@ class StandIn:
             await read_frame(reader)  # Hello
             prefill = self.role == "prefill"  # (a prefill names its bootstrap address)
             writer.write(codec.encode(HelloAck(PROTOCOL_VERSION, self.worker_id, self.role, "sim", "m", self.tokenizer,
-                                               16, self.max_context, self.num_pages, tokenizer_files=int(self.serves_files),
+                                               16, self.max_context, self.num_pages,
+                                               tokenizer_files=int(self.serves_files),
                                                bootstrap_host="127.0.0.1" if prefill else None,
                                                bootstrap_port=1 if prefill else None)))
             writer.write(codec.encode(LoadReport(0, 0, 256, 256)))
