@@ -70,6 +70,9 @@ class AlreadyThere(ValueError):
     """``SGLangFleet.add``: the worker is configured already, or still being removed."""
 
 
+# SGLang's ``GET /health`` is its ``health_generate``: a one-token generation, answered 200 a second (or more
+# seconds, on a busy worker) later; its router waits 5 s. A shorter probe timeout fails busy, healthy workers.
+SGLANG_MIN_HEALTH_TIMEOUT_S = 5.0
 PROBE_CONNECTIONS_PER_WORKER = 4  # the checks' own pool (health, loads, model): at most this many per worker
 
 
@@ -273,8 +276,8 @@ class SGLangFleet:
         config = worker.health.config
         while True:
             try:
-                async with self._checks.get(f"{worker.url}/health",
-                                            timeout=aiohttp.ClientTimeout(total=config.probe_timeout_s)) as reply:
+                health_timeout = aiohttp.ClientTimeout(total=max(config.probe_timeout_s, SGLANG_MIN_HEALTH_TIMEOUT_S))
+                async with self._checks.get(f"{worker.url}/health", timeout=health_timeout) as reply:
                     data = await reply.read()
                     ok, reason = reply.status == 200, f"/health answered {reply.status}"
                     if reply.status in (401, 403):
@@ -341,16 +344,27 @@ class SGLangFleet:
             state.reported(report)
 
     async def _learn_model(self, worker: HttpWorker) -> None:
-        assert self._checks is not None
-        try:
-            async with self._checks.get(f"{worker.url}/get_model_info",
-                                        timeout=aiohttp.ClientTimeout(total=5)) as reply:
-                info = msgspec.json.decode(await reply.read()) if reply.status == 200 else {}
-        except (aiohttp.ClientError, TimeoutError, OSError, msgspec.DecodeError):
-            return
-        name = info.get("served_model_name") or info.get("model_path") if isinstance(info, dict) else None
+        """The name clients use: ``served_model_name`` (our workers' ``/get_model_info``), else the first model of
+        ``/v1/models`` (SGLang's ``/get_model_info`` has no ``served_model_name``: its ``model_path`` is the
+        directory, not the ``--served-model-name`` its clients send), else ``model_path``."""
+        info = await self._get_json(worker, "/get_model_info")
+        info = info if isinstance(info, dict) else {}
+        name = info.get("served_model_name")
+        if not (isinstance(name, str) and name):
+            models = await self._get_json(worker, "/v1/models")
+            data = models.get("data") if isinstance(models, dict) else None
+            first = data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
+            name = first.get("id") or info.get("model_path")
         if isinstance(name, str) and name:
             self.model_name = name
+
+    async def _get_json(self, worker: HttpWorker, path: str) -> Any:
+        assert self._checks is not None
+        try:
+            async with self._checks.get(f"{worker.url}{path}", timeout=aiohttp.ClientTimeout(total=5)) as reply:
+                return msgspec.json.decode(await reply.read()) if reply.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, OSError, msgspec.DecodeError):
+            return None
 
     def select(self, request: RequestInfo, avoid: set[HttpWorker]) -> tuple[Pair, HttpWorker, HttpWorker]:
         """A healthy pair for one attempt (avoiding the workers that failed it before, while others are up): the
