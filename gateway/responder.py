@@ -246,7 +246,8 @@ class Responder:
         answering: APIError | None = None  # an error answer counted and going out (not counted again if cut)
         try:
             try:
-                # A client leaving while queued gives up its place: the disconnect is watched from before
+                # The body before the slot (a client still uploading holds none), a full queue refused before the
+                # upload; a client leaving while queued gives up its place: the disconnect is watched from before
                 # admission (over ASGI only after the body, which the watcher would otherwise read).
                 if isinstance(exchange, AsgiExchange):
                     gw.admission.check_room()
@@ -256,8 +257,9 @@ class Responder:
                 else:
                     exchange.watch_disconnect(gone)
                     exchange.check_length(gw.max_body_bytes)
-                    release = await gw.admission.admit()
+                    gw.admission.check_room()
                     body = await exchange.read_body(gw.max_body_bytes, gw.body_timeout_s)
+                    release = await gw.admission.admit()
                 frontend = gw.require_frontend()
                 try:
                     if len(body) >= self.prepare_thread_bytes > 0:  # a long prompt: tokenized off the event loop
