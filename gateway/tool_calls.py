@@ -187,6 +187,9 @@ def _rebased(schema: Any, root: str) -> Any:
         return [_rebased(item, root) for item in schema]
     if not isinstance(schema, dict):
         return schema
+    base = schema.get("$id")
+    if isinstance(base, str) and not base.startswith("#"):  # a resource of its own ("#name": an anchor, draft 7):
+        return schema  # its "#..." references resolve against it, wherever it is placed
     out = {}
     for key, value in schema.items():
         if key in _DATA_KEYWORDS:
