@@ -110,6 +110,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._deadline = 0.0  # loop time by which it must have arrived
         self._refused = False
         self._write_timer: asyncio.TimerHandle | None = None
+        self._write_mark = 0  # the transport's unsent bytes when the write timer was (re-)armed
         # This connection's cycles, answered or not (uvicorn keeps only the newest; a disconnect must reach
         # every unanswered one, a pipelined request's elder included)
         self._cycles: list[Any] = []
@@ -157,6 +158,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._write_timer is None:
+            self._write_mark = self.transport.get_write_buffer_size()
             self._write_timer = self.loop.call_later(self.limits.write_timeout_s, self._write_stalled)
 
     def resume_writing(self) -> None:
@@ -167,6 +169,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def _write_stalled(self) -> None:
         self._write_timer = None
+        left = self.transport.get_write_buffer_size()
+        if left < self._write_mark:  # the client read some (a large answer, still above the low-water mark)
+            self._write_mark = left
+            self._write_timer = self.loop.call_later(self.limits.write_timeout_s, self._write_stalled)
+            return
         log.warning("client %s read nothing for %gs: disconnecting it", self.client, self.limits.write_timeout_s)
         self.transport.abort()
 
