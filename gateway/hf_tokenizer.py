@@ -416,19 +416,35 @@ def _unicode_to_byte() -> dict[str, int]:
 
 
 def _compile_template(source: str) -> Any:
-    from jinja2 import TemplateError
+    from jinja2 import TemplateError, nodes
+    from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlock(Extension):
+        """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask marker, which fine-tunes'
+        templates carry): its body, as transformers renders it when no mask is asked for."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body).set_lineno(lineno)
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    def tojson(value: Any, indent: int | None = None) -> str:
-        return json.dumps(value, ensure_ascii=False, indent=indent)
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:  # (transformers' filter: templates pass these, e.g. GLM's, Kimi's)
+        if isinstance(separators, list):
+            separators = tuple(separators)
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", GenerationBlock])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
