@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import urllib.parse
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -111,6 +112,7 @@ def plan_tools(req: Any, chat_template: str | None) -> ToolPlan | None:
     if choice == "none":
         return ToolPlan("none", tools, hermes=hermes)
     if choice == "required":
+        _check_shared_ids(tools)  # (one document now: two different resources with one $id would share references)
         # each tool's parameters move under its option's "arguments": their local references move along
         options = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": _rebased(
                         t["parameters"], "#/properties/arguments" if len(tools) == 1
@@ -188,7 +190,7 @@ def _rebased(schema: Any, root: str) -> Any:
     if not isinstance(schema, dict):
         return schema
     base = schema.get("$id")
-    if isinstance(base, str) and not base.startswith("#"):  # a resource of its own ("#name": an anchor, draft 7):
+    if _is_resource(base):  # a resource of its own ("#name": an anchor, draft 7; "": none):
         return schema  # its "#..." references resolve against it, wherever it is placed
     out = {}
     for key, value in schema.items():
@@ -196,11 +198,57 @@ def _rebased(schema: Any, root: str) -> Any:
             out[key] = value
         elif key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
             out[key] = root + value[1:]
+        elif key == "$id" and value == "":
+            continue  # (names nothing; embedded, the library would take it as a base of its own)
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {name: _rebased(sub, root) for name, sub in value.items()}
         else:
             out[key] = _rebased(value, root)
     return out
+
+
+def _is_resource(schema_id: Any) -> bool:
+    """A ``$id`` that makes its schema a resource of its own (its ``#/...`` references resolve against it)."""
+    return isinstance(schema_id, str) and bool(schema_id) and not schema_id.startswith("#")
+
+
+def _resource_ids(schema: Any, base: str, found: dict[str, str]) -> None:
+    """The schema resources in ``schema`` (a ``$id`` other than a fragment: ``_rebased``), by their URI (resolved
+    against ``base``), each as its canonical JSON text."""
+    if isinstance(schema, list):
+        for item in schema:
+            _resource_ids(item, base, found)
+        return
+    if not isinstance(schema, dict):
+        return
+    own = schema.get("$id")
+    if _is_resource(own):
+        base = urllib.parse.urljoin(base, own).split("#", 1)[0]
+        found.setdefault(base, json.dumps(schema, sort_keys=True))
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            for sub in value.values():
+                _resource_ids(sub, base, found)
+        else:
+            _resource_ids(value, base, found)
+
+
+def _check_shared_ids(tools: list[dict[str, Any]]) -> None:
+    """Under ``required`` every tool's parameters are one document: a ``$id`` that two tools give to different
+    schemas would have both tools' references resolve against one of them (one tool held to the other's
+    definitions): a 400. The same schema under one ``$id`` twice resolves alike: accepted."""
+    seen: dict[str, tuple[int, str]] = {}
+    for i, tool in enumerate(tools):
+        found: dict[str, str] = {}
+        _resource_ids(tool["parameters"], "", found)
+        for uri, text in found.items():
+            first = seen.setdefault(uri, (i, text))
+            if first[1] != text:
+                raise BadRequest(f"tools[{i}].function.parameters and tools[{first[0]}].function.parameters give "
+                                 f"the $id {uri!r} to different schemas; under tool_choice \"required\" every "
+                                 "tool's schema is part of one", param=f"tools[{i}].function.parameters")
 
 
 # -- the prompt ----------------------------------------------------------------------------------
