@@ -147,14 +147,13 @@ class Dispatcher:
         # worker, and only one past them has the workers that cannot hold it left out (``_fitting``).
         self._floors_epoch = -1
         self._decode_floor = self._prefill_floor = 0
-        self._decode_ceiling = 0  # (the largest decode pool, as of the same epoch: ``decode_capacity``)
 
     def decode_capacity(self) -> int | None:
         """The most tokens (prompt + max_new_tokens) one decode (or combined) worker's KV pool holds; None before
-        any has connected. A default budget is cut to it (``Frontend._params``), as SGLang's scheduler cuts one."""
-        if self._floors_epoch != WorkerState.shape_epoch:
-            self._set_floors()
-        return self._decode_ceiling or None
+        any has connected. A default budget is cut to it (``Frontend._params``), as SGLang's scheduler cuts one.
+        (Called on a prepare thread too, for a long body: looked at here, not through the event loop's cached
+        floors, which a thread's refresh racing the loop's could leave stale under the newer epoch.)"""
+        return max((c.state.capacity_tokens for c in list(self.decodes) if c.state.page_size), default=0) or None
 
     @property
     def is_disaggregated(self) -> bool:
@@ -191,8 +190,7 @@ class Dispatcher:
 
     def _set_floors(self) -> None:
         self._floors_epoch = WorkerState.shape_epoch
-        pools = [c.state.capacity_tokens for c in self.decodes if c.state.page_size]
-        self._decode_floor, self._decode_ceiling = min(pools, default=0), max(pools, default=0)
+        self._decode_floor = min((c.state.capacity_tokens for c in self.decodes if c.state.page_size), default=0)
         self._prefill_floor = min((c.state.capacity_tokens for c in self.prefills if c.state.page_size),
                                   default=0 if self.prefills else sys.maxsize)
 
