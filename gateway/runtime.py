@@ -468,7 +468,7 @@ class Gateway:
         for pool in (self.prefills, self.decodes):
             if client in pool:
                 pool.remove(client)
-        WorkerState.shape_epoch += 1  # (the dispatcher's pool floor and ceiling are looked at again without it)
+        WorkerState.shape_epoch += 1  # (the dispatcher's pool floors are looked at again without it)
         with contextlib.suppress(Exception):  # (closing announces on_worker_removed if it was up)
             # Requests still open past the drain timeout: dropped by the worker as its connection closes,
             # and continued on other workers here (migrated, retried), as after a lost connection.
