@@ -30,6 +30,11 @@ async def serve(handler: Handler, path: str = "/generate") -> tuple[web.AppRunne
     app = web.Application(client_max_size=1 << 30)
     app.router.add_get("/health", health)
     app.router.add_post(path, handler)
+    return await serve_app(app)
+
+
+async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    """``app`` served on a free loopback port: its runner (to clean up) and its URL."""
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -12,7 +12,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.router import Router
 from gateway.sglang_fleet import RelayConfig, SGLangFleet
 from gateway.sglang_relay import SGLangResponder
-from tests.gateway.relay_harness import Exchange, call, jbody
+from tests.gateway.relay_harness import Exchange, call, jbody, serve_app
 
 
 async def _sglang_worker(role: str) -> tuple[web.AppRunner, str]:
@@ -46,12 +46,7 @@ async def _sglang_worker(role: str) -> tuple[web.AppRunner, str]:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/get_server_info", server_info)
     app.router.add_post("/generate", generate)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve_app(app)
 
 
 def test_the_served_model_name_is_sglangs_served_model_name_not_its_model_path() -> None:
@@ -97,17 +92,13 @@ def test_an_sglang_worker_whose_health_check_takes_its_usual_time_stays_up() -> 
         return web.Response(status=200)
 
     async def main() -> None:
-        runners = []
-        urls = []
+        runners, urls = [], []
         for _ in range(2):
             app = web.Application()
             app.router.add_get("/health", slow_health)
-            runner = web.AppRunner(app)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
+            runner, url = await serve_app(app)
             runners.append(runner)
-            urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")  # type: ignore[union-attr]
+            urls.append(url)
         fleet = SGLangFleet([(urls[0], 8998)], [urls[1]], Router.build("random", "random"),
                             HealthConfig(), RelayConfig())  # (the gateway's defaults: --health-timeout-s 2)
         fleet.start()
