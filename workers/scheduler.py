@@ -169,6 +169,9 @@ class Scheduler:
         self.metrics = SchedulerMetrics()  # histograms and outcome counters for /metrics
         self.error: BaseException | None = None
         self._wake_pending = False
+        # The loop has ended: a submit queued from now on is answered by ``_answer_leftovers`` (never left unread)
+        self._ended = False
+        self._leftovers_lock = threading.Lock()
         if kv is not None:
             kv.set_listener(self._on_kv_change)
 
@@ -179,6 +182,8 @@ class Scheduler:
 
     def submit(self, conn_id: int, msg: Submit) -> None:
         self._inbox.put(("submit", (conn_id, msg)))
+        if self._ended:  # (the loop's last look at its inbox may have come before this one)
+            self._answer_leftovers()
 
     def abort(self, conn_id: int, rid: int, reason: str) -> None:
         self._inbox.put(("abort", (conn_id, rid, reason)))
@@ -244,6 +249,25 @@ class Scheduler:
                         log.exception("request %s: failing it at the loop's end failed", req.key)
             finally:
                 self._flush()
+                self._ended = True
+                self._answer_leftovers()
+
+    def _answer_leftovers(self) -> None:
+        """The loop has ended: every submit still in the inbox is answered (``shutting_down``, or ``internal``
+        after a crash) instead of being left there unanswered; thread-safe."""
+        with self._leftovers_lock:
+            code = "internal" if self.error else "shutting_down"
+            answers: list[tuple[int, Message]] = []
+            while True:
+                try:
+                    kind, payload = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "submit":
+                    conn_id, msg = payload
+                    answers.append((conn_id, Error(msg.rid, code, "worker stopped")))  # (its gateway aborts the peer)
+            if answers:
+                self._sink(answers)
 
     def _idle_wait_s(self, now: float) -> float:
         """How long the loop may sleep: until the next load report or request deadline is due."""

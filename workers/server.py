@@ -157,8 +157,10 @@ class NativeServer:
                 body = await read_frame(reader)
                 match self._codec.decode(body):
                     case Submit() as msg:
-                        if not self._scheduler.is_alive:
-                            stopped = Error(msg.rid, "internal", "the worker's scheduler stopped")
+                        if not self._scheduler.is_alive:  # (stopped on purpose: the worker is shutting down)
+                            stopped = (Error(msg.rid, "internal", "the worker's scheduler stopped")
+                                       if self._scheduler.error is not None else
+                                       Error(msg.rid, "shutting_down", "the worker is shutting down"))
                             writer.write(self._codec.encode(stopped))
                             await writer.drain()
                             return
