@@ -54,7 +54,8 @@ def parse_args(argv: Sequence[str] | None = None) -> BootstrapConfig:
     p.add_argument("--max-rooms", type=int, default=d.max_rooms, help="room table capacity (default %(default)s)")
     p.add_argument("--max-ranks", type=int, default=d.max_ranks, help="rank capacity (default %(default)s)")
     p.add_argument(
-        "--log-level", default=d.log_level, choices=["critical", "error", "warning", "info", "debug", "trace"]
+        "--log-level", default=d.log_level, choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="(default %(default)s)",
     )
     args = p.parse_args(argv)
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None

@@ -11,6 +11,7 @@ from typing import Any
 import uvicorn
 
 from gateway.app import GatewayConfig, create_app
+from gateway.cli_help import show_defaults
 from gateway.context import configure_logging
 from gateway.health import HealthConfig
 from gateway.http_protocol import ClientLimits, protocol_class
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--log-format", choices=["text", "json"], default="text")
-    return p
+    return show_defaults(p)
 
 
 def _env_key(name: str) -> list[str]:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.cli_help import show_defaults
 from transfer.netaddr import is_loopback, join_host_port
 
 MAX_BACKOFF_S = 30.0
@@ -360,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "restart it")
     p.add_argument("--log-level", default="warning", choices=LOG_LEVELS, type=str.lower,
                    help="every child's (default %(default)s)")
-    return p
+    return show_defaults(p)
 
 
 def _no_proxy_for(*hosts: str) -> None:

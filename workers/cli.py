@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 
+from gateway.cli_help import show_defaults
 from workers.config import ConfigError, WorkerConfig
 from workers.protocol import MAX_UNREAD_BYTES
 
@@ -73,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output a gateway connection may leave unread before it is dropped (its requests end)")
     p.add_argument("--log-level", default="info", type=str.lower,  # (the logging module's names)
                    choices=("critical", "fatal", "error", "warning", "warn", "info", "debug", "notset"))
-    return p
+    return show_defaults(p)
 
 
 def _mib(value: float, name: str) -> int:
