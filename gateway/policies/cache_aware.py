@@ -86,20 +86,26 @@ class CacheAwarePolicy:
         held = request.cached_pages(page_size) if page_size > 0 else {}
         costs = [float("inf")] * len(prefills)
         best, best_cost, best_cached, hot_cached = 0, float("inf"), 0, 0
+
+        def cached_on(w: WorkerView) -> int:  # (a pool mixing page sizes looks each other size up separately)
+            return held.get(w.url, 0) * page_size if w.page_size == page_size else request.num_cached_tokens(w)
+
         for i, w in enumerate(prefills):
-            # (a pool mixing page sizes looks each other size up separately)
-            cached = held.get(w.url, 0) * page_size if w.page_size == page_size else request.num_cached_tokens(w)
+            cached = cached_on(w)
             if waits[i] > limit:
                 hot_cached = max(hot_cached, cached)
                 continue
             costs[i] = waits[i] + weight * (prompt - cached) / (w.prefill_tokens_per_s or fallback)
             if costs[i] < best_cost:
                 best, best_cost, best_cached = i, costs[i], cached
-        if best_cached == 0:
-            # Nobody worth using holds this prefix: choose its home among the workers about as good as
-            # the best (within one more computation of this prompt).
+        if 8 * best_cached <= prompt:
+            # Nobody worth using holds more than an eighth of this prompt (a new tenant, or one whose prompts
+            # share only a short head with others': a chat template's system header, a common preamble, which
+            # the first worker to compute it holds; taken as a hold, it drew every later tenant there): choose
+            # its home among the workers about as good as the best (within one more computation of it).
             slack = costs[best] + prompt / fallback
             best = self._home(prefills, [i for i, c in enumerate(costs) if c <= slack], request)
+            best_cached = cached_on(prefills[best])
         self.num_selected += 1
         self.num_predicted_hits += best_cached > 0
         self.num_skipped_hot += hot_cached > best_cached
