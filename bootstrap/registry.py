@@ -198,8 +198,15 @@ class Registry:
         if instance is not None:
             self._expire(instance, now)
             instance = self._instances.get(instance_id)
+        superseded: list[RankKey] = []
         if instance is not None and instance.topology != topology:
             others = [k for k in instance.entries if k != key]
+            if others and self._ttl_s <= 0 and all(
+                now - instance.entries[k].last_seen >= CONFLICT_WINDOW_S for k in others
+            ):
+                # No leases: ranks that register once (SGLang's) never expire nor deregister, so a layout
+                # none of them has re-sent for a while is a previous run's, superseded by this restart
+                superseded, others = others, []
             if others:
                 raise errors.conflict(
                     "topology_conflict",
@@ -216,6 +223,11 @@ class Registry:
                 f"lapses (at most {CONFLICT_WINDOW_S:g}s after its last renewal)")
         if existing is None and self.num_ranks >= self._max_ranks:
             raise errors.unavailable("registry_full", f"registry holds the maximum of {self._max_ranks} ranks")
+        for old_key in superseded:
+            old = instance.entries.pop(old_key)  # type: ignore[union-attr]
+            self.num_ranks -= 1
+            logger.warning("rank dp=%s cp=%s tp=%s pp=%s of %r at %s:%s dropped: a new layout registered",
+                           *old_key, instance_id, old.address.rank_ip, old.address.rank_port)
         if instance is None:
             instance = Instance(instance_id=instance_id, topology=topology)
             self._instances[instance_id] = instance
