@@ -221,7 +221,7 @@ class Registry:
                 f"{existing.address.rank_ip}:{existing.address.rank_port} (renewed {now - existing.last_seen:.1f}s "
                 "ago): give each prefill its own --instance-id; a restarted one takes over once the old lease "
                 f"lapses (at most {CONFLICT_WINDOW_S:g}s after its last renewal)")
-        if existing is None and self.num_ranks >= self._max_ranks:
+        if existing is None and self.num_ranks - len(superseded) >= self._max_ranks:  # (those dropped free room)
             raise errors.unavailable("registry_full", f"registry holds the maximum of {self._max_ranks} ranks")
         for old_key in superseded:
             old = instance.entries.pop(old_key)  # type: ignore[union-attr]
