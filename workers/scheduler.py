@@ -195,6 +195,8 @@ class Scheduler:
         """Forget every cached prefix page no request holds; the future gets how many were freed."""
         future: concurrent.futures.Future[int] = concurrent.futures.Future()
         self._inbox.put(("flush", future))
+        if self._ended:  # (as ``submit``: the loop will not read it)
+            self._answer_leftovers()
         return future
 
     def _on_kv_change(self) -> None:
@@ -254,7 +256,7 @@ class Scheduler:
 
     def _answer_leftovers(self) -> None:
         """The loop has ended: every submit still in the inbox is answered (``shutting_down``, or ``internal``
-        after a crash) instead of being left there unanswered; thread-safe."""
+        after a crash) instead of being left there unanswered, and a cache flush fails; thread-safe."""
         with self._leftovers_lock:
             code = "internal" if self.error else "shutting_down"
             answers: list[tuple[int, Message]] = []
@@ -266,6 +268,8 @@ class Scheduler:
                 if kind == "submit":
                     conn_id, msg = payload
                     answers.append((conn_id, Error(msg.rid, code, "worker stopped")))  # (its gateway aborts the peer)
+                elif kind == "flush" and not payload.done():  # (its caller would wait out its own timeout)
+                    payload.set_exception(RuntimeError("the worker's scheduler stopped"))
             if answers:
                 self._sink(answers)
 

@@ -106,3 +106,20 @@ def test_a_submit_queued_during_the_last_step_is_answered_when_the_worker_stops(
             await worker.aclose()
 
     asyncio.run(main())
+
+
+def test_a_cache_flush_asked_of_a_stopped_scheduler_fails_at_once() -> None:
+    """``flush_cache`` (the admin's ``/flush_cache``) on a worker whose scheduler has stopped: its future fails
+    now, not after its caller's own timeout."""
+    async def main() -> None:
+        worker = Worker(WorkerConfig(role="both", engine="sim", num_pages=64, http_port=0))
+        await worker.start()
+        try:
+            assert worker.scheduler is not None
+            await asyncio.to_thread(worker.scheduler.stop)
+            future = worker.scheduler.flush_cache()
+            assert isinstance(future.exception(timeout=5), RuntimeError)
+        finally:
+            await worker.aclose()
+
+    asyncio.run(main())
