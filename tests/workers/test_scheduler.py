@@ -1248,3 +1248,21 @@ def test_a_request_its_first_token_ends_needs_no_batch_slot() -> None:
     finally:
         pkv.close()
         dkv.close()
+
+
+def test_finished_requests_leave_no_sim_engine_state() -> None:
+    """The sim engine's per-sequence digests go with the request (``SequenceState.forget``), not only once
+    ``_MAX_SEEN`` newer sequences pushed them out: a soak's workers kept 8192 of them (RSS creeping)."""
+    engine = SimEngine()
+    sched, sink, pool = make(engine=engine)
+    sched.submit(0, Submit(99, list(range(10, 30)), SamplingParams(max_new_tokens=50)))
+    for _ in range(6):
+        sched.step()
+    assert tokens_of(sink, 99) and engine._seen  # (sampled: its digest is kept while it runs)
+    sched.abort(0, 99, "client went away")
+    for rid in range(20):
+        sched.submit(0, Submit(rid, list(range(10, 20 + rid)), SamplingParams(max_new_tokens=3)))
+    run_until_idle(sched)
+    assert all(len(tokens_of(sink, rid)) == 3 for rid in range(20))
+    assert sched.cache.num_available == pool.num_pages
+    assert engine._seen == {}

@@ -156,6 +156,11 @@ class SimEngine(Engine):
             self._seen.popitem(last=False)
         return self._combine(crcs)
 
+    def forget(self, seq_id: int) -> None:
+        """The scheduler released the sequence (``SequenceState``): drop its running digest (else every finished
+        request's entry stayed until ``_MAX_SEEN`` newer ones pushed it out, a few MiB per worker)."""
+        self._seen.pop(seq_id, None)
+
     def verify(self, page_ids: list[int], token_ids: list[int]) -> bool | None:
         """Whether the pool holds exactly the KV these tokens produce at positions 0.. (None: not checked)."""
         if not self.verify_kv:
