@@ -252,7 +252,7 @@ class SenderRooms:
             self._unquiet[sender.room] = request.link
             self._ctx.kick()  # the next tick tells the decode once none of the room's writes is in flight
         if notify and request is not None and not request.link.closed:
-            outbox.append((request.link.channel, RoomStatus(sender.room, False, error.kind.value, error.message)))
+            outbox.append((request.link.channel, _failed(sender.room, error)))
 
     def _fail_room(self, sender: KVSender, error: TransferError, outbox: Outbox, broke: Link | None,
                    stalled: bool = False) -> None:
@@ -263,7 +263,7 @@ class SenderRooms:
         closes_now = broke is not None and self._fences_writes and self._breakable(broke)
         self._fail(sender, error, outbox, notify=not closes_now)
         if broke is not None:
-            status = RoomStatus(sender.room, False, error.kind.value, error.message) if closes_now else None
+            status = _failed(sender.room, error) if closes_now else None
             self._data_path_broke(broke, error, stalled=stalled, status=status)
 
     def _breakable(self, link: Link) -> bool:
@@ -292,8 +292,7 @@ class SenderRooms:
             link.closed = True
             self.on_link_closed(link, closing)
             statuses = [status] if status is not None else []
-            statuses += [RoomStatus(s.room, False, closing.kind.value, room_error(s.room, closing).message)
-                         for s in others]
+            statuses += [_failed(s.room, room_error(s.room, closing)) for s in others]
             self._closing.append((link.channel, closing, statuses))
         else:
             self._broken[id(link)] = (link, error, False)
@@ -547,5 +546,10 @@ def _resetting(room: int, link: Link) -> TransferError:
 def _refuse(outbox: Outbox, channel: ControlChannel, room: int, error: TransferError) -> None:
     """A decode's page list that no sender will take: the failure, and at once ``Quiesced`` (nothing was
     ever written into its pages)."""
-    outbox.append((channel, RoomStatus(room, False, error.kind.value, error.message)))
+    outbox.append((channel, _failed(room, error)))
     outbox.append((channel, Quiesced(room)))
+
+
+def _failed(room: int, error: TransferError) -> RoomStatus:
+    """The status that tells a decode its room failed, and why."""
+    return RoomStatus(room, False, error.kind.value, error.message)
