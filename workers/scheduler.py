@@ -246,7 +246,7 @@ class Scheduler:
             try:
                 for req in list(self.reqs.values()):
                     try:
-                        self._fail(req, "internal" if self.error else "shutting_down", "worker stopped")
+                        self._fail(req, *self._stop_reason())
                     except Exception:  # (its message is queued first: the others must be told too)
                         log.exception("request %s: failing it at the loop's end failed", req.key)
             finally:
@@ -254,11 +254,21 @@ class Scheduler:
                 self._ended = True
                 self._answer_leftovers()
 
+    def stopped(self, rid: int) -> Error:
+        """What a submit gets once the loop has ended (``is_alive`` false), from here or the native server."""
+        return Error(rid, *self._stop_reason())
+
+    def _stop_reason(self) -> tuple[str, str]:
+        """Stopped on purpose: ``shutting_down`` (the gateway retries elsewhere, holding nothing against this
+        worker); the loop crashed: ``internal``."""
+        if self.error is not None:
+            return "internal", "the worker's scheduler stopped"
+        return "shutting_down", "the worker is shutting down"
+
     def _answer_leftovers(self) -> None:
         """The loop has ended: every submit still in the inbox is answered (``shutting_down``, or ``internal``
         after a crash) instead of being left there unanswered, and a cache flush fails; thread-safe."""
         with self._leftovers_lock:
-            code = "internal" if self.error else "shutting_down"
             answers: list[tuple[int, Message]] = []
             while True:
                 try:
@@ -267,7 +277,7 @@ class Scheduler:
                     break
                 if kind == "submit":
                     conn_id, msg = payload
-                    answers.append((conn_id, Error(msg.rid, code, "worker stopped")))  # (its gateway aborts the peer)
+                    answers.append((conn_id, self.stopped(msg.rid)))  # (its gateway aborts the peer)
                 elif kind == "flush" and not payload.done():  # (its caller would wait out its own timeout)
                     payload.set_exception(RuntimeError("the worker's scheduler stopped"))
             if answers:

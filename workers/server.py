@@ -33,7 +33,6 @@ from workers.protocol import (
     MAX_UNREAD_BYTES,
     PROTOCOL_VERSION,
     Abort,
-    Error,
     GetTokenizer,
     Hello,
     HelloAck,
@@ -157,11 +156,8 @@ class NativeServer:
                 body = await read_frame(reader)
                 match self._codec.decode(body):
                     case Submit() as msg:
-                        if not self._scheduler.is_alive:  # (stopped on purpose: the worker is shutting down)
-                            stopped = (Error(msg.rid, "internal", "the worker's scheduler stopped")
-                                       if self._scheduler.error is not None else
-                                       Error(msg.rid, "shutting_down", "the worker is shutting down"))
-                            writer.write(self._codec.encode(stopped))
+                        if not self._scheduler.is_alive:  # (shutting down, or its loop crashed)
+                            writer.write(self._codec.encode(self._scheduler.stopped(msg.rid)))
                             await writer.drain()
                             return
                         self._scheduler.submit(conn_id, msg)
