@@ -274,9 +274,9 @@ class SGLangFleet:
     async def _probe_loop(self, worker: HttpWorker) -> None:
         assert self._checks is not None
         config = worker.health.config
+        health_timeout = aiohttp.ClientTimeout(total=max(config.probe_timeout_s, SGLANG_MIN_HEALTH_TIMEOUT_S))
         while True:
             try:
-                health_timeout = aiohttp.ClientTimeout(total=max(config.probe_timeout_s, SGLANG_MIN_HEALTH_TIMEOUT_S))
                 async with self._checks.get(f"{worker.url}/health", timeout=health_timeout) as reply:
                     data = await reply.read()
                     ok, reason = reply.status == 200, f"/health answered {reply.status}"
