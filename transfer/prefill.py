@@ -159,16 +159,15 @@ class PrefillSide:
         reason = self._check_register(msg)
         if reason:
             channel.send(RegisterAck(False, f"rejected: {reason}", TransferErrorKind.PROTOCOL.value))
-            channel.settle(1.0)  # (the refusal's reason, not lost in a backlog as the channel closes)
-            channel.close(TransferError(TransferErrorKind.PROTOCOL, f"{channel.name}: {reason}"))
+            # (the refusal's reason is not lost in a backlog as the channel closes; nor does this reader wait)
+            channel.close_after(TransferError(TransferErrorKind.PROTOCOL, f"{channel.name}: {reason}"), 1.0)
             return
         link.connecting = True  # (a first NIXL wire-up, a Mooncake warm-up: seconds, maybe past the heartbeat)
         try:
             peer = self._ctx.backend.connect(msg.endpoint)
         except TransferError as exc:
             channel.send(RegisterAck(False, f"prefill cannot reach your data endpoint: {exc.message}", exc.kind))
-            channel.settle(1.0)
-            channel.close(exc)
+            channel.close_after(exc, 1.0)
             return
         finally:
             channel.last_rx = max(channel.last_rx, time.monotonic())  # (its pings are read next: not silent)
