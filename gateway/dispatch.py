@@ -152,8 +152,14 @@ class Dispatcher:
         """The most tokens (prompt + max_new_tokens) one decode (or combined) worker's KV pool holds; None before
         any has connected. A default budget is cut to it (``Frontend._params``), as SGLang's scheduler cuts one.
         (Called on a prepare thread too, for a long body: looked at here, not through the event loop's cached
-        floors, which a thread's refresh racing the loop's could leave stale under the newer epoch.)"""
-        return max((c.state.capacity_tokens for c in list(self.decodes) if c.state.page_size), default=0) or None
+        floors, which a thread's refresh racing the loop's could leave stale under the newer epoch.) Only the decodes
+        that can take requests count (a larger pool of one draining, disconnected or failing its probes raised the
+        budget past every decode left: a 503 for as long as it stayed away); none can: all of them, as before. (Its
+        breaker is not looked at: reading its state moves it on, which is the event loop's to do.)"""
+        decodes = [c for c in list(self.decodes) if c.state.page_size]
+        available = [c for c in decodes if c.is_connected and not c.is_draining and not c.is_stopping
+                     and c.health.is_probe_healthy] or decodes
+        return max((c.state.capacity_tokens for c in available), default=0) or None
 
     @property
     def is_disaggregated(self) -> bool:
