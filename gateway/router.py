@@ -67,6 +67,9 @@ class Router:
         decode_options = getattr(load_policy_class(decode_name), "decode_options", None)
         idle = [f"decode.{k}" for k in options.get("decode", {})
                 if decode_options is not None and k not in decode_options]
+        # (and an unprefixed one that only the decode side takes, there to change nothing as well)
+        idle += [k for k in shared if decode_options is not None and k not in decode_options
+                 and k not in accepted["prefill"]]
         if idle:
             raise PolicyError(f"policy option(s) {', '.join(idle)} change nothing: policy {decode_name} picks a decode "
                               "without them (they are its prefill side's)")
