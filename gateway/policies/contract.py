@@ -7,7 +7,7 @@ Use it from your own tests::
 
 or from the shell, for any installed policy (options as on the gateway's command line)::
 
-    python -m gateway.policies.contract cache_aware cache_weight=2 seed=1
+    python -m gateway.policies.contract cache_aware cache_weight=2
 
 ``factory`` must build a fresh, identically configured policy each call (fix its seed, if it has
 one). The checks call ``select`` on synthetic snapshots (``FakeWorker`` views with varied load and
