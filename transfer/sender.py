@@ -59,6 +59,7 @@ class PostedWrite:
     handle: WriteHandle
     posted: float
     staging_slot: int | None
+    link: Link | None = None  # the decode it goes to (a failed room's write still in flight is timed too)
 
 
 class KVSender(RoomHandle):

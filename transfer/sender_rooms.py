@@ -227,7 +227,7 @@ class SenderRooms:
                               slot)
                     raise
                 else:
-                    write = PostedWrite(room, handle, posted, slot)
+                    write = PostedWrite(room, handle, posted, slot, link)
                     ctx.num_bytes_sent += sum(length for _, _, length in blocks)
             sender.chunk_posted(len(page_ids), last, len(aux) if aux else None, write, posted)
             if error is not None:
@@ -425,9 +425,20 @@ class SenderRooms:
             if self._ended.get(room, ("", 0.0))[1] == expiry:
                 del self._ended[room]
         still: list[PostedWrite] = []
+        started_at = getattr(ctx.backend, "started_at", None)
         for write in self._graveyard:
             if ctx.backend.poll(write.handle) == WriteState.PENDING:
                 still.append(write)
+                # A failed room's write still in the peer's hands is timed as a live room's is: stuck (a stalled
+                # data path), it holds every room queued behind it to that decode, none of which is timed (never
+                # started), until the decode's waiting_s, and its room (aborted: a client that gave up) never
+                # times out to drop the path.
+                since = started_at(write.handle, write.posted) if started_at is not None else None
+                if write.link is not None and since is not None and now - since > timeouts.transfer_s:
+                    self._data_path_broke(write.link, TransferError(
+                        TransferErrorKind.TIMEOUT,
+                        f"room {write.room}: a chunk of this failed room to {write.link.channel.name} still pending "
+                        f"{timeouts.transfer_s:g}s after it began to be sent"), stalled=True)
             else:
                 self._retire(write)
         self._graveyard = still
