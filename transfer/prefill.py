@@ -15,6 +15,7 @@ Lifecycle:
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -38,6 +39,10 @@ from transfer.sender import KVSender, Link
 from transfer.sender_rooms import SenderRooms
 from transfer.types import KVArgs
 
+log = logging.getLogger(__name__)
+
+ACCEPT_RETRY_S = 0.1  # after a failed accept() (out of descriptors, a pending connection's network error)
+
 
 class PrefillSide:
     def __init__(self, ctx: Context, host: str, port: int) -> None:
@@ -54,6 +59,7 @@ class PrefillSide:
             backend.set_fence_listener(_receives_nothing)
         self._last_beat = time.monotonic()
         self._listener = listener(host, port)
+        self._closing = False
         self.control_address: tuple[str, int] = self._listener.getsockname()[:2]
         self._accept_thread = threading.Thread(target=self._accept_loop, name="kv-ctl-accept", daemon=True)
 
@@ -90,8 +96,14 @@ class PrefillSide:
         while True:
             try:
                 sock, addr = self._listener.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._closing or self._ctx.closed:
+                    return
+                # (EMFILE for a moment, or a network error Linux passes on from a pending connection: ended
+                # here, no decode could connect or reconnect again until the worker restarted)
+                log.warning("KV control listener: accept failed (%s); retrying", exc)
+                time.sleep(ACCEPT_RETRY_S)
+                continue
             channel = ControlChannel(sock, f"decode@{addr[0]}:{addr[1]}", self._on_message, self._on_close)
             with self._ctx.lock:
                 if self._ctx.closed:
@@ -222,6 +234,7 @@ class PrefillSide:
 
     # -- shutdown --------------------------------------------------------------------------------
     def close(self) -> None:
+        self._closing = True
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:

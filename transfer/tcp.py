@@ -32,6 +32,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -52,6 +53,7 @@ _ACK_OK, _ACK_REJECTED, _ACK_FENCED = 0, 1, 2
 _MAX_BLOCKS = 1 << 22
 _MAX_BATCH_BYTES = 1 << 40
 _DRAIN_CHUNK = 1 << 20
+_ACCEPT_RETRY_S = 0.1  # after a failed accept() (out of descriptors, a pending connection's network error)
 _MAX_IOV = 512  # views per sendmsg (the kernel takes up to IOV_MAX = 1024)
 
 
@@ -163,8 +165,15 @@ class TcpBackend(PeerThreadBackend):
         while True:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                with self._lock:
+                    if self._closed:
+                        return
+                # (EMFILE for a moment, or a network error Linux passes on from a pending connection: ended
+                # here, no prefill's data connection was taken again until the worker restarted)
+                log.warning("tcp backend: accept failed (%s); retrying", exc)
+                time.sleep(_ACCEPT_RETRY_S)
+                continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             thread = threading.Thread(target=self._serve, args=(sock,), name="kv-tcp-recv", daemon=True)
             with self._lock:
