@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap", default=None, help="bootstrap registry URL, e.g. http://127.0.0.1:8998")
     p.add_argument("--bootstrap-embedded", type=int, default=None, metavar="PORT",
                    help="prefill only: serve the bootstrap registry inside this worker (SGLang-style)")
-    p.add_argument("--bootstrap-token", default=os.environ.get("PD_BOOTSTRAP_TOKEN"))
+    p.add_argument("--bootstrap-token", default=None,  # (not the variable's value: --help would print the secret)
+                   help="the registry's bearer token; default: $PD_BOOTSTRAP_TOKEN")
     p.add_argument("--api-key", default=None,
                    help="required of the gateway (its --worker-api-key) on the native port and of every HTTP request "
                         "but the health probes; default: $PD_WORKER_API_KEY")
@@ -99,7 +100,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(
         role=args.role, engine=args.engine, model=args.model, transfer=args.transfer, host=args.host,
         port=args.port, http_port=args.http_port, bootstrap=args.bootstrap,
-        bootstrap_token=args.bootstrap_token, bootstrap_embedded=args.bootstrap_embedded,
+        bootstrap_token=args.bootstrap_token if args.bootstrap_token is not None
+        else os.environ.get("PD_BOOTSTRAP_TOKEN") or None, bootstrap_embedded=args.bootstrap_embedded,
         instance_id=args.instance_id, page_size=args.page_size,
         num_pages=args.num_pages, chunk_size=args.chunk_size, max_running=args.max_running,
         device=args.device, dtype=args.dtype, attention=args.attention, num_threads=args.num_threads,
