@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from types import FrameType
@@ -206,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def server_config(config: GatewayConfig, app: Any, log_level: str = "info") -> uvicorn.Config:
     """uvicorn's settings for the gateway's ``app`` (``create_app(config)``)."""
+    drain_s = config.drain_timeout_s
     limits = ClientLimits(max_head_bytes=config.max_header_bytes, head_timeout_s=config.header_timeout_s,
                           body_timeout_s=config.body_timeout_s, write_timeout_s=config.write_timeout_s)
     return uvicorn.Config(app, host=config.host, port=config.port, loop="uvloop",
@@ -214,7 +216,8 @@ def server_config(config: GatewayConfig, app: Any, log_level: str = "info") -> u
                           log_level=log_level.lower(), access_log=False, log_config=None,
                           timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]
                           proxy_headers=False,  # nothing reads the client address; saves a pass per request
-                          timeout_graceful_shutdown=max(1, round(config.drain_timeout_s)))
+                          # (the drain timeout as given, not rounded to whole seconds; inf: no limit)
+                          timeout_graceful_shutdown=drain_s if math.isfinite(drain_s) else None)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":
