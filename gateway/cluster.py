@@ -267,8 +267,9 @@ class Cluster:
             )
         child.recent_restarts.append(now)
         child.num_restarts += 1
-        delay = min(self.restart_backoff_s * 2 ** (len(child.recent_restarts) - 1),
-                    max(self.restart_backoff_s, MAX_BACKOFF_S))
+        # (the doubling bounded: from the 1,025th restart within the window on, 2 ** n overflowed a float)
+        doublings = min(len(child.recent_restarts) - 1, 64)
+        delay = min(self.restart_backoff_s * 2 ** doublings, max(self.restart_backoff_s, MAX_BACKOFF_S))
         child.restart_at, child.healthy_by, child.live_failures, child.refusing_since = now + delay, None, 0, None
         log(f"{child.name} {what}; restart {child.num_restarts} "
             f"({len(child.recent_restarts)}/{self.max_restarts} within {self.restart_window_s:g}s) in {delay:.1f}s")
