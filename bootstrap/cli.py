@@ -12,6 +12,7 @@ import uvicorn
 
 from bootstrap.app import create_app, guarded_http
 from bootstrap.config import BootstrapConfig
+from gateway.cli_help import end_by_sigint
 from transfer.netaddr import dual_stack_sockets
 
 TOKEN_ENV = "PD_BOOTSTRAP_TOKEN"
@@ -95,7 +96,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         http=guarded_http(),
         timeout_graceful_shutdown=5,
     ))
-    server.run(dual_stack_sockets(config.host, config.port))
+    try:
+        server.run(dual_stack_sockets(config.host, config.port))
+    except KeyboardInterrupt:  # Ctrl-C, once the server has closed
+        end_by_sigint()
     if not server.started:  # (as ``uvicorn.run``: a port in use, say)
         sys.exit(3)
 

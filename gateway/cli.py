@@ -12,7 +12,7 @@ from typing import Any
 import uvicorn
 
 from gateway.app import GatewayConfig, create_app
-from gateway.cli_help import show_defaults
+from gateway.cli_help import end_by_sigint, show_defaults
 from gateway.context import configure_logging
 from gateway.health import HealthConfig
 from gateway.http_protocol import ClientLimits, protocol_class
@@ -202,7 +202,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"gateway: bad configuration: {exc}")
     except Exception as exc:  # plugin errors name the plugin
         sys.exit(f"gateway: {exc}")
-    DrainingServer(server_config(config, app, args.log_level), app).run(dual_stack_sockets(config.host, config.port))
+    server = DrainingServer(server_config(config, app, args.log_level), app)
+    try:
+        server.run(dual_stack_sockets(config.host, config.port))
+    except KeyboardInterrupt:  # Ctrl-C, once drained and closed (``DrainingServer``)
+        end_by_sigint()
 
 
 def server_config(config: GatewayConfig, app: Any, log_level: str = "info") -> uvicorn.Config:

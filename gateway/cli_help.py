@@ -1,8 +1,13 @@
-"""``--help`` that names every option's default (the README says each command's does)."""
+"""What the command lines share: ``--help`` that names every option's default (the README says each command's
+does), and a server's end on Ctrl-C."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import signal
+import sys
 
 
 def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -12,3 +17,14 @@ def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if action.help is None and action.option_strings and action.default not in (None, [], (), False):
             action.help = "(default: %(default)s)"
     return parser
+
+
+def end_by_sigint() -> None:
+    """A uvicorn server's ``run`` ended by Ctrl-C: uvicorn drained and closed the server, then raised SIGINT
+    again, which the asyncio runner turned into a ``KeyboardInterrupt``. End by that signal (as SIGTERM ends
+    the process), without the exception's traceback."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
