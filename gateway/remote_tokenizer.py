@@ -49,7 +49,8 @@ def cache_root() -> str:
 async def fetch_tokenizer(host: str, port: int, timeout_s: float = 60.0, key: str | None = None) -> str:
     where = f"worker {host}:{port}"
     try:
-        answer = await asyncio.wait_for(_ask(host, port, key), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            answer = await _ask(host, port, key)
     except TimeoutError:  # (first: on Python 3.11 it is an OSError too)
         raise RemoteTokenizerError(f"fetching the tokenizer from {where}: no answer within {timeout_s:g}s") from None
     except (OSError, asyncio.IncompleteReadError, ValueError) as exc:

@@ -240,7 +240,8 @@ class WorkerClient:
 
     async def wait_ready(self, timeout_s: float) -> bool:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._ready.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._ready.wait()
         return self.healthy
 
     async def _run(self) -> None:
@@ -269,12 +270,14 @@ class WorkerClient:
     async def _connect_and_read(self) -> None:
         loop = asyncio.get_running_loop()
         proto = _FrameProtocol(self._codec.decode)
-        transport, _ = await asyncio.wait_for(
-            loop.create_connection(lambda: proto, self.host, self.port), self._connect_timeout_s
-        )
+        # (``asyncio.timeout``, not ``wait_for``: on Python 3.11 ``wait_for`` returns the result when a cancellation
+        # comes after it is in but before this task resumed, so ``aclose`` landing then was lost and hung for good)
+        async with asyncio.timeout(self._connect_timeout_s):
+            transport, _ = await loop.create_connection(lambda: proto, self.host, self.port)
         try:
             transport.write(self._codec.encode(Hello(PROTOCOL_VERSION, key=self.key or "")))
-            ack = await asyncio.wait_for(self._first_message(proto), self._connect_timeout_s)
+            async with asyncio.timeout(self._connect_timeout_s):
+                ack = await self._first_message(proto)
             if isinstance(ack, Rejected):
                 raise ConnectionError(f"worker rejected the handshake: {ack.reason}")
             if not isinstance(ack, HelloAck):
@@ -342,7 +345,8 @@ class WorkerClient:
             self._pongs[nonce] = future
             writer.write(self._codec.encode(Ping(nonce)))
             try:
-                pong = await asyncio.wait_for(future, config.probe_timeout_s)
+                async with asyncio.timeout(config.probe_timeout_s):  # (not ``wait_for``: see ``_connect_and_read``)
+                    pong = await future
             except TimeoutError:
                 self.health.probe_failed(f"no answer to a health probe within {config.probe_timeout_s:g}s")
             else:

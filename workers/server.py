@@ -131,7 +131,9 @@ class NativeServer:
         self._tasks.add(task)
         conn_id = next(self._ids)
         try:
-            hello = self._codec.decode(await asyncio.wait_for(read_frame(reader, MAX_HELLO_BYTES), 10.0))
+            async with asyncio.timeout(10.0):  # (not ``wait_for``: on Python 3.11 it can lose a cancellation)
+                frame = await read_frame(reader, MAX_HELLO_BYTES)
+            hello = self._codec.decode(frame)
             if not isinstance(hello, Hello) or hello.version != PROTOCOL_VERSION:
                 got = hello.version if isinstance(hello, Hello) else type(hello).__name__
                 writer.write(self._codec.encode(Rejected(f"protocol version {PROTOCOL_VERSION} required, got {got}")))
