@@ -354,6 +354,10 @@ class SGLangResponder:
                 _blame_silent_decode(decode, p_task)
                 raise UpstreamTimeout(f"the SGLang decode worker did not answer within {wait_s:g}s") from None
             if isinstance(decode_reply_or_failure, _Failure):
+                # (a prefill's refusal ends the decode's room too: the decode may fail first, for no fault of its own)
+                refusal = _failure(p_task, prefill) if p_task.done() else None
+                if refusal is not None and _is_request_fault(refusal.status):
+                    return await self._failed(refusal, send)
                 p_task.cancel()
                 _record(decode, decode_reply_or_failure.status)
                 return await self._failed(decode_reply_or_failure, send)
@@ -395,7 +399,8 @@ class SGLangResponder:
         (a busy worker's 429, past the retries, is the client's 429)."""
         worker, status = failure.worker, failure.status
         if status is not None and _is_request_fault(status):
-            await _send_whole(send, status, failure.content_type, failure.body)
+            # (a streamed refusal goes out as the worker wrote it, a 200 with its error event; counted as the 400)
+            await _send_whole(send, failure.relayed_status or status, failure.content_type, failure.body)
             return status
         message = f"SGLang {worker.role} worker {worker.url}: {failure.reason}"
         if status in (401, 403):
@@ -587,16 +592,18 @@ class _PrefillReply:
     content_type: str
     body: bytes
     retry_after_s: float | None = None
+    refusal: str | None = None  # a 2xx stream whose event is an error: the worker refused the request (its message)
 
 
 @dataclass
 class _Failure:
     worker: HttpWorker
     reason: str
-    status: int | None = None  # the worker's own status when it answered
+    status: int | None = None  # the worker's own status when it answered (a streamed refusal: 400)
     content_type: str = "application/json"
     body: bytes = b""
     retry_after_s: float | None = None  # its ``Retry-After`` (seconds), when it gave one
+    relayed_status: int | None = None  # the status the client gets with ``body``, when not ``status``
 
 
 MAX_RETRY_AFTER_S = 300.0  # (a worker's ``Retry-After`` passed on is capped: the client's wait is ours to bound)
@@ -624,8 +631,26 @@ async def _post(session: aiohttp.ClientSession, url: str, data: bytes, headers: 
     async with session.post(url, data=data, headers=headers) as reply:
         body = await reply.read()
         content_type = reply.headers.get("content-type", "application/json")
-        return _PrefillReply(reply.status, content_type, body if keep_body or reply.status >= 300 else b"",
-                             _retry_after_s(reply.headers))
+        refusal = _stream_refusal(body) if content_type.startswith("text/event-stream") else None
+        return _PrefillReply(reply.status, content_type,
+                             body if keep_body or reply.status >= 300 or refusal is not None else b"",
+                             _retry_after_s(reply.headers), refusal)
+
+
+def _stream_refusal(body: bytes) -> str | None:
+    """The message of a stream's ``data: {"error": ...}`` event: how SGLang's server (and our workers) refuse a
+    streamed request, with status 200 (the prefill handed no KV over: its decode would wait for it in vain)."""
+    if b'"error"' not in body:
+        return None
+    for line in body.split(b"\n"):
+        if line.startswith(b"data:") and b'"error"' in line:
+            try:
+                event = msgspec.json.decode(line[5:])
+            except msgspec.DecodeError:
+                continue
+            if isinstance(event, dict) and isinstance(event.get("error"), dict):
+                return str(event["error"].get("message"))
+    return None
 
 
 async def _open(session: aiohttp.ClientSession, url: str, data: bytes, headers: dict[str, str],
@@ -642,6 +667,9 @@ def _failure(task: asyncio.Task[_PrefillReply], worker: HttpWorker) -> _Failure 
     if exc is not None:
         return _Failure(worker, f"{type(exc).__name__}: {exc}")
     reply = task.result()
+    if reply.refusal is not None:  # (the request's fault, as a 400: its events are the client's answer as they are)
+        return _Failure(worker, f"refused the request: {reply.refusal}", 400, reply.content_type, reply.body,
+                        relayed_status=reply.status)
     if 200 <= reply.status < 300:
         return None
     return _Failure(worker, f"answered {reply.status}", reply.status, reply.content_type, reply.body,
