@@ -82,6 +82,10 @@ log = logging.getLogger(__name__)
 QUEUED_PAGES_INDEXED = 256  # leading pages per queued request in ``Scheduler._queued_pages`` (system prompts)
 
 BROADCAST = -1  # connection id meaning "every connection" in the sink
+# Put before the reason a worker gives its KV peer for a room whose request it refused (``bad_request``): the peer
+# fails its side as the same refusal, not as a transfer failure. Over SGLang's HTTP protocol that side's 502 was
+# retried by the router and held against the healthy worker's circuit breaker (the client's bad request took it out).
+REFUSAL_MARK = "refused the request: "
 IDLE_WAIT_S = 0.05  # the longest idle sleep; a message, a KV room's change or a due time ends it sooner
 REPORT_MIN_INTERVAL_S = 0.002  # a changed load is reported at most this often...
 BUSY_REPORT_S = 0.1  # ...and at least this often while requests are live
@@ -398,7 +402,7 @@ class Scheduler:
             param = grammar.param if grammar is not None and problem.startswith(grammar.param) else next(
                 (name for name in (*OPTIONAL_SAMPLING, "stop_token_ids") if problem.startswith(name)), None)
             self._out.append((conn_id, Error(msg.rid, "bad_request", problem, param=param)))
-            self._end_room(msg, problem)
+            self._end_room(msg, REFUSAL_MARK + problem)
             return
         if len(self.reqs) >= self.config.max_queued:
             self._out.append((conn_id, Error(msg.rid, "overloaded", "worker queue is full")))
@@ -485,7 +489,10 @@ class Scheduler:
             return
         moved = queue_.advance()
         for req, reason in moved.failed:
-            self._fail(req, "transfer_failed", reason, failure_fault(req.kv_receiver or req.kv_sender))
+            if REFUSAL_MARK in reason:  # the peer refused the request: its 400 is this side's answer too
+                self._fail(req, "bad_request", reason, Fault.NONE)
+            else:
+                self._fail(req, "transfer_failed", reason, failure_fault(req.kv_receiver or req.kv_sender))
         for req, reason in moved.broken:
             self._fail(req, "internal", reason)
         for req in moved.ready:
@@ -952,7 +959,7 @@ class Scheduler:
         log.log(logging.INFO if code == "aborted" else logging.WARNING, "request %s (room %s, %s) failed: %s: %s",
                 req.request_id or req.rid, req.room, req.stage, code, message)
         self._out.append((req.key[0], Error(req.rid, code, message, fault, param)))
-        self._release(req, message)
+        self._release(req, REFUSAL_MARK + message if code == "bad_request" else message)
 
     def _release(self, req: Req, abort_reason: str | None = None) -> None:
         if req.done:
