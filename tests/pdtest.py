@@ -8,11 +8,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import httpx
 
 from gateway.cluster import free_port
 
@@ -140,6 +143,24 @@ def wait_pools_full(workers: list[Worker], timeout_s: float = 20.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"KV pages not returned: {loads}")
         time.sleep(0.1)
+
+
+def post_to_pair(prefill_port: int, decode_port: int, path: str, body: dict[str, object],
+                 timeout_s: float = 60.0) -> dict[str, httpx.Response]:
+    """As SGLang's router drives a PD pair: the same JSON body POSTed to the prefill's and the decode's HTTP
+    ports at once; their ``httpx.Response`` by role ("prefill", "decode")."""
+    out: dict[str, httpx.Response] = {}
+
+    def post(role: str, port: int) -> None:
+        out[role] = httpx.post(f"http://127.0.0.1:{port}/{path}", json=body, timeout=timeout_s)
+
+    threads = [threading.Thread(target=post, args=item) for item in (("prefill", prefill_port),
+                                                                      ("decode", decode_port))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return out
 
 
 def start_worker(procs: Procs, role: str, *extra: str, bootstrap: str | None = None, name: str | None = None,

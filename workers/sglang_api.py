@@ -144,6 +144,14 @@ class RelayDispatcher:
             if not done:  # the client left, or a stop string ended the choice
                 self.client.abort(rid)
 
+    def decode_capacity(self) -> int | None:
+        """The tokens (prompt + max_new_tokens) this worker's KV pool holds, when it decodes (a decode, a combined
+        worker): a default budget is cut to it (``Frontend._params``), as the gateway cuts it to its decodes' and
+        SGLang's scheduler to its pool. A prefill holds the prompt alone: None (the context is its limit)."""
+        if self.role == "prefill":
+            return None
+        return self.client.state.capacity_tokens or None  # (0 until its connection's handshake)
+
     def target(self, bootstrap: ClientBootstrap | None, choice: int) -> BootstrapTarget | None:
         """This choice's bootstrap target from the client's fields (400 naming the bad one)."""
         if self.role == "both":

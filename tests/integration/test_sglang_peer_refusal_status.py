@@ -9,30 +9,18 @@ from __future__ import annotations
 
 import json
 import random
-import threading
-import time
 
 import httpx
 import pytest
-from pdtest import Procs, free_port, start_worker
+from pdtest import Procs, free_port, post_to_pair, start_worker, wait_pools_full
 
 SIM = ("--engine", "sim", "--page-size", "4")
 
 
 def both(prefill: int, decode: int, body: dict[str, object], stream: bool) -> dict[str, httpx.Response]:
     """SGLang's router: the same body to both at once, with a fresh room and the prefill's registry."""
-    body = {**body, "stream": stream, "bootstrap_room": random.randrange(2**63)}
-    out: dict[str, httpx.Response] = {}
-
-    def post(name: str, port: int) -> None:
-        out[name] = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=30)
-
-    threads = [threading.Thread(target=post, args=(n, p)) for n, p in (("prefill", prefill), ("decode", decode))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
+    return post_to_pair(prefill, decode, "generate", {**body, "stream": stream,
+                                                      "bootstrap_room": random.randrange(2**63)}, 30)
 
 
 def refused(reply: httpx.Response, stream: bool) -> str:
@@ -61,8 +49,4 @@ def test_the_other_side_of_a_refused_request_answers_the_refusal(procs: Procs, s
         other = "decode" if refuser == "prefill" else "prefill"
         assert "KV pages" in refused(replies[refuser], stream)
         assert "KV pages" in refused(replies[other], stream), f"the {other} answered the {refuser}'s refusal so"
-    deadline = time.monotonic() + 10
-    while not all(w.get("/load")["num_free_pages"] == w.get("/load")["num_total_pages"]  # type: ignore[index]
-                  for w in (prefill, decode)):
-        assert time.monotonic() < deadline, "a KV page leaked"
-        time.sleep(0.1)
+    wait_pools_full([prefill, decode], 10)
