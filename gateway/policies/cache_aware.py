@@ -60,6 +60,7 @@ class CacheAwarePolicy:
         # Recent cache fill per worker: (decayed tokens, dispatch count when last updated).
         self._fill: dict[str, tuple[float, int]] = {}
         self._num_dispatched = 0
+        self._num_decode_picks = 0  # (ties between decodes go round: ``least_pressured``'s turn)
         self._pool_size = 1
         self.num_selected = 0
         self.num_predicted_hits = 0  # selections where the chosen prefill held part of the prompt
@@ -67,11 +68,14 @@ class CacheAwarePolicy:
 
     def select(self, prefills: Sequence[WorkerView], decodes: Sequence[WorkerView], request: RequestInfo) -> Pair:
         if prefills:
-            return Pair(self._select_prefill(prefills, request), least_pressured(decodes, request))
+            self._num_decode_picks += 1
+            return Pair(self._select_prefill(prefills, request),
+                        least_pressured(decodes, request, self._num_decode_picks))
         if decodes[0].role == "both":  # combined workers prefill too: they hold the prefix caches
             # (and decode: among those with the pages and a batch slot for it now, while any has)
             return Pair(None, self._select_prefill(can_take_now(decodes, request) or decodes, request))
-        return Pair(None, least_pressured(decodes, request))  # the decode side of a split policy
+        self._num_decode_picks += 1
+        return Pair(None, least_pressured(decodes, request, self._num_decode_picks))  # a split policy's decode side
 
     def _select_prefill(self, prefills: Sequence[WorkerView], request: RequestInfo) -> WorkerView:
         opts = self.options

@@ -85,12 +85,17 @@ def can_take_now(workers: Sequence[WorkerView], request: RequestInfo) -> list[Wo
     return fit
 
 
-def least_pressured(decodes: Sequence[WorkerView], request: RequestInfo) -> WorkerView:
-    """The decode with the lowest pressure for this request (ties: fewest of our requests open).
+def least_pressured(decodes: Sequence[WorkerView], request: RequestInfo, turn: int = 0) -> WorkerView:
+    """The decode with the lowest pressure for this request (ties: fewest of our requests open, then the first
+    from ``turn`` on: a caller counting its picks there spreads an idle fleet's requests, one at a time, over
+    its decodes rather than sending every one to the first).
 
     ``decode_pressure`` inlined: this loop runs over every decode worker for every request.
     """
     tokens = request.num_prompt_tokens + request.max_new_tokens
+    start = turn % len(decodes)
+    if start:
+        decodes = [*decodes[start:], *decodes[:start]]
     best, best_pressure, best_active = decodes[0], float("inf"), 0
     for w in decodes:
         total, free, limit = w.num_total_pages, w.num_free_pages, w.max_running_seqs
