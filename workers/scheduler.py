@@ -746,7 +746,10 @@ class Scheduler:
         """``req`` gives its pages back (what it computed stays cached) and waits first in line: to
         recompute prompt + outputs when it was decoding, to prefill again when it was mid-prefill."""
         self.num_preemptions += 1
-        self.cache.insert(req.all_ids, req.pages, req.num_computed, req.page_hashes)  # (None once decoding)
+        # A decoding request holds the KV of every position but its newest token's (``num_computed`` stops at
+        # the end of its prefill): its output pages are cached too, so that its recompute shares them
+        computed = len(req.all_ids) - 1 if req.stage == "running" else req.num_computed
+        self.cache.insert(req.all_ids, req.pages, computed, req.page_hashes)  # (hashes None once decoding)
         self.cache.release(req.pages)
         self._unqueue_pages(req)
         if req.stage == "running":

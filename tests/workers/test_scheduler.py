@@ -379,7 +379,8 @@ def test_a_preempted_request_keeps_the_pages_it_computed_in_the_prefix_cache() -
             break
         sched.step()
     assert b.is_recompute and b.stage in ("prefill", "running")
-    assert sched.cache.num_hit_tokens - hits == len(prompt), "the recompute found both prompt pages cached"
+    # (and the pages of its outputs: test_preemption_keeps_output_kv.py)
+    assert sched.cache.num_hit_tokens - hits >= len(prompt), "the recompute found both prompt pages cached"
     run_until_idle(sched, 2000)
     for rid, p in ((1, list(range(60, 68))), (2, prompt)):
         solo, solo_sink, _ = make(chunk_size=64)
