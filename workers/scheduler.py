@@ -895,6 +895,8 @@ class Scheduler:
             finish = "length"
         self._emit(req, [token], finish, out)
         if finish is not None:
+            if self.role == "both":  # its answer's KV stays cached too: a chat's next turn resends it
+                self.cache.insert(req.all_ids, req.pages, len(req.all_ids) - 1)  # (the newest token's is unwritten)
             self._release(req)
 
     def _stop_string(self, req: Req, token: int) -> bool:

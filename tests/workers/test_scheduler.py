@@ -1016,7 +1016,7 @@ def test_an_engine_returning_too_few_outputs_fails_its_batch_not_the_loop() -> N
             assert time.monotonic() < deadline and sched.is_alive
             time.sleep(0.01)
         assert not sink.errors(3)
-        assert pool.num_free_pages == pool.num_pages
+        assert sched.cache.num_available == pool.num_pages  # (nothing held; its answer may stay cached)
     finally:
         sched.stop()
 
