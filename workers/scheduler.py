@@ -282,7 +282,7 @@ class Scheduler:
                 if kind == "submit":
                     conn_id, msg = payload
                     answers.append((conn_id, self.stopped(msg.rid)))  # (its gateway aborts the peer)
-                elif kind == "flush" and not payload.done():  # (its caller would wait out its own timeout)
+                elif kind == "flush" and payload.set_running_or_notify_cancel():  # (else: given up, cancelled)
                     payload.set_exception(RuntimeError("the worker's scheduler stopped"))
             if answers:
                 self._sink(answers)
@@ -378,8 +378,10 @@ class Scheduler:
             for req in [r for r in self.reqs.values() if r.key[0] == payload]:
                 self._release(req, f"connection {payload} closed")
         elif kind == "flush":
-            payload.set_result(self.cache.clear())
+            freed = self.cache.clear()
             self._load_dirty = True
+            if payload.set_running_or_notify_cancel():  # (False: its caller gave up waiting and cancelled it)
+                payload.set_result(freed)
         elif kind == "connect":
             self._conns[payload] = 0
             if self.cache.enabled:

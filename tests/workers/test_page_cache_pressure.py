@@ -1,4 +1,4 @@
-"""Review tests: the prefix cache under pressure (randomized, sim engine verifying KV), what other threads
+"""The prefix cache under pressure (randomized, sim engine verifying KV), what other threads
 read of it, and whether the sim engine's KV check sees a preempted request's recomputed KV."""
 
 from __future__ import annotations
