@@ -39,6 +39,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "loadtests")]
 from bench_stack import Stack, cpu_delta_s, cpu_sample, http_target, pin  # noqa: E402
 from load_client import closed_loop, percentile  # noqa: E402
 from pdtest import Procs, free_port, wait_http_ok  # noqa: E402
+from stop_signals import stop_like_ctrl_c  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 
@@ -142,6 +143,7 @@ async def _run(args: argparse.Namespace, trees: dict[str, Path], points: list[st
 
 
 def main() -> None:
+    stop_like_ctrl_c()  # SIGTERM, SIGHUP: the servers are stopped in ``finally``, as on Ctrl-C
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="tree A: a checkout of the version to compare with")
     ap.add_argument("--head", default=str(REPO), help="tree B (default: this repository)")

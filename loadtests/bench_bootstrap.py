@@ -28,6 +28,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from stop_signals import stop_like_ctrl_c  # noqa: E402  (this folder: the script's own)
+
 from bootstrap import BootstrapRegistrar, BootstrapResolver, RankRegistration  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -133,6 +135,7 @@ def run_registrar_puts(url: str, pid: int, n: int, token: str | None) -> Row:
 
 
 def main() -> None:
+    stop_like_ctrl_c()  # SIGTERM, SIGHUP: the servers are stopped in ``finally``, as on Ctrl-C
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=10000, help="requests per row (default %(default)s)")
     p.add_argument("--concurrency", type=int, default=8, help="keep-alive connections (default %(default)s)")

@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 from pdtest import Procs, start_bootstrap, start_gateway, start_worker  # noqa: E402
+from stop_signals import stop_like_ctrl_c  # noqa: E402  (this folder: the script's own)
 
 from gateway.worker_client import WorkerClient  # noqa: E402
 from workers.protocol import SamplingParams, StepOutput, Submit  # noqa: E402
@@ -109,6 +110,7 @@ def measure(name: str, pids: dict[str, int], run) -> dict[str, float]:  # type: 
 
 
 def main() -> None:
+    stop_like_ctrl_c()  # SIGTERM, SIGHUP: the servers are stopped in ``finally``, as on Ctrl-C
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--concurrency", type=int, default=8)

@@ -37,6 +37,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "loadtests")]
 from bench_stack import SIM_OPTIONS, Stack, cpu_delta_s, cpu_sample, http_target, pin  # noqa: E402
 from load_client import closed_loop  # noqa: E402
 from pdtest import Procs, free_port, start_bootstrap, start_worker, wait_http_ok  # noqa: E402
+from stop_signals import stop_like_ctrl_c  # noqa: E402  (this folder: the script's own)
 
 CHAT = "/v1/chat/completions"
 WORKERS = ("sim-prefill", "sim-decode")
@@ -102,6 +103,7 @@ async def _pairs(args: argparse.Namespace, stack: Stack, gateways: list[str]) ->
 
 
 def main(argv: list[str] | None = None) -> None:
+    stop_like_ctrl_c()  # SIGTERM, SIGHUP: the servers are stopped in ``finally``, as on Ctrl-C
     p = argparse.ArgumentParser(prog="bench_gather", description=__doc__.splitlines()[0])
     p.add_argument("--gather-ms", type=float, default=50.0, help="the gathering gateway's --gather-ms")
     p.add_argument("--concurrency", type=int, default=64)

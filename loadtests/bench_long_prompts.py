@@ -37,6 +37,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "loadtests")]
 from bench_stack import Stack, http_target, pin  # noqa: E402
 from load_client import HttpTarget, _close, _connect, _now, closed_loop, percentile  # noqa: E402
 from pdtest import Procs, free_port, wait_http_ok  # noqa: E402
+from stop_signals import stop_like_ctrl_c  # noqa: E402  (this folder: the script's own)
 
 CHAT = "/v1/chat/completions"
 WORDS = ["retrieval", "augmented", "generation", "sends", "the", "documents", "it", "found", "along", "with",
@@ -138,6 +139,7 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    stop_like_ctrl_c()  # SIGTERM, SIGHUP: the servers are stopped in ``finally``, as on Ctrl-C
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokenizer", default=None, help="a model directory (default: SmolLM2's, converted once)")
     ap.add_argument("--pairs", type=int, default=3)

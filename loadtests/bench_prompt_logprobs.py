@@ -28,12 +28,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx  # noqa: E402
 from pdtest import Procs, SmolDeployment, start_smollm2  # noqa: E402
+from stop_signals import stop_like_ctrl_c  # noqa: E402  (this folder: the script's own)
 
 INSTRUCTION = ("grade the answer below for correctness and style, explaining each point briefly; the rubric weighs "
                "facts first, then reasoning, then clarity of the language used")
 
 
 def main() -> None:
+    stop_like_ctrl_c()  # SIGTERM, SIGHUP: the servers are stopped in ``finally``, as on Ctrl-C
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=12, help="requests per mode and route")
     parser.add_argument("--prefix-words", type=int, default=500, help="words of the shared instruction")

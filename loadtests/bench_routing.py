@@ -62,6 +62,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from pdtest import Procs, Worker, start_bootstrap, start_gateway, start_worker  # noqa: E402
 from pdtest import SimCluster as Cluster  # noqa: E402
+from stop_signals import stop_like_ctrl_c  # noqa: E402  (this folder: the script's own)
 
 # A small sim model (2 layers x 1 KV head x 8 dims: 32 bytes of KV per token per buffer).
 SMALL_MODEL = ("layers=2", "kv_heads=1", "head_dim=8")
@@ -546,6 +547,7 @@ def print_table(scenario: Scenario, reports: list[RunReport], reqs: Sequence[Req
 
 # -- main ----------------------------------------------------------------------------------------
 def main() -> None:
+    stop_like_ctrl_c()  # SIGTERM, SIGHUP: the servers are stopped in ``finally``, as on Ctrl-C
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenario", choices=["a", "b", "c", "all"], default="all")
     ap.add_argument("--requests", type=int, default=None, help="requests per policy run (default: per scenario)")

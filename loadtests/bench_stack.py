@@ -59,6 +59,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "loadtests")]
 
 from load_client import HttpTarget, NativeTarget, Result, closed_loop, open_loop, percentile  # noqa: E402
 from pdtest import Procs, free_port, start_bootstrap, start_worker, wait_http_ok  # noqa: E402
+from stop_signals import stop_like_ctrl_c  # noqa: E402
 from wakeup_probe import describe  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -575,6 +576,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> tuple[list[Point], list[di
 
 
 def main() -> None:
+    stop_like_ctrl_c()  # SIGTERM, SIGHUP: the servers are stopped in ``finally``, as on Ctrl-C
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="about a fifth of the requests per point")
     ap.add_argument("--rounds", type=int, default=1,

@@ -39,6 +39,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from stop_signals import stop_like_ctrl_c
+
 from transfer import (
     KVArgs,
     KVManager,
@@ -318,6 +320,7 @@ def bench_memcpy(ns: argparse.Namespace, src_pool: KVPool) -> list[tuple[str, li
 
 
 def main() -> None:
+    stop_like_ctrl_c()  # SIGTERM, SIGHUP: the servers are stopped in ``finally``, as on Ctrl-C
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", default=DEFAULT_BACKENDS,
                         help=f"comma-separated backends or variants (default {DEFAULT_BACKENDS})")

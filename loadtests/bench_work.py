@@ -38,6 +38,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "loadtests")]
 from bench_stack import Stack, http_target, wait_tcp  # noqa: E402
 from load_client import closed_loop  # noqa: E402
 from pdtest import Procs, free_port, wait_http_ok  # noqa: E402
+from stop_signals import stop_like_ctrl_c  # noqa: E402
 
 OPCOUNT = str(REPO / "loadtests" / "opcount.py")
 CHAT = "/v1/chat/completions"
@@ -143,6 +144,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
 
 
 def main() -> None:
+    stop_like_ctrl_c()  # SIGTERM, SIGHUP: the servers are stopped in ``finally``, as on Ctrl-C
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", default=str(REPO), help="the gateway's checkout to count (default: this one)")
     ap.add_argument("--requests", type=int, default=1000, help="non-streaming requests per point (streams: 1/4)")

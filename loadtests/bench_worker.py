@@ -53,6 +53,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 from pdtest import Procs, start_bootstrap, start_gateway, start_worker  # noqa: E402
+from stop_signals import stop_like_ctrl_c  # noqa: E402  (this folder: the script's own)
 
 from gateway.worker_client import WorkerClient  # noqa: E402
 from workers.protocol import BootstrapTarget, Error, SamplingParams, StepOutput, Submit  # noqa: E402
@@ -193,6 +194,7 @@ def thread_table(pids: dict[str, int], run: Callable[[], Coroutine[Any, Any, lis
 
 
 def main() -> None:
+    stop_like_ctrl_c()  # SIGTERM, SIGHUP: the servers are stopped in ``finally``, as on Ctrl-C
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=300, help="requests per row per round")
     ap.add_argument("--rounds", type=int, default=3)

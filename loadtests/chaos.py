@@ -39,6 +39,7 @@ from chaos_cluster import count_tracebacks
 from chaos_faults import ALL_FAULTS, CI_FAULTS, FAULTS, RECOVER_TIMEOUT_S, ChaosRun
 from chaos_load import Load, Reference, Result, make_prompts
 from chaos_report import FaultRecord, Report, summary
+from stop_signals import stop_like_ctrl_c
 
 WARMUP_S, TAIL_S, GAP_S = 3.0, 4.0, 1.0  # load before the first fault, after the last; least gap between
 
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--request-timeout-s", type=float, default=60.0, help="a client's deadline per request")
     p.add_argument("--log-dir", type=Path, default=None, help="children's logs (default: a new temp directory)")
     args = p.parse_args(argv)
+    stop_like_ctrl_c()  # SIGTERM, SIGHUP: the cluster is reaped in ``finally``, as on Ctrl-C
     faults = ALL_FAULTS if args.faults == "all" else tuple(f for f in args.faults.split(",") if f)
     try:
         config = ChaosConfig(duration_s=args.duration_s, seed=args.seed, transfer=args.transfer,

@@ -27,6 +27,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "loadtests")]
 from bench_stack import Stack, http_target  # noqa: E402
 from load_client import closed_loop  # noqa: E402
 from pdtest import Procs  # noqa: E402
+from stop_signals import stop_like_ctrl_c  # noqa: E402
 
 
 async def record(args: argparse.Namespace, tmp: Path, out: Path) -> None:
@@ -77,6 +78,7 @@ def report(out: Path, requests: int, top: int) -> None:
 
 
 def main() -> None:
+    stop_like_ctrl_c()  # SIGTERM, SIGHUP: the servers are stopped in ``finally``, as on Ctrl-C
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("server", choices=["gateway", "floor"])
     parser.add_argument("--point", choices=["ns", "stream"], default="stream")

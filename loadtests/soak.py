@@ -35,6 +35,7 @@ if str(REPO) not in sys.path:
 
 from gateway.cluster import free_port  # noqa: E402
 from loadtests.load_client import HttpTarget, Result, closed_loop, percentile  # noqa: E402
+from loadtests.stop_signals import stop_like_ctrl_c  # noqa: E402
 
 PROMPT = "Tell me about the history of the bicycle in a few sentences."
 
@@ -162,6 +163,7 @@ def pools_full(procs: list[Proc], timeout_s: float = 30.0) -> list[str]:
 
 
 def main() -> None:
+    stop_like_ctrl_c()  # SIGTERM, SIGHUP: the servers are stopped in ``finally``, as on Ctrl-C
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--window-s", type=float, default=60.0)
