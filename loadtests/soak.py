@@ -9,6 +9,7 @@ end per process, every KV pool back to full, and a verdict:
 
 * RSS of a process grew by more than ``max(--rss-slack-pct of it, --rss-slack-mib)``: FAIL;
 * any request failed: FAIL;
+* a process of the cluster exited during the run (even one ``pd-cluster`` restarted): FAIL;
 * a KV page still held once idle: FAIL.
 Latency trends are printed, not judged (this machine is noisy).
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -224,17 +226,23 @@ def main() -> None:
         failures = sum(1 for w in windows for rs in w.results.values() for r in rs if r.error)
         total = sum(len(rs) for w in windows for rs in w.results.values())
         print(f"\nrequests {total}, failed {failures}; RSS MiB after the first window -> at the end:")
-        grew = []
+        grew, exited = [], []
         for p in procs:
             first, last = rss[p.pid][1] if len(rss[p.pid]) > 1 else rss[p.pid][0], rss[p.pid][-1]
             slack = max(first * args.rss_slack_pct / 100, args.rss_slack_mib)
-            flag = "GREW" if last - first > slack else "ok"
+            # A process whose RSS can no longer be read has exited (the OOM killer, a crash; pd-cluster then
+            # restarts it under a new pid, which this run does not follow): a failure, not "ok" (NaN > slack
+            # is False).
+            flag = "EXITED" if any(math.isnan(v) for v in rss[p.pid]) else "GREW" if last - first > slack else "ok"
             print(f"  {p.name:<22} {rss[p.pid][0]:7.1f} (start) {first:7.1f} -> {last:7.1f}  {flag}")
             if flag == "GREW":
                 grew.append(p.name)
+            elif flag == "EXITED":
+                exited.append(p.name)
         print(f"KV pages held once idle: {leaks or 'none'}")
-        ok = not grew and not failures and not leaks
-        print("VERDICT:", "PASS" if ok else f"FAIL (grew: {grew}, failed: {failures}, leaks: {leaks})")
+        ok = not grew and not exited and not failures and not leaks
+        print("VERDICT:", "PASS" if ok else
+              f"FAIL (grew: {grew}, exited: {exited}, failed: {failures}, leaks: {leaks})")
         sys.exit(0 if ok else 1)
     finally:
         if cluster.poll() is None:
