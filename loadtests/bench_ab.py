@@ -18,7 +18,10 @@ Points: ``ns`` (chat, 16 tokens, 64 concurrent), ``c1`` (the same, one at a time
 64 tokens, 2 ms token gap, 64 concurrent, starts staggered).
 
     .venv/bin/python loadtests/bench_ab.py --base /tmp/base [--head .] [--points ns,stream] [--pairs 5] \
-        [--tokenizer ~/.cache/pd-gateway/smollm2-0.1.2]
+        [--tokenizer "$(.venv/bin/python -m workers.engines.llama.gguf_convert)"]
+
+(``gguf_convert`` with no arguments converts SmolLM2 once, into ``~/.cache/pd-gateway/smollm2-<version>``,
+and prints that directory: it does not exist before the torch engine or this command first ran.)
 """
 
 from __future__ import annotations
@@ -68,7 +71,10 @@ def start_gateway(stack: Stack, name: str, tree: Path, workers: list[tuple[str, 
     proc = stack.procs.start(name, "-m", "gateway.cli", *args, "--port", str(port), "--log-level", "warning",
                              cwd=tree)
     stack.pids[name], stack.ports[name] = proc.pid, port
-    wait_http_ok(f"http://127.0.0.1:{port}/readiness", 60, proc)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/readiness", 60, proc)
+    except Exception as exc:
+        raise RuntimeError(f"{name} did not start: {exc}\n{stack.procs.log(name)[-2000:]}") from exc
 
 
 async def run(args: argparse.Namespace) -> None:
