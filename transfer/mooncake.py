@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import importlib.metadata
 import importlib.util
+import ipaddress
 import logging
 import os
 import socket
@@ -89,6 +90,13 @@ def _metadata_server(raw: object) -> str:
     if text != "P2PHANDSHAKE" and not text.startswith(("etcd://", "http://", "https://", "redis://")):
         raise ValueError("must be P2PHANDSHAKE or a URL etcd://host:port, http(s)://host:port/path, redis://...")
     return text
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).version == 6
+    except ValueError:
+        return False
 
 
 def in_private_netns() -> bool:
@@ -169,6 +177,15 @@ class MooncakeBackend(PeerThreadBackend):
         if advertise_host is None and is_wildcard(host):
             raise ValueError(f"mooncake: bound to {host!r}, so it needs an advertise_host peers can reach")
         local = (advertise_host or host).strip("[]")
+        if metadata == "P2PHANDSHAKE" and _is_ipv6(local):
+            # (its handshake cannot reach a session "addr:port" with an IPv6 literal, bracketed or not: every
+            # decode's registration would fail, the worker looking healthy)
+            raise TransferError(
+                TransferErrorKind.PROTOCOL,
+                f"mooncake: peers would reach this worker at the IPv6 address {local}, which Mooncake's P2P "
+                "handshake does not support; advertise an IPv4 address (--advertise-host) or use another transfer "
+                "backend (tcp, nixl)",
+            )
         if protocol == "rdma":
             _check_rdma_devices(device_name)
         if not 0 < max_batch_blocks <= max_inflight_blocks:
