@@ -205,16 +205,28 @@ class MooncakeBackend(PeerThreadBackend):
             raise TransferError(
                 TransferErrorKind.PEER_UNREACHABLE, f"mooncake: cannot import mooncake.engine: {exc}"
             ) from exc
+        # With a metadata server our segment is registered there under the name we initialize with, which must be
+        # unique: named by the host alone, a second worker on this host failed to start (a duplicate), and its
+        # failed start deleted the first one's entry, so that a third took the first one's name. "host:N" with N a
+        # port number this backend holds (bound, never listening) for its lifetime: no other one on this host has it.
+        self._name_lease: socket.socket | None = None
+        name = local
+        if metadata != "P2PHANDSHAKE":
+            self._name_lease = socket.socket(socket.AF_INET6 if ":" in local else socket.AF_INET)
+            self._name_lease.bind(("", 0))
+            name = f"{local}:{self._name_lease.getsockname()[1]}"
         self._engine: Any = TransferEngine()
-        rc = self._engine.initialize(local, metadata, protocol, device_name)
+        rc = self._engine.initialize(name, metadata, protocol, device_name)
         if rc != 0:
+            if self._name_lease is not None:
+                self._name_lease.close()
             raise TransferError(
                 TransferErrorKind.PEER_UNREACHABLE,
-                f"mooncake: initialize(local_hostname={local}, metadata_server={metadata}, protocol={protocol}, "
+                f"mooncake: initialize(local_hostname={name}, metadata_server={metadata}, protocol={protocol}, "
                 f"device_name={device_name!r}) -> {rc}",
             )
         # P2P handshake: peers name us "host:rpc_port"; with a metadata server, by our segment name.
-        self._session = f"{local}:{self._engine.get_rpc_port()}" if metadata == "P2PHANDSHAKE" else local
+        self._session = f"{local}:{self._engine.get_rpc_port()}" if metadata == "P2PHANDSHAKE" else name
         super().__init__()  # peers, sender threads, write records (transfer.peer_threads)
         # (each turn is one more engine call and its wait: larger over rdma, where 4 MiB moves in ~0.2 ms)
         self.turn_bytes = opts.get("turn_bytes", RDMA_TURN_BYTES if protocol == "rdma" else self.turn_bytes)
@@ -338,3 +350,5 @@ class MooncakeBackend(PeerThreadBackend):
         elif self._registered:
             self._engine.batch_unregister_memory(self._registered)
             self._registered = []
+        if self._name_lease is not None:
+            self._name_lease.close()
