@@ -159,7 +159,9 @@ class _Peer:
             fill(self.pool, ns.seed)
         timeouts = KVTimeouts(ns.bootstrap_s, ns.waiting_s, ns.transfer_s, ns.hb_interval_s, ns.hb_timeout_s)
         self.args = KVArgs.from_pool(self.pool)
-        self.manager = KVManager(ns.role, self.args, create_backend(ns.backend), timeouts=timeouts)
+        options = dict(item.split("=", 1) for item in ns.option)
+        backend = create_backend(ns.backend, options=options) if options else create_backend(ns.backend)
+        self.manager = KVManager(ns.role, self.args, backend, timeouts=timeouts)
         self.rooms: dict[int, Any] = {}
 
     def handle(self, cmd: dict[str, Any]) -> Any:
@@ -256,6 +258,7 @@ def _child_main() -> None:
                       ("transfer-s", float), ("hb-interval-s", float), ("hb-timeout-s", float)):
         parser.add_argument(f"--{name}", type=typ, required=True)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--option", action="append", default=[])  # KEY=VALUE for the backend (``OPTIONS``)
     ns = parser.parse_args()
     cmd_in = os.fdopen(ns.cmd_fd, "rb")
     reply_out = os.fdopen(ns.reply_fd, "wb", buffering=0)
@@ -283,11 +286,13 @@ class PeerProcess:
     """A running peer. ``call(op, **fields)`` returns the result or raises PeerError."""
 
     def __init__(self, role: str, backend: str, shape: Shape, timeouts: KVTimeouts, seed: int = 0,
-                 env: dict[str, str] | None = None, start_timeout_s: float = 60.0) -> None:
+                 env: dict[str, str] | None = None, start_timeout_s: float = 60.0,
+                 options: dict[str, str] | None = None) -> None:
         cmd_r, cmd_w = os.pipe()
         reply_r, reply_w = os.pipe()
         argv = [sys.executable, str(Path(__file__).resolve()), f"--cmd-fd={cmd_r}", f"--reply-fd={reply_w}",
-                f"--role={role}", f"--backend={backend}", f"--seed={seed}", *shape.argv(), *timeouts_argv(timeouts)]
+                f"--role={role}", f"--backend={backend}", f"--seed={seed}", *shape.argv(), *timeouts_argv(timeouts),
+                *(f"--option={key}={value}" for key, value in (options or {}).items())]
         self.proc = subprocess.Popen(argv, pass_fds=(cmd_r, reply_w), env={**os.environ, **(env or {})},
                                      stdout=subprocess.DEVNULL)
         os.close(cmd_r)
