@@ -631,25 +631,30 @@ async def _post(session: aiohttp.ClientSession, url: str, data: bytes, headers: 
     async with session.post(url, data=data, headers=headers) as reply:
         body = await reply.read()
         content_type = reply.headers.get("content-type", "application/json")
-        refusal = _stream_refusal(body) if content_type.startswith("text/event-stream") else None
+        refusal = _stream_refusal(body) if 200 <= reply.status < 300 and content_type.startswith(
+            "text/event-stream") else None
         return _PrefillReply(reply.status, content_type,
                              body if keep_body or reply.status >= 300 or refusal is not None else b"",
                              _retry_after_s(reply.headers), refusal)
 
 
 def _stream_refusal(body: bytes) -> str | None:
-    """The message of a stream's ``data: {"error": ...}`` event: how SGLang's server (and our workers) refuse a
-    streamed request, with status 200 (the prefill handed no KV over: its decode would wait for it in vain)."""
+    """The message of a stream whose first event is ``data: {"error": ...}``: how SGLang's server (and our workers)
+    refuse a streamed request, with status 200 (the prefill handed no KV over: its decode would wait for it in
+    vain). An error event after other events is no refusal: the stream had begun (a choice handed over), and what
+    failed after (another choice's transfer, say) is the worker's, retried as any failure."""
     if b'"error"' not in body:
         return None
     for line in body.split(b"\n"):
-        if line.startswith(b"data:") and b'"error"' in line:
-            try:
-                event = msgspec.json.decode(line[5:])
-            except msgspec.DecodeError:
-                continue
-            if isinstance(event, dict) and isinstance(event.get("error"), dict):
-                return str(event["error"].get("message"))
+        if not line.startswith(b"data:"):
+            continue
+        try:  # (the first event alone)
+            event = msgspec.json.decode(line[5:])
+        except msgspec.DecodeError:
+            return None
+        if isinstance(event, dict) and isinstance(event.get("error"), dict):
+            return str(event["error"].get("message"))
+        return None
     return None
 
 
