@@ -33,19 +33,21 @@ from hashlib import blake2b
 from workers.kv_pool import KVPool
 
 
-def page_hashes(token_ids: Sequence[int], page_size: int, num_pages: int | None = None) -> list[bytes]:
+def page_hashes(token_ids: Sequence[int], page_size: int, num_pages: int | None = None, *, start: int = 0,
+                prev: bytes = b"") -> list[bytes]:
     """Chained 16-byte hashes of the first ``num_pages`` full pages of ``token_ids``.
 
     Page i's hash is blake2b-128 over (hash of page i-1) + its tokens as native int64. The gateway
-    computes the same function on its side, so this is part of the KV-events contract.
+    computes the same function on its side, so this is part of the KV-events contract. ``start``, ``prev``:
+    only the hashes of pages ``start`` on, page ``start - 1``'s hash being ``prev`` (known already).
     """
     full = len(token_ids) // page_size if num_pages is None else min(num_pages, len(token_ids) // page_size)
-    if full <= 0:
+    if full <= start:
         return []
-    raw = array("q", token_ids[: full * page_size]).tobytes()
+    raw = array("q", token_ids[start * page_size : full * page_size]).tobytes()
     step = page_size * 8
-    hashes, prev = [], b""
-    for off in range(0, full * step, step):
+    hashes = []
+    for off in range(0, (full - start) * step, step):
         prev = blake2b(prev + raw[off : off + step], digest_size=16).digest()
         hashes.append(prev)
     return hashes
@@ -134,8 +136,14 @@ class PageCache:
         if not self.enabled:
             return
         full = num_tokens // self.pool.page_size
-        for h, page in zip(page_hashes(token_ids, self.pool.page_size, full) if hashes is None else hashes[:full],
-                           pages, strict=False):
+        if hashes is None:  # (the leading pages already published give the chain's start: hashed once, not per call)
+            known, prev, hash_of = 0, b"", self._hash_of
+            while known < full and known < len(pages) and pages[known] in hash_of:
+                prev = hash_of[pages[known]]
+                known += 1
+            pages = pages[known:]
+            hashes = page_hashes(token_ids, self.pool.page_size, full, start=known, prev=prev)
+        for h, page in zip(hashes[:full], pages, strict=False):
             if h in self._by_hash or page in self._hash_of:
                 continue  # an equal prefix is already published (or this page already is)
             self._by_hash[h] = page

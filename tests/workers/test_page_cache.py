@@ -60,3 +60,24 @@ def test_disabled_cache_never_matches() -> None:
     assert cache.match(list(range(9))) == []
     cache.release(pages)
     assert cache.pool.num_free_pages == 8
+
+
+def test_a_growing_sequence_is_hashed_from_where_its_published_pages_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Publishing a request again as it grows (its answer at its end, a preemption) hashes only the pages not yet
+    published: the chain resumes from the last published page's hash (a 32k-token conversation was hashed
+    whole, ~2 ms on the scheduler's thread, at each finish). The hashes are the ones computed from the start."""
+    import workers.page_cache as page_cache
+
+    cache = make(num_pages=16)
+    tokens = list(range(100, 140))  # 10 pages
+    pages = cache.alloc(10)
+    assert pages
+    cache.insert(tokens, pages, 16)  # the prompt's 4 pages, published at its prefill
+    calls = []
+    real = page_cache.blake2b
+    monkeypatch.setattr(page_cache, "blake2b", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cache.insert(tokens, pages, 39)  # then its answer: pages 4..8 (39 positions hold KV)
+    assert len(calls) == 5, "only the pages not yet published were hashed"
+    assert cache.match([*tokens, 7]) == pages[:9]  # (by the hashes computed from the start)
+    assert [cache._hash_of[p] for p in pages[:9]] == page_hashes(tokens, 4, 9)
+    assert page_hashes(tokens, 4, 9, start=4, prev=page_hashes(tokens, 4, 4)[-1]) == page_hashes(tokens, 4, 9)[4:]
