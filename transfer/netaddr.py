@@ -8,10 +8,19 @@ from __future__ import annotations
 
 import fcntl
 import ipaddress
+import logging
+import math
 import socket
 import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 _SIOCGIFADDR = 0x8915
+ACCEPT_RETRY_S = 0.1  # after a failed accept() (``accept_retrying``)...
+ACCEPT_WARN_S = 10.0  # ...warned about at most this often (an fd leak would flood the log)
 
 
 def is_wildcard(host: str) -> bool:
@@ -36,6 +45,26 @@ def listener(host: str, port: int, *, listen: bool = True) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def accept_retrying(sock: socket.socket, is_closing: Callable[[], bool], name: str,
+                    ) -> tuple[socket.socket, Any] | None:
+    """``sock.accept()`` for a listener's accept thread: None once ``is_closing()`` (the listener was shut down).
+    Any other failure (EMFILE for a moment, or a network error Linux passes on from a pending connection) is
+    retried after ``ACCEPT_RETRY_S``, warned about at most every ``ACCEPT_WARN_S``: ending the thread there left
+    the worker deaf on that port, for good, while it looked healthy."""
+    last_warned = -math.inf
+    while True:
+        try:
+            return sock.accept()
+        except OSError as exc:
+            if is_closing():
+                return None
+            now = time.monotonic()
+            if now - last_warned >= ACCEPT_WARN_S:
+                last_warned = now
+                log.warning("%s: accept failed (%s); retrying", name, exc)
+            time.sleep(ACCEPT_RETRY_S)
 
 
 def dual_stack_sockets(host: str, port: int) -> list[socket.socket] | None:

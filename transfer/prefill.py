@@ -15,7 +15,6 @@ Lifecycle:
 
 from __future__ import annotations
 
-import logging
 import socket
 import threading
 import time
@@ -34,14 +33,10 @@ from transfer.messages import (
     RegisterAck,
     RoomRequest,
 )
-from transfer.netaddr import listener
+from transfer.netaddr import accept_retrying, listener
 from transfer.sender import KVSender, Link
 from transfer.sender_rooms import SenderRooms
 from transfer.types import KVArgs
-
-log = logging.getLogger(__name__)
-
-ACCEPT_RETRY_S = 0.1  # after a failed accept() (out of descriptors, a pending connection's network error)
 
 
 class PrefillSide:
@@ -94,16 +89,11 @@ class PrefillSide:
     # -- connections -----------------------------------------------------------------------------
     def _accept_loop(self) -> None:
         while True:
-            try:
-                sock, addr = self._listener.accept()
-            except OSError as exc:
-                if self._closing or self._ctx.closed:
-                    return
-                # (EMFILE for a moment, or a network error Linux passes on from a pending connection: ended
-                # here, no decode could connect or reconnect again until the worker restarted)
-                log.warning("KV control listener: accept failed (%s); retrying", exc)
-                time.sleep(ACCEPT_RETRY_S)
-                continue
+            accepted = accept_retrying(self._listener, lambda: self._closing or self._ctx.closed,
+                                       "KV control listener")
+            if accepted is None:
+                return
+            sock, addr = accepted
             channel = ControlChannel(sock, f"decode@{addr[0]}:{addr[1]}", self._on_message, self._on_close)
             with self._ctx.lock:
                 if self._ctx.closed:

@@ -32,7 +32,6 @@ import logging
 import socket
 import struct
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -40,7 +39,7 @@ from transfer.base import Block, Fence, PeerId, Region, fenced
 from transfer.blocks import RegionSet
 from transfer.errors import TransferError, TransferErrorKind
 from transfer.memkind import device_regions
-from transfer.netaddr import is_wildcard, join_host_port, listener, split_host_port
+from transfer.netaddr import accept_retrying, is_wildcard, join_host_port, listener, split_host_port
 from transfer.options import Option, parse_options, positive_float, positive_int
 from transfer.peer_threads import PeerThreadBackend, SenderPeer
 
@@ -53,7 +52,6 @@ _ACK_OK, _ACK_REJECTED, _ACK_FENCED = 0, 1, 2
 _MAX_BLOCKS = 1 << 22
 _MAX_BATCH_BYTES = 1 << 40
 _DRAIN_CHUNK = 1 << 20
-_ACCEPT_RETRY_S = 0.1  # after a failed accept() (out of descriptors, a pending connection's network error)
 _MAX_IOV = 512  # views per sendmsg (the kernel takes up to IOV_MAX = 1024)
 
 
@@ -161,19 +159,16 @@ class TcpBackend(PeerThreadBackend):
     def endpoint(self) -> bytes:
         return join_host_port(self._advertise, self._port).encode()
 
+    def _is_closing(self) -> bool:
+        with self._lock:
+            return self._closed
+
     def _accept_loop(self) -> None:
         while True:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError as exc:
-                with self._lock:
-                    if self._closed:
-                        return
-                # (EMFILE for a moment, or a network error Linux passes on from a pending connection: ended
-                # here, no prefill's data connection was taken again until the worker restarted)
-                log.warning("tcp backend: accept failed (%s); retrying", exc)
-                time.sleep(_ACCEPT_RETRY_S)
-                continue
+            accepted = accept_retrying(self._listener, self._is_closing, "tcp backend")
+            if accepted is None:
+                return
+            sock, _ = accepted
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             thread = threading.Thread(target=self._serve, args=(sock,), name="kv-tcp-recv", daemon=True)
             with self._lock:
