@@ -13,6 +13,7 @@ Needs ``perf`` (``linux-tools``) and a ``perf_event_paranoid`` that lets root re
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -45,6 +46,8 @@ async def record(args: argparse.Namespace, tmp: Path, out: Path) -> None:
             stack.gateway("gw", *[("prefill", f"p{i}") for i in range(2)], *[("decode", f"d{i}") for i in range(2)])
         stack.wait()
         stack.pin()
+        if {0, 1} <= os.sched_getaffinity(0):
+            os.sched_setaffinity(0, {1})  # the client with the workers, as bench_stack runs it
         target = http_target(stack.ports[name], "/v1/chat/completions", 64 if stream else 16, stream)
         stagger_s = 0.13 if stream else 0.0  # (streams' starts spread over one stream's length, as bench_stack)
         await closed_loop(target, max(200, args.requests // 10), 64, stagger_s)

@@ -21,6 +21,8 @@ import socket
 import time
 from typing import Any
 
+from load_client import percentile
+
 
 def _echo(listener: socket.socket, cpu: int) -> None:
     """The child: pinned to ``cpu``, echoes every read until the peer closes."""
@@ -66,7 +68,7 @@ def measure(rounds: int = 2000) -> dict[str, Any]:
     """Round-trip percentiles in µs, same core and across cores (None where cores 0 and 1 are not both ours)."""
     def summary(samples: list[float]) -> dict[str, float]:
         samples = sorted(samples)
-        pick = lambda q: samples[min(len(samples) - 1, int(q / 100 * len(samples)))] * 1e6  # noqa: E731
+        pick = lambda q: percentile(samples, q) * 1e6  # noqa: E731  (nearest rank, as load_client's)
         return {"p50_us": pick(50), "p90_us": pick(90), "p99_us": pick(99)}
 
     if not {0, 1} <= os.sched_getaffinity(0):
