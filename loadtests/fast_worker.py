@@ -9,7 +9,8 @@ Behaviour by role:
 - ``prefill``: a ``Submit`` is answered at once with its one final ``StepOutput``
   (``finish_reason="transferred"``, no tokens). Its ``HelloAck`` names a bootstrap address (which
   nothing dials: there is no KV to move) because the gateway requires one of a prefill.
-- ``decode`` / ``both``: ``max_new_tokens`` printable byte tokens. With ``--token-gap-ms 0`` they all
+- ``decode`` / ``both``: ``max_new_tokens`` printable byte tokens (output position n is letter n % 26;
+  a migrated stream's positions start at its ``output_offset``). With ``--token-gap-ms 0`` they all
   go in one ``StepOutput`` as soon as the ``Submit`` is read. With a gap, the first token goes at
   once and then every running request gets one more token per tick (every ``gap`` ms, on a fixed
   schedule), all of a connection's tokens of that tick in ONE ``Outputs`` frame, like a real
@@ -65,11 +66,11 @@ class _Running:
 
     __slots__ = ("conn", "num_left", "num_sent", "prompt_tokens", "rid")
 
-    def __init__(self, conn: _Conn, rid: int, num_left: int, prompt_tokens: int) -> None:
+    def __init__(self, conn: _Conn, rid: int, num_left: int, prompt_tokens: int, num_sent: int = 1) -> None:
         self.conn = conn
         self.rid = rid
         self.num_left = num_left
-        self.num_sent = 1
+        self.num_sent = num_sent  # the output position of its next token (a migrated stream's continues)
         self.prompt_tokens = prompt_tokens
 
 
@@ -107,11 +108,12 @@ class FastWorker:
             out.append(StepOutput(msg.rid, [], "transferred", num_prompt))
             return
         num_tokens = max(1, msg.params.max_new_tokens)
+        start = msg.params.output_offset  # a migrated stream's outputs so far: its letters go on from there
         if self.gap_s <= 0 or num_tokens == 1:
-            out.append(StepOutput(msg.rid, token_ids(0, num_tokens), "length", num_prompt))
+            out.append(StepOutput(msg.rid, token_ids(start, num_tokens), "length", num_prompt))
             return
-        out.append(StepOutput(msg.rid, token_ids(0, 1), None, num_prompt))
-        self.running[(conn.conn_id, msg.rid)] = _Running(conn, msg.rid, num_tokens - 1, num_prompt)
+        out.append(StepOutput(msg.rid, token_ids(start, 1), None, num_prompt))
+        self.running[(conn.conn_id, msg.rid)] = _Running(conn, msg.rid, num_tokens - 1, num_prompt, start + 1)
         if self._timer is None:
             loop = asyncio.get_running_loop()
             self._next_tick = loop.time() + self.gap_s
