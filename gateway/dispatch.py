@@ -365,9 +365,9 @@ class _Choice:
     """One choice across its attempts (``generate``, ``complete``): what the next attempt sends, the
     tokens so far, the latency figures, and the request's figures once it has been served."""
 
-    __slots__ = ("attempt_params", "avoid", "cached_tokens", "completed", "counts_output", "counts_prompt", "deadline",
-                 "dispatcher", "generated", "input_ids", "itl", "last_t", "migrations", "params", "prompt", "request",
-                 "retries", "t0")
+    __slots__ = ("attempt_params", "avoid", "cached_tokens", "cause", "completed", "counts_output", "counts_prompt",
+                 "deadline", "dispatcher", "generated", "input_ids", "itl", "last_t", "migrations", "params", "prompt",
+                 "request", "retries", "t0")
 
     def __init__(self, dispatcher: Dispatcher, input_ids: list[int], params: SamplingParams) -> None:
         self.dispatcher = dispatcher
@@ -385,6 +385,7 @@ class _Choice:
         self.generated: list[int] = []  # every token delivered so far (a migration's new prompt is input_ids + these)
         self.prompt, self.attempt_params = input_ids, params  # what the next attempt sends
         self.cached_tokens = 0
+        self.cause: APIError | None = None  # the failure the stream last migrated off (its answer if it cannot go on)
         self.completed = False  # finished, or the consumer stopped early (a stop string): counts as served
         self.counts_prompt = True  # the first choice of its prompt: its prompt's tokens are counted (once)
         self.counts_output = True  # its tokens are the answer's (not: /generate's max_new_tokens 0, run for one)
@@ -423,6 +424,7 @@ class _Choice:
             # Migration: the prompt and every token streamed so far are the new prompt of a new pair;
             # the client's stream goes on as if nothing happened.
             self.migrations += 1
+            self.cause = exc.error
             metrics.migrations.inc()
             if exc.blamed is not None:
                 self.avoid.add(exc.blamed)
@@ -472,7 +474,14 @@ class _Attempt:
         self.dispatcher = dispatcher
         self.run = run
         self.request = run.request
-        self.pair, self.prefill, self.decode = dispatcher._select(run.request, run.avoid)
+        try:
+            self.pair, self.prefill, self.decode = dispatcher._select(run.request, run.avoid)
+        except BadRequest:
+            if run.cause is None:
+                raise
+            # A migrated stream's new prompt (the client's and the tokens streamed so far) that no worker can
+            # hold: the stream ends with the failure it migrated off, not a 400 blaming the client's request.
+            raise run.cause from None
         config = dispatcher.config
         self.open_rids: dict[str, tuple[WorkerClient, int]] = {}
         self.sink = EventSink(config.max_unread_events, self._overflow, self.decode.loop)
