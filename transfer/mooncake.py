@@ -61,6 +61,12 @@ _SCRATCH_BYTES = 64
 ENGINE_MAX_ENTRIES = 2048  # entries Mooncake's tcp transport accepts in flight to one target (lifecycle note)
 RDMA_TURN_BYTES = 32 << 20  # ``turn_bytes`` over rdma (not measured here: no RDMA on this machine)
 _PROBE_WAIT_S = 1.0  # send_probe blocks ~60 s on a frozen peer: give up waiting after this
+# After a re-send of a timed-out batch completed (``MooncakeBackend._drain``): a connection that carried a timed-out
+# call retransmits at the latest its backoff's interval later, which is at most the time since it first sent (plus
+# the first timeout) and at most TCP's RTO_MAX; then its bytes land within a margin.
+_FIRST_RTO_S = 1.0  # (a SYN's first retransmission timeout; a data segment's is at least 0.2 s)
+_TCP_RTO_MAX_S = 120.0
+_LANDING_MARGIN_S = 2.0
 
 
 class _Endpoint(msgspec.Struct, array_like=True, frozen=True):
@@ -293,7 +299,7 @@ class MooncakeBackend(PeerThreadBackend):
             if rc != 0:
                 error = self._classify(peer.label, rc, time.monotonic() - started, timeout_s)
                 if error.kind == TransferErrorKind.TIMEOUT:
-                    return self._drain(peer, part, error)
+                    return self._drain(peer, part, error, started)
                 return error
         return peer.dead
 
@@ -328,14 +334,18 @@ class MooncakeBackend(PeerThreadBackend):
                 self._budget.notify_all()
         return rc
 
-    def _drain(self, peer: SenderPeer, part: list[Block], error: TransferError) -> TransferError:
+    def _drain(self, peer: SenderPeer, part: list[Block], error: TransferError, began: float) -> TransferError:
         """The engine timed ``part`` out, but its timeout does not stop the batch: the engine goes on moving it,
         and every byte lands once the target runs again (a frozen decode resumed, a path that cleared; measured
         with 0.3.13.post1 over tcp: 256 MiB landed after -1). A decode that does not fence writes frees a room's
         pages once told its writes are over, so the write stays in flight until the batch is: the same bytes are
-        sent again (harmless: the same source into the same pages, still the room's) until a call completes,
-        which the timed-out batch's bytes precede on each connection. Writes queued behind it fail now (nothing
-        of them is on the wire). Ends early only when the peer is dropped."""
+        sent again (harmless: the same source into the same pages, still the room's) until a call completes. That
+        call's bytes do not follow the timed-out ones on one connection: they go over connections of their own,
+        fresh while the timed-out calls' (``began``: the first of them) backed their retransmissions off on the
+        dark path (measured: a whole timed-out batch landed 7 s after a re-send completed). So the write ends only
+        once those retransmit too: at most as long after the path cleared as they had been sending (TCP doubles
+        the wait each time), at most TCP's RTO_MAX. Writes queued behind it fail now (nothing of them is on the
+        wire). Ends early only when the peer is dropped."""
         stalled = f"mooncake: the data path to {peer.label} stalled behind another room's write"
         self.fail_queued(peer.peer_id, TransferError(TransferErrorKind.PEER_GONE, stalled))
         while peer.dead is None:
@@ -343,10 +353,14 @@ class MooncakeBackend(PeerThreadBackend):
             if isinstance(rc, TransferError):
                 return rc
             if rc == 0:
-                return error
+                now = time.monotonic()
+                until = now + min(now - began + _FIRST_RTO_S, _TCP_RTO_MAX_S) + _LANDING_MARGIN_S
+                while peer.dead is None and time.monotonic() < until:
+                    time.sleep(0.1)
+                break
             if peer.dead is None:
                 time.sleep(0.1)  # (a dead path fails at once: no busy loop)
-        return peer.dead
+        return peer.dead or error
 
     @staticmethod
     def _classify(session: str, rc: int, elapsed: float, timeout_s: float) -> TransferError:

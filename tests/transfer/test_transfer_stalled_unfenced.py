@@ -125,6 +125,8 @@ def test_a_batch_the_engine_timed_out_fails_the_rooms_queued_behind_it_at_once(m
     test_mooncake_timed_out_batch_still_lands.py): its room fails at ``transfer_s`` and is quiesced once the path
     cleared and the batch is over."""
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")  # (the least it takes; 30 s by default)
+    # (this engine's timed-out calls leave nothing in flight: no wait for their backed-off retransmissions)
+    monkeypatch.setattr("transfer.mooncake._TCP_RTO_MAX_S", 0.0)
     backend = MooncakeBackend()
     engine = _BlackHoled(backend._engine, 5.0)
     backend._engine = engine
