@@ -155,7 +155,11 @@ def pools_full(procs: list[Proc], timeout_s: float = 30.0) -> list[str]:
         for p in procs:
             if p.http_port is None:
                 continue
-            load = get_json(f"http://127.0.0.1:{p.http_port}/load")
+            try:
+                load = get_json(f"http://127.0.0.1:{p.http_port}/load")
+            except OSError as exc:  # (a worker that died: a verdict, not a traceback)
+                leaks.append(f"{p.name}: its /load did not answer ({exc})")
+                continue
             assert isinstance(load, dict)
             if load["num_free_pages"] != load["num_total_pages"]:
                 leaks.append(f"{p.name}: {load['num_total_pages'] - load['num_free_pages']} pages held")

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 _SIOCGIFADDR = 0x8915
 ACCEPT_RETRY_S = 0.1  # after a failed accept() (``accept_retrying``)...
 ACCEPT_WARN_S = 10.0  # ...warned about at most this often (an fd leak would flood the log)
+_accept_warned: dict[str, float] = {}  # listener name -> when its last failure was warned about
 
 
 def is_wildcard(host: str) -> bool:
@@ -53,7 +54,6 @@ def accept_retrying(sock: socket.socket, is_closing: Callable[[], bool], name: s
     Any other failure (EMFILE for a moment, or a network error Linux passes on from a pending connection) is
     retried after ``ACCEPT_RETRY_S``, warned about at most every ``ACCEPT_WARN_S``: ending the thread there left
     the worker deaf on that port, for good, while it looked healthy."""
-    last_warned = -math.inf
     while True:
         try:
             return sock.accept()
@@ -61,8 +61,8 @@ def accept_retrying(sock: socket.socket, is_closing: Callable[[], bool], name: s
             if is_closing():
                 return None
             now = time.monotonic()
-            if now - last_warned >= ACCEPT_WARN_S:
-                last_warned = now
+            if now - _accept_warned.get(name, -math.inf) >= ACCEPT_WARN_S:  # (also across accepts that succeed)
+                _accept_warned[name] = now
                 log.warning("%s: accept failed (%s); retrying", name, exc)
             time.sleep(ACCEPT_RETRY_S)
 
