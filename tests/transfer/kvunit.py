@@ -7,8 +7,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from transfer import KVArgs, KVPoll
+from transfer import KVArgs, KVPoll, TransferErrorKind
+from transfer.errors import TransferError
 from transfer.peer_threads import PeerThreadBackend, SenderPeer
+from transfer.tcp import TcpBackend
 from workers.kv_pool import KVPool
 
 _POOLS: list[KVPool] = []  # keep registered memory alive for the whole test session
@@ -87,3 +89,29 @@ class Waker:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self._fired.wait(remaining):
                 return False  # even if it holds by now: nothing said so
+
+
+class StallingTcp(TcpBackend):
+    """tcp whose sends, once ``stall`` is set, move nothing until the connection is cut (``_interrupt``): a data
+    path that stalls (black-holed packets, a wedged receiver) while the control connection lives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stall = threading.Event()
+        self.cut = threading.Event()
+        self.num_connects = 0
+
+    def connect(self, endpoint: bytes) -> int:
+        self.num_connects += 1
+        self.cut.clear()
+        return super().connect(endpoint)
+
+    def _send(self, peer: SenderPeer, blocks: list, fence: Any) -> TransferError | None:
+        if self.stall.is_set():
+            self.cut.wait(60)
+            return TransferError(TransferErrorKind.PEER_GONE, "tcp: connection cut")
+        return super()._send(peer, blocks, fence)
+
+    def _interrupt(self, peer: SenderPeer) -> None:
+        self.cut.set()
+        super()._interrupt(peer)

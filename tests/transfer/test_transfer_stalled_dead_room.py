@@ -6,45 +6,18 @@ timed) waits for the decode's ``waiting_s``, and so does every new room for that
 
 from __future__ import annotations
 
-import threading
-
 import pytest
-from kvunit import make_args, open_room, wait_for, warm_room
+from kvunit import StallingTcp, make_args, open_room, wait_for, warm_room
 
-from transfer import KVManager, KVPoll, KVTimeouts, TransferErrorKind
-from transfer.errors import TransferError
-from transfer.peer_threads import SenderPeer
+from transfer import KVManager, KVPoll, KVTimeouts
 from transfer.shm import ShmBackend
 from transfer.tcp import TcpBackend
-
-
-class _Stalling(TcpBackend):
-    """tcp whose sends, once ``stall`` is set, move nothing until the connection is cut (``_interrupt``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stall = threading.Event()
-        self.cut = threading.Event()
-
-    def connect(self, endpoint: bytes) -> int:
-        self.cut.clear()
-        return super().connect(endpoint)
-
-    def _send(self, peer: SenderPeer, blocks: list, fence) -> TransferError | None:
-        if self.stall.is_set():
-            self.cut.wait(60)
-            return TransferError(TransferErrorKind.PEER_GONE, "tcp: connection cut")
-        return super()._send(peer, blocks, fence)
-
-    def _interrupt(self, peer: SenderPeer) -> None:
-        self.cut.set()
-        super()._interrupt(peer)
 
 
 @pytest.mark.parametrize("fencing", [True, False], ids=["fencing-decode", "decode-without-fences"])
 @pytest.mark.parametrize("side", ["prefill", "decode"])
 def test_a_stalled_write_whose_room_was_aborted_still_frees_the_rooms_behind_it(side: str, fencing: bool) -> None:
-    backend = _Stalling()
+    backend = StallingTcp()
     # (without fences: the same tcp path behind the shm wrapper, which does not pass fences on)
     prefill = KVManager("prefill", make_args(), backend if fencing else ShmBackend(backend, same_host=False),
                         timeouts=KVTimeouts(bootstrap_s=10.0, waiting_s=60.0, transfer_s=0.5,

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import pytest
-from kvunit import StubPeerBackend, make_args, open_room, wait_for, warm_room
+from kvunit import StallingTcp, StubPeerBackend, make_args, open_room, wait_for, warm_room
 
 from transfer import KVManager, KVPoll, KVTimeouts, TransferErrorKind
 from transfer.base import Block, Fence, WriteState
@@ -23,34 +23,9 @@ from workers.pd_queues import failure_fault
 from workers.protocol import Fault
 
 
-class _Stalling(TcpBackend):
-    """tcp whose sends, once ``stall`` is set, move nothing until the connection is cut (``_interrupt``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stall = threading.Event()
-        self.cut = threading.Event()
-        self.num_connects = 0
-
-    def connect(self, endpoint: bytes) -> int:
-        self.num_connects += 1
-        self.cut.clear()
-        return super().connect(endpoint)
-
-    def _send(self, peer: SenderPeer, blocks: list, fence) -> TransferError | None:
-        if self.stall.is_set():
-            self.cut.wait(60)
-            return TransferError(TransferErrorKind.PEER_GONE, "tcp: connection cut")
-        return super()._send(peer, blocks, fence)
-
-    def _interrupt(self, peer: SenderPeer) -> None:
-        self.cut.set()
-        super()._interrupt(peer)
-
-
 @pytest.fixture
 def pair():
-    backend = _Stalling()
+    backend = StallingTcp()
     prefill = KVManager("prefill", make_args(), backend, timeouts=KVTimeouts(
         bootstrap_s=10.0, waiting_s=60.0, transfer_s=0.5, heartbeat_interval_s=0.1, heartbeat_timeout_s=5.0))
     decode = KVManager("decode", make_args(), TcpBackend(), timeouts=KVTimeouts(
@@ -80,7 +55,7 @@ def test_a_stalled_data_path_is_dropped_and_the_rooms_behind_it_fail_at_once(pai
     _next_room_moves(prefill, decode, backend)
 
 
-def _next_room_moves(prefill: KVManager, decode: KVManager, backend: _Stalling) -> None:
+def _next_room_moves(prefill: KVManager, decode: KVManager, backend: StallingTcp) -> None:
     """The decode's next room goes over a fresh data path (it registers again), which moves: the decode learns of
     the stall from the connection's close, not from a status sent before it (then its next room could go over the
     dying connection before it read the close)."""
@@ -102,7 +77,7 @@ def _next_room_moves(prefill: KVManager, decode: KVManager, backend: _Stalling) 
     raise AssertionError("no room after the stall moved")
 
 
-class _SlowCut(_Stalling):
+class _SlowCut(StallingTcp):
     """(Review.) The stuck write is cut off a second after the drop, as a sender thread's join may take seconds."""
 
     def _interrupt(self, peer: SenderPeer) -> None:
