@@ -15,7 +15,13 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _interrupted(procs: Procs, name: str, health: str, *args: str) -> tuple[int, str]:
-    proc = procs.start(name, *args)
+    # (the child's SIGINT at its default, as from a terminal: a suite run as a background job has it ignored, which
+    # the child would inherit, and uvicorn, once closed, then raises it again to no effect: exit status 0)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = procs.start(name, *args)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     wait_http_ok(health, 30, proc)
     proc.send_signal(signal.SIGINT)
     try:
