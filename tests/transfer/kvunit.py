@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from transfer import KVArgs, KVPoll, TransferErrorKind
 from transfer.errors import TransferError
@@ -115,3 +121,28 @@ class StallingTcp(TcpBackend):
     def _interrupt(self, peer: SenderPeer) -> None:
         self.cut.set()
         super()._interrupt(peer)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_mooncake_child(child: str, *, setup: str = "", tools: tuple[str, ...] = (), timeout_s: float = 120.0) -> None:
+    """Run the Python source ``child`` (real Mooncake engines) in a network namespace of its own: loopback up, then
+    the shell commands ``setup`` (a veth, an ``iptables`` rule: root), so that nothing else's network is touched.
+    Skips where Mooncake is not installed, a tool in ``tools`` is missing, or the child printed ``SKIP: why``;
+    else the child must end printing ``ok``."""
+    from transfer.mooncake import MooncakeBackend
+
+    unavailable = MooncakeBackend.unavailable_reason()
+    if unavailable is not None and "not installed" in str(unavailable):
+        pytest.skip(str(unavailable))
+    missing = [tool for tool in ("unshare", *tools) if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)}")
+    script = " && ".join(["ip link set lo up", *([setup] if setup else []), 'exec "$0" -c "$1"'])
+    env = {"PYTHONPATH": str(REPO), "MC_LOG_LEVEL": "ERROR", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+    run = subprocess.run(["unshare", "--net", "--", "sh", "-c", script, sys.executable, child], cwd=REPO,
+                         capture_output=True, text=True, timeout=timeout_s, env=env)
+    if run.stdout.startswith("SKIP"):
+        pytest.skip(run.stdout.strip())
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), (run.stdout + run.stderr)[-3000:]

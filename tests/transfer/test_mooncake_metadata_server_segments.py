@@ -11,15 +11,10 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
-
-from transfer.mooncake import MooncakeBackend
-
-REPO = Path(__file__).resolve().parents[2]
+from kvunit import run_mooncake_child
 
 _CHILD = textwrap.dedent('''
     import ctypes, socket, subprocess, sys, time
@@ -69,18 +64,9 @@ _CHILD = textwrap.dedent('''
 
 
 def test_mooncake_workers_sharing_a_host_and_a_metadata_server_each_get_their_own_segment() -> None:
-    unavailable = MooncakeBackend.unavailable_reason()
-    if unavailable is not None and "not installed" in str(unavailable):
-        pytest.skip(str(unavailable))
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        pytest.skip("needs unshare and ip")
-    setup = ("ip link set lo up && ip link add pdmc0 type veth peer name pdmc1 && ip addr add 10.9.0.1/24 dev pdmc0"
-             " && ip link set pdmc0 up && ip link set pdmc1 up && exec \"$0\" -c \"$1\"")
-    probe = subprocess.run(["unshare", "--net", "--", "sh", "-c", "ip link add pdmc0 type veth peer name pdmc1"],
-                           capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot make a network namespace with a veth here: {probe.stderr.decode().strip()}")
-    run = subprocess.run(["unshare", "--net", "--", "sh", "-c", setup, sys.executable, _CHILD],
-                         cwd=REPO, env={"PYTHONPATH": str(REPO), "MC_LOG_LEVEL": "ERROR", "PATH": "/usr/bin:/bin"},
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), (run.stdout + run.stderr)[-3000:]
+    if shutil.which("unshare") is not None and subprocess.run(
+            ["unshare", "--net", "--", "sh", "-c", "ip link add pdmc0 type veth peer name pdmc1"],
+            capture_output=True).returncode != 0:
+        pytest.skip("cannot make a network namespace with a veth here")
+    run_mooncake_child(_CHILD, tools=("ip",), setup="ip link add pdmc0 type veth peer name pdmc1 && ip addr add "
+                       "10.9.0.1/24 dev pdmc0 && ip link set pdmc0 up && ip link set pdmc1 up")

@@ -11,17 +11,10 @@ Real engines in one child process, in a network namespace of its own whose loopb
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
-
-from transfer.mooncake import MooncakeBackend
-
-REPO = Path(__file__).resolve().parents[2]
+from kvunit import run_mooncake_child
 
 _CHILD = textwrap.dedent("""
     import ctypes, os, subprocess, sys, time
@@ -74,14 +67,4 @@ _CHILD = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_no_byte_of_a_timed_out_batch_lands_after_its_write_ended() -> None:
-    unavailable = MooncakeBackend.unavailable_reason()
-    if unavailable is not None and "not installed" in str(unavailable):
-        pytest.skip(str(unavailable))
-    if shutil.which("unshare") is None or shutil.which("iptables") is None:
-        pytest.skip("needs unshare and iptables")
-    env = {"PYTHONPATH": str(REPO), "MC_LOG_LEVEL": "ERROR", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
-    run = subprocess.run(["unshare", "--net", "--", "sh", "-c", 'ip link set lo up && exec "$0" -c "$1"',
-                          sys.executable, _CHILD], cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
-    if run.stdout.startswith("SKIP"):
-        pytest.skip(run.stdout.strip())
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), (run.stdout + run.stderr)[-3000:]
+    run_mooncake_child(_CHILD, tools=("iptables",), timeout_s=180.0)
