@@ -29,7 +29,6 @@ from __future__ import annotations
 import ctypes
 import importlib.metadata
 import importlib.util
-import ipaddress
 import logging
 import os
 import socket
@@ -96,13 +95,6 @@ def _metadata_server(raw: object) -> str:
     if text != "P2PHANDSHAKE" and not text.startswith(("etcd://", "http://", "https://", "redis://")):
         raise ValueError("must be P2PHANDSHAKE or a URL etcd://host:port, http(s)://host:port/path, redis://...")
     return text
-
-
-def _is_ipv6(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).version == 6
-    except ValueError:
-        return False
 
 
 def in_private_netns() -> bool:
@@ -183,7 +175,7 @@ class MooncakeBackend(PeerThreadBackend):
         if advertise_host is None and is_wildcard(host):
             raise ValueError(f"mooncake: bound to {host!r}, so it needs an advertise_host peers can reach")
         local = (advertise_host or host).strip("[]")
-        if metadata == "P2PHANDSHAKE" and _is_ipv6(local):
+        if metadata == "P2PHANDSHAKE" and ":" in local:  # (an IPv6 literal: a host name has no colon)
             # (its handshake cannot reach a session "addr:port" with an IPv6 literal, bracketed or not: every
             # decode's registration would fail, the worker looking healthy)
             raise TransferError(
