@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-pages", type=int, default=2048)
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk size in tokens")
     p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--max-requests", type=int, default=4096,
+                   help="requests held at once, in any stage; more are refused as overloaded (429)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--attention", default="auto")
@@ -104,7 +106,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         else os.environ.get("PD_BOOTSTRAP_TOKEN") or None, bootstrap_embedded=args.bootstrap_embedded,
         instance_id=args.instance_id, page_size=args.page_size,
         num_pages=args.num_pages, chunk_size=args.chunk_size, max_running=args.max_running,
-        device=args.device, dtype=args.dtype, attention=args.attention, num_threads=args.num_threads,
+        max_requests=args.max_requests, device=args.device, dtype=args.dtype, attention=args.attention,
+        num_threads=args.num_threads,
         bootstrap_timeout_s=args.bootstrap_timeout_s, waiting_timeout_s=args.waiting_timeout_s,
         transfer_timeout_s=args.transfer_timeout_s, http_request_timeout_s=args.http_request_timeout_s,
         heartbeat_interval_s=args.heartbeat_interval_s, watchdog_timeout_s=args.watchdog_timeout_s,

@@ -33,6 +33,9 @@ class WorkerConfig:
     num_pages: int = 2048
     chunk_size: int = 512
     max_running: int = 64
+    # Requests the worker holds at once, in any stage (queued, in transfer, running); more are refused
+    # ``overloaded`` (a 429 to the client; a gateway retries on another worker)
+    max_requests: int = 4096
     device: str = "cpu"
     dtype: str = "float32"
     attention: str = "auto"
@@ -65,7 +68,7 @@ class WorkerConfig:
             object.__setattr__(self, "model", None)
         if self.role not in ("prefill", "decode", "both"):
             raise ConfigError(f"role: must be prefill, decode or both, got {self.role!r}")
-        for name in ("page_size", "num_pages", "chunk_size", "max_running", "num_threads"):
+        for name in ("page_size", "num_pages", "chunk_size", "max_running", "max_requests", "num_threads"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
         for name in ("port", "http_port"):

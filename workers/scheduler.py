@@ -86,6 +86,9 @@ BROADCAST = -1  # connection id meaning "every connection" in the sink
 # fails its side as the same refusal, not as a transfer failure. Over SGLang's HTTP protocol that side's 502 was
 # retried by the router and held against the healthy worker's circuit breaker (the client's bad request took it out).
 REFUSAL_MARK = "refused the request: "
+# The same for a request it turned away as overloaded: the peer answers ``overloaded`` too (a 429 to retry later, held
+# against neither worker), not a transfer failure.
+OVERLOAD_MARK = "turned the request away: "
 IDLE_WAIT_S = 0.05  # the longest idle sleep; a message, a KV room's change or a due time ends it sooner
 REPORT_MIN_INTERVAL_S = 0.002  # a changed load is reported at most this often...
 BUSY_REPORT_S = 0.1  # ...and at least this often while requests are live
@@ -101,7 +104,7 @@ class SchedulerConfig:
     role: str  # "prefill" | "decode" | "both"
     chunk_size: int = 512
     max_running: int = 64
-    max_queued: int = 4096
+    max_requests: int = 4096  # held at once, in any stage: more are refused overloaded
     prefix_cache: bool = True
     # a request whose next prompt page another request here is computing waits for it (``_awaits_prefix``)
     wait_for_prefix: bool = True
@@ -406,9 +409,10 @@ class Scheduler:
             self._out.append((conn_id, Error(msg.rid, "bad_request", problem, param=param)))
             self._end_room(msg, REFUSAL_MARK + problem)
             return
-        if len(self.reqs) >= self.config.max_queued:
-            self._out.append((conn_id, Error(msg.rid, "overloaded", "worker queue is full")))
-            self._end_room(msg, f"the {self.role}'s queue is full")
+        if len(self.reqs) >= self.config.max_requests:
+            problem = f"the {self.role} worker holds {self.config.max_requests} requests (its --max-requests)"
+            self._out.append((conn_id, Error(msg.rid, "overloaded", problem)))
+            self._end_room(msg, OVERLOAD_MARK + problem)
             return
         req = Req(key, list(msg.input_ids), msg.params, time.monotonic() + msg.timeout_s, msg.bootstrap,
                   msg.request_id, gather_s=msg.gather_s if self.role != "prefill" else 0.0)
@@ -493,6 +497,8 @@ class Scheduler:
         for req, reason in moved.failed:
             if REFUSAL_MARK in reason:  # the peer refused the request: its 400 is this side's answer too
                 self._fail(req, "bad_request", reason, Fault.NONE)
+            elif OVERLOAD_MARK in reason:  # the peer turned it away, full: so is its answer here
+                self._fail(req, "overloaded", reason, Fault.NONE)
             else:
                 self._fail(req, "transfer_failed", reason, failure_fault(req.kv_receiver or req.kv_sender))
         for req, reason in moved.broken:

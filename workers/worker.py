@@ -155,7 +155,8 @@ class Worker:
         self.engine.bind(self.pool)
         if cfg.role != "both":
             self.kv = self._create_kv_manager(self.pool)
-        sched_cfg = SchedulerConfig(role=cfg.role, chunk_size=cfg.chunk_size, max_running=cfg.max_running)
+        sched_cfg = SchedulerConfig(role=cfg.role, chunk_size=cfg.chunk_size, max_running=cfg.max_running,
+                                    max_requests=cfg.max_requests)
         stop_tokenizer = await loading if loading is not None else None
         self.scheduler = Scheduler(sched_cfg, self.engine, self.pool, self._deliver, self.kv, stop_tokenizer)
         self.server = NativeServer(self.scheduler, self._hello_ack, cfg.host, cfg.port, api_key=cfg.api_key,
