@@ -278,11 +278,21 @@ class Gateway:
         current = self.find(client.url)  # (by address: another spelling of it is another key in the index)
         self.router.worker_removed(client.state, drop_index=current is None or current is client
                                    or current.url != client.url)
+        self._follow_max_context()
 
     def _max_context(self) -> int | None:
-        """The shortest context of the workers this gateway has (that have ever connected): a prompt must
-        fit whichever pair it is given."""
-        return min((c.info.max_context for c in self.clients if c.info is not None), default=None)
+        """The shortest context of the workers connected now (of those that ever connected, while none is): a
+        prompt must fit whichever pair it is given. A worker that went away holds prompts to its context no
+        longer; its handshake, when it comes back, does again (``_worker_up``)."""
+        contexts = [c.info.max_context for c in self.clients if c.info is not None and c.is_connected]
+        return min(contexts, default=None) or min(
+            (c.info.max_context for c in self.clients if c.info is not None), default=None)
+
+    def _follow_max_context(self) -> None:
+        max_context = self._max_context()
+        if self.frontend is not None and max_context is not None and max_context != self.frontend.max_context:
+            log.info("prompts are now held to %d tokens, the shortest context of the workers connected", max_context)
+            self.frontend.max_context = max_context
 
     def _tokenizer_source(self) -> WorkerClient | None:
         """The worker whose handshake says which tokenizer to use (and sends it, when this machine has no
@@ -477,10 +487,7 @@ class Gateway:
         if current is None or current.url != client.url:
             self.router.worker_forgotten(client.url)
             self.metrics.worker_failures.forget("worker", client.url)  # (URLs may never come back: pod IPs)
-        max_context = self._max_context()
-        if self.frontend is not None and max_context is not None and max_context != self.frontend.max_context:
-            log.info("prompts are now held to %d tokens, the shortest context of the workers left", max_context)
-            self.frontend.max_context = max_context  # (a shorter worker gone: longer prompts fit again)
+        self._follow_max_context()  # (a shorter worker gone: longer prompts fit again)
         log.info("removed %s worker %s", client.role, client.url)
 
     # -- shutdown ---------------------------------------------------------------------------------

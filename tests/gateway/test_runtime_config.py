@@ -320,3 +320,37 @@ def test_worker_urls_with_control_characters_are_refused(url: str, clean: str) -
         check_http_url(http_url)
     assert parse_worker_url(clean)[1] == 5
     check_http_url("http://" + clean.removeprefix("pd://"))
+
+
+def test_a_shorter_worker_gone_holds_prompts_to_its_context_no_longer() -> None:
+    """A worker with a shorter context whose connection is lost (it died, is restarting) no longer holds every
+    prompt to its context while it stays away (the workers left take longer ones); once it is back, it does
+    again."""
+    async def main() -> None:
+        long = await StandIn("long", tokenizer="byte", max_context=8192).start()
+        short = await StandIn("short", tokenizer="byte", max_context=512).start()
+        gw = Gateway(GatewayConfig(worker=(long.url, short.url), startup_timeout_s=5, drain_timeout_s=1))
+        try:
+            await gw.start()
+            assert all([await w.wait_ready(5) for w in gw.clients])
+            frontend = gw.require_frontend()
+            assert frontend.max_context == 512
+            port = short.port
+            await short.stop()  # (its listener closed too: the gateway's reconnects fail)
+            for _ in range(100):
+                if frontend.max_context == 8192:
+                    break
+                await asyncio.sleep(0.05)
+            assert frontend.max_context == 8192
+            await short.start(port)
+            for _ in range(200):
+                if frontend.max_context == 512:
+                    break
+                await asyncio.sleep(0.05)
+            assert frontend.max_context == 512
+        finally:
+            await gw.aclose()
+            await long.stop()
+            await short.stop()
+
+    asyncio.run(main())
