@@ -7,8 +7,9 @@
   on a gateway started with SGLang workers (it relays their routes).
 - ``DELETE /workers?url=...``: drain it (202): no new requests, open ones finish (up to
   ``--drain-timeout-s``), then the connection closes and it disappears from the list.
-- SGLang router's names as aliases: ``GET /list_workers``, ``POST /add_worker?url=...&role=...`` (or
-  its ``worker_type=regular|prefill|decode``; ``bootstrap_port=N`` for an SGLang prefill),
+- SGLang router's names as aliases: ``GET /list_workers`` (its ``{"urls": [...]}``, ``workers`` too),
+  ``POST /add_worker?url=...&role=...`` (or its ``worker_type=regular|prefill|decode``; ``bootstrap_port=N``
+  for an SGLang prefill),
   ``POST /remove_worker?url=...``.
 Errors are OpenAI-shaped JSON: 400 for a bad URL or role, 404 for an unknown worker, 409 when the
 worker is already there, 413 for a body over ``MAX_BODY_BYTES`` (it is never buffered whole).
@@ -112,8 +113,16 @@ def admin_routes(gw: Gateway, describe: Callable[[Any], dict[str, Any]]) -> list
             raise NotFound(f"no worker {url}", param="url") from None
         return reply(describe(client), 202)
 
+    def listed() -> list[Any]:
+        return [*gw.clients, *(gw.fleet.workers if gw.fleet else ())]
+
     async def list_workers(_: Request) -> Response:
-        return reply({"workers": [describe(c) for c in (*gw.clients, *(gw.fleet.workers if gw.fleet else ()))]})
+        return reply({"workers": [describe(c) for c in listed()]})
+
+    async def list_alias(_: Request) -> Response:
+        # SGLang's router answers {"urls": [...]}: tools written against it read that key
+        workers = listed()
+        return reply({"urls": [c.url for c in workers], "workers": [describe(c) for c in workers]})
 
     async def post_worker(request: Request) -> Response:
         raw = await read_body(request.scope, request.receive, MAX_BODY_BYTES, gw.body_timeout_s)
@@ -144,7 +153,7 @@ def admin_routes(gw: Gateway, describe: Callable[[Any], dict[str, Any]]) -> list
 
     return [
         Route("/workers", guarded(workers), methods=list(by_method)),
-        Route("/list_workers", guarded(list_workers), methods=["GET"]),
+        Route("/list_workers", guarded(list_alias), methods=["GET"]),
         Route("/add_worker", guarded(add_alias), methods=["POST"]),
         Route("/remove_worker", guarded(remove_alias), methods=["POST"]),
     ]

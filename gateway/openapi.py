@@ -128,6 +128,12 @@ _RESPONSES: dict[str, dict[str, Any]] = {
         "required": ["workers"],
         "properties": {"workers": {"type": "array", "items": {"$ref": _REF.format(name="Worker")}}},
     },
+    "WorkerUrlList": {  # (SGLang router's /list_workers: its "urls", and the gateway's "workers")
+        "type": "object",
+        "required": ["urls", "workers"],
+        "properties": {"urls": {"type": "array", "items": {"type": "string"}},
+                       "workers": {"type": "array", "items": {"$ref": _REF.format(name="Worker")}}},
+    },
     "Status": {
         "type": "object",
         "required": ["status", "ready", "policy", "active_requests", "queued_requests", "workers"],
@@ -230,7 +236,8 @@ def _paths() -> dict[str, Any]:
             "delete": {"operationId": "removeWorker", "summary": "drain a worker, then forget it", "tags": ["admin"],
                        "parameters": [worker_url], "responses": removed},
         },
-        "/list_workers": _get("listWorkersAlias", "SGLang router's name for GET /workers", "admin", workers),
+        "/list_workers": _get("listWorkersAlias", "SGLang router's name for GET /workers (with its urls list)", "admin",
+                              {"200": _json(_ref("WorkerUrlList"), "every worker"), **_errors("503")}),
         "/add_worker": {"post": {"operationId": "addWorkerAlias", "summary": "SGLang router's name for POST /workers",
                                  "tags": ["admin"], "parameters": [worker_url, role], "responses": created}},
         "/remove_worker": {"post": {"operationId": "removeWorkerAlias", "tags": ["admin"],
