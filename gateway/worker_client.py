@@ -493,10 +493,16 @@ class WorkerClient:
         on elsewhere (``WorkerGone``, not held against the worker), told ``reason``."""
         if self._prober is not None:
             self._prober.cancel()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self._transport is not None:
-            self._transport.close()
-        self._mark_down(reason, blameless=True)
+        try:
+            if self._task is not None:
+                self._task.cancel()
+                try:
+                    await self._task
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if current is not None and current.cancelling():
+                        raise  # (our caller was cancelled too, e.g. a shutdown's timeout: it must hear so)
+        finally:
+            if self._transport is not None:
+                self._transport.close()
+            self._mark_down(reason, blameless=True)

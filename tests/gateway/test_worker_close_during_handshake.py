@@ -67,3 +67,29 @@ def test_aclose_as_the_hello_ack_arrives_ends_the_client(monkeypatch: pytest.Mon
             server.close()
 
     asyncio.run(main())
+
+
+def test_aclose_cancelled_by_its_caller_is_cancelled() -> None:
+    """``aclose`` waits for the connection task it cancelled; a cancellation of ``aclose``'s own caller (a
+    shutdown's timeout) landing in that wait was taken for the task's and swallowed: the caller went on as if
+    never cancelled. It propagates now, and the client is still left down."""
+    async def main() -> None:
+        client = WorkerClient("pd://127.0.0.1:1", "decode")
+
+        async def slow_to_end() -> None:  # (a connection task whose clean-up takes a moment)
+            try:
+                await asyncio.sleep(30)
+            finally:
+                await asyncio.sleep(0.5)
+
+        client._task = asyncio.create_task(slow_to_end())
+        await asyncio.sleep(0)
+        closing = asyncio.create_task(client.aclose())
+        await asyncio.sleep(0.05)  # (aclose is waiting for the task)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        assert not client.is_connected
+        await asyncio.gather(client._task, return_exceptions=True)
+
+    asyncio.run(main())
