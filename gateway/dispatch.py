@@ -85,6 +85,9 @@ MAX_BACKOFF_S = 2.0
 # the hand-over is due as the decode starts; past this (or --stream-idle-timeout-s if shorter) they go
 # without them.
 HANDOVER_WAIT_S = 5.0
+# A side that relays its peer's refusal (``bad_request`` with ``Fault.NONE``) before that peer's own 400 came: how
+# long to wait for the peer's own answer (it names the client's field; the relay names none).
+PEER_REFUSAL_WAIT_S = 1.0
 _monotonic = time.monotonic
 _bisect_left = bisect.bisect_left
 
@@ -466,8 +469,8 @@ class _Attempt:
     open and tells the policies how the attempt ended (``outcome``, unless it finished)."""
 
     __slots__ = ("decode", "direct", "dispatcher", "finished", "first_s", "gather_s", "got_token", "held",
-                 "idle_s", "open_rids", "outcome", "pair", "prefill", "prompt_logprobs", "prompt_top", "request",
-                 "request_id", "run", "sent", "sink", "urgent", "want_prompt")
+                 "idle_s", "open_rids", "outcome", "pair", "peer_refusal", "prefill", "prompt_logprobs", "prompt_top",
+                 "request", "request_id", "run", "sent", "sink", "urgent", "want_prompt")
 
     def __init__(self, dispatcher: Dispatcher, run: _Choice, direct: DirectConsumer | None, *, urgent: bool,
                  gather_s: float = 0.0) -> None:
@@ -492,6 +495,7 @@ class _Attempt:
         self.sent = False  # the policies heard ``dispatched``: they hear how it ended (``close``)
         self.outcome = "failed"
         self.got_token = False
+        self.peer_refusal: tuple[str, Error] | None = None  # (side, relay) waiting for the refusing side's own 400
         # Prompt logprobs come from the prefill's hand-over and go out with the consumer's first output
         # (a stream's first chunk carries them); the hand-over may trail the decode's outputs, which
         # wait for it in ``held`` (until then, or until the wait for it times out).
@@ -678,6 +682,9 @@ class _Attempt:
                 raise APIError("internal error in the gateway while taking the workers' outputs; generation "
                                "was stopped (see the gateway's log)") from None
             except TimeoutError:
+                if self.peer_refusal is not None:  # the refusing side's own answer did not come: the relay's
+                    relay_side, relay = self.peer_refusal
+                    raise _as_error(relay, relay_side, None) from None
                 if sink.capped and not self.held:  # the request's own deadline: final, and no worker's fault
                     raise _request_timed_out(self.dispatcher.config) from None
                 if self.held:  # the decode goes on; only the prefill's prompt logprobs never came
@@ -722,6 +729,14 @@ class _Attempt:
             worker = self.decode if side == "decode" else self.prefill
             assert worker is not None and not isinstance(event, StepOutput)
             open_rids.pop(side, None)
+            if (type(event) is Error and event.code == "bad_request" and event.fault == Fault.NONE
+                    and not self.got_token and self.peer_refusal is None
+                    and ("prefill" if side == "decode" else "decode") in open_rids):
+                # This side relays its peer's refusal; the peer's own 400 (naming the client's field) is on
+                # its way over the peer's connection: that one is the client's answer.
+                self.peer_refusal = (side, event)
+                sink.set_deadline(PEER_REFUSAL_WAIT_S)
+                continue
             if type(event) is Error and event.code == "timeout" and _monotonic() >= self.run.deadline:
                 # The request's own deadline (``Submit.timeout_s``): final, and no worker's fault.
                 raise _request_timed_out(self.dispatcher.config)
