@@ -328,8 +328,11 @@ class Frontend:
                                      prompt="messages", max_tokens_name=named)
         params.grammar = grammar_for(req)
         _literal_stops(params, req.skip_special_tokens)
-        if tools is not None and tools.grammar is not None:
-            if params.grammar is not None:
+        if tools is not None and tools.grammar is not None:  # (a forced call: its arguments' grammar)
+            # response_format shapes a message's content, which a forced call has none of: it waits for the turn
+            # that answers in words (OpenAI's and vLLM's reading; the Agents SDK sends both, its output_type with
+            # tool_choice required). A regex or a grammar constrains the whole output: it cannot give way.
+            if params.grammar is not None and not params.grammar.param.startswith("response_format"):
                 raise BadRequest(f"tool_choice {tools.mode} cannot be combined with {params.grammar.param}",
                                  param="tool_choice")
             params.grammar = tools.grammar

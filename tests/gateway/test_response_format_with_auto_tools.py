@@ -11,6 +11,7 @@ import pytest
 
 from gateway.api import Frontend, decode_body
 from gateway.api_models import ChatCompletionRequest
+from gateway.errors import BadRequest
 from gateway.tokenizer import ByteTokenizer
 from gateway.tool_calls import _ChoiceStream, shape_choices
 
@@ -54,3 +55,30 @@ def test_a_json_object_answer_is_not_read_as_a_tool_call() -> None:
     shape_choices(prep.tools, result)
     assert result["choices"][0]["finish_reason"] == "stop" and "tool_calls" not in result["choices"][0]["message"], \
         result
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_a_forced_call_with_a_response_format_is_constrained_to_the_call(tool_choice: Any) -> None:
+    """The Agents SDK sends its ``output_type`` as ``response_format`` with ``tool_choice: required`` (a forced
+    first call): that was a 400. ``response_format`` shapes a message's content, which a forced call has none of
+    (OpenAI, vLLM): the turn is constrained to the call, and its answer read as one."""
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "tools": [TOOL],
+            "tool_choice": tool_choice, "response_format": {"type": "json_schema",
+                                                            "json_schema": {"name": "Answer", "schema": schema}}}
+    frontend = Frontend(None, ByteTokenizer(), "sim", 4096)  # type: ignore[arg-type]
+    prep = frontend.prepare_chat(decode_body(msgspec.json.encode(body), ChatCompletionRequest))
+    assert prep.tools is not None and prep.params.grammar is prep.tools.grammar, prep.params.grammar
+
+
+def test_a_forced_call_with_a_regex_is_still_refused() -> None:
+    """A regex constrains the whole output, a call's too: it cannot give way to the call's grammar."""
+    pytest.importorskip("llguidance")
+    body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "tools": [TOOL],
+            "tool_choice": "required", "regex": "[a-z]+"}
+    frontend = Frontend(None, ByteTokenizer(), "sim", 4096)  # type: ignore[arg-type]
+    with pytest.raises(BadRequest) as err:
+        frontend.prepare_chat(decode_body(msgspec.json.encode(body), ChatCompletionRequest))
+    assert err.value.param == "tool_choice"
