@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
@@ -70,12 +71,35 @@ def to_llguidance(grammar: Grammar) -> str:
         if grammar.kind == "ebnf":
             from llguidance.gbnf_to_lark import gbnf_to_lark
 
-            return matcher.grammar_from_lark(gbnf_to_lark(grammar.source))
+            return matcher.grammar_from_lark(gbnf_to_lark(_plain_unicode_escapes(grammar.source)))
     except GrammarError:
         raise
     except Exception as exc:  # the library's parse errors come as ValueError, AssertionError, ...
         raise GrammarError(f"invalid {grammar.kind}: {exc}", grammar.param) from None
     raise GrammarError(f"unknown grammar kind {grammar.kind!r}; one of {', '.join(KINDS)}", grammar.param)
+
+
+# A GBNF escape: an escaped backslash (kept as it is), or a \\u / \\U code point
+_GBNF_ESCAPE = re.compile(r"\\(?:\\|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8}))")
+
+
+def _plain_unicode_escapes(source: str) -> str:
+    """GBNF's ``\\uXXXX`` and ``\\UXXXXXXXX`` escapes, which llama.cpp's grammars use (``"caf\\u00e9"``,
+    ``[\\u00e0-\\u00ff]``), in a spelling llguidance's converter carries over: it drops their leading zeros
+    (``\\ue9``), which its lexer and regexes then refuse. A code point up to 0xFF becomes ``\\xNN``; one above
+    is not special in GBNF and goes in as the character itself."""
+    def plain(match: re.Match[str]) -> str:
+        digits = match.group(1) or match.group(2)
+        if digits is None:
+            return match.group(0)  # (an escaped backslash: the next character is not an escape's)
+        code = int(digits, 16)
+        if code <= 0xFF:
+            return f"\\x{code:02x}"
+        if code > 0x10FFFF or 0xD800 <= code <= 0xDFFF:
+            return match.group(0)  # (no character: the library's own error names it)
+        return chr(code)
+
+    return _GBNF_ESCAPE.sub(plain, source) if "\\" in source else source
 
 
 def check(grammar: Grammar) -> None:

@@ -132,6 +132,20 @@ def test_ebnf(make_engine: Any, model_dir: str) -> None:
     assert re.fullmatch(r"yes|no|maybe [0-9]", text), text
 
 
+@pytest.mark.parametrize(("ebnf", "expected"), [
+    (r'root ::= "caf\u00e9 " [\u4e00-\u9fff] "\U0001F600"', "caf\u00e9 [\u4e00-\u9fff]\U0001F600"),
+    (r'root ::= "a\\u00e9"', re.escape("a\\u00e9")),  # (an escaped backslash, then letters: no escape)
+], ids=["escapes", "escaped-backslash"])
+def test_ebnf_unicode_escapes(make_engine: Any, model_dir: str, ebnf: str, expected: str) -> None:
+    """GBNF's \\u and \\U escapes (llama.cpp's grammars use them) in strings and in classes: llguidance's GBNF
+    converter dropped their leading zeros (``"caf\\ue9"``), a 400 for a valid grammar."""
+    check(Grammar("ebnf", ebnf))
+    e = make_engine(model_dir)
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, grammar=Grammar("ebnf", ebnf))
+    text = text_of(model_dir, generate(e.engine, e.pool, 1, [11, 12], params), e.engine.info.eos_token_ids)
+    assert re.fullmatch(expected, text), text
+
+
 def test_split_equals_one_engine_and_masks_stay_per_row(make_engine: Any, model_dir: str) -> None:
     e = make_engine(model_dir)
     params = SamplingParams(temperature=0.0, grammar=Grammar("json_schema", json.dumps(SCHEMA)))
