@@ -70,6 +70,9 @@ class ChoiceState:
         do; it stays in ``token_ids`` and the logprobs). Not with ``keep_stop``: it is kept then.
         ``skip_special``: special tokens have no text (False: written out, vLLM's ``skip_special_tokens``)."""
         self.index = index
+        self.context = context
+        self.skip_special = skip_special
+        self.ends = stop_tokens  # (``stop_tokens`` even with ``keep_stop``: what a worker stops at besides strings)
         self.min_tokens = min_tokens
         self.tokenizer = tokenizer
         self.decoder = tokenizer.decoder(context) if skip_special else \
@@ -124,14 +127,43 @@ class ChoiceState:
         if final:  # (also for a final output without tokens: what the decoder holds back is the text's end)
             text += self.decoder.flush()
         new_text = head + self.stop.push(text, final=final)
+        cut = None
         if self.stop.matched is not None:
             self.finish_reason = "stop"
+            if not self._stopped_by_worker(event):  # (else it ended at the string's token itself)
+                cut = self._tokens_to(sum(map(len, self.text_parts)) + len(new_text)
+                                      + (0 if self.stop.keep else len(self.stop.matched)))
         elif final:
             self.finish_reason = "stop" if event.finish_reason == "stop" else "length"
         self.text_parts.append(new_text)
         entries = self._logprob_entries(event) if self.want_logprobs else []
         self.logprobs.extend(entries)
+        if cut is not None and cut < len(self.token_ids):
+            # The tokens after the one whose text completed the string (a decode that does not stop at the strings
+            # ran on, its outputs merged or gathered into this one, or the text of the ones before held back with
+            # them) are not the answer's: not counted, no logprobs.
+            del entries[max(0, len(entries) - (len(self.token_ids) - cut)):]
+            del self.token_ids[cut:]
+            del self.logprobs[cut:]
         return new_text, entries
+
+    def _stopped_by_worker(self, event: StepOutput) -> bool:
+        """Whether the worker ended the request with ``event`` at a stop string (its last token completes it, as
+        the worker watches the strings token by token): ended ``stop`` by a token that is no stop token."""
+        ids = event.token_ids
+        return event.finish_reason == "stop" and bool(ids) and not any(ids[-1] in ends for ends in self.ends)
+
+    def _tokens_to(self, end: int) -> int | None:
+        """How many of the output's tokens make the first ``end`` characters of its text, decoded again a token at
+        a time after the same context; None if they never do (the text as decoded does not reach it)."""
+        decoder = self.tokenizer.decoder(self.context) if self.skip_special else \
+            self.tokenizer.decoder(self.context, skip_special_tokens=False)
+        length = 0
+        for i, token in enumerate(self.token_ids):
+            length += len(decoder.push([token]))
+            if length >= end:
+                return i + 1
+        return None
 
     def accept_middle(self, event: StepOutput) -> str:
         """``accept`` for a non-final output of a choice without stop strings or logprobs: its new text."""
