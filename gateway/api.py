@@ -454,8 +454,9 @@ class Frontend:
             return last
         state = self._choice(prep)
         try:
+            # (stop strings the decode is not given, ``_literal_stops``: it must not gather past them)
             await complete(prep.input_ids, prep.params, state, in_callback=not prep.stops,
-                           counts_output=not prep.no_output)
+                           counts_output=not prep.no_output, gather=bool(prep.params.stop) or not prep.stops)
         except BadRequest as exc:
             prep.name_for_client(exc)
             raise

@@ -270,7 +270,7 @@ class Dispatcher:
             run.close()
 
     async def complete(self, input_ids: list[int], params: SamplingParams, collector: Collector, *,
-                       in_callback: bool = False, counts_output: bool = True) -> None:
+                       in_callback: bool = False, counts_output: bool = True, gather: bool = True) -> None:
         """Run one choice to its end for a whole (non-streamed) response: ``generate``'s lifecycle
         (retries, migration, deadlines, bookkeeping) in one coroutine, without the generator layers.
 
@@ -280,11 +280,14 @@ class Dispatcher:
         connection's callback (the request's task is woken only for the last); the collector must then
         not finish on a non-final output (no stop strings). The decode gathers its outputs after the
         first (``DispatchConfig.gather_s``); with stop strings only one that ends requests at them.
+        ``gather``: False when the collector watches stop strings that ``params`` does not carry to the decode
+        (``gateway.api._literal_stops``): a gathering decode would run on past them for its whole window.
         """
         run = _Choice(self, input_ids, params)
         run.counts_output = counts_output
         direct = _Collect(collector) if in_callback else None
-        gather_s = self.config.gather_s  # (with stop strings, only a decode that stops at them: ``submit``)
+        # (with stop strings, only a decode that stops at them: ``submit``)
+        gather_s = self.config.gather_s if gather else 0.0
         try:
             while True:
                 num_before = len(run.generated)
