@@ -97,6 +97,7 @@ class Prepared:
     # /generate's ``max_new_tokens: 0`` (the prompt alone: its logprobs, SGLang's scoring): run for one token,
     # answered without it
     no_output: bool = False
+    max_tokens_param: str = "max_tokens"  # what the client called the budget (chat: or ``max_completion_tokens``)
 
     def logprob_start_of(self, choice: int) -> int:
         return self.logprob_starts[choice // self.per_prompt] if self.logprob_starts else 0
@@ -125,7 +126,10 @@ class Prepared:
         """A worker's 400 names a ``SamplingParams`` field it refused (``check_sampling``): the client's
         name for it on this route instead."""
         if isinstance(exc, BadRequest) and exc.param in _CLIENT_NAMES:
-            exc.param = self.param_prefix + exc.param if self.param_prefix else _CLIENT_NAMES[exc.param]
+            if self.param_prefix:
+                exc.param = self.param_prefix + exc.param
+            else:
+                exc.param = self.max_tokens_param if exc.param == "max_new_tokens" else _CLIENT_NAMES[exc.param]
 
 
 # ``SamplingParams`` fields a worker may refuse -> the OpenAI routes' names for them
@@ -341,7 +345,7 @@ class Frontend:
                         bool(req.stream_options and req.stream_options.include_usage), logprobs,
                         bootstrap=ClientBootstrap.of(req), tools=tools if _reads_calls(tools, params) else None,
                         keep_stop=bool(req.include_stop_str_in_output),
-                        skip_special=req.skip_special_tokens is not False)
+                        skip_special=req.skip_special_tokens is not False, max_tokens_param=named)
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
         self._check_model(req.model)
