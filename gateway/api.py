@@ -238,6 +238,16 @@ class Frontend:
             raise ModelNotFound(f"The model {model!r} does not exist here; use {self.model_name!r}",
                                 param="model", code="model_not_found")
 
+    def _decode_capacity(self) -> int | None:
+        capacity = getattr(self.dispatcher, "decode_capacity", None)
+        return capacity() if capacity is not None else None
+
+    def usable_context(self) -> int:
+        """The most tokens (prompt + output) one request may have: the context, or less where the largest decode's
+        KV pool holds less (``/v1/models``' ``max_model_len``: clients size their requests by it)."""
+        pool = self._decode_capacity()
+        return min(self.max_context, pool) if pool else self.max_context
+
     def _params(self, req: Any, input_ids: list[int], max_tokens: int | None, logprobs: bool,
                 top_logprobs: int, prefix: str = "", *, prompt: str = "prompt",
                 max_tokens_name: str = "max_tokens", default_max: int | None = None,
@@ -258,8 +268,7 @@ class Frontend:
                 raise BadRequest(f"{name} ({min_tokens}) + prompt ({len(input_ids)} tokens) exceeds the context "
                                  f"length {self.max_context}", param=prefix + name, code="context_length_exceeded")
             budget_room = room
-            capacity = getattr(self.dispatcher, "decode_capacity", None)
-            pool = capacity() if capacity is not None else None
+            pool = self._decode_capacity()
             if pool is not None and pool - len(input_ids) >= max(min_tokens, 1):
                 # (also what the largest decode's KV pool holds, as SGLang's scheduler cuts it: a budget the
                 # client did not set is no reason for a 400; a prompt no pool holds is the dispatcher's 400)

@@ -227,8 +227,9 @@ def _freeze_start_up(_: object) -> None:
 
 
 def _context_length(gw: Gateway) -> int | None:
-    """The served context length, when native workers have told it (None with SGLang workers only)."""
-    return gw.require_frontend().max_context if gw.has_native_workers else None
+    """The served context length, when native workers have told it (None with SGLang workers only): the model's,
+    or what the largest decode's KV pool holds when that is less (a longer request would be a 400)."""
+    return gw.require_frontend().usable_context() if gw.has_native_workers else None
 
 
 def _model_card(name: str, max_model_len: int | None = None) -> dict[str, Any]:

@@ -318,7 +318,7 @@ class SGLangAPI:
         frontend = self.require_frontend()
         return _reply({"object": "list", "data": [{"id": frontend.model_name, "object": "model", "created": 0,
                                                    "owned_by": "pd-gateway", "root": frontend.model_name,
-                                                   "max_model_len": frontend.max_context}]})
+                                                   "max_model_len": frontend.usable_context()}]})
 
     def _load(self) -> dict[str, Any]:
         """The scheduler's load in ``/v1/loads``' per-rank shape (tokens = pages x page size)."""

@@ -47,6 +47,15 @@ def test_models_list_has_max_model_len(sim_cluster) -> None:  # type: ignore[no-
         card = http.get("/v1/models").json()["data"][0]
         assert isinstance(card.get("max_model_len"), int) and card["max_model_len"] > 0, card
         assert http.get(f"/v1/models/{card['id']}").json().get("max_model_len") == card["max_model_len"]
+        # The decode's KV pool (256 pages of 4 tokens) holds less than the model's context (8192): what a client
+        # sizing its requests by max_model_len sends is served, one token more is not.
+        assert card["max_model_len"] == 1024, card
+        body = {"model": "default", "prompt": "hi", "max_tokens": 1, "temperature": 0}
+        prompt = http.post("/v1/completions", json=body).json()["usage"]["prompt_tokens"]
+        r = http.post("/v1/completions", json={**body, "max_tokens": card["max_model_len"] - prompt})
+        assert r.status_code == 200, r.text
+        r = http.post("/v1/completions", json={**body, "max_tokens": card["max_model_len"] - prompt + 1})
+        assert r.status_code == 400, r.text
 
 
 def test_a_compressed_body_is_a_415_naming_its_encoding(sim_cluster) -> None:  # type: ignore[no-untyped-def]
