@@ -344,6 +344,10 @@ class Scheduler:
             self._prune_batch()
             self._admit_imported()
         self._admit_waiting()
+        if self.role == "decode" and self._out:
+            # First tokens of requests imported this step (the prefill sampled them): out now, not after
+            # the batch's forward, which would add a whole decode step to each stream's time to first token.
+            self._flush()
         ran = self._run_batch()
         if self.role == "prefill":  # (again: what finished during the batch is told now, not a step later)
             self._advance(self.inflight_queue, self._transferred)
