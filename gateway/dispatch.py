@@ -149,7 +149,7 @@ class Dispatcher:
         # prompt) that have connected, as of ``WorkerState.shape_epoch``: a request within both fits any
         # worker, and only one past them has the workers that cannot hold it left out (``_fitting``).
         self._floors_epoch = -1
-        self._decode_floor = self._prefill_floor = 0
+        self._total_floor = self._prefill_floor = 0
 
     def decode_capacity(self) -> int | None:
         """The most tokens (prompt + max_new_tokens) one decode (or combined) worker's KV pool holds; None before
@@ -162,7 +162,7 @@ class Dispatcher:
         decodes = [c for c in list(self.decodes) if c.state.page_size]
         available = [c for c in decodes if c.is_connected and not c.is_draining and not c.is_stopping
                      and c.health.is_probe_healthy] or decodes
-        return max((c.state.capacity_tokens for c in available), default=0) or None
+        return max((c.state.total_tokens for c in available), default=0) or None
 
     @property
     def is_disaggregated(self) -> bool:
@@ -185,7 +185,7 @@ class Dispatcher:
         if self._floors_epoch != WorkerState.shape_epoch:
             self._set_floors()
         prompt = len(request.input_ids)
-        if prompt + request.max_new_tokens > self._decode_floor or prompt > self._prefill_floor:
+        if prompt + request.max_new_tokens > self._total_floor or prompt > self._prefill_floor:
             prefills, decodes = self._fitting(request, avoid)
         router = self.router
         pair = router.pick(prefills, decodes, request)
@@ -199,29 +199,42 @@ class Dispatcher:
 
     def _set_floors(self) -> None:
         self._floors_epoch = WorkerState.shape_epoch
-        self._decode_floor = min((c.state.capacity_tokens for c in self.decodes if c.state.page_size), default=0)
+        connected = [c.state for c in (*self.decodes, *self.prefills) if c.state.page_size]
+        self._total_floor = min((state.total_tokens for state in connected), default=0)
         self._prefill_floor = min((c.state.capacity_tokens for c in self.prefills if c.state.page_size),
                                   default=0 if self.prefills else sys.maxsize)
 
     def _fitting(self, request: RequestInfo, avoid: set[WorkerClient]) -> tuple[list[Any], list[Any]]:
-        """``_selectable``'s views, of the workers whose KV pool can hold ``request`` (a decode reserves prompt +
-        max_new_tokens, a prefill the prompt): the avoided ones too when only they can. When one side has none:
-        a 503 if a worker that is unhealthy now could, else a 400, sent to no worker."""
+        """``_selectable``'s views, of the workers that can take ``request``: its prompt + max_new_tokens within
+        their context, and within a decode's KV pool (a prefill's pool holds the prompt); the avoided ones too when
+        only they can. When one side has none: a 503 if a worker that is unavailable now could, else a 400, sent
+        to no worker."""
         prompt = len(request.input_ids)
         total = prompt + request.max_new_tokens
-        decodes = _selectable([w for w in self.decodes if w.state.capacity_tokens >= total], avoid)
-        prefills = _selectable([w for w in self.prefills if w.state.capacity_tokens >= prompt], avoid)
+
+        def takes(state: WorkerState) -> bool:
+            return state.total_tokens >= total and (state.role != "prefill" or state.capacity_tokens >= prompt)
+
+        decodes = _selectable([w for w in self.decodes if takes(w.state)], avoid)
+        prefills = _selectable([w for w in self.prefills if takes(w.state)], avoid)
         if decodes and (prefills or self.combined):
             return prefills, decodes
-        side, pool, need = ("combined" if self.combined else "decode", self.decodes, total) if not decodes \
-            else ("prefill", self.prefills, prompt)
-        largest = max((c.state.capacity_tokens for c in pool), default=0)
+        side, pool = ("combined" if self.combined else "decode", self.decodes) if not decodes \
+            else ("prefill", self.prefills)
+        if any(takes(c.state) for c in pool):
+            raise NoWorkers(f"no healthy {side} worker has a KV pool and context that hold this request (a prompt "
+                            f"of {prompt} tokens, {total} with the most tokens to generate); the one that does is "
+                            "unavailable", retry_after_s=1.0)
+        if side == "prefill" and any(c.state.capacity_tokens >= prompt for c in pool):
+            longest = max(c.state.max_context for c in pool)
+            raise BadRequest(f"the prompt ({prompt} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the "
+                             f"context length of every prefill worker (the longest: {longest})",
+                             param="max_new_tokens", code="context_length_exceeded")
+        largest = max((c.state.total_tokens if side != "prefill" else c.state.capacity_tokens for c in pool),
+                      default=0)
         prompt_alone = side == "prefill" or prompt > largest  # (no budget would make it fit)
         what = "the prompt" if prompt_alone else "the prompt and the most tokens to generate"
-        if largest >= need:
-            raise NoWorkers(f"no healthy {side} worker has a KV pool that holds this request ({need} tokens: "
-                            f"{what}); the one that does is unavailable", retry_after_s=1.0)
-        raise BadRequest(f"the request needs {prompt if prompt_alone else need} tokens of KV cache ({what}); the "
+        raise BadRequest(f"the request needs {prompt if prompt_alone else total} tokens of KV cache ({what}); the "
                          f"largest {side} worker's pool holds {largest}",
                          param=None if prompt_alone else "max_new_tokens", code="context_length_exceeded")
 

@@ -52,6 +52,7 @@ class WorkerState:
         self.stale_after_s = stale_after_s
         self.page_size = 0
         self.num_total_pages = 0
+        self.max_context = 0  # the model's context on this worker (its handshake's)
         self.report: LoadReport | None = None
         self.report_at = 0.0  # clock() when the report arrived
         # The gateway's own requests open on this worker.
@@ -76,7 +77,7 @@ class WorkerState:
 
     # -- updates (event loop) -------------------------------------------------------------------
     def connected(self, ack: HelloAck) -> None:
-        self.page_size, self.num_total_pages = ack.page_size, ack.num_pages
+        self.page_size, self.num_total_pages, self.max_context = ack.page_size, ack.num_pages, ack.max_context
         WorkerState.shape_epoch += 1
         self.report, self.is_load_fresh = None, False
         self._unacked.clear()
@@ -178,6 +179,17 @@ class WorkerState:
         """Tokens of KV the worker's whole pool holds (0 before it connected): a request needing more
         (a decode: prompt + max_new_tokens; a prefill: the prompt) is refused by it."""
         return self.page_size * self.num_total_pages
+
+    @property
+    def total_tokens(self) -> int:
+        """The most prompt + max_new_tokens the worker takes (0 before it connected): its context, and on a decode
+        (or combined) worker what its pool holds too. (The gateway holds prompts to the shortest context of the
+        workers connected: one that was away and is back with a shorter one must not be given a request prepared
+        meanwhile, which it would refuse.)"""
+        if self.role == "prefill":
+            return self.max_context
+        pool = self.page_size * self.num_total_pages
+        return min(pool, self.max_context) if self.max_context else pool
 
     @property
     def report_age_s(self) -> float:

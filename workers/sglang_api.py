@@ -150,7 +150,7 @@ class RelayDispatcher:
         SGLang's scheduler to its pool. A prefill holds the prompt alone: None (the context is its limit)."""
         if self.role == "prefill":
             return None
-        return self.client.state.capacity_tokens or None  # (0 until its connection's handshake)
+        return self.client.state.total_tokens or None  # (0 until its connection's handshake)
 
     def target(self, bootstrap: ClientBootstrap | None, choice: int) -> BootstrapTarget | None:
         """This choice's bootstrap target from the client's fields (400 naming the bad one)."""

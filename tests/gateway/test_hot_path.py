@@ -933,7 +933,7 @@ def test_a_stream_whose_client_stops_reading_is_stopped_for_any_n(n: int) -> Non
         dispatcher = Dispatcher([], workers, Router(policy, policy), DispatchConfig(max_unread_events=8),
                                 combined=True)
         frontend = Frontend(dispatcher, ByteTokenizer(), "m", 4096)
-        choices = frontend.run_choices(Prepared([1, 2, 3], SamplingParams(max_new_tokens=10_000), n, [], True,
+        choices = frontend.run_choices(Prepared([1, 2, 3], SamplingParams(max_new_tokens=4_000), n, [], True,
                                                 False, False))
         first = asyncio.ensure_future(choices.__anext__())
         for _ in range(200):

@@ -113,7 +113,8 @@ def test_a_request_only_an_unavailable_worker_could_hold_is_a_503() -> None:
         decodes[1].is_draining = True
         with pytest.raises(NoWorkers) as err:
             _picks(dispatcher, 100, 200, times=1)
-        assert err.value.status == 503 and "no healthy decode worker has a KV pool that holds" in err.value.message
+        assert err.value.status == 503
+        assert "no healthy decode worker has a KV pool and context that hold" in err.value.message
         assert {d for _, d in _picks(dispatcher, 10, 10)} == {decodes[0]}  # a small one is served meanwhile
 
     asyncio.run(main())
@@ -139,7 +140,30 @@ def test_the_default_budget_is_cut_to_the_largest_decode_pool() -> None:
         assert dispatcher.decode_capacity() == 1024  # 256 pages of 4 tokens
         _resize(decodes[1], 32)
         assert dispatcher.decode_capacity() == 256  # the other one's 64 pages
-        _resize(decodes[0], 2048)
-        assert dispatcher.decode_capacity() == 8192
+        _resize(decodes[0], 1000)
+        assert dispatcher.decode_capacity() == 4000
+        _resize(decodes[0], 2048)  # (8192 tokens of KV, past the model's context of 4096: no request is longer)
+        assert dispatcher.decode_capacity() == decodes[0].info.max_context == 4096
+
+    asyncio.run(main())
+
+
+def test_a_request_longer_than_a_workers_context_goes_to_one_whose_context_holds_it() -> None:
+    """A worker's context bounds what it takes as its pool does: one with a shorter context (back after the gateway
+    prepared a request by the longer contexts of the workers connected meanwhile) is not given a request past it,
+    which it would refuse with a 400."""
+    async def main() -> None:
+        dispatcher, prefills, decodes, _ = _fleet([1024, 1024], [1024, 1024])
+        for worker in (prefills[0], decodes[0]):  # (a 4096-token pool each, the model's context 512)
+            worker.info = msgspec.structs.replace(worker.info, max_context=512)
+            worker.state.connected(worker.info)
+        assert {d for _, d in _picks(dispatcher, 10, 10)} == set(decodes)
+        assert {d for _, d in _picks(dispatcher, 100, 500)} == {decodes[1]}
+        assert {p for p, _ in _picks(dispatcher, 600, 1)} == {prefills[1]}
+        prefills[1].info = msgspec.structs.replace(prefills[1].info, max_context=512)
+        prefills[1].state.connected(prefills[1].info)
+        with pytest.raises(BadRequest) as err:  # (every prefill's pool holds the prompt; no context holds it)
+            _picks(dispatcher, 600, 1)
+        assert err.value.code == "context_length_exceeded" and "the longest: 512" in err.value.message
 
     asyncio.run(main())
