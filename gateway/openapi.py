@@ -98,7 +98,8 @@ _RESPONSES: dict[str, dict[str, Any]] = {
             "output_ids": {"type": "array", "items": _INT},
             "meta_info": {"type": "object", "required": ["id", "prompt_tokens", "completion_tokens"],
                           "properties": {"id": _STR, "prompt_tokens": _INT, "completion_tokens": _INT,
-                                         "cached_tokens": _INT, "finish_reason": {"type": ["object", "null"]}}},
+                                         "cached_tokens": _INT, "finish_reason": {"type": ["object", "null"]},
+                                         "weight_version": _STR, "e2e_latency": {"type": "number"}}},
             "index": _INT,  # (a batch's: the item it answers)
         },
     },

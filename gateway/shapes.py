@@ -11,30 +11,34 @@ Chunks are built from per-request byte templates: per token only the new text is
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from time import monotonic as _monotonic
 from typing import Any
 
 import msgspec
 
 from gateway.api import Frontend, Prepared, TextEmitter, new_id, now_s, sse
 from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from gateway.context import REQUEST_T0
 from gateway.errors import BadRequest
 from gateway.text import ChoiceState
 from gateway.tokenizer import literal_text, token_text_of
 from gateway.tool_calls import shape_choices, tool_events
 
 _json = msgspec.json.Encoder()
+WEIGHT_VERSION = "default"  # ``/generate``'s ``meta_info.weight_version`` (SGLang's, with no weight updates)
 
 
 class Run:
     """One request being answered: what the shapes need to build its JSON."""
 
-    __slots__ = ("created", "cumulative", "emitter", "frontend", "opened", "prep", "rid", "started", "templates")
+    __slots__ = ("created", "cumulative", "emitter", "frontend", "opened", "prep", "rid", "started", "t0", "templates")
 
     def __init__(self, frontend: Frontend, prep: Prepared, rid: str) -> None:
         self.frontend = frontend
         self.prep = prep
         self.rid = rid
         self.created = now_s()
+        self.t0 = REQUEST_T0.get() or _monotonic()  # (its arrival: ``/generate``'s ``e2e_latency``)
         self.templates: dict[int, tuple[bytes, bytes]] = {}  # choice index -> (before text, after text)
         self.started = False  # the response has started (streaming): errors are events from here on
         self.opened: set[int] = set()  # choices whose first output has been shaped (streaming)
@@ -242,8 +246,9 @@ class GenerateShape(Shape):
             prep.item_ids = [new_id(self.id_prefix) for _ in prep.batch]
             return prep, None
         if not isinstance(rid, list):
-            if prep.batch is not None:  # (SGLang's 400 too: one id for several items)
-                raise BadRequest("rid: a batch needs a list of ids, one per prompt", param="rid")
+            if prep.batch is not None:  # one id for several items: item i's is "<rid>_<i>", as SGLang names them
+                prep.item_ids = [f"{rid}_{i}" for i in range(len(prep.batch))]
+                return prep, None
             return prep, rid
         if prep.batch is None or len(rid) != len(prep.batch):
             raise BadRequest("rid: a list of ids needs a batch of as many prompts (text or input_ids as a list)",
@@ -278,9 +283,10 @@ class GenerateShape(Shape):
         meta: dict[str, Any] = {
             "id": run.rid if prep.item_ids is None else prep.item_ids[state.index // prep.per_prompt],
             "prompt_tokens": len(prompt), "completion_tokens": len(state.token_ids),
-            "cached_tokens": state.cached_tokens, "finish_reason": None,
+            "cached_tokens": state.cached_tokens, "finish_reason": None, "weight_version": WEIGHT_VERSION,
         }
         if state.finish_reason is not None:
+            meta["e2e_latency"] = _monotonic() - run.t0  # (as SGLang's: once the item has finished)
             if state.stop.matched is not None:
                 meta["finish_reason"] = {"type": "stop", "matched": state.stop.matched}
             elif state.finish_reason == "stop":

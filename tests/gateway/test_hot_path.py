@@ -359,7 +359,8 @@ class _OneChoice:
 @pytest.mark.parametrize("lane", [False, True], ids=["no-lane", "lane"])
 def test_a_stream_through_the_direct_path_equals_the_stream_through_the_task(route: str, include_usage: bool,
                                                                            full: frozenset[int],
-                                                                           first_empty: bool, lane: bool) -> None:
+                                                                           first_empty: bool, lane: bool,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks written from the worker connection's callback (the first one with the head included) are
     byte for byte what the request's task would have sent, also when the client's socket is full for
     some outputs (those the direct path refuses go through the task, unchanged), with or without the
@@ -367,6 +368,7 @@ def test_a_stream_through_the_direct_path_equals_the_stream_through_the_task(rou
     from gateway.responder import _StreamEmitter
     from gateway.shapes import GenerateShape
 
+    monkeypatch.setattr("gateway.shapes._monotonic", lambda: 5.0)  # (``/generate``'s ``e2e_latency``: 0 in both)
     shape = {"chat": ChatShape, "generate": GenerateShape}.get(route, CompletionShape)()
     outputs = [StepOutput(1, list(b"He")), StepOutput(1, [*"ll\u00f6".encode()][:3]),
                StepOutput(1, [*"\u00f6".encode()][1:] + list(b" w")), StepOutput(1, list(b"orld"), "length")]

@@ -11,6 +11,8 @@ import json
 import threading
 from typing import Any
 
+import pytest
+
 from gateway import structured_output
 from gateway.api import Frontend, Prepared
 from gateway.responder import PREPARE_THREAD_BYTES, Responder
@@ -181,9 +183,11 @@ def test_a_large_whole_answer_is_not_shaped_and_encoded_on_the_event_loop() -> N
     asyncio.run(main())
 
 
-def test_a_generate_streams_chunks_are_what_they_were_before_the_lists_were_kept_encoded() -> None:
+def test_a_generate_streams_chunks_are_what_they_were_before_the_lists_were_kept_encoded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The encoded-once lists (``_Cumulative``) give each chunk the very JSON the whole build gives, logprobs (with
     their text) and prompt logprobs included, however many tokens each output brings."""
+    monkeypatch.setattr("gateway.shapes._monotonic", lambda: 5.0)  # (the same ``e2e_latency`` in both)
     tokenizer = ByteTokenizer()
     frontend = Frontend(None, tokenizer, "m", max_context=1 << 20)  # type: ignore[arg-type]
     prompt = [ord(c) for c in "the prompt"]

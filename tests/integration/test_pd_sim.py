@@ -316,11 +316,17 @@ def test_stop_strings_n_choices_and_generate_stream(sim_cluster) -> None:  # typ
     assert [a["meta_info"]["id"] for a in answers] == ["a", "b"], answers
     refused = httpx.post(f"{cluster.base_url}/generate", json={**batch, "rid": ["a"]}, timeout=30)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "rid", refused.text
-    # Unnamed, each item gets its own id (as SGLang gives them); one id for the whole batch is a 400 (as SGLang's).
+    # Unnamed, each item gets its own id (as SGLang gives them); one id for the whole batch names them
+    # "<rid>_<i>" (SGLang's ``GenerateReqInput._normalize_rid``), streamed or not.
     unnamed = httpx.post(f"{cluster.base_url}/generate", json={**batch, "rid": None}, timeout=30).json()
     assert len({a["meta_info"]["id"] for a in unnamed}) == 2, unnamed
-    refused = httpx.post(f"{cluster.base_url}/generate", json={**batch, "rid": "one"}, timeout=30)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "rid", refused.text
+    one = httpx.post(f"{cluster.base_url}/generate", json={**batch, "rid": "one"}, timeout=30)
+    assert [a["meta_info"]["id"] for a in one.json()] == ["one_0", "one_1"], one.text
+    with httpx.stream("POST", f"{cluster.base_url}/generate", timeout=30,
+                      json={**batch, "rid": "one", "stream": True}) as r:
+        ids = {json.loads(line[6:])["meta_info"]["id"] for line in r.iter_lines()
+               if line.startswith("data: {")}
+    assert ids == {"one_0", "one_1"}, ids
     # text and input_ids both: which is the prompt? A 400 (as SGLang's), not input_ids silently.
     both = httpx.post(f"{cluster.base_url}/generate", json={"text": "hi", "input_ids": PROMPT}, timeout=30)
     assert both.status_code == 400 and both.json()["error"]["param"] == "input_ids", both.text
