@@ -1060,12 +1060,14 @@ class Scheduler:
     def _maybe_report_load(self, now: float) -> None:
         since = now - self._last_load
         due = since >= (BUSY_REPORT_S if self.reqs else IDLE_REPORT_S)
-        if not (due or (self._load_dirty and since >= REPORT_MIN_INTERVAL_S)) or not self._conns:
+        if not (due or (self._load_dirty and since >= REPORT_MIN_INTERVAL_S)):
             return
         self._last_load, self._load_dirty = now, False
         weight = min(1.0, since / BUSY_WINDOW_S)
         self.busy_fraction += weight * (min(1.0, self._busy_s / since) - self.busy_fraction) if since > 0 else 0.0
         self._busy_s = 0.0
+        if not self._conns:  # (the busy fraction goes on averaging: /metrics and /load read it with no gateway)
+            return
         report = self.load_report()
         for conn_id, last_rid in self._conns.items():
             self._out.append((conn_id, msgspec.structs.replace(report, last_rid=last_rid)))
