@@ -529,6 +529,9 @@ class Scheduler:
     def _import(self, req: Req) -> None:
         """Decode, prebuilt extend: the prompt's KV and first token arrived; join the decode batch."""
         assert req.aux_slot is not None
+        # Its KV landed (the room completed): counted now, whatever becomes of the request (one that ends waiting
+        # for a batch slot, or whose aux record is refused, moved its bytes all the same; the prefill counted them)
+        self.metrics.on_room(req, self.pool)
         try:
             record = decode_aux(self.pool.aux[req.aux_slot].data)
         except ValueError as exc:
@@ -1013,7 +1016,8 @@ class Scheduler:
             req.aux_slot = None
 
     def _record_room(self, req: Req, first_token: int | None = None) -> None:
-        self.metrics.on_room(req, self.pool)
+        if self.role == "prefill":  # (a decode's room is counted as it lands: ``_import``)
+            self.metrics.on_room(req, self.pool)
         checker = self.kv_checker
         self.rooms.append({
             "room": req.room,
