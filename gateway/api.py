@@ -244,9 +244,13 @@ class Frontend:
 
     def usable_context(self) -> int:
         """The most tokens (prompt + output) one request may have: the context, or less where the largest decode's
-        KV pool holds less (``/v1/models``' ``max_model_len``: clients size their requests by it)."""
+        KV pool holds less, or the largest prefill's holds a shorter prompt (``/v1/models``' ``max_model_len``:
+        clients size their requests by it)."""
         pool = self._decode_capacity()
-        return min(self.max_context, pool) if pool else self.max_context
+        usable = min(self.max_context, pool) if pool else self.max_context
+        capacity = getattr(self.dispatcher, "prompt_capacity", None)
+        prompt = capacity() if capacity is not None else None
+        return min(usable, prompt + 1) if prompt else usable  # (its longest prompt, and one token to generate)
 
     def _params(self, req: Any, input_ids: list[int], max_tokens: int | None, logprobs: bool,
                 top_logprobs: int, prefix: str = "", *, prompt: str = "prompt",

@@ -159,10 +159,12 @@ class Dispatcher:
         that can take requests count (a larger pool of one draining, disconnected or failing its probes raised the
         budget past every decode left: a 503 for as long as it stayed away); none can: all of them, as before. (Its
         breaker is not looked at: reading its state moves it on, which is the event loop's to do.)"""
-        decodes = [c for c in list(self.decodes) if c.state.page_size]
-        available = [c for c in decodes if c.is_connected and not c.is_draining and not c.is_stopping
-                     and c.health.is_probe_healthy] or decodes
-        return max((c.state.total_tokens for c in available), default=0) or None
+        return max((c.state.total_tokens for c in _able(self.decodes)), default=0) or None
+
+    def prompt_capacity(self) -> int | None:
+        """The longest prompt one prefill worker's KV pool holds (the largest of those that can take requests, as
+        ``decode_capacity``); None when combined or before any prefill has connected."""
+        return max((c.state.capacity_tokens for c in _able(self.prefills)), default=0) or None
 
     @property
     def is_disaggregated(self) -> bool:
@@ -796,6 +798,15 @@ class _Attempt:
 def _request_timed_out(config: DispatchConfig) -> UpstreamTimeout:
     return UpstreamTimeout(f"the request ran past its timeout ({config.request_timeout_s:g}s)", code="request_timeout",
                            final=True)
+
+
+def _able(pool: list[WorkerClient]) -> list[WorkerClient]:
+    """The workers of ``pool`` that have connected and can take requests (not draining, disconnected or failing
+    their probes); all that have connected when none can. (Their breakers are not looked at: reading one's state
+    moves it on, which is the event loop's to do; these run on a prepare thread too.)"""
+    connected = [c for c in list(pool) if c.state.page_size]
+    return [c for c in connected if c.is_connected and not c.is_draining and not c.is_stopping
+            and c.health.is_probe_healthy] or connected
 
 
 def _selectable(pool: list[WorkerClient], avoid: set[WorkerClient]) -> list[Any]:
