@@ -89,6 +89,10 @@ REFUSAL_MARK = "refused the request: "
 # The same for a request it turned away as overloaded: the peer answers ``overloaded`` too (a 429 to retry later, held
 # against neither worker), not a transfer failure.
 OVERLOAD_MARK = "turned the request away: "
+# A decode sends the first tokens of requests it imported before its step's forward (not with that step's tokens
+# after it) when its last forward took this long: a waking of the event loop more per step, worth it against a
+# model's decode step (ms), not against a zero-cost engine's (µs), where it only added a thread hand-off.
+EARLY_FLUSH_MIN_S = 0.001
 IDLE_WAIT_S = 0.05  # the longest idle sleep; a message, a KV room's change or a due time ends it sooner
 REPORT_MIN_INTERVAL_S = 0.002  # a changed load is reported at most this often...
 BUSY_REPORT_S = 0.1  # ...and at least this often while requests are live
@@ -172,6 +176,7 @@ class Scheduler:
         self.prefill_tokens_per_s = 0.0
         self.busy_fraction = 0.0
         self._busy_s = 0.0  # engine time since the last load report
+        self._last_forward_s = 0.0  # the newest engine step's time (``EARLY_FLUSH_MIN_S``)
         self.num_steps = 0
         self.metrics = SchedulerMetrics()  # histograms and outcome counters for /metrics
         self.error: BaseException | None = None
@@ -344,7 +349,7 @@ class Scheduler:
             self._prune_batch()
             self._admit_imported()
         self._admit_waiting()
-        if self.role == "decode" and self._out:
+        if self.role == "decode" and self._out and self._last_forward_s >= EARLY_FLUSH_MIN_S:
             # First tokens of requests imported this step (the prefill sampled them): out now, not after
             # the batch's forward, which would add a whole decode step to each stream's time to first token.
             self._flush()
@@ -825,7 +830,7 @@ class Scheduler:
                 self._fail(req, "internal", f"engine step returned {len(outputs)} outputs for {len(batch)} sequences")
             return True
         self.num_steps += 1
-        elapsed_s = time.perf_counter() - started
+        self._last_forward_s = elapsed_s = time.perf_counter() - started
         self.metrics.on_step(len(batch), elapsed_s)
         self._busy_s += elapsed_s
         if num_prefill_tokens:
