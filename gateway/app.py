@@ -228,7 +228,7 @@ def _freeze_start_up(_: object) -> None:
 
 def _context_length(gw: Gateway) -> int | None:
     """The served context length, when native workers have told it (None with SGLang workers only): the model's,
-    or what the largest decode's KV pool holds when that is less (a longer request would be a 400)."""
+    or less where the workers' KV pools hold less (``Frontend.usable_context``: a longer request would be a 400)."""
     return gw.require_frontend().usable_context() if gw.has_native_workers else None
 
 
