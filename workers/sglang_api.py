@@ -152,6 +152,13 @@ class RelayDispatcher:
             return None
         return self.client.state.total_tokens or None  # (0 until its connection's handshake)
 
+    def prompt_capacity(self) -> int | None:
+        """The longest prompt this worker's KV pool holds, when it is a prefill (``Frontend.usable_context``: SGLang's
+        PD router answers ``/v1/models`` from its first prefill); None otherwise (``decode_capacity`` bounds those)."""
+        if self.role != "prefill":
+            return None
+        return self.client.state.capacity_tokens or None  # (0 until its connection's handshake)
+
     def target(self, bootstrap: ClientBootstrap | None, choice: int) -> BootstrapTarget | None:
         """This choice's bootstrap target from the client's fields (400 naming the bad one)."""
         if self.role == "both":
