@@ -176,7 +176,9 @@ class Scheduler:
         self.prefill_tokens_per_s = 0.0
         self.busy_fraction = 0.0
         self._busy_s = 0.0  # engine time since the last load report
-        self._last_forward_s = 0.0  # the newest engine step's time (``EARLY_FLUSH_MIN_S``)
+        # The newest engine step's time (``EARLY_FLUSH_MIN_S``); none timed yet: taken as slow (a model's first
+        # forward is its slowest, and a fresh decode's first imported request must not wait it out for its token)
+        self._last_forward_s = math.inf
         self.num_steps = 0
         self.metrics = SchedulerMetrics()  # histograms and outcome counters for /metrics
         self.error: BaseException | None = None

@@ -8,7 +8,6 @@ from __future__ import annotations
 import random
 
 import httpx
-
 from pdtest import Procs, free_port, post_to_pair, start_worker
 
 PAGES = ("--engine", "sim", "--page-size", "4")
