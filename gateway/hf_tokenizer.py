@@ -15,6 +15,7 @@ the rendered text is encoded without adding special tokens again (the template w
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import logging
@@ -36,6 +37,7 @@ REPLACEMENT_CHAR = "\ufffd"
 # (as U+FFFD), all but the last ``HELD_TAIL`` ids, rather than the whole growing run being decoded per token.
 MAX_HELD_IDS = 8
 HELD_TAIL = 4
+_utf8_decode = codecs.utf_8_decode
 log = logging.getLogger(__name__)
 
 
@@ -64,6 +66,8 @@ class HFTokenizer:
         self._template: Any = None
         self._token_texts: dict[int, str] = {}  # id -> token_text(id) (at most the vocabulary)
         self._pieces = PieceEncoder.of(tokenizer)  # (None: this tokenizer's chats are encoded whole)
+        # Byte fallback (SentencePiece's ``<0x00>``..``<0xFF>`` pieces): only those pieces are parts of characters
+        self.byte_fallback = all(tokenizer.token_to_id(f"<0x{b:02X}>") is not None for b in (0x00, 0x80, 0xFF))
         # The special tokens a decode that skips them leaves out (before its decoder runs: the same text); asked of
         # the decode itself (a "normalized" special token behind a prepending normalizer is written out all the
         # same): one missed is only decoded, as it was before
@@ -324,7 +328,7 @@ class HFIncrementalDecoder:
     the Python algorithm carries on from the same boundary, so the text is the same either way.
     """
 
-    __slots__ = ("_decode", "_ids", "_prefix", "_raw", "_read", "_skipped", "_stream")
+    __slots__ = ("_decode", "_ids", "_piece", "_prefix", "_raw", "_read", "_skipped", "_stream")
 
     def __init__(self, tokenizer: HFTokenizer, context: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         # (``skip_special_tokens=False``: special tokens' text written out, as ``decode_literally`` writes it)
@@ -333,6 +337,8 @@ class HFIncrementalDecoder:
         # ignore_eos) would otherwise be decoded again with every push
         self._skipped = tokenizer.skipped_ids if skip_special_tokens and tokenizer.skipped_ids else None
         self._raw = tokenizer._tok  # (``tokenizers.Tokenizer``, what ``DecodeStream.step`` takes)
+        # (``_past_held``: a byte-fallback tokenizer's pieces, whole characters but for ``<0x9F>``...; else None)
+        self._piece = tokenizer._tok.id_to_token if tokenizer.byte_fallback else None
         ids = _whole_characters(tokenizer, list(context))  # (``gateway.tokenizer``: the text before, never emitted)
         self._stream: DecodeStream | None = DecodeStream(ids=ids or None, skip_special_tokens=skip_special_tokens)
         self._ids = ids
@@ -382,6 +388,9 @@ class HFIncrementalDecoder:
         candidates = [(cut, self._decode(ids[start:cut])) for cut in range(end - 1, end - HELD_TAIL, -1)]
         found = next(((cut, text) for cut, text in candidates
                       if len(text) > len(prefix_text) and not text.endswith(REPLACEMENT_CHAR)), None)
+        if found is None:  # (a text ending in U+FFFD as a character of its own: the model wrote "\ufffd")
+            found = next(((cut, text) for cut, text in candidates
+                          if len(text) > len(prefix_text) and self._ends_whole_bytes(start, cut)), None)
         if found is None:
             found = next(((cut, text) for cut, text in candidates
                           if len(prefix_text) < len(text) < len(full_text) and full_text.startswith(text)), None)
@@ -390,6 +399,26 @@ class HFIncrementalDecoder:
         cut, text = found
         self._prefix, self._read = self._read, cut
         return text[len(prefix_text) :]
+
+    def _ends_whole_bytes(self, start: int, cut: int) -> bool:
+        """Whether ``ids[start:cut]`` ends on a character boundary, a byte-fallback tokenizer's (False for others):
+        after a piece of its own (a literal U+FFFD among them), or after a run of byte pieces (``<0xE6>``...) that
+        is whole UTF-8 characters. Byte fallback decodes a run that is not as U+FFFD byte for byte, its whole
+        characters too: a window cut inside a character says U+FFFD for the characters before it in the run, so
+        that the cut cannot be told by the text (a text ending in U+FFFD: a character the model wrote, too)."""
+        piece_of = self._piece
+        if piece_of is None:
+            return False
+        data = bytearray()
+        for token_id in reversed(self._ids[start:cut]):
+            piece = piece_of(token_id)
+            if piece is None or len(piece) != 6 or not piece.startswith("<0x") or not piece.endswith(">"):
+                break
+            try:
+                data.insert(0, int(piece[3:5], 16))
+            except ValueError:
+                break
+        return _utf8_decode(bytes(data), "replace", False)[1] == len(data)
 
     def flush(self) -> str:
         ids = self._ids
