@@ -4,6 +4,8 @@ Runtime deps are ``tokenizers`` and ``jinja2`` only (no transformers). The direc
 - ``tokenizer.json`` (required): the fast tokenizer, including its post-processor (BOS, if any).
 - ``tokenizer_config.json`` (optional): ``bos_token``/``eos_token``/``pad_token``/``unk_token``,
   ``chat_template`` (a string, or a list of ``{name, template}`` where ``default`` is used).
+- ``special_tokens_map.json`` (optional): the special tokens of a config without ``added_tokens_decoder`` (one
+  saved before transformers 4.34), which it overrides, as transformers reads them.
 - ``chat_template.jinja`` (optional): the template as a file; preferred when present.
 - ``generation_config.json`` / ``config.json`` (optional): more EOS ids.
 
@@ -87,6 +89,11 @@ class HFTokenizer:
             raise TokenizerLoadError(f"cannot load {tok_file}: {exc}") from exc
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
         special = {key: _token_text(config.get(key)) for key in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        if "added_tokens_decoder" not in config:  # a config saved before transformers 4.34: as transformers loads
+            # it, ``special_tokens_map.json`` says the special tokens (the template's ``bos_token``, the EOS id)
+            for key, value in _read_json(os.path.join(path, "special_tokens_map.json")).items():
+                if key in special and _token_text(value) is not None:
+                    special[key] = _token_text(value)
         template = _chat_template(path, config)
         eos_ids: list[int] = []
         eos_text = special["eos_token"]

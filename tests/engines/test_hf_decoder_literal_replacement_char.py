@@ -29,8 +29,8 @@ def _with_replacement_piece() -> HFTokenizer:
     return HFTokenizer(tok, name="llama-style-fffd", chat_template=None, special_tokens={}, eos_token_ids=(2,))
 
 
-TEXTS = ["x\ufffd\ufffd\ufffd\ufffd😀 ok", "😀\ufffd\ufffd\ufffd😀a", "ab \ufffd\ufffd\ufffd東\ufffd\ufffd\ufffd\ufffd東é",
-         "\ufffd" * 12 + "😀😀"]
+TEXTS = ["x\ufffd\ufffd\ufffd\ufffd😀 ok", "😀\ufffd\ufffd\ufffd😀a",
+         "ab \ufffd\ufffd\ufffd東\ufffd\ufffd\ufffd\ufffd東é", "\ufffd" * 12 + "😀😀"]
 
 
 @pytest.mark.parametrize("family", ["byte-pieces", "replacement-piece"])
