@@ -544,9 +544,14 @@ class DecodeSide:
                 and now - receiver.metadata_at > timeouts.waiting_s
             ):
                 conn = receiver.conn
+                # (BOOTSTRAP: no worker's fault, as a prefill's wait for a busy decode's page list: the room
+                # waits here while the prefill's queue holds its request, and overload must not open the
+                # breaker of a prefill that is only busy. A prefill that is gone or frozen is told apart by its
+                # connection and heartbeats, a stalled write by ``transfer_s``.)
                 self._fail(receiver, TransferError(
-                    TransferErrorKind.TIMEOUT,
-                    f"room {receiver.room}: no KV from the prefill within {timeouts.waiting_s:g}s",
+                    TransferErrorKind.BOOTSTRAP,
+                    f"room {receiver.room}: no KV from the prefill within {timeouts.waiting_s:g}s (its queue may "
+                    "be long)",
                 ))
                 if conn is not None and conn.channel is not None:
                     outbox.append((conn.channel, Abort(receiver.room, "decode timed out waiting for the KV")))
