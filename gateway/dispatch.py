@@ -768,8 +768,13 @@ class _Attempt:
                     return self._release()
                 continue
             # The next attempt avoids the culprit, or when nobody is (the registry failed the look-up: a
-            # decode that has the prefill's address cached may not need it), the worker that reported it.
-            raise _as_error(event, side, culprit or worker, after_first_token=self.got_token)
+            # decode that has the prefill's address cached may not need it), the worker that reported it; a
+            # full worker (``overloaded``, no failure of anyone's), the full one: the reporter, or its peer when
+            # it relays the peer's refusal.
+            avoid = culprit or worker
+            if type(event) is Error and event.code == "overloaded" and event.fault == Fault.NONE:
+                avoid = (self.prefill if side == "decode" else self.decode) or worker
+            raise _as_error(event, side, avoid, after_first_token=self.got_token)
 
     def close(self) -> None:
         self.sink.close()
@@ -848,5 +853,5 @@ def _as_error(event: Event, side: str, blamed: WorkerClient | None, *, after_fir
     migratable = decode_failed_mid_stream and event.code in MIGRATABLE_CODES
     error = from_worker_error(event.code, event.message, side, event.param)
     if event.code in RETRYABLE_CODES or migratable:
-        return _Retryable(error, blamed if event.code != "overloaded" else None, migratable=migratable)
+        return _Retryable(error, blamed, migratable=migratable)
     return error

@@ -87,7 +87,7 @@ def test_receiver_waiting_timeout_aborts_the_prefill(managers):
     # the prefill never sends: the decode gives up and tells the prefill
     assert wait_for(lambda: receiver.poll() == KVPoll.Failed, 5)
     assert receiver.failure().kind == TransferErrorKind.BOOTSTRAP and "no KV" in str(receiver.failure())
-    assert failure_fault(receiver) == Fault.NONE  # (a prefill whose queue is long is only busy: not its breaker's count)
+    assert failure_fault(receiver) == Fault.NONE  # (a prefill with a long queue: only busy)
     assert wait_for(lambda: sender.poll() == KVPoll.Failed, 5)
     assert sender.failure().kind == TransferErrorKind.ABORTED and "timed out" in str(sender.failure())
     assert wait_for(lambda: receiver.quiesced)
