@@ -74,6 +74,10 @@ class AlreadyThere(ValueError):
 # seconds, on a busy worker) later; its router waits 5 s. A shorter probe timeout fails busy, healthy workers.
 SGLANG_MIN_HEALTH_TIMEOUT_S = 5.0
 PROBE_CONNECTIONS_PER_WORKER = 4  # the checks' own pool (health, loads, model): at most this many per worker
+# An idle connection to a worker is kept this long, less than uvicorn's keep-alive (5 s: SGLang's server and our
+# workers' HTTP side): one kept longer is closed by the worker, and a request sent on it as its close crosses the
+# request on the wire fails (ServerDisconnectedError: a retry, and a failure counted against a healthy worker).
+WORKER_KEEPALIVE_S = 4.0
 
 
 @dataclass(frozen=True)
@@ -173,7 +177,7 @@ class SGLangFleet:
         """The HTTP client pool and the probes (``wait_ready``: until a pair answers)."""
         cfg = self.config
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=cfg.max_connections_per_worker,
-                                         keepalive_timeout=30.0, enable_cleanup_closed=True)
+                                         keepalive_timeout=WORKER_KEEPALIVE_S, enable_cleanup_closed=True)
         # (identity: the relay passes the workers' bytes on as they are, so they must not come compressed)
         headers = {"Accept-Encoding": "identity"}
         if cfg.worker_api_key:
@@ -186,7 +190,7 @@ class SGLangFleet:
             timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s))
         self._checks = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=PROBE_CONNECTIONS_PER_WORKER,
-                                           keepalive_timeout=30.0),
+                                           keepalive_timeout=WORKER_KEEPALIVE_S),
             skip_auto_headers=("User-Agent",), headers=headers)
         for worker in self.workers:
             self._start_probe(worker)
