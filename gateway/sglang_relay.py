@@ -49,7 +49,7 @@ import msgspec
 from gateway.api import SSE_DONE, ModelNotFound, error_event
 from gateway.api_models import MAX_N
 from gateway.context import REQUEST_ID, REQUEST_T0
-from gateway.errors import APIError, BadGateway, BadRequest, Overloaded, UpstreamTimeout
+from gateway.errors import APIError, BadGateway, BadRequest, NoWorkers, Overloaded, UpstreamTimeout
 from gateway.request_checks import check_batch_choices
 from gateway.responder import (
     ClientGone,
@@ -410,6 +410,9 @@ class SGLangResponder:
         if status == 429:  # (the client is told when to come back: the worker's own figure, else 1 s)
             return _Retry(Overloaded(message, code="worker_overloaded", retry_after_s=failure.retry_after_s or 1.0),
                           worker)
+        if status == 503:  # (unavailable for now, e.g. its request queue full: SGLang's answer to that)
+            return _Retry(NoWorkers(message, code="worker_unavailable", retry_after_s=failure.retry_after_s or 1.0),
+                          worker)
         return _Retry(BadGateway(message, code="worker_failed"), worker)
 
     async def _whole(self, reply: aiohttp.ClientResponse, decode: HttpWorker, p_task: asyncio.Task[_PrefillReply],
@@ -563,8 +566,9 @@ def _prefill_done(task: asyncio.Task[_PrefillReply], prefill: HttpWorker, rid: i
 
 def _record(worker: HttpWorker, status: int | None) -> None:
     """A worker's answer for its breaker: a 2xx or the request's own 4xx is a success, a busy worker's
-    408/429 neither (overload is not a fault, as on the native path), no answer or a 5xx a failure."""
-    if status in (408, 429):
+    408/429/503 neither (overload is not a fault, as on the native path: SGLang answers a full request queue with
+    a 503; a worker that stays unavailable fails its health checks), no answer or another 5xx a failure."""
+    if status in (408, 429, 503):
         return
     breaker = worker.health.breaker
     if status is not None and (200 <= status < 300 or _is_request_fault(status)):

@@ -13,7 +13,8 @@ Behaviour, chosen by the prompt (``text``, ``prompt`` or the last message's ``co
   left waiting for KV that never comes); with ``HEAD_FIRST`` too, a streaming decode sends its
   response head at once and waits after it, as SGLang's does (logging ``waiting``, then
   ``cancelled`` when its stream is closed);
-- contains ``DECODE_429``: the decode answers 429 with ``Retry-After: 7`` (busy);
+- contains ``DECODE_429``: the decode answers 429 with ``Retry-After: 7`` (busy); ``DECODE_503``: 503 with
+  ``Retry-After: 7`` (its request queue full, as SGLang's server answers it);
 - contains ``DECODE_SLOW_HEAD``: the decode answers after 2 s (our workers send a stream's head with
   its first token);
 - contains ``DECODE_BREAKS``: a streaming decode sends one event and half of the next, then its
@@ -114,6 +115,8 @@ def make_app(role: str, log_path: Path) -> Starlette:
         if f"{role.upper()}_429" in text:
             return JSONResponse({"error": {"message": f"{role} is busy", "type": "overloaded"}}, 429,
                                 headers={"retry-after": "7"})
+        if f"{role.upper()}_503" in text:
+            return JSONResponse({"error": {"message": "The request queue is full."}}, 503, headers={"retry-after": "7"})
         batch = body["text"] if route == "generate" and isinstance(body.get("text"), list) else None
         if batch is not None:  # one item per prompt (SGLang's batched /generate), each with its own logprobs
             rooms = room if isinstance(room, list) else [room] * len(batch)

@@ -538,6 +538,10 @@ def test_breakers_count_worker_failures_not_bad_requests(procs: Procs, tmp_path:
         assert r.status_code == 429 and r.headers.get("retry-after") == "7", (r.headers, r.text)
         assert r.json()["error"]["type"] == "rate_limit_error" and "429" in r.json()["error"]["message"]
     assert httpx.post(url, json={"text": "fine"}, timeout=30).status_code == 200
+    for _ in range(3):  # nor is a full one (its request queue: SGLang's 503), answered as the worker's 503
+        r = httpx.post(url, json={"text": "DECODE_503"}, timeout=30)
+        assert r.status_code == 503 and r.headers.get("retry-after") == "7", (r.headers, r.text)
+    assert httpx.post(url, json={"text": "fine"}, timeout=30).status_code == 200
     for _ in range(2):
         assert httpx.post(url, json={"text": "DECODE_500"}, timeout=30).status_code == 502
     r = httpx.post(url, json={"text": "fine"}, timeout=30)
