@@ -466,6 +466,8 @@ class _Choice:
         metrics.retries.labels(exc.error.code or exc.error.type).inc()
         if exc.blamed is not None:
             self.avoid.add(exc.blamed)
+        if exc.also is not None:
+            self.avoid.add(exc.also)
         delay = config.retry_backoff_s * 2 ** (self.retries - 1) * random.uniform(0.5, 1.5)
         return min(delay, MAX_BACKOFF_S)
 
@@ -771,10 +773,20 @@ class _Attempt:
             # decode that has the prefill's address cached may not need it), the worker that reported it; a
             # full worker (``overloaded``, no failure of anyone's), the full one: the reporter, or its peer when
             # it relays the peer's refusal.
-            avoid = culprit or worker
-            if type(event) is Error and event.code == "overloaded" and event.fault == Fault.NONE:
-                avoid = (self.prefill if side == "decode" else self.decode) or worker
-            raise _as_error(event, side, avoid, after_first_token=self.got_token)
+            # A failure of nobody's otherwise (a wait for the peer that ran out: a prefill's queue held the
+            # request, a decode's pages were all in use; the peer's abort) avoids the peer too: it is the busy
+            # one, or the one whose own failure is on its way (each pool falls back to all when none is left).
+            avoid, also = culprit or worker, None
+            if type(event) is Error and event.fault == Fault.NONE:
+                peer = self.prefill if side == "decode" else self.decode
+                if event.code == "overloaded":
+                    avoid = peer or worker
+                else:
+                    also = peer
+            failure = _as_error(event, side, avoid, after_first_token=self.got_token)
+            if also is not None and isinstance(failure, _Retryable):
+                failure.also = also
+            raise failure
 
     def close(self) -> None:
         self.sink.close()
@@ -830,6 +842,7 @@ class _Retryable(Exception):
         super().__init__(error.message)
         self.error = error
         self.blamed = blamed  # the worker to avoid on the next attempt
+        self.also: WorkerClient | None = None  # (and its peer: a failure of nobody's, ``_Attempt.next``)
         self.migratable = migratable
 
 
