@@ -38,6 +38,18 @@ def test_a_legacy_special_tokens_map_names_the_special_tokens(tiny_tokenizer_dir
     assert tok.eos_token_ids == (ref.eos_token_id,)
 
 
+def test_a_worker_stops_at_a_legacy_maps_eos_too(tiny_model, tiny_tokenizer_dir, tmp_path) -> None:
+    """The worker's engine reads the same EOS (else it ran on past it until the gateway aborted the request)."""
+    from workers.engines.llama.config import load_config
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model("qwen2").path, model_dir)
+    _legacy_dir(tiny_tokenizer_dir, model_dir, {"eos_token": "<|endoftext|>"})
+    tok = HFTokenizer.from_dir(str(model_dir))
+    assert tok.eos_token_ids == (tok._tok.token_to_id("<|im_end|>"),)
+    assert load_config(str(model_dir)).eos_token_ids == tok.eos_token_ids
+
+
 def test_a_config_with_added_tokens_decoder_keeps_its_own(tiny_tokenizer_dir, tmp_path) -> None:
     """(As transformers: the map is read only for a legacy config.)"""
     path = _legacy_dir(tiny_tokenizer_dir, tmp_path, {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",

@@ -74,13 +74,20 @@ def load_config(model_dir: str) -> ModelConfig:
 
 
 def _tokenizer_eos_id(model_dir: str) -> int | None:
-    """The tokenizer's own ``eos_token`` (``tokenizer_config.json``), which vLLM and SGLang stop at as well as
-    the configs' ids: a fine-tune that changed only it (to its chat template's end-of-turn) stops there."""
+    """The tokenizer's own ``eos_token`` (``tokenizer_config.json``, or a legacy one's ``special_tokens_map.json``),
+    which vLLM and SGLang stop at as well as the configs' ids: a fine-tune that changed only it (to its chat
+    template's end-of-turn) stops there."""
     path = os.path.join(model_dir, "tokenizer_config.json")
     vocab = os.path.join(model_dir, "tokenizer.json")
     if not (os.path.isfile(path) and os.path.isfile(vocab)):
         return None
-    eos = _read_json(path).get("eos_token")
+    config = _read_json(path)
+    eos = config.get("eos_token")
+    legacy_map = os.path.join(model_dir, "special_tokens_map.json")
+    if "added_tokens_decoder" not in config and os.path.isfile(legacy_map):
+        # (a config saved before transformers 4.34: its special tokens are the map's, as transformers, and the
+        # gateway's tokenizer, read them)
+        eos = _read_json(legacy_map).get("eos_token") or eos
     if isinstance(eos, dict):  # (a serialized AddedToken)
         eos = eos.get("content")
     if not isinstance(eos, str) or not eos:
