@@ -473,7 +473,7 @@ class Frontend:
         try:
             # (stop strings the decode is not given, ``_literal_stops``: it must not gather past them)
             await complete(prep.input_ids, prep.params, state, in_callback=not prep.stops,
-                           counts_output=not prep.no_output, gather=bool(prep.params.stop) or not prep.stops)
+                           counts_output=not prep.no_output, gather=not prep.stops or bool(prep.params.stop))
         except BadRequest as exc:
             prep.name_for_client(exc)
             raise
