@@ -166,6 +166,9 @@ class Load:
             outcome.result, outcome.detail = Result.HUNG, f"no end within {self.request_timeout_s:g}s"
         except (aiohttp.ClientError, ConnectionError, ValueError) as exc:
             outcome.result, outcome.detail = Result.UNCLEAR, f"{type(exc).__name__}: {exc}"
+        except (AttributeError, TypeError, KeyError, IndexError) as exc:  # JSON not shaped as a completion
+            # (raised on, it would end this client's loop unseen: stop() gathers with return_exceptions)
+            outcome.result, outcome.detail = Result.UNCLEAR, f"reply not shaped as a completion: {exc!r}"
         finally:
             outcome.t_end = time.monotonic()
             self.inflight.pop(number, None)
