@@ -7,9 +7,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from test_scheduler import _pd_pair, _submit_pd
-
-from workers.protocol import SamplingParams
+from test_decode_first_token_before_step import serve
+from test_scheduler import _pd_pair
 
 
 def test_the_first_imported_request_of_a_fresh_decode_gets_its_first_token_before_the_first_forward() -> None:
@@ -24,16 +23,7 @@ def test_the_first_imported_request_of_a_fresh_decode_gets_its_first_token_befor
 
     d.engine.forward = slow_first_forward  # type: ignore[method-assign]
     try:
-        _submit_pd(d, p, pkv, 1, SamplingParams(max_new_tokens=4))
-        p.step()
-        d.step()
-        deadline = time.monotonic() + 30
-        while d.reqs or p.reqs:
-            assert time.monotonic() < deadline, {k: r.stage for k, r in d.reqs.items()}
-            p.step()
-            d.step()
-            time.sleep(0.001)
-        assert sum(len(o.token_ids) for o in dsink.outputs(1)) == 4, (dsink.errors(1), dsink.items[:5])
+        serve(p, d, pkv, dsink, 1)
         assert seen_before_forward and seen_before_forward[0] == 1, seen_before_forward
     finally:
         pkv.close()
