@@ -162,9 +162,11 @@ class Dispatcher:
         return max((c.state.total_tokens for c in _able(self.decodes)), default=0) or None
 
     def prompt_capacity(self) -> int | None:
-        """The longest prompt one prefill worker's KV pool holds (the largest of those that can take requests, as
-        ``decode_capacity``); None when combined or before any prefill has connected."""
-        return max((c.state.capacity_tokens for c in _able(self.prefills)), default=0) or None
+        """The longest prompt one prefill worker takes: what its KV pool holds, with room in its context for a
+        token to generate (the largest of those that can take requests, as ``decode_capacity``); None when
+        combined or before any prefill has connected."""
+        return max((min(c.state.capacity_tokens, c.state.max_context - 1) if c.state.max_context
+                    else c.state.capacity_tokens for c in _able(self.prefills)), default=0) or None
 
     @property
     def is_disaggregated(self) -> bool:

@@ -265,11 +265,10 @@ class Gateway:
         frontend, info = self.frontend, client.info
         if frontend is None or info is None:
             return
-        if info.max_context < frontend.max_context:
-            # (the front end was made with the workers connected then: start-up does not wait for all)
-            log.warning("worker %s has a context of %d tokens, less than the others' %d: prompts are held to it",
-                        client.url, info.max_context, frontend.max_context)
-        frontend.max_context = self._max_context() or frontend.max_context  # (also longer: a worker restarted)
+        if info.max_context < frontend.max_context:  # (longer requests are routed to the others: ``_fitting``)
+            log.info("worker %s has a context of %d tokens, less than the fleet's %d: it is given the requests "
+                     "that fit it", client.url, info.max_context, frontend.max_context)
+        self._follow_max_context()  # (also shorter: the longest worker restarted with less)
 
     def _worker_down(self, client: WorkerClient) -> None:
         """Its connection closed. The prefix index's entry for its URL goes too, unless that URL is now
@@ -278,20 +277,29 @@ class Gateway:
         current = self.find(client.url)  # (by address: another spelling of it is another key in the index)
         self.router.worker_removed(client.state, drop_index=current is None or current is client
                                    or current.url != client.url)
-        self._follow_max_context()
 
     def _max_context(self) -> int | None:
-        """The shortest context of the workers connected now (of those that ever connected, while none is): a
-        prompt must fit whichever pair it is given. A worker that went away holds prompts to its context no
-        longer; its handshake, when it comes back, does again (``_worker_up``)."""
-        contexts = [c.info.max_context for c in self.clients if c.info is not None and c.is_connected]
-        return min(contexts, default=None) or min(
-            (c.info.max_context for c in self.clients if c.info is not None), default=None)
+        """The longest context the fleet serves: the most tokens (prompt + output) a request may have for some
+        pair to take it (the longest context of a combined fleet; of a disaggregated one, the shorter of the
+        longest prefill's and the longest decode's); the dispatcher gives each request only to workers whose
+        context holds it (``_fitting``). Every worker the gateway was given counts, connected or not: while
+        the only one long enough is away (restarting), a request only it could take is a 503 to retry, not a
+        400; its handshake, when it comes back, says its context again. (None before any has connected.)"""
+        longest: dict[str, int] = {}
+        for client in self.clients:
+            if client.info is not None:
+                role = client.role
+                longest[role] = max(longest.get(role, 0), client.info.max_context)
+        if not longest:
+            return None
+        if "prefill" in longest and "decode" in longest:
+            return min(longest["prefill"], longest["decode"])
+        return max(longest.values())  # (one side only, so far: nothing is served until the other connects)
 
     def _follow_max_context(self) -> None:
         max_context = self._max_context()
         if self.frontend is not None and max_context is not None and max_context != self.frontend.max_context:
-            log.info("prompts are now held to %d tokens, the shortest context of the workers connected", max_context)
+            log.info("the fleet now serves a context of %d tokens", max_context)
             self.frontend.max_context = max_context
 
     def _tokenizer_source(self) -> WorkerClient | None:
@@ -487,7 +495,7 @@ class Gateway:
         if current is None or current.url != client.url:
             self.router.worker_forgotten(client.url)
             self.metrics.worker_failures.forget("worker", client.url)  # (URLs may never come back: pod IPs)
-        self._follow_max_context()  # (a shorter worker gone: longer prompts fit again)
+        self._follow_max_context()  # (the longest worker gone: shorter requests only from now on)
         log.info("removed %s worker %s", client.role, client.url)
 
     # -- shutdown ---------------------------------------------------------------------------------

@@ -183,9 +183,9 @@ class WorkerState:
     @property
     def total_tokens(self) -> int:
         """The most prompt + max_new_tokens the worker takes (0 before it connected): its context, and on a decode
-        (or combined) worker what its pool holds too. (The gateway holds prompts to the shortest context of the
-        workers connected: one that was away and is back with a shorter one must not be given a request prepared
-        meanwhile, which it would refuse.)"""
+        (or combined) worker what its pool holds too. (A fleet of mixed contexts serves the longest: the dispatcher
+        gives each request only to workers whose figure holds it, so one that came back with a shorter context is
+        not given a longer request, which it would refuse.)"""
         if self.role == "prefill":
             return self.max_context
         pool = self.page_size * self.num_total_pages

@@ -167,3 +167,16 @@ def test_a_request_longer_than_a_workers_context_goes_to_one_whose_context_holds
         assert err.value.code == "context_length_exceeded" and "the longest: 512" in err.value.message
 
     asyncio.run(main())
+
+
+def test_the_longest_prompt_a_prefill_takes_leaves_room_in_its_context_for_a_token() -> None:
+    """``prompt_capacity`` (what ``/v1/models``' ``max_model_len`` is cut to): a prefill whose pool holds more than
+    its context does takes a prompt of its context less one token (the one to generate), not its pool's."""
+    async def main() -> None:
+        dispatcher, prefills, _, _ = _fleet([1024, 64], [1024])
+        assert dispatcher.prompt_capacity() == 4095  # (the large pool's 4096 tokens, its context 4096)
+        prefills[0].info = msgspec.structs.replace(prefills[0].info, max_context=512)
+        prefills[0].state.connected(prefills[0].info)
+        assert dispatcher.prompt_capacity() == 511  # (the other one's pool holds 256)
+
+    asyncio.run(main())

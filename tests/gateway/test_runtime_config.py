@@ -192,35 +192,35 @@ def test_a_fetch_that_gets_no_answer_says_so() -> None:
     asyncio.run(main())
 
 
-def test_the_prompt_limit_follows_the_workers_left() -> None:
-    """A worker with a shorter context holds prompts to it while it is there (the limit follows it when
-    it comes back with another); once the admin API has removed it, the limit is the remaining workers'
-    again."""
+def test_the_context_served_is_the_longest_workers_and_follows_the_workers_there() -> None:
+    """A fleet of combined workers with different contexts serves the longest (each request goes to a worker
+    it fits: ``_fitting``); the figure follows a worker that comes back with another context, and the admin
+    API's removal of the longest."""
     async def main() -> None:
         long = await StandIn("long", tokenizer="byte", max_context=8192).start()
         short = await StandIn("short", tokenizer="byte", max_context=512).start()
-        gw = Gateway(GatewayConfig(worker=(long.url,), startup_timeout_s=5, drain_timeout_s=1))
+        gw = Gateway(GatewayConfig(worker=(short.url,), startup_timeout_s=5, drain_timeout_s=1))
         try:
             await gw.start()
             frontend = gw.require_frontend()
-            assert frontend.max_context == 8192
-            added = gw.add_worker(short.url, "both")
-            assert await added.wait_ready(5)
             assert frontend.max_context == 512
-            short.max_context = 2048  # restarted with a longer context: the connection drops, it reconnects
-            for writer in short.writers:
+            added = gw.add_worker(long.url, "both")
+            assert await added.wait_ready(5)
+            assert frontend.max_context == 8192
+            long.max_context = 2048  # restarted with a shorter context: the connection drops, it reconnects
+            for writer in long.writers:
                 writer.close()
             for _ in range(100):
                 if frontend.max_context == 2048:
                     break
                 await asyncio.sleep(0.05)
             assert frontend.max_context == 2048
-            gw.remove_worker(short.url)
+            gw.remove_worker(long.url)
             for _ in range(100):
-                if gw.find(short.url) is None:
+                if gw.find(long.url) is None:
                     break
                 await asyncio.sleep(0.05)
-            assert gw.find(short.url) is None and frontend.max_context == 8192
+            assert gw.find(long.url) is None and frontend.max_context == 512
         finally:
             await gw.aclose()
             await long.stop()
@@ -322,34 +322,32 @@ def test_worker_urls_with_control_characters_are_refused(url: str, clean: str) -
     check_http_url("http://" + clean.removeprefix("pd://"))
 
 
-def test_a_shorter_worker_gone_holds_prompts_to_its_context_no_longer() -> None:
-    """A worker with a shorter context whose connection is lost (it died, is restarting) no longer holds every
-    prompt to its context while it stays away (the workers left take longer ones); once it is back, it does
-    again."""
+def test_the_context_of_a_disaggregated_fleet_is_its_longest_pairs() -> None:
+    """Disaggregated: the shorter of the longest prefill's and the longest decode's context. A worker whose
+    connection is lost still counts (a request only it could take is a 503 while it is away, not a 400)."""
     async def main() -> None:
-        long = await StandIn("long", tokenizer="byte", max_context=8192).start()
-        short = await StandIn("short", tokenizer="byte", max_context=512).start()
-        gw = Gateway(GatewayConfig(worker=(long.url, short.url), startup_timeout_s=5, drain_timeout_s=1))
+        prefill = await StandIn("p", tokenizer="byte", max_context=4096, role="prefill").start()
+        short = await StandIn("d-short", tokenizer="byte", max_context=512, role="decode").start()
+        long = await StandIn("d-long", tokenizer="byte", max_context=8192, role="decode").start()
+        gw = Gateway(GatewayConfig(prefill=(prefill.url,), decode=(short.url, long.url), startup_timeout_s=5,
+                                   drain_timeout_s=1))
         try:
             await gw.start()
             assert all([await w.wait_ready(5) for w in gw.clients])
             frontend = gw.require_frontend()
-            assert frontend.max_context == 512
-            port = short.port
-            await short.stop()  # (its listener closed too: the gateway's reconnects fail)
-            for _ in range(100):
-                if frontend.max_context == 8192:
+            assert frontend.max_context == 4096  # (the prefill's: the long decode's 8192 needs a prefill as long)
+            port = long.port
+            await long.stop()  # (its listener closed too: the gateway's reconnects fail)
+            for _ in range(40):
+                if not gw.find(long.url).is_connected:  # type: ignore[union-attr]
                     break
                 await asyncio.sleep(0.05)
-            assert frontend.max_context == 8192
-            await short.start(port)
-            for _ in range(200):
-                if frontend.max_context == 512:
-                    break
-                await asyncio.sleep(0.05)
-            assert frontend.max_context == 512
+            assert not gw.find(long.url).is_connected  # type: ignore[union-attr]
+            assert frontend.max_context == 4096
+            await long.start(port)
         finally:
             await gw.aclose()
+            await prefill.stop()
             await long.stop()
             await short.stop()
 
