@@ -17,7 +17,8 @@ Lifecycle:
    ``FencesWrites`` (tcp) the decode knows it itself: every page list opens a fence (room, generation),
    every failure closes it, and the backend refuses the fence's writes from then on (quiesced at once,
    or once a write being received is out). Otherwise: once the prefill confirmed it (``Quiesced``), the
-   connection to it closed, or it never had our page list. Free the pages only then.
+   decode ran ``heartbeat_timeout_s`` since the connection to it closed (a killed prefill's last bytes still
+   wait in socket buffers: ``_settle``), or it never had our page list. Free the pages only then.
 4. Connection loss fails the connection's rooms (PEER_GONE), a silent prefill fails them (TIMEOUT); the
    connection is dropped for new rooms, so the next receiver for that address connects afresh (a
    recovered peer). A connection that breaks or cannot be opened also makes an ``InvalidatingResolver``
@@ -88,6 +89,8 @@ class InvalidatingResolver(Protocol):
 
 _TERMINAL = (KVPoll.Failed, KVPoll.Success)
 _MAX_CONNECT_S = 10.0
+# the most of one gap between the monitor's ticks (50 ms apart) that counts as time this decode ran (``_settle``)
+_TICK_GAP_CAP_S = 0.5
 # a prefill's failed RoomStatus of these kinds: its data path to this decode broke or stalled (transfer.sender_rooms)
 _DATA_PATH_FAILURES = (TransferErrorKind.PEER_GONE, TransferErrorKind.PEER_UNREACHABLE, TransferErrorKind.TIMEOUT)
 
@@ -108,6 +111,12 @@ class DecodeSide:
         self._resolving: dict[tuple[str, int | None, str | None], list[KVReceiver]] = {}
         self._generations = itertools.count(1)
         self._last_beat = time.monotonic()
+        # Without fences: rooms whose prefill's control connection closed while a write of theirs could be on
+        # the wire -> when they count as quiesced (``_settle``), on a clock of the time this decode ran: the
+        # monitor's ticks, each gap counted up to ``_TICK_GAP_CAP_S`` (a decode stopped meanwhile read nothing)
+        self._settling: dict[KVReceiver, float] = {}
+        self._run_clock = 0.0
+        self._last_tick = time.monotonic()
         backend = ctx.backend
         self._fences: FencesWrites | None = backend if isinstance(backend, FencesWrites) else None
         if self._fences is not None:
@@ -284,11 +293,22 @@ class DecodeSide:
         if self._fences is not None:
             self._close_fence(receiver, cut=cut or gone)
         elif gone:
-            receiver.quiet()  # (a prefill that closed the connection while alive: see docs/transfer.md)
+            self._settle(receiver)
         if receiver.poll() == KVPoll.Failed and receiver.is_quiet and receiver.conn is not None:
             receiver.conn.receivers.discard(receiver)  # (e.g. its Quiesced came first): nothing to wait for
         if receiver.poll() == KVPoll.Failed or receiver.quiesced != was_quiet:
             self._ctx.changed()
+
+    def _settle(self, receiver: KVReceiver) -> None:
+        """Lock held, no fences: the control connection to the room's prefill closed, so no ``Quiesced`` will
+        come, but what the prefill wrote before it closed or died may still be on its way into our pages: a
+        killed process's bytes wait in its socket's and our kernel's buffers, and our engine (NIXL's UCX) lands
+        them when it reads them, after the close was seen (a decode frozen meanwhile: megabytes, as it resumes).
+        The room counts as quiesced once this decode has run ``heartbeat_timeout_s`` since (``tick``'s clock)."""
+        if not receiver.quiesced and receiver not in self._settling:
+            # (from now: the gap since the last tick, which the next one counts, went by before the close)
+            pending = min(max(0.0, time.monotonic() - self._last_tick), _TICK_GAP_CAP_S)
+            self._settling[receiver] = self._run_clock + pending + self._ctx.timeouts.heartbeat_timeout_s
 
     def _close_fence(self, receiver: KVReceiver, *, cut: bool) -> None:
         """Refuse the room's writes from now on (lock held); quiesced once none can land."""
@@ -434,6 +454,7 @@ class DecodeSide:
             self.abort(receiver, "released before completion")
         with self._ctx.lock:
             receiver.mark_released()
+            self._settling.pop(receiver, None)
             if self._receivers.get(receiver.room) is receiver:
                 del self._receivers[receiver.room]
             if receiver.conn is not None:
@@ -530,8 +551,18 @@ class DecodeSide:
         return []
 
     def tick(self, now: float, outbox: Outbox) -> bool:
-        """Enforce bootstrap and waiting timeouts (lock held). Never busy."""
+        """Enforce bootstrap and waiting timeouts, quiesce settled rooms (lock held). Never busy."""
         timeouts = self._ctx.timeouts
+        self._run_clock += min(max(0.0, now - self._last_tick), _TICK_GAP_CAP_S)
+        self._last_tick = now
+        if self._settling:
+            for receiver, deadline in list(self._settling.items()):
+                if self._run_clock >= deadline:
+                    del self._settling[receiver]
+                    if receiver.quiet():
+                        if receiver.conn is not None:
+                            receiver.conn.receivers.discard(receiver)
+                        self._ctx.changed()
         for receiver in list(self._receivers.values()):
             if receiver.poll() == KVPoll.Bootstrapping and now - receiver.created > timeouts.bootstrap_s:
                 self._fail(receiver, TransferError(

@@ -64,7 +64,8 @@ class KVReceiver(RoomHandle):
     @property
     def quiesced(self) -> bool:
         """True once no write of this room can land in our pages any more (Success; or Failed and the
-        prefill confirmed, or the connection to it is gone, or it never got our page list). Pages of a
+        prefill confirmed, or the connection to it closed: at once when our backend fences writes, else once
+        we ran a heartbeat timeout since; or it never got our page list). Pages of a
         Failed room should go back to the pool only when this is True."""
         return self._state == KVPoll.Success or not self.metadata_sent or self._quiet
 

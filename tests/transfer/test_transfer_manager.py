@@ -570,7 +570,8 @@ def test_nothing_is_written_to_a_broken_link_while_it_closes(managers, monkeypat
     senders[2].send([1], last=True, aux=b"b")  # fails: the data path broke, the link is closed
     assert wait_for(lambda: receivers[3].poll() == KVPoll.Failed)
     assert sent == [0], "a write went out on the link being closed"
-    assert senders[3].poll() == KVPoll.Failed and receivers[3].quiesced
+    # (quiesced once the decode has run heartbeat_timeout_s since the close: a dead writer's last bytes)
+    assert senders[3].poll() == KVPoll.Failed and wait_for(lambda: receivers[3].quiesced, 10)
     assert backend.pending() == 0
 
 
