@@ -552,6 +552,8 @@ class _Attempt:
             gather_s = 0.0  # it would run on past a stop string until the gateway's abort: not held back
             if decode.stops_at_strings:  # but with other text than ours: it could stop where we see none
                 decode_params = msgspec.structs.replace(params, stop=[])
+        if gather_s:  # a gathering decode is silent for up to gather_s between outputs: not a frozen one
+            self.idle_s += gather_s
         try:
             rid = decode.submit(Submit(0, input_ids, decode_params, target, timeout_s, request_id, gather_s),
                                 self.sink, "decode", prefill_tokens=0 if prefill is not None else prompt_tokens,
