@@ -11,7 +11,8 @@ Lifecycle:
 2. ``register(regions)`` registers them plus a small scratch buffer used for warm-up writes: host memory
    as DRAM, device memory (``transfer.memkind``: a KV pool built with ``--device cuda``) as VRAM with its
    device id. The endpoint lists the VRAM regions, so a writer knows the memory type of each destination;
-   a batch mixing types (GPU KV pages and the host aux slot) becomes one NIXL transfer per pair of types.
+   a batch mixing types (GPU KV pages and the host aux slot) becomes one NIXL transfer per pair of types
+   (a part that fails fails the batch only once no other part of it moves: those bytes may still land).
 3. ``endpoint()`` = msgpack ``{agent metadata, scratch address}``.
 4. ``connect`` loads the peer's metadata (``add_remote_agent``) and makes one tiny WRITE into the peer's
    scratch, so the UCX wire-up (up to ~2 s) is paid here and not on a request's path.
@@ -88,6 +89,19 @@ def xfer_groups(
         key = ("DRAM" if local is None else "VRAM", local or 0, "DRAM" if remote is None else "VRAM", remote or 0)
         groups.setdefault(key, []).append(block)
     return list(groups.items())
+
+
+_ENDED = ("DONE", "ERR")  # NIXL transfer states past which no byte of it moves ("PROC": moving)
+
+
+@dataclass(eq=False)
+class _Posted:
+    """One batch's NIXL transfers (one per memory-type pair: ``xfer_groups``)."""
+
+    xfers: list[Any] = field(default_factory=list)  # every handle made (each released at the end)
+    started: list[Any] = field(default_factory=list)  # those whose ``transfer`` returned (their bytes may move)
+    states: list[str] = field(default_factory=list)  # what each started one's ``transfer`` answered
+    error: TransferError | None = None  # a part failed: the batch fails once none of the others moves
 
 
 @dataclass(eq=False)
@@ -275,38 +289,47 @@ class NixlBackend(PeerThreadBackend):
     def _post(
         self, peer: SenderPeer, blocks: list[Block], fence: Fence
     ) -> tuple[Any, TransferError | None, bool]:
-        """``initialize_xfer`` + ``transfer``: one NIXL transfer per memory-type pair of the batch."""
+        """``initialize_xfer`` + ``transfer``: one NIXL transfer per memory-type pair of the batch. A part that
+        fails does not end the batch while a part posted before it may still be moving (``_Posted``)."""
         assert isinstance(peer, _NixlPeer)
-        xfers: list[Any] = []
-        states = []
+        posted = _Posted()
         try:
             for (lkind, ldev, rkind, rdev), part in xfer_groups(blocks, self._vram, peer.vram):
                 with self._agent_lock:
                     local = self._agent.get_xfer_descs([(src, n, ldev) for src, _, n in part], lkind)
                     remote = self._agent.get_xfer_descs([(dst, n, rdev) for _, dst, n in part], rkind)
                     xfer = self._agent.initialize_xfer("WRITE", local, remote, peer.name, b"")
-                    xfers.append(xfer)
-                    states.append(self._agent.transfer(xfer))
+                    posted.xfers.append(xfer)
+                    state = self._agent.transfer(xfer)
+                posted.started.append(xfer)
+                posted.states.append(state)
+                if state == "ERR":
+                    posted.error = TransferError(TransferErrorKind.PEER_GONE, f"nixl: write to {peer.name!r} failed")
+                    break  # (the parts after it are not started)
         except Exception as exc:
-            return xfers, _map_error(exc, f"write to {peer.name!r}"), False
-        if "ERR" in states:
-            return xfers, TransferError(TransferErrorKind.PEER_GONE, f"nixl: write to {peer.name!r} failed"), False
-        return xfers, None, all(state == "DONE" for state in states)
+            posted.error = _map_error(exc, f"write to {peer.name!r}")
+        if posted.error is not None:
+            moving = any(state not in _ENDED for state in posted.states)
+            return posted, None if moving else posted.error, False  # (moving: failed by ``_check`` once none is)
+        return posted, None, all(state == "DONE" for state in posted.states)
 
     def _check(self, peer: SenderPeer, token: Any) -> tuple[WriteState, TransferError | None]:
+        assert isinstance(token, _Posted)
         try:
             with self._agent_lock:
-                states = [self._agent.check_xfer_state(xfer) for xfer in token]
+                states = [self._agent.check_xfer_state(xfer) for xfer in token.started]
         except Exception as exc:
             return WriteState.FAILED, _map_error(exc, "check_xfer_state")
+        if any(state not in _ENDED for state in states):
+            return WriteState.PENDING, None  # (one part failed, another still moving: its bytes may still land)
+        if token.error is not None:
+            return WriteState.FAILED, token.error
         if "ERR" in states:
             return WriteState.FAILED, TransferError(TransferErrorKind.PEER_GONE, "nixl: write failed (ERR)")
-        if all(state == "DONE" for state in states):
-            return WriteState.DONE, None
-        return WriteState.PENDING, None
+        return WriteState.DONE, None
 
     def _forget(self, peer: SenderPeer, token: Any) -> None:
-        for xfer in token or []:
+        for xfer in token.xfers if token is not None else ():
             try:
                 with self._agent_lock:
                     self._agent.release_xfer_handle(xfer)
