@@ -420,6 +420,10 @@ class Frontend:
         if len(prompts) > MAX_BATCH_CHOICES:
             raise BadRequest(f"a batch of {len(prompts)} prompts is more than {MAX_BATCH_CHOICES}; split it",
                              param=name)
+        n = sp.n or 1
+        if n > 1:  # (SGLang's parallel sampling: even one prompt is then a batch, answered as a list)
+            check_batch_choices(len(prompts), n, "sampling_params.n")
+            batched = True
         shim = _GenerateShim(sp)
         logprobs = bool(req.return_logprob)
         no_output = sp.max_new_tokens == 0
@@ -440,8 +444,9 @@ class Frontend:
             params.prompt_logprobs_start = starts[0]  # (a batch's others: per choice, ``run_choices``)
         params.grammar = grammar_for(sp, prefix="sampling_params.")
         _literal_stops(params, sp.skip_special_tokens)
-        # A batch (even of one item) is answered as a list, item i by choice i (its own bootstrap fields).
-        return Prepared(prompts[0], params, len(prompts), stops, bool(req.stream), False, logprobs,
+        # A batch (even of one item) is answered as a list, item i by choice i (its own bootstrap fields): prompt
+        # i's n samples are items i * n .. i * n + n - 1, as SGLang orders them.
+        return Prepared(prompts[0], params, len(prompts) * n, stops, bool(req.stream), False, logprobs,
                         bootstrap=ClientBootstrap.of(req), param_prefix="sampling_params.",
                         batch=prompts if batched else None, keep_stop=bool(sp.no_stop_trim),
                         skip_special=sp.skip_special_tokens is not False,

@@ -204,8 +204,8 @@ class GenerateSampling(msgspec.Struct):
     json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None
     no_stop_trim: bool | None = False  # the stop string that ended the text is kept
+    n: NumChoices | None = 1  # samples of each prompt (SGLang's parallel sampling): a batch of prompts x n items
     # not supported: a 400 unless absent or neutral
-    n: int | None = 1
     structural_tag: Any = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None

@@ -94,7 +94,6 @@ GENERATE_RULES = Rules(
     ("token_ids_logprob", lambda value, req: _unset(value, req) or not req.return_logprob, ""),
 )
 GENERATE_SAMPLING_RULES = Rules(
-    ("n", _is(1), "1"),
     ("structural_tag", _unset, ""),
     ("spaces_between_special_tokens", _is(True), "true"),
     ("stop_regex", _unset, ""),

@@ -243,17 +243,18 @@ class GenerateShape(Shape):
         prep, _ = frontend.prepare_generate(req)
         rid = req.rid
         if prep.batch is not None and rid is None:  # each item its own id, as SGLang gives them
-            prep.item_ids = [new_id(self.id_prefix) for _ in prep.batch]
+            prep.item_ids = [new_id(self.id_prefix) for _ in range(prep.n)]
             return prep, None
         if not isinstance(rid, list):
             if prep.batch is not None:  # one id for several items: item i's is "<rid>_<i>", as SGLang names them
-                prep.item_ids = [f"{rid}_{i}" for i in range(len(prep.batch))]
+                prep.item_ids = [f"{rid}_{i}" for i in range(prep.n)]
                 return prep, None
             return prep, rid
         if prep.batch is None or len(rid) != len(prep.batch):
             raise BadRequest("rid: a list of ids needs a batch of as many prompts (text or input_ids as a list)",
                              param="rid")
-        prep.item_ids = rid
+        per = prep.per_prompt  # (with n > 1, prompt i's samples are "<rid[i]>_<j>")
+        prep.item_ids = rid if per == 1 else [f"{rid[i // per]}_{i % per}" for i in range(prep.n)]
         return prep, None
 
     def whole(self, run: Run, choices: list[ChoiceState]) -> Any:
@@ -281,7 +282,7 @@ class GenerateShape(Shape):
             streamed = False
         prompt = prep.prompt_of(state.index)
         meta: dict[str, Any] = {
-            "id": run.rid if prep.item_ids is None else prep.item_ids[state.index // prep.per_prompt],
+            "id": run.rid if prep.item_ids is None else prep.item_ids[state.index],
             "prompt_tokens": len(prompt), "completion_tokens": len(state.token_ids),
             "cached_tokens": state.cached_tokens, "finish_reason": None, "weight_version": WEIGHT_VERSION,
         }

@@ -123,7 +123,7 @@ GENERATE_CASES: list[tuple[dict[str, Any], str]] = [
     ({"text": "hi", "sampling_params": {"json_schema": '{"type": "object"}'}}, "sampling_params.json_schema"),
     ({"text": "hi", "sampling_params": {"ebnf": 'root ::= "a"'}}, "sampling_params.ebnf"),
     ({"text": "hi", "sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag"),
-    ({"text": "hi", "sampling_params": {"n": 2}}, "sampling_params.n"),
+    ({"text": "hi", "sampling_params": {"stop_regex": "a+"}}, "sampling_params.stop_regex"),
 ]
 
 
