@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-from chaos_cluster import count_tracebacks
+from chaos_cluster import count_tracebacks, kv_mismatches
 from chaos_faults import ALL_FAULTS, CI_FAULTS, FAULTS, RECOVER_TIMEOUT_S, ChaosRun
 from chaos_load import Load, Reference, Result, make_prompts
 from chaos_report import FaultRecord, Report, summary
@@ -178,6 +178,9 @@ async def run(config: ChaosConfig) -> Report:
         await _settle(chaos)
         _judge(chaos)
         report.tracebacks = count_tracebacks(cluster.children)
+        mismatches = kv_mismatches(cluster.children)
+        if mismatches:  # (a wrong answer's room, where the client saw only the text)
+            report.violate(f"{len(mismatches)} rooms held KV not their prompt's; first: {mismatches[0]}")
     finally:
         if monitor is not None:
             if monitor.done() and monitor.exception() is not None:

@@ -282,3 +282,13 @@ class ChaosCluster:
 def count_tracebacks(children: Sequence[Child]) -> dict[str, int]:
     """Tracebacks each child printed (its whole log, every incarnation)."""
     return {c.name: c.log_text().count("Traceback (most recent call last)") for c in children}
+
+
+# what a sim decode logs of a room whose KV was another's (``workers.scheduler``: the engine checks KV rows)
+KV_MISMATCHES = ("the imported KV is not its prompt's", "its prompt's KV changed while it decoded")
+
+
+def kv_mismatches(children: Sequence[Child]) -> list[str]:
+    """The log lines where a decode found a room's KV not its prompt's (each names the room and its pages)."""
+    return [f"{c.name}: {line.strip()}" for c in children for line in c.log_text().splitlines()
+            if any(what in line for what in KV_MISMATCHES)]

@@ -561,6 +561,9 @@ class Scheduler:
         req.cached_tokens = record.cached_tokens
         if self.kv_checker is not None:
             req.kv_verified = self.kv_checker.verify(req.pages, req.input_ids)
+            if req.kv_verified is False:
+                log.warning("room %s (request %s): the imported KV is not its prompt's (pages %s)", req.room,
+                            req.request_id or req.rid, req.pages)
         first = SeqOutput(record.first_token, record.logprob, record.top_logprobs)
         full = self._imported or len(live(self._running, "running")) >= self.config.max_running
         if full and not self._ends_at_first(req, record.first_token):
@@ -994,6 +997,11 @@ class Scheduler:
         req.done = True
         self._load_dirty = True
         self.reqs.pop(req.key, None)
+        # (sim engine: an imported room's prompt KV still its own, not overwritten by a late write of another room?)
+        if (req.kv_verified and req.pages and self.kv_checker is not None
+                and not self.kv_checker.verify(req.pages, req.input_ids)):
+            log.warning("room %s (request %s): its prompt's KV changed while it decoded (pages %s)", req.room,
+                        req.request_id or req.rid, req.pages)
         # Each clean-up call on its own: one that raises (an engine's or a transfer backend's bug) must
         # neither keep the request's pages for good nor take the scheduler's loop down.
         _cleanly(req, "unqueuing its pages", self._unqueue_pages, req)
