@@ -73,6 +73,13 @@ class AlreadyThere(ValueError):
 # SGLang's ``GET /health`` is its ``health_generate``: a one-token generation, answered 200 a second (or more
 # seconds, on a busy worker) later; its router waits 5 s. A shorter probe timeout fails busy, healthy workers.
 SGLANG_MIN_HEALTH_TIMEOUT_S = 5.0
+
+
+def sglang_health_timeout_s(health: HealthConfig) -> float:
+    """How long an SGLang worker's ``GET /health`` may take before it counts as a failed probe."""
+    return max(health.probe_timeout_s, SGLANG_MIN_HEALTH_TIMEOUT_S)
+
+
 PROBE_CONNECTIONS_PER_WORKER = 4  # the checks' own pool (health, loads, model): at most this many per worker
 # An idle connection to a worker is kept this long, less than uvicorn's keep-alive (5 s: SGLang's server and our
 # workers' HTTP side): one kept longer is closed by the worker, and a request sent on it as its close crosses the
@@ -107,10 +114,11 @@ class HttpWorker:
         self.bootstrap_port = bootstrap_port
         host = urlsplit(url).hostname or ""
         self.bootstrap_host = f"[{host}]" if ":" in host else host
-        # Loads are polled after each passed probe (``/health``, then ``/v1/loads``, each up to the probe
-        # timeout, then the interval): a report is not stale before the next poll is due.
+        # Loads are polled after each passed probe (``/health``, up to its own timeout, at least
+        # ``SGLANG_MIN_HEALTH_TIMEOUT_S``: a busy worker's one-token generation; then ``/v1/loads``, up to the probe
+        # timeout; then the interval): a report is not stale before the next poll is due.
         self.state = WorkerState(self.url, role, self, stale_after_s=max(
-            load_stale_s, health.probe_interval_s + 2 * health.probe_timeout_s))
+            load_stale_s, health.probe_interval_s + sglang_health_timeout_s(health) + health.probe_timeout_s))
         self.state.page_size = ROUTING_PAGE_TOKENS  # (no handshake to say; prefixes and loads count in these)
         self.health = WorkerHealth(health)
         self.is_up = False  # passing /health probes
@@ -123,6 +131,12 @@ class HttpWorker:
     @property
     def healthy(self) -> bool:
         return self.is_up and self.health.is_selectable and not self.is_draining
+
+    @property
+    def available(self) -> bool:
+        """``healthy``, or only waiting for its half-open breaker's trials to end (readiness: not per request, as
+        ``WorkerClient.available``)."""
+        return self.is_up and self.health.is_available and not self.is_draining
 
     @property
     def is_connected(self) -> bool:
@@ -171,7 +185,8 @@ class SGLangFleet:
         return self.prefills + self.decodes
 
     def is_ready(self) -> bool:
-        return any(w.healthy for w in self.prefills) and any(w.healthy for w in self.decodes)
+        """A selectable pair, or one only waiting for a half-open breaker's trials to answer (they do not flap it)."""
+        return any(w.available for w in self.prefills) and any(w.available for w in self.decodes)
 
     def start(self) -> None:
         """The HTTP client pool and the probes (``wait_ready``: until a pair answers)."""
@@ -278,7 +293,7 @@ class SGLangFleet:
     async def _probe_loop(self, worker: HttpWorker) -> None:
         assert self._checks is not None
         config = worker.health.config
-        health_timeout = aiohttp.ClientTimeout(total=max(config.probe_timeout_s, SGLANG_MIN_HEALTH_TIMEOUT_S))
+        health_timeout = aiohttp.ClientTimeout(total=sglang_health_timeout_s(config))
         while True:
             try:
                 async with self._checks.get(f"{worker.url}/health", timeout=health_timeout) as reply:

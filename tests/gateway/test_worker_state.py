@@ -67,11 +67,16 @@ def test_sglang_workers_loads_turn_stale_too() -> None:
                                decode=("http://127.0.0.1:2",), load_stale_s=5.0,
                                health=HealthConfig(probe_interval_s=2.0, probe_timeout_s=1.0)))
     assert gw.fleet is not None
-    assert [w.state.stale_after_s for w in gw.fleet.workers] == [5.0, 5.0]
+    # (at least a poll cycle: the interval, a /health of up to 5 s, SGLang's floor for it, and a loads poll)
+    assert [w.state.stale_after_s for w in gw.fleet.workers] == [8.0, 8.0]
     short = Gateway(GatewayConfig(prefill=("http://127.0.0.1:1",), prefill_bootstrap_ports=(None,),
                                   decode=("http://127.0.0.1:2",), load_stale_s=0.5,
                                   health=HealthConfig(probe_interval_s=2.0, probe_timeout_s=1.0)))
-    assert short.fleet is not None and short.fleet.workers[0].state.stale_after_s == 4.0
+    assert short.fleet is not None and short.fleet.workers[0].state.stale_after_s == 8.0
+    longer = Gateway(GatewayConfig(prefill=("http://127.0.0.1:1",), prefill_bootstrap_ports=(None,),
+                                   decode=("http://127.0.0.1:2",), load_stale_s=12.0,
+                                   health=HealthConfig(probe_interval_s=2.0, probe_timeout_s=1.0)))
+    assert longer.fleet is not None and longer.fleet.workers[0].state.stale_after_s == 12.0
 
 
 def test_reconnect_forgets_unacknowledged_dispatches() -> None:
