@@ -22,7 +22,9 @@ Lifecycle:
 3. Metadata and admin routes: ``/health_generate``, ``/get_model_info`` (``/model_info``),
    ``/get_server_info`` (``/server_info``), ``/v1/models``, ``/get_load`` and ``/v1/loads`` (the
    scheduler's load report in SGLang's shapes), ``/flush_cache``.
-4. ``aclose()`` closes the connection; requests still open end with a 502.
+4. ``aclose()`` (the worker stopping) closes the connection; requests still open end as the native protocol's
+   do, ``shutting_down`` (a 503 with Retry-After, a stream's error event: a router retries them elsewhere without
+   holding them against this worker), and one arriving after it is a 503 at once.
 
 A decode finds its prefill through the registry at ``bootstrap_host:bootstrap_port`` (null: 8998),
 the only prefill instance registered there: start each prefill with ``--bootstrap-embedded PORT``
@@ -100,6 +102,7 @@ class RelayDispatcher:
         self.client = client
         self.role = role
         self.config = config or SGLangAPIConfig()
+        self.closing = False  # the worker is stopping (``SGLangAPI.aclose``): its connection's end is no failure
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
                        bootstrap: ClientBootstrap | None = None, direct: Any = None, counts_prompt: bool = True,
@@ -112,6 +115,8 @@ class RelayDispatcher:
             rid = self.client.submit(Submit(0, input_ids, params, target, cfg.request_timeout_s, REQUEST_ID.get()),
                                      sink, "self")
         except ConnectionError as exc:
+            if self.closing:
+                raise self.stopping() from None
             raise BadGateway(str(exc), code="worker_gone") from None
         done = got_token = False
         try:
@@ -138,11 +143,16 @@ class RelayDispatcher:
                     raise from_worker_error(event.code, event.message, self.role, event.param)
                 else:  # WorkerGone: our own scheduler's connection dropped
                     done = True
+                    if self.closing:  # (closed by the worker's own stop: what a native peer is told, not a 502)
+                        raise self.stopping()
                     raise BadGateway(f"{self.role} worker: {event.message}", code="worker_gone")
         finally:
             sink.close()
             if not done:  # the client left, or a stop string ended the choice
                 self.client.abort(rid)
+
+    def stopping(self) -> APIError:
+        return from_worker_error("shutting_down", "the worker is shutting down", self.role)
 
     def decode_capacity(self) -> int | None:
         """The tokens (prompt + max_new_tokens) this worker's KV pool holds, when it decodes (a decode, a combined
@@ -225,6 +235,8 @@ class SGLangAPI:
         return BODY_TIMEOUT_S
 
     def require_frontend(self) -> Frontend:
+        if self.dispatcher.closing:
+            raise self.dispatcher.stopping()
         if self.frontend is None or not self.client.is_connected:
             why = self._unavailable or "starting or stopping"
             raise NoWorkers(f"the worker's SGLang HTTP API is not available: {why}", retry_after_s=1.0)
@@ -232,8 +244,8 @@ class SGLangAPI:
 
     async def ensure_ready(self, timeout_s: float = 30.0) -> None:
         """Load the tokenizer and connect, once; a failure leaves ``require_frontend`` answering 503."""
-        if self.frontend is not None and self.client.is_connected:
-            return
+        if (self.frontend is not None and self.client.is_connected) or self.dispatcher.closing:
+            return  # (closing: ``require_frontend`` answers 503 at once, rather than after a wait for a connection)
         async with self._lock:
             if self.frontend is None and self._unavailable is None:
                 engine = self.worker.engine
@@ -255,7 +267,8 @@ class SGLangAPI:
             await self.client.wait_ready(timeout_s)
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        self.dispatcher.closing = True
+        await self.client.aclose("the worker is shutting down")
 
     def routes(self) -> list[BaseRoute]:
         chat, completions, generate = (_WhenReady(self, Responder(self, ChatShape())),
