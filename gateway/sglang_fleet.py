@@ -122,7 +122,7 @@ class HttpWorker:
         self.state.page_size = ROUTING_PAGE_TOKENS  # (no handshake to say; prefixes and loads count in these)
         self.health = WorkerHealth(health)
         self.is_up = False  # passing /health probes
-        self.has_loads: bool | None = None  # serves /v1/loads (None: not known yet)
+        self.has_loads: bool | None = None  # serves /v1/loads (None: not known yet, or down since it said)
         self.is_draining = False  # being removed (the admin API): never selected again
         self.last_error: str | None = None
         self.addresses: frozenset[tuple[str, int, str]] = frozenset()  # where its URL leads (its last passed probe's)
@@ -322,6 +322,8 @@ class SGLangFleet:
             healthy = worker.health.is_probe_healthy and (worker.is_up or ok)
             if healthy != worker.is_up:
                 worker.is_up = healthy
+                if not healthy:  # (what comes back, restarted or upgraded, may serve /v1/loads: asked again)
+                    worker.has_loads = None
                 log.log(logging.INFO if healthy else logging.WARNING, "SGLang %s worker %s is %s", worker.role,
                         worker.url, "up" if healthy else f"unhealthy: {reason}")
                 (self.router.worker_added if healthy else self.router.worker_removed)(worker.state)
