@@ -360,6 +360,11 @@ class Worker:
         assert self._http_task is not None
         await self._http_task
 
+    @property
+    def stopping(self) -> bool:
+        """``aclose`` has begun: ``/health`` answers 503 from now on (``/liveness`` stays 200)."""
+        return self._closed
+
     async def aclose(self) -> None:
         if self._closed:
             return

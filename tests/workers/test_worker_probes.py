@@ -13,10 +13,10 @@ from workers.http_app import create_http_app
 
 
 def client(started: bool, scheduler_alive: bool | None, registration_error: str | None = None,
-           stalled_s: float = 0.0) -> TestClient:
+           stalled_s: float = 0.0, stopping: bool = False) -> TestClient:
     scheduler = None if scheduler_alive is None else SimpleNamespace(is_alive=scheduler_alive, stalled_s=stalled_s)
     worker = SimpleNamespace(worker_id="p", started=started, scheduler=scheduler, kv=None, sglang=None,
-                             registration_error=registration_error,
+                             registration_error=registration_error, stopping=stopping,
                              config=SimpleNamespace(role="prefill", engine="sim", transfer="tcp", api_key=None,
                                                     watchdog_timeout_s=300.0))
     return TestClient(create_http_app(worker))  # type: ignore[arg-type]
@@ -35,6 +35,16 @@ def test_health_is_readiness_and_liveness_only_fails_on_a_dead_scheduler(
         for path, code in (("/health", health), ("/liveness", liveness)):
             reply = c.get(path)
             assert (reply.status_code, reply.json()) == (code, {"status": status, "role": "prefill"}), path
+
+
+def test_a_stopping_worker_is_not_ready_but_alive() -> None:
+    """From SIGTERM on (``Worker.aclose`` begun: deregistering, draining its connections), ``/health`` is a 503: an
+    SGLang router probing it stops sending requests there before its listener closes (a second or more with a
+    slow registry), rather than sending them to be refused."""
+    with client(True, True, stopping=True) as c:
+        reply = c.get("/health")
+        assert (reply.status_code, reply.json()["status"]) == (503, "stopping")
+        assert c.get("/liveness").status_code == 200
 
 
 def test_a_lapsed_registration_is_not_ready_but_alive() -> None:
