@@ -272,11 +272,13 @@ class Frontend:
                 raise BadRequest(f"{name} ({min_tokens}) + prompt ({len(input_ids)} tokens) exceeds the context "
                                  f"length {self.max_context}", param=prefix + name, code="context_length_exceeded")
             budget_room = room
-            pool = self._decode_capacity()
-            if pool is not None and pool - len(input_ids) >= max(min_tokens, 1):
-                # (also what the largest decode's KV pool holds, as SGLang's scheduler cuts it: a budget the
-                # client did not set is no reason for a 400; a prompt no pool holds is the dispatcher's 400)
-                budget_room = min(room, pool - len(input_ids))
+            context = getattr(self.dispatcher, "prefill_context", None)
+            for pool in (self._decode_capacity(), context(len(input_ids)) if context is not None else None):
+                if pool is not None and pool - len(input_ids) >= max(min_tokens, 1):
+                    # (also what the largest decode's KV pool holds, as SGLang's scheduler cuts it, and the longest
+                    # context of a prefill that takes the prompt: a budget the client did not set is no reason for
+                    # a 400 or a 503; a prompt no pool holds is the dispatcher's 400)
+                    budget_room = min(budget_room, pool - len(input_ids))
             max_tokens = min(max(default_max or self.default_max_tokens, min_tokens), budget_room)
         if max_tokens > room:  # (ranges of single fields are checked by the decoder: gateway/api_models.py)
             raise BadRequest(f"{max_tokens_name} ({max_tokens}) + prompt ({len(input_ids)} tokens) exceeds the "

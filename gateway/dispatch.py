@@ -161,6 +161,15 @@ class Dispatcher:
         breaker is not looked at: reading its state moves it on, which is the event loop's to do.)"""
         return max((c.state.total_tokens for c in _able(self.decodes)), default=0) or None
 
+    def prefill_context(self, prompt: int) -> int | None:
+        """The most tokens (prompt + max_new_tokens) one prefill worker that holds a prompt of ``prompt`` tokens takes:
+        its context (of those that can take requests, as ``decode_capacity``); None when combined or before any
+        prefill has connected. A default budget is cut to it too: a fleet of mixed contexts serves the longest, which
+        a long prefill that is away still counts in (``Gateway._max_context``), and ``_fitting`` gives a request only
+        to prefills whose context holds prompt + max_new_tokens."""
+        return max((c.state.total_tokens for c in _able(self.prefills) if c.state.capacity_tokens >= prompt),
+                   default=0) or None
+
     def prompt_capacity(self) -> int | None:
         """The longest prompt one prefill worker takes: what its KV pool holds, with room in its context for a
         token to generate (the largest of those that can take requests, as ``decode_capacity``); None when
