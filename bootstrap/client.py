@@ -3,7 +3,8 @@
 Prefill side, ``BootstrapRegistrar`` (async, owned by the prefill worker's event loop):
 1. ``await start()`` PUTs the rank's registration, retrying with capped exponential backoff and
    jitter on connection errors, 5xx and 409 until it succeeds or ``start_timeout_s`` passes
-   (then ``BootstrapError``); 400/401/403/404/405/413 fail at once (retrying cannot help).
+   (then ``BootstrapError``); 400/401/403/404/405/413 fail at once (retrying cannot help), and a 409
+   ``instance_conflict`` that lasts ``INSTANCE_CONFLICT_GIVE_UP_S`` (another live process has this instance id).
 2. A named task (``bootstrap-heartbeat-...``) re-PUTs every ``interval_s``; each PUT renews the
    lease, and after a registry restart the next PUT registers the rank again. Failures are
    logged and retried on the next beat; ``is_registered`` tells whether the last PUT succeeded.
@@ -78,6 +79,10 @@ _TOPOLOGY_DECODER = msgspec.json.Decoder(Topology)
 _ADDRESS_DECODER = msgspec.json.Decoder(RankAddress)
 _FATAL_PUT_STATUSES = frozenset({400, 401, 403, 404, 405, 413})
 WAIT_LOG_INTERVAL_S = 10.0  # a registrar still trying its first registration says so this often
+# A starting registrar refused as ``instance_conflict`` this long in a row gives up: the rank's holder still renews,
+# i.e. another live process has this instance id (a restart's dead predecessor stops blocking it at most
+# ``bootstrap.registry.CONFLICT_WINDOW_S``, 5 s, after its last renewal); waiting for ever would hide the mistake
+INSTANCE_CONFLICT_GIVE_UP_S = 15.0
 _JSON_HEADERS = {"content-type": "application/json"}
 
 
@@ -263,6 +268,7 @@ class BootstrapRegistrar:
         self.is_registered = False
         self.num_failures = 0  # consecutive failed PUTs
         self.last_error: str | None = None
+        self.last_code: str | None = None  # the registry's error code of the last failed PUT, when it sent one
         self.last_success = 0.0  # time.monotonic() of the newest PUT that succeeded (0: none yet)
 
     async def start(self) -> None:
@@ -279,6 +285,7 @@ class BootstrapRegistrar:
         deadline = loop.time() + self.start_timeout_s
         delay_s = 0.05
         said_at = loop.time()  # (waiting for a registry not up yet is said every WAIT_LOG_INTERVAL_S)
+        conflict_since: float | None = None  # refused as ``instance_conflict`` since then, every try
         try:
             while True:
                 status = await self._put()
@@ -289,6 +296,17 @@ class BootstrapRegistrar:
                         f"bootstrap registry {self.url} refused rank {self.registration.label}: {self.last_error}",
                         status_code=status,
                     )
+                if status == 409 and self.last_code == "instance_conflict":
+                    conflict_since = loop.time() if conflict_since is None else conflict_since
+                    if loop.time() - conflict_since >= INSTANCE_CONFLICT_GIVE_UP_S:
+                        raise BootstrapError(
+                            f"bootstrap registry {self.url} refused rank {self.registration.label} for "
+                            f"{INSTANCE_CONFLICT_GIVE_UP_S:g}s: another live process holds it (--instance-id "
+                            f"{self.registration.instance_id or 'default'} is taken): {self.last_error}",
+                            status_code=status,
+                        )
+                else:
+                    conflict_since = None
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     raise BootstrapError(
@@ -331,6 +349,7 @@ class BootstrapRegistrar:
         """One PUT; returns the status (0 = no reply) and records success or failure."""
         assert self._client is not None
         error: str | None
+        code: str | None = None
         try:
             response = await self._client.put("/route", content=self._body)
         except httpx.HTTPError as exc:
@@ -338,6 +357,8 @@ class BootstrapRegistrar:
         else:
             status = response.status_code
             error = None if status == 200 else f"HTTP {status}: {_reason(response)}"
+            code = None if status == 200 else _code(response)
+        self.last_code = code
         if error is None:
             if self.num_failures:
                 logger.info("rank %s registered again with %s", self.registration.label, self.url)
