@@ -293,6 +293,7 @@ def create_app(config: BootstrapConfig | None = None) -> Starlette:
                 token=config.token,
                 token_scope=config.token_scope,
                 max_body_bytes=config.max_body_bytes,
+                body_timeout_s=config.body_timeout_s,
             )
         ],
         exception_handlers={HTTPException: _http_exception, Exception: _server_error},

@@ -52,6 +52,12 @@ def parse_args(argv: Sequence[str] | None = None) -> BootstrapConfig:
         default=d.max_body_bytes,
         help="larger request bodies get 413 (default %(default)s)",
     )
+    p.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=d.body_timeout_s,
+        help="a request body must arrive within this, else 408 (default %(default)s)",
+    )
     p.add_argument("--max-rooms", type=int, default=d.max_rooms, help="room table capacity (default %(default)s)")
     p.add_argument("--max-ranks", type=int, default=d.max_ranks, help="rank capacity (default %(default)s)")
     p.add_argument(
@@ -69,6 +75,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BootstrapConfig:
             token_scope=args.token_scope,
             room_ttl_s=args.room_ttl_s,
             max_body_bytes=args.max_body_bytes,
+            body_timeout_s=args.body_timeout_s,
             max_rooms=args.max_rooms,
             max_ranks=args.max_ranks,
             log_level=args.log_level,

@@ -19,7 +19,8 @@ class BootstrapConfig:
     ``/health``, ``"writes"`` guards only ``PUT``/``DELETE /route`` and ``/register_dp_rank``
     (what SGLang's newest server does, so an unmodified SGLang decode can still read).
     ``room_ttl_s``: lifetime of a ``/register_dp_rank`` entry (SGLang's default cleanup interval is
-    120 s). ``max_body_bytes``: larger request bodies get 413.
+    120 s). ``max_body_bytes``: larger request bodies get 413. ``body_timeout_s``: a request body must
+    arrive within this (else 408 and the connection closes), as the gateway's ``--body-timeout-s``.
     """
 
     host: str = "127.0.0.1"
@@ -29,6 +30,7 @@ class BootstrapConfig:
     token_scope: TokenScope = "all"
     room_ttl_s: float = 120.0
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 60.0
     max_rooms: int = 1_000_000
     max_ranks: int = 65_536
     sweep_interval_s: float = 1.0
@@ -46,6 +48,7 @@ class BootstrapConfig:
             raise ValueError("token: must be non-empty and contain no whitespace")
         if self.token_scope not in ("all", "writes"):
             raise ValueError(f"token_scope: must be 'all' or 'writes', got {self.token_scope!r}")
+        _check_duration("body_timeout_s", self.body_timeout_s, allow_zero=False)
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes: must be >= 1024, got {self.max_body_bytes}")
         if self.max_rooms < 1:

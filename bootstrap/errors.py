@@ -47,5 +47,10 @@ def too_large(limit: int) -> ApiError:
     return ApiError(413, "invalid_request_error", "body_too_large", f"request body exceeds {limit} bytes")
 
 
+def body_timeout(timeout_s: float) -> ApiError:
+    return ApiError(408, "invalid_request_error", "body_timeout",
+                    f"the request body did not arrive within {timeout_s:g}s")
+
+
 def unavailable(code: str, message: str) -> ApiError:
     return ApiError(503, "unavailable_error", code, message)

@@ -7,12 +7,16 @@ Per HTTP request, in order:
 3. A declared ``Content-Length`` above the limit is refused (413) before reading; otherwise the
    body is read here, up to the limit (413 past it, also for chunked bodies), and replayed to the
    app as one message, so handlers never see more than ``max_body_bytes``. A client that leaves
-   before its body is complete is recorded as 499; the app never runs for it.
+   before its body is complete is recorded as 499; the app never runs for it. A body that has not all
+   arrived within ``body_timeout_s`` is a 408 and the connection closes (the HTTP protocol bounds only the
+   head's time: a client trickling a body would otherwise hold its connection, and a file descriptor of the
+   registry, or of the prefill embedding it, for ever).
 4. When the response is done, (method, route, status, seconds) goes to ``RequestStats``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -45,12 +49,14 @@ class RegistryMiddleware:
         token: str | None,
         token_scope: str,
         max_body_bytes: int,
+        body_timeout_s: float = 60.0,
     ) -> None:
         self.app = app
         self.stats = stats
         self.expected_auth = f"Bearer {token}".encode() if token else None
         self.token_scope = token_scope
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -112,17 +118,21 @@ class RegistryMiddleware:
             return receive, errors.too_large(limit)
         parts: list[bytes] = []
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return receive, CLIENT_GONE
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                return receive, errors.too_large(limit)
-            parts.append(chunk)
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return receive, CLIENT_GONE
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        return receive, errors.too_large(limit)
+                    parts.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            return receive, errors.body_timeout(self.body_timeout_s)
         return _replay(b"".join(parts), receive), None
 
 
@@ -150,5 +160,7 @@ async def _send_error(send: Send, error: errors.ApiError) -> None:
     headers = [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())]
     if error.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    elif error.status == 408:  # (the rest of the body may still come: not to be read as a next request)
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
