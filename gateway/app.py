@@ -44,7 +44,7 @@ from gateway.api import ModelNotFound, now_s
 from gateway.cors import CorsMiddleware, CorsPolicy
 from gateway.errors import APIError, NoWorkers, http_error
 from gateway.hot_cycle import HotRoutes
-from gateway.middleware import GatekeeperMiddleware, RequestContextMiddleware
+from gateway.middleware import BRIEF_STATUS, GatekeeperMiddleware, RequestContextMiddleware
 from gateway.openapi import openapi_document
 from gateway.responder import Responder
 from gateway.runtime import Gateway, GatewayConfig
@@ -254,12 +254,21 @@ def status(gw: Gateway) -> dict[str, Any]:
     }
 
 
+def _status_for(request: Request) -> dict[str, Any]:
+    """``status``, or only its first fields for a request without a valid key to a gateway with keys: the probes
+    need no key, the workers' addresses, roles and errors do (``GET /workers`` is the admin API's)."""
+    body = status(_gateway(request))
+    if request.scope.get(BRIEF_STATUS):
+        return {"status": body["status"], "role": body["role"], "ready": body["ready"]}
+    return body
+
+
 async def health(request: Request) -> Response:
-    return _reply(status(_gateway(request)))  # liveness: this process answers
+    return _reply(_status_for(request))  # liveness: this process answers
 
 
 async def readiness(request: Request) -> Response:
-    body = status(_gateway(request))
+    body = _status_for(request)
     return _reply(body, 200 if body["ready"] else 503)
 
 

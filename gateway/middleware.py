@@ -25,6 +25,8 @@ from gateway.context import REQUEST_ID, REQUEST_T0, random_hex
 
 ADMIN_PATHS = ("/workers", "/add_worker", "/remove_worker", "/list_workers")
 OPEN_PATHS = ("/health", "/readiness")
+# set in the scope of an open path's request without a valid key on a gateway with keys: its status alone
+BRIEF_STATUS = "pd_gateway.brief_status"
 _json = msgspec.json.Encoder()
 MAX_REQUEST_ID_LEN = 128
 Headers = list[tuple[bytes, bytes]]
@@ -70,6 +72,11 @@ class GatekeeperMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if scope["path"] in OPEN_PATHS:  # (probes need no key; the fleet's addresses and errors do)
+            if self.admin_api_keys and not _key_ok(_bearer(scope["headers"]), self.api_keys + self.admin_api_keys):
+                scope[BRIEF_STATUS] = True
             await self.app(scope, receive, send)
             return
         refusal = self.refusal(scope["path"], scope["headers"])
