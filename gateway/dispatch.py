@@ -157,8 +157,8 @@ class Dispatcher:
         (Called on a prepare thread too, for a long body: looked at here, not through the event loop's cached
         floors, which a thread's refresh racing the loop's could leave stale under the newer epoch.) Only the decodes
         that can take requests count (a larger pool of one draining, disconnected or failing its probes raised the
-        budget past every decode left: a 503 for as long as it stayed away); none can: all of them, as before. (Its
-        breaker is not looked at: reading its state moves it on, which is the event loop's to do.)"""
+        budget past every decode left: a 503 for as long as it stayed away, or its breaker stayed open); none can: all
+        of them, as before. (``_able`` reads no breaker's ``state``: that moves it on.)"""
         return max((c.state.total_tokens for c in _able(self.decodes)), default=0) or None
 
     def prefill_context(self, prompt: int) -> int | None:
@@ -832,11 +832,12 @@ def _request_timed_out(config: DispatchConfig) -> UpstreamTimeout:
 
 def _able(pool: list[WorkerClient]) -> list[WorkerClient]:
     """The workers of ``pool`` that have connected and can take requests (not draining, disconnected or failing
-    their probes); all that have connected when none can. (Their breakers are not looked at: reading one's state
-    moves it on, which is the event loop's to do; these run on a prepare thread too.)"""
+    their probes, or with an open breaker: not selected either); all that have connected when none can. (A breaker's
+    ``state`` is not read: reading it moves it on, which is the event loop's to do; these run on a prepare thread too.
+    ``is_open`` does not move it.)"""
     connected = [c for c in list(pool) if c.state.page_size]
     return [c for c in connected if c.is_connected and not c.is_draining and not c.is_stopping
-            and c.health.is_probe_healthy] or connected
+            and c.health.is_probe_healthy and not c.health.breaker.is_open] or connected
 
 
 def _selectable(pool: list[WorkerClient], avoid: set[WorkerClient]) -> list[Any]:

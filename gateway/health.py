@@ -78,6 +78,11 @@ class CircuitBreaker:
         return self._state
 
     @property
+    def is_open(self) -> bool:
+        """Open as last moved on (no clock read: does not move it on to half-open, so any thread may ask)."""
+        return self._state is BreakerState.OPEN
+
+    @property
     def allows(self) -> bool:
         # (closed, the common case, without ``state``'s clock read: this runs per worker per request)
         if self.closed:
