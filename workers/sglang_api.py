@@ -296,6 +296,8 @@ class SGLangAPI:
         sched = self.worker.scheduler
         if sched is None or not sched.is_alive or sched.stalled_s > 60.0:
             return _reply({"status": "unhealthy"}, 503)
+        if self.dispatcher.closing or getattr(self.worker, "stopping", False):  # (as ``/health``: SIGTERM on)
+            return _reply({"status": "stopping"}, 503)
         await self.ensure_ready()
         if not self.client.is_connected:
             return _reply({"status": "unhealthy", "error": self._unavailable}, 503)

@@ -68,3 +68,27 @@ def test_the_worker_http_side_answers_json_for_wrong_paths_methods_and_a_fronten
             assert reply.status_code == status and reply.headers["content-type"] == "application/json", reply.text
             assert reply.json()["error"]["message"], reply.text
         assert "POST" in client.get("/generate").headers["allow"]
+
+
+def test_health_generate_is_a_503_stopping_once_the_worker_stops() -> None:
+    """SGLang's routers may probe ``/health_generate``: from SIGTERM on it says 503 ``stopping`` (as ``/health``), not
+    ``ok`` until the native connection has closed."""
+    worker = SimpleNamespace(
+        config=WorkerConfig(role="decode"), native_port=1, stopping=False,
+        engine=SimpleNamespace(info=SimpleNamespace(tokenizer="byte", name="m", max_context=4096)),
+        scheduler=SimpleNamespace(stop_tokenizer=None, is_alive=True, stalled_s=0.0))
+
+    async def main() -> None:
+        api = SGLangAPI(worker)  # type: ignore[arg-type]
+
+        async def ready(timeout_s: float = 30.0) -> None:
+            return None
+
+        api.ensure_ready = ready  # type: ignore[method-assign]
+        api.client = SimpleNamespace(is_connected=True)  # type: ignore[assignment]
+        assert (await api.health_generate(None)).status_code == 200  # type: ignore[arg-type]
+        worker.stopping = True
+        reply = await api.health_generate(None)  # type: ignore[arg-type]
+        assert reply.status_code == 503 and b"stopping" in reply.body
+
+    asyncio.run(main())
