@@ -38,11 +38,11 @@ def create_http_app(worker: Worker) -> ASGIApp:
     registry = create_registry(worker)
 
     def status() -> str:
+        if getattr(worker, "stopping", False):  # (SIGTERM: routers probing /health stop sending here at once; its
+            return "stopping"  # scheduler stops on the way out, which is no death for a liveness probe to act on)
         scheduler = worker.scheduler  # (started before this app serves: not alive means dead)
         if scheduler is not None and not scheduler.is_alive:
             return "unhealthy"
-        if getattr(worker, "stopping", False):  # (SIGTERM: routers probing /health stop sending here at once)
-            return "stopping"
         if not (worker.started and scheduler is not None):
             return "starting"
         return "unregistered" if worker.registration_error is not None else "ok"

@@ -41,10 +41,11 @@ def test_a_stopping_worker_is_not_ready_but_alive() -> None:
     """From SIGTERM on (``Worker.aclose`` begun: deregistering, draining its connections), ``/health`` is a 503: an
     SGLang router probing it stops sending requests there before its listener closes (a second or more with a
     slow registry), rather than sending them to be refused."""
-    with client(True, True, stopping=True) as c:
-        reply = c.get("/health")
-        assert (reply.status_code, reply.json()["status"]) == (503, "stopping")
-        assert c.get("/liveness").status_code == 200
+    for alive in (True, False):  # (its scheduler stops on the way out: no death for a liveness probe to act on)
+        with client(True, alive, stopping=True) as c:
+            reply = c.get("/health")
+            assert (reply.status_code, reply.json()["status"]) == (503, "stopping")
+            assert c.get("/liveness").status_code == 200
 
 
 def test_a_lapsed_registration_is_not_ready_but_alive() -> None:
