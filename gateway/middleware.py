@@ -67,6 +67,8 @@ class GatekeeperMiddleware:
         # Without admin keys, a gateway with client keys guards its admin API with them: never open by
         # surprise (anyone could otherwise add a "worker" of theirs and receive the clients' prompts).
         self.admin_api_keys = [k.encode() for k in admin_api_keys] or self.api_keys
+        # what lets a request see the open probes' whole status (the workers): any key; none: no keys set
+        self.status_keys = list(dict.fromkeys(self.api_keys + self.admin_api_keys))
         self.metrics_require_admin = metrics_require_admin
         self.is_draining = is_draining
 
@@ -75,7 +77,7 @@ class GatekeeperMiddleware:
             await self.app(scope, receive, send)
             return
         if scope["path"] in OPEN_PATHS:  # (probes need no key; the fleet's addresses and errors do)
-            if self.admin_api_keys and not _key_ok(_bearer(scope["headers"]), self.api_keys + self.admin_api_keys):
+            if self.status_keys and not _key_ok(_bearer(scope["headers"]), self.status_keys):
                 scope[BRIEF_STATUS] = True
             await self.app(scope, receive, send)
             return
