@@ -98,6 +98,7 @@ class Prepared:
     # answered without it
     no_output: bool = False
     max_tokens_param: str = "max_tokens"  # what the client called the budget (chat: or ``max_completion_tokens``)
+    echo_fields: dict[str, Any] | None = None  # /v1/responses: the request's fields its response repeats
 
     def logprob_start_of(self, choice: int) -> int:
         return self.logprob_starts[choice // self.per_prompt] if self.logprob_starts else 0

@@ -47,6 +47,7 @@ from gateway.hot_cycle import HotRoutes
 from gateway.middleware import BRIEF_STATUS, GatekeeperMiddleware, RequestContextMiddleware
 from gateway.openapi import openapi_document
 from gateway.responder import Responder
+from gateway.responses import ResponsesShape
 from gateway.runtime import Gateway, GatewayConfig
 from gateway.sglang_relay import SGLangResponder
 from gateway.shapes import ChatShape, CompletionShape, GenerateShape
@@ -122,6 +123,7 @@ class GatewayApp:
             "/v1/chat/completions": Responder(gw, ChatShape(), gw.config.prepare_thread_bytes),
             "/v1/completions": Responder(gw, CompletionShape(), gw.config.prepare_thread_bytes),
             "/generate": Responder(gw, GenerateShape(), gw.config.prepare_thread_bytes),
+            "/v1/responses": Responder(gw, ResponsesShape(), gw.config.prepare_thread_bytes),
         }
         if gw.fleet is not None:  # SGLang workers: the body goes through as is (gateway/sglang_relay.py)
             relays = {
@@ -130,8 +132,11 @@ class GatewayApp:
                 for route, path in (("chat", "v1/chat/completions"), ("completions", "v1/completions"),
                                     ("generate", "generate"))
             }
-            self.responders = {path: MixedResponder(gw, self.responders[path], relay) if gw.serves_native
+            native = self.responders
+            self.responders = {path: MixedResponder(gw, native[path], relay) if gw.serves_native
                                else relay for path, relay in relays.items()}
+            if gw.serves_native:  # (not relayed: served by the native workers alone)
+                self.responders["/v1/responses"] = native["/v1/responses"]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

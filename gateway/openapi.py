@@ -18,6 +18,7 @@ import msgspec
 
 from gateway.admin import NewWorker
 from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from gateway.responses import ResponsesRequest
 
 if TYPE_CHECKING:
     from gateway.runtime import GatewayConfig
@@ -29,7 +30,11 @@ _REF = "#/components/schemas/{name}"
 _REQUIRED: dict[str, dict[str, Any]] = {
     "ChatCompletionRequest": {"required": ["messages"]},
     "CompletionRequest": {"required": ["prompt"]},
-    "GenerateRequest": {"oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]},  # (not both: a 400)
+    # (not both: a 400; a ``null`` one is absent)
+    "GenerateRequest": {"oneOf": [{"required": ["text"], "properties": {"text": {"type": ["string", "array"]}}},
+                                  {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}}}]},
+    "ResponsesRequest": {"required": ["input"], "allOf": [{"properties": {"input": {"anyOf": [
+        {"type": "string", "minLength": 1}, {"type": "array", "minItems": 1}]}}}]},
 }
 
 _INT = {"type": "integer"}
@@ -88,6 +93,24 @@ _RESPONSES: dict[str, dict[str, Any]] = {
                                "logprobs": {"type": ["object", "null"]}},
             }},
             "usage": {"$ref": _REF.format(name="Usage")},
+        },
+    },
+    "Response": {  # /v1/responses (gateway/responses.py): one output message
+        "type": "object",
+        "required": ["id", "object", "created_at", "status", "model", "output", "usage"],
+        "properties": {
+            "id": _STR, "object": {"const": "response"}, "created_at": _INT,
+            "status": {"enum": ["completed", "incomplete"]},
+            "incomplete_details": {"type": ["object", "null"], "properties": {"reason": _STR}}, "model": _STR,
+            "output": {"type": "array", "items": {
+                "type": "object", "required": ["id", "type", "role", "status", "content"],
+                "properties": {"id": _STR, "type": {"const": "message"}, "role": {"const": "assistant"},
+                               "status": _STR, "content": {"type": "array", "items": {
+                                   "type": "object", "required": ["type", "text"],
+                                   "properties": {"type": {"const": "output_text"}, "text": _STR}}}},
+            }},
+            "usage": {"type": "object", "required": ["input_tokens", "output_tokens", "total_tokens"],
+                      "properties": {"input_tokens": _INT, "output_tokens": _INT, "total_tokens": _INT}},
         },
     },
     "Generation": {
@@ -172,15 +195,16 @@ def _errors(*codes: str) -> dict[str, Any]:
     return {code: _json(_ref("Error"), _ERRORS[code]) for code in codes}
 
 
-def _generation(summary: str, request: str, response: str, operation_id: str) -> dict[str, Any]:
+def _generation(summary: str, request: str, response: str, operation_id: str,
+                events: str = "server-sent events ending in `data: [DONE]`") -> dict[str, Any]:
     return {"post": {
         "operationId": operation_id,
         "summary": summary,
         "tags": ["generation"],
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
         "responses": {
-            "200": {"description": "the whole response; with `stream: true` server-sent events ending in "
-                                   "`data: [DONE]` (an error after the first event is an `error` event)",
+            "200": {"description": f"the whole response; with `stream: true` {events} (an error after the first "
+                                   "event is an `error` event)",
                     "content": {"application/json": {"schema": _ref(response)},
                                 "text/event-stream": {"schema": _ref("Event")}}},
             **_errors("400", "404", "408", "413", "429", "502", "503", "504"),
@@ -211,6 +235,10 @@ def _paths() -> dict[str, Any]:
         "/v1/completions": _generation("OpenAI text completion", "CompletionRequest", "TextCompletion",
                                        "createCompletion"),
         "/generate": _generation("SGLang native generation", "GenerateRequest", "GenerateResponse", "generate"),
+        "/v1/responses": _generation("OpenAI response (stateless: nothing stored, text only)", "ResponsesRequest",
+                                     "Response", "createResponse",
+                                     "typed server-sent events (`event:` and `data:` lines), the last "
+                                     "`response.completed` or `response.incomplete`, no `[DONE]`"),
         "/v1/models": _get("listModels", "the served model", "generation",
                            {"200": _json(_ref("ModelList"), "the model"), **_errors("503")}),
         "/v1/models/{model}": {"get": {
@@ -247,8 +275,8 @@ def _paths() -> dict[str, Any]:
     }
 
 
-_CLIENT_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/models", "/v1/models/{model}",
-                 "/openapi.json")
+_CLIENT_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses", "/v1/models",
+                 "/v1/models/{model}", "/openapi.json")
 _ADMIN_PATHS = ("/workers", "/list_workers", "/add_worker", "/remove_worker")
 
 
@@ -262,7 +290,7 @@ def _secure(paths: dict[str, Any], names: tuple[str, ...], scheme: str) -> None:
 def openapi_document(config: GatewayConfig) -> bytes:
     """The document for this configuration, encoded once."""
     (_, components) = msgspec.json.schema_components(
-        [ChatCompletionRequest, CompletionRequest, GenerateRequest, NewWorker], ref_template=_REF)
+        [ChatCompletionRequest, CompletionRequest, GenerateRequest, ResponsesRequest, NewWorker], ref_template=_REF)
     for name, extra in _REQUIRED.items():
         components[name].update(extra)
     components.update(_RESPONSES)

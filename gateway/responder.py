@@ -1,4 +1,4 @@
-"""The generation routes as raw ASGI: one responder for chat, completions and SGLang ``/generate``.
+"""The generation routes as raw ASGI: one responder for chat, completions, responses and SGLang ``/generate``.
 
 These three routes carry all the traffic, so they skip Starlette's request, routing and response
 layers (the rest of the app stays on Starlette). A responder talks to its client through an
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from gateway.api import SSE_DONE, Frontend, Prepared, decode_body, error_event, new_id
+from gateway.api import Frontend, Prepared, decode_body, error_event, new_id
 from gateway.errors import APIError, BadRequest, NoWorkers, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 from gateway.shapes import Run, Shape
 from gateway.structured_output import CHECK_ON_LOOP, CheckOffLoop
@@ -293,7 +293,7 @@ class Responder:
                 if self.refusals_as_events and exc.status == 400 and not exchange.response_started \
                         and _asked_to_stream(body):
                     await exchange.start_stream(error_event(exc))
-                    await exchange.end_stream(SSE_DONE)
+                    await exchange.end_stream(self.shape.end)
                 else:
                     await exchange.send_json(_json.encode(exc.body()), exc.status, exc.headers())
             except ClientGone:
@@ -342,7 +342,7 @@ class Responder:
                 if exchange.response_started:  # a stream's head went out (a whole answer's: nothing to add)
                     if run is not None and run.started:
                         await exchange.send_chunk(error_event(error))
-                        await exchange.end_stream(SSE_DONE)
+                        await exchange.end_stream(self.shape.end)
                 else:  # (a stream whose head was still waiting for the client's socket included)
                     await exchange.send_json(_json.encode(error.body()), error.status,
                                              [*error.headers(), (b"connection", b"close")])
@@ -385,7 +385,7 @@ class Responder:
                 run.started = True
                 await exchange.start_stream(b"")
             exchange.stop_watching()  # the response is complete next; the client leaving now changes nothing
-            await exchange.end_stream(SSE_DONE)
+            await exchange.end_stream(self.shape.end)
         finally:
             active.dec()
             await events.aclose()

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.api import Frontend, Prepared, TextEmitter, new_id, now_s, sse
+from gateway.api import SSE_DONE, Frontend, Prepared, TextEmitter, new_id, now_s, sse
 from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from gateway.context import REQUEST_T0
 from gateway.errors import BadRequest
@@ -31,7 +31,8 @@ WEIGHT_VERSION = "default"  # ``/generate``'s ``meta_info.weight_version`` (SGLa
 class Run:
     """One request being answered: what the shapes need to build its JSON."""
 
-    __slots__ = ("created", "cumulative", "emitter", "frontend", "opened", "prep", "rid", "started", "t0", "templates")
+    __slots__ = ("created", "cumulative", "emitter", "frontend", "opened", "prep", "rid", "sequence", "started", "t0",
+                 "templates")
 
     def __init__(self, frontend: Frontend, prep: Prepared, rid: str) -> None:
         self.frontend = frontend
@@ -44,6 +45,7 @@ class Run:
         self.opened: set[int] = set()  # choices whose first output has been shaped (streaming)
         self.emitter: TextEmitter | None = None  # a stream's chunks, written from outside its task
         self.cumulative: dict[int, _Cumulative] | None = None  # (a ``/generate`` stream's lists, per choice)
+        self.sequence = 0  # (a ``/v1/responses`` stream's next event number)
 
 
 class Shape:
@@ -52,6 +54,7 @@ class Shape:
     route = ""
     body_type: type[Any] = object
     id_prefix = ""
+    end = SSE_DONE  # what ends a stream, after its last chunk
 
     def prepare(self, frontend: Frontend, req: Any) -> tuple[Prepared, str | None]:
         """Validate the decoded body; returns the prepared request and the client's id, if any."""

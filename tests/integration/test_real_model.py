@@ -308,3 +308,40 @@ def check_streamed_echo(url: str) -> None:
         assert abs(ours - theirs) < 1e-4
     for ours, theirs in zip(joined["top_logprobs"][1:], whole["logprobs"]["top_logprobs"][1:], strict=True):
         assert ours.keys() == theirs.keys()
+
+
+def test_responses_api_answers_as_chat_does(deployment: SmolDeployment) -> None:
+    """``/v1/responses`` runs the chat path: greedy, its text is chat's for the same messages (``instructions`` a
+    system message in front); an answer that ends on EOS is ``completed``, streamed or not, and the SDK's stream
+    helper assembles the same response from the events."""
+    c = openai.OpenAI(base_url=deployment.pd_v1, api_key="none", max_retries=0, timeout=120)
+    expected = c.chat.completions.create(model="default", max_tokens=64, temperature=0, messages=[
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": QUESTIONS[0]}])
+    assert expected.choices[0].finish_reason == "stop", "the question's answer should end within 64 tokens"
+    kw: dict[str, Any] = {"model": "default", "max_output_tokens": 64, "temperature": 0,
+                          "instructions": "You answer in one short sentence.", "input": QUESTIONS[0]}
+    whole = c.responses.create(**kw)
+    assert whole.status == "completed" and whole.incomplete_details is None and whole.completed_at
+    assert whole.output_text == expected.choices[0].message.content
+    assert whole.usage is not None and expected.usage is not None
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (expected.usage.prompt_tokens,
+                                                                     expected.usage.completion_tokens)
+    with c.responses.stream(**kw) as stream:
+        deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert deltas == final.output_text == whole.output_text and final.status == "completed"
+    # the same conversation as input items (an earlier turn's answer included) on the combined worker's gateway
+    both = openai.OpenAI(base_url=deployment.both_v1, api_key="none", max_retries=0, timeout=120)
+    turns: list[Any] = [{"role": "user", "content": QUESTIONS[1]},
+                        {"role": "assistant", "content": [{"type": "output_text", "text": "Red, green, blue."}]},
+                        {"role": "user", "content": [{"type": "input_text", "text": QUESTIONS[0]}]}]
+    chat_turns = [{"role": "user", "content": QUESTIONS[1]}, {"role": "assistant", "content": "Red, green, blue."},
+                  {"role": "user", "content": QUESTIONS[0]}]
+    pd_answer = c.responses.create(model="default", input=turns, max_output_tokens=24, temperature=0).output_text
+    assert pd_answer == both.responses.create(model="default", input=turns, max_output_tokens=24,
+                                              temperature=0).output_text
+    as_chat = c.chat.completions.create(model="default", messages=chat_turns, max_tokens=24,  # type: ignore[arg-type]
+                                        temperature=0)
+    assert pd_answer == as_chat.choices[0].message.content
+    wait_pools_full(deployment.workers)

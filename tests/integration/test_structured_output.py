@@ -283,3 +283,27 @@ def test_tool_results_continue_the_conversation(deployment: SmolDeployment) -> N
 
 def test_pools_back_to_full(deployment: SmolDeployment) -> None:
     wait_pools_full(deployment.workers, 30)
+
+
+def test_responses_api_text_format_is_structured_output(deployment: SmolDeployment) -> None:
+    """``/v1/responses``' flat ``text.format`` json_schema constrains the answer as chat's ``response_format`` does:
+    the same greedy text, which the SDK's ``responses.parse`` reads into the caller's model."""
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        city: str = Field(max_length=24)
+        country: str = Field(max_length=24)
+        population_millions: int = Field(ge=0, le=100)
+
+    kw = {"max_tokens": 60, "temperature": 0, "response_format": CITY_FORMAT}
+    expected = chat(deployment.pd_url, CITY_QUESTION, **kw).choices[0].message.content
+    fmt = {"type": "json_schema", "name": "city", "schema": CITY_SCHEMA, "strict": True}
+    response = client(deployment.pd_url).responses.create(model="default", input=CITY_QUESTION, temperature=0,
+                                                          max_output_tokens=60, text={"format": fmt})
+    assert response.status == "completed" and response.output_text == expected
+    assert response.text is not None and response.text.format.type == "json_schema"
+    parsed = client(deployment.pd_url).responses.parse(model="default", input=CITY_QUESTION, temperature=0,
+                                                       max_output_tokens=60, text_format=City)
+    assert isinstance(parsed.output_parsed, City), parsed.output_text
+    jsonschema_rs.validate(CITY_SCHEMA, json.loads(parsed.output_text))
+    wait_pools_full(deployment.workers)

@@ -1,0 +1,328 @@
+"""OpenAI's Responses API, ``POST /v1/responses``: stateless, text in, one message out.
+
+The request becomes a chat request and runs as one (the chat template, the default budget, the same
+dispatch and checks): ``instructions`` is a system message in front of ``input`` (a string: one user
+message; a list: message items whose content is text or text parts), ``max_output_tokens`` the budget,
+``text.format`` structured output (``json_object`` or a flat ``json_schema``, as chat's ``response_format``).
+The answer is a ``response`` object with one output message (``status: incomplete`` with
+``incomplete_details.reason: max_output_tokens`` when the budget ran out). A stream is the API's typed
+events (``event:`` and ``data:`` lines, each with its ``sequence_number``): ``response.created``,
+``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``, one
+``response.output_text.delta`` per piece of text, then the ``...done`` events and ``response.completed``
+(or ``response.incomplete``) with the whole response and its usage; no ``[DONE]``. An error after the
+stream started is the gateway's usual error event (``data: {"error": ...}``, which OpenAI's SDKs raise).
+
+Nothing is stored: ``store`` is accepted and answered ``false``; ``previous_response_id`` and
+``conversation`` (which need stored state), tools, reasoning options, ``background``, ``include``,
+``top_logprobs`` and non-text input are a 400 naming the field rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from gateway.api import Frontend, Prepared, now_s
+from gateway.api_models import ChatCompletionRequest, ChatMessage, Count, ModelName, Temperature, TopP
+from gateway.context import random_hex
+from gateway.errors import BadRequest
+from gateway.shapes import Run, Shape, usage
+from gateway.text import ChoiceState
+
+_json = msgspec.json.Encoder()
+INPUT_ROLES = ("user", "system", "developer", "assistant")
+_TEXT_PARTS = ("input_text", "output_text")  # (an assistant turn's own text comes back as output_text)
+# OpenAI's limits on ``metadata``
+MAX_METADATA = 16
+Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]],
+                     Meta(max_length=MAX_METADATA)]
+
+
+class ResponsesRequest(msgspec.Struct):
+    """``POST /v1/responses``. Unknown fields are ignored; ``null`` is the default, as on the other routes."""
+
+    input: str | list[Any] | None = None
+    model: ModelName | None = None
+    instructions: str | None = None
+    max_output_tokens: Count | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    stream: bool | None = False
+    # {"format": {"type": "text" | "json_object" | "json_schema", ...}, "verbosity": ...}
+    text: dict[str, Any] | None = None
+    metadata: Metadata | None = None  # answered as sent
+    store: bool | None = None  # accepted; nothing is stored (answered false)
+    user: str | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "none" or "auto" only (there are no tools)
+    parallel_tool_calls: bool | None = None
+    truncation: str | None = None  # "disabled" only
+    service_tier: str | None = None  # accepted, not used
+    safety_identifier: str | None = None  # accepted, not used
+    prompt_cache_key: str | None = None  # accepted, not used
+    stream_options: dict[str, Any] | None = None  # accepted, not used
+    # not implemented: a 400 unless absent or neutral
+    previous_response_id: str | None = None
+    conversation: Any = None
+    tools: list[Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[Any] | None = None
+    background: bool | None = None
+    prompt: Any = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+
+
+def _refuse_unsupported(req: ResponsesRequest) -> None:
+    stored = "this gateway stores no responses: send the whole conversation in input"
+    if req.previous_response_id is not None:
+        raise BadRequest(f"previous_response_id is not supported; {stored}", param="previous_response_id")
+    if req.conversation is not None:
+        raise BadRequest(f"conversation is not supported; {stored}", param="conversation")
+    if req.tools:
+        raise BadRequest("tools are not supported on /v1/responses; /v1/chat/completions takes function tools",
+                         param="tools")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise BadRequest("tool_choice must be 'none' or 'auto' (there are no tools)", param="tool_choice")
+    if req.reasoning and any(value is not None for value in req.reasoning.values()):
+        raise BadRequest("reasoning options are not supported", param="reasoning")
+    if req.include:
+        raise BadRequest("include is not supported", param="include")
+    if req.background:
+        raise BadRequest("background responses are not supported (nothing is stored to fetch them from)",
+                         param="background")
+    if req.prompt is not None:
+        raise BadRequest("prompt templates are not supported; send the text in input", param="prompt")
+    if req.top_logprobs:
+        raise BadRequest("top_logprobs is not supported on /v1/responses; /v1/chat/completions has logprobs",
+                         param="top_logprobs")
+    if req.truncation not in (None, "disabled"):
+        raise BadRequest("truncation must be 'disabled': a conversation longer than the context is a 400",
+                         param="truncation")
+
+
+def _format(text: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """``text`` -> (its ``format`` as the response repeats it, chat's ``response_format`` or None)."""
+    if text is None:
+        return {"type": "text"}, None
+    verbosity = text.get("verbosity")
+    if verbosity not in (None, "medium"):
+        raise BadRequest("text.verbosity other than 'medium' is not supported", param="text.verbosity")
+    fmt = text.get("format")
+    if fmt is None:
+        return {"type": "text"}, None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise BadRequest("text.format must be an object with a type", param="text.format")
+    kind = fmt["type"]
+    if kind == "text":
+        return fmt, None
+    if kind == "json_object":
+        return fmt, {"type": "json_object"}
+    if kind == "json_schema":  # flat here; nested under "json_schema" in chat's response_format
+        schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
+        return fmt, {"type": "json_schema", "json_schema": schema}
+    raise BadRequest(f"text.format.type must be text, json_object or json_schema, got {kind!r}",
+                     param="text.format.type")
+
+
+def _messages(req: ResponsesRequest) -> list[ChatMessage]:
+    messages = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
+    items = req.input
+    if isinstance(items, str):
+        if not items:
+            raise BadRequest("input must not be empty", param="input")
+        messages.append(ChatMessage(role="user", content=items))
+        return messages
+    if not items:
+        raise BadRequest("input is required: a string or a non-empty list of messages", param="input")
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise BadRequest("each input item must be an object (a message)", param=f"input[{i}]")
+        kind = item.get("type", "message")
+        if kind != "message":
+            raise BadRequest(f"input items of type {kind!r} are not supported; only messages (text)",
+                             param=f"input[{i}].type")
+        role = item.get("role")
+        if role not in INPUT_ROLES:
+            raise BadRequest(f"input[{i}].role must be one of {', '.join(INPUT_ROLES)}, got {role!r}",
+                             param=f"input[{i}].role")
+        content = item.get("content")
+        if isinstance(content, str):
+            messages.append(ChatMessage(role=role, content=content))
+            continue
+        if not isinstance(content, list):
+            raise BadRequest("a message's content must be a string or a list of text parts",
+                             param=f"input[{i}].content")
+        parts = []
+        for j, part in enumerate(content):
+            part_kind = part.get("type") if isinstance(part, dict) else None
+            if part_kind not in _TEXT_PARTS:
+                raise BadRequest(f"content parts of type {part_kind!r} are not supported; only input_text and "
+                                 "output_text", param=f"input[{i}].content[{j}].type")
+            if not isinstance(part.get("text"), str):
+                raise BadRequest("a text part needs a string text", param=f"input[{i}].content[{j}].text")
+            parts.append({"type": "text", "text": part["text"]})
+        messages.append(ChatMessage(role=role, content=parts))
+    return messages
+
+
+# chat's names -> this route's (a prefix of a refusal's ``param``, a word of its message)
+_NAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
+          ("response_format", "text.format"), ("messages", "input"))
+
+
+def _ours(param: str, shift: int) -> str:
+    """Chat's name for a field -> this route's; ``shift``: messages in front of ``input``'s (``instructions``)."""
+    for chat, ours in _NAMES:
+        if param.startswith(chat):
+            rest = param[len(chat):]
+            if chat == "messages" and rest.startswith("["):  # messages[k] -> input[k - shift]
+                index, _, tail = rest[1:].partition("]")
+                if int(index) < shift:
+                    return "instructions"
+                rest = f"[{int(index) - shift}]{tail}"
+            return ours + rest
+    return param
+
+
+def _renamed(exc: BadRequest, shift: int) -> BadRequest:
+    if exc.param is not None:
+        exc.param = _ours(exc.param, shift)
+    for chat, ours in _NAMES[:3]:
+        exc.message = exc.message.replace(chat, ours)
+    return exc
+
+
+class ResponsesShape(Shape):
+    route = "responses"
+    body_type = ResponsesRequest
+    id_prefix = "resp"
+    end = b""  # (no ``[DONE]``: the last event is ``response.completed``)
+
+    def prepare(self, frontend: Frontend, req: Any) -> tuple[Prepared, str | None]:
+        _refuse_unsupported(req)
+        fmt, response_format = _format(req.text)
+        messages = _messages(req)
+        chat = ChatCompletionRequest(model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens,
+                                     temperature=req.temperature, top_p=req.top_p, stream=req.stream,
+                                     response_format=response_format, user=req.user)
+        try:
+            prep = frontend.prepare_chat(chat)
+        except BadRequest as exc:
+            raise _renamed(exc, 1 if req.instructions else 0) from None
+        prep.max_tokens_param = "max_output_tokens"  # (a worker's refusal of the budget)
+        grammar = prep.params.grammar
+        if grammar is not None:  # (a worker's refusal of the format names it by its param)
+            prep.params.grammar = msgspec.structs.replace(grammar, param=_ours(grammar.param, 0))
+        prep.echo_fields = {
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": {"format": fmt}, "tool_choice": req.tool_choice or "auto",
+            "top_p": 1.0 if req.top_p is None else req.top_p, "user": req.user,
+        }
+        return prep, f"resp_{random_hex()}"  # (OpenAI's spelling of its ids: resp_..., msg_...)
+
+    # -- the response object ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _message_id(run: Run) -> str:
+        return "msg_" + run.rid.removeprefix("resp_")
+
+    def _message(self, run: Run, text: str, status: str) -> dict[str, Any]:
+        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" \
+            else []
+        return {"id": self._message_id(run), "type": "message", "status": status, "role": "assistant",
+                "content": content}
+
+    @staticmethod
+    def _response(run: Run, status: str, output: list[dict[str, Any]], state: ChoiceState | None) -> dict[str, Any]:
+        echo = run.prep.echo_fields or {}
+        body: dict[str, Any] = {
+            "id": run.rid, "object": "response", "created_at": run.created, "status": status, "background": False,
+            "error": None, "incomplete_details": None, "model": run.frontend.model_name, "output": output,
+            "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
+            "store": False, "tools": [], "truncation": "disabled", "usage": None, **echo,
+        }
+        if state is not None:
+            if state.finish_reason == "length":
+                body["status"] = "incomplete"
+                body["incomplete_details"] = {"reason": "max_output_tokens"}
+            else:
+                body["completed_at"] = now_s()
+            chat = usage(run.prep, [state])
+            body["usage"] = {
+                "input_tokens": chat["prompt_tokens"], "input_tokens_details": chat["prompt_tokens_details"],
+                "output_tokens": chat["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": chat["total_tokens"],
+            }
+        return body
+
+    def whole(self, run: Run, choices: list[ChoiceState]) -> dict[str, Any]:
+        state = choices[0]
+        return self._response(run, "completed", [self._message(run, state.text, "completed")], state)
+
+    # -- the stream's events -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _event(run: Run, kind: str, fields: dict[str, Any]) -> bytes:
+        number = run.sequence
+        run.sequence = number + 1
+        return b"event: %s\ndata: %s\n\n" % (kind.encode(), _json.encode(
+            {"type": kind, "sequence_number": number, **fields}))
+
+    def _text_fields(self, run: Run) -> dict[str, Any]:
+        return {"item_id": self._message_id(run), "output_index": 0, "content_index": 0}
+
+    def first(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
+        opening = self._response(run, "in_progress", [], None)
+        chunks = [
+            self._event(run, "response.created", {"response": opening}),
+            self._event(run, "response.in_progress", {"response": opening}),
+            self._event(run, "response.output_item.added",
+                        {"output_index": 0, "item": self._message(run, "", "in_progress")}),
+            self._event(run, "response.content_part.added", {
+                **self._text_fields(run), "part": {"type": "output_text", "text": "", "annotations": []}}),
+        ]
+        delta = self.middle(run, state, text)
+        if delta is not None:
+            chunks.append(delta)
+        return b"".join(chunks)
+
+    def middle(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
+        if not text:
+            return None
+        return self._event(run, "response.output_text.delta", {**self._text_fields(run), "delta": text,
+                                                                "logprobs": []})
+
+    def middle_template(self, run: Run, index: int) -> tuple[bytes, bytes] | None:
+        return None  # (every event has its own sequence number)
+
+    def _closing(self, run: Run, state: ChoiceState) -> bytes:
+        text = state.text
+        item = self._message(run, text, "completed")
+        part = item["content"][0]
+        whole = self._response(run, "completed", [item], state)
+        return b"".join((
+            self._event(run, "response.output_text.done", {**self._text_fields(run), "text": text, "logprobs": []}),
+            self._event(run, "response.content_part.done", {**self._text_fields(run), "part": part}),
+            self._event(run, "response.output_item.done", {"output_index": 0, "item": item}),
+            self._event(run, f"response.{whole['status']}", {"response": whole}),
+        ))
+
+    async def events(self, run: Run) -> AsyncGenerator[bytes, None]:
+        last: ChoiceState | None = None
+        opened = run.opened
+        async for state, text, _ in run.frontend.run_choices(run.prep, run.emitter):
+            last = state
+            if state.index not in opened:
+                opened.add(state.index)
+                chunk = self.first(run, state, text)
+            else:
+                chunk = self.middle(run, state, text)
+            if chunk:
+                yield chunk
+        if last is not None:
+            yield self._closing(run, last)
