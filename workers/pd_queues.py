@@ -10,10 +10,10 @@ Lifecycle (all on the scheduler thread, once per step):
 
 Prefill role: ``PrefillBootstrapQueue`` (the decode's page list arrives) -> waiting -> chunked
 prefill -> ``PrefillInflightQueue`` (KV written; pages freed only when the transfer completed).
-Decode role: ``DecodePreallocQueue`` (connected to the prefill; reserve ``prompt + max_new_tokens``
-pages, page-aligned, and an aux slot; send their ids) -> ``DecodeTransferQueue`` (until the KV and
-the first token arrived) -> prebuilt extend -> running. A decode request that ended while a write
-could still land waits in ``DecodeQuarantine`` until its receiver is quiesced.
+Decode role: ``DecodePreallocQueue`` (connected to the prefill; reserve pages for the
+``prompt + max_new_tokens - 1`` positions it writes (``decode_tokens``), page-aligned, and an aux slot; send
+their ids) -> ``DecodeTransferQueue`` (until the KV and the first token arrived) -> prebuilt extend -> running.
+A decode request that ended while a write could still land waits in ``DecodeQuarantine`` until its receiver is quiesced.
 """
 
 from __future__ import annotations
@@ -44,6 +44,12 @@ class Moved:
     ready: list[Req] = field(default_factory=list)
     failed: list[tuple[Req, str]] = field(default_factory=list)
     broken: list[tuple[Req, str]] = field(default_factory=list)
+
+
+def decode_tokens(num_prompt: int, max_new_tokens: int) -> int:
+    """The positions whose KV a decoding request writes, at most: its prompt's and every output's but the last
+    (the last sampled token ends the request: it is never fed back, its KV never written)."""
+    return num_prompt + max_new_tokens - 1
 
 
 class StageQueue:
@@ -157,7 +163,7 @@ class DecodePreallocQueue(StageQueue):
         if state < KVPoll.WaitingForInput or self._blocked:
             return False
         pool = self._pool
-        pages = self._cache.alloc(pool.pages_for(len(req.input_ids) + req.params.max_new_tokens))
+        pages = self._cache.alloc(pool.pages_for(decode_tokens(len(req.input_ids), req.params.max_new_tokens)))
         slot = pool.alloc_aux() if pages is not None else None
         if pages is None or slot is None:
             if pages is not None:
@@ -172,7 +178,7 @@ class DecodePreallocQueue(StageQueue):
     def num_queued_pages(self) -> int:
         """Pages the live requests here will reserve (load reports)."""
         pool = self._pool
-        return sum(pool.pages_for(len(r.input_ids) + r.params.max_new_tokens) for r in self if not r.done)
+        return sum(pool.pages_for(decode_tokens(len(r.input_ids), r.params.max_new_tokens)) for r in self if not r.done)
 
 
 class DecodeTransferQueue(StageQueue):

@@ -10,8 +10,8 @@ Lifecycle (one ``Scheduler`` per worker, its loop on a dedicated thread):
    - prefill role: PrefillBootstrapQueue (the decode's page list arrives) -> waiting (pages for the
      prompt) -> chunked prefill, each chunk's full pages sent as soon as computed -> the last chunk
      with the first sampled token as aux -> inflight (poll; free pages only when the transfer is done).
-   - decode role: DecodePreallocQueue (connected to the prefill; reserve prompt + max_new_tokens
-     pages, page-aligned, and an aux slot; send their ids) -> DecodeTransferQueue (poll until KV and
+   - decode role: DecodePreallocQueue (connected to the prefill; reserve pages for the prompt +
+     max_new_tokens - 1 positions it writes, and an aux slot; send their ids) -> DecodeTransferQueue (poll until KV and
      the first token arrived) -> prebuilt extend (no forward pass) -> running decode batch.
    - both: waiting -> chunked prefill -> running decode batch (no transfer).
    At the end of a step: the prefix cache's net changes as one broadcast ``KVEvents``, and, when the
@@ -69,6 +69,7 @@ from workers.pd_queues import (
     PrefillBootstrapQueue,
     PrefillInflightQueue,
     StageQueue,
+    decode_tokens,
     failure_fault,
     failure_reason,
     is_quiesced,
@@ -482,7 +483,8 @@ class Scheduler:
                 f"prompt ({len(msg.input_ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds "
                 f"the context length {info.max_context}"
             )
-        held = len(msg.input_ids) if self.role == "prefill" else total  # (a prefill keeps the prompt's KV only)
+        # (a prefill keeps the prompt's KV only; a decoding request never writes its last output's)
+        held = len(msg.input_ids) if self.role == "prefill" else decode_tokens(len(msg.input_ids), p.max_new_tokens)
         if self.pool.pages_for(held) > self.pool.num_pages:
             return f"request needs {self.pool.pages_for(held)} KV pages; the pool has {self.pool.num_pages}"
         if min(msg.input_ids) < 0 or max(msg.input_ids) >= info.vocab_size:  # (one C pass each, not a genexpr)
@@ -1120,7 +1122,8 @@ class Scheduler:
         compiling = self._compiling()
         queued_pages = self.prealloc_queue.num_queued_pages()
         if self.role == "decode":  # (a decode's compiling requests preallocate next)
-            queued_pages += sum(self.pool.pages_for(len(r.input_ids) + r.params.max_new_tokens) for r in compiling)
+            queued_pages += sum(self.pool.pages_for(decode_tokens(len(r.input_ids), r.params.max_new_tokens))
+                                for r in compiling)
         return LoadReport(
             num_running=self.num_in_batch(),
             num_waiting=(len(live(self._waiting)) + self.bootstrap_queue.num_live + self.prealloc_queue.num_live
