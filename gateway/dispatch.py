@@ -472,6 +472,9 @@ class _Choice:
         # client's stream waits): a new pair, the same prompt.
         if self.retries >= config.max_retries:
             raise exc.error from None
+        delay = min(config.retry_backoff_s * 2 ** self.retries * random.uniform(0.5, 1.5), MAX_BACKOFF_S)
+        if _monotonic() + delay >= self.deadline:  # the retry would start past the request's deadline
+            raise exc.error from None
         self.retries += 1
         dispatcher.num_retries += 1
         metrics.retries.labels(exc.error.code or exc.error.type).inc()
@@ -479,8 +482,7 @@ class _Choice:
             self.avoid.add(exc.blamed)
         if exc.also is not None:
             self.avoid.add(exc.also)
-        delay = config.retry_backoff_s * 2 ** (self.retries - 1) * random.uniform(0.5, 1.5)
-        return min(delay, MAX_BACKOFF_S)
+        return delay
 
     def close(self) -> None:
         metrics = self.dispatcher.metrics
@@ -510,11 +512,12 @@ class _Attempt:
         self.request = run.request
         try:
             self.pair, self.prefill, self.decode = dispatcher._select(run.request, run.avoid)
-        except BadRequest:
+        except (BadRequest, NoWorkers):
             if run.cause is None:
                 raise
             # A migrated stream's new prompt (the client's and the tokens streamed so far) that no worker can
-            # hold: the stream ends with the failure it migrated off, not a 400 blaming the client's request.
+            # hold, or no worker left to take it: the stream ends with the failure it migrated off, not a 400
+            # blaming the client's request or a 503 "no healthy worker" hiding why its decode stopped.
             raise run.cause from None
         config = dispatcher.config
         self.open_rids: dict[str, tuple[WorkerClient, int]] = {}
@@ -727,6 +730,8 @@ class _Attempt:
                 stage = "between tokens" if self.got_token else "before the first token"
                 error = UpstreamTimeout(f"no progress from the workers for {wait_s:g}s {stage}")
                 if self.got_token:  # a frozen decode: the stream may continue elsewhere
+                    # Its failure, as a ``timeout`` it reported itself would be: its breaker hears of it.
+                    self.dispatcher._blame(self.decode, self.decode, Error(0, "timeout", error.message))
                     raise _Retryable(error, self.decode, migratable=True) from None
                 raise error from None
             if type(event) is StepOutput:
