@@ -15,7 +15,9 @@ credentials. So, with origins configured:
    ``x-request-id``, ``retry-after`` and ``x-should-retry``: error answers included, so a page can read why
    it was refused.
    Requests from other origins are served as before, without the header (a browser hides the answer
-   from the page; a non-browser client never sends ``Origin`` or ignores it).
+   from the page; a non-browser client never sends ``Origin`` or ignores it). Every answer (with origins
+   configured) carries ``Vary: Origin``, since it depends on the request's ``Origin``: a shared cache must not
+   give the answer to one origin (or to a request without one) to another.
 
 No credentials mode (``Access-Control-Allow-Credentials``): the gateway uses no cookies; a page sends its
 key in ``Authorization`` itself. The generation routes' own cycle (``gateway/hot_cycle.py``) adds the same
@@ -41,6 +43,7 @@ _ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://(?:\[[0-9a-f:.]+\]|[^\s/?#@:\[\]]+)(:
 # ``Access-Control-Request-Headers``: header names separated by commas (echoed only when it is that).
 _HEADER_LIST = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+(\s*,\s*[!#$%&'*+.^_`|~0-9A-Za-z-]+)*")
 MAX_REQUEST_HEADERS_LEN = 1024
+_VARY_ORIGIN = (b"vary", b"Origin")
 _json = msgspec.json.Encoder()
 
 
@@ -64,7 +67,7 @@ class CorsPolicy:
         return bool(origin) and (self.any_origin or origin.lower() in self.origins)
 
     def response_headers(self, headers: Headers) -> Headers:
-        """The headers an answer to a request with these headers gets (none: not a cross-origin request
+        """The CORS headers an answer to a request with these headers gets (none: not a cross-origin request
         from an allowed origin)."""
         origin = _value(headers, b"origin")
         if not self.allows(origin):
@@ -72,11 +75,18 @@ class CorsPolicy:
         if self.any_origin:
             return [(b"access-control-allow-origin", b"*"), (b"access-control-expose-headers", EXPOSE_HEADERS)]
         return [(b"access-control-allow-origin", origin), (b"access-control-expose-headers", EXPOSE_HEADERS),
-                (b"vary", b"Origin")]
+                _VARY_ORIGIN]
+
+    def answer_headers(self, headers: Headers) -> Headers:
+        """``response_headers`` and ``Vary: Origin`` in any case: every answer depends on the request's ``Origin``
+        (allowed, another, none), so a shared cache must not give one's answer to another (the Fetch standard,
+        "CORS protocol and HTTP caches": ``Vary: Origin`` on non-CORS answers as well)."""
+        extra = self.response_headers(headers)
+        return extra if _VARY_ORIGIN in extra else [*extra, _VARY_ORIGIN]
 
     def head(self, headers: Headers) -> bytes:
-        """``response_headers`` as header lines of a response head."""
-        return b"".join(b"%s: %s\r\n" % pair for pair in self.response_headers(headers))
+        """``answer_headers`` as header lines of a response head."""
+        return b"".join(b"%s: %s\r\n" % pair for pair in self.answer_headers(headers))
 
     def preflight(self, headers: Headers) -> tuple[int, bytes, Headers] | None:
         """(status, body, headers) answering a preflight ``OPTIONS``; None: not a preflight."""
@@ -87,8 +97,8 @@ class CorsPolicy:
             body = _json.encode({"error": {"message": f"the origin {origin.decode('latin-1')!r} is not allowed "
                                                       "(--cors-allow-origin)", "type": "permission_error",
                                            "param": None, "code": "cors_origin_not_allowed"}})
-            return 403, body, [(b"content-type", b"application/json"), (b"vary", b"Origin")]
-        answer = [*self.response_headers(headers), (b"access-control-allow-methods", ALLOW_METHODS),
+            return 403, body, [(b"content-type", b"application/json"), _VARY_ORIGIN]
+        answer = [*self.answer_headers(headers), (b"access-control-allow-methods", ALLOW_METHODS),
                   (b"access-control-max-age", b"%d" % MAX_AGE_S)]
         asked = _value(headers, b"access-control-request-headers").strip()
         if asked and len(asked) <= MAX_REQUEST_HEADERS_LEN and _HEADER_LIST.fullmatch(asked):
@@ -116,10 +126,7 @@ class CorsMiddleware:
                             "headers": [*extra, (b"content-length", b"%d" % len(body))]})
                 await send({"type": "http.response.body", "body": body})
                 return
-        extra = self.policy.response_headers(headers)
-        if not extra:
-            await self.app(scope, receive, send)
-            return
+        extra = self.policy.answer_headers(headers)
 
         async def send_with_cors(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -12,7 +12,9 @@ per connection (``GuardedHttpProtocol``, event loop only):
    once such a body is in) it starts the keep-alive wait (uvicorn's ``timeout_keep_alive``, the
    gateway's ``--keep-alive-timeout-s``) for the next request's first byte; past it the connection
    is closed too. All of these share one timer per connection, moved lazily.
-3. Every refusal, and uvicorn's own 400 for a request it cannot parse, is OpenAI-shaped JSON with
+3. A request whose body is in a transfer coding other than ``chunked`` (``Transfer-Encoding: gzip, chunked``:
+   httptools undoes only the chunked framing) is answered 501 (RFC 9112 6.1), as a refusal below.
+   Every refusal, and uvicorn's own 400 for a request it cannot parse, is OpenAI-shaped JSON with
    ``Connection: close``; the connection then half-closes and drops what the client still sends for
    ``LINGER_S`` before closing, so a client still writing reads the answer instead of a reset. While a
    response is going out on the connection (a request pipelined behind it was refused), the refusal
@@ -78,6 +80,26 @@ _UPGRADE_HEADERS = (b"upgrade", b"http2-settings")
 _json = msgspec.json.Encoder()
 
 
+class CodingNotImplemented(APIError):
+    """A request body in a transfer coding other than ``chunked`` (RFC 9112 6.1: 501). httptools reads only the
+    chunked framing: the body under it (gzip-compressed, say) would reach the app as if it were plain."""
+
+    status = 501
+    type = "invalid_request_error"
+
+
+def _unknown_transfer_coding(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The first transfer coding of the request other than ``chunked`` (None: none; the parser itself refuses a
+    ``Transfer-Encoding`` whose last coding is not ``chunked``, and one with ``Content-Length``, 400)."""
+    for name, value in headers:
+        if name == b"transfer-encoding":
+            for coding in value.split(b","):
+                coding = coding.partition(b";")[0].strip().lower()
+                if coding and coding != b"chunked":
+                    return coding
+    return None
+
+
 @dataclass(frozen=True)
 class ClientLimits:
     max_head_bytes: int = 64 * 1024
@@ -105,6 +127,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._reads = 0  # reads so far; ``_head_read``: the one the current head began in
         self._head_read = 0
         self._head_too_large = False
+        self._head_refusal: APIError | None = None  # (``on_headers_complete``) why the head just read is refused
         self._timer: asyncio.TimerHandle | None = None
         self._waiting_for = ""  # what the timer waits for: "head", "body" or "idle" ("": nothing)
         self._deadline = 0.0  # loop time by which it must have arrived
@@ -245,6 +268,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         if self._head_too_large:
             self._refuse_big_head()
+        elif self._head_refusal is not None:
+            self._refuse(self._head_refusal)
         else:
             self._refuse(BadRequest(f"{msg} (not parsable as HTTP/1.1)", code="invalid_http"))
 
@@ -264,6 +289,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) > self.limits.max_head_bytes:
             self._head_too_large = True
             raise HeadersTooLarge("request head too large")  # (the parser stops: send_400_response answers)
+        coding = _unknown_transfer_coding(self.headers)
+        if coding is not None:
+            self._head_refusal = CodingNotImplemented(
+                f"the transfer coding {coding.decode('latin-1')!r} is not supported: send the body as it is, with "
+                "Content-Length or Transfer-Encoding: chunked alone", code="transfer_coding_not_supported")
+            raise self._head_refusal  # (the parser stops: send_400_response answers)
         self._in_head = False
         self._disarm()
         parser = self.parser
