@@ -12,9 +12,12 @@ def read_keys(path: str | None, flag: str = "api_key_file") -> list[str]:
     if path is None:
         return []
     try:
-        lines = Path(path).read_text().splitlines()
+        # (UTF-8 whatever the locale; "-sig": a byte-order mark, which some editors write, is not part of the first key)
+        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()
     except OSError as exc:
         raise ValueError(f"{flag}: cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{flag}: {path} is not UTF-8 text") from None
     keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     if not keys:  # (read as "no keys", an empty file would leave what it guards open)
         raise ValueError(f"{flag}: {path} holds no key")
