@@ -143,6 +143,9 @@ class GatewayConfig:
             raise ValueError("max_header_bytes must be at least 1024")
         if any(not k for k in self.api_keys + self.admin_api_keys):
             raise ValueError("api_key: empty keys are not allowed")
+        if any(k != k.strip() or not k.isprintable() for k in self.api_keys + self.admin_api_keys):
+            # (a request's key is read without the white space around it: such a key could never match)
+            raise ValueError("api_key: a key must not start or end with white space, nor hold control characters")
         if self.worker and (self.prefill_policy or self.decode_policy or any(
                 o.startswith(("prefill.", "decode.")) for o in self.policy_options)):
             raise ValueError("prefill_policy/decode_policy: combined workers (--worker) are chosen by one policy; "

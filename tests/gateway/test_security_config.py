@@ -102,3 +102,13 @@ def test_the_admin_api_is_off_on_a_gateway_others_reach_with_no_key_for_it(
         else:
             assert refusal is None or refusal[0] == 401, path
     assert gate.refusal("/health", []) is None
+
+
+@pytest.mark.parametrize("key", [" client", "client\t", "cli\x00ent"])
+def test_a_key_that_could_never_match_stops_the_gateway(key: str) -> None:
+    """A request's key is read without the white space around it (and a header cannot carry control characters):
+    a configured key with either could never match, and every request with it would be a 401 with no word why."""
+    for field in ("api_keys", "admin_api_keys"):
+        with pytest.raises(ValueError, match="white space"):
+            GatewayConfig(prefill=("pd://127.0.0.1:1",), decode=("pd://127.0.0.1:2",), **{field: (key,)})
+    GatewayConfig(prefill=("pd://127.0.0.1:1",), decode=("pd://127.0.0.1:2",), api_keys=("a key with spaces",))
