@@ -95,7 +95,7 @@ def create_app(config: GatewayConfig) -> Any:
         lifespan=lifespan,
     )
     rest.state.gateway = gw
-    rest.state.openapi = openapi_document(config)
+    rest.state.openapi = openapi_document(config, serves_responses=gw.serves_native)
     app = GatewayApp(gw, rest)
     guarded = GatekeeperMiddleware(app, api_keys=config.api_keys, admin_api_keys=config.admin_api_keys,
                                    metrics_require_admin=config.metrics_require_admin,

@@ -287,18 +287,21 @@ def _secure(paths: dict[str, Any], names: tuple[str, ...], scheme: str) -> None:
             operation["responses"].update(_errors("401"))
 
 
-def openapi_document(config: GatewayConfig) -> bytes:
-    """The document for this configuration, encoded once."""
+def openapi_document(config: GatewayConfig, *, serves_responses: bool = True) -> bytes:
+    """The document for this configuration, encoded once. ``serves_responses``: ``/v1/responses`` is served (native
+    workers; a gateway relaying to SGLang workers alone answers it 404, so it is not in the document)."""
     (_, components) = msgspec.json.schema_components(
         [ChatCompletionRequest, CompletionRequest, GenerateRequest, ResponsesRequest, NewWorker], ref_template=_REF)
     for name, extra in _REQUIRED.items():
         components[name].update(extra)
     components.update(_RESPONSES)
     paths = _paths()
+    if not serves_responses:
+        del paths["/v1/responses"]
     schemes: dict[str, Any] = {}
     if config.api_keys:
         schemes["apiKey"] = {"type": "http", "scheme": "bearer", "description": "a client key (--api-key)"}
-        _secure(paths, _CLIENT_PATHS, "apiKey")
+        _secure(paths, tuple(path for path in _CLIENT_PATHS if path in paths), "apiKey")
     if config.admin_api_keys:
         schemes["adminKey"] = {"type": "http", "scheme": "bearer", "description": "an admin key (--admin-api-key)"}
         _secure(paths, (*_ADMIN_PATHS, *(("/metrics",) if config.metrics_require_admin else ())), "adminKey")

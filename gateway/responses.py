@@ -232,8 +232,8 @@ class ResponsesShape(Shape):
         return "msg_" + run.rid.removeprefix("resp_")
 
     def _message(self, run: Run, text: str, status: str) -> dict[str, Any]:
-        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" \
-            else []
+        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] \
+            if status != "in_progress" else []
         return {"id": self._message_id(run), "type": "message", "status": status, "role": "assistant",
                 "content": content}
 
@@ -254,15 +254,22 @@ class ResponsesShape(Shape):
                 body["completed_at"] = now_s()
             chat = usage(run.prep, [state])
             body["usage"] = {
-                "input_tokens": chat["prompt_tokens"], "input_tokens_details": chat["prompt_tokens_details"],
+                # (``cache_write_tokens``: the SDK's models require it; nothing is billed for writing the cache)
+                "input_tokens": chat["prompt_tokens"],
+                "input_tokens_details": {**chat["prompt_tokens_details"], "cache_write_tokens": 0},
                 "output_tokens": chat["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": chat["total_tokens"],
             }
         return body
 
+    @staticmethod
+    def _item_status(state: ChoiceState) -> str:
+        """The output message's status: ``incomplete`` when the budget cut it, as the response's."""
+        return "incomplete" if state.finish_reason == "length" else "completed"
+
     def whole(self, run: Run, choices: list[ChoiceState]) -> dict[str, Any]:
         state = choices[0]
-        return self._response(run, "completed", [self._message(run, state.text, "completed")], state)
+        return self._response(run, "completed", [self._message(run, state.text, self._item_status(state))], state)
 
     # -- the stream's events -----------------------------------------------------------------------------
 
@@ -302,7 +309,7 @@ class ResponsesShape(Shape):
 
     def _closing(self, run: Run, state: ChoiceState) -> bytes:
         text = state.text
-        item = self._message(run, text, "completed")
+        item = self._message(run, text, self._item_status(state))
         part = item["content"][0]
         whole = self._response(run, "completed", [item], state)
         return b"".join((
