@@ -53,6 +53,7 @@ from urllib.parse import urlsplit
 import httpx
 import msgspec
 
+from bootstrap.config import is_sendable_token
 from bootstrap.embedded import EmbeddedRegistry, serve_embedded
 from bootstrap.exceptions import BootstrapError, BootstrapNotReady, BootstrapUnreachable
 from bootstrap.messages import DEFAULT_BOOTSTRAP_PORT, FOLLOW_BOOTSTRAP_ROOM, RankAddress, Topology
@@ -200,6 +201,9 @@ def _addresses(host: str, port: int) -> set[str]:
 
 
 def _auth(token: str | None) -> dict[str, str]:
+    """The header carrying ``token`` (none without one); ValueError for a token no HTTP client can send."""
+    if token and not is_sendable_token(token):
+        raise ValueError("bootstrap token must be printable ASCII without whitespace (it goes in an HTTP header)")
     return {"authorization": f"Bearer {token}"} if token else {}
 
 
@@ -211,7 +215,11 @@ async def check_read_access(url: str, token: str | None, timeout_s: float = 5.0)
     if not url.startswith(("http://", "https://")):
         raise BootstrapError(f"bootstrap registry URL {url!r} is not valid: it must start with http:// or https://")
     try:
-        async with httpx.AsyncClient(timeout=timeout_s, headers=_auth(token)) as client:
+        headers = _auth(token)
+    except ValueError as exc:
+        raise BootstrapError(str(exc)) from None
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s, headers=headers) as client:
             reply = await client.get(url.rstrip("/") + "/instances")
     except httpx.InvalidURL as exc:
         raise BootstrapError(f"bootstrap registry URL {url!r} is not valid: {exc}") from None
@@ -261,6 +269,7 @@ class BootstrapRegistrar:
         self.registration = registration
         self.interval_s = interval_s
         self.start_timeout_s = start_timeout_s
+        _auth(token)  # (a token no client can send fails here, not as a refused or unreachable registry)
         self._token = token
         self._body = registration.to_json()
         self._client: httpx.AsyncClient | None = None

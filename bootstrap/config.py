@@ -44,8 +44,8 @@ class BootstrapConfig:
         _check_duration("ttl_s", self.ttl_s, allow_zero=True)
         _check_duration("room_ttl_s", self.room_ttl_s, allow_zero=False)
         _check_duration("sweep_interval_s", self.sweep_interval_s, allow_zero=False)
-        if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
-            raise ValueError("token: must be non-empty and contain no whitespace")
+        if self.token is not None and not is_sendable_token(self.token):
+            raise ValueError("token: must be non-empty printable ASCII without whitespace (an HTTP header value)")
         if self.token_scope not in ("all", "writes"):
             raise ValueError(f"token_scope: must be 'all' or 'writes', got {self.token_scope!r}")
         _check_duration("body_timeout_s", self.body_timeout_s, allow_zero=False)
@@ -57,6 +57,13 @@ class BootstrapConfig:
             raise ValueError(f"max_ranks: must be >= 1, got {self.max_ranks}")
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ValueError(f"log_level: unknown level {self.log_level!r}")
+
+
+def is_sendable_token(token: str) -> bool:
+    """A bearer token an HTTP client can send: non-empty, visible ASCII only (no whitespace, no control
+    character, nothing a client would have to encode: httpx refuses non-ASCII header values, and a
+    control character makes the request unparsable)."""
+    return bool(token) and all("!" <= c <= "~" for c in token)
 
 
 def _check_duration(name: str, value: float, *, allow_zero: bool) -> None:

@@ -37,6 +37,9 @@ MAX_PARALLEL_SIZE = 65_536
 _INSTANCE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
 _MAX_TEXT = 255
 _LABEL_RE = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")  # one label of a host name
+# an IPv6 zone: an interface name (at most IFNAMSIZ - 1 = 15 bytes) or its index; ``ipaddress`` takes any text
+_SCOPE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,14}")
+_NUMBER_RE = re.compile(r"[0-9]+|0[xX][0-9A-Fa-f]*")  # a part of an address in inet_aton's notations
 MAX_PAGE_SIZE = 1 << 20
 
 
@@ -123,7 +126,7 @@ def validate_put(put: RankPut) -> str:
 
 
 def check_instance_id(instance_id: str) -> None:
-    if not _INSTANCE_ID_RE.match(instance_id):
+    if not _INSTANCE_ID_RE.fullmatch(instance_id):  # (not ``match``: its ``$`` also matches before a final "\n")
         raise errors.bad_request(
             "invalid_instance_id",
             "instance_id must be 1-128 characters of [A-Za-z0-9._:@/-], starting with a letter or digit",
@@ -144,11 +147,22 @@ def _check_host(name: str, value: str) -> None:
     except ValueError:
         pass
     else:  # (bare: a decode connects to it as written, and "[::1]" resolves to nothing)
-        if address.is_unspecified or address.is_multicast:
-            raise errors.bad_request("invalid_field", f"{name} must be an address a peer can connect to, got {value}")
+        mapped = getattr(address, "ipv4_mapped", None)  # (``::ffff:0.0.0.0`` is 0.0.0.0 to a dual-stack socket)
+        scope = getattr(address, "scope_id", None)
+        if (address.is_unspecified or address.is_multicast
+                or (mapped is not None and (mapped.is_unspecified or mapped.is_multicast))
+                or (scope is not None and not _SCOPE_ID_RE.fullmatch(scope))):
+            raise errors.bad_request("invalid_field",
+                                     f"{name} must be an address a peer can connect to, got {value[:80]!r}")
         return
-    if len(value) > 253 or not all(_LABEL_RE.fullmatch(label) for label in value.removesuffix(".").split(".")):
+    labels = value.removesuffix(".").split(".")
+    if len(value) > 253 or not all(_LABEL_RE.fullmatch(label) for label in labels):
         raise errors.bad_request("invalid_field", f"{name} must be an IP address or a host name, got {value[:80]!r}")
+    if _NUMBER_RE.fullmatch(labels[-1]):
+        # Not a name but a number the resolver reads its own way (``010.0.0.1`` is 8.0.0.1 to inet_aton, ``0``
+        # is 0.0.0.0), which ``ip_address`` refused: no top-level domain is numeric
+        raise errors.bad_request("invalid_field", f"{name} must be an IP address in standard notation or a host "
+                                                  f"name, got {value[:80]!r}")
 
 
 def _check_port(name: str, value: int) -> None:
