@@ -102,13 +102,16 @@ _RESPONSES: dict[str, dict[str, Any]] = {
             "id": _STR, "object": {"const": "response"}, "created_at": _INT,
             "status": {"enum": ["completed", "incomplete"]},
             "incomplete_details": {"type": ["object", "null"], "properties": {"reason": _STR}}, "model": _STR,
-            "output": {"type": "array", "items": {
-                "type": "object", "required": ["id", "type", "role", "status", "content"],
-                "properties": {"id": _STR, "type": {"const": "message"}, "role": {"const": "assistant"},
-                               "status": _STR, "content": {"type": "array", "items": {
-                                   "type": "object", "required": ["type", "text"],
-                                   "properties": {"type": {"const": "output_text"}, "text": _STR}}}},
-            }},
+            "output": {"type": "array", "items": {"anyOf": [
+                {"type": "object", "required": ["id", "type", "role", "status", "content"],
+                 "properties": {"id": _STR, "type": {"const": "message"}, "role": {"const": "assistant"},
+                                "status": _STR, "content": {"type": "array", "items": {
+                                    "type": "object", "required": ["type", "text"],
+                                    "properties": {"type": {"const": "output_text"}, "text": _STR}}}}},
+                {"type": "object", "required": ["id", "type", "call_id", "name", "arguments", "status"],
+                 "properties": {"id": _STR, "type": {"const": "function_call"}, "call_id": _STR, "name": _STR,
+                                "arguments": _STR, "status": _STR}},
+            ]}},
             "usage": {"type": "object", "required": ["input_tokens", "output_tokens", "total_tokens"],
                       "properties": {"input_tokens": _INT, "output_tokens": _INT, "total_tokens": _INT}},
         },
@@ -235,8 +238,8 @@ def _paths() -> dict[str, Any]:
         "/v1/completions": _generation("OpenAI text completion", "CompletionRequest", "TextCompletion",
                                        "createCompletion"),
         "/generate": _generation("SGLang native generation", "GenerateRequest", "GenerateResponse", "generate"),
-        "/v1/responses": _generation("OpenAI response (stateless: nothing stored, text only)", "ResponsesRequest",
-                                     "Response", "createResponse",
+        "/v1/responses": _generation("OpenAI response (stateless: nothing stored; text and function tools)",
+                                     "ResponsesRequest", "Response", "createResponse",
                                      "typed server-sent events (`event:` and `data:` lines), the last "
                                      "`response.completed` or `response.incomplete`, no `[DONE]`"),
         "/v1/models": _get("listModels", "the served model", "generation",

@@ -1,19 +1,20 @@
-"""OpenAI's Responses API, ``POST /v1/responses``: stateless, text in, one message out.
+"""OpenAI's Responses API, ``POST /v1/responses``: stateless; text and function tools in, a message and calls out.
 
 The request becomes a chat request and runs as one (the chat template, the default budget, the same
 dispatch and checks): ``instructions`` is a system message in front of ``input`` (a string: one user
-message; a list: message items whose content is text or text parts), ``max_output_tokens`` the budget,
-``text.format`` structured output (``json_object`` or a flat ``json_schema``, as chat's ``response_format``).
-The answer is a ``response`` object with one output message (``status: incomplete`` with
-``incomplete_details.reason: max_output_tokens`` when the budget ran out). A stream is the API's typed
-events (``event:`` and ``data:`` lines, each with its ``sequence_number``): ``response.created``,
+message; a list: message items whose content is text or text parts, and function calls and their outputs,
+``gateway/responses_tools.py``), ``max_output_tokens`` the budget, ``text.format`` structured output
+(``json_object`` or a flat ``json_schema``, as chat's ``response_format``), ``tools``/``tool_choice`` chat's.
+The answer is a ``response`` object with an output message and a ``function_call`` item per call (``status:
+incomplete`` with ``incomplete_details.reason: max_output_tokens`` when the budget ran out). A stream is the
+API's typed events (``event:`` and ``data:`` lines, each with its ``sequence_number``): ``response.created``,
 ``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``, one
 ``response.output_text.delta`` per piece of text, then the ``...done`` events and ``response.completed``
 (or ``response.incomplete``) with the whole response and its usage; no ``[DONE]``. An error after the
 stream started is the gateway's usual error event (``data: {"error": ...}``, which OpenAI's SDKs raise).
 
 Nothing is stored: ``store`` is accepted and answered ``false``; ``previous_response_id`` and
-``conversation`` (which need stored state), tools, reasoning options, ``background``, ``include``,
+``conversation`` (which need stored state), hosted tools, reasoning options, ``background``, ``include``,
 ``top_logprobs`` and non-text input are a 400 naming the field rather than silently ignored.
 """
 
@@ -29,12 +30,23 @@ from gateway.api import Frontend, Prepared, now_s
 from gateway.api_models import ChatCompletionRequest, ChatMessage, Count, ModelName, Temperature, TopP
 from gateway.context import random_hex
 from gateway.errors import BadRequest
+from gateway.responses_tools import (
+    TOOL_ITEMS,
+    ToolStream,
+    call_messages,
+    chat_param,
+    chat_tools,
+    function_item,
+    split_answer,
+)
 from gateway.shapes import Run, Shape, usage
 from gateway.text import ChoiceState
+from gateway.tool_calls import ChoiceStream
 
 _json = msgspec.json.Encoder()
 INPUT_ROLES = ("user", "system", "developer", "assistant")
-_TEXT_PARTS = ("input_text", "output_text")  # (an assistant turn's own text comes back as output_text)
+# (an assistant turn's own text comes back as output_text, or a refusal's as refusal)
+_TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 # OpenAI's limits on ``metadata``
 MAX_METADATA = 16
 Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]],
@@ -56,7 +68,9 @@ class ResponsesRequest(msgspec.Struct):
     metadata: Metadata | None = None  # answered as sent
     store: bool | None = None  # accepted; nothing is stored (answered false)
     user: str | None = None
-    tool_choice: str | dict[str, Any] | None = None  # "none" or "auto" only (there are no tools)
+    # function tools (gateway/responses_tools.py): {"type": "function", "name", "description", "parameters", "strict"}
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "auto" | "none" | "required" | {"type": "function", "name"}
     parallel_tool_calls: bool | None = None
     truncation: str | None = None  # "disabled" only
     service_tier: str | None = None  # accepted, not used
@@ -66,7 +80,6 @@ class ResponsesRequest(msgspec.Struct):
     # not implemented: a 400 unless absent or neutral
     previous_response_id: str | None = None
     conversation: Any = None
-    tools: list[Any] | None = None
     reasoning: dict[str, Any] | None = None
     include: list[Any] | None = None
     background: bool | None = None
@@ -81,11 +94,9 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
         raise BadRequest(f"previous_response_id is not supported; {stored}", param="previous_response_id")
     if req.conversation is not None:
         raise BadRequest(f"conversation is not supported; {stored}", param="conversation")
-    if req.tools:
-        raise BadRequest("tools are not supported on /v1/responses; /v1/chat/completions takes function tools",
-                         param="tools")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise BadRequest("tool_choice must be 'none' or 'auto' (there are no tools)", param="tool_choice")
+    if req.max_tool_calls is not None:
+        raise BadRequest("max_tool_calls is not supported (parallel_tool_calls: false allows one call)",
+                         param="max_tool_calls")
     if req.reasoning and any(value is not None for value in req.reasoning.values()):
         raise BadRequest("reasoning options are not supported", param="reasoning")
     if req.include:
@@ -127,28 +138,35 @@ def _format(text: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]
                      param="text.format.type")
 
 
-def _messages(req: ResponsesRequest) -> list[ChatMessage]:
+def _messages(req: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]:
+    """The chat messages, and where each came from (``instructions``, ``input[i]``: a refusal's ``param``)."""
     messages = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
+    origins = ["instructions"] if req.instructions else []
     items = req.input
     if isinstance(items, str):
         if not items:
             raise BadRequest("input must not be empty", param="input")
         messages.append(ChatMessage(role="user", content=items))
-        return messages
+        return messages, [*origins, "input"]
     if not items:
         raise BadRequest("input is required: a string or a non-empty list of messages", param="input")
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise BadRequest("each input item must be an object (a message)", param=f"input[{i}]")
         kind = item.get("type", "message")
+        if kind in TOOL_ITEMS:
+            call_messages(messages, item, i)
+            origins += [f"input[{i}]"] * (len(messages) - len(origins))  # (a call may join the message before)
+            continue
         if kind != "message":
-            raise BadRequest(f"input items of type {kind!r} are not supported; only messages (text)",
-                             param=f"input[{i}].type")
+            raise BadRequest(f"input items of type {kind!r} are not supported; only messages, function_call and "
+                             "function_call_output", param=f"input[{i}].type")
         role = item.get("role")
         if role not in INPUT_ROLES:
             raise BadRequest(f"input[{i}].role must be one of {', '.join(INPUT_ROLES)}, got {role!r}",
                              param=f"input[{i}].role")
         content = item.get("content")
+        origins.append(f"input[{i}]")
         if isinstance(content, str):
             messages.append(ChatMessage(role=role, content=content))
             continue
@@ -158,14 +176,16 @@ def _messages(req: ResponsesRequest) -> list[ChatMessage]:
         parts = []
         for j, part in enumerate(content):
             part_kind = part.get("type") if isinstance(part, dict) else None
-            if part_kind not in _TEXT_PARTS:
-                raise BadRequest(f"content parts of type {part_kind!r} are not supported; only input_text and "
-                                 "output_text", param=f"input[{i}].content[{j}].type")
-            if not isinstance(part.get("text"), str):
-                raise BadRequest("a text part needs a string text", param=f"input[{i}].content[{j}].text")
-            parts.append({"type": "text", "text": part["text"]})
+            field = _TEXT_PARTS.get(part_kind) if isinstance(part_kind, str) else None
+            if field is None:
+                raise BadRequest(f"content parts of type {part_kind!r} are not supported; only input_text, "
+                                 "output_text and refusal", param=f"input[{i}].content[{j}].type")
+            if not isinstance(part.get(field), str):
+                raise BadRequest(f"a {part_kind} part needs a string {field}",
+                                 param=f"input[{i}].content[{j}].{field}")
+            parts.append({"type": "text", "text": part[field]})
         messages.append(ChatMessage(role=role, content=parts))
-    return messages
+    return messages, origins
 
 
 # chat's names -> this route's (a prefix of a refusal's ``param``, a word of its message)
@@ -173,23 +193,22 @@ _NAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format.json
           ("response_format", "text.format"), ("messages", "input"))
 
 
-def _ours(param: str, shift: int) -> str:
-    """Chat's name for a field -> this route's; ``shift``: messages in front of ``input``'s (``instructions``)."""
+def _ours(param: str, origins: list[str]) -> str:
+    """Chat's name for a field -> this route's; ``origins``: where each chat message came from (``_messages``)."""
     for chat, ours in _NAMES:
         if param.startswith(chat):
             rest = param[len(chat):]
-            if chat == "messages" and rest.startswith("["):  # messages[k] -> input[k - shift]
+            if chat == "messages" and rest.startswith("["):  # messages[k]... -> input[i]... (or instructions)
                 index, _, tail = rest[1:].partition("]")
-                if int(index) < shift:
-                    return "instructions"
-                rest = f"[{int(index) - shift}]{tail}"
+                origin = origins[int(index)] if index.isdigit() and int(index) < len(origins) else "input"
+                return origin if origin == "instructions" else origin + tail
             return ours + rest
-    return param
+    return chat_param(param)
 
 
-def _renamed(exc: BadRequest, shift: int) -> BadRequest:
+def _renamed(exc: BadRequest, origins: list[str]) -> BadRequest:
     if exc.param is not None:
-        exc.param = _ours(exc.param, shift)
+        exc.param = _ours(exc.param, origins)
     for chat, ours in _NAMES[:3]:
         exc.message = exc.message.replace(chat, ours)
     return exc
@@ -204,23 +223,25 @@ class ResponsesShape(Shape):
     def prepare(self, frontend: Frontend, req: Any) -> tuple[Prepared, str | None]:
         _refuse_unsupported(req)
         fmt, response_format = _format(req.text)
-        messages = _messages(req)
+        messages, origins = _messages(req)
+        tools, tool_choice = chat_tools(req.tools, req.tool_choice)
         chat = ChatCompletionRequest(model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens,
                                      temperature=req.temperature, top_p=req.top_p, stream=req.stream,
-                                     response_format=response_format, user=req.user)
+                                     response_format=response_format, user=req.user, tools=tools,
+                                     tool_choice=tool_choice, parallel_tool_calls=req.parallel_tool_calls)
         try:
             prep = frontend.prepare_chat(chat)
         except BadRequest as exc:
-            raise _renamed(exc, 1 if req.instructions else 0) from None
+            raise _renamed(exc, origins) from None
         prep.max_tokens_param = "max_output_tokens"  # (a worker's refusal of the budget)
         grammar = prep.params.grammar
         if grammar is not None:  # (a worker's refusal of the format names it by its param)
-            prep.params.grammar = msgspec.structs.replace(grammar, param=_ours(grammar.param, 0))
+            prep.params.grammar = msgspec.structs.replace(grammar, param=_ours(grammar.param, origins))
         prep.echo_fields = {
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls is not False,
             "temperature": 1.0 if req.temperature is None else req.temperature,
-            "text": {"format": fmt}, "tool_choice": req.tool_choice or "auto",
+            "text": {"format": fmt}, "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
             "top_p": 1.0 if req.top_p is None else req.top_p, "user": req.user,
         }
         return prep, f"resp_{random_hex()}"  # (OpenAI's spelling of its ids: resp_..., msg_...)
@@ -244,7 +265,7 @@ class ResponsesShape(Shape):
             "id": run.rid, "object": "response", "created_at": run.created, "status": status, "background": False,
             "error": None, "incomplete_details": None, "model": run.frontend.model_name, "output": output,
             "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
-            "store": False, "tools": [], "truncation": "disabled", "usage": None, **echo,
+            "store": False, "truncation": "disabled", "usage": None, **echo,
         }
         if state is not None:
             if state.finish_reason == "length":
@@ -269,7 +290,13 @@ class ResponsesShape(Shape):
 
     def whole(self, run: Run, choices: list[ChoiceState]) -> dict[str, Any]:
         state = choices[0]
-        return self._response(run, "completed", [self._message(run, state.text, self._item_status(state))], state)
+        plan = run.prep.tools
+        if plan is None:
+            return self._response(run, "completed", [self._message(run, state.text, self._item_status(state))],
+                                  state)
+        content, calls, _ = split_answer(plan, state.text, state.finish_reason)  # (gateway/responses_tools.py)
+        output = [self._message(run, content, self._item_status(state))] if content else []
+        return self._response(run, "completed", output + [function_item(call) for call in calls], state)
 
     # -- the stream's events -----------------------------------------------------------------------------
 
@@ -320,6 +347,10 @@ class ResponsesShape(Shape):
         ))
 
     async def events(self, run: Run) -> AsyncGenerator[bytes, None]:
+        if run.prep.tools is not None:
+            async for events in self._tool_events(run):
+                yield events
+            return
         last: ChoiceState | None = None
         opened = run.opened
         async for state, text, _ in run.frontend.run_choices(run.prep, run.emitter):
@@ -333,3 +364,30 @@ class ResponsesShape(Shape):
                 yield chunk
         if last is not None:
             yield self._closing(run, last)
+
+    async def _tool_events(self, run: Run) -> AsyncGenerator[bytes, None]:
+        """A stream with tools: chat's deltas (text, or a call's arguments as they come) as output items' events."""
+        plan = run.prep.tools
+        assert plan is not None
+        chat = ChoiceStream(plan)
+        items = ToolStream(lambda kind, fields: self._event(run, kind, fields),
+                           lambda text, status: self._message(run, text, status), self._message_id(run))
+        opening = self._response(run, "in_progress", [], None)
+        head = [self._event(run, "response.created", {"response": opening}),
+                self._event(run, "response.in_progress", {"response": opening})]
+        last: ChoiceState | None = None
+        async for state, text, _ in run.frontend.run_choices(run.prep, None):  # (no direct path: deltas held back)
+            last = state
+            deltas = chat.feed(text)
+            if state.finish_reason is not None:
+                deltas += chat.finish(state.finish_reason)[0]
+            events = items.feed(deltas)
+            if head:
+                events, head = head + events, []
+            if events:
+                yield b"".join(events)
+        if last is None:
+            return
+        closing = items.finish(self._item_status(last))  # (cut by the budget: the items as far as they went)
+        whole = self._response(run, "completed", items.items, last)
+        yield b"".join([*head, *closing, self._event(run, f"response.{whole['status']}", {"response": whole})])

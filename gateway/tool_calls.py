@@ -411,7 +411,7 @@ def shape_choices(plan: ToolPlan, result: dict[str, Any]) -> None:
             choice["finish_reason"] = "tool_calls"
 
 
-class _ChoiceStream:
+class ChoiceStream:
     """One streamed choice's text -> deltas: a forced call's arguments as they come, else held back."""
 
     def __init__(self, plan: ToolPlan) -> None:
@@ -501,12 +501,12 @@ async def tool_events(run: Any, chunk: Callable[..., bytes], usage: Callable[...
     """A streamed chat completion with tools (``ChatShape.events`` for ``prep.tools``)."""
     prep = run.prep
     plan: ToolPlan = prep.tools
-    streams: dict[int, _ChoiceStream] = {}
+    streams: dict[int, ChoiceStream] = {}
     states: dict[int, Any] = {}
     held: dict[int, list[dict[str, Any]]] = {}  # logprob entries of text not sent yet: they go with the next chunk
     async for state, text, entries in run.frontend.run_choices(prep, None):
         first = state.index not in streams
-        stream = streams.setdefault(state.index, _ChoiceStream(plan))
+        stream = streams.setdefault(state.index, ChoiceStream(plan))
         states[state.index] = state
         deltas = stream.feed(text)
         if first:

@@ -73,11 +73,23 @@ def test_the_raw_stream_names_each_event_and_ends_without_done(sim_cluster) -> N
     cluster.wait_pools_full()
 
 
+FN = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+      "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
-    ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]},
+     "tools[0].parameters"),
+    ({"input": "x", "tools": [FN], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+    ({"input": "x", "tools": [FN], "tool_choice": "required"}, "tools"),  # (the sim: no constrained decoding)
     ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+    ({"input": "x", "max_tool_calls": 2}, "max_tool_calls"),
+    ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, "input[0].name"),
+    ({"input": [{"role": "user", "content": "a"}, {"type": "function_call_output", "call_id": "c", "output": "1"}]},
+     "input[1].call_id"),  # (an output that answers no call)
+    ({"input": [{"role": "assistant", "content": [{"type": "refusal"}]}]}, "input[0].content[0].refusal"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
     ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
     ({"input": "x", "background": True}, "background"),
@@ -90,7 +102,6 @@ REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input[0].content[0].type"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]}, "input[1].role"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "temperature": 3}, "temperature"),
@@ -129,4 +140,29 @@ def test_a_client_leaving_mid_stream_returns_the_pages(sim_cluster) -> None:  # 
             if seen >= 3:
                 break
     time.sleep(0.2)
+    cluster.wait_pools_full()
+
+
+def test_function_calls_and_their_outputs_continue_the_conversation(sim_cluster) -> None:  # type: ignore[no-untyped-def]
+    """A conversation replayed with its calls (``function_call``) and their results (``function_call_output``), and
+    an assistant's refusal: the model sees them all (a longer prompt), the tools and the answer come back."""
+    cluster = sim_cluster()
+    client = _client(cluster)
+    turns: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+    plain = client.responses.create(model="default", input=turns, max_output_tokens=2, tools=[FN])
+    turns += [{"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+              {"type": "function_call_output", "call_id": "call_1", "output": '{"sky": "sunny"}'},
+              {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot say more."}]},
+              {"role": "user", "content": "Thanks"}]
+    longer = client.responses.create(model="default", input=turns, max_output_tokens=2, tools=[FN])
+    assert plain.usage is not None and longer.usage is not None
+    assert longer.usage.input_tokens > plain.usage.input_tokens + 20
+    assert [t.name for t in longer.tools] == ["get_weather"]  # type: ignore[union-attr]
+    assert longer.output and longer.output[0].type == "message"  # (the sim wrote no call: text)
+    events = list(client.responses.create(model="default", input=turns, max_output_tokens=3, tools=[FN],
+                                          stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    assert events[-1].response.output_text == "".join(  # type: ignore[union-attr]
+        e.delta for e in events if e.type == "response.output_text.delta")
     cluster.wait_pools_full()

@@ -307,3 +307,64 @@ def test_responses_api_text_format_is_structured_output(deployment: SmolDeployme
     assert isinstance(parsed.output_parsed, City), parsed.output_text
     jsonschema_rs.validate(CITY_SCHEMA, json.loads(parsed.output_text))
     wait_pools_full(deployment.workers)
+
+
+RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in (WEATHER_TOOL, TIME_TOOL)]  # (flat, as /v1/responses)
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "name": "get_weather"}, "required"])
+def test_responses_api_forced_function_call(deployment: SmolDeployment, tool_choice: Any) -> None:
+    """``/v1/responses`` with function tools runs chat's: a forced call is chat's call, as a ``function_call`` output
+    item (whole, and streamed as its arguments come); its output fed back continues as chat's conversation does."""
+    chat_choice = {"type": "function", "function": {"name": tool_choice["name"]}} \
+        if isinstance(tool_choice, dict) else tool_choice
+    expected = chat(deployment.pd_url, WEATHER_QUESTION, max_tokens=40, temperature=0, tools=[WEATHER_TOOL, TIME_TOOL],
+                    tool_choice=chat_choice).choices[0].message.tool_calls[0]
+    c = client(deployment.pd_url)
+    kw: dict[str, Any] = {"model": "default", "input": WEATHER_QUESTION, "max_output_tokens": 40, "temperature": 0,
+                          "tools": RESPONSE_TOOLS, "tool_choice": tool_choice}
+    whole = c.responses.create(**kw)
+    assert whole.status == "completed" and [t.name for t in whole.tools] == ["get_weather", "get_time"]
+    (call,) = [item for item in whole.output if item.type == "function_call"]
+    assert (call.name, call.arguments) == (expected.function.name, expected.function.arguments)
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_") and call.status == "completed"
+    events = list(c.responses.create(**kw, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"], kinds
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done",
+                          "response.completed"], kinds
+    streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert streamed == events[-3].arguments == call.arguments  # type: ignore[union-attr]
+    final_calls = [item for item in events[-1].response.output if item.type == "function_call"]  # type: ignore[union-attr]
+    assert [(f.name, f.arguments) for f in final_calls] == [(call.name, call.arguments)]
+
+    # the call and its result fed back: the answer chat gives the same conversation
+    result = '{"temperature": 21, "sky": "sunny"}'
+    messages = [{"role": "user", "content": WEATHER_QUESTION},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": result}]
+    as_chat = client(deployment.pd_url).chat.completions.create(
+        model="default", messages=messages, tools=[WEATHER_TOOL], tool_choice="none", max_tokens=24, temperature=0)
+    follow = c.responses.create(model="default", tools=[RESPONSE_TOOLS[0]], tool_choice="none", max_output_tokens=24,
+                                temperature=0, input=[
+                                    {"role": "user", "content": WEATHER_QUESTION},
+                                    {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                                     "arguments": '{"city": "Paris", "unit": "celsius"}'},
+                                    {"type": "function_call_output", "call_id": "call_1", "output": result}])
+    assert follow.output_text == as_chat.choices[0].message.content and follow.output_text
+    wait_pools_full(deployment.workers)
+
+
+def test_responses_api_auto_tools_answer_as_chat(deployment: SmolDeployment) -> None:
+    """Unconstrained (``auto``): whatever the model wrote, the Responses answer is chat's (text, or calls)."""
+    pd = chat(deployment.pd_url, WEATHER_QUESTION, max_tokens=40, temperature=0,
+              tools=[WEATHER_TOOL, TIME_TOOL]).choices[0]
+    c = client(deployment.pd_url)
+    kw: dict[str, Any] = {"model": "default", "input": WEATHER_QUESTION, "max_output_tokens": 40, "temperature": 0,
+                          "tools": RESPONSE_TOOLS}
+    for response in (c.responses.create(**kw), list(c.responses.create(**kw, stream=True))[-1].response):
+        calls = [(i.name, i.arguments) for i in response.output if i.type == "function_call"]
+        assert calls == [(t.function.name, t.function.arguments) for t in pd.message.tool_calls or []]
+        assert response.output_text == (pd.message.content or "")
