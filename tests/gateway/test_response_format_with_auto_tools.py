@@ -13,7 +13,7 @@ from gateway.api import Frontend, decode_body
 from gateway.api_models import ChatCompletionRequest
 from gateway.errors import BadRequest
 from gateway.tokenizer import ByteTokenizer
-from gateway.tool_calls import _ChoiceStream, shape_choices
+from gateway.tool_calls import ChoiceStream, shape_choices
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -38,7 +38,7 @@ def test_a_streamed_answer_in_the_format_is_not_held_to_its_end() -> None:
     assert prep.params.grammar is not None and prep.params.grammar.param.startswith("response_format")
     if prep.tools is None:
         return  # (served as plain chat: nothing held)
-    stream = _ChoiceStream(prep.tools)
+    stream = ChoiceStream(prep.tools)
     deltas = [d for piece in ['{"answer": "', "It is ", "sunny", '"}'] for d in stream.feed(piece)]
     assert deltas, "nothing of the structured answer streamed before its end"
 

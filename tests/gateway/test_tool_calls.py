@@ -11,7 +11,7 @@ import pytest
 
 from gateway.api_models import ChatCompletionRequest
 from gateway.errors import BadRequest
-from gateway.tool_calls import _ChoiceStream, parse_calls, plan_tools, shape_choices
+from gateway.tool_calls import ChoiceStream, parse_calls, plan_tools, shape_choices
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -23,7 +23,7 @@ def req(tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool | 
     return SimpleNamespace(tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
 
 
-def feed(stream: _ChoiceStream, text: str, finish: str = "stop", size: int = 3) -> tuple[list[dict[str, Any]], Any]:
+def feed(stream: ChoiceStream, text: str, finish: str = "stop", size: int = 3) -> tuple[list[dict[str, Any]], Any]:
     deltas: list[dict[str, Any]] = []
     for i in range(0, len(text), size):
         deltas += stream.feed(text[i : i + size])
@@ -67,7 +67,7 @@ def test_streamed_required_call_equals_the_whole_answer() -> None:
     plan = plan_tools(req([WEATHER, TIME], "required"), None)
     assert plan is not None
     text = '{"name": "get_weather", "arguments": {"city": "Paris \\"15e\\""}}'
-    deltas, reason = feed(_ChoiceStream(plan), text)
+    deltas, reason = feed(ChoiceStream(plan), text)
     assert reason == "tool_calls"
     calls = merged_calls(deltas)
     assert list(calls) == [0] and calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
@@ -83,13 +83,13 @@ def test_a_required_call_cut_before_its_arguments_streams_what_the_whole_answer_
     plan = plan_tools(req([WEATHER, TIME], "required"), None)
     assert plan is not None
     text = '{"name": "get_wea'
-    deltas, reason = feed(_ChoiceStream(plan), text, finish="length")
+    deltas, reason = feed(ChoiceStream(plan), text, finish="length")
     result = {"choices": [{"message": {"role": "assistant", "content": text}, "finish_reason": "length"}]}
     shape_choices(plan, result)
     assert reason == "length" == result["choices"][0]["finish_reason"]
     assert "".join(d.get("content") or "" for d in deltas) == result["choices"][0]["message"]["content"] == text
     compact = '{"name":"get_time","arguments":{}}'  # not the grammar's spacing: still the call a whole answer has
-    deltas, reason = feed(_ChoiceStream(plan), compact)
+    deltas, reason = feed(ChoiceStream(plan), compact)
     assert reason == "tool_calls" and merged_calls(deltas)[0]["name"] == "get_time"
     assert json.loads(merged_calls(deltas)[0]["arguments"]) == {}
 
@@ -97,9 +97,9 @@ def test_a_required_call_cut_before_its_arguments_streams_what_the_whole_answer_
 def test_named_call_streams_its_arguments_and_a_cut_answer_keeps_length() -> None:
     plan = plan_tools(req([WEATHER], {"type": "function", "function": {"name": "get_weather"}}), None)
     assert plan is not None
-    deltas, reason = feed(_ChoiceStream(plan), '{"city": "Oslo"}')
+    deltas, reason = feed(ChoiceStream(plan), '{"city": "Oslo"}')
     assert reason == "tool_calls" and merged_calls(deltas)[0]["arguments"] == '{"city": "Oslo"}'
-    _, reason = feed(_ChoiceStream(plan), '{"city": "Os', finish="length")
+    _, reason = feed(ChoiceStream(plan), '{"city": "Os', finish="length")
     assert reason == "length"
 
 
@@ -118,7 +118,7 @@ def test_a_forced_call_cut_short_is_not_reported_complete() -> None:
     for plan, text, args in [(named, '{"city": "Paris"', '{"city": "Paris"'),
                              (required, '{"name": "get_weather", "arguments": {"city": "Pa', '{"city": "Pa')]:
         for finish in ("stop", "length"):
-            deltas, reason = feed(_ChoiceStream(plan), text, finish=finish)
+            deltas, reason = feed(ChoiceStream(plan), text, finish=finish)
             choice = whole(plan, text, finish)
             assert reason == finish == choice["finish_reason"], (plan.mode, finish)
             assert merged_calls(deltas)[0]["arguments"] == args, (plan.mode, finish)
@@ -131,7 +131,7 @@ def test_a_forced_call_cut_short_is_not_reported_complete() -> None:
     for text, finish, reason in [(complete, "length", "length"), (complete + "\n", "stop", "tool_calls"),
                                  (complete + " \n", "length", "length")]:
         for size in (1, 3, 7):
-            deltas, got = feed(_ChoiceStream(required), text, finish=finish, size=size)
+            deltas, got = feed(ChoiceStream(required), text, finish=finish, size=size)
             choice = whole(required, text, finish)
             assert got == reason == choice["finish_reason"], (text, finish, size)
             assert merged_calls(deltas)[0]["arguments"] == '{"city": "Paris"}', (text, finish, size)
@@ -179,13 +179,13 @@ def test_auto_parses_the_models_own_format_and_streams_plain_text() -> None:
             '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
     calls = parse_calls(plan, text)
     assert calls is not None and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
-    deltas, reason = feed(_ChoiceStream(plan), text)
+    deltas, reason = feed(ChoiceStream(plan), text)
     assert reason == "tool_calls" and [c["name"] for c in merged_calls(deltas).values()] == ["get_weather",
                                                                                              "get_time"]
-    deltas, reason = feed(_ChoiceStream(plan), "It is sunny in Rome.")
+    deltas, reason = feed(ChoiceStream(plan), "It is sunny in Rome.")
     assert reason == "stop" and "".join(d.get("content") or "" for d in deltas) == "It is sunny in Rome."
     assert len(deltas) > 2, "plain text streams as it comes"
-    deltas, reason = feed(_ChoiceStream(plan), "<tool_call>{not json</tool_call>")
+    deltas, reason = feed(ChoiceStream(plan), "<tool_call>{not json</tool_call>")
     assert reason == "stop" and deltas[-1]["content"] == "<tool_call>{not json</tool_call>"
     assert parse_calls(plan, '{"name": "unknown", "arguments": {}}') is None
 
@@ -205,7 +205,7 @@ def test_parallel_tool_calls_false_answers_the_first_call_alone() -> None:
         choice = result["choices"][0]
         assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == names
         assert choice["finish_reason"] == "tool_calls"
-        deltas, reason = feed(_ChoiceStream(plan), text)
+        deltas, reason = feed(ChoiceStream(plan), text)
         assert reason == "tool_calls" and [c["name"] for c in merged_calls(deltas).values()] == names
     with pytest.raises(msgspec.ValidationError):  # (a 400 naming it on the route)
         msgspec.convert({"messages": [], "parallel_tool_calls": "no"}, ChatCompletionRequest)
@@ -232,7 +232,7 @@ def test_auto_hermes_text_before_a_call_streams_as_the_whole_answer_has_it(text:
     exactly what the whole answer holds (content, calls, finish reason)."""
     plan = plan_tools(req([WEATHER, TIME]), HERMES_TEMPLATE)
     assert plan is not None
-    deltas, reason = feed(_ChoiceStream(plan), text, finish=finish, size=size)
+    deltas, reason = feed(ChoiceStream(plan), text, finish=finish, size=size)
     result: dict[str, Any] = {"choices": [{"message": {"role": "assistant", "content": text},
                                            "finish_reason": finish}]}
     shape_choices(plan, result)
@@ -258,7 +258,7 @@ def test_auto_an_answer_that_only_looked_like_a_call_start_is_not_lost(answer: s
     for hermes in (HERMES_TEMPLATE, None):
         plan = plan_tools(req([WEATHER]), hermes)
         assert plan is not None
-        deltas, reason = feed(_ChoiceStream(plan), answer, size=1)
+        deltas, reason = feed(ChoiceStream(plan), answer, size=1)
         assert reason == "stop" and "".join(d.get("content") or "" for d in deltas) == answer
 
 
@@ -335,7 +335,7 @@ def test_a_required_call_with_non_ascii_arguments_reads_the_same_whole_and_strea
     plan = plan_tools(req([WEATHER, TIME], "required"), None)
     assert plan is not None
     text = '{"name": "get_weather", "arguments": {"city": "Zürich", "n": 1e400, "k": 1.50}}'
-    deltas, reason = feed(_ChoiceStream(plan), text)
+    deltas, reason = feed(ChoiceStream(plan), text)
     streamed = merged_calls(deltas)[0]["arguments"]
     result = {"choices": [{"message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
     shape_choices(plan, result)
