@@ -71,6 +71,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
 MAX_BACKOFF_S = 2.0
+DONE_GRACE_S = 1.0  # a stream's body end waited for past its [DONE] (``_stream``)
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
 
@@ -494,6 +495,7 @@ class SGLangResponder:
         if status == 200:
             figures.first_event()
         last = None  # (the newest events other than a lone [DONE]: the figures' source)
+        ended = False  # its ``[DONE]`` was relayed: the answer is whole, whatever its connection does next
         try:
             while True:
                 if events:
@@ -501,13 +503,21 @@ class SGLangResponder:
                         last = events
                     await send({"type": "http.response.body", "more_body": True,
                                 "body": events if logprobs is None else _merge_events(logprobs, events)})
-                async with asyncio.timeout(idle_s):
+                    ended = ended or events.rstrip().endswith(b"data: [DONE]")
+                # (after its [DONE], the body's end is waited for only briefly: it keeps the connection reusable)
+                async with asyncio.timeout(min(idle_s, DONE_GRACE_S) if ended else idle_s):
                     chunk = await reply.content.readany()
                 if not chunk:
                     break
                 events, boundary, pending = (pending + chunk).rpartition(b"\n\n")
                 events += boundary
         except (aiohttp.ClientError, TimeoutError) as exc:
+            if ended:  # (broken or silent after its [DONE]: no error event after the end, no failure of the decode's)
+                log.debug("%s: the SGLang decode worker's stream did not end cleanly after its [DONE]: %r",
+                          self.route, exc)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                figures.answered(_last_event(last) if last is not None else None, streamed=True)
+                return status
             timed_out = isinstance(exc, TimeoutError)
             why = f"sent nothing for {idle_s:g}s" if timed_out else f"broke: {type(exc).__name__}: {exc}"
             log.warning("%s: the SGLang decode worker's stream %s", self.route, why)
