@@ -35,8 +35,10 @@ requests run without a peer) is refused with a 400: our workers always move real
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -193,12 +195,30 @@ class RelayDispatcher:
             raise BadRequest(f"bootstrap_port must be a TCP port or null, got {port!r}", param="bootstrap_port")
         if host is not None and not isinstance(host, str):
             raise BadRequest(f"bootstrap_host must be a string, got {host!r}", param="bootstrap_host")
+        if host and not _is_host(host.strip("[]")):  # (else a decode's registry look-up failed it as a 502)
+            raise BadRequest(f"bootstrap_host must be a host name or an IP address, got {host!r}",
+                             param="bootstrap_host")
         if host == FAKE_BOOTSTRAP_HOST:
             raise BadRequest("the fake bootstrap host (a peer-less warm-up) is not supported: our workers always "
                              "move real KV", param="bootstrap_host")
         if self.role == "decode" and not host:
             raise BadRequest("a decode worker needs bootstrap_host: the prefill's host", param="bootstrap_host")
         return BootstrapTarget(host.strip("[]") if host else "", port, room)
+
+
+_HOST_NAME = re.compile(r"(?!-)[\w-]+(?:\.(?!-)[\w-]+)*\.?")
+
+
+def _is_host(host: str) -> bool:
+    """``host`` (its brackets taken off) is a host name, an IPv4 address or an IPv6 literal (with a zone, if any):
+    nothing a registry URL built from it would read as a port, a path, a query or credentials."""
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return False
+        return True
+    return len(host) <= 253 and _HOST_NAME.fullmatch(host) is not None
 
 
 def _item(value: Any, choice: int, name: str) -> Any:
