@@ -207,6 +207,9 @@ class RelayDispatcher:
 
 
 _HOST_NAME = re.compile(r"(?!-)[\w-]+(?:\.(?!-)[\w-]+)*\.?")
+# an IPv6 zone: an interface name (at most 15 bytes) or index (``ipaddress`` takes any text after "%"; in the
+# registry's URL, "@", "?", "#" or "/" there would read as credentials, a query, a fragment or a path)
+_ZONE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,14}")
 
 
 def _is_host(host: str) -> bool:
@@ -214,10 +217,10 @@ def _is_host(host: str) -> bool:
     nothing a registry URL built from it would read as a port, a path, a query or credentials."""
     if ":" in host:
         try:
-            ipaddress.IPv6Address(host)
+            zone = ipaddress.IPv6Address(host).scope_id
         except ValueError:
             return False
-        return True
+        return zone is None or _ZONE.fullmatch(zone) is not None
     return len(host) <= 253 and _HOST_NAME.fullmatch(host) is not None
 
 
