@@ -135,7 +135,9 @@ def header_text(headers: Headers, name: bytes) -> str:
 def _bearer(headers: Headers) -> bytes:
     value = header_text(headers, b"authorization")
     scheme, _, token = value.partition(" ")
-    return token.strip().encode("latin-1") if scheme.lower() == "bearer" else b""
+    # (only HTTP's white space: ``str.strip`` on the latin-1 text would also take 0x85 and 0xa0, bytes that end UTF-8
+    # characters, off a key such as "voilà")
+    return token.strip(" \t").encode("latin-1") if scheme.lower() == "bearer" else b""
 
 
 def _key_ok(given: bytes, keys: Sequence[bytes]) -> bool:

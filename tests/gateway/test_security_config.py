@@ -112,3 +112,14 @@ def test_a_key_that_could_never_match_stops_the_gateway(key: str) -> None:
         with pytest.raises(ValueError, match="white space"):
             GatewayConfig(prefill=("pd://127.0.0.1:1",), decode=("pd://127.0.0.1:2",), **{field: (key,)})
     GatewayConfig(prefill=("pd://127.0.0.1:1",), decode=("pd://127.0.0.1:2",), api_keys=("a key with spaces",))
+
+
+@pytest.mark.parametrize("key", ["voilà", "są", "k\u00a0k"])
+def test_a_utf8_key_is_read_whole_from_the_header(key: str) -> None:
+    """A key's UTF-8 bytes may end in 0x85 or 0xa0 (à, …): the header's key is read without HTTP's white space
+    (space, tab) only, or such a key, accepted at start, was a 401 on every request."""
+    from gateway.middleware import _bearer
+
+    raw = key.encode()
+    assert _bearer([(b"authorization", b"Bearer " + raw + b" ")]) == raw
+    assert _bearer([(b"authorization", b"Bearer \t" + raw)]) == raw
