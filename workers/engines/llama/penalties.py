@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.engines.base import SeqInput, banned_by_min_tokens, needs_history
+from workers.engines.llama.sampling import GREEDY_TEMPERATURE
 
 MAX_RECORDS = 1024  # penalised sequences whose counts are kept at once
 
@@ -138,9 +139,16 @@ class LogitAdjuster:
         scores = flat.index_select(0, at)
         counts = self._counts.view(-1).index_select(0, per_token[:, 1].long() + cols)
         repetition, frequency, presence = per_token[:, 2:].to(torch.float32).unbind(1)
-        scores = torch.where(scores > 0, scores / repetition, scores * repetition)  # every seen token
-        scores = scores - counts * frequency - (counts > 0).to(torch.float32) * presence
-        flat.index_copy_(0, at, scores)
+        penalised = torch.where(scores > 0, scores / repetition, scores * repetition)  # every seen token
+        penalised = penalised - counts * frequency - (counts > 0).to(torch.float32) * presence
+        # A penalty the API accepts can overflow float32 (a logit of 30 / 1e-40 is inf; 0 * a penalty of 1e39,
+        # inf in float32, is NaN): such a score takes the end its sign points to (the formula's limit) of the range
+        # that stays finite through any non-greedy temperature, else the row has no finite maximum and its
+        # request fails. A score that was not finite stays so.
+        limit = torch.finfo(torch.float32).max * GREEDY_TEMPERATURE  # (``filtered_logits`` divides by it)
+        overflow = torch.isfinite(scores) & ~(penalised.abs() <= limit)  # (NaN too; no ``any()``: no device sync)
+        penalised = torch.where(overflow, torch.sign(scores) * limit, penalised)
+        flat.index_copy_(0, at, penalised)
 
     def _sync(self, seqs: list[SeqInput]) -> list[int]:
         """Bring every sequence's record up to its history; their slots, in order."""
