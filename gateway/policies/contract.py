@@ -13,7 +13,8 @@ or from the shell, for any installed policy (options as on the gateway's command
 one). The checks call ``select`` on synthetic snapshots (``FakeWorker`` views with varied load and
 cache contents) and the hooks the policy defines, and verify that the policy:
 
-1. returns a ``Pair`` whose members come from the lists it was given (by identity);
+1. returns a ``Pair`` whose members come from the lists it was given (by identity; tuples, as the gateway gives
+   them: a policy cannot sort or trim them in place);
 2. never returns a worker it was not given, even one it favoured before: removed (``on_worker_removed``
    called) or unhealthy, draining or avoided by a retry (it just leaves the lists, no hook called);
 3. works with one worker per role;
@@ -81,7 +82,10 @@ class FakeLookup:
         return {url: min(n, len(hashes)) for url, n in self.pages_by_url.items()}
 
 
-def random_pool(rng: random.Random, num_prefill: int, num_decode: int) -> tuple[list[FakeWorker], list[FakeWorker]]:
+def random_pool(rng: random.Random, num_prefill: int, num_decode: int) -> tuple[tuple[FakeWorker, ...],
+                                                                                 tuple[FakeWorker, ...]]:
+    """Prefills and decodes as the gateway gives them to ``select``: tuples (``Router.pick``), so that a policy
+    which sorts or trims its lists in place fails here, as every request of its would in the gateway."""
     def worker(role: str, i: int) -> FakeWorker:
         total = rng.choice([256, 1024, 4096])
         running = rng.randrange(0, 32)
@@ -94,7 +98,8 @@ def random_pool(rng: random.Random, num_prefill: int, num_decode: int) -> tuple[
             is_load_fresh=rng.random() > 0.1,
         )
 
-    return [worker("prefill", i) for i in range(num_prefill)], [worker("decode", i) for i in range(num_decode)]
+    return (tuple(worker("prefill", i) for i in range(num_prefill)),
+            tuple(worker("decode", i) for i in range(num_decode)))
 
 
 def random_request(rng: random.Random, prefills: Sequence[FakeWorker]) -> RequestInfo:
