@@ -58,9 +58,10 @@ log = logging.getLogger(__name__)
 
 _SCRATCH_BYTES = 64
 ENGINE_MAX_ENTRIES = 2048  # entries Mooncake's tcp transport accepts in flight to one target (lifecycle note)
+_ENGINE_QUEUE_ENTRIES = 1024  # of those, the ones it queues at once (the rest wait for admission, at most 1 s)
 RDMA_TURN_BYTES = 32 << 20  # ``turn_bytes`` over rdma (not measured here: no RDMA on this machine)
 _PROBE_WAIT_S = 1.0  # send_probe blocks ~60 s on a frozen peer: give up waiting after this
-# After a re-send of a timed-out batch completed (``MooncakeBackend._drain``): a connection that carried a timed-out
+# After a re-send of a failed batch completed (``MooncakeBackend._drain``): a connection that carried a timed-out
 # call retransmits at the latest its backoff's interval later, which is at most the time since it first sent (plus
 # the first timeout) and at most TCP's RTO_MAX; then its bytes land within a margin.
 _FIRST_RTO_S = 1.0  # (a SYN's first retransmission timeout; a data segment's is at least 0.2 s)
@@ -289,10 +290,11 @@ class MooncakeBackend(PeerThreadBackend):
             if isinstance(rc, TransferError):
                 return rc
             if rc != 0:
+                # (not only a timeout: the engine answers -1 as soon as one slice failed, while the others go on;
+                # measured: a batch of more than 1024 entries to a decode stalled for a second fails after 1 s, the
+                # tcp lanes' admission timeout, and the slices the lanes had in hand land once the decode runs)
                 error = self._classify(peer.label, rc, time.monotonic() - started, timeout_s)
-                if error.kind == TransferErrorKind.TIMEOUT:
-                    return self._drain(peer, part, error, started)
-                return error
+                return self._drain(peer, part, error, started)
         return peer.dead
 
     def _call(self, peer: SenderPeer, part: list[Block], fence: Fence | None) -> int | TransferError:
@@ -327,21 +329,26 @@ class MooncakeBackend(PeerThreadBackend):
         return rc
 
     def _drain(self, peer: SenderPeer, part: list[Block], error: TransferError, began: float) -> TransferError:
-        """The engine timed ``part`` out, but its timeout does not stop the batch: the engine goes on moving it,
-        and every byte lands once the target runs again (a frozen decode resumed, a path that cleared; measured
-        with 0.3.13.post1 over tcp: 256 MiB landed after -1). A decode that does not fence writes frees a room's
-        pages once told its writes are over, so the write stays in flight until the batch is: the same bytes are
-        sent again (harmless: the same source into the same pages, still the room's) until a call completes. That
-        call's bytes do not follow the timed-out ones on one connection: they go over connections of their own,
-        fresh while the timed-out calls' (``began``: the first of them) backed their retransmissions off on the
-        dark path (measured: a whole timed-out batch landed 7 s after a re-send completed). So the write ends only
-        once those retransmit too: at most as long after the path cleared as they had been sending (TCP doubles
-        the wait each time), at most TCP's RTO_MAX. Writes queued behind it fail now (nothing of them is on the
-        wire). Ends early only when the peer is dropped."""
-        stalled = f"mooncake: the data path to {peer.label} stalled behind another room's write"
+        """The engine failed a batch (timed it out, or failed one of its slices), but that does not stop the
+        batch: the engine goes on moving the rest of it, and those bytes land once the target runs again (a frozen
+        decode resumed, a path that cleared; measured with 0.3.13.post1 over tcp: 256 MiB landed after a timeout's
+        -1, and the slices in hand after a quick -1). A decode that does not fence writes frees a room's
+        pages once told its writes are over, so the write stays in flight until the batch is: its first entries
+        are sent again (harmless: the same source into the same pages, still the room's) until a call completes,
+        queued behind what is left of the batch in the engine. (At most as many as the engine queues at once: a
+        batch of more than 1024 entries, re-sent whole every 0.1 s, filled the engine's admission queue with its own
+        copies and never completed, each call failing at once and leaving slices in flight.) That call's bytes do
+        not follow the failed ones on one connection: they go over connections of their own, fresh while the failed
+        calls' (``began``: the first of them) backed their retransmissions off on a dark path (measured: a whole
+        timed-out batch landed 7 s after a re-send completed). So the write ends only once those retransmit too:
+        at most as long after the path cleared as they had been sending (TCP doubles the wait each time), at most
+        TCP's RTO_MAX. Writes queued behind it fail now (nothing of them is on the wire). Ends early only when the
+        peer is dropped."""
+        stalled = f"mooncake: the data path to {peer.label} failed or stalled behind another room's write"
         self.fail_queued(peer.peer_id, TransferError(TransferErrorKind.PEER_GONE, stalled))
+        resend = part[:_ENGINE_QUEUE_ENTRIES]
         while peer.dead is None:
-            rc = self._call(peer, part, None)
+            rc = self._call(peer, resend, None)
             if isinstance(rc, TransferError):
                 return rc
             if rc == 0:
