@@ -12,7 +12,6 @@ at construction.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
 import pytest
@@ -39,17 +38,8 @@ def test_clients_refuse_such_a_token_at_once(start_registry: Callable[..., Regis
     reg = start_registry("--token", "s3cret")
     registration = RankRegistration(rank_ip="127.0.0.1", rank_port=41000, page_size=16, kv_cache_dtype="auto")
 
-    async def register() -> None:
-        registrar = BootstrapRegistrar(reg.url, registration, token=token, start_timeout_s=3.0)
-        try:
-            await registrar.start()
-        finally:
-            await registrar.aclose()
-
-    began = time.monotonic()
-    with pytest.raises(ValueError, match="token"):
-        asyncio.run(register())
-    assert time.monotonic() - began < 1.0  # (not after retrying until the start-up timeout)
+    with pytest.raises(ValueError, match="token"):  # (made, not started: not after retrying until its timeout)
+        BootstrapRegistrar(reg.url, registration, token=token, start_timeout_s=3.0)
     with pytest.raises(ValueError, match="token"):
         BootstrapResolver(token=token, registries=[reg.url])
     with pytest.raises(BootstrapError, match="token"):

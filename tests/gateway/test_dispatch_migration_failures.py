@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import functools
 import struct
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -139,11 +138,9 @@ def test_a_retry_backoff_past_the_request_deadline_is_not_waited_for() -> None:
     async def main() -> None:
         # The first retry's backoff: 0.5 to 1.5 s; the request has 0.3 s.
         async with fleet(["overloaded"], request_timeout_s=0.3, retry_backoff_s=1.0) as gw:
-            t0 = time.monotonic()
             tokens, error = await _stream(gw.dispatcher)
-            elapsed = time.monotonic() - t0
             assert tokens == [] and error is not None
-            assert elapsed < 0.45, f"the request ended {elapsed:.2f}s in, past its 0.3s timeout ({error.message})"
+            # (waited for, the backoff ran past the deadline: the request ended as timed out, a 504 that hides why)
             assert error.code == "overloaded", (error.status, error.code, error.message)
 
     asyncio.run(main())
