@@ -17,9 +17,10 @@ Lifecycle:
    a restarted registry through their heartbeats.
 4. Stop on Ctrl-C / SIGTERM / SIGHUP (exit 0; also during startup or a restart's backoff) or when a
    child would need more than ``--max-restarts`` restarts within ``--restart-window-s`` (a crash
-   loop: exit 1). Stopping drains the gateway first (SIGTERM, then up to its drain timeout and a
-   margin for its open requests to finish, the workers still serving them), then stops the workers,
-   then the registry, each with SIGTERM and SIGKILL past a grace period, and reaps them all. A child
+   loop: exit 1; restarts that never became healthy again count however old). A bad flag is a usage
+   error (exit 2) before anything starts. Stopping drains the gateway first (SIGTERM, then up to its
+   drain timeout and a margin for its open requests to finish, the workers still serving them), then
+   stops the workers, then the registry, each with SIGTERM and SIGKILL past a grace period, and reaps them all. A child
    also gets SIGTERM when the supervisor itself dies (Linux: the parent-death signal), so a killed
    ``pd-cluster`` leaves no children holding its ports.
 """
@@ -256,7 +257,11 @@ class Cluster:
                 child.proc.send_signal(signal.SIGTERM)
             kill(child.proc, RESTART_GRACE_S)
         now = time.monotonic()
-        while child.recent_restarts and child.recent_restarts[0] <= now - self.restart_window_s:
+        # A restart that never answered its health check again is no recovery: the restarts before it count
+        # however old (a child that loads for longer than the window, or hangs until --startup-timeout-s,
+        # then fails, found them aged out each time and was restarted for ever)
+        while (child.healthy_by is None and child.recent_restarts
+               and child.recent_restarts[0] <= now - self.restart_window_s):
             child.recent_restarts.popleft()
         if self.max_restarts == 0:
             raise CrashLoop(f"{child.name} {what}; restarts are off (--max-restarts 0), stopping the cluster")
@@ -434,17 +439,25 @@ def _cluster_secrets() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # A bad flag is a usage error (exit 2) before anything starts, not a cluster half started and then stopped
     if args.prefill < 1 or args.decode < 1:
-        sys.exit("pd-cluster: --prefill and --decode must be at least 1")
+        parser.error("--prefill and --decode must be at least 1")
     if (args.max_restarts < 0 or not 0 < args.restart_window_s < math.inf
             or not 0 <= args.restart_backoff_s < math.inf):  # (``not``: NaN fails every comparison)
-        sys.exit("pd-cluster: --max-restarts and --restart-backoff-s must be >= 0, --restart-window-s > 0 "
-                 "(finite)")
+        parser.error("--max-restarts and --restart-backoff-s must be >= 0, --restart-window-s > 0 (finite)")
     if not args.liveness_interval_s > 0:
-        sys.exit("pd-cluster: --liveness-interval-s must be positive")
+        parser.error("--liveness-interval-s must be positive")
+    if not args.startup_timeout_s > 0:  # (NaN: no child was ever healthy in time, and a restarted one never late)
+        parser.error("--startup-timeout-s must be positive")
+    for name in ("page_size", "num_pages", "chunk_size"):  # (else every worker exits during startup)
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if not 0 <= args.port <= 65535 or not 0 <= args.bootstrap_port <= 65535:
-        sys.exit("pd-cluster: --port and --bootstrap-port must be TCP ports")
+        parser.error("--port and --bootstrap-port must be TCP ports")
+    if args.port and args.port == args.bootstrap_port:
+        parser.error(f"--port and --bootstrap-port are both {args.port}: the gateway and the registry need one each")
     if args.port == 0:  # (any free port, as --bootstrap-port 0; printed with the URL)
         args.port = free_port(args.host)
     cluster = Cluster(args.startup_timeout_s, args.max_restarts, args.restart_window_s, args.restart_backoff_s,
