@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
+from urllib.parse import urlsplit
 
 import msgspec
 from starlette.requests import Request
@@ -53,6 +54,19 @@ class NewWorker(msgspec.Struct, forbid_unknown_fields=True):
     bootstrap_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None  # an SGLang prefill's
 
 
+def _check_sglang_address(url: str) -> None:
+    """An SGLang worker's URL that could never be probed nor relayed to (its routes are appended to it): a port
+    that is not one, a query or a fragment. BadRequest (400), as for a native URL of that kind."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:  # (not a number, out of range, a bracket left open)
+        raise BadRequest(f"SGLang worker URL must look like http://HOST:PORT, got {url!r}", param="url") from None
+    if (port is None and parts.netloc.rpartition("]")[2].count(":")) or port == 0 or parts.query or parts.fragment \
+            or "?" in url or "#" in url:
+        raise BadRequest(f"SGLang worker URL must look like http://HOST:PORT, got {url!r}", param="url")
+
+
 def admin_routes(gw: Gateway, describe: Callable[[Any], dict[str, Any]]) -> list[Route]:
     def reply(body: Any, status: int = 200) -> Response:
         return Response(_json.encode(body), status_code=status, media_type="application/json")
@@ -85,10 +99,13 @@ def admin_routes(gw: Gateway, describe: Callable[[Any], dict[str, Any]]) -> list
         try:
             client = gw.add_worker(url, role)
         except ValueError as exc:
-            raise BadRequest(str(exc), param="url" if "URL" in str(exc) else "role") from None
+            message = str(exc)  # (a bad URL, one of a kind this gateway does not serve, or a role that does not fit)
+            raise BadRequest(message, param="role" if message.startswith(("role ", "this gateway runs ")) else "url") \
+                from None
         return reply(describe(client), 201)
 
     def add_sglang(url: str, role: str, bootstrap_port: int | None) -> Any:
+        _check_sglang_address(url)
         fleet = gw.fleet
         if fleet is None:
             raise BadRequest("this gateway serves native (pd://) workers; it takes SGLang (http://) workers when "
