@@ -34,6 +34,7 @@ from gateway.responses_tools import (
     TOOL_ITEMS,
     ToolStream,
     call_messages,
+    chat_message,
     chat_param,
     chat_tools,
     function_item,
@@ -211,6 +212,7 @@ def _renamed(exc: BadRequest, origins: list[str]) -> BadRequest:
         exc.param = _ours(exc.param, origins)
     for chat, ours in _NAMES[:3]:
         exc.message = exc.message.replace(chat, ours)
+    exc.message = chat_message(exc.message)
     return exc
 
 
@@ -295,8 +297,9 @@ class ResponsesShape(Shape):
             return self._response(run, "completed", [self._message(run, state.text, self._item_status(state))],
                                   state)
         content, calls, _ = split_answer(plan, state.text, state.finish_reason)  # (gateway/responses_tools.py)
-        output = [self._message(run, content, self._item_status(state))] if content else []
-        return self._response(run, "completed", output + [function_item(call) for call in calls], state)
+        status = self._item_status(state)  # (a forced call cut by the budget: its arguments as far as they went)
+        output = [self._message(run, content, status)] if content else []
+        return self._response(run, "completed", output + [function_item(call, status) for call in calls], state)
 
     # -- the stream's events -----------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ call's), ``...arguments.done`` and ``response.output_item.done``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,10 @@ def call_messages(messages: list[ChatMessage], item: dict[str, Any], i: int) -> 
         if not any(call.get("id") == call_id for m in messages if m.role == "assistant" for call in m.tool_calls or ()):
             raise BadRequest(f"the function_call_output for {call_id!r} answers no function_call before it",
                              param=f"input[{i}].call_id")
+        turn = messages[-1]  # (chat's rule, in this route's words: the outputs of a turn follow its calls)
+        if turn.role != "tool" and not (turn.role == "assistant" and turn.tool_calls):
+            raise BadRequest(f"the function_call_output for {call_id!r} must follow the function_call items of its "
+                             "turn (or another function_call_output)", param=f"input[{i}].call_id")
         if isinstance(output, list):  # (text parts)
             if not all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
                        and isinstance(p.get("text"), str) for p in output):
@@ -82,6 +87,15 @@ def chat_param(param: str) -> str:
     if param.startswith("tool_choice.function."):
         return "tool_choice." + param.removeprefix("tool_choice.function.")
     return param
+
+
+_CHAT_TOOL_FIELD = re.compile(r"(tools\[\d+\])\.function\.")
+
+
+def chat_message(message: str) -> str:
+    """Chat's names for tool fields in a refusal's message -> this route's (as ``chat_param``)."""
+    message = _CHAT_TOOL_FIELD.sub(r"\1.", message)
+    return message.replace('{"type": "function", "function": {"name": ...}}', '{"type": "function", "name": ...}')
 
 
 def function_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
