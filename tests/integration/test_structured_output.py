@@ -338,6 +338,12 @@ def test_responses_api_forced_function_call(deployment: SmolDeployment, tool_cho
     assert streamed == events[-3].arguments == call.arguments  # type: ignore[union-attr]
     final_calls = [item for item in events[-1].response.output if item.type == "function_call"]  # type: ignore[union-attr]
     assert [(f.name, f.arguments) for f in final_calls] == [(call.name, call.arguments)]
+    with c.responses.stream(**kw) as stream:  # the SDK's accumulator (it checks item ids and indexes as it goes)
+        for _ in stream:
+            pass
+        assembled = stream.get_final_response()
+    assert [(f.name, f.arguments) for f in assembled.output if f.type == "function_call"] == \
+        [(call.name, call.arguments)]
 
     # the call and its result fed back: the answer chat gives the same conversation
     result = '{"temperature": 21, "sky": "sunny"}'
