@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
-from urllib.parse import urlsplit
 
 import msgspec
 from starlette.requests import Request
@@ -30,7 +29,7 @@ from gateway.api import decode_body
 from gateway.errors import APIError, BadRequest, NotFound
 from gateway.responder import ClientGone, read_body
 from gateway.runtime import ROLES
-from gateway.sglang_fleet import AlreadyThere, is_http_url
+from gateway.sglang_fleet import AlreadyThere, check_http_url, is_http_url
 
 if TYPE_CHECKING:
     from gateway.runtime import Gateway
@@ -52,19 +51,6 @@ class NewWorker(msgspec.Struct, forbid_unknown_fields=True):
                                      description="pd://HOST:PORT, or http://HOST:PORT for an SGLang worker")]
     role: Annotated[str, msgspec.Meta(extra_json_schema={"enum": ["prefill", "decode", "both"]})]  # checked by add
     bootstrap_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None  # an SGLang prefill's
-
-
-def _check_sglang_address(url: str) -> None:
-    """An SGLang worker's URL that could never be probed nor relayed to (its routes are appended to it): a port
-    that is not one, a query or a fragment. BadRequest (400), as for a native URL of that kind."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:  # (not a number, out of range, a bracket left open)
-        raise BadRequest(f"SGLang worker URL must look like http://HOST:PORT, got {url!r}", param="url") from None
-    if (port is None and parts.netloc.rpartition("]")[2].count(":")) or port == 0 or parts.query or parts.fragment \
-            or "?" in url or "#" in url:
-        raise BadRequest(f"SGLang worker URL must look like http://HOST:PORT, got {url!r}", param="url")
 
 
 def admin_routes(gw: Gateway, describe: Callable[[Any], dict[str, Any]]) -> list[Route]:
@@ -105,7 +91,10 @@ def admin_routes(gw: Gateway, describe: Callable[[Any], dict[str, Any]]) -> list
         return reply(describe(client), 201)
 
     def add_sglang(url: str, role: str, bootstrap_port: int | None) -> Any:
-        _check_sglang_address(url)
+        try:
+            check_http_url(url)  # (first: a URL of no worker is the answer on a gateway of either kind)
+        except ValueError as exc:
+            raise BadRequest(str(exc), param="url") from None
         fleet = gw.fleet
         if fleet is None:
             raise BadRequest("this gateway serves native (pd://) workers; it takes SGLang (http://) workers when "

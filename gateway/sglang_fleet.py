@@ -50,9 +50,19 @@ def is_http_url(url: str) -> bool:
 
 
 def check_http_url(url: str) -> None:
-    parts = urlsplit(url)
+    """ValueError for a URL that cannot be an SGLang worker's: its routes are appended to it, so a port that is not
+    one (out of range, 0, empty), a query or a fragment could never be probed nor relayed to."""
+    bad = ValueError(f"SGLang worker URL must look like http://HOST:PORT, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:  # (not a number, out of range, a bracket left open)
+        raise bad from None
     if not url.isprintable() or parts.scheme not in ("http", "https") or not parts.hostname:  # (urlsplit drops \n)
-        raise ValueError(f"SGLang worker URL must look like http://HOST:PORT, got {url!r}")
+        raise bad
+    if (port is None and parts.netloc.rpartition("]")[2].count(":")) or port == 0 or parts.query or parts.fragment \
+            or "?" in url or "#" in url:
+        raise bad
     if parts.username is not None or parts.password is not None:  # (they would show in /health, metrics, logs)
         raise ValueError(f"SGLang worker URL must not carry credentials, got one for {parts.hostname}")
 

@@ -40,3 +40,10 @@ def test_good_sglang_urls_are_still_added(sglang_gateway) -> None:  # type: igno
 def test_a_native_url_on_an_sglang_only_gateway_names_the_url(sglang_gateway) -> None:  # type: ignore[no-untyped-def]
     reply = sglang_gateway.post("/workers", json={"url": "pd://127.0.0.1:5", "role": "decode"})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "url", reply.text
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:0", "http://127.0.0.1:", "http://127.0.0.1:5?x=1", "http://[::1"])
+def test_such_a_url_on_the_command_line_stops_the_gateway(url: str) -> None:
+    """One check for both ways in (``sglang_fleet.check_http_url``): a configured worker is refused at start too."""
+    with pytest.raises(ValueError, match="http://HOST:PORT"):
+        GatewayConfig(prefill=("http://127.0.0.1:1",), decode=(url,))
