@@ -313,11 +313,15 @@ class ResponsesShape(Shape):
     def _text_fields(self, run: Run) -> dict[str, Any]:
         return {"item_id": self._message_id(run), "output_index": 0, "content_index": 0}
 
-    def first(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
+    def _head(self, run: Run) -> list[bytes]:
+        """A stream's first events: the response created, in progress (no output yet)."""
         opening = self._response(run, "in_progress", [], None)
+        return [self._event(run, "response.created", {"response": opening}),
+                self._event(run, "response.in_progress", {"response": opening})]
+
+    def first(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
         chunks = [
-            self._event(run, "response.created", {"response": opening}),
-            self._event(run, "response.in_progress", {"response": opening}),
+            *self._head(run),
             self._event(run, "response.output_item.added",
                         {"output_index": 0, "item": self._message(run, "", "in_progress")}),
             self._event(run, "response.content_part.added", {
@@ -375,9 +379,7 @@ class ResponsesShape(Shape):
         chat = ChoiceStream(plan)
         items = ToolStream(lambda kind, fields: self._event(run, kind, fields),
                            lambda text, status: self._message(run, text, status), self._message_id(run))
-        opening = self._response(run, "in_progress", [], None)
-        head = [self._event(run, "response.created", {"response": opening}),
-                self._event(run, "response.in_progress", {"response": opening})]
+        head = self._head(run)
         last: ChoiceState | None = None
         async for state, text, _ in run.frontend.run_choices(run.prep, None):  # (no direct path: deltas held back)
             last = state

@@ -80,16 +80,13 @@ def call_messages(messages: list[ChatMessage], item: dict[str, Any], i: int) -> 
         messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
 
 
+# chat's ``tools[i].function.X`` and ``tool_choice.function.X`` -> this route's flat ``tools[i].X``, ``tool_choice.X``
+_CHAT_TOOL_FIELD = re.compile(r"(tools\[\d+\]|tool_choice)\.function\.")
+
+
 def chat_param(param: str) -> str:
     """Chat's name for a tool field -> this route's (``tools[i].function.parameters`` -> ``tools[i].parameters``)."""
-    if param.startswith("tools[") and ".function." in param:
-        return param.replace(".function.", ".", 1)
-    if param.startswith("tool_choice.function."):
-        return "tool_choice." + param.removeprefix("tool_choice.function.")
-    return param
-
-
-_CHAT_TOOL_FIELD = re.compile(r"(tools\[\d+\])\.function\.")
+    return _CHAT_TOOL_FIELD.sub(r"\1.", param, count=1)
 
 
 def chat_message(message: str) -> str:
