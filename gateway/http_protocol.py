@@ -127,7 +127,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._reads = 0  # reads so far; ``_head_read``: the one the current head began in
         self._head_read = 0
         self._head_too_large = False
-        self._head_refusal: APIError | None = None  # (``on_headers_complete``) why the head just read is refused
+        self._head_refusal: APIError | None = None  # (``on_chunk_header``) why the head just read is refused
+        self._codings_read = False  # this message's transfer codings were looked at (``on_chunk_header``)
         self._timer: asyncio.TimerHandle | None = None
         self._waiting_for = ""  # what the timer waits for: "head", "body" or "idle" ("": nothing)
         self._deadline = 0.0  # loop time by which it must have arrived
@@ -279,8 +280,21 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             super().on_message_begin()
         else:  # the ASGI scope is made only for a request that goes to the app (on_headers_complete)
             self.url, self.headers, self.expect_100_continue = b"", [], False
-        self._in_head, self._head_bytes, self._head_read = True, 0, self._reads
+        self._in_head, self._head_bytes, self._head_read, self._codings_read = True, 0, self._reads, False
         self._arm("head")
+
+    def on_chunk_header(self) -> None:
+        """httptools calls it for each chunk of a chunked body, and only then: the transfer codings are read once,
+        at a body's first chunk (a coding other than ``chunked`` is a 501), not in every request's head."""
+        if self._codings_read:
+            return
+        self._codings_read = True
+        coding = _unknown_transfer_coding(self.headers)
+        if coding is not None:
+            self._head_refusal = CodingNotImplemented(
+                f"the transfer coding {coding.decode('latin-1')!r} is not supported: send the body as it is, with "
+                "Content-Length or Transfer-Encoding: chunked alone", code="transfer_coding_not_supported")
+            raise self._head_refusal  # (the parser stops: send_400_response answers)
 
     def on_headers_complete(self) -> None:
         # Measured exactly when the head could be over the limit: it came in a read that long, or over
@@ -289,12 +303,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) > self.limits.max_head_bytes:
             self._head_too_large = True
             raise HeadersTooLarge("request head too large")  # (the parser stops: send_400_response answers)
-        coding = _unknown_transfer_coding(self.headers)
-        if coding is not None:
-            self._head_refusal = CodingNotImplemented(
-                f"the transfer coding {coding.decode('latin-1')!r} is not supported: send the body as it is, with "
-                "Content-Length or Transfer-Encoding: chunked alone", code="transfer_coding_not_supported")
-            raise self._head_refusal  # (the parser stops: send_400_response answers)
         self._in_head = False
         self._disarm()
         parser = self.parser

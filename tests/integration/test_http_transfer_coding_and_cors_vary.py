@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import socket
 from collections.abc import Callable
 
 import httpx
 from pdtest import SimCluster
-from test_hot_cycle import PROMPT, post, talk
+from test_hot_cycle import PROMPT, _Responses, post, talk
 
 PAGE = "https://chat.example.com"
 OTHER = "https://evil.example.net"
@@ -43,6 +44,21 @@ def test_a_body_in_an_unknown_transfer_coding_is_a_501_and_the_connection_closes
             _, headers, error = answers[0]
             assert headers["connection"] == "close", headers
             assert json.loads(error)["error"]["code"] == "transfer_coding_not_supported", error
+    # The body in a read of its own, after the head (a request already waiting for it), and a coded body behind a
+    # plain chunked request on one connection: each request's codings are read
+    gz = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n"
+    answers, raw = talk(port, gz + b"Expect: 100-continue\r\n\r\n", 1, then=chunked(gzip.compress(body)))
+    assert [a[0] for a in answers] == [501], raw[:400]
+    plain = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(body)
+    parsed = _Responses()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        for request, num_answers in ((plain, 1), (gz + b"\r\n" + chunked(gzip.compress(body)), 2)):
+            sock.sendall(request)  # (the next one once the answer before it came: not pipelined)
+            while len(parsed.done) < num_answers:
+                data = sock.recv(65536)
+                assert data, parsed.done
+                parsed.parser.feed_data(data)
+    assert [a[0] for a in parsed.done] == [200, 501], parsed.done
     # Plain chunked is still read, and what the parser itself refuses is still a 400
     (ok,), raw = talk(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
                       + chunked(body), 1)
