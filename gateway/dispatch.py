@@ -663,10 +663,9 @@ class _Attempt:
 
     def _handed_over(self, event: StepOutput) -> None:
         """The prefill's part is done (its KV is on the decode); the decode carries on."""
-        self.open_rids.pop("prefill", None)
-        prefill = self.prefill
-        assert prefill is not None
-        prefill.health.breaker.record_success()
+        entry = self.open_rids.pop("prefill", None)
+        if entry is not None:  # (not after ``_overflow`` stopped both sides)
+            entry[0].health.breaker.record_success(entry[1])
         self.prompt_logprobs, self.prompt_top = event.prompt_logprobs, event.prompt_top_logprobs
 
     def _prefilled(self) -> None:
@@ -748,8 +747,9 @@ class _Attempt:
                     if self.prefill is None:
                         self._prefilled()
                 if event.finish_reason is not None:
-                    open_rids.pop("decode", None)
-                    self.decode.health.breaker.record_success()
+                    entry = open_rids.pop("decode", None)
+                    if entry is not None:
+                        self.decode.health.breaker.record_success(entry[1])
                 if self.want_prompt:
                     if "prefill" in open_rids and len(self.held) < sink.limit:
                         if not self.held:  # the hand-over is due about now: outputs do not move this deadline
@@ -810,22 +810,21 @@ class _Attempt:
         self.sink.close()
         # A decode that finished, or served tokens, did so on the prefill's KV: if the prefill's hand-over has
         # not come yet (each answers on its own connection), the prefill did its part all the same.
-        prefill = self.prefill if "prefill" in self.open_rids else None
+        open_rids = self.open_rids
+        prefill = open_rids.get("prefill")
         if self.finished:
             if prefill is not None:  # (its late hand-over ends its rid)
-                prefill.health.breaker.record_success()
+                prefill[0].health.breaker.record_success(prefill[1])
         else:  # error, timeout or the consumer went away: free both sides now
-            for worker, rid in self.open_rids.values():
+            for worker, rid in open_rids.values():
                 worker.abort(rid)
             if self.outcome == "cancelled" and self.got_token:
                 # The consumer stopped (a stop string the gateway found, the client left) after the decode
                 # served tokens: a success of the decode's, as its final output would have been (a
                 # half-open breaker closes on these too; not twice: a final output held for the prompt
                 # logprobs was counted when it came), and of the prefill's when it had not said so yet.
-                if "decode" in self.open_rids:
-                    self.decode.health.breaker.record_success()
-                if prefill is not None:
-                    prefill.health.breaker.record_success()
+                for worker, rid in open_rids.values():
+                    worker.health.breaker.record_success(rid)
         if self.sent:
             self.dispatcher.router.finished(self.pair, self.request, "finished" if self.finished else self.outcome)
 

@@ -12,7 +12,9 @@ Lifecycle (event loop only):
    consecutive failures -> half-open after ``breaker_cooldown_s`` (trial requests may try it, at most
    ``breaker_successes`` at a time until their first token: a worker just back does not take a burst,
    nor wait for whole generations to take the next) -> closed after
-   ``breaker_successes`` successes (a failure while half-open opens it again).
+   ``breaker_successes`` successes (a failure while half-open opens it again). A success counts only for
+   a request sent after the worker's last failure: a long stream that started while the worker was good
+   says nothing about it now, so it neither resets the failure count nor closes a half-open breaker.
 3. ``is_selectable`` = probes healthy and the breaker not open. Prefill and decode outcomes are
    counted separately because each worker has one role: a request that fails on its prefill is not
    held against its decode (the dispatcher blames only the side that reported the failure).
@@ -69,6 +71,10 @@ class CircuitBreaker:
         # ``successes_to_close`` (the worker is not selectable while that many are open); a trial's place is
         # free again at its first token (a decode) or hand-over (a prefill), its success counted at its end
         self.trials: set[int] = set()
+        # the latest rid sent to the worker (its client writes it at each send; rids only grow) and the
+        # latest sent before the last failure: outcomes of rids up to that one are old news for successes
+        self.sent = 0
+        self._stale_through = 0
 
     @property
     def state(self) -> BreakerState:
@@ -96,7 +102,10 @@ class CircuitBreaker:
         if self.state is BreakerState.HALF_OPEN:
             self.trials.add(rid)
 
-    def record_success(self) -> None:
+    def record_success(self, rid: int) -> None:
+        """Request ``rid`` succeeded; ignored when it was sent before the last failure."""
+        if rid <= self._stale_through:
+            return
         self._failures = 0
         if self._state is not BreakerState.CLOSED and self.state is BreakerState.HALF_OPEN:
             self._successes += 1
@@ -107,6 +116,7 @@ class CircuitBreaker:
     def record_failure(self) -> None:
         state = self.state
         self._failures += 1
+        self._stale_through = self.sent
         tripped = state is BreakerState.CLOSED and self._failures >= self.failures_to_open
         if state is BreakerState.HALF_OPEN or tripped:
             self._state, self._opened_at, self.closed = BreakerState.OPEN, self._clock(), False
@@ -115,7 +125,7 @@ class CircuitBreaker:
 
     @property
     def failures(self) -> int:
-        """Consecutive failures so far (reset by a success)."""
+        """Consecutive failures so far (reset by the success of a request sent after the last of them)."""
         return self._failures
 
     def reset(self) -> None:

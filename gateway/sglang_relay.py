@@ -360,7 +360,7 @@ class SGLangResponder:
                 if refusal is not None and _is_request_fault(refusal.status):
                     return await self._failed(refusal, send)
                 p_task.cancel()
-                _record(decode, decode_reply_or_failure.status)
+                _record(decode, d_rid, decode_reply_or_failure.status)
                 return await self._failed(decode_reply_or_failure, send)
             reply = decode_reply_or_failure
             try:
@@ -381,7 +381,7 @@ class SGLangResponder:
                     status = whole
             finally:
                 reply.release()
-            _record(decode, status)  # (a stream broken after its head: the decode's failure...)
+            _record(decode, d_rid, status)  # (a stream broken after its head: the decode's failure...)
             answered = True
             return reply.status  # (...but the client's status is the head's: what the request counter counts)
         finally:
@@ -571,10 +571,10 @@ def _prefill_done(task: asyncio.Task[_PrefillReply], prefill: HttpWorker, rid: i
     prefill.closed(rid)
     if task.cancelled():
         return
-    _record(prefill, task.result().status if task.exception() is None else None)
+    _record(prefill, rid, task.result().status if task.exception() is None else None)
 
 
-def _record(worker: HttpWorker, status: int | None) -> None:
+def _record(worker: HttpWorker, rid: int, status: int | None) -> None:
     """A worker's answer for its breaker: a 2xx or the request's own 4xx is a success, a busy worker's
     408/429/503 neither (overload is not a fault, as on the native path: SGLang answers a full request queue with
     a 503; a worker that stays unavailable fails its health checks), no answer or another 5xx a failure."""
@@ -582,7 +582,7 @@ def _record(worker: HttpWorker, status: int | None) -> None:
         return
     breaker = worker.health.breaker
     if status is not None and (200 <= status < 300 or _is_request_fault(status)):
-        breaker.record_success()
+        breaker.record_success(rid)
     else:
         breaker.record_failure()
 

@@ -629,3 +629,27 @@ def test_a_failure_while_half_open_opens_the_breaker_again() -> None:
     assert breaker.state is BreakerState.OPEN and not breaker.allows, "its cooldown runs from the failed trial"
     now[0] = 20.0
     assert breaker.state is BreakerState.HALF_OPEN and breaker.allows
+
+
+def test_an_sglang_workers_breaker_ignores_successes_sent_before_its_last_failure() -> None:
+    """As on the native path: an SGLang worker's answer to a request sent before its last failure neither
+    resets its failure count nor closes a half-open breaker; a request sent after does."""
+    from gateway.health import BreakerState, HealthConfig
+    from gateway.sglang_fleet import HttpWorker
+    from gateway.sglang_relay import _record
+
+    worker = HttpWorker("http://127.0.0.1:1", "decode", None,
+                        HealthConfig(breaker_failures=2, breaker_successes=1, breaker_cooldown_s=1e-9))
+    worker.is_up = True
+    breaker = worker.health.breaker
+    old = worker.opened()
+    _record(worker, worker.opened(), 500)
+    _record(worker, old, 200)
+    assert breaker.failures == 1, "an answer to a request sent before the failure reset the count"
+    old = worker.opened()
+    _record(worker, worker.opened(), 502)
+    assert breaker.state is BreakerState.HALF_OPEN
+    _record(worker, old, 200)
+    assert breaker.state is BreakerState.HALF_OPEN, "an old request's answer closed the breaker without a trial"
+    _record(worker, worker.opened(), 200)
+    assert breaker.state is BreakerState.CLOSED and breaker.failures == 0
