@@ -163,8 +163,8 @@ def build_routes(state: RegistryState) -> list[Route]:
 
     @_api
     async def delete_route(request: Request) -> Response:
-        put, _ = _decode_put(await request.body())
-        return _json({"deregistered": registry.deregister(put, time.monotonic())})
+        put, extra = _decode_put(await request.body())
+        return _json({"deregistered": registry.deregister(put, time.monotonic(), extra)})
 
     @_api
     async def get_route(request: Request) -> Response:

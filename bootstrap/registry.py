@@ -12,8 +12,9 @@ Lifecycle (all calls come from the server's single event loop; none blocks or aw
 3. Expired leases are dropped lazily on every read of their instance, and by ``sweep(now)``,
    which the server calls periodically. An instance whose last rank expired is forgotten,
    topology included, so it can come back with a different layout.
-4. ``deregister(put, now)`` drops a rank on graceful shutdown (only if its address still matches,
-   so a late goodbye from an old process cannot remove its replacement).
+4. ``deregister(put, now, extra)`` drops a rank on graceful shutdown, only if it is still the sender's: its
+   address still matches and, when the goodbye carries a ``registrant`` mark, so does the entry's (a late
+   goodbye from an old process cannot remove its replacement, also one restarted on the same address).
 """
 
 from __future__ import annotations
@@ -275,8 +276,10 @@ class Registry:
         instance.next_expiry = min(instance.next_expiry, expires_at)
         return instance, existing is None
 
-    def deregister(self, put: RankPut, now: float) -> bool:
-        """Drop a rank if it is still registered at the same address; returns whether it was dropped."""
+    def deregister(self, put: RankPut, now: float, extra: dict[str, Any] | None = None) -> bool:
+        """Drop a rank if it is still registered at the same address, and by the same process when the goodbye
+        names its ``registrant`` (a restart on the same address is another process: its entry stays); returns
+        whether it was dropped."""
         instance_id = validate_put(put)
         instance = self._instances.get(instance_id)
         if instance is None:
@@ -284,6 +287,9 @@ class Registry:
         entry = instance.entries.get(key_of(put))
         if entry is None or entry.address != RankAddress(rank_ip=put.rank_ip, rank_port=put.rank_port):
             return False
+        mine = (extra or {}).get("registrant")
+        if mine and entry.extra.get("registrant") != mine:
+            return False  # (the entry is another process's, or an unmarked one's: SGLang's, which never says goodbye)
         del instance.entries[entry.key]
         self.num_ranks -= 1
         self.num_deregistrations += 1
