@@ -46,6 +46,14 @@ from transfer.types import KVPoll
 if TYPE_CHECKING:
     from gateway.tokenizer import Tokenizer
     from transfer import KVManager
+from gateway.api_models import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_STOP_TOTAL_CHARS,
+    MAX_TOP_LOGPROBS,
+)
 from gateway.tokenizer import DECODE_CONTEXT_TOKENS
 from workers.aux import AuxRecord, decode_aux, encode_aux, prompt_digest
 from workers.engines.base import (
@@ -74,7 +82,17 @@ from workers.pd_queues import (
     failure_reason,
     is_quiesced,
 )
-from workers.protocol import Error, Fault, KVEvents, LoadReport, Outputs, StepOutput, Submit, joined
+from workers.protocol import (
+    Error,
+    Fault,
+    KVEvents,
+    LoadReport,
+    Outputs,
+    SamplingParams,
+    StepOutput,
+    Submit,
+    joined,
+)
 from workers.request import Req, live
 from workers.stop_strings import StopWatch, history_tokens
 
@@ -337,6 +355,7 @@ class Scheduler:
             if self.quarantine:
                 for req in self.quarantine.take_quiesced():
                     self._free(req)
+                    self._load_dirty = True  # (its pages are free now: told at once, not at the idle heartbeat)
             self._advance(self.transfer_queue, self._import)
             self._advance(self.prealloc_queue, self._to_transfer)
         if self.grammar_wait is not None:
@@ -417,7 +436,7 @@ class Scheduler:
             problem = f"{grammar.param} is not supported by the {self.engine.name} engine (no constrained decoding)"
         if problem is not None:
             param = grammar.param if grammar is not None and problem.startswith(grammar.param) else next(
-                (name for name in (*OPTIONAL_SAMPLING, "stop_token_ids") if problem.startswith(name)), None)
+                (name for name in (*OPTIONAL_SAMPLING, *_BOUNDED) if problem.startswith(name)), None)
             self._out.append((conn_id, Error(msg.rid, "bad_request", problem, param=param)))
             self._end_room(msg, REFUSAL_MARK + problem)
             return
@@ -495,7 +514,9 @@ class Scheduler:
             return "timeout_s must be a positive number"
         if not 0 <= p.output_offset <= len(msg.input_ids):  # (the penalties count from it: one outside fails the batch)
             return f"output_offset must be in [0, {len(msg.input_ids)}] (the prompt's length), got {p.output_offset}"
-        return check_sampling(p, self.engine)
+        if not (math.isfinite(msg.gather_s) and msg.gather_s >= 0):  # (NaN, below 0: read as 0; inf: held to the end)
+            return f"gather_s must be a number of seconds >= 0, got {msg.gather_s}"
+        return _oversized(p) or check_sampling(p, self.engine)
 
     def _enter(self, req: Req, stage: str, queue_: list[Req] | StageQueue) -> None:
         req.move(stage)
@@ -1139,6 +1160,33 @@ class Scheduler:
             num_transfer_seqs=self.transfer_queue.num_live,
             num_queued_pages=queued_pages,
         )
+
+
+# The fields ``_oversized`` bounds (before ``check_sampling`` reads them), named in the refusal's ``Error.param``
+# ("stop_token_ids" before "stop": the first whose name starts the message)
+_BOUNDED = ("stop_token_ids", "stop", "logit_bias", "top_logprobs")
+
+
+def _oversized(p: SamplingParams) -> str | None:
+    """Why ``p`` asks more than the gateway lets a client ask (``gateway.api_models``), or None. A worker
+    bounds them too: a peer that did not (a buggy or hostile gateway, any native client) made one
+    request's every token scan megabytes of ``stop_token_ids`` or stop strings inside the step, and every
+    other sequence of the batch wait for it; ``top_logprobs`` asked for the whole vocabulary per token."""
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        return f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids are allowed, got {len(p.stop_token_ids)}"
+    if len(p.stop) > MAX_STOP_STRINGS:
+        return f"stop: at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(p.stop)}"
+    longest = max(map(len, p.stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        return f"stop: a stop string has {longest} characters; at most {MAX_STOP_CHARS} are allowed"
+    total = sum(map(len, p.stop))
+    if total > MAX_STOP_TOTAL_CHARS:
+        return f"stop: the stop strings have {total} characters in all; at most {MAX_STOP_TOTAL_CHARS} are allowed"
+    if len(p.logit_bias) > MAX_LOGIT_BIAS:
+        return f"logit_bias: at most {MAX_LOGIT_BIAS} entries are allowed, got {len(p.logit_bias)}"
+    if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
+        return f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}"
+    return None
 
 
 def _cleanly(req: Req, what: str, fn: Callable[..., object], *args: Any) -> None:
