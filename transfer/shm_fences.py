@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from transfer.shm_files import SharedFile
+from transfer.shm_files import SharedFile, check_private
 
 MAGIC = 0x70642D6B762D6631  # "pd-kv-f1"
 NUM_WRITERS = 64
@@ -184,9 +184,11 @@ class FenceBoard:
     # -- prefill ---------------------------------------------------------------------------------
     @classmethod
     def attach(cls, path: str, nonce: bytes) -> FenceBoard:
-        """Map a decode's board; ValueError unless it holds ``nonce`` (the proof we map the decode's file)."""
+        """Map a decode's board; ValueError unless it holds ``nonce`` (the proof we map the decode's file) and
+        is our own user's, open to no other (else another user could have written the nonce)."""
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
+            check_private(fd, path)
             if os.fstat(fd).st_size < BOARD_BYTES:
                 raise ValueError(f"{path} is not a fence board (too small)")
             mm = mmap.mmap(fd, BOARD_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

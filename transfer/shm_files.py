@@ -5,9 +5,10 @@ Lifecycle of a file this module makes (``SharedFile.create``):
    ``flock`` on its file while it lives, so a file that takes an exclusive ``flock`` has no owner (its
    process died without unlinking it) and is unlinked.
 2. The new file (random name, ``O_EXCL``, mode 0600) is made under a hidden name (``.`` + the name,
-   which no sweep of the prefix looks at), locked, sized and mapped shared, and only then renamed into
-   place, so a worker starting at the same moment never sweeps it; its owner keeps the ``flock`` until
-   ``close``.
+   which a sweep of the prefix only looks at once the pid in the name is gone: a creator killed before
+   the rename), locked, sized and mapped shared, and only then renamed into place, so a worker starting at
+   the same moment never sweeps it (a sweeper in another pid namespace might unlink it before it is locked:
+   the creator sees it unlinked and makes another); its owner keeps the ``flock`` until ``close``.
 3. ``close()`` unlinks the file and closes the descriptor. The mapping itself stays valid (numpy views
    may still point into it); the memory is freed once nothing maps it.
 
@@ -22,6 +23,7 @@ import fcntl
 import mmap
 import os
 import secrets
+import stat
 from dataclasses import dataclass
 
 SHM_DIR = "/dev/shm"
@@ -40,11 +42,29 @@ class FileMapping:
         return self.offset + (addr - self.start)
 
 
+def _creator_lives(hidden_name: str, prefix: str) -> bool:
+    """Whether the process named in a hidden (being created) file's name ``.<prefix><pid>-<random>`` lives
+    (or may: a name we cannot read, a pid we may not signal)."""
+    pid_text = hidden_name[1 + len(prefix):].partition("-")[0]
+    if not pid_text.isdigit():
+        return True
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def sweep_stale(directory: str, prefix: str) -> int:
-    """Unlink files named ``prefix*`` in ``directory`` whose owner is gone (no flock held). Returns how many."""
+    """Unlink files named ``prefix*`` in ``directory`` whose owner is gone (no flock held), and hidden ones
+    (``.prefix*``: a creator killed before it renamed the file into place) whose creator is gone too. Returns
+    how many."""
     swept = 0
     try:
-        names = [n for n in os.listdir(directory) if n.startswith(prefix)]
+        names = [n for n in os.listdir(directory)
+                 if n.startswith(prefix) or (n.startswith(f".{prefix}") and not _creator_lives(n, prefix))]
     except OSError:
         return 0
     for name in names:
@@ -84,12 +104,24 @@ class SharedFile:
             raise ValueError(f"shared file size must be positive, got {size}")
         directory = directory or SHM_DIR
         sweep_stale(directory, prefix)
-        name = f"{prefix}{os.getpid()}-{secrets.token_hex(8)}"
-        path, hidden = os.path.join(directory, name), os.path.join(directory, f".{name}")
-        fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        for _ in range(8):
+            name = f"{prefix}{os.getpid()}-{secrets.token_hex(8)}"
+            path, hidden = os.path.join(directory, name), os.path.join(directory, f".{name}")
+            fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                # a sweeper that took it for a dead creator's (another pid namespace) unlinked it before our
+                # lock: make another (with the lock held, no sweep can unlink it any more)
+                if os.fstat(fd).st_nlink:
+                    break
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+        else:
+            raise OSError(f"shared file {prefix}* in {directory}: unlinked under us again and again")
         made = hidden
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
             if allocate:
                 os.posix_fallocate(fd, 0, size)
             else:
@@ -113,6 +145,19 @@ class SharedFile:
             os.unlink(self.path)
         with contextlib.suppress(OSError):
             os.close(self.fd)
+
+
+def check_private(fd: int, path: str) -> None:
+    """ValueError unless ``fd`` is a regular file of this process's user that no other user may open (as
+    ``SharedFile`` makes them): a file another user could write proves nothing (they could have written the
+    nonce), and a peer's offer must not make us map and write a file of theirs, or anything but such a file."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path} is not a regular file")
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"{path} belongs to uid {st.st_uid}, not ours ({os.geteuid()})")
+    if st.st_mode & 0o077:
+        raise ValueError(f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):o})")
 
 
 def mapping_of(addr: int) -> FileMapping | None:

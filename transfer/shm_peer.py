@@ -26,6 +26,7 @@ from transfer.base import Block, Fence, fenced
 from transfer.errors import TransferError, TransferErrorKind
 from transfer.peer_threads import SenderPeer
 from transfer.shm_fences import FenceBoard
+from transfer.shm_files import check_private
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,8 @@ def prefault(peer: ShmPeer) -> None:
 
 
 def map_offer(offer: Offer) -> ShmPeer:
-    """Map the decode's board and files; ValueError/OSError unless each holds the nonce."""
+    """Map the decode's board and files; ValueError/OSError unless each holds the nonce, is a private file of
+    our own user (``check_private``: the offer comes over the network) and every region lies inside its file."""
     board = FenceBoard.attach(offer.board, offer.nonce)
     peer = ShmPeer(label=offer.board, board=board)
     try:
@@ -98,7 +100,8 @@ def map_offer(offer: Offer) -> ShmPeer:
         for path, nonce_at in offer.files:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
             try:
-                if os.fstat(fd).st_size < nonce_at + len(offer.nonce):
+                check_private(fd, path)
+                if nonce_at < 0 or os.fstat(fd).st_size < nonce_at + len(offer.nonce):
                     raise ValueError(f"{path} is shorter than the decode's")
                 mm = mmap.mmap(fd, nonce_at + len(offer.nonce), mmap.MAP_SHARED,
                                mmap.PROT_READ | mmap.PROT_WRITE)
@@ -112,7 +115,8 @@ def map_offer(offer: Offer) -> ShmPeer:
             bases.append(ctypes.addressof(anchor))
         regions = sorted(offer.regions)
         for (addr, length, index, offset) in regions:
-            if not 0 <= index < len(offer.files) or offset + length > offer.files[index][1]:
+            if (not 0 <= index < len(offer.files) or addr < 0 or length < 0 or offset < 0
+                    or offset + length > offer.files[index][1]):
                 raise ValueError(f"region at {addr:#x} lies outside its file")
         peer.starts = np.array([r[0] for r in regions], np.int64)
         peer.ends = np.array([r[0] + r[1] for r in regions], np.int64)
