@@ -341,7 +341,7 @@ class Responder:
             async with asyncio.timeout(1.0):
                 if exchange.response_started:  # a stream's head went out (a whole answer's: nothing to add)
                     if run is not None and run.started:
-                        await exchange.send_chunk(error_event(error))
+                        await exchange.send_chunk(self.shape.failure(run, error))
                         await exchange.end_stream(self.shape.end)
                 else:  # (a stream whose head was still waiting for the client's socket included)
                     await exchange.send_json(_json.encode(error.body()), error.status,
@@ -380,7 +380,7 @@ class Responder:
                 if not run.started:
                     raise
                 log.warning("%s stream ended by %d %s: %s", self.shape.route, exc.status, exc.type, exc.message)
-                await exchange.send_chunk(error_event(exc))
+                await exchange.send_chunk(self.shape.failure(run, exc))
             if not run.started:
                 run.started = True
                 await exchange.start_stream(b"")

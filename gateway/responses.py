@@ -29,7 +29,7 @@ from msgspec import Meta
 from gateway.api import Frontend, Prepared, now_s
 from gateway.api_models import ChatCompletionRequest, ChatMessage, Count, ModelName, Temperature, TopP
 from gateway.context import random_hex
-from gateway.errors import BadRequest
+from gateway.errors import APIError, BadRequest
 from gateway.responses_tools import (
     TOOL_ITEMS,
     ToolStream,
@@ -48,6 +48,8 @@ _json = msgspec.json.Encoder()
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 # (an assistant turn's own text comes back as output_text, or a refusal's as refusal)
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
+# ``response.failed``'s ``error.code`` (OpenAI's codes) by the failure's status; any other: ``server_error``
+_FAILURE_CODES = {400: "invalid_prompt", 429: "rate_limit_exceeded"}
 # OpenAI's limits on ``metadata``
 MAX_METADATA = 16
 Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]],
@@ -320,6 +322,7 @@ class ResponsesShape(Shape):
                 self._event(run, "response.in_progress", {"response": opening})]
 
     def first(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
+        run.partial = lambda: [self._message(run, state.text, "incomplete")]
         chunks = [
             *self._head(run),
             self._event(run, "response.output_item.added",
@@ -353,6 +356,15 @@ class ResponsesShape(Shape):
             self._event(run, f"response.{whole['status']}", {"response": whole}),
         ))
 
+    def failure(self, run: Run, error: APIError) -> bytes:
+        """``response.failed``, as OpenAI ends a stream that broke: the response ``failed``, its ``error``, and
+        the output as far as it went (the open items ``incomplete``)."""
+        partial = getattr(run, "partial", None)
+        response = self._response(run, "failed", partial() if partial is not None else [], None)
+        response["error"] = {"code": _FAILURE_CODES.get(error.status, "server_error"), "message": error.message,
+                             "param": error.param, "type": error.type}
+        return self._event(run, "response.failed", {"response": response})
+
     async def events(self, run: Run) -> AsyncGenerator[bytes, None]:
         if run.prep.tools is not None:
             async for events in self._tool_events(run):
@@ -380,6 +392,7 @@ class ResponsesShape(Shape):
         items = ToolStream(lambda kind, fields: self._event(run, kind, fields),
                            lambda text, status: self._message(run, text, status), self._message_id(run))
         head = self._head(run)
+        run.partial = items.so_far
         last: ChoiceState | None = None
         async for state, text, _ in run.frontend.run_choices(run.prep, None):  # (no direct path: deltas held back)
             last = state

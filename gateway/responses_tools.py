@@ -160,6 +160,15 @@ class ToolStream:
                         "item_id": item["id"], "output_index": index, "delta": piece}))
         return out
 
+    def so_far(self) -> list[dict[str, Any]]:
+        """The output items as far as they went, the open ones ``incomplete`` (a stream that broke)."""
+        items = [dict(item) for item in self.items]
+        if self.text is not None:
+            items[self.text_index] = self.message(self.text, "incomplete")
+        if self.open_call is not None:
+            items[self.open_call]["status"] = "incomplete"
+        return items
+
     def finish(self, status: str = "completed") -> list[bytes]:
         """The open items' closing events; ``status``: theirs (``incomplete``: the budget cut the answer)."""
         out: list[bytes] = []

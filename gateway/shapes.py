@@ -10,16 +10,16 @@ Chunks are built from per-request byte templates: per token only the new text is
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from time import monotonic as _monotonic
 from typing import Any
 
 import msgspec
 
-from gateway.api import SSE_DONE, Frontend, Prepared, TextEmitter, new_id, now_s, sse
+from gateway.api import SSE_DONE, Frontend, Prepared, TextEmitter, error_event, new_id, now_s, sse
 from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from gateway.context import REQUEST_T0
-from gateway.errors import BadRequest
+from gateway.errors import APIError, BadRequest
 from gateway.text import ChoiceState
 from gateway.tokenizer import literal_text, token_text_of
 from gateway.tool_calls import shape_choices, tool_events
@@ -31,8 +31,11 @@ WEIGHT_VERSION = "default"  # ``/generate``'s ``meta_info.weight_version`` (SGLa
 class Run:
     """One request being answered: what the shapes need to build its JSON."""
 
-    __slots__ = ("created", "cumulative", "emitter", "frontend", "opened", "prep", "rid", "sequence", "started", "t0",
-                 "templates")
+    __slots__ = ("created", "cumulative", "emitter", "frontend", "opened", "partial", "prep", "rid", "sequence",
+                 "started", "t0", "templates")
+    # (``partial``, set by a shape that wants it, unset otherwise: what a stream's answer is so far, for its
+    # failure event; read with ``getattr``)
+    partial: Callable[[], Any]
 
     def __init__(self, frontend: Frontend, prep: Prepared, rid: str) -> None:
         self.frontend = frontend
@@ -65,6 +68,10 @@ class Shape:
 
     def events(self, run: Run) -> AsyncGenerator[bytes, None]:
         raise NotImplementedError
+
+    def failure(self, run: Run, error: APIError) -> bytes:
+        """The event that ends a started stream on ``error`` (``end`` follows it)."""
+        return error_event(error)
 
     def first(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
         """The chunk for a choice's first output, ``text``, not its last, no logprobs (what ``events``

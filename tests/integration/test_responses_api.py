@@ -6,11 +6,14 @@ test_structured_output.py, on SmolLM2.)"""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from typing import Any
 
 import httpx
 import openai
+import pytest
 
 
 def _client(cluster: Any) -> openai.OpenAI:
@@ -166,3 +169,40 @@ def test_function_calls_and_their_outputs_continue_the_conversation(sim_cluster)
     assert events[-1].response.output_text == "".join(  # type: ignore[union-attr]
         e.delta for e in events if e.type == "response.output_text.delta")
     cluster.wait_pools_full()
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["text", "with-tools"])
+def test_a_stream_that_breaks_ends_with_response_failed(sim_cluster, tools: bool) -> None:  # type: ignore[no-untyped-def]
+    """A stream whose decode dies mid-answer (no other decode to move to) ends as OpenAI ends one that failed: a
+    ``response.failed`` event, numbered in order, whose response is ``failed`` with an ``error`` and the output as far
+    as it went, its message ``incomplete``; not chat's untyped ``data: {"error": ...}``, which the SDK's typed
+    stream cannot read as an event. The prefill's pages come back."""
+    cluster = sim_cluster(decode_args=("--engine-option", "decode_step_s=0.05"))
+    client = _client(cluster)
+    extra: dict[str, Any] = {"tools": [FN]} if tools else {}
+    stream = client.responses.create(model="default", input="hi", max_output_tokens=400, stream=True, **extra)
+    events = []
+    for event in stream:
+        events.append(event)
+        if event.type == "response.output_text.delta":
+            break
+    os.kill(cluster.decodes[0].proc.pid, signal.SIGKILL)
+    events += list(stream)  # (no exception: the failure is an event)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    failed = events[-1]
+    assert failed.type == "response.failed", [e.type for e in events[-3:]]
+    from openai.types.responses import ResponseFailedEvent
+
+    ResponseFailedEvent.model_validate(failed.to_dict())  # (every field as the API types it: strictly)
+    response = failed.response  # type: ignore[union-attr]
+    assert response.status == "failed" and response.id == events[0].response.id  # type: ignore[union-attr]
+    assert response.error is not None and response.error.code == "server_error"
+    assert "decode" in response.error.message
+    [message] = response.output
+    assert message.type == "message" and message.status == "incomplete"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text and message.content[0].text == text  # type: ignore[union-attr]
+    deadline = time.monotonic() + 20
+    while (load := cluster.prefills[0].get("/load"))["num_free_pages"] != load["num_total_pages"]:
+        assert time.monotonic() < deadline, f"the prefill's pages did not come back: {load}"
+        time.sleep(0.1)
