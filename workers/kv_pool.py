@@ -89,6 +89,7 @@ class KVPool:
         self.token_bytes = self.page_bytes // page_size
         self.aux_slot_bytes = aux_slot_bytes
         self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
+        self._is_free = bytearray(b"\x01") * num_pages  # per page: 1 while in ``_free_pages``
         self._free_slots: list[int] = list(range(num_aux_slots - 1, -1, -1))
 
     def _shared_buffers(
@@ -130,16 +131,24 @@ class KVPool:
             return None
         taken = self._free_pages[len(self._free_pages) - num_pages :]
         del self._free_pages[len(self._free_pages) - num_pages :]
+        for page in taken:
+            self._is_free[page] = 0
         taken.reverse()
         return taken
 
     def free(self, pages: Iterable[int]) -> None:
+        """Return pages to the pool: all of them, or (ValueError for an id out of range, RuntimeError for a page
+        already free or named twice) none: a failed call changes nothing, so no page is ever listed free twice
+        (two requests would then be given the same page)."""
+        pages = list(pages)
         for page in pages:
             if not 0 <= page < self.num_pages:
                 raise ValueError(f"page id {page} out of range")
-            self._free_pages.append(page)
-        if len(self._free_pages) > self.num_pages:
-            raise RuntimeError("KV pool double free: more free pages than pages")
+        if len(set(pages)) != len(pages) or any(self._is_free[page] for page in pages):
+            raise RuntimeError(f"KV pool double free: a page of {pages} is already free")
+        for page in pages:
+            self._is_free[page] = 1
+        self._free_pages.extend(pages)
 
     # -- aux slots ---------------------------------------------------------------------------
     @property
