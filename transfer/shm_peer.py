@@ -146,7 +146,8 @@ def unmap(peer: ShmPeer) -> None:
 def copy_blocks(peer: ShmPeer, blocks: list[Block], fence: Fence) -> TransferError | None:
     """Range-check every block against the decode's regions (RANGE_REJECTED, nothing copied), then copy
     sub-batches of ``SUB_BATCH_BYTES`` with ``memmove`` (GIL released), each inside the fence board's
-    ``enter``/``leave``. None = every byte is in the decode's memory. (The peer's sender thread.)"""
+    ``enter``/``leave``. None = every byte is in the decode's memory, which still lives (a decode that died makes
+    the peer dead: PEER_GONE). (The peer's sender thread.)"""
     assert peer.board is not None
     if not blocks:
         return None
@@ -183,6 +184,11 @@ def copy_blocks(peer: ShmPeer, blocks: list[Block], fence: Fence) -> TransferErr
         finally:
             peer.board.leave(peer.slot, given_up)
         start = end
+    if not peer.board.owner_alive():
+        # (as ``copy_inline``) the copy may beat our control connection's news of the decode's end: a batch
+        # into a dead decode's memory is not DONE, and the peer (its mapping of the dead pool) is dropped
+        peer.dead = peer.dead or TransferError(TransferErrorKind.PEER_GONE, f"shm: the decode of {peer.label} is gone")
+        return peer.dead
     return None
 
 
