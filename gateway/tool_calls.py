@@ -223,7 +223,11 @@ def _resource_ids(schema: Any, base: str, found: dict[str, str]) -> None:
         return
     own = schema.get("$id")
     if _is_resource(own):
-        base = urllib.parse.urljoin(base, own).split("#", 1)[0]
+        try:
+            base = urllib.parse.urljoin(base, own).split("#", 1)[0]
+        except ValueError as exc:  # (a URI Python cannot read, e.g. "http://[::1": a client's mistake, not a 500)
+            where = f" against {base!r}" if base else ""
+            raise BadRequest(f"the $id {own!r} cannot be resolved{where}: {exc}") from None
         found.setdefault(base, json.dumps(schema, sort_keys=True))
     for key, value in schema.items():
         if key in _DATA_KEYWORDS:
@@ -242,7 +246,11 @@ def _check_shared_ids(tools: list[dict[str, Any]]) -> None:
     seen: dict[str, tuple[int, str]] = {}
     for i, tool in enumerate(tools):
         found: dict[str, str] = {}
-        _resource_ids(tool["parameters"], "", found)
+        try:
+            _resource_ids(tool["parameters"], "", found)
+        except BadRequest as exc:
+            raise BadRequest(f"tools[{i}].function.parameters: {exc.message}",
+                             param=f"tools[{i}].function.parameters") from None
         for uri, text in found.items():
             first = seen.setdefault(uri, (i, text))
             if first[1] != text:
@@ -327,7 +335,9 @@ def parse_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
     if plan.mode == "named":
         assert plan.name is not None
         return [_new_call(plan.name, text)]
-    bodies = _HERMES.findall(text) if plan.hermes and _HERMES_OPEN in text else [text]
+    # (Hermes blocks are the model's own format, read under auto alone: a forced call's text is its grammar's JSON
+    # object, whose strings may hold a literal "<tool_call>")
+    bodies = _HERMES.findall(text) if plan.mode == "auto" and plan.hermes and _HERMES_OPEN in text else [text]
     calls = []
     for body in bodies:
         # The arguments as the model wrote them (as a stream sends them), not re-serialized: the same text
