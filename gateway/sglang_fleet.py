@@ -21,6 +21,7 @@ Lifecycle:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import socket
 import time
@@ -222,7 +223,9 @@ class SGLangFleet:
             self._start_probe(worker)
 
     def _start_probe(self, worker: HttpWorker) -> None:
-        self._probes[worker] = asyncio.create_task(self._probe_loop(worker), name=f"sglang-probe {worker.url}")
+        # (a context of its own: not the admin API request's, whose id its log lines would carry for good)
+        self._probes[worker] = asyncio.create_task(self._probe_loop(worker), name=f"sglang-probe {worker.url}",
+                                                   context=contextvars.Context())
 
     def find(self, url: str) -> HttpWorker | None:
         url = url.rstrip("/")

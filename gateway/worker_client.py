@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 import logging
 import re
@@ -236,7 +237,9 @@ class WorkerClient:
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self._task = asyncio.create_task(self._run(), name=f"worker-client {self.url}")
+        # (a context of its own: started by the admin API's request, the connection's tasks and callbacks would
+        # otherwise log under that request's id for as long as the worker stays)
+        self._task = asyncio.create_task(self._run(), name=f"worker-client {self.url}", context=contextvars.Context())
 
     async def wait_ready(self, timeout_s: float) -> bool:
         with contextlib.suppress(TimeoutError):
