@@ -197,6 +197,9 @@ def decode_body(body: bytes, kind: type[Any]) -> Any:
         message = str(exc)
         # "... - at `$.a.b`", or for a bad mapping key "... - at `key` in `$.a.b`"
         param = message.rsplit("`$.", 1)[1].rstrip("`").removesuffix("[...]") if "`$." in message else None
+        if message.startswith("Object missing required field `"):  # (the field, not the object it is missing from)
+            field = message.split("`", 2)[1]
+            param = f"{param}.{field}" if param else field
         raise BadRequest(f"invalid request: {message}", param=param) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None

@@ -46,6 +46,13 @@ _USAGE = {
     "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT,
                    "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": _INT}}},
 }
+_TOOL_CALL = {  # one call of an answer's ``message.tool_calls``: its arguments are JSON text, as OpenAI's
+    "type": "object",
+    "required": ["id", "type", "function"],
+    "properties": {"id": _STR, "type": {"const": "function"},
+                   "function": {"type": "object", "required": ["name", "arguments"],
+                                "properties": {"name": _STR, "arguments": _STR}}},
+}
 _RESPONSES: dict[str, dict[str, Any]] = {
     "Error": {
         "type": "object",
@@ -72,8 +79,10 @@ _RESPONSES: dict[str, dict[str, Any]] = {
                 "required": ["index", "message", "finish_reason"],
                 "properties": {
                     "index": _INT,
+                    # (content null: an answer that is tool calls alone, gateway/tool_calls.py)
                     "message": {"type": "object", "required": ["role", "content"],
-                                "properties": {"role": {"const": "assistant"}, "content": _STR}},
+                                "properties": {"role": {"const": "assistant"}, "content": _NULLABLE_STR,
+                                               "tool_calls": {"type": "array", "items": _TOOL_CALL}}},
                     "logprobs": {"type": ["object", "null"]},
                     "finish_reason": _NULLABLE_STR,
                 },
