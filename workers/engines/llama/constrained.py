@@ -97,6 +97,19 @@ class Constraints:
         matcher = llguidance.LLMatcher(self._tokenizer, to_llguidance(grammar), log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid {grammar.kind}: {_first_line(matcher.get_error())}", grammar.param)
+        # Its first mask, here rather than at the request's first step: a grammar that accepts nothing (a rule
+        # that only recurses, a ``$ref`` cycle) compiles without error and fails only there, after its prompt
+        # was computed. One past the lexer's limits (``a{1000000000}``) spends ~1 s of that step (every sequence
+        # of the batch waits) building the lexer state its copies share, then every copy's first mask fails: a
+        # second copy, computed after the first built that state, tells (and costs next to nothing otherwise).
+        words = (self.vocab_size + 31) // 32
+        scratch = torch.empty(words, dtype=torch.int32)  # (held: the library writes into it)
+        for _ in range(2):
+            probe = matcher.deep_copy()
+            probe.unsafe_compute_mask_ptr(scratch.data_ptr(), words * 4)
+            if probe.is_error():
+                raise GrammarError(f"invalid {grammar.kind}: the grammar could not be followed: "
+                                   f"{_first_line(probe.get_error())}", grammar.param)
         return matcher
 
     # -- per step ------------------------------------------------------------------------------
