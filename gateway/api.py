@@ -43,7 +43,7 @@ from gateway.request_checks import (
 from gateway.structured_output import grammar_for
 from gateway.text import ChoiceState
 from gateway.tokenizer import DECODE_CONTEXT_TOKENS, TemplateOptions, Tokenizer
-from gateway.tool_calls import ToolPlan, plan_tools, render_prompt
+from gateway.tool_calls import ToolPlan, plan_tools, render_prompt, skips_call_tags
 from workers.protocol import SamplingParams, StepOutput
 
 if TYPE_CHECKING:
@@ -350,7 +350,11 @@ class Frontend:
         params, stops = self._params(req, input_ids, max_tokens, logprobs, req.top_logprobs or 0,
                                      prompt="messages", max_tokens_name=named)
         params.grammar = grammar_for(req)
-        _literal_stops(params, req.skip_special_tokens)
+        skip_special = req.skip_special_tokens
+        if skip_special is None and tools is not None and tools.mode == "auto" and tools.hermes \
+                and skips_call_tags(self.tokenizer):
+            skip_special = False  # (the calls' tags are special tokens here: written out, or the calls are lost)
+        _literal_stops(params, skip_special)
         if tools is not None and tools.grammar is not None:  # (a forced call: its arguments' grammar)
             # response_format shapes a message's content, which a forced call has none of: it waits for the turn
             # that answers in words (OpenAI's and vLLM's reading; the Agents SDK sends both, its output_type with
@@ -364,7 +368,7 @@ class Frontend:
                         bool(req.stream_options and req.stream_options.include_usage), logprobs,
                         bootstrap=ClientBootstrap.of(req), tools=tools if _reads_calls(tools, params) else None,
                         keep_stop=bool(req.include_stop_str_in_output),
-                        skip_special=req.skip_special_tokens is not False, max_tokens_param=named)
+                        skip_special=skip_special is not False, max_tokens_param=named)
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
         self._check_model(req.model)

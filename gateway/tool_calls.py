@@ -97,6 +97,17 @@ def _functions(tools: Any) -> list[dict[str, Any]]:
     return functions
 
 
+def skips_call_tags(tokenizer: Any) -> bool:
+    """Whether a decode that skips special tokens leaves out the ``<tool_call>`` tag: in some models' vocabularies
+    (Hermes 2 Pro's) it is a special token, and an ``auto`` answer's calls would lose their markers and come back as
+    plain text. Such a request's text is decoded with its special tokens written out (as vLLM's Hermes parser asks)."""
+    skipped = getattr(tokenizer, "skipped_ids", None)
+    token_to_id = getattr(tokenizer, "token_to_id", None)
+    if not skipped or token_to_id is None:
+        return False
+    return token_to_id(_HERMES_OPEN) in skipped
+
+
 def plan_tools(req: Any, chat_template: str | None) -> ToolPlan | None:
     """What ``tools`` / ``tool_choice`` ask for; None for a plain chat."""
     choice = req.tool_choice
