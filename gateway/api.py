@@ -98,6 +98,7 @@ class Prepared:
     # answered without it
     no_output: bool = False
     max_tokens_param: str = "max_tokens"  # what the client called the budget (chat: or ``max_completion_tokens``)
+    prompt_param: str = "prompt"  # what the client called the prompt (a worker's refusal of its token ids)
     echo_fields: dict[str, Any] | None = None  # /v1/responses: the request's fields its response repeats
 
     def logprob_start_of(self, choice: int) -> int:
@@ -126,7 +127,9 @@ class Prepared:
     def name_for_client(self, exc: BaseException) -> None:
         """A worker's 400 names a ``SamplingParams`` field it refused (``check_sampling``): the client's
         name for it on this route instead."""
-        if isinstance(exc, BadRequest) and exc.param in _CLIENT_NAMES:
+        if isinstance(exc, BadRequest) and exc.param == "input_ids":
+            exc.param = self.prompt_param
+        elif isinstance(exc, BadRequest) and exc.param in _CLIENT_NAMES:
             if self.param_prefix:
                 exc.param = self.param_prefix + exc.param
             else:
@@ -368,7 +371,7 @@ class Frontend:
                         bool(req.stream_options and req.stream_options.include_usage), logprobs,
                         bootstrap=ClientBootstrap.of(req), tools=tools if _reads_calls(tools, params) else None,
                         keep_stop=bool(req.include_stop_str_in_output),
-                        skip_special=skip_special is not False, max_tokens_param=named)
+                        skip_special=skip_special is not False, max_tokens_param=named, prompt_param="messages")
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
         self._check_model(req.model)
@@ -461,7 +464,7 @@ class Frontend:
                         batch=prompts if batched else None, keep_stop=bool(sp.no_stop_trim),
                         skip_special=sp.skip_special_tokens is not False,
                         logprob_text=bool(req.return_text_in_logprobs), logprob_starts=starts,
-                        no_output=no_output), sp
+                        no_output=no_output, prompt_param="input_ids"), sp
 
     # -- running choices ---------------------------------------------------------------------
     def _choice(self, prep: Prepared, index: int = 0) -> ChoiceState:

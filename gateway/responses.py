@@ -238,6 +238,7 @@ class ResponsesShape(Shape):
         except BadRequest as exc:
             raise _renamed(exc, origins) from None
         prep.max_tokens_param = "max_output_tokens"  # (a worker's refusal of the budget)
+        prep.prompt_param = "input"
         grammar = prep.params.grammar
         if grammar is not None:  # (a worker's refusal of the format names it by its param)
             prep.params.grammar = msgspec.structs.replace(grammar, param=_ours(grammar.param, origins))

@@ -436,7 +436,7 @@ class Scheduler:
             problem = f"{grammar.param} is not supported by the {self.engine.name} engine (no constrained decoding)"
         if problem is not None:
             param = grammar.param if grammar is not None and problem.startswith(grammar.param) else next(
-                (name for name in (*OPTIONAL_SAMPLING, *_BOUNDED) if problem.startswith(name)), None)
+                (name for name in (*OPTIONAL_SAMPLING, *_BOUNDED, "input_ids") if problem.startswith(name)), None)
             self._out.append((conn_id, Error(msg.rid, "bad_request", problem, param=param)))
             self._end_room(msg, REFUSAL_MARK + problem)
             return
@@ -507,7 +507,8 @@ class Scheduler:
         if self.pool.pages_for(held) > self.pool.num_pages:
             return f"request needs {self.pool.pages_for(held)} KV pages; the pool has {self.pool.num_pages}"
         if min(msg.input_ids) < 0 or max(msg.input_ids) >= info.vocab_size:  # (one C pass each, not a genexpr)
-            return f"token ids must be in [0, {info.vocab_size})"
+            bad = next(t for t in msg.input_ids if not 0 <= t < info.vocab_size)
+            return f"input_ids: token ids must be in [0, {info.vocab_size}), got {bad}"
         if self.role != "both" and msg.bootstrap is None:
             return f"a {self.role} worker needs bootstrap_host/bootstrap_room"
         if not math.isfinite(msg.timeout_s) or msg.timeout_s <= 0:
