@@ -146,6 +146,8 @@ def split_prefill_args(values: list[str]) -> tuple[tuple[str, ...], tuple[int | 
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    if not 0 <= args.port <= 65535:  # (else the listener takes it modulo 65536: 70000 listens on 4464)
+        raise ValueError(f"port: not a TCP port: {args.port}")
     prefill, bootstrap_ports = split_prefill_args(args.prefill)
     return GatewayConfig(
         prefill=prefill, prefill_bootstrap_ports=bootstrap_ports if any(p is not None for p in bootstrap_ports)

@@ -10,12 +10,24 @@ import signal
 import sys
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Names an option's default unless its help already does ("default: --policy", "default: the embedded
+    SmolLM2") or there is none (None) to name: no "(default: None)" after a help that says what None means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or ("default:" in text and "%(default)" not in text):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """``ArgumentDefaultsHelpFormatter`` adds a default only to an option that has help text: give each
     option without any, and with a default worth naming, a help that names it."""
     for action in parser._actions:
         if action.help is None and action.option_strings and action.default not in (None, [], (), False):
             action.help = "(default: %(default)s)"
+    parser.formatter_class = _DefaultsFormatter
     return parser
 
 

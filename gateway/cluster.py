@@ -341,23 +341,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address every child binds (0.0.0.0: all IPv4 interfaces; ::, or [::]: all interfaces)")
     p.add_argument("--advertise-host", default=None, type=_bare_host,
                    help="address the workers advertise and the gateway and registry are reached at (default: --host, "
-                        "or 127.0.0.1 when that is 0.0.0.0)")
+                        "or 127.0.0.1 when that is 0.0.0.0 or ::)")
     p.add_argument("--transfer-option", action="append", default=[], metavar="KEY=VALUE",
                    help="transfer-backend setting for every worker (repeatable; see docs/transfer.md)")
     p.add_argument("--port", type=int, default=8000, help="gateway port (0 = any free port)")
     p.add_argument("--bootstrap-port", type=int, default=0, help="registry port (0 = any free port)")
     p.add_argument("--policy", default="round_robin", help="gateway routing policy (see gateway --help)")
-    p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="gateway routing-policy setting (repeatable; see gateway --help)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page, every worker")
     p.add_argument("--num-pages", type=int, default=1024, help="KV pages per worker")
-    p.add_argument("--chunk-size", type=int, default=512)
-    p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk size in tokens")
+    p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="engine setting for every worker (repeatable; see pd-worker --help)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0,
                    help="how long a child may take to become healthy, at startup and after a restart")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="a child needing more restarts than this within --restart-window-s stops the cluster "
                         "(exit 1); 0 = stop when any child exits")
-    p.add_argument("--restart-window-s", type=float, default=60.0)
+    p.add_argument("--restart-window-s", type=float, default=60.0, help="the window --max-restarts counts in")
     p.add_argument("--restart-backoff-s", type=float, default=0.5,
                    help=f"delay before a restart; doubles for each recent restart of that child, at most "
                         f"{MAX_BACKOFF_S:g}s")
