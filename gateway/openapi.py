@@ -323,9 +323,10 @@ def openapi_document(config: GatewayConfig, *, serves_responses: bool = True) ->
         "openapi": OPENAPI_VERSION,
         "info": {"title": "pd-gateway", "version": "0.1.0",
                  "description": "OpenAI-compatible and SGLang routes in front of prefill/decode workers. Unknown "
-                                "body fields are ignored; fields the gateway does not implement (penalties, tools, "
-                                "structured output, non-text content) are a 400 naming them unless at their neutral "
-                                "value. With SGLang (http://) workers the generation bodies go through as is."},
+                                "body fields are ignored; fields it does not implement (non-text content, audio, "
+                                "hosted tools) are a 400 naming them unless at their neutral value, as are fields a "
+                                "worker's engine cannot honour (penalties, tools and structured output on sim "
+                                "workers). With SGLang (http://) workers the generation bodies go through as is."},
         "paths": paths,
         "components": {"schemas": components, **({"securitySchemes": schemes} if schemes else {})},
     }
