@@ -149,3 +149,17 @@ def smollm2_dir() -> str:
     from workers.engines.llama.gguf_convert import default_model_dir
 
     return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_with_tokenizer(tiny_model: Callable[[str], TinyModel], tiny_tokenizer_dir: str,
+                              tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny random llama with the tiny BPE tokenizer beside it (ids < 400 of its 512): a model directory a
+    grammar can be compiled for (read only: a test that changes it copies it)."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("tiny-llama-tokenizer")
+    shutil.copytree(tiny_model("llama").path, path, dirs_exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tiny_tokenizer_dir}/{name}", path / name)
+    return str(path)

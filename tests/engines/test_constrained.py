@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -36,14 +34,8 @@ REGEX = r"(ab|cd)[0-9]{2}-[a-z]{3}"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model: Callable[[str], Any], tiny_tokenizer_dir: str,
-              tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The tiny random llama with the tiny BPE tokenizer beside it (ids < 400 of its 512)."""
-    path = tmp_path_factory.mktemp("tiny-constrained")
-    shutil.copytree(tiny_model("llama").path, path, dirs_exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tiny_tokenizer_dir}/{name}", path / name)
-    return str(path)
+def model_dir(tiny_llama_with_tokenizer: str) -> str:
+    return tiny_llama_with_tokenizer
 
 
 def generate(engine: Any, pool: Any, rid: int, prompt: list[int], params: SamplingParams,

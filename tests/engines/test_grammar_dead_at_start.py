@@ -11,9 +11,7 @@ stage "grammar": no page taken, no prompt computed, and no scheduler step spent 
 from __future__ import annotations
 
 import json
-import shutil
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -35,13 +33,8 @@ HUGE_REPEAT = Grammar("regex", "a{1000000000}", param="guided_regex")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model: Callable[[str], Any], tiny_tokenizer_dir: str,
-              tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("tiny-dead-grammar")
-    shutil.copytree(tiny_model("llama").path, path, dirs_exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tiny_tokenizer_dir}/{name}", path / name)
-    return str(path)
+def model_dir(tiny_llama_with_tokenizer: str) -> str:
+    return tiny_llama_with_tokenizer
 
 
 @pytest.mark.parametrize("grammar", DEAD, ids=lambda g: g.kind + ":" + g.source[:12])
