@@ -13,8 +13,9 @@ Lifecycle (event loop only):
    ``breaker_successes`` at a time until their first token: a worker just back does not take a burst,
    nor wait for whole generations to take the next) -> closed after
    ``breaker_successes`` successes (a failure while half-open opens it again). A success counts only for
-   a request sent after the worker's last failure: a long stream that started while the worker was good
-   says nothing about it now, so it neither resets the failure count nor closes a half-open breaker.
+   a request sent after the first failure of the current streak (half-open: after it opened): a long stream
+   that started while the worker was good says nothing about it now, so it neither resets the failure count
+   nor closes a half-open breaker.
 3. ``is_selectable`` = probes healthy and the breaker not open. Prefill and decode outcomes are
    counted separately because each worker has one role: a request that fails on its prefill is not
    held against its decode (the dispatcher blames only the side that reported the failure).
@@ -72,7 +73,8 @@ class CircuitBreaker:
         # free again at its first token (a decode) or hand-over (a prefill), its success counted at its end
         self.trials: set[int] = set()
         # the latest rid sent to the worker (its client writes it at each send; rids only grow) and the
-        # latest sent before the last failure: outcomes of rids up to that one are old news for successes
+        # latest sent before the first failure of the current streak (or before the breaker last opened):
+        # outcomes of rids up to that one are old news for successes
         self.sent = 0
         self._stale_through = 0
 
@@ -103,7 +105,8 @@ class CircuitBreaker:
             self.trials.add(rid)
 
     def record_success(self, rid: int) -> None:
-        """Request ``rid`` succeeded; ignored when it was sent before the last failure."""
+        """Request ``rid`` succeeded; ignored when it was sent before the streak of failures began (or the
+        breaker last opened)."""
         if rid <= self._stale_through:
             return
         self._failures = 0
@@ -115,10 +118,15 @@ class CircuitBreaker:
 
     def record_failure(self) -> None:
         state = self.state
+        if not self._failures:
+            # a streak begins: what was sent before it is old news. Not moved by the streak's later failures:
+            # with every request outlasting the gap between two rare failures no success would count again
+            # and the count would only grow (a worker failing 1% of its requests opened as if it failed all)
+            self._stale_through = self.sent
         self._failures += 1
-        self._stale_through = self.sent
         tripped = state is BreakerState.CLOSED and self._failures >= self.failures_to_open
         if state is BreakerState.HALF_OPEN or tripped:
+            self._stale_through = self.sent  # (a half-open breaker closes on trials only: those sent from now)
             self._state, self._opened_at, self.closed = BreakerState.OPEN, self._clock(), False
             self.num_opened += 1
             self.trials.clear()
