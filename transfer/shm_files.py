@@ -46,13 +46,13 @@ def _creator_lives(hidden_name: str, prefix: str) -> bool:
     """Whether the process named in a hidden (being created) file's name ``.<prefix><pid>-<random>`` lives
     (or may: a name we cannot read, a pid we may not signal)."""
     pid_text = hidden_name[1 + len(prefix):].partition("-")[0]
-    if not pid_text.isdigit():
+    if not (pid_text.isascii() and pid_text.isdigit()):  # (not ``int``'s other scripts' digits: a ValueError)
         return True
     try:
         os.kill(int(pid_text), 0)
     except ProcessLookupError:
         return False
-    except OSError:
+    except (OSError, OverflowError):  # (a pid past the C int's range: no process of ours)
         return True
     return True
 
