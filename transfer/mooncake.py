@@ -10,7 +10,8 @@ Lifecycle:
    (``--transfer-option``, ``OPTIONS``): protocol (tcp, rdma), RDMA device names, metadata server,
    batch sizes, ``turn_bytes`` (rooms to one target take turns: ``transfer.peer_threads``).
 2. ``register(regions)`` batch-registers them plus a tiny scratch buffer used to warm up connections.
-3. ``endpoint()`` = msgpack ``{session "host:rpc_port", scratch address, registered regions}``.
+3. ``endpoint()`` = msgpack ``{session "host:rpc_port", scratch address, registered regions, a random id of the
+   process}``.
 4. ``connect`` does one 8-byte sync write into the peer's scratch (pays the handshake now; an
    unreachable peer raises PEER_UNREACHABLE).
 5. ``write`` range-checks the blocks against the peer's advertised regions and queues them on the
@@ -67,17 +68,20 @@ _PROBE_WAIT_S = 1.0  # send_probe blocks ~60 s on a frozen peer: give up waiting
 _FIRST_RTO_S = 1.0  # (a SYN's first retransmission timeout; a data segment's is at least 0.2 s)
 _TCP_RTO_MAX_S = 120.0
 _LANDING_MARGIN_S = 2.0
+_WARM_UP_TRIES = 2
 
 
 class _Endpoint(msgspec.Struct, array_like=True, frozen=True):
     session: str
     scratch: int
     regions: list[tuple[int, int]]
+    process: int = 0  # random per backend: one process's endpoints are equal, two processes' are not
 
 
 @dataclass(eq=False)
 class _McPeer(SenderPeer):
     regions: RegionSet = field(default_factory=lambda: RegionSet([]))  # what the peer registered
+    target: str = ""  # the name engine calls give for its session (``MooncakeBackend._target_name``)
 
     @property
     def session(self) -> str:
@@ -226,6 +230,10 @@ class MooncakeBackend(PeerThreadBackend):
             )
         # P2P handshake: peers name us "host:rpc_port"; with a metadata server, by our segment name.
         self._session = f"{local}:{self._engine.get_rpc_port()}" if metadata == "P2PHANDSHAKE" else name
+        self._p2p = metadata == "P2PHANDSHAKE"
+        # session -> (the name its last connection used, that connection's endpoint) (``_target_name``)
+        self._names: dict[str, tuple[str, bytes]] = {}
+        self._process = int.from_bytes(os.urandom(8), "little")
         super().__init__()  # peers, sender threads, write records (transfer.peer_threads)
         # (each turn is one more engine call and its wait: larger over rdma, where 4 MiB moves in ~0.2 ms)
         self.turn_bytes = opts.get("turn_bytes", RDMA_TURN_BYTES if protocol == "rdma" else self.turn_bytes)
@@ -253,7 +261,8 @@ class MooncakeBackend(PeerThreadBackend):
 
     def endpoint(self) -> bytes:
         return msgspec.msgpack.encode(
-            _Endpoint(self._session, ctypes.addressof(self._scratch), [(a, n) for a, n in self._regions])
+            _Endpoint(self._session, ctypes.addressof(self._scratch), [(a, n) for a, n in self._regions],
+                      self._process)
         )
 
     def connect(self, endpoint: bytes) -> PeerId:
@@ -261,12 +270,38 @@ class MooncakeBackend(PeerThreadBackend):
             remote = msgspec.msgpack.decode(endpoint, type=_Endpoint)
         except msgspec.DecodeError as exc:
             raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"mooncake: bad endpoint: {exc}") from exc
-        rc = self._engine.transfer_sync_write(remote.session, ctypes.addressof(self._scratch), remote.scratch, 8)
+        target = self._target_name(remote.session, bytes(endpoint))
+        rc = -1
+        for _ in range(_WARM_UP_TRIES):  # (the first one may fail on a pooled connection to a dead process)
+            rc = self._engine.transfer_sync_write(target, ctypes.addressof(self._scratch), remote.scratch, 8)
+            if rc == 0:
+                break
         if rc != 0:
             raise TransferError(
                 TransferErrorKind.PEER_UNREACHABLE, f"mooncake: warm-up write to {remote.session} -> {rc}"
             )
-        return self._add_peer(_McPeer(label=remote.session, regions=RegionSet(remote.regions)))
+        return self._add_peer(_McPeer(label=remote.session, regions=RegionSet(remote.regions), target=target))
+
+    def _target_name(self, session: str, endpoint: bytes) -> str:
+        """The name to give the engine for ``session`` on a new connection. The engine caches a session's segment
+        descriptor (its data port, its buffers) for as long as it runs, and never refreshes it: a decode restarted
+        under its predecessor's session (the same "host:rpc_port") on another data port was unreachable for the
+        life of this process, its writes dialling the old data port (or whatever now listens there). So a
+        connection whose endpoint (buffers, scratch) differs from the last one's under that session names it anew,
+        its port with one more leading zero (the same address to the handshake; a name the engine has not cached,
+        so it fetches the peer's descriptor afresh); a reconnection to the same process keeps its name. With a
+        metadata server the name is the key of its entry there and stays as it is."""
+        host, sep, port = session.rpartition(":")
+        with self._budget:
+            last = self._names.get(session)
+            if last is None or not self._p2p or not sep or not port.isdigit():
+                name = session
+            elif last[1] == endpoint:
+                name = last[0]
+            else:
+                name = f"{host}:0{last[0].rpartition(':')[2]}"
+            self._names[session] = (name, endpoint)
+        return name
 
     def _refuse(self, peer: SenderPeer, blocks: Sequence[Block]) -> TransferError | None:
         # (after a target rejects a write, the next one to it stalls ~1 s: check here instead)
@@ -300,6 +335,8 @@ class MooncakeBackend(PeerThreadBackend):
     def _call(self, peer: SenderPeer, part: list[Block], fence: Fence | None) -> int | TransferError:
         """One engine call for ``part`` within the target's in-flight budget: its return code, or why it was not
         made (the peer dropped, or, given a ``fence``, the room died while it waited for the budget)."""
+        assert isinstance(peer, _McPeer)
+        # (the budget is the target's, whichever name a connection calls it by)
         session, inflight = peer.label, self._inflight
         # The wait for the budget may outlast the peer or the room (the same target's other batch held it: a
         # frozen decode): a batch sent after that could land in pages its decode has already given back.
@@ -316,7 +353,7 @@ class MooncakeBackend(PeerThreadBackend):
                 return fenced("mooncake", fence)
         try:
             rc: int = self._engine.batch_transfer_sync_write(
-                session, [b[0] for b in part], [b[1] for b in part], [b[2] for b in part]
+                peer.target, [b[0] for b in part], [b[1] for b in part], [b[2] for b in part]
             )
         finally:
             with self._budget:
@@ -380,7 +417,7 @@ class MooncakeBackend(PeerThreadBackend):
             return False
         result: list[int] = []
         thread = threading.Thread(
-            target=lambda: result.append(self._engine.send_probe(target.session)), name="kv-mc-probe", daemon=True
+            target=lambda: result.append(self._engine.send_probe(target.target)), name="kv-mc-probe", daemon=True
         )
         thread.start()
         thread.join(_PROBE_WAIT_S)
