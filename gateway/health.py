@@ -12,10 +12,12 @@ Lifecycle (event loop only):
    consecutive failures -> half-open after ``breaker_cooldown_s`` (trial requests may try it, at most
    ``breaker_successes`` at a time until their first token: a worker just back does not take a burst,
    nor wait for whole generations to take the next) -> closed after
-   ``breaker_successes`` successes (a failure while half-open opens it again). A success counts only for
-   a request sent after the first failure of the current streak (half-open: after it opened): a long stream
-   that started while the worker was good says nothing about it now, so it neither resets the failure count
-   nor closes a half-open breaker.
+   ``breaker_successes`` successes of requests sent after it opened (its trials: a long stream that started
+   before it opened says nothing about the worker now); a failure while half-open opens it again. Failures
+   count in the order outcomes come, and any success resets them (as Envoy's consecutive-5xx detection): a
+   rule by send order instead (a success counts only for a request sent after the streak began) opened the
+   breaker of a busy worker failing ~1% of many long streams, its rare failures adding up while each long
+   success came too late to count.
 3. ``is_selectable`` = probes healthy and the breaker not open. Prefill and decode outcomes are
    counted separately because each worker has one role: a request that fails on its prefill is not
    held against its decode (the dispatcher blames only the side that reported the failure).
@@ -72,11 +74,10 @@ class CircuitBreaker:
         # ``successes_to_close`` (the worker is not selectable while that many are open); a trial's place is
         # free again at its first token (a decode) or hand-over (a prefill), its success counted at its end
         self.trials: set[int] = set()
-        # the latest rid sent to the worker (its client writes it at each send; rids only grow) and the
-        # latest sent before the first failure of the current streak (or before the breaker last opened):
-        # outcomes of rids up to that one are old news for successes
+        # the latest rid sent to the worker (its client writes it at each send; rids only grow), and that rid
+        # when the breaker last opened: a half-open breaker closes only on successes of rids after it
         self.sent = 0
-        self._stale_through = 0
+        self._opened_through = 0
 
     @property
     def state(self) -> BreakerState:
@@ -105,12 +106,11 @@ class CircuitBreaker:
             self.trials.add(rid)
 
     def record_success(self, rid: int) -> None:
-        """Request ``rid`` succeeded; ignored when it was sent before the streak of failures began (or the
-        breaker last opened)."""
-        if rid <= self._stale_through:
-            return
+        """Request ``rid`` succeeded: the failures in a row end; while half-open, a trial's success (a request
+        sent after the breaker opened) counts towards closing it."""
         self._failures = 0
-        if self._state is not BreakerState.CLOSED and self.state is BreakerState.HALF_OPEN:
+        if self._state is not BreakerState.CLOSED and rid > self._opened_through \
+                and self.state is BreakerState.HALF_OPEN:
             self._successes += 1
             if self._successes >= self.successes_to_close:
                 self._state, self.closed = BreakerState.CLOSED, True
@@ -118,22 +118,17 @@ class CircuitBreaker:
 
     def record_failure(self) -> None:
         state = self.state
-        if not self._failures:
-            # a streak begins: what was sent before it is old news. Not moved by the streak's later failures:
-            # with every request outlasting the gap between two rare failures no success would count again
-            # and the count would only grow (a worker failing 1% of its requests opened as if it failed all)
-            self._stale_through = self.sent
         self._failures += 1
         tripped = state is BreakerState.CLOSED and self._failures >= self.failures_to_open
         if state is BreakerState.HALF_OPEN or tripped:
-            self._stale_through = self.sent  # (a half-open breaker closes on trials only: those sent from now)
             self._state, self._opened_at, self.closed = BreakerState.OPEN, self._clock(), False
+            self._opened_through = self.sent
             self.num_opened += 1
             self.trials.clear()
 
     @property
     def failures(self) -> int:
-        """Consecutive failures so far (reset by the success of a request sent after the last of them)."""
+        """Consecutive failures so far (reset by a success)."""
         return self._failures
 
     def reset(self) -> None:

@@ -1,0 +1,85 @@
+"""A breaker's failure count under many concurrent long requests with rare failures, and its half-open trials.
+
+Failures count in the order outcomes come and any success resets them. This session first tried counting by send
+order (a success counts only for a request sent after the failure streak began); with N long streams in flight
+failing at a small rate r, N x r failures then piled up before any success counted again, and a decode with 1000
+streams in flight failing 1% of them opened its breaker as if it failed them all. What send order is kept for: a
+half-open breaker closes only on its trials, requests sent after it opened.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from gateway.health import BreakerState, CircuitBreaker, HealthConfig
+from gateway.sglang_fleet import HttpWorker
+from gateway.sglang_relay import _record
+
+TICKS, LASTS = 200, 10  # each request lasts 10 ticks
+
+
+@pytest.mark.parametrize(("per_tick", "fail_every"), [(10, 8), (100, 1)], ids=["100-in-flight", "1000-in-flight"])
+def test_rare_failures_among_many_long_streams_do_not_open_a_breaker(per_tick: int, fail_every: int) -> None:
+    breaker = CircuitBreaker(failures_to_open=5, cooldown_s=30.0, successes_to_close=2)
+    in_flight: deque[list[int]] = deque()
+    rid = failures = 0
+    for tick in range(TICKS):
+        sent = []
+        for _ in range(per_tick):
+            rid += 1
+            breaker.sent = rid  # (as ``WorkerClient.submit`` stamps it)
+            sent.append(rid)
+        in_flight.append(sent)
+        if len(in_flight) > LASTS:
+            for i, done in enumerate(in_flight.popleft()):
+                if i == 0 and tick % fail_every == 0:
+                    failures += 1
+                    breaker.record_failure()
+                else:
+                    breaker.record_success(done)
+        assert breaker.state is BreakerState.CLOSED, (
+            f"tick {tick}: {failures} failures among {rid} requests opened it ({breaker.failures} 'in a row')")
+    assert failures >= 20
+
+
+def test_rare_failures_among_many_long_streams_do_not_open_an_sglang_workers_breaker() -> None:
+    worker = HttpWorker("http://127.0.0.1:1", "decode", None, HealthConfig(breaker_failures=5))
+    worker.is_up = True
+    in_flight: deque[list[int]] = deque()
+    for tick in range(TICKS):
+        in_flight.append([worker.opened() for _ in range(100)])
+        if len(in_flight) > LASTS:
+            for i, rid in enumerate(in_flight.popleft()):
+                _record(worker, rid, 500 if i == 0 else 200)
+                worker.closed(rid)
+        assert worker.health.breaker.state is BreakerState.CLOSED, f"tick {tick}: opened"
+
+
+def test_failures_in_a_row_still_open() -> None:
+    breaker = CircuitBreaker(failures_to_open=5, cooldown_s=30.0, successes_to_close=2)
+    breaker.sent = 5
+    for _ in range(5):
+        breaker.record_failure()
+    assert breaker.state is BreakerState.OPEN
+
+
+def test_a_request_sent_before_the_breaker_opened_does_not_close_it_half_open() -> None:
+    """Opening marks every request sent so far as no trial: one that ends well while half-open does not close it;
+    a request sent after the opening does."""
+    now = [0.0]
+    breaker = CircuitBreaker(failures_to_open=2, cooldown_s=10.0, successes_to_close=1, clock=lambda: now[0])
+    breaker.sent = 1
+    breaker.record_failure()
+    breaker.sent = 3  # (2: a long stream, sent before the open)
+    breaker.record_failure()  # opens
+    assert breaker.state is BreakerState.OPEN
+    now[0] = 10.0
+    assert breaker.state is BreakerState.HALF_OPEN
+    breaker.record_success(2)
+    assert breaker.state is BreakerState.HALF_OPEN, "a request sent before the open closed it without a trial"
+    breaker.sent = 4
+    breaker.trial_started(4)
+    breaker.record_success(4)
+    assert breaker.state is BreakerState.CLOSED
