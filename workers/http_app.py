@@ -16,7 +16,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from gateway.errors import APIError, api_error, http_error
-from gateway.middleware import KeyGuardMiddleware
+from gateway.middleware import KeyGuardMiddleware, _bearer, _key_ok
 from workers.metrics import CONTENT_TYPE, create_registry
 
 if TYPE_CHECKING:
@@ -34,6 +34,18 @@ def _reply(body: object, status: int = 200) -> Response:
 OPEN_PATHS = frozenset(("/health", "/liveness", "/health_generate", "/metrics"))
 
 
+def shows_details(request: Request, key: str | None) -> bool:
+    """Whether an open probe may tell ``request`` why it fails (a registry's or a tokenizer's error): to anyone
+    on a worker without ``--api-key``, else only to a request with the key (as the gateway's open probes)."""
+    return not key or _key_ok(_bearer(request.headers.raw), [key.encode()])
+
+
+async def server_error(_: Request, exc: Exception) -> Response:
+    """JSON of the OpenAI shape for an unexpected error, as every other error of the worker (Starlette's own is
+    plain text, which SGLang's router and OpenAI clients cannot read); Starlette re-raises it: uvicorn logs it."""
+    return APIError("internal error in the worker").to_response()
+
+
 def create_http_app(worker: Worker) -> ASGIApp:
     registry = create_registry(worker)
 
@@ -47,12 +59,12 @@ def create_http_app(worker: Worker) -> ASGIApp:
             return "starting"
         return "unregistered" if worker.registration_error is not None else "ok"
 
-    async def health(_: Request) -> Response:
+    async def health(request: Request) -> Response:
         """Readiness: 200 only once every server is up (a prefill: registered) and the scheduler runs, and
         while a prefill's registry entry has not lapsed."""
         state = status()
         body: dict[str, str | None] = {"status": state, "role": worker.config.role}
-        if state == "unregistered":
+        if state == "unregistered" and shows_details(request, worker.config.api_key):  # (open: no key needed)
             body["error"] = worker.registration_error
         return _reply(body, 200 if state == "ok" else 503)
 
@@ -92,7 +104,7 @@ def create_http_app(worker: Worker) -> ASGIApp:
     app = Starlette(
         # (JSON for a wrong path or method, and for an APIError out of a plain route: /v1/models before
         # the worker's frontend is up)
-        exception_handlers={HTTPException: http_error, APIError: api_error},
+        exception_handlers={HTTPException: http_error, APIError: api_error, Exception: server_error},
         routes=[
             *sglang,  # SGLang's PD HTTP protocol (workers/sglang_api.py)
             Route("/health", health),

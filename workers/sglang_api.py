@@ -62,6 +62,7 @@ from gateway.shapes import ChatShape, CompletionShape, GenerateShape
 from gateway.tokenizer import load_tokenizer
 from gateway.worker_client import WorkerClient
 from transfer.netaddr import join_host_port
+from workers.http_app import shows_details
 from workers.protocol import BootstrapTarget, Error, SamplingParams, StepOutput, Submit
 
 if TYPE_CHECKING:
@@ -309,13 +310,15 @@ class SGLangAPI:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/get_load", self.get_load, methods=["GET"]),
             Route("/v1/loads", self.loads, methods=["GET"]),
-            Route("/flush_cache", self.flush_cache, methods=["POST", "GET"]),
+            _without_head(Route("/flush_cache", self.flush_cache, methods=["POST", "GET"])),
         ]
 
     # -- metadata and admin ------------------------------------------------------------------
-    async def health_generate(self, _: Request) -> Response:
+    async def health_generate(self, request: Request) -> Response:
         """200 while the scheduler runs and makes progress: in PD mode SGLang's check runs a peer-less
-        generation, which our workers do not have; a combined worker runs a real one-token one."""
+        generation, which our workers do not have; a combined worker runs a real one-token one. Open (no key
+        needed): why it fails (a tokenizer's path, a worker's error) only to a request with the key, if any."""
+        details = shows_details(request, self.worker.config.api_key)
         sched = self.worker.scheduler
         if sched is None or not sched.is_alive or sched.stalled_s > 60.0:
             return _reply({"status": "unhealthy"}, 503)
@@ -323,13 +326,13 @@ class SGLangAPI:
             return _reply({"status": "stopping"}, 503)
         await self.ensure_ready()
         if not self.client.is_connected:
-            return _reply({"status": "unhealthy", "error": self._unavailable}, 503)
+            return _reply({"status": "unhealthy", "error": self._unavailable if details else None}, 503)
         if self.worker.config.role == "both":
             try:
                 async for _event in self.dispatcher.generate([0], SamplingParams(max_new_tokens=1, temperature=0)):
                     pass
             except APIError as exc:
-                return _reply({"status": "unhealthy", "error": exc.message}, 503)
+                return _reply({"status": "unhealthy", "error": exc.message if details else None}, 503)
         return _reply({"status": "ok"})
 
     async def model_info(self, _: Request) -> Response:
@@ -418,6 +421,14 @@ class _WhenReady:
 
 def _reply(body: Any, status: int = 200) -> Response:
     return Response(_json.encode(body), status_code=status, media_type="application/json")
+
+
+def _without_head(route: Route) -> Route:
+    """``route`` without the ``HEAD`` Starlette adds to every ``GET`` route: a mutating route (``/flush_cache``, whose
+    ``GET`` is SGLang's) must not act on a safe method that probes and link checkers send (405 instead)."""
+    assert route.methods is not None
+    route.methods.discard("HEAD")
+    return route
 
 
 def _model_path(model: str | None, info: Any) -> str:
