@@ -186,7 +186,7 @@ def _asked_to_stream(body: bytes) -> bool:
     """The request body's ``stream`` is true (False for a body that is not a JSON object)."""
     try:
         return msgspec.json.decode(body, type=_StreamField).stream is True
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):  # (nested past what the decoder takes)
         return False
 
 
