@@ -20,6 +20,7 @@ Nothing is stored: ``store`` is accepted and answered ``false``; ``previous_resp
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncGenerator
 from typing import Annotated, Any
 
@@ -50,6 +51,8 @@ INPUT_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 # ``response.failed``'s ``error.code`` (OpenAI's codes) by the failure's status; any other: ``server_error``
 _FAILURE_CODES = {400: "invalid_prompt", 429: "rate_limit_exceeded"}
+# OpenAI's rule for a json_schema ``text.format``'s name
+_FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # OpenAI's limits on ``metadata``
 MAX_METADATA = 16
 Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]],
@@ -135,6 +138,14 @@ def _format(text: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]
     if kind == "json_object":
         return fmt, {"type": "json_object"}
     if kind == "json_schema":  # flat here; nested under "json_schema" in chat's response_format
+        # (OpenAI's requirements, which chat's response_format does not have: the response repeats the format,
+        # and the SDK's model of it needs both)
+        name = fmt.get("name")
+        if not isinstance(name, str) or not _FORMAT_NAME.fullmatch(name):
+            raise BadRequest("text.format.name is required: a-z, A-Z, 0-9, underscores and dashes, at most 64",
+                             param="text.format.name")
+        if not isinstance(fmt.get("schema"), dict):
+            raise BadRequest("text.format.schema is required: a JSON Schema object", param="text.format.schema")
         schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
         return fmt, {"type": "json_schema", "json_schema": schema}
     raise BadRequest(f"text.format.type must be text, json_object or json_schema, got {kind!r}",
