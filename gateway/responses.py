@@ -259,6 +259,7 @@ class ResponsesShape(Shape):
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": {"format": fmt}, "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
             "top_p": 1.0 if req.top_p is None else req.top_p, "user": req.user,
+            "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
         }
         return prep, f"resp_{random_hex()}"  # (OpenAI's spelling of its ids: resp_..., msg_...)
 

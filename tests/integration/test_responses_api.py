@@ -24,7 +24,8 @@ def test_a_whole_response_and_its_stream(sim_cluster) -> None:  # type: ignore[n
     cluster = sim_cluster()
     client = _client(cluster)
     response = client.responses.create(model="default", input="Hello there", max_output_tokens=12,
-                                       instructions="Answer briefly.", metadata={"ticket": "42"})
+                                       instructions="Answer briefly.", metadata={"ticket": "42"},
+                                       safety_identifier="user-7", prompt_cache_key="faq")
     assert response.object == "response" and response.id.startswith("resp_")
     # the sim never emits EOS: the budget ends it, an incomplete response that says why
     assert response.status == "incomplete" and response.incomplete_details is not None
@@ -35,6 +36,7 @@ def test_a_whole_response_and_its_stream(sim_cluster) -> None:  # type: ignore[n
     assert response.usage is not None and response.usage.output_tokens == 12
     assert response.usage.total_tokens == response.usage.input_tokens + 12
     assert response.instructions == "Answer briefly." and response.metadata == {"ticket": "42"}
+    assert response.safety_identifier == "user-7" and response.prompt_cache_key == "faq"  # (repeated, as OpenAI)
     assert response.max_output_tokens == 12 and response.store is False
     # instructions are a system message in front of the input: the prompt is longer with them
     bare = client.responses.create(model="default", input="Hello there", max_output_tokens=1)
