@@ -53,7 +53,7 @@ from gateway.admission import Admission
 from gateway.api import ClientBootstrap, Frontend
 from gateway.context import REQUEST_ID
 from gateway.dispatch import SlowClient
-from gateway.errors import APIError, BadGateway, BadRequest, NoWorkers, UpstreamTimeout, from_worker_error
+from gateway.errors import APIError, BadGateway, BadRequest, NoWorkers, Overloaded, UpstreamTimeout, from_worker_error
 from gateway.event_sink import EventSink, SinkOverflow
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import request_id_of
@@ -316,7 +316,8 @@ class SGLangAPI:
     # -- metadata and admin ------------------------------------------------------------------
     async def health_generate(self, request: Request) -> Response:
         """200 while the scheduler runs and makes progress: in PD mode SGLang's check runs a peer-less
-        generation, which our workers do not have; a combined worker runs a real one-token one. Open (no key
+        generation, which our workers do not have; a combined worker runs a real one-token one (one too full to
+        take it, at its ``--max-requests``, is busy, not unhealthy, as in SGLang's check). Open (no key
         needed): why it fails (a tokenizer's path, a worker's error) only to a request with the key, if any."""
         details = shows_details(request, self.worker.config.api_key)
         sched = self.worker.scheduler
@@ -331,6 +332,8 @@ class SGLangAPI:
             try:
                 async for _event in self.dispatcher.generate([0], SamplingParams(max_new_tokens=1, temperature=0)):
                     pass
+            except Overloaded:  # full (at its --max-requests), not broken: its progress was checked above, and
+                pass  # SGLang's own check counts a busy server's progress as health
             except APIError as exc:
                 return _reply({"status": "unhealthy", "error": exc.message if details else None}, 503)
         return _reply({"status": "ok"})
