@@ -370,6 +370,14 @@ class Scheduler:
         if self._imported:
             self._prune_batch()
             self._admit_imported()
+        if self.role == "prefill":
+            # Requests being prefilled whose decode ended the room: failed now (each of them every step, not only
+            # those this step's chunk budget reaches), before admission, so that the pages they held go to the
+            # requests waiting for them in this step (found in the batch, the step could end with nothing to run
+            # and the loop sleep with pages free and requests waiting)
+            self._prune_batch()
+            for req in list(self._prefilling):
+                self._decode_ended(req)
         self._admit_waiting()
         if self.role == "decode" and self._out and self._last_forward_s >= EARLY_FLUSH_MIN_S:
             # First tokens of requests imported this step (the prefill sampled them): out now, not after
@@ -825,9 +833,6 @@ class Scheduler:
                                   req.all_ids if needs_history(req.params) or self._grammar_catch_up(req) else None))
             reqs.append(req)
         budget = self.config.chunk_size
-        if self.role == "prefill":  # (each of them every step: not only those this step's budget reaches)
-            for req in list(self._prefilling):
-                self._decode_ended(req)
         for req in self._prefilling:
             if budget <= 0:
                 break
