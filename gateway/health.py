@@ -12,8 +12,8 @@ Lifecycle (event loop only):
    consecutive failures -> half-open after ``breaker_cooldown_s`` (trial requests may try it, at most
    ``breaker_successes`` at a time until their first token: a worker just back does not take a burst,
    nor wait for whole generations to take the next) -> closed after
-   ``breaker_successes`` successes of requests sent after it opened (its trials: a long stream that started
-   before it opened says nothing about the worker now); a failure while half-open opens it again. Failures
+   ``breaker_successes`` successes of requests sent while it is half-open (its trials: a long stream that
+   started before it opened says nothing about the worker now); a failure while half-open opens it again. Failures
    count in the order outcomes come, and any success resets them (as Envoy's consecutive-5xx detection): a
    rule by send order instead (a success counts only for a request sent after the streak began) opened the
    breaker of a busy worker failing ~1% of many long streams, its rare failures adding up while each long
@@ -74,16 +74,16 @@ class CircuitBreaker:
         # ``successes_to_close`` (the worker is not selectable while that many are open); a trial's place is
         # free again at its first token (a decode) or hand-over (a prefill), its success counted at its end
         self.trials: set[int] = set()
-        # the latest rid sent to the worker (its client writes it at each send; rids only grow), and that rid
-        # when the breaker last opened: a half-open breaker closes only on successes of rids after it
-        self.sent = 0
-        self._opened_through = 0
+        # every rid sent while half-open (not only those still before their first token): only their successes
+        # close it (no hot-path cost: sends are noted only while the breaker is not closed)
+        self._trial_rids: set[int] = set()
 
     @property
     def state(self) -> BreakerState:
         if self._state is BreakerState.OPEN and self._clock() - self._opened_at >= self.cooldown_s:
             self._state, self._successes = BreakerState.HALF_OPEN, 0
             self.trials.clear()
+            self._trial_rids.clear()
         return self._state
 
     @property
@@ -104,17 +104,19 @@ class CircuitBreaker:
         ``trials`` at its first token, hand-over or end."""
         if self.state is BreakerState.HALF_OPEN:
             self.trials.add(rid)
+            self._trial_rids.add(rid)
 
     def record_success(self, rid: int) -> None:
         """Request ``rid`` succeeded: the failures in a row end; while half-open, a trial's success (a request
-        sent after the breaker opened) counts towards closing it."""
+        sent while half-open) counts towards closing it."""
         self._failures = 0
-        if self._state is not BreakerState.CLOSED and rid > self._opened_through \
-                and self.state is BreakerState.HALF_OPEN:
+        if self._state is not BreakerState.CLOSED and self.state is BreakerState.HALF_OPEN \
+                and rid in self._trial_rids:
             self._successes += 1
             if self._successes >= self.successes_to_close:
                 self._state, self.closed = BreakerState.CLOSED, True
                 self.trials.clear()
+                self._trial_rids.clear()
 
     def record_failure(self) -> None:
         state = self.state
@@ -122,9 +124,9 @@ class CircuitBreaker:
         tripped = state is BreakerState.CLOSED and self._failures >= self.failures_to_open
         if state is BreakerState.HALF_OPEN or tripped:
             self._state, self._opened_at, self.closed = BreakerState.OPEN, self._clock(), False
-            self._opened_through = self.sent
             self.num_opened += 1
             self.trials.clear()
+            self._trial_rids.clear()
 
     @property
     def failures(self) -> int:
@@ -134,6 +136,7 @@ class CircuitBreaker:
     def reset(self) -> None:
         self._state, self._failures, self._successes, self.closed = BreakerState.CLOSED, 0, 0, True
         self.trials.clear()
+        self._trial_rids.clear()
 
 
 class WorkerHealth:

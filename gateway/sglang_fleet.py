@@ -162,7 +162,6 @@ class HttpWorker:
         self._rids += 1
         self.state.dispatched(self._rids, prefill_tokens, pages)
         breaker = self.health.breaker
-        breaker.sent = self._rids
         if not breaker.closed:  # half-open: a trial (``CircuitBreaker.trials``), until ``closed``
             breaker.trial_started(self._rids)
         return self._rids

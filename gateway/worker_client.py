@@ -449,7 +449,6 @@ class WorkerClient:
         self._open[rid] = (sink, tag)
         self.state.dispatched(rid, prefill_tokens, pages)
         breaker = self.health.breaker
-        breaker.sent = rid
         if not breaker.closed:  # half-open: a trial, which ends with the rid (``_forget``)
             breaker.trial_started(rid)
         self._send(writer, frame, urgent)

@@ -29,7 +29,6 @@ def test_rare_failures_among_many_long_streams_do_not_open_a_breaker(per_tick: i
         sent = []
         for _ in range(per_tick):
             rid += 1
-            breaker.sent = rid  # (as ``WorkerClient.submit`` stamps it)
             sent.append(rid)
         in_flight.append(sent)
         if len(in_flight) > LASTS:
@@ -59,27 +58,24 @@ def test_rare_failures_among_many_long_streams_do_not_open_an_sglang_workers_bre
 
 def test_failures_in_a_row_still_open() -> None:
     breaker = CircuitBreaker(failures_to_open=5, cooldown_s=30.0, successes_to_close=2)
-    breaker.sent = 5
     for _ in range(5):
         breaker.record_failure()
     assert breaker.state is BreakerState.OPEN
 
 
 def test_a_request_sent_before_the_breaker_opened_does_not_close_it_half_open() -> None:
-    """Opening marks every request sent so far as no trial: one that ends well while half-open does not close it;
-    a request sent after the opening does."""
+    """Only a trial (a request sent while half-open) closes it: one sent before the opening (a long stream) that
+    ends well while half-open does not; a trial still counts after its place was freed at its first token."""
     now = [0.0]
     breaker = CircuitBreaker(failures_to_open=2, cooldown_s=10.0, successes_to_close=1, clock=lambda: now[0])
-    breaker.sent = 1
     breaker.record_failure()
-    breaker.sent = 3  # (2: a long stream, sent before the open)
-    breaker.record_failure()  # opens
+    breaker.record_failure()  # opens (rid 2: a long stream, sent before)
     assert breaker.state is BreakerState.OPEN
     now[0] = 10.0
     assert breaker.state is BreakerState.HALF_OPEN
     breaker.record_success(2)
     assert breaker.state is BreakerState.HALF_OPEN, "a request sent before the open closed it without a trial"
-    breaker.sent = 4
     breaker.trial_started(4)
+    breaker.trials.discard(4)  # (its first token: its place is free again)
     breaker.record_success(4)
     assert breaker.state is BreakerState.CLOSED
