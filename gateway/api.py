@@ -354,7 +354,7 @@ class Frontend:
                                      prompt="messages", max_tokens_name=named)
         params.grammar = grammar_for(req)
         skip_special = req.skip_special_tokens
-        if skip_special is None and tools is not None and tools.mode == "auto" and tools.hermes \
+        if tools is not None and skip_special is None and tools.mode == "auto" and tools.hermes \
                 and skips_call_tags(self.tokenizer):
             skip_special = False  # (the calls' tags are special tokens here: written out, or the calls are lost)
         _literal_stops(params, skip_special)

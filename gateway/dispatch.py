@@ -80,6 +80,8 @@ log = logging.getLogger(__name__)
 # Count against the worker (its breaker). Not ``shutting_down``: a worker stopped on purpose ends every open
 # request with it, which would open its breaker and keep it out for the cooldown once restarted.
 BLAMED_CODES = frozenset({"transfer_failed", "internal", "timeout"})
+# (an ``open_rids`` entry for a side no longer open: its rid, -1, is no breaker's trial)
+_NOT_OPEN = (None, -1)
 MAX_BACKOFF_S = 2.0
 # Outputs of a decode that wait for the prefill's hand-over (its prompt logprobs go out with the first):
 # the hand-over is due as the decode starts; past this (or --stream-idle-timeout-s if shorter) they go
@@ -747,9 +749,7 @@ class _Attempt:
                     if self.prefill is None:
                         self._prefilled()
                 if event.finish_reason is not None:
-                    entry = open_rids.pop("decode", None)
-                    if entry is not None:
-                        self.decode.health.breaker.record_success(entry[1])
+                    self.decode.health.breaker.record_success(open_rids.pop("decode", _NOT_OPEN)[1])
                 if self.want_prompt:
                     if "prefill" in open_rids and len(self.held) < sink.limit:
                         if not self.held:  # the hand-over is due about now: outputs do not move this deadline
@@ -810,20 +810,19 @@ class _Attempt:
         self.sink.close()
         # A decode that finished, or served tokens, did so on the prefill's KV: if the prefill's hand-over has
         # not come yet (each answers on its own connection), the prefill did its part all the same.
-        open_rids = self.open_rids
-        prefill = open_rids.get("prefill")
         if self.finished:
+            prefill = self.open_rids.get("prefill")
             if prefill is not None:  # (its late hand-over ends its rid)
                 prefill[0].health.breaker.record_success(prefill[1])
         else:  # error, timeout or the consumer went away: free both sides now
-            for worker, rid in open_rids.values():
+            for worker, rid in self.open_rids.values():
                 worker.abort(rid)
             if self.outcome == "cancelled" and self.got_token:
                 # The consumer stopped (a stop string the gateway found, the client left) after the decode
                 # served tokens: a success of the decode's, as its final output would have been (a
                 # half-open breaker closes on these too; not twice: a final output held for the prompt
                 # logprobs was counted when it came), and of the prefill's when it had not said so yet.
-                for worker, rid in open_rids.values():
+                for worker, rid in self.open_rids.values():
                     worker.health.breaker.record_success(rid)
         if self.sent:
             self.dispatcher.router.finished(self.pair, self.request, "finished" if self.finished else self.outcome)
