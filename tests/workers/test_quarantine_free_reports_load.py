@@ -5,41 +5,19 @@ at the idle heartbeat: until then the gateway still counts those pages as taken 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import pytest
 
-from tests.workers.test_scheduler import Collector
-from workers.engines.sim import SimEngine
-from workers.kv_pool import KVPool
+from tests.workers.test_scheduler import _pd_pair
 from workers.protocol import BootstrapTarget, LoadReport, SamplingParams, Submit
-from workers.scheduler import IDLE_REPORT_S, REPORT_MIN_INTERVAL_S, Scheduler, SchedulerConfig
-
-
-def _pair(backend: str) -> list[tuple[Scheduler, Collector, Any]]:
-    """A prefill and a decode scheduler over ``backend``, stepped by the test (``test_scheduler._pd_pair``'s shape)."""
-    from transfer import KVArgs, KVManager, create_backend
-
-    sides = []
-    for role in ("prefill", "decode"):
-        engine = SimEngine()
-        info = engine.info
-        pool = KVPool(num_layers=info.num_layers, num_pages=64, page_size=4, num_kv_heads=info.num_kv_heads,
-                      head_dim=info.head_dim)
-        engine.bind(pool)
-        kv = KVManager(role, KVArgs.from_pool(pool), create_backend(backend))
-        sink = Collector()
-        sched = Scheduler(SchedulerConfig(role), engine, pool, sink, kv)  # type: ignore[arg-type]
-        sched.connect(1)
-        sides.append((sched, sink, kv))
-    return sides
+from workers.scheduler import IDLE_REPORT_S, REPORT_MIN_INTERVAL_S
 
 
 def test_pages_freed_from_quarantine_are_reported_at_once() -> None:
     pytest.importorskip("mooncake.engine")
     # (mooncake: its decode learns from the prefill that no write of an ended room is left, ``Quiesced``; tcp
     # fences writes itself and frees the pages at the abort)
-    (p, _, pkv), (d, dsink, dkv) = _pair("mooncake")
+    (p, _, pkv), (d, dsink, dkv) = _pd_pair(64, 64, backend="mooncake")
     try:
         host, port = pkv.control_address
         target = BootstrapTarget(host, port, 4242)

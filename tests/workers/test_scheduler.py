@@ -746,8 +746,8 @@ def test_a_step_never_idles_while_a_finished_request_holds_batch_room() -> None:
 
 
 def _pd_pair(prefill_pages: int, decode_pages: int, num_aux_slots: int = 256, decode_max_running: int = 64,
-             prefill_chunk_size: int = 64) -> list[tuple[Scheduler, Collector, Any]]:
-    """A prefill and a decode scheduler moving KV over the tcp backend, stepped by the test."""
+             prefill_chunk_size: int = 64, backend: str = "tcp") -> list[tuple[Scheduler, Collector, Any]]:
+    """A prefill and a decode scheduler moving KV over ``backend``, stepped by the test."""
     from transfer import KVArgs, KVManager, create_backend
 
     sides = []
@@ -757,7 +757,7 @@ def _pd_pair(prefill_pages: int, decode_pages: int, num_aux_slots: int = 256, de
         pool = KVPool(num_layers=info.num_layers, num_pages=num_pages, page_size=4, num_kv_heads=info.num_kv_heads,
                       head_dim=info.head_dim, num_aux_slots=num_aux_slots)
         engine.bind(pool)
-        kv = KVManager(role, KVArgs.from_pool(pool), create_backend("tcp"))
+        kv = KVManager(role, KVArgs.from_pool(pool), create_backend(backend))
         sink = Collector()
         max_running = decode_max_running if role == "decode" else 64
         chunk_size = prefill_chunk_size if role == "prefill" else 64
