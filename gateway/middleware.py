@@ -154,14 +154,18 @@ def _error(status: int, message: str, kind: str, code: str | None,
 
 class KeyGuardMiddleware:
     """A worker's HTTP side with ``--api-key``: every request but ``open_paths`` (its health probes) needs
-    ``Authorization: Bearer KEY``, else a 401 of the gateway's shape."""
+    ``Authorization: Bearer KEY``, else a 401 of the gateway's shape; an open path's request without it is marked
+    ``BRIEF_STATUS`` (as the gateway's ``GatekeeperMiddleware`` marks it): told no error details."""
 
     def __init__(self, app: ASGIApp, key: str, open_paths: frozenset[str]) -> None:
         self.app, self.keys, self.open_paths = app, [key.encode()], open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.open_paths \
-                and not _key_ok(_bearer(scope["headers"]), self.keys):
+        if scope["type"] == "http" and not _key_ok(_bearer(scope["headers"]), self.keys):
+            if scope["path"] in self.open_paths:
+                scope[BRIEF_STATUS] = True
+                await self.app(scope, receive, send)
+                return
             await _send_refusal(send, _error(401, "Incorrect or missing key: send 'Authorization: Bearer <key>' (the "
                                              "worker's --api-key)", "invalid_request_error", "invalid_api_key",
                                              [(b"www-authenticate", b"Bearer")]))

@@ -16,7 +16,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from gateway.errors import APIError, api_error, http_error
-from gateway.middleware import KeyGuardMiddleware, _bearer, _key_ok
+from gateway.middleware import BRIEF_STATUS, KeyGuardMiddleware
 from workers.metrics import CONTENT_TYPE, create_registry
 
 if TYPE_CHECKING:
@@ -34,10 +34,11 @@ def _reply(body: object, status: int = 200) -> Response:
 OPEN_PATHS = frozenset(("/health", "/liveness", "/health_generate", "/metrics"))
 
 
-def shows_details(request: Request, key: str | None) -> bool:
-    """Whether an open probe may tell ``request`` why it fails (a registry's or a tokenizer's error): to anyone
-    on a worker without ``--api-key``, else only to a request with the key (as the gateway's open probes)."""
-    return not key or _key_ok(_bearer(request.headers.raw), [key.encode()])
+def shows_details(request: Request) -> bool:
+    """Whether an open probe may tell ``request`` why it fails (a registry's or a tokenizer's error): not when the
+    worker's ``KeyGuardMiddleware`` marked it ``BRIEF_STATUS`` (a worker with ``--api-key``, a request without it),
+    as the gateway's open probes."""
+    return not request.scope.get(BRIEF_STATUS)
 
 
 async def server_error(_: Request, exc: Exception) -> Response:
@@ -64,7 +65,7 @@ def create_http_app(worker: Worker) -> ASGIApp:
         while a prefill's registry entry has not lapsed."""
         state = status()
         body: dict[str, str | None] = {"status": state, "role": worker.config.role}
-        if state == "unregistered" and shows_details(request, worker.config.api_key):  # (open: no key needed)
+        if state == "unregistered" and shows_details(request):  # (open: no key needed)
             body["error"] = worker.registration_error
         return _reply(body, 200 if state == "ok" else 503)
 

@@ -319,7 +319,6 @@ class SGLangAPI:
         generation, which our workers do not have; a combined worker runs a real one-token one (one too full to
         take it, at its ``--max-requests``, is busy, not unhealthy, as in SGLang's check). Open (no key
         needed): why it fails (a tokenizer's path, a worker's error) only to a request with the key, if any."""
-        details = shows_details(request, self.worker.config.api_key)
         sched = self.worker.scheduler
         if sched is None or not sched.is_alive or sched.stalled_s > 60.0:
             return _reply({"status": "unhealthy"}, 503)
@@ -327,7 +326,7 @@ class SGLangAPI:
             return _reply({"status": "stopping"}, 503)
         await self.ensure_ready()
         if not self.client.is_connected:
-            return _reply({"status": "unhealthy", "error": self._unavailable if details else None}, 503)
+            return _reply({"status": "unhealthy", "error": self._unavailable if shows_details(request) else None}, 503)
         if self.worker.config.role == "both":
             try:
                 async for _event in self.dispatcher.generate([0], SamplingParams(max_new_tokens=1, temperature=0)):
@@ -335,7 +334,7 @@ class SGLangAPI:
             except Overloaded:  # full (at its --max-requests), not broken: its progress was checked above, and
                 pass  # SGLang's own check counts a busy server's progress as health
             except APIError as exc:
-                return _reply({"status": "unhealthy", "error": exc.message if details else None}, 503)
+                return _reply({"status": "unhealthy", "error": exc.message if shows_details(request) else None}, 503)
         return _reply({"status": "ok"})
 
     async def model_info(self, _: Request) -> Response:
