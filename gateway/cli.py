@@ -108,7 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--healthy-after", type=int, default=2, help="consecutive passed probes -> healthy again")
     ops.add_argument("--stall-timeout-s", type=float, default=60.0,
                      help="a worker whose scheduler made no progress this long (with requests) is unhealthy")
-    ops.add_argument("--breaker-failures", type=int, default=5, help="consecutive failures that open a breaker")
+    ops.add_argument("--breaker-failures", type=int, default=5,
+                     help="consecutive failures that open a breaker; also the fewest recent ones that open it by "
+                          "--breaker-failure-rate")
+    ops.add_argument("--breaker-failure-rate", type=float, default=0.5,
+                     help="a breaker also opens when at least --breaker-failures of a worker's recent outcomes (about "
+                          "the last 32-64) failed and they are this share of them or more; 1 = only all of them")
     ops.add_argument("--breaker-cooldown-s", type=float, default=30.0, help="open -> half-open after this")
     ops.add_argument("--breaker-successes", type=int, default=2,
                      help="half-open -> closed after this many successes; as many trials at once")
@@ -175,6 +180,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             unhealthy_after=args.unhealthy_after, healthy_after=args.healthy_after,
             stall_timeout_s=args.stall_timeout_s, breaker_failures=args.breaker_failures,
             breaker_cooldown_s=args.breaker_cooldown_s, breaker_successes=args.breaker_successes,
+            breaker_failure_rate=args.breaker_failure_rate,
         ),
     )
 

@@ -9,7 +9,8 @@ Lifecycle (event loop only):
    caught this way, not only a closed socket.
 2. The dispatcher reports each request's outcome on this worker (``request_succeeded`` /
    ``request_failed``) to its ``CircuitBreaker``: closed -> open after ``breaker_failures``
-   consecutive failures -> half-open after ``breaker_cooldown_s`` (trial requests may try it, at most
+   consecutive failures, or as many among its recent outcomes making up at least ``breaker_failure_rate`` of
+   them (below) -> half-open after ``breaker_cooldown_s`` (trial requests may try it, at most
    ``breaker_successes`` at a time until their first token: a worker just back does not take a burst,
    nor wait for whole generations to take the next) -> closed after
    ``breaker_successes`` successes of requests sent while it is half-open (its trials: a long stream that
@@ -17,7 +18,11 @@ Lifecycle (event loop only):
    count in the order outcomes come, and any success resets them (as Envoy's consecutive-5xx detection): a
    rule by send order instead (a success counts only for a request sent after the streak began) opened the
    breaker of a busy worker failing ~1% of many long streams, its rare failures adding up while each long
-   success came too late to count.
+   success came too late to count. Consecutive failures alone miss a worker that fails most *new* requests while
+   its older long streams end well, one success every few failures: the breaker also keeps a decaying count of
+   recent outcomes (both halved, when a failure comes, until they add up to less than ``RATE_WINDOW``: about the
+   last 32-64 outcomes weigh) and opens when at least ``breaker_failures`` of them failed and they make up
+   ``breaker_failure_rate`` (0.5) or more of them; a worker failing 1% of its requests stays far below it.
 3. ``is_selectable`` = probes healthy and the breaker not open. Prefill and decode outcomes are
    counted separately because each worker has one role: a request that fails on its prefill is not
    held against its decode (the dispatcher blames only the side that reported the failure).
@@ -41,11 +46,14 @@ class HealthConfig:
     breaker_failures: int = 5
     breaker_cooldown_s: float = 30.0
     breaker_successes: int = 2
+    breaker_failure_rate: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("probe_interval_s", "probe_timeout_s", "stall_timeout_s", "breaker_cooldown_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
+        if not 0 < self.breaker_failure_rate <= 1:
+            raise ValueError("breaker_failure_rate must be in (0, 1]")
         for name in ("unhealthy_after", "healthy_after", "breaker_failures", "breaker_successes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
@@ -57,16 +65,24 @@ class BreakerState(StrEnum):
     HALF_OPEN = "half_open"
 
 
+# The recent outcomes a breaker's failure rate weighs: at a failure, both counts are halved until below this.
+RATE_WINDOW = 64
+
+
 class CircuitBreaker:
     def __init__(self, failures_to_open: int, cooldown_s: float, successes_to_close: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, failure_rate: float = 0.5) -> None:
         self.failures_to_open = failures_to_open
         self.cooldown_s = cooldown_s
         self.successes_to_close = successes_to_close
+        self.failure_rate = failure_rate
         self._clock = clock
         self._state = BreakerState.CLOSED
         self.closed = True  # (``_state is CLOSED``, read per request: a plain attribute)
         self._failures = 0  # consecutive
+        # recent outcomes for the failure rate (a success only adds; a failure first decays both)
+        self._recent_ok = 0
+        self._recent_failed = 0
         self._successes = 0  # consecutive, while half-open
         self._opened_at = 0.0
         self.num_opened = 0
@@ -110,6 +126,7 @@ class CircuitBreaker:
         """Request ``rid`` succeeded: the failures in a row end; while half-open, a trial's success (a request
         sent while half-open) counts towards closing it."""
         self._failures = 0
+        self._recent_ok += 1  # (decayed when a failure comes: nothing more per request)
         if self._state is not BreakerState.CLOSED and self.state is BreakerState.HALF_OPEN \
                 and rid in self._trial_rids:
             self._successes += 1
@@ -121,10 +138,18 @@ class CircuitBreaker:
     def record_failure(self) -> None:
         state = self.state
         self._failures += 1
-        tripped = state is BreakerState.CLOSED and self._failures >= self.failures_to_open
+        ok, failed = self._recent_ok, self._recent_failed
+        while ok + failed >= RATE_WINDOW:
+            ok, failed = ok // 2, failed // 2
+        failed += 1
+        self._recent_ok, self._recent_failed = ok, failed
+        tripped = state is BreakerState.CLOSED and (
+            self._failures >= self.failures_to_open
+            or (failed >= self.failures_to_open and failed >= self.failure_rate * (ok + failed)))
         if state is BreakerState.HALF_OPEN or tripped:
             self._state, self._opened_at, self.closed = BreakerState.OPEN, self._clock(), False
             self.num_opened += 1
+            self._recent_ok = self._recent_failed = 0  # (a fresh count once it closes again)
             self.trials.clear()
             self._trial_rids.clear()
 
@@ -135,6 +160,7 @@ class CircuitBreaker:
 
     def reset(self) -> None:
         self._state, self._failures, self._successes, self.closed = BreakerState.CLOSED, 0, 0, True
+        self._recent_ok = self._recent_failed = 0
         self.trials.clear()
         self._trial_rids.clear()
 
@@ -145,7 +171,7 @@ class WorkerHealth:
     def __init__(self, config: HealthConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s, config.breaker_successes,
-                                      clock)
+                                      clock, config.breaker_failure_rate)
         self.is_probe_healthy = True
         self.last_probe_error: str | None = None
         self._fails = 0

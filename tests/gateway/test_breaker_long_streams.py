@@ -5,6 +5,9 @@ order (a success counts only for a request sent after the failure streak began);
 failing at a small rate r, N x r failures then piled up before any success counted again, and a decode with 1000
 streams in flight failing 1% of them opened its breaker as if it failed them all. What send order is kept for: a
 half-open breaker closes only on its trials, requests sent after it opened.
+
+Consecutive failures alone miss a worker failing most new requests while its older long streams end well (a success
+every few failures resets the count): the breaker's failure rate over its recent outcomes opens it then.
 """
 
 from __future__ import annotations
@@ -79,3 +82,74 @@ def test_a_request_sent_before_the_breaker_opened_does_not_close_it_half_open() 
     breaker.trials.discard(4)  # (its first token: its place is free again)
     breaker.record_success(4)
     assert breaker.state is BreakerState.CLOSED
+
+
+@pytest.mark.parametrize("fail_of_4", [2, 3])
+def test_a_worker_failing_new_requests_while_old_streams_end_well_opens(fail_of_4: int) -> None:
+    """Out of every 4 outcomes, ``fail_of_4`` are new requests failing at once and the rest old long streams ending
+    well: never 5 failures in a row, yet half or more of what the worker does fails."""
+    breaker = CircuitBreaker(failures_to_open=5, cooldown_s=30.0, successes_to_close=2)
+    for rid in range(1, 500):  # a long healthy history first: it must not hide the failures for long
+        breaker.record_success(rid)
+    outcomes = 0
+    while breaker.state is BreakerState.CLOSED:
+        for i in range(4):
+            outcomes += 1
+            if i < fail_of_4:
+                breaker.record_failure()
+            else:
+                breaker.record_success(1000 + outcomes)
+            assert breaker.failures < 5
+        assert outcomes < 400, "a worker failing half its requests or more kept its breaker closed"
+    assert breaker.num_opened == 1
+
+
+def test_a_worker_failing_a_third_stays_closed() -> None:
+    """Below the rate (0.5 by default), interleaved failures do not open it, however long they go on."""
+    breaker = CircuitBreaker(failures_to_open=5, cooldown_s=30.0, successes_to_close=2)
+    for rid in range(3000):
+        if rid % 3 == 0:
+            breaker.record_failure()
+        else:
+            breaker.record_success(rid)
+    assert breaker.state is BreakerState.CLOSED
+
+
+def test_the_rate_needs_at_least_breaker_failures_failures() -> None:
+    """A fresh worker whose first outcomes are 2 failures of 3 is not opened by the rate: too few to judge."""
+    breaker = CircuitBreaker(failures_to_open=5, cooldown_s=30.0, successes_to_close=2)
+    for _ in range(2):
+        breaker.record_failure()
+        breaker.record_failure()
+        breaker.record_success(1)
+    assert breaker.state is BreakerState.CLOSED
+    breaker.record_failure()  # 5 of 7
+    assert breaker.state is BreakerState.OPEN
+
+
+def test_the_rate_counts_afresh_after_the_breaker_closes_again() -> None:
+    now = [0.0]
+    breaker = CircuitBreaker(failures_to_open=5, cooldown_s=10.0, successes_to_close=1, clock=lambda: now[0])
+    for _ in range(5):
+        breaker.record_failure()
+    now[0] = 10.0
+    breaker.trial_started(7)
+    breaker.record_success(7)
+    assert breaker.state is BreakerState.CLOSED
+    breaker.record_failure()  # 1 failure of 2 recent outcomes: the 5 before the opening are forgotten
+    assert breaker.state is BreakerState.CLOSED
+
+
+def test_failure_rate_is_configurable_and_checked() -> None:
+    with pytest.raises(ValueError, match="breaker_failure_rate"):
+        HealthConfig(breaker_failure_rate=0)
+    with pytest.raises(ValueError, match="breaker_failure_rate"):
+        HealthConfig(breaker_failure_rate=1.5)
+    worker = HttpWorker("http://127.0.0.1:1", "decode", None, HealthConfig(breaker_failures=5,
+                                                                           breaker_failure_rate=0.3))
+    worker.is_up = True
+    for i in range(30):  # one failure in three: opens at 0.3, not at the default 0.5
+        rid = worker.opened()
+        _record(worker, rid, 500 if i % 3 == 0 else 200)
+        worker.closed(rid)
+    assert worker.health.breaker.state is BreakerState.OPEN
