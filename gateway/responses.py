@@ -10,8 +10,11 @@ incomplete`` with ``incomplete_details.reason: max_output_tokens`` when the budg
 API's typed events (``event:`` and ``data:`` lines, each with its ``sequence_number``): ``response.created``,
 ``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``, one
 ``response.output_text.delta`` per piece of text, then the ``...done`` events and ``response.completed``
-(or ``response.incomplete``) with the whole response and its usage; no ``[DONE]``. An error after the
-stream started is the gateway's usual error event (``data: {"error": ...}``, which OpenAI's SDKs raise).
+(or ``response.incomplete``) with the whole response and its usage; no ``[DONE]``. With tools under ``auto``,
+an answer that starts like a call is held back until it ends (to tell a call from a message) and then comes out
+as what it is, but ``response.created`` and ``response.in_progress`` still go out with the first output, as on
+every stream. An error before that is an HTTP status; after it, ``response.failed`` (``failure``: the output as
+far as it went, none of a held answer), an event the SDK's typed stream yields.
 
 Nothing is stored: ``store`` is accepted and answered ``false``; ``previous_response_id`` and
 ``conversation`` (which need stored state), hosted tools, reasoning options, ``background``, ``include``,
@@ -413,7 +416,8 @@ class ResponsesShape(Shape):
             if state.finish_reason is not None:
                 deltas += chat.finish(state.finish_reason)[0]
             events = items.feed(deltas)
-            if head:
+            if head:  # (with the first output even when its text is held: the stream has started, and an error
+                # from here on is ``response.failed``, not an HTTP status)
                 events, head = head + events, []
             if events:
                 yield b"".join(events)
