@@ -116,6 +116,11 @@ IDLE_WAIT_S = 0.05  # the longest idle sleep; a message, a KV room's change or a
 REPORT_MIN_INTERVAL_S = 0.002  # a changed load is reported at most this often...
 BUSY_REPORT_S = 0.1  # ...and at least this often while requests are live
 IDLE_REPORT_S = 0.5
+# A step longer than this (a big prefill chunk, a slow forward) would leave every gateway without a report for its
+# whole length; a gateway takes a report older than its ``--load-stale-s`` (1 s) as gone, and then sees only its own
+# requests on the worker: another gateway's load vanished from its view, it piled onto the busiest worker. So the
+# native server's event loop re-sends the newest reports (``reports_to_repeat``) while the scheduler is in a step.
+REPEAT_REPORT_AFTER_S = 0.3
 THROUGHPUT_EWMA = 0.2  # weight of the newest batch in the prefill tokens/s estimate
 BUSY_WINDOW_S = 1.0  # time constant of the busy-fraction average
 Message = Outputs | Error | LoadReport | KVEvents
@@ -193,6 +198,8 @@ class Scheduler:
         self._last_progress = time.monotonic()  # end of the newest step (read by health probes)
         self._load_dirty = True
         self.prefill_tokens_per_s = 0.0
+        # the newest reports sent, one per connection (replaced whole, never mutated: read by the event loop)
+        self._last_reports: list[tuple[int, Message]] = []
         self.busy_fraction = 0.0
         self._busy_s = 0.0  # engine time since the last load report
         # The newest engine step's time (``EARLY_FLUSH_MIN_S``); none timed yet: taken as slow (a model's first
@@ -1117,8 +1124,19 @@ class Scheduler:
         if not self._conns:  # (the busy fraction goes on averaging: /metrics and /load read it with no gateway)
             return
         report = self.load_report()
-        for conn_id, last_rid in self._conns.items():
-            self._out.append((conn_id, msgspec.structs.replace(report, last_rid=last_rid)))
+        reports: list[tuple[int, Message]] = [(conn_id, msgspec.structs.replace(report, last_rid=last_rid))
+                                              for conn_id, last_rid in self._conns.items()]
+        self._last_reports = reports
+        self._out += reports
+
+    def reports_to_repeat(self, now: float) -> list[tuple[int, Message]]:
+        """Called from another thread (the native server's event loop): while the scheduler holds requests and its
+        newest reports are older than ``REPEAT_REPORT_AFTER_S`` (it is in a long step), those same reports, to send
+        again (the figures as they were, each with the ``last_rid`` it covered: exact for the gateway, only
+        fresh); else none. The next report the loop makes replaces them."""
+        if not self.reqs or now - self._last_load < REPEAT_REPORT_AFTER_S or not self.is_alive:
+            return []
+        return list(self._last_reports)
 
     def _compiling(self) -> list[Req]:
         """Admitted requests whose grammar is still compiling (``last_rid`` covers them: reports count them)."""

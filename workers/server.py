@@ -24,6 +24,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable
+import time
 
 import msgspec
 
@@ -44,7 +45,7 @@ from workers.protocol import (
     read_frame,
     worker_codec,
 )
-from workers.scheduler import BROADCAST, Message, Scheduler
+from workers.scheduler import BROADCAST, BUSY_REPORT_S, Message, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class NativeServer:
     def port(self) -> int:
         assert self._server is not None
         return int(self._server.sockets[0].getsockname()[1])
+        self._repeater: asyncio.Task[None] | None = None
 
     @property
     def num_connections(self) -> int:
@@ -90,6 +92,21 @@ class NativeServer:
         assert self._server is not None
         await self._server.start_serving()
 
+        self._repeater = asyncio.create_task(self._repeat_reports(), name="load-report-repeater")
+
+    async def _repeat_reports(self) -> None:
+        """While the scheduler is in a long step its load reports go out again, so that no gateway takes them
+        as stale (``Scheduler.reports_to_repeat``)."""
+        while True:
+            await asyncio.sleep(BUSY_REPORT_S)
+            if self._writers:
+                try:
+                    reports = self._scheduler.reports_to_repeat(time.monotonic())
+                except Exception:  # (read while the scheduler thread changes them: the next tick tries again)
+                    log.debug("repeating load reports failed", exc_info=True)
+                    continue
+                if reports:
+                    self._write_batch(reports)
     def deliver(self, messages: list[tuple[int, Message]]) -> None:
         """Called from the scheduler thread: the event loop is woken only if it has nothing queued yet."""
         with self._pending_lock:
@@ -196,5 +213,7 @@ class NativeServer:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._repeater is not None:
+            self._repeater.cancel()
         if self._server is not None:
             await self._server.wait_closed()
