@@ -23,8 +23,8 @@ import hmac
 import itertools
 import logging
 import threading
-from collections.abc import Callable
 import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -70,12 +70,12 @@ class NativeServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._pending: list[tuple[int, Message]] = []  # delivered, not yet written (guarded by the lock)
         self._pending_lock = threading.Lock()
+        self._repeater: asyncio.Task[None] | None = None
 
     @property
     def port(self) -> int:
         assert self._server is not None
         return int(self._server.sockets[0].getsockname()[1])
-        self._repeater: asyncio.Task[None] | None = None
 
     @property
     def num_connections(self) -> int:
@@ -87,11 +87,6 @@ class NativeServer:
         self._loop = asyncio.get_running_loop()
         self._server = await asyncio.start_server(self._on_connect, sock=listener(self._host, self._port, listen=False),
                                                   start_serving=serve)
-
-    async def start_serving(self) -> None:
-        assert self._server is not None
-        await self._server.start_serving()
-
         self._repeater = asyncio.create_task(self._repeat_reports(), name="load-report-repeater")
 
     async def _repeat_reports(self) -> None:
@@ -107,6 +102,11 @@ class NativeServer:
                     continue
                 if reports:
                     self._write_batch(reports)
+
+    async def start_serving(self) -> None:
+        assert self._server is not None
+        await self._server.start_serving()
+
     def deliver(self, messages: list[tuple[int, Message]]) -> None:
         """Called from the scheduler thread: the event loop is woken only if it has nothing queued yet."""
         with self._pending_lock:
@@ -205,6 +205,8 @@ class NativeServer:
             self._tasks.discard(task)
 
     async def aclose(self) -> None:
+        if self._repeater is not None:
+            self._repeater.cancel()
         if self._server is not None:
             self._server.close()
         for writer in list(self._writers.values()):
@@ -213,7 +215,5 @@ class NativeServer:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._repeater is not None:
-            self._repeater.cancel()
         if self._server is not None:
             await self._server.wait_closed()
