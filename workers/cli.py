@@ -12,6 +12,7 @@ import sys
 
 from gateway.cli_help import show_defaults
 from workers.config import ConfigError, WorkerConfig
+from workers.grammar import GRAMMAR_TIMEOUT_S
 from workers.protocol import MAX_UNREAD_BYTES
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watchdog-timeout-s", type=float, default=300.0,
                    help="/liveness answers 503 once the scheduler, holding requests, has not finished a step for "
                         "this long (a hung forward), so that the worker is restarted")
+    p.add_argument("--grammar-timeout-s", type=float, default=GRAMMAR_TIMEOUT_S,
+                   help="a constrained request (response_format, regex, ebnf) whose grammar has not compiled this long "
+                        "after it arrived fails with a 400 naming its field")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                    help="engine-specific setting (repeatable), e.g. decode_step_s=0.002 for sim")
     p.add_argument("--transfer-option", action="append", default=[], metavar="KEY=VALUE",
@@ -111,7 +115,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         bootstrap_timeout_s=args.bootstrap_timeout_s, waiting_timeout_s=args.waiting_timeout_s,
         transfer_timeout_s=args.transfer_timeout_s, http_request_timeout_s=args.http_request_timeout_s,
         heartbeat_interval_s=args.heartbeat_interval_s, watchdog_timeout_s=args.watchdog_timeout_s,
-        registry_wait_s=args.registry_wait_s,
+        registry_wait_s=args.registry_wait_s, grammar_timeout_s=args.grammar_timeout_s,
         max_unread_bytes=_mib(args.max_unread_mib, "max_unread_mib"), engine_options=extra,
         advertise_host=args.advertise_host, transfer_options=transfer_options, same_host_kv=args.same_host_kv,
         api_key=_api_key(args),

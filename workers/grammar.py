@@ -9,11 +9,14 @@ Lifecycle of a constrained request in a worker:
    client's field when the library rejects it; nothing reaches a worker.
 2. ``Scheduler._admit``: an engine without ``GrammarCompiling`` refuses the request (bad_request);
    otherwise ``GrammarWait.hold`` asks the engine to ``prepare`` the grammar (a compile on the engine's
-   own thread, cached by the ``Grammar``) and the request waits in stage "grammar", out of every
+   own threads, cached by the ``Grammar``) and the request waits in stage "grammar", out of every
    batch, while the loop runs others; the future's completion wakes the loop.
 3. ``GrammarWait.advance`` (each step) moves compiled requests on to their first PD stage (prefill:
    bootstrap; decode: prealloc; both: waiting) and fails those whose grammar the library rejected
-   with bad_request: no page was reserved and no KV moved.
+   with bad_request: no page was reserved and no KV moved. A request still waiting
+   ``timeout_s`` (``--grammar-timeout-s``) after its admission fails with bad_request too (its grammar
+   took too long to compile), and lets go of the compile: one still queued is not started when no other
+   request waits for it; one running goes on (it cannot be stopped) and its result is kept as any other.
 4. The engine masks every sampled row (``workers/engines/llama/constrained.py``).
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
@@ -31,6 +35,9 @@ KINDS = ("json_object", "json_schema", "regex", "ebnf")
 # Caches keyed by a grammar keep its whole text: only grammars up to this size are kept once no request
 # holds them (so a cache of 256 holds at most 16 MiB of keys, whatever the request body limit).
 MAX_CACHED_SOURCE = 64 * 1024
+# How long a request may wait for its grammar's compile (queue included) before it fails (``--grammar-timeout-s``):
+# a realistic JSON Schema compiles in milliseconds, a big legal one in seconds (12,000 required properties: ~2 s).
+GRAMMAR_TIMEOUT_S = 5.0
 # Compact-but-readable JSON: ", " and ": " between items, no other whitespace. Flexible whitespace
 # lets a small model emit newlines until max_tokens; fixed separators keep its answers short.
 _JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -116,57 +123,82 @@ class GrammarCompiling(Protocol):
     """Optional engine ability: constrained decoding. The scheduler checks for it once (``isinstance``)."""
 
     def prepare(self, grammar: Grammar) -> concurrent.futures.Future[None]:
-        """Compile ``grammar`` off the calling thread (cached); the future fails with GrammarError."""
+        """Compile ``grammar`` off the calling thread (cached); the future fails with GrammarError. The caller
+        keeps the future while it still wants the compile: an engine may drop one nobody holds unstarted."""
         ...
 
 
 class GrammarWait:
     """Requests whose grammar is compiling; owned by the scheduler, used from its thread only."""
 
-    def __init__(self, engine: GrammarCompiling, wake: Callable[[], None]) -> None:
+    def __init__(self, engine: GrammarCompiling, wake: Callable[[], None],
+                 timeout_s: float = GRAMMAR_TIMEOUT_S) -> None:
         self._engine = engine
         self._wake = wake
-        self._held: list[tuple[Any, concurrent.futures.Future[None]]] = []
+        self.timeout_s = timeout_s
+        self.num_timed_out = 0  # requests failed for a compile past ``timeout_s``
+        # (request, its compile, when it stops waiting: monotonic s), in admission order
+        self._held: list[tuple[Any, concurrent.futures.Future[None], float]] = []
 
     def hold(self, req: Any) -> bool:
         """Start compiling ``req``'s grammar; True when the request must wait (``advance`` frees it)."""
         assert req.params.grammar is not None
         future = self._engine.prepare(req.params.grammar)
         req.grammar_compile = future
-        if future.done() and future.exception() is None:
+        if future.done() and not future.cancelled() and future.exception() is None:
             return False
         req.move("grammar")
-        self._held.append((req, future))
+        self._held.append((req, future, time.monotonic() + self.timeout_s))
         future.add_done_callback(lambda _f: self._wake())
         return True
 
-    def advance(self) -> tuple[list[Any], list[tuple[Any, str, bool]]]:
+    def advance(self, now: float | None = None) -> tuple[list[Any], list[tuple[Any, str, bool]]]:
         """(requests ready to enter their first stage, (request, error, the client's?) triples); ended ones
-        dropped. Only a ``GrammarError`` (the library refused the grammar) is the client's: anything else
-        the compile raised (a crash, no memory, a tokenizer file missing) is the worker's."""
+        dropped. Only a ``GrammarError`` (the library refused the grammar) or a compile past ``timeout_s`` is the
+        client's: anything else the compile raised (a crash, no memory, a tokenizer file missing) is the
+        worker's."""
+        if not self._held:
+            return [], []
+        now = time.monotonic() if now is None else now
         ready: list[Any] = []
         failed: list[tuple[Any, str, bool]] = []
         keep = []
-        for req, future in self._held:
+        for req, future, deadline in self._held:
             if req.done:
+                req.grammar_compile = None
                 continue
             if not future.done():
-                keep.append((req, future))
+                if now < deadline:
+                    keep.append((req, future, deadline))
+                    continue
+                grammar = req.params.grammar
+                req.grammar_compile = None  # (its compile: dropped unstarted when queued and no one else waits)
+                self.num_timed_out += 1
+                failed.append((req, f"{grammar.param}: the {grammar.kind} took too long to compile: it was not "
+                               f"ready within this worker's limit of {self.timeout_s:g} s (--grammar-timeout-s); "
+                               "simplify it (e.g. fewer properties or alternatives) or retry later", True))
                 continue
-            exc = future.exception()
+            exc = future.exception() if not future.cancelled() else RuntimeError("the compile was cancelled")
             if exc is None:
                 ready.append(req)
             elif isinstance(exc, GrammarError):
                 failed.append((req, f"{exc.param or req.params.grammar.param}: {exc}", True))
             else:
+                req.grammar_compile = None
                 failed.append((req, f"compiling the {req.params.grammar.kind} failed: {type(exc).__name__}: {exc}",
                                False))
         self._held = keep
         return ready, failed
 
+    def next_deadline(self) -> float | None:
+        """When the first request held gives up waiting (monotonic s); None when none is held."""
+        if not self._held:
+            return None
+        return min((deadline for req, _, deadline in self._held if not req.done), default=None)
+
     def __len__(self) -> int:
-        return sum(1 for req, _ in self._held if not req.done)
+        return sum(1 for req, _, _ in self._held if not req.done)
 
     def __iter__(self) -> Iterator[Any]:
         """The requests held (ended ones included until ``advance``), for load reports and metrics."""
-        return iter([req for req, _ in list(self._held)])
+        return iter([req for req, _, _ in list(self._held)])

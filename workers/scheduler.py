@@ -66,7 +66,7 @@ from workers.engines.base import (
     check_sampling,
     needs_history,
 )
-from workers.grammar import GrammarCompiling, GrammarWait
+from workers.grammar import GRAMMAR_TIMEOUT_S, GrammarCompiling, GrammarWait
 from workers.kv_pool import KVPool
 from workers.metrics import SchedulerMetrics
 from workers.page_cache import PageCache, page_hashes
@@ -136,6 +136,8 @@ class SchedulerConfig:
     prefix_cache: bool = True
     # a request whose next prompt page another request here is computing waits for it (``_awaits_prefix``)
     wait_for_prefix: bool = True
+    # a request whose grammar has not compiled this long after its admission fails (bad_request; workers/grammar.py)
+    grammar_timeout_s: float = GRAMMAR_TIMEOUT_S
 
 
 class Scheduler:
@@ -158,7 +160,8 @@ class Scheduler:
         self.kv_checker = engine if isinstance(engine, KVChecker) else None  # optional ability, checked once
         self.seq_state = engine if isinstance(engine, SequenceState) else None  # told of every release
         # Constrained decoding (optional ability): requests wait here while their grammar compiles.
-        self.grammar_wait = GrammarWait(engine, self._on_kv_change) if isinstance(engine, GrammarCompiling) else None
+        self.grammar_wait = GrammarWait(engine, self._on_kv_change, config.grammar_timeout_s) \
+            if isinstance(engine, GrammarCompiling) else None
         self.pool = pool
         self.kv = kv
         # Stop strings are checked here (``workers.stop_strings``) when the worker decodes and has its
@@ -195,11 +198,11 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._conns: dict[int, int] = {}  # connection -> newest rid admitted from it
         self._last_load = 0.0
+        # the newest reports sent, one per connection (replaced whole, never mutated: read by the event loop)
+        self._last_reports: list[tuple[int, Message]] = []
         self._last_progress = time.monotonic()  # end of the newest step (read by health probes)
         self._load_dirty = True
         self.prefill_tokens_per_s = 0.0
-        # the newest reports sent, one per connection (replaced whole, never mutated: read by the event loop)
-        self._last_reports: list[tuple[int, Message]] = []
         self.busy_fraction = 0.0
         self._busy_s = 0.0  # engine time since the last load report
         # The newest engine step's time (``EARLY_FLUSH_MIN_S``); none timed yet: taken as slow (a model's first
@@ -332,6 +335,8 @@ class Scheduler:
             wait_s = min(wait_s, every - since)
         if self.reqs:
             wait_s = min(wait_s, min(r.deadline for r in self.reqs.values()) - now)
+            if self.grammar_wait is not None and (compile_deadline := self.grammar_wait.next_deadline()) is not None:
+                wait_s = min(wait_s, compile_deadline - now)
         return max(wait_s, 0.0)
 
     def _wait_for_inbox(self, timeout_s: float) -> None:
@@ -366,7 +371,7 @@ class Scheduler:
             self._advance(self.transfer_queue, self._import)
             self._advance(self.prealloc_queue, self._to_transfer)
         if self.grammar_wait is not None:
-            ready, failed = self.grammar_wait.advance()
+            ready, failed = self.grammar_wait.advance(now)
             for req, problem, clients in failed:
                 if clients:
                     self._fail(req, "bad_request", problem, param=req.params.grammar.param)

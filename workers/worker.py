@@ -156,7 +156,7 @@ class Worker:
         if cfg.role != "both":
             self.kv = self._create_kv_manager(self.pool)
         sched_cfg = SchedulerConfig(role=cfg.role, chunk_size=cfg.chunk_size, max_running=cfg.max_running,
-                                    max_requests=cfg.max_requests)
+                                    max_requests=cfg.max_requests, grammar_timeout_s=cfg.grammar_timeout_s)
         stop_tokenizer = await loading if loading is not None else None
         self.scheduler = Scheduler(sched_cfg, self.engine, self.pool, self._deliver, self.kv, stop_tokenizer)
         self.server = NativeServer(self.scheduler, self._hello_ack, cfg.host, cfg.port, api_key=cfg.api_key,

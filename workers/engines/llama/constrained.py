@@ -3,8 +3,15 @@
 Lifecycle (one ``Constraints`` per ``TorchEngine``):
 1. ``prepare(grammar)`` from the scheduler thread at admission: a future, done at once when the
    grammar is cached; otherwise the compile (and, the first time, the llguidance tokenizer, ~1 s)
-   runs on this object's own thread; the scheduler holds the request until it is done
-   (``workers/grammar.py``). A rejected grammar fails the future with ``GrammarError``.
+   runs on one of this object's ``COMPILE_THREADS`` threads (queued when all are busy); the scheduler
+   holds the request until it is done or its ``--grammar-timeout-s`` passes (``workers/grammar.py``).
+   A rejected grammar fails the future with ``GrammarError`` and stays cached; any other failure (the
+   worker's: a missing tokenizer.json, no memory) is not cached: the next request compiles it again.
+   A compile cannot be stopped (the library has no cancel, a thread cannot be killed): one that a timed-out
+   request leaves behind runs on to its end, holding its thread, so at most ``COMPILE_THREADS`` slow ones
+   run at once and the others' distinct grammars still compile beside fewer of them. A queued compile whose
+   every request has gone (timed out, aborted) is dropped unstarted: a pile of abandoned compiles does not
+   delay the fresh ones behind it.
 2. ``mask(seqs, scores)`` in ``TorchEngine._sample``, once per step, over the sampled rows: each
    constrained sequence gets its matcher (a copy of the cached compiled one) and is brought up to
    date with the outputs it has not seen: on a decode worker the first token came from the prefill
@@ -22,7 +29,7 @@ import logging
 import os
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 import torch
@@ -36,6 +43,9 @@ log = logging.getLogger(__name__)
 # code (pyo3's ``PanicException`` derives from ``BaseException``); an interrupt or exit is re-raised.
 _MATCHER_FAILURES = BaseException
 MAX_CACHED_GRAMMARS = 256
+# Compiles that run at once (each on its own thread; the library drops the GIL while it builds a grammar):
+# also the most threads that compiles abandoned by their timed-out requests can hold.
+COMPILE_THREADS = 4
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
@@ -53,18 +63,28 @@ class Constraints:
         self._tokenizer_dir = tokenizer_dir
         self._eos = list(eos_token_ids)
         self._tokenizer: Any = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
-        self._lock = threading.Lock()  # the cache is read by the scheduler thread, filled by the compile thread
+        self._tokenizer_lock = threading.Lock()  # (built once, by the first compile that needs it)
+        self._lock = threading.Lock()  # the cache and the queue, shared by the scheduler and the compile threads
+        self._jobs_ready = threading.Condition(self._lock)
+        # Compiles to run: the future only weakly (dropped by every request: not started)
+        self._jobs: deque[tuple[Grammar, weakref.ref[concurrent.futures.Future[Any]]]] = deque()
+        self._threads: list[threading.Thread] = []
+        self._num_idle = 0  # compile threads waiting for a job
+        self._closed = False
+        # Compiled grammars, and grammars the library refused (``GrammarError``): finished futures only.
         self._cache: OrderedDict[Grammar, concurrent.futures.Future[Any]] = OrderedDict()
-        # Every compile someone still holds (the scheduler keeps a request's until it ends), evicted from
-        # ``_cache`` or not: more distinct grammars queued than it keeps are not compiled twice, and a
-        # request's first step never waits on a recompile of its own (evicted) grammar.
+        # Every compile someone still holds (the scheduler keeps a request's until it ends; a compile thread
+        # the one it runs), cached or not: more distinct grammars queued than the cache keeps are not
+        # compiled twice, a request's first step never waits on a recompile of its own (evicted) grammar,
+        # and a request for a grammar still compiling (a client's retry after a timeout) joins that compile.
         self._held: weakref.WeakValueDictionary[Grammar, concurrent.futures.Future[Any]] = \
             weakref.WeakValueDictionary()
         self._seqs: dict[int, _Matcher] = {}
 
     # -- compiling ----------------------------------------------------------------------------
     def prepare(self, grammar: Grammar) -> concurrent.futures.Future[None]:
+        """The compile of ``grammar`` (done at once when cached); the caller holds the future for as long as
+        it wants the compile: one queued that nobody holds any more is dropped unstarted."""
         return self._compiled(grammar)  # its value (a matcher) is ours, not the caller's
 
     def _compiled(self, grammar: Grammar) -> concurrent.futures.Future[Any]:
@@ -74,26 +94,68 @@ class Constraints:
                 self._cache.move_to_end(grammar)
                 return future
             future = self._held.get(grammar)
-            if future is None:
-                future = self._pool.submit(self._compile, grammar)
+            if future is None or (future.done() and not _is_cacheable(future)):  # (a worker's fault: again)
+                future = concurrent.futures.Future()
+                if self._closed:
+                    future.set_exception(RuntimeError("the engine is closed"))
+                    return future
                 self._held[grammar] = future
-            if len(grammar.source) <= MAX_CACHED_SOURCE:
-                self._cache[grammar] = future
-            while len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
+                self._jobs.append((grammar, weakref.ref(future)))
+                if self._num_idle > len(self._jobs) - 1:
+                    self._jobs_ready.notify()
+                elif len(self._threads) < COMPILE_THREADS:
+                    thread = threading.Thread(target=self._run_compiles, name=f"grammar-compile-{len(self._threads)}",
+                                              daemon=True)  # (a compile still running does not hold up the exit)
+                    self._threads.append(thread)
+                    thread.start()
             return future
 
+    def _run_compiles(self) -> None:
+        """A compile thread: runs queued compiles that someone still waits for, until ``close``."""
+        while True:
+            with self._lock:
+                while not self._jobs and not self._closed:
+                    self._num_idle += 1
+                    self._jobs_ready.wait()
+                    self._num_idle -= 1
+                if self._closed:
+                    return
+                grammar, ref = self._jobs.popleft()
+            future = ref()
+            if future is not None and future.set_running_or_notify_cancel():  # (else every request for it has gone)
+                self._run_one(grammar, future)
+            del future
+
+    def _run_one(self, grammar: Grammar, future: concurrent.futures.Future[Any]) -> None:
+        try:
+            matcher = self._compile(grammar)
+        except BaseException as exc:  # (a panic of the library's Rust code included: its requests fail)
+            self._finish(grammar, future, cacheable=isinstance(exc, GrammarError))
+            future.set_exception(exc)
+            return
+        self._finish(grammar, future, cacheable=True)
+        future.set_result(matcher)
+
+    def _finish(self, grammar: Grammar, future: concurrent.futures.Future[Any], cacheable: bool) -> None:
+        """Cache what holds for good (before the future's waiters hear of it); a worker's fault is not kept."""
+        if cacheable and len(grammar.source) <= MAX_CACHED_SOURCE:
+            with self._lock:
+                self._cache[grammar] = future
+                while len(self._cache) > MAX_CACHED_GRAMMARS:
+                    self._cache.popitem(last=False)
+
     def _compile(self, grammar: Grammar) -> Any:
-        """A matcher in its start state (copied per sequence); runs on the compile thread."""
+        """A matcher in its start state (copied per sequence); runs on a compile thread."""
         import llguidance
 
-        if self._tokenizer is None:
-            path = os.path.join(self._tokenizer_dir, "tokenizer.json")
-            if not os.path.isfile(path):
-                # (the deployment's fault, not the request's: the worker's ``internal``)
-                raise RuntimeError(f"constrained decoding needs the model's tokenizer.json ({path} is missing)")
-            with open(path, encoding="utf-8") as f:
-                self._tokenizer = llguidance.LLTokenizer(f.read(), n_vocab=self.vocab_size, eos_token=self._eos)
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                path = os.path.join(self._tokenizer_dir, "tokenizer.json")
+                if not os.path.isfile(path):
+                    # (the deployment's fault, not the request's: the worker's ``internal``)
+                    raise RuntimeError(f"constrained decoding needs the model's tokenizer.json ({path} is missing)")
+                with open(path, encoding="utf-8") as f:
+                    self._tokenizer = llguidance.LLTokenizer(f.read(), n_vocab=self.vocab_size, eos_token=self._eos)
         matcher = llguidance.LLMatcher(self._tokenizer, to_llguidance(grammar), log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid {grammar.kind}: {_first_line(matcher.get_error())}", grammar.param)
@@ -190,7 +252,16 @@ class Constraints:
         self._seqs.pop(seq_id, None)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Queued compiles are cancelled; running ones end on their own (not waited for)."""
+        with self._lock:
+            self._closed = True
+            jobs = list(self._jobs)
+            self._jobs.clear()
+            self._jobs_ready.notify_all()
+        for _, ref in jobs:
+            future = ref()
+            if future is not None:
+                future.cancel()
         self._seqs.clear()
 
     def _catch_up(self, seq: SeqInput) -> _Matcher:
@@ -216,6 +287,11 @@ class Constraints:
                                f"{_first_line(state.matcher.get_error())}")
         state.num_outputs = target
         return state
+
+
+def _is_cacheable(future: concurrent.futures.Future[Any]) -> bool:
+    """A finished compile that holds for good: compiled, or refused by the library (the client's grammar)."""
+    return not future.cancelled() and isinstance(future.exception(), (type(None), GrammarError))
 
 
 def _first_line(error: str) -> str:
