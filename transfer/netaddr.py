@@ -141,3 +141,20 @@ def route_source(host: str, port: int = 9) -> str:
         except OSError as exc:
             last = exc
     raise last or OSError(f"no address for {host}")
+
+
+def watch_peer(sock: socket.socket, dead_after_s: float) -> None:
+    """Have the kernel close ``sock`` (a TCP connection) once its peer has not answered for about ``dead_after_s``:
+    keep-alive probes while the connection is idle (the first after a third of it, then every sixth, three
+    unanswered ones end it) and ``TCP_USER_TIMEOUT`` while data of ours waits unacknowledged (a stream to a host
+    that went away: retransmissions alone go on for ~15 minutes). A peer process that is merely slow or stopped
+    still has its kernel answer; one that stops reading for that long while we send is also cut off. Linux's
+    options; where one is missing (another OS) the rest still apply."""
+    idle = max(1, int(dead_after_s / 3))
+    interval = max(1, int(dead_after_s / 6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", 3),
+                        ("TCP_USER_TIMEOUT", max(1000, int(dead_after_s * 1000)))):
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)

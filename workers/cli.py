@@ -13,7 +13,7 @@ import sys
 from gateway.cli_help import show_defaults
 from workers.config import ConfigError, WorkerConfig
 from workers.grammar import GRAMMAR_TIMEOUT_S
-from workers.protocol import MAX_UNREAD_BYTES
+from workers.protocol import MAX_UNREAD_BYTES, PEER_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transfer-timeout-s", type=float, default=60.0)
     p.add_argument("--http-request-timeout-s", type=float, default=1800.0,
                    help="a request arriving over SGLang's HTTP API (SGLang's routers) ends by this deadline")
+    p.add_argument("--gateway-timeout-s", type=float, default=PEER_TIMEOUT_S,
+                   help="a gateway connection whose host answers nothing this long (it died, or the network was "
+                        "cut) is closed by the kernel and its requests end (TCP keep-alive, TCP_USER_TIMEOUT)")
     p.add_argument("--heartbeat-interval-s", type=float, default=2.0,
                    help="KV peers ping each other this often (silent for 3x: gone); a prefill renews its "
                         "bootstrap registration this often too, but at least every 2.5 s (the registry's "
@@ -116,6 +119,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         transfer_timeout_s=args.transfer_timeout_s, http_request_timeout_s=args.http_request_timeout_s,
         heartbeat_interval_s=args.heartbeat_interval_s, watchdog_timeout_s=args.watchdog_timeout_s,
         registry_wait_s=args.registry_wait_s, grammar_timeout_s=args.grammar_timeout_s,
+        gateway_timeout_s=args.gateway_timeout_s,
         max_unread_bytes=_mib(args.max_unread_mib, "max_unread_mib"), engine_options=extra,
         advertise_host=args.advertise_host, transfer_options=transfer_options, same_host_kv=args.same_host_kv,
         api_key=_api_key(args),

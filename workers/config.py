@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from workers.grammar import GRAMMAR_TIMEOUT_S
-from workers.protocol import MAX_UNREAD_BYTES
+from workers.protocol import MAX_UNREAD_BYTES, PEER_TIMEOUT_S
 
 
 class ConfigError(ValueError):
@@ -57,6 +57,8 @@ class WorkerConfig:
     # A constrained request whose grammar has not compiled this long after it arrived fails (400 naming its
     # field); its compile, which cannot be stopped, goes on (at most a few at once: workers/grammar.py)
     grammar_timeout_s: float = GRAMMAR_TIMEOUT_S
+    # a gateway connection whose host answers nothing this long is closed, its requests ended (``watch_peer``)
+    gateway_timeout_s: float = PEER_TIMEOUT_S
     max_unread_bytes: int = MAX_UNREAD_BYTES  # per gateway connection: past it the gateway is not reading
     engine_options: dict[str, str] = field(default_factory=dict)
     transfer_options: dict[str, str] = field(default_factory=dict)  # --transfer-option, checked by the backend
@@ -89,7 +91,7 @@ class WorkerConfig:
         if self.max_unread_bytes < 1 << 16:
             raise ConfigError("max_unread_bytes: must be at least 64 KiB")
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s", "http_request_timeout_s",
-                     "heartbeat_interval_s", "watchdog_timeout_s", "grammar_timeout_s"):
+                     "heartbeat_interval_s", "watchdog_timeout_s", "grammar_timeout_s", "gateway_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:  # (NaN and inf refused too)
                 raise ConfigError(f"{name}: must be positive and finite")
         if not 0 <= self.registry_wait_s < math.inf:

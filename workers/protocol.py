@@ -41,6 +41,9 @@ PROTOCOL_VERSION = 4  # 2: KVEvents, LoadReport fields for routing; 3: SamplingP
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 MAX_HELLO_BYTES = 64 * 1024  # a peer's first frame (its ``Hello``, a few bytes) before it is known to speak
 MAX_UNREAD_BYTES = 64 * 1024 * 1024  # written, still unread by the peer: past it the peer is not reading
+# A connection whose peer host answers nothing this long (it died, or the network was cut) is closed by the kernel
+# (``transfer.netaddr.watch_peer``): its requests end rather than hold their places until their own timeouts
+PEER_TIMEOUT_S = 30.0
 _LEN = struct.Struct(">I")
 
 

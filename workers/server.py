@@ -9,7 +9,8 @@ Lifecycle:
    the event loop gets to them (one ``call_soon_threadsafe`` per batch of steps, not per step), then
    are grouped per connection and written with one ``write`` call per connection. A connection that
    leaves more than ``max_unread_bytes`` unread (a gateway that stopped reading) is dropped, never
-   waited on: the scheduler goes on for everyone else.
+   waited on: the scheduler goes on for everyone else. One whose peer host stops answering (it died, or the
+   network was cut: nothing closes the socket) is closed by the kernel after about ``peer_timeout_s``.
 4. A closed connection drops its requests (pages freed); ``aclose()`` stops listening and closes
    every connection. If the scheduler thread has died, handshakes are rejected and a submit gets an
    ``Error`` and its connection is closed, so the gateway marks this worker down instead of waiting.
@@ -28,10 +29,11 @@ from collections.abc import Callable
 
 import msgspec
 
-from transfer.netaddr import listener
+from transfer.netaddr import listener, watch_peer
 from workers.protocol import (
     MAX_HELLO_BYTES,
     MAX_UNREAD_BYTES,
+    PEER_TIMEOUT_S,
     PROTOCOL_VERSION,
     Abort,
     GetTokenizer,
@@ -53,9 +55,12 @@ log = logging.getLogger(__name__)
 class NativeServer:
     def __init__(self, scheduler: Scheduler, hello_ack: Callable[[], HelloAck], host: str, port: int, *,
                  max_unread_bytes: int = MAX_UNREAD_BYTES,
-                 tokenizer_files: Callable[[], TokenizerFiles] | None = None, api_key: str | None = None) -> None:
-        """``api_key``: a peer's ``Hello`` must carry it (else ``Rejected``)."""
+                 tokenizer_files: Callable[[], TokenizerFiles] | None = None, api_key: str | None = None,
+                 peer_timeout_s: float = PEER_TIMEOUT_S) -> None:
+        """``api_key``: a peer's ``Hello`` must carry it (else ``Rejected``). ``peer_timeout_s``: a gateway whose
+        host stops answering (gone, or the network cut) for about this long is dropped, its requests ended."""
         self._scheduler = scheduler
+        self._peer_timeout_s = peer_timeout_s
         self._api_key = api_key.encode() if api_key else None
         self._max_unread = max_unread_bytes
         self._hello_ack = hello_ack
@@ -148,6 +153,9 @@ class NativeServer:
         self._tasks.add(task)
         conn_id = next(self._ids)
         try:
+            # (without it, the requests of a gateway whose host died held their KV pages and running places until
+            # their own timeouts, ~15 minutes for a stream's unacknowledged sends: nothing else notices)
+            watch_peer(writer.get_extra_info("socket"), self._peer_timeout_s)
             async with asyncio.timeout(10.0):  # (not ``wait_for``: on Python 3.11 it can lose a cancellation)
                 frame = await read_frame(reader, MAX_HELLO_BYTES)
             hello = self._codec.decode(frame)

@@ -160,6 +160,7 @@ class Worker:
         stop_tokenizer = await loading if loading is not None else None
         self.scheduler = Scheduler(sched_cfg, self.engine, self.pool, self._deliver, self.kv, stop_tokenizer)
         self.server = NativeServer(self.scheduler, self._hello_ack, cfg.host, cfg.port, api_key=cfg.api_key,
+                                   peer_timeout_s=cfg.gateway_timeout_s,
                                    max_unread_bytes=cfg.max_unread_bytes, tokenizer_files=self._tokenizer_files)
         # A prefill takes requests only once registered: a decode asked to fetch from it must find it at
         # this address, not the one a previous run of it on this port registered (refused)
