@@ -56,9 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transfer-timeout-s", type=float, default=60.0)
     p.add_argument("--http-request-timeout-s", type=float, default=1800.0,
                    help="a request arriving over SGLang's HTTP API (SGLang's routers) ends by this deadline")
+    p.add_argument("--max-http-connections", type=int, default=0,
+                   help="connections the HTTP port serves at once (0 = --max-requests + 256, as an SGLang router "
+                        "holds one per request; at most a quarter of ulimit -n); past it an idle one is closed for a "
+                        "new one, else up to 8 more may send a probe (/health, /liveness, /health_generate, "
+                        "/metrics), the rest are answered 503 too_many_connections")
     p.add_argument("--gateway-timeout-s", type=float, default=PEER_TIMEOUT_S,
                    help="a gateway connection whose host answers nothing this long (it died, or the network was "
                         "cut) is closed by the kernel and its requests end (TCP keep-alive, TCP_USER_TIMEOUT)")
+    p.add_argument("--http-keep-alive-timeout-s", type=float, default=5.0,
+                   help="an HTTP connection idle between requests this long is closed (uvicorn's default; keep it "
+                        "above the idle time of the callers' connection pools)")
     p.add_argument("--heartbeat-interval-s", type=float, default=2.0,
                    help="KV peers ping each other this often (silent for 3x: gone); a prefill renews its "
                         "bootstrap registration this often too, but at least every 2.5 s (the registry's "
@@ -118,6 +126,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         bootstrap_timeout_s=args.bootstrap_timeout_s, waiting_timeout_s=args.waiting_timeout_s,
         transfer_timeout_s=args.transfer_timeout_s, http_request_timeout_s=args.http_request_timeout_s,
         heartbeat_interval_s=args.heartbeat_interval_s, watchdog_timeout_s=args.watchdog_timeout_s,
+        max_http_connections=args.max_http_connections, http_keep_alive_timeout_s=args.http_keep_alive_timeout_s,
         registry_wait_s=args.registry_wait_s, grammar_timeout_s=args.grammar_timeout_s,
         gateway_timeout_s=args.gateway_timeout_s,
         max_unread_bytes=_mib(args.max_unread_mib, "max_unread_mib"), engine_options=extra,

@@ -57,9 +57,14 @@ class WorkerConfig:
     # A constrained request whose grammar has not compiled this long after it arrived fails (400 naming its
     # field); its compile, which cannot be stopped, goes on (at most a few at once: workers/grammar.py)
     grammar_timeout_s: float = GRAMMAR_TIMEOUT_S
+    max_unread_bytes: int = MAX_UNREAD_BYTES  # per gateway connection: past it the gateway is not reading
+    # Connections the HTTP port serves at once (workers/http_connections.py: at the cap an idle one is closed for
+    # a new one, else a few more are let in for probes, the rest answered 503); 0 = ``max_requests`` + 256 (an
+    # SGLang router holds a connection per request); at most a quarter of ulimit -n
+    max_http_connections: int = 0
     # a gateway connection whose host answers nothing this long is closed, its requests ended (``watch_peer``)
     gateway_timeout_s: float = PEER_TIMEOUT_S
-    max_unread_bytes: int = MAX_UNREAD_BYTES  # per gateway connection: past it the gateway is not reading
+    http_keep_alive_timeout_s: float = 5.0  # an HTTP connection idle between requests this long is closed
     engine_options: dict[str, str] = field(default_factory=dict)
     transfer_options: dict[str, str] = field(default_factory=dict)  # --transfer-option, checked by the backend
     # auto: KV moves through shared memory to a co-located peer that proves it maps the decode's pool
@@ -88,10 +93,14 @@ class WorkerConfig:
             raise ConfigError(f"device: must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.same_host_kv not in ("auto", "off"):
             raise ConfigError(f"same_host_kv: must be auto or off, got {self.same_host_kv!r}")
+        if self.max_http_connections < 0:
+            raise ConfigError("max_http_connections: must be positive (or 0: automatic), got "
+                              f"{self.max_http_connections}")
         if self.max_unread_bytes < 1 << 16:
             raise ConfigError("max_unread_bytes: must be at least 64 KiB")
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s", "http_request_timeout_s",
-                     "heartbeat_interval_s", "watchdog_timeout_s", "grammar_timeout_s", "gateway_timeout_s"):
+                     "heartbeat_interval_s", "watchdog_timeout_s", "grammar_timeout_s", "http_keep_alive_timeout_s",
+                     "gateway_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:  # (NaN and inf refused too)
                 raise ConfigError(f"{name}: must be positive and finite")
         if not 0 <= self.registry_wait_s < math.inf:

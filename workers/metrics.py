@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 from workers.request import live
 
 if TYPE_CHECKING:
+    from workers.http_connections import ConnectionCap
     from workers.kv_pool import KVPool
     from workers.request import Req
     from workers.scheduler import Scheduler
@@ -111,6 +112,7 @@ class WorkerView(Protocol):
     scheduler: Scheduler | None
     kv: Any
     config: Any
+    http_connections: ConnectionCap | None
 
 
 class WorkerCollector(Collector):
@@ -134,10 +136,26 @@ class WorkerCollector(Collector):
         alive = GaugeMetricFamily("pd_worker_scheduler_alive", "1 while the scheduler thread runs", labels=["role"])
         alive.add_metric([role], float(sched is not None and sched.is_alive))
         yield alive
+        if w.http_connections is not None:
+            yield from _http_metrics(role, w.http_connections)
         if sched is None:
             return
         yield from _scheduler_metrics(role, sched)
         yield from _transfer_metrics(role, sched, w.kv)
+
+
+def _http_metrics(role: str, cap: ConnectionCap) -> Iterator[Metric]:
+    """The HTTP port's connections under ``--max-http-connections`` (``workers/http_connections.py``)."""
+    open_ = GaugeMetricFamily("pd_worker_http_connections", "HTTP connections open: admitted (at most "
+                              "--max-http-connections) or on probation (probes only)", labels=["role", "slot"])
+    open_.add_metric([role, "admitted"], float(len(cap.admitted)))
+    open_.add_metric([role, "probation"], float(len(cap.probation)))
+    yield open_
+    yield _gauge("pd_worker_http_connections_limit", "--max-http-connections as applied", role, float(cap.cap))
+    yield _counter("pd_worker_http_connections_refused", "HTTP requests answered 503 too_many_connections, and "
+                   "connections closed unanswered, at the cap", role, float(cap.num_refused))
+    yield _counter("pd_worker_http_connections_evicted", "Idle kept-alive HTTP connections closed to make room "
+                   "for a new one at the cap", role, float(cap.num_evicted))
 
 
 def _gauge(name: str, doc: str, role: str, value: float) -> GaugeMetricFamily:

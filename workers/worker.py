@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 import uvicorn
 
-from gateway.http_protocol import ClientLimits, protocol_class
+from gateway.http_protocol import ClientLimits
 from gateway.tokenizer import Tokenizer, load_tokenizer, tokenizer_digest
 from transfer.netaddr import is_loopback, is_wildcard, join_host_port, listener
 from workers.addresses import advertised_host
@@ -38,6 +38,7 @@ from workers.config import WorkerConfig
 from workers.engines import EngineOptions, create_engine
 from workers.engines.base import Engine
 from workers.http_app import create_http_app
+from workers.http_connections import ConnectionCap, capped_protocol_class, fitted_cap, raise_open_file_limit
 from workers.kv_pool import KVPool
 from workers.protocol import (
     PROTOCOL_VERSION,
@@ -100,6 +101,7 @@ class Worker:
         self.scheduler: Scheduler | None = None
         self.server: NativeServer | None = None
         self._http: uvicorn.Server | None = None
+        self.http_connections: ConnectionCap | None = None  # (the HTTP port's counts: ``/metrics``)
         self.sglang: SGLangAPI | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._registrar: Any = None
@@ -167,10 +169,14 @@ class Worker:
         await self.server.start(serve=cfg.role != "prefill")
         self.scheduler.start()
         self.sglang = SGLangAPI(self)  # loads and connects on first use
+        raise_open_file_limit()
+        self.http_connections = ConnectionCap(fitted_cap(cfg.max_http_connections or cfg.max_requests + 256))
         http_config = uvicorn.Config(
             create_http_app(self), host=cfg.host, port=cfg.http_port, log_level="warning",
             lifespan="off", access_log=False,
-            http=protocol_class(ClientLimits()),  # the gateway's limits on slow or huge request heads
+            # the gateway's limits on slow or huge requests and slow readers, under a cap on the connections
+            http=capped_protocol_class(ClientLimits(), self.http_connections),
+            timeout_keep_alive=cfg.http_keep_alive_timeout_s,  # type: ignore[arg-type]
         )
         self._http = uvicorn.Server(http_config)
         # The worker owns SIGTERM/SIGINT (graceful close); uvicorn must not capture them.

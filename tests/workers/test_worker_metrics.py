@@ -53,7 +53,7 @@ def run_until_idle(sched: Scheduler, limit: int = 500) -> None:
 
 
 def app_for(sched: Scheduler) -> TestClient:
-    worker = SimpleNamespace(worker_id="both-test", scheduler=sched, kv=None, sglang=None,
+    worker = SimpleNamespace(worker_id="both-test", scheduler=sched, kv=None, sglang=None, http_connections=None,
                              config=SimpleNamespace(role="both", engine="sim", transfer="tcp", api_key=None,
                                                     watchdog_timeout_s=300.0))
     return TestClient(create_http_app(worker))  # type: ignore[arg-type]
