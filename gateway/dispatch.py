@@ -362,9 +362,8 @@ class Dispatcher:
             breaker.record_failure()
             self.metrics.worker_failures.labels(culprit.url, culprit.role, code).inc()
             if breaker.num_opened != opened:
-                log.warning("%s worker %s: breaker opened after %d failures in a row; the last, reported by its "
-                            "%s: %s: %s", culprit.role, culprit.url, breaker.failures, reporter.role, code,
-                            event.message)
+                log.warning("%s worker %s: breaker opened (%s); the last failure, reported by its %s: %s: %s",
+                            culprit.role, culprit.url, breaker.opened_because, reporter.role, code, event.message)
 
 
 class Collector(Protocol):

@@ -86,6 +86,7 @@ class CircuitBreaker:
         self._successes = 0  # consecutive, while half-open
         self._opened_at = 0.0
         self.num_opened = 0
+        self.opened_because = ""  # why it last opened (for the log)
         # half-open: the requests (the worker client's rids) trying the worker now, at most
         # ``successes_to_close`` (the worker is not selectable while that many are open); a trial's place is
         # free again at its first token (a decode) or hand-over (a prefill), its success counted at its end
@@ -132,6 +133,9 @@ class CircuitBreaker:
             self._successes += 1
             if self._successes >= self.successes_to_close:
                 self._state, self.closed = BreakerState.CLOSED, True
+                # a fresh failure-rate count: the outcomes recorded while it was open or half-open (the streams
+                # of the episode that opened it, failing on) must not re-open it at the next ordinary failure
+                self._recent_ok = self._recent_failed = 0
                 self.trials.clear()
                 self._trial_rids.clear()
 
@@ -147,6 +151,10 @@ class CircuitBreaker:
             self._failures >= self.failures_to_open
             or (failed >= self.failures_to_open and failed >= self.failure_rate * (ok + failed)))
         if state is BreakerState.HALF_OPEN or tripped:
+            self.opened_because = (
+                "a half-open trial failed" if state is BreakerState.HALF_OPEN
+                else f"{self._failures} failures in a row" if self._failures >= self.failures_to_open
+                else f"{failed} of its {ok + failed} recent outcomes failed")
             self._state, self._opened_at, self.closed = BreakerState.OPEN, self._clock(), False
             self.num_opened += 1
             self._recent_ok = self._recent_failed = 0  # (a fresh count once it closes again)

@@ -64,6 +64,7 @@ def test_failures_in_a_row_still_open() -> None:
     for _ in range(5):
         breaker.record_failure()
     assert breaker.state is BreakerState.OPEN
+    assert breaker.opened_because == "5 failures in a row"
 
 
 def test_a_request_sent_before_the_breaker_opened_does_not_close_it_half_open() -> None:
@@ -102,6 +103,7 @@ def test_a_worker_failing_new_requests_while_old_streams_end_well_opens(fail_of_
             assert breaker.failures < 5
         assert outcomes < 400, "a worker failing half its requests or more kept its breaker closed"
     assert breaker.num_opened == 1
+    assert "recent outcomes failed" in breaker.opened_because  # (the log says why: not "N failures in a row")
 
 
 def test_a_worker_failing_a_third_stays_closed() -> None:
@@ -132,11 +134,13 @@ def test_the_rate_counts_afresh_after_the_breaker_closes_again() -> None:
     breaker = CircuitBreaker(failures_to_open=5, cooldown_s=10.0, successes_to_close=1, clock=lambda: now[0])
     for _ in range(5):
         breaker.record_failure()
+    for _ in range(6):  # requests that were open when it opened fail while it is open
+        breaker.record_failure()
     now[0] = 10.0
     breaker.trial_started(7)
     breaker.record_success(7)
     assert breaker.state is BreakerState.CLOSED
-    breaker.record_failure()  # 1 failure of 2 recent outcomes: the 5 before the opening are forgotten
+    breaker.record_failure()  # 1 failure of 2 recent outcomes: the 11 before it closed are forgotten
     assert breaker.state is BreakerState.CLOSED
 
 
