@@ -143,18 +143,24 @@ def route_source(host: str, port: int = 9) -> str:
     raise last or OSError(f"no address for {host}")
 
 
+_MAX_KEEPALIVE_S = 32767  # (Linux's MAX_TCP_KEEPIDLE and MAX_TCP_KEEPINTVL)
+_MAX_USER_TIMEOUT_MS = 2**31 - 1
+
+
 def watch_peer(sock: socket.socket, dead_after_s: float) -> None:
     """Have the kernel close ``sock`` (a TCP connection) once its peer has not answered for about ``dead_after_s``:
     keep-alive probes while the connection is idle (the first after a third of it, then every sixth, three
     unanswered ones end it) and ``TCP_USER_TIMEOUT`` while data of ours waits unacknowledged (a stream to a host
     that went away: retransmissions alone go on for ~15 minutes). A peer process that is merely slow or stopped
-    still has its kernel answer; one that stops reading for that long while we send is also cut off. Linux's
+    still has its kernel answer; one that stops reading for that long while we send may be cut off too. Linux's
     options; where one is missing (another OS) the rest still apply."""
-    idle = max(1, int(dead_after_s / 3))
-    interval = max(1, int(dead_after_s / 6))
+    # (clamped to what the kernel takes: keep-alive times up to 32767 s, the user timeout an int of ms; past them
+    # setsockopt fails EINVAL and every connection with it: a longer timeout probes at the longest it can)
+    idle = min(_MAX_KEEPALIVE_S, max(1, int(dead_after_s / 3)))
+    interval = min(_MAX_KEEPALIVE_S, max(1, int(dead_after_s / 6)))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", 3),
-                        ("TCP_USER_TIMEOUT", max(1000, int(dead_after_s * 1000)))):
+                        ("TCP_USER_TIMEOUT", min(_MAX_USER_TIMEOUT_MS, max(1000, int(dead_after_s * 1000))))):
         option = getattr(socket, name, None)
         if option is not None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
