@@ -152,16 +152,18 @@ class GrammarWait:
         future.add_done_callback(lambda _f: self._wake())
         return True
 
-    def advance(self, now: float | None = None) -> tuple[list[Any], list[tuple[Any, str, bool]]]:
-        """(requests ready to enter their first stage, (request, error, the client's?) triples); ended ones
-        dropped. Only a ``GrammarError`` (the library refused the grammar) or a compile past ``timeout_s`` is the
-        client's: anything else the compile raised (a crash, no memory, a tokenizer file missing) is the
-        worker's."""
+    def advance(self, now: float | None = None) -> tuple[list[Any], list[tuple[Any, str, str]]]:
+        """(requests ready to enter their first stage, (request, error, code) triples); ended ones dropped.
+        ``bad_request`` (the client's) for a ``GrammarError`` (the library refused the grammar) or a compile that
+        ran at least half of ``timeout_s`` without ending; ``overloaded`` (retryable elsewhere) for one that
+        spent most of ``timeout_s`` queued behind other compiles (the engine sets ``started_at`` on the future
+        when its compile starts); ``internal`` for anything else the compile raised (a crash, no memory, a
+        tokenizer file missing: the worker's)."""
         if not self._held:
             return [], []
         now = time.monotonic() if now is None else now
         ready: list[Any] = []
-        failed: list[tuple[Any, str, bool]] = []
+        failed: list[tuple[Any, str, str]] = []
         keep = []
         for req, future, deadline in self._held:
             if req.done:
@@ -174,19 +176,27 @@ class GrammarWait:
                 grammar = req.params.grammar
                 req.grammar_compile = None  # (its compile: dropped unstarted when queued and no one else waits)
                 self.num_timed_out += 1
-                failed.append((req, f"{grammar.param}: the {grammar.kind} took too long to compile: it was not "
-                               f"ready within this worker's limit of {self.timeout_s:g} s (--grammar-timeout-s); "
-                               "simplify it (e.g. fewer properties or alternatives) or retry later", True))
+                started = getattr(future, "started_at", None)
+                if started is None or now - started < self.timeout_s / 2:
+                    # mostly queued behind other compiles: the worker's capacity, not the grammar (retryable)
+                    failed.append((req, f"{grammar.param}: the {grammar.kind} waited for a free compile thread "
+                                   f"past this worker's limit of {self.timeout_s:g} s (--grammar-timeout-s): "
+                                   "its compile threads are busy", "overloaded"))
+                else:
+                    failed.append((req, f"{grammar.param}: the {grammar.kind} took too long to compile: it was "
+                                   f"not ready within this worker's limit of {self.timeout_s:g} s "
+                                   "(--grammar-timeout-s); simplify it (e.g. fewer properties or alternatives)",
+                                   "bad_request"))
                 continue
             exc = future.exception() if not future.cancelled() else RuntimeError("the compile was cancelled")
             if exc is None:
                 ready.append(req)
             elif isinstance(exc, GrammarError):
-                failed.append((req, f"{exc.param or req.params.grammar.param}: {exc}", True))
+                failed.append((req, f"{exc.param or req.params.grammar.param}: {exc}", "bad_request"))
             else:
                 req.grammar_compile = None
                 failed.append((req, f"compiling the {req.params.grammar.kind} failed: {type(exc).__name__}: {exc}",
-                               False))
+                               "internal"))
         self._held = keep
         return ready, failed
 

@@ -372,11 +372,11 @@ class Scheduler:
             self._advance(self.prealloc_queue, self._to_transfer)
         if self.grammar_wait is not None:
             ready, failed = self.grammar_wait.advance(now)
-            for req, problem, clients in failed:
-                if clients:
-                    self._fail(req, "bad_request", problem, param=req.params.grammar.param)
-                else:
-                    self._fail(req, "internal", problem)
+            for req, problem, code in failed:
+                if code == "bad_request":
+                    self._fail(req, code, problem, param=req.params.grammar.param)
+                else:  # (``overloaded``: busy compile threads, not this worker's failure: another may take it)
+                    self._fail(req, code, problem, Fault.NONE if code == "overloaded" else Fault.OWN)
             for req in ready:
                 self._first_stage(req)
         if self._imported:

@@ -28,6 +28,7 @@ import concurrent.futures
 import logging
 import os
 import threading
+import time
 import weakref
 from collections import OrderedDict, deque
 from typing import Any
@@ -123,6 +124,7 @@ class Constraints:
                 grammar, ref = self._jobs.popleft()
             future = ref()
             if future is not None and future.set_running_or_notify_cancel():  # (else every request for it has gone)
+                future.started_at = time.monotonic()  # type: ignore[attr-defined]  # (``GrammarWait.advance``)
                 self._run_one(grammar, future)
             del future
 
