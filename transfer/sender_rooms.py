@@ -127,6 +127,12 @@ class SenderRooms:
     def on_abort(self, link: Link, room: int, reason: str) -> None:
         error = TransferError(TransferErrorKind.ABORTED, f"room {room}: aborted by the decode: {reason}")
         with self._ctx.lock:
+            waiting = self._requests.get(room)
+            if waiting is not None and waiting.link is not link:
+                # Another decode's page list for this room (a room two requests share: clients of the workers'
+                # SGLang API choose rooms themselves): this decode's abort is not that room's end, as for a sender
+                # attached to another decode below. (This decode's own list for it, if any, was refused.)
+                return
             self._requests.pop(room, None)
             sender = self._senders.get(room)
             if sender is None:
