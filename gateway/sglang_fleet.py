@@ -138,6 +138,9 @@ class HttpWorker:
         self.last_error: str | None = None
         self.addresses: frozenset[tuple[str, int, str]] = frozenset()  # where its URL leads (its last passed probe's)
         self._rids = 0
+        # Our requests opened here that have not gone out to it yet (waiting for a free connection, a prefill's for
+        # its decode's to go out), in rid order: a load report polled now cannot count them.
+        self._unsent: dict[int, None] = {}
 
     @property
     def healthy(self) -> bool:
@@ -155,18 +158,26 @@ class HttpWorker:
 
     @property
     def last_rid(self) -> int:
-        return self._rids
+        """The newest of our requests a load report asked for now counts: every one opened up to it has gone out to
+        the worker (or ended). Those after it stay counted on top of the report (``WorkerState.reported``)."""
+        return next(iter(self._unsent)) - 1 if self._unsent else self._rids
 
     def opened(self, prefill_tokens: int = 0, pages: int = 0) -> int:
         """A request sent to this worker, costing it ``prefill_tokens`` / ``pages`` until ``closed``."""
         self._rids += 1
+        self._unsent[self._rids] = None
         self.state.dispatched(self._rids, prefill_tokens, pages)
         breaker = self.health.breaker
         if not breaker.closed:  # half-open: a trial (``CircuitBreaker.trials``), until ``closed``
             breaker.trial_started(self._rids)
         return self._rids
 
+    def sent(self, rid: int) -> None:
+        """Request ``rid``'s head has gone out to the worker: a load report polled from now on may count it."""
+        self._unsent.pop(rid, None)
+
     def closed(self, rid: int) -> None:
+        self._unsent.pop(rid, None)
         self.state.ended(rid)
         self.health.breaker.trials.discard(rid)
 
@@ -359,7 +370,7 @@ class SGLangFleet:
     async def _poll_load(self, worker: HttpWorker) -> None:
         """``GET /v1/loads`` into the worker's routing view, where the worker has it (a 404 stops asking)."""
         assert self._checks is not None
-        last_rid = worker.last_rid  # our requests sent before this poll are counted in its answer
+        last_rid = worker.last_rid  # our requests that went out before this poll are counted in its answer
         try:
             async with self._checks.get(f"{worker.url}/v1/loads?include=core",
                                         timeout=aiohttp.ClientTimeout(total=worker.health.config.probe_timeout_s)) \

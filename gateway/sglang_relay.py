@@ -336,9 +336,13 @@ class SGLangResponder:
         read = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
         p_rid, d_rid = prefill.opened(prefill_tokens=cost[0]), decode.opened(pages=cost[1])
         decode_asked: asyncio.Future[None] = loop.create_future()
+        prefill_asked: asyncio.Future[None] = loop.create_future()
+        # (each counts in its worker's load reports once it has gone out: ``HttpWorker.last_rid``)
+        decode_asked.add_done_callback(lambda _: decode.sent(d_rid))
+        prefill_asked.add_done_callback(lambda _: prefill.sent(p_rid))
         d_task = asyncio.create_task(_open(session, f"{decode.url}/{self.path}", data, headers, read, decode_asked))
         p_task = asyncio.create_task(_post(session, f"{prefill.url}/{self.path}", data, headers, merge_logprobs,
-                                           decode_asked))
+                                           decode_asked, prefill_asked))
         p_task.add_done_callback(lambda task: _prefill_done(task, prefill, p_rid))
         answered = False
         try:
@@ -636,13 +640,15 @@ class _Retry:
 
 
 async def _post(session: aiohttp.ClientSession, url: str, data: bytes, headers: dict[str, str],
-                keep_body: bool, decode_asked: asyncio.Future[None]) -> _PrefillReply:
+                keep_body: bool, decode_asked: asyncio.Future[None], asked: asyncio.Future[None] | None = None,
+                ) -> _PrefillReply:
     """The prefill's request, read to its end (SSE or JSON): its connection is then free again. It goes out
     once the decode's has (``decode_asked``): a decode request waiting for a free connection to its worker
     (``max_connections_per_worker``) would leave the prefill holding the prompt's KV for nobody. (A decode
-    request that fails before it went out is the caller's to see: this one is then cancelled unsent.)"""
+    request that fails before it went out is the caller's to see: this one is then cancelled unsent.) ``asked`` is
+    set once its own head has gone out."""
     await decode_asked
-    async with session.post(url, data=data, headers=headers) as reply:
+    async with session.post(url, data=data, headers=headers, trace_request_ctx=asked) as reply:
         body = await reply.read()
         content_type = reply.headers.get("content-type", "application/json")
         refusal = _stream_refusal(body) if 200 <= reply.status < 300 and content_type.startswith(
