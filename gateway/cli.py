@@ -15,8 +15,17 @@ from gateway.app import GatewayConfig, create_app
 from gateway.cli_help import end_by_sigint, show_defaults
 from gateway.context import configure_logging
 from gateway.health import HealthConfig
-from gateway.http_protocol import ClientLimits, protocol_class
+from gateway.http_connections import (
+    GATEWAY_FD_SHARE,
+    ConnectionCap,
+    capped_protocol_class,
+    fitted_cap,
+    open_file_share,
+    raise_open_file_limit,
+)
+from gateway.http_protocol import ClientLimits
 from gateway.keys import one_key, read_keys
+from gateway.metrics import ClientConnectionCollector
 from transfer.netaddr import dual_stack_sockets
 
 
@@ -84,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     ops = p.add_argument_group("operations")
     ops.add_argument("--max-concurrent-requests", type=int, default=0, help="requests served at once (0: no limit)")
     ops.add_argument("--max-queued-requests", type=int, default=256, help="requests waiting for a slot; more: 429")
+    ops.add_argument("--max-client-connections", type=int, default=0,
+                     help="client connections served at once; at the cap the one idle longest is closed for a new "
+                          "one, else probes only, the rest 503 too_many_connections (0: --max-concurrent-requests "
+                          "+ --max-queued-requests + 256, or with no concurrency limit three quarters of ulimit -n; "
+                          "never more than those three quarters)")
     ops.add_argument("--queue-timeout-s", type=float, default=30.0, help="longest wait for a slot; then 429")
     ops.add_argument("--drain-timeout-s", type=float, default=30.0,
                      help="on SIGTERM (or a removed worker): how long open requests may finish")
@@ -169,7 +183,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_unread_events=args.max_unread_events,
         gather_s=args.gather_ms / 1000.0, prepare_thread_bytes=args.prepare_thread_bytes,
         default_max_tokens=args.default_max_tokens, max_concurrent_requests=args.max_concurrent_requests,
-        max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s,
+        max_queued_requests=args.max_queued_requests, max_client_connections=args.max_client_connections,
+        queue_timeout_s=args.queue_timeout_s,
         drain_timeout_s=args.drain_timeout_s, api_keys=tuple(args.api_key + read_keys(args.api_key_file)),
         admin_api_keys=tuple(args.admin_api_key + read_keys(args.admin_api_key_file, "admin_api_key_file")
                              + _env_key("PD_ADMIN_API_KEY")),
@@ -210,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"gateway: bad configuration: {exc}")
     except Exception as exc:  # plugin errors name the plugin
         sys.exit(f"gateway: {exc}")
+    raise_open_file_limit()  # (before the cap is fitted to it)
     server = DrainingServer(server_config(config, app, args.log_level), app)
     try:
         server.run(dual_stack_sockets(config.host, config.port))
@@ -217,14 +233,39 @@ def main(argv: list[str] | None = None) -> None:
         end_by_sigint()
 
 
+# Connections beyond the requests admission holds (idle keep-alive ones of the clients' pools, probes, scrapers)
+CONNECTION_HEADROOM = 256
+# Answered on a connection let in on probation at the cap (gateway/http_connections.py); the request target as
+# sent, query string cut
+PROBE_PATHS = frozenset((b"/health", b"/readiness", b"/metrics"))
+MAX_CLIENT_CONNECTIONS = "--max-client-connections"
+
+
+def client_connection_cap(config: GatewayConfig) -> int:
+    """``--max-client-connections`` as applied: as given, or (0) ``--max-concurrent-requests`` +
+    ``--max-queued-requests`` + ``CONNECTION_HEADROOM`` (no concurrency limit: three quarters of ``ulimit -n``); never
+    more than that, so that the connections to the workers always find file descriptors."""
+    cap = config.max_client_connections
+    if cap == 0 and not config.max_concurrent_requests:
+        return open_file_share(GATEWAY_FD_SHARE) or 1 << 20  # (no open-file limit: the cap only bounds memory)
+    if cap == 0:
+        cap = config.max_concurrent_requests + config.max_queued_requests + CONNECTION_HEADROOM
+    return fitted_cap(cap, MAX_CLIENT_CONNECTIONS, GATEWAY_FD_SHARE)
+
+
 def server_config(config: GatewayConfig, app: Any, log_level: str = "info") -> uvicorn.Config:
-    """uvicorn's settings for the gateway's ``app`` (``create_app(config)``)."""
+    """uvicorn's settings for the gateway's ``app`` (``create_app(config)``); the cap on its client connections
+    reports to the app's metrics (once per app)."""
     drain_s = config.drain_timeout_s
     limits = ClientLimits(max_head_bytes=config.max_header_bytes, head_timeout_s=config.header_timeout_s,
                           body_timeout_s=config.body_timeout_s, write_timeout_s=config.write_timeout_s)
+    cap = ConnectionCap(client_connection_cap(config), flag=MAX_CLIENT_CONNECTIONS, holder="the gateway",
+                        probe_paths=PROBE_PATHS)
+    app.state.gateway.metrics.add_collector(ClientConnectionCollector(cap))
     return uvicorn.Config(app, host=config.host, port=config.port, loop="uvloop",
-                          # httptools, with limits on slow or huge heads; generation routes on our own cycle
-                          http=protocol_class(limits, app.hot_routes),
+                          # httptools, with limits on slow or huge heads, under a cap on the connections;
+                          # generation routes on our own cycle
+                          http=capped_protocol_class(limits, cap, app.hot_routes),
                           log_level=log_level.lower(), access_log=False, log_config=None,
                           timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]
                           proxy_headers=False,  # nothing reads the client address; saves a pass per request

@@ -235,15 +235,19 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 if self._ignored_upgrade and not self._refused:
                     self._ignored_upgrade = False
                     data = self._head_without_upgrade() + data[exc.args[0]:]
-                    self.parser = httptools.HttpRequestParser(self)
-                    with contextlib.suppress(AttributeError):  # (as uvicorn's own parser: bytes after a
-                        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)  # close request)
+                    self._renew_parser()
                     continue
                 if self._should_upgrade():
                     self.handle_websocket_upgrade()
                 else:
                     self._unsupported_upgrade_warning()
             return
+
+    def _renew_parser(self) -> None:
+        """A new parser for the connection (httptools binds the protocol's callbacks when it makes one)."""
+        self.parser = httptools.HttpRequestParser(self)
+        with contextlib.suppress(AttributeError):  # (as uvicorn's own parser: bytes after a close request)
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
 
     def _head_without_upgrade(self) -> bytes:
         """The request head just parsed, without its upgrade (``Upgrade``, ``HTTP2-Settings`` and their

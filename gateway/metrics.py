@@ -5,19 +5,23 @@ event for inter-token latency). Everything that touches them runs on the one eve
 included, so they are plain numbers with no lock (prometheus_client's own instruments take a lock
 per increment and walk the buckets in Python: a few µs per request and per token); ``_Instruments``
 turns them into metric families at scrape time. Per-worker figures (load as routing sees it, health,
-breaker) are read at scrape time by ``WorkerCollector``, so they cost nothing between scrapes.
+breaker) are read at scrape time by ``WorkerCollector``, and the client port's connections under
+``--max-client-connections`` by ``ClientConnectionCollector``, so they cost nothing between scrapes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from workers.metrics import PlainHistogram
+
+if TYPE_CHECKING:
+    from gateway.http_connections import ConnectionCap
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
                      1800.0)  # (up to the default --request-timeout-s)
@@ -201,3 +205,29 @@ class WorkerCollector(Collector):
                                      "(select: that request's 500; a hook or stats(): ignored)")
         errors.add_metric([], self._policy_errors())
         yield errors
+
+
+class ClientConnectionCollector(Collector):
+    """The client HTTP port's connections under ``--max-client-connections`` (``gateway/http_connections.py``),
+    read at scrape time."""
+
+    def __init__(self, cap: ConnectionCap) -> None:
+        self._cap = cap
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        cap = self._cap
+        open_ = GaugeMetricFamily("pd_gateway_client_connections", "Client connections open: admitted (at most "
+                                  "--max-client-connections) or on probation (probes only)", labels=["slot"])
+        open_.add_metric(["admitted"], float(len(cap.admitted)))
+        open_.add_metric(["probation"], float(len(cap.probation)))
+        yield open_
+        yield GaugeMetricFamily("pd_gateway_client_connections_limit", "--max-client-connections as applied",
+                                value=float(cap.cap))
+        yield CounterMetricFamily("pd_gateway_client_connections_refused", "Requests answered 503 "
+                                  "too_many_connections, and connections closed unanswered, at the cap",
+                                  value=float(cap.num_refused))
+        yield CounterMetricFamily("pd_gateway_client_connections_evicted", "Idle kept-alive client connections "
+                                  "closed to make room for a new one at the cap", value=float(cap.num_evicted))

@@ -83,6 +83,10 @@ class GatewayConfig:
     # Operations
     max_concurrent_requests: int = 0  # 0 = no limit
     max_queued_requests: int = 256
+    # Client connections served at once (gateway/http_connections.py: at the cap an idle one is closed for a new
+    # one, else probes only); 0: max_concurrent_requests + max_queued_requests + 256 (with a concurrency limit),
+    # in any case at most three quarters of ulimit -n (gateway.cli.client_connection_cap)
+    max_client_connections: int = 0
     queue_timeout_s: float = 30.0
     drain_timeout_s: float = 30.0
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -136,9 +140,10 @@ class GatewayConfig:
             raise ValueError("prepare_thread_bytes must be >= 0 (0: every request is prepared on the event loop)")
         if self.max_unread_events < 1:
             raise ValueError("max_unread_events must be at least 1")
-        if min(self.max_retries, self.max_migrations, self.max_concurrent_requests, self.max_queued_requests) < 0:
-            raise ValueError("max_retries, max_migrations, max_concurrent_requests and max_queued_requests must "
-                             "be >= 0")
+        if min(self.max_retries, self.max_migrations, self.max_concurrent_requests, self.max_queued_requests,
+               self.max_client_connections) < 0:
+            raise ValueError("max_retries, max_migrations, max_concurrent_requests, max_queued_requests and "
+                             "max_client_connections must be >= 0")
         if self.max_header_bytes < 1024:
             raise ValueError("max_header_bytes must be at least 1024")
         if any(not k for k in self.api_keys + self.admin_api_keys):
