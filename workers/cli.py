@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-http-connections", type=int, default=0,
                    help="connections the HTTP port serves at once (0 = --max-requests + 256, as an SGLang router "
                         "holds one per request; at most a quarter of ulimit -n); past it an idle one is closed for a "
-                        "new one, else up to 8 more may send a probe (/health, /liveness, /health_generate, "
-                        "/metrics), the rest are answered 503 too_many_connections")
+                        "new one, else up to 8 more may send a probe (/health, /liveness, /health_generate, /metrics, "
+                        "the SGLang routers' load and info reads), the rest are answered 503 too_many_connections")
     p.add_argument("--gateway-timeout-s", type=float, default=PEER_TIMEOUT_S,
                    help="a gateway connection whose host answers nothing this long (it died, or the network was "
                         "cut) is closed by the kernel and its requests end (TCP keep-alive, TCP_USER_TIMEOUT)")

@@ -2,238 +2,42 @@
 
 The worker's HTTP port (health probes, ``/load``, ``/metrics``, SGLang's ``/generate``) shares the process's
 file descriptors with its KV transfer sockets and the gateways' native connections: however many clients
-connect to it, those must keep working. Per accepted connection, on the event loop only
-(``CappedHttpProtocol.connection_made``; nothing here runs per request):
-1. While fewer than ``ConnectionCap.cap`` connections are admitted, it is admitted: served as the gateway's
-   own connections are (``gateway.http_protocol.GuardedHttpProtocol``: head, body and write timeouts; kept
-   alive between requests for ``--http-keep-alive-timeout-s``).
-2. At the cap, the admitted connection idle longest between requests (kept alive, nothing in flight) is
-   closed to make room and the new one is admitted (as nginx reuses idle keep-alive connections when it runs
-   out of them; a look that found none is not repeated for ``IDLE_SCAN_INTERVAL_S``). A client sending a
-   request on it just then sees it close, as when its keep-alive ends.
-3. Otherwise it is let in on probation, one of at most ``PROBATION_SLOTS`` (when they are all taken, the
-   oldest one still waiting for its head, or lingering after its refusal, is closed for it): its request head
-   must arrive within ``PROBATION_HEAD_TIMEOUT_S``. A probe (``PROBE_PATHS``: ``/health``, ``/liveness``,
-   ``/health_generate``, ``/metrics``) is served and the connection closed after its answer; any other
-   request is answered 503 ``too_many_connections`` (OpenAI-shaped, ``Retry-After: 1``, ``Connection:
-   close``), after which what the client still sends is dropped for ``LINGER_S`` before the close. So
-   clients that hold every admitted connection (silent, slow or just many) cannot make the probes of a
-   healthy worker fail, and an orchestrator does not restart it for them.
-4. When every probation slot is serving a probe, the connection is answered that 503 at once, before its
-   request is read, and closed.
-The HTTP port thus holds at most ``cap + PROBATION_SLOTS`` connections (plus, for the instant of their
-refusal, those of step 4).
+connect to it, those must keep working. The cap is the gateway's (``gateway/http_connections.py``: at the cap
+the longest-idle kept-alive connection is closed for a newcomer, else up to ``PROBATION_SLOTS`` connections may
+send a probe, the rest are answered 503 ``too_many_connections``), bound here to the worker's option and its
+probes (``PROBE_PATHS``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import resource
-import time
-from dataclasses import replace
-from typing import Any
+from gateway import http_connections as _shared
+from gateway.http_connections import (
+    PROBATION_SLOTS,
+    CappedHttpProtocol,
+    TooManyConnections,
+    capped_protocol_class,
+    raise_open_file_limit,
+)
 
-import msgspec
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+__all__ = ["PROBATION_SLOTS", "PROBE_PATHS", "CappedHttpProtocol", "ConnectionCap", "TooManyConnections",
+           "capped_protocol_class", "fitted_cap", "raise_open_file_limit"]
 
-from gateway.errors import APIError
-from gateway.http_protocol import LINGER_S, ClientLimits, GuardedHttpProtocol
-
-log = logging.getLogger(__name__)
-
-PROBATION_SLOTS = 8
-PROBATION_HEAD_TIMEOUT_S = 2.0
-# At the cap with no idle admitted connection, the next look for one is at least this much later
-IDLE_SCAN_INTERVAL_S = 0.05
-# (the request target as sent, query string cut: the paths ``workers.http_app.OPEN_PATHS`` answers without a key)
-PROBE_PATHS = frozenset((b"/health", b"/liveness", b"/health_generate", b"/metrics"))
-# At most this share of the process's open-file limit goes to admitted HTTP connections
-FD_SHARE = 4
-
-_json = msgspec.json.Encoder()
+FLAG = "--max-http-connections"
+# (the request target as sent, query string cut): the probes ``workers.http_app.OPEN_PATHS`` answers without a key,
+# and the status reads SGLang's routers poll (load, server and model info): a router keeps its view of a worker
+# whose port is full rather than taking it for failed
+PROBE_PATHS = frozenset((b"/health", b"/liveness", b"/health_generate", b"/metrics", b"/load", b"/get_load",
+                         b"/v1/loads", b"/get_server_info", b"/server_info", b"/get_model_info", b"/model_info"))
 
 
-class TooManyConnections(APIError):
-    """The worker's HTTP port holds ``--max-http-connections`` already (503: try again, or another worker)."""
+class ConnectionCap(_shared.ConnectionCap):
+    """The worker's HTTP port's ``ConnectionCap``: ``--max-http-connections``, the worker's probes."""
 
-    status = 503
-    type = "service_unavailable"
-
-
-def raise_open_file_limit() -> int:
-    """Raise this process's soft open-file limit (``ulimit -n``) to its hard limit, as SGLang's servers do: the soft
-    one is often 1024 while the hard one is far higher, and a worker holding many HTTP, native and KV connections
-    needs them. Returns the soft limit now in force."""
-    with contextlib.suppress(ValueError, OSError):
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > soft):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    def __init__(self, cap: int) -> None:
+        super().__init__(cap, flag=FLAG, holder="the worker's HTTP port", probe_paths=PROBE_PATHS)
 
 
 def fitted_cap(cap: int) -> int:
     """``cap``, lowered to a quarter of the process's open-file limit (``ulimit -n``) if that is less: the HTTP
     connections must leave descriptors for the KV transfer and the gateways' native connections."""
-    with contextlib.suppress(ValueError, OSError):
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != resource.RLIM_INFINITY and cap > max(1, soft // FD_SHARE):
-            fitted = max(1, soft // FD_SHARE)
-            log.warning("--max-http-connections %d lowered to %d: the open-file limit (ulimit -n) is %d", cap,
-                        fitted, soft)
-            return fitted
-    return cap
-
-
-class ConnectionCap:
-    """The counts behind the cap, shared by the connections of one server (event loop only)."""
-
-    def __init__(self, cap: int) -> None:
-        if cap < 1:
-            raise ValueError("max_http_connections: must be at least 1")
-        self.cap = cap
-        self.admitted: dict[CappedHttpProtocol, None] = {}  # (in arrival order: the oldest first)
-        self.probation: dict[CappedHttpProtocol, None] = {}  # (in arrival order: the oldest first)
-        self.num_evicted = 0  # admitted connections closed while idle to make room (step 2)
-        self.num_refused = 0  # requests answered 503, connections closed unanswered for a newcomer (steps 3, 4)
-        self._no_idle_until = 0.0  # (monotonic) the last look found no idle admitted connection: none until then
-        error = TooManyConnections(f"the worker's HTTP port holds its --max-http-connections ({cap}): try again "
-                                   "later", code="too_many_connections", retry_after_s=1.0)
-        self._body = _json.encode(error.body())
-        self._headers = b"".join(b"%s: %s\r\n" % pair for pair in error.headers())
-
-    def refusal(self, default_headers: list[tuple[bytes, bytes]]) -> bytes:
-        """The 503 answer, whole (``Connection: close``)."""
-        head = [STATUS_LINE[503], *(b"%s: %s\r\n" % pair for pair in default_headers), self._headers,
-                b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(self._body)]
-        return b"".join(head) + self._body
-
-    def admit(self, conn: CappedHttpProtocol) -> str:
-        """Where ``conn``, just accepted, goes: ``admitted``, ``probation`` or ``refused`` (steps 1-4)."""
-        if len(self.admitted) >= self.cap:
-            self._close_idle_admitted()
-        if len(self.admitted) < self.cap:
-            self.admitted[conn] = None
-            return "admitted"
-        if len(self.probation) >= PROBATION_SLOTS:
-            self._close_waiting_probation()
-        if len(self.probation) < PROBATION_SLOTS:
-            self.probation[conn] = None
-            return "probation"
-        self.num_refused += 1
-        return "refused"
-
-    def release(self, conn: CappedHttpProtocol) -> None:
-        self.admitted.pop(conn, None)
-        self.probation.pop(conn, None)
-
-    def _close_idle_admitted(self) -> None:
-        now = time.monotonic()
-        if now < self._no_idle_until:  # (a flood must not cost a scan of every admitted connection per accept)
-            return
-        idle = [c for c in self.admitted if c.is_idle]
-        if not idle:
-            self._no_idle_until = now + IDLE_SCAN_INTERVAL_S
-        else:
-            # (one keep-alive for all: the longest idle; on a tie, as the loop's clock counts milliseconds, the oldest)
-            oldest = min(idle, key=lambda c: c.idle_deadline)
-            del self.admitted[oldest]
-            self.num_evicted += 1
-            oldest.transport.close()
-
-    def _close_waiting_probation(self) -> None:
-        for conn in self.probation:
-            if conn.is_waiting_or_refused:
-                del self.probation[conn]
-                self.num_refused += not conn.is_refused  # (a refused one was counted at its answer)
-                conn.transport.close()
-                return
-
-
-class CappedHttpProtocol(GuardedHttpProtocol):
-    """``GuardedHttpProtocol`` under a ``ConnectionCap`` (the module doc); made by ``capped_protocol_class``."""
-
-    cap: ConnectionCap
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._probation = False
-        self._busy = False  # (``on_headers_complete``) this request is refused 503
-
-    @property
-    def is_idle(self) -> bool:
-        """Kept alive between requests, nothing in flight (``GuardedHttpProtocol`` waits for the next head)."""
-        cycle = self.cycle
-        return (self._waiting_for == "idle" and not self.pipeline and (cycle is None or cycle.response_complete)
-                and not self.transport.is_closing())
-
-    @property
-    def idle_deadline(self) -> float:
-        return self._deadline
-
-    @property
-    def is_refused(self) -> bool:
-        return self._refused
-
-    @property
-    def is_waiting_or_refused(self) -> bool:
-        """A probation connection that is not serving a probe: its head still to come, or refused."""
-        return self._refused or self.cycle is None or self.transport.is_closing()
-
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport  # (a connection closed to make room is closed through it)
-        slot = self.cap.admit(self)
-        if slot == "probation":
-            self._probation = True
-            self.limits = replace(self.limits, head_timeout_s=min(self.limits.head_timeout_s,
-                                                                  PROBATION_HEAD_TIMEOUT_S))
-        super().connection_made(transport)
-        if slot == "refused":
-            self._answer_busy(linger=False)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.cap.release(self)
-        super().connection_lost(exc)
-
-    def on_headers_complete(self) -> None:
-        # A probation connection serves one probe; anything else (a pipelined request after it included) is refused
-        if self._probation and (self.cycle is not None or self.url.partition(b"?")[0] not in PROBE_PATHS):
-            self._busy = True
-            raise TooManyConnections("too many connections")  # (the parser stops: send_400_response answers)
-        super().on_headers_complete()
-        if self._probation and self.cycle is not None:
-            self.cycle.keep_alive = False  # (closed after the probe's answer)
-
-    def send_400_response(self, msg: str) -> None:
-        if self._busy:
-            self.cap.num_refused += 1
-            self._answer_busy(linger=True)
-        else:
-            super().send_400_response(msg)
-
-    def _answer_busy(self, *, linger: bool) -> None:
-        """Answer 503 ``too_many_connections`` and close: at once, or after dropping what the client still sends
-        for ``LINGER_S`` (so that it reads the answer rather than a reset)."""
-        self._refused = True
-        self._disarm()
-        transport = self.transport
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:  # (a probe's answer going out: not in its middle)
-            cycle.disconnected = True
-            cycle.message_event.set()
-            transport.close()
-            return
-        if transport.is_closing():
-            return
-        transport.write(self.cap.refusal(self.server_state.default_headers))
-        if not linger:
-            transport.close()
-            return
-        if transport.can_write_eof():
-            transport.write_eof()
-        self.loop.call_later(LINGER_S, transport.close)
-
-
-def capped_protocol_class(limits: ClientLimits, cap: ConnectionCap) -> type[CappedHttpProtocol]:
-    """A ``CappedHttpProtocol`` bound to ``limits`` and ``cap``, for ``uvicorn.Config(http=...)``."""
-    return type("CappedHttpProtocol", (CappedHttpProtocol,), {"limits": limits, "cap": cap})
+    return _shared.fitted_cap(cap, FLAG)

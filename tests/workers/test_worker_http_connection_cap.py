@@ -27,6 +27,7 @@ import httpx
 import pytest
 from pdtest import Procs, start_gateway, start_worker
 
+from gateway import http_connections as shared_connections  # (the cap's logic, shared with the gateway's)
 from workers import http_connections
 from workers.config import ConfigError, WorkerConfig
 from workers.http_connections import PROBATION_SLOTS, ConnectionCap, fitted_cap
@@ -139,6 +140,8 @@ def test_the_cap_holds_under_a_flood_and_probes_and_the_native_port_get_through(
         status, headers, body = _once(port, "GET", "/health")
         assert status == 200 and json.loads(body)["status"] == "ok", body
         assert headers["connection"] == "close"  # (a probation connection serves one probe)
+        status, _, body = _once(port, "GET", "/get_load")  # (an SGLang router's poll: answered too)
+        assert status == 200, body
         status, headers, body = _once(port, "POST", "/generate", GENERATE)
         assert status == 503, body
         error = json.loads(body)["error"]
@@ -216,7 +219,7 @@ class _Conn:
 
 
 def test_every_probation_slot_serving_a_probe_refuses_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(http_connections, "IDLE_SCAN_INTERVAL_S", 0.0)  # (each admission looks for an idle one)
+    monkeypatch.setattr(shared_connections, "IDLE_SCAN_INTERVAL_S", 0.0)  # (each admission looks for an idle one)
     cap = ConnectionCap(1)
     busy = _Conn()
     assert cap.admit(busy) == "admitted"  # type: ignore[arg-type]
@@ -243,13 +246,14 @@ def test_bad_settings_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ConfigError, match="http_keep_alive_timeout_s"):
             WorkerConfig(http_keep_alive_timeout_s=bad)
-    monkeypatch.setattr(http_connections.resource, "getrlimit", lambda _: (1024, 4096))
+    monkeypatch.setattr(shared_connections.resource, "getrlimit", lambda _: (1024, 4096))
     assert fitted_cap(1024) == 256 and fitted_cap(100) == 100  # (a quarter of ulimit -n at most)
 
 
 def test_the_soft_open_file_limit_is_raised_to_the_hard_one(monkeypatch: pytest.MonkeyPatch) -> None:
     limits = {"now": (1024, 65536)}
-    monkeypatch.setattr(http_connections.resource, "getrlimit", lambda _: limits["now"])
-    monkeypatch.setattr(http_connections.resource, "setrlimit", lambda _, value: limits.__setitem__("now", value))
+    monkeypatch.setattr(shared_connections.resource, "getrlimit", lambda _: limits["now"])
+    monkeypatch.setattr(shared_connections.resource, "setrlimit", lambda _, value: limits.__setitem__("now", value))
     assert http_connections.raise_open_file_limit() == 65536
     assert fitted_cap(4352) == 4352  # (4096 requests + 256: no longer cut to a quarter of 1024)
+
