@@ -19,17 +19,14 @@ on real gateway and worker processes and raw sockets:
 from __future__ import annotations
 
 import json
-import os
-import re
-import select
 import signal
-import socket
 import subprocess
 import time
 
 import httpx
 import pytest
 from pdtest import Procs, free_port, start_gateway, start_worker, wait_http_ok
+from raw_http import HANG_GUARD_S, connect, is_closed, metric, metrics, once, open_sockets, request
 
 from gateway import http_connections
 from gateway.cli import CONNECTION_HEADROOM, client_connection_cap
@@ -37,85 +34,7 @@ from gateway.http_connections import PROBATION_SLOTS
 from gateway.runtime import GatewayConfig
 
 CAP = 8
-HANG_GUARD_S = 30.0
 COMPLETION = json.dumps({"model": "default", "prompt": "hello", "max_tokens": 3}).encode()
-
-
-def _connect(port: int) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", port), timeout=HANG_GUARD_S)
-
-
-def _read_reply(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
-    """One HTTP response: status, headers (lower-case names), body (by Content-Length, else to the close)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"closed before a response head: {data!r}"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines[1:])}
-    if "content-length" in headers:
-        while len(body) < int(headers["content-length"]):
-            chunk = sock.recv(65536)
-            assert chunk, "closed inside a response body"
-            body += chunk
-    else:
-        while chunk := sock.recv(65536):
-            body += chunk
-    return int(lines[0].split()[1]), headers, body
-
-
-def _request(sock: socket.socket, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
-    head = f"{method} {path} HTTP/1.1\r\nhost: gateway\r\ncontent-length: {len(body)}\r\n"
-    if body:
-        head += "content-type: application/json\r\n"
-    sock.sendall(head.encode() + b"\r\n" + body)
-    return _read_reply(sock)
-
-
-def _once(port: int, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
-    with _connect(port) as sock:
-        return _request(sock, method, path, body)
-
-
-def _is_closed(sock: socket.socket, timeout_s: float) -> bool:
-    """The server closed ``sock`` (EOF or reset, after an answer or not) within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        readable, _, _ = select.select([sock], [], [], max(0.0, deadline - time.monotonic()))
-        if not readable:
-            return False
-        try:
-            if sock.recv(65536) == b"":
-                return True
-        except ConnectionResetError:
-            return True
-
-
-def _open_sockets(pid: int) -> int:
-    fd_dir = f"/proc/{pid}/fd"
-    count = 0
-    for fd in os.listdir(fd_dir):
-        try:
-            count += os.readlink(f"{fd_dir}/{fd}").startswith("socket:")
-        except FileNotFoundError:  # (closed meanwhile)
-            pass
-    return count
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    for line in text.splitlines():
-        match = re.fullmatch(rf"{name}(?:\{{(.*)\}})? (\S+)", line)
-        if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
-            return float(match.group(2))
-    raise AssertionError(f"no {name} {labels} in the metrics")
-
-
-def _metrics(port: int) -> str:
-    status, _, body = _once(port, "GET", "/metrics")
-    assert status == 200, body
-    return body.decode()
 
 
 def _gateway_pid(procs: Procs, port: int) -> int:
@@ -126,41 +45,41 @@ def test_the_cap_holds_under_a_flood_and_the_probes_get_through(procs: Procs) ->
     worker = start_worker(procs, "both", "--engine", "sim")
     port = start_gateway(procs, "--worker", worker.url, "--max-client-connections", str(CAP))
     pid = _gateway_pid(procs, port)
-    baseline = _open_sockets(pid)  # (the listener, the native connection to the worker)
-    held = [_connect(port) for _ in range(CAP)]  # silent: they hold every admitted slot
-    flood = [_connect(port) for _ in range(5 * CAP)]
+    baseline = open_sockets(pid)  # (the listener, the native connection to the worker)
+    held = [connect(port) for _ in range(CAP)]  # silent: they hold every admitted slot
+    flood = [connect(port) for _ in range(5 * CAP)]
     try:
         # A probe made after them (accepted after them: the kernel's queue is in order) is served all the same
-        metrics = _metrics(port)
-        assert _metric(metrics, "pd_gateway_client_connections", slot="admitted") == CAP
-        assert _metric(metrics, "pd_gateway_client_connections", slot="probation") <= PROBATION_SLOTS
-        assert _metric(metrics, "pd_gateway_client_connections_limit") == CAP
-        held_now = _open_sockets(pid) - baseline
+        text = metrics(port)
+        assert metric(text, "pd_gateway_client_connections", slot="admitted") == CAP
+        assert metric(text, "pd_gateway_client_connections", slot="probation") <= PROBATION_SLOTS
+        assert metric(text, "pd_gateway_client_connections_limit") == CAP
+        held_now = open_sockets(pid) - baseline
         assert held_now <= CAP + PROBATION_SLOTS, (held_now, baseline)  # (without the cap: 48 and more)
         # The excess of the flood was closed (those left are on probation, their head still due)
-        closed = sum(_is_closed(sock, HANG_GUARD_S if i < len(flood) - PROBATION_SLOTS else 0.0)
+        closed = sum(is_closed(sock, HANG_GUARD_S if i < len(flood) - PROBATION_SLOTS else 0.0)
                      for i, sock in enumerate(flood))
         assert closed >= len(flood) - PROBATION_SLOTS, closed
-        assert all(not _is_closed(sock, 0.0) for sock in held)  # (admitted: served as ever, within their timeouts)
+        assert all(not is_closed(sock, 0.0) for sock in held)  # (admitted: served as ever, within their timeouts)
 
         for probe in ("/health", "/readiness"):
-            status, headers, body = _once(port, "GET", probe)
+            status, headers, body = once(port, "GET", probe)
             assert status == 200, (probe, body)
             assert headers["connection"] == "close"  # (a probation connection serves one probe)
-        status, headers, body = _once(port, "POST", "/v1/completions", COMPLETION)
+        status, headers, body = once(port, "POST", "/v1/completions", COMPLETION)
         assert status == 503, body
         error = json.loads(body)["error"]
         assert error["code"] == "too_many_connections" and error["type"] == "service_unavailable", error
         assert "--max-client-connections" in error["message"]
         assert headers["retry-after"] == "1" and headers["connection"] == "close"
         assert headers["content-type"] == "application/json"
-        assert _metric(_metrics(port), "pd_gateway_client_connections_refused_total") >= 1
+        assert metric(metrics(port), "pd_gateway_client_connections_refused_total") >= 1
     finally:
         for sock in held + flood:
             sock.close()
     # The silent clients gone, the gateway serves completions again
     deadline = time.monotonic() + HANG_GUARD_S
-    while _metric(_metrics(port), "pd_gateway_client_connections", slot="admitted") != 1:  # (the probe's own)
+    while metric(metrics(port), "pd_gateway_client_connections", slot="admitted") != 1:  # (the probe's own)
         assert time.monotonic() < deadline, "the closed connections were not released"
         time.sleep(0.05)
     reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", content=COMPLETION, timeout=HANG_GUARD_S,
@@ -172,17 +91,17 @@ def test_at_the_cap_an_idle_keep_alive_connection_makes_room(procs: Procs) -> No
     worker = start_worker(procs, "both", "--engine", "sim")
     port = start_gateway(procs, "--worker", worker.url, "--max-client-connections", "2",
                          "--keep-alive-timeout-s", "600")
-    with _connect(port) as older, _connect(port) as newer:
-        assert _request(older, "GET", "/health")[0] == 200
-        assert _request(newer, "GET", "/health")[0] == 200  # both idle now, kept alive: the cap is full
-        with _connect(port) as third:
-            status, headers, body = _request(third, "POST", "/v1/completions", COMPLETION)
+    with connect(port) as older, connect(port) as newer:
+        assert request(older, "GET", "/health")[0] == 200
+        assert request(newer, "GET", "/health")[0] == 200  # both idle now, kept alive: the cap is full
+        with connect(port) as third:
+            status, headers, body = request(third, "POST", "/v1/completions", COMPLETION)
         assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3, body
         assert headers.get("connection") != "close"
-        assert _is_closed(older, HANG_GUARD_S)  # the one idle longest made room
-        assert not _is_closed(newer, 0.0)
-        assert _request(newer, "POST", "/v1/completions", COMPLETION)[0] == 200  # the other one still serves
-    assert _metric(_metrics(port), "pd_gateway_client_connections_evicted_total") == 1
+        assert is_closed(older, HANG_GUARD_S)  # the one idle longest made room
+        assert not is_closed(newer, 0.0)
+        assert request(newer, "POST", "/v1/completions", COMPLETION)[0] == 200  # the other one still serves
+    assert metric(metrics(port), "pd_gateway_client_connections_evicted_total") == 1
 
 
 def test_a_flood_past_a_small_open_file_limit_leaves_room_to_reach_a_worker(procs: Procs) -> None:
@@ -194,8 +113,8 @@ def test_a_flood_past_a_small_open_file_limit_leaves_room_to_reach_a_worker(proc
             f"sys.argv = {argv!r}; runpy.run_module('gateway.cli', run_name='__main__')")
     gateway = procs.start(f"gateway-{port}", "-c", code)
     wait_http_ok(f"http://127.0.0.1:{port}/health", 60, gateway)  # (up, not ready: its worker is not there yet)
-    assert _metric(_metrics(port), "pd_gateway_client_connections_limit") == nofile * 3 // 4
-    flood = [_connect(port) for _ in range(nofile + 32)]  # silent, more than the gateway has descriptors
+    assert metric(metrics(port), "pd_gateway_client_connections_limit") == nofile * 3 // 4
+    flood = [connect(port) for _ in range(nofile + 32)]  # silent, more than the gateway has descriptors
     try:
         worker = _start_worker_on(procs, worker_port)
         assert worker.poll() is None
@@ -203,7 +122,7 @@ def test_a_flood_past_a_small_open_file_limit_leaves_room_to_reach_a_worker(proc
         deadline = time.monotonic() + 60
         while True:
             try:
-                status = _once(port, "GET", "/readiness")[0]
+                status = once(port, "GET", "/readiness")[0]
             except OSError:
                 status = 0
             if status == 200:
@@ -211,7 +130,7 @@ def test_a_flood_past_a_small_open_file_limit_leaves_room_to_reach_a_worker(proc
             assert time.monotonic() < deadline, "the flooded gateway did not reach its worker"
             assert gateway.poll() is None, procs.log(f"gateway-{port}")[-3000:]
             time.sleep(0.2)
-        assert _metric(_metrics(port), "pd_gateway_client_connections", slot="admitted") == nofile * 3 // 4
+        assert metric(metrics(port), "pd_gateway_client_connections", slot="admitted") == nofile * 3 // 4
     finally:
         for sock in flood:
             sock.close()
@@ -233,16 +152,16 @@ def test_a_drain_at_the_cap_ends_the_stream_closes_the_held_connections_and_exit
     port = start_gateway(procs, "--worker", worker.url, "--max-client-connections", "4", "--drain-timeout-s", "120",
                          "--keep-alive-timeout-s", "120", "--header-timeout-s", "120")
     gateway = next(p for p in procs.procs if getattr(p, "name", "") == f"gateway-{port}")
-    stream = _connect(port)  # admitted first: the stream's
+    stream = connect(port)  # admitted first: the stream's
     body = json.dumps({"model": "default", "prompt": "hello", "max_tokens": 40, "stream": True}).encode()
     stream.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
                    b"content-length: %d\r\n\r\n%s" % (len(body), body))
     received = stream.recv(65536)
     assert received.startswith(b"HTTP/1.1 200"), received
-    held = [_connect(port) for _ in range(3)]  # silent, admitted: the cap is full
-    probation = [_connect(port) for _ in range(PROBATION_SLOTS)]
+    held = [connect(port) for _ in range(3)]  # silent, admitted: the cap is full
+    probation = [connect(port) for _ in range(PROBATION_SLOTS)]
     try:
-        assert _metric(_metrics(port), "pd_gateway_client_connections", slot="admitted") == 4
+        assert metric(metrics(port), "pd_gateway_client_connections", slot="admitted") == 4
         gateway.send_signal(signal.SIGTERM)
         while b"data: [DONE]" not in received:  # the stream runs to its end
             chunk = stream.recv(65536)
@@ -250,7 +169,7 @@ def test_a_drain_at_the_cap_ends_the_stream_closes_the_held_connections_and_exit
             received += chunk
         assert b'"finish_reason":"length"' in received
         assert gateway.wait(HANG_GUARD_S) in (0, -signal.SIGTERM), "the gateway did not exit after its drain"
-        assert all(_is_closed(sock, HANG_GUARD_S) for sock in [stream, *held])
+        assert all(is_closed(sock, HANG_GUARD_S) for sock in [stream, *held])
     finally:
         for sock in [stream, *held, *probation]:
             sock.close()

@@ -15,10 +15,6 @@ raw sockets:
 from __future__ import annotations
 
 import json
-import os
-import re
-import select
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 from pdtest import Procs, start_gateway, start_worker
+from raw_http import HANG_GUARD_S, connect, is_closed, metric, metrics, once, open_sockets, request
 
 from gateway import http_connections as shared_connections  # (the cap's logic, shared with the gateway's)
 from workers import http_connections
@@ -33,85 +30,6 @@ from workers.config import ConfigError, WorkerConfig
 from workers.http_connections import PROBATION_SLOTS, ConnectionCap, fitted_cap
 
 CAP = 8
-HANG_GUARD_S = 30.0
-
-
-def _connect(port: int) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", port), timeout=HANG_GUARD_S)
-
-
-def _read_reply(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
-    """One HTTP response: status, headers (lower-case names), body (by Content-Length, else to the close)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"closed before a response head: {data!r}"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines[1:])}
-    if "content-length" in headers:
-        while len(body) < int(headers["content-length"]):
-            chunk = sock.recv(65536)
-            assert chunk, "closed inside a response body"
-            body += chunk
-    else:
-        while chunk := sock.recv(65536):
-            body += chunk
-    return status, headers, body
-
-
-def _request(sock: socket.socket, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
-    head = f"{method} {path} HTTP/1.1\r\nhost: worker\r\ncontent-length: {len(body)}\r\n"
-    if body:
-        head += "content-type: application/json\r\n"
-    sock.sendall(head.encode() + b"\r\n" + body)
-    return _read_reply(sock)
-
-
-def _once(port: int, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
-    with _connect(port) as sock:
-        return _request(sock, method, path, body)
-
-
-def _is_closed(sock: socket.socket, timeout_s: float) -> bool:
-    """The server closed ``sock`` (EOF or reset, after an answer or not) within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        readable, _, _ = select.select([sock], [], [], max(0.0, deadline - time.monotonic()))
-        if not readable:
-            return False
-        try:
-            if sock.recv(65536) == b"":
-                return True
-        except ConnectionResetError:
-            return True
-
-
-def _open_sockets(pid: int) -> int:
-    fd_dir = f"/proc/{pid}/fd"
-    count = 0
-    for fd in os.listdir(fd_dir):
-        try:
-            count += os.readlink(f"{fd_dir}/{fd}").startswith("socket:")
-        except FileNotFoundError:  # (closed meanwhile)
-            pass
-    return count
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    for line in text.splitlines():
-        match = re.fullmatch(rf"{name}\{{(.*)\}} (\S+)", line)
-        if match and all(f'{k}="{v}"' in match.group(1) for k, v in labels.items()):
-            return float(match.group(2))
-    raise AssertionError(f"no {name} {labels} in the metrics")
-
-
-def _metrics(port: int) -> str:
-    status, _, body = _once(port, "GET", "/metrics")
-    assert status == 200, body
-    return body.decode()
 
 
 GENERATE = json.dumps({"text": "hello", "sampling_params": {"max_new_tokens": 3}}).encode()
@@ -120,36 +38,36 @@ GENERATE = json.dumps({"text": "hello", "sampling_params": {"max_new_tokens": 3}
 def test_the_cap_holds_under_a_flood_and_probes_and_the_native_port_get_through(procs: Procs) -> None:
     worker = start_worker(procs, "both", "--engine", "sim", "--max-http-connections", str(CAP))
     port, pid = worker.http_port, worker.proc.pid
-    baseline = _open_sockets(pid)
-    held = [_connect(port) for _ in range(CAP)]  # silent: they hold every admitted slot
-    flood = [_connect(port) for _ in range(5 * CAP)]
+    baseline = open_sockets(pid)
+    held = [connect(port) for _ in range(CAP)]  # silent: they hold every admitted slot
+    flood = [connect(port) for _ in range(5 * CAP)]
     try:
         # A probe made after them (accepted after them: the kernel's queue is in order) is served all the same
-        metrics = _metrics(port)
-        assert _metric(metrics, "pd_worker_http_connections", slot="admitted") == CAP
-        assert _metric(metrics, "pd_worker_http_connections", slot="probation") <= PROBATION_SLOTS
-        assert _metric(metrics, "pd_worker_http_connections_limit") == CAP
-        held_now = _open_sockets(pid) - baseline
+        text = metrics(port)
+        assert metric(text, "pd_worker_http_connections", slot="admitted") == CAP
+        assert metric(text, "pd_worker_http_connections", slot="probation") <= PROBATION_SLOTS
+        assert metric(text, "pd_worker_http_connections_limit") == CAP
+        held_now = open_sockets(pid) - baseline
         assert held_now <= CAP + PROBATION_SLOTS, (held_now, baseline)  # (without the cap: 48 and more)
         # The excess of the flood was closed (those left are on probation, their head still due)
-        closed = sum(_is_closed(sock, HANG_GUARD_S if i < len(flood) - PROBATION_SLOTS else 0.0)
+        closed = sum(is_closed(sock, HANG_GUARD_S if i < len(flood) - PROBATION_SLOTS else 0.0)
                      for i, sock in enumerate(flood))
         assert closed >= len(flood) - PROBATION_SLOTS, closed
-        assert all(not _is_closed(sock, 0.0) for sock in held)  # (admitted: served as ever, within their timeouts)
+        assert all(not is_closed(sock, 0.0) for sock in held)  # (admitted: served as ever, within their timeouts)
 
-        status, headers, body = _once(port, "GET", "/health")
+        status, headers, body = once(port, "GET", "/health")
         assert status == 200 and json.loads(body)["status"] == "ok", body
         assert headers["connection"] == "close"  # (a probation connection serves one probe)
-        status, _, body = _once(port, "GET", "/get_load")  # (an SGLang router's poll: answered too)
+        status, _, body = once(port, "GET", "/get_load")  # (an SGLang router's poll: answered too)
         assert status == 200, body
-        status, headers, body = _once(port, "POST", "/generate", GENERATE)
+        status, headers, body = once(port, "POST", "/generate", GENERATE)
         assert status == 503, body
         error = json.loads(body)["error"]
         assert error["code"] == "too_many_connections" and error["type"] == "service_unavailable", error
         assert "--max-http-connections" in error["message"]
         assert headers["retry-after"] == "1" and headers["connection"] == "close"
         assert headers["content-type"] == "application/json"
-        refused = _metric(_metrics(port), "pd_worker_http_connections_refused_total")
+        refused = metric(metrics(port), "pd_worker_http_connections_refused_total")
         assert refused >= 1
 
         # The native protocol (the gateway's path to the worker) is not behind the HTTP cap
@@ -162,7 +80,7 @@ def test_the_cap_holds_under_a_flood_and_probes_and_the_native_port_get_through(
             sock.close()
     # The silent clients gone, the HTTP side serves generations again
     deadline = time.monotonic() + HANG_GUARD_S
-    while _metric(_metrics(port), "pd_worker_http_connections", slot="admitted") != 1:  # (the probe's own)
+    while metric(metrics(port), "pd_worker_http_connections", slot="admitted") != 1:  # (the probe's own)
         assert time.monotonic() < deadline, "the closed connections were not released"
         time.sleep(0.05)
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=HANG_GUARD_S) as client:
@@ -175,26 +93,26 @@ def test_at_the_cap_an_idle_keep_alive_connection_makes_room(procs: Procs) -> No
     worker = start_worker(procs, "both", "--engine", "sim", "--max-http-connections", "2",
                           "--http-keep-alive-timeout-s", "600")
     port = worker.http_port
-    with _connect(port) as older, _connect(port) as newer:
-        assert _request(older, "GET", "/health")[0] == 200
-        assert _request(newer, "GET", "/health")[0] == 200  # both idle now, kept alive: the cap is full
-        third = _connect(port)
-        status, headers, body = _request(third, "POST", "/generate", GENERATE)
+    with connect(port) as older, connect(port) as newer:
+        assert request(older, "GET", "/health")[0] == 200
+        assert request(newer, "GET", "/health")[0] == 200  # both idle now, kept alive: the cap is full
+        third = connect(port)
+        status, headers, body = request(third, "POST", "/generate", GENERATE)
         third.close()
         assert status == 200 and len(json.loads(body)["output_ids"]) == 3, body
         assert headers.get("connection") != "close"
-        assert _is_closed(older, HANG_GUARD_S)  # the one idle longest made room
-        assert not _is_closed(newer, 0.0)
-        assert _request(newer, "GET", "/liveness")[0] == 200  # the other one still serves
-    assert _metric(_metrics(port), "pd_worker_http_connections_evicted_total") == 1
+        assert is_closed(older, HANG_GUARD_S)  # the one idle longest made room
+        assert not is_closed(newer, 0.0)
+        assert request(newer, "GET", "/liveness")[0] == 200  # the other one still serves
+    assert metric(metrics(port), "pd_worker_http_connections_evicted_total") == 1
 
 
 def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(procs: Procs) -> None:
     worker = start_worker(procs, "both", "--engine", "sim", "--http-keep-alive-timeout-s", "0.5")
-    with _connect(worker.http_port) as sock:
-        status, headers, _ = _request(sock, "GET", "/health")
+    with connect(worker.http_port) as sock:
+        status, headers, _ = request(sock, "GET", "/health")
         assert status == 200 and headers.get("connection") != "close"
-        assert _is_closed(sock, HANG_GUARD_S)
+        assert is_closed(sock, HANG_GUARD_S)
 
 
 @dataclass(eq=False)
