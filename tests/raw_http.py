@@ -89,3 +89,32 @@ def metrics(port: int) -> str:
     status, _, body = once(port, "GET", "/metrics")
     assert status == 200, body
     return body.decode()
+
+
+def flood_past_cap(port: int, pid: int, cap: int, probation_slots: int, prefix: str,
+                   ) -> tuple[list[socket.socket], list[socket.socket]]:
+    """Hold ``cap`` silent connections to ``port`` (server process ``pid``), then open five times as many: checks that
+    the server's ``{prefix}`` metrics count them, that it holds at most ``cap + probation_slots`` of them, that it
+    closed the excess and kept the held ones. Returns (held, flood), still open: the caller closes them (they are
+    closed here if a check fails)."""
+    baseline = open_sockets(pid)
+    held = [connect(port) for _ in range(cap)]  # silent: they hold every admitted slot
+    flood = [connect(port) for _ in range(5 * cap)]
+    try:
+        # A probe made after them (accepted after them: the kernel's queue is in order) is served all the same
+        text = metrics(port)
+        assert metric(text, prefix, slot="admitted") == cap
+        assert metric(text, prefix, slot="probation") <= probation_slots
+        assert metric(text, f"{prefix}_limit") == cap
+        held_now = open_sockets(pid) - baseline
+        assert held_now <= cap + probation_slots, (held_now, baseline)  # (without the cap: 48 and more)
+        # The excess of the flood was closed (those left are on probation, their head still due)
+        closed = sum(is_closed(sock, HANG_GUARD_S if i < len(flood) - probation_slots else 0.0)
+                     for i, sock in enumerate(flood))
+        assert closed >= len(flood) - probation_slots, closed
+        assert all(not is_closed(sock, 0.0) for sock in held)  # (admitted: served as ever, within their timeouts)
+    except BaseException:
+        for sock in held + flood:
+            sock.close()
+        raise
+    return held, flood

@@ -26,7 +26,7 @@ import time
 import httpx
 import pytest
 from pdtest import Procs, free_port, start_gateway, start_worker, wait_http_ok
-from raw_http import HANG_GUARD_S, connect, is_closed, metric, metrics, once, open_sockets, request
+from raw_http import HANG_GUARD_S, connect, flood_past_cap, is_closed, metric, metrics, once, request
 
 from gateway import http_connections
 from gateway.cli import CONNECTION_HEADROOM, client_connection_cap
@@ -45,23 +45,8 @@ def test_the_cap_holds_under_a_flood_and_the_probes_get_through(procs: Procs) ->
     worker = start_worker(procs, "both", "--engine", "sim")
     port = start_gateway(procs, "--worker", worker.url, "--max-client-connections", str(CAP))
     pid = _gateway_pid(procs, port)
-    baseline = open_sockets(pid)  # (the listener, the native connection to the worker)
-    held = [connect(port) for _ in range(CAP)]  # silent: they hold every admitted slot
-    flood = [connect(port) for _ in range(5 * CAP)]
+    held, flood = flood_past_cap(port, pid, CAP, PROBATION_SLOTS, "pd_gateway_client_connections")
     try:
-        # A probe made after them (accepted after them: the kernel's queue is in order) is served all the same
-        text = metrics(port)
-        assert metric(text, "pd_gateway_client_connections", slot="admitted") == CAP
-        assert metric(text, "pd_gateway_client_connections", slot="probation") <= PROBATION_SLOTS
-        assert metric(text, "pd_gateway_client_connections_limit") == CAP
-        held_now = open_sockets(pid) - baseline
-        assert held_now <= CAP + PROBATION_SLOTS, (held_now, baseline)  # (without the cap: 48 and more)
-        # The excess of the flood was closed (those left are on probation, their head still due)
-        closed = sum(is_closed(sock, HANG_GUARD_S if i < len(flood) - PROBATION_SLOTS else 0.0)
-                     for i, sock in enumerate(flood))
-        assert closed >= len(flood) - PROBATION_SLOTS, closed
-        assert all(not is_closed(sock, 0.0) for sock in held)  # (admitted: served as ever, within their timeouts)
-
         for probe in ("/health", "/readiness"):
             status, headers, body = once(port, "GET", probe)
             assert status == 200, (probe, body)

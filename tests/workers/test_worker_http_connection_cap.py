@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 from pdtest import Procs, start_gateway, start_worker
-from raw_http import HANG_GUARD_S, connect, is_closed, metric, metrics, once, open_sockets, request
+from raw_http import HANG_GUARD_S, connect, flood_past_cap, is_closed, metric, metrics, once, request
 
 from gateway import http_connections as shared_connections  # (the cap's logic, shared with the gateway's)
 from workers import http_connections
@@ -38,23 +38,8 @@ GENERATE = json.dumps({"text": "hello", "sampling_params": {"max_new_tokens": 3}
 def test_the_cap_holds_under_a_flood_and_probes_and_the_native_port_get_through(procs: Procs) -> None:
     worker = start_worker(procs, "both", "--engine", "sim", "--max-http-connections", str(CAP))
     port, pid = worker.http_port, worker.proc.pid
-    baseline = open_sockets(pid)
-    held = [connect(port) for _ in range(CAP)]  # silent: they hold every admitted slot
-    flood = [connect(port) for _ in range(5 * CAP)]
+    held, flood = flood_past_cap(port, pid, CAP, PROBATION_SLOTS, "pd_worker_http_connections")
     try:
-        # A probe made after them (accepted after them: the kernel's queue is in order) is served all the same
-        text = metrics(port)
-        assert metric(text, "pd_worker_http_connections", slot="admitted") == CAP
-        assert metric(text, "pd_worker_http_connections", slot="probation") <= PROBATION_SLOTS
-        assert metric(text, "pd_worker_http_connections_limit") == CAP
-        held_now = open_sockets(pid) - baseline
-        assert held_now <= CAP + PROBATION_SLOTS, (held_now, baseline)  # (without the cap: 48 and more)
-        # The excess of the flood was closed (those left are on probation, their head still due)
-        closed = sum(is_closed(sock, HANG_GUARD_S if i < len(flood) - PROBATION_SLOTS else 0.0)
-                     for i, sock in enumerate(flood))
-        assert closed >= len(flood) - PROBATION_SLOTS, closed
-        assert all(not is_closed(sock, 0.0) for sock in held)  # (admitted: served as ever, within their timeouts)
-
         status, headers, body = once(port, "GET", "/health")
         assert status == 200 and json.loads(body)["status"] == "ok", body
         assert headers["connection"] == "close"  # (a probation connection serves one probe)
