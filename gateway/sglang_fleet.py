@@ -8,20 +8,23 @@ Lifecycle:
    ``unhealthy_after`` failures, healthy after ``healthy_after`` passes; the router hears joins and
    leaves. After each passed probe, ``GET /v1/loads`` (where the worker serves it) becomes the
    worker's load report for the policies. The served model name is the first worker's
-   ``/get_model_info`` (``served_model_name`` or ``model_path``).
+   ``/get_model_info`` (``served_model_name`` or ``model_path``). A second session (``fresh``, a new
+   connection per request) carries only the requests sent again because they crossed a worker's close of
+   the idle pooled connection they went out on (``crossed_idle_close``).
 2. ``select()`` gives the requests of ``gateway/sglang_relay.py`` a (prefill, decode) pair from the
    router's policies, over ``HttpWorker.state`` views (the gateway's own open requests on top).
 3. ``add(url, role, bootstrap_port)`` / ``remove(url, drain_timeout_s)`` (the admin API): a worker added
    gets its probe (selectable once it passes); one removed leaves selection at once, and once its open
    requests end (or the drain timeout passes: they go on, their connections are not cut) its probe
    stops and the router forgets it.
-4. ``aclose()``: stop the probes, close the session.
+4. ``aclose()``: stop the probes, close the sessions.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import errno
 import logging
 import socket
 import time
@@ -31,6 +34,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
+from aiohttp.http import RawResponseMessage
 
 from gateway.errors import APIError, NoWorkers
 from gateway.health import HealthConfig, WorkerHealth
@@ -68,13 +72,50 @@ def check_http_url(url: str) -> None:
         raise ValueError(f"SGLang worker URL must not carry credentials, got one for {parts.hostname}")
 
 
+class RequestTrace:
+    """The ``trace_request_ctx`` of one relayed request, filled in by the relay sessions' trace hooks: ``asked`` (a
+    future, or None) is set once its head has gone out (it had a connection to its worker:
+    ``gateway.sglang_relay._post``); ``is_reused`` says that it went out on a pooled connection, idle before it."""
+
+    __slots__ = ("asked", "is_reused")
+
+    def __init__(self, asked: asyncio.Future[None] | None = None) -> None:
+        self.asked, self.is_reused = asked, False
+
+
 async def note_request_sent(_session: aiohttp.ClientSession, context: Any,
                             _params: aiohttp.TraceRequestHeadersSentParams) -> None:
-    """The relay session's trace hook: a request made with a future as its ``trace_request_ctx`` sets it
-    once its head has gone out (it had a connection to its worker: ``gateway.sglang_relay._post``)."""
-    asked = context.trace_request_ctx
-    if isinstance(asked, asyncio.Future) and not asked.done():
-        asked.set_result(None)
+    """The relay sessions' trace hook: a ``RequestTrace``'s ``asked`` is set once the request's head has gone out."""
+    trace = context.trace_request_ctx
+    if isinstance(trace, RequestTrace) and trace.asked is not None and not trace.asked.done():
+        trace.asked.set_result(None)
+
+
+async def note_connection_reused(_session: aiohttp.ClientSession, context: Any,
+                                 _params: aiohttp.TraceConnectionReuseconnParams) -> None:
+    """The relay session's trace hook: a request's ``RequestTrace`` learns that it goes out on a pooled connection."""
+    trace = context.trace_request_ctx
+    if isinstance(trace, RequestTrace):
+        trace.is_reused = True
+
+
+# How a request sent on a connection its worker had closed ends, before any answer: the worker's FIN came in first
+# (ServerDisconnectedError), or its kernel answered our bytes with a reset (ClientOSError)
+_CLOSED_ERRNOS = frozenset((errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED))
+
+
+def crossed_idle_close(trace: RequestTrace, exc: BaseException) -> bool:
+    """Whether a request that failed before its response head did so because it crossed the worker's close of the
+    idle pooled connection it went out on: the worker's keep-alive ending (``WORKER_KEEPALIVE_S`` is shorter than
+    uvicorn's, but a worker's ``--http-keep-alive-timeout-s`` may be shorter still) or its connection cap closing
+    its longest-idle connection for a newcomer (``gateway/http_connections.py``). The worker closes only
+    connections with nothing in flight, so it never read the request: sent again on a fresh connection, it is no
+    failure of the worker's. A new connection that breaks is none of this (a worker gone, a network cut)."""
+    if not trace.is_reused or isinstance(exc, aiohttp.ClientConnectorError):
+        return False
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return not isinstance(exc.message, RawResponseMessage)  # (no head of an answer came)
+    return isinstance(exc, aiohttp.ClientOSError) and exc.errno in _CLOSED_ERRNOS
 
 
 class AlreadyThere(ValueError):
@@ -94,7 +135,9 @@ def sglang_health_timeout_s(health: HealthConfig) -> float:
 PROBE_CONNECTIONS_PER_WORKER = 4  # the checks' own pool (health, loads, model): at most this many per worker
 # An idle connection to a worker is kept this long, less than uvicorn's keep-alive (5 s: SGLang's server and our
 # workers' HTTP side): one kept longer is closed by the worker, and a request sent on it as its close crosses the
-# request on the wire fails (ServerDisconnectedError: a retry, and a failure counted against a healthy worker).
+# request on the wire fails (ServerDisconnectedError). That is not enough alone: a worker may keep connections
+# less long (``--http-keep-alive-timeout-s``) or close an idle one at any age (its connection cap), so such a
+# request is sent once more on a fresh connection (``crossed_idle_close``, ``SGLangFleet.fresh``).
 WORKER_KEEPALIVE_S = 4.0
 
 
@@ -136,6 +179,7 @@ class HttpWorker:
         self.has_loads: bool | None = None  # serves /v1/loads (None: not known yet, or down since it said)
         self.is_draining = False  # being removed (the admin API): never selected again
         self.last_error: str | None = None
+        self.num_resent = 0  # requests sent again, once, on a fresh connection: they crossed its close of an idle one
         self.addresses: frozenset[tuple[str, int, str]] = frozenset()  # where its URL leads (its last passed probe's)
         self._rids = 0
         # Our requests opened here that have not gone out to it yet (waiting for a free connection, a prefill's for
@@ -196,6 +240,10 @@ class SGLangFleet:
         self.model_name: str | None = None
         self.tokenizer: Tokenizer | None = None  # --tokenizer: prompts tokenized for routing only
         self.session: aiohttp.ClientSession | None = None
+        # A request that crossed a worker's close of its idle pooled connection goes again on a connection of its
+        # own (``crossed_idle_close``): not from the pool, where more the worker closed may wait (a keep-alive
+        # ending closes every connection idle as long; a restart, all of them). Used for nothing else.
+        self.fresh: aiohttp.ClientSession | None = None
         # The workers' health, load and model checks: a pool of their own, so that they never wait for a
         # connection behind relayed requests (a worker with its pool full of streams failed its probes).
         self._checks: aiohttp.ClientSession | None = None
@@ -219,12 +267,19 @@ class SGLangFleet:
         headers = {"Accept-Encoding": "identity"}
         if cfg.worker_api_key:
             headers["Authorization"] = f"Bearer {cfg.worker_api_key}"
-        sent = aiohttp.TraceConfig()
-        sent.on_request_headers_sent.append(note_request_sent)
+        timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
+        pooled, sent = aiohttp.TraceConfig(), aiohttp.TraceConfig()
+        for trace in (pooled, sent):
+            trace.on_request_headers_sent.append(note_request_sent)
+        pooled.on_connection_reuseconn.append(note_connection_reused)
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",), headers=headers,
-            trace_configs=[sent],
-            timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s))
+            trace_configs=[pooled], timeout=timeout)
+        self.fresh = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=cfg.max_connections_per_worker, force_close=True,
+                                           enable_cleanup_closed=True),
+            auto_decompress=False, skip_auto_headers=("User-Agent",), headers=headers, trace_configs=[sent],
+            timeout=timeout)
         self._checks = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=PROBE_CONNECTIONS_PER_WORKER,
                                            keepalive_timeout=WORKER_KEEPALIVE_S),
@@ -310,7 +365,7 @@ class SGLangFleet:
             if worker.is_up:
                 worker.is_up = False
                 self.router.worker_removed(worker.state)
-        for session in (self.session, self._checks):
+        for session in (self.session, self.fresh, self._checks):
             if session is not None:
                 await session.close()
 

@@ -19,7 +19,10 @@ Lifecycle (the workers, their health, load and HTTP session: ``gateway/sglang_fl
    worker); a decode that fails cancels the prefill request. A 4xx goes to the client as the worker
    wrote it; a 5xx or a connection error is retried on a new pair and new rooms (``max_retries``,
    jittered backoff), else a 502. After the first event the decode's stream is relayed, whole
-   events only, to its end or to an error event.
+   events only, to its end or to an error event. A request that broke before any answer because it
+   crossed its worker's close of the idle pooled connection it went out on (the worker's keep-alive
+   ending, or its connection cap closing its longest-idle connection) was never read there: it is sent
+   once more to the same worker on a fresh connection (``_open``), no failure and no retry.
 4. The prefill's body is always read to the end (it frees the connection); with ``return_logprob``
    its ``meta_info.input_token_logprobs`` are put in front of the decode's, from a JSON or an SSE
    prefill reply, in the whole response or in every streamed event.
@@ -59,7 +62,7 @@ from gateway.responder import (
     shutdown_cut_error,
     watch_disconnect,
 )
-from gateway.sglang_fleet import HttpWorker, SGLangFleet
+from gateway.sglang_fleet import HttpWorker, RequestTrace, SGLangFleet, crossed_idle_close
 from gateway.sglang_routing import dispatch_cost, routing_request
 
 if TYPE_CHECKING:
@@ -323,8 +326,6 @@ class SGLangResponder:
                        cost: tuple[int, int] = (0, 0)) -> int | _Retry:
         """One pair: the client's status once answered, or what to retry. ``cost``: (prefill tokens, decode
         pages) it adds to their load counts while open (``dispatch_cost``)."""
-        session = self.fleet.session
-        assert session is not None
         cfg = self.fleet.config
         loop = asyncio.get_running_loop()
         headers = {"content-type": "application/json", "x-request-id": REQUEST_ID.get(), **trace}
@@ -340,9 +341,10 @@ class SGLangResponder:
         # (each counts in its worker's load reports once it has gone out: ``HttpWorker.last_rid``)
         decode_asked.add_done_callback(lambda _: decode.sent(d_rid))
         prefill_asked.add_done_callback(lambda _: prefill.sent(p_rid))
-        d_task = asyncio.create_task(_open(session, f"{decode.url}/{self.path}", data, headers, read, decode_asked))
-        p_task = asyncio.create_task(_post(session, f"{prefill.url}/{self.path}", data, headers, merge_logprobs,
-                                           decode_asked, prefill_asked))
+        d_task = asyncio.create_task(_open(self.fleet, decode, f"{decode.url}/{self.path}", data, headers, read,
+                                           decode_asked))
+        p_task = asyncio.create_task(_post(self.fleet, prefill, f"{prefill.url}/{self.path}", data, headers, read,
+                                           merge_logprobs, decode_asked, prefill_asked))
         p_task.add_done_callback(lambda task: _prefill_done(task, prefill, p_rid))
         answered = False
         try:
@@ -639,16 +641,16 @@ class _Retry:
     worker: HttpWorker
 
 
-async def _post(session: aiohttp.ClientSession, url: str, data: bytes, headers: dict[str, str],
-                keep_body: bool, decode_asked: asyncio.Future[None], asked: asyncio.Future[None] | None = None,
-                ) -> _PrefillReply:
+async def _post(fleet: SGLangFleet, worker: HttpWorker, url: str, data: bytes, headers: dict[str, str],
+                timeout: aiohttp.ClientTimeout, keep_body: bool, decode_asked: asyncio.Future[None],
+                asked: asyncio.Future[None] | None = None) -> _PrefillReply:
     """The prefill's request, read to its end (SSE or JSON): its connection is then free again. It goes out
     once the decode's has (``decode_asked``): a decode request waiting for a free connection to its worker
     (``max_connections_per_worker``) would leave the prefill holding the prompt's KV for nobody. (A decode
     request that fails before it went out is the caller's to see: this one is then cancelled unsent.) ``asked`` is
     set once its own head has gone out."""
     await decode_asked
-    async with session.post(url, data=data, headers=headers, trace_request_ctx=asked) as reply:
+    async with await _open(fleet, worker, url, data, headers, timeout, asked) as reply:
         body = await reply.read()
         content_type = reply.headers.get("content-type", "application/json")
         refusal = _stream_refusal(body) if 200 <= reply.status < 300 and content_type.startswith(
@@ -678,11 +680,26 @@ def _stream_refusal(body: bytes) -> str | None:
     return None
 
 
-async def _open(session: aiohttp.ClientSession, url: str, data: bytes, headers: dict[str, str],
-                timeout: aiohttp.ClientTimeout, asked: asyncio.Future[None]) -> aiohttp.ClientResponse:
-    """The decode's request up to its response headers (the caller reads or relays the body); ``asked`` is
-    set once its request head has gone out (``gateway.sglang_fleet.note_request_sent``)."""
-    return await session.post(url, data=data, headers=headers, timeout=timeout, trace_request_ctx=asked)
+async def _open(fleet: SGLangFleet, worker: HttpWorker, url: str, data: bytes, headers: dict[str, str],
+                timeout: aiohttp.ClientTimeout, asked: asyncio.Future[None] | None) -> aiohttp.ClientResponse:
+    """A request to ``worker`` up to its response headers (the caller reads or relays the body); ``asked`` is
+    set once its request head has gone out (``gateway.sglang_fleet.note_request_sent``).
+
+    On a pooled connection; one that crossed the worker's close of that idle connection (``crossed_idle_close``:
+    the worker never read it) is sent once more, on a fresh connection, and only that one's failure is the
+    worker's."""
+    assert fleet.session is not None and fleet.fresh is not None
+    trace = RequestTrace(asked)
+    try:
+        return await fleet.session.post(url, data=data, headers=headers, timeout=timeout, trace_request_ctx=trace)
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        if not crossed_idle_close(trace, exc):
+            raise
+        worker.num_resent += 1
+        log.debug("SGLang %s worker %s closed the idle connection a request went out on (%s: %s); sent again on a "
+                  "fresh one", worker.role, worker.url, type(exc).__name__, exc)
+    return await fleet.fresh.post(url, data=data, headers=headers, timeout=timeout,
+                                  trace_request_ctx=RequestTrace(asked))
 
 
 def _failure(task: asyncio.Task[_PrefillReply], worker: HttpWorker) -> _Failure | None:

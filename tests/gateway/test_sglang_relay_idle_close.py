@@ -1,0 +1,228 @@
+"""A relayed request that crosses a worker's close of the idle pooled connection it went out on.
+
+Our workers' HTTP side closes an idle kept-alive connection when its keep-alive ends
+(``--http-keep-alive-timeout-s``, which may be shorter than the relay's ``WORKER_KEEPALIVE_S``) and, at its
+connection cap (``--max-http-connections``), the longest-idle one for a newcomer, at any age. A request the
+relay sends on it at that moment breaks before any answer: it used to be retried elsewhere and counted as a
+failure against the healthy worker's breaker. The worker never read it (it closes only connections with
+nothing in flight): it is now sent once more to the same worker on a fresh connection, no failure, no retry.
+
+The crossing itself is made certain, not left to chance: a trace hook added to the relay's session holds the
+event loop at the moment a pooled connection to the worker is taken for a request, until the worker's close
+(its FIN) has arrived on it (the keep-alive timer, or connections opened to the worker that take its cap), so
+that the request goes out on a connection the worker has closed, as when the FIN is on the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import select
+import socket
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from pdtest import Procs, free_port, start_worker
+from relay_harness import Exchange, call, jbody, serve
+
+from gateway.admission import Admission
+from gateway.health import CircuitBreaker, HealthConfig
+from gateway.metrics import GatewayMetrics
+from gateway.router import Router
+from gateway.sglang_fleet import RelayConfig, RequestTrace, SGLangFleet, crossed_idle_close
+from gateway.sglang_relay import SGLangResponder
+
+SIM = ("--engine", "sim", "--num-pages", "64", "--page-size", "4")
+HANG_GUARD_S = 30.0
+
+
+def _peer_port(proto: Any) -> int | None:
+    transport = proto.transport
+    peer = transport.get_extra_info("peername") if transport is not None else None
+    return peer[1] if peer else None
+
+
+class CloseOnTake:
+    """The hook: once armed, the next pooled connection taken for a request to ``port`` is closed by the worker
+    (``how``: its keep-alive ends, or its cap of 2 is taken by two connections that make it close its idle ones)
+    before the request goes out on it."""
+
+    def __init__(self, port: int, how: str) -> None:
+        self.port, self.how = port, how
+        self.armed = False
+        self.num_closed = 0
+
+    async def __call__(self, session: aiohttp.ClientSession, _ctx: Any, _params: Any) -> None:
+        if not self.armed:
+            return
+        connector = session.connector
+        assert connector is not None
+        taken = [p for p in connector._acquired if _peer_port(p) == self.port]
+        if not taken:  # (a request to the other worker)
+            return
+        self.armed = False
+        transport = taken[0].transport
+        assert transport is not None
+        sock = transport.get_extra_info("socket")
+        newcomers = []
+        if self.how == "cap":  # (the relay's and the probes' idle connections are the cap's two: both closed)
+            newcomers = [socket.create_connection(("127.0.0.1", self.port), timeout=HANG_GUARD_S) for _ in range(2)]
+        # The loop is held here (no await): the worker's FIN waits on the socket, unseen by aiohttp.
+        readable, _, _ = select.select([sock], [], [], HANG_GUARD_S)
+        with socket.fromfd(sock.fileno(), socket.AF_INET, socket.SOCK_STREAM) as peek:  # (a copy of it)
+            assert readable and peek.recv(1, socket.MSG_PEEK) == b"", "the worker did not close the idle connection"
+        self.num_closed += 1
+        for newcomer in newcomers:  # (they leave: the worker serves them and closes them, freeing its cap)
+            newcomer.sendall(b"GET /health HTTP/1.1\r\nhost: w\r\nconnection: close\r\n\r\n")
+            while newcomer.recv(65536):
+                pass
+            newcomer.close()
+
+
+def _count_failures(breaker: CircuitBreaker) -> list[int]:
+    failures = [0]
+    record = breaker.record_failure
+
+    def counted() -> None:
+        failures[0] += 1
+        record()
+
+    breaker.record_failure = counted  # type: ignore[method-assign]
+    return failures
+
+
+@pytest.mark.parametrize(("side", "how", "stream"), [("decode", "keep-alive", False), ("decode", "cap", True),
+                                                      ("prefill", "cap", False)])
+def test_a_request_crossing_an_idle_close_is_sent_again_not_blamed(procs: Procs, side: str, how: str,
+                                                                   stream: bool) -> None:
+    closing = ("--http-keep-alive-timeout-s", "0.5") if how == "keep-alive" else ("--max-http-connections", "2")
+    bootstrap_port = free_port()
+    prefill = start_worker(procs, "prefill", *SIM, "--bootstrap-embedded", str(bootstrap_port),
+                           *(closing if side == "prefill" else ()))
+    decode = start_worker(procs, "decode", *SIM, *(closing if side == "decode" else ()))
+    target = decode if side == "decode" else prefill
+
+    async def main() -> None:
+        metrics = GatewayMetrics()
+        fleet = SGLangFleet([(f"http://127.0.0.1:{prefill.http_port}", bootstrap_port)],
+                            [f"http://127.0.0.1:{decode.http_port}"], Router.build("random", "random"),
+                            HealthConfig(probe_interval_s=60), RelayConfig(retry_backoff_s=0.01))
+        fleet.start()
+        hook = CloseOnTake(target.http_port, how)
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_reuseconn.append(hook)
+        trace.freeze()
+        assert fleet.session is not None
+        fleet.session._trace_configs.append(trace)
+        try:
+            assert await fleet.wait_ready(HANG_GUARD_S)
+            (worker,) = [w for w in fleet.workers if w.role == side]
+            failures = {w.role: _count_failures(w.health.breaker) for w in fleet.workers}
+            responder = SGLangResponder(fleet, "generate", "generate", Admission(0, 0, 1.0, metrics), metrics,
+                                        1 << 24, 10.0)
+            body = {"text": "idle", "sampling_params": {"max_new_tokens": 4, "temperature": 0}, "stream": stream}
+            first = Exchange(jbody(body))
+            await call(responder, first)  # (leaves a pooled connection to each worker, idle)
+            assert first.status == 200, first.content
+            for _ in range(int(HANG_GUARD_S / 0.01)):  # (the first's prefill reply may trail its answer)
+                if not any(w.state.num_active for w in fleet.workers):
+                    break
+                await asyncio.sleep(0.01)
+            hook.armed = True
+            second = Exchange(jbody(body))
+            await call(responder, second)
+            assert hook.num_closed == 1, "the request did not go out on a pooled connection the worker closed"
+            assert second.status == 200, second.content
+            assert b'"text"' in second.content and (not stream or second.content.endswith(b"data: [DONE]\n\n"))
+            retries = sum(value.value for value in metrics.retries._children.values())
+            assert (failures["prefill"][0], failures["decode"][0], retries) == (0, 0, 0), \
+                "a request crossing an idle close counted against a healthy worker"
+            assert worker.num_resent == 1
+        finally:
+            await fleet.aclose()
+
+    asyncio.run(main())
+
+
+def _trace(reused: bool) -> RequestTrace:
+    """A request's trace, as the hooks leave it: sent on a pooled connection (``reused``) or on a new one."""
+    trace = RequestTrace()
+    trace.is_reused = reused
+    return trace
+
+
+@pytest.mark.parametrize(("reused", "exc", "crossed"), [
+    (True, aiohttp.ServerDisconnectedError(), True),
+    (True, aiohttp.ClientOSError(104, "Connection reset by peer"), True),
+    (True, aiohttp.ClientOSError(32, "Broken pipe"), True),
+    (False, aiohttp.ServerDisconnectedError(), False),  # (a new connection: a worker gone, not an idle close)
+    (False, aiohttp.ClientOSError(104, "Connection reset by peer"), False),
+    (True, aiohttp.ClientOSError(110, "Connection timed out"), False),
+    (True, aiohttp.ClientConnectorError(aiohttp.client_reqrep.ConnectionKey(
+        "w", 1, False, False, None, None, None), ConnectionResetError(104, "reset")), False),
+])
+def test_only_a_pooled_connection_closed_before_an_answer_is_a_crossing(reused: bool, exc: BaseException,
+                                                                         crossed: bool) -> None:
+    assert crossed_idle_close(_trace(reused), exc) is crossed
+
+
+def test_a_worker_closing_requests_unanswered_fails_once_per_attempt() -> None:
+    """A decode that reads a request and closes its connection unanswered (dying, say), on a pooled connection as
+    on a fresh one: the request sent again on a fresh connection fails too, and that is the worker's failure, once
+    per attempt, retried as before; never sent a third time."""
+
+    async def main() -> None:
+        answered = [0]
+
+        async def decode(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    if head.startswith(b"GET "):  # (its probes)
+                        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                        continue
+                    length = next(int(line.partition(b":")[2]) for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length:"))
+                    await reader.readexactly(length)
+                    answered[0] += 1
+                    if answered[0] > 1:
+                        return  # read, then closed unanswered
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                writer.close()
+
+        async def prefill(_: web.Request) -> web.Response:
+            return web.json_response({})
+
+        server = await asyncio.start_server(decode, "127.0.0.1", 0)
+        d_url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        p_runner, p_url = await serve(prefill)
+        metrics = GatewayMetrics()
+        fleet = SGLangFleet([(p_url, 8998)], [d_url], Router.build("random", "random"),
+                            HealthConfig(probe_interval_s=60, breaker_failures=1000),
+                            RelayConfig(retry_backoff_s=0.01, max_retries=1))
+        fleet.start()
+        try:
+            assert await fleet.wait_ready(HANG_GUARD_S)
+            worker = fleet.decodes[0]
+            failures = _count_failures(worker.health.breaker)
+            responder = SGLangResponder(fleet, "generate", "generate", Admission(0, 0, 1.0, metrics), metrics,
+                                        1 << 24, 10.0)
+            first = Exchange(jbody({"text": "x"}))
+            await call(responder, first)
+            assert first.status == 200  # (its connection stays pooled)
+            second = Exchange(jbody({"text": "x"}))
+            await call(responder, second)
+            assert second.status == 502, second.content
+            retries = sum(value.value for value in metrics.retries._children.values())
+            # attempt 1: the pooled connection, then a fresh one (the worker's failure); attempt 2: a new connection
+            assert (answered[0], worker.num_resent, failures[0], retries) == (4, 1, 2, 1)
+        finally:
+            await fleet.aclose()
+            await p_runner.cleanup()
+            server.close()
+
+    asyncio.run(main())
