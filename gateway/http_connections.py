@@ -16,7 +16,8 @@ request on an admitted connection):
 3. Otherwise it is let in on probation, one of at most ``PROBATION_SLOTS`` (when they are all taken, the
    oldest one still waiting for its head, or lingering after its refusal, is closed for it): its request head
    must arrive within ``PROBATION_HEAD_TIMEOUT_S``. A probe (``ConnectionCap.probe_paths``) is served and the
-   connection closed after its answer; any other request is answered 503 ``too_many_connections``
+   connection closed after its answer (a request pipelined behind it left unanswered, as ``Connection: close``
+   says); any other request is answered 503 ``too_many_connections``
    (OpenAI-shaped, ``Retry-After: 1``, ``Connection: close``), after which what the client still sends is
    dropped for ``LINGER_S`` before the close. So clients that hold every admitted connection (silent, slow or
    just many) cannot make the probes of a healthy server fail, and an orchestrator does not restart it for
@@ -176,6 +177,7 @@ class CappedHttpProtocol(GuardedHttpProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._busy = False  # (``_probe_headers_complete``) this request is refused 503
+        self._behind_probe = False  # (``_probe_headers_complete``) a request pipelined behind the probe: left unread
 
     @property
     def is_idle(self) -> bool:
@@ -215,10 +217,28 @@ class CappedHttpProtocol(GuardedHttpProtocol):
         self.cap.release(self)
         super().connection_lost(exc)
 
+    def handle_websocket_upgrade(self) -> None:
+        """uvicorn hands the transport to its WebSocket protocol: this one's ``connection_lost`` is never called,
+        so the slot is given back when that protocol's connection ends (it counts against the cap until then)."""
+        super().handle_websocket_upgrade()
+        protocol = self.transport.get_protocol()
+        lost = protocol.connection_lost
+
+        def connection_lost(exc: Exception | None) -> None:
+            self.cap.release(self)
+            lost(exc)
+
+        protocol.connection_lost = connection_lost  # type: ignore[method-assign]
+
     def _probe_headers_complete(self) -> None:
-        """``on_headers_complete`` on probation: one probe is served; anything else (a pipelined request after it
-        included) is refused."""
-        if self.cycle is not None or self.url.partition(b"?")[0] not in self.cap.probe_paths:
+        """``on_headers_complete`` on probation: one probe is served; anything else is refused. A request pipelined
+        behind the probe is left unanswered: the probe's answer (``Connection: close``) goes out whole, then the
+        connection closes (a refusal cannot go in the middle of that answer: it would close it unanswered)."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and not cycle.keep_alive:
+            self._behind_probe = True
+            raise TooManyConnections("a request behind the probe")  # (the parser stops: send_400_response)
+        if cycle is not None or self.url.partition(b"?")[0] not in self.cap.probe_paths:
             self._busy = True
             raise TooManyConnections("too many connections")  # (the parser stops: send_400_response answers)
         super().on_headers_complete()
@@ -226,7 +246,9 @@ class CappedHttpProtocol(GuardedHttpProtocol):
             self.cycle.keep_alive = False  # (closed after the probe's answer)
 
     def send_400_response(self, msg: str) -> None:
-        if self._busy:
+        if self._behind_probe:  # (what else comes is not read: the probe's answer closes the connection)
+            self.flow.pause_reading()
+        elif self._busy:
             self.cap.num_refused += 1
             self._answer_busy(linger=True)
         else:
