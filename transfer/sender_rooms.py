@@ -49,8 +49,9 @@ class SenderRooms:
         self._fences_writes = fences_writes  # the decodes' backend refuses a closed room's writes itself
         self._senders: dict[int, KVSender] = {}
         self._requests: dict[int, PageList] = {}
-        # rooms the decode ended (aborted, or its connection closed) before a sender: (why, expiry)
-        self._tombstones: dict[int, tuple[TransferError, float]] = {}
+        # rooms the decode ended (aborted, or its connection closed) before a sender: (why, expiry, that decode's
+        # link; another decode's page list for the room is not refused for it: ``on_room_request``)
+        self._tombstones: dict[int, tuple[TransferError, float, Link]] = {}
         # (room, expiry), oldest first (each lives bootstrap_s): the tick drops expired ones without a scan of
         # them all under the lock (many aborted rooms left a scan of hundreds of thousands per 50 ms tick)
         self._tombstone_order: deque[tuple[int, float]] = deque()
@@ -104,7 +105,7 @@ class SenderRooms:
                 )
             elif room in self._requests or (sender is not None and sender.request is not None):
                 problem = TransferError(TransferErrorKind.PROTOCOL, f"room {room}: page list sent twice")
-            elif room in self._tombstones:
+            elif room in self._tombstones and self._tombstones[room][2] is link:
                 problem = TransferError(TransferErrorKind.ABORTED, f"room {room}: already aborted")
             elif sender is None and room in self._ended:
                 problem = _ended_error(room, self._ended.pop(room)[0])
@@ -119,6 +120,9 @@ class SenderRooms:
             else:
                 request = PageList(link, list(msg.page_ids), msg.aux_index, time.monotonic(), msg.generation)
                 if sender is None:
+                    # (another decode's abort of this room, if any, was that decode's end of it, not this one's:
+                    # a room two requests share, as in ``on_abort``)
+                    self._tombstones.pop(room, None)
                     self._requests[room] = request
                 else:
                     self._attach(sender, request)
@@ -136,7 +140,7 @@ class SenderRooms:
             self._requests.pop(room, None)
             sender = self._senders.get(room)
             if sender is None:
-                self._bury(room, error, time.monotonic() + self._ctx.timeouts.bootstrap_s)
+                self._bury(room, error, time.monotonic() + self._ctx.timeouts.bootstrap_s, link)
             elif sender.request is None or sender.belongs_to(link):
                 self._fail(sender, error, [], notify=False)
             # answered by tick() once no write of the room is in flight (at once if none ever was)
@@ -144,9 +148,10 @@ class SenderRooms:
                 self._unquiet[room] = link
                 self._ctx.kick()
 
-    def _bury(self, room: int, error: TransferError, expiry: float) -> None:
-        """``room``'s sender, if one is created before ``expiry``, fails at once with ``error`` (lock held)."""
-        self._tombstones[room] = (error, expiry)
+    def _bury(self, room: int, error: TransferError, expiry: float, link: Link) -> None:
+        """``room``'s sender, if one is created before ``expiry``, fails at once with ``error``, unless another
+        decode than ``link``'s sends its page list for it first (lock held)."""
+        self._tombstones[room] = (error, expiry, link)
         self._tombstone_order.append((room, expiry))
 
     def on_link_closed(self, link: Link, error: TransferError) -> None:
@@ -157,7 +162,7 @@ class SenderRooms:
         expiry = time.monotonic() + self._ctx.timeouts.bootstrap_s
         for room in [r for r, req in self._requests.items() if req.link is link]:
             del self._requests[room]  # (its sender, created later, fails at once: not at its bootstrap timeout)
-            self._bury(room, room_error(room, error), expiry)
+            self._bury(room, room_error(room, error), expiry, link)
 
     def fail_link(self, link: Link, error: TransferError, outbox: Outbox) -> None:
         """Fail every room of ``link`` (a silent decode); lock held."""
@@ -423,7 +428,8 @@ class SenderRooms:
         tombs = self._tombstone_order
         while tombs and tombs[0][1] < now:
             room, expiry = tombs.popleft()
-            if self._tombstones.get(room, (None, 0.0))[1] == expiry:
+            tomb = self._tombstones.get(room)
+            if tomb is not None and tomb[1] == expiry:
                 del self._tombstones[room]
         order = self._ended_order
         while order and order[0][1] < now:
