@@ -235,13 +235,13 @@ def test_a_workers_fault_is_not_cached_a_rejected_grammar_is(make_engine: Any, m
     (model / "tokenizer.json").unlink()
     e = make_engine(str(model))
     calls: list[Grammar] = []
-    compile_once = e.engine.constraints._compile
+    run_once = e.engine.constraints._run_one  # (a compile attempt: the tokenizer's load, then the grammar's)
 
-    def counted(grammar: Grammar) -> Any:
+    def counted(grammar: Grammar, future: Any) -> None:
         calls.append(grammar)
-        return compile_once(grammar)
+        run_once(grammar, future)
 
-    monkeypatch.setattr(e.engine.constraints, "_compile", counted)
+    monkeypatch.setattr(e.engine.constraints, "_run_one", counted)
     sched, sink = scheduler(e, timeout_s=HANG_GUARD_S)
     grammar = Grammar("regex", "(ab|cd)[0-9]{2}", param="regex")
     sched.submit(0, Submit(1, [5, 6], constrained(grammar)))
@@ -304,4 +304,28 @@ def test_a_real_slow_schema_times_out_and_others_are_served(make_engine: Any, mo
     run_until(sched, lambda: not sched.reqs)
     assert not errors_of(sink) and text_of(model_dir, sink, 3, ended=False).startswith('{"p0": ')
     assert calls.count(slow) == 1
+    assert_clean(sched, e)
+
+
+def test_a_grammar_waiting_for_the_tokenizers_first_load_is_not_blamed(make_engine: Any, model_dir: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first compiles wait for the llguidance tokenizer's load (~1 s): a request that times out meanwhile is the
+    worker's ``overloaded`` (its time was the worker's), not a 400 telling the client to simplify its grammar."""
+    e = make_engine(model_dir)
+    gate = threading.Event()
+    load = e.engine.constraints._load_tokenizer
+
+    def slow_load() -> None:
+        gate.wait(HANG_GUARD_S)
+        load()
+
+    monkeypatch.setattr(e.engine.constraints, "_load_tokenizer", slow_load)
+    sched, sink = scheduler(e, timeout_s=0.3)
+    sched.submit(0, Submit(1, [5, 6], constrained(Grammar("regex", "(ab|cd)[0-9]{2}", param="regex"))))
+    try:
+        run_until(sched, lambda: not sched.reqs)
+    finally:
+        gate.set()
+    (error,) = errors_of(sink).values()
+    assert error.code == "overloaded", error
     assert_clean(sched, e)

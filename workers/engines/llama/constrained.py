@@ -124,12 +124,13 @@ class Constraints:
                 grammar, ref = self._jobs.popleft()
             future = ref()
             if future is not None and future.set_running_or_notify_cancel():  # (else every request for it has gone)
-                future.started_at = time.monotonic()  # type: ignore[attr-defined]  # (``GrammarWait.advance``)
                 self._run_one(grammar, future)
             del future
 
     def _run_one(self, grammar: Grammar, future: concurrent.futures.Future[Any]) -> None:
         try:
+            self._load_tokenizer()  # (the first compiles wait for it: the worker's time, not the grammar's)
+            future.started_at = time.monotonic()  # type: ignore[attr-defined]  # (``GrammarWait.advance``)
             matcher = self._compile(grammar)
         except BaseException as exc:  # (a panic of the library's Rust code included: its requests fail)
             self._finish(grammar, future, cacheable=isinstance(exc, GrammarError))
@@ -146,8 +147,8 @@ class Constraints:
                 while len(self._cache) > MAX_CACHED_GRAMMARS:
                     self._cache.popitem(last=False)
 
-    def _compile(self, grammar: Grammar) -> Any:
-        """A matcher in its start state (copied per sequence); runs on a compile thread."""
+    def _load_tokenizer(self) -> None:
+        """The llguidance tokenizer, built once (~1 s), by the first compile that needs it."""
         import llguidance
 
         with self._tokenizer_lock:
@@ -158,6 +159,12 @@ class Constraints:
                     raise RuntimeError(f"constrained decoding needs the model's tokenizer.json ({path} is missing)")
                 with open(path, encoding="utf-8") as f:
                     self._tokenizer = llguidance.LLTokenizer(f.read(), n_vocab=self.vocab_size, eos_token=self._eos)
+
+    def _compile(self, grammar: Grammar) -> Any:
+        """A matcher in its start state (copied per sequence); runs on a compile thread."""
+        import llguidance
+
+        self._load_tokenizer()
         matcher = llguidance.LLMatcher(self._tokenizer, to_llguidance(grammar), log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid {grammar.kind}: {_first_line(matcher.get_error())}", grammar.param)
