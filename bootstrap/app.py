@@ -80,7 +80,7 @@ def _json(obj: Any, status: int = 200) -> Response:
 
 
 def _error(error: errors.ApiError) -> Response:
-    return Response(error.body(), error.status, media_type=_JSON)
+    return Response(error.body(), error.status, media_type=_JSON, headers=error.headers())
 
 
 def _api(handler: Handler) -> Handler:

@@ -5,6 +5,9 @@ Prefill side, ``BootstrapRegistrar`` (async, owned by the prefill worker's event
    jitter on connection errors, 5xx and 409 until it succeeds or ``start_timeout_s`` passes
    (then ``BootstrapError``); 400/401/403/404/405/413 fail at once (retrying cannot help), and a 409
    ``instance_conflict`` that lasts ``INSTANCE_CONFLICT_GIVE_UP_S`` (another live process has this instance id).
+   A 409 that says when a retry can succeed (``retry_after_s`` in its body, else ``Retry-After``: a restart's
+   dead predecessor stops holding the rank then) is retried right then (+ ``CONFLICT_RETRY_MARGIN_S``), not on
+   the backoff, which would register up to its 2 s cap late.
 2. A named task (``bootstrap-heartbeat-...``) re-PUTs every ``interval_s``; each PUT renews the
    lease, and after a registry restart the next PUT registers the rank again. Failures are
    logged and retried on the next beat; ``is_registered`` tells whether the last PUT succeeded.
@@ -84,6 +87,9 @@ WAIT_LOG_INTERVAL_S = 10.0  # a registrar still trying its first registration sa
 # i.e. another live process has this instance id (a restart's dead predecessor stops blocking it at most
 # ``bootstrap.registry.CONFLICT_WINDOW_S``, 5 s, after its last renewal); waiting for ever would hide the mistake
 INSTANCE_CONFLICT_GIVE_UP_S = 15.0
+# A 409 that says when a retry can succeed is retried that much later: past the registry's own reckoning (its
+# clock reads the next PUT's arrival, at least this much after the hint's end)
+CONFLICT_RETRY_MARGIN_S = 0.05
 _JSON_HEADERS = {"content-type": "application/json"}
 
 
@@ -244,6 +250,23 @@ def _code(response: httpx.Response) -> str | None:
         return None
 
 
+def _retry_after_s(response: httpx.Response) -> float | None:
+    """When the refusal says a retry can succeed, in seconds: the body's ``error.retry_after_s`` (ours: exact), else
+    a ``Retry-After`` of whole seconds; None when neither says (or says nonsense), bounded by
+    ``INSTANCE_CONFLICT_GIVE_UP_S`` (a registry's hint must not park the start-up longer than a conflict lasts)."""
+    value: Any = None
+    try:
+        value = msgspec.json.decode(response.content)["error"].get("retry_after_s")
+    except Exception:
+        pass
+    if value is None:
+        header = response.headers.get("retry-after", "").strip()
+        value = int(header) if header.isascii() and header.isdigit() and len(header) <= 6 else None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return min(max(float(value), 0.0), INSTANCE_CONFLICT_GIVE_UP_S)
+
+
 def _reason(response: httpx.Response) -> str:
     try:
         return str(msgspec.json.decode(response.content)["error"]["message"])
@@ -278,6 +301,7 @@ class BootstrapRegistrar:
         self.num_failures = 0  # consecutive failed PUTs
         self.last_error: str | None = None
         self.last_code: str | None = None  # the registry's error code of the last failed PUT, when it sent one
+        self.last_retry_after_s: float | None = None  # when the last failed PUT's reply said to retry (seconds)
         self.last_success = 0.0  # time.monotonic() of the newest PUT that succeeded (0: none yet)
 
     async def start(self) -> None:
@@ -305,7 +329,10 @@ class BootstrapRegistrar:
                         f"bootstrap registry {self.url} refused rank {self.registration.label}: {self.last_error}",
                         status_code=status,
                     )
+                pause_s: float | None = None  # (None: the backoff's next step)
                 if status == 409 and self.last_code == "instance_conflict":
+                    pause_s = (None if self.last_retry_after_s is None
+                               else self.last_retry_after_s + CONFLICT_RETRY_MARGIN_S)
                     conflict_since = loop.time() if conflict_since is None else conflict_since
                     if loop.time() - conflict_since >= INSTANCE_CONFLICT_GIVE_UP_S:
                         raise BootstrapError(
@@ -328,8 +355,10 @@ class BootstrapRegistrar:
                     logger.warning("rank %s: not registered with %s yet (%s); retrying%s", self.registration.label,
                                    self.url, self.last_error, "" if math.isinf(remaining) else
                                    f" for {remaining:.0f}s more")
-                await asyncio.sleep(min(remaining, delay_s * random.uniform(0.75, 1.25)))
-                delay_s = min(delay_s * 2, 2.0)
+                if pause_s is None:
+                    pause_s = delay_s * random.uniform(0.75, 1.25)
+                    delay_s = min(delay_s * 2, 2.0)
+                await asyncio.sleep(min(remaining, pause_s))
         except BaseException:
             await self._client.aclose()
             self._client = None
@@ -359,6 +388,7 @@ class BootstrapRegistrar:
         assert self._client is not None
         error: str | None
         code: str | None = None
+        retry_after_s: float | None = None
         try:
             response = await self._client.put("/route", content=self._body)
         except httpx.HTTPError as exc:
@@ -367,7 +397,9 @@ class BootstrapRegistrar:
             status = response.status_code
             error = None if status == 200 else f"HTTP {status}: {_reason(response)}"
             code = None if status == 200 else _code(response)
-        self.last_code = code
+            if status == 409:
+                retry_after_s = _retry_after_s(response)
+        self.last_code, self.last_retry_after_s = code, retry_after_s
         if error is None:
             if self.num_failures:
                 logger.info("rank %s registered again with %s", self.registration.label, self.url)

@@ -82,10 +82,13 @@ class QueryDpRanks(msgspec.Struct):
     bootstrap_rooms: list[int]
 
 
-class ErrorDetail(msgspec.Struct):
+class ErrorDetail(msgspec.Struct, omit_defaults=True):
     message: str
     type: str
     code: str
+    # Seconds until a retry can succeed, where the registry knows (a 409 ``instance_conflict``: until the holder's
+    # lease stops counting as live); absent otherwise. The reply's ``Retry-After`` header says it rounded up.
+    retry_after_s: float | None = None
 
 
 class ErrorBody(msgspec.Struct):

@@ -174,17 +174,21 @@ def _check_port(name: str, value: int) -> None:
 CONFLICT_WINDOW_S = 5.0  # a holder that renewed within this (our prefills renew every 2.5 s at most) is live
 
 
-def _held_by_another(existing: RankEntry, put: RankPut, extra: dict[str, Any], now: float, ttl_s: float) -> bool:
+def _held_by_another(existing: RankEntry, put: RankPut, extra: dict[str, Any], now: float,
+                     ttl_s: float) -> float | None:
     """Another process (its ``registrant`` mark differs) registers a rank at another address while the one
     holding it still renews: two prefills sharing an instance id would take turns owning the rank, and
-    the decodes of the other's requests wait for KV that never comes."""
+    the decodes of the other's requests wait for KV that never comes. Returns the seconds until the holder
+    stops counting as live (a restart's PUT succeeds then, unless the holder renewed meanwhile), or None: no
+    conflict."""
     mine, theirs = extra.get("registrant"), existing.extra.get("registrant")
     if not mine or not theirs or mine == theirs:
-        return False  # (an SGLang prefill sends none: its restarts replace at once, as in SGLang)
+        return None  # (an SGLang prefill sends none: its restarts replace at once, as in SGLang)
     if existing.address == RankAddress(rank_ip=put.rank_ip, rank_port=put.rank_port):
-        return False  # (a restart on the same address: the old one is gone)
+        return None  # (a restart on the same address: the old one is gone)
     window = min(CONFLICT_WINDOW_S, ttl_s) if ttl_s > 0 else CONFLICT_WINDOW_S
-    return now - existing.last_seen < window
+    left_s = window - (now - existing.last_seen)
+    return left_s if left_s > 0 else None
 
 
 class Registry:
@@ -229,13 +233,18 @@ class Registry:
                     f"{_diff(instance.topology, topology)}; it is accepted once they expire or deregister",
                 )
         existing = instance.entries.get(key) if instance is not None else None
-        if existing is not None and _held_by_another(existing, put, extra, now, self._ttl_s):
+        held_for_s = _held_by_another(existing, put, extra, now, self._ttl_s) if existing is not None else None
+        if held_for_s is not None:
+            assert existing is not None
+            # ``retry_after_s``: a restarted prefill's registrar retries right when the old lease stops counting
+            # (a live holder renews meanwhile, and the next try is refused again)
             raise errors.conflict(
                 "instance_conflict",
                 f"rank {existing.key!r} of instance {instance_id!r} is held by another live process at "
                 f"{existing.address.rank_ip}:{existing.address.rank_port} (renewed {now - existing.last_seen:.1f}s "
                 "ago): give each prefill its own --instance-id; a restarted one takes over once the old lease "
-                f"lapses (at most {CONFLICT_WINDOW_S:g}s after its last renewal)")
+                f"lapses (at most {CONFLICT_WINDOW_S:g}s after its last renewal; in {held_for_s:.2f}s unless "
+                "it renews)", retry_after_s=held_for_s)
         if existing is None and self.num_ranks - len(superseded) >= self._max_ranks:  # (those dropped free room)
             raise errors.unavailable("registry_full", f"registry holds the maximum of {self._max_ranks} ranks")
         for old_key in superseded:

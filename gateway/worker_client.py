@@ -5,7 +5,9 @@ Lifecycle:
    ``HelloAck`` (role checked), then wait for the connection to drop. Frames are parsed in the
    transport's ``data_received`` (``_FrameProtocol``): every whole frame of a read is decoded and
    dispatched in one synchronous pass, no reader coroutine per frame. On any disconnect every open
-   request gets a ``WorkerGone`` event and the task reconnects with capped exponential backoff.
+   request gets a ``WorkerGone`` event and the task reconnects with capped, jittered exponential backoff
+   (``ReconnectBackoff``: at most ``max_backoff_s``, 0.5 s, apart for the first ``RECONNECT_FAST_FOR_S`` of an
+   outage, so a restarted worker is found within half a second of listening; 2 s apart after that).
 2. ``submit(msg, sink, tag)`` registers the request id and writes ``Submit``; each ``StepOutput`` /
    ``Error`` for that id goes to ``sink.put_nowait((tag, event))`` until the request ends (client
    writes made meanwhile go out when the frame's outputs have all been handed out: ``write_batch``).
@@ -31,6 +33,7 @@ import contextlib
 import contextvars
 import itertools
 import logging
+import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -139,6 +142,39 @@ class _FrameProtocol(FramedProtocol):
 # A connection that stayed up this long starts the reconnect backoff over (one that keeps closing right
 # after its handshake goes on backing off).
 STAYED_UP_S = 1.0
+RECONNECT_FIRST_S = 0.05  # the first pause after a loss; each next one doubles, up to the cap
+# For this long into an outage the pauses are capped at ``max_backoff_s`` (0.5 s): a restarted worker is back within
+# seconds (a prefill that moved re-registers ~5 s after its predecessor's last renewal) and is found within the cap
+# of listening, not up to 2 s later. A refused connect costs the loop tens of µs; to a dead host each try waits its
+# connect timeout anyway. A worker gone longer is tried every LONG_OUTAGE_BACKOFF_S, as before.
+RECONNECT_FAST_FOR_S = 60.0
+LONG_OUTAGE_BACKOFF_S = 2.0
+RECONNECT_JITTER = 0.1  # each pause +-10%: gateways that lost a worker together do not reconnect in lockstep
+
+
+class ReconnectBackoff:
+    """The pauses between one worker's reconnect tries: ``RECONNECT_FIRST_S``, doubling up to ``max_backoff_s``
+    while the outage is younger than ``fast_for_s``, then up to ``max(max_backoff_s, LONG_OUTAGE_BACKOFF_S)``; each
+    jittered by +-``RECONNECT_JITTER``. ``reset()`` after a connection that served a while."""
+
+    def __init__(self, max_backoff_s: float = 0.5, fast_for_s: float = RECONNECT_FAST_FOR_S) -> None:
+        if not max_backoff_s > 0:
+            raise ValueError(f"max_backoff_s must be > 0, got {max_backoff_s}")
+        self.max_backoff_s = max_backoff_s
+        self.fast_for_s = fast_for_s
+        self._backoff_s = RECONNECT_FIRST_S
+
+    def reset(self) -> None:
+        self._backoff_s = RECONNECT_FIRST_S
+
+    def next_pause_s(self, outage_s: float) -> float:
+        """The pause before the next try, ``outage_s`` into the outage; the one after it doubles."""
+        cap = self.max_backoff_s if outage_s < self.fast_for_s else max(self.max_backoff_s, LONG_OUTAGE_BACKOFF_S)
+        pause = min(self._backoff_s, cap)
+        self._backoff_s = min(pause * 2, cap)
+        return pause * random.uniform(1 - RECONNECT_JITTER, 1 + RECONNECT_JITTER)
+
+
 _HOST = re.compile(r"[A-Za-z0-9._:-]+")  # a name or an IPv4/IPv6 address (no spaces, escapes or controls)
 
 
@@ -158,10 +194,11 @@ def parse_worker_url(url: str) -> tuple[str, int]:
 
 
 class WorkerClient:
-    def __init__(self, url: str, role: str, *, connect_timeout_s: float = 5.0, max_backoff_s: float = 2.0,
+    def __init__(self, url: str, role: str, *, connect_timeout_s: float = 5.0, max_backoff_s: float = 0.5,
                  stale_after_s: float = DEFAULT_STALE_AFTER_S, health: HealthConfig | None = None,
                  max_unread_bytes: int = MAX_UNREAD_BYTES, key: str | None = None) -> None:
-        """``key``: the worker's ``--api-key`` (sent in the handshake)."""
+        """``key``: the worker's ``--api-key`` (sent in the handshake); ``max_backoff_s``: the longest pause between
+        reconnect tries in the first ``RECONNECT_FAST_FOR_S`` of an outage (``ReconnectBackoff``)."""
         self.url = url
         self.key = key
         self.role = role  # what the gateway uses it as: prefill | decode | both
@@ -181,7 +218,7 @@ class WorkerClient:
         # already connected under another URL), or None.
         self.vet: Callable[[HelloAck], str | None] | None = None
         self._connect_timeout_s = connect_timeout_s
-        self._max_backoff_s = max_backoff_s
+        self.reconnect = ReconnectBackoff(max_backoff_s)
         self._up_since: float | None = None  # (the loop's time) when this connection's handshake completed
         self._max_unread = max_unread_bytes
         self._codec = gateway_codec()
@@ -248,8 +285,8 @@ class WorkerClient:
         return self.healthy
 
     async def _run(self) -> None:
-        backoff = 0.05
         loop = asyncio.get_running_loop()
+        down_since = loop.time()  # (the outage: from the start, or from the loss of a connection that served)
         while True:
             self._up_since = None
             try:
@@ -262,13 +299,15 @@ class WorkerClient:
                 log.warning("lost connection to %s worker %s: %s (%d requests open; reconnecting)", self.role,
                             self.url, self.last_error or "connection closed", len(self._open))
             if self._up_since is not None and loop.time() - self._up_since >= STAYED_UP_S:
-                backoff = 0.05  # a connection that served a while: the next try is soon (not after old failures')
+                # a connection that served a while: the next try is soon (not after old failures'), and the
+                # outage is a new one (one that keeps dropping right after its handshake is still the old one)
+                self.reconnect.reset()
+                down_since = loop.time()
             try:  # (a worker that said it is shutting down: its going is no failure of its own)
                 self._mark_down(self.last_error or "connection closed", blameless=self.is_stopping)
             except Exception:  # (a bug in its bookkeeping must not end the reconnecting for good)
                 log.exception("worker %s: marking it down failed", self.url)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self._max_backoff_s)
+            await asyncio.sleep(self.reconnect.next_pause_s(loop.time() - down_since))
 
     async def _connect_and_read(self) -> None:
         loop = asyncio.get_running_loop()
