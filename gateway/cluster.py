@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import ctypes
 import http.client
+import io
 import math
 import os
 import random
@@ -354,6 +355,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk size in tokens")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                    help="engine setting for every worker (repeatable; see pd-worker --help)")
+    p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for the gateway, as is (repeatable; flags with a value as "
+                        "--gateway-arg=--max-client-connections=2048); see gateway --help")
+    p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for every worker, as is (repeatable; e.g. "
+                        "--worker-arg=--grammar-timeout-s=10); see pd-worker --help")
     p.add_argument("--startup-timeout-s", type=float, default=600.0,
                    help="how long a child may take to become healthy, at startup and after a restart")
     p.add_argument("--max-restarts", type=int, default=5,
@@ -417,6 +424,7 @@ def plan(args: argparse.Namespace) -> list[Child]:
                 argv += ["--transfer-option", opt]
             if args.advertise_host:
                 argv += ["--advertise-host", args.advertise_host]
+            argv += args.worker_arg
             children.append(Child(f"{role}-{i}", argv, f"http://{join_host_port(reach, http_port)}/health",
                                   f"http://{join_host_port(reach, http_port)}/liveness"))
             urls[role].append(f"pd://{join_host_port(reach, port)}")
@@ -424,10 +432,41 @@ def plan(args: argparse.Namespace) -> list[Child]:
                     "--log-level", args.log_level, "--prefill", *urls["prefill"], "--decode", *urls["decode"]]
     for opt in args.policy_option:
         gateway_argv += ["--policy-option", opt]
+    gateway_argv += args.gateway_arg
     gateway_url = f"http://{join_host_port(reach, args.port)}"
     children.append(Child("gateway", gateway_argv, f"{gateway_url}/readiness", f"{gateway_url}/health",
                           stop_grace_s=GATEWAY_DRAIN_S + 5.0))
     return children
+
+
+def _children_args_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--gateway-arg`` / ``--worker-arg`` (each child's own parser and configuration
+    checks, on an argument list like the one it will get), or None: a bad one is a usage error before anything
+    starts, not children failing one after another."""
+    from gateway import cli as gateway_cli
+    from workers import cli as worker_cli
+    from workers.config import ConfigError
+
+    checks = (("--gateway-arg", "the gateway", gateway_cli,
+               ["--prefill", "pd://127.0.0.1:1", "--decode", "pd://127.0.0.1:2"], args.gateway_arg),
+              ("--worker-arg", "a worker", worker_cli, ["--role", "prefill"], args.worker_arg))
+    for flag, child, cli, base, extra in checks:
+        if not extra:
+            continue
+        parser = cli.build_parser()
+        parser.exit_on_error = False
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said):
+                parsed, unknown = parser.parse_known_args([*base, *extra])
+            if unknown:
+                return f"{flag}: {child} takes no {' '.join(unknown)}"
+            cli.config_from_args(parsed)
+        except (argparse.ArgumentError, ValueError, TypeError, ConfigError) as exc:
+            return f"{flag}: {child}: {exc}"
+        except SystemExit:  # (argparse exits on some errors whatever exit_on_error says)
+            return f"{flag}: {child}: {said.getvalue().strip().splitlines()[-1:] or extra}"
+    return None
 
 
 def _cluster_secrets() -> None:
@@ -460,6 +499,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--port and --bootstrap-port must be TCP ports")
     if args.port and args.port == args.bootstrap_port:
         parser.error(f"--port and --bootstrap-port are both {args.port}: the gateway and the registry need one each")
+    if problem := _children_args_problem(args):
+        parser.error(problem)
     if args.port == 0:  # (any free port, as --bootstrap-port 0; printed with the URL)
         args.port = free_port(args.host)
     cluster = Cluster(args.startup_timeout_s, args.max_restarts, args.restart_window_s, args.restart_backoff_s,

@@ -21,6 +21,11 @@ import pytest
     (["--chunk-size", "0"], "--chunk-size"),
     (["--prefill", "0"], "--prefill"),
     (["--liveness-interval-s", "nan"], "--liveness-interval-s"),
+    # the children's own flags, checked by their own parsers and configurations before anything starts
+    (["--worker-arg=--grammar-timeout-s=0"], "--worker-arg"),
+    (["--worker-arg=--no-such-flag"], "--worker-arg"),
+    (["--gateway-arg=--breaker-failure-rate=2"], "--gateway-arg"),
+    (["--gateway-arg=--max-client-connections=many"], "--gateway-arg"),
 ])
 def test_a_bad_flag_is_a_usage_error_before_anything_starts(flags: list[str], named: str) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cluster", "--engine", "sim", "--port", "0", *flags],

@@ -148,3 +148,17 @@ def test_a_port_whose_last_connections_linger_in_time_wait_is_free() -> None:
         client.close()
     children = plan(build_parser().parse_args(["--engine", "sim", "--port", str(port)]))
     assert any(f"{port}" in arg for arg in children[-1].argv)
+
+
+def test_children_args_reach_their_children_last() -> None:
+    """``--worker-arg`` / ``--gateway-arg`` go to every worker / the gateway as they are, after pd-cluster's own
+    (so that one may also override a setting pd-cluster makes)."""
+    args = build_parser().parse_args(["--engine", "sim", "--worker-arg=--grammar-timeout-s=10",
+                                      "--worker-arg=--max-http-connections=100",
+                                      "--gateway-arg=--max-client-connections=2048"])
+    children = plan(args)
+    workers = [c for c in children if c.name.startswith(("prefill", "decode"))]
+    for child in workers:
+        assert child.argv[-2:] == ["--grammar-timeout-s=10", "--max-http-connections=100"]
+    assert children[-1].name == "gateway" and children[-1].argv[-1] == "--max-client-connections=2048"
+    assert all("--max-client-connections=2048" not in c.argv for c in workers)
