@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "this long (a hung forward), so that the worker is restarted")
     p.add_argument("--grammar-timeout-s", type=float, default=GRAMMAR_TIMEOUT_S,
                    help="a constrained request (response_format, regex, ebnf) whose grammar has not compiled this long "
-                        "after it arrived fails with a 400 naming its field")
+                        "after it arrived fails: with a 400 naming its field if its compile ran at least half of "
+                        "this, else (it waited for a busy compile thread) as overloaded, retried elsewhere")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                    help="engine-specific setting (repeatable), e.g. decode_step_s=0.002 for sim")
     p.add_argument("--transfer-option", action="append", default=[], metavar="KEY=VALUE",
