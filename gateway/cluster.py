@@ -394,6 +394,32 @@ def reach_host(args: argparse.Namespace) -> str:
     return str(args.advertise_host or ("127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host))
 
 
+def _worker_args(args: argparse.Namespace, role: str, port: int, http_port: int, boot_url: str) -> list[str]:
+    """A worker's arguments (after ``python -m workers.cli``), ``--worker-arg`` last."""
+    argv = ["--role", role, "--engine", args.engine, "--transfer", args.transfer,
+            "--host", args.host, "--port", str(port), "--http-port", str(http_port), "--bootstrap", boot_url,
+            "--page-size", str(args.page_size), "--num-pages", str(args.num_pages),
+            "--chunk-size", str(args.chunk_size), "--log-level", args.log_level]
+    if args.model:
+        argv += ["--model", args.model]
+    for opt in args.engine_option:
+        argv += ["--engine-option", opt]
+    for opt in args.transfer_option:
+        argv += ["--transfer-option", opt]
+    if args.advertise_host:
+        argv += ["--advertise-host", args.advertise_host]
+    return argv + args.worker_arg
+
+
+def _gateway_args(args: argparse.Namespace, prefill: list[str], decode: list[str]) -> list[str]:
+    """The gateway's arguments (after ``python -m gateway.cli``), ``--gateway-arg`` last."""
+    argv = ["--host", args.host, "--port", str(args.port), "--policy", args.policy,
+            "--log-level", args.log_level, "--prefill", *prefill, "--decode", *decode]
+    for opt in args.policy_option:
+        argv += ["--policy-option", opt]
+    return argv + args.gateway_arg
+
+
 def plan(args: argparse.Namespace) -> list[Child]:
     py, host = sys.executable, args.host
     _handed_out.update(p for p in (args.port, args.bootstrap_port) if p)  # (chosen: not for a worker)
@@ -412,27 +438,11 @@ def plan(args: argparse.Namespace) -> list[Child]:
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
             port, http_port = free_port(host), free_port(host)
-            argv = [py, "-m", "workers.cli", "--role", role, "--engine", args.engine, "--transfer", args.transfer,
-                    "--host", host, "--port", str(port), "--http-port", str(http_port), "--bootstrap", boot_url,
-                    "--page-size", str(args.page_size), "--num-pages", str(args.num_pages),
-                    "--chunk-size", str(args.chunk_size), "--log-level", args.log_level]
-            if args.model:
-                argv += ["--model", args.model]
-            for opt in args.engine_option:
-                argv += ["--engine-option", opt]
-            for opt in args.transfer_option:
-                argv += ["--transfer-option", opt]
-            if args.advertise_host:
-                argv += ["--advertise-host", args.advertise_host]
-            argv += args.worker_arg
+            argv = [py, "-m", "workers.cli", *_worker_args(args, role, port, http_port, boot_url)]
             children.append(Child(f"{role}-{i}", argv, f"http://{join_host_port(reach, http_port)}/health",
                                   f"http://{join_host_port(reach, http_port)}/liveness"))
             urls[role].append(f"pd://{join_host_port(reach, port)}")
-    gateway_argv = [py, "-m", "gateway.cli", "--host", host, "--port", str(args.port), "--policy", args.policy,
-                    "--log-level", args.log_level, "--prefill", *urls["prefill"], "--decode", *urls["decode"]]
-    for opt in args.policy_option:
-        gateway_argv += ["--policy-option", opt]
-    gateway_argv += args.gateway_arg
+    gateway_argv = [py, "-m", "gateway.cli", *_gateway_args(args, urls["prefill"], urls["decode"])]
     gateway_url = f"http://{join_host_port(reach, args.port)}"
     children.append(Child("gateway", gateway_argv, f"{gateway_url}/readiness", f"{gateway_url}/health",
                           stop_grace_s=GATEWAY_DRAIN_S + 5.0))
@@ -447,10 +457,12 @@ def _children_args_problem(args: argparse.Namespace) -> str | None:
     from workers import cli as worker_cli
     from workers.config import ConfigError
 
-    checks = (("--gateway-arg", "the gateway", gateway_cli,
-               ["--prefill", "pd://127.0.0.1:1", "--decode", "pd://127.0.0.1:2"], args.gateway_arg),
-              ("--worker-arg", "a worker", worker_cli, ["--role", "prefill"], args.worker_arg))
-    for flag, child, cli, base, extra in checks:
+    # (the very argument lists ``plan`` gives, but for the ports and URLs it picks then; a worker's of each role)
+    checks = [("--gateway-arg", "the gateway", gateway_cli, args.gateway_arg,
+               _gateway_args(args, ["pd://127.0.0.1:1"], ["pd://127.0.0.1:2"]))]
+    checks += [("--worker-arg", f"a {role} worker", worker_cli, args.worker_arg,
+                _worker_args(args, role, 1, 2, "http://127.0.0.1:3")) for role in ("prefill", "decode")]
+    for flag, child, cli, extra, argv in checks:
         if not extra:
             continue
         parser = cli.build_parser()
@@ -458,14 +470,24 @@ def _children_args_problem(args: argparse.Namespace) -> str | None:
         said = io.StringIO()
         try:
             with contextlib.redirect_stderr(said):
-                parsed, unknown = parser.parse_known_args([*base, *extra])
+                parsed, unknown = parser.parse_known_args(argv)
+                ours = parser.parse_known_args(argv[:len(argv) - len(extra)])[0]
             if unknown:
                 return f"{flag}: {child} takes no {' '.join(unknown)}"
+            # A setting pd-cluster makes itself (ports, role, registry, ...) is not overridden from here: every
+            # worker would get the one --port, a prefill would turn decode. Its repeatable ones add up, as given.
+            for action in parser._actions:
+                if action.option_strings and not isinstance(action, argparse._AppendAction) \
+                        and any(option in argv[:len(argv) - len(extra)] for option in action.option_strings) \
+                        and getattr(parsed, action.dest) != getattr(ours, action.dest):
+                    return (f"{flag}: pd-cluster sets {action.option_strings[-1]} for {child} itself (use its own "
+                            "flag for it, where it has one)")
             cli.config_from_args(parsed)
         except (argparse.ArgumentError, ValueError, TypeError, ConfigError) as exc:
             return f"{flag}: {child}: {exc}"
         except SystemExit:  # (argparse exits on some errors whatever exit_on_error says)
-            return f"{flag}: {child}: {said.getvalue().strip().splitlines()[-1:] or extra}"
+            lines = said.getvalue().strip().splitlines()
+            return f"{flag}: {child}: {lines[-1] if lines else ' '.join(extra)}"
     return None
 
 
