@@ -67,6 +67,8 @@ class BreakerState(StrEnum):
 
 # The recent outcomes a breaker's failure rate weighs: at a failure, both counts are halved until below this.
 RATE_WINDOW = 64
+# Why a breaker opened, as counted (``CircuitBreaker.num_opened_by``, the metric's ``reason`` label): a fixed set.
+OPEN_REASONS = ("consecutive_failures", "failure_rate", "half_open_trial")
 
 
 class CircuitBreaker:
@@ -87,6 +89,7 @@ class CircuitBreaker:
         self._opened_at = 0.0
         self.num_opened = 0
         self.opened_because = ""  # why it last opened (for the log)
+        self.num_opened_by = dict.fromkeys(OPEN_REASONS, 0)  # openings by reason (``/metrics``)
         # half-open: the requests (the worker client's rids) trying the worker now, at most
         # ``successes_to_close`` (the worker is not selectable while that many are open); a trial's place is
         # free again at its first token (a decode) or hand-over (a prefill), its success counted at its end
@@ -128,8 +131,7 @@ class CircuitBreaker:
         sent while half-open) counts towards closing it."""
         self._failures = 0
         self._recent_ok += 1  # (decayed when a failure comes: nothing more per request)
-        if self._state is not BreakerState.CLOSED and self.state is BreakerState.HALF_OPEN \
-                and rid in self._trial_rids:
+        if not self.closed and self.state is BreakerState.HALF_OPEN and rid in self._trial_rids:
             self._successes += 1
             if self._successes >= self.successes_to_close:
                 self._state, self.closed = BreakerState.CLOSED, True
@@ -151,10 +153,13 @@ class CircuitBreaker:
             self._failures >= self.failures_to_open
             or (failed >= self.failures_to_open and failed >= self.failure_rate * (ok + failed)))
         if state is BreakerState.HALF_OPEN or tripped:
-            self.opened_because = (
-                "a half-open trial failed" if state is BreakerState.HALF_OPEN
-                else f"{self._failures} failures in a row" if self._failures >= self.failures_to_open
-                else f"{failed} of its {ok + failed} recent outcomes failed")
+            if state is BreakerState.HALF_OPEN:
+                reason, self.opened_because = "half_open_trial", "a half-open trial failed"
+            elif self._failures >= self.failures_to_open:
+                reason, self.opened_because = "consecutive_failures", f"{self._failures} failures in a row"
+            else:
+                reason, self.opened_because = "failure_rate", f"{failed} of its {ok + failed} recent outcomes failed"
+            self.num_opened_by[reason] += 1
             self._state, self._opened_at, self.closed = BreakerState.OPEN, self._clock(), False
             self.num_opened += 1
             self._recent_ok = self._recent_failed = 0  # (a fresh count once it closes again)

@@ -180,6 +180,11 @@ class WorkerCollector(Collector):
                                              labels=labels)
         breaker = GaugeMetricFamily("pd_gateway_worker_breaker_state", "1 for the breaker's current state",
                                     labels=[*labels, "state"])
+        opened = CounterMetricFamily("pd_gateway_worker_breaker_opened", "Times the worker's breaker opened, by "
+                                     "reason (consecutive_failures, failure_rate, half_open_trial)",
+                                     labels=[*labels, "reason"])
+        resent = CounterMetricFamily("pd_gateway_worker_resent_requests", "SGLang relay requests sent again on a "
+                                     "fresh connection: they crossed the worker's close of an idle one", labels=labels)
         for c in self._clients():
             st, key = c.state, [c.url, c.role]
             values = {
@@ -194,9 +199,16 @@ class WorkerCollector(Collector):
             current = c.health.breaker.state.value
             for state in BREAKER_STATES:
                 breaker.add_metric([*key, state], 1.0 if state == current else 0.0)
+            for reason, n in c.health.breaker.num_opened_by.items():
+                opened.add_metric([*key, reason], n)
+            num_resent = getattr(c, "num_resent", None)  # (SGLang workers: ``gateway/sglang_fleet.py``)
+            if num_resent is not None:
+                resent.add_metric(key, num_resent)
         yield from families.values()
         yield probe_failures
         yield breaker
+        yield opened
+        yield resent
         stats = GaugeMetricFamily("pd_gateway_policy_stat", "Figures the routing policies report", labels=["stat"])
         for name, value in self._policy_stats().items():
             stats.add_metric([name], value)

@@ -14,9 +14,11 @@ Lifecycle of a constrained request in a worker:
 3. ``GrammarWait.advance`` (each step) moves compiled requests on to their first PD stage (prefill:
    bootstrap; decode: prealloc; both: waiting) and fails those whose grammar the library rejected
    with bad_request: no page was reserved and no KV moved. A request still waiting
-   ``timeout_s`` (``--grammar-timeout-s``) after its admission fails with bad_request too (its grammar
-   took too long to compile), and lets go of the compile: one still queued is not started when no other
-   request waits for it; one running goes on (it cannot be stopped) and its result is kept as any other.
+   ``timeout_s`` (``--grammar-timeout-s``) after its admission fails: with bad_request when its compile ran for
+   at least half of that (its grammar is slow), else with overloaded (it waited for a busy compile thread, or
+   the tokenizer's first load: another worker may serve it); either way it lets go of the compile: one still
+   queued is not started when no other request waits for it; one running goes on (it cannot be stopped) and
+   its result is kept as any other.
 4. The engine masks every sampled row (``workers/engines/llama/constrained.py``).
 """
 
@@ -137,6 +139,8 @@ class GrammarWait:
         self._wake = wake
         self.timeout_s = timeout_s
         self.num_timed_out = 0  # requests failed for a compile past ``timeout_s``
+        # ...by the code they failed with (``/metrics``): bad_request (a slow grammar), overloaded (queued)
+        self.timed_out = {"bad_request": 0, "overloaded": 0}
         # (request, its compile, when it stops waiting: monotonic s), in admission order
         self._held: list[tuple[Any, concurrent.futures.Future[None], float]] = []
 
@@ -179,10 +183,12 @@ class GrammarWait:
                 started = getattr(future, "started_at", None)
                 if started is None or now - started < self.timeout_s / 2:
                     # mostly queued behind other compiles: the worker's capacity, not the grammar (retryable)
+                    self.timed_out["overloaded"] += 1
                     failed.append((req, f"{grammar.param}: the {grammar.kind} waited for a free compile thread "
                                    f"past this worker's limit of {self.timeout_s:g} s (--grammar-timeout-s): "
                                    "its compile threads are busy", "overloaded"))
                 else:
+                    self.timed_out["bad_request"] += 1
                     failed.append((req, f"{grammar.param}: the {grammar.kind} took too long to compile: it was "
                                    f"not ready within this worker's limit of {self.timeout_s:g} s "
                                    "(--grammar-timeout-s); simplify it (e.g. fewer properties or alternatives)",

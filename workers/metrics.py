@@ -138,9 +138,16 @@ class WorkerCollector(Collector):
         yield alive
         if w.http_connections is not None:
             yield from _http_metrics(role, w.http_connections)
+        server = getattr(w, "server", None)  # (the native port: gateways' connections)
+        if server is not None:
+            yield _counter("pd_worker_gateway_peer_timeouts", "Gateway connections the kernel closed because their "
+                           "peer stopped answering (--gateway-timeout-s: ETIMEDOUT)", role,
+                           float(server.num_peer_timeouts))
         if sched is None:
             return
         yield from _scheduler_metrics(role, sched)
+        if sched.grammar_wait is not None:
+            yield from _grammar_metrics(role, sched)
         yield from _transfer_metrics(role, sched, w.kv)
 
 
@@ -230,6 +237,25 @@ def _scheduler_metrics(role: str, s: Scheduler) -> Iterator[Metric]:
     yield failed
     yield _histogram("pd_worker_step_batch_size", "Sequences per engine step", role, m.step_batch_size)
     yield _histogram("pd_worker_step_duration_seconds", "Engine forward time per step", role, m.step_seconds)
+
+
+def _grammar_metrics(role: str, s: Scheduler) -> Iterator[Metric]:
+    """Constrained decoding (an engine that compiles grammars): ``--grammar-timeout-s`` failures, and the compile
+    threads as the engine's ``Constraints`` has them now."""
+    wait = s.grammar_wait
+    assert wait is not None
+    timed_out = CounterMetricFamily("pd_worker_grammar_timeouts", "Requests failed at --grammar-timeout-s, by the "
+                                    "code they failed with (bad_request: a slow compile; overloaded: queued "
+                                    "behind busy compile threads)", labels=["role", "outcome"])
+    for outcome, n in sorted(wait.timed_out.copy().items()):
+        timed_out.add_metric([role, outcome], n)
+    yield timed_out
+    load = getattr(getattr(s.engine, "constraints", None), "compile_load", None)
+    if load is not None:
+        busy, queued = load()
+        yield _gauge("pd_worker_grammar_compile_threads_busy", "Grammar compile threads running a compile", role, busy)
+        yield _gauge("pd_worker_grammar_compiles_queued", "Grammar compiles waiting for a free compile thread", role,
+                     queued)
 
 
 def _transfer_metrics(role: str, s: Scheduler, kv: Any) -> Iterator[Metric]:

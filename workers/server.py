@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import itertools
 import logging
@@ -76,6 +77,8 @@ class NativeServer:
         self._pending: list[tuple[int, Message]] = []  # delivered, not yet written (guarded by the lock)
         self._pending_lock = threading.Lock()
         self._repeater: asyncio.Task[None] | None = None
+        # connections the kernel closed for a silent peer (``peer_timeout_s``: ETIMEDOUT on a read or a write)
+        self.num_peer_timeouts = 0
 
     @property
     def port(self) -> int:
@@ -200,8 +203,12 @@ class NativeServer:
                         writer.write(self._codec.encode(Pong(nonce, sched.num_steps, sched.stalled_s)))
                     case other:
                         raise ValueError(f"unexpected message {type(other).__name__}")
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
-            pass
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            # (the kernel's verdict on a silent peer comes as ETIMEDOUT; the Hello's own timeout has no errno)
+            if isinstance(exc, OSError) and exc.errno == errno.ETIMEDOUT:
+                self.num_peer_timeouts += 1
+                log.info("gateway connection %d closed: its peer %s stopped answering (--gateway-timeout-s %g); "
+                         "its requests end", conn_id, writer.get_extra_info("peername"), self._peer_timeout_s)
         except asyncio.CancelledError:
             pass  # aclose(): end quietly (asyncio's stream callback would log a cancelled handler)
         except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # (RecursionError: nested too deeply)

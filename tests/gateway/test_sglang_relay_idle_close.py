@@ -24,11 +24,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 from pdtest import Procs, free_port, start_worker
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from relay_harness import Exchange, call, jbody, serve
 
 from gateway.admission import Admission
 from gateway.health import CircuitBreaker, HealthConfig
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, WorkerCollector
 from gateway.router import Router
 from gateway.sglang_fleet import RelayConfig, RequestTrace, SGLangFleet, crossed_idle_close
 from gateway.sglang_relay import SGLangResponder
@@ -139,6 +141,12 @@ def test_a_request_crossing_an_idle_close_is_sent_again_not_blamed(procs: Procs,
             assert (failures["prefill"][0], failures["decode"][0], retries) == (0, 0, 0), \
                 "a request crossing an idle close counted against a healthy worker"
             assert worker.num_resent == 1
+            # ...and shows in /metrics, per worker (the other worker's series: 0)
+            metrics.add_collector(WorkerCollector(lambda: fleet.workers, lambda: {}))
+            resent = {(s.labels["worker"], s.labels["role"]): s.value
+                      for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+                      for s in f.samples if s.name == "pd_gateway_worker_resent_requests_total"}
+            assert resent == {(w.url, w.role): (1.0 if w is worker else 0.0) for w in fleet.workers}
         finally:
             await fleet.aclose()
 

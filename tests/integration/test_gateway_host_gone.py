@@ -59,6 +59,17 @@ def _start(hosts: TwoHosts, timeout_args: tuple[str, ...]) -> None:
             "    pass\n"))
 
 
+def _peer_timeouts(hosts: TwoHosts) -> float:
+    """The worker's ``pd_worker_gateway_peer_timeouts_total`` (its /metrics, parsed as Prometheus text)."""
+    out = hosts.a.python(
+        "import urllib.request\n"
+        "from prometheus_client.parser import text_string_to_metric_families\n"
+        f"text = urllib.request.urlopen('http://{hosts.a.addr}:{PORTS['worker_http']}/metrics', timeout=5).read()\n"
+        "print(sum(s.value for f in text_string_to_metric_families(text.decode()) for s in f.samples"
+        " if s.name == 'pd_worker_gateway_peer_timeouts_total'))")
+    return float(out)
+
+
 def _wait_running(hosts: TwoHosts, want: int, timeout_s: float) -> dict[str, int]:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -75,6 +86,7 @@ def test_a_gateway_whose_network_is_cut_frees_the_workers_pages(hosts: TwoHosts,
         load = _wait_running(hosts, 2, 60.0)
         assert load["running"] == 2, f"the two streams did not start: {load}"
         assert load["free_pages"] < NUM_PAGES
+        assert _peer_timeouts(hosts) == 0
         hosts.b.python(f"import subprocess; subprocess.run(['ip', 'link', 'set', {hosts.b.ifname!r}, 'down'],"
                        " check=True)")
         # The kernel gives up on the silent peer after about gateway_timeout_s (with retransmission rounding):
@@ -82,6 +94,8 @@ def test_a_gateway_whose_network_is_cut_frees_the_workers_pages(hosts: TwoHosts,
         load = _wait_running(hosts, 0, 60.0)
         assert load["running"] == 0, f"the cut-off gateway's requests still run: {load}"
         assert load["free_pages"] == NUM_PAGES, f"KV pages not back: {load}"
+        # the kernel's close shows as ETIMEDOUT: counted once, for the gateway's one connection
+        assert _peer_timeouts(hosts) == 1
     except Exception:
         for side, name in ((hosts.a, "worker"), (hosts.b, "gateway"), (hosts.b, "client0"), (hosts.b, "client1")):
             print(f"--- {side.name}/{name} ---\n{side.log(name)[-3000:]}")

@@ -111,6 +111,13 @@ class Constraints:
                     thread.start()
             return future
 
+    def compile_load(self) -> tuple[int, int]:
+        """(compile threads busy, compiles queued for a free one that someone still waits for): read at scrape
+        time (``/metrics``), nothing counted per request."""
+        with self._lock:
+            queued = sum(1 for _, ref in self._jobs if ref() is not None)
+            return len(self._threads) - self._num_idle, queued
+
     def _run_compiles(self) -> None:
         """A compile thread: runs queued compiles that someone still waits for, until ``close``."""
         while True:
