@@ -219,14 +219,18 @@ class CappedHttpProtocol(GuardedHttpProtocol):
 
     def handle_websocket_upgrade(self) -> None:
         """uvicorn hands the transport to its WebSocket protocol: this one's ``connection_lost`` is never called,
-        so the slot is given back when that protocol's connection ends (it counts against the cap until then)."""
+        so it is run when that protocol's connection ends: the slot is given back (it counts against the cap until
+        then), and a request still being answered on the connection (the upgrade was pipelined behind it) sees its
+        client gone, as at any other close (its generation is aborted, not run to its end for nobody)."""
         super().handle_websocket_upgrade()
         protocol = self.transport.get_protocol()
         lost = protocol.connection_lost
 
         def connection_lost(exc: Exception | None) -> None:
-            self.cap.release(self)
-            lost(exc)
+            try:
+                self.connection_lost(exc)  # (the cap's release, the cycles' disconnect, the timers)
+            finally:
+                lost(exc)
 
         protocol.connection_lost = connection_lost  # type: ignore[method-assign]
 
