@@ -164,8 +164,11 @@ class ConnectionCap:
         for conn in self.probation:
             if conn.is_waiting_or_refused:
                 del self.probation[conn]
-                self.num_refused += not conn.is_refused  # (a refused one was counted at its answer)
-                conn.transport.close()
+                if conn.is_refused:  # (answered already: its linger cut short)
+                    conn.transport.close()
+                else:  # its head still due: told 503 (retryable) rather than closed unanswered, which a router
+                    self.num_refused += 1  # or our relay takes for a failed worker (its breaker then opens)
+                    conn._answer_busy(linger=False)
                 return
 
 

@@ -100,7 +100,9 @@ async def note_connection_reused(_session: aiohttp.ClientSession, context: Any,
 
 
 # How a request sent on a connection its worker had closed ends, before any answer: the worker's FIN came in first
-# (ServerDisconnectedError), or its kernel answered our bytes with a reset (ClientOSError)
+# (ServerDisconnectedError), or its kernel answered our bytes with a reset (ClientOSError), or the FIN was read just
+# before the request's write, which then found the transport closing (``ClientOSError(None, "Can not write request
+# body ...")`` caused by aiohttp's ``ClientConnectionResetError``: the request did not go out whole)
 _CLOSED_ERRNOS = frozenset((errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED))
 
 
@@ -115,7 +117,9 @@ def crossed_idle_close(trace: RequestTrace, exc: BaseException) -> bool:
         return False
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return not isinstance(exc.message, RawResponseMessage)  # (no head of an answer came)
-    return isinstance(exc, aiohttp.ClientOSError) and exc.errno in _CLOSED_ERRNOS
+    return isinstance(exc, aiohttp.ClientOSError) and (
+        exc.errno in _CLOSED_ERRNOS
+        or (exc.errno is None and isinstance(exc.__cause__, aiohttp.ClientConnectionResetError)))
 
 
 class AlreadyThere(ValueError):

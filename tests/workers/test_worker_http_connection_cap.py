@@ -109,6 +109,11 @@ class _Conn:
     is_waiting_or_refused: bool = False
     is_refused: bool = False
     closed: list[bool] = field(default_factory=list)
+    answered: list[bool] = field(default_factory=list)
+
+    def _answer_busy(self, *, linger: bool) -> None:  # (the 503, then the close)
+        self.answered.append(linger)
+        self.closed.append(True)
 
     @property
     def transport(self) -> Any:
@@ -130,8 +135,9 @@ def test_every_probation_slot_serving_a_probe_refuses_at_once(monkeypatch: pytes
     assert [cap.admit(c) for c in probes] == ["probation"] * PROBATION_SLOTS  # type: ignore[arg-type]
     assert cap.admit(_Conn()) == "refused" and cap.num_refused == 1  # type: ignore[arg-type]
     assert not any(c.closed for c in (busy, *probes))
-    probes[3].is_waiting_or_refused = True  # its head still due: closed for the next one
+    probes[3].is_waiting_or_refused = True  # its head still due: answered 503 and closed for the next one
     assert cap.admit(_Conn()) == "probation" and probes[3].closed and cap.num_refused == 2  # type: ignore[arg-type]
+    assert probes[3].answered == [False]  # (not closed unanswered: a client would take that for a dead server)
     idle = _Conn(is_idle=True)
     cap.release(busy)  # type: ignore[arg-type]
     assert cap.admit(idle) == "admitted"  # type: ignore[arg-type]
