@@ -14,7 +14,8 @@ request on an admitted connection):
    out of them; a look that found none is not repeated for ``IDLE_SCAN_INTERVAL_S``). A client sending a
    request on it just then sees it close, as when its keep-alive ends.
 3. Otherwise it is let in on probation, one of at most ``PROBATION_SLOTS`` (when they are all taken, the
-   oldest one still waiting for its head, or lingering after its refusal, is closed for it): its request head
+   oldest one still waiting for its head is answered the 503 below and closed for it, or one lingering after
+   its refusal closed): its request head
    must arrive within ``PROBATION_HEAD_TIMEOUT_S``. A probe (``ConnectionCap.probe_paths``) is served and the
    connection closed after its answer (a request pipelined behind it left unanswered, as ``Connection: close``
    says); any other request is answered 503 ``too_many_connections``
