@@ -138,8 +138,8 @@ class GrammarWait:
         self._engine = engine
         self._wake = wake
         self.timeout_s = timeout_s
-        self.num_timed_out = 0  # requests failed for a compile past ``timeout_s``
-        # ...by the code they failed with (``/metrics``): bad_request (a slow grammar), overloaded (queued)
+        # requests failed for a compile past ``timeout_s``, by the code they failed with (``/metrics``):
+        # bad_request (a slow grammar), overloaded (queued)
         self.timed_out = {"bad_request": 0, "overloaded": 0}
         # (request, its compile, when it stops waiting: monotonic s), in admission order
         self._held: list[tuple[Any, concurrent.futures.Future[None], float]] = []
@@ -179,20 +179,18 @@ class GrammarWait:
                     continue
                 grammar = req.params.grammar
                 req.grammar_compile = None  # (its compile: dropped unstarted when queued and no one else waits)
-                self.num_timed_out += 1
                 started = getattr(future, "started_at", None)
                 if started is None or now - started < self.timeout_s / 2:
                     # mostly queued behind other compiles: the worker's capacity, not the grammar (retryable)
-                    self.timed_out["overloaded"] += 1
-                    failed.append((req, f"{grammar.param}: the {grammar.kind} waited for a free compile thread "
-                                   f"past this worker's limit of {self.timeout_s:g} s (--grammar-timeout-s): "
-                                   "its compile threads are busy", "overloaded"))
+                    code, why = "overloaded", ("waited for a free compile thread past this worker's limit of "
+                                               f"{self.timeout_s:g} s (--grammar-timeout-s): its compile threads "
+                                               "are busy")
                 else:
-                    self.timed_out["bad_request"] += 1
-                    failed.append((req, f"{grammar.param}: the {grammar.kind} took too long to compile: it was "
-                                   f"not ready within this worker's limit of {self.timeout_s:g} s "
-                                   "(--grammar-timeout-s); simplify it (e.g. fewer properties or alternatives)",
-                                   "bad_request"))
+                    code, why = "bad_request", (f"took too long to compile: it was not ready within this worker's "
+                                                f"limit of {self.timeout_s:g} s (--grammar-timeout-s); simplify it "
+                                                "(e.g. fewer properties or alternatives)")
+                self.timed_out[code] += 1
+                failed.append((req, f"{grammar.param}: the {grammar.kind} {why}", code))
                 continue
             exc = future.exception() if not future.cancelled() else RuntimeError("the compile was cancelled")
             if exc is None:
@@ -205,6 +203,11 @@ class GrammarWait:
                                "internal"))
         self._held = keep
         return ready, failed
+
+    @property
+    def num_timed_out(self) -> int:
+        """Requests failed for a compile past ``timeout_s``."""
+        return sum(self.timed_out.values())
 
     def next_deadline(self) -> float | None:
         """When the first request held gives up waiting (monotonic s); None when none is held."""
