@@ -36,10 +36,12 @@ import contextlib
 import logging
 import resource
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from gateway.errors import APIError
@@ -111,6 +113,7 @@ class ConnectionCap:
         if cap < 1:
             raise ValueError(f"{flag.lstrip('-').replace('-', '_')}: must be at least 1")
         self.cap = cap
+        self.flag = flag
         self.probe_paths = probe_paths
         self.admitted: dict[CappedHttpProtocol, None] = {}  # (in arrival order: the oldest first)
         self.probation: dict[CappedHttpProtocol, None] = {}  # (in arrival order: the oldest first)
@@ -171,6 +174,26 @@ class ConnectionCap:
                     self.num_refused += 1  # or our relay takes for a failed worker (its breaker then opens)
                     conn._answer_busy(linger=False)
                 return
+
+
+def cap_metrics(cap: ConnectionCap, prefix: str, noun: str, labels: dict[str, str]) -> Iterator[Metric]:
+    """``cap``'s counts as Prometheus families named ``prefix``..., read at scrape time (the gateway's client port
+    and a worker's HTTP port alike; ``noun`` names the connections, ``labels`` go on every series)."""
+    names, values = list(labels), list(labels.values())
+    open_ = GaugeMetricFamily(prefix, f"{noun} connections open: admitted (at most {cap.flag}) or on probation "
+                              "(probes only)", labels=[*names, "slot"])
+    open_.add_metric([*values, "admitted"], float(len(cap.admitted)))
+    open_.add_metric([*values, "probation"], float(len(cap.probation)))
+    yield open_
+    for family, name, doc, value in (
+            (GaugeMetricFamily, "limit", f"{cap.flag} as applied", cap.cap),
+            (CounterMetricFamily, "refused", "Requests answered 503 too_many_connections, and connections closed "
+                                             "unanswered, at the cap", cap.num_refused),
+            (CounterMetricFamily, "evicted", f"Idle kept-alive {noun.lower()} connections closed to make room for a "
+                                             "new one at the cap", cap.num_evicted)):
+        series = family(f"{prefix}_{name}", doc, labels=names)
+        series.add_metric(values, float(value))
+        yield series
 
 
 class CappedHttpProtocol(GuardedHttpProtocol):

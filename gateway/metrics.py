@@ -12,16 +12,14 @@ breaker) are read at scrape time by ``WorkerCollector``, and the client port's c
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.http_connections import ConnectionCap, cap_metrics
 from workers.metrics import PlainHistogram
-
-if TYPE_CHECKING:
-    from gateway.http_connections import ConnectionCap
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
                      1800.0)  # (up to the default --request-timeout-s)
@@ -230,16 +228,4 @@ class ClientConnectionCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        cap = self._cap
-        open_ = GaugeMetricFamily("pd_gateway_client_connections", "Client connections open: admitted (at most "
-                                  "--max-client-connections) or on probation (probes only)", labels=["slot"])
-        open_.add_metric(["admitted"], float(len(cap.admitted)))
-        open_.add_metric(["probation"], float(len(cap.probation)))
-        yield open_
-        yield GaugeMetricFamily("pd_gateway_client_connections_limit", "--max-client-connections as applied",
-                                value=float(cap.cap))
-        yield CounterMetricFamily("pd_gateway_client_connections_refused", "Requests answered 503 "
-                                  "too_many_connections, and connections closed unanswered, at the cap",
-                                  value=float(cap.num_refused))
-        yield CounterMetricFamily("pd_gateway_client_connections_evicted", "Idle kept-alive client connections "
-                                  "closed to make room for a new one at the cap", value=float(cap.num_evicted))
+        yield from cap_metrics(self._cap, "pd_gateway_client_connections", "Client", {})

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.http_connections import cap_metrics
 from workers.request import live
 
 if TYPE_CHECKING:
@@ -153,16 +154,7 @@ class WorkerCollector(Collector):
 
 def _http_metrics(role: str, cap: ConnectionCap) -> Iterator[Metric]:
     """The HTTP port's connections under ``--max-http-connections`` (``workers/http_connections.py``)."""
-    open_ = GaugeMetricFamily("pd_worker_http_connections", "HTTP connections open: admitted (at most "
-                              "--max-http-connections) or on probation (probes only)", labels=["role", "slot"])
-    open_.add_metric([role, "admitted"], float(len(cap.admitted)))
-    open_.add_metric([role, "probation"], float(len(cap.probation)))
-    yield open_
-    yield _gauge("pd_worker_http_connections_limit", "--max-http-connections as applied", role, float(cap.cap))
-    yield _counter("pd_worker_http_connections_refused", "HTTP requests answered 503 too_many_connections, and "
-                   "connections closed unanswered, at the cap", role, float(cap.num_refused))
-    yield _counter("pd_worker_http_connections_evicted", "Idle kept-alive HTTP connections closed to make room "
-                   "for a new one at the cap", role, float(cap.num_evicted))
+    return cap_metrics(cap, "pd_worker_http_connections", "HTTP", {"role": role})
 
 
 def _gauge(name: str, doc: str, role: str, value: float) -> GaugeMetricFamily:
