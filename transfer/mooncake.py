@@ -69,6 +69,7 @@ _FIRST_RTO_S = 1.0  # (a SYN's first retransmission timeout; a data segment's is
 _TCP_RTO_MAX_S = 120.0
 _LANDING_MARGIN_S = 2.0
 _WARM_UP_TRIES = 2
+_DRAIN_WARN_EVERY_S = 10.0
 
 
 class _Endpoint(msgspec.Struct, array_like=True, frozen=True):
@@ -384,10 +385,18 @@ class MooncakeBackend(PeerThreadBackend):
         stalled = f"mooncake: the data path to {peer.label} failed or stalled behind another room's write"
         self.fail_queued(peer.peer_id, TransferError(TransferErrorKind.PEER_GONE, stalled))
         resend = part[:_ENGINE_QUEUE_ENTRIES]
+        failed, said = 0, time.monotonic()
         while peer.dead is None:
+            called = time.monotonic()
             rc = self._call(peer, resend, None)
             if isinstance(rc, TransferError):
                 return rc
+            if rc != 0:
+                failed += 1
+                if time.monotonic() - said >= _DRAIN_WARN_EVERY_S:  # (a drain that does not end says why)
+                    said = time.monotonic()
+                    log.warning("mooncake: a failed batch to %s is still draining %.0fs on: %d re-sends failed, "
+                                "the last (%d) after %.1fs", peer.label, said - began, failed, rc, said - called)
             if rc == 0:
                 now = time.monotonic()
                 until = now + min(now - began + _FIRST_RTO_S, _TCP_RTO_MAX_S) + _LANDING_MARGIN_S
