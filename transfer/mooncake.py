@@ -59,7 +59,10 @@ log = logging.getLogger(__name__)
 
 _SCRATCH_BYTES = 64
 ENGINE_MAX_ENTRIES = 2048  # entries Mooncake's tcp transport accepts in flight to one target (lifecycle note)
-_ENGINE_QUEUE_ENTRIES = 1024  # of those, the ones it queues at once (the rest wait for admission, at most 1 s)
+# (of those, it queues 1024 at once: the rest wait for admission, at most 1 s, MC_TCP_ADMISSION_TIMEOUT_MS)
+# A failed batch's drain re-sends this many of its entries (``MooncakeBackend._drain``): a few per lane (4 by default,
+# MC_TCP_LANES_PER_PEER), few next to what a starved engine moves within the admission timeout.
+_RESEND_ENTRIES = 64
 RDMA_TURN_BYTES = 32 << 20  # ``turn_bytes`` over rdma (not measured here: no RDMA on this machine)
 _PROBE_WAIT_S = 1.0  # send_probe blocks ~60 s on a frozen peer: give up waiting after this
 # After a re-send of a failed batch completed (``MooncakeBackend._drain``): a connection that carried a timed-out
@@ -373,18 +376,23 @@ class MooncakeBackend(PeerThreadBackend):
         -1, and the slices in hand after a quick -1). A decode that does not fence writes frees a room's
         pages once told its writes are over, so the write stays in flight until the batch is: its first entries
         are sent again (harmless: the same source into the same pages, still the room's) until a call completes,
-        queued behind what is left of the batch in the engine. (At most as many as the engine queues at once: a
-        batch of more than 1024 entries, re-sent whole every 0.1 s, filled the engine's admission queue with its own
-        copies and never completed, each call failing at once and leaving slices in flight.) That call's bytes do
-        not follow the failed ones on one connection: they go over connections of their own, fresh while the failed
-        calls' (``began``: the first of them) backed their retransmissions off on a dark path (measured: a whole
-        timed-out batch landed 7 s after a re-send completed). So the write ends only once those retransmit too:
+        queued behind what is left of the batch in the engine. (A few of them, ``_RESEND_ENTRIES``: a batch of more
+        than 1024 entries, re-sent whole every 0.1 s, filled the engine's admission queue with its own copies and
+        never completed, each call failing at once and leaving slices in flight; and re-sends of the engine's whole
+        queue, 1024 entries, never completed on a starved prefill (measured under a 3% cpu quota; a loaded CI host
+        saw it): each waited for admission behind what the last one left queued, which the starved engine did not
+        move within the admission timeout, 1 s, and later ones were refused at once, the admission queue full,
+        while the connections sat idle; re-sends of 8 or 64 entries completed within 4 s of the decode resuming.)
+        That call's bytes do not follow the failed ones on one connection: they go over connections of their own,
+        fresh while the failed calls' (``began``: the first of them) backed their retransmissions off on a dark path
+        (measured: a whole timed-out batch landed 7 s after a re-send completed). So the write ends only once those
+        retransmit too:
         at most as long after the path cleared as they had been sending (TCP doubles the wait each time), at most
         TCP's RTO_MAX. Writes queued behind it fail now (nothing of them is on the wire). Ends early only when the
         peer is dropped."""
         stalled = f"mooncake: the data path to {peer.label} failed or stalled behind another room's write"
         self.fail_queued(peer.peer_id, TransferError(TransferErrorKind.PEER_GONE, stalled))
-        resend = part[:_ENGINE_QUEUE_ENTRIES]
+        resend = part[:_RESEND_ENTRIES]
         failed, said = 0, time.monotonic()
         while peer.dead is None:
             called = time.monotonic()
