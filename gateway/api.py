@@ -366,6 +366,8 @@ class Frontend:
                 raise BadRequest(f"tool_choice {tools.mode} cannot be combined with {params.grammar.param}",
                                  param="tool_choice")
             params.grammar = tools.grammar
+            # (a stop string or token may cut the call short, and a cut call is text: streamed, it is held to its end)
+            tools.hold = bool(stops or params.stop_token_ids)
 
         return Prepared(input_ids, params, req.n or 1, stops, bool(req.stream),
                         bool(req.stream_options and req.stream_options.include_usage), logprobs,

@@ -149,6 +149,10 @@ def _format(text: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]
                              param="text.format.name")
         if not isinstance(fmt.get("schema"), dict):
             raise BadRequest("text.format.schema is required: a JSON Schema object", param="text.format.schema")
+        description = fmt.get("description")
+        if description is not None and not isinstance(description, str):
+            raise BadRequest(f"text.format.description must be a string, got {type(description).__name__}",
+                             param="text.format.description")
         schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
         return fmt, {"type": "json_schema", "json_schema": schema}
     raise BadRequest(f"text.format.type must be text, json_object or json_schema, got {kind!r}",

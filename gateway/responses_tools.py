@@ -74,6 +74,9 @@ def call_messages(messages: list[ChatMessage], item: dict[str, Any], i: int) -> 
             raise BadRequest(f"a function_call needs its {field} (a string)", param=f"input[{i}].{field}")
     call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
     last = messages[-1] if messages else None
+    if last is not None and last.role == "assistant" and any(c.get("id") == call_id for c in last.tool_calls or ()):
+        raise BadRequest(f"two function_call items of one turn have the call_id {call_id!r}: an output could not "
+                         "tell which it answers", param=f"input[{i}].call_id")
     if last is not None and last.role == "assistant":  # the calls of one turn: one assistant message
         last.tool_calls = [*(last.tool_calls or []), call]
     else:

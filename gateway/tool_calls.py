@@ -14,11 +14,14 @@ Lifecycle of a request with tools (hooks in ``gateway.api.Frontend.prepare_chat`
      else the JSON object the tool note asks for (below); anything else is plain content.
 2. ``render_prompt`` builds the prompt: a template that uses ``tools`` gets them; otherwise (e.g.
    SmolLM2's) a system note lists them and the answer format. Assistant ``tool_calls`` and ``tool``
-   messages of the conversation are accepted (a ``tool`` message must answer an assistant's calls).
+   messages of the conversation are accepted (``check_messages``: a ``tool`` message must answer a call made
+   before it, each call has an id, unique in its message, and a named function).
 3. ``shape_choices`` rewrites a whole response's choices: ``message.tool_calls`` (ids ``call_...``),
    ``content`` null (in Hermes format: the text before the first ``<tool_call>``, if any),
    ``finish_reason: "tool_calls"``. ``tool_events`` streams: forced calls stream their ``arguments``
-   text as it arrives (the first delta carries index, id, type and name); ``auto`` holds back an
+   text as it arrives (the first delta carries index, id, type and name), but for a request with stop strings
+   or stop tokens (``ToolPlan.hold``): a call one cuts is its text as content (whole answers alike), so it is
+   held to the end; ``auto`` holds back an
    answer that starts like a call, and in Hermes format everything from a ``<tool_call>`` on, until
    it is complete; a stream and a whole answer of the same text say the same.
 """
@@ -60,10 +63,22 @@ class ToolPlan:
     parallel: bool = True  # several calls in one answer (``parallel_tool_calls: false``: only its first)
     # (auto) strict tools' argument checks, by name: an answer whose call to one does not pass is content
     validators: dict[str, Callable[[Any], bool]] | None = None
+    # (forced) the request has stop strings or stop tokens, which may cut the call short: streamed, its text is held
+    # to the end, when it is told a call or (cut by one) content
+    hold: bool = False
 
     @property
     def names(self) -> list[str]:
         return [t["name"] for t in self.tools]
+
+
+_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # (``fullmatch``: ``$`` would let a final newline through)
+
+
+def _shown(value: Any) -> str:
+    """A client's value in a refusal's message, cut short (a name may be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _functions(tools: Any) -> list[dict[str, Any]]:
@@ -75,8 +90,18 @@ def _functions(tools: Any) -> list[dict[str, Any]]:
         fn = tool.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise BadRequest(f"{where}.function.name must be a non-empty string", param=f"{where}.function.name")
+        if not _FUNCTION_NAME.fullmatch(fn["name"]):  # (OpenAI's rule: a model writes the name back in its call)
+            raise BadRequest(f"{where}.function.name must be 1 to 64 of a-z, A-Z, 0-9, underscores and dashes, got "
+                             f"{_shown(fn['name'])}", param=f"{where}.function.name")
+        description, strict = fn.get("description"), fn.get("strict")
+        if description is not None and not isinstance(description, str):
+            raise BadRequest(f"{where}.function.description must be a string, got {_shown(description)}",
+                             param=f"{where}.function.description")
+        if strict is not None and not isinstance(strict, bool):  # (as response_format.json_schema.strict)
+            raise BadRequest(f"{where}.function.strict must be a boolean, got {_shown(strict)}",
+                             param=f"{where}.function.strict")
         params = fn.get("parameters")
-        if params is None:  # (absent or null: a function without parameters)
+        if params is None:  # (absent or null: a function without parameters, as vLLM reads it; clients send both)
             params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise BadRequest(f"{where}.function.parameters must be a JSON Schema object",
@@ -89,8 +114,8 @@ def _functions(tools: Any) -> list[dict[str, Any]]:
         if kind != "object":
             raise BadRequest(f'{where}.function.parameters must describe an object ("type": "object")',
                              param=f"{where}.function.parameters")
-        functions.append({"name": fn["name"], "description": fn.get("description", ""), "parameters": params,
-                          "strict": bool(fn.get("strict"))})
+        functions.append({"name": fn["name"], "description": description or "", "parameters": params,
+                          "strict": bool(strict)})
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
         raise BadRequest("function names in tools must be unique", param="tools")
@@ -272,18 +297,59 @@ def _check_shared_ids(tools: list[dict[str, Any]]) -> None:
 
 # -- the prompt ----------------------------------------------------------------------------------
 def check_messages(messages: list[dict[str, Any]]) -> None:
-    """A ``tool`` message must follow an assistant message with ``tool_calls`` (or another tool message)."""
+    """A ``tool`` message must follow an assistant message with ``tool_calls`` (or another tool message) and answer
+    one of the calls made before it (``tool_call_id``, as ``/v1/responses`` asks of a ``function_call_output``); an
+    assistant's ``tool_calls`` must each be a call (an ``id``, unique in the message, and a named ``function``).
+    A conversation without calls costs what it did: the calls are looked at only where there are some."""
     answering = False
+    made: set[str] | None = None  # the ids of the calls made so far (None: none, nothing allocated)
     for i, message in enumerate(messages):
         role = message["role"]
         if role == "tool":
             if not answering:
                 raise BadRequest("a message with role 'tool' must answer a preceding assistant message's "
                                  "tool_calls", param=f"messages[{i}].role")
-            if not isinstance(message.get("tool_call_id"), str):
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
                 raise BadRequest("a tool message needs its tool_call_id", param=f"messages[{i}].tool_call_id")
+            if made is None or call_id not in made:
+                raise BadRequest(f"the tool message's tool_call_id {_shown(call_id)} matches no tool call of an "
+                                 "assistant message before it", param=f"messages[{i}].tool_call_id")
             continue
-        answering = role == "assistant" and bool(message.get("tool_calls"))
+        if role == "assistant" and message.get("tool_calls"):
+            answering = True
+            made = _check_calls(message["tool_calls"], i, made)
+        else:
+            answering = False
+
+
+def _check_calls(calls: list[Any], i: int, made: set[str] | None) -> set[str]:
+    """An assistant message's ``tool_calls`` (``messages[i]``): each an object with an ``id`` (unique in the
+    message) and a ``function`` with a name and ``arguments`` (a JSON string, or an object); ``made`` with their
+    ids added."""
+    ids: set[str] = set()
+    for j, call in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise BadRequest(f"{where} must be an object", param=where)
+        call_id, fn = call.get("id"), call.get("function")
+        if not isinstance(call_id, str) or not call_id:
+            raise BadRequest(f"{where}.id must be a non-empty string (the id a tool message answers)",
+                             param=f"{where}.id")
+        if call_id in ids:
+            raise BadRequest(f"{where}.id {_shown(call_id)} is the id of another call of the same message",
+                             param=f"{where}.id")
+        ids.add(call_id)
+        if call.get("type", "function") != "function":
+            raise BadRequest(f'{where}.type must be "function"', param=f"{where}.type")
+        if not isinstance(fn, dict):
+            raise BadRequest(f"{where}.function must be an object with the call's name and arguments",
+                             param=f"{where}.function")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise BadRequest(f"{where}.function.name must be a non-empty string", param=f"{where}.function.name")
+        if not isinstance(fn.get("arguments", "{}"), str | dict):
+            raise BadRequest(f"{where}.function.arguments must be a JSON string", param=f"{where}.function.arguments")
+    return ids if made is None else made | ids
 
 
 def _call_json(call: dict[str, Any]) -> dict[str, Any]:
@@ -411,10 +477,17 @@ def _cut_call(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
     return [_new_call(start[0], text[start[1]:])]
 
 
+def _forced_complete(plan: ToolPlan, text: str) -> bool:
+    """Whether a forced call's text (named or required mode) is the whole call (its arguments parse)."""
+    return _is_json(text) if plan.mode == "named" else parse_calls(plan, text) is not None
+
+
 def shape_choices(plan: ToolPlan, result: dict[str, Any]) -> None:
     """Rewrite a whole chat response's choices whose text is a call into OpenAI's ``tool_calls`` shape.
-    ``finish_reason`` turns to ``tool_calls`` only for a complete call: a forced one cut by ``max_tokens``
-    or a stop string keeps its reason, its arguments as far as they went (as when streamed)."""
+    ``finish_reason`` turns to ``tool_calls`` only for a complete call: a forced one cut by ``max_tokens`` keeps
+    ``length``, its arguments as far as they went (as when streamed); one cut by a stop string (or a stop token) is
+    no call at all: its text is the content, ``finish_reason`` ``stop`` (a call whose arguments do not parse, with
+    nothing saying it was cut, would be run)."""
     for choice in result["choices"]:
         message = choice["message"]
         if plan.mode == "auto" and choice["finish_reason"] != "stop":
@@ -422,6 +495,8 @@ def shape_choices(plan: ToolPlan, result: dict[str, Any]) -> None:
         text = message["content"] or ""
         content, calls = split_calls(plan, text)
         complete = calls is not None and (plan.mode != "named" or _is_json(text))
+        if not complete and plan.mode != "auto" and choice["finish_reason"] == "stop":
+            continue  # a forced call a stop string cut: its text as content (as when streamed)
         if calls is None and plan.mode == "required":
             calls = _cut_call(plan, text)
         if calls is None:
@@ -443,9 +518,14 @@ class ChoiceStream:
         self.args_start: int | None = None  # where the arguments begin in ``text`` (required mode)
         self.held_from = 0  # auto: where the held-back text (a call) begins
         self.name = plan.name or ""
+        self.hold = plan.hold  # (a forced call a stop string may cut: all of it held to the end)
 
     def feed(self, new: str) -> list[dict[str, Any]]:
         self.text += new
+        return [] if self.hold else self._deltas()
+
+    def _deltas(self) -> list[dict[str, Any]]:
+        """The deltas of the text come since the last call (``feed``)."""
         plan = self.plan
         if plan.mode == "named":
             return self._arguments(0, len(self.text), self.name)
@@ -495,6 +575,16 @@ class ChoiceStream:
         return [{"tool_calls": [call]}]
 
     def finish(self, reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
+        if self.hold:  # (a forced call, held: a stop string cut it, and it is content, or it goes out as it would have)
+            self.hold = False
+            if reason == "stop" and not _forced_complete(self.plan, self.text):
+                return ([{"content": self.text}] if self.text else []), reason
+            deltas = self._deltas()
+            more, reason = self._finish(reason)
+            return deltas + more, reason
+        return self._finish(reason)
+
+    def _finish(self, reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
         plan = self.plan
         if plan.mode == "required" and self.args_start is not None:
             whole = parse_calls(plan, self.text) is not None  # a complete call, even if cut right after it

@@ -110,22 +110,39 @@ def whole(plan: Any, text: str, finish: str) -> dict[str, Any]:
 
 
 def test_a_forced_call_cut_short_is_not_reported_complete() -> None:
-    """A stop string (or max_tokens) cutting a forced call's arguments: the call as far as it went, streamed
-    and whole alike, with the reason it ended, never finish_reason tool_calls (its arguments do not parse)."""
+    """max_tokens cutting a forced call's arguments: the call as far as it went, streamed and whole alike, with
+    finish_reason length, never tool_calls (its arguments do not parse). A stop string cutting it: no call at all
+    (nothing would say its arguments were cut): its text is the content, finish_reason stop, streamed (the request
+    has stop strings: ``hold``) and whole alike."""
     named = plan_tools(req([WEATHER], {"type": "function", "function": {"name": "get_weather"}}), None)
     required = plan_tools(req([WEATHER, TIME], "required"), None)
     assert named is not None and required is not None
     for plan, text, args in [(named, '{"city": "Paris"', '{"city": "Paris"'),
                              (required, '{"name": "get_weather", "arguments": {"city": "Pa', '{"city": "Pa')]:
-        for finish in ("stop", "length"):
-            deltas, reason = feed(ChoiceStream(plan), text, finish=finish)
-            choice = whole(plan, text, finish)
-            assert reason == finish == choice["finish_reason"], (plan.mode, finish)
-            assert merged_calls(deltas)[0]["arguments"] == args, (plan.mode, finish)
+        for hold in (False, True):
+            plan.hold = hold
+            deltas, reason = feed(ChoiceStream(plan), text, finish="length")
+            choice = whole(plan, text, "length")
+            assert reason == "length" == choice["finish_reason"], plan.mode
+            assert merged_calls(deltas)[0]["arguments"] == args, plan.mode
             (call,) = choice["message"]["tool_calls"]
-            assert call["function"] == {"name": "get_weather", "arguments": args}, (plan.mode, finish)
+            assert call["function"] == {"name": "get_weather", "arguments": args}, plan.mode
+        plan.hold = True
+        for size in (1, 3, 7):
+            deltas, reason = feed(ChoiceStream(plan), text, finish="stop", size=size)
+            assert reason == "stop" and not merged_calls(deltas), (plan.mode, deltas)
+            assert "".join(d.get("content") or "" for d in deltas) == text, (plan.mode, deltas)
+        choice = whole(plan, text, "stop")
+        assert choice["finish_reason"] == "stop" and choice["message"] == {"role": "assistant", "content": text}
+        plan.hold = False
     complete = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
     assert whole(required, complete, "stop")["finish_reason"] == "tool_calls"
+    for plan, text in [(named, '{"city": "Paris"}'), (required, complete + "\n")]:  # held, whole: as it would be
+        plan.hold = True
+        deltas, reason = feed(ChoiceStream(plan), text, size=4)
+        assert reason == "tool_calls" and json.loads(merged_calls(deltas)[0]["arguments"]) == {"city": "Paris"}
+        assert next(d for d in deltas if "tool_calls" in d)["tool_calls"][0]["function"]["name"] == "get_weather"
+        plan.hold = False
     # Cut right after a complete call (max_tokens ran out on its last token), or white space after it: the
     # streamed arguments are the call's, never with the outer object's closing brace
     for text, finish, reason in [(complete, "length", "length"), (complete + "\n", "stop", "tool_calls"),
