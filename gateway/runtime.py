@@ -188,6 +188,7 @@ class Gateway:
                                          max_retries=config.max_retries, retry_backoff_s=config.retry_backoff_s,
                                          worker_api_key=config.worker_api_key),
                                      load_stale_s=config.load_stale_s)
+            self.fleet.on_forgotten = lambda url: self.metrics.worker_failures.forget("worker", url)
         self.dispatcher = Dispatcher(
             self.prefills, self.decodes, self.router,
             DispatchConfig(config.first_token_timeout_s, config.stream_idle_timeout_s, config.request_timeout_s,

@@ -28,6 +28,7 @@ import errno
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -253,6 +254,8 @@ class SGLangFleet:
         self._checks: aiohttp.ClientSession | None = None
         self._probes: dict[HttpWorker, asyncio.Task[None]] = {}
         self._drains: set[asyncio.Task[None]] = set()
+        # Called with a removed worker's URL once no worker has it (its per-worker metric series go with it)
+        self.on_forgotten: Callable[[str], None] | None = None
 
     @property
     def workers(self) -> list[HttpWorker]:
@@ -349,6 +352,8 @@ class SGLangFleet:
             self.router.worker_removed(worker.state)
         if self.find(worker.url) is None:  # (not added again meanwhile)
             self.router.worker_forgotten(worker.url)
+            if self.on_forgotten is not None:
+                self.on_forgotten(worker.url)
         log.info("removed SGLang %s worker %s", worker.role, worker.url)
 
     async def wait_ready(self, timeout_s: float) -> bool:

@@ -345,7 +345,8 @@ class SGLangResponder:
                                            decode_asked))
         p_task = asyncio.create_task(_post(self.fleet, prefill, f"{prefill.url}/{self.path}", data, headers, read,
                                            merge_logprobs, decode_asked, prefill_asked))
-        p_task.add_done_callback(lambda task: _prefill_done(task, prefill, p_rid))
+        metrics = self.metrics
+        p_task.add_done_callback(lambda task: _prefill_done(task, prefill, p_rid, metrics))
         answered = False
         try:
             done, _ = await asyncio.wait({p_task, d_task}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
@@ -358,7 +359,7 @@ class SGLangResponder:
                 async with asyncio.timeout_at(deadline):
                     decode_reply_or_failure = await _settle(d_task, decode)
             except TimeoutError:
-                _blame_silent_decode(decode, p_task)
+                _blame_silent_decode(decode, p_task, metrics)
                 raise UpstreamTimeout(f"the SGLang decode worker did not answer within {wait_s:g}s") from None
             if isinstance(decode_reply_or_failure, _Failure):
                 # (a prefill's refusal ends the decode's room too: the decode may fail first, for no fault of its own)
@@ -366,7 +367,7 @@ class SGLangResponder:
                 if refusal is not None and _is_request_fault(refusal.status):
                     return await self._failed(refusal, send)
                 p_task.cancel()
-                _record(decode, d_rid, decode_reply_or_failure.status)
+                _record(decode, d_rid, decode_reply_or_failure.status, metrics)
                 return await self._failed(decode_reply_or_failure, send)
             reply = decode_reply_or_failure
             try:
@@ -375,19 +376,19 @@ class SGLangResponder:
                     if isinstance(first, _Failure):  # nothing sent yet: retried like a failure before the head
                         reply.close()  # (aborts the decode's request)
                         if first.worker is decode:
-                            decode.health.breaker.record_failure()
+                            _failed_worker(decode, "worker_gone", metrics)
                         return await self._failed(first, send)
                     decode.health.breaker.trials.discard(d_rid)  # (a half-open trial that streams: its place is free)
                     status = await self._stream(reply, first, p_task, merge_logprobs, send, figures)
                 else:
                     whole = await self._whole(reply, decode, p_task, merge_logprobs, send, figures)
                     if isinstance(whole, _Failure):  # nothing sent yet: retried like a failure before the head
-                        decode.health.breaker.record_failure()
+                        _failed_worker(decode, "worker_gone", metrics)
                         return await self._failed(whole, send)
                     status = whole
             finally:
                 reply.release()
-            _record(decode, d_rid, status)  # (a stream broken after its head: the decode's failure...)
+            _record(decode, d_rid, status, metrics)  # (a stream broken after its head: the decode's failure...)
             answered = True
             return reply.status  # (...but the client's status is the head's: what the request counter counts)
         finally:
@@ -467,7 +468,7 @@ class SGLangResponder:
                 if read not in done:
                     if p_task in done:
                         continue  # (judged above)
-                    _blame_silent_decode(decode, p_task)
+                    _blame_silent_decode(decode, p_task, self.metrics)
                     raise UpstreamTimeout(f"the SGLang decode worker sent no event within {wait_s:g}s")
                 try:
                     chunk = read.result()
@@ -571,33 +572,44 @@ class _Sent:
         return status
 
 
-def _prefill_done(task: asyncio.Task[_PrefillReply], prefill: HttpWorker, rid: int) -> None:
+def _prefill_done(task: asyncio.Task[_PrefillReply], prefill: HttpWorker, rid: int,
+                  metrics: GatewayMetrics | None = None) -> None:
     """The prefill's request ended: it leaves the worker's view, its outcome feeds the breaker (a 4xx is
     the request's fault, a cancellation nobody's)."""
     prefill.closed(rid)
     if task.cancelled():
         return
-    _record(prefill, rid, task.result().status if task.exception() is None else None)
+    _record(prefill, rid, task.result().status if task.exception() is None else None, metrics)
 
 
-def _record(worker: HttpWorker, rid: int, status: int | None) -> None:
+def _record(worker: HttpWorker, rid: int, status: int | None, metrics: GatewayMetrics | None = None) -> None:
     """A worker's answer for its breaker: a 2xx or the request's own 4xx is a success, a busy worker's
     408/429/503 neither (overload is not a fault, as on the native path: SGLang answers a full request queue with
     a 503; a worker that stays unavailable fails its health checks), no answer or another 5xx a failure."""
     if status in (408, 429, 503):
         return
-    breaker = worker.health.breaker
     if status is not None and (200 <= status < 300 or _is_request_fault(status)):
-        breaker.record_success(rid)
+        worker.health.breaker.record_success(rid)
     else:
-        breaker.record_failure()
+        _failed_worker(worker, "worker_gone" if status is None else "timeout" if status == 504 else "internal",
+                       metrics)
 
 
-def _blame_silent_decode(decode: HttpWorker, p_task: asyncio.Task[_PrefillReply]) -> None:
+def _blame_silent_decode(decode: HttpWorker, p_task: asyncio.Task[_PrefillReply],
+                         metrics: GatewayMetrics | None = None) -> None:
     """The decode sent nothing in time: its failure if its prefill is done (the KV was there to take);
     while the prefill still works, a slow or frozen prefill may be why, and neither is blamed."""
     if p_task.done() and _failure(p_task, decode) is None:  # (the prefill answered 2xx)
-        decode.health.breaker.record_failure()
+        _failed_worker(decode, "timeout", metrics)
+
+
+def _failed_worker(worker: HttpWorker, code: str, metrics: GatewayMetrics | None) -> None:
+    """A failure held against ``worker``: its breaker hears of it, and ``pd_gateway_worker_failures_total`` counts
+    it under ``code`` as the native path counts its workers' (``worker_gone``: no answer, or its answer broke off;
+    ``timeout``: silent past a deadline; ``internal``: an error status of its own)."""
+    worker.health.breaker.record_failure()
+    if metrics is not None:
+        metrics.worker_failures.labels(worker.url, worker.role, code).inc()
 
 
 def _is_request_fault(status: int | None) -> bool:
