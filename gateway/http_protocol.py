@@ -18,7 +18,9 @@ per connection (``GuardedHttpProtocol``, event loop only):
    ``Connection: close``; the connection then half-closes and drops what the client still sends for
    ``LINGER_S`` before closing, so a client still writing reads the answer instead of a reset. While a
    response is going out on the connection (a request pipelined behind it was refused), the refusal
-   cannot go in its middle: every unanswered request on it sees a disconnect and it is closed.
+   cannot go in its middle: every unanswered request on it sees a disconnect and it is closed. A request a
+   refusal ends is counted (``pd_gateway_requests_total``) with the refusal's status when it is the one
+   answered, else with ``CLOSED_BY_GATEWAY`` (444), not as a client's 499, started or not.
 4. Writes: once the transport's buffer passes its high-water mark (the client stopped reading),
    uvicorn makes the app's ``send`` wait; if the client has read nothing more within
    ``write_timeout_s`` the connection is aborted, which the app sees as a disconnect (its requests are
@@ -55,6 +57,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from gateway import eager
 from gateway.errors import APIError, BadRequest, HeadersTooLarge, RequestTimeout
 from gateway.hot_cycle import HotCycle
+from gateway.responder import CLOSED_BY_GATEWAY, REFUSED_KEY
 
 if TYPE_CHECKING:
     from gateway.hot_cycle import HotRoutes
@@ -213,6 +216,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._unstarted = None
             if not self._refused:
                 self._start_hot(unstarted, eagerly=False)
+            else:  # refused in this read (``_refuse``): never started, counted with what it was answered
+                unstarted.responder.count(unstarted.refused or CLOSED_BY_GATEWAY)
         # A read that ends inside a head, with no request ended in it, is all that head's (a read that ended a
         # request and began the next head holds the former's body too: not counted, at most one read over)
         if self._in_head and not self._ended_in_read and not self._refused:
@@ -450,12 +455,20 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         unanswered = [c for c in cycles if c is not None and not c.response_complete]
         answers_newest = newest is not None and newest.more_body and not newest.response_started and all(
             c is newest for c in unanswered)
-        if answers_newest and hasattr(newest, "refused"):  # (a generation route's: it counts this status, not 499)
-            newest.refused = error.status
+        # Each one counts the status it was ended with (pd_gateway_requests_total), not the client's 499: this
+        # refusal, or CLOSED_BY_GATEWAY for those the connection's close leaves unanswered
+        status = error.status if answers_newest else CLOSED_BY_GATEWAY
         for cycle in unanswered:
+            if isinstance(cycle, HotCycle):
+                cycle.refused = status
+            else:  # (uvicorn's ASGI cycle: the responder reads it from the request's scope)
+                cycle.scope[REFUSED_KEY] = status
             cycle.disconnected = True
             cycle.message_event.set()
         if unanswered and not answers_newest:
+            for queued, _ in self.pipeline:  # (never started: counted here; uvicorn's own have no route to count)
+                if isinstance(queued, HotCycle):
+                    queued.responder.count(CLOSED_BY_GATEWAY)
             transport.close()
         if transport.is_closing():
             return

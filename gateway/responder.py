@@ -61,9 +61,19 @@ SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
                 (b"x-accel-buffering", b"no"))
 
 
+# The status a request is counted with (``pd_gateway_requests_total``) when the gateway itself closed its connection
+# before the response was complete (bytes pipelined behind it could not be parsed: ``gateway.http_protocol``),
+# as nginx logs 444; 499 stays the client's own close.
+CLOSED_BY_GATEWAY = 444
+# An ASGI request's scope key where the gateway's HTTP protocol leaves the status it ended the request with itself
+# (its own answer to a body it could not read, or ``CLOSED_BY_GATEWAY``); the gateway's own cycle has ``refused``.
+REFUSED_KEY = "pd_gateway.refused"
+
+
 class ClientGone(Exception):
     """The client closed the connection before the response was complete (``status`` 499), or the server's
-    protocol answered the request itself while it was being read (its body's framing broken: ``status``)."""
+    protocol ended the request itself while it was being read (its body's framing broken: ``status``; bytes
+    pipelined behind it unparsable: ``CLOSED_BY_GATEWAY``)."""
 
     def __init__(self, status: int = 499) -> None:
         super().__init__(status)
@@ -122,6 +132,12 @@ class Exchange(Protocol):
     # on the hot path the loop is passed around instead.)
     loop: asyncio.AbstractEventLoop
     response_started: bool  # the response's status line has gone out (or to the server that writes it)
+
+    @property
+    def refused(self) -> int:
+        """The status the server's protocol ended the request with itself, 0 if it did not (``ClientGone``)."""
+        ...
+
     @property
     def headers(self) -> list[tuple[bytes, bytes]]:
         """The request's headers, as received (names lower case)."""
@@ -229,8 +245,14 @@ class Responder:
     def _encode_whole(self, run: Run, choices: list[ChoiceState]) -> bytes:
         return _json.encode(self.shape.whole(run, choices))
 
+    def count(self, status: int) -> None:
+        """Count one request of this route that the responder never served: the HTTP protocol answered it, or
+        closed its connection, before it started."""
+        self._count(status)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
+            self._count(405)
             await send_json(send, {"error": {"message": f"Method Not Allowed: {scope['method']} {scope['path']}",
                                              "type": "invalid_request_error", "param": None, "code": None}}, 405,
                             [(b"allow", b"POST")])
@@ -314,11 +336,15 @@ class Responder:
             task = asyncio.current_task(exchange.loop)
             assert task is not None
             task.uncancel()
-            refused = getattr(exchange, "refused", 0)  # (the protocol answered it itself: its body unreadable)
+            # (the protocol answered it itself, its body unreadable, or closed its connection: CLOSED_BY_GATEWAY)
+            refused = getattr(exchange, "refused", 0)  # (an exchange of a test may lack it)
             if answering is None:
                 self._count(refused or 499)
             if not refused:
                 log.info("%s -> 499: the client closed the connection", shape.route)
+            elif refused == CLOSED_BY_GATEWAY:
+                log.info("%s -> %d: the gateway closed the connection (unparsable bytes behind it)", shape.route,
+                         refused)
         except ClientGone as exc:
             self._count(exc.status)
             if exc.status == 499:
@@ -427,11 +453,18 @@ class AsgiExchange:
     def headers(self) -> list[tuple[bytes, bytes]]:
         return self.scope["headers"]
 
+    @property
+    def refused(self) -> int:
+        return int(self.scope.get(REFUSED_KEY, 0))
+
     def check_length(self, limit: int) -> None:
         check_length(self.scope["headers"], limit)
 
     async def read_body(self, limit: int, timeout_s: float) -> bytes:
-        return await read_body(self.scope, self.receive, limit, timeout_s)
+        try:
+            return await read_body(self.scope, self.receive, limit, timeout_s)
+        except ClientGone:
+            raise ClientGone(self.refused or 499) from None
 
     def watch_disconnect(self, gone: list[bool]) -> None:
         task = asyncio.current_task(self.loop)

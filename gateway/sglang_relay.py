@@ -55,6 +55,7 @@ from gateway.context import REQUEST_ID, REQUEST_T0
 from gateway.errors import APIError, BadGateway, BadRequest, NoWorkers, Overloaded, UpstreamTimeout
 from gateway.request_checks import check_batch_choices
 from gateway.responder import (
+    REFUSED_KEY,
     ClientGone,
     encoded_refusal,
     read_body,
@@ -267,9 +268,9 @@ class SGLangResponder:
                 status = await sent.cut(self.route)
                 raise
             task.uncancel()
-            status = 499
+            status = scope.get(REFUSED_KEY) or 499  # (the gateway's protocol ended it itself: its status)
         except ClientGone:
-            status = 499
+            status = scope.get(REFUSED_KEY) or 499
         finally:
             if watcher is not None:
                 watcher.cancel()

@@ -29,7 +29,8 @@ class Context:
     # Counters for metrics, changed under ``lock`` and read without it (``KVManager.counters``).
     num_bytes_sent: int = 0  # prefill: bytes of KV pages and aux records posted to decodes
     num_rooms_completed: int = 0  # rooms that reached Success
-    num_rooms_failed: int = 0  # rooms that reached Failed (aborts included)
+    num_rooms_failed: int = 0  # rooms that reached Failed by a transfer failure (peer gone, timeout, refused...)
+    num_rooms_aborted: int = 0  # rooms that reached Failed by an abort (``RoomAborted``: either side's, a release)
     # Called (from whichever thread, lock held) after a room's state or ``quiesced`` changed, so the
     # scheduler wakes at once instead of polling: it must not block.
     on_change: Callable[[], None] | None = None

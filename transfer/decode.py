@@ -46,7 +46,7 @@ from transfer.base import FencesWrites
 from transfer.blocks import check_pages
 from transfer.channel import ControlChannel
 from transfer.context import Context, Outbox, room_error
-from transfer.errors import PeerReport, TransferError, TransferErrorKind
+from transfer.errors import PeerReport, RoomAborted, TransferError, TransferErrorKind
 from transfer.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -288,8 +288,11 @@ class DecodeSide:
         """Lock held. ``gone``: the control connection to the prefill closed; ``cut``: the prefill may be
         frozen mid-write (silent, or its connection gone), so a write of it being received is cut off."""
         was_quiet = receiver.quiesced
-        if receiver.fail(error):
-            self._ctx.num_rooms_failed += 1
+        if receiver.fail(error):  # (an abort ended it on purpose: not a transfer failure, for the metrics)
+            if isinstance(error, RoomAborted):
+                self._ctx.num_rooms_aborted += 1
+            else:
+                self._ctx.num_rooms_failed += 1
         if self._fences is not None:
             self._close_fence(receiver, cut=cut or gone)
         elif gone:
@@ -422,9 +425,7 @@ class DecodeSide:
             if receiver.is_terminal:
                 return
             conn = receiver.conn
-            self._fail(receiver, TransferError(
-                TransferErrorKind.ABORTED, f"room {receiver.room}: aborted by the decode: {reason}"
-            ))
+            self._fail(receiver, RoomAborted(f"room {receiver.room}: aborted by the decode: {reason}"))
             channel = conn.channel if conn is not None and conn.ready else None
             if conn is None or conn.error is not None:  # (its address is being looked up, maybe again)
                 receiver.abort_reason = reason  # (``_attach`` tells the prefill)
@@ -531,9 +532,7 @@ class DecodeSide:
                 with self._ctx.lock:
                     target = self._receivers.get(room)
                     if target is not None and target.conn is conn:
-                        self._fail(target, TransferError(
-                            TransferErrorKind.ABORTED, f"room {room}: aborted by the prefill: {reason}"
-                        ))
+                        self._fail(target, RoomAborted(f"room {room}: aborted by the prefill: {reason}"))
             case _:
                 channel.close(TransferError(
                     TransferErrorKind.PROTOCOL, f"{channel.name}: unexpected {type(msg).__name__}"
@@ -629,9 +628,7 @@ class DecodeSide:
             if receiver.is_terminal:
                 continue
             conn = receiver.conn
-            self._fail(receiver, TransferError(
-                TransferErrorKind.ABORTED, f"room {receiver.room}: the decode's KV manager closed"
-            ))
+            self._fail(receiver, RoomAborted(f"room {receiver.room}: the decode's KV manager closed"))
             if conn is not None and conn.channel is not None and conn.ready:
                 outbox.append((conn.channel, Abort(receiver.room, "decode KV manager closed")))
 

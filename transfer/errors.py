@@ -42,3 +42,13 @@ class PeerReport(TransferError):
     """A room's failure as its peer reported it (the prefill's ``RoomStatus``): ``kind`` is the peer's
     judgement, so a peer kind there (``PEER_GONE``, ``TIMEOUT``, ...) names this side, not the peer."""
 
+
+class RoomAborted(TransferError):
+    """A room ended on purpose (either side's ``abort()`` or ``Abort`` message, a release before its end, a
+    KV manager closing), not by a transfer failure: metrics count it apart (``num_rooms_aborted``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(TransferErrorKind.ABORTED, message)
+
+    def __reduce__(self) -> tuple[type[RoomAborted], tuple[str]]:  # type: ignore[override]
+        return (type(self), (self.message,))

@@ -32,7 +32,7 @@ from transfer.base import PeerId, WriteState
 from transfer.blocks import check_pages, kv_blocks, merge_runs
 from transfer.channel import ControlChannel
 from transfer.context import Context, Outbox, flush, room_error
-from transfer.errors import TransferError, TransferErrorKind
+from transfer.errors import RoomAborted, TransferError, TransferErrorKind
 from transfer.messages import Abort, Quiesced, RoomRequest, RoomStatus
 from transfer.sender import KVSender, Link, PageList, PostedWrite
 from transfer.types import KVPoll
@@ -106,7 +106,7 @@ class SenderRooms:
             elif room in self._requests or (sender is not None and sender.request is not None):
                 problem = TransferError(TransferErrorKind.PROTOCOL, f"room {room}: page list sent twice")
             elif room in self._tombstones and self._tombstones[room][2] is link:
-                problem = TransferError(TransferErrorKind.ABORTED, f"room {room}: already aborted")
+                problem = RoomAborted(f"room {room}: already aborted")
             elif sender is None and room in self._ended:
                 problem = _ended_error(room, self._ended.pop(room)[0])
             elif sender is not None and sender.poll() == KVPoll.Failed:
@@ -129,7 +129,7 @@ class SenderRooms:
         flush(outbox)
 
     def on_abort(self, link: Link, room: int, reason: str) -> None:
-        error = TransferError(TransferErrorKind.ABORTED, f"room {room}: aborted by the decode: {reason}")
+        error = RoomAborted(f"room {room}: aborted by the decode: {reason}")
         with self._ctx.lock:
             waiting = self._requests.get(room)
             if waiting is not None and waiting.link is not link:
@@ -255,7 +255,10 @@ class SenderRooms:
         in_flight = sender.fail(error)
         if in_flight is None:  # already ended
             return
-        self._ctx.num_rooms_failed += 1
+        if isinstance(error, RoomAborted):  # (ended on purpose: not a transfer failure, for the metrics)
+            self._ctx.num_rooms_aborted += 1
+        else:
+            self._ctx.num_rooms_failed += 1
         self._ctx.changed()
         self._graveyard.extend(in_flight)
         request = sender.request
@@ -356,7 +359,7 @@ class SenderRooms:
             if sender.is_terminal:
                 return
             request = sender.request
-            error = TransferError(TransferErrorKind.ABORTED, f"room {sender.room}: aborted by the prefill: {reason}")
+            error = RoomAborted(f"room {sender.room}: aborted by the prefill: {reason}")
             self._fail(sender, error, outbox, notify=False)
             if request is not None and not request.link.closed:
                 outbox.append((request.link.channel, Abort(sender.room, reason)))
@@ -518,9 +521,8 @@ class SenderRooms:
         for sender in self._senders.values():
             if not sender.is_terminal:
                 request = sender.request
-                self._fail(sender, TransferError(
-                    TransferErrorKind.ABORTED, f"room {sender.room}: the prefill's KV manager closed"
-                ), outbox, notify=False)
+                self._fail(sender, RoomAborted(f"room {sender.room}: the prefill's KV manager closed"), outbox,
+                           notify=False)
                 if request is not None and not request.link.closed:
                     outbox.append((request.link.channel, Abort(sender.room, "prefill KV manager closed")))
 
@@ -549,7 +551,7 @@ class SenderRooms:
 
 
 def _ended_error(room: int, reason: str) -> TransferError:
-    return TransferError(TransferErrorKind.ABORTED, f"room {room}: the prefill ended it: {reason}")
+    return RoomAborted(f"room {room}: the prefill ended it: {reason}")
 
 
 _BROKEN = (TransferErrorKind.PEER_GONE, TransferErrorKind.PEER_UNREACHABLE)  # a write failing so: its data path broke

@@ -267,6 +267,7 @@ def _transfer_metrics(role: str, s: Scheduler, kv: Any) -> Iterator[Metric]:
                                 labels=["role", "outcome"])
     rooms.add_metric([role, "completed"], int(getattr(counters, "num_rooms_completed", 0)))
     rooms.add_metric([role, "failed"], int(getattr(counters, "num_rooms_failed", 0)))
+    rooms.add_metric([role, "aborted"], int(getattr(counters, "num_rooms_aborted", 0)))
     yield rooms
     paths = getattr(getattr(kv, "backend", None), "peer_paths", None)
     if role == "prefill" and paths is not None:  # transfer.shm: decodes written through shared memory or not
