@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--registry-wait-s", type=float, default=0.0,
                    help="a prefill started before its --bootstrap registry is up waits this long for it (its native "
                         "port closed, /health 503 meanwhile), then exits; 0: no limit")
+    p.add_argument("--drain-timeout-s", type=float, default=0.0,
+                   help="on SIGTERM/SIGINT the requests held already (streams, prefills and their KV transfers, rooms "
+                        "whose KV is arriving) run on for up to this long while new ones are refused shutting_down, "
+                        "then the rest end shutting_down; a second signal ends the drain at once. 0: they end at once "
+                        "(our gateway retries or migrates them); behind a router that does not (SGLang's), set it to "
+                        "the orchestrator's grace period less a margin")
     p.add_argument("--watchdog-timeout-s", type=float, default=300.0,
                    help="/liveness answers 503 once the scheduler, holding requests, has not finished a step for "
                         "this long (a hung forward), so that the worker is restarted")
@@ -129,7 +135,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         heartbeat_interval_s=args.heartbeat_interval_s, watchdog_timeout_s=args.watchdog_timeout_s,
         max_http_connections=args.max_http_connections, http_keep_alive_timeout_s=args.http_keep_alive_timeout_s,
         registry_wait_s=args.registry_wait_s, grammar_timeout_s=args.grammar_timeout_s,
-        gateway_timeout_s=args.gateway_timeout_s,
+        gateway_timeout_s=args.gateway_timeout_s, drain_timeout_s=args.drain_timeout_s,
         max_unread_bytes=_mib(args.max_unread_mib, "max_unread_mib"), engine_options=extra,
         advertise_host=args.advertise_host, transfer_options=transfer_options, same_host_kv=args.same_host_kv,
         api_key=_api_key(args),
@@ -157,7 +163,10 @@ async def _serve(config: WorkerConfig) -> None:
     def stop() -> None:  # (once: a second signal must not cut the clean-up short, e.g. Ctrl-C twice)
         nonlocal stopping
         if stopping:
-            log.warning("already stopping (SIGKILL ends it at once)")
+            if worker.end_drain():  # (a second signal during --drain-timeout-s: what is left ends now)
+                log.warning("stopping now: the requests still held end shutting_down")
+            else:
+                log.warning("already stopping (SIGKILL ends it at once)")
             return
         stopping = True
         main.cancel()

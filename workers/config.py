@@ -65,6 +65,10 @@ class WorkerConfig:
     # a gateway connection whose host answers nothing this long is closed, its requests ended (``watch_peer``)
     gateway_timeout_s: float = PEER_TIMEOUT_S
     http_keep_alive_timeout_s: float = 5.0  # an HTTP connection idle between requests this long is closed
+    # On SIGTERM/SIGINT the requests held already run on for up to this long (new ones are refused shutting_down),
+    # then the rest end shutting_down; a second signal ends the drain at once. 0: they end at once (a gateway
+    # retries or migrates them; a router that does not, SGLang's, wants the orchestrator's grace period less a margin)
+    drain_timeout_s: float = 0.0
     engine_options: dict[str, str] = field(default_factory=dict)
     transfer_options: dict[str, str] = field(default_factory=dict)  # --transfer-option, checked by the backend
     # auto: KV moves through shared memory to a co-located peer that proves it maps the decode's pool
@@ -103,6 +107,8 @@ class WorkerConfig:
                      "gateway_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:  # (NaN and inf refused too)
                 raise ConfigError(f"{name}: must be positive and finite")
+        if not 0 <= self.drain_timeout_s < math.inf:
+            raise ConfigError("drain_timeout_s: must be >= 0 (0: no drain) and finite")
         if not 0 <= self.registry_wait_s < math.inf:
             raise ConfigError("registry_wait_s: must be >= 0 (0: no limit) and finite")
         if self.bootstrap:

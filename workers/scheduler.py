@@ -23,7 +23,10 @@ Lifecycle (one ``Scheduler`` per worker, its loop on a dedicated thread):
    next load report or request deadline is due; ``IDLE_WAIT_S`` at most. Nothing is polled.
 3. Every exit (finish, error, abort, timeout, dropped connection) goes through ``_release``, which
    returns pages and aux slots to the pool and releases the KV sender/receiver.
-4. ``stop()`` ends the loop; live requests fail with ``shutting_down``.
+4. ``drain()`` (optional, before ``stop``: the worker's ``--drain-timeout-s``) refuses every request admitted from
+   then on with ``shutting_down`` (its room ended on the peer's side as turned away, ``OVERLOAD_MARK``) while the
+   requests already held run on; ``num_held`` says how many are left.
+5. ``stop()`` ends the loop; live requests fail with ``shutting_down``.
 """
 
 from __future__ import annotations
@@ -215,6 +218,7 @@ class Scheduler:
         # The loop has ended: a submit queued from now on is answered by ``_answer_leftovers`` (never left unread)
         self._ended = False
         self._leftovers_lock = threading.Lock()
+        self._draining = False  # (``drain``) new requests are refused ``shutting_down``; held ones run on
         if kv is not None:
             kv.set_listener(self._on_kv_change)
 
@@ -251,6 +255,18 @@ class Scheduler:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"scheduler-{self.role}", daemon=True)
         self._thread.start()
+
+    def drain(self) -> None:
+        """From the next step on, every request admitted is refused ``shutting_down`` (a gateway retries it on
+        another worker; its room is ended on the peer's side, which answers ``overloaded``, held against neither),
+        while the requests held already run to their end. Thread-safe; ``stop`` still ends whatever is left."""
+        self._draining = True
+        self._inbox.put(("wake", None))
+
+    @property
+    def num_held(self) -> int:
+        """Requests held now, in any stage (what a drain waits for); thread-safe."""
+        return len(self.reqs)
 
     def stop(self, timeout_s: float = 60.0) -> bool:
         """Stop the loop after its current step; returns whether the thread ended within the timeout."""
@@ -448,6 +464,11 @@ class Scheduler:
         self._load_dirty = True
         if msg.rid > self._conns.get(conn_id, 0):
             self._conns[conn_id] = msg.rid
+        if self._draining:
+            why = f"the {self.role} worker is shutting down (draining: it takes no new requests)"
+            self._out.append((conn_id, Error(msg.rid, "shutting_down", why)))
+            self._end_room(msg, OVERLOAD_MARK + why)
+            return
         problem = self._validate(msg)
         if key in self.reqs:
             problem = f"request id {msg.rid} is already in use on this connection"

@@ -24,7 +24,10 @@ Lifecycle:
    scheduler's load report in SGLang's shapes), ``/flush_cache``.
 4. ``aclose()`` (the worker stopping) closes the connection; requests still open end as the native protocol's
    do, ``shutting_down`` (a 503 with Retry-After, a stream's error event: a router retries them elsewhere without
-   holding them against this worker), and one arriving after it is a 503 at once.
+   holding them against this worker), and one arriving after it is a 503 at once. With ``--drain-timeout-s`` S the
+   worker first drains (``Worker._drain``): a request arriving meanwhile is refused by the scheduler, a 503
+   ``shutting_down`` as above (its room ended on the peer's side, which answers 429), while the ones open run to
+   their end (``RelayDispatcher.num_open``) for up to S seconds before ``aclose`` ends what is left.
 
 A decode finds its prefill through the registry at ``bootstrap_host:bootstrap_port`` (null: 8998),
 the only prefill instance registered there: start each prefill with ``--bootstrap-embedded PORT``
@@ -106,6 +109,9 @@ class RelayDispatcher:
         self.role = role
         self.config = config or SGLangAPIConfig()
         self.closing = False  # the worker is stopping (``SGLangAPI.aclose``): its connection's end is no failure
+        # generations submitted whose last output has not been taken yet: a draining worker (``--drain-timeout-s``)
+        # closes this API only once none is left (its scheduler can hold none while their last output is on its way)
+        self.num_open = 0
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *, choice: int = 0,
                        bootstrap: ClientBootstrap | None = None, direct: Any = None, counts_prompt: bool = True,
@@ -122,6 +128,7 @@ class RelayDispatcher:
                 raise self.stopping() from None
             raise BadGateway(str(exc), code="worker_gone") from None
         done = got_token = False
+        self.num_open += 1
         try:
             while True:
                 sink.set_deadline(cfg.stream_idle_timeout_s if got_token else cfg.first_token_timeout_s)
@@ -150,6 +157,7 @@ class RelayDispatcher:
                         raise self.stopping()
                     raise BadGateway(f"{self.role} worker: {event.message}", code="worker_gone")
         finally:
+            self.num_open -= 1
             sink.close()
             if not done:  # the client left, or a stop string ended the choice
                 self.client.abort(rid)

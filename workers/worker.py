@@ -10,8 +10,10 @@ Lifecycle:
    first use), and, for a prefill worker, registers its KV control endpoint with the bootstrap registry
    (heartbeats); a prefill's native port accepts connections only once it is registered.
 2. ``await serve_forever()`` until cancelled or a signal.
-3. ``await aclose()``: deregister, close the SGLang API, stop the scheduler (live requests fail),
-   close the KV manager, close the servers. Idempotent.
+3. ``await aclose()``: deregister; with ``--drain-timeout-s`` S > 0, drain (``_drain``: new requests are refused
+   ``shutting_down``, the ones held run on until none is left, S has passed or ``end_drain`` is called, a second
+   signal); then close the SGLang API, stop the scheduler (live requests fail ``shutting_down``), close the KV
+   manager, close the servers. Idempotent.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ MAX_REGISTRY_BEAT_S = 2.5
 # lease (a registry that times out makes each failure last seconds).
 LAPSED_AFTER_FAILURES = 3
 DEFAULT_LEASE_S = 10.0
+DRAIN_CHECK_S = 0.05  # a draining worker looks this often whether its scheduler still holds requests
 
 
 async def _on_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -111,6 +114,8 @@ class Worker:
         self.bootstrap_url = config.bootstrap
         self._resolver: Any = None
         self._closed = False
+        # set: the drain ends now (``end_drain``: a second signal, maybe before it began), or it is over
+        self._drain_cut = asyncio.Event()
         self.advertise_host = config.advertise_host or config.host  # settled in start()
 
     # -- assembly ----------------------------------------------------------------------------
@@ -379,6 +384,8 @@ class Worker:
         if self._registrar is not None:
             with contextlib.suppress(Exception):
                 await self._registrar.aclose()
+        if self.config.drain_timeout_s > 0 and self.scheduler is not None and self.started:
+            await self._drain(self.config.drain_timeout_s)
         if self.sglang is not None:
             await self.sglang.aclose()
         stopped = True
@@ -404,6 +411,43 @@ class Worker:
                 await self._embedded.aclose()
         if self.engine is not None and stopped:
             self.engine.close()
+
+    async def _drain(self, timeout_s: float) -> None:
+        """New requests are refused ``shutting_down`` (``Scheduler.drain``: through the native port and SGLang's
+        HTTP API alike, the rooms of refused ones ended on the peer's side) while the ones held run on: until
+        none is left, ``timeout_s`` has passed, or ``end_drain`` is called. Each request keeps its own deadline."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        cut = self._drain_cut
+        scheduler.drain()
+        held = scheduler.num_held
+        log.info("worker %s draining: %d requests held, for up to %gs (new ones are refused)", self.worker_id, held,
+                 timeout_s)
+        deadline = time.monotonic() + timeout_s
+        # (checked a few times a second: only while stopping, and the scheduler's thread owns the request table)
+        while (scheduler.num_held or self._num_open_http()) and scheduler.is_alive and not cut.is_set():
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(cut.wait(), min(DRAIN_CHECK_S, remaining_s))
+        left = scheduler.num_held
+        why = "cut short" if cut.is_set() else "timed out" if left else "done"
+        log.log(logging.WARNING if left else logging.INFO, "worker %s drain %s: %d of %d requests still held end "
+                "shutting_down", self.worker_id, why, left, held)
+        cut.set()  # (a later signal only says it is already stopping)
+
+    def _num_open_http(self) -> int:
+        """Generations open on SGLang's HTTP API (their last output may still be on its way from the scheduler)."""
+        return self.sglang.dispatcher.num_open if self.sglang is not None else 0
+
+    def end_drain(self) -> bool:
+        """End a drain under way now (a second SIGTERM/SIGINT): whether one was."""
+        cut = self._drain_cut
+        if self.config.drain_timeout_s <= 0 or not self.started or cut.is_set():
+            return False
+        cut.set()
+        return True
 
 
 class _RegistryResolver:
