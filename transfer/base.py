@@ -19,7 +19,7 @@ Optional abilities: ``NotifiesCompletion`` (a listener called when a write leave
 manager waits for completions instead of polling pending writes (``WriteTable`` provides it); and, on
 the receiving side, ``FencesWrites``: the backend admits only writes whose fence the decode opened, so a
 room the decode gave up on can take no late byte (the decode then frees its pages without waiting for
-the prefill to confirm).
+the prefill to confirm); ``ProvesKey``: its own data connections prove the workers' key.
 """
 
 from __future__ import annotations
@@ -29,9 +29,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from transfer.errors import TransferError, TransferErrorKind
+
+if TYPE_CHECKING:
+    from transfer.auth import KVKeys
 
 PeerId = int
 WriteHandle = int
@@ -157,6 +160,16 @@ class FencesWrites(Protocol):
         is being received right now; the listener is called once it is out (``cut``: shut that
         connection down rather than let the write finish, because its writer is silent)."""
         ...
+
+
+@runtime_checkable
+class ProvesKey(Protocol):
+    """Optional ability: the backend's own data connections prove the workers' key (``transfer.auth``): one
+    opened to it that does not is closed before a byte of it is written anywhere. The KV manager calls
+    ``set_kv_keys`` once, before ``register`` (a backend whose engine does its own connections, Mooncake's,
+    NIXL's, cannot have it)."""
+
+    def set_kv_keys(self, keys: KVKeys | None) -> None: ...
 
 
 def fenced(backend: str, fence: Fence) -> TransferError:

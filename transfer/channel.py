@@ -14,6 +14,8 @@ Lifecycle:
    frames already queued are written (at most ``settle_s`` later) without the caller waiting: the writer
    thread closes it; nothing sent after it is taken.
 ``last_rx`` (monotonic seconds) is refreshed by every received frame: the heartbeat check reads it.
+``set_handler(fn)`` (from the reader thread, in a handler) routes the frames after this one to ``fn``: a key's
+handshake (``transfer.auth``) hands over to the ordinary handler once the peer proved the key.
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ class ControlChannel:
 
     def start(self) -> None:
         self._thread.start()
+
+    def set_handler(self, on_message: Callable[[ControlChannel, Message], None]) -> None:
+        """The handler of every frame read from now on (call it from a handler: the reader thread)."""
+        self._on_message = on_message
 
     def send(self, msg: Message) -> bool:
         """Write ``msg`` now as far as the socket takes it, the rest queued for the writer; never waits on

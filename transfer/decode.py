@@ -4,7 +4,10 @@ Lifecycle:
 1. ``create_receiver(room, host, port, instance_id)`` (scheduler thread) makes a Bootstrapping receiver
    and hands the bootstrap to a small thread pool: ``resolver(host, port, instance_id)`` (may block on
    HTTP) -> the prefill's control address -> the one connection kept per address (opened on first use:
-   TCP connect, ``Register`` with our data endpoint and memory, wait for ``RegisterAck``).
+   TCP connect, ``Register`` with our data endpoint and memory, wait for ``RegisterAck``). Workers with a
+   key (``transfer.auth``): ``AuthHello`` first; only a prefill whose ``AuthChallenge`` proves the key gets
+   our ``AuthProof`` and ``Register`` (``_on_handshake``); one that does not is closed, its rooms failed
+   (PROTOCOL), our memory's layout never sent to it.
    Fast path: when the address is known without blocking (no resolver and a port given, or a
    ``CachingResolver`` with the answer cached) and its connection is registered, the receiver is
    WaitingForInput before ``create_receiver`` returns, with no hand-off.
@@ -36,12 +39,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, runtime_checkable
 
+from transfer.auth import KVKeys, RefusalLog, decode_proof, is_valid, new_nonce, prefill_proof
 from transfer.base import FencesWrites
 from transfer.blocks import check_pages
 from transfer.channel import ControlChannel
@@ -50,6 +55,9 @@ from transfer.errors import PeerReport, RoomAborted, TransferError, TransferErro
 from transfer.messages import (
     PROTOCOL_VERSION,
     Abort,
+    AuthChallenge,
+    AuthHello,
+    AuthProof,
     Message,
     Ping,
     Pong,
@@ -61,6 +69,8 @@ from transfer.messages import (
 )
 from transfer.receiver import KVReceiver, PrefillConn
 from transfer.types import KVPoll
+
+log = logging.getLogger(__name__)
 
 Resolver = Callable[[str, int | None, str | None], tuple[str, int]]
 
@@ -96,8 +106,10 @@ _DATA_PATH_FAILURES = (TransferErrorKind.PEER_GONE, TransferErrorKind.PEER_UNREA
 
 
 class DecodeSide:
-    def __init__(self, ctx: Context, resolver: Resolver | None) -> None:
+    def __init__(self, ctx: Context, resolver: Resolver | None, keys: KVKeys | None = None) -> None:
         self._ctx = ctx
+        self._keys = keys  # the worker key's (``transfer.auth``): None, no handshake
+        self.refusals = RefusalLog(log, "KV control")
         self._resolver = resolver
         self._invalidate = resolver.invalidate if isinstance(resolver, InvalidatingResolver) else None
         # (checked once: a runtime Protocol check costs tens of µs, too much for every room)
@@ -272,17 +284,56 @@ class DecodeSide:
             if spared:
                 self._resolve_again(conn.address, spared, error)
             return
-        channel = ControlChannel(sock, f"prefill@{host}:{port}", self._on_message, self._on_close)
+        proving = self._keys is not None
+        channel = ControlChannel(sock, f"prefill@{host}:{port}", self._on_handshake if proving else self._on_message,
+                                 self._on_close)
         with self._ctx.lock:
             conn.channel = channel
             self._by_channel[channel] = conn
+            if proving:
+                conn.nonce = new_nonce()
         channel.start()
+        if proving:
+            channel.send(AuthHello(PROTOCOL_VERSION, conn.nonce))
+        else:
+            self._register(channel)
+
+    def _register(self, channel: ControlChannel) -> None:
         args = self._ctx.args
         channel.send(Register(
             PROTOCOL_VERSION, self._ctx.backend.name, self._ctx.backend.endpoint(),
             args.kv_ptrs, args.kv_data_lens, args.kv_item_lens,
             args.aux_ptrs, args.aux_data_lens, args.aux_item_lens, args.page_size, args.kv_dtype,
         ))
+
+    def _on_handshake(self, channel: ControlChannel, msg: Message) -> None:
+        """A connection's frames until its prefill proved the worker key (only with a key)."""
+        conn = self._by_channel.get(channel)
+        keys = self._keys
+        if conn is None or keys is None:
+            return
+        match msg:
+            case Ping(seq=seq):
+                channel.send(Pong(seq))
+            case Pong():
+                pass
+            case RegisterAck(ok=False):  # the prefill refused us (no key there, a version, ...): its reason
+                self._on_message(channel, msg)
+            case AuthChallenge(nonce=nonce, proof=proof) if is_valid(prefill_proof(keys, conn.nonce, nonce), proof):
+                channel.set_handler(self._on_message)
+                channel.send(AuthProof(decode_proof(keys, conn.nonce, nonce)))
+                self._register(channel)
+            case AuthChallenge():
+                self._refuse(channel, conn, f"{channel.name} did not prove the worker key (not this decode's "
+                             "--api-key / $PD_WORKER_API_KEY, or not one of our prefills)")
+            case _:
+                self._refuse(channel, conn, f"{channel.name}: {type(msg).__name__} before proving the worker key")
+
+    def _refuse(self, channel: ControlChannel, conn: PrefillConn, reason: str) -> None:
+        self.refusals.refused(channel.name, reason)
+        error = TransferError(TransferErrorKind.PROTOCOL, reason)
+        self._conn_failed(conn, error)
+        channel.close(error)
 
     def _fail(self, receiver: KVReceiver, error: TransferError, *, gone: bool = False, cut: bool = False) -> None:
         """Lock held. ``gone``: the control connection to the prefill closed; ``cut``: the prefill may be

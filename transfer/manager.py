@@ -31,7 +31,8 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from transfer.base import NotifiesCompletion, PeerId, TransferBackend
+from transfer.auth import derive
+from transfer.base import NotifiesCompletion, PeerId, ProvesKey, TransferBackend
 from transfer.channel import ControlChannel
 from transfer.context import Context, Outbox, flush
 from transfer.decode import DecodeSide, Resolver
@@ -62,7 +63,11 @@ class KVManager:
         timeouts: KVTimeouts = KVTimeouts(),
         resolver: Resolver | None = None,
         advertise_host: str | None = None,
+        auth_key: str | None = None,
     ) -> None:
+        """``auth_key``: the workers' key (``pd-worker --api-key``); with it every control connection, and the
+        data connections of a backend that ``ProvesKey`` (tcp), prove it before anything else is taken
+        (``transfer.auth``); peers without it are refused. None: no proof asked or given."""
         if role not in ("prefill", "decode"):
             raise ValueError(f"KVManager role must be 'prefill' or 'decode', got {role!r}")
         if not isinstance(backend, TransferBackend):
@@ -76,12 +81,15 @@ class KVManager:
         self.counters = self._ctx  # num_bytes_sent, num_rooms_completed, num_rooms_failed (for metrics)
         self._prefill: PrefillSide | None = None
         self._decode: DecodeSide | None = None
+        keys = derive(auth_key)
+        if isinstance(backend, ProvesKey):  # (before its memory is registered and its endpoint told anyone)
+            backend.set_kv_keys(keys)
         regions = args.regions()
         if role == "prefill":
-            self._prefill = PrefillSide(self._ctx, host, control_port)
+            self._prefill = PrefillSide(self._ctx, host, control_port, keys)
             regions.append(self._prefill.staging_region())
         else:
-            self._decode = DecodeSide(self._ctx, resolver)
+            self._decode = DecodeSide(self._ctx, resolver, keys)
         try:
             backend.register(regions)
         except Exception:
@@ -99,6 +107,14 @@ class KVManager:
             self._prefill.start()
         self._monitor = threading.Thread(target=self._monitor_loop, name=f"kv-monitor-{role}", daemon=True)
         self._monitor.start()
+
+    @property
+    def num_peers_refused(self) -> int:
+        """Connections refused for not proving the workers' key (control channel, and the backend's data port
+        where it ``ProvesKey``): the refusals logged (once per address a minute) and not."""
+        side = self._prefill or self._decode
+        assert side is not None
+        return side.refusals.num_refused + int(getattr(self.backend, "num_peers_refused", 0))
 
     @property
     def control_address(self) -> tuple[str, int]:

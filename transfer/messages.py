@@ -8,7 +8,10 @@ Frames: 4-byte big-endian length, then one msgpack-encoded ``Message`` (a tagged
 4. ``Abort`` either way; ``Ping``/``Pong`` either way (any frame counts as a heartbeat).
 5. prefill -> decode ``Quiesced`` once a room that failed (or was aborted) after its page list arrived
    has no write in flight any more: from then on no byte of it can land in the decode's pages.
-New fields go last with defaults; ``Register.version`` is checked by the prefill.
+Workers with a key (``transfer.auth``): before ``Register`` the decode sends ``AuthHello``, the prefill
+answers ``AuthChallenge`` (its proof of the key), the decode ``AuthProof`` (its own); without a key none of
+the three is sent. New fields go last with defaults; ``Register.version`` (and ``AuthHello.version``) is
+checked by the prefill.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import msgspec
 
 from transfer.errors import TransferError, TransferErrorKind
 
-PROTOCOL_VERSION = 2  # 2: RoomRequest.generation, fenced writes
+PROTOCOL_VERSION = 2  # 2: RoomRequest.generation, fenced writes. (The key's handshake, AuthHello/AuthChallenge/
+# AuthProof, is sent only by workers with a key and changes nothing else: keyless peers of either release agree)
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 _RECV_BYTES = 1024 * 1024  # most one recv takes
 _LEN = struct.Struct(">I")
@@ -79,7 +83,28 @@ class Pong(msgspec.Struct, tag="pong", array_like=True, gc=False, frozen=True):
     seq: int
 
 
-Message = Register | RegisterAck | RoomRequest | RoomStatus | Abort | Quiesced | Ping | Pong
+class AuthHello(msgspec.Struct, tag="auth_hello", array_like=True, frozen=True):
+    """Decode -> prefill, first, from a decode with a key: its protocol version and a fresh nonce."""
+
+    version: int
+    nonce: bytes
+
+
+class AuthChallenge(msgspec.Struct, tag="auth_challenge", array_like=True, frozen=True):
+    """Prefill -> decode: the prefill's nonce and its proof of the key over both nonces."""
+
+    nonce: bytes
+    proof: bytes
+
+
+class AuthProof(msgspec.Struct, tag="auth_proof", array_like=True, frozen=True):
+    """Decode -> prefill: the decode's proof of the key over both nonces (then its ``Register``)."""
+
+    proof: bytes
+
+
+Message = (Register | RegisterAck | RoomRequest | RoomStatus | Abort | Quiesced | Ping | Pong
+           | AuthHello | AuthChallenge | AuthProof)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -3,6 +3,10 @@
 Lifecycle:
 1. ``PrefillSide`` listens on ``control_address``; every decode connection is a ``Link`` whose channel's
    reader thread delivers its messages here.
+   Workers with a key (``transfer.auth``): a connection's reader first reads only the key's handshake
+   (``_on_handshake``: ``AuthHello`` -> our ``AuthChallenge`` -> its ``AuthProof``); a decode that proves
+   nothing, or wrongly, or not within a heartbeat timeout, is refused (``RegisterAck(ok=False)``) and closed,
+   logged once per address a minute. Then the ordinary handler (``_on_message``) takes over.
 2. A decode sends ``Register`` once: the shape is validated against ours (protocol version, backend,
    page size, dtype, layer count, page bytes), then the backend connects to the decode's data endpoint
    (blocking, in the reader thread), then ``RegisterAck``. A mismatch is refused with the reason.
@@ -15,10 +19,20 @@ Lifecycle:
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
 
+from transfer.auth import (
+    NONCE_BYTES,
+    KVKeys,
+    RefusalLog,
+    decode_proof,
+    is_valid,
+    new_nonce,
+    prefill_proof,
+)
 from transfer.base import FencesWrites
 from transfer.channel import ControlChannel
 from transfer.context import Context, Outbox
@@ -26,6 +40,9 @@ from transfer.errors import TransferError, TransferErrorKind
 from transfer.messages import (
     PROTOCOL_VERSION,
     Abort,
+    AuthChallenge,
+    AuthHello,
+    AuthProof,
     Message,
     Ping,
     Pong,
@@ -38,10 +55,16 @@ from transfer.sender import KVSender, Link
 from transfer.sender_rooms import SenderRooms
 from transfer.types import KVArgs
 
+log = logging.getLogger(__name__)
+
+_KEY_HINT = "(the workers' --api-key / $PD_WORKER_API_KEY)"
+
 
 class PrefillSide:
-    def __init__(self, ctx: Context, host: str, port: int) -> None:
+    def __init__(self, ctx: Context, host: str, port: int, keys: KVKeys | None = None) -> None:
         self._ctx = ctx
+        self._keys = keys  # the worker key's (``transfer.auth``): None, no handshake
+        self.refusals = RefusalLog(log, "KV control port")
         self._links: dict[ControlChannel, Link] = {}
         # (as the decode decides: with fences, it refuses a closed room's writes itself; without, it takes the
         # control connection's close as the end of every write of that connection's rooms)
@@ -94,13 +117,63 @@ class PrefillSide:
             if accepted is None:
                 return
             sock, addr = accepted
-            channel = ControlChannel(sock, f"decode@{addr[0]}:{addr[1]}", self._on_message, self._on_close)
+            proving = self._keys is not None
+            channel = ControlChannel(sock, f"decode@{addr[0]}:{addr[1]}",
+                                     self._on_handshake if proving else self._on_message, self._on_close)
             with self._ctx.lock:
                 if self._ctx.closed:
                     sock.close()
                     return
-                self._links[channel] = Link(channel)
+                self._links[channel] = Link(channel, proving=proving, opened=time.monotonic())
             channel.start()
+
+    def _refuse(self, channel: ControlChannel, reason: str) -> None:
+        """Refuse a connection's registration (the reason in ``RegisterAck``), then close it."""
+        channel.send(RegisterAck(False, f"rejected: {reason}", TransferErrorKind.PROTOCOL.value))
+        # (the refusal's reason is not lost in a backlog as the channel closes; nor does this reader wait)
+        channel.close_after(TransferError(TransferErrorKind.PROTOCOL, f"{channel.name}: {reason}"), 1.0)
+
+    def _refuse_unproven(self, channel: ControlChannel, reason: str) -> None:
+        self.refusals.refused(channel.name, reason)
+        channel.set_handler(_ignore)  # (what it sent behind, read as the channel closes, is not taken either)
+        self._refuse(channel, reason)
+
+    def _on_handshake(self, channel: ControlChannel, msg: Message) -> None:
+        """A connection's frames until its decode proved the worker key (only with a key)."""
+        link = self._links.get(channel)
+        keys = self._keys
+        if link is None or keys is None:
+            return
+        version_reason = f"protocol version {{}}, this prefill speaks {PROTOCOL_VERSION}"
+        match msg:
+            case Ping(seq=seq):  # (its heartbeat may come first)
+                channel.send(Pong(seq))
+            case Pong():
+                pass
+            case AuthHello(version=version, nonce=nonce):
+                if version != PROTOCOL_VERSION:
+                    self._refuse_unproven(channel, version_reason.format(version))
+                elif link.nonces is not None or len(nonce) != NONCE_BYTES:
+                    self._refuse_unproven(channel, "malformed key handshake")
+                else:
+                    ours = new_nonce()
+                    link.nonces = (nonce, ours)
+                    channel.send(AuthChallenge(ours, prefill_proof(keys, nonce, ours)))
+            case AuthProof(proof=proof):
+                if link.nonces is None:
+                    self._refuse_unproven(channel, "key proof before AuthHello")
+                elif not is_valid(decode_proof(keys, *link.nonces), proof):
+                    self._refuse_unproven(channel, f"the decode's worker key is not this prefill's {_KEY_HINT}")
+                else:
+                    link.proving = False
+                    channel.set_handler(self._on_message)  # (its Register is the next frame)
+            case Register(version=version) if version != PROTOCOL_VERSION:
+                self._refuse_unproven(channel, version_reason.format(version))
+            case Register():
+                self._refuse_unproven(channel, f"this prefill requires the worker key {_KEY_HINT} and the decode "
+                                      "has none")
+            case _:
+                self._refuse_unproven(channel, f"{type(msg).__name__} before proving the worker key")
 
     def _on_message(self, channel: ControlChannel, msg: Message) -> None:
         link = self._links.get(channel)
@@ -122,6 +195,9 @@ class PrefillSide:
                     self.rooms.on_room_request(link, msg)
             case Abort(room=room, reason=reason):
                 self.rooms.on_abort(link, room, reason)
+            case AuthHello() if self._keys is None:
+                self._refuse(channel, f"the decode has a worker key and this prefill none {_KEY_HINT}")
+                self.refusals.refused(channel.name, "the decode has a worker key and this prefill none")
             case _:
                 channel.close(
                     TransferError(TransferErrorKind.PROTOCOL, f"{channel.name}: unexpected {type(msg).__name__}")
@@ -160,9 +236,7 @@ class PrefillSide:
             return
         reason = self._check_register(msg)
         if reason:
-            channel.send(RegisterAck(False, f"rejected: {reason}", TransferErrorKind.PROTOCOL.value))
-            # (the refusal's reason is not lost in a backlog as the channel closes; nor does this reader wait)
-            channel.close_after(TransferError(TransferErrorKind.PROTOCOL, f"{channel.name}: {reason}"), 1.0)
+            self._refuse(channel, reason)
             return
         link.connecting = True  # (a first NIXL wire-up, a Mooncake warm-up: seconds, maybe past the heartbeat)
         try:
@@ -209,6 +283,12 @@ class PrefillSide:
         # tell a decode that this room's writes are over: it holds those pages until it hears that.)
         stalled, self._last_beat = now - self._last_beat > limit, now
         for channel, link in self._links.items():
+            if link.proving and now - link.opened > limit and not stalled and not channel.is_closed:
+                # (a peer that pings but never proves the key holds no connection for long)
+                silent.append((channel, TransferError(
+                    TransferErrorKind.PROTOCOL, f"{channel.name}: did not prove the worker key within {limit:g}s")))
+                self.refusals.refused(channel.name, f"did not prove the worker key within {limit:g}s")
+                continue
             if now - channel.last_rx > limit and not stalled and not link.connecting:
                 error = TransferError(
                     TransferErrorKind.TIMEOUT, f"{channel.name}: no heartbeat for {now - channel.last_rx:.1f}s"
@@ -239,3 +319,7 @@ class PrefillSide:
 
 def _receives_nothing(room: int, generation: int) -> None:
     """A prefill's fence listener: it opens no fence, so no write of its backend's is ever under way to end."""
+
+
+def _ignore(channel: ControlChannel, msg: Message) -> None:
+    """The handler of a refused connection's last frames, read while it closes."""

@@ -35,6 +35,7 @@ class PrefillConn:
     targets: set[tuple[str, int | None, str | None]] = field(default_factory=set)  # resolved to this address
     # (room, reason): sent once registered; if it cannot be opened, they go where the registry names next
     pending_aborts: list[tuple[KVReceiver, str]] = field(default_factory=list)
+    nonce: bytes = b""  # (workers with a key) ours in ``AuthHello``: the prefill's proof must cover it
 
 
 class KVReceiver(RoomHandle):

@@ -38,6 +38,11 @@ class Link:
     # the prefill is connecting to its data endpoint (in the reader thread: nothing is read meanwhile, so
     # the decode's pings wait unread: not silence)
     connecting: bool = False
+    # (workers with a key) the decode has not proved it yet: only the handshake is read (``PrefillSide``); the
+    # nonces (the decode's, ours) once its ``AuthHello`` was answered
+    proving: bool = False
+    nonces: tuple[bytes, bytes] | None = None
+    opened: float = 0.0  # (monotonic) when it connected: one that has not proved the key a heartbeat later is closed
 
 
 @dataclass

@@ -39,6 +39,7 @@ from typing import Any, cast
 
 import msgspec
 
+from transfer.auth import KVKeys
 from transfer.base import (
     UNFENCED,
     Block,
@@ -46,6 +47,7 @@ from transfer.base import (
     FencesWrites,
     NotifiesCompletion,
     PeerId,
+    ProvesKey,
     Region,
     TransferBackend,
     WriteHandle,
@@ -111,6 +113,17 @@ class ShmBackend(PeerThreadBackend):
             self._offer = self._make_offer()
             if self.board is not None:
                 self.board.set_fencing(self._fencing)
+
+    def set_kv_keys(self, keys: KVKeys | None) -> None:
+        """(``ProvesKey``) passed on to the network backend where it has the ability; the shared-memory path
+        needs none (its peer proves it maps our files, which only our host's user can)."""
+        if isinstance(self.network, ProvesKey):
+            self.network.set_kv_keys(keys)
+
+    @property
+    def num_peers_refused(self) -> int:
+        """The network backend's data connections refused for not proving the workers' key."""
+        return int(getattr(self.network, "num_peers_refused", 0))
 
     def endpoint(self) -> bytes:
         return msgspec.msgpack.encode(_Endpoint(self.network.name, self.network.endpoint(), self._offer))

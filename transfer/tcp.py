@@ -20,7 +20,12 @@ Lifecycle:
 5. Fences (``FencesWrites``): ``close_fence`` refuses the room's later batches at once; a batch of it
    being received finishes into scratch, or, with ``cut``, has its connection shut down (a frozen
    writer would otherwise complete it whenever it resumes); the listener hears when it is out.
-6. ``disconnect``/``close`` shut the sockets down (unblocking a sender stuck on a frozen peer) and join.
+6. Workers with a key (``set_kv_keys``, ``transfer.auth``): an accepted connection is sent a fresh nonce
+   first and must answer its proof (``data_proof``, 32 bytes) before its first batch header; a wrong or
+   missing one closes it (logged once per address a minute, counted in ``num_peers_refused``) before any of
+   its bytes reach memory. ``connect`` reads the nonce and sends the proof (within ``connect_timeout_s``).
+   Once per connection: the batches that follow are as before.
+7. ``disconnect``/``close`` shut the sockets down (unblocking a sender stuck on a frozen peer) and join.
 Peers, sender threads, write records and their failure on disconnect/close are the shared skeleton of
 ``transfer.peer_threads``; this module adds the wire format (``_send``) and the receiving side.
 """
@@ -35,6 +40,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from transfer.auth import NONCE_BYTES, PROOF_BYTES, KVKeys, RefusalLog, data_proof, is_valid, new_nonce
 from transfer.base import Block, Fence, PeerId, Region, fenced
 from transfer.blocks import RegionSet
 from transfer.errors import TransferError, TransferErrorKind
@@ -138,6 +144,8 @@ class TcpBackend(PeerThreadBackend):
         self._open_fences: set[tuple[int, int]] = set()
         self._receiving: dict[socket.socket, tuple[int, int]] = {}  # connection -> fence of the batch it is in
         self._awaited: set[tuple[int, int]] = set()  # closed while being received: tell the listener when out
+        self._keys: KVKeys | None = None  # (``set_kv_keys``) the proof every data connection owes
+        self._refusals = RefusalLog(log, "tcp backend data port")
         self._listener = listener(host, 0)
         if self._rcvbuf is not None:  # inherited by accepted sockets (must be set before the handshake)
             self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._rcvbuf)
@@ -156,6 +164,15 @@ class TcpBackend(PeerThreadBackend):
             )
         self._regions = RegionSet(regions)
 
+    def set_kv_keys(self, keys: KVKeys | None) -> None:
+        """(``ProvesKey``) connections accepted from now on, and those ``connect`` opens, prove ``keys``."""
+        with self._lock:
+            self._keys = keys
+
+    @property
+    def num_peers_refused(self) -> int:
+        return self._refusals.num_refused
+
     def endpoint(self) -> bytes:
         return join_host_port(self._advertise, self._port).encode()
 
@@ -168,9 +185,12 @@ class TcpBackend(PeerThreadBackend):
             accepted = accept_retrying(self._listener, self._is_closing, "tcp backend")
             if accepted is None:
                 return
-            sock, _ = accepted
+            sock, addr = accepted
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            thread = threading.Thread(target=self._serve, args=(sock,), name="kv-tcp-recv", daemon=True)
+            with self._lock:
+                keys = self._keys
+            thread = threading.Thread(target=self._serve, args=(sock, keys, f"{addr[0]}:{addr[1]}"),
+                                      name="kv-tcp-recv", daemon=True)
             with self._lock:
                 if self._closed:
                     sock.close()
@@ -202,8 +222,26 @@ class TcpBackend(PeerThreadBackend):
                     pass
         return False
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _is_proven(self, sock: socket.socket, keys: KVKeys, peer: str) -> bool:
+        """The connection's first bytes prove the key (a nonce sent first: a fresh proof per connection)."""
+        nonce = new_nonce()
+        sock.settimeout(self._connect_timeout_s)  # (a peer that sends nothing holds no thread for long)
         try:
+            sock.sendall(nonce)
+            proof = _recv_exact(sock, PROOF_BYTES)
+        except OSError as exc:
+            self._refusals.refused(peer, f"no proof of the workers' key ({exc or type(exc).__name__})")
+            return False
+        if not is_valid(data_proof(keys, nonce), proof):
+            self._refusals.refused(peer, "a wrong proof of the workers' key (another --api-key, or none)")
+            return False
+        sock.settimeout(None)
+        return True
+
+    def _serve(self, sock: socket.socket, keys: KVKeys | None = None, peer: str = "") -> None:
+        try:
+            if keys is not None and not self._is_proven(sock, keys, peer):
+                return
             while True:
                 try:
                     head = sock.recv(_HEADER.size, socket.MSG_WAITALL)
@@ -275,6 +313,16 @@ class TcpBackend(PeerThreadBackend):
             raise TransferError(
                 TransferErrorKind.PEER_UNREACHABLE, f"tcp: cannot connect to {address}: {exc}"
             ) from exc
+        with self._lock:
+            keys = self._keys
+        if keys is not None:  # (still under the connect timeout: a peer that sends no nonce fails the connect)
+            try:
+                sock.sendall(data_proof(keys, _recv_exact(sock, NONCE_BYTES)))
+            except OSError as exc:
+                sock.close()
+                raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"tcp: {address} did not start the "
+                                    f"workers' key handshake: {exc or type(exc).__name__} (a data port without "
+                                    "the key?)") from exc
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._sndbuf is not None:

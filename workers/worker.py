@@ -229,7 +229,7 @@ class Worker:
 
             backend = create_shm_backend(backend, same_host=self._same_host())
         return KVManager(role, args, backend, host=cfg.host, advertise_host=self.advertise_host,
-                         timeouts=timeouts, resolver=resolver)
+                         timeouts=timeouts, resolver=resolver, auth_key=cfg.api_key)
 
     def _make_resolver(self) -> _RegistryResolver:
         from bootstrap.client import BootstrapResolver
