@@ -165,9 +165,18 @@ class TcpBackend(PeerThreadBackend):
         self._regions = RegionSet(regions)
 
     def set_kv_keys(self, keys: KVKeys | None) -> None:
-        """(``ProvesKey``) connections accepted from now on, and those ``connect`` opens, prove ``keys``."""
+        """(``ProvesKey``) connections accepted from now on, and those ``connect`` opens, prove ``keys``; one
+        accepted before (the listener accepts from the constructor on) proved none of them: it is shut down."""
         with self._lock:
+            if keys == self._keys:
+                return
             self._keys = keys
+            unproven = [sock for sock, _ in self._inbound]
+        for sock in unproven:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     @property
     def num_peers_refused(self) -> int:
@@ -187,14 +196,12 @@ class TcpBackend(PeerThreadBackend):
                 return
             sock, addr = accepted
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                keys = self._keys
-            thread = threading.Thread(target=self._serve, args=(sock, keys, f"{addr[0]}:{addr[1]}"),
-                                      name="kv-tcp-recv", daemon=True)
-            with self._lock:
+            with self._lock:  # (the key read and the connection listed at once: ``set_kv_keys`` sees either)
                 if self._closed:
                     sock.close()
                     return
+                thread = threading.Thread(target=self._serve, args=(sock, self._keys, f"{addr[0]}:{addr[1]}"),
+                                          name="kv-tcp-recv", daemon=True)
                 self._inbound.append((sock, thread))
             thread.start()
 
