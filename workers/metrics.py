@@ -269,6 +269,13 @@ def _transfer_metrics(role: str, s: Scheduler, kv: Any) -> Iterator[Metric]:
     rooms.add_metric([role, "failed"], int(getattr(counters, "num_rooms_failed", 0)))
     rooms.add_metric([role, "aborted"], int(getattr(counters, "num_rooms_aborted", 0)))
     yield rooms
+    refused = getattr(kv, "num_peers_refused", None)
+    if refused is not None:  # (transfer.auth: with a worker key, peers that did not prove it)
+        peers_refused = CounterMetricFamily(
+            "pd_worker_kv_peers_refused", "KV control and tcp data connections refused for not proving the "
+            "workers' key (with --api-key)", labels=["role"])
+        peers_refused.add_metric([role], int(refused))
+        yield peers_refused
     paths = getattr(getattr(kv, "backend", None), "peer_paths", None)
     if role == "prefill" and paths is not None:  # transfer.shm: decodes written through shared memory or not
         peers = GaugeMetricFamily("pd_worker_kv_peers", "Decodes connected for KV, by data path (shm = same host)",

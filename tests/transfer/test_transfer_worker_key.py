@@ -144,9 +144,30 @@ def test_a_keyed_prefill_refuses_a_wrong_proof_a_bare_register_and_a_room_on_its
             sock.sendall(_register_frame(args, version=1))
             assert f"protocol version 1, this prefill speaks {PROTOCOL_VERSION}" in _refusal(reader).reason
         assert prefill.num_peers_refused == 3
+        assert _scraped_refusals(prefill) == 3  # (what /metrics shows: pd_worker_kv_peers_refused_total)
         assert not prefill.backend._peers  # type: ignore[attr-defined]
     finally:
         prefill.close()
+
+
+def _scraped_refusals(manager: KVManager) -> float:
+    """``pd_worker_kv_peers_refused_total`` as a worker's ``/metrics`` renders it for ``manager``."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from workers.metrics import SchedulerMetrics, _transfer_metrics
+
+    class _Families:
+        def collect(self) -> Any:
+            return _transfer_metrics("prefill", SimpleNamespace(metrics=SchedulerMetrics()), manager)
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families())  # type: ignore[arg-type]
+    text = generate_latest(registry).decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "pd_worker_kv_peers_refused_total" and sample.labels == {"role": "prefill"})
 
 
 def _batch(dst: int, payload: bytes) -> bytes:
