@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -146,3 +147,74 @@ def run_mooncake_child(child: str, *, setup: str = "", tools: tuple[str, ...] = 
     if run.stdout.startswith("SKIP"):
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), (run.stdout + run.stderr)[-3000:]
+
+
+def late_bytes_child(*, deadline_s: float = 90.0, before: str = "", after_connect: str = "", cleanup: str = "") -> str:
+    """A ``run_mooncake_child`` script: a prefill writes 2048 small blocks (one engine call, which Mooncake fails
+    quickly) to a decode frozen with SIGSTOP for 2.5 s (a child process whose KV memory this one shares); the write
+    must end within ``deadline_s`` and no byte of it land after it ended (the decode, which does not fence Mooncake's
+    writes, gives the pages out again once the room's writes ended). ``before`` runs first (it may print ``SKIP:
+    why`` and exit), ``after_connect`` once the prefill is connected, ``cleanup`` in the ``finally`` after the decode
+    is reaped (each top-level Python; ``pid`` is the decode's)."""
+    def block(code: str, indent: str) -> str:
+        return textwrap.indent(textwrap.dedent(code).strip("\n"), indent) + "\n" if code.strip() else ""
+
+    return (textwrap.dedent("""\
+        import ctypes, mmap, os, signal, time
+        from transfer import WriteState
+        """) + block(before, "") + textwrap.dedent("""\
+        N, BLOCK = 2048, 2048  # small KV blocks (page_size 1): one 4 MiB turn is one engine call of 2048 entries
+        SIZE = N * BLOCK
+        shared = mmap.mmap(-1, SIZE)  # the decode's KV memory, seen by this process too
+        ready_r, ready_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the decode
+            from transfer.mooncake import MooncakeBackend
+            decode = MooncakeBackend()
+            decode.register([(ctypes.addressof((ctypes.c_ubyte * SIZE).from_buffer(shared)), SIZE)])
+            endpoint = decode.endpoint()
+            os.write(ready_w, len(endpoint).to_bytes(4, "big") + endpoint)
+            while True:
+                time.sleep(1)
+        from transfer.mooncake import MooncakeBackend
+        size = int.from_bytes(os.read(ready_r, 4), "big")
+        endpoint = b""
+        while len(endpoint) < size:
+            endpoint += os.read(ready_r, size - len(endpoint))
+        dst = (ctypes.c_ubyte * SIZE).from_buffer(shared)
+        src = (ctypes.c_ubyte * SIZE)()
+        ctypes.memset(src, 0x5A, SIZE)
+        prefill = MooncakeBackend(options={"max_batch_blocks": "2048"})
+        try:
+            prefill.register([(ctypes.addressof(src), SIZE)])
+            peer = prefill.connect(endpoint)
+        """) + block(after_connect, "    ") + textwrap.dedent(f"""\
+            os.kill(pid, signal.SIGSTOP)  # the decode stalls (a starved host) for 2.5 s
+            started = time.monotonic()
+            handle = prefill.write(peer, [(ctypes.addressof(src) + i * BLOCK, ctypes.addressof(dst) + i * BLOCK, BLOCK)
+                                          for i in range(N)])
+            ended, resumed = None, False
+            while ended is None and time.monotonic() - started < {deadline_s!r}:
+                if not resumed and time.monotonic() - started > 2.5:
+                    os.kill(pid, signal.SIGCONT)
+                    resumed = True
+                if prefill.poll(handle) != WriteState.PENDING:
+                    ended = time.monotonic()
+                time.sleep(0.01)
+            assert ended is not None, "the write never ended"
+            ctypes.memset(ctypes.addressof(dst), 0, SIZE)  # its room quiesced: the decode gives the pages out again
+            while time.monotonic() < max(started + 10.0, ended + 5.0):
+                if not resumed and time.monotonic() - started > 2.5:
+                    os.kill(pid, signal.SIGCONT)
+                    resumed = True
+                landed = sum(1 for i in range(N) if dst[i * BLOCK])
+                assert not landed, (f"{{landed}} blocks landed {{time.monotonic() - ended:.1f}}s after the write ended "
+                                    f"{{prefill.poll(handle).name}} ({{ended - started:.1f}}s after it began: "
+                                    f"{{prefill.error(handle)}})")
+                time.sleep(0.05)
+            print("ok")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        """) + block(cleanup, "    ") + "    prefill.close()\n")

@@ -12,69 +12,10 @@ namespace of its own (Mooncake binds 0.0.0.0).
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
-from kvunit import run_mooncake_child
+from kvunit import late_bytes_child, run_mooncake_child
 
-_CHILD = textwrap.dedent("""
-    import ctypes, mmap, os, signal, time
-    from transfer import WriteState
-
-    N, BLOCK = 2048, 2048  # small KV blocks (page_size 1): one 4 MiB turn is one engine call of 2048 entries
-    SIZE = N * BLOCK
-    shared = mmap.mmap(-1, SIZE)  # the decode's KV memory, seen by this process too
-    ready_r, ready_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the decode
-        from transfer.mooncake import MooncakeBackend
-        decode = MooncakeBackend()
-        decode.register([(ctypes.addressof((ctypes.c_ubyte * SIZE).from_buffer(shared)), SIZE)])
-        endpoint = decode.endpoint()
-        os.write(ready_w, len(endpoint).to_bytes(4, "big") + endpoint)
-        while True:
-            time.sleep(1)
-    from transfer.mooncake import MooncakeBackend
-    size = int.from_bytes(os.read(ready_r, 4), "big")
-    endpoint = b""
-    while len(endpoint) < size:
-        endpoint += os.read(ready_r, size - len(endpoint))
-    dst = (ctypes.c_ubyte * SIZE).from_buffer(shared)
-    src = (ctypes.c_ubyte * SIZE)()
-    ctypes.memset(src, 0x5A, SIZE)
-    prefill = MooncakeBackend(options={"max_batch_blocks": "2048"})
-    try:
-        prefill.register([(ctypes.addressof(src), SIZE)])
-        peer = prefill.connect(endpoint)
-        os.kill(pid, signal.SIGSTOP)  # the decode stalls (a starved host) for 2.5 s
-        started = time.monotonic()
-        handle = prefill.write(peer, [(ctypes.addressof(src) + i * BLOCK, ctypes.addressof(dst) + i * BLOCK, BLOCK)
-                                      for i in range(N)])
-        ended, resumed = None, False
-        while ended is None and time.monotonic() - started < 90:
-            if not resumed and time.monotonic() - started > 2.5:
-                os.kill(pid, signal.SIGCONT)
-                resumed = True
-            if prefill.poll(handle) != WriteState.PENDING:
-                ended = time.monotonic()
-            time.sleep(0.01)
-        assert ended is not None, "the write never ended"
-        ctypes.memset(ctypes.addressof(dst), 0, SIZE)  # its room quiesced: the decode gives the pages out again
-        while time.monotonic() < max(started + 10.0, ended + 5.0):
-            if not resumed and time.monotonic() - started > 2.5:
-                os.kill(pid, signal.SIGCONT)
-                resumed = True
-            landed = sum(1 for i in range(N) if dst[i * BLOCK])
-            assert not landed, (f"{landed} blocks landed {time.monotonic() - ended:.1f}s after the write ended "
-                                f"{prefill.poll(handle).name} ({ended - started:.1f}s after it began: "
-                                f"{prefill.error(handle)})")
-            time.sleep(0.05)
-        print("ok")
-    finally:
-        os.kill(pid, signal.SIGCONT)
-        os.kill(pid, signal.SIGKILL)
-        prefill.close()
-""")
+_CHILD = late_bytes_child(deadline_s=90.0)
 
 
 @pytest.mark.slow
