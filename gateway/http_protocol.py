@@ -155,6 +155,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             if not cycle.response_complete:
                 cycle.disconnected = True
                 cycle.message_event.set()
+        if not self._refused:  # (``_refuse`` counted its own, 444): queued ones never start, counted as the 499
+            for queued, _ in self.pipeline:  # the client's close left them
+                if isinstance(queued, HotCycle):
+                    queued.responder.count(499)
         self._disarm()
         if self._timer is not None:
             self._timer.cancel()
