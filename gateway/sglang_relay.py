@@ -380,7 +380,7 @@ class SGLangResponder:
                             _failed_worker(decode, "worker_gone", metrics)
                         return await self._failed(first, send)
                     decode.health.breaker.trials.discard(d_rid)  # (a half-open trial that streams: its place is free)
-                    status = await self._stream(reply, first, p_task, merge_logprobs, send, figures)
+                    status: int | None = await self._stream(reply, first, p_task, merge_logprobs, send, figures)
                 else:
                     whole = await self._whole(reply, decode, p_task, merge_logprobs, send, figures)
                     if isinstance(whole, _Failure):  # nothing sent yet: retried like a failure before the head
@@ -488,9 +488,11 @@ class SGLangResponder:
 
     async def _stream(self, reply: aiohttp.ClientResponse, first: tuple[bytes, bytes],
                       p_task: asyncio.Task[_PrefillReply], merge_logprobs: bool, send: Send,
-                      figures: _Figures) -> int:
+                      figures: _Figures) -> int | None:
         """Relay the stream from its first events on, whole events only: a decode that breaks off
-        mid-event leaves the client a clean error event, not a line of two events run together."""
+        mid-event leaves the client a clean error event, not a line of two events run together. Returns the
+        decode's outcome for ``_record``: its status, 504 for a stream silent too long, None for one broken off
+        (the client's status is the head's)."""
         content_type = reply.headers.get("content-type", "text/event-stream")
         await send({"type": "http.response.start", "status": reply.status,
                     "headers": [(b"content-type", content_type.encode()), (b"cache-control", b"no-cache"),
@@ -532,10 +534,13 @@ class SGLangResponder:
             error = (UpstreamTimeout if timed_out else BadGateway)(f"the SGLang decode worker's stream {why}")
             # (whole events only, then the error event and [DONE], as the native path ends a broken stream)
             pending, status = error_event(error) + SSE_DONE, error.status
+            outcome: int | None = status if timed_out else None  # (broken off: worker_gone, not its own error)
+        else:
+            outcome = status
         await send({"type": "http.response.body", "body": pending, "more_body": False})
         if status == 200:
             figures.answered(_last_event(last + pending if last is not None else pending), streamed=True)
-        return status
+        return outcome
 
 
 class _Sent:
