@@ -340,7 +340,9 @@ class DecodeSide:
         frozen mid-write (silent, or its connection gone), so a write of it being received is cut off."""
         was_quiet = receiver.quiesced
         if receiver.fail(error):  # (an abort ended it on purpose: not a transfer failure, for the metrics)
-            if isinstance(error, RoomAborted):
+            # (the prefill's refusal of a room it had aborted, before our page list came, says so in its kind)
+            if isinstance(error, RoomAborted) or (isinstance(error, PeerReport)
+                                                  and error.kind == TransferErrorKind.ABORTED):
                 self._ctx.num_rooms_aborted += 1
             else:
                 self._ctx.num_rooms_failed += 1
