@@ -1,6 +1,8 @@
 """The KV manager's room counters (``pd_worker_kv_transfer_rooms_total{outcome}``): a room ended on purpose (either
 side's abort, a release before its end, a manager closing) counts ``aborted``, a transfer failure ``failed``, on
-both roles. In one process over real loopback sockets (the fake backend: no bytes)."""
+both roles; so does a room the prefill aborted before the decode's page list came (refused with a ``RoomStatus``
+of kind ``aborted`` when the list arrives). In one process over real loopback sockets (the fake backend: no
+bytes)."""
 
 from __future__ import annotations
 
@@ -55,6 +57,20 @@ def test_an_abort_or_early_release_counts_aborted_on_both_sides(managers: Callab
         case "decode_releases":
             receiver.release()
     assert wait_for(lambda: sender.poll() == KVPoll.Failed and receiver.poll() == KVPoll.Failed)
+    assert outcomes(prefill) == outcomes(decode) == (0, 0, 1), (outcomes(prefill), outcomes(decode))
+
+
+def test_a_prefill_abort_before_the_page_list_counts_aborted_on_the_decode(
+        managers: Callable[[str], KVManager]) -> None:
+    prefill, decode = managers("prefill"), managers("decode")
+    sender = prefill.create_sender(1)
+    receiver = decode.create_receiver(1, *prefill.control_address)
+    assert wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput)
+    sender.abort("the client left")  # before the decode's page list: the prefill has no request to tell
+    assert wait_for(lambda: sender.poll() == KVPoll.Failed)
+    receiver.send_metadata([3, 4], 1)
+    assert wait_for(lambda: receiver.poll() == KVPoll.Failed)
+    assert receiver.failure().kind == TransferErrorKind.ABORTED  # type: ignore[union-attr]
     assert outcomes(prefill) == outcomes(decode) == (0, 0, 1), (outcomes(prefill), outcomes(decode))
 
 
