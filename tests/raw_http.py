@@ -50,6 +50,19 @@ def once(port: int, method: str, path: str, body: bytes = b"") -> tuple[int, dic
         return request(sock, method, path, body)
 
 
+def read_to_close(sock: socket.socket) -> bytes:
+    """Everything the server sends on ``sock`` until it closes it (EOF or reset)."""
+    out = b""
+    while True:
+        try:
+            data = sock.recv(65536)
+        except ConnectionResetError:
+            return out
+        if not data:
+            return out
+        out += data
+
+
 def is_closed(sock: socket.socket, timeout_s: float) -> bool:
     """The server closed ``sock`` (EOF or reset, after an answer or not) within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

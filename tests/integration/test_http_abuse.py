@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 import httpx
 from pdtest import SimCluster
+from raw_http import read_to_close
 
 HEAD_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 5.0
@@ -46,15 +47,7 @@ def exchange(port: int, chunks: list[bytes], *, pause_s: float = 0.0, timeout_s:
             except OSError:
                 break
             time.sleep(pause_s)
-        out = b""
-        while True:
-            try:
-                data = sock.recv(65536)
-            except ConnectionResetError:
-                return out
-            if not data:
-                return out
-            out += data
+        return read_to_close(sock)
 
 
 def status_and_error(response: bytes) -> tuple[int, dict[str, object]]:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import httpx
 from pdtest import SimCluster
+from raw_http import read_to_close
 from test_gateway_sglang import Fleet, eventually, fleet  # noqa: F401 (the SGLang stand-ins' fixture)
 from test_hot_cycle import PROMPT, post
 
@@ -41,18 +42,6 @@ def changed(cluster: SimCluster, route: str, before: dict[str, float], status: s
         time.sleep(0.05)
 
 
-def read_all(sock: socket.socket) -> bytes:
-    out = b""
-    while True:
-        try:
-            data = sock.recv(65536)
-        except ConnectionResetError:
-            return out
-        if not data:
-            return out
-        out += data
-
-
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0) for k, v in after.items() if k != "active" and v != before.get(k, 0)}
 
@@ -69,7 +58,7 @@ def test_a_broken_chunked_body_in_the_read_of_its_head_counts_as_its_400(
                 if i:
                     time.sleep(0.3)
                 sock.sendall(part)
-            answer = read_all(sock)
+            answer = read_to_close(sock)
         assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
         after = changed(cluster, "completions", before, "400")
         assert delta(before, after) == {"400": 1}, (len(parts), before, after)
@@ -91,7 +80,7 @@ def test_a_request_whose_connection_the_gateway_closes_counts_444_not_499(
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
             sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
-            answer = read_all(sock)
+            answer = read_to_close(sock)
         assert b"HTTP/1.1 400" not in answer, answer[:300]  # (no answer that could be taken for the request's)
         after = changed(cluster, "completions", before, "444")
         assert delta(before, after) == {"444": 1}, (stream, before, after)
@@ -122,7 +111,7 @@ def test_relayed_requests_count_the_status_the_gateway_ended_them_with(fleet: Fl
     before = {s: generate(s) for s in ("400", "499")}
     with socket.create_connection(("127.0.0.1", port), timeout=GENEROUS_S) as sock:
         sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"tex\r\nzz\r\n")
-        assert read_all(sock).startswith(b"HTTP/1.1 400 ")
+        assert read_to_close(sock).startswith(b"HTTP/1.1 400 ")
     deadline = time.monotonic() + GENEROUS_S
     while generate("400") == before["400"] and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -139,7 +128,7 @@ def test_relayed_requests_count_the_status_the_gateway_ended_them_with(fleet: Fl
         assert eventually(lambda: [e for e in fleet.entries(fleet.decode_log, "waiting")
                                    if e["bootstrap_room"] == entry["bootstrap_room"]])  # (its head went out)
         sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
-        read_all(sock)
+        read_to_close(sock)
     deadline = time.monotonic() + GENEROUS_S
     while generate("444") == before["444"] and time.monotonic() < deadline:
         time.sleep(0.05)
