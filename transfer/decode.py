@@ -7,7 +7,11 @@ Lifecycle:
    TCP connect, ``Register`` with our data endpoint and memory, wait for ``RegisterAck``). Workers with a
    key (``transfer.auth``): ``AuthHello`` first; only a prefill whose ``AuthChallenge`` proves the key gets
    our ``AuthProof`` and ``Register`` (``_on_handshake``); one that does not is closed, its rooms failed
-   (PROTOCOL), our memory's layout never sent to it.
+   (PROTOCOL), our memory's layout never sent to it (logged once per address a minute, counted). One that
+   closes on our ``AuthHello`` without an answer does not know it (a prefill of an earlier release: one of this
+   release without a key answers with a refusal), or went away: its rooms fail saying so, PEER_GONE (held against
+   the prefill, which cannot serve us in either case, not against this decode). A refused registration
+   (the reason is the prefill's) is logged as seldom.
    Fast path: when the address is known without blocking (no resolver and a port given, or a
    ``CachingResolver`` with the answer cached) and its connection is registered, the receiver is
    WaitingForInput before ``create_receiver`` returns, with no hand-off.
@@ -117,6 +121,7 @@ class DecodeSide:
         self._receivers: dict[int, KVReceiver] = {}
         self._conns: dict[tuple[str, int], PrefillConn] = {}
         self._by_channel: dict[ControlChannel, PrefillConn] = {}
+        self._unanswered: set[ControlChannel] = set()  # (with a key) AuthHello sent, no answer read yet
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-bootstrap")
         # target -> the rooms waiting for its look-up, under way on one pool thread (a registry that hangs holds
         # one thread, not one per room: rooms of other prefills are not queued behind its rooms)
@@ -292,6 +297,7 @@ class DecodeSide:
             self._by_channel[channel] = conn
             if proving:
                 conn.nonce = new_nonce()
+                self._unanswered.add(channel)
         channel.start()
         if proving:
             channel.send(AuthHello(PROTOCOL_VERSION, conn.nonce))
@@ -312,6 +318,9 @@ class DecodeSide:
         keys = self._keys
         if conn is None or keys is None:
             return
+        if isinstance(msg, (AuthChallenge, RegisterAck)):  # (it knows the key's handshake: ``_on_close``)
+            with self._ctx.lock:
+                self._unanswered.discard(channel)
         match msg:
             case Ping(seq=seq):
                 channel.send(Pong(seq))
@@ -538,6 +547,7 @@ class DecodeSide:
                 for aborted, reason in aborts:  # (rooms aborted while the connection was being registered)
                     channel.send(Abort(aborted.room, reason))
             case RegisterAck(ok=False, reason=reason, kind=kind):
+                self.refusals.refused_us(channel.name, f"it refused our registration: {reason}")
                 error = TransferError(TransferErrorKind.parse(kind), f"{channel.name} refused registration: {reason}")
                 self._conn_failed(conn, error)
                 channel.close(error)
@@ -594,8 +604,20 @@ class DecodeSide:
     def _on_close(self, channel: ControlChannel, error: TransferError) -> None:
         with self._ctx.lock:
             conn = self._by_channel.pop(channel, None)
-        if conn is not None:
-            self._conn_failed(conn, error)
+            unanswered = channel in self._unanswered
+            self._unanswered.discard(channel)
+        if conn is None:
+            return
+        if unanswered and error.kind == TransferErrorKind.PEER_GONE:
+            # (a prefill of this release answers AuthHello, a refusal included: one that closes on it does not know
+            # it, an earlier release's decoder fails on the unknown message; or it went away, killed or stopping,
+            # which looks the same from here. Still PEER_GONE, said so: held against the prefill, not against this
+            # decode as a PROTOCOL failure of its own would be, in either case)
+            error = TransferError(TransferErrorKind.PEER_GONE, f"{channel.name} closed the connection on our key "
+                                  "handshake (AuthHello) without an answer: it does not support the workers' KV keys "
+                                  f"(a prefill of an earlier release), or it went away ({error.message})")
+            self.refusals.refused_us(channel.name, error.message)
+        self._conn_failed(conn, error)
 
     # -- monitor thread --------------------------------------------------------------------------
     def take_broken(self) -> list[tuple[ControlChannel, TransferError]]:

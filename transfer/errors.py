@@ -13,7 +13,9 @@ class TransferErrorKind(StrEnum):
     RANGE_REJECTED = "range_rejected"  # a write or page list outside registered memory
     TIMEOUT = "timeout"  # a deadline passed (bootstrap, waiting, transfer, heartbeat)
     ABORTED = "aborted"  # one side called abort() or the manager closed
-    PROTOCOL = "protocol"  # malformed or unexpected message, version or shape mismatch
+    # malformed or unexpected message, version or shape mismatch, the workers' key refused or not supported (on the
+    # control channel or a tcp data port): a configuration error of the pair, not a transient loss of the peer
+    PROTOCOL = "protocol"
     BOOTSTRAP = "bootstrap"  # resolving the peer's control address failed
 
     @classmethod

@@ -117,6 +117,15 @@ class KVManager:
         return side.refusals.num_refused + int(getattr(self.backend, "num_peers_refused", 0))
 
     @property
+    def num_refused_by_peers(self) -> int:
+        """The other way round: our connections a peer refused (``transfer.auth``'s ``RefusalLog.refused_us``: a
+        prefill's proof of the key or a decode's registration refused on the control channel, a prefill's proof of
+        the key refused by a decode's tcp data port where the backend ``ProvesKey``), logged or not."""
+        side = self._prefill or self._decode
+        assert side is not None
+        return side.refusals.num_refused_by_peers + int(getattr(self.backend, "num_refused_by_peers", 0))
+
+    @property
     def control_address(self) -> tuple[str, int]:
         """Prefill: where decodes connect (goes into the bootstrap registry as rank_ip/rank_port)."""
         if self._prefill is None:

@@ -10,7 +10,8 @@ Frames: 4-byte big-endian length, then one msgpack-encoded ``Message`` (a tagged
    has no write in flight any more: from then on no byte of it can land in the decode's pages.
 Workers with a key (``transfer.auth``): before ``Register`` the decode sends ``AuthHello``, the prefill
 answers ``AuthChallenge`` (its proof of the key), the decode ``AuthProof`` (its own); without a key none of
-the three is sent. New fields go last with defaults; ``Register.version`` (and ``AuthHello.version``) is
+the three is sent (a prefill of an earlier release, which knows none of them, closes on ``AuthHello``: the
+decode says so). New fields go last with defaults; ``Register.version`` (and ``AuthHello.version``) is
 checked by the prefill.
 """
 

@@ -6,10 +6,13 @@ Lifecycle:
    Workers with a key (``transfer.auth``): a connection's reader first reads only the key's handshake
    (``_on_handshake``: ``AuthHello`` -> our ``AuthChallenge`` -> its ``AuthProof``); a decode that proves
    nothing, or wrongly, or not within a heartbeat timeout, is refused (``RegisterAck(ok=False)``) and closed,
-   logged once per address a minute. Then the ordinary handler (``_on_message``) takes over.
+   logged once per address a minute and counted. One that closes after our ``AuthChallenge`` without its proof
+   refused ours (another key): logged as seldom (``refused_us``). Then the ordinary handler (``_on_message``)
+   takes over.
 2. A decode sends ``Register`` once: the shape is validated against ours (protocol version, backend,
    page size, dtype, layer count, page bytes), then the backend connects to the decode's data endpoint
-   (blocking, in the reader thread), then ``RegisterAck``. A mismatch is refused with the reason.
+   (blocking, in the reader thread), then ``RegisterAck``. A mismatch is refused with the reason, as is a data
+   endpoint that cannot be reached or that refuses our proof of the key (tcp: PROTOCOL, a configuration error).
 3. Room messages (``RoomRequest``, ``Abort``) go to ``SenderRooms`` (``transfer.sender_rooms``).
 4. The monitor thread pings every decode; one silent for the heartbeat timeout has its rooms failed
    (TIMEOUT) and its connection closed (never at the first beat after a stall of our own: the decode's
@@ -135,6 +138,9 @@ class PrefillSide:
 
     def _refuse_unproven(self, channel: ControlChannel, reason: str) -> None:
         self.refusals.refused(channel.name, reason)
+        link = self._links.get(channel)
+        if link is not None:
+            link.nonces = None  # (its close is ours, not its refusal of our challenge: ``_on_close``)
         channel.set_handler(_ignore)  # (what it sent behind, read as the channel closes, is not taken either)
         self._refuse(channel, reason)
 
@@ -171,7 +177,7 @@ class PrefillSide:
                 self._refuse_unproven(channel, version_reason.format(version))
             case Register():
                 self._refuse_unproven(channel, f"this prefill requires the worker key {_KEY_HINT} and the decode "
-                                      "has none")
+                                      "has none (or is of an earlier release, without KV keys)")
             case _:
                 self._refuse_unproven(channel, f"{type(msg).__name__} before proving the worker key")
 
@@ -242,7 +248,9 @@ class PrefillSide:
         try:
             peer = self._ctx.backend.connect(msg.endpoint)
         except TransferError as exc:
-            channel.send(RegisterAck(False, f"prefill cannot reach your data endpoint: {exc.message}", exc.kind))
+            # (unreachable, or refused: a tcp data port whose key differs refuses our proof, PROTOCOL)
+            failed = "cannot reach" if exc.kind == TransferErrorKind.PEER_UNREACHABLE else "cannot use"
+            channel.send(RegisterAck(False, f"prefill {failed} your data endpoint: {exc.message}", exc.kind))
             channel.close_after(exc, 1.0)
             return
         finally:
@@ -268,8 +276,15 @@ class PrefillSide:
             link = self._links.pop(channel, None)
             if link is None:
                 return
+            # it closed after our challenge, without its proof: a decode does that to a prefill whose proof of the
+            # key it refused (it logs and counts that refusal; this side learns nothing more)
+            challenged = link.proving and link.nonces is not None and error.kind == TransferErrorKind.PEER_GONE
             link.closed = True
             self.rooms.on_link_closed(link, error)
+        if challenged:
+            self.refusals.refused_us(channel.name, "it closed the connection after our key challenge, without its "
+                                     f"proof: it refused our proof of the worker key (its key differs {_KEY_HINT}), "
+                                     "or it went away")
         if link.peer is not None:
             self._ctx.backend.disconnect(link.peer)
 

@@ -125,6 +125,11 @@ class ShmBackend(PeerThreadBackend):
         """The network backend's data connections refused for not proving the workers' key."""
         return int(getattr(self.network, "num_peers_refused", 0))
 
+    @property
+    def num_refused_by_peers(self) -> int:
+        """The network backend's data connections whose proof of the workers' key the peer refused."""
+        return int(getattr(self.network, "num_refused_by_peers", 0))
+
     def endpoint(self) -> bytes:
         return msgspec.msgpack.encode(_Endpoint(self.network.name, self.network.endpoint(), self._offer))
 

@@ -21,10 +21,17 @@ Lifecycle:
    being received finishes into scratch, or, with ``cut``, has its connection shut down (a frozen
    writer would otherwise complete it whenever it resumes); the listener hears when it is out.
 6. Workers with a key (``set_kv_keys``, ``transfer.auth``): an accepted connection is sent a fresh nonce
-   first and must answer its proof (``data_proof``, 32 bytes) before its first batch header; a wrong or
-   missing one closes it (logged once per address a minute, counted in ``num_peers_refused``) before any of
-   its bytes reach memory. ``connect`` reads the nonce and sends the proof (within ``connect_timeout_s``).
-   Once per connection: the batches that follow are as before.
+   first and must answer its proof (``data_proof``, 32 bytes); a proof that asks for it (``verdict=True``, this
+   release's) is answered with the verdict, one byte (``_PROOF_ACCEPTED`` / ``_PROOF_REFUSED``), before the first
+   batch header; the plain proof (the earlier release's connecting side: its batch follows the proof at once)
+   is taken as before, with none. A wrong proof is answered refused and the connection closed, a missing one
+   closed (each logged once per address a minute, counted in ``num_peers_refused``), before any of its bytes
+   reach memory. ``connect`` reads the nonce, sends the asking proof and reads the verdict (each step within
+   ``connect_timeout_s``): refused, it raises PROTOCOL saying so (the two hold different keys: a configuration
+   error, not a lost peer; logged once per address a minute, counted in ``num_refused_by_peers``); closed
+   without a verdict (a data port of the earlier release refuses the asking proof; or it went away), it connects
+   once more with the plain proof and no verdict, as the earlier release did. Once per connection: the batches
+   that follow are as before.
 7. ``disconnect``/``close`` shut the sockets down (unblocking a sender stuck on a frozen peer) and join.
 Peers, sender threads, write records and their failure on disconnect/close are the shared skeleton of
 ``transfer.peer_threads``; this module adds the wire format (``_send``) and the receiving side.
@@ -59,6 +66,7 @@ _MAX_BLOCKS = 1 << 22
 _MAX_BATCH_BYTES = 1 << 40
 _DRAIN_CHUNK = 1 << 20
 _MAX_IOV = 512  # views per sendmsg (the kernel takes up to IOV_MAX = 1024)
+_PROOF_ACCEPTED, _PROOF_REFUSED = b"\x00", b"\x01"  # the receiving side's verdict on a connection's key proof
 
 
 def _memory(addr: int, length: int) -> memoryview:
@@ -182,6 +190,11 @@ class TcpBackend(PeerThreadBackend):
     def num_peers_refused(self) -> int:
         return self._refusals.num_refused
 
+    @property
+    def num_refused_by_peers(self) -> int:
+        """Our data connections whose proof of the key the peer's data port refused (``connect`` raised)."""
+        return self._refusals.num_refused_by_peers
+
     def endpoint(self) -> bytes:
         return join_host_port(self._advertise, self._port).encode()
 
@@ -239,9 +252,17 @@ class TcpBackend(PeerThreadBackend):
         except OSError as exc:
             self._refusals.refused(peer, f"no proof of the workers' key ({exc or type(exc).__name__})")
             return False
-        if not is_valid(data_proof(keys, nonce), proof):
+        asks = is_valid(data_proof(keys, nonce, verdict=True), proof)  # (this release's connecting side)
+        if not asks and not is_valid(data_proof(keys, nonce), proof):  # (nor an earlier release's)
             self._refusals.refused(peer, "a wrong proof of the workers' key (another --api-key, or none)")
+            try:  # (told, so that it says why rather than take the close for a lost peer; nothing of it is read)
+                sock.sendall(_PROOF_REFUSED)
+                sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
             return False
+        if asks:  # (an earlier release's reads no verdict: its first batch follows, then it reads its ack)
+            sock.sendall(_PROOF_ACCEPTED)  # (an OSError: the caller closes it)
         sock.settimeout(None)
         return True
 
@@ -314,27 +335,65 @@ class TcpBackend(PeerThreadBackend):
     # -- initiator side --------------------------------------------------------------------------
     def connect(self, endpoint: bytes) -> PeerId:
         address = endpoint.decode(errors="replace")
-        try:
-            sock = socket.create_connection(split_host_port(address), timeout=self._connect_timeout_s)
-        except (OSError, ValueError) as exc:
-            raise TransferError(
-                TransferErrorKind.PEER_UNREACHABLE, f"tcp: cannot connect to {address}: {exc}"
-            ) from exc
+        sock = self._dial(address)
         with self._lock:
             keys = self._keys
         if keys is not None:  # (still under the connect timeout: a peer that sends no nonce fails the connect)
             try:
-                sock.sendall(data_proof(keys, _recv_exact(sock, NONCE_BYTES)))
-            except OSError as exc:
+                if not self._prove(sock, keys, address):
+                    # closed on our proof without a verdict: a data port of the earlier release (ours, asking for a
+                    # verdict, is a wrong one there), or one that went away: once more with the proof it takes
+                    sock.close()
+                    sock = self._dial(address)
+                    self._prove(sock, keys, address, verdict=False)
+            except BaseException:
                 sock.close()
-                raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"tcp: {address} did not start the "
-                                    f"workers' key handshake: {exc or type(exc).__name__} (a data port without "
-                                    "the key?)") from exc
+                raise
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._sndbuf is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._sndbuf)
         return self._add_peer(_TcpPeer(label=address, sock=sock))
+
+    def _dial(self, address: str) -> socket.socket:
+        try:
+            return socket.create_connection(split_host_port(address), timeout=self._connect_timeout_s)
+        except (OSError, ValueError) as exc:
+            raise TransferError(
+                TransferErrorKind.PEER_UNREACHABLE, f"tcp: cannot connect to {address}: {exc}"
+            ) from exc
+
+    def _prove(self, sock: socket.socket, keys: KVKeys, address: str, *, verdict: bool = True) -> bool:
+        """Our side of a data connection's key handshake: its nonce, our proof, its verdict. False: closed on our
+        proof without a verdict. ``verdict`` False: the earlier release's handshake (the plain proof, no verdict:
+        a wrong key shows as the first write failing, PEER_GONE, nothing of it landed)."""
+        try:
+            sock.sendall(data_proof(keys, _recv_exact(sock, NONCE_BYTES), verdict=verdict))
+        except OSError as exc:
+            raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"tcp: {address} did not start the "
+                                f"workers' key handshake: {exc or type(exc).__name__} (a data port without "
+                                "the key?)") from exc
+        if not verdict:
+            return True
+        try:
+            answer = sock.recv(1)
+        except ConnectionResetError:
+            answer = b""  # (closed: the same)
+        except OSError as exc:
+            raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"tcp: {address} gave no verdict on the "
+                                f"workers' key proof: {exc or type(exc).__name__}") from exc
+        if answer == _PROOF_ACCEPTED:
+            return True
+        if answer == _PROOF_REFUSED:
+            reason = (f"tcp: data port {address} refused the connecting worker's proof of the workers' key (the two "
+                      "workers hold different keys: --api-key / $PD_WORKER_API_KEY)")
+            self._refusals.refused_us(address, "it refused our proof of the workers' key (its key differs from "
+                                      "ours: --api-key / $PD_WORKER_API_KEY)")
+            raise TransferError(TransferErrorKind.PROTOCOL, reason)
+        if not answer:  # (closed with no verdict: a data port of the earlier release, or one that went away)
+            return False
+        raise TransferError(TransferErrorKind.PROTOCOL, f"tcp: {address} answered the workers' key proof with "
+                            f"{answer!r}, not a verdict (another release?)")
 
     def _send(self, peer: SenderPeer, blocks: list[Block], fence: Fence) -> TransferError | None:
         assert isinstance(peer, _TcpPeer) and peer.sock is not None

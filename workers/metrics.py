@@ -276,6 +276,13 @@ def _transfer_metrics(role: str, s: Scheduler, kv: Any) -> Iterator[Metric]:
             "workers' key (with --api-key)", labels=["role"])
         peers_refused.add_metric([role], int(refused))
         yield peers_refused
+    refused_us = getattr(kv, "num_refused_by_peers", None)
+    if refused_us is not None:  # (the other way round: a peer with another key, or none, refused this worker)
+        refused_by_peers = CounterMetricFamily(
+            "pd_worker_kv_peers_refused_us", "KV control and tcp data connections of this worker that the peer "
+            "refused (its workers' key differs, or it refused the registration)", labels=["role"])
+        refused_by_peers.add_metric([role], int(refused_us))
+        yield refused_by_peers
     paths = getattr(getattr(kv, "backend", None), "peer_paths", None)
     if role == "prefill" and paths is not None:  # transfer.shm: decodes written through shared memory or not
         peers = GaugeMetricFamily("pd_worker_kv_peers", "Decodes connected for KV, by data path (shm = same host)",

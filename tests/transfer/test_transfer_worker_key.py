@@ -1,8 +1,9 @@
 """The KV plane with the workers' key (``KVManager(auth_key=...)``, ``transfer.auth``): real managers over tcp.
 Two workers with the same key move KV as before; a decode with another key, or none, is refused on the prefill's
 control port with the reason (and a prefill that cannot prove the key gets no Register from a decode); the tcp
-data port closes a connection that does not prove the key before any of its bytes reach memory; no key on either
-side works as before. Before, anything that reached these ports was served."""
+data port refuses and closes a connection that does not prove the key before any of its bytes reach memory; no key
+on either side works as before. Before, anything that reached these ports was served. (What a refusal looks like
+on the refused side: test_transfer_key_refusals.py.)"""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 from kvunit import make_args, open_room, wait_for
 
-from transfer import KVManager, KVPoll, KVTimeouts, TransferErrorKind, WriteState
+from transfer import KVManager, KVPoll, KVTimeouts, TransferError, TransferErrorKind
 from transfer.auth import NONCE_BYTES, data_proof, decode_proof, derive, new_nonce
 from transfer.messages import (
     PROTOCOL_VERSION,
@@ -95,8 +96,10 @@ def test_a_decode_without_the_prefills_key_is_refused_and_gets_no_kv(
         assert not prefill.backend._peers  # type: ignore[attr-defined]  # its data path never opened
         refusing = decode if "did not prove" in said else prefill
         assert wait_for(lambda: refusing.num_peers_refused == 2, 5), refusing.num_peers_refused
-        logged = [r for r in caplog.records if "refused" in r.getMessage()]
-        assert len(logged) == 1, [r.getMessage() for r in logged]
+        for side in ("transfer.prefill", "transfer.decode"):  # once on each side (the refused one says so too)
+            assert wait_for(lambda s=side: any(r.name == s for r in caplog.records), 5)  # type: ignore[misc]
+            logged = [r for r in caplog.records if r.name == side and "refused" in r.getMessage()]
+            assert len(logged) == 1, [r.getMessage() for r in logged]
     finally:
         decode.close()
         prefill.close()
@@ -174,12 +177,15 @@ def _batch(dst: int, payload: bytes) -> bytes:
     return struct.pack(">QQQI", 1, 7, 1, 1) + struct.pack(">QQ", dst, len(payload)) + payload
 
 
-def _closed_unanswered(sock: socket.socket) -> bool:
-    """The peer closed without an answer (a reset: it closed with our batch unread)."""
+def _answer_until_closed(sock: socket.socket) -> bytes:
+    """Every byte the peer sent until it closed (a reset too: it closed with our batch unread)."""
+    answer = b""
     try:
-        return sock.recv(9, socket.MSG_WAITALL) == b""
+        while chunk := sock.recv(64):
+            answer += chunk
     except ConnectionResetError:
-        return True
+        pass
+    return answer
 
 
 def test_the_tcp_data_port_closes_a_connection_that_does_not_prove_the_key() -> None:
@@ -194,16 +200,27 @@ def test_the_tcp_data_port_closes_a_connection_that_does_not_prove_the_key() -> 
     try:
         other = derive("other-key")
         assert keys is not None and other is not None
-        for proof in (b"", bytes(32), data_proof(other, bytes(NONCE_BYTES))):  # none, garbage, another key's
+        wrong = (b"", bytes(32), data_proof(other, bytes(NONCE_BYTES)))  # none, garbage, another key's
+        for proof in wrong:
             with socket.create_connection((host, int(port)), timeout=10) as sock:
                 nonce = sock.recv(NONCE_BYTES, socket.MSG_WAITALL)
                 assert len(nonce) == NONCE_BYTES
                 sock.sendall(proof + _batch(dst, payload))
-                assert _closed_unanswered(sock)
+                assert _answer_until_closed(sock) == b"\x01"  # refused (its verdict), and no ack: closed
+        with socket.create_connection((host, int(port)), timeout=10) as sock:  # another key's, asking a verdict
+            sock.sendall(data_proof(other, sock.recv(NONCE_BYTES, socket.MSG_WAITALL), verdict=True))
+            assert _answer_until_closed(sock) == b"\x01"
         assert bytes(buf[:len(payload)]) == bytes(len(payload))
-        assert target.num_peers_refused == 3
+        assert target.num_peers_refused == 4
         with socket.create_connection((host, int(port)), timeout=10) as sock:  # the right proof: written
             sock.sendall(data_proof(keys, sock.recv(NONCE_BYTES, socket.MSG_WAITALL)) + _batch(dst, payload))
+            assert struct.unpack(">QB", sock.recv(9, socket.MSG_WAITALL)) == (1, 0)  # (no verdict asked, none)
+        assert bytes(buf[:len(payload)]) == payload
+        ctypes.memset(dst, 0, len(payload))
+        with socket.create_connection((host, int(port)), timeout=10) as sock:  # the right one, asking a verdict
+            sock.sendall(data_proof(keys, sock.recv(NONCE_BYTES, socket.MSG_WAITALL), verdict=True))
+            assert sock.recv(1, socket.MSG_WAITALL) == b"\x00"  # accepted (its verdict)
+            sock.sendall(_batch(dst, payload))
             assert struct.unpack(">QB", sock.recv(9, socket.MSG_WAITALL)) == (1, 0)
         assert bytes(buf[:len(payload)]) == payload
     finally:
@@ -219,11 +236,10 @@ def test_a_tcp_sender_with_another_key_lands_nothing() -> None:
     target.register([(ctypes.addressof(buf), 64)])
     writer.register([(ctypes.addressof(src), 64)])
     try:
-        peer = writer.connect(target.endpoint())
-        handle = writer.write(peer, [(ctypes.addressof(src), ctypes.addressof(buf), 64)])
-        assert wait_for(lambda: writer.poll(handle) != WriteState.PENDING, 10)
-        error = writer.error(handle)
-        assert error is not None and error.kind == TransferErrorKind.PEER_GONE, error
+        with pytest.raises(TransferError) as refused:  # (before: connected, its first write failed PEER_GONE)
+            writer.connect(target.endpoint())
+        assert refused.value.kind == TransferErrorKind.PROTOCOL, refused.value  # the key refused, not a lost peer
+        assert "proof of the workers' key" in refused.value.message
         assert bytes(buf) == bytes(64)
         assert target.num_peers_refused == 1
     finally:
