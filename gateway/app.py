@@ -6,7 +6,8 @@ Layout (``create_app(config)``), outermost first:
 2. ``GatewayApp``: the generation routes (``/v1/chat/completions``, ``/v1/completions``,
    ``/generate``) go straight to their raw-ASGI ``Responder`` (``gateway/responder.py``: admission,
    body, validation, dispatch, JSON or SSE); everything else goes to Starlette.
-3. Starlette: ``/v1/models``, ``/health`` (the process is alive, with the workers' state),
+3. Starlette: ``/v1/models``, ``GET``/``DELETE /v1/responses/{id}`` (``gateway/response_store.py``),
+   ``/health`` (the process is alive, with the workers' state),
    ``/readiness`` (200 only with a selectable prefill and decode, or combined, worker and not
    draining), ``/metrics``, ``/openapi.json`` (``gateway/openapi.py``, built here once) and the
    admin API; its lifespan starts the ``Gateway`` runtime
@@ -47,7 +48,8 @@ from gateway.hot_cycle import HotRoutes
 from gateway.middleware import BRIEF_STATUS, GatekeeperMiddleware, RequestContextMiddleware
 from gateway.openapi import openapi_document
 from gateway.responder import Responder
-from gateway.responses import ResponsesShape
+from gateway.response_store import ResponseStore, response_endpoint, store_of
+from gateway.responses import ResponsesResponder
 from gateway.runtime import Gateway, GatewayConfig
 from gateway.sglang_relay import SGLangResponder
 from gateway.shapes import ChatShape, CompletionShape, GenerateShape
@@ -63,6 +65,8 @@ __all__ = ["Gateway", "GatewayApp", "GatewayConfig", "create_app"]
 def create_app(config: GatewayConfig) -> Any:
     """The ASGI app (middleware around ``GatewayApp``); ``app.state.gateway`` is the ``Gateway``."""
     gw = Gateway(config)
+    store = store_of(config.responses_store_max, config.responses_store_ttl_s, keyed=bool(config.api_keys),
+                     max_bytes=config.responses_store_max_mib * 1024 * 1024)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -85,6 +89,8 @@ def create_app(config: GatewayConfig) -> Any:
         routes=[
             Route("/v1/models", _guarded(gw, "models", models), methods=["GET"]),
             Route("/v1/models/{model:path}", _guarded(gw, "models", model), methods=["GET"]),
+            Route("/v1/responses/{response_id}", _guarded(gw, "responses", response_endpoint(store)),
+                  methods=["GET", "DELETE"]),
             Route("/health", health, methods=["GET"]),
             Route("/readiness", readiness, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
@@ -96,7 +102,7 @@ def create_app(config: GatewayConfig) -> Any:
     )
     rest.state.gateway = gw
     rest.state.openapi = openapi_document(config, serves_responses=gw.serves_native)
-    app = GatewayApp(gw, rest)
+    app = GatewayApp(gw, rest, store)
     guarded = GatekeeperMiddleware(app, api_keys=config.api_keys, admin_api_keys=config.admin_api_keys,
                                    metrics_require_admin=config.metrics_require_admin,
                                    is_draining=lambda: gw.is_draining,
@@ -117,13 +123,13 @@ def create_app(config: GatewayConfig) -> Any:
 class GatewayApp:
     """Generation routes straight to their responders, everything else (and the lifespan) to Starlette."""
 
-    def __init__(self, gw: Gateway, rest: Starlette) -> None:
+    def __init__(self, gw: Gateway, rest: Starlette, store: ResponseStore | None = None) -> None:
         self.rest = rest
         self.responders: dict[str, Any] = {
             "/v1/chat/completions": Responder(gw, ChatShape(), gw.config.prepare_thread_bytes),
             "/v1/completions": Responder(gw, CompletionShape(), gw.config.prepare_thread_bytes),
             "/generate": Responder(gw, GenerateShape(), gw.config.prepare_thread_bytes),
-            "/v1/responses": Responder(gw, ResponsesShape(), gw.config.prepare_thread_bytes),
+            "/v1/responses": ResponsesResponder(gw, store, gw.config.prepare_thread_bytes),
         }
         if gw.fleet is not None:  # SGLang workers: the body goes through as is (gateway/sglang_relay.py)
             relays = {

@@ -88,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a client connection idle between requests for this long is closed (uvicorn's default; "
                         "behind a load balancer, set it above the balancer's own idle timeout)")
     p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument("--responses-store-max", type=int, default=1000,
+                   help="/v1/responses keeps at most this many responses in this process's memory (least recently "
+                        "used evicted first; not shared between gateways, lost on restart) for previous_response_id "
+                        "and GET/DELETE /v1/responses/{id}; 0: none (store answered false, previous_response_id a 400)")
+    p.add_argument("--responses-store-max-mib", type=int, default=256,
+                   help="...and at most this many MiB of them (their JSON, which echoes fields of the request, and "
+                        "their own input; least recently used evicted first)")
+    p.add_argument("--responses-store-ttl-s", type=float, default=3600.0,
+                   help="a stored response unused (not read nor continued) for this long is forgotten ('inf': never)")
     p.add_argument("--retry-backoff-s", type=float, default=0.05,
                    help="delay before the first retry (doubles per retry, +-50%% jitter)")
     ops = p.add_argument_group("operations")
@@ -182,7 +191,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         write_timeout_s=args.write_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s,
         max_unread_events=args.max_unread_events,
         gather_s=args.gather_ms / 1000.0, prepare_thread_bytes=args.prepare_thread_bytes,
-        default_max_tokens=args.default_max_tokens, max_concurrent_requests=args.max_concurrent_requests,
+        default_max_tokens=args.default_max_tokens, responses_store_max=args.responses_store_max,
+        responses_store_max_mib=args.responses_store_max_mib, responses_store_ttl_s=args.responses_store_ttl_s,
+        max_concurrent_requests=args.max_concurrent_requests,
         max_queued_requests=args.max_queued_requests, max_client_connections=args.max_client_connections,
         queue_timeout_s=args.queue_timeout_s,
         drain_timeout_s=args.drain_timeout_s, api_keys=tuple(args.api_key + read_keys(args.api_key_file)),

@@ -184,7 +184,7 @@ _RESPONSES: dict[str, dict[str, Any]] = {
 _ERRORS = {
     "400": "invalid request: the error names the field in `param` where there is one",
     "401": "missing or wrong API key",
-    "404": "unknown model or worker",
+    "404": "unknown model, worker or stored response",
     "408": "the request body did not arrive within --body-timeout-s",
     "409": "the worker is already configured",
     "413": "the request body is too large (--max-body-bytes; 16 KiB for the admin API)",
@@ -241,16 +241,30 @@ def _paths() -> dict[str, Any]:
     removed = {"202": _json(_ref("Worker"), "draining: no new requests, then it is gone"),
                **_errors("400", "404", "503")}
     workers = {"200": _json(_ref("WorkerList"), "every native worker"), **_errors("503")}
+    response_id = {"name": "response_id", "in": "path", "required": True, "schema": _STR}
     return {
         "/v1/chat/completions": _generation("OpenAI chat completion", "ChatCompletionRequest", "ChatCompletion",
                                             "createChatCompletion"),
         "/v1/completions": _generation("OpenAI text completion", "CompletionRequest", "TextCompletion",
                                        "createCompletion"),
         "/generate": _generation("SGLang native generation", "GenerateRequest", "GenerateResponse", "generate"),
-        "/v1/responses": _generation("OpenAI response (stateless: nothing stored; text and function tools)",
+        "/v1/responses": _generation("OpenAI response (text and function tools; stored unless store is false, "
+                                     "continued with previous_response_id)",
                                      "ResponsesRequest", "Response", "createResponse",
                                      "typed server-sent events (`event:` and `data:` lines), the last "
                                      "`response.completed` or `response.incomplete`, no `[DONE]`"),
+        "/v1/responses/{response_id}": {
+            "get": {"operationId": "retrieveResponse", "summary": "a stored response (this gateway process's memory; "
+                    "only the key that created it reads it)", "tags": ["generation"], "parameters": [response_id],
+                    "responses": {"200": _json(_ref("Response"), "the response object as it was answered"),
+                                  **_errors("404")}},
+            "delete": {"operationId": "deleteResponse", "summary": "forget a stored response", "tags": ["generation"],
+                       "parameters": [response_id],
+                       "responses": {"200": _json({"type": "object", "required": ["id", "object", "deleted"],
+                                                   "properties": {"id": _STR, "object": {"const": "response.deleted"},
+                                                                  "deleted": {"const": True}}}, "deleted"),
+                                     **_errors("404")}},
+        },
         "/v1/models": _get("listModels", "the served model", "generation",
                            {"200": _json(_ref("ModelList"), "the model"), **_errors("503")}),
         "/v1/models/{model}": {"get": {
@@ -287,7 +301,8 @@ def _paths() -> dict[str, Any]:
     }
 
 
-_CLIENT_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses", "/v1/models",
+_CLIENT_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses",
+                 "/v1/responses/{response_id}", "/v1/models",
                  "/v1/models/{model}", "/openapi.json")
 _ADMIN_PATHS = ("/workers", "/list_workers", "/add_worker", "/remove_worker")
 
@@ -309,7 +324,7 @@ def openapi_document(config: GatewayConfig, *, serves_responses: bool = True) ->
     components.update(_RESPONSES)
     paths = _paths()
     if not serves_responses:
-        del paths["/v1/responses"]
+        del paths["/v1/responses"], paths["/v1/responses/{response_id}"]
     schemes: dict[str, Any] = {}
     if config.api_keys:
         schemes["apiKey"] = {"type": "http", "scheme": "bearer", "description": "a client key (--api-key)"}

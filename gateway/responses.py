@@ -1,4 +1,4 @@
-"""OpenAI's Responses API, ``POST /v1/responses``: stateless; text and function tools in, a message and calls out.
+"""OpenAI's Responses API, ``POST /v1/responses``: text and function tools in, a message and calls out; stored.
 
 The request becomes a chat request and runs as one (the chat template, the default budget, the same
 dispatch and checks): ``instructions`` is a system message in front of ``input`` (a string: one user
@@ -16,14 +16,20 @@ as what it is, but ``response.created`` and ``response.in_progress`` still go ou
 every stream. An error before that is an HTTP status; after it, ``response.failed`` (``failure``: the output as
 far as it went, none of a held answer), an event the SDK's typed stream yields.
 
-Nothing is stored: ``store`` is accepted and answered ``false``; ``previous_response_id`` and
-``conversation`` (which need stored state), hosted tools, reasoning options, ``background``, ``include``,
+Stored responses (``gateway/response_store.py``, ``--responses-store-max``): unless ``store`` is false, the final
+response object (completed or incomplete; not a failed stream's) is kept with its conversation (the items before
+its output), for ``GET``/``DELETE /v1/responses/{id}`` and for ``previous_response_id``, whose conversation and
+output go in front of the new ``input`` (its ``instructions`` do not carry over: only the request's own are in
+front); an id not stored (or another key's) is a 404 naming ``previous_response_id``. With the store off
+(``--responses-store-max 0``) ``store`` is answered ``false`` and ``previous_response_id`` is a 400.
+``conversation`` (OpenAI's conversation objects), hosted tools, reasoning options, ``background``, ``include``,
 ``top_logprobs`` and non-text input are a 400 naming the field rather than silently ignored.
 """
 
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import AsyncGenerator
 from typing import Annotated, Any
 
@@ -32,8 +38,9 @@ from msgspec import Meta
 
 from gateway.api import Frontend, Prepared, now_s
 from gateway.api_models import ChatCompletionRequest, ChatMessage, Count, ModelName, Temperature, TopP
-from gateway.context import random_hex
 from gateway.errors import APIError, BadRequest
+from gateway.responder import PREPARE_THREAD_BYTES, Exchange, Host, Responder
+from gateway.response_store import PENDING, ResponseStore, not_found
 from gateway.responses_tools import (
     TOOL_ITEMS,
     ToolStream,
@@ -45,6 +52,7 @@ from gateway.responses_tools import (
     split_answer,
 )
 from gateway.shapes import Run, Shape, usage
+from gateway.structured_output import CheckOffLoop, _on_event_loop
 from gateway.text import ChoiceState
 from gateway.tool_calls import ChoiceStream
 
@@ -75,7 +83,8 @@ class ResponsesRequest(msgspec.Struct):
     # {"format": {"type": "text" | "json_object" | "json_schema", ...}, "verbosity": ...}
     text: dict[str, Any] | None = None
     metadata: Metadata | None = None  # answered as sent
-    store: bool | None = None  # accepted; nothing is stored (answered false)
+    store: bool | None = None  # absent: true (OpenAI's default); answered false when the gateway stores nothing
+    previous_response_id: str | None = None  # a stored response this one continues
     user: str | None = None
     # function tools (gateway/responses_tools.py): {"type": "function", "name", "description", "parameters", "strict"}
     tools: list[Any] | None = None
@@ -87,7 +96,6 @@ class ResponsesRequest(msgspec.Struct):
     prompt_cache_key: str | None = None  # accepted, not used
     stream_options: dict[str, Any] | None = None  # accepted, not used
     # not implemented: a 400 unless absent or neutral
-    previous_response_id: str | None = None
     conversation: Any = None
     reasoning: dict[str, Any] | None = None
     include: list[Any] | None = None
@@ -97,12 +105,16 @@ class ResponsesRequest(msgspec.Struct):
     max_tool_calls: int | None = None
 
 
-def _refuse_unsupported(req: ResponsesRequest) -> None:
-    stored = "this gateway stores no responses: send the whole conversation in input"
-    if req.previous_response_id is not None:
-        raise BadRequest(f"previous_response_id is not supported; {stored}", param="previous_response_id")
+def _refuse_unsupported(req: ResponsesRequest, stores: bool) -> None:
+    """``stores``: this gateway keeps responses (``previous_response_id`` can be served)."""
+    if req.previous_response_id is not None and not stores:
+        raise BadRequest("previous_response_id is not supported: this gateway stores no responses "
+                         "(--responses-store-max 0); send the whole conversation in input",
+                         param="previous_response_id")
     if req.conversation is not None:
-        raise BadRequest(f"conversation is not supported; {stored}", param="conversation")
+        raise BadRequest("conversation is not supported: send the whole conversation in input"
+                         + (", or continue a stored response with previous_response_id" if stores else ""),
+                         param="conversation")
     if req.max_tool_calls is not None:
         raise BadRequest("max_tool_calls is not supported (parallel_tool_calls: false allows one call)",
                          param="max_tool_calls")
@@ -111,8 +123,7 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
     if req.include:
         raise BadRequest("include is not supported", param="include")
     if req.background:
-        raise BadRequest("background responses are not supported (nothing is stored to fetch them from)",
-                         param="background")
+        raise BadRequest("background responses are not supported", param="background")
     if req.prompt is not None:
         raise BadRequest("prompt templates are not supported; send the text in input", param="prompt")
     if req.top_logprobs:
@@ -159,54 +170,83 @@ def _format(text: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]
                      param="text.format.type")
 
 
-def _messages(req: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]:
-    """The chat messages, and where each came from (``instructions``, ``input[i]``: a refusal's ``param``)."""
+def _messages(req: ResponsesRequest, prefix: list[Any]) -> tuple[list[ChatMessage], list[str]]:
+    """The chat messages, and where each came from (``instructions``, ``previous_response_id``, ``input[i]``: a
+    refusal's ``param``). ``prefix``: a stored conversation's items, in front of ``input`` (after instructions)."""
     messages = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
     origins = ["instructions"] if req.instructions else []
     items = req.input
     if isinstance(items, str):
         if not items:
             raise BadRequest("input must not be empty", param="input")
+    elif not items:
+        raise BadRequest("input is required: a string or a non-empty list of messages", param="input")
+    for item in prefix:
+        _add_item(messages, origins, item, "previous_response_id")
+    if isinstance(items, str):
         messages.append(ChatMessage(role="user", content=items))
         return messages, [*origins, "input"]
-    if not items:
-        raise BadRequest("input is required: a string or a non-empty list of messages", param="input")
     for i, item in enumerate(items):
-        if not isinstance(item, dict):
-            raise BadRequest("each input item must be an object (a message)", param=f"input[{i}]")
-        kind = item.get("type", "message")
-        if kind in TOOL_ITEMS:
-            call_messages(messages, item, i)
-            origins += [f"input[{i}]"] * (len(messages) - len(origins))  # (a call may join the message before)
-            continue
-        if kind != "message":
-            raise BadRequest(f"input items of type {kind!r} are not supported; only messages, function_call and "
-                             "function_call_output", param=f"input[{i}].type")
-        role = item.get("role")
-        if role not in INPUT_ROLES:
-            raise BadRequest(f"input[{i}].role must be one of {', '.join(INPUT_ROLES)}, got {role!r}",
-                             param=f"input[{i}].role")
-        content = item.get("content")
-        origins.append(f"input[{i}]")
-        if isinstance(content, str):
-            messages.append(ChatMessage(role=role, content=content))
-            continue
-        if not isinstance(content, list):
-            raise BadRequest("a message's content must be a string or a list of text parts",
-                             param=f"input[{i}].content")
-        parts = []
-        for j, part in enumerate(content):
-            part_kind = part.get("type") if isinstance(part, dict) else None
-            field = _TEXT_PARTS.get(part_kind) if isinstance(part_kind, str) else None
-            if field is None:
-                raise BadRequest(f"content parts of type {part_kind!r} are not supported; only input_text, "
-                                 "output_text and refusal", param=f"input[{i}].content[{j}].type")
-            if not isinstance(part.get(field), str):
-                raise BadRequest(f"a {part_kind} part needs a string {field}",
-                                 param=f"input[{i}].content[{j}].{field}")
-            parts.append({"type": "text", "text": part[field]})
-        messages.append(ChatMessage(role=role, content=parts))
+        _add_item(messages, origins, item, f"input[{i}]")
     return messages, origins
+
+
+def _add_item(messages: list[ChatMessage], origins: list[str], item: Any, at: str) -> None:
+    """One input item (``at``: its name in a refusal) onto the chat messages, and its origin."""
+    if not isinstance(item, dict):
+        raise BadRequest("each input item must be an object (a message)", param=at)
+    kind = item.get("type", "message")
+    if kind in TOOL_ITEMS:
+        call_messages(messages, item, at)
+        origins += [at] * (len(messages) - len(origins))  # (a call may join the message before)
+        return
+    if kind != "message":
+        raise BadRequest(f"input items of type {kind!r} are not supported; only messages, function_call and "
+                         "function_call_output", param=f"{at}.type")
+    role = item.get("role")
+    if role not in INPUT_ROLES:
+        raise BadRequest(f"{at}.role must be one of {', '.join(INPUT_ROLES)}, got {role!r}", param=f"{at}.role")
+    content = item.get("content")
+    origins.append(at)
+    if isinstance(content, str):
+        messages.append(ChatMessage(role=role, content=content))
+        return
+    if not isinstance(content, list):
+        raise BadRequest("a message's content must be a string or a list of text parts", param=f"{at}.content")
+    parts = []
+    for j, part in enumerate(content):
+        part_kind = part.get("type") if isinstance(part, dict) else None
+        field = _TEXT_PARTS.get(part_kind) if isinstance(part_kind, str) else None
+        if field is None:
+            raise BadRequest(f"content parts of type {part_kind!r} are not supported; only input_text, "
+                             "output_text and refusal", param=f"{at}.content[{j}].type")
+        if not isinstance(part.get(field), str):
+            raise BadRequest(f"a {part_kind} part needs a string {field}", param=f"{at}.content[{j}].{field}")
+        parts.append({"type": "text", "text": part[field]})
+    messages.append(ChatMessage(role=role, content=parts))
+
+
+def _stored_items(given: str | list[Any]) -> list[dict[str, Any]]:
+    """A request's ``input`` (checked by ``_messages``) as stored: the fields that make the prompt, nothing else (an
+    unknown field is ignored, not kept)."""
+    if isinstance(given, str):
+        return [{"type": "message", "role": "user", "content": given}]
+    items: list[dict[str, Any]] = []
+    for item in given:
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            items.append({"type": kind, "call_id": item["call_id"], "name": item["name"],
+                          "arguments": item["arguments"]})
+        elif kind == "function_call_output":
+            output = item["output"]
+            items.append({"type": kind, "call_id": item["call_id"], "output": output if isinstance(output, str)
+                          else [{"type": p["type"], "text": p["text"]} for p in output]})
+        else:
+            content = item["content"]
+            if not isinstance(content, str):
+                content = [{"type": p["type"], _TEXT_PARTS[p["type"]]: p[_TEXT_PARTS[p["type"]]]} for p in content]
+            items.append({"type": "message", "role": item["role"], "content": content})
+    return items
 
 
 # chat's names -> this route's (a prefix of a refusal's ``param``, a word of its message)
@@ -222,7 +262,7 @@ def _ours(param: str, origins: list[str]) -> str:
             if chat == "messages" and rest.startswith("["):  # messages[k]... -> input[i]... (or instructions)
                 index, _, tail = rest[1:].partition("]")
                 origin = origins[int(index)] if index.isdigit() and int(index) < len(origins) else "input"
-                return origin if origin == "instructions" else origin + tail
+                return origin if origin in ("instructions", "previous_response_id") else origin + tail
             return ours + rest
     return chat_param(param)
 
@@ -242,10 +282,27 @@ class ResponsesShape(Shape):
     id_prefix = "resp"
     end = b""  # (no ``[DONE]``: the last event is ``response.completed``)
 
+    def __init__(self, store: ResponseStore | None = None, prepare_thread_bytes: int = PREPARE_THREAD_BYTES) -> None:
+        self.store = store  # None: nothing stored (``store`` answered false, ``previous_response_id`` a 400)
+        # a stored conversation this long (JSON bytes) in front of the input is prepared (tokenized) on a thread, as a
+        # body this long is (``Responder``; 0: never)
+        self.prepare_thread_bytes = prepare_thread_bytes
+
     def prepare(self, frontend: Frontend, req: Any) -> tuple[Prepared, str | None]:
-        _refuse_unsupported(req)
+        pending = PENDING.get() if self.store is not None else None  # (set by ``ResponsesResponder``)
+        _refuse_unsupported(req, pending is not None)
+        prefix: list[Any] = []
+        if req.previous_response_id is not None:
+            assert pending is not None and self.store is not None
+            previous = self.store.get(pending.owner, req.previous_response_id)
+            if previous is None:
+                raise not_found(req.previous_response_id, "previous_response_id")
+            if previous.conversation_bytes >= self.prepare_thread_bytes > 0 and _on_event_loop():
+                raise CheckOffLoop  # (a short body, a long prompt: tokenized on a thread, as a long body is)
+            prefix = [*previous.conversation, *previous.output]  # (its instructions stay behind)
+            pending.prefix_bytes = previous.conversation_bytes
         fmt, response_format = _format(req.text)
-        messages, origins = _messages(req)
+        messages, origins = _messages(req, prefix)
         tools, tool_choice = chat_tools(req.tools, req.tool_choice)
         chat = ChatCompletionRequest(model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens,
                                      temperature=req.temperature, top_p=req.top_p, stream=req.stream,
@@ -267,8 +324,15 @@ class ResponsesShape(Shape):
             "text": {"format": fmt}, "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
             "top_p": 1.0 if req.top_p is None else req.top_p, "user": req.user,
             "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
+            "previous_response_id": req.previous_response_id, "store": False,
         }
-        return prep, f"resp_{random_hex()}"  # (OpenAI's spelling of its ids: resp_..., msg_...)
+        if pending is not None and req.store is not False:  # (stored with its answer: ``_kept``)
+            pending.conversation = (prefix, req.input)
+            prep.echo_fields["store"] = True
+        # (OpenAI's spelling of its ids: resp_..., msg_...) From the OS's generator, not ``random_hex``'s
+        # ``random``: a stored response's id is all that guards it on a gateway without keys, and a Mersenne
+        # Twister's next ids follow from 624 words of those it handed out (request ids, other responses' ids).
+        return prep, f"resp_{secrets.token_hex(16)}"
 
     # -- the response object ----------------------------------------------------------------------------
 
@@ -312,16 +376,30 @@ class ResponsesShape(Shape):
         """The output message's status: ``incomplete`` when the budget cut it, as the response's."""
         return "incomplete" if state.finish_reason == "length" else "completed"
 
+    def _kept(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The final response object ``body``, stored first if its request is to be (once)."""
+        if self.store is not None:
+            pending = PENDING.get()
+            if pending is not None and pending.conversation is not None:
+                prefix, given = pending.conversation
+                own = _stored_items(given)
+                own_bytes, output_bytes = len(_json.encode(own)), len(_json.encode(body["output"]))
+                self.store.put(pending.owner, body["id"], _json.encode(body), body["output"], [*prefix, *own],
+                               own_bytes=own_bytes, conversation_bytes=pending.prefix_bytes + own_bytes + output_bytes)
+                pending.conversation = None
+        return body
+
     def whole(self, run: Run, choices: list[ChoiceState]) -> dict[str, Any]:
         state = choices[0]
         plan = run.prep.tools
         if plan is None:
-            return self._response(run, "completed", [self._message(run, state.text, self._item_status(state))],
-                                  state)
+            return self._kept(self._response(
+                run, "completed", [self._message(run, state.text, self._item_status(state))], state))
         content, calls, _ = split_answer(plan, state.text, state.finish_reason)  # (gateway/responses_tools.py)
         status = self._item_status(state)  # (a forced call cut by the budget: its arguments as far as they went)
         output = [self._message(run, content, status)] if content else []
-        return self._response(run, "completed", output + [function_item(call, status) for call in calls], state)
+        return self._kept(self._response(run, "completed", output + [function_item(call, status) for call in calls],
+                                         state))
 
     # -- the stream's events -----------------------------------------------------------------------------
 
@@ -368,7 +446,7 @@ class ResponsesShape(Shape):
         text = state.text
         item = self._message(run, text, self._item_status(state))
         part = item["content"][0]
-        whole = self._response(run, "completed", [item], state)
+        whole = self._kept(self._response(run, "completed", [item], state))
         return b"".join((
             self._event(run, "response.output_text.done", {**self._text_fields(run), "text": text, "logprobs": []}),
             self._event(run, "response.content_part.done", {**self._text_fields(run), "part": part}),
@@ -428,5 +506,25 @@ class ResponsesShape(Shape):
         if last is None:
             return
         closing = items.finish(self._item_status(last))  # (cut by the budget: the items as far as they went)
-        whole = self._response(run, "completed", items.items, last)
+        whole = self._kept(self._response(run, "completed", items.items, last))
         yield b"".join([*head, *closing, self._event(run, f"response.{whole['status']}", {"response": whole})])
+
+
+class ResponsesResponder(Responder):
+    """``POST /v1/responses``: the responder of ``ResponsesShape(store)``; with a store, each request is marked with
+    its ``Pending`` (``gateway/response_store.py``: its key, what to store with its answer) while it is served."""
+
+    def __init__(self, gw: Host, store: ResponseStore | None, prepare_thread_bytes: int) -> None:
+        super().__init__(gw, ResponsesShape(store, prepare_thread_bytes), prepare_thread_bytes)
+        self.store = store
+
+    async def serve(self, exchange: Exchange) -> None:
+        store = self.store
+        if store is None:
+            await super().serve(exchange)
+            return
+        token = PENDING.set(store.pending(exchange.headers))
+        try:
+            await super().serve(exchange)
+        finally:
+            PENDING.reset(token)

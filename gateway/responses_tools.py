@@ -45,38 +45,39 @@ def chat_tools(tools: list[Any] | None, choice: Any) -> tuple[list[dict[str, Any
     return converted, choice
 
 
-def call_messages(messages: list[ChatMessage], item: dict[str, Any], i: int) -> None:
-    """A ``function_call`` or ``function_call_output`` input item onto the chat messages."""
+def call_messages(messages: list[ChatMessage], item: dict[str, Any], at: str) -> None:
+    """A ``function_call`` or ``function_call_output`` input item onto the chat messages (``at``: the item's name in a
+    refusal, ``input[i]``)."""
     if item["type"] == "function_call_output":
         call_id, output = item.get("call_id"), item.get("output")
         if not isinstance(call_id, str) or not call_id:
-            raise BadRequest("a function_call_output needs its call_id", param=f"input[{i}].call_id")
+            raise BadRequest("a function_call_output needs its call_id", param=f"{at}.call_id")
         if not any(call.get("id") == call_id for m in messages if m.role == "assistant" for call in m.tool_calls or ()):
             raise BadRequest(f"the function_call_output for {call_id!r} answers no function_call before it",
-                             param=f"input[{i}].call_id")
+                             param=f"{at}.call_id")
         turn = messages[-1]  # (chat's rule, in this route's words: the outputs of a turn follow its calls)
         if turn.role != "tool" and not (turn.role == "assistant" and turn.tool_calls):
             raise BadRequest(f"the function_call_output for {call_id!r} must follow the function_call items of its "
-                             "turn (or another function_call_output)", param=f"input[{i}].call_id")
+                             "turn (or another function_call_output)", param=f"{at}.call_id")
         if isinstance(output, list):  # (text parts)
             if not all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
                        and isinstance(p.get("text"), str) for p in output):
                 raise BadRequest("a function_call_output's output must be a string or text parts",
-                                 param=f"input[{i}].output")
+                                 param=f"{at}.output")
             output = "".join(p["text"] for p in output)
         if not isinstance(output, str):
-            raise BadRequest("a function_call_output's output must be a string", param=f"input[{i}].output")
+            raise BadRequest("a function_call_output's output must be a string", param=f"{at}.output")
         messages.append(ChatMessage(role="tool", content=output, tool_call_id=call_id))
         return
     call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
     for field, value in (("call_id", call_id), ("name", name), ("arguments", arguments)):
         if not isinstance(value, str) or (field != "arguments" and not value):
-            raise BadRequest(f"a function_call needs its {field} (a string)", param=f"input[{i}].{field}")
+            raise BadRequest(f"a function_call needs its {field} (a string)", param=f"{at}.{field}")
     call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
     last = messages[-1] if messages else None
     if last is not None and last.role == "assistant" and any(c.get("id") == call_id for c in last.tool_calls or ()):
         raise BadRequest(f"two function_call items of one turn have the call_id {call_id!r}: an output could not "
-                         "tell which it answers", param=f"input[{i}].call_id")
+                         "tell which it answers", param=f"{at}.call_id")
     if last is not None and last.role == "assistant":  # the calls of one turn: one assistant message
         last.tool_calls = [*(last.tool_calls or []), call]
     else:

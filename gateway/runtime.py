@@ -80,6 +80,11 @@ class GatewayConfig:
     gather_s: float = 0.05  # a whole response's decode outputs after the first: sent gathered this often
     prepare_thread_bytes: int = 8192  # a request body this long is prepared (tokenized) on a thread (0: never)
     default_max_tokens: int = 256
+    # /v1/responses' store (gateway/response_store.py): at most this many responses (0: none stored), each gone once
+    # unused this long
+    responses_store_max: int = 1000
+    responses_store_max_mib: int = 256  # (and at most this many MiB: their JSON and their own input's)
+    responses_store_ttl_s: float = 3600.0
     # Operations
     max_concurrent_requests: int = 0  # 0 = no limit
     max_queued_requests: int = 256
@@ -138,6 +143,9 @@ class GatewayConfig:
             raise ValueError("gather_s must be in [0, 10]")
         if self.prepare_thread_bytes < 0:
             raise ValueError("prepare_thread_bytes must be >= 0 (0: every request is prepared on the event loop)")
+        if self.responses_store_max < 0 or not self.responses_store_ttl_s > 0 or self.responses_store_max_mib < 1:
+            raise ValueError("responses_store_max must be >= 0 (0: nothing stored), responses_store_ttl_s positive, "
+                             "responses_store_max_mib at least 1")
         if self.max_unread_events < 1:
             raise ValueError("max_unread_events must be at least 1")
         if min(self.max_retries, self.max_migrations, self.max_concurrent_requests, self.max_queued_requests,

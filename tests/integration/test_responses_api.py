@@ -37,7 +37,7 @@ def test_a_whole_response_and_its_stream(sim_cluster) -> None:  # type: ignore[n
     assert response.usage.total_tokens == response.usage.input_tokens + 12
     assert response.instructions == "Answer briefly." and response.metadata == {"ticket": "42"}
     assert response.safety_identifier == "user-7" and response.prompt_cache_key == "faq"  # (repeated, as OpenAI)
-    assert response.max_output_tokens == 12 and response.store is False
+    assert response.max_output_tokens == 12 and response.store is True  # (stored: tests/.../test_responses_store.py)
     # instructions are a system message in front of the input: the prompt is longer with them
     bare = client.responses.create(model="default", input="Hello there", max_output_tokens=1)
     assert bare.usage is not None and bare.usage.input_tokens < response.usage.input_tokens
@@ -81,7 +81,6 @@ def test_the_raw_stream_names_each_event_and_ends_without_done(sim_cluster) -> N
 FN = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
       "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 REFUSALS: list[tuple[dict[str, Any], str]] = [
-    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]},
