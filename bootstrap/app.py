@@ -11,7 +11,8 @@ Lifecycle:
 
 Routes (SGLang's, same shapes and status codes): ``PUT /route``, ``GET /route``,
 ``POST /register_dp_rank``, ``POST /query_dp_ranks``, ``GET /health``. Ours: ``DELETE /route``
-(graceful deregistration), ``GET /instances`` (operator listing), ``GET /metrics`` (Prometheus).
+(graceful deregistration), ``GET /instances`` (operator listing, draining ranks flagged), ``GET /metrics``
+(Prometheus). A ``PUT /route`` with ``"draining": true`` (ours) is answered ``{"draining": true}``.
 """
 
 from __future__ import annotations
@@ -159,6 +160,8 @@ def build_routes(state: RegistryState) -> list[Route]:
                 len(instance.entries),
                 instance.topology.num_ranks,
             )
+        if put.draining:  # (the confirmation a draining registrar looks for: a registry that ignores it says OK)
+            return _json({"draining": True})
         return _ok()
 
     @_api
@@ -238,12 +241,14 @@ def _describe(instance: Instance, now: float) -> dict[str, Any]:
                 "last_seen_s_ago": round(now - entry.last_seen, 3),
                 "expires_in_s": None if math.isinf(entry.expires_at) else round(entry.expires_at - now, 3),
                 "num_puts": entry.num_puts,
+                "draining": entry.draining,
                 "extra": entry.extra,
             }
         )
     return {
         "instance_id": instance.instance_id,
         "ready": instance.is_ready,
+        "draining": instance.is_draining,  # leaving: still looked up for the rooms it holds, route nothing new to it
         "num_ranks": len(instance.entries),
         "num_expected_ranks": instance.topology.num_ranks,
         "topology": instance.topology,

@@ -11,7 +11,12 @@ Prefill side, ``BootstrapRegistrar`` (async, owned by the prefill worker's event
 2. A named task (``bootstrap-heartbeat-...``) re-PUTs every ``interval_s``; each PUT renews the
    lease, and after a registry restart the next PUT registers the rank again. Failures are
    logged and retried on the next beat; ``is_registered`` tells whether the last PUT succeeded.
-3. ``await aclose()`` cancels the heartbeat, sends a best-effort ``DELETE /route`` (so decodes see
+3. ``await drain()`` (optional, a prefill stopping with a drain timeout): PUTs the registration with
+   ``"draining": true`` and re-sends it on every beat from then on. The registry keeps answering look-ups of the
+   rank (decodes holding rooms for it still find it) and lists it as leaving. A registry that does not confirm the
+   state (an older one, SGLang's: ``OK`` instead of ``{"draining": true}``) gets ``aclose``'s goodbye at once
+   instead, as before; so does one whose rank another process has taken over (409).
+4. ``await aclose()`` cancels the heartbeat, sends a best-effort ``DELETE /route`` (so decodes see
    the instance go not-ready at once instead of after the TTL) and closes its HTTP client.
 
 Decode side, ``BootstrapResolver`` (sync, thread-safe, shared by the KV-transfer threads):
@@ -91,6 +96,8 @@ INSTANCE_CONFLICT_GIVE_UP_S = 15.0
 # clock reads the next PUT's arrival, at least this much after the hint's end)
 CONFLICT_RETRY_MARGIN_S = 0.05
 _JSON_HEADERS = {"content-type": "application/json"}
+# The PUT that starts a drain waits at most this (as the goodbye does): a stopping worker must not hang on its registry
+DRAIN_PUT_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -294,7 +301,8 @@ class BootstrapRegistrar:
         self.start_timeout_s = start_timeout_s
         _auth(token)  # (a token no client can send fails here, not as a refused or unreachable registry)
         self._token = token
-        self._body = registration.to_json()
+        self._body = registration.to_json()  # what each PUT sends (the draining one once ``drain`` began)
+        self._goodbye = self._body  # what ``DELETE /route`` sends (registries that know no ``draining`` too)
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task[None] | None = None
         self.is_registered = False
@@ -303,6 +311,8 @@ class BootstrapRegistrar:
         self.last_code: str | None = None  # the registry's error code of the last failed PUT, when it sent one
         self.last_retry_after_s: float | None = None  # when the last failed PUT's reply said to retry (seconds)
         self.last_success = 0.0  # time.monotonic() of the newest PUT that succeeded (0: none yet)
+        self.is_draining = False  # ``drain`` kept the rank registered as draining
+        self._last_reply = b""  # the body of the last PUT answered 200
 
     async def start(self) -> None:
         if self._client is not None:
@@ -365,38 +375,74 @@ class BootstrapRegistrar:
             raise
         self._task = asyncio.create_task(self._heartbeat(), name=f"bootstrap-heartbeat-{self.registration.label}")
 
-    async def aclose(self) -> None:
+    async def drain(self) -> bool:
+        """Keep the rank registered as draining until ``aclose`` (see the module docstring); returns whether it is,
+        False when it was deregistered instead (a registry that knows no ``draining``, a rank taken over, or a
+        registrar never started)."""
+        if self.is_draining:
+            return True
+        if self._client is None:
+            return False
+        await self._stop_heartbeat()
+        self._body = _ENCODER.encode({**self.registration.to_dict(), "draining": True})
+        status = await self._put(timeout_s=DRAIN_PUT_TIMEOUT_S)
+        if status == 200 and _confirms_draining(self._last_reply):
+            self.is_draining = True
+        elif status == 0 or status >= 500:
+            # (no answer: the next beats say it again; a registry restarted meanwhile registers it draining)
+            logger.warning("rank %s: the registry %s did not answer the drain (%s); renewing it as draining",
+                           self.registration.label, self.url, self.last_error)
+            self.is_draining = True
+        else:
+            why = ("does not know the draining state" if status == 200 else f"refused it: {self.last_error}")
+            logger.warning("rank %s: the registry %s %s; deregistering now (decodes that have not looked this "
+                           "prefill up yet will not find it)", self.registration.label, self.url, why)
+            await self.aclose()
+            return False
+        logger.info("rank %s draining in %s: still looked up until it deregisters", self.registration.label, self.url)
+        self._task = asyncio.create_task(self._heartbeat(), name=f"bootstrap-heartbeat-{self.registration.label}")
+        return True
+
+    async def _stop_heartbeat(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+    async def aclose(self) -> None:
+        await self._stop_heartbeat()
         client, self._client = self._client, None
         if client is None:
             return
         try:
             if self.last_success:  # (also after a failed renewal: the entry may well live on until its lease ends)
-                await client.request("DELETE", "/route", content=self._body, timeout=1.0)
+                await client.request("DELETE", "/route", content=self._goodbye, timeout=1.0)
         except httpx.HTTPError as exc:
             logger.debug("deregistering %s failed: %s", self.registration.label, exc)
         finally:
             self.is_registered = False
             await client.aclose()
 
-    async def _put(self) -> int:
-        """One PUT; returns the status (0 = no reply) and records success or failure."""
+    async def _put(self, timeout_s: float | None = None) -> int:
+        """One PUT (within ``timeout_s``, else the client's timeout); returns the status (0 = no reply) and records
+        success or failure."""
         assert self._client is not None
         error: str | None
         code: str | None = None
         retry_after_s: float | None = None
         try:
-            response = await self._client.put("/route", content=self._body)
+            if timeout_s is None:
+                response = await self._client.put("/route", content=self._body)
+            else:
+                response = await self._client.put("/route", content=self._body, timeout=timeout_s)
         except httpx.HTTPError as exc:
             status, error = 0, f"{type(exc).__name__}: {exc}"
         else:
             status = response.status_code
             error = None if status == 200 else f"HTTP {status}: {_reason(response)}"
             code = None if status == 200 else _code(response)
+            self._last_reply = response.content if status == 200 else b""
             if status == 409:
                 retry_after_s = _retry_after_s(response)
         self.last_code, self.last_retry_after_s = code, retry_after_s
@@ -423,9 +469,23 @@ class BootstrapRegistrar:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
-                await self._put()
+                status = await self._put()
             except Exception:  # a bug in one beat must not end the heartbeat
                 logger.exception("heartbeat of rank %s failed", self.registration.label)
+                continue
+            if self.is_draining and status == 409:
+                logger.info("rank %s: another process holds it now; a draining rank stops renewing",
+                            self.registration.label)
+                return
+
+
+def _confirms_draining(body: bytes) -> bool:
+    """The registry's answer to a draining PUT says it took the state (ours: ``{"draining": true}``)."""
+    try:
+        reply = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return False
+    return isinstance(reply, dict) and reply.get("draining") is True
 
 
 class BootstrapResolver:

@@ -2,8 +2,8 @@
 
 Field names and meanings follow SGLang's bootstrap server and its decode-side reader
 (python/sglang/srt/disaggregation/common/conn.py: ``register_to_bootstrap``,
-``try_ensure_parallel_info`` and ``PrefillServerInfo``). ``instance_id`` in ``RankPut`` is our
-extension; everything else is SGLang's shape.
+``try_ensure_parallel_info`` and ``PrefillServerInfo``). ``instance_id`` and ``draining`` in ``RankPut`` are our
+extensions; everything else is SGLang's shape.
 
 A real SGLang decode builds ``PrefillServerInfo(**topology_json)``: the topology reply must hold
 exactly the fields of ``Topology`` and nothing else, or it raises ``TypeError``.
@@ -39,6 +39,10 @@ class RankPut(msgspec.Struct, kw_only=True):
     enable_dsa_cache_layer_split: bool = False
     prefill_http_port: int | None = None
     instance_id: str | None = None
+    # Ours: the rank is draining (its worker got SIGTERM with a drain timeout). Look-ups still answer its address,
+    # for the rooms it holds; listings flag it as leaving. Our registry answers such a PUT ``{"draining": true}``
+    # (JSON) instead of ``OK``: a registrar that does not get it back knows the registry ignored the field.
+    draining: bool = False
 
 
 RANK_PUT_FIELDS = frozenset(RankPut.__struct_fields__)

@@ -66,6 +66,7 @@ class _RegistryCollector(Collector):
             ("bootstrap_rank_replacements", "Registrations that replaced a rank's address", reg.num_replacements),
             ("bootstrap_rank_expirations", "Rank leases that expired", reg.num_expirations),
             ("bootstrap_rank_deregistrations", "Ranks removed by DELETE /route", reg.num_deregistrations),
+            ("bootstrap_rank_drains", "Ranks that turned draining (PUT /route with draining)", reg.num_drains),
             ("bootstrap_room_expirations", "Room -> DP rank entries that expired", self._rooms.num_expirations),
         ):
             yield CounterMetricFamily(name, doc, value=value)
@@ -76,13 +77,17 @@ class _RegistryCollector(Collector):
             "bootstrap_instance_expected_ranks", "dp x cp x tp x pp per instance", labels=["instance_id"]
         )
         ready = GaugeMetricFamily("bootstrap_instance_ready", "1 when every rank is registered", labels=["instance_id"])
+        draining = GaugeMetricFamily("bootstrap_instance_draining", "1 while a rank of the instance is draining",
+                                     labels=["instance_id"])
         for instance_id, instance in sorted(reg.instances.items()):
             ranks.add_metric([instance_id], len(instance.entries))
             expected.add_metric([instance_id], instance.topology.num_ranks)
             ready.add_metric([instance_id], 1.0 if instance.is_ready else 0.0)
+            draining.add_metric([instance_id], 1.0 if instance.is_draining else 0.0)
         yield ranks
         yield expected
         yield ready
+        yield draining
 
 
 class Metrics:

@@ -12,9 +12,15 @@ Lifecycle (all calls come from the server's single event loop; none blocks or aw
 3. Expired leases are dropped lazily on every read of their instance, and by ``sweep(now)``,
    which the server calls periodically. An instance whose last rank expired is forgotten,
    topology included, so it can come back with a different layout.
-4. ``deregister(put, now, extra)`` drops a rank on graceful shutdown, only if it is still the sender's: its
-   address still matches and, when the goodbye carries a ``registrant`` mark, so does the entry's (a late
-   goodbye from an old process cannot remove its replacement, also one restarted on the same address).
+4. A PUT with ``draining`` set (a prefill stopping with a drain timeout, re-sent on each renewal) marks its rank
+   draining: ``lookup``/``topology`` still answer it (decodes holding rooms for it must find it), the listing flags
+   it and its instance (``Instance.is_draining``) as leaving. The mark sticks while the same process (address and
+   ``registrant``; an unmarked entry's, until a plain PUT) holds the rank; another process registering the rank
+   takes it over at once (a draining holder does not hold off its successor), and a draining PUT never takes a rank
+   back from another holder (409).
+5. ``deregister(put, now, extra)`` drops a rank on graceful shutdown (at the end of the drain, if any), only if it is
+   still the sender's: its address still matches and, when the goodbye carries a ``registrant`` mark, so does the
+   entry's (a late goodbye from an old process cannot remove its replacement, also one restarted on the same address).
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class RankEntry:
     expires_at: float  # monotonic; inf when leases never expire
     registered_unix: float
     num_puts: int = 1
+    draining: bool = False  # the rank's process is stopping: still looked up, routed nothing new
 
 
 @dataclass
@@ -70,6 +77,11 @@ class Instance:
     @property
     def is_ready(self) -> bool:
         return len(self.entries) == self.topology.num_ranks
+
+    @property
+    def is_draining(self) -> bool:
+        """A rank of it is draining: the instance is leaving (route nothing new to it), though still looked up."""
+        return any(entry.draining for entry in self.entries.values())
 
 
 def topology_of(put: RankPut) -> Topology:
@@ -174,6 +186,15 @@ def _check_port(name: str, value: int) -> None:
 CONFLICT_WINDOW_S = 5.0  # a holder that renewed within this (our prefills renew every 2.5 s at most) is live
 
 
+def _is_holder(existing: RankEntry, put: RankPut, extra: dict[str, Any]) -> bool:
+    """The PUT comes from the process that holds the entry: same address, and same ``registrant`` where the entry
+    has one."""
+    if existing.address != RankAddress(rank_ip=put.rank_ip, rank_port=put.rank_port):
+        return False
+    theirs = existing.extra.get("registrant")
+    return not theirs or extra.get("registrant") == theirs
+
+
 def _held_by_another(existing: RankEntry, put: RankPut, extra: dict[str, Any], now: float,
                      ttl_s: float) -> float | None:
     """Another process (its ``registrant`` mark differs) registers a rank at another address while the one
@@ -186,6 +207,8 @@ def _held_by_another(existing: RankEntry, put: RankPut, extra: dict[str, Any], n
         return None  # (an SGLang prefill sends none: its restarts replace at once, as in SGLang)
     if existing.address == RankAddress(rank_ip=put.rank_ip, rank_port=put.rank_port):
         return None  # (a restart on the same address: the old one is gone)
+    if existing.draining and not put.draining:
+        return None  # (the holder is leaving: its successor, e.g. a rolling restart's, takes the rank at once)
     window = min(CONFLICT_WINDOW_S, ttl_s) if ttl_s > 0 else CONFLICT_WINDOW_S
     left_s = window - (now - existing.last_seen)
     return left_s if left_s > 0 else None
@@ -203,6 +226,7 @@ class Registry:
         self.num_replacements = 0
         self.num_expirations = 0
         self.num_deregistrations = 0
+        self.num_drains = 0  # ranks that turned draining
 
     @property
     def instances(self) -> dict[str, Instance]:
@@ -234,6 +258,13 @@ class Registry:
                 )
         existing = instance.entries.get(key) if instance is not None else None
         held_for_s = _held_by_another(existing, put, extra, now, self._ttl_s) if existing is not None else None
+        if existing is not None and put.draining and not _is_holder(existing, put, extra):
+            # A draining process's renewal after its successor took the rank (or one sharing its instance id):
+            # it must not take the rank back, or decodes would look the successor's rooms up at a leaving prefill
+            raise errors.conflict(
+                "instance_conflict",
+                f"rank {existing.key!r} of instance {instance_id!r} is now held by another process at "
+                f"{existing.address.rank_ip}:{existing.address.rank_port}: a draining rank does not take it back")
         if held_for_s is not None:
             assert existing is not None
             # ``retry_after_s``: a restarted prefill's registrar retries right when the old lease stops counting
@@ -269,9 +300,25 @@ class Registry:
                 last_seen=now,
                 expires_at=expires_at,
                 registered_unix=time.time(),
+                draining=put.draining,
             )
             self.num_ranks += 1
+            if put.draining:  # (a registry restarted during the drain)
+                self.num_drains += 1
+                logger.info("rank dp=%s cp=%s tp=%s pp=%s of %r at %s:%s registered draining", *key, instance_id,
+                            put.rank_ip, put.rank_port)
         else:
+            # (sticky for the process that said it: a renewal sent before the drain began and arriving after it
+            # must not undo it; a successor's registration clears it. Only a ``registrant`` mark tells that process
+            # from the next one on the same address: unmarked, a plain PUT clears it, or a prefill restarted on its
+            # fixed port after a drain that lost its goodbye would be listed as leaving for as long as it lives)
+            draining = put.draining or (existing.draining and _is_holder(existing, put, extra)
+                                        and bool(existing.extra.get("registrant")))
+            if draining and not existing.draining:
+                self.num_drains += 1
+                logger.info("rank dp=%s cp=%s tp=%s pp=%s of %r at %s:%s draining: still looked up for the rooms it "
+                            "holds, until it deregisters", *key, instance_id, put.rank_ip, put.rank_port)
+            existing.draining = draining
             if existing.address != address:
                 self.num_replacements += 1
                 existing.first_seen = now

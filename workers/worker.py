@@ -10,10 +10,12 @@ Lifecycle:
    first use), and, for a prefill worker, registers its KV control endpoint with the bootstrap registry
    (heartbeats); a prefill's native port accepts connections only once it is registered.
 2. ``await serve_forever()`` until cancelled or a signal.
-3. ``await aclose()``: deregister; with ``--drain-timeout-s`` S > 0, drain (``_drain``: new requests are refused
-   ``shutting_down``, the ones held run on until none is left, S has passed or ``end_drain`` is called, a second
-   signal); then close the SGLang API, stop the scheduler (live requests fail ``shutting_down``), close the KV
-   manager, close the servers. Idempotent.
+3. ``await aclose()``: without a drain, deregister. With ``--drain-timeout-s`` S > 0, a prefill's registry entry
+   turns draining instead (``BootstrapRegistrar.drain``: decodes holding rooms for it can still look it up, listings
+   flag it as leaving; a registry that knows no such state gets the goodbye at once, as before), then the worker
+   drains (``_drain``: new requests are refused ``shutting_down``, the ones held run on until none is left, S has
+   passed or ``end_drain`` is called, a second signal) and deregisters at its end; then close the SGLang API, stop
+   the scheduler (live requests fail ``shutting_down``), close the KV manager, close the servers. Idempotent.
 """
 
 from __future__ import annotations
@@ -381,11 +383,22 @@ class Worker:
         if self._closed:
             return
         self._closed = True
-        if self._registrar is not None:
-            with contextlib.suppress(Exception):
-                await self._registrar.aclose()
-        if self.config.drain_timeout_s > 0 and self.scheduler is not None and self.started:
-            await self._drain(self.config.drain_timeout_s)
+        draining = self.config.drain_timeout_s > 0 and self.scheduler is not None and self.started
+        if draining:
+            assert self.scheduler is not None
+            self.scheduler.drain()  # (new requests are refused from now on, not after the registry answered)
+        if self._registrar is not None and draining:
+            try:  # (findable for the rooms it holds until the drain ends; not chosen for new ones: /health 503)
+                await self._registrar.drain()
+            except Exception:
+                log.exception("marking the registry entry draining failed; deregistering now")
+        await self._deregister()
+        if draining:
+            try:
+                await self._drain(self.config.drain_timeout_s)
+            finally:  # (however the drain ended: the registry entry it kept goes now)
+                self._drain_cut.set()
+                await self._deregister()
         if self.sglang is not None:
             await self.sglang.aclose()
         stopped = True
@@ -411,6 +424,15 @@ class Worker:
                 await self._embedded.aclose()
         if self.engine is not None and stopped:
             self.engine.close()
+
+    async def _deregister(self) -> None:
+        """Say goodbye to the registry, unless the entry is kept draining (the drain under way needs it)."""
+        registrar = self._registrar
+        if registrar is None or (registrar.is_draining and not self._drain_cut.is_set()):
+            return
+        self._registrar = None
+        with contextlib.suppress(Exception):
+            await registrar.aclose()
 
     async def _drain(self, timeout_s: float) -> None:
         """New requests are refused ``shutting_down`` (``Scheduler.drain``: through the native port and SGLang's

@@ -225,8 +225,8 @@ def test_a_draining_prefill_finishes_its_prefill_and_kv_transfer(procs: Procs) -
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + 20
-    # (prefilling, some 2.4 s of chunks: the decode holds the room. One the decode has yet to look up when the
-    # prefill deregisters is not found there, and ends at the drain's end)
+    # (prefilling, some 2.4 s of chunks: the decode holds the room. One the decode looks up only after SIGTERM is
+    # found too, the entry being kept draining: tests/integration/test_draining_prefill_stays_findable.py)
     while not prefill.get("/load")["num_running"]:
         assert time.monotonic() < deadline, prefill.get("/load")
         time.sleep(0.02)
