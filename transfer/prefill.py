@@ -11,8 +11,10 @@ Lifecycle:
    takes over.
 2. A decode sends ``Register`` once: the shape is validated against ours (protocol version, backend,
    page size, dtype, layer count, page bytes), then the backend connects to the decode's data endpoint
-   (blocking, in the reader thread), then ``RegisterAck``. A mismatch is refused with the reason, as is a data
-   endpoint that cannot be reached or that refuses our proof of the key (tcp: PROTOCOL, a configuration error).
+   (blocking, in that connection's reader thread: it holds up no other decode's registration, rooms or heartbeats;
+   tcp bounds it by one deadline, ``connect_timeout_s``), then ``RegisterAck``. A mismatch is refused with the
+   reason, as is a data endpoint that cannot be reached or that refuses our proof of the key (tcp: PROTOCOL, a
+   configuration error).
 3. Room messages (``RoomRequest``, ``Abort``) go to ``SenderRooms`` (``transfer.sender_rooms``).
 4. The monitor thread pings every decode; one silent for the heartbeat timeout has its rooms failed
    (TIMEOUT) and its connection closed (never at the first beat after a stall of our own: the decode's

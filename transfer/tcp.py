@@ -26,12 +26,14 @@ Lifecycle:
    batch header; the plain proof (the earlier release's connecting side: its batch follows the proof at once)
    is taken as before, with none. A wrong proof is answered refused and the connection closed, a missing one
    closed (each logged once per address a minute, counted in ``num_peers_refused``), before any of its bytes
-   reach memory. ``connect`` reads the nonce, sends the asking proof and reads the verdict (each step within
-   ``connect_timeout_s``): refused, it raises PROTOCOL saying so (the two hold different keys: a configuration
-   error, not a lost peer; logged once per address a minute, counted in ``num_refused_by_peers``); closed
-   without a verdict (a data port of the earlier release refuses the asking proof; or it went away), it connects
-   once more with the plain proof and no verdict, as the earlier release did. Once per connection: the batches
-   that follow are as before.
+   reach memory (the proof is waited for ``connect_timeout_s`` at most, one deadline however its bytes are spaced
+   out; on the connection's own thread: the accept loop and other connections go on). ``connect`` reads the nonce,
+   sends the asking proof and reads the verdict: refused, it raises PROTOCOL saying so (the two hold different
+   keys: a configuration error, not a lost peer; logged once per address a minute, counted in
+   ``num_refused_by_peers``); closed without a verdict (a data port of the earlier release refuses the asking
+   proof; or it went away), it connects once more with the plain proof and no verdict, as the earlier release
+   did. All of ``connect`` (the TCP connect, each step, the retry) is one deadline, ``connect_timeout_s``: past
+   it, PEER_UNREACHABLE. Once per connection: the batches that follow are as before.
 7. ``disconnect``/``close`` shut the sockets down (unblocking a sender stuck on a frozen peer) and join.
 Peers, sender threads, write records and their failure on disconnect/close are the shared skeleton of
 ``transfer.peer_threads``; this module adds the wire format (``_send``) and the receiving side.
@@ -44,6 +46,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -100,6 +103,28 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def _recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes, all of them by ``deadline`` (``time.monotonic()``), however the peer spaces them out (a timeout
+    per ``recv`` would let one that sends a byte now and then hold us ``n`` timeouts): TimeoutError past it,
+    ConnectionResetError if the peer closes first. (Only for a handshake: batches and acks use ``_recv_exact``.)"""
+    buf = bytearray()
+    while len(buf) < n:
+        _set_timeout_by(sock, deadline)
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionResetError("peer closed the data connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def _set_timeout_by(sock: socket.socket, deadline: float) -> None:
+    """The socket's timeout: what is left until ``deadline``; TimeoutError if nothing is."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("timed out")
+    sock.settimeout(left)
+
+
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
     while view:
         r = sock.recv_into(view)
@@ -128,7 +153,9 @@ class TcpBackend(PeerThreadBackend):
     OPTIONS = (
         Option("sndbuf_bytes", positive_int, "SO_SNDBUF of outgoing data connections (default: the kernel's)"),
         Option("rcvbuf_bytes", positive_int, "SO_RCVBUF of incoming data connections (default: the kernel's)"),
-        Option("connect_timeout_s", positive_float, "connecting to a peer's data port (default 5)"),
+        Option("connect_timeout_s", positive_float,
+               "connecting to a peer's data port, key handshake included; also the data port's wait for a "
+               "connection's key proof (default 5)"),
         Option("turn_bytes", positive_int,
                "the most of one room's batch sent before another room's turn to the same peer (default 4 MiB)"),
     )
@@ -245,12 +272,17 @@ class TcpBackend(PeerThreadBackend):
     def _is_proven(self, sock: socket.socket, keys: KVKeys, peer: str) -> bool:
         """The connection's first bytes prove the key (a nonce sent first: a fresh proof per connection)."""
         nonce = new_nonce()
-        sock.settimeout(self._connect_timeout_s)  # (a peer that sends nothing holds no thread for long)
+        # (one deadline for the whole proof: a peer that sends nothing, or a byte now and then, holds this
+        # connection's thread ``connect_timeout_s`` at most; other connections have threads of their own)
+        deadline = time.monotonic() + self._connect_timeout_s
         try:
+            _set_timeout_by(sock, deadline)
             sock.sendall(nonce)
-            proof = _recv_exact(sock, PROOF_BYTES)
+            proof = _recv_by(sock, PROOF_BYTES, deadline)
         except OSError as exc:
-            self._refusals.refused(peer, f"no proof of the workers' key ({exc or type(exc).__name__})")
+            why = f"not within {self._connect_timeout_s:g}s" if isinstance(exc, TimeoutError) else (
+                str(exc) or type(exc).__name__)
+            self._refusals.refused(peer, f"no proof of the workers' key ({why})")
             return False
         asks = is_valid(data_proof(keys, nonce, verdict=True), proof)  # (this release's connecting side)
         if not asks and not is_valid(data_proof(keys, nonce), proof):  # (nor an earlier release's)
@@ -262,7 +294,7 @@ class TcpBackend(PeerThreadBackend):
                 pass
             return False
         if asks:  # (an earlier release's reads no verdict: its first batch follows, then it reads its ack)
-            sock.sendall(_PROOF_ACCEPTED)  # (an OSError: the caller closes it)
+            sock.sendall(_PROOF_ACCEPTED)  # (one byte to a fresh connection: sent at once; an OSError: closed)
         sock.settimeout(None)
         return True
 
@@ -334,18 +366,22 @@ class TcpBackend(PeerThreadBackend):
 
     # -- initiator side --------------------------------------------------------------------------
     def connect(self, endpoint: bytes) -> PeerId:
+        """One deadline, ``connect_timeout_s``, for all of it: the TCP connect, the key's handshake and its one
+        retry (a peer that stalls between the steps, or sends a byte now and then, fails it PEER_UNREACHABLE then,
+        not after a timeout per step). Blocks the caller meanwhile (a prefill: that decode's control reader)."""
         address = endpoint.decode(errors="replace")
-        sock = self._dial(address)
+        deadline = time.monotonic() + self._connect_timeout_s
+        sock = self._dial(address, deadline)
         with self._lock:
             keys = self._keys
-        if keys is not None:  # (still under the connect timeout: a peer that sends no nonce fails the connect)
+        if keys is not None:  # (still by the deadline: a peer that sends no nonce fails the connect)
             try:
-                if not self._prove(sock, keys, address):
+                if not self._prove(sock, keys, address, deadline):
                     # closed on our proof without a verdict: a data port of the earlier release (ours, asking for a
                     # verdict, is a wrong one there), or one that went away: once more with the proof it takes
                     sock.close()
-                    sock = self._dial(address)
-                    self._prove(sock, keys, address, verdict=False)
+                    sock = self._dial(address, deadline)
+                    self._prove(sock, keys, address, deadline, verdict=False)
             except BaseException:
                 sock.close()
                 raise
@@ -355,33 +391,54 @@ class TcpBackend(PeerThreadBackend):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._sndbuf)
         return self._add_peer(_TcpPeer(label=address, sock=sock))
 
-    def _dial(self, address: str) -> socket.socket:
-        try:
-            return socket.create_connection(split_host_port(address), timeout=self._connect_timeout_s)
-        except (OSError, ValueError) as exc:
-            raise TransferError(
-                TransferErrorKind.PEER_UNREACHABLE, f"tcp: cannot connect to {address}: {exc}"
-            ) from exc
+    def _why(self, exc: OSError) -> str:
+        if isinstance(exc, TimeoutError):
+            return f"not within connect_timeout_s ({self._connect_timeout_s:g}s)"
+        return str(exc) or type(exc).__name__
 
-    def _prove(self, sock: socket.socket, keys: KVKeys, address: str, *, verdict: bool = True) -> bool:
-        """Our side of a data connection's key handshake: its nonce, our proof, its verdict. False: closed on our
-        proof without a verdict. ``verdict`` False: the earlier release's handshake (the plain proof, no verdict:
-        a wrong key shows as the first write failing, PEER_GONE, nothing of it landed)."""
+    def _dial(self, address: str, deadline: float) -> socket.socket:
+        """A TCP connection to ``address`` by ``deadline`` (each of a name's addresses tried in turn, with what is
+        left of it; a host name's DNS look-up is the system's, not bounded here: endpoints are addresses as a rule)."""
+        failure: OSError | ValueError | None = None
         try:
-            sock.sendall(data_proof(keys, _recv_exact(sock, NONCE_BYTES), verdict=verdict))
+            infos = socket.getaddrinfo(*split_host_port(address), type=socket.SOCK_STREAM)
+        except (OSError, ValueError) as exc:  # (ValueError: no port; a host name that does not encode)
+            failure, infos = exc, []
+        for family, kind, proto, _, sockaddr in infos:
+            sock = socket.socket(family, kind, proto)
+            try:
+                _set_timeout_by(sock, deadline)
+                sock.connect(sockaddr)
+                return sock
+            except OSError as exc:
+                sock.close()
+                failure = exc
+                if isinstance(exc, TimeoutError):
+                    break
+        why = self._why(failure) if isinstance(failure, OSError) else str(failure or "no address")
+        raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"tcp: cannot connect to {address}: {why}") from failure
+
+    def _prove(self, sock: socket.socket, keys: KVKeys, address: str, deadline: float, *,
+               verdict: bool = True) -> bool:
+        """Our side of a data connection's key handshake, by ``deadline``: its nonce, our proof, its verdict. False:
+        closed on our proof without a verdict. ``verdict`` False: the earlier release's handshake (the plain proof,
+        no verdict: a wrong key shows as the first write failing, PEER_GONE, nothing of it landed)."""
+        try:
+            nonce = _recv_by(sock, NONCE_BYTES, deadline)
+            _set_timeout_by(sock, deadline)
+            sock.sendall(data_proof(keys, nonce, verdict=verdict))
         except OSError as exc:
             raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"tcp: {address} did not start the "
-                                f"workers' key handshake: {exc or type(exc).__name__} (a data port without "
-                                "the key?)") from exc
+                                f"workers' key handshake: {self._why(exc)} (a data port without the key?)") from exc
         if not verdict:
             return True
         try:
-            answer = sock.recv(1)
+            answer = _recv_by(sock, 1, deadline)
         except ConnectionResetError:
             answer = b""  # (closed: the same)
         except OSError as exc:
             raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"tcp: {address} gave no verdict on the "
-                                f"workers' key proof: {exc or type(exc).__name__}") from exc
+                                f"workers' key proof: {self._why(exc)}") from exc
         if answer == _PROOF_ACCEPTED:
             return True
         if answer == _PROOF_REFUSED:
