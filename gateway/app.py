@@ -6,7 +6,8 @@ Layout (``create_app(config)``), outermost first:
 2. ``GatewayApp``: the generation routes (``/v1/chat/completions``, ``/v1/completions``,
    ``/generate``) go straight to their raw-ASGI ``Responder`` (``gateway/responder.py``: admission,
    body, validation, dispatch, JSON or SSE); everything else goes to Starlette.
-3. Starlette: ``/v1/models``, ``GET``/``DELETE /v1/responses/{id}`` (``gateway/response_store.py``),
+3. Starlette: ``/v1/models``, ``GET``/``DELETE /v1/responses/{id}`` and ``GET .../input_items``
+   (``gateway/response_store.py``),
    ``/health`` (the process is alive, with the workers' state),
    ``/readiness`` (200 only with a selectable prefill and decode, or combined, worker and not
    draining), ``/metrics``, ``/openapi.json`` (``gateway/openapi.py``, built here once) and the
@@ -48,7 +49,7 @@ from gateway.hot_cycle import HotRoutes
 from gateway.middleware import BRIEF_STATUS, GatekeeperMiddleware, RequestContextMiddleware
 from gateway.openapi import openapi_document
 from gateway.responder import Responder
-from gateway.response_store import ResponseStore, response_endpoint, store_of
+from gateway.response_store import ResponseStore, StoreRoute, input_items_endpoint, response_endpoint, store_of
 from gateway.responses import ResponsesResponder
 from gateway.runtime import Gateway, GatewayConfig
 from gateway.sglang_relay import SGLangResponder
@@ -89,8 +90,11 @@ def create_app(config: GatewayConfig) -> Any:
         routes=[
             Route("/v1/models", _guarded(gw, "models", models), methods=["GET"]),
             Route("/v1/models/{model:path}", _guarded(gw, "models", model), methods=["GET"]),
-            Route("/v1/responses/{response_id}", _guarded(gw, "responses", response_endpoint(store)),
-                  methods=["GET", "DELETE"]),
+            # (a route of their own in the metrics; another method's 405 is the endpoint's, counted there)
+            StoreRoute("/v1/responses/{response_id}", _guarded(gw, "responses_store", response_endpoint(store)),
+                       methods=["GET", "DELETE"]),
+            StoreRoute("/v1/responses/{response_id}/input_items",
+                       _guarded(gw, "responses_store", input_items_endpoint(store)), methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/readiness", readiness, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),

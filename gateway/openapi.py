@@ -265,6 +265,26 @@ def _paths() -> dict[str, Any]:
                                                                   "deleted": {"const": True}}}, "deleted"),
                                      **_errors("404")}},
         },
+        "/v1/responses/{response_id}/input_items": {"get": {
+            "operationId": "listInputItems", "summary": "a stored response's input items (its conversation before "
+            "its output: earlier turns' input and output, then its own input), a page at a time",
+            "tags": ["generation"],
+            "parameters": [response_id,
+                           {"name": "limit", "in": "query", "required": False, "description": "items per page",
+                            "schema": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}},
+                           {"name": "order", "in": "query", "required": False, "description": "asc: as given",
+                            "schema": {"enum": ["asc", "desc"], "default": "desc"}},
+                           _query("after", "the id of the item the page starts after", required=False),
+                           {"name": "include", "in": "query", "required": False, "description": "none supported: "
+                            "any value is a 400", "schema": {"type": "array", "items": _STR, "maxItems": 0}}],
+            "responses": {"200": _json({"type": "object", "required": ["object", "data", "first_id", "last_id",
+                                                                       "has_more"],
+                                        "properties": {"object": {"const": "list"},
+                                                       "data": {"type": "array", "items": {"type": "object"}},
+                                                       "first_id": {"type": ["string", "null"]},
+                                                       "last_id": {"type": ["string", "null"]},
+                                                       "has_more": {"type": "boolean"}}}, "a page of items"),
+                          **_errors("400", "404")}}},
         "/v1/models": _get("listModels", "the served model", "generation",
                            {"200": _json(_ref("ModelList"), "the model"), **_errors("503")}),
         "/v1/models/{model}": {"get": {
@@ -302,7 +322,7 @@ def _paths() -> dict[str, Any]:
 
 
 _CLIENT_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses",
-                 "/v1/responses/{response_id}", "/v1/models",
+                 "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items", "/v1/models",
                  "/v1/models/{model}", "/openapi.json")
 _ADMIN_PATHS = ("/workers", "/list_workers", "/add_worker", "/remove_worker")
 
@@ -325,6 +345,7 @@ def openapi_document(config: GatewayConfig, *, serves_responses: bool = True) ->
     paths = _paths()
     if not serves_responses:
         del paths["/v1/responses"], paths["/v1/responses/{response_id}"]
+        del paths["/v1/responses/{response_id}/input_items"]
     schemes: dict[str, Any] = {}
     if config.api_keys:
         schemes["apiKey"] = {"type": "http", "scheme": "bearer", "description": "a client key (--api-key)"}

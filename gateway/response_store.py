@@ -1,21 +1,26 @@
-"""Stored responses of ``/v1/responses``: ``store``, ``previous_response_id``, ``GET``/``DELETE /v1/responses/{id}``.
+"""Stored responses of ``/v1/responses``: ``store``, ``previous_response_id``, ``GET``/``DELETE /v1/responses/{id}``,
+``GET /v1/responses/{id}/input_items``.
 
 A bounded, in-memory store, one per gateway process (not shared between gateway replicas, lost on restart):
 
 1. ``gateway.app`` makes it from ``--responses-store-max`` (how many responses are kept at most; 0: none, the route
    is stateless), ``--responses-store-max-mib`` (how many bytes they hold at most) and ``--responses-store-ttl-s``
    (a response unused for this long is gone) and hands it to the route's responder (``ResponsesResponder``) and to
-   the ``GET``/``DELETE`` routes (``response_endpoints``).
+   the ``GET``/``DELETE`` and ``input_items`` routes (``response_endpoint``, ``input_items_endpoint``: a route of
+   their own in ``pd_gateway_requests_total``, ``responses_store``, a method they lack a 405 counted there).
 2. The responder marks each ``POST /v1/responses`` with a ``Pending`` (a context variable: the request's headers,
    whose key owns what it stores, and, once prepared, the conversation to store with its answer).
 3. ``ResponsesShape.prepare`` (``gateway/responses.py``, on the event loop or a prepare thread) looks up
    ``previous_response_id`` (``get``: its conversation and output go in front of the new input) and, unless the
    request says ``store: false``, notes what the answer will be stored with (that conversation and its own input, of
-   which only the fields that make the prompt are kept).
+   which only the fields that make the prompt are kept, with an id each: ``input_items`` lists them by it).
 4. The final response object (the whole answer, or a stream's ``response.completed``/``response.incomplete``) is
-   ``put`` once, before it goes out: as its JSON (what ``GET`` answers), its output items (what a continuation
-   puts in front of its input) and its conversation. A stream that fails, or a client that leaves first, stores nothing.
-5. ``GET /v1/responses/{id}`` answers the stored object, ``DELETE`` forgets it; both 404 for an id unknown, expired,
+   ``put`` once, when its generation has ended, before it goes out (as OpenAI, a completed response is stored
+   whatever its client does next): as its JSON (what ``GET`` answers), its output items (what a continuation puts
+   in front of its input) and its conversation. A stream that fails stores nothing (its ``response.failed`` says
+   ``store: false``); a client that leaves while its response is generated stops the generation: nothing to store.
+5. ``GET /v1/responses/{id}`` answers the stored object, ``DELETE`` forgets it, ``GET .../input_items`` lists its
+   conversation (OpenAI's list, a page at a time: ``input_items_page``); each 404s for an id unknown, expired,
    evicted, or stored under another key.
 
 Bounds: at most ``max_responses`` entries and ``max_bytes`` bytes (least recently used evicted first, the newest
@@ -45,8 +50,10 @@ from typing import Any
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
-from gateway.errors import NotFound
+from gateway.errors import APIError, BadRequest, NotFound
 
 DEFAULT_MAX_RESPONSES = 1000
 DEFAULT_TTL_S = 3600.0
@@ -205,36 +212,142 @@ def not_found(response_id: str, param: str | None = None) -> ResponseNotFound:
 
 
 _json = msgspec.json.Encoder()
+MAX_LIST_LIMIT = 100  # OpenAI's bounds on ``input_items``' ``limit`` (1..100, default 20)
+DEFAULT_LIST_LIMIT = 20
+
+
+class MethodNotAllowed(APIError):
+    """A stored-response route asked with another method: counted under its route (``_guarded``), as a generation
+    route's 405 is, and shaped as Starlette's own 405 (``gateway.errors.http_error``)."""
+
+    status = 405
+    type = "invalid_request_error"
+
+    def __init__(self, message: str, allow: bytes) -> None:
+        super().__init__(message)
+        self.allow = allow
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [*super().headers(), (b"allow", self.allow)]
+
+
+def _by_method(handlers: dict[str, Endpoint]) -> Endpoint:
+    """One endpoint for a ``StoreRoute`` (which passes every method on): ``handlers`` by method, any other a 405 (an
+    ``APIError``, so that ``_guarded`` counts it; Starlette's own 405 would be raised before the endpoint)."""
+    allow = ", ".join(handlers).encode()
+
+    async def endpoint(request: Request) -> Response:
+        handler = handlers.get(request.method)
+        if handler is None:
+            raise MethodNotAllowed(f"Method Not Allowed: {request.method} {request.url.path}", allow)
+        return await handler(request)
+
+    return endpoint
+
+
+class StoreRoute(Route):
+    """A stored-response route: its ``methods`` are those it serves (the OpenAPI document's), but a request with
+    another reaches its endpoint (whose 405 is counted, ``_by_method``) instead of Starlette's own 405 before it."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+
+def _no_store(response_id: str) -> ResponseNotFound:
+    return ResponseNotFound(f"No response found with id {response_id!r}: this gateway stores no responses "
+                            "(--responses-store-max 0).")
+
+
+def _lookup(store: ResponseStore | None, request: Request) -> StoredResponse:
+    """The stored response the path names, for the key of the request (its use renewed); else its 404."""
+    response_id = request.path_params["response_id"]
+    if store is None:
+        raise _no_store(response_id)
+    entry = store.get(owner_of(request.headers.raw, store.keyed), response_id)
+    if entry is None:
+        raise not_found(response_id)
+    return entry
 
 
 def response_endpoint(store: ResponseStore | None) -> Endpoint:
     """``GET`` (and ``HEAD``) and ``DELETE /v1/responses/{response_id}``: one Starlette endpoint (one route, so that
-    another method's 405 allows all three); an ``APIError`` is its answer."""
-
-    def lookup(request: Request) -> tuple[str, bytes]:
-        response_id = request.path_params["response_id"]
-        if store is None:
-            raise ResponseNotFound(f"No response found with id {response_id!r}: this gateway stores no responses "
-                                   "(--responses-store-max 0).")
-        return response_id, owner_of(request.headers.raw, store.keyed)
+    another method's 405 allows all three; counted, ``_by_method``); an ``APIError`` is its answer."""
 
     async def retrieve(request: Request) -> Response:
-        response_id, owner = lookup(request)
-        assert store is not None
-        entry = store.get(owner, response_id)
-        if entry is None:
-            raise not_found(response_id)
-        return Response(entry.encoded, media_type="application/json")
+        return Response(_lookup(store, request).encoded, media_type="application/json")
 
     async def delete(request: Request) -> Response:
-        response_id, owner = lookup(request)
-        assert store is not None
-        if not store.delete(owner, response_id):
+        response_id = request.path_params["response_id"]
+        if store is None:
+            raise _no_store(response_id)
+        if not store.delete(owner_of(request.headers.raw, store.keyed), response_id):
             raise not_found(response_id)
         return Response(_json.encode({"id": response_id, "object": "response.deleted", "deleted": True}),
                         media_type="application/json")
 
-    async def endpoint(request: Request) -> Response:
-        return await (delete if request.method == "DELETE" else retrieve)(request)
+    return _by_method({"GET": retrieve, "HEAD": retrieve, "DELETE": delete})
 
-    return endpoint
+
+def input_items_endpoint(store: ResponseStore | None) -> Endpoint:
+    """``GET /v1/responses/{response_id}/input_items`` (the SDK's ``responses.input_items.list``): a page of the
+    stored response's input items, OpenAI's list (``input_items_page``); the 404s of ``GET /v1/responses/{id}``."""
+
+    async def listing(request: Request) -> Response:
+        limit, order, after = _list_params(request)
+        entry = _lookup(store, request)
+        return Response(_json.encode(input_items_page(entry.conversation, limit, order, after)),
+                        media_type="application/json")
+
+    return _by_method({"GET": listing, "HEAD": listing})
+
+
+def _list_params(request: Request) -> tuple[int, str, str | None]:
+    """``limit``, ``order`` and ``after`` of an ``input_items`` request; ``include`` (values that add fields this
+    gateway never has: hosted tools' results, images, logprobs, reasoning) is a 400 naming it, as on ``POST``."""
+    query = request.query_params
+    included = [value for name in ("include", "include[]") for value in query.getlist(name)]
+    if included:
+        raise BadRequest(f"include {included[0]!r} is not supported: input items are listed as they were given "
+                         "(text and function calls), with nothing to include", param="include")
+    given = query.get("limit")
+    limit = DEFAULT_LIST_LIMIT
+    if given is not None:
+        limit = int(given) if given.isascii() and given.isdigit() and len(given) <= 4 else 0
+        if not 1 <= limit <= MAX_LIST_LIMIT:
+            raise BadRequest(f"limit must be an integer from 1 to {MAX_LIST_LIMIT}, got {given!r}", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise BadRequest(f"order must be 'asc' or 'desc', got {order!r}", param="order")
+    return limit, order, query.get("after")
+
+
+def input_items_page(conversation: list[Any], limit: int, order: str, after: str | None) -> dict[str, Any]:
+    """OpenAI's list of a stored response's input items: its whole conversation before its output (earlier turns'
+    input and output, then its own input), ``order`` ``asc`` as they were given, ``desc`` newest first; ``after``:
+    the id of the item the page starts after (an id not among them is a 400 naming ``after``)."""
+    items = conversation if order == "asc" else conversation[::-1]
+    start = 0
+    if after is not None:
+        start = next((i + 1 for i, item in enumerate(items) if item.get("id") == after), -1)
+        if start < 0:
+            raise BadRequest(f"after {after!r} is not the id of an input item of this response", param="after")
+    page = [listed_item(item) for item in items[start:start + limit]]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
+
+
+def listed_item(item: dict[str, Any]) -> dict[str, Any]:
+    """A stored conversation item as ``input_items`` lists it (OpenAI's items with ids and a status): an earlier
+    response's output item as it was answered; an input message with its content as parts (a string: one
+    ``input_text``, an assistant's one ``output_text``); a function call or its output ``completed``."""
+    if "status" in item:  # (an output item: already in OpenAI's shape)
+        return item
+    if item["type"] != "message":
+        return {**item, "status": "completed"}
+    role, content = item["role"], item["content"]
+    if role == "assistant":
+        parts = [{"type": "output_text", "text": content, "annotations": []}] if isinstance(content, str) else [
+            {**part, "annotations": []} if part["type"] == "output_text" else part for part in content]
+    else:
+        parts = [{"type": "input_text", "text": content}] if isinstance(content, str) else content
+    return {"id": item["id"], "type": "message", "role": role, "content": parts, "status": "completed"}

@@ -17,11 +17,13 @@ every stream. An error before that is an HTTP status; after it, ``response.faile
 far as it went, none of a held answer), an event the SDK's typed stream yields.
 
 Stored responses (``gateway/response_store.py``, ``--responses-store-max``): unless ``store`` is false, the final
-response object (completed or incomplete; not a failed stream's) is kept with its conversation (the items before
-its output), for ``GET``/``DELETE /v1/responses/{id}`` and for ``previous_response_id``, whose conversation and
-output go in front of the new ``input`` (its ``instructions`` do not carry over: only the request's own are in
-front); an id not stored (or another key's) is a 404 naming ``previous_response_id``. With the store off
-(``--responses-store-max 0``) ``store`` is answered ``false`` and ``previous_response_id`` is a 400.
+response object (completed or incomplete, stored as its generation ends, before it is sent; not a failed stream's,
+whose ``response.failed`` says ``store: false``) is kept with its conversation (the items before its output, its
+own input items with ids), for ``GET``/``DELETE /v1/responses/{id}``, ``GET .../input_items`` and for
+``previous_response_id``, whose conversation and output go in front of the new ``input`` (its ``instructions`` do
+not carry over: only the request's own are in front); an id not stored (or another key's) is a 404 naming
+``previous_response_id``. With the store off (``--responses-store-max 0``) ``store`` is answered ``false`` and
+``previous_response_id`` is a 400.
 ``conversation`` (OpenAI's conversation objects), hosted tools, reasoning options, ``background``, ``include``,
 ``top_logprobs`` and non-text input are a 400 naming the field rather than silently ignored.
 """
@@ -249,6 +251,18 @@ def _stored_items(given: str | list[Any]) -> list[dict[str, Any]]:
     return items
 
 
+# an input item's id (``GET /v1/responses/{id}/input_items``) by its type: OpenAI's prefixes
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def _with_ids(items: list[dict[str, Any]], response_id: str) -> list[dict[str, Any]]:
+    """A response's own input items (``_stored_items``) with the ids ``input_items`` lists them by: the response's
+    id, then the item's place in its input (unique in a store of unique response ids; an id the client gave an item
+    is not kept, as no other of its fields the prompt does not need is)."""
+    tail = response_id.removeprefix("resp_")
+    return [{"id": f"{_ITEM_ID_PREFIXES[item['type']]}_{tail}_{i}", **item} for i, item in enumerate(items)]
+
+
 # chat's names -> this route's (a prefix of a refusal's ``param``, a word of its message)
 _NAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
           ("response_format", "text.format"), ("messages", "input"))
@@ -382,7 +396,7 @@ class ResponsesShape(Shape):
             pending = PENDING.get()
             if pending is not None and pending.conversation is not None:
                 prefix, given = pending.conversation
-                own = _stored_items(given)
+                own = _with_ids(_stored_items(given), body["id"])
                 own_bytes, output_bytes = len(_json.encode(own)), len(_json.encode(body["output"]))
                 self.store.put(pending.owner, body["id"], _json.encode(body), body["output"], [*prefix, *own],
                                own_bytes=own_bytes, conversation_bytes=pending.prefix_bytes + own_bytes + output_bytes)
@@ -461,6 +475,10 @@ class ResponsesShape(Shape):
         response = self._response(run, "failed", partial() if partial is not None else [], None)
         response["error"] = {"code": _FAILURE_CODES.get(error.status, "server_error"), "message": error.message,
                              "param": error.param, "type": error.type}
+        if response["store"]:  # (what is true: a failed response is not stored; one the shutdown cut while its
+            # completed answer went out was, before it went: ``_kept``)
+            pending = PENDING.get()
+            response["store"] = pending is not None and pending.conversation is None
         return self._event(run, "response.failed", {"response": response})
 
     async def events(self, run: Run) -> AsyncGenerator[bytes, None]:

@@ -175,3 +175,78 @@ def _continue_a_long_conversation(frontend: Any, store: ResponseStore, shape: An
         short.prepare(frontend, then)
 
     asyncio.run(short_enough())
+
+
+def test_input_items_are_listed_as_openai_lists_them_a_page_at_a_time() -> None:
+    """``GET /v1/responses/{id}/input_items``: the stored conversation (earlier output as answered, input with ids
+    and a status), ``desc`` newest first by default, ``after`` an item's id, ``has_more`` when items are left."""
+    from gateway.errors import BadRequest
+    from gateway.response_store import input_items_page
+    from gateway.responses import _stored_items, _with_ids
+
+    earlier = _with_ids(_stored_items("Weather in Paris?"), "resp_aa")
+    output = [{"id": "fc_1", "type": "function_call", "status": "completed", "call_id": "call_1",
+               "name": "get_weather", "arguments": "{}"}]
+    own = _with_ids(_stored_items([
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny", "id": "mine"},
+        {"role": "assistant", "content": "It is sunny."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Thanks"}]}]), "resp_bb")
+    conversation = [*earlier, *output, *own]
+    asc = input_items_page(conversation, 20, "asc", None)
+    assert asc == {"object": "list", "first_id": "msg_aa_0", "last_id": "msg_bb_2", "has_more": False, "data": [
+        {"id": "msg_aa_0", "type": "message", "role": "user", "status": "completed",
+         "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+        output[0],
+        {"id": "fco_bb_0", "type": "function_call_output", "call_id": "call_1", "output": "sunny",
+         "status": "completed"},  # (the client's id is not kept: the gateway's ids are unique)
+        {"id": "msg_bb_1", "type": "message", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "It is sunny.", "annotations": []}]},
+        {"id": "msg_bb_2", "type": "message", "role": "user", "status": "completed",
+         "content": [{"type": "input_text", "text": "Thanks"}]}]}
+    ids = [item["id"] for item in asc["data"]]
+    desc = input_items_page(conversation, 2, "desc", None)
+    assert [i["id"] for i in desc["data"]] == ids[::-1][:2] and desc["has_more"] is True
+    assert (desc["first_id"], desc["last_id"]) == (ids[4], ids[3])
+    rest = input_items_page(conversation, 2, "desc", desc["last_id"])
+    assert [i["id"] for i in rest["data"]] == [ids[2], ids[1]] and rest["has_more"] is True
+    last = input_items_page(conversation, 2, "desc", rest["last_id"])
+    assert [i["id"] for i in last["data"]] == [ids[0]] and last["has_more"] is False
+    empty = input_items_page(conversation, 2, "desc", ids[0])
+    assert empty["data"] == [] and empty["has_more"] is False and empty["first_id"] is None
+    with pytest.raises(BadRequest) as caught:
+        input_items_page(conversation, 2, "asc", "msg_nope")
+    assert caught.value.param == "after"
+    assert conversation[2] == {"id": "fco_bb_0", "type": "function_call_output", "call_id": "call_1",
+                               "output": "sunny"}  # (stored as the prompt needs it; listed with a status)
+
+
+def test_response_failed_says_whether_it_is_stored() -> None:
+    """``response.failed`` of a request to be stored says ``store: false`` (nothing kept); true only where its
+    completed answer was stored before the stream was cut (the shutdown's cut while it went out)."""
+    import json
+    from types import SimpleNamespace
+
+    from gateway.errors import BadGateway
+    from gateway.response_store import PENDING
+    from gateway.responses import ResponsesShape
+
+    store = ResponseStore(10, 60.0)
+    shape = ResponsesShape(store)
+
+    def failed(conversation: Any, store_echo: bool) -> bool:
+        pending = store.pending([])
+        pending.conversation = conversation
+        PENDING.set(pending)
+        run = SimpleNamespace(rid="resp_1", created=0, frontend=SimpleNamespace(model_name="m"), sequence=0,
+                              prep=SimpleNamespace(echo_fields={"store": store_echo}))
+        event = shape.failure(run, BadGateway("decode worker: gone"))  # type: ignore[arg-type]
+        response = json.loads(event.split(b"data: ", 1)[1])["response"]
+        assert response["status"] == "failed" and response["error"]["code"] == "server_error"
+        return bool(response["store"])
+
+    def check() -> None:
+        assert failed(([], "hi"), True) is False  # to be stored, never was
+        assert failed(None, True) is True  # stored already (``_kept`` clears what was to be stored)
+        assert failed(None, False) is False  # store: false
+
+    contextvars.Context().run(check)

@@ -55,7 +55,7 @@ def test_gateway_meets_its_openapi_document(sim_cluster: Callable[..., SimCluste
     schema = schemathesis.openapi.from_url(f"{cluster.base_url}/openapi.json", config=config)
     schema = schema.exclude(operation_id=["removeWorker", "removeWorkerAlias"])
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 15  # (GET and DELETE /v1/responses/{id} among them)
+    assert len(operations) == 16  # (GET and DELETE /v1/responses/{id}, GET .../input_items among them)
     session = requests.Session()
     for operation in operations:
         cases = st.one_of(*(operation.as_strategy(mode) for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)))
