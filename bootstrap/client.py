@@ -15,9 +15,15 @@ Prefill side, ``BootstrapRegistrar`` (async, owned by the prefill worker's event
    ``"draining": true`` and re-sends it on every beat from then on. The registry keeps answering look-ups of the
    rank (decodes holding rooms for it still find it) and lists it as leaving. A registry that does not confirm the
    state (an older one, SGLang's: ``OK`` instead of ``{"draining": true}``) gets ``aclose``'s goodbye at once
-   instead, as before; so does one whose rank another process has taken over (409).
-4. ``await aclose()`` cancels the heartbeat, sends a best-effort ``DELETE /route`` (so decodes see
-   the instance go not-ready at once instead of after the TTL) and closes its HTTP client.
+   instead, as before. A rank another process has taken over (409) is not taken back, but the draining PUT is
+   re-sent on every beat until ``aclose`` (the drain's end bounds it): should that process go without a goodbye (a
+   registry restarted mid-drain, a successor that died), its lease lapses and the next beat makes this prefill
+   findable again for the rooms it still holds.
+4. ``await aclose()`` stops the heartbeat, sends a best-effort ``DELETE /route`` (so decodes see
+   the instance go not-ready at once instead of after the TTL) and closes its HTTP client. A renewal PUT in
+   flight is awaited first (up to ``PUT_SETTLE_TIMEOUT_S``), not cancelled: a cancelled one may still reach the
+   registry after the goodbye and bring the entry back. Our registry refuses such a late PUT of a ``registrant``
+   that said goodbye (410 ``deregistered``, which ``start`` treats as fatal and a heartbeat as the end).
 
 Decode side, ``BootstrapResolver`` (sync, thread-safe, shared by the KV-transfer threads):
 1. ``topology(host, port, instance_id)`` and ``resolve(...)`` GET ``/route`` (``http://host:port/route``, as
@@ -86,7 +92,7 @@ logger = logging.getLogger("bootstrap.client")
 _ENCODER = msgspec.json.Encoder()
 _TOPOLOGY_DECODER = msgspec.json.Decoder(Topology)
 _ADDRESS_DECODER = msgspec.json.Decoder(RankAddress)
-_FATAL_PUT_STATUSES = frozenset({400, 401, 403, 404, 405, 413})
+_FATAL_PUT_STATUSES = frozenset({400, 401, 403, 404, 405, 410, 413})
 WAIT_LOG_INTERVAL_S = 10.0  # a registrar still trying its first registration says so this often
 # A starting registrar refused as ``instance_conflict`` this long in a row gives up: the rank's holder still renews,
 # i.e. another live process has this instance id (a restart's dead predecessor stops blocking it at most
@@ -98,6 +104,9 @@ CONFLICT_RETRY_MARGIN_S = 0.05
 _JSON_HEADERS = {"content-type": "application/json"}
 # The PUT that starts a drain waits at most this (as the goodbye does): a stopping worker must not hang on its registry
 DRAIN_PUT_TIMEOUT_S = 1.0
+# The goodbye (and the drain's first PUT) waits at most this for a renewal in flight to be answered, rather than
+# cancelling it (a cancelled PUT may still reach the registry after the goodbye); then it is cancelled
+PUT_SETTLE_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -305,6 +314,9 @@ class BootstrapRegistrar:
         self._goodbye = self._body  # what ``DELETE /route`` sends (registries that know no ``draining`` too)
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task[None] | None = None
+        self._beat_idle = asyncio.Event()  # cleared while a heartbeat PUT is in flight
+        self._beat_idle.set()
+        self._beats_stopping = False  # the heartbeat is being stopped: it starts no new PUT
         self.is_registered = False
         self.num_failures = 0  # consecutive failed PUTs
         self.last_error: str | None = None
@@ -373,12 +385,12 @@ class BootstrapRegistrar:
             await self._client.aclose()
             self._client = None
             raise
-        self._task = asyncio.create_task(self._heartbeat(), name=f"bootstrap-heartbeat-{self.registration.label}")
+        self._start_heartbeat()
 
     async def drain(self) -> bool:
         """Keep the rank registered as draining until ``aclose`` (see the module docstring); returns whether it is,
-        False when it was deregistered instead (a registry that knows no ``draining``, a rank taken over, or a
-        registrar never started)."""
+        False when it was deregistered instead (a registry that knows no ``draining`` or refuses the PUT otherwise
+        than 409, or a registrar never started). A rank another process holds now (409) is renewed as draining."""
         if self.is_draining:
             return True
         if self._client is None:
@@ -393,6 +405,11 @@ class BootstrapRegistrar:
             logger.warning("rank %s: the registry %s did not answer the drain (%s); renewing it as draining",
                            self.registration.label, self.url, self.last_error)
             self.is_draining = True
+        elif status == 409:
+            # (another process holds the rank now: not taken back, but renewed in case that one goes without a goodbye)
+            logger.warning("rank %s: another process holds it in %s (%s); renewing it as draining until the drain ends",
+                           self.registration.label, self.url, self.last_error)
+            self.is_draining = True
         else:
             why = ("does not know the draining state" if status == 200 else f"refused it: {self.last_error}")
             logger.warning("rank %s: the registry %s %s; deregistering now (decodes that have not looked this "
@@ -400,15 +417,31 @@ class BootstrapRegistrar:
             await self.aclose()
             return False
         logger.info("rank %s draining in %s: still looked up until it deregisters", self.registration.label, self.url)
-        self._task = asyncio.create_task(self._heartbeat(), name=f"bootstrap-heartbeat-{self.registration.label}")
+        self._start_heartbeat()
         return True
 
+    def _start_heartbeat(self) -> None:
+        self._beats_stopping = False
+        self._task = asyncio.create_task(self._heartbeat(), name=f"bootstrap-heartbeat-{self.registration.label}")
+
     async def _stop_heartbeat(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        """Stop the heartbeat once a PUT it has in flight is answered (within ``PUT_SETTLE_TIMEOUT_S``): what comes
+        next (the goodbye, the draining PUT) must reach the registry after it, not overtake it."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        self._beats_stopping = True
+        try:
+            if not self._beat_idle.is_set() and not task.done():
+                try:
+                    await asyncio.wait_for(self._beat_idle.wait(), PUT_SETTLE_TIMEOUT_S)
+                except TimeoutError:
+                    logger.info("rank %s: the renewal in flight to %s got no answer within %gs; cancelled",
+                                self.registration.label, self.url, PUT_SETTLE_TIMEOUT_S)
+        finally:  # (the beat is asleep now, or its PUT overdue: no new PUT starts either way)
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await task
 
     async def aclose(self) -> None:
         await self._stop_heartbeat()
@@ -466,17 +499,28 @@ class BootstrapRegistrar:
         return status
 
     async def _heartbeat(self) -> None:
+        refused = False  # (a draining rank taken over says so once, not on every beat)
         while True:
             await asyncio.sleep(self.interval_s)
+            if self._beats_stopping:
+                return
+            self._beat_idle.clear()
             try:
                 status = await self._put()
             except Exception:  # a bug in one beat must not end the heartbeat
                 logger.exception("heartbeat of rank %s failed", self.registration.label)
                 continue
-            if self.is_draining and status == 409:
-                logger.info("rank %s: another process holds it now; a draining rank stops renewing",
-                            self.registration.label)
+            finally:
+                self._beat_idle.set()
+            if status == 410:  # (this registrant said goodbye to the rank: it is not ours to register any more)
+                logger.warning("rank %s: the registry %s refuses it as deregistered; the heartbeat stops",
+                               self.registration.label, self.url)
                 return
+            if self.is_draining and status == 409 and not refused:
+                # (not taken back; renewed until the drain ends, in case the holder goes without a goodbye)
+                logger.info("rank %s: another process holds it now; renewing as draining until the drain ends",
+                            self.registration.label)
+            refused = status == 409
 
 
 def _confirms_draining(body: bytes) -> bool:

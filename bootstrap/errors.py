@@ -55,6 +55,10 @@ def conflict(code: str, message: str, *, retry_after_s: float | None = None) -> 
     return ApiError(409, "conflict_error", code, message, retry_after_s=retry_after_s)
 
 
+def gone(code: str, message: str) -> ApiError:
+    return ApiError(410, "conflict_error", code, message)
+
+
 def too_large(limit: int) -> ApiError:
     return ApiError(413, "invalid_request_error", "body_too_large", f"request body exceeds {limit} bytes")
 

@@ -67,6 +67,8 @@ class _RegistryCollector(Collector):
             ("bootstrap_rank_expirations", "Rank leases that expired", reg.num_expirations),
             ("bootstrap_rank_deregistrations", "Ranks removed by DELETE /route", reg.num_deregistrations),
             ("bootstrap_rank_drains", "Ranks that turned draining (PUT /route with draining)", reg.num_drains),
+            ("bootstrap_rank_puts_after_goodbye", "PUT /route refused 410: its registrant had deregistered the rank",
+             reg.num_puts_after_goodbye),
             ("bootstrap_room_expirations", "Room -> DP rank entries that expired", self._rooms.num_expirations),
         ):
             yield CounterMetricFamily(name, doc, value=value)

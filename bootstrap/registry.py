@@ -21,6 +21,11 @@ Lifecycle (all calls come from the server's single event loop; none blocks or aw
 5. ``deregister(put, now, extra)`` drops a rank on graceful shutdown (at the end of the drain, if any), only if it is
    still the sender's: its address still matches and, when the goodbye carries a ``registrant`` mark, so does the
    entry's (a late goodbye from an old process cannot remove its replacement, also one restarted on the same address).
+   A goodbye that names its ``registrant`` is final: the registry keeps a tombstone of (instance, rank, registrant)
+   (``bootstrap.tombstones``) for ``max(ttl_s, TOMBSTONE_MIN_S)``, at most ``MAX_TOMBSTONES`` of them, and
+   ``register`` refuses that registrant's later PUTs of the rank with 410 ``deregistered`` (a renewal sent before the
+   goodbye and arriving after it would otherwise bring the entry back, until its lease ends, or for ever with
+   ``ttl_s`` 0). Another process (another ``registrant``, or none: SGLang's) registering the rank is not affected.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any
 
 from bootstrap import errors
 from bootstrap.messages import DEFAULT_INSTANCE_ID, FOLLOW_BOOTSTRAP_ROOM, RankAddress, RankPut, Topology
+from bootstrap.tombstones import Tombstones
 
 logger = logging.getLogger("bootstrap")
 
@@ -214,13 +220,22 @@ def _held_by_another(existing: RankEntry, put: RankPut, extra: dict[str, Any], n
     return left_s if left_s > 0 else None
 
 
+# A goodbye's tombstone outlives any renewal still on its way (the registrar gives up on a PUT after 5 s at most; a
+# body that dribbles in is cut off after --body-timeout-s, 60 s by default) and, when longer, a lease
+TOMBSTONE_MIN_S = 60.0
+MAX_TOMBSTONES = 16_384  # (~300 bytes each; beyond it the oldest goodbye is forgotten first)
+
+
 class Registry:
     """All prefill instances known to one registry process (see the module docstring)."""
 
-    def __init__(self, *, ttl_s: float, max_ranks: int) -> None:
+    def __init__(self, *, ttl_s: float, max_ranks: int, tombstone_s: float | None = None) -> None:
         self._ttl_s = ttl_s
         self._max_ranks = max_ranks
         self._instances: dict[str, Instance] = {}
+        self.tombstones = Tombstones(lifetime_s=max(ttl_s, TOMBSTONE_MIN_S) if tombstone_s is None else tombstone_s,
+                                     max_count=MAX_TOMBSTONES)
+        self.num_puts_after_goodbye = 0  # PUTs refused 410: sent by a process that had deregistered the rank
         self.num_ranks = 0
         self.num_registrations = 0
         self.num_replacements = 0
@@ -237,6 +252,8 @@ class Registry:
         instance_id = validate_put(put)
         topology = topology_of(put)
         key = key_of(put)
+        if self.tombstones:  # (nothing to look up unless a marked goodbye came in the last ``tombstone_s``)
+            self._check_tombstone(instance_id, key, extra, now)
         instance = self._instances.get(instance_id)
         if instance is not None:
             self._expire(instance, now)
@@ -337,13 +354,17 @@ class Registry:
         names its ``registrant`` (a restart on the same address is another process: its entry stays); returns
         whether it was dropped."""
         instance_id = validate_put(put)
+        mine = (extra or {}).get("registrant")
+        if isinstance(mine, str) and mine:
+            # (also when nothing is removed: the entry may have lapsed, or the registry restarted, and the PUT still
+            # on its way would register it anew)
+            self.tombstones.bury((instance_id, key_of(put), mine), now)
         instance = self._instances.get(instance_id)
         if instance is None:
             return False
         entry = instance.entries.get(key_of(put))
         if entry is None or entry.address != RankAddress(rank_ip=put.rank_ip, rank_port=put.rank_port):
             return False
-        mine = (extra or {}).get("registrant")
         if mine and entry.extra.get("registrant") != mine:
             return False  # (the entry is another process's, or an unmarked one's: SGLang's, which never says goodbye)
         del instance.entries[entry.key]
@@ -405,11 +426,26 @@ class Registry:
         return entry.address
 
     def sweep(self, now: float) -> int:
-        """Drop every expired lease now; returns how many were dropped."""
+        """Drop every expired lease (and goodbye tombstone) now; returns how many leases were dropped."""
         before = self.num_expirations
         for instance in list(self._instances.values()):
             self._expire(instance, now)
+        self.tombstones.sweep(now)
         return self.num_expirations - before
+
+    def _check_tombstone(self, instance_id: str, key: RankKey, extra: dict[str, Any], now: float) -> None:
+        """410 for a PUT of a rank its registrant has said goodbye to (see the module docstring)."""
+        mine = extra.get("registrant")
+        if not isinstance(mine, str) or not mine:
+            return  # (an unmarked PUT, SGLang's: nothing tells its process from the next one on the address)
+        if not self.tombstones.is_buried((instance_id, key, mine), now):
+            return
+        self.num_puts_after_goodbye += 1
+        logger.info("refused a PUT of rank dp=%s cp=%s tp=%s pp=%s of %r from registrant %s: it has deregistered the "
+                    "rank (a renewal that arrived after its goodbye)", *key, instance_id, mine[:64])
+        raise errors.gone("deregistered", f"rank {key!r} of instance {instance_id!r} was deregistered by this "
+                                          "registrant (DELETE /route): its later registrations are refused; a new "
+                                          "process registers with its own registrant")
 
     def _check_ready(self, instance: Instance) -> None:
         if not instance.is_ready:
