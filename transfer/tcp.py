@@ -20,23 +20,19 @@ Lifecycle:
 5. Fences (``FencesWrites``): ``close_fence`` refuses the room's later batches at once; a batch of it
    being received finishes into scratch, or, with ``cut``, has its connection shut down (a frozen
    writer would otherwise complete it whenever it resumes); the listener hears when it is out.
-6. Workers with a key (``set_kv_keys``, ``transfer.auth``): an accepted connection is sent a fresh nonce
-   first and must answer its proof (``data_proof``, 32 bytes); a proof that asks for it (``verdict=True``, this
-   release's) is answered with the verdict, one byte (``_PROOF_ACCEPTED`` / ``_PROOF_REFUSED``), before the first
-   batch header; the plain proof (the earlier release's connecting side: its batch follows the proof at once)
-   is taken as before, with none. A wrong proof is answered refused and the connection closed, a missing one
-   closed (each logged once per address a minute, counted in ``num_peers_refused``), before any of its bytes
-   reach memory (the proof is waited for ``connect_timeout_s`` at most, one deadline however its bytes are spaced
-   out; on the connection's own thread: the accept loop and other connections go on). ``connect`` reads the nonce,
-   sends the asking proof and reads the verdict: refused, it raises PROTOCOL saying so (the two hold different
-   keys: a configuration error, not a lost peer; logged once per address a minute, counted in
-   ``num_refused_by_peers``); closed without a verdict (a data port of the earlier release refuses the asking
-   proof; or it went away), it connects once more with the plain proof and no verdict, as the earlier release
-   did. All of ``connect`` (the TCP connect, each step, the retry) is one deadline, ``connect_timeout_s``: past
-   it, PEER_UNREACHABLE. Once per connection: the batches that follow are as before.
+6. Workers with a key (``set_kv_keys``, ``transfer.auth``): every data connection proves the key once, before
+   its first batch (``transfer.tcp_handshake``, both sides, step by step): the data port sends a fresh nonce and
+   must get a proof (``data_proof``) by ``connect_timeout_s`` (on the connection's own thread: the accept loop and
+   other connections go on), answers the proof that asks for it with a verdict byte, and closes a connection with
+   a wrong or missing proof before any of its bytes reach memory (logged once per address a minute, counted in
+   ``num_peers_refused``); ``connect`` raises PROTOCOL when its proof is refused (the two hold different keys: a
+   configuration error, not a lost peer; counted in ``num_refused_by_peers``) and retries once with the earlier
+   release's plain proof when closed without a verdict. All of ``connect`` (the TCP connect, each step, the
+   retry) is one deadline, ``connect_timeout_s``: past it, PEER_UNREACHABLE.
 7. ``disconnect``/``close`` shut the sockets down (unblocking a sender stuck on a frozen peer) and join.
 Peers, sender threads, write records and their failure on disconnect/close are the shared skeleton of
-``transfer.peer_threads``; this module adds the wire format (``_send``) and the receiving side.
+``transfer.peer_threads``; this module adds the wire format (``_send``) and the receiving side; opening a data
+connection and its key handshake are ``transfer.tcp_handshake``'s.
 """
 
 from __future__ import annotations
@@ -50,14 +46,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from transfer.auth import NONCE_BYTES, PROOF_BYTES, KVKeys, RefusalLog, data_proof, is_valid, new_nonce
+from transfer.auth import KVKeys, RefusalLog
 from transfer.base import Block, Fence, PeerId, Region, fenced
 from transfer.blocks import RegionSet
 from transfer.errors import TransferError, TransferErrorKind
 from transfer.memkind import device_regions
-from transfer.netaddr import accept_retrying, is_wildcard, join_host_port, listener, split_host_port
+from transfer.netaddr import accept_retrying, is_wildcard, join_host_port, listener
 from transfer.options import Option, parse_options, positive_float, positive_int
 from transfer.peer_threads import PeerThreadBackend, SenderPeer
+from transfer.tcp_handshake import TcpHandshake
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +66,6 @@ _MAX_BLOCKS = 1 << 22
 _MAX_BATCH_BYTES = 1 << 40
 _DRAIN_CHUNK = 1 << 20
 _MAX_IOV = 512  # views per sendmsg (the kernel takes up to IOV_MAX = 1024)
-_PROOF_ACCEPTED, _PROOF_REFUSED = b"\x00", b"\x01"  # the receiving side's verdict on a connection's key proof
 
 
 def _memory(addr: int, length: int) -> memoryview:
@@ -101,28 +97,6 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
             raise ConnectionResetError("peer closed the data connection")
         got += r
     return bytes(buf)
-
-
-def _recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
-    """``n`` bytes, all of them by ``deadline`` (``time.monotonic()``), however the peer spaces them out (a timeout
-    per ``recv`` would let one that sends a byte now and then hold us ``n`` timeouts): TimeoutError past it,
-    ConnectionResetError if the peer closes first. (Only for a handshake: batches and acks use ``_recv_exact``.)"""
-    buf = bytearray()
-    while len(buf) < n:
-        _set_timeout_by(sock, deadline)
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionResetError("peer closed the data connection")
-        buf += chunk
-    return bytes(buf)
-
-
-def _set_timeout_by(sock: socket.socket, deadline: float) -> None:
-    """The socket's timeout: what is left until ``deadline``; TimeoutError if nothing is."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("timed out")
-    sock.settimeout(left)
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
@@ -181,6 +155,7 @@ class TcpBackend(PeerThreadBackend):
         self._awaited: set[tuple[int, int]] = set()  # closed while being received: tell the listener when out
         self._keys: KVKeys | None = None  # (``set_kv_keys``) the proof every data connection owes
         self._refusals = RefusalLog(log, "tcp backend data port")
+        self._handshake = TcpHandshake(self._connect_timeout_s, self._refusals)  # (the key's, both sides)
         self._listener = listener(host, 0)
         if self._rcvbuf is not None:  # inherited by accepted sockets (must be set before the handshake)
             self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._rcvbuf)
@@ -269,38 +244,9 @@ class TcpBackend(PeerThreadBackend):
                     pass
         return False
 
-    def _is_proven(self, sock: socket.socket, keys: KVKeys, peer: str) -> bool:
-        """The connection's first bytes prove the key (a nonce sent first: a fresh proof per connection)."""
-        nonce = new_nonce()
-        # (one deadline for the whole proof: a peer that sends nothing, or a byte now and then, holds this
-        # connection's thread ``connect_timeout_s`` at most; other connections have threads of their own)
-        deadline = time.monotonic() + self._connect_timeout_s
-        try:
-            _set_timeout_by(sock, deadline)
-            sock.sendall(nonce)
-            proof = _recv_by(sock, PROOF_BYTES, deadline)
-        except OSError as exc:
-            why = f"not within {self._connect_timeout_s:g}s" if isinstance(exc, TimeoutError) else (
-                str(exc) or type(exc).__name__)
-            self._refusals.refused(peer, f"no proof of the workers' key ({why})")
-            return False
-        asks = is_valid(data_proof(keys, nonce, verdict=True), proof)  # (this release's connecting side)
-        if not asks and not is_valid(data_proof(keys, nonce), proof):  # (nor an earlier release's)
-            self._refusals.refused(peer, "a wrong proof of the workers' key (another --api-key, or none)")
-            try:  # (told, so that it says why rather than take the close for a lost peer; nothing of it is read)
-                sock.sendall(_PROOF_REFUSED)
-                sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-            return False
-        if asks:  # (an earlier release's reads no verdict: its first batch follows, then it reads its ack)
-            sock.sendall(_PROOF_ACCEPTED)  # (one byte to a fresh connection: sent at once; an OSError: closed)
-        sock.settimeout(None)
-        return True
-
     def _serve(self, sock: socket.socket, keys: KVKeys | None = None, peer: str = "") -> None:
         try:
-            if keys is not None and not self._is_proven(sock, keys, peer):
+            if keys is not None and not self._handshake.is_proven(sock, keys, peer):
                 return
             while True:
                 try:
@@ -371,86 +317,16 @@ class TcpBackend(PeerThreadBackend):
         not after a timeout per step). Blocks the caller meanwhile (a prefill: that decode's control reader)."""
         address = endpoint.decode(errors="replace")
         deadline = time.monotonic() + self._connect_timeout_s
-        sock = self._dial(address, deadline)
+        sock = self._handshake.dial(address, deadline)
         with self._lock:
             keys = self._keys
         if keys is not None:  # (still by the deadline: a peer that sends no nonce fails the connect)
-            try:
-                if not self._prove(sock, keys, address, deadline):
-                    # closed on our proof without a verdict: a data port of the earlier release (ours, asking for a
-                    # verdict, is a wrong one there), or one that went away: once more with the proof it takes
-                    sock.close()
-                    sock = self._dial(address, deadline)
-                    self._prove(sock, keys, address, deadline, verdict=False)
-            except BaseException:
-                sock.close()
-                raise
+            sock = self._handshake.prove(sock, keys, address, deadline)
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._sndbuf is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._sndbuf)
         return self._add_peer(_TcpPeer(label=address, sock=sock))
-
-    def _why(self, exc: OSError) -> str:
-        if isinstance(exc, TimeoutError):
-            return f"not within connect_timeout_s ({self._connect_timeout_s:g}s)"
-        return str(exc) or type(exc).__name__
-
-    def _dial(self, address: str, deadline: float) -> socket.socket:
-        """A TCP connection to ``address`` by ``deadline`` (each of a name's addresses tried in turn, with what is
-        left of it; a host name's DNS look-up is the system's, not bounded here: endpoints are addresses as a rule)."""
-        failure: OSError | ValueError | None = None
-        try:
-            infos = socket.getaddrinfo(*split_host_port(address), type=socket.SOCK_STREAM)
-        except (OSError, ValueError) as exc:  # (ValueError: no port; a host name that does not encode)
-            failure, infos = exc, []
-        for family, kind, proto, _, sockaddr in infos:
-            sock = socket.socket(family, kind, proto)
-            try:
-                _set_timeout_by(sock, deadline)
-                sock.connect(sockaddr)
-                return sock
-            except OSError as exc:
-                sock.close()
-                failure = exc
-                if isinstance(exc, TimeoutError):
-                    break
-        why = self._why(failure) if isinstance(failure, OSError) else str(failure or "no address")
-        raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"tcp: cannot connect to {address}: {why}") from failure
-
-    def _prove(self, sock: socket.socket, keys: KVKeys, address: str, deadline: float, *,
-               verdict: bool = True) -> bool:
-        """Our side of a data connection's key handshake, by ``deadline``: its nonce, our proof, its verdict. False:
-        closed on our proof without a verdict. ``verdict`` False: the earlier release's handshake (the plain proof,
-        no verdict: a wrong key shows as the first write failing, PEER_GONE, nothing of it landed)."""
-        try:
-            nonce = _recv_by(sock, NONCE_BYTES, deadline)
-            _set_timeout_by(sock, deadline)
-            sock.sendall(data_proof(keys, nonce, verdict=verdict))
-        except OSError as exc:
-            raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"tcp: {address} did not start the "
-                                f"workers' key handshake: {self._why(exc)} (a data port without the key?)") from exc
-        if not verdict:
-            return True
-        try:
-            answer = _recv_by(sock, 1, deadline)
-        except ConnectionResetError:
-            answer = b""  # (closed: the same)
-        except OSError as exc:
-            raise TransferError(TransferErrorKind.PEER_UNREACHABLE, f"tcp: {address} gave no verdict on the "
-                                f"workers' key proof: {self._why(exc)}") from exc
-        if answer == _PROOF_ACCEPTED:
-            return True
-        if answer == _PROOF_REFUSED:
-            reason = (f"tcp: data port {address} refused the connecting worker's proof of the workers' key (the two "
-                      "workers hold different keys: --api-key / $PD_WORKER_API_KEY)")
-            self._refusals.refused_us(address, "it refused our proof of the workers' key (its key differs from "
-                                      "ours: --api-key / $PD_WORKER_API_KEY)")
-            raise TransferError(TransferErrorKind.PROTOCOL, reason)
-        if not answer:  # (closed with no verdict: a data port of the earlier release, or one that went away)
-            return False
-        raise TransferError(TransferErrorKind.PROTOCOL, f"tcp: {address} answered the workers' key proof with "
-                            f"{answer!r}, not a verdict (another release?)")
 
     def _send(self, peer: SenderPeer, blocks: list[Block], fence: Fence) -> TransferError | None:
         assert isinstance(peer, _TcpPeer) and peer.sock is not None
