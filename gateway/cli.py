@@ -93,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "used evicted first; not shared between gateways, lost on restart) for previous_response_id "
                         "and GET/DELETE /v1/responses/{id}; 0: none (store answered false, previous_response_id a 400)")
     p.add_argument("--responses-store-max-mib", type=int, default=256,
-                   help="...and at most this many MiB of them (their JSON, which echoes fields of the request, and "
-                        "their own input; least recently used evicted first)")
+                   help="...and at most this many MiB of them (the memory each holds: its JSON, which echoes fields "
+                        "of the request, its output and its own input; least recently used evicted first)")
     p.add_argument("--responses-store-ttl-s", type=float, default=3600.0,
                    help="a stored response unused (not read nor continued) for this long is forgotten ('inf': never)")
     p.add_argument("--retry-backoff-s", type=float, default=0.05,

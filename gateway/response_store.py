@@ -24,11 +24,12 @@ A bounded, in-memory store, one per gateway process (not shared between gateway 
    evicted, or stored under another key.
 
 Bounds: at most ``max_responses`` entries and ``max_bytes`` bytes (least recently used evicted first, the newest
-kept whatever its size). An entry's bytes: its response object's JSON (which echoes fields of the request that
-never reach the prompt, a tool's unknown fields or ``user`` say: the context does not bound it, the request body's
-limit does) and its own input items' (the prompt's). Its conversation refers to the earlier turns' items, shared
-with them (counted by their own entries; once those are gone, what a conversation keeps of them is bounded by the
-model's context). The expiry counts from an entry's last use (stored, read, continued),
+kept whatever its size). An entry's bytes: the memory it holds (``put``): its response object's JSON (which echoes
+fields of the request that never reach the prompt, a tool's unknown fields or ``user`` say: the context does not
+bound it, the request body's limit does), its output items and its own input items (the prompt's) as the Python
+objects they are (``held_bytes``: more than their JSON), and its bookkeeping. Its conversation refers to the
+earlier turns' items, shared with them (counted by their own entries; once those are gone, what a conversation keeps
+of them is bounded by the model's context). The expiry counts from an entry's last use (stored, read, continued),
 so least recently used is also soonest expired and expiry is swept from the old end. Keys: with ``--api-key``, an
 entry belongs to the key (its SHA-256) that created it and only that key can read, continue or delete it; without
 keys there is one owner. All methods are synchronous and short (no I/O), under a lock (prepare threads).
@@ -39,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -58,6 +60,7 @@ from gateway.errors import APIError, BadRequest, NotFound
 DEFAULT_MAX_RESPONSES = 1000
 DEFAULT_TTL_S = 3600.0
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+ENTRY_BYTES = 112  # an entry's place in the store's ordered dict (its slot, its node in the order)
 Headers = list[tuple[bytes, bytes]]
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -146,11 +149,18 @@ class ResponseStore:
     def put(self, owner: bytes, response_id: str, encoded: bytes, output: list[Any], conversation: list[Any], *,
             own_bytes: int, conversation_bytes: int) -> None:
         """Store a response: ``encoded``, its object's JSON; ``conversation``, the items in front of its output, of
-        which its own input's are ``own_bytes`` of JSON; ``conversation_bytes``, the JSON bytes of ``conversation``
-        and ``output`` (see ``StoredResponse``). The least recently used entries past the bounds are evicted."""
+        which its own input's hold ``own_bytes`` (``held_bytes``); ``conversation_bytes``, the JSON bytes of
+        ``conversation`` and ``output`` (see ``StoredResponse``). The least recently used entries past the bounds
+        are evicted."""
         now = self.clock()
-        size = len(encoded) + own_bytes + 8 * len(conversation)  # (the list: a reference per item)
-        entry = StoredResponse(owner, encoded, output, conversation, conversation_bytes, size, now + self.ttl_s)
+        # (an exact copy: msgspec's bytes keep the buffer it grew, up to half as much again as the JSON)
+        encoded = bytes(memoryview(encoded))
+        entry = StoredResponse(owner, encoded, output, conversation, conversation_bytes, 0, now + self.ttl_s)
+        # what the entry holds: its JSON, its output items (as dicts, besides their JSON), its own input items, the
+        # list of its conversation (a reference per item: the earlier turns' items are their entries'), itself
+        entry.size = (sys.getsizeof(encoded) + held_bytes(output) + own_bytes + sys.getsizeof(conversation)
+                      + sys.getsizeof(entry) + sys.getsizeof(response_id) + ENTRY_BYTES)
+        size = entry.size
         with self._lock:
             entries = self._entries
             old = entries.pop(response_id, None)
@@ -195,6 +205,21 @@ class ResponseStore:
                 return
             entries.popitem(last=False)
             self.num_bytes -= oldest.size
+
+
+def held_bytes(value: Any) -> int:
+    """The memory a decoded JSON value holds (``sys.getsizeof`` of it and all it contains; dict keys, shared by
+    every item of a kind, not counted): what a stored item costs the store, which is more than its JSON."""
+    size = _sizeof(value)
+    kind = type(value)
+    if kind is dict or kind is list:
+        for inner in value.values() if kind is dict else value:
+            size += held_bytes(inner) if type(inner) in _CONTAINERS else _sizeof(inner)
+    return size
+
+
+_sizeof = sys.getsizeof
+_CONTAINERS = (dict, list)
 
 
 def store_of(max_responses: int, ttl_s: float, keyed: bool,
@@ -338,16 +363,23 @@ def input_items_page(conversation: list[Any], limit: int, order: str, after: str
 
 def listed_item(item: dict[str, Any]) -> dict[str, Any]:
     """A stored conversation item as ``input_items`` lists it (OpenAI's items with ids and a status): an earlier
-    response's output item as it was answered; an input message with its content as parts (a string: one
-    ``input_text``, an assistant's one ``output_text``); a function call or its output ``completed``."""
+    response's output item as it was answered; an input message with its content as the parts of its role (the route
+    takes any text part for any role; OpenAI's items, and the SDK's types, have an assistant's ``output_text`` or
+    ``refusal``, another role's ``input_text``: a part of another kind is listed as its role's, its text as given); a
+    function call or its output ``completed`` (an output's text parts ``input_text``)."""
     if "status" in item:  # (an output item: already in OpenAI's shape)
         return item
     if item["type"] != "message":
+        output = item.get("output")
+        if isinstance(output, list):
+            item = {**item, "output": [{"type": "input_text", "text": part["text"]} for part in output]}
         return {**item, "status": "completed"}
     role, content = item["role"], item["content"]
+    if isinstance(content, str):
+        content = [{"type": "output_text" if role == "assistant" else "input_text", "text": content}]
     if role == "assistant":
-        parts = [{"type": "output_text", "text": content, "annotations": []}] if isinstance(content, str) else [
-            {**part, "annotations": []} if part["type"] == "output_text" else part for part in content]
+        parts = [part if part["type"] == "refusal" else {"type": "output_text", "text": part["text"], "annotations": []}
+                 for part in content]
     else:
-        parts = [{"type": "input_text", "text": content}] if isinstance(content, str) else content
+        parts = [{"type": "input_text", "text": part.get("text", part.get("refusal"))} for part in content]
     return {"id": item["id"], "type": "message", "role": role, "content": parts, "status": "completed"}

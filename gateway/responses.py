@@ -42,7 +42,7 @@ from gateway.api import Frontend, Prepared, now_s
 from gateway.api_models import ChatCompletionRequest, ChatMessage, Count, ModelName, Temperature, TopP
 from gateway.errors import APIError, BadRequest
 from gateway.responder import PREPARE_THREAD_BYTES, Exchange, Host, Responder
-from gateway.response_store import PENDING, ResponseStore, not_found
+from gateway.response_store import PENDING, ResponseStore, held_bytes, not_found
 from gateway.responses_tools import (
     TOOL_ITEMS,
     ToolStream,
@@ -399,7 +399,8 @@ class ResponsesShape(Shape):
                 own = _with_ids(_stored_items(given), body["id"])
                 own_bytes, output_bytes = len(_json.encode(own)), len(_json.encode(body["output"]))
                 self.store.put(pending.owner, body["id"], _json.encode(body), body["output"], [*prefix, *own],
-                               own_bytes=own_bytes, conversation_bytes=pending.prefix_bytes + own_bytes + output_bytes)
+                               own_bytes=held_bytes(own),
+                               conversation_bytes=pending.prefix_bytes + own_bytes + output_bytes)
                 pending.conversation = None
         return body
 

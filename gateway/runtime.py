@@ -83,7 +83,7 @@ class GatewayConfig:
     # /v1/responses' store (gateway/response_store.py): at most this many responses (0: none stored), each gone once
     # unused this long
     responses_store_max: int = 1000
-    responses_store_max_mib: int = 256  # (and at most this many MiB: their JSON and their own input's)
+    responses_store_max_mib: int = 256  # (and at most this many MiB: what they hold in memory)
     responses_store_ttl_s: float = 3600.0
     # Operations
     max_concurrent_requests: int = 0  # 0 = no limit

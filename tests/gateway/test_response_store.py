@@ -113,17 +113,22 @@ def test_what_is_stored_of_an_input_is_what_makes_the_prompt() -> None:
 
 def test_the_byte_bound_evicts_the_least_recently_used() -> None:
     """(A stored response echoes request fields the prompt never bounded: the count bound alone held gigabytes.)"""
-    store = ResponseStore(100, 60.0, 1000, clock=Clock())
+    probe = ResponseStore(100, 60.0)
+    _put(probe, "a", size=300)
+    one = probe.num_bytes  # (an entry: its JSON, its items as held, its bookkeeping: test_response_store_held_bytes)
+    assert one > 300
+    bound = int(3.5 * one)
+    store = ResponseStore(100, 60.0, bound, clock=Clock())
     for rid in ("a", "b", "c"):
         _put(store, rid, size=300)
     assert len(store) == 3 and store.get(b"", "a") is not None  # a: used last
-    _put(store, "d", size=300)  # 4 x ~315 bytes > 1000: b goes, the least recently used
-    assert store.get(b"", "b") is None and len(store) == 3 and store.num_bytes <= 1000 and store.num_evicted == 1
-    _put(store, "e", size=5000)  # larger than the bound alone: kept, all else gone
+    _put(store, "d", size=300)  # 4 entries > 3.5: b goes, the least recently used
+    assert store.get(b"", "b") is None and len(store) == 3 and store.num_bytes <= bound and store.num_evicted == 1
+    _put(store, "e", size=5 * one)  # larger than the bound alone: kept, all else gone
     assert [rid for rid in "acde" if store.get(b"", rid) is not None] == ["e"]
     assert store.delete(b"", "e") and store.num_bytes == 0
     clock = Clock()
-    store = ResponseStore(100, 60.0, 1000, clock=clock)
+    store = ResponseStore(100, 60.0, bound, clock=clock)
     _put(store, "a", size=300)
     clock.now += 61
     assert store.get(b"", "a") is None and store.num_bytes == 0  # (expired: its bytes given back too)
