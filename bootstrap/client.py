@@ -3,11 +3,13 @@
 Prefill side, ``BootstrapRegistrar`` (async, owned by the prefill worker's event loop):
 1. ``await start()`` PUTs the rank's registration, retrying with capped exponential backoff and
    jitter on connection errors, 5xx and 409 until it succeeds or ``start_timeout_s`` passes
-   (then ``BootstrapError``); 400/401/403/404/405/413 fail at once (retrying cannot help), and a 409
+   (then ``BootstrapError``); 400/401/403/404/405/410/413 fail at once (retrying cannot help), and a 409
    ``instance_conflict`` that lasts ``INSTANCE_CONFLICT_GIVE_UP_S`` (another live process has this instance id).
    A 409 that says when a retry can succeed (``retry_after_s`` in its body, else ``Retry-After``: a restart's
    dead predecessor stops holding the rank then) is retried right then (+ ``CONFLICT_RETRY_MARGIN_S``), not on
-   the backoff, which would register up to its 2 s cap late.
+   the backoff, which would register up to its 2 s cap late. A ``start()`` that ended without registering
+   (cancelled, given up) while a PUT it sent went unanswered leaves ``aclose`` a goodbye to send all the same:
+   that PUT may still reach the registry and register the rank, a ghost decodes would look up.
 2. A named task (``bootstrap-heartbeat-...``) re-PUTs every ``interval_s``; each PUT renews the
    lease, and after a registry restart the next PUT registers the rank again. Failures are
    logged and retried on the next beat; ``is_registered`` tells whether the last PUT succeeded.
@@ -317,6 +319,9 @@ class BootstrapRegistrar:
         self._beat_idle = asyncio.Event()  # cleared while a heartbeat PUT is in flight
         self._beat_idle.set()
         self._beats_stopping = False  # the heartbeat is being stopped: it starts no new PUT
+        # A PUT was sent and never answered (cancelled, or failed once connected): it may still register the rank
+        # (sticky: a later answer says nothing of it)
+        self._put_unsettled = False
         self.is_registered = False
         self.num_failures = 0  # consecutive failed PUTs
         self.last_error: str | None = None
@@ -329,13 +334,7 @@ class BootstrapRegistrar:
     async def start(self) -> None:
         if self._client is not None:
             raise RuntimeError("BootstrapRegistrar.start() called twice")
-        timeout_s = max(1.0, min(5.0, self.interval_s * 2))
-        self._client = httpx.AsyncClient(
-            base_url=self.url,
-            timeout=httpx.Timeout(timeout_s),
-            limits=httpx.Limits(max_connections=2, max_keepalive_connections=1),
-            headers={**_auth(self._token), **_JSON_HEADERS},
-        )
+        self._client = self._new_client()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.start_timeout_s
         delay_s = 0.05
@@ -382,10 +381,19 @@ class BootstrapRegistrar:
                     delay_s = min(delay_s * 2, 2.0)
                 await asyncio.sleep(min(remaining, pause_s))
         except BaseException:
+            # (a PUT still unanswered, ``_put_unsettled``, may yet register the rank: ``aclose`` says goodbye then)
             await self._client.aclose()
             self._client = None
             raise
         self._start_heartbeat()
+
+    def _new_client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self.url,
+            timeout=httpx.Timeout(max(1.0, min(5.0, self.interval_s * 2))),
+            limits=httpx.Limits(max_connections=2, max_keepalive_connections=1),
+            headers={**_auth(self._token), **_JSON_HEADERS},
+        )
 
     async def drain(self) -> bool:
         """Keep the rank registered as draining until ``aclose`` (see the module docstring); returns whether it is,
@@ -447,15 +455,24 @@ class BootstrapRegistrar:
         await self._stop_heartbeat()
         client, self._client = self._client, None
         if client is None:
-            return
+            if not self._put_unsettled:
+                return
+            # (a ``start`` that failed, or was cancelled, with a PUT unanswered: it may still register the rank)
+            client = self._new_client()
         try:
-            if self.last_success:  # (also after a failed renewal: the entry may well live on until its lease ends)
-                await client.request("DELETE", "/route", content=self._goodbye, timeout=1.0)
+            # (also after a failed renewal: the entry may well live on until its lease ends)
+            if self.last_success or self._put_unsettled:
+                await self._say_goodbye(client)
+        finally:
+            self.is_registered = self._put_unsettled = False
+            await client.aclose()
+
+    async def _say_goodbye(self, client: httpx.AsyncClient) -> None:
+        """The best-effort ``DELETE /route`` (within 1 s)."""
+        try:
+            await client.request("DELETE", "/route", content=self._goodbye, timeout=1.0)
         except httpx.HTTPError as exc:
             logger.debug("deregistering %s failed: %s", self.registration.label, exc)
-        finally:
-            self.is_registered = False
-            await client.aclose()
 
     async def _put(self, timeout_s: float | None = None) -> int:
         """One PUT (within ``timeout_s``, else the client's timeout); returns the status (0 = no reply) and records
@@ -464,6 +481,8 @@ class BootstrapRegistrar:
         error: str | None
         code: str | None = None
         retry_after_s: float | None = None
+        unsettled = self._put_unsettled
+        self._put_unsettled = True  # (until answered, or known never sent: cancelled here, it stays so)
         try:
             if timeout_s is None:
                 response = await self._client.put("/route", content=self._body)
@@ -471,7 +490,11 @@ class BootstrapRegistrar:
                 response = await self._client.put("/route", content=self._body, timeout=timeout_s)
         except httpx.HTTPError as exc:
             status, error = 0, f"{type(exc).__name__}: {exc}"
+            # (no connection, no request; any other failure may have left the request on its way)
+            self._put_unsettled = unsettled or not isinstance(
+                exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout))
         else:
+            self._put_unsettled = unsettled  # (an earlier one may still be on its way)
             status = response.status_code
             error = None if status == 200 else f"HTTP {status}: {_reason(response)}"
             code = None if status == 200 else _code(response)

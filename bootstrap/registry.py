@@ -223,7 +223,7 @@ def _held_by_another(existing: RankEntry, put: RankPut, extra: dict[str, Any], n
 # A goodbye's tombstone outlives any renewal still on its way (the registrar gives up on a PUT after 5 s at most; a
 # body that dribbles in is cut off after --body-timeout-s, 60 s by default) and, when longer, a lease
 TOMBSTONE_MIN_S = 60.0
-MAX_TOMBSTONES = 16_384  # (~300 bytes each; beyond it the oldest goodbye is forgotten first)
+MAX_TOMBSTONES = 16_384  # (~300 bytes each, the registrant kept as a digest; beyond it the oldest goes first)
 
 
 class Registry:

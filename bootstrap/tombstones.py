@@ -9,14 +9,23 @@ nothing blocks):
 2. ``is_buried(key, now)`` on a PUT that names a ``registrant`` (an unmarked one, SGLang's, is never looked up:
    nothing tells its process from the next one on the same address).
 3. ``sweep(now)`` forgets the expired ones (the registry's sweeper; ``is_buried`` also ignores them).
+A tombstone keeps a 16-byte digest of the registrant, not the string as sent (up to the PUT's 4 KiB of extra
+fields): ``max_count`` of them stay within a few MiB.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 
 RankKey = tuple[int, int, int, int]  # (dp_group, cp_rank, tp_rank, pp_rank)
 TombstoneKey = tuple[str, RankKey, str]  # (instance id, rank, registrant)
+_StoredKey = tuple[str, RankKey, bytes]  # (instance id, rank, the registrant's digest)
+
+
+def _stored(key: TombstoneKey) -> _StoredKey:
+    instance_id, rank, registrant = key
+    return instance_id, rank, hashlib.blake2b(registrant.encode(errors="surrogatepass"), digest_size=16).digest()
 
 
 class Tombstones:
@@ -28,7 +37,7 @@ class Tombstones:
         self.lifetime_s = lifetime_s
         self.max_count = max_count
         # key -> until when (monotonic); insertion order is expiry order, as every one lives ``lifetime_s``
-        self._until: OrderedDict[TombstoneKey, float] = OrderedDict()
+        self._until: OrderedDict[_StoredKey, float] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._until)
@@ -37,13 +46,14 @@ class Tombstones:
         return bool(self._until)
 
     def bury(self, key: TombstoneKey, now: float) -> None:
-        self._until.pop(key, None)  # (inserted again last: its expiry is now the newest)
-        self._until[key] = now + self.lifetime_s
+        stored = _stored(key)
+        self._until.pop(stored, None)  # (inserted again last: its expiry is now the newest)
+        self._until[stored] = now + self.lifetime_s
         while len(self._until) > self.max_count:
             self._until.popitem(last=False)
 
     def is_buried(self, key: TombstoneKey, now: float) -> bool:
-        until = self._until.get(key)
+        until = self._until.get(_stored(key))
         if until is None:
             return False
         if until <= now:
