@@ -61,7 +61,7 @@ class RegistryState:
 
     def __init__(self, config: BootstrapConfig) -> None:
         self.config = config
-        self.registry = Registry(ttl_s=config.ttl_s, max_ranks=config.max_ranks)
+        self.registry = Registry(ttl_s=config.ttl_s, max_ranks=config.max_ranks, body_timeout_s=config.body_timeout_s)
         self.rooms = RoomTable(ttl_s=config.room_ttl_s, max_rooms=config.max_rooms)
         self.metrics = Metrics(self.registry, self.rooms)
 

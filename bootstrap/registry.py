@@ -22,10 +22,10 @@ Lifecycle (all calls come from the server's single event loop; none blocks or aw
    still the sender's: its address still matches and, when the goodbye carries a ``registrant`` mark, so does the
    entry's (a late goodbye from an old process cannot remove its replacement, also one restarted on the same address).
    A goodbye that names its ``registrant`` is final: the registry keeps a tombstone of (instance, rank, registrant)
-   (``bootstrap.tombstones``) for ``max(ttl_s, TOMBSTONE_MIN_S)``, at most ``MAX_TOMBSTONES`` of them, and
-   ``register`` refuses that registrant's later PUTs of the rank with 410 ``deregistered`` (a renewal sent before the
-   goodbye and arriving after it would otherwise bring the entry back, until its lease ends, or for ever with
-   ``ttl_s`` 0). Another process (another ``registrant``, or none: SGLang's) registering the rank is not affected.
+   (``bootstrap.tombstones``) for ``max(ttl_s, TOMBSTONE_MIN_S, --body-timeout-s)``, at most ``MAX_TOMBSTONES`` of
+   them, and ``register`` refuses that registrant's later PUTs of the rank with 410 ``deregistered`` (a renewal sent
+   before the goodbye and arriving after it would otherwise bring the entry back, until its lease ends, or for ever
+   with ``ttl_s`` 0). Another process (another ``registrant``, or none: SGLang's) registering the rank is not affected.
 """
 
 from __future__ import annotations
@@ -229,11 +229,15 @@ MAX_TOMBSTONES = 16_384  # (~300 bytes each, the registrant kept as a digest; be
 class Registry:
     """All prefill instances known to one registry process (see the module docstring)."""
 
-    def __init__(self, *, ttl_s: float, max_ranks: int, tombstone_s: float | None = None) -> None:
+    def __init__(self, *, ttl_s: float, max_ranks: int, tombstone_s: float | None = None,
+                 body_timeout_s: float = 0.0) -> None:
+        """``body_timeout_s``: how long the server lets a request body dribble in (``--body-timeout-s``): a renewal
+        that slow still lands, so a goodbye's tombstone lasts at least that long (unless ``tombstone_s`` is given)."""
         self._ttl_s = ttl_s
         self._max_ranks = max_ranks
         self._instances: dict[str, Instance] = {}
-        self.tombstones = Tombstones(lifetime_s=max(ttl_s, TOMBSTONE_MIN_S) if tombstone_s is None else tombstone_s,
+        lifetime_s = max(ttl_s, TOMBSTONE_MIN_S, body_timeout_s) if tombstone_s is None else tombstone_s
+        self.tombstones = Tombstones(lifetime_s=lifetime_s,
                                      max_count=MAX_TOMBSTONES)
         self.num_puts_after_goodbye = 0  # PUTs refused 410: sent by a process that had deregistered the rank
         self.num_ranks = 0

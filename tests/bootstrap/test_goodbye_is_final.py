@@ -190,6 +190,21 @@ def test_a_goodbye_is_remembered_when_the_entry_is_already_gone_and_for_as_long_
     reg.register(put(instance_id="p", rank_port=40001), {"registrant": "a"}, now=100.5)
 
 
+def test_a_goodbye_outlasts_a_renewal_whose_body_may_still_be_dribbling_in() -> None:
+    """A renewal's body may take up to --body-timeout-s to arrive and still be served: its tombstone lasts that long."""
+    reg = Registry(ttl_s=10, max_ranks=10, body_timeout_s=300.0)
+    assert reg.tombstones.lifetime_s == 300.0
+    reg.deregister(put(instance_id="p"), now=0.0, extra={"registrant": "a"})
+    with pytest.raises(ApiError) as refused:
+        reg.register(put(instance_id="p"), {"registrant": "a"}, now=299.0)
+    assert refused.value.status == 410
+    assert Registry(ttl_s=10, max_ranks=10, body_timeout_s=5.0).tombstones.lifetime_s == TOMBSTONE_MIN_S
+    # (the registry's app passes its --body-timeout-s on)
+    from bootstrap.app import RegistryState
+    from bootstrap.config import BootstrapConfig
+    assert RegistryState(BootstrapConfig(body_timeout_s=300.0)).registry.tombstones.lifetime_s == 300.0
+
+
 def test_tombstones_are_bounded_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
     tombs = Tombstones(lifetime_s=10, max_count=2)
     tombs.bury(("p", (0, 0, 0, 0), "a"), now=0.0)
