@@ -46,6 +46,7 @@ from gateway.api import ModelNotFound, now_s
 from gateway.cors import CorsMiddleware, CorsPolicy
 from gateway.errors import APIError, NoWorkers, http_error
 from gateway.hot_cycle import HotRoutes
+from gateway.metrics import ResponseStoreCollector
 from gateway.middleware import BRIEF_STATUS, GatekeeperMiddleware, RequestContextMiddleware
 from gateway.openapi import openapi_document
 from gateway.responder import Responder
@@ -68,6 +69,8 @@ def create_app(config: GatewayConfig) -> Any:
     gw = Gateway(config)
     store = store_of(config.responses_store_max, config.responses_store_ttl_s, keyed=bool(config.api_keys),
                      max_bytes=config.responses_store_max_mib * 1024 * 1024)
+    if store is not None:
+        gw.metrics.add_collector(ResponseStoreCollector(store.stats))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:

@@ -6,7 +6,8 @@ included, so they are plain numbers with no lock (prometheus_client's own instru
 per increment and walk the buckets in Python: a few µs per request and per token); ``_Instruments``
 turns them into metric families at scrape time. Per-worker figures (load as routing sees it, health,
 breaker) are read at scrape time by ``WorkerCollector``, and the client port's connections under
-``--max-client-connections`` by ``ClientConnectionCollector``, so they cost nothing between scrapes.
+``--max-client-connections`` by ``ClientConnectionCollector``, the Responses API's store by
+``ResponseStoreCollector``, so they cost nothing between scrapes.
 """
 
 from __future__ import annotations
@@ -215,6 +216,26 @@ class WorkerCollector(Collector):
                                      "(select: that request's 500; a hook or stats(): ignored)")
         errors.add_metric([], self._policy_errors())
         yield errors
+
+
+class ResponseStoreCollector(Collector):
+    """The Responses API's stored responses (``gateway/response_store.py``), read at scrape time."""
+
+    def __init__(self, stats: Callable[[], tuple[int, int, int]]) -> None:
+        self._stats = stats  # ``ResponseStore.stats``
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        entries, held, evicted = self._stats()
+        yield GaugeMetricFamily("pd_gateway_responses_stored", "Responses kept for previous_response_id and GET "
+                                "/v1/responses/{id}", value=entries)
+        yield GaugeMetricFamily("pd_gateway_responses_stored_bytes", "The memory the stored responses hold, as "
+                                "counted against --responses-store-max-mib", value=held)
+        yield CounterMetricFamily("pd_gateway_responses_evicted", "Stored responses pushed out by "
+                                  "--responses-store-max or --responses-store-max-mib (not expired ones)",
+                                  value=evicted)
 
 
 class ClientConnectionCollector(Collector):

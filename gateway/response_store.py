@@ -196,6 +196,13 @@ class ResponseStore:
             self.num_bytes -= entry.size
             return True
 
+    def stats(self) -> tuple[int, int, int]:
+        """(entries, the bytes they hold, entries evicted so far), the expired ones swept first (read at scrape
+        time: with no traffic, nothing else sweeps them)."""
+        with self._lock:
+            self._sweep(self.clock())
+            return len(self._entries), self.num_bytes, self.num_evicted
+
     def _sweep(self, now: float) -> None:
         """Drop the expired entries: the least recently used end (expiry follows last use, so they are there)."""
         entries = self._entries

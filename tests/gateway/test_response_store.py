@@ -255,3 +255,30 @@ def test_response_failed_says_whether_it_is_stored() -> None:
         assert failed(None, False) is False  # store: false
 
     contextvars.Context().run(check)
+
+
+def test_the_store_is_measured_at_scrape_time_and_swept_then() -> None:
+    """``pd_gateway_responses_stored{,_bytes}`` and ``..._evicted_total`` from ``ResponseStore.stats`` (via the
+    gateway's collector), the expired entries swept at the scrape itself (nothing else would sweep them)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gateway.metrics import ResponseStoreCollector
+
+    now = [0.0]
+    store = ResponseStore(max_responses=2, ttl_s=10.0, clock=lambda: now[0])
+    registry = CollectorRegistry()
+    registry.register(ResponseStoreCollector(store.stats))
+
+    def scraped() -> dict[str, float]:
+        lines = generate_latest(registry).decode().splitlines()
+        return {name: float(value) for name, value in (line.split() for line in lines if not line.startswith("#"))}
+
+    for i in range(3):  # (the third pushes the first out)
+        store.put(b"", f"resp_{i}", b'{"id": "x"}', [], [], own_bytes=0, conversation_bytes=0)
+    figures = scraped()
+    assert figures["pd_gateway_responses_stored"] == 2 and figures["pd_gateway_responses_evicted_total"] == 1
+    assert figures["pd_gateway_responses_stored_bytes"] == store.num_bytes > 0
+    now[0] = 11.0  # both expire; no request comes to sweep them: the scrape does
+    figures = scraped()
+    assert figures["pd_gateway_responses_stored"] == 0 and figures["pd_gateway_responses_stored_bytes"] == 0
+    assert figures["pd_gateway_responses_evicted_total"] == 1  # (expiry is not eviction)

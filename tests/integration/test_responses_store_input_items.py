@@ -84,6 +84,7 @@ def test_the_store_routes_are_counted_as_their_own_route(sim_cluster: Callable[.
     response = client.responses.create(model="default", input="Hello", max_output_tokens=2)
     url = f"{cluster.base_url}/v1/responses/{response.id}"
     assert httpx.get(url, timeout=30).status_code == 200
+    assert _gauge(cluster, "pd_gateway_responses_stored") == 1 and _gauge(cluster, "pd_gateway_responses_stored_bytes")
     assert httpx.get(f"{url}/input_items", timeout=30).status_code == 200
     assert httpx.get(f"{url}/input_items", params={"order": "sideways"}, timeout=30).status_code == 400
     assert httpx.get(f"{cluster.base_url}/v1/responses/resp_nope", timeout=30).status_code == 404
@@ -92,10 +93,20 @@ def test_the_store_routes_are_counted_as_their_own_route(sim_cluster: Callable[.
         assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == allow, (r.status_code, r.headers)
         assert r.json()["error"]["type"] == "invalid_request_error"
     assert httpx.delete(url, timeout=30).status_code == 200
+    assert _gauge(cluster, "pd_gateway_responses_stored") == 0 == _gauge(cluster, "pd_gateway_responses_stored_bytes")
     after = counts(cluster, "responses_store")  # (counted before each answer went out)
     assert delta(before, after) == {"200": 3, "400": 1, "404": 1, "405": 2}, (before, after)
     assert delta(generations, counts(cluster, "responses")) == {"200": 1}  # (the POST alone)
     cluster.wait_pools_full()
+
+
+def _gauge(cluster: SimCluster, name: str) -> float:
+    """An unlabelled sample of the gateway's /metrics."""
+    for line in httpx.get(f"{cluster.base_url}/metrics", timeout=30).text.splitlines():
+        sample, _, value = line.partition(" ")
+        if sample == name:
+            return float(value)
+    raise AssertionError(f"{name} not in /metrics")
 
 
 def test_a_failed_stream_says_it_is_not_stored(sim_cluster: Callable[..., SimCluster]) -> None:
