@@ -306,6 +306,11 @@ def response_endpoint(store: ResponseStore | None) -> Endpoint:
     another method's 405 allows all three; counted, ``_by_method``); an ``APIError`` is its answer."""
 
     async def retrieve(request: Request) -> Response:
+        stream = request.query_params.get("stream")
+        if stream is not None and stream.lower() not in ("false", "0"):  # (the SDK's ``retrieve(id, stream=True)``)
+            # OpenAI streams a background response's events; answered as JSON, the SDK's stream would yield nothing
+            raise BadRequest("stream is not supported on GET /v1/responses/{id}: responses here are never "
+                             "background ones; retrieve the stored response without it", param="stream")
         return Response(_lookup(store, request).encoded, media_type="application/json")
 
     async def delete(request: Request) -> Response:

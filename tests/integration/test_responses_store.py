@@ -67,6 +67,11 @@ def test_chained_turns_get_delete_and_keys(sim_cluster: Any) -> None:
     assert got.id == final.id and got.output_text == final.output_text and got.previous_response_id == r2.id
     assert got.status == "incomplete" and got.usage is not None and got.usage.output_tokens == 5
     assert alice.responses.retrieve(r1.id).output_text == r1.output_text
+    # streaming a retrieval (OpenAI's, of a background response's events) is a 400, not JSON the SDK's stream drops
+    with pytest.raises(openai.BadRequestError) as streamed:
+        list(alice.responses.retrieve(r1.id, stream=True))
+    assert isinstance(streamed.value.body, dict) and streamed.value.body["param"] == "stream", streamed.value.body
+    assert alice.responses.retrieve(r1.id, extra_query={"stream": "false"}).id == r1.id
 
     # another key sees none of it: not to read, continue or delete; no key at all is a 401
     _not_found(lambda: bob.responses.retrieve(r1.id))
