@@ -113,6 +113,14 @@ class Worker:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}{path}", timeout=5) as resp:
             return json.loads(resp.read())
 
+    def health_status(self) -> int:
+        """The status of the worker's ``GET /health`` (503 once it is stopping)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health", timeout=5) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
 
 @dataclass
 class SimCluster:

@@ -19,7 +19,6 @@ from test_worker_drain_kv_backends import (
     SIM,
     _body,
     _env,
-    _health_status,
     _load,
     _ran_elsewhere,
     _transfer_args,
@@ -56,7 +55,7 @@ def test_a_decode_that_looks_a_draining_prefill_up_late_gets_its_kv(procs: Procs
         time.sleep(0.02)
     prefill.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 30
-    while _health_status(prefill) != 503 or not httpx.get(f"{registry}/instances", timeout=5).json()[
+    while prefill.health_status() != 503 or not httpx.get(f"{registry}/instances", timeout=5).json()[
             "instances"][0]["draining"]:
         assert time.monotonic() < deadline
         time.sleep(0.02)

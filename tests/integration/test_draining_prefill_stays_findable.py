@@ -9,22 +9,12 @@ from __future__ import annotations
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 import httpx
 from pdtest import Procs, Worker, start_bootstrap, start_worker, wait_pools_full
 
 SIM = ("--engine", "sim", "--num-pages", "256", "--page-size", "4", "--engine-option", "decode_step_s=0.02")
-
-
-def _health_status(worker: Worker) -> int:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{worker.http_port}/health", timeout=5) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        return exc.code
 
 
 def _ranks(registry: str) -> list[dict[str, Any]]:
@@ -58,7 +48,7 @@ def test_a_decode_that_looks_the_prefill_up_after_sigterm_still_gets_its_kv(proc
     prefill.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 20
     # the drain is on: /health says stopping, and the registry no longer lists the prefill as a plain live one
-    while _health_status(prefill) != 503 or any(not rank.get("draining") for rank in _ranks(registry)):
+    while prefill.health_status() != 503 or any(not rank.get("draining") for rank in _ranks(registry)):
         assert time.monotonic() < deadline, _ranks(registry)
         time.sleep(0.02)
     listing = httpx.get(f"{registry}/instances", timeout=5).json()

@@ -21,8 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -76,14 +74,6 @@ def _ran_elsewhere(request: pytest.FixtureRequest, transfer: str) -> bool:
         pytest.skip(f"skipped inside the namespace: {out[-500:]}")
     assert run.returncode == 0 and re.search(r"\b1 passed\b", out), out[-6000:]
     return True
-
-
-def _health_status(worker: Worker) -> int:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{worker.http_port}/health", timeout=5) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        return exc.code
 
 
 def _metric(worker: Worker, line_start: str) -> float:
@@ -185,7 +175,7 @@ def test_a_prefill_sigtermed_mid_kv_write_hands_over_the_whole_kv(procs: Procs, 
           lambda: _metric(prefill, sent) > 0 and _load(prefill)["num_running"] >= 1)
     assert _metric(prefill, f'pd_worker_kv_peers{{path="{transfer}",role="prefill"}}') == 1.0
     prefill.proc.send_signal(signal.SIGTERM)
-    _wait("/health never turned 503 stopping", lambda: _health_status(prefill) == 503)
+    _wait("/health never turned 503 stopping", lambda: prefill.health_status() == 503)
     refused = httpx.post(f"http://127.0.0.1:{prefill.http_port}/generate",
                          json=_body(bootstrap_port, 9102, prompt[:8], 4, stream=False), timeout=60)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down", refused.text
@@ -225,7 +215,7 @@ def test_a_decode_sigtermed_mid_stream_finishes_it(procs: Procs, request: pytest
     both_free = _load(decode)["num_free_pages"]
     assert _metric(prefill, f'pd_worker_kv_peers{{path="{transfer}",role="prefill"}}') == 1.0
     decode.proc.send_signal(signal.SIGTERM)
-    _wait("/health never turned 503 stopping", lambda: _health_status(decode) == 503)
+    _wait("/health never turned 503 stopping", lambda: decode.health_status() == 503)
     refused = _post_pair(answers, "refused", prefill, decode, _body(bootstrap_port, 9203, short, 4, stream=False))
     for thread in refused:
         thread.join(60)

@@ -10,12 +10,10 @@ import signal
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import httpx
 import pytest
-from pdtest import Procs, Worker, free_port, start_worker, wait_pools_full
+from pdtest import Procs, free_port, start_worker, wait_pools_full
 
 from workers.cli import build_parser, config_from_args
 from workers.config import ConfigError
@@ -81,14 +79,6 @@ class NativePeer:
         self.sock.close()
 
 
-def _health_status(worker: Worker) -> int:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{worker.http_port}/health", timeout=5) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        return exc.code
-
-
 def test_a_stream_under_way_at_sigterm_completes_and_a_new_request_is_refused(procs: Procs) -> None:
     """Without a drain the open stream ended ``shutting_down`` at once (a router that does not migrate cut it)."""
     worker = start_worker(procs, "both", *SIM, "--drain-timeout-s", "60")
@@ -99,7 +89,7 @@ def test_a_stream_under_way_at_sigterm_completes_and_a_new_request_is_refused(pr
         assert 1 not in peer.ends, peer.ends
         worker.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 20
-        while _health_status(worker) != 503:  # (aclose began: the drain is on from here)
+        while worker.health_status() != 503:  # (aclose began: the drain is on from here)
             assert time.monotonic() < deadline, "/health never turned 503 stopping"
             time.sleep(0.02)
         peer.submit(2, 4)
@@ -180,7 +170,7 @@ def test_a_draining_decode_finishes_its_sglang_stream_and_refuses_a_new_pair(pro
         time.sleep(0.02)
     decode.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 20
-    while _health_status(decode) != 503:
+    while decode.health_status() != 503:
         assert time.monotonic() < deadline, "/health never turned 503 stopping"
         time.sleep(0.02)
     second = [threading.Thread(target=post, args=(f"{role}-2", port, {**body(7002), "stream": False}))
