@@ -67,8 +67,9 @@ __all__ = ["Gateway", "GatewayApp", "GatewayConfig", "create_app"]
 def create_app(config: GatewayConfig) -> Any:
     """The ASGI app (middleware around ``GatewayApp``); ``app.state.gateway`` is the ``Gateway``."""
     gw = Gateway(config)
+    # (none behind SGLang workers alone: /v1/responses is not served there)
     store = store_of(config.responses_store_max, config.responses_store_ttl_s, keyed=bool(config.api_keys),
-                     max_bytes=config.responses_store_max_mib * 1024 * 1024)
+                     max_bytes=config.responses_store_max_mib * 1024 * 1024) if gw.serves_native else None
     if store is not None:
         gw.metrics.add_collector(ResponseStoreCollector(store.stats))
 

@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--responses-store-max", type=int, default=1000,
                    help="/v1/responses keeps at most this many responses in this process's memory (least recently "
                         "used evicted first; not shared between gateways, lost on restart) for previous_response_id "
-                        "and GET/DELETE /v1/responses/{id}; 0: none (store answered false, previous_response_id a 400)")
+                        "and GET/DELETE /v1/responses/{id} (and its input_items); 0: none (store answered false, "
+                        "previous_response_id a 400)")
     p.add_argument("--responses-store-max-mib", type=int, default=256,
                    help="...and at most this many MiB of them (the memory each holds: its JSON, which echoes fields "
                         "of the request, its output and its own input; least recently used evicted first)")

@@ -255,9 +255,13 @@ def _paths() -> dict[str, Any]:
                                      "`response.completed` or `response.incomplete`, no `[DONE]`"),
         "/v1/responses/{response_id}": {
             "get": {"operationId": "retrieveResponse", "summary": "a stored response (this gateway process's memory; "
-                    "only the key that created it reads it)", "tags": ["generation"], "parameters": [response_id],
+                    "only the key that created it reads it)", "tags": ["generation"],
+                    "parameters": [response_id,
+                                   {"name": "stream", "in": "query", "required": False, "description": "true (a "
+                                    "background response's events, which this gateway has none of) is a 400",
+                                    "schema": {"type": "boolean", "default": False}}],
                     "responses": {"200": _json(_ref("Response"), "the response object as it was answered"),
-                                  **_errors("404")}},
+                                  **_errors("400", "404")}},
             "delete": {"operationId": "deleteResponse", "summary": "forget a stored response", "tags": ["generation"],
                        "parameters": [response_id],
                        "responses": {"200": _json({"type": "object", "required": ["id", "object", "deleted"],

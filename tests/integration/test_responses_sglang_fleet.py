@@ -21,6 +21,8 @@ def test_sglang_workers_alone_neither_serve_nor_document_responses(procs: Procs)
     assert r.status_code == 404, r.text
     paths = httpx.get(f"{base}/openapi.json", timeout=30).json()["paths"]
     assert "/v1/chat/completions" in paths and "/v1/responses" not in paths, sorted(paths)
+    # nor is there a response store to measure (nothing can be stored there)
+    assert "pd_gateway_responses_stored" not in httpx.get(f"{base}/metrics", timeout=30).text
 
 
 def test_a_mixed_fleet_serves_and_documents_responses(procs: Procs) -> None:
@@ -35,5 +37,6 @@ def test_a_mixed_fleet_serves_and_documents_responses(procs: Procs) -> None:
     base, auth = f"http://127.0.0.1:{port}", {"authorization": "Bearer k"}
     r = httpx.post(f"{base}/v1/responses", json={"input": "hi", "max_output_tokens": 4}, headers=auth, timeout=30)
     assert r.status_code == 200 and r.json()["object"] == "response", r.text
+    assert httpx.get(f"{base}/v1/responses/{r.json()['id']}", headers=auth, timeout=30).status_code == 200
     paths = httpx.get(f"{base}/openapi.json", headers=auth, timeout=30).json()["paths"]
     assert paths["/v1/responses"]["post"]["security"] == [{"apiKey": []}]
