@@ -278,8 +278,10 @@ def test_registrar_reregisters_after_registry_restart(
         await registrar.start()
         await asyncio.to_thread(first.stop)
         second = await asyncio.to_thread(start_registry, "--ttl-s", "5", port=port)
-        ok = await asyncio.to_thread(wait_until, lambda: topology(second.url, "rr").status_code == 200, 10.0)
-        assert ok and registrar.is_registered
+        # (the registry has the entry a moment before the registrar has read the PUT's answer: both are waited for)
+        ok = await asyncio.to_thread(
+            wait_until, lambda: topology(second.url, "rr").status_code == 200 and registrar.is_registered, 10.0)
+        assert ok, (registrar.is_registered, registrar.last_error)
         await registrar.aclose()
 
     asyncio.run(run())
