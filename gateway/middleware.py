@@ -77,7 +77,7 @@ class GatekeeperMiddleware:
             await self.app(scope, receive, send)
             return
         if scope["path"] in OPEN_PATHS:  # (probes need no key; the fleet's addresses and errors do)
-            if self.status_keys and not _key_ok(_bearer(scope["headers"]), self.status_keys):
+            if self.status_keys and not _key_ok(bearer_key(scope["headers"]), self.status_keys):
                 scope[BRIEF_STATUS] = True
             await self.app(scope, receive, send)
             return
@@ -104,7 +104,7 @@ class GatekeeperMiddleware:
             keys, what = [], ""
         else:
             keys, what = self.api_keys, "API"
-        if keys and not _key_ok(_bearer(headers), keys):
+        if keys and not _key_ok(bearer_key(headers), keys):
             self._refused("unauthorized")
             return _error(401, f"Incorrect or missing {what} key: send 'Authorization: Bearer <key>'",
                           "invalid_request_error", "invalid_api_key", [(b"www-authenticate", b"Bearer")])
@@ -132,7 +132,8 @@ def header_text(headers: Headers, name: bytes) -> str:
     return ""
 
 
-def _bearer(headers: Headers) -> bytes:
+def bearer_key(headers: Headers) -> bytes:
+    """The key of an ``Authorization: Bearer KEY`` header (b"": none)."""
     value = header_text(headers, b"authorization")
     scheme, _, token = value.partition(" ")
     # (only HTTP's white space: ``str.strip`` on the latin-1 text would also take 0x85 and 0xa0, bytes that end UTF-8
@@ -161,7 +162,7 @@ class KeyGuardMiddleware:
         self.app, self.keys, self.open_paths = app, [key.encode()], open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not _key_ok(_bearer(scope["headers"]), self.keys):
+        if scope["type"] == "http" and not _key_ok(bearer_key(scope["headers"]), self.keys):
             if scope["path"] in self.open_paths:
                 scope[BRIEF_STATUS] = True
                 await self.app(scope, receive, send)

@@ -56,6 +56,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway.errors import APIError, BadRequest, NotFound
+from gateway.middleware import bearer_key
 
 DEFAULT_MAX_RESPONSES = 1000
 DEFAULT_TTL_S = 3600.0
@@ -86,15 +87,8 @@ class StoredResponse:
 def owner_of(headers: Headers, keyed: bool) -> bytes:
     """Who a request is, for the store: the SHA-256 of its bearer key on a gateway with keys (the gatekeeper has
     checked it by now), else b"" (one owner)."""
-    if not keyed:
-        return b""
-    for name, value in headers:
-        if name == b"authorization":
-            scheme, _, token = value.partition(b" ")
-            if scheme.lower() == b"bearer":
-                return hashlib.sha256(token.strip(b" \t")).digest()
-            break
-    return b""
+    key = bearer_key(headers) if keyed else b""
+    return hashlib.sha256(key).digest() if key else b""
 
 
 class Pending:

@@ -118,8 +118,8 @@ def test_a_key_that_could_never_match_stops_the_gateway(key: str) -> None:
 def test_a_utf8_key_is_read_whole_from_the_header(key: str) -> None:
     """A key's UTF-8 bytes may end in 0x85 or 0xa0 (à, …): the header's key is read without HTTP's white space
     (space, tab) only, or such a key, accepted at start, was a 401 on every request."""
-    from gateway.middleware import _bearer
+    from gateway.middleware import bearer_key
 
     raw = key.encode()
-    assert _bearer([(b"authorization", b"Bearer " + raw + b" ")]) == raw
-    assert _bearer([(b"authorization", b"Bearer \t" + raw)]) == raw
+    assert bearer_key([(b"authorization", b"Bearer " + raw + b" ")]) == raw
+    assert bearer_key([(b"authorization", b"Bearer \t" + raw)]) == raw
