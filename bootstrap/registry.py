@@ -220,6 +220,13 @@ def _held_by_another(existing: RankEntry, put: RankPut, extra: dict[str, Any], n
     return left_s if left_s > 0 else None
 
 
+def _tombstone_mark(extra: dict[str, Any] | None) -> str | None:
+    """The ``registrant`` a goodbye's tombstone is kept under and a PUT is checked against: a non-empty string, else
+    None (an unmarked PUT, SGLang's: nothing tells its process from the next one on the address)."""
+    mine = (extra or {}).get("registrant")
+    return mine if isinstance(mine, str) and mine else None
+
+
 # A goodbye's tombstone outlives any renewal still on its way (the registrar gives up on a PUT after 5 s at most; a
 # body that dribbles in is cut off after --body-timeout-s, 60 s by default) and, when longer, a lease
 TOMBSTONE_MIN_S = 60.0
@@ -237,8 +244,7 @@ class Registry:
         self._max_ranks = max_ranks
         self._instances: dict[str, Instance] = {}
         lifetime_s = max(ttl_s, TOMBSTONE_MIN_S, body_timeout_s) if tombstone_s is None else tombstone_s
-        self.tombstones = Tombstones(lifetime_s=lifetime_s,
-                                     max_count=MAX_TOMBSTONES)
+        self.tombstones = Tombstones(lifetime_s=lifetime_s, max_count=MAX_TOMBSTONES)
         self.num_puts_after_goodbye = 0  # PUTs refused 410: sent by a process that had deregistered the rank
         self.num_ranks = 0
         self.num_registrations = 0
@@ -358,17 +364,18 @@ class Registry:
         names its ``registrant`` (a restart on the same address is another process: its entry stays); returns
         whether it was dropped."""
         instance_id = validate_put(put)
-        mine = (extra or {}).get("registrant")
-        if isinstance(mine, str) and mine:
+        marked = _tombstone_mark(extra)
+        if marked is not None:
             # (also when nothing is removed: the entry may have lapsed, or the registry restarted, and the PUT still
             # on its way would register it anew)
-            self.tombstones.bury((instance_id, key_of(put), mine), now)
+            self.tombstones.bury((instance_id, key_of(put), marked), now)
         instance = self._instances.get(instance_id)
         if instance is None:
             return False
         entry = instance.entries.get(key_of(put))
         if entry is None or entry.address != RankAddress(rank_ip=put.rank_ip, rank_port=put.rank_port):
             return False
+        mine = (extra or {}).get("registrant")
         if mine and entry.extra.get("registrant") != mine:
             return False  # (the entry is another process's, or an unmarked one's: SGLang's, which never says goodbye)
         del instance.entries[entry.key]
@@ -439,9 +446,9 @@ class Registry:
 
     def _check_tombstone(self, instance_id: str, key: RankKey, extra: dict[str, Any], now: float) -> None:
         """410 for a PUT of a rank its registrant has said goodbye to (see the module docstring)."""
-        mine = extra.get("registrant")
-        if not isinstance(mine, str) or not mine:
-            return  # (an unmarked PUT, SGLang's: nothing tells its process from the next one on the address)
+        mine = _tombstone_mark(extra)
+        if mine is None:
+            return
         if not self.tombstones.is_buried((instance_id, key, mine), now):
             return
         self.num_puts_after_goodbye += 1
