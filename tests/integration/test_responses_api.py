@@ -172,6 +172,19 @@ def test_function_calls_and_their_outputs_continue_the_conversation(sim_cluster)
     cluster.wait_pools_full()
 
 
+def broken_stream(client: openai.OpenAI, cluster: Any, **extra: Any) -> list[Any]:
+    """The events of a stream whose (only) decode is killed after its first text delta: to its end (no exception:
+    the failure is an event)."""
+    stream = client.responses.create(model="default", input="hi", max_output_tokens=400, stream=True, **extra)
+    events = []
+    for event in stream:
+        events.append(event)
+        if event.type == "response.output_text.delta":
+            break
+    os.kill(cluster.decodes[0].proc.pid, signal.SIGKILL)
+    return events + list(stream)
+
+
 @pytest.mark.parametrize("tools", [False, True], ids=["text", "with-tools"])
 def test_a_stream_that_breaks_ends_with_response_failed(sim_cluster, tools: bool) -> None:  # type: ignore[no-untyped-def]
     """A stream whose decode dies mid-answer (no other decode to move to) ends as OpenAI ends one that failed: a
@@ -180,15 +193,7 @@ def test_a_stream_that_breaks_ends_with_response_failed(sim_cluster, tools: bool
     stream cannot read as an event. The prefill's pages come back."""
     cluster = sim_cluster(decode_args=("--engine-option", "decode_step_s=0.05"))
     client = _client(cluster)
-    extra: dict[str, Any] = {"tools": [FN]} if tools else {}
-    stream = client.responses.create(model="default", input="hi", max_output_tokens=400, stream=True, **extra)
-    events = []
-    for event in stream:
-        events.append(event)
-        if event.type == "response.output_text.delta":
-            break
-    os.kill(cluster.decodes[0].proc.pid, signal.SIGKILL)
-    events += list(stream)  # (no exception: the failure is an event)
+    events = broken_stream(client, cluster, **({"tools": [FN]} if tools else {}))
     assert [e.sequence_number for e in events] == list(range(len(events)))
     failed = events[-1]
     assert failed.type == "response.failed", [e.type for e in events[-3:]]

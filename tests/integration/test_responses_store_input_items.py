@@ -7,8 +7,6 @@ stored once its answer is complete, whether or not its client takes it, and not 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +17,7 @@ import pytest
 from openai.types.responses import ResponseItemList
 from pdtest import SimCluster
 from test_requests_counted import GENEROUS_S, SLOW, changed, counts, delta
+from test_responses_api import broken_stream
 from test_responses_store import _client, _not_found
 
 FN = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
@@ -114,14 +113,7 @@ def test_a_failed_stream_says_it_is_not_stored(sim_cluster: Callable[..., SimClu
     kept, GET is a 404), where it said true, the request's wish, when the stream began."""
     cluster = sim_cluster(decode_args=("--engine-option", "decode_step_s=0.05"))
     client = _client(cluster)
-    stream = client.responses.create(model="default", input="hi", max_output_tokens=400, stream=True)
-    events = []
-    for event in stream:
-        events.append(event)
-        if event.type == "response.output_text.delta":
-            break
-    os.kill(cluster.decodes[0].proc.pid, signal.SIGKILL)
-    events += list(stream)
+    events = broken_stream(client, cluster)
     created, failed = events[0], events[-1]
     assert created.type == "response.created" and created.response.store is True  # type: ignore[union-attr]
     assert failed.type == "response.failed", [e.type for e in events[-3:]]
