@@ -397,10 +397,11 @@ class ResponsesShape(Shape):
             if pending is not None and pending.conversation is not None:
                 prefix, given = pending.conversation
                 own = _with_ids(_stored_items(given), body["id"])
-                own_bytes, output_bytes = len(_json.encode(own)), len(_json.encode(body["output"]))
+                # (``own_bytes``: what its items hold in memory, for the store's bound; ``conversation_bytes``: the
+                # JSON a continuation carries in front of its input, for where it is prepared)
+                json_bytes = len(_json.encode(own)) + len(_json.encode(body["output"]))
                 self.store.put(pending.owner, body["id"], _json.encode(body), body["output"], [*prefix, *own],
-                               own_bytes=held_bytes(own),
-                               conversation_bytes=pending.prefix_bytes + own_bytes + output_bytes)
+                               own_bytes=held_bytes(own), conversation_bytes=pending.prefix_bytes + json_bytes)
                 pending.conversation = None
         return body
 
