@@ -1,14 +1,15 @@
-"""The SGLang workers behind the gateway (``http://`` worker URLs) and the one HTTP session to them.
+"""The SGLang workers behind the gateway (``http://`` worker URLs) and the HTTP connections to them.
 
 Lifecycle:
-1. ``SGLangFleet(prefills, decodes, router, health, config)``; ``await start(timeout_s)`` opens one
-   aiohttp session (keep-alive pool bounded per worker, TCP_NODELAY, connect and request timeouts;
-   aiohttp measured ~4-8x cheaper per request than httpx here, ``loadtests/bench_http_client.py``)
+1. ``SGLangFleet(prefills, decodes, router, health, config)``; ``start()`` opens the relay's pool
+   (``gateway.worker_http.HttpPool``: keep-alive connections bounded per worker, TCP_NODELAY, connect and request
+   timeouts; ~4x cheaper per POST than aiohttp, ``loadtests/bench_http_client.py``), an aiohttp session for the
+   checks below (a pool of its own, so that they never wait behind relayed requests)
    and one probe task per worker: ``GET /health`` every ``probe_interval_s``, unhealthy after
    ``unhealthy_after`` failures, healthy after ``healthy_after`` passes; the router hears joins and
    leaves. After each passed probe, ``GET /v1/loads`` (where the worker serves it) becomes the
    worker's load report for the policies. The served model name is the first worker's
-   ``/get_model_info`` (``served_model_name`` or ``model_path``). A second session (``fresh``, a new
+   ``/get_model_info`` (``served_model_name`` or ``model_path``). A second pool (``fresh``, a new
    connection per request) carries only the requests sent again because they crossed a worker's close of
    the idle pooled connection they went out on (``crossed_idle_close``).
 2. ``select()`` gives the requests of ``gateway/sglang_relay.py`` a (prefill, decode) pair from the
@@ -17,14 +18,13 @@ Lifecycle:
    gets its probe (selectable once it passes); one removed leaves selection at once, and once its open
    requests end (or the drain timeout passes: they go on, their connections are not cut) its probe
    stops and the router forgets it.
-4. ``aclose()``: stop the probes, close the sessions.
+4. ``aclose()``: stop the probes, close the pools and the session.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import errno
 import logging
 import socket
 import time
@@ -35,11 +35,11 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
-from aiohttp.http import RawResponseMessage
 
 from gateway.errors import APIError, NoWorkers
 from gateway.health import HealthConfig, WorkerHealth
 from gateway.sglang_routing import ROUTING_PAGE_TOKENS
+from gateway.worker_http import HttpPool
 from gateway.worker_state import DEFAULT_STALE_AFTER_S, WorkerState
 from workers.protocol import LoadReport
 
@@ -73,56 +73,6 @@ def check_http_url(url: str) -> None:
         raise ValueError(f"SGLang worker URL must not carry credentials, got one for {parts.hostname}")
 
 
-class RequestTrace:
-    """The ``trace_request_ctx`` of one relayed request, filled in by the relay sessions' trace hooks: ``asked`` (a
-    future, or None) is set once its head has gone out (it had a connection to its worker:
-    ``gateway.sglang_relay._post``); ``is_reused`` says that it went out on a pooled connection, idle before it."""
-
-    __slots__ = ("asked", "is_reused")
-
-    def __init__(self, asked: asyncio.Future[None] | None = None) -> None:
-        self.asked, self.is_reused = asked, False
-
-
-async def note_request_sent(_session: aiohttp.ClientSession, context: Any,
-                            _params: aiohttp.TraceRequestHeadersSentParams) -> None:
-    """The relay sessions' trace hook: a ``RequestTrace``'s ``asked`` is set once the request's head has gone out."""
-    trace = context.trace_request_ctx
-    if isinstance(trace, RequestTrace) and trace.asked is not None and not trace.asked.done():
-        trace.asked.set_result(None)
-
-
-async def note_connection_reused(_session: aiohttp.ClientSession, context: Any,
-                                 _params: aiohttp.TraceConnectionReuseconnParams) -> None:
-    """The relay session's trace hook: a request's ``RequestTrace`` learns that it goes out on a pooled connection."""
-    trace = context.trace_request_ctx
-    if isinstance(trace, RequestTrace):
-        trace.is_reused = True
-
-
-# How a request sent on a connection its worker had closed ends, before any answer: the worker's FIN came in first
-# (ServerDisconnectedError), or its kernel answered our bytes with a reset (ClientOSError), or the FIN was read just
-# before the request's write, which then found the transport closing (``ClientOSError(None, "Can not write request
-# body ...")`` caused by aiohttp's ``ClientConnectionResetError``: the request did not go out whole)
-_CLOSED_ERRNOS = frozenset((errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED))
-
-
-def crossed_idle_close(trace: RequestTrace, exc: BaseException) -> bool:
-    """Whether a request that failed before its response head did so because it crossed the worker's close of the
-    idle pooled connection it went out on: the worker's keep-alive ending (``WORKER_KEEPALIVE_S`` is shorter than
-    uvicorn's, but a worker's ``--http-keep-alive-timeout-s`` may be shorter still) or its connection cap closing
-    its longest-idle connection for a newcomer (``gateway/http_connections.py``). The worker closes only
-    connections with nothing in flight, so it never read the request: sent again on a fresh connection, it is no
-    failure of the worker's. A new connection that breaks is none of this (a worker gone, a network cut)."""
-    if not trace.is_reused or isinstance(exc, aiohttp.ClientConnectorError):
-        return False
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return not isinstance(exc.message, RawResponseMessage)  # (no head of an answer came)
-    return isinstance(exc, aiohttp.ClientOSError) and (
-        exc.errno in _CLOSED_ERRNOS
-        or (exc.errno is None and isinstance(exc.__cause__, aiohttp.ClientConnectionResetError)))
-
-
 class AlreadyThere(ValueError):
     """``SGLangFleet.add``: the worker is configured already, or still being removed."""
 
@@ -140,7 +90,7 @@ def sglang_health_timeout_s(health: HealthConfig) -> float:
 PROBE_CONNECTIONS_PER_WORKER = 4  # the checks' own pool (health, loads, model): at most this many per worker
 # An idle connection to a worker is kept this long, less than uvicorn's keep-alive (5 s: SGLang's server and our
 # workers' HTTP side): one kept longer is closed by the worker, and a request sent on it as its close crosses the
-# request on the wire fails (ServerDisconnectedError). That is not enough alone: a worker may keep connections
+# request on the wire fails (``worker_http.Disconnected``). That is not enough alone: a worker may keep connections
 # less long (``--http-keep-alive-timeout-s``) or close an idle one at any age (its connection cap), so such a
 # request is sent once more on a fresh connection (``crossed_idle_close``, ``SGLangFleet.fresh``).
 WORKER_KEEPALIVE_S = 4.0
@@ -232,7 +182,7 @@ class HttpWorker:
 
 
 class SGLangFleet:
-    """The SGLang workers behind the gateway and the one HTTP session to them."""
+    """The SGLang workers behind the gateway and the HTTP connections to them."""
 
     def __init__(self, prefills: list[tuple[str, int | None]], decodes: list[str], router: Router,
                  health: HealthConfig, config: RelayConfig | None = None,
@@ -244,11 +194,11 @@ class SGLangFleet:
         self.config = config or RelayConfig()
         self.model_name: str | None = None
         self.tokenizer: Tokenizer | None = None  # --tokenizer: prompts tokenized for routing only
-        self.session: aiohttp.ClientSession | None = None
+        self.session: HttpPool | None = None
         # A request that crossed a worker's close of its idle pooled connection goes again on a connection of its
         # own (``crossed_idle_close``): not from the pool, where more the worker closed may wait (a keep-alive
         # ending closes every connection idle as long; a restart, all of them). Used for nothing else.
-        self.fresh: aiohttp.ClientSession | None = None
+        self.fresh: HttpPool | None = None
         # The workers' health, load and model checks: a pool of their own, so that they never wait for a
         # connection behind relayed requests (a worker with its pool full of streams failed its probes).
         self._checks: aiohttp.ClientSession | None = None
@@ -268,25 +218,14 @@ class SGLangFleet:
     def start(self) -> None:
         """The HTTP client pool and the probes (``wait_ready``: until a pair answers)."""
         cfg = self.config
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=cfg.max_connections_per_worker,
-                                         keepalive_timeout=WORKER_KEEPALIVE_S, enable_cleanup_closed=True)
         # (identity: the relay passes the workers' bytes on as they are, so they must not come compressed)
         headers = {"Accept-Encoding": "identity"}
         if cfg.worker_api_key:
             headers["Authorization"] = f"Bearer {cfg.worker_api_key}"
-        timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
-        pooled, sent = aiohttp.TraceConfig(), aiohttp.TraceConfig()
-        for trace in (pooled, sent):
-            trace.on_request_headers_sent.append(note_request_sent)
-        pooled.on_connection_reuseconn.append(note_connection_reused)
-        self.session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",), headers=headers,
-            trace_configs=[pooled], timeout=timeout)
-        self.fresh = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=cfg.max_connections_per_worker, force_close=True,
-                                           enable_cleanup_closed=True),
-            auto_decompress=False, skip_auto_headers=("User-Agent",), headers=headers, trace_configs=[sent],
-            timeout=timeout)
+        self.session, self.fresh = (
+            HttpPool(limit_per_host=cfg.max_connections_per_worker, timeout_s=cfg.request_timeout_s,
+                     connect_timeout_s=cfg.connect_timeout_s, keepalive_s=WORKER_KEEPALIVE_S, headers=headers,
+                     reuse=reuse) for reuse in (True, False))
         self._checks = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=PROBE_CONNECTIONS_PER_WORKER,
                                            keepalive_timeout=WORKER_KEEPALIVE_S),
@@ -374,9 +313,11 @@ class SGLangFleet:
             if worker.is_up:
                 worker.is_up = False
                 self.router.worker_removed(worker.state)
-        for session in (self.session, self.fresh, self._checks):
-            if session is not None:
-                await session.close()
+        for pool in (self.session, self.fresh):
+            if pool is not None:
+                pool.close()
+        if self._checks is not None:
+            await self._checks.close()
 
     async def _probe_loop(self, worker: HttpWorker) -> None:
         assert self._checks is not None

@@ -46,7 +46,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import msgspec
 
 from gateway.api import SSE_DONE, ModelNotFound, error_event
@@ -63,8 +62,9 @@ from gateway.responder import (
     shutdown_cut_error,
     watch_disconnect,
 )
-from gateway.sglang_fleet import HttpWorker, RequestTrace, SGLangFleet, crossed_idle_close
+from gateway.sglang_fleet import HttpWorker, SGLangFleet
 from gateway.sglang_routing import dispatch_cost, routing_request
+from gateway.worker_http import HttpClientError, Reply, crossed_idle_close
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
@@ -335,16 +335,15 @@ class SGLangResponder:
         # with the first token; a stream's reads are timed in ``_first_events`` and ``_stream``.)
         wait_s = cfg.first_byte_timeout_s if stream else cfg.request_timeout_s
         deadline = loop.time() + wait_s
-        read = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
         p_rid, d_rid = prefill.opened(prefill_tokens=cost[0]), decode.opened(pages=cost[1])
         decode_asked: asyncio.Future[None] = loop.create_future()
         prefill_asked: asyncio.Future[None] = loop.create_future()
         # (each counts in its worker's load reports once it has gone out: ``HttpWorker.last_rid``)
         decode_asked.add_done_callback(lambda _: decode.sent(d_rid))
         prefill_asked.add_done_callback(lambda _: prefill.sent(p_rid))
-        d_task = asyncio.create_task(_open(self.fleet, decode, f"{decode.url}/{self.path}", data, headers, read,
+        d_task = asyncio.create_task(_open(self.fleet, decode, f"{decode.url}/{self.path}", data, headers,
                                            decode_asked))
-        p_task = asyncio.create_task(_post(self.fleet, prefill, f"{prefill.url}/{self.path}", data, headers, read,
+        p_task = asyncio.create_task(_post(self.fleet, prefill, f"{prefill.url}/{self.path}", data, headers,
                                            merge_logprobs, decode_asked, prefill_asked))
         metrics = self.metrics
         p_task.add_done_callback(lambda task: _prefill_done(task, prefill, p_rid, metrics))
@@ -395,6 +394,10 @@ class SGLangResponder:
         finally:
             if not d_task.done():
                 d_task.cancel()
+            elif not d_task.cancelled() and d_task.exception() is None:
+                # (a head that came in as this attempt was cancelled or timed out, never taken: its request is
+                # aborted; a no-op for a reply released above)
+                d_task.result().close()
             decode.closed(d_rid)
             if answered and not p_task.done():
                 # The prefill's reply may trail its KV hand-over: let it end on its own (request timeout).
@@ -424,7 +427,7 @@ class SGLangResponder:
                           worker)
         return _Retry(BadGateway(message, code="worker_failed"), worker)
 
-    async def _whole(self, reply: aiohttp.ClientResponse, decode: HttpWorker, p_task: asyncio.Task[_PrefillReply],
+    async def _whole(self, reply: Reply, decode: HttpWorker, p_task: asyncio.Task[_PrefillReply],
                      merge_logprobs: bool, send: Send, figures: _Figures) -> int | _Failure:
         """A whole answer relayed: the client's status; or, when the decode's body broke off (nothing was
         sent to the client yet), the failure, retried. One that did not come within the request's timeout
@@ -436,7 +439,7 @@ class SGLangResponder:
             raise UpstreamTimeout(f"the SGLang decode worker's answer did not come within "
                                   f"{self.fleet.config.request_timeout_s:g}s", code="request_timeout",
                                   final=True) from None
-        except (aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:  # (HttpClientError)
             return _Failure(decode, f"its response broke: {type(exc).__name__}: {exc}")
         if merge_logprobs and reply.status == 200:
             data = _merge_whole(await _prefill_logprobs(p_task, self.fleet.config.read_timeout_s, self.route), data)
@@ -445,7 +448,7 @@ class SGLangResponder:
             figures.answered(data)
         return reply.status
 
-    async def _first_events(self, reply: aiohttp.ClientResponse, p_task: asyncio.Task[_PrefillReply],
+    async def _first_events(self, reply: Reply, p_task: asyncio.Task[_PrefillReply],
                             prefill: HttpWorker, decode: HttpWorker, deadline: float, wait_s: float,
                             ) -> tuple[bytes, bytes] | _Failure:
         """A stream's first complete events and the bytes after them, before the client gets its head.
@@ -456,7 +459,7 @@ class SGLangResponder:
         timeout is a 504."""
         loop = asyncio.get_running_loop()
         buffer = b""
-        read: asyncio.Future[bytes] = asyncio.ensure_future(reply.content.readany())
+        read: asyncio.Future[bytes] = asyncio.ensure_future(reply.readany())
         try:
             while True:
                 if p_task.done():
@@ -473,7 +476,7 @@ class SGLangResponder:
                     raise UpstreamTimeout(f"the SGLang decode worker sent no event within {wait_s:g}s")
                 try:
                     chunk = read.result()
-                except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                except (TimeoutError, OSError) as exc:
                     return _Failure(decode, f"its stream broke before its first event: {type(exc).__name__}: {exc}")
                 if not chunk:
                     return buffer, b""  # ended without a complete event: relayed as it is
@@ -481,12 +484,12 @@ class SGLangResponder:
                 events, boundary, rest = buffer.rpartition(b"\n\n")
                 if boundary:
                     return events + boundary, rest
-                read = asyncio.ensure_future(reply.content.readany())
+                read = asyncio.ensure_future(reply.readany())
         finally:
             if not read.done():
                 read.cancel()
 
-    async def _stream(self, reply: aiohttp.ClientResponse, first: tuple[bytes, bytes],
+    async def _stream(self, reply: Reply, first: tuple[bytes, bytes],
                       p_task: asyncio.Task[_PrefillReply], merge_logprobs: bool, send: Send,
                       figures: _Figures) -> int | None:
         """Relay the stream from its first events on, whole events only: a decode that breaks off
@@ -516,12 +519,12 @@ class SGLangResponder:
                     ended = ended or events.rstrip().endswith(b"data: [DONE]")
                 # (after its [DONE], the body's end is waited for only briefly: it keeps the connection reusable)
                 async with asyncio.timeout(min(idle_s, DONE_GRACE_S) if ended else idle_s):
-                    chunk = await reply.content.readany()
+                    chunk = await reply.readany()
                 if not chunk:
                     break
                 events, boundary, pending = (pending + chunk).rpartition(b"\n\n")
                 events += boundary
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (HttpClientError, TimeoutError) as exc:
             if ended:  # (broken or silent after its [DONE]: no error event after the end, no failure of the decode's)
                 log.debug("%s: the SGLang decode worker's stream did not end cleanly after its [DONE]: %r",
                           self.route, exc)
@@ -660,7 +663,7 @@ class _Retry:
 
 
 async def _post(fleet: SGLangFleet, worker: HttpWorker, url: str, data: bytes, headers: dict[str, str],
-                timeout: aiohttp.ClientTimeout, keep_body: bool, decode_asked: asyncio.Future[None],
+                keep_body: bool, decode_asked: asyncio.Future[None],
                 asked: asyncio.Future[None] | None = None) -> _PrefillReply:
     """The prefill's request, read to its end (SSE or JSON): its connection is then free again. It goes out
     once the decode's has (``decode_asked``): a decode request waiting for a free connection to its worker
@@ -668,7 +671,7 @@ async def _post(fleet: SGLangFleet, worker: HttpWorker, url: str, data: bytes, h
     request that fails before it went out is the caller's to see: this one is then cancelled unsent.) ``asked`` is
     set once its own head has gone out."""
     await decode_asked
-    async with await _open(fleet, worker, url, data, headers, timeout, asked) as reply:
+    async with await _open(fleet, worker, url, data, headers, asked) as reply:
         body = await reply.read()
         content_type = reply.headers.get("content-type", "application/json")
         refusal = _stream_refusal(body) if 200 <= reply.status < 300 and content_type.startswith(
@@ -699,25 +702,23 @@ def _stream_refusal(body: bytes) -> str | None:
 
 
 async def _open(fleet: SGLangFleet, worker: HttpWorker, url: str, data: bytes, headers: dict[str, str],
-                timeout: aiohttp.ClientTimeout, asked: asyncio.Future[None] | None) -> aiohttp.ClientResponse:
+                asked: asyncio.Future[None] | None) -> Reply:
     """A request to ``worker`` up to its response headers (the caller reads or relays the body); ``asked`` is
-    set once its request head has gone out (``gateway.sglang_fleet.note_request_sent``).
+    set once the request has gone out.
 
     On a pooled connection; one that crossed the worker's close of that idle connection (``crossed_idle_close``:
     the worker never read it) is sent once more, on a fresh connection, and only that one's failure is the
     worker's."""
     assert fleet.session is not None and fleet.fresh is not None
-    trace = RequestTrace(asked)
     try:
-        return await fleet.session.post(url, data=data, headers=headers, timeout=timeout, trace_request_ctx=trace)
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-        if not crossed_idle_close(trace, exc):
+        return await fleet.session.post(url, data, headers, asked)
+    except HttpClientError as exc:
+        if not crossed_idle_close(exc):
             raise
         worker.num_resent += 1
         log.debug("SGLang %s worker %s closed the idle connection a request went out on (%s: %s); sent again on a "
                   "fresh one", worker.role, worker.url, type(exc).__name__, exc)
-    return await fleet.fresh.post(url, data=data, headers=headers, timeout=timeout,
-                                  trace_request_ctx=RequestTrace(asked))
+    return await fleet.fresh.post(url, data, headers, asked)
 
 
 def _failure(task: asyncio.Task[_PrefillReply], worker: HttpWorker) -> _Failure | None:
@@ -736,16 +737,16 @@ def _failure(task: asyncio.Task[_PrefillReply], worker: HttpWorker) -> _Failure 
                     reply.retry_after_s)
 
 
-async def _settle(task: asyncio.Task[aiohttp.ClientResponse], worker: HttpWorker) -> aiohttp.ClientResponse | _Failure:
+async def _settle(task: asyncio.Task[Reply], worker: HttpWorker) -> Reply | _Failure:
     try:
         reply = await task
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+    except (TimeoutError, OSError) as exc:
         return _Failure(worker, f"{type(exc).__name__}: {exc}")
     if 200 <= reply.status < 300:
         return reply
     try:
         body = await reply.read()
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:  # no whole answer to pass on: retried
+    except (TimeoutError, OSError) as exc:  # no whole answer to pass on: retried
         return _Failure(worker, f"answered {reply.status}, then its response broke: {type(exc).__name__}: {exc}")
     finally:
         reply.release()
@@ -774,7 +775,7 @@ async def _prefill_logprobs(task: asyncio.Task[_PrefillReply], timeout_s: float,
         return None
     try:
         reply = task.result()
-    except (aiohttp.ClientError, TimeoutError, OSError):
+    except (TimeoutError, OSError):
         return None
     items: list[tuple[int | None, Any]] = []
     try:

@@ -27,7 +27,7 @@ def test_a_worker_whose_pool_is_full_of_requests_still_passes_its_checks() -> No
 
         app = web.Application()
         app.router.add_get("/health", health)
-        app.router.add_get("/hold", hold)
+        app.router.add_post("/hold", hold)
         runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -40,7 +40,7 @@ def test_a_worker_whose_pool_is_full_of_requests_still_passes_its_checks() -> No
         try:
             assert await fleet.wait_ready(5)
             assert fleet.session is not None
-            held = [asyncio.create_task(fleet.session.get(f"{url}/hold")) for _ in range(2)]  # (the pool, full)
+            held = [asyncio.create_task(fleet.session.post(f"{url}/hold", b"{}")) for _ in range(2)]  # (the pool, full)
             await asyncio.sleep(1.5)  # some fifteen checks
             prefill = fleet.prefills[0]
             assert prefill.healthy and prefill.last_error is None, prefill.last_error
