@@ -15,7 +15,10 @@ Read a B/A figure against an A/A run (``--base`` a copy of the head itself): on 
 one such run gave B/A 1.066 for ``ns`` (B higher in 4 of 5 pairs) with the same code on both sides.
 
 Points: ``ns`` (chat, 16 tokens, 64 concurrent), ``c1`` (the same, one at a time), ``stream`` (chat,
-64 tokens, 2 ms token gap, 64 concurrent, starts staggered).
+64 tokens, 2 ms token gap, 64 concurrent, starts staggered); ``sglang`` and ``sglang-c1``: chat, 16 tokens, 64
+concurrent and one at a time, through the SGLang relay (``gateway/sglang_relay.py``), to a sim prefill + decode
+(zero model cost) over their SGLang HTTP side, one more gateway per tree (the sim workers' own CPU, several ms
+per request, bounds these points' rate, not the gateway's figure).
 
     .venv/bin/python loadtests/bench_ab.py --base /tmp/base [--head .] [--points ns,stream] [--pairs 5] \
         [--tokenizer "$(.venv/bin/python -m workers.engines.llama.gguf_convert)"]
@@ -39,9 +42,9 @@ import uvloop
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "loadtests")]
 
-from bench_stack import Stack, cpu_delta_s, cpu_sample, http_target, pin  # noqa: E402
+from bench_stack import SIM_OPTIONS, Stack, cpu_delta_s, cpu_sample, http_target, pin  # noqa: E402
 from load_client import closed_loop, percentile  # noqa: E402
-from pdtest import Procs, free_port, wait_http_ok  # noqa: E402
+from pdtest import Procs, free_port, start_bootstrap, start_worker, wait_http_ok  # noqa: E402
 from stop_signals import stop_like_ctrl_c  # noqa: E402
 
 CHAT = "/v1/chat/completions"
@@ -53,19 +56,22 @@ class PointSpec:
     max_tokens: int
     concurrency: int
     num_requests: int
+    sglang: bool = False  # over sim workers' SGLang HTTP side (the relay), not the fast native workers
 
 
 POINTS = {
     "ns": PointSpec(False, 16, 64, 8000),
     "c1": PointSpec(False, 16, 1, 1500),
     "stream": PointSpec(True, 64, 64, 1000),
+    "sglang": PointSpec(False, 16, 64, 1500, sglang=True),
+    "sglang-c1": PointSpec(False, 16, 1, 600, sglang=True),
 }
 
 
 def start_gateway(stack: Stack, name: str, tree: Path, workers: list[tuple[str, str]],
-                  tokenizer: str | None = None) -> None:
+                  tokenizer: str | None = None, args: list[str] | None = None) -> None:
     port = free_port()
-    args = [a for flag, worker in workers for a in (f"--{flag}", stack.url(worker))]
+    args = args or [a for flag, worker in workers for a in (f"--{flag}", stack.url(worker))]
     if tokenizer is not None:
         args += ["--tokenizer", tokenizer]
     proc = stack.procs.start(name, "-m", "gateway.cli", *args, "--port", str(port), "--log-level", "warning",
@@ -99,12 +105,23 @@ async def _run(args: argparse.Namespace, trees: dict[str, Path], points: list[st
             stack.fast_worker(f"decode-{i}", "decode", 0)
             stack.fast_worker(f"decode-gap-{i}", "decode", args.token_gap_ms)
         stack.wait()
+        http_args: list[str] = []
+        if any(POINTS[key].sglang for key in points):  # sim workers, through their SGLang HTTP side
+            boot = start_bootstrap(stack.procs)
+            sims = {role: start_worker(stack.procs, role, *SIM_OPTIONS, bootstrap=boot, name=f"sim-{role}")
+                    for role in ("prefill", "decode")}
+            for role, worker in sims.items():
+                stack.pids[f"sim-{role}"] = worker.proc.pid
+            http_args = ["--prefill", f"http://127.0.0.1:{sims['prefill'].http_port}", boot.rsplit(":", 1)[1],
+                         "--decode", f"http://127.0.0.1:{sims['decode'].http_port}"]
         prefills = [("prefill", "prefill-0"), ("prefill", "prefill-1")]
         for tag, tree in trees.items():
             start_gateway(stack, f"gw-{tag}", tree, [*prefills, ("decode", "decode-0"), ("decode", "decode-1")],
                           args.tokenizer)
             start_gateway(stack, f"gw-stream-{tag}", tree,
                           [*prefills, ("decode", "decode-gap-0"), ("decode", "decode-gap-1")], args.tokenizer)
+            if http_args:
+                start_gateway(stack, f"gw-http-{tag}", tree, [], args.tokenizer, http_args)
         can_pin = {0, 1} <= own_cpus
         if can_pin:
             for name, pid in stack.pids.items():
@@ -117,7 +134,7 @@ async def _run(args: argparse.Namespace, trees: dict[str, Path], points: list[st
             for key in points:
                 spec = POINTS[key]
                 for tag in ("A", "B") if pair % 2 == 0 else ("B", "A"):
-                    name = f"gw-stream-{tag}" if spec.stream else f"gw-{tag}"
+                    name = f"gw-http-{tag}" if spec.sglang else f"gw-stream-{tag}" if spec.stream else f"gw-{tag}"
                     target = http_target(stack.ports[name], CHAT, spec.max_tokens, spec.stream)
                     n = max(spec.concurrency, int(spec.num_requests * args.scale))
                     stagger = spec.max_tokens * args.token_gap_ms / 1000 if spec.stream else 0.0

@@ -1,4 +1,4 @@
-"""HTTP client libraries for the gateway's SGLang path: CPU-µs per small POST, measured in one run.
+"""HTTP clients for the gateway's SGLang path: CPU-µs per small POST, measured in one run.
 
 A trivial HTTP/1.1 server (an asyncio Protocol answering every request with a fixed small JSON
 body, keep-alive) runs in a child process pinned to core 1; this process, pinned to core 0, sends
@@ -6,7 +6,8 @@ body, keep-alive) runs in a child process pinned to core 1; this process, pinned
 over pooled keep-alive connections, and prints its own CPU time (``time.process_time``) per
 request. The baseline in the same run is a hand-written raw-socket client (an asyncio Protocol
 writing the request bytes and reading the fixed-length answer): what the work costs with no
-library at all.
+library at all. The relay's own client (``gateway/worker_http.py``) is measured beside aiohttp (which the relay
+used before it) and httpx.
 
     .venv/bin/python loadtests/bench_http_client.py [--requests 4000]
 """
@@ -137,6 +138,19 @@ async def run_at(port: int, n: int, concurrency: int) -> list[tuple[str, int, fl
 
         rows.append((f"aiohttp {aiohttp.__version__}", concurrency,
                      await measure("aiohttp", aiohttp_post, n, concurrency)))
+
+    from gateway.worker_http import HttpPool
+
+    pool = HttpPool(limit_per_host=64, timeout_s=30, connect_timeout_s=10, keepalive_s=30)
+    try:
+        async def pool_post() -> None:
+            async with await pool.post(url, BODY, headers) as reply:
+                await reply.read()
+
+        rows.append(("ours (gateway/worker_http.py)", concurrency,
+                     await measure("worker_http", pool_post, n, concurrency)))
+    finally:
+        pool.close()
 
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(limits=limits, timeout=30) as client:
