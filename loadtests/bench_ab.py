@@ -16,7 +16,8 @@ one such run gave B/A 1.066 for ``ns`` (B higher in 4 of 5 pairs) with the same 
 
 Points: ``ns`` (chat, 16 tokens, 64 concurrent), ``c1`` (the same, one at a time), ``stream`` (chat,
 64 tokens, 2 ms token gap, 64 concurrent, starts staggered); ``sglang`` and ``sglang-c1``: chat, 16 tokens, 64
-concurrent and one at a time, through the SGLang relay (``gateway/sglang_relay.py``), to a sim prefill + decode
+concurrent and one at a time, and ``sglang-stream`` (chat streamed, 64 tokens, 64 concurrent, the sim decode's own
+pace), through the SGLang relay (``gateway/sglang_relay.py``), to a sim prefill + decode
 (zero model cost) over their SGLang HTTP side, one more gateway per tree (the sim workers' own CPU, several ms
 per request, bounds these points' rate, not the gateway's figure).
 
@@ -65,6 +66,7 @@ POINTS = {
     "stream": PointSpec(True, 64, 64, 1000),
     "sglang": PointSpec(False, 16, 64, 1500, sglang=True),
     "sglang-c1": PointSpec(False, 16, 1, 600, sglang=True),
+    "sglang-stream": PointSpec(True, 64, 64, 500, sglang=True),
 }
 
 
@@ -147,14 +149,14 @@ async def _run(args: argparse.Namespace, trees: dict[str, Path], points: list[st
                     errors = sum(1 for r in results if r.error)
                     figures.setdefault((key, tag), []).append((us, ttft_p99))
                     extra = f"  TTFT p99 {ttft_p99:.2f} ms" if ttft_p99 is not None else ""
-                    print(f"pair {pair + 1} {key:6} {tag}: {us:8.1f} µs/request{extra}"
+                    print(f"pair {pair + 1} {key:13} {tag}: {us:8.1f} µs/request{extra}"
                           + (f"  ({errors} errors)" if errors else ""), flush=True)
         print(f"\nA = {trees['A']}\nB = {trees['B']}")
-        print(f"{'point':8} {'A µs/req':>10} {'B µs/req':>10} {'B/A':>6}   (medians of {args.pairs} pairs)")
+        print(f"{'point':13} {'A µs/req':>10} {'B µs/req':>10} {'B/A':>6}   (medians of {args.pairs} pairs)")
         for key in points:
             a = statistics.median(x[0] for x in figures[(key, "A")])
             b = statistics.median(x[0] for x in figures[(key, "B")])
-            line = f"{key:8} {a:10.1f} {b:10.1f} {b / a:6.3f}"
+            line = f"{key:13} {a:10.1f} {b:10.1f} {b / a:6.3f}"
             ttft = [statistics.median(x[1] for x in figures[(key, tag)] if x[1] is not None)
                     for tag in "AB"] if POINTS[key].stream else []
             if ttft:
