@@ -77,6 +77,7 @@ _json = msgspec.json.Encoder()
 MAX_BACKOFF_S = 2.0
 DONE_GRACE_S = 1.0  # a stream's body end waited for past its [DONE] (``_stream``)
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+NO_VERDICT = -1  # ``_stream``'s outcome for a stream cut by the request's own deadline: nothing for its breaker
 
 
 class _Details(msgspec.Struct):
@@ -388,7 +389,8 @@ class SGLangResponder:
                     status = whole
             finally:
                 reply.release()
-            _record(decode, d_rid, status, metrics)  # (a stream broken after its head: the decode's failure...)
+            if status != NO_VERDICT:
+                _record(decode, d_rid, status, metrics)  # (a stream broken after its head: the decode's failure...)
             answered = True
             return reply.status  # (...but the client's status is the head's: what the request counter counts)
         finally:
@@ -494,8 +496,8 @@ class SGLangResponder:
                       figures: _Figures) -> int | None:
         """Relay the stream from its first events on, whole events only: a decode that breaks off
         mid-event leaves the client a clean error event, not a line of two events run together. Returns the
-        decode's outcome for ``_record``: its status, 504 for a stream silent too long, None for one broken off
-        (the client's status is the head's)."""
+        decode's outcome for ``_record``: its status, 504 for a stream silent too long, None for one broken off,
+        ``NO_VERDICT`` for one cut by the request's own timeout (the client's status is the head's)."""
         content_type = reply.headers.get("content-type", "text/event-stream")
         await send({"type": "http.response.start", "status": reply.status,
                     "headers": [(b"content-type", content_type.encode()), (b"cache-control", b"no-cache"),
@@ -509,6 +511,7 @@ class SGLangResponder:
             figures.first_event()
         last = None  # (the newest events other than a lone [DONE]: the figures' source)
         ended = False  # its ``[DONE]`` was relayed: the answer is whole, whatever its connection does next
+        idle: asyncio.Timeout | None = None  # (expired: the decode was silent; else a TimeoutError is the request's)
         try:
             while True:
                 if events:
@@ -518,7 +521,7 @@ class SGLangResponder:
                                 "body": events if logprobs is None else _merge_events(logprobs, events)})
                     ended = ended or events.rstrip().endswith(b"data: [DONE]")
                 # (after its [DONE], the body's end is waited for only briefly: it keeps the connection reusable)
-                async with asyncio.timeout(min(idle_s, DONE_GRACE_S) if ended else idle_s):
+                async with (idle := asyncio.timeout(min(idle_s, DONE_GRACE_S) if ended else idle_s)):
                     chunk = await reply.readany()
                 if not chunk:
                     break
@@ -532,12 +535,21 @@ class SGLangResponder:
                 figures.answered(_last_event(last) if last is not None else None, streamed=True)
                 return status
             timed_out = isinstance(exc, TimeoutError)
-            why = f"sent nothing for {idle_s:g}s" if timed_out else f"broke: {type(exc).__name__}: {exc}"
-            log.warning("%s: the SGLang decode worker's stream %s", self.route, why)
-            error = (UpstreamTimeout if timed_out else BadGateway)(f"the SGLang decode worker's stream {why}")
+            if timed_out and (idle is None or not idle.expired()):
+                # The request's own deadline (the pool's ``request_timeout_s``), not a silent decode: final, and no
+                # worker's fault, as on the native path (``dispatch._request_timed_out``).
+                error: APIError = UpstreamTimeout(
+                    f"the request ran past its timeout ({self.fleet.config.request_timeout_s:g}s)",
+                    code="request_timeout", final=True)
+                log.warning("%s: %s", self.route, error.message)
+                outcome: int | None = NO_VERDICT
+            else:
+                why = f"sent nothing for {idle_s:g}s" if timed_out else f"broke: {type(exc).__name__}: {exc}"
+                log.warning("%s: the SGLang decode worker's stream %s", self.route, why)
+                error = (UpstreamTimeout if timed_out else BadGateway)(f"the SGLang decode worker's stream {why}")
+                outcome = error.status if timed_out else None  # (broken off: worker_gone, not its own error)
             # (whole events only, then the error event and [DONE], as the native path ends a broken stream)
             pending, status = error_event(error) + SSE_DONE, error.status
-            outcome: int | None = status if timed_out else None  # (broken off: worker_gone, not its own error)
         else:
             outcome = status
         await send({"type": "http.response.body", "body": pending, "more_body": False})
