@@ -18,8 +18,9 @@ Lifecycle (the workers, their health, load and HTTP session: ``gateway/sglang_fl
    (non-2xx, connection error) cancels the decode request (closing its connection aborts it on the
    worker); a decode that fails cancels the prefill request. A 4xx goes to the client as the worker
    wrote it; a 5xx or a connection error is retried on a new pair and new rooms (``max_retries``,
-   jittered backoff), else a 502. After the first event the decode's stream is relayed, whole
-   events only, to its end or to an error event. A request that broke before any answer because it
+   jittered backoff; all within the request's ``request_timeout_s``, which its attempts share), else a
+   502. After the first event the decode's stream is relayed, whole events only, to its end or to an
+   error event. A request that broke before any answer because it
    crossed its worker's close of the idle pooled connection it went out on (the worker's keep-alive
    ending, or its connection cap closing its longest-idle connection) was never read there: it is sent
    once more to the same worker on a fresh connection (``_open``), no failure and no retry.
@@ -291,6 +292,8 @@ class SGLangResponder:
         figures = _Figures(self.metrics, num_items is not None, n if type(n) is int and n > 1 else 1)
         avoid: set[HttpWorker] = set()
         attempt = 0
+        loop = asyncio.get_running_loop()
+        ends_at = loop.time() + cfg.request_timeout_s  # (the request's, over every attempt, as the native path's)
         while True:
             pair, prefill, decode = fleet.select(request, avoid)
             rooms = [secrets.randbits(63) for _ in range(num_items or 1)]
@@ -306,7 +309,7 @@ class SGLangResponder:
             cost = dispatch_cost(request, prefill.state, num_items, len(data))
             try:
                 outcome = await self._attempt(prefill, decode, data, stream, merge_logprobs, send, trace, figures,
-                                              cost)
+                                              cost, ends_at)
                 result = "finished" if isinstance(outcome, int) and outcome < 400 else "failed"
             except APIError:
                 result = "failed"
@@ -315,27 +318,30 @@ class SGLangResponder:
                 fleet.router.finished(pair, request, result)
             if isinstance(outcome, int):
                 return outcome
-            if attempt >= cfg.max_retries:
+            delay = min(cfg.retry_backoff_s * 2 ** attempt * random.uniform(0.5, 1.5), MAX_BACKOFF_S)
+            if attempt >= cfg.max_retries or loop.time() + delay >= ends_at:  # (no time left: the failure's error)
                 raise outcome.error
             attempt += 1
             self.metrics.retries.labels(outcome.error.code or outcome.error.type).inc()
             avoid.add(outcome.worker)
-            delay = cfg.retry_backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
-            await asyncio.sleep(min(delay, MAX_BACKOFF_S))
+            await asyncio.sleep(delay)
 
     async def _attempt(self, prefill: HttpWorker, decode: HttpWorker, data: bytes, stream: bool,
                        merge_logprobs: bool, send: Send, trace: dict[str, str], figures: _Figures,
-                       cost: tuple[int, int] = (0, 0)) -> int | _Retry:
+                       cost: tuple[int, int] = (0, 0), ends_at: float | None = None) -> int | _Retry:
         """One pair: the client's status once answered, or what to retry. ``cost``: (prefill tokens, decode
-        pages) it adds to their load counts while open (``dispatch_cost``)."""
+        pages) it adds to their load counts while open (``dispatch_cost``); ``ends_at``: the request's deadline
+        (loop time; default ``request_timeout_s`` from now)."""
         cfg = self.fleet.config
         loop = asyncio.get_running_loop()
+        if ends_at is None:
+            ends_at = loop.time() + cfg.request_timeout_s
         headers = {"content-type": "application/json", "x-request-id": REQUEST_ID.get(), **trace}
         # A stream's first event is due within the first-token timeout, a whole answer at its end. (No
         # ``sock_read``: it would bound the wait for the response head too, which our own workers send
         # with the first token; a stream's reads are timed in ``_first_events`` and ``_stream``.)
         wait_s = cfg.first_byte_timeout_s if stream else cfg.request_timeout_s
-        deadline = loop.time() + wait_s
+        deadline = min(loop.time() + wait_s, ends_at)
         p_rid, d_rid = prefill.opened(prefill_tokens=cost[0]), decode.opened(pages=cost[1])
         decode_asked: asyncio.Future[None] = loop.create_future()
         prefill_asked: asyncio.Future[None] = loop.create_future()
@@ -343,9 +349,9 @@ class SGLangResponder:
         decode_asked.add_done_callback(lambda _: decode.sent(d_rid))
         prefill_asked.add_done_callback(lambda _: prefill.sent(p_rid))
         d_task = asyncio.create_task(_open(self.fleet, decode, f"{decode.url}/{self.path}", data, headers,
-                                           decode_asked))
+                                           decode_asked, ends_at))
         p_task = asyncio.create_task(_post(self.fleet, prefill, f"{prefill.url}/{self.path}", data, headers,
-                                           merge_logprobs, decode_asked, prefill_asked))
+                                           merge_logprobs, decode_asked, prefill_asked, ends_at))
         metrics = self.metrics
         p_task.add_done_callback(lambda task: _prefill_done(task, prefill, p_rid, metrics))
         answered = False
@@ -676,14 +682,14 @@ class _Retry:
 
 async def _post(fleet: SGLangFleet, worker: HttpWorker, url: str, data: bytes, headers: dict[str, str],
                 keep_body: bool, decode_asked: asyncio.Future[None],
-                asked: asyncio.Future[None] | None = None) -> _PrefillReply:
+                asked: asyncio.Future[None] | None = None, ends_at: float | None = None) -> _PrefillReply:
     """The prefill's request, read to its end (SSE or JSON): its connection is then free again. It goes out
     once the decode's has (``decode_asked``): a decode request waiting for a free connection to its worker
     (``max_connections_per_worker``) would leave the prefill holding the prompt's KV for nobody. (A decode
     request that fails before it went out is the caller's to see: this one is then cancelled unsent.) ``asked`` is
     set once its own head has gone out."""
     await decode_asked
-    async with await _open(fleet, worker, url, data, headers, asked) as reply:
+    async with await _open(fleet, worker, url, data, headers, asked, ends_at) as reply:
         body = await reply.read()
         content_type = reply.headers.get("content-type", "application/json")
         refusal = _stream_refusal(body) if 200 <= reply.status < 300 and content_type.startswith(
@@ -714,7 +720,7 @@ def _stream_refusal(body: bytes) -> str | None:
 
 
 async def _open(fleet: SGLangFleet, worker: HttpWorker, url: str, data: bytes, headers: dict[str, str],
-                asked: asyncio.Future[None] | None) -> Reply:
+                asked: asyncio.Future[None] | None, ends_at: float | None = None) -> Reply:
     """A request to ``worker`` up to its response headers (the caller reads or relays the body); ``asked`` is
     set once the request has gone out.
 
@@ -723,14 +729,14 @@ async def _open(fleet: SGLangFleet, worker: HttpWorker, url: str, data: bytes, h
     worker's."""
     assert fleet.session is not None and fleet.fresh is not None
     try:
-        return await fleet.session.post(url, data, headers, asked)
+        return await fleet.session.post(url, data, headers, asked, ends_at)
     except HttpClientError as exc:
         if not crossed_idle_close(exc):
             raise
         worker.num_resent += 1
         log.debug("SGLang %s worker %s closed the idle connection a request went out on (%s: %s); sent again on a "
                   "fresh one", worker.role, worker.url, type(exc).__name__, exc)
-    return await fleet.fresh.post(url, data, headers, asked)
+    return await fleet.fresh.post(url, data, headers, asked, ends_at)
 
 
 def _failure(task: asyncio.Task[_PrefillReply], worker: HttpWorker) -> _Failure | None:

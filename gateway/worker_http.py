@@ -15,8 +15,9 @@ needs (the workers' health, load and model checks keep their aiohttp session, ``
    ``HIGH_WATER`` bytes unread the socket is not read until the caller catches up). ``reply.release()`` gives a
    connection whose answer was read to its end (and may be kept alive) back to the pool, else closes it;
    ``reply.close()`` closes it (how a request is aborted on the worker). ``async with reply:`` releases it.
-3. Time: one deadline per request, ``timeout_s`` after the call, over everything up to the body's end (the wait
-   for a free connection included, as aiohttp's ``total`` timeout), and the connect within ``connect_timeout_s``;
+3. Time: one deadline per request, ``timeout_s`` after the call (or the caller's ``deadline``, when nearer), over
+   everything up to the body's end (the wait for a free connection included, as aiohttp's ``total`` timeout), and
+   the connect within ``connect_timeout_s``;
    past it the connection is closed and the waiting call raises ``TimeoutError``. One timer per request.
 4. Failures (all ``HttpClientError``, an ``OSError``): ``ConnectFailed`` (no connection), ``Disconnected`` (the
    connection broke: ``answered`` once any byte of an answer had come, ``reused`` when it went out on a pooled
@@ -324,7 +325,8 @@ class Reply:
 
     def _expire(self) -> None:
         pool = self._conn.pool
-        self._fail(TimeoutError(f"{pool.describe(self._conn)} did not answer within {pool.timeout_s:g}s"))
+        self._fail(TimeoutError(f"{pool.describe(self._conn)} had not answered whole by the request's deadline "
+                                f"({pool.timeout_s:g}s at most)"))
         if self._conn.reply is self:
             self._conn.reply = None
             self._conn.close()
@@ -360,11 +362,12 @@ class HttpPool:
         return sum(len(origin.idle) for origin in self._by_key.values())
 
     async def post(self, url: str, data: bytes, headers: dict[str, str] | None = None,
-                   asked: asyncio.Future[None] | None = None) -> Reply:
+                   asked: asyncio.Future[None] | None = None, deadline: float | None = None) -> Reply:
         """POST ``data`` to ``url``: the answer once its head has come (see the module doc). ``asked`` is set once
-        the request has gone out on a connection."""
+        the request has gone out on a connection; ``deadline`` (loop time), when nearer than ``timeout_s`` from now,
+        is the request's (a caller's own deadline over several attempts)."""
         loop = self.loop
-        deadline = loop.time() + self.timeout_s
+        deadline = loop.time() + self.timeout_s if deadline is None else min(deadline, loop.time() + self.timeout_s)
         origin, path = self._origin(url)
         head = [b"POST %s HTTP/1.1\r\nhost: %s\r\n" % (path, origin.host_header), self._fixed]
         if headers:

@@ -1,4 +1,5 @@
-"""The SGLang relay's stream cut by the request's own timeout (``request_timeout_s``) is no failure of its decode's.
+"""The SGLang relay's request timeout (``request_timeout_s``): a stream it cuts is no failure of its decode's, and
+a request's attempts share it.
 
 A stream still flowing when the request's own ``request_timeout_s`` ran out (the pool's per-request deadline, over
 the whole request as aiohttp's ``total`` was) was ended with an error event saying the decode "sent nothing for
@@ -77,3 +78,26 @@ def test_a_decode_silent_past_the_idle_timeout_is_still_its_failure() -> None:
     assert "sent nothing for 0.5s" in error["message"], error
     assert failures == 1 and counted == 1
     assert busy == 0
+
+
+def test_the_attempts_of_a_request_share_its_timeout() -> None:
+    """``request_timeout_s`` bounds the whole request, retries included (as on the native path): a decode that
+    fails after 0.7 s is tried twice within a 1 s timeout, not once per attempt's own full timeout (three tries)."""
+    tries = [0]
+
+    async def failing_decode(request: web.Request) -> web.Response:
+        await request.read()
+        tries[0] += 1
+        await asyncio.sleep(0.7)
+        return web.json_response({"error": {"message": "boom"}}, status=500)
+
+    async def main() -> Exchange:
+        config = RelayConfig(retry_backoff_s=0.01, request_timeout_s=1.0, max_retries=2)
+        async with relay(prefill, failing_decode, config=config) as (responder, _fleet):
+            exchange = Exchange(jbody({"text": "hi"}))
+            await asyncio.wait_for(call(responder, exchange), 20.0)
+            return exchange
+
+    exchange = asyncio.run(main())
+    assert exchange.status in (502, 504), exchange.content
+    assert tries[0] == 2, f"{tries[0]} tries: the attempts did not share the request's timeout"
