@@ -94,8 +94,8 @@ async def _client_leaving_as_the_decode_head_arrives() -> None:
         real_post = fleet.session.post
         decode_url = fleet.decodes[0].url
 
-        async def post(url: str, data: bytes, headers: Any = None, asked: Any = None) -> Any:
-            reply = await real_post(url, data, headers, asked)
+        async def post(url: str, data: bytes, headers: Any = None, asked: Any = None, deadline: Any = None) -> Any:
+            reply = await real_post(url, data, headers, asked, deadline)
             if url.startswith(decode_url):
                 exchange.gone.set()  # (the client's disconnect is read in the turn the decode's head came in)
             return reply
