@@ -31,6 +31,8 @@ class Context:
     num_rooms_completed: int = 0  # rooms that reached Success
     num_rooms_failed: int = 0  # rooms that reached Failed by a transfer failure (peer gone, timeout, refused...)
     num_rooms_aborted: int = 0  # rooms that reached Failed by an abort (``RoomAborted``: either side's, a release)
+    # decode: failed rooms called quiesced without their silent prefill's word, at ``quarantine_s``
+    num_rooms_unquiesced_released: int = 0
     # Called (from whichever thread, lock held) after a room's state or ``quiesced`` changed, so the
     # scheduler wakes at once instead of polling: it must not block.
     on_change: Callable[[], None] | None = None

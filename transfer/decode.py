@@ -678,6 +678,9 @@ class DecodeSide:
                 if not any(not r.quiesced for r in conn.receivers):
                     to_close.append((channel, conn.error or TransferError(TransferErrorKind.TIMEOUT, "drained")))
                     continue
+                if self._run_clock - conn.draining_since >= self._ctx.timeouts.quarantine_s:
+                    to_close.append((channel, self._give_up_draining(channel, conn)))
+                    continue
             elif now - channel.last_rx > limit and not stalled:
                 error = TransferError(
                     TransferErrorKind.TIMEOUT, f"{channel.name}: no heartbeat for {now - channel.last_rx:.1f}s"
@@ -694,8 +697,29 @@ class DecodeSide:
                     to_close.append((channel, error))  # fenced: nothing it still sends can land
                     continue
                 conn.draining = True  # it may be frozen mid-write: wait for its Quiesced or its end
+                conn.draining_since = self._run_clock  # (... or ``quarantine_s`` of our running)
             outbox.append((channel, Ping(int(now * 1000))))
         return to_close
+
+    def _give_up_draining(self, channel: ControlChannel, conn: PrefillConn) -> TransferError:
+        """Lock held: a silent prefill did not answer ``Quiesced`` within ``quarantine_s`` of our running (frozen
+        for good, its host cut off). Its rooms are called quiesced now, so their pages go back to the pool, and
+        the connection closes (a prefill that resumes reads the close and fails whatever it still had queued for
+        us). Not fenced: what it had already handed its engine before it froze lands if it ever resumes, maybe in
+        pages given out again meanwhile (docs/transfer.md)."""
+        rooms = sorted(r.room for r in conn.receivers if not r.quiesced)
+        quarantine_s = self._ctx.timeouts.quarantine_s
+        log.warning("%s: silent and no Quiesced within quarantine_s (%gs) for rooms %s: their pages are given back "
+                    "now; a write it had posted before it went silent is not fenced and lands if it ever resumes",
+                    channel.name, quarantine_s, rooms[:16])
+        for receiver in list(conn.receivers):
+            if receiver.quiet():
+                self._ctx.num_rooms_unquiesced_released += 1
+            self._settling.pop(receiver, None)
+            conn.receivers.discard(receiver)
+        self._ctx.changed()
+        return TransferError(TransferErrorKind.TIMEOUT, f"{channel.name}: no Quiesced within quarantine_s "
+                             f"({quarantine_s:g}s) of going silent; its rooms were released")
 
     # -- shutdown --------------------------------------------------------------------------------
     def fail_all(self, outbox: Outbox) -> None:

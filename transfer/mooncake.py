@@ -52,7 +52,15 @@ from transfer.blocks import RegionSet
 from transfer.errors import TransferError, TransferErrorKind
 from transfer.memkind import device_regions
 from transfer.netaddr import is_wildcard
-from transfer.options import Option, TransferOptionError, choice, name_list, parse_options, positive_int
+from transfer.options import (
+    Option,
+    TransferOptionError,
+    choice,
+    name_list,
+    parse_options,
+    positive_float,
+    positive_int,
+)
 from transfer.peer_threads import PeerThreadBackend, SenderPeer
 
 log = logging.getLogger(__name__)
@@ -73,6 +81,10 @@ _TCP_RTO_MAX_S = 120.0
 _LANDING_MARGIN_S = 2.0
 _WARM_UP_TRIES = 2
 _DRAIN_WARN_EVERY_S = 10.0
+# The most a failed batch's drain waits for the engine to move it (``drain_timeout_s``): past it, an engine that never
+# completes a re-send (a decode frozen for good) no longer holds the peer's sender thread, its budget and the decode's
+# control connection for good; the write fails (TIMEOUT) and the peer is dropped.
+DRAIN_TIMEOUT_S = 300.0
 
 
 class _Endpoint(msgspec.Struct, array_like=True, frozen=True):
@@ -162,6 +174,8 @@ class MooncakeBackend(PeerThreadBackend):
         Option("max_inflight_blocks", positive_int, "entries in flight to one target (default 2048)"),
         Option("turn_bytes", positive_int, "the most of one room's batch sent before another room's turn to the "
                "same target (default 4 MiB over tcp, 32 MiB over rdma)"),
+        Option("drain_timeout_s", positive_float, "the most a failed batch's drain waits for the engine to complete a "
+               "re-send before the write fails and the peer is dropped (default 300)"),
     )
 
     def __init__(
@@ -181,6 +195,7 @@ class MooncakeBackend(PeerThreadBackend):
         metadata = opts.get("metadata_server", "P2PHANDSHAKE")
         max_batch_blocks = opts.get("max_batch_blocks", max_batch_blocks)
         max_inflight_blocks = opts.get("max_inflight_blocks", max_inflight_blocks)
+        self._drain_timeout_s: float = opts.get("drain_timeout_s", DRAIN_TIMEOUT_S)
         if advertise_host is None and is_wildcard(host):
             raise ValueError(f"mooncake: bound to {host!r}, so it needs an advertise_host peers can reach")
         local = (advertise_host or host).strip("[]")
@@ -389,13 +404,19 @@ class MooncakeBackend(PeerThreadBackend):
         retransmit too:
         at most as long after the path cleared as they had been sending (TCP doubles the wait each time), at most
         TCP's RTO_MAX. Writes queued behind it fail now (nothing of them is on the wire). Ends early only when the
-        peer is dropped."""
+        peer is dropped, or after ``drain_timeout_s`` (an engine that never completes a re-send: a decode frozen for
+        good): the peer is then dropped (its sender thread, budget and control connection freed; a later room
+        connects afresh) and the write fails TIMEOUT. Bytes the engine still holds may then land should that decode
+        ever run again: bounded, not fenced (docs/transfer.md)."""
         stalled = f"mooncake: the data path to {peer.label} failed or stalled behind another room's write"
         self.fail_queued(peer.peer_id, TransferError(TransferErrorKind.PEER_GONE, stalled))
         resend = part[:_RESEND_ENTRIES]
         failed, said = 0, time.monotonic()
+        give_up_at = began + self._drain_timeout_s
         while peer.dead is None:
             called = time.monotonic()
+            if called >= give_up_at:
+                return self._give_up(peer, error, called - began, failed)
             rc = self._call(peer, resend, None)
             if isinstance(rc, TransferError):
                 return rc
@@ -414,6 +435,17 @@ class MooncakeBackend(PeerThreadBackend):
             if peer.dead is None:
                 time.sleep(0.1)  # (a dead path fails at once: no busy loop)
         return peer.dead or error
+
+    def _give_up(self, peer: SenderPeer, error: TransferError, waited_s: float, failed: int) -> TransferError:
+        """The drain's bound passed with no re-send completed: drop the peer (its thread ends, new rooms connect
+        afresh) and fail the write TIMEOUT."""
+        message = (f"mooncake: a failed batch to {peer.label} did not drain within drain_timeout_s "
+                   f"({self._drain_timeout_s:g}s; {waited_s:.0f}s, {failed} re-sends failed): the engine never "
+                   f"completed a re-send (a decode frozen or unreachable for good); peer dropped ({error.message})")
+        log.error("%s", message)
+        gave_up = TransferError(TransferErrorKind.TIMEOUT, message)
+        peer.dead = peer.dead or gave_up
+        return peer.dead
 
     @staticmethod
     def _classify(session: str, rc: int, elapsed: float, timeout_s: float) -> TransferError:

@@ -31,6 +31,7 @@ class PrefillConn:
     error: TransferError | None = None
     receivers: set[KVReceiver] = field(default_factory=set)  # live, or failed and not yet quiesced
     draining: bool = False  # silent prefill, no fencing: kept open only to hear its Quiesced
+    draining_since: float = 0.0  # (draining) the decode's run clock when it began: ``quarantine_s`` counts from it
     left: bool = False  # told its data path broke or stalled: no new room; closed by us once none uses it
     targets: set[tuple[str, int | None, str | None]] = field(default_factory=set)  # resolved to this address
     # (room, reason): sent once registered; if it cannot be opened, they go where the registry names next

@@ -106,9 +106,14 @@ class KVTimeouts:
     transfer_s: float = 60.0  # prefill: a chunk's write still pending this long after it began to be sent -> TIMEOUT
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 6.0  # no frame from a peer for this long -> peer dead, its rooms fail
+    # decode, backends that do not fence (mooncake, nixl): a silent prefill's failed rooms keep their pages this long
+    # (time the decode ran) waiting for its Quiesced, then are called quiesced anyway and the connection closes;
+    # inf: until it answers or dies (never reuse a page a resumed prefill could still write)
+    quarantine_s: float = 300.0
 
     def __post_init__(self) -> None:
-        for name in ("bootstrap_s", "waiting_s", "transfer_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
+        for name in ("bootstrap_s", "waiting_s", "transfer_s", "heartbeat_interval_s", "heartbeat_timeout_s",
+                     "quarantine_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"KVTimeouts.{name} must be positive, got {getattr(self, name)}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap-timeout-s", type=float, default=300.0)
     p.add_argument("--waiting-timeout-s", type=float, default=300.0)
     p.add_argument("--transfer-timeout-s", type=float, default=60.0)
+    p.add_argument("--quarantine-timeout-s", type=float, default=300.0,
+                   help="decode over mooncake/nixl: a failed room's pages wait at most this long (time this worker "
+                        "ran) for a silent prefill to confirm that none of its writes can still land, then go back "
+                        "to the pool, unfenced (inf: until it answers or dies)")
     p.add_argument("--http-request-timeout-s", type=float, default=1800.0,
                    help="a request arriving over SGLang's HTTP API (SGLang's routers) ends by this deadline")
     p.add_argument("--max-http-connections", type=int, default=0,
@@ -131,7 +135,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         max_requests=args.max_requests, device=args.device, dtype=args.dtype, attention=args.attention,
         num_threads=args.num_threads,
         bootstrap_timeout_s=args.bootstrap_timeout_s, waiting_timeout_s=args.waiting_timeout_s,
-        transfer_timeout_s=args.transfer_timeout_s, http_request_timeout_s=args.http_request_timeout_s,
+        transfer_timeout_s=args.transfer_timeout_s, quarantine_timeout_s=args.quarantine_timeout_s,
+        http_request_timeout_s=args.http_request_timeout_s,
         heartbeat_interval_s=args.heartbeat_interval_s, watchdog_timeout_s=args.watchdog_timeout_s,
         max_http_connections=args.max_http_connections, http_keep_alive_timeout_s=args.http_keep_alive_timeout_s,
         registry_wait_s=args.registry_wait_s, grammar_timeout_s=args.grammar_timeout_s,

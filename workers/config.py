@@ -48,6 +48,9 @@ class WorkerConfig:
     # request carries its gateway's.
     http_request_timeout_s: float = 1800.0
     heartbeat_interval_s: float = 2.0
+    # decode over mooncake/nixl: a failed room's pages wait at most this long (time the decode ran) for a silent
+    # prefill's word that none of its writes can still land, then go back to the pool (inf: until it answers or dies)
+    quarantine_timeout_s: float = 300.0
     # A prefill starting before its registry is up waits this long for it, its native port closed and /health 503
     # "starting" meanwhile (0: for as long as it takes, as under an orchestrator that starts them in any order)
     registry_wait_s: float = 0.0
@@ -107,6 +110,8 @@ class WorkerConfig:
                      "gateway_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:  # (NaN and inf refused too)
                 raise ConfigError(f"{name}: must be positive and finite")
+        if not self.quarantine_timeout_s > 0:  # (inf allowed: never given back unconfirmed; NaN refused)
+            raise ConfigError("quarantine_timeout_s: must be positive (inf: until the prefill answers or dies)")
         if not 0 <= self.drain_timeout_s < math.inf:
             raise ConfigError("drain_timeout_s: must be >= 0 (0: no drain) and finite")
         if not 0 <= self.registry_wait_s < math.inf:

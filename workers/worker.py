@@ -217,7 +217,7 @@ class Worker:
         timeouts = KVTimeouts(
             bootstrap_s=cfg.bootstrap_timeout_s, waiting_s=cfg.waiting_timeout_s,
             transfer_s=cfg.transfer_timeout_s, heartbeat_interval_s=cfg.heartbeat_interval_s,
-            heartbeat_timeout_s=3 * cfg.heartbeat_interval_s,
+            heartbeat_timeout_s=3 * cfg.heartbeat_interval_s, quarantine_s=cfg.quarantine_timeout_s,
         )
         resolver = None
         if cfg.role == "decode":
