@@ -484,7 +484,9 @@ class SGLangResponder:
                     raise UpstreamTimeout(f"the SGLang decode worker sent no event within {wait_s:g}s")
                 try:
                     chunk = read.result()
-                except (TimeoutError, OSError) as exc:
+                except TimeoutError:  # (the request's own deadline, the pool's: no worker's fault, final)
+                    raise _request_timed_out(self.fleet.config.request_timeout_s) from None
+                except OSError as exc:
                     return _Failure(decode, f"its stream broke before its first event: {type(exc).__name__}: {exc}")
                 if not chunk:
                     return buffer, b""  # ended without a complete event: relayed as it is
@@ -544,9 +546,7 @@ class SGLangResponder:
             if timed_out and (idle is None or not idle.expired()):
                 # The request's own deadline (the pool's ``request_timeout_s``), not a silent decode: final, and no
                 # worker's fault, as on the native path (``dispatch._request_timed_out``).
-                error: APIError = UpstreamTimeout(
-                    f"the request ran past its timeout ({self.fleet.config.request_timeout_s:g}s)",
-                    code="request_timeout", final=True)
+                error: APIError = _request_timed_out(self.fleet.config.request_timeout_s)
                 log.warning("%s: %s", self.route, error.message)
                 outcome: int | None = NO_VERDICT
             else:
@@ -597,6 +597,11 @@ class _Sent:
                     await self.send({"type": "http.response.body", "more_body": False,
                                      "body": error_event(error) + SSE_DONE})
         return status
+
+
+def _request_timed_out(timeout_s: float) -> UpstreamTimeout:
+    """The request ran past its ``request_timeout_s`` (its attempts' shared deadline): final, no worker's fault."""
+    return UpstreamTimeout(f"the request ran past its timeout ({timeout_s:g}s)", code="request_timeout", final=True)
 
 
 def _prefill_done(task: asyncio.Task[_PrefillReply], prefill: HttpWorker, rid: int,

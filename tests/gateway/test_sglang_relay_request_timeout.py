@@ -101,3 +101,30 @@ def test_the_attempts_of_a_request_share_its_timeout() -> None:
     exchange = asyncio.run(main())
     assert exchange.status in (502, 504), exchange.content
     assert tries[0] == 2, f"{tries[0]} tries: the attempts did not share the request's timeout"
+
+
+def test_a_stream_whose_first_event_comes_past_the_request_timeout_is_no_failure_of_the_decodes() -> None:
+    """The decode's head comes at once, its first event only after the request's own timeout (shorter here than the
+    first-token timeout): a 504 ``request_timeout``, not the decode's broken stream (retried, and held against it)."""
+
+    async def late_decode(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await asyncio.sleep(2.0)
+        await response.write(EVENT + b"data: [DONE]\n\n")
+        return response
+
+    async def main() -> tuple[Exchange, int, float]:
+        config = RelayConfig(retry_backoff_s=0.01, request_timeout_s=0.5, first_byte_timeout_s=5.0)
+        async with relay(prefill, late_decode, config=config) as (responder, fleet):
+            exchange = Exchange(jbody({"text": "hi", "stream": True}))
+            await asyncio.wait_for(call(responder, exchange), 20.0)
+            worker = fleet.decodes[0]
+            gone = responder.metrics.worker_failures.labels(worker.url, "decode", "worker_gone").value
+            return exchange, worker.health.breaker._failures, gone
+
+    exchange, failures, gone = asyncio.run(main())
+    assert exchange.status == 504, exchange.content
+    assert json.loads(exchange.content)["error"]["code"] == "request_timeout", exchange.content
+    assert (failures, gone) == (0, 0), "the request's own deadline was held against the decode"
