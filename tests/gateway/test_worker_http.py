@@ -11,10 +11,11 @@ the pool's states are awaited, under one hang guard per test; the deadlines' tes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import socket
 import struct
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any, NamedTuple
 
 import pytest
@@ -154,6 +155,16 @@ def make_pool(**kwargs: Any) -> HttpPool:
     return HttpPool(**options)
 
 
+@contextlib.asynccontextmanager
+async def pooled(**kwargs: Any) -> AsyncIterator[HttpPool]:
+    """``make_pool(**kwargs)``, closed on the way out."""
+    pool = make_pool(**kwargs)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 def num_waiting(pool: HttpPool) -> int:
     return sum(len(origin.waiters) for origin in pool._by_key.values())
 
@@ -180,17 +191,13 @@ def run(request: pytest.FixtureRequest) -> Iterator[Callable[[Callable[[], Corou
 
 def test_post_bytes_as_the_worker_reads_them(run):
     async def main() -> None:
-        async with Server(echo) as server:
-            pool = make_pool(headers={"Authorization": "Bearer k-1", "X-Gateway": "pd"})
-            try:
-                reply = await pool.post(server.url("/generate"), b'{"text": "hi"}', headers={"X-Request-Id": "r-7"})
-                assert reply.status == 200
-                assert reply.headers == {"content-length": "14"}
-                assert await reply.read() == b'{"text": "hi"}'
-                reply.release()
-                assert await post_read(pool, server.url("/v1/x"), b"") == b""
-            finally:
-                pool.close()
+        async with Server(echo) as server, pooled(headers={"Authorization": "Bearer k-1", "X-Gateway": "pd"}) as pool:
+            reply = await pool.post(server.url("/generate"), b'{"text": "hi"}', headers={"X-Request-Id": "r-7"})
+            assert reply.status == 200
+            assert reply.headers == {"content-length": "14"}
+            assert await reply.read() == b'{"text": "hi"}'
+            reply.release()
+            assert await post_read(pool, server.url("/v1/x"), b"") == b""
         first, second = server.requests
         assert first.line == "POST /generate HTTP/1.1"
         assert len(first.headers) == 5, first.headers  # (each once, nothing else)
@@ -249,25 +256,21 @@ def test_chunked_answer_split_across_reads(run):
                     await permits.get()  # (the client has read what came: the next piece is another read)
             await echo(peer)
 
-        async with Server(handler) as server:
-            pool = make_pool()
-            try:
-                reply = await pool.post(server.url(), b"q")
-                assert reply.status == 200
-                assert reply.headers["x-a"] == "1"
+        async with Server(handler) as server, pooled() as pool:
+            reply = await pool.post(server.url(), b"q")
+            assert reply.status == 200
+            assert reply.headers["x-a"] == "1"
+            permits.put_nowait(None)
+            got = []
+            while data := await reply.readany():
+                got.append(data)
                 permits.put_nowait(None)
-                got = []
-                while data := await reply.readany():
-                    got.append(data)
-                    permits.put_nowait(None)
-                assert got[0] == b"hel"
-                assert b"".join(got) == b"hello world" + b"x" * 16
-                assert reply.ended
-                reply.release()
-                assert pool.num_idle() == 1
-                assert await post_read(pool, server.url(), b"again") == b"again"
-            finally:
-                pool.close()
+            assert got[0] == b"hel"
+            assert b"".join(got) == b"hello world" + b"x" * 16
+            assert reply.ended
+            reply.release()
+            assert pool.num_idle() == 1
+            assert await post_read(pool, server.url(), b"again") == b"again"
         assert len(server.peers) == 1  # (read to its end: kept alive)
 
     run(main)
@@ -283,13 +286,9 @@ def test_chunked_answer_read_whole(run):
         peer.send(b"0\r\nx-trailer: t\r\n\r\n")
 
     async def main() -> None:
-        async with Server(handler) as server:
-            pool = make_pool()
-            try:
-                assert await post_read(pool, server.url(), b"q") == b"a" * 3 + b"b" * 300 + b"c" * 70000 + b"d"
-                assert pool.num_idle() == 1
-            finally:
-                pool.close()
+        async with Server(handler) as server, pooled() as pool:
+            assert await post_read(pool, server.url(), b"q") == b"a" * 3 + b"b" * 300 + b"c" * 70000 + b"d"
+            assert pool.num_idle() == 1
 
     run(main)
 
@@ -308,21 +307,17 @@ def test_answer_without_length_ends_with_the_connection_which_is_not_reused(run)
             await peer.writer.drain()
             peer.close()
 
-        async with Server(handler) as server:
-            pool = make_pool()
-            try:
-                reply = await pool.post(server.url(), b"q")
-                assert reply.status == 200
-                assert not reply.framed
-                assert await reply.readany() == b"first "
-                permit.set()
-                assert await reply.read() == b"second"
-                assert await reply.readany() == b""
-                reply.release()
-                assert pool.num_idle() == 0
-                assert await post_read(pool, server.url(), b"next") == b"next"
-            finally:
-                pool.close()
+        async with Server(handler) as server, pooled() as pool:
+            reply = await pool.post(server.url(), b"q")
+            assert reply.status == 200
+            assert not reply.framed
+            assert await reply.readany() == b"first "
+            permit.set()
+            assert await reply.read() == b"second"
+            assert await reply.readany() == b""
+            reply.release()
+            assert pool.num_idle() == 0
+            assert await post_read(pool, server.url(), b"next") == b"next"
         assert len(server.peers) == 2
         assert [len(peer.requests) for peer in server.peers] == [1, 1]
 
@@ -337,20 +332,16 @@ def test_answer_without_length_cut_by_a_reset_is_disconnected_not_a_short_body(r
         await peer.reader.read(1)  # (held open, quiet, until the test resets it)
 
     async def main() -> None:
-        async with Server(handler) as server:
-            pool = make_pool()
-            try:
-                reply = await pool.post(server.url(), b"q")
-                assert await reply.readany() == b"part"
-                sock = server.peers[0].writer.get_extra_info("socket")
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # (close: a reset)
-                server.peers[0].writer.transport.abort()
-                with pytest.raises(Disconnected) as caught:
-                    await reply.read()
-                assert caught.value.answered
-                assert not crossed_idle_close(caught.value)
-            finally:
-                pool.close()
+        async with Server(handler) as server, pooled() as pool:
+            reply = await pool.post(server.url(), b"q")
+            assert await reply.readany() == b"part"
+            sock = server.peers[0].writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # (close: a reset)
+            server.peers[0].writer.transport.abort()
+            with pytest.raises(Disconnected) as caught:
+                await reply.read()
+            assert caught.value.answered
+            assert not crossed_idle_close(caught.value)
 
     run(main)
 
@@ -366,17 +357,13 @@ def test_interim_answers_before_the_real_one(run):
         await echo(peer)
 
     async def main() -> None:
-        async with Server(handler) as server:
-            pool = make_pool()
-            try:
-                reply = await pool.post(server.url(), b"q")
-                assert reply.status == 201
-                assert reply.headers == {"x-final": "1", "content-length": "4"}
-                assert await reply.read() == b"body"
-                reply.release()
-                assert await post_read(pool, server.url(), b"after") == b"after"
-            finally:
-                pool.close()
+        async with Server(handler) as server, pooled() as pool:
+            reply = await pool.post(server.url(), b"q")
+            assert reply.status == 201
+            assert reply.headers == {"x-final": "1", "content-length": "4"}
+            assert await reply.read() == b"body"
+            reply.release()
+            assert await post_read(pool, server.url(), b"after") == b"after"
         assert len(server.peers) == 1
 
     run(main)
@@ -387,15 +374,11 @@ def test_interim_answers_before_the_real_one(run):
 
 def test_sequential_requests_reuse_one_connection(run):
     async def main() -> None:
-        async with Server(echo) as server:
-            pool = make_pool()
-            try:
-                assert await post_read(pool, server.url(), b"one") == b"one"
-                assert pool.num_idle() == 1
-                assert await post_read(pool, server.url(), b"two") == b"two"
-                assert pool.num_idle() == 1
-            finally:
-                pool.close()
+        async with Server(echo) as server, pooled() as pool:
+            assert await post_read(pool, server.url(), b"one") == b"one"
+            assert pool.num_idle() == 1
+            assert await post_read(pool, server.url(), b"two") == b"two"
+            assert pool.num_idle() == 1
         assert len(server.peers) == 1
         assert [request.body for request in server.peers[0].requests] == [b"one", b"two"]
 
@@ -410,17 +393,13 @@ def test_release_before_the_answer_ends_closes_the_connection(run):
         peer.send(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc")
 
     async def main() -> None:
-        async with Server(handler) as server:
-            pool = make_pool()
-            try:
-                reply = await pool.post(server.url(), b"q")
-                assert await reply.readany() == b"abc"
-                reply.release()
-                await server.peers[0].eof.wait()
-                assert pool.num_idle() == 0
-                assert await post_read(pool, server.url(), b"next") == b"next"
-            finally:
-                pool.close()
+        async with Server(handler) as server, pooled() as pool:
+            reply = await pool.post(server.url(), b"q")
+            assert await reply.readany() == b"abc"
+            reply.release()
+            await server.peers[0].eof.wait()
+            assert pool.num_idle() == 0
+            assert await post_read(pool, server.url(), b"next") == b"next"
         assert len(server.peers) == 2
         assert server.peers[0].stray == b""
 
@@ -435,15 +414,11 @@ def test_connection_close_answer_is_not_reused(run):
         peer.send(ok(b"ok", b"Connection: close\r\n"))  # (and the server leaves it open: the client closes it)
 
     async def main() -> None:
-        async with Server(handler) as server:
-            pool = make_pool()
-            try:
-                assert await post_read(pool, server.url(), b"q") == b"ok"
-                await server.peers[0].eof.wait()
-                assert pool.num_idle() == 0
-                assert await post_read(pool, server.url(), b"next") == b"next"
-            finally:
-                pool.close()
+        async with Server(handler) as server, pooled() as pool:
+            assert await post_read(pool, server.url(), b"q") == b"ok"
+            await server.peers[0].eof.wait()
+            assert pool.num_idle() == 0
+            assert await post_read(pool, server.url(), b"next") == b"next"
         assert len(server.peers) == 2
         assert server.peers[0].stray == b""
 
@@ -452,16 +427,12 @@ def test_connection_close_answer_is_not_reused(run):
 
 def test_idle_connection_past_keepalive_is_closed_by_the_sweep(run):
     async def main() -> None:
-        async with Server(echo) as server:
-            pool = make_pool(keepalive_s=0.2)
-            try:
-                assert await post_read(pool, server.url(), b"one") == b"one"
-                assert pool.num_idle() == 1
-                await server.peers[0].eof.wait()  # (the pool's sweep closed it)
-                assert pool.num_idle() == 0
-                assert await post_read(pool, server.url(), b"two") == b"two"
-            finally:
-                pool.close()
+        async with Server(echo) as server, pooled(keepalive_s=0.2) as pool:
+            assert await post_read(pool, server.url(), b"one") == b"one"
+            assert pool.num_idle() == 1
+            await server.peers[0].eof.wait()  # (the pool's sweep closed it)
+            assert pool.num_idle() == 0
+            assert await post_read(pool, server.url(), b"two") == b"two"
         assert len(server.peers) == 2
         assert [len(peer.requests) for peer in server.peers] == [1, 1]
 
@@ -480,17 +451,13 @@ def test_unasked_bytes_on_an_idle_connection_close_it(run):
             await unasked.wait()
             peer.send(ok(b"nobody asked"))  # (would pass for the next request's answer if the connection were kept)
 
-        async with Server(handler) as server:
-            pool = make_pool()
-            try:
-                assert await post_read(pool, server.url(), b"q") == b"one"
-                assert pool.num_idle() == 1
-                unasked.set()
-                await server.peers[0].eof.wait()
-                assert pool.num_idle() == 0
-                assert await post_read(pool, server.url(), b"two") == b"two"
-            finally:
-                pool.close()
+        async with Server(handler) as server, pooled() as pool:
+            assert await post_read(pool, server.url(), b"q") == b"one"
+            assert pool.num_idle() == 1
+            unasked.set()
+            await server.peers[0].eof.wait()
+            assert pool.num_idle() == 0
+            assert await post_read(pool, server.url(), b"two") == b"two"
         assert len(server.peers) == 2
         assert server.peers[0].stray == b""
 
@@ -505,15 +472,11 @@ def test_unasked_answer_in_the_same_read_as_the_answer_is_not_taken_for_its_body
         peer.send(ok(b"one") + ok(b"nobody asked"))  # (one write: the client reads both at once)
 
     async def main() -> None:
-        async with Server(handler) as server:
-            pool = make_pool()
-            try:
-                assert await post_read(pool, server.url(), b"q") == b"one"
-                await server.peers[0].eof.wait()
-                assert pool.num_idle() == 0
-                assert await post_read(pool, server.url(), b"two") == b"two"
-            finally:
-                pool.close()
+        async with Server(handler) as server, pooled() as pool:
+            assert await post_read(pool, server.url(), b"q") == b"one"
+            await server.peers[0].eof.wait()
+            assert pool.num_idle() == 0
+            assert await post_read(pool, server.url(), b"two") == b"two"
         assert len(server.peers) == 2
 
     run(main)
@@ -521,15 +484,11 @@ def test_unasked_answer_in_the_same_read_as_the_answer_is_not_taken_for_its_body
 
 def test_reuse_false_opens_and_closes_a_connection_per_request(run):
     async def main() -> None:
-        async with Server(echo) as server:
-            pool = make_pool(reuse=False)
-            try:
-                for index, body in enumerate((b"one", b"two")):
-                    assert await post_read(pool, server.url(), body) == body
-                    await server.peers[index].eof.wait()
-                    assert pool.num_idle() == 0
-            finally:
-                pool.close()
+        async with Server(echo) as server, pooled(reuse=False) as pool:
+            for index, body in enumerate((b"one", b"two")):
+                assert await post_read(pool, server.url(), body) == body
+                await server.peers[index].eof.wait()
+                assert pool.num_idle() == 0
         assert [[request.body for request in peer.requests] for peer in server.peers] == [[b"one"], [b"two"]]
 
     run(main)
@@ -610,28 +569,24 @@ def test_cancelled_waiter_gives_its_turn_on(run, when):
     (the connection put back, the waiter woken, not yet run): either way the next waiter gets the connection."""
 
     async def main() -> None:
-        async with Server(echo) as server:
-            pool = make_pool(limit_per_host=1, timeout_s=5.0)
-            try:
-                holder = await pool.post(server.url(), b"held")
-                assert await holder.read() == b"held"  # (read to its end, not released: the one slot stays taken)
-                cancelled = asyncio.create_task(post_read(pool, server.url(), b"cancelled"))
-                await until(lambda: num_waiting(pool) == 1)
-                served = asyncio.create_task(post_read(pool, server.url(), b"served"))
-                await until(lambda: num_waiting(pool) == 2)
-                if when == "waiting":
-                    cancelled.cancel()
-                    await asyncio.wait([cancelled])
-                    assert num_waiting(pool) == 1
-                    holder.release()
-                else:
-                    holder.release()
-                    cancelled.cancel()
-                assert await served == b"served"
-                assert cancelled.cancelled()
-                assert num_waiting(pool) == 0
-            finally:
-                pool.close()
+        async with Server(echo) as server, pooled(limit_per_host=1, timeout_s=5.0) as pool:
+            holder = await pool.post(server.url(), b"held")
+            assert await holder.read() == b"held"  # (read to its end, not released: the one slot stays taken)
+            cancelled = asyncio.create_task(post_read(pool, server.url(), b"cancelled"))
+            await until(lambda: num_waiting(pool) == 1)
+            served = asyncio.create_task(post_read(pool, server.url(), b"served"))
+            await until(lambda: num_waiting(pool) == 2)
+            if when == "waiting":
+                cancelled.cancel()
+                await asyncio.wait([cancelled])
+                assert num_waiting(pool) == 1
+                holder.release()
+            else:
+                holder.release()
+                cancelled.cancel()
+            assert await served == b"served"
+            assert cancelled.cancelled()
+            assert num_waiting(pool) == 0
         assert [request.body for request in server.requests] == [b"held", b"served"]
         assert len(server.peers) == 1
 
@@ -640,20 +595,16 @@ def test_cancelled_waiter_gives_its_turn_on(run, when):
 
 def test_waiting_past_timeout_is_timeout_error(run):
     async def main() -> None:
-        async with Server(echo) as server:
-            pool = make_pool(limit_per_host=1, timeout_s=0.3)
-            try:
-                holder = await pool.post(server.url(), b"held")
-                assert await holder.read() == b"held"  # (its deadline is over once it ended; the slot stays taken)
-                asked = asyncio.get_running_loop().create_future()
-                with pytest.raises(TimeoutError, match="no connection"):
-                    await pool.post(server.url(), b"late", asked=asked)
-                assert not asked.done()
-                assert num_waiting(pool) == 0
-                holder.release()
-                assert await post_read(pool, server.url(), b"after") == b"after"
-            finally:
-                pool.close()
+        async with Server(echo) as server, pooled(limit_per_host=1, timeout_s=0.3) as pool:
+            holder = await pool.post(server.url(), b"held")
+            assert await holder.read() == b"held"  # (its deadline is over once it ended; the slot stays taken)
+            asked = asyncio.get_running_loop().create_future()
+            with pytest.raises(TimeoutError, match="no connection"):
+                await pool.post(server.url(), b"late", asked=asked)
+            assert not asked.done()
+            assert num_waiting(pool) == 0
+            holder.release()
+            assert await post_read(pool, server.url(), b"after") == b"after"
         assert [request.body for request in server.requests] == [b"held", b"after"]
 
     run(main)
@@ -667,17 +618,13 @@ def test_no_answer_within_timeout_is_timeout_error_and_the_connection_is_closed(
         await peer.read_request()
 
     async def main() -> None:
-        async with Server(silent) as server:
-            pool = make_pool(limit_per_host=1, timeout_s=0.3)
-            try:
-                with pytest.raises(TimeoutError):
-                    await pool.post(server.url(), b"q")
-                await server.peers[0].eof.wait()
-                assert pool.num_idle() == 0
-                with pytest.raises(TimeoutError):  # (the slot was freed: a new connection, silent as well)
-                    await pool.post(server.url(), b"q2")
-            finally:
-                pool.close()
+        async with Server(silent) as server, pooled(limit_per_host=1, timeout_s=0.3) as pool:
+            with pytest.raises(TimeoutError):
+                await pool.post(server.url(), b"q")
+            await server.peers[0].eof.wait()
+            assert pool.num_idle() == 0
+            with pytest.raises(TimeoutError):  # (the slot was freed: a new connection, silent as well)
+                await pool.post(server.url(), b"q2")
         assert len(server.peers) == 2
 
     run(main)
@@ -690,23 +637,19 @@ def test_body_stopping_midway_is_timeout_error(run, how):
         peer.send(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npart")
 
     async def main() -> None:
-        async with Server(handler) as server:
-            pool = make_pool(timeout_s=0.3)
-            try:
-                reply = await pool.post(server.url(), b"q")
-                assert reply.status == 200
-                if how == "readany":
-                    assert await reply.readany() == b"part"
-                    with pytest.raises(TimeoutError):
-                        await reply.readany()
-                else:
-                    with pytest.raises(TimeoutError):
-                        await reply.read()
-                await server.peers[0].eof.wait()
-                reply.release()
-                assert pool.num_idle() == 0
-            finally:
-                pool.close()
+        async with Server(handler) as server, pooled(timeout_s=0.3) as pool:
+            reply = await pool.post(server.url(), b"q")
+            assert reply.status == 200
+            if how == "readany":
+                assert await reply.readany() == b"part"
+                with pytest.raises(TimeoutError):
+                    await reply.readany()
+            else:
+                with pytest.raises(TimeoutError):
+                    await reply.read()
+            await server.peers[0].eof.wait()
+            reply.release()
+            assert pool.num_idle() == 0
 
     run(main)
 
@@ -738,15 +681,11 @@ def test_close_before_answering_on_a_new_connection(run):
         peer.close()
 
     async def main() -> None:
-        async with Server(handler) as server:
-            pool = make_pool()
-            try:
-                with pytest.raises(Disconnected) as caught:
-                    await pool.post(server.url(), b"q")
-                assert (caught.value.answered, caught.value.reused) == (False, False)
-                assert not crossed_idle_close(caught.value)
-            finally:
-                pool.close()
+        async with Server(handler) as server, pooled() as pool:
+            with pytest.raises(Disconnected) as caught:
+                await pool.post(server.url(), b"q")
+            assert (caught.value.answered, caught.value.reused) == (False, False)
+            assert not crossed_idle_close(caught.value)
         assert len(server.requests) == 1
 
     run(main)
@@ -760,16 +699,12 @@ def test_close_before_answering_on_a_reused_connection_crossed_its_idle_close(ru
         peer.close()  # (as a worker whose keep-alive ended as the request came: never answered)
 
     async def main() -> None:
-        async with Server(handler) as server:
-            pool = make_pool()
-            try:
-                assert await post_read(pool, server.url(), b"q1") == b"one"
-                with pytest.raises(Disconnected) as caught:
-                    await pool.post(server.url(), b"q2")
-                assert (caught.value.answered, caught.value.reused) == (False, True)
-                assert crossed_idle_close(caught.value)
-            finally:
-                pool.close()
+        async with Server(handler) as server, pooled() as pool:
+            assert await post_read(pool, server.url(), b"q1") == b"one"
+            with pytest.raises(Disconnected) as caught:
+                await pool.post(server.url(), b"q2")
+            assert (caught.value.answered, caught.value.reused) == (False, True)
+            assert crossed_idle_close(caught.value)
         assert len(server.peers) == 1
         assert [request.body for request in server.requests] == [b"q1", b"q2"]
 
@@ -788,17 +723,13 @@ def test_half_a_head_then_close_is_answered(run, reused):
         peer.close()
 
     async def main() -> None:
-        async with Server(handler) as server:
-            pool = make_pool()
-            try:
-                if reused:
-                    assert await post_read(pool, server.url(), b"q1") == b"one"
-                with pytest.raises(Disconnected) as caught:
-                    await pool.post(server.url(), b"q2")
-                assert (caught.value.answered, caught.value.reused) == (True, reused)
-                assert not crossed_idle_close(caught.value)
-            finally:
-                pool.close()
+        async with Server(handler) as server, pooled() as pool:
+            if reused:
+                assert await post_read(pool, server.url(), b"q1") == b"one"
+            with pytest.raises(Disconnected) as caught:
+                await pool.post(server.url(), b"q2")
+            assert (caught.value.answered, caught.value.reused) == (True, reused)
+            assert not crossed_idle_close(caught.value)
 
     run(main)
 
@@ -809,16 +740,12 @@ def test_garbage_instead_of_http_is_bad_response(run):
         peer.send(b"SSH-2.0-OpenSSH_9.6\r\n")
 
     async def main() -> None:
-        async with Server(handler) as server:
-            pool = make_pool()
-            try:
-                with pytest.raises(BadResponse) as caught:
-                    await pool.post(server.url(), b"q")
-                assert not crossed_idle_close(caught.value)
-                await server.peers[0].eof.wait()
-                assert pool.num_idle() == 0
-            finally:
-                pool.close()
+        async with Server(handler) as server, pooled() as pool:
+            with pytest.raises(BadResponse) as caught:
+                await pool.post(server.url(), b"q")
+            assert not crossed_idle_close(caught.value)
+            await server.peers[0].eof.wait()
+            assert pool.num_idle() == 0
 
     run(main)
 
@@ -846,29 +773,25 @@ async def wait_paused(reply: Reply) -> None:
 @pytest.mark.parametrize("how", ["readany", "read"])
 def test_large_body_read_slowly_arrives_whole_and_in_order(run, how):
     async def main() -> None:
-        async with Server(send_big) as server:
-            pool = make_pool(timeout_s=60.0)
-            try:
-                reply = await pool.post(server.url(), b"q")
-                await wait_paused(reply)
-                if how == "read":
-                    assert await reply.read() == BIG
-                else:
-                    pieces, num_read, paused_again = [], 0, False
-                    while data := await reply.readany():
-                        pieces.append(data)
-                        num_read += len(data)
-                        if not paused_again and num_read > len(BIG) // 2:  # (resumed, then past the mark again)
-                            await wait_paused(reply)
-                            paused_again = True
-                        await asyncio.sleep(0)
-                    assert paused_again
-                    assert b"".join(pieces) == BIG
-                reply.release()
-                assert pool.num_idle() == 1  # (read to its end: kept, reading again)
-                assert await post_read(pool, server.url(), b"after") == b"after"
-            finally:
-                pool.close()
+        async with Server(send_big) as server, pooled(timeout_s=60.0) as pool:
+            reply = await pool.post(server.url(), b"q")
+            await wait_paused(reply)
+            if how == "read":
+                assert await reply.read() == BIG
+            else:
+                pieces, num_read, paused_again = [], 0, False
+                while data := await reply.readany():
+                    pieces.append(data)
+                    num_read += len(data)
+                    if not paused_again and num_read > len(BIG) // 2:  # (resumed, then past the mark again)
+                        await wait_paused(reply)
+                        paused_again = True
+                    await asyncio.sleep(0)
+                assert paused_again
+                assert b"".join(pieces) == BIG
+            reply.release()
+            assert pool.num_idle() == 1  # (read to its end: kept, reading again)
+            assert await post_read(pool, server.url(), b"after") == b"after"
         assert len(server.peers) == 1
 
     run(main)
@@ -904,17 +827,13 @@ def test_reply_close_while_the_worker_sends_closes_the_connection_and_frees_the_
             await asyncio.gather(streaming, return_exceptions=True)
 
     async def main() -> None:
-        async with Server(handler) as server:
-            pool = make_pool(limit_per_host=1, timeout_s=5.0)
-            try:
-                reply = await pool.post(server.url(), b"q")
-                assert (await reply.readany()).startswith(b"t")
-                reply.close()
-                await server.peers[0].eof.wait()
-                assert pool.num_idle() == 0
-                assert await post_read(pool, server.url(), b"next") == b"next"
-            finally:
-                pool.close()
+        async with Server(handler) as server, pooled(limit_per_host=1, timeout_s=5.0) as pool:
+            reply = await pool.post(server.url(), b"q")
+            assert (await reply.readany()).startswith(b"t")
+            reply.close()
+            await server.peers[0].eof.wait()
+            assert pool.num_idle() == 0
+            assert await post_read(pool, server.url(), b"next") == b"next"
         assert len(server.peers) == 2
 
     run(main)
