@@ -27,7 +27,8 @@ needs (the workers' health, load and model checks keep their aiohttp session, ``
 5. Idle connections are closed after ``keepalive_s`` (one timer per pool, only while some are idle), when the
    worker closes them, or when the worker sends anything unasked on them.
 Event loop only. A response may be framed by ``Content-Length``, chunked (httptools undoes the chunks) or end with
-its connection; ``https://`` URLs are verified against the system's CAs (``ssl.create_default_context``).
+its connection; ``https://`` URLs are verified against the system's CAs (``ssl.create_default_context``, or the
+pool's ``ssl_context``).
 """
 
 from __future__ import annotations
@@ -336,7 +337,10 @@ class HttpPool:
     """Keep-alive connections to the workers, ``limit_per_host`` at most per origin (see the module doc)."""
 
     def __init__(self, *, limit_per_host: int, timeout_s: float, connect_timeout_s: float, keepalive_s: float = 4.0,
-                 headers: dict[str, str] | None = None, reuse: bool = True) -> None:
+                 headers: dict[str, str] | None = None, reuse: bool = True,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        """``ssl_context``: for ``https://`` URLs (default: ``ssl.create_default_context()``, the system's CAs,
+        made at the first such connection)."""
         if limit_per_host < 1:
             raise ValueError("limit_per_host must be at least 1")
         self.limit_per_host, self.timeout_s, self.connect_timeout_s = limit_per_host, timeout_s, connect_timeout_s
@@ -346,7 +350,7 @@ class HttpPool:
         self._by_key: dict[tuple[str, int, bool], _Origin] = {}
         self._conns: set[_Connection] = set()  # every connection open (or opening)
         self._sweep: asyncio.TimerHandle | None = None
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = ssl_context
         self._closed = False
         self.loop = asyncio.get_running_loop()
         # Test seams, awaited when set: a pooled connection is taken (``on_reuse``); the request's bytes are ready,
