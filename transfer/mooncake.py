@@ -8,7 +8,8 @@ Lifecycle:
    one engine whose ``local_hostname`` (what peers connect to) is ``advertise_host`` (default ``host``);
    metadata by P2P handshake unless ``options["metadata_server"]`` names a server. ``options``
    (``--transfer-option``, ``OPTIONS``): protocol (tcp, rdma), RDMA device names, metadata server,
-   batch sizes, ``turn_bytes`` (rooms to one target take turns: ``transfer.peer_threads``).
+   batch sizes, ``turn_bytes`` (rooms to one target take turns: ``transfer.peer_threads``), ``drain_timeout_s``
+   (the most a failed batch's drain waits: ``_drain``).
 2. ``register(regions)`` batch-registers them plus a tiny scratch buffer used to warm up connections.
 3. ``endpoint()`` = msgpack ``{session "host:rpc_port", scratch address, registered regions, a random id of the
    process}``.
@@ -58,7 +59,7 @@ from transfer.options import (
     choice,
     name_list,
     parse_options,
-    positive_float,
+    positive_float_or_inf,
     positive_int,
 )
 from transfer.peer_threads import PeerThreadBackend, SenderPeer
@@ -174,8 +175,9 @@ class MooncakeBackend(PeerThreadBackend):
         Option("max_inflight_blocks", positive_int, "entries in flight to one target (default 2048)"),
         Option("turn_bytes", positive_int, "the most of one room's batch sent before another room's turn to the "
                "same target (default 4 MiB over tcp, 32 MiB over rdma)"),
-        Option("drain_timeout_s", positive_float, "the most a failed batch's drain waits for the engine to complete a "
-               "re-send before the write fails and the peer is dropped (default 300)"),
+        Option("drain_timeout_s", positive_float_or_inf, "the most a failed batch's drain waits for the engine to "
+               "complete a re-send before the write fails and the peer is dropped (default 300; inf: until one "
+               "completes, never telling a decode Quiesced with bytes still held)"),
     )
 
     def __init__(

@@ -101,6 +101,17 @@ def positive_float(raw: Any) -> float:
     return value
 
 
+def positive_float_or_inf(raw: Any) -> float:
+    """As ``positive_float``, ``inf`` allowed too (a bound switched off: wait for as long as it takes)."""
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError("must be a positive number or inf") from None
+    if not value > 0:  # (NaN refused too)
+        raise ValueError("must be a positive number or inf")
+    return value
+
+
 def name_list(raw: Any, *, allowed: Iterable[str] | None = None, what: str = "name") -> list[str]:
     """A comma-separated list of names (``a,b``), none empty; optionally each from ``allowed``."""
     items = [str(x).strip() for x in raw] if isinstance(raw, list | tuple) else str(raw).split(",")

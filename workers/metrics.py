@@ -270,10 +270,10 @@ def _transfer_metrics(role: str, s: Scheduler, kv: Any) -> Iterator[Metric]:
     rooms.add_metric([role, "aborted"], int(getattr(counters, "num_rooms_aborted", 0)))
     yield rooms
     if role == "decode":
-        yield CounterMetricFamily(
+        yield _counter(  # (labelled role, as every worker sample: docs/operations.md)
             "pd_worker_kv_quarantine_expired_rooms", "Failed KV rooms whose pages were given back at "
             "--quarantine-timeout-s without their silent prefill confirming that none of its writes can still land",
-            value=int(getattr(counters, "num_rooms_unquiesced_released", 0)))
+            role, int(getattr(counters, "num_rooms_unquiesced_released", 0)))
     refused = getattr(kv, "num_peers_refused", None)
     if refused is not None:  # (transfer.auth: with a worker key, peers that did not prove it)
         peers_refused = CounterMetricFamily(
