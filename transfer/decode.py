@@ -25,7 +25,9 @@ Lifecycle:
    every failure closes it, and the backend refuses the fence's writes from then on (quiesced at once,
    or once a write being received is out). Otherwise: once the prefill confirmed it (``Quiesced``), the
    decode ran ``heartbeat_timeout_s`` since the connection to it closed (a killed prefill's last bytes still
-   wait in socket buffers: ``_settle``), or it never had our page list. Free the pages only then.
+   wait in socket buffers: ``_settle``), or it never had our page list; or, for a silent prefill that never
+   answers, once its connection has been draining for ``quarantine_s`` of the decode's running (unconfirmed and
+   unfenced: ``_give_up_draining``). Free the pages only then.
 4. Connection loss fails the connection's rooms (PEER_GONE), a silent prefill fails them (TIMEOUT); the
    connection is dropped for new rooms, so the next receiver for that address connects afresh (a
    recovered peer). A connection that breaks or cannot be opened also makes an ``InvalidatingResolver``
@@ -34,8 +36,9 @@ Lifecycle:
    that could not be opened ask the registry once more themselves (``_resolve_again``): told another
    address, they go there instead of failing; told the same one, they fail. A silent prefill may be
    frozen mid-write, not dead: without fencing its connection stays open, draining, until it answers
-   ``Quiesced`` for every room it might still write (after it resumes) or closes; its rooms' pages
-   wait for that.
+   ``Quiesced`` for every room it might still write (after it resumes) or closes, or at most ``quarantine_s``
+   of the decode's running (``KVTimeouts``: then its rooms are called quiesced and the connection closes);
+   its rooms' pages wait for that.
 5. ``release()`` forgets the room (aborting it first if it was still live).
 """
 
