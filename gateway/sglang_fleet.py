@@ -3,8 +3,8 @@
 Lifecycle:
 1. ``SGLangFleet(prefills, decodes, router, health, config)``; ``start()`` opens the relay's pool
    (``gateway.worker_http.HttpPool``: keep-alive connections bounded per worker, TCP_NODELAY, connect and request
-   timeouts; ~4x cheaper per POST than aiohttp, ``loadtests/bench_http_client.py``), an aiohttp session for the
-   checks below (a pool of its own, so that they never wait behind relayed requests)
+   timeouts; 3-4x cheaper per POST than aiohttp, ``loadtests/bench_http_client.py``, docs/interop.md), an aiohttp
+   session for the checks below (a pool of its own, so that they never wait behind relayed requests)
    and one probe task per worker: ``GET /health`` every ``probe_interval_s``, unhealthy after
    ``unhealthy_after`` failures, healthy after ``healthy_after`` passes; the router hears joins and
    leaves. After each passed probe, ``GET /v1/loads`` (where the worker serves it) becomes the
@@ -102,7 +102,8 @@ class RelayConfig:
 
     first_byte_timeout_s: float = 300.0  # streams: until the decode's response starts
     read_timeout_s: float = 120.0  # streams: between reads of the decode's body
-    request_timeout_s: float = 1800.0  # the whole request (a non-streamed decode answers at its end)
+    request_timeout_s: float = 1800.0  # the whole request, its attempts and backoffs included (a non-streamed
+    # decode answers at its end)
     connect_timeout_s: float = 10.0
     max_retries: int = 2
     retry_backoff_s: float = 0.05
@@ -194,7 +195,7 @@ class SGLangFleet:
         self.config = config or RelayConfig()
         self.model_name: str | None = None
         self.tokenizer: Tokenizer | None = None  # --tokenizer: prompts tokenized for routing only
-        self.session: HttpPool | None = None
+        self.pool: HttpPool | None = None  # the relayed requests' keep-alive connections
         # A request that crossed a worker's close of its idle pooled connection goes again on a connection of its
         # own (``crossed_idle_close``): not from the pool, where more the worker closed may wait (a keep-alive
         # ending closes every connection idle as long; a restart, all of them). Used for nothing else.
@@ -222,7 +223,7 @@ class SGLangFleet:
         headers = {"Accept-Encoding": "identity"}
         if cfg.worker_api_key:
             headers["Authorization"] = f"Bearer {cfg.worker_api_key}"
-        self.session, self.fresh = (
+        self.pool, self.fresh = (
             HttpPool(limit_per_host=cfg.max_connections_per_worker, timeout_s=cfg.request_timeout_s,
                      connect_timeout_s=cfg.connect_timeout_s, keepalive_s=WORKER_KEEPALIVE_S, headers=headers,
                      reuse=reuse) for reuse in (True, False))
@@ -255,7 +256,7 @@ class SGLangFleet:
             raise ValueError("bootstrap_port is a prefill's")
         worker = HttpWorker(url, role, bootstrap_port, self._health_config, self._load_stale_s)
         (self.prefills if role == "prefill" else self.decodes).append(worker)
-        if self.session is not None:  # (started: else ``start`` gives it its probe)
+        if self.pool is not None:  # (started: else ``start`` gives it its probe)
             self._start_probe(worker)
         log.info("added SGLang %s worker %s", role, worker.url)
         return worker
@@ -313,7 +314,7 @@ class SGLangFleet:
             if worker.is_up:
                 worker.is_up = False
                 self.router.worker_removed(worker.state)
-        for pool in (self.session, self.fresh):
+        for pool in (self.pool, self.fresh):
             if pool is not None:
                 pool.close()
         if self._checks is not None:

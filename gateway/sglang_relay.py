@@ -4,7 +4,7 @@ The request body goes through as the client sent it (the workers tokenize and ap
 template; the gateway needs no model files), with the three bootstrap fields added; the decode's
 response is the client's.
 
-Lifecycle (the workers, their health, load and HTTP session: ``gateway/sglang_fleet.py``):
+Lifecycle (the workers, their health, load and HTTP connections: ``gateway/sglang_fleet.py``):
 1. ``SGLangResponder(fleet, route, path, ...)``, one per generation route, made with the app.
 2. Per request (``SGLangResponder``, raw ASGI for chat, completions and ``/generate``): the body
    (capped) as a JSON object, admission (a client that leaves while queued gives up its place), a
@@ -337,9 +337,10 @@ class SGLangResponder:
         if ends_at is None:
             ends_at = loop.time() + cfg.request_timeout_s
         headers = {"content-type": "application/json", "x-request-id": REQUEST_ID.get(), **trace}
-        # A stream's first event is due within the first-token timeout, a whole answer at its end. (No
-        # ``sock_read``: it would bound the wait for the response head too, which our own workers send
-        # with the first token; a stream's reads are timed in ``_first_events`` and ``_stream``.)
+        # A stream's first event is due within the first-token timeout, a whole answer at its end, both by the
+        # request's deadline at the latest. (The pool times only the whole request, no single read: a read timeout
+        # would bound the wait for the response head too, which our own workers send with the first token; a
+        # stream's reads are timed in ``_first_events`` and ``_stream``.)
         wait_s = cfg.first_byte_timeout_s if stream else cfg.request_timeout_s
         deadline = min(loop.time() + wait_s, ends_at)
         p_rid, d_rid = prefill.opened(prefill_tokens=cost[0]), decode.opened(pages=cost[1])
@@ -365,7 +366,9 @@ class SGLangResponder:
             try:  # (``timeout_at``, not ``wait_for``: on Python 3.11 that can lose the client's leaving, gh-86296)
                 async with asyncio.timeout_at(deadline):
                     decode_reply_or_failure = await _settle(d_task, decode)
-            except TimeoutError:
+            except TimeoutError:  # (the wait for the decode's head, or the pool's deadline: the request's own)
+                if deadline >= ends_at:  # (the wait was cut short by the request's deadline: no one's fault)
+                    raise _request_timed_out(cfg.request_timeout_s) from None
                 _blame_silent_decode(decode, p_task, metrics)
                 raise UpstreamTimeout(f"the SGLang decode worker did not answer within {wait_s:g}s") from None
             if isinstance(decode_reply_or_failure, _Failure):
@@ -379,7 +382,7 @@ class SGLangResponder:
             reply = decode_reply_or_failure
             try:
                 if stream and reply.headers.get("content-type", "").startswith("text/event-stream"):
-                    first = await self._first_events(reply, p_task, prefill, decode, deadline, wait_s)
+                    first = await self._first_events(reply, p_task, prefill, decode, deadline, wait_s, ends_at)
                     if isinstance(first, _Failure):  # nothing sent yet: retried like a failure before the head
                         reply.close()  # (aborts the decode's request)
                         if first.worker is decode:
@@ -458,7 +461,7 @@ class SGLangResponder:
 
     async def _first_events(self, reply: Reply, p_task: asyncio.Task[_PrefillReply],
                             prefill: HttpWorker, decode: HttpWorker, deadline: float, wait_s: float,
-                            ) -> tuple[bytes, bytes] | _Failure:
+                            ends_at: float = float("inf")) -> tuple[bytes, bytes] | _Failure:
         """A stream's first complete events and the bytes after them, before the client gets its head.
 
         SGLang's decode sends its head at once and then waits for the KV: until its first event the
@@ -480,6 +483,8 @@ class SGLangResponder:
                 if read not in done:
                     if p_task in done:
                         continue  # (judged above)
+                    if deadline >= ends_at:  # (the request's own deadline cut the wait short: no one's fault)
+                        raise _request_timed_out(self.fleet.config.request_timeout_s)
                     _blame_silent_decode(decode, p_task, self.metrics)
                     raise UpstreamTimeout(f"the SGLang decode worker sent no event within {wait_s:g}s")
                 try:
@@ -609,7 +614,7 @@ def _prefill_done(task: asyncio.Task[_PrefillReply], prefill: HttpWorker, rid: i
     """The prefill's request ended: it leaves the worker's view, its outcome feeds the breaker (a 4xx is
     the request's fault, a cancellation nobody's)."""
     prefill.closed(rid)
-    if task.cancelled():
+    if task.cancelled() or isinstance(task.exception(), TimeoutError):  # (the request's own deadline: no verdict)
         return
     _record(prefill, rid, task.result().status if task.exception() is None else None, metrics)
 
@@ -732,9 +737,9 @@ async def _open(fleet: SGLangFleet, worker: HttpWorker, url: str, data: bytes, h
     On a pooled connection; one that crossed the worker's close of that idle connection (``crossed_idle_close``:
     the worker never read it) is sent once more, on a fresh connection, and only that one's failure is the
     worker's."""
-    assert fleet.session is not None and fleet.fresh is not None
+    assert fleet.pool is not None and fleet.fresh is not None
     try:
-        return await fleet.session.post(url, data, headers, asked, ends_at)
+        return await fleet.pool.post(url, data, headers, asked, ends_at)
     except HttpClientError as exc:
         if not crossed_idle_close(exc):
             raise
@@ -761,15 +766,20 @@ def _failure(task: asyncio.Task[_PrefillReply], worker: HttpWorker) -> _Failure 
 
 
 async def _settle(task: asyncio.Task[Reply], worker: HttpWorker) -> Reply | _Failure:
+    """The decode's reply, or its failure; a ``TimeoutError`` (the pool's deadline, the request's) is the caller's."""
     try:
         reply = await task
-    except (TimeoutError, OSError) as exc:
+    except TimeoutError:
+        raise
+    except OSError as exc:
         return _Failure(worker, f"{type(exc).__name__}: {exc}")
     if 200 <= reply.status < 300:
         return reply
     try:
         body = await reply.read()
-    except (TimeoutError, OSError) as exc:  # no whole answer to pass on: retried
+    except TimeoutError:
+        raise
+    except OSError as exc:  # no whole answer to pass on: retried
         return _Failure(worker, f"answered {reply.status}, then its response broke: {type(exc).__name__}: {exc}")
     finally:
         reply.release()

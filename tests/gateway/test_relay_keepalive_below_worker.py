@@ -50,9 +50,9 @@ def test_a_connection_idle_past_the_keep_alive_is_not_reused(monkeypatch: pytest
         fleet = SGLangFleet([(url, 8998)], [url], Router.build("random", "random"), HealthConfig(probe_interval_s=60))
         fleet.start()
         try:
-            assert fleet.session is not None
+            assert fleet.pool is not None
             for _ in range(2):
-                async with await fleet.session.post(f"{url}/generate", b"{}") as reply:
+                async with await fleet.pool.post(f"{url}/generate", b"{}") as reply:
                     assert reply.status == 200 and await reply.read() == b"{}"
                 await asyncio.sleep(0.6)
         except Disconnected:

@@ -39,8 +39,8 @@ def test_a_worker_whose_pool_is_full_of_requests_still_passes_its_checks() -> No
         fleet.start()
         try:
             assert await fleet.wait_ready(5)
-            assert fleet.session is not None
-            held = [asyncio.create_task(fleet.session.post(f"{url}/hold", b"{}")) for _ in range(2)]  # (the pool, full)
+            assert fleet.pool is not None
+            held = [asyncio.create_task(fleet.pool.post(f"{url}/hold", b"{}")) for _ in range(2)]  # (the pool, full)
             await asyncio.sleep(1.5)  # some fifteen checks
             prefill = fleet.prefills[0]
             assert prefill.healthy and prefill.last_error is None, prefill.last_error

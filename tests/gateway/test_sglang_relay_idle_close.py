@@ -113,11 +113,11 @@ def test_a_request_crossing_an_idle_close_is_sent_again_not_blamed(procs: Procs,
                             HealthConfig(probe_interval_s=60), RelayConfig(retry_backoff_s=0.01))
         fleet.start()
         hook = CloseOnTake(target.http_port, how, seen)
-        assert fleet.session is not None
+        assert fleet.pool is not None
         if seen:
-            fleet.session.before_write = hook
+            fleet.pool.before_write = hook
         else:
-            fleet.session.on_reuse = hook
+            fleet.pool.on_reuse = hook
         try:
             assert await fleet.wait_ready(HANG_GUARD_S)
             (worker,) = [w for w in fleet.workers if w.role == side]

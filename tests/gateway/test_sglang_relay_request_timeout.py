@@ -48,8 +48,8 @@ def _run(decode_gaps_s: list[float], config: RelayConfig) -> tuple[Exchange, int
             await asyncio.wait_for(call(responder, exchange), 20.0)
             worker = fleet.decodes[0]
             counted = responder.metrics.worker_failures.labels(worker.url, "decode", "timeout").value
-            assert fleet.session is not None
-            busy = sum(origin.num_open - len(origin.idle) for origin in fleet.session._by_key.values())
+            assert fleet.pool is not None
+            busy = sum(origin.num_open - len(origin.idle) for origin in fleet.pool._by_key.values())
             return exchange, worker.health.breaker._failures, counted, busy
 
     return asyncio.run(main())
@@ -128,3 +128,28 @@ def test_a_stream_whose_first_event_comes_past_the_request_timeout_is_no_failure
     assert exchange.status == 504, exchange.content
     assert json.loads(exchange.content)["error"]["code"] == "request_timeout", exchange.content
     assert (failures, gone) == (0, 0), "the request's own deadline was held against the decode"
+
+
+def test_a_whole_answer_past_the_request_timeout_is_no_failure_of_the_decodes() -> None:
+    """A non-streamed answer (its head comes with its end) not come by the request's own timeout: a 504
+    ``request_timeout`` (final), not the decode's silence held against it once its prefill had answered."""
+
+    async def slow_decode(request: web.Request) -> web.Response:
+        await request.read()
+        await asyncio.sleep(2.0)
+        return web.json_response({"text": "late", "meta_info": {}})
+
+    async def main() -> tuple[Exchange, int, float]:
+        config = RelayConfig(retry_backoff_s=0.01, request_timeout_s=0.5)
+        async with relay(prefill, slow_decode, config=config) as (responder, fleet):
+            exchange = Exchange(jbody({"text": "hi"}))
+            await asyncio.wait_for(call(responder, exchange), 20.0)
+            worker = fleet.decodes[0]
+            counted = sum(responder.metrics.worker_failures.labels(worker.url, "decode", code).value
+                          for code in ("timeout", "worker_gone"))
+            return exchange, worker.health.breaker._failures, counted
+
+    exchange, failures, counted = asyncio.run(main())
+    assert exchange.status == 504, exchange.content
+    assert json.loads(exchange.content)["error"]["code"] == "request_timeout", exchange.content
+    assert (failures, counted) == (0, 0), "the request's own deadline was held against the decode"

@@ -89,9 +89,9 @@ async def _client_leaving_as_the_decode_head_arrives() -> None:
         return response
 
     async with relay(prefill, decode) as (responder, fleet):
-        assert fleet.session is not None
+        assert fleet.pool is not None
         exchange = Exchange(jbody({"text": "hi", "stream": True}))
-        real_post = fleet.session.post
+        real_post = fleet.pool.post
         decode_url = fleet.decodes[0].url
 
         async def post(url: str, data: bytes, headers: Any = None, asked: Any = None, deadline: Any = None) -> Any:
@@ -100,11 +100,11 @@ async def _client_leaving_as_the_decode_head_arrives() -> None:
                 exchange.gone.set()  # (the client's disconnect is read in the turn the decode's head came in)
             return reply
 
-        fleet.session.post = post  # type: ignore[method-assign]
+        fleet.pool.post = post  # type: ignore[method-assign]
         await asyncio.wait_for(call(responder, exchange), 10)
         assert exchange.status is None  # (the client left before anything was sent)
         await asyncio.wait_for(aborted.wait(), 3)  # the decode's request is aborted, not left to run on
-        assert not [conn for conn in fleet.session._conns if conn.reply is not None]
+        assert not [conn for conn in fleet.pool._conns if conn.reply is not None]
 
 
 async def _keepalive_server() -> tuple[asyncio.Server, int]:
