@@ -503,6 +503,8 @@ class SGLangResponder:
         finally:
             if not read.done():
                 read.cancel()
+            elif not read.cancelled():
+                read.exception()  # (retrieved: a read that failed as the prefill's failure was judged logs nothing)
 
     async def _stream(self, reply: Reply, first: tuple[bytes, bytes],
                       p_task: asyncio.Task[_PrefillReply], merge_logprobs: bool, send: Send,
