@@ -488,13 +488,18 @@ class HttpPool:
             if self._ssl is None:
                 self._ssl = ssl.create_default_context()
             context = self._ssl
-        bound_s = max(0.0, min(self.connect_timeout_s, deadline - loop.time()))  # (or the request's deadline)
+        start = loop.time()
+        until = min(start + self.connect_timeout_s, deadline)  # (or the request's deadline)
         try:
-            async with asyncio.timeout(bound_s):
+            async with asyncio.timeout_at(until):
                 await loop.create_connection(lambda: conn, origin.host, origin.port, ssl=context)
         except TimeoutError:
             self._gone(conn)
-            raise ConnectFailed(f"could not connect to {origin.host}:{origin.port} within {bound_s:.3g}s") from None
+            if until >= deadline:  # cut short by the request's deadline: its timeout (3.), not the worker's failure
+                raise TimeoutError(f"no connection to {origin.host}:{origin.port} by the request's deadline "
+                                   f"({max(0.0, until - start):.3g}s left)") from None
+            raise ConnectFailed(f"could not connect to {origin.host}:{origin.port} within "
+                                f"{self.connect_timeout_s:.3g}s") from None
         except OSError as exc:
             self._gone(conn)
             raise ConnectFailed(f"could not connect to {origin.host}:{origin.port}: {exc}") from exc
