@@ -328,14 +328,12 @@ class SGLangResponder:
 
     async def _attempt(self, prefill: HttpWorker, decode: HttpWorker, data: bytes, stream: bool,
                        merge_logprobs: bool, send: Send, trace: dict[str, str], figures: _Figures,
-                       cost: tuple[int, int] = (0, 0), ends_at: float | None = None) -> int | _Retry:
+                       cost: tuple[int, int], ends_at: float) -> int | _Retry:
         """One pair: the client's status once answered, or what to retry. ``cost``: (prefill tokens, decode
         pages) it adds to their load counts while open (``dispatch_cost``); ``ends_at``: the request's deadline
-        (loop time; default ``request_timeout_s`` from now)."""
+        (loop time), which its attempts share."""
         cfg = self.fleet.config
         loop = asyncio.get_running_loop()
-        if ends_at is None:
-            ends_at = loop.time() + cfg.request_timeout_s
         headers = {"content-type": "application/json", "x-request-id": REQUEST_ID.get(), **trace}
         # A stream's first event is due within the first-token timeout, a whole answer at its end, both by the
         # request's deadline at the latest. (The pool times only the whole request, no single read: a read timeout
@@ -461,7 +459,7 @@ class SGLangResponder:
 
     async def _first_events(self, reply: Reply, p_task: asyncio.Task[_PrefillReply],
                             prefill: HttpWorker, decode: HttpWorker, deadline: float, wait_s: float,
-                            ends_at: float = float("inf")) -> tuple[bytes, bytes] | _Failure:
+                            ends_at: float) -> tuple[bytes, bytes] | _Failure:
         """A stream's first complete events and the bytes after them, before the client gets its head.
 
         SGLang's decode sends its head at once and then waits for the KV: until its first event the
@@ -694,7 +692,7 @@ class _Retry:
 
 async def _post(fleet: SGLangFleet, worker: HttpWorker, url: str, data: bytes, headers: dict[str, str],
                 keep_body: bool, decode_asked: asyncio.Future[None],
-                asked: asyncio.Future[None] | None = None, ends_at: float | None = None) -> _PrefillReply:
+                asked: asyncio.Future[None] | None, ends_at: float) -> _PrefillReply:
     """The prefill's request, read to its end (SSE or JSON): its connection is then free again. It goes out
     once the decode's has (``decode_asked``): a decode request waiting for a free connection to its worker
     (``max_connections_per_worker``) would leave the prefill holding the prompt's KV for nobody. (A decode
@@ -732,7 +730,7 @@ def _stream_refusal(body: bytes) -> str | None:
 
 
 async def _open(fleet: SGLangFleet, worker: HttpWorker, url: str, data: bytes, headers: dict[str, str],
-                asked: asyncio.Future[None] | None, ends_at: float | None = None) -> Reply:
+                asked: asyncio.Future[None] | None, ends_at: float) -> Reply:
     """A request to ``worker`` up to its response headers (the caller reads or relays the body); ``asked`` is
     set once the request has gone out.
 
