@@ -14,10 +14,10 @@ Layout (``create_app(config)``), outermost first:
    admin API; its lifespan starts the ``Gateway`` runtime
    (``gateway/runtime.py``: connects to every worker, loads the tokenizer) and, after the server's
    drain, closes every worker connection (open requests are aborted worker-side when it drops).
-With native workers only, ``gateway.cli`` installs ``app.hot_routes`` in the HTTP protocol: the generation
-routes' ``POST``s are then answered on the gateway's own cycle (``gateway/hot_cycle.py``: the same
-request id, gatekeeper checks, CORS headers and responders, no ASGI); other methods and paths come here as
-above.
+``gateway.cli`` installs ``app.hot_routes`` in the HTTP protocol: the generation routes' ``POST``s are then
+answered on the gateway's own cycle (``gateway/hot_cycle.py``: the same request id, gatekeeper checks, CORS
+headers and responders, no ASGI; the SGLang relay's too, its ASGI messages written by the cycle's ``send``);
+other methods and paths come here as above.
 Every error is one ``APIError`` mapped to an OpenAI-shaped body with its status code (an unexpected
 exception in a Starlette route too: a 500 of the same shape). Limits on the client below the app
 (request heads, slow connections) are in ``gateway/http_protocol.py``, installed by ``gateway.cli``.
@@ -45,7 +45,7 @@ from gateway.admin import admin_routes
 from gateway.api import ModelNotFound, now_s
 from gateway.cors import CorsMiddleware, CorsPolicy
 from gateway.errors import APIError, NoWorkers, http_error
-from gateway.hot_cycle import HotRoutes
+from gateway.hot_cycle import HotCycle, HotRoutes
 from gateway.metrics import ResponseStoreCollector
 from gateway.middleware import BRIEF_STATUS, GatekeeperMiddleware, RequestContextMiddleware
 from gateway.openapi import openapi_document
@@ -123,8 +123,8 @@ def create_app(config: GatewayConfig) -> Any:
     if cors is not None:  # (outermost: a preflight carries no key, and is answered while draining too)
         outer = CorsMiddleware(outer, cors)
     outer.state = rest.state
-    # Native workers only: the generation routes' POSTs skip ASGI (gateway/hot_cycle.py; gateway.cli installs it)
-    outer.hot_routes = HotRoutes(app.responders, guarded, cors) if gw.fleet is None else None
+    # The generation routes' POSTs skip ASGI (gateway/hot_cycle.py; gateway.cli installs it)
+    outer.hot_routes = HotRoutes(app.responders, guarded, cors)
     return outer
 
 
@@ -169,13 +169,25 @@ class MixedResponder:
     def __init__(self, gw: Gateway, native: Responder, relay: SGLangResponder) -> None:
         self.gw, self.native, self.relay = gw, native, relay
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def _pick(self) -> Responder | SGLangResponder:
         gw = self.gw
         assert gw.fleet is not None
         native = sum(1 for c in gw.decodes if c.healthy) if gw.dispatcher.is_ready() else 0
         http = sum(1 for w in gw.fleet.decodes if w.healthy) if gw.fleet.is_ready() else 0
         use_relay = http > 0 and (native == 0 or random.random() * (native + http) < http)
-        await (self.relay if use_relay else self.native)(scope, receive, send)
+        return self.relay if use_relay else self.native
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._pick()(scope, receive, send)
+
+    async def serve(self, exchange: HotCycle) -> None:
+        """The gateway's own cycle (``gateway.hot_cycle``), as ``__call__``."""
+        await self._pick().serve(exchange)
+
+    def count(self, status: int) -> None:
+        """A request the HTTP protocol answered or closed before it started (counted under the route: both
+        responders count under the same name)."""
+        self.native.count(status)
 
 
 def _gateway(request: Request) -> Gateway:

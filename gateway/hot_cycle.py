@@ -1,8 +1,9 @@
 """The generation routes' own request cycle on the HTTP connection: no ASGI, no middleware stack.
 
-``/v1/chat/completions``, ``/v1/completions`` and ``/generate`` carry all the traffic, so when the
-gateway's workers are all native (no SGLang relay), their ``POST``s skip uvicorn's ASGI request
-cycle, the middleware and ``send``'s message dicts: the connection's protocol
+``/v1/chat/completions``, ``/v1/completions`` and ``/generate`` carry all the traffic, so their ``POST``s
+skip uvicorn's ASGI request cycle, the middleware and (on native workers) ``send``'s message dicts (the
+SGLang relay, ``gateway.sglang_relay``, writes ASGI messages: the cycle's ``send`` takes them as
+uvicorn's does): the connection's protocol
 (``gateway.http_protocol.GuardedHttpProtocol``) gives such a request a ``HotCycle`` in place of
 uvicorn's ``RequestResponseCycle``, and the cycle is the route's ``Responder``'s ``Exchange``.
 Lifecycle of one request (event loop only):
@@ -48,6 +49,8 @@ from gateway.middleware import GatekeeperMiddleware, request_id_of
 from gateway.responder import SSE_HEADERS, ClientGone, Responder, check_length
 
 if TYPE_CHECKING:
+    from starlette.types import Message
+
     from gateway.cors import CorsPolicy
     from gateway.http_protocol import GuardedHttpProtocol
     from workers.protocol import StepOutput
@@ -122,9 +125,10 @@ class HotCycle:
     """One request to a generation route, answered on the connection's transport (see the module doc)."""
 
     __slots__ = ("_waiter", "_watch", "body", "chunked", "cors_head", "default_headers", "disconnected", "flow",
-                 "gatekeeper", "headers", "keep_alive", "loop", "message_event", "more_body", "on_response", "path",
-                 "refused", "request_id", "responder", "response_complete", "response_started", "t0", "task",
+                 "framed", "gatekeeper", "headers", "keep_alive", "loop", "message_event", "more_body", "on_response",
+                 "path", "refused", "request_id", "responder", "response_complete", "response_started", "t0", "task",
                  "transport", "waiting_for_100_continue")
+    framed: bool  # (set by ``send``'s head: it declared a content-length, the body goes as it is)
 
     def __init__(self, protocol: GuardedHttpProtocol, responder: Responder, gatekeeper: GatekeeperMiddleware,
                  path: str, headers: Headers, keep_alive: bool, expect_100_continue: bool,
@@ -271,6 +275,42 @@ class HotCycle:
         else:
             self.transport.write(b"%x\r\n%b\r\n%b" % (len(last), last, _LAST_CHUNK) if last else _LAST_CHUNK)
         self._complete()
+
+    async def send(self, message: Message) -> None:
+        """ASGI's ``send`` on this cycle, for a responder written against ASGI messages (the SGLang relay,
+        ``gateway.sglang_relay``), as uvicorn's: the head goes out at ``http.response.start``; without a
+        ``content-length`` in it the body is chunked (to an HTTP/1.0 client: unframed, ending with the
+        connection); the body message without ``more_body`` completes the response. Writes wait while the
+        client's socket is full; after the client left, or once the response is complete, nothing is written."""
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.disconnected or self.response_complete or self.transport.is_closing():
+            return
+        if message["type"] == "http.response.start":
+            if self.response_started:
+                raise RuntimeError("the response has already started")
+            headers = [(name.lower(), value) for name, value in message.get("headers", ())]
+            framed = any(name == b"content-length" for name, _ in headers)
+            if not framed:  # (the framing is ours: an application's transfer-encoding is not passed on)
+                headers = [pair for pair in headers if pair[0] != b"transfer-encoding"]
+            self.response_started = True
+            self.framed = framed
+            self.transport.write(self._head(message["status"], headers, b"" if framed or not self.chunked
+                                            else b"transfer-encoding: chunked\r\n"))
+            return
+        if not self.response_started:
+            raise RuntimeError("the response body was sent before its head")
+        body = message.get("body", b"")
+        more = message.get("more_body", False)
+        if self.framed or not self.chunked:
+            if body:
+                self.transport.write(body)
+        elif body:
+            self.transport.write(b"%x\r\n%b\r\n%b" % (len(body), body, b"" if more else _LAST_CHUNK))
+        elif not more:
+            self.transport.write(_LAST_CHUNK)
+        if not more:
+            self._complete()
 
     def is_writable(self) -> bool:
         return self.response_started and not (self.flow.write_paused or self.disconnected or self.response_complete

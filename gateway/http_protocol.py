@@ -31,7 +31,7 @@ per connection (``GuardedHttpProtocol``, event loop only):
    included (uvicorn tells only the newest: a pipelined request's elder would not know).
 The body of a request being read by the app is bounded by the app (``gateway.responder.read_body``:
 ``--max-body-bytes``, ``--body-timeout-s``).
-6. ``hot_routes`` (the gateway's, with native workers only): a ``POST`` to a generation route gets the
+6. ``hot_routes`` (the gateway's): a ``POST`` to a generation route gets the
    gateway's own cycle (``gateway.hot_cycle.HotCycle``) in place of uvicorn's ASGI cycle, queued
    behind a response still going out exactly as uvicorn's cycles are; every limit above holds. Not
    queued, a stream (``"stream": true`` in the body) starts in the callback that completes its body,
@@ -352,6 +352,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         made = self.cycle
         if made is not None and made is not before:
             self._cycles = [c for c in self._cycles if not c.response_complete] + [made]
+            if len(self.pipeline) == 1 and isinstance(before, HotCycle) and not before.response_complete:
+                # Queued behind the gateway's own cycle, which reads nothing more (uvicorn's cycle ahead would
+                # resume reading in the app's ``receive``): read on, as with one hot cycle queued, so that the
+                # client leaving is seen (the next one queued pauses reading)
+                self.flow.resume_reading()
             if self._shutting_down and made.scope["path"] not in DRAIN_PROBES:  # (its answer closes the connection)
                 made.keep_alive = False
 

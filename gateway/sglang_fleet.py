@@ -223,9 +223,10 @@ class SGLangFleet:
         headers = {"Accept-Encoding": "identity"}
         if cfg.worker_api_key:
             headers["Authorization"] = f"Bearer {cfg.worker_api_key}"
+        posts = {**headers, "Content-Type": "application/json"}  # (the relay's requests: the client's JSON body)
         self.pool, self.fresh = (
             HttpPool(limit_per_host=cfg.max_connections_per_worker, timeout_s=cfg.request_timeout_s,
-                     connect_timeout_s=cfg.connect_timeout_s, keepalive_s=WORKER_KEEPALIVE_S, headers=headers,
+                     connect_timeout_s=cfg.connect_timeout_s, keepalive_s=WORKER_KEEPALIVE_S, headers=posts,
                      reuse=reuse) for reuse in (True, False))
         self._checks = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=PROBE_CONNECTIONS_PER_WORKER,

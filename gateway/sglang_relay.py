@@ -20,10 +20,12 @@ Lifecycle (the workers, their health, load and HTTP connections: ``gateway/sglan
    wrote it; a 5xx or a connection error is retried on a new pair and new rooms (``max_retries``,
    jittered backoff; all within the request's ``request_timeout_s``, which its attempts share), else a
    502. After the first event the decode's stream is relayed, whole events only, to its end or to an
-   error event. A request that broke before any answer because it
-   crossed its worker's close of the idle pooled connection it went out on (the worker's keep-alive
-   ending, or its connection cap closing its longest-idle connection) was never read there: it is sent
-   once more to the same worker on a fresh connection (``_open``), no failure and no retry.
+   error event. An event still incomplete past ``MAX_EVENT_BYTES`` is the decode's failure, as a broken
+   stream's (before the first event: retried; after it: an error event), and its connection is closed.
+   A request that broke before any answer because it crossed its worker's close of the idle pooled
+   connection it went out on (the worker's keep-alive ending, or its connection cap closing its
+   longest-idle connection) was never read there: it is sent once more to the same worker on a fresh
+   connection (``_open``), no failure and no retry.
 4. The prefill's body is always read to the end (it frees the connection); with ``return_logprob``
    its ``meta_info.input_token_logprobs`` are put in front of the decode's, from a JSON or an SSE
    prefill reply, in the whole response or in every streamed event.
@@ -55,22 +57,22 @@ from gateway.context import REQUEST_ID, REQUEST_T0
 from gateway.errors import APIError, BadGateway, BadRequest, NoWorkers, Overloaded, UpstreamTimeout
 from gateway.request_checks import check_batch_choices
 from gateway.responder import (
-    REFUSED_KEY,
+    AsgiExchange,
     ClientGone,
+    Exchange,
     encoded_refusal,
-    read_body,
     send_error,
     shutdown_cut_error,
-    watch_disconnect,
 )
 from gateway.sglang_fleet import HttpWorker, SGLangFleet
 from gateway.sglang_routing import dispatch_cost, routing_request
-from gateway.worker_http import HttpClientError, Reply, crossed_idle_close
+from gateway.worker_http import HttpClientError, Reply, crossed_idle_close, header_lines
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
     from gateway.admission import Admission
+    from gateway.hot_cycle import HotCycle
     from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,12 @@ MAX_BACKOFF_S = 2.0
 DONE_GRACE_S = 1.0  # a stream's body end waited for past its [DONE] (``_stream``)
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 NO_VERDICT = -1  # ``_stream``'s outcome for a stream cut by the request's own deadline: nothing for its breaker
+# The bytes of one incomplete event (no ``\n\n`` yet) the relay holds for a decode's stream; past it the decode is
+# misbehaving and its stream is ended (``_first_events``, ``_stream``). Generous: a ``/generate`` event can carry the
+# logprobs of the whole answer so far, item by item (a 32k-token answer with ``top_logprobs_num`` 20 is about 24 MiB of
+# JSON); an OpenAI route's chunk carries one delta. Without a bound a decode sending bytes and no blank line held them
+# all, until the request's timeout.
+MAX_EVENT_BYTES = 32 << 20
 
 
 class _Details(msgspec.Struct):
@@ -150,6 +158,50 @@ class _Figures:
         metrics.generation_tokens.inc(generated)
 
 
+class _Events:
+    """A stream's bytes cut at its event boundaries (``\n\n``), as they come: ``feed`` returns the whole events a
+    chunk completes (``b""`` for none), the incomplete last event's bytes wait (``pending``, ``num_pending_bytes``).
+    Each chunk is searched once (a boundary across two chunks included) and the waiting bytes are joined once, when
+    their event completes: linear in the stream's bytes, where joining them to every chunk was quadratic in an event's
+    size."""
+
+    __slots__ = ("_parts", "num_pending_bytes")
+
+    def __init__(self, pending: bytes = b"") -> None:
+        self._parts = [pending] if pending else []
+        self.num_pending_bytes = len(pending)
+
+    def feed(self, chunk: bytes) -> bytes:
+        parts = self._parts
+        end = chunk.rfind(b"\n\n")
+        if end >= 0:
+            end += 2
+        elif parts and chunk[:1] == b"\n" and parts[-1][-1:] == b"\n":  # (the boundary across the two)
+            end = 1
+        else:  # (the pending bytes hold no boundary: none can end before this chunk)
+            if chunk:
+                parts.append(chunk)
+                self.num_pending_bytes += len(chunk)
+            return b""
+        events = b"".join((*parts, chunk[:end])) if parts else chunk[:end]
+        rest = chunk[end:]
+        self._parts = [rest] if rest else []
+        self.num_pending_bytes = len(rest)
+        return events
+
+    @property
+    def pending(self) -> bytes:
+        return b"".join(self._parts)
+
+
+class _EventTooLarge(Exception):
+    """A decode's stream holds an incomplete event over ``MAX_EVENT_BYTES`` (``_stream``)."""
+
+
+def _too_large(num_bytes: int) -> str:
+    return f"sent {num_bytes} bytes of one event, over the relay's {MAX_EVENT_BYTES} (no event boundary)"
+
+
 def _last_event(events: bytes) -> bytes | None:
     """The JSON of the last ``data:`` event of ``events`` other than ``[DONE]``."""
     for event in reversed(events.split(b"\n\n")):
@@ -218,26 +270,43 @@ class SGLangResponder:
         self.body_timeout_s = body_timeout_s
         self._background: set[asyncio.Task[_PrefillReply]] = set()  # prefill replies trailing an answer
 
+    def count(self, status: int) -> None:
+        """Count one request of this route (``pd_gateway_requests_total``), also one the HTTP protocol answered or
+        closed before it started."""
+        self.metrics.requests.labels(self.route, str(status)).inc()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Over ASGI: another method than ``POST`` (the gateway's own cycle takes ``POST``s alone), or an app
+        served without the gateway's HTTP protocol."""
+        if scope["method"] != "POST":
+            error = MethodNotAllowed(f"Method Not Allowed: {scope['method']} {scope['path']}")
+            log.info("%s -> %d %s: %s", self.route, error.status, error.type, error.message)
+            self.count(error.status)
+            await send_error(send, error)
+            return
+        await self._serve(AsgiExchange(scope, receive, send), send)
+
+    async def serve(self, exchange: HotCycle) -> None:
+        """On the gateway's own cycle (``gateway.hot_cycle``), whose ``send`` writes the relay's ASGI messages."""
+        await self._serve(exchange, exchange.send)
+
+    async def _serve(self, exchange: Exchange, send: Send) -> None:
+        """One request: ``exchange`` for its body, headers and disconnect, ``send`` for the answer."""
         release = None
-        watcher: asyncio.Task[None] | None = None
-        task = asyncio.current_task()
-        assert task is not None
         gone = [False]
         status = 500
         sent = _Sent(send)
         send = sent
         try:
             try:
-                if scope["method"] != "POST":
-                    raise MethodNotAllowed(f"Method Not Allowed: {scope['method']} {scope['path']}")
                 self.admission.check_room()  # (a full queue refuses before the body is uploaded)
-                raw = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
+                exchange.check_length(self.max_body_bytes)
+                raw = await exchange.read_body(self.max_body_bytes, self.body_timeout_s)
                 try:
                     body = msgspec.json.decode(raw)
                 except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
                     raise encoded_refusal(BadRequest(f"request body is not valid JSON: {exc}"),
-                                          scope["headers"]) from None
+                                          exchange.headers) from None
                 if not isinstance(body, dict):
                     raise BadRequest("the request body must be a JSON object")
                 model = body.get("model")
@@ -252,12 +321,12 @@ class SGLangResponder:
                                      param="custom_logit_processor")
                 # The client leaving cancels this task: while queued for admission (it gives up its place),
                 # or later (the workers' requests are closed, which aborts them).
-                watcher = asyncio.create_task(watch_disconnect(receive, task, gone))
+                exchange.watch_disconnect(gone)
                 release = await self.admission.admit()
                 active = self.metrics.active
                 active.inc()
                 try:
-                    status = await self._relay(body, send, _trace_headers(scope["headers"]))
+                    status = await self._relay(body, send, _trace_headers(exchange.headers))
                 finally:
                     active.dec()
             except APIError as exc:
@@ -269,14 +338,15 @@ class SGLangResponder:
             if not gone[0]:  # the server stopping past its drain timeout: tell the client why, if it can be told
                 status = await sent.cut(self.route)
                 raise
+            task = asyncio.current_task()
+            assert task is not None
             task.uncancel()
-            status = scope.get(REFUSED_KEY) or 499  # (the gateway's protocol ended it itself: its status)
-        except ClientGone:
-            status = scope.get(REFUSED_KEY) or 499
+            status = exchange.refused or 499  # (the gateway's protocol ended it itself: its status)
+        except ClientGone as exc:
+            status = exc.status
         finally:
-            if watcher is not None:
-                watcher.cancel()
-            self.metrics.requests.labels(self.route, str(status)).inc()
+            exchange.stop_watching()
+            self.count(status)
             if release is not None:
                 release()
 
@@ -334,7 +404,8 @@ class SGLangResponder:
         (loop time), which its attempts share."""
         cfg = self.fleet.config
         loop = asyncio.get_running_loop()
-        headers = {"content-type": "application/json", "x-request-id": REQUEST_ID.get(), **trace}
+        # (the pool's own carry the content type; these go out once per request, on both)
+        headers = header_lines({"x-request-id": REQUEST_ID.get(), **trace})
         # A stream's first event is due within the first-token timeout, a whole answer at its end, both by the
         # request's deadline at the latest. (The pool times only the whole request, no single read: a read timeout
         # would bound the wait for the response head too, which our own workers send with the first token; a
@@ -355,20 +426,24 @@ class SGLangResponder:
         p_task.add_done_callback(lambda task: _prefill_done(task, prefill, p_rid, metrics))
         answered = False
         try:
-            done, _ = await asyncio.wait({p_task, d_task}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
-            if p_task in done and not d_task.done():
+            await _first_done(loop, p_task, d_task, deadline)
+            if p_task.done() and not d_task.done():
                 failure = _failure(p_task, prefill)
                 if failure is not None:  # the prefill failed first: the decode would wait for KV in vain
                     d_task.cancel()
                     return await self._failed(failure, send)
-            try:  # (``timeout_at``, not ``wait_for``: on Python 3.11 that can lose the client's leaving, gh-86296)
-                async with asyncio.timeout_at(deadline):
-                    decode_reply_or_failure = await _settle(d_task, decode)
-            except TimeoutError:  # (the wait for the decode's head, or the pool's deadline: the request's own)
-                if deadline >= ends_at:  # (the wait was cut short by the request's deadline: no one's fault)
-                    raise _request_timed_out(cfg.request_timeout_s) from None
-                _blame_silent_decode(decode, p_task, metrics)
-                raise UpstreamTimeout(f"the SGLang decode worker did not answer within {wait_s:g}s") from None
+                await _first_done(loop, d_task, d_task, deadline)
+            decode_reply_or_failure: Reply | _Failure | None = _answered(d_task)
+            if decode_reply_or_failure is None:  # (not done, failed, or not a 2xx: its body is read within the wait)
+                try:  # (``timeout_at``, not ``wait_for``: on Python 3.11 that can lose the client's leaving, gh-86296)
+                    async with asyncio.timeout_at(deadline):
+                        decode_reply_or_failure = await _settle(d_task, decode)
+                except TimeoutError:  # (the wait for the decode's head, or the pool's deadline: the request's own)
+                    if deadline >= ends_at:  # (the wait was cut short by the request's deadline: no one's fault)
+                        raise _request_timed_out(cfg.request_timeout_s) from None
+                    _blame_silent_decode(decode, p_task, metrics)
+                    raise UpstreamTimeout(f"the SGLang decode worker did not answer within {wait_s:g}s") from None
+            assert decode_reply_or_failure is not None
             if isinstance(decode_reply_or_failure, _Failure):
                 # (a prefill's refusal ends the decode's room too: the decode may fail first, for no fault of its own)
                 refusal = _failure(p_task, prefill) if p_task.done() else None
@@ -465,9 +540,9 @@ class SGLangResponder:
         SGLang's decode sends its head at once and then waits for the KV: until its first event the
         stream can still fail over to a new pair, which it does when the prefill fails meanwhile (the
         KV will never come) or the decode's connection breaks. No event within the first-token
-        timeout is a 504."""
+        timeout is a 504. A first event over ``MAX_EVENT_BYTES`` is the decode's failure, as a broken stream."""
         loop = asyncio.get_running_loop()
-        buffer = b""
+        buffer = _Events()
         read: asyncio.Future[bytes] = asyncio.ensure_future(reply.readany())
         try:
             while True:
@@ -492,11 +567,13 @@ class SGLangResponder:
                 except OSError as exc:
                     return _Failure(decode, f"its stream broke before its first event: {type(exc).__name__}: {exc}")
                 if not chunk:
-                    return buffer, b""  # ended without a complete event: relayed as it is
-                buffer += chunk
-                events, boundary, rest = buffer.rpartition(b"\n\n")
-                if boundary:
-                    return events + boundary, rest
+                    return buffer.pending, b""  # ended without a complete event: relayed as it is
+                events = buffer.feed(chunk)
+                if events:
+                    return events, buffer.pending
+                if buffer.num_pending_bytes > MAX_EVENT_BYTES:  # (a misbehaving decode: retried as a broken one)
+                    return _Failure(decode, f"its stream {_too_large(buffer.num_pending_bytes)} before its first "
+                                            f"event")
                 read = asyncio.ensure_future(reply.readany())
         finally:
             if not read.done():
@@ -508,9 +585,10 @@ class SGLangResponder:
                       p_task: asyncio.Task[_PrefillReply], merge_logprobs: bool, send: Send,
                       figures: _Figures) -> int | None:
         """Relay the stream from its first events on, whole events only: a decode that breaks off
-        mid-event leaves the client a clean error event, not a line of two events run together. Returns the
-        decode's outcome for ``_record``: its status, 504 for a stream silent too long, None for one broken off,
-        ``NO_VERDICT`` for one cut by the request's own timeout (the client's status is the head's)."""
+        mid-event leaves the client a clean error event, not a line of two events run together; so does one whose
+        incomplete event grows past ``MAX_EVENT_BYTES`` (its connection closed, its failure as a broken one's).
+        Returns the decode's outcome for ``_record``: its status, 504 for a stream silent too long, None for one
+        broken off, ``NO_VERDICT`` for one cut by the request's own timeout (the client's status is the head's)."""
         content_type = reply.headers.get("content-type", "text/event-stream")
         await send({"type": "http.response.start", "status": reply.status,
                     "headers": [(b"content-type", content_type.encode()), (b"cache-control", b"no-cache"),
@@ -519,6 +597,7 @@ class SGLangResponder:
         # (the head is out: the prefill's reply is waited for no longer than a gap between events)
         logprobs = await _prefill_logprobs(p_task, idle_s, self.route) if merge_logprobs else None
         events, pending = first
+        buffer = _Events(pending)
         status = reply.status
         if status == 200:
             figures.first_event()
@@ -533,14 +612,17 @@ class SGLangResponder:
                     await send({"type": "http.response.body", "more_body": True,
                                 "body": events if logprobs is None else _merge_events(logprobs, events)})
                     ended = ended or events.rstrip().endswith(b"data: [DONE]")
+                if buffer.num_pending_bytes > MAX_EVENT_BYTES:
+                    reply.close()  # (its bytes stop here: the decode's request is aborted, its connection not reused)
+                    raise _EventTooLarge(_too_large(buffer.num_pending_bytes))
                 # (after its [DONE], the body's end is waited for only briefly: it keeps the connection reusable)
                 async with (idle := asyncio.timeout(min(idle_s, DONE_GRACE_S) if ended else idle_s)):
                     chunk = await reply.readany()
                 if not chunk:
                     break
-                events, boundary, pending = (pending + chunk).rpartition(b"\n\n")
-                events += boundary
-        except (HttpClientError, TimeoutError) as exc:
+                # (the usual chunk, whole events with nothing pending, goes as it is: what ``feed`` would return)
+                events = chunk if not buffer.num_pending_bytes and chunk.endswith(b"\n\n") else buffer.feed(chunk)
+        except (HttpClientError, TimeoutError, _EventTooLarge) as exc:
             if ended:  # (broken or silent after its [DONE]: no error event after the end, no failure of the decode's)
                 log.debug("%s: the SGLang decode worker's stream did not end cleanly after its [DONE]: %r",
                           self.route, exc)
@@ -555,14 +637,15 @@ class SGLangResponder:
                 log.warning("%s: %s", self.route, error.message)
                 outcome: int | None = NO_VERDICT
             else:
-                why = f"sent nothing for {idle_s:g}s" if timed_out else f"broke: {type(exc).__name__}: {exc}"
+                why = f"sent nothing for {idle_s:g}s" if timed_out else str(exc) if isinstance(exc, _EventTooLarge) \
+                    else f"broke: {type(exc).__name__}: {exc}"
                 log.warning("%s: the SGLang decode worker's stream %s", self.route, why)
                 error = (UpstreamTimeout if timed_out else BadGateway)(f"the SGLang decode worker's stream {why}")
                 outcome = error.status if timed_out else None  # (broken off: worker_gone, not its own error)
             # (whole events only, then the error event and [DONE], as the native path ends a broken stream)
             pending, status = error_event(error) + SSE_DONE, error.status
         else:
-            outcome = status
+            pending, outcome = buffer.pending, status
         await send({"type": "http.response.body", "body": pending, "more_body": False})
         if status == 200:
             figures.answered(_last_event(last + pending if last is not None else pending), streamed=True)
@@ -690,7 +773,7 @@ class _Retry:
     worker: HttpWorker
 
 
-async def _post(fleet: SGLangFleet, worker: HttpWorker, url: str, data: bytes, headers: dict[str, str],
+async def _post(fleet: SGLangFleet, worker: HttpWorker, url: str, data: bytes, headers: bytes,
                 keep_body: bool, decode_asked: asyncio.Future[None],
                 asked: asyncio.Future[None] | None, ends_at: float) -> _PrefillReply:
     """The prefill's request, read to its end (SSE or JSON): its connection is then free again. It goes out
@@ -729,7 +812,7 @@ def _stream_refusal(body: bytes) -> str | None:
     return None
 
 
-async def _open(fleet: SGLangFleet, worker: HttpWorker, url: str, data: bytes, headers: dict[str, str],
+async def _open(fleet: SGLangFleet, worker: HttpWorker, url: str, data: bytes, headers: bytes,
                 asked: asyncio.Future[None] | None, ends_at: float) -> Reply:
     """A request to ``worker`` up to its response headers (the caller reads or relays the body); ``asked`` is
     set once the request has gone out.
@@ -763,6 +846,37 @@ def _failure(task: asyncio.Task[_PrefillReply], worker: HttpWorker) -> _Failure 
         return None
     return _Failure(worker, f"answered {reply.status}", reply.status, reply.content_type, reply.body,
                     reply.retry_after_s)
+
+
+async def _first_done(loop: asyncio.AbstractEventLoop, one: asyncio.Future[Any], other: asyncio.Future[Any],
+                      deadline: float) -> None:
+    """Until ``one`` or ``other`` is done, or loop time ``deadline`` (``asyncio.wait``'s ``FIRST_COMPLETED``, without
+    its sets, its timer and its waiter's bookkeeping: twice per relayed request)."""
+    if one.done() or other.done():
+        return
+    waiter = loop.create_future()
+
+    def wake(_: object) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    one.add_done_callback(wake)
+    other.add_done_callback(wake)
+    timer = loop.call_at(deadline, wake, None)
+    try:
+        await waiter
+    finally:
+        timer.cancel()
+        one.remove_done_callback(wake)
+        other.remove_done_callback(wake)
+
+
+def _answered(task: asyncio.Task[Reply]) -> Reply | None:
+    """The decode's reply when it has come with a 2xx head (``_settle``'s answer, without a wait); else None."""
+    if not task.done() or task.cancelled() or task.exception() is not None:
+        return None
+    reply = task.result()
+    return reply if 200 <= reply.status < 300 else None
 
 
 async def _settle(task: asyncio.Task[Reply], worker: HttpWorker) -> Reply | _Failure:

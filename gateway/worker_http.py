@@ -38,7 +38,7 @@ import collections
 import contextlib
 import socket
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import cast
 from urllib.parse import quote, urlsplit
 
@@ -345,7 +345,7 @@ class HttpPool:
             raise ValueError("limit_per_host must be at least 1")
         self.limit_per_host, self.timeout_s, self.connect_timeout_s = limit_per_host, timeout_s, connect_timeout_s
         self.keepalive_s, self.reuse = keepalive_s, reuse
-        self._fixed = b"".join(_header_line(name, value) for name, value in (headers or {}).items())
+        self._fixed = header_lines(headers or {})
         self._origins: dict[str, tuple[_Origin, bytes]] = {}  # URL -> (its origin, its path), as asked for
         self._by_key: dict[tuple[str, int, bool], _Origin] = {}
         self._conns: set[_Connection] = set()  # every connection open (or opening)
@@ -365,19 +365,18 @@ class HttpPool:
     def num_idle(self) -> int:
         return sum(len(origin.idle) for origin in self._by_key.values())
 
-    async def post(self, url: str, data: bytes, headers: dict[str, str] | None = None,
+    async def post(self, url: str, data: bytes, headers: Mapping[str, str] | bytes | None = None,
                    asked: asyncio.Future[None] | None = None, deadline: float | None = None) -> Reply:
-        """POST ``data`` to ``url``: the answer once its head has come (see the module doc). ``asked`` is set once
-        the request has gone out on a connection; ``deadline`` (loop time), when nearer than ``timeout_s`` from now,
-        is the request's (a caller's own deadline over several attempts)."""
+        """POST ``data`` to ``url``: the answer once its head has come (see the module doc). ``headers``: besides the
+        pool's, as a mapping or as ``header_lines`` made them (for several requests); ``asked`` is set once the
+        request has gone out on a connection; ``deadline`` (loop time), when nearer than ``timeout_s`` from now, is
+        the request's (a caller's own deadline over several attempts)."""
         loop = self.loop
         deadline = loop.time() + self.timeout_s if deadline is None else min(deadline, loop.time() + self.timeout_s)
         origin, path = self._origin(url)
-        head = [b"POST %s HTTP/1.1\r\nhost: %s\r\n" % (path, origin.host_header), self._fixed]
-        if headers:
-            head.extend(_header_line(name, value) for name, value in headers.items())
-        head.append(b"content-length: %d\r\n\r\n" % len(data))
-        request = b"".join(head) + data
+        lines = headers if isinstance(headers, bytes) else header_lines(headers) if headers else b""
+        request = b"POST %s HTTP/1.1\r\nhost: %s\r\n%b%bcontent-length: %d\r\n\r\n%b" % (
+            path, origin.host_header, self._fixed, lines, len(data), data)
         conn = await self._acquire(origin, deadline)
         reply = conn.reply = Reply(conn, deadline)
         try:
@@ -554,7 +553,13 @@ class HttpPool:
             self._sweep = self.loop.call_at(oldest + self.keepalive_s, self._sweep_idle)
 
 
-def _header_line(name: str, value: str) -> bytes:
-    if "\r" in value or "\n" in value or "\0" in value or "\r" in name or "\n" in name or "\0" in name or ":" in name:
-        raise ValueError(f"header {name!r} cannot be sent: it holds a line break, NUL or colon")
-    return b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1"))
+def header_lines(headers: Mapping[str, str]) -> bytes:
+    """``headers`` as a request's header lines (``HttpPool.post`` takes them as they are); ``ValueError`` for a name
+    or value that would break the request's framing (a line break, NUL, a colon in a name)."""
+    lines = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+    if lines.count("\r") != len(headers) or lines.count("\n") != len(headers) or "\0" in lines \
+            or ":" in "".join(headers):
+        bad = next(name for name, value in headers.items()
+                   if "\r" in name + value or "\n" in name + value or "\0" in name + value or ":" in name)
+        raise ValueError(f"header {bad!r} cannot be sent: it holds a line break, NUL or colon")
+    return lines.encode("latin-1")

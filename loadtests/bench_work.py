@@ -10,7 +10,10 @@ the opcodes and Python calls per request, then the gateway's figures against the
 - ``ns``: chat, 16 tokens, 64 concurrent, non-streaming (the x-floor goal's point);
 - ``stream``: chat, 64 tokens at a token gap (default 50 ms: counting slows a server some fifty times,
   and at 2 ms it would fall behind its streams), 64 concurrent, staggered over one stream's length;
-  "per token above ns" = (stream - ns) / 64 as the µs/token goal figure is made.
+  "per token above ns" = (stream - ns) / 64 as the µs/token goal figure is made;
+- ``sglang`` (only when asked): chat, 16 tokens, 64 concurrent, non-streaming, through the SGLang relay
+  (``gateway/sglang_relay.py``) to a sim prefill + decode's SGLang HTTP side at zero model cost (the
+  workers' own Python is not counted).
 
 An opcode is not a fixed cost (a call or an allocation costs more than a local load), so the figures
 rank work and compare versions; the timed figures are ``bench_stack.py``'s and ``bench_ab.py``'s.
@@ -35,9 +38,9 @@ import uvloop
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "loadtests")]
 
-from bench_stack import Stack, http_target, wait_tcp  # noqa: E402
+from bench_stack import SIM_OPTIONS, Stack, http_target, wait_tcp  # noqa: E402
 from load_client import closed_loop  # noqa: E402
-from pdtest import Procs, free_port, wait_http_ok  # noqa: E402
+from pdtest import Procs, free_port, start_bootstrap, start_worker, wait_http_ok  # noqa: E402
 from stop_signals import stop_like_ctrl_c  # noqa: E402
 
 OPCOUNT = str(REPO / "loadtests" / "opcount.py")
@@ -91,8 +94,9 @@ def print_top(title: str, rows: Rows, requests: int, top: int) -> None:
 
 async def run(args: argparse.Namespace, tmp: Path) -> None:
     tree = Path(args.tree).resolve()
+    points = set(args.points.split(","))
     stack = Stack(Procs(tmp))
-    outs = {name: tmp / f"{name}.json" for name in ("floor", "gw", "gw-stream")}
+    outs = {name: tmp / f"{name}.json" for name in ("floor", "gw", "gw-stream", "gw-http")}
     try:
         start_counted(stack, "floor", outs["floor"], REPO, "loadtests/floor_app.py",
                       "--token-gap-ms", str(args.token_gap_ms))
@@ -107,9 +111,18 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
                       "--decode", stack.url("decode-0"), "--decode", stack.url("decode-1"))
         start_counted(stack, "gw-stream", outs["gw-stream"], tree, "-m", "gateway.cli", *prefills,
                       "--decode", stack.url("decode-gap-0"), "--decode", stack.url("decode-gap-1"))
+        gateways = ["gw", "gw-stream"]
+        if "sglang" in points:  # sim workers, through their SGLang HTTP side
+            boot = start_bootstrap(stack.procs)
+            sims = {role: start_worker(stack.procs, role, *SIM_OPTIONS, bootstrap=boot, name=f"sim-{role}")
+                    for role in ("prefill", "decode")}
+            start_counted(stack, "gw-http", outs["gw-http"], tree, "-m", "gateway.cli",
+                          "--prefill", f"http://127.0.0.1:{sims['prefill'].http_port}", boot.rsplit(":", 1)[1],
+                          "--decode", f"http://127.0.0.1:{sims['decode'].http_port}")
+            gateways.append("gw-http")
         by_pid = {p.pid: p for p in stack.procs.procs}
         wait_http_ok(f"http://127.0.0.1:{stack.ports['floor']}/", 60, by_pid[stack.pids["floor"]])
-        for name in ("gw", "gw-stream"):
+        for name in gateways:
             wait_http_ok(f"http://127.0.0.1:{stack.ports[name]}/readiness", 60, by_pid[stack.pids[name]])
         stagger = 64 * args.token_gap_ms / 1000
         n, s = args.requests, max(64, args.requests // 4)
@@ -118,8 +131,9 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
         for key, name, stream, tokens, requests in (("floor ns", "floor", False, 16, n),
                                                     ("gateway ns", "gw", False, 16, n),
                                                     ("floor stream", "floor", True, 64, s),
-                                                    ("gateway stream", "gw-stream", True, 64, s)):
-            if key.split()[1] not in args.points:
+                                                    ("gateway stream", "gw-stream", True, 64, s),
+                                                    ("gateway sglang", "gw-http", False, 16, n)):
+            if key.split()[1] not in points:
                 continue
             rows = await count(stack, name, outs[name], stream, tokens, requests, stagger if stream else 0.0)
             figures[key] = per_request(rows, requests)
@@ -131,16 +145,16 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
     finally:
         stack.procs.stop_all()
     print(f"\ngateway tree: {tree}")
-    if "ns" in args.points:
+    if "ns" in points:
         f_ns, g_ns = figures["floor ns"][0], figures["gateway ns"][0]
         print(f"ns: gateway / floor = {g_ns / f_ns:.2f} ({g_ns:.0f} / {f_ns:.0f} opcodes per request)")
-        if "stream" in args.points:
+        if "stream" in points:
             f_tok = (figures["floor stream"][0] - f_ns) / 64
             g_tok = (figures["gateway stream"][0] - g_ns) / 64
             print(f"stream, per token above ns: gateway {g_tok:.1f}, floor {f_tok:.1f} opcodes")
     if args.top:
         for key, rows in gw_rows.items():
-            print_top(key, rows, n if key.endswith("ns") else s, args.top)
+            print_top(key, rows, s if key.endswith("stream") else n, args.top)
 
 
 def main() -> None:
@@ -149,7 +163,8 @@ def main() -> None:
     ap.add_argument("--tree", default=str(REPO), help="the gateway's checkout to count (default: this one)")
     ap.add_argument("--requests", type=int, default=1000, help="non-streaming requests per point (streams: 1/4)")
     ap.add_argument("--token-gap-ms", type=float, default=50.0)
-    ap.add_argument("--points", default="ns,stream", help="ns, stream or both (the per-token figure needs both)")
+    ap.add_argument("--points", default="ns,stream",
+                    help="ns, stream, sglang, comma-separated (the per-token figure needs ns and stream)")
     ap.add_argument("--top", type=int, default=0, help="also list the gateway's top N functions per point")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-work-") as tmp:

@@ -125,3 +125,21 @@ def test_after_an_ignored_h2c_upgrade_a_close_request_with_bytes_behind_is_still
     upgraded = first.replace(b"Host: x\r\n", b"Host: x\r\n" + H2C.encode())
     answers, raw = talk(port, upgraded + close + behind, 3)
     assert [r[0] for r in answers] == [200, 200], raw
+
+
+
+def test_client_leaving_with_a_get_pipelined_behind_a_stream_waiting_for_its_first_token(
+        sim_cluster: Callable[..., SimCluster]) -> None:
+    """A stream still waiting for its first token, with a ``GET`` pipelined behind it (a request for the ASGI app),
+    must learn that its client left. uvicorn pauses reading when it queues an ASGI cycle; the stream's cycle had
+    read its body before (its start is eager: in the callback that completed its body), so nothing resumed reading:
+    the client's EOF went unseen until the first token's write failed, seconds later."""
+    cluster = sim_cluster(prefill_args=("--engine-option", "prefill_token_s=0.15"))  # ~6 s to the first token
+    before = counts(cluster)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 4, "stream": True}).encode()
+    stream = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
+    leave_after(cluster.gateway_port, stream + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    after = wait_for(cluster, lambda c: c.get("499", 0) > before.get("499", 0), 3.0)
+    assert after.get("499", 0) == before.get("499", 0) + 1, (before, after)
+    assert after.get("200", 0) == before.get("200", 0), (before, after)
+    wait_for(cluster, lambda c: c["active"] == 0, 10.0)
