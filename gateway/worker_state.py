@@ -98,7 +98,7 @@ class WorkerState:
             self._unacked_tokens -= tokens
             self._unacked_pages -= old_pages
         if self.is_load_fresh:
-            self._recompute()
+            self._unacked_figures()
         else:
             self._own_figures()
 
@@ -156,12 +156,19 @@ class WorkerState:
             self.busy_fraction = 0.0
             self._own_figures()
             return
-        self.num_prefill_tokens = report.num_prefill_tokens + self._unacked_tokens
         self.num_running_seqs = report.num_running + report.num_transfer_seqs
+        self.busy_fraction = report.busy_fraction
+        self._unacked_figures()
+
+    def _unacked_figures(self) -> None:
+        """The view's figures that a fresh report plus the dispatches it does not include yet give (the rest stay as
+        ``_recompute`` set them: a dispatch changes only these)."""
+        report = self.report
+        assert report is not None
+        self.num_prefill_tokens = report.num_prefill_tokens + self._unacked_tokens
         self.num_waiting_seqs = report.num_waiting + len(self._unacked)
         self.num_reserved_pages = self._unacked_pages
         self.num_free_pages = max(0, report.num_free_pages - report.num_queued_pages - self._unacked_pages)
-        self.busy_fraction = report.busy_fraction
 
     def _own_figures(self) -> None:
         """The view's figures that the gateway's own counts give when no fresh report does (the rest stay
