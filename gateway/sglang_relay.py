@@ -299,8 +299,8 @@ class SGLangResponder:
         send = sent
         try:
             try:
+                exchange.check_length(self.max_body_bytes)  # (a 413 before a full queue's 429: it can never pass)
                 self.admission.check_room()  # (a full queue refuses before the body is uploaded)
-                exchange.check_length(self.max_body_bytes)
                 raw = await exchange.read_body(self.max_body_bytes, self.body_timeout_s)
                 try:
                     body = msgspec.json.decode(raw)

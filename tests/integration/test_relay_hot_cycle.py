@@ -6,8 +6,12 @@ refusals, over the stand-in SGLang workers of ``test_gateway_sglang``."""
 from __future__ import annotations
 
 import json
+import socket
+import time
+from pathlib import Path
 
-from test_gateway_sglang import Fleet, fleet  # noqa: F401 (the module's fixture)
+from pdtest import Procs, start_gateway
+from test_gateway_sglang import Fleet, fleet, start_standin  # noqa: F401 (the module's fixture)
 from test_hot_cycle import post, talk
 
 
@@ -63,3 +67,27 @@ def test_relayed_refusals_keep_their_shape_on_the_gateways_cycle(fleet: Fleet) -
     assert json.loads(b1)["error"]["type"] == "invalid_request_error" and "not valid JSON" in b1.decode()
     assert [h["x-request-id"] for h in (h1, h2, h3)] == ["bad-json", "w400", "fine"]
     assert json.loads(b3)["text"].startswith("decoded ")
+
+
+def test_a_relayed_body_declared_too_large_is_a_413_while_the_queue_is_full(tmp_path: Path) -> None:
+    """As on the native routes: a Content-Length over --max-body-bytes is a 413 at once, before the admission
+    queue is looked at (with the queue full the relay answered 429: a client told to retry what can never pass)."""
+    procs = Procs(tmp_path)
+    try:
+        prefill = start_standin(procs, "prefill", tmp_path / "prefill.jsonl")
+        decode = start_standin(procs, "decode", tmp_path / "decode.jsonl")
+        port = start_gateway(procs, "--prefill", f"http://127.0.0.1:{prefill}", "none",
+                             "--decode", f"http://127.0.0.1:{decode}", "--max-concurrent-requests", "1",
+                             "--max-queued-requests", "1", "--queue-timeout-s", "30", "--max-body-bytes", "4096")
+        waiting = post("/generate", {"text": "DECODE_WAITS holds the slot"})  # (its decode waits up to 30 s)
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as held, \
+                socket.create_connection(("127.0.0.1", port), timeout=30) as queued:
+            held.sendall(waiting)
+            time.sleep(0.5)  # (the one slot is taken)
+            queued.sendall(post("/generate", {"text": "queued behind it"}))
+            time.sleep(0.5)  # (the one queue place is taken)
+            head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            ((status, _, body),), _ = talk(port, head + b"Content-Length: 10000000\r\n\r\n", 1)
+        assert status == 413 and "exceeds 4096 bytes" in json.loads(body)["error"]["message"], (status, body)
+    finally:
+        procs.stop_all()
