@@ -66,7 +66,7 @@ from gateway.responder import (
 )
 from gateway.sglang_fleet import HttpWorker, SGLangFleet
 from gateway.sglang_routing import dispatch_cost, routing_request
-from gateway.worker_http import HttpClientError, Reply, crossed_idle_close, header_lines
+from gateway.worker_http import HttpClientError, ReadIdle, Reply, crossed_idle_close, header_lines
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
@@ -603,7 +603,6 @@ class SGLangResponder:
             figures.first_event()
         last = None  # (the newest events other than a lone [DONE]: the figures' source)
         ended = False  # its ``[DONE]`` was relayed: the answer is whole, whatever its connection does next
-        idle: asyncio.Timeout | None = None  # (expired: the decode was silent; else a TimeoutError is the request's)
         try:
             while True:
                 if events:
@@ -616,8 +615,7 @@ class SGLangResponder:
                     reply.close()  # (its bytes stop here: the decode's request is aborted, its connection not reused)
                     raise _EventTooLarge(_too_large(buffer.num_pending_bytes))
                 # (after its [DONE], the body's end is waited for only briefly: it keeps the connection reusable)
-                async with (idle := asyncio.timeout(min(idle_s, DONE_GRACE_S) if ended else idle_s)):
-                    chunk = await reply.readany()
+                chunk = await reply.readany(min(idle_s, DONE_GRACE_S) if ended else idle_s)
                 if not chunk:
                     break
                 # (the usual chunk, whole events with nothing pending, goes as it is: what ``feed`` would return)
@@ -630,7 +628,7 @@ class SGLangResponder:
                 figures.answered(_last_event(last) if last is not None else None, streamed=True)
                 return status
             timed_out = isinstance(exc, TimeoutError)
-            if timed_out and (idle is None or not idle.expired()):
+            if timed_out and not isinstance(exc, ReadIdle):
                 # The request's own deadline (the pool's ``request_timeout_s``), not a silent decode: final, and no
                 # worker's fault, as on the native path (``dispatch._request_timed_out``).
                 error: APIError = _request_timed_out(self.fleet.config.request_timeout_s)

@@ -11,10 +11,11 @@ needs (the workers' health, load and model checks keep their aiohttp session, ``
    one, else a new one while fewer than ``limit_per_host`` are open, else the first free one, waited for in
    order), the request written in one write (``Host``, ``Content-Length`` and the pool's headers added; ``asked``
    set once it has gone out), then the response head: a ``Reply`` (``status``, ``headers`` with lower-case names).
-   The body: ``await reply.read()`` (whole) or ``await reply.readany()`` (what has come, ``b""`` at its end; past
-   ``HIGH_WATER`` bytes unread the socket is not read until the caller catches up). ``reply.release()`` gives a
-   connection whose answer was read to its end (and may be kept alive) back to the pool, else closes it;
-   ``reply.close()`` closes it (how a request is aborted on the worker). ``async with reply:`` releases it.
+   The body: ``await reply.read()`` (whole) or ``await reply.readany(idle_s)`` (what has come, ``b""`` at its end,
+   ``ReadIdle`` when nothing came within ``idle_s``; past ``HIGH_WATER`` bytes unread the socket is not read until
+   the caller catches up). ``reply.release()`` gives a connection whose answer was read to its end (and may be kept
+   alive) back to the pool, else closes it; ``reply.close()`` closes it (how a request is aborted on the worker).
+   ``async with reply:`` releases it.
 3. Time: one deadline per request, ``timeout_s`` after the call (or the caller's ``deadline``, when nearer), over
    everything up to the body's end (the wait for a free connection included, as aiohttp's ``total`` timeout), and
    the connect within ``connect_timeout_s``;
@@ -68,6 +69,15 @@ class Disconnected(HttpClientError):
 
 class BadResponse(HttpClientError):
     """What the worker sent is not an HTTP/1.1 answer."""
+
+
+class ReadIdle(TimeoutError):
+    """Nothing of the body came within a read's ``idle_s`` (``Reply.readany``): the request itself goes on."""
+
+
+def _read_idle(waiter: asyncio.Future[None], idle_s: float) -> None:
+    if not waiter.done():
+        waiter.set_exception(ReadIdle(f"nothing came for {idle_s:g}s"))
 
 
 def crossed_idle_close(exc: BaseException) -> bool:
@@ -231,10 +241,11 @@ class Reply:
         self._size = 0
         return data
 
-    async def readany(self) -> bytes:
-        """What has come of the body since the last read (waiting for some); ``b""`` at its end."""
+    async def readany(self, idle_s: float | None = None) -> bytes:
+        """What has come of the body since the last read (waiting for some); ``b""`` at its end. ``idle_s``: at most
+        that long a wait for it, else ``ReadIdle`` (the request and its connection go on)."""
         while not self._buffer and not self.ended:
-            await self._wait()
+            await self._wait(idle_s)
         if self._buffer:
             data = self._buffer[0] if len(self._buffer) == 1 else b"".join(self._buffer)
             self._buffer.clear()
@@ -283,11 +294,16 @@ class Reply:
         self.release()
 
     # -- the connection's side ----------------------------------------------------------------------
-    async def _wait(self) -> None:
-        waiter = self._waiter = self._conn.pool.loop.create_future()
+    async def _wait(self, idle_s: float | None = None) -> None:
+        loop = self._conn.pool.loop
+        waiter = self._waiter = loop.create_future()
+        # (a timer per wait, not ``asyncio.timeout``'s context: a relayed stream waits once per event)
+        timer = None if idle_s is None else loop.call_later(idle_s, _read_idle, waiter, idle_s)
         try:
             await waiter
         finally:
+            if timer is not None:
+                timer.cancel()
             if self._waiter is waiter:  # (not a newer read's, begun as this one was cancelled)
                 self._waiter = None
 

@@ -13,7 +13,8 @@ the opcodes and Python calls per request, then the gateway's figures against the
   "per token above ns" = (stream - ns) / 64 as the µs/token goal figure is made;
 - ``sglang`` (only when asked): chat, 16 tokens, 64 concurrent, non-streaming, through the SGLang relay
   (``gateway/sglang_relay.py``) to a sim prefill + decode's SGLang HTTP side at zero model cost (the
-  workers' own Python is not counted).
+  workers' own Python is not counted); ``sglang-stream``: the same streamed, 64 tokens at the sim's own pace
+  (one event per token), "per event above sglang" as the per-token figure is made.
 
 An opcode is not a fixed cost (a call or an allocation costs more than a local load), so the figures
 rank work and compare versions; the timed figures are ``bench_stack.py``'s and ``bench_ab.py``'s.
@@ -112,7 +113,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
         start_counted(stack, "gw-stream", outs["gw-stream"], tree, "-m", "gateway.cli", *prefills,
                       "--decode", stack.url("decode-gap-0"), "--decode", stack.url("decode-gap-1"))
         gateways = ["gw", "gw-stream"]
-        if "sglang" in points:  # sim workers, through their SGLang HTTP side
+        if points & {"sglang", "sglang-stream"}:  # sim workers, through their SGLang HTTP side
             boot = start_bootstrap(stack.procs)
             sims = {role: start_worker(stack.procs, role, *SIM_OPTIONS, bootstrap=boot, name=f"sim-{role}")
                     for role in ("prefill", "decode")}
@@ -132,15 +133,17 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
                                                     ("gateway ns", "gw", False, 16, n),
                                                     ("floor stream", "floor", True, 64, s),
                                                     ("gateway stream", "gw-stream", True, 64, s),
-                                                    ("gateway sglang", "gw-http", False, 16, n)):
+                                                    ("gateway sglang", "gw-http", False, 16, n),
+                                                    ("gateway sglang-stream", "gw-http", True, 64, s)):
             if key.split()[1] not in points:
                 continue
-            rows = await count(stack, name, outs[name], stream, tokens, requests, stagger if stream else 0.0)
+            rows = await count(stack, name, outs[name], stream, tokens, requests,
+                               stagger if stream and name != "gw-http" else 0.0)
             figures[key] = per_request(rows, requests)
             if name.startswith("gw"):
                 gw_rows[key] = rows
             ops, calls = figures[key]
-            print(f"{key:15} {ops:9.0f} opcodes/request {calls:7.1f} Python calls/request  ({requests} requests)",
+            print(f"{key:22} {ops:9.0f} opcodes/request {calls:7.1f} Python calls/request  ({requests} requests)",
                   flush=True)
     finally:
         stack.procs.stop_all()
@@ -152,6 +155,9 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
             f_tok = (figures["floor stream"][0] - f_ns) / 64
             g_tok = (figures["gateway stream"][0] - g_ns) / 64
             print(f"stream, per token above ns: gateway {g_tok:.1f}, floor {f_tok:.1f} opcodes")
+    if {"sglang", "sglang-stream"} <= points:
+        per_event = (figures["gateway sglang-stream"][0] - figures["gateway sglang"][0]) / 64
+        print(f"sglang-stream, per event above sglang: {per_event:.1f} opcodes")
     if args.top:
         for key, rows in gw_rows.items():
             print_top(key, rows, s if key.endswith("stream") else n, args.top)
@@ -164,7 +170,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1000, help="non-streaming requests per point (streams: 1/4)")
     ap.add_argument("--token-gap-ms", type=float, default=50.0)
     ap.add_argument("--points", default="ns,stream",
-                    help="ns, stream, sglang, comma-separated (the per-token figure needs ns and stream)")
+                    help="ns, stream, sglang, sglang-stream, comma-separated (the per-token figures need both "
+                         "of their pair)")
     ap.add_argument("--top", type=int, default=0, help="also list the gateway's top N functions per point")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-work-") as tmp:

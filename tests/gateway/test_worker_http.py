@@ -28,6 +28,7 @@ from gateway.worker_http import (
     Disconnected,
     HttpClientError,
     HttpPool,
+    ReadIdle,
     Reply,
     crossed_idle_close,
 )
@@ -650,6 +651,33 @@ def test_body_stopping_midway_is_timeout_error(run, how):
             await server.peers[0].eof.wait()
             reply.release()
             assert pool.num_idle() == 0
+
+    run(main)
+
+
+def test_readany_idle_s_is_read_idle_and_the_answer_goes_on(run):
+    """``readany(idle_s)``: a wait longer than ``idle_s`` raises ``ReadIdle`` (a ``TimeoutError``, not the request's
+    deadline: the answer and its connection go on, what comes later is read, and the connection is kept)."""
+    go_on = asyncio.Event()
+
+    async def handler(peer: Peer) -> None:
+        await peer.read_request()
+        peer.send(b"HTTP/1.1 200 OK\r\ncontent-length: 8\r\n\r\npart")
+        await go_on.wait()
+        peer.send(b"more")
+        await peer.read_request()  # (the connection is kept: nothing more comes on it)
+
+    async def main() -> None:
+        async with Server(handler) as server, pooled(timeout_s=10) as pool:
+            reply = await pool.post(server.url(), b"q")
+            assert await reply.readany(0.05) == b"part"
+            with pytest.raises(ReadIdle):
+                await reply.readany(0.05)
+            go_on.set()
+            assert await reply.readany(5) == b"more"
+            assert await reply.readany(5) == b""
+            reply.release()
+            assert pool.num_idle() == 1
 
     run(main)
 
