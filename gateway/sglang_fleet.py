@@ -92,7 +92,7 @@ PROBE_CONNECTIONS_PER_WORKER = 4  # the checks' own pool (health, loads, model):
 # workers' HTTP side): one kept longer is closed by the worker, and a request sent on it as its close crosses the
 # request on the wire fails (``worker_http.Disconnected``). That is not enough alone: a worker may keep connections
 # less long (``--http-keep-alive-timeout-s``) or close an idle one at any age (its connection cap), so such a
-# request is sent once more on a fresh connection (``crossed_idle_close``, ``SGLangFleet.fresh``).
+# request is sent once more on a fresh connection (``crossed_idle_close``; ``HttpPool.post(fresh=True)``).
 WORKER_KEEPALIVE_S = 4.0
 
 
@@ -195,11 +195,11 @@ class SGLangFleet:
         self.config = config or RelayConfig()
         self.model_name: str | None = None
         self.tokenizer: Tokenizer | None = None  # --tokenizer: prompts tokenized for routing only
-        self.pool: HttpPool | None = None  # the relayed requests' keep-alive connections
-        # A request that crossed a worker's close of its idle pooled connection goes again on a connection of its
-        # own (``crossed_idle_close``): not from the pool, where more the worker closed may wait (a keep-alive
-        # ending closes every connection idle as long; a restart, all of them). Used for nothing else.
-        self.fresh: HttpPool | None = None
+        # The relayed requests' keep-alive connections. A request that crossed a worker's close of its idle pooled
+        # connection goes again on a new connection (``crossed_idle_close``, ``post(fresh=True)``): none of the idle
+        # ones, where more the worker closed may wait (a keep-alive ending closes every connection idle as long; a
+        # restart, all of them), but within the pool's limit per worker.
+        self.pool: HttpPool | None = None
         # The workers' health, load and model checks: a pool of their own, so that they never wait for a
         # connection behind relayed requests (a worker with its pool full of streams failed its probes).
         self._checks: aiohttp.ClientSession | None = None
@@ -224,10 +224,8 @@ class SGLangFleet:
         if cfg.worker_api_key:
             headers["Authorization"] = f"Bearer {cfg.worker_api_key}"
         posts = {**headers, "Content-Type": "application/json"}  # (the relay's requests: the client's JSON body)
-        self.pool, self.fresh = (
-            HttpPool(limit_per_host=cfg.max_connections_per_worker, timeout_s=cfg.request_timeout_s,
-                     connect_timeout_s=cfg.connect_timeout_s, keepalive_s=WORKER_KEEPALIVE_S, headers=posts,
-                     reuse=reuse) for reuse in (True, False))
+        self.pool = HttpPool(limit_per_host=cfg.max_connections_per_worker, timeout_s=cfg.request_timeout_s,
+                             connect_timeout_s=cfg.connect_timeout_s, keepalive_s=WORKER_KEEPALIVE_S, headers=posts)
         self._checks = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=PROBE_CONNECTIONS_PER_WORKER,
                                            keepalive_timeout=WORKER_KEEPALIVE_S),
@@ -315,9 +313,8 @@ class SGLangFleet:
             if worker.is_up:
                 worker.is_up = False
                 self.router.worker_removed(worker.state)
-        for pool in (self.pool, self.fresh):
-            if pool is not None:
-                pool.close()
+        if self.pool is not None:
+            self.pool.close()
         if self._checks is not None:
             await self._checks.close()
 

@@ -818,7 +818,7 @@ async def _open(fleet: SGLangFleet, worker: HttpWorker, url: str, data: bytes, h
     On a pooled connection; one that crossed the worker's close of that idle connection (``crossed_idle_close``:
     the worker never read it) is sent once more, on a fresh connection, and only that one's failure is the
     worker's."""
-    assert fleet.pool is not None and fleet.fresh is not None
+    assert fleet.pool is not None
     try:
         return await fleet.pool.post(url, data, headers, asked, ends_at)
     except HttpClientError as exc:
@@ -827,7 +827,7 @@ async def _open(fleet: SGLangFleet, worker: HttpWorker, url: str, data: bytes, h
         worker.num_resent += 1
         log.debug("SGLang %s worker %s closed the idle connection a request went out on (%s: %s); sent again on a "
                   "fresh one", worker.role, worker.url, type(exc).__name__, exc)
-    return await fleet.fresh.post(url, data, headers, asked, ends_at)
+    return await fleet.pool.post(url, data, headers, asked, ends_at, fresh=True)
 
 
 def _failure(task: asyncio.Task[_PrefillReply], worker: HttpWorker) -> _Failure | None:

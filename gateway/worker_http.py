@@ -382,18 +382,20 @@ class HttpPool:
         return sum(len(origin.idle) for origin in self._by_key.values())
 
     async def post(self, url: str, data: bytes, headers: Mapping[str, str] | bytes | None = None,
-                   asked: asyncio.Future[None] | None = None, deadline: float | None = None) -> Reply:
+                   asked: asyncio.Future[None] | None = None, deadline: float | None = None, *,
+                   fresh: bool = False) -> Reply:
         """POST ``data`` to ``url``: the answer once its head has come (see the module doc). ``headers``: besides the
         pool's, as a mapping or as ``header_lines`` made them (for several requests); ``asked`` is set once the
         request has gone out on a connection; ``deadline`` (loop time), when nearer than ``timeout_s`` from now, is
-        the request's (a caller's own deadline over several attempts)."""
+        the request's (a caller's own deadline over several attempts); ``fresh``: on a new connection, none of the
+        idle ones (within ``limit_per_host`` all the same: at the limit, the oldest idle one is closed for it)."""
         loop = self.loop
         deadline = loop.time() + self.timeout_s if deadline is None else min(deadline, loop.time() + self.timeout_s)
         origin, path = self._origin(url)
         lines = headers if isinstance(headers, bytes) else header_lines(headers) if headers else b""
         request = b"POST %s HTTP/1.1\r\nhost: %s\r\n%b%bcontent-length: %d\r\n\r\n%b" % (
             path, origin.host_header, self._fixed, lines, len(data), data)
-        conn = await self._acquire(origin, deadline)
+        conn = await self._acquire(origin, deadline, fresh)
         reply = conn.reply = Reply(conn, deadline)
         try:
             transport = conn.transport
@@ -454,23 +456,27 @@ class HttpPool:
             self._origins[url] = (origin, path)
         return origin, path
 
-    async def _acquire(self, origin: _Origin, deadline: float) -> _Connection:
+    async def _acquire(self, origin: _Origin, deadline: float, fresh: bool = False) -> _Connection:
         loop = self.loop
         woken = False  # (a waiter woken for a connection that another took first keeps its place: the head of the line)
         while True:
             if self._closed:
                 raise ConnectFailed("the gateway is closing its connections to the workers")
             idle = origin.idle
-            while idle:
-                conn = idle.pop()  # (the freshest: the least likely to meet its keep-alive's end)
-                if conn.is_lost or conn.transport is None or conn.transport.is_closing() \
-                        or loop.time() - conn.idle_since >= self.keepalive_s:
-                    conn.close()
-                    continue
-                conn.reused = True
-                if self.on_reuse is not None:
-                    await self.on_reuse(conn.transport)
-                return conn
+            if fresh:
+                if idle and origin.num_open >= self.limit_per_host:
+                    idle[0].close()  # (the oldest: room for a new one; ``_gone`` takes it off the list)
+            else:
+                while idle:
+                    conn = idle.pop()  # (the freshest: the least likely to meet its keep-alive's end)
+                    if conn.is_lost or conn.transport is None or conn.transport.is_closing() \
+                            or loop.time() - conn.idle_since >= self.keepalive_s:
+                        conn.close()
+                        continue
+                    conn.reused = True
+                    if self.on_reuse is not None:
+                        await self.on_reuse(conn.transport)
+                    return conn
             if origin.num_open < self.limit_per_host:
                 return await self._connect(origin, deadline)
             waiter = loop.create_future()

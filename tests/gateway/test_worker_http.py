@@ -495,6 +495,34 @@ def test_reuse_false_opens_and_closes_a_connection_per_request(run):
     run(main)
 
 
+@pytest.mark.parametrize("limit", [1, 2])
+def test_fresh_post_takes_no_idle_connection_and_stays_within_the_limit(run, limit):
+    """``post(fresh=True)`` (the relay's resend after a crossed idle close) goes out on a new connection, not the idle
+    one; at the limit, the oldest idle connection is closed for it (a pool of its own could open as many again)."""
+    async def main() -> None:
+        async with Server(echo) as server, pooled(limit_per_host=limit) as pool:
+            assert await post_read(pool, server.url(), b"one") == b"one"
+            assert pool.num_idle() == 1
+            open_at_write = []
+
+            async def count(_transport: Any, reused: bool) -> None:
+                assert not reused
+                open_at_write.append(sum(origin.num_open for origin in pool._by_key.values()))
+
+            pool.before_write = count
+            async with await pool.post(server.url(), b"two", fresh=True) as reply:
+                assert await reply.read() == b"two"
+            assert [[request.body for request in peer.requests] for peer in server.peers] == [[b"one"], [b"two"]]
+            if limit == 1:
+                await server.peers[0].eof.wait()  # (closed for the new one)
+                assert pool.num_idle() == 1
+            else:
+                assert not server.peers[0].eof.is_set() and pool.num_idle() == 2
+            assert open_at_write == [limit]  # (the new one and, below the limit, the idle one kept)
+
+    run(main)
+
+
 # -- the per-host limit -----------------------------------------------------------------------------------------
 
 
