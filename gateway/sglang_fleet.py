@@ -9,16 +9,16 @@ Lifecycle:
    ``unhealthy_after`` failures, healthy after ``healthy_after`` passes; the router hears joins and
    leaves. After each passed probe, ``GET /v1/loads`` (where the worker serves it) becomes the
    worker's load report for the policies. The served model name is the first worker's
-   ``/get_model_info`` (``served_model_name`` or ``model_path``). A second pool (``fresh``, a new
-   connection per request) carries only the requests sent again because they crossed a worker's close of
-   the idle pooled connection they went out on (``crossed_idle_close``).
+   ``/get_model_info`` (``served_model_name`` or ``model_path``). A request sent again because it crossed a
+   worker's close of the idle pooled connection it went out on (``crossed_idle_close``) goes on a new connection
+   of the same pool, within its limit per worker (``HttpPool.post(fresh=True)``).
 2. ``select()`` gives the requests of ``gateway/sglang_relay.py`` a (prefill, decode) pair from the
    router's policies, over ``HttpWorker.state`` views (the gateway's own open requests on top).
 3. ``add(url, role, bootstrap_port)`` / ``remove(url, drain_timeout_s)`` (the admin API): a worker added
    gets its probe (selectable once it passes); one removed leaves selection at once, and once its open
    requests end (or the drain timeout passes: they go on, their connections are not cut) its probe
    stops and the router forgets it.
-4. ``aclose()``: stop the probes, close the pools and the session.
+4. ``aclose()``: stop the probes, close the pool and the session.
 """
 
 from __future__ import annotations

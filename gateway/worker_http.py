@@ -6,7 +6,7 @@ aiohttp's own Python was about a third of the gateway's CPU on that path (py-spy
 needs (the workers' health, load and model checks keep their aiohttp session, ``gateway/sglang_fleet.py``):
 
 1. ``HttpPool(limit_per_host, timeout_s, connect_timeout_s, headers, keepalive_s)``; ``reuse=False`` makes one that
-   opens a connection per request and closes it after (the fleet's ``fresh`` pool).
+   opens a connection per request and closes it after.
 2. ``await pool.post(url, data, headers, asked=future)``: a connection to the URL's origin (the most recently idle
    one, else a new one while fewer than ``limit_per_host`` are open, else the first free one, waited for in
    order), the request written in one write (``Host``, ``Content-Length`` and the pool's headers added; ``asked``
@@ -23,8 +23,8 @@ needs (the workers' health, load and model checks keep their aiohttp session, ``
 4. Failures (all ``HttpClientError``, an ``OSError``): ``ConnectFailed`` (no connection), ``Disconnected`` (the
    connection broke: ``answered`` once any byte of an answer had come, ``reused`` when it went out on a pooled
    connection), ``BadResponse`` (not HTTP). ``crossed_idle_close`` tells a request that met the worker's close
-   of the idle connection it went out on: the worker never read it, so the relay sends it again once on
-   ``fresh``.
+   of the idle connection it went out on: the worker never read it, so the relay sends it again once, on a new
+   connection (``post(fresh=True)``).
 5. Idle connections are closed after ``keepalive_s`` (one timer per pool, only while some are idle), when the
    worker closes them, or when the worker sends anything unasked on them.
 Event loop only. A response may be framed by ``Content-Length``, chunked (httptools undoes the chunks) or end with
