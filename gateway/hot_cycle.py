@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -61,6 +62,10 @@ _JSON_HEAD = b"content-type: application/json\r\n"
 _SSE_HEAD_CLOSE = b"".join(b"%s: %s\r\n" % pair for pair in SSE_HEADERS)
 _SSE_HEAD = _SSE_HEAD_CLOSE + b"transfer-encoding: chunked\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
+# What a response header given to ``send`` must not hold (it would end the line or the head early): in a name, a
+# control character, a separator or a space (RFC 9110's token); in a value, a control character but a tab.
+_BAD_NAME = re.compile(rb'[\x00-\x20\x7f()<>@,;:\\"/\[\]?={}]')
+_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 def _noop() -> None:
@@ -290,6 +295,9 @@ class HotCycle:
             if self.response_started:
                 raise RuntimeError("the response has already started")
             headers = [(name.lower(), value) for name, value in message.get("headers", ())]
+            if _BAD_NAME.search(b"".join(name for name, _ in headers)) \
+                    or _BAD_VALUE.search(b"".join(value for _, value in headers)):
+                raise RuntimeError(f"a response header name or value holds a forbidden character: {headers!r}")
             framed = any(name == b"content-length" for name, _ in headers)
             if not framed:  # (the framing is ours: an application's transfer-encoding is not passed on)
                 headers = [pair for pair in headers if pair[0] != b"transfer-encoding"]

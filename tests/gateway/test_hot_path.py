@@ -1200,3 +1200,33 @@ def test_a_half_open_breaker_closes_on_its_trials_not_on_an_old_stream() -> None
         assert breaker.state is BreakerState.CLOSED and breaker.failures == 0
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("headers", [
+    [(b"content-type", b"text/plain\r\nset-cookie: x=1")], [(b"x-bad header", b"v")], [(b"x-nul", b"a\x00b")],
+    [(b"content-type:", b"text/plain")],
+])
+def test_the_hot_cycles_asgi_send_refuses_a_header_that_would_break_the_head(
+        headers: list[tuple[bytes, bytes]]) -> None:
+    """``HotCycle.send`` (the SGLang relay's ASGI messages) writes a response head from the caller's headers: one whose
+    name or value holds a line break, a control character or (in a name) a separator is refused before anything is
+    written, as uvicorn's ``send`` refuses it; the cycle's own 500 then goes out (``run_asgi``)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from gateway.hot_cycle import HotCycle
+
+    writes: list[bytes] = []
+    transport = SimpleNamespace(write=writes.append, is_closing=lambda: False)
+    protocol = SimpleNamespace(transport=transport, loop=None, flow=SimpleNamespace(write_paused=False),
+                               server_state=SimpleNamespace(default_headers=[]), on_response_complete=lambda: None)
+    hot = HotCycle(protocol, None, None, "/generate", [], True, False)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="forbidden character"):
+        asyncio.run(hot.send({"type": "http.response.start", "status": 200, "headers": headers}))
+    assert writes == [] and not hot.response_started
+    good = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"x-accel-buffering", b"no")]
+    asyncio.run(hot.send({"type": "http.response.start", "status": 200, "headers": good}))
+    asyncio.run(hot.send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": False}))
+    head, _, body = b"".join(writes).partition(b"\r\n\r\n")
+    assert b"content-type: text/event-stream; charset=utf-8\r\n" in head and b"transfer-encoding: chunked" in head
+    assert body == b"9\r\ndata: 1\n\n\r\n0\r\n\r\n" and hot.response_complete
