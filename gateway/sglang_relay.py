@@ -269,11 +269,15 @@ class SGLangResponder:
         self.admission, self.metrics, self.max_body_bytes = admission, metrics, max_body_bytes
         self.body_timeout_s = body_timeout_s
         self._background: set[asyncio.Task[_PrefillReply]] = set()  # prefill replies trailing an answer
+        self._counters: dict[int, Any] = {}  # status -> the route's request counter child
 
     def count(self, status: int) -> None:
         """Count one request of this route (``pd_gateway_requests_total``), also one the HTTP protocol answered or
-        closed before it started."""
-        self.metrics.requests.labels(self.route, str(status)).inc()
+        closed before it started (the counter's child per status kept, as ``Responder._count`` keeps it)."""
+        counter = self._counters.get(status)
+        if counter is None:
+            counter = self._counters[status] = self.metrics.requests.labels(self.route, str(status))
+        counter.inc()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Over ASGI: another method than ``POST`` (the gateway's own cycle takes ``POST``s alone), or an app
@@ -426,13 +430,13 @@ class SGLangResponder:
         p_task.add_done_callback(lambda task: _prefill_done(task, prefill, p_rid, metrics))
         answered = False
         try:
-            await _first_done(loop, p_task, d_task, deadline)
+            await _first_done(loop, deadline, p_task, d_task)
             if p_task.done() and not d_task.done():
                 failure = _failure(p_task, prefill)
                 if failure is not None:  # the prefill failed first: the decode would wait for KV in vain
                     d_task.cancel()
                     return await self._failed(failure, send)
-                await _first_done(loop, d_task, d_task, deadline)
+                await _first_done(loop, deadline, d_task)
             decode_reply_or_failure: Reply | _Failure | None = _answered(d_task)
             if decode_reply_or_failure is None:  # (not done, failed, or not a 2xx: its body is read within the wait)
                 try:  # (``timeout_at``, not ``wait_for``: on Python 3.11 that can lose the client's leaving, gh-86296)
@@ -618,8 +622,7 @@ class SGLangResponder:
                 chunk = await reply.readany(min(idle_s, DONE_GRACE_S) if ended else idle_s)
                 if not chunk:
                     break
-                # (the usual chunk, whole events with nothing pending, goes as it is: what ``feed`` would return)
-                events = chunk if not buffer.num_pending_bytes and chunk.endswith(b"\n\n") else buffer.feed(chunk)
+                events = buffer.feed(chunk)
         except (HttpClientError, TimeoutError, _EventTooLarge) as exc:
             if ended:  # (broken or silent after its [DONE]: no error event after the end, no failure of the decode's)
                 log.debug("%s: the SGLang decode worker's stream did not end cleanly after its [DONE]: %r",
@@ -846,11 +849,10 @@ def _failure(task: asyncio.Task[_PrefillReply], worker: HttpWorker) -> _Failure 
                     reply.retry_after_s)
 
 
-async def _first_done(loop: asyncio.AbstractEventLoop, one: asyncio.Future[Any], other: asyncio.Future[Any],
-                      deadline: float) -> None:
-    """Until ``one`` or ``other`` is done, or loop time ``deadline`` (``asyncio.wait``'s ``FIRST_COMPLETED``, without
+async def _first_done(loop: asyncio.AbstractEventLoop, deadline: float, *futures: asyncio.Future[Any]) -> None:
+    """Until one of ``futures`` is done, or loop time ``deadline`` (``asyncio.wait``'s ``FIRST_COMPLETED``, without
     its sets, its timer and its waiter's bookkeeping: twice per relayed request)."""
-    if one.done() or other.done():
+    if any(future.done() for future in futures):
         return
     waiter = loop.create_future()
 
@@ -858,15 +860,15 @@ async def _first_done(loop: asyncio.AbstractEventLoop, one: asyncio.Future[Any],
         if not waiter.done():
             waiter.set_result(None)
 
-    one.add_done_callback(wake)
-    other.add_done_callback(wake)
+    for future in futures:
+        future.add_done_callback(wake)
     timer = loop.call_at(deadline, wake, None)
     try:
         await waiter
     finally:
         timer.cancel()
-        one.remove_done_callback(wake)
-        other.remove_done_callback(wake)
+        for future in futures:
+            future.remove_done_callback(wake)
 
 
 def _answered(task: asyncio.Task[Reply]) -> Reply | None:
