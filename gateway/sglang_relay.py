@@ -595,7 +595,7 @@ class SGLangResponder:
         broken off, ``NO_VERDICT`` for one cut by the request's own timeout (the client's status is the head's)."""
         content_type = reply.headers.get("content-type", "text/event-stream")
         await send({"type": "http.response.start", "status": reply.status,
-                    "headers": [(b"content-type", content_type.encode()), (b"cache-control", b"no-cache"),
+                    "headers": [(b"content-type", content_type.encode("latin-1")), (b"cache-control", b"no-cache"),
                                 (b"x-accel-buffering", b"no")]})
         idle_s = self.fleet.config.read_timeout_s
         # (the head is out: the prefill's reply is waited for no longer than a gap between events)
@@ -988,5 +988,5 @@ def _merge_events(prefill_logprobs: LogprobsByItem, events: bytes) -> bytes:
 
 async def _send_whole(send: Send, status: int, content_type: str, data: bytes) -> None:
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", content_type.encode()), (b"content-length", b"%d" % len(data))]})
+                "headers": [(b"content-type", content_type.encode("latin-1")), (b"content-length", b"%d" % len(data))]})
     await send({"type": "http.response.body", "body": data})
