@@ -163,9 +163,9 @@ def test_event_sink_slide_fires_idle_s_after_the_last_progress(make_loop) -> Non
         assert len(wheel_of(loop)) == 0
 
         capped = EventSink()
+        start = loop.time()  # (before the deadline is set: a process descheduled in between reads no early firing)
         capped.cap_in(0.1)
         capped.slide(10.0)
-        start = loop.time()
         getter = asyncio.ensure_future(capped.get())
         await asyncio.sleep(0.05)
         capped.active = loop.time()  # (progress does not move it past the cap)
@@ -176,8 +176,8 @@ def test_event_sink_slide_fires_idle_s_after_the_last_progress(make_loop) -> Non
 
         fixed = EventSink()  # set_deadline ends the sliding: progress no longer moves it
         fixed.slide(10.0)
-        fixed.set_deadline(0.1)
         start = loop.time()
+        fixed.set_deadline(0.1)
         getter = asyncio.ensure_future(fixed.get())
         await asyncio.sleep(0.05)
         fixed.active = loop.time()
