@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
@@ -100,6 +101,18 @@ class Prepared:
     max_tokens_param: str = "max_tokens"  # what the client called the budget (chat: or ``max_completion_tokens``)
     prompt_param: str = "prompt"  # what the client called the prompt (a worker's refusal of its token ids)
     echo_fields: dict[str, Any] | None = None  # /v1/responses: the request's fields its response repeats
+
+    @classmethod
+    def plain(cls, input_ids: list[int], params: SamplingParams, n: int, stream: bool, want_logprobs: bool,
+              keep_stop: bool, max_tokens_param: str) -> Prepared:
+        """A plain chat request's (``Frontend.prepare_chat``): no stop strings, usage, tools..., the prompt called
+        "messages"; every other field its default, which the dataclass keeps on the class (its ``__init__`` would
+        store each of them again, per request)."""
+        prep = cls.__new__(cls)
+        prep.input_ids, prep.params, prep.n, prep.stops, prep.stream = input_ids, params, n, [], stream
+        prep.include_usage, prep.want_logprobs, prep.keep_stop = False, want_logprobs, keep_stop
+        prep.max_tokens_param, prep.prompt_param = max_tokens_param, "messages"
+        return prep
 
     def logprob_start_of(self, choice: int) -> int:
         return self.logprob_starts[choice // self.per_prompt] if self.logprob_starts else 0
@@ -259,6 +272,19 @@ class Frontend:
         prompt = capacity() if capacity is not None else None
         return min(usable, prompt + 1) if prompt else usable  # (its longest prompt, and one token to generate)
 
+    def _default_budget(self, input_ids: list[int], room: int, min_tokens: int, default_max: int | None) -> int:
+        """A request's budget when it sets none (``_params``): ``default_max`` (else ``--default-max-tokens``), at
+        least ``min_tokens``, cut to the ``room`` the context leaves."""
+        budget_room = room
+        context = getattr(self.dispatcher, "prefill_context", None)
+        for pool in (self._decode_capacity(), context(len(input_ids)) if context is not None else None):
+            if pool is not None and pool - len(input_ids) >= max(min_tokens, 1):
+                # (also what the largest decode's KV pool holds, as SGLang's scheduler cuts it, and the longest
+                # context of a prefill that takes the prompt: a budget the client did not set is no reason for
+                # a 400 or a 503; a prompt no pool holds is the dispatcher's 400)
+                budget_room = min(budget_room, pool - len(input_ids))
+        return min(max(default_max or self.default_max_tokens, min_tokens), budget_room)
+
     def _params(self, req: Any, input_ids: list[int], max_tokens: int | None, logprobs: bool,
                 top_logprobs: int, prefix: str = "", *, prompt: str = "prompt",
                 max_tokens_name: str = "max_tokens", default_max: int | None = None,
@@ -278,15 +304,7 @@ class Frontend:
             if min_tokens > room:
                 raise BadRequest(f"{name} ({min_tokens}) + prompt ({len(input_ids)} tokens) exceeds the context "
                                  f"length {self.max_context}", param=prefix + name, code="context_length_exceeded")
-            budget_room = room
-            context = getattr(self.dispatcher, "prefill_context", None)
-            for pool in (self._decode_capacity(), context(len(input_ids)) if context is not None else None):
-                if pool is not None and pool - len(input_ids) >= max(min_tokens, 1):
-                    # (also what the largest decode's KV pool holds, as SGLang's scheduler cuts it, and the longest
-                    # context of a prefill that takes the prompt: a budget the client did not set is no reason for
-                    # a 400 or a 503; a prompt no pool holds is the dispatcher's 400)
-                    budget_room = min(budget_room, pool - len(input_ids))
-            max_tokens = min(max(default_max or self.default_max_tokens, min_tokens), budget_room)
+            max_tokens = self._default_budget(input_ids, room, min_tokens, default_max)
         if max_tokens > room:  # (ranges of single fields are checked by the decoder: gateway/api_models.py)
             raise BadRequest(f"{max_tokens_name} ({max_tokens}) + prompt ({len(input_ids)} tokens) exceeds the "
                              f"context length {self.max_context}", param=prefix + max_tokens_name,
@@ -321,7 +339,67 @@ class Frontend:
         )
         return params, stops
 
+    def _plain_params(self, req: ChatCompletionRequest, input_ids: list[int], max_tokens: int | None,
+                      logprobs: bool, max_tokens_name: str) -> SamplingParams:
+        """``_params`` for a plain chat request (``prepare_chat``: none of ``_PLAIN_CHAT_UNSET`` set, so no
+        ``min_tokens``, stop strings or tokens, logit bias, penalties, ``stream_options`` nor ``top_logprobs``): the
+        same checks and ``SamplingParams``, those fields left at their defaults."""
+        if not input_ids:
+            raise BadRequest("the prompt is empty", param="messages")
+        room = self.max_context - len(input_ids)
+        if room <= 0:
+            raise BadRequest(f"the prompt has {len(input_ids)} tokens; the context length is {self.max_context}",
+                             param="messages", code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = self._default_budget(input_ids, room, 0, None)
+        elif max_tokens > room:  # (a default budget is cut to the room)
+            raise BadRequest(f"{max_tokens_name} ({max_tokens}) + prompt ({len(input_ids)} tokens) exceeds the "
+                             f"context length {self.max_context}", param=max_tokens_name,
+                             code="context_length_exceeded")
+        elif max_tokens < 0:  # (``_params``' check of min_tokens, 0 here; never a decoded body's: ``Count``)
+            raise BadRequest(f"min_tokens (0) must not exceed max_tokens ({max_tokens})", param="min_tokens")
+        top_p = 1.0 if req.top_p is None else req.top_p
+        top_k = req.top_k or -1  # (0 is off, as in vLLM)
+        if top_p == 0.0:  # the nucleus of the most probable token alone (OpenAI accepts 0; vLLM with greedy)
+            top_p, top_k = 1.0, 1
+        return SamplingParams(
+            max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature, top_p=top_p,
+            top_k=top_k, min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed, ignore_eos=bool(req.ignore_eos),
+            logprobs=logprobs,
+            # (given as ``_params`` gives them: omit_defaults leaves out only the default's own float object, and
+            # the worker's message is then the same bytes)
+            presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
+
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+        # A plain chat (the common request: none of the fields below set, each message a string of a role
+        # without markup) passes every check but the model's, the context's and the template's: it is prepared
+        # without them; any other takes the whole way (``_prepare_chat``), which answers as it always has.
+        if _PLAIN_CHAT_FIELDS(req) == _PLAIN_CHAT_UNSET and req.messages:
+            model = req.model
+            if model is not None and model != self.model_name and model != "default" and not self.any_model:
+                self._check_model(model)  # (its 404)
+            messages = []
+            for message in req.messages:
+                role, content = message.role, message.content
+                if role not in _PLAIN_ROLES or type(content) is not str or _MESSAGE_EXTRAS(message) != _NO_EXTRAS:
+                    return self._prepare_chat(req)
+                messages.append({"role": role, "content": content})
+            try:
+                input_ids = self.tokenizer.apply_chat_template(messages)
+            except (ValueError, TypeError, TemplateError) as exc:  # (as ``_prepare_chat``)
+                raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from None
+            max_tokens = req.max_completion_tokens
+            if max_tokens is None:
+                named, max_tokens = "max_tokens", req.max_tokens
+            else:
+                named = "max_completion_tokens"
+            logprobs = bool(req.logprobs)
+            params = self._plain_params(req, input_ids, max_tokens, logprobs, named)
+            return Prepared.plain(input_ids, params, req.n or 1, bool(req.stream), logprobs,
+                                  bool(req.include_stop_str_in_output), named)
+        return self._prepare_chat(req)
+
+    def _prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self._check_model(req.model)
         reject_unsupported(req, CHAT_RULES)
         if req.top_logprobs and not req.logprobs:  # (OpenAI's and vLLM's rule; silently none otherwise)
@@ -470,10 +548,12 @@ class Frontend:
 
     # -- running choices ---------------------------------------------------------------------
     def _choice(self, prep: Prepared, index: int = 0) -> ChoiceState:
-        params = prep.params
+        params, tokenizer = prep.params, self.tokenizer
         stop_tokens = (params.stop_token_ids,) if params.ignore_eos else (params.stop_token_ids,
-                                                                          self.tokenizer.eos_token_ids)
-        return ChoiceState(index, self.tokenizer, prep.stops, prep.want_logprobs, prep.decode_context(index),
+                                                                          tokenizer.eos_token_ids)
+        # (one prompt: ``decode_context`` without its calls)
+        context = prep.decode_context(index) if prep.batch else prep.input_ids[-DECODE_CONTEXT_TOKENS:]
+        return ChoiceState(index, tokenizer, prep.stops, prep.want_logprobs, context,
                            params.min_new_tokens, prep.keep_stop, stop_tokens, prep.skip_special)
 
     async def complete_one(self, prep: Prepared) -> ChoiceState:
@@ -581,6 +661,26 @@ class Frontend:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# A chat request's fields that only a request beyond a plain chat sets (``Frontend.prepare_chat``): the unsupported
+# ones (``CHAT_RULES``), the structured output (``grammar_for``'s), tools, template options, SGLang's PD fields, and
+# the sampling options ``_plain_params`` leaves at their defaults. Read in one C call, and compared to None each
+# (``==`` of tuples: None equals only None).
+_PLAIN_CHAT_NAMES = (*(name for name, _, _ in CHAT_RULES.rules),
+                     "regex", "ebnf", "json_schema", "guided_json", "guided_regex", "guided_grammar", "guided_choice",
+                     "structured_outputs", "response_format",
+                     "tools", "tool_choice", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+                     "bootstrap_host", "bootstrap_port", "bootstrap_room", "skip_special_tokens",
+                     "top_logprobs", "stream_options", "stop", "stop_token_ids", "logit_bias", "min_tokens",
+                     "presence_penalty", "frequency_penalty", "repetition_penalty")
+_PLAIN_CHAT_FIELDS = operator.attrgetter(*_PLAIN_CHAT_NAMES)
+_PLAIN_CHAT_UNSET = (None,) * len(_PLAIN_CHAT_NAMES)
+# A plain chat's messages: roles that need no conversion (``developer``) nor check (``tool``), string content,
+# and no name or calls
+_PLAIN_ROLES = frozenset(("system", "user", "assistant"))
+_MESSAGE_EXTRAS = operator.attrgetter("name", "tool_calls", "tool_call_id")
+_NO_EXTRAS = (None, None, None)
 
 
 def _literal_stops(params: SamplingParams, skip_special_tokens: bool | None) -> None:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
 from time import monotonic as _monotonic
+from time import time as _time
 from typing import Any
 
 import msgspec
 
-from gateway.api import SSE_DONE, Frontend, Prepared, TextEmitter, error_event, new_id, now_s, sse
+from gateway.api import SSE_DONE, Frontend, Prepared, TextEmitter, error_event, new_id, sse
 from gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from gateway.context import REQUEST_T0
 from gateway.errors import APIError, BadRequest
@@ -41,7 +42,7 @@ class Run:
         self.frontend = frontend
         self.prep = prep
         self.rid = rid
-        self.created = now_s()
+        self.created = int(_time())  # (``now_s``)
         self.t0 = REQUEST_T0.get() or _monotonic()  # (its arrival: ``/generate``'s ``e2e_latency``)
         self.templates: dict[int, tuple[bytes, bytes]] = {}  # choice index -> (before text, after text)
         self.started = False  # the response has started (streaming): errors are events from here on
@@ -397,11 +398,14 @@ def _append(encoded: bytearray, items: list[Any], count: int) -> int:
 def usage(prep: Prepared, choices: list[ChoiceState]) -> dict[str, Any]:
     """The response's ``usage``: each prompt (of a batch) counted once, its cached part as the most any of
     its choices found cached."""
-    prompt_tokens = prep.prompt_tokens
-    completion = sum(len(c.token_ids) for c in choices)
-    if prep.batch is None:  # one prompt
+    if prep.batch is None and len(choices) == 1:  # (the common answer: one prompt, one choice)
+        choice = choices[0]
+        prompt_tokens, completion, cached = len(prep.input_ids), len(choice.token_ids), choice.cached_tokens
+    elif prep.batch is None:  # one prompt
+        prompt_tokens, completion = prep.prompt_tokens, sum(len(c.token_ids) for c in choices)
         cached = max((c.cached_tokens for c in choices), default=0)
     else:
+        prompt_tokens, completion = prep.prompt_tokens, sum(len(c.token_ids) for c in choices)
         by_prompt: dict[int, int] = {}
         for c in choices:
             item = c.index // prep.per_prompt

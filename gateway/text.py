@@ -22,14 +22,16 @@ class StopMatcher:
     the text before a step's own); so its tail is held back like any other.
     """
 
+    _pending = ""
+    _exempt = 0  # how many characters at the start of ``_pending`` are exempt text
+    matched: str | None = None
+    # (the state's defaults above are the class's: a matcher is made per request choice, most never set them)
+
     def __init__(self, stops: list[str], keep: bool = False) -> None:
         """``keep``: the text returned at a match ends with the stop string (else just before it)."""
         self.stops = [s for s in stops if s]
         self.keep = keep
-        self._hold = max((len(s) for s in self.stops), default=1) - 1
-        self._pending = ""
-        self._exempt = 0  # how many characters at the start of ``_pending`` are exempt text
-        self.matched: str | None = None
+        self._hold = max(map(len, self.stops)) - 1 if self.stops else 0
 
     def push(self, text: str, *, final: bool = False, exempt: bool = False) -> str:
         """Returns the text safe to emit now; after a match, ``matched`` is set and nothing follows."""
@@ -56,8 +58,28 @@ class StopMatcher:
         return buf[:cut]
 
 
+class _NoStops(StopMatcher):
+    """The ``StopMatcher`` of a choice without stop strings (most are): nothing to find nor to hold back, its
+    text passes as it comes (what ``StopMatcher.push`` returns without strings), and ``matched`` stays None."""
+
+    _hold = 0
+
+    def __init__(self, keep: bool = False) -> None:
+        self.stops = []
+        self.keep = keep
+
+    def push(self, text: str, *, final: bool = False, exempt: bool = False) -> str:
+        return text
+
+
 class ChoiceState:
     """Accumulates one choice's tokens, text and logprobs from decode step outputs."""
+
+    # (defaults of the state that outputs set, on the class: one is made per request choice)
+    finish_reason: str | None = None
+    cached_tokens = 0
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[TokenLogprob]] | None = None
 
     def __init__(self, index: int, tokenizer: Tokenizer, stops: list[str], want_logprobs: bool,
                  context: Sequence[int] = (), min_tokens: int = 0, keep_stop: bool = False,
@@ -77,16 +99,12 @@ class ChoiceState:
         self.tokenizer = tokenizer
         self.decoder = tokenizer.decoder(context) if skip_special else \
             tokenizer.decoder(context, skip_special_tokens=False)
-        self.stop = StopMatcher(stops, keep_stop)
+        self.stop = StopMatcher(stops, keep_stop) if stops else _NoStops(keep_stop)
         self.want_logprobs = want_logprobs
         self.stop_tokens = () if keep_stop else stop_tokens
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
         self.logprobs: list[dict[str, Any]] = []
-        self.finish_reason: str | None = None
-        self.cached_tokens = 0
-        self.prompt_logprobs: list[float] | None = None
-        self.prompt_top_logprobs: list[list[TokenLogprob]] | None = None
 
     @property
     def text(self) -> str:
@@ -107,7 +125,8 @@ class ChoiceState:
         ids = event.token_ids
         exempt = self.min_tokens - len(self.token_ids)  # tokens still before min_tokens: no stop strings in them
         self.token_ids.extend(ids)
-        self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
+        if event.cached_tokens > self.cached_tokens:
+            self.cached_tokens = event.cached_tokens
         if event.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_top_logprobs = event.prompt_logprobs, event.prompt_top_logprobs
         final = event.finish_reason is not None
@@ -136,8 +155,11 @@ class ChoiceState:
         elif final:
             self.finish_reason = "stop" if event.finish_reason == "stop" else "length"
         self.text_parts.append(new_text)
-        entries = self._logprob_entries(event) if self.want_logprobs else []
-        self.logprobs.extend(entries)
+        if self.want_logprobs:
+            entries = self._logprob_entries(event)
+            self.logprobs.extend(entries)
+        else:
+            entries = []
         if cut is not None and cut < len(self.token_ids):
             # The tokens after the one whose text completed the string (a decode that does not stop at the strings
             # ran on, its outputs merged or gathered into this one, or the text of the ones before held back with

@@ -116,7 +116,9 @@ class ByteTokenizer:
 
     @staticmethod
     def _render(messages: list[dict[str, Any]]) -> str:
-        return "".join([f"<|{m.get('role', 'user')}|>\n{content_text(m.get('content'))}\n" for m in messages])
+        # (content: a string, most often, as ``content_text`` would give it, without its call)
+        return "".join([f"<|{m.get('role', 'user')}|>\n{c if type(c := m.get('content')) is str else content_text(c)}\n"
+                        for m in messages])
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
@@ -145,11 +147,15 @@ class _ByteDecoder:
             data = bytes(t for t in token_ids if 0 <= t < 256)
         if self._pending:
             data = self._pending + data
+        elif data.isascii():  # (ASCII alone, nothing held: whole characters, nothing to hold back)
+            return data.decode()
         text, used = _utf8_decode(data, "replace", False)
         self._pending = data[used:] if used < len(data) else b""
         return text
 
     def flush(self) -> str:
+        if not self._pending:  # (what decoding nothing gives)
+            return ""
         text = _utf8_decode(self._pending, "replace", True)[0]
         self._pending = b""
         return text
