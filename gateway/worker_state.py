@@ -97,20 +97,32 @@ class WorkerState:
             _, tokens, old_pages = unacked.popleft()
             self._unacked_tokens -= tokens
             self._unacked_pages -= old_pages
-        if self.is_load_fresh:
-            self._unacked_figures()
-        else:
-            self._own_figures()
+        if self.is_load_fresh:  # ``_unacked_figures``, inline (per request)
+            report: LoadReport = self.report  # type: ignore[assignment]  # (fresh: there is one)
+            self.num_prefill_tokens = report.num_prefill_tokens + self._unacked_tokens
+            self.num_waiting_seqs = report.num_waiting + len(unacked)
+            self.num_reserved_pages = self._unacked_pages
+            self.num_free_pages = max(0, report.num_free_pages - report.num_queued_pages - self._unacked_pages)
+        else:  # ``_own_figures``, inline (per request)
+            self.num_prefill_tokens = self.own_prefill_tokens
+            self.num_running_seqs = self.num_active
+            self.num_reserved_pages = self.own_pages
+            self.num_free_pages = max(0, self.num_total_pages - self.own_pages)
 
     def ended(self, rid: int) -> None:
-        cost = self._open.pop(rid, None)
-        if cost is None:
+        try:  # (fewer opcodes per request than ``pop(rid, None)``; an unknown rid is rare)
+            tokens, pages = self._open.pop(rid)
+        except KeyError:
             return
         self.num_active -= 1
-        self.own_prefill_tokens -= cost[0]
-        self.own_pages -= cost[1]
+        self.own_prefill_tokens -= tokens
+        self.own_pages -= pages
         if not self.is_load_fresh:  # (a fresh report's figures do not include the gateway's own counts)
-            self._own_figures()
+            # ``_own_figures``, inline (per request)
+            self.num_prefill_tokens = self.own_prefill_tokens
+            self.num_running_seqs = self.num_active
+            self.num_reserved_pages = self.own_pages
+            self.num_free_pages = max(0, self.num_total_pages - self.own_pages)
 
     def prefill_done(self, rid: int) -> None:
         """``rid``'s prompt has been computed here (a combined worker's first token): its prefill tokens stop

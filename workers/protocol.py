@@ -44,7 +44,8 @@ MAX_UNREAD_BYTES = 64 * 1024 * 1024  # written, still unread by the peer: past i
 # A connection whose peer host answers nothing this long (it died, or the network was cut) is closed by the kernel
 # (``transfer.netaddr.watch_peer``): its requests end rather than hold their places until their own timeouts
 PEER_TIMEOUT_S = 30.0
-_LEN = struct.Struct(">I")
+_LEN = FRAME_HEADER = struct.Struct(">I")  # a frame's length prefix
+_pack_len = _LEN.pack
 
 
 class Grammar(msgspec.Struct, frozen=True, array_like=True):
@@ -284,11 +285,14 @@ class FrameCodec:
 
     def __init__(self, incoming: object) -> None:
         self._encoder = msgspec.msgpack.Encoder()
+        # A message's body, without its length prefix (``encode``: ``FRAME_HEADER.pack(len(body)) + body``), for a
+        # caller that frames it inline (the gateway's per-request ``Submit``)
+        self.encode_body = self._encoder.encode
         self._decoder: msgspec.msgpack.Decoder = msgspec.msgpack.Decoder(incoming)
 
     def encode(self, message: msgspec.Struct) -> bytes:
-        body = self._encoder.encode(message)
-        return _LEN.pack(len(body)) + body
+        body = self.encode_body(message)
+        return _pack_len(len(body)) + body
 
     def decode(self, body: bytes) -> object:
         return self._decoder.decode(body)
