@@ -7,8 +7,8 @@ uvicorn's does): the connection's protocol
 (``gateway.http_protocol.GuardedHttpProtocol``) gives such a request a ``HotCycle`` in place of
 uvicorn's ``RequestResponseCycle``, and the cycle is the route's ``Responder``'s ``Exchange``.
 Lifecycle of one request (event loop only):
-1. The protocol, at the end of the request head, asks ``HotRoutes.cycle(...)`` for the path and
-   makes the cycle. The body is collected by the protocol's ``on_body``. When the whole body of a
+1. The protocol, at the end of the request head, asks ``HotRoutes.cycle_at(...)`` for the request
+   target and makes the cycle. The body is collected by the protocol's ``on_body``. When the whole body of a
    stream arrives in the read that ends the head, the cycle starts in that callback
    (``gateway.eager``: up to its first wait, normally the workers' first answer, before a task
    exists); otherwise it starts as a task; a cycle behind a response still going out on the
@@ -37,16 +37,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import time
 from collections.abc import Callable
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from gateway import write_batch
-from gateway.context import REQUEST_ID, REQUEST_T0
+from gateway.context import REQUEST_ID, REQUEST_T0, random_hex
 from gateway.errors import PayloadTooLarge, RequestTimeout
-from gateway.middleware import GatekeeperMiddleware, request_id_of
+from gateway.middleware import GatekeeperMiddleware, request_id_from
 from gateway.responder import SSE_HEADERS, ClientGone, Responder, check_length
 
 if TYPE_CHECKING:
@@ -62,6 +63,12 @@ _JSON_HEAD = b"content-type: application/json\r\n"
 _SSE_HEAD_CLOSE = b"".join(b"%s: %s\r\n" % pair for pair in SSE_HEADERS)
 _SSE_HEAD = _SSE_HEAD_CLOSE + b"transfer-encoding: chunked\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
+# ``_head`` in one formatting step for its most common cases (no header of the caller's, the connection kept
+# alive): a whole JSON answer (status line, default headers, CORS headers, content length, request id, body), and
+# a chunked stream's start with its first chunk (default headers, CORS headers, request id, first chunk)
+_JSON_WHOLE = (b"%b%b%b" + _JSON_HEAD + b"content-length: %d\r\nx-request-id: %b\r\n\r\n%b")
+_STREAM_START = (STATUS_LINE[200].replace(b"%", b"%%") + b"%b%b" + _SSE_HEAD.replace(b"%", b"%%")
+                 + b"x-request-id: %b\r\n\r\n%x\r\n%b\r\n")
 # What a response header given to ``send`` must not hold (it would end the line or the head early): in a name, a
 # control character, a separator or a space (RFC 9110's token); in a value, a control character but a tab.
 _BAD_NAME = re.compile(rb'[\x00-\x20\x7f()<>@,;:\\"/\[\]?={}]')
@@ -89,6 +96,7 @@ class HotRoutes:
     def __init__(self, responders: dict[str, Responder], gatekeeper: GatekeeperMiddleware,
                  cors: CorsPolicy | None = None) -> None:
         self.responders = {path.encode(): responder for path, responder in responders.items()}
+        self._routes = {path.encode(): (responder, path) for path, responder in responders.items()}
         self.gatekeeper = gatekeeper
         self.cors = cors  # (``--cors-allow-origin``: its headers go on every answer to an allowed origin)
 
@@ -105,11 +113,27 @@ class HotRoutes:
             cycle.cors_head = self.cors.head(headers)
         return cycle
 
+    def cycle_at(self, url: bytes, protocol: GuardedHttpProtocol, headers: Headers, keep_alive: bool,
+                 expect_100_continue: bool, chunked: bool) -> HotCycle | None:
+        """``cycle`` for the request target ``url`` as the parser gave it (its path is parsed only when the URL is
+        not itself a route's path: one with a query string, an absolute URL; a malformed one raises, as
+        ``httptools.parse_url`` does)."""
+        route = self._routes.get(url)
+        if route is None:
+            route = self._routes.get(httptools.parse_url(url).path)
+            if route is None:
+                return None
+        cycle = HotCycle(protocol, route[0], self.gatekeeper, route[1], headers, keep_alive, expect_100_continue,
+                         chunked)
+        if self.cors is not None:
+            cycle.cors_head = self.cors.head(headers)
+        return cycle
+
 
 class _Signal:
-    """``message_event`` as the protocol uses it (``set()`` on body, end of body, disconnect).
-
-    It and its cycle refer to each other: ``run_asgi`` swaps it for ``_SETTLED`` when it returns, so
+    """``message_event`` as the protocol uses it (``set()`` on body, end of body, disconnect) once the cycle is
+    finished (``_SETTLED``): nothing is waiting on it any more. Until then a cycle is its own ``message_event``
+    (``HotCycle.set``): it refers to itself, and ``run_asgi`` swaps it for ``_SETTLED`` when it returns, so
     that a finished cycle is freed by reference counting, not left to the garbage collector.
     """
 
@@ -129,11 +153,22 @@ _SETTLED = _Signal(None)  # a finished cycle's ``message_event``: nothing is wai
 class HotCycle:
     """One request to a generation route, answered on the connection's transport (see the module doc)."""
 
-    __slots__ = ("_waiter", "_watch", "body", "chunked", "cors_head", "default_headers", "disconnected", "flow",
-                 "framed", "gatekeeper", "headers", "keep_alive", "loop", "message_event", "more_body", "on_response",
-                 "path", "refused", "request_id", "responder", "response_complete", "response_started", "t0", "task",
-                 "transport", "waiting_for_100_continue")
+    # What every cycle starts with, as class attributes: set on a cycle only when it changes (one request's
+    # cycle is made per request: no __slots__, so that these cost nothing to set up)
+    cors_head = b""  # (``HotRoutes.cycle``: CORS headers for an allowed origin)
+    disconnected = False
+    refused = 0  # the status the protocol answered this request with itself (its body unreadable)
+    more_body = True
+    response_started = False
+    response_complete = False
+    request_id = b""
+    _waiter: asyncio.Future[None] | None = None
+    _watch: list[bool] | None = None  # (``watch_disconnect``) set to [True] when the client leaves
+    task: asyncio.Task[None] | None = None  # the task answering (``GuardedHttpProtocol`` sets it)
+    # (``run_asgi``) the request's headers by name, the first of each (None before it runs)
+    fields: dict[bytes, bytes] | None = None
     framed: bool  # (set by ``send``'s head: it declared a content-length, the body goes as it is)
+    message_event: HotCycle | _Signal
 
     def __init__(self, protocol: GuardedHttpProtocol, responder: Responder, gatekeeper: GatekeeperMiddleware,
                  path: str, headers: Headers, keep_alive: bool, expect_100_continue: bool,
@@ -141,8 +176,8 @@ class HotCycle:
         self.transport = protocol.transport
         self.loop = protocol.loop
         self.flow = protocol.flow
-        self.default_headers = _default_headers(protocol.server_state.default_headers)
-        self.cors_head = b""  # (``HotRoutes.cycle``: CORS headers for an allowed origin)
+        default_headers = protocol.server_state.default_headers
+        self.default_headers = _defaults[1] if _defaults[0] is default_headers else _default_headers(default_headers)
         self.on_response = protocol.on_response_complete
         self.responder = responder
         self.gatekeeper = gatekeeper
@@ -151,18 +186,9 @@ class HotCycle:
         self.keep_alive = keep_alive
         self.chunked = chunked
         self.waiting_for_100_continue = expect_100_continue
-        self.t0 = time.monotonic()
-        self.message_event = _Signal(self)
-        self.disconnected = False
-        self.refused = 0  # the status the protocol answered this request with itself (its body unreadable)
+        self.t0 = monotonic()
+        self.message_event = self  # (``set``; ``_SETTLED`` once finished)
         self.body = bytearray()
-        self.more_body = True
-        self.response_started = False
-        self.response_complete = False
-        self.request_id = b""
-        self._waiter: asyncio.Future[None] | None = None
-        self._watch: list[bool] | None = None  # (``watch_disconnect``) set to [True] when the client leaves
-        self.task: asyncio.Task[None] | None = None  # the task answering (``GuardedHttpProtocol`` sets it)
 
     # -- the protocol's side -----------------------------------------------------------------------
     def signalled(self) -> None:
@@ -176,13 +202,20 @@ class HotCycle:
             if self.task is not None:  # (None only inside its eager first step, which nothing interrupts)
                 self.task.cancel()
 
+    set = signalled  # (``message_event.set()``: the cycle is its own ``message_event`` until it finishes)
+
     async def run_asgi(self, _app: Any) -> None:
         try:
-            request_id = request_id_of(self.headers)
+            headers = self.headers
+            # Its headers by name, the first value of each (as ``middleware.header_text``, ``check_length`` read
+            # them): one dict made in C, read for the request id here and the declared length next (in this step)
+            self.fields = fields = dict(reversed(headers))
+            given = fields.get(b"x-request-id")
+            request_id = random_hex() if given is None else request_id_from(given)
             self.request_id = request_id.encode()
             REQUEST_ID.set(request_id)
             REQUEST_T0.set(self.t0)
-            refusal = self.gatekeeper.refusal(self.path, self.headers)
+            refusal = self.gatekeeper.refusal(self.path, headers)
             if refusal is not None:
                 status, body, headers = refusal
                 await self.send_json(body, status, headers)
@@ -211,7 +244,13 @@ class HotCycle:
 
     # -- Exchange ----------------------------------------------------------------------------------
     def check_length(self, limit: int) -> None:
-        check_length(self.headers, limit)
+        fields = self.fields
+        if fields is None:  # (not run: a caller of its own)
+            check_length(self.headers, limit)
+            return
+        value = fields.get(b"content-length")  # (``responder.check_length``'s test, on the first one)
+        if value is not None and value.isdigit() and int(value) > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
 
     async def read_body(self, limit: int, timeout_s: float) -> bytes:  # (the declared length: ``check_length``)
         if self.waiting_for_100_continue and not self.transport.is_closing():
@@ -253,8 +292,16 @@ class HotCycle:
         if self.disconnected or self.response_started or self.transport.is_closing():
             return
         self.response_started = True
-        self.transport.write(self._head(status, headers, _JSON_HEAD + b"content-length: %d\r\n" % len(body)) + body)
-        self._complete()
+        if headers or not self.keep_alive or self.waiting_for_100_continue:
+            self.transport.write(self._head(status, headers, _JSON_HEAD + b"content-length: %d\r\n" % len(body))
+                                 + body)
+            self._complete()
+            return
+        # (``_head``'s common case, the connection kept: in one step, and ``_complete`` with it)
+        self.transport.write(_JSON_WHOLE % (STATUS_LINE[status], self.default_headers, self.cors_head, len(body),
+                                            self.request_id, body))
+        self.response_complete = True
+        self.on_response()
 
     async def start_stream(self, first: bytes) -> None:
         if self.flow.write_paused and not self.disconnected:
@@ -332,8 +379,24 @@ class HotCycle:
         """``is_writable`` and ``write_now`` of ``before + encode(accept(output)) + after`` in one call, the
         chunk framed in one step (no write for no text); False, nothing accepted, when not writable.
         Run once per streamed token (``gateway.responder``'s direct path, once the stream started)."""
-        transport, flow, batch, chunked = self.transport, self.flow, write_batch.local, self.chunked
+        transport, flow, batch = self.transport, self.flow, write_batch.local
         fixed = len(before) + len(after)
+        if not self.chunked:  # (HTTP/1.0: the body as it is)
+            def plain_lane(output: StepOutput) -> bool:
+                if flow.write_paused or self.disconnected or self.response_complete or transport.is_closing():
+                    return False
+                text = accept(output)
+                if text:
+                    pending = batch.pending  # (``write_batch.write``, in place)
+                    if pending is None:
+                        transport.write(before + encode(text) + after)
+                    else:
+                        pending.append((transport, before + encode(text) + after))
+                return True
+            return plain_lane
+
+        # (the chunk's frame with ``before`` and ``after`` in it: its length and the text are all that change)
+        chunk = b"%%x\r\n%s%%b%s\r\n" % (before.replace(b"%", b"%%"), after.replace(b"%", b"%%"))
 
         def lane(output: StepOutput) -> bool:
             if flow.write_paused or self.disconnected or self.response_complete or transport.is_closing():
@@ -341,13 +404,11 @@ class HotCycle:
             text = accept(output)
             if text:
                 data = encode(text)
-                data = b"%x\r\n%b%b%b\r\n" % (fixed + len(data), before, data, after) if chunked \
-                    else before + data + after  # (HTTP/1.0: the body as it is)
                 pending = batch.pending  # (``write_batch.write``, in place)
                 if pending is None:
-                    transport.write(data)
+                    transport.write(chunk % (fixed + len(data), data))
                 else:
-                    pending.append((transport, data))
+                    pending.append((transport, chunk % (fixed + len(data), data)))
             return True
         return lane
 
@@ -364,6 +425,9 @@ class HotCycle:
     # -- helpers -----------------------------------------------------------------------------------
     def _stream_head(self, first: bytes) -> bytes:
         """A stream's response head and its first chunk (when there is one), as one write."""
+        if first and self.chunked and self.keep_alive and not self.waiting_for_100_continue:
+            # (``_head``'s common case, the connection kept: in one step)
+            return _STREAM_START % (self.default_headers, self.cors_head, self.request_id, len(first), first)
         if not self.chunked:  # (HTTP/1.0: the body ends when the connection closes)
             return self._head(200, [], _SSE_HEAD_CLOSE) + first
         return self._head(200, [], _SSE_HEAD) + (b"%x\r\n%b\r\n" % (len(first), first) if first else b"")

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import httptools
 import msgspec
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HIGH_WATER_LIMIT, STATUS_LINE, HttpToolsProtocol
 
 from gateway import eager
 from gateway.errors import APIError, BadRequest, HeadersTooLarge, RequestTimeout
@@ -75,11 +75,15 @@ log = logging.getLogger(__name__)
 _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
 
 
+_stream_search = _STREAM_TRUE.search
+
+
 def _asks_to_stream(body: bytes | bytearray) -> bool:
-    return _STREAM_TRUE.search(body) is not None
+    return _stream_search(body) is not None
 
 
 _UPGRADE_HEADERS = (b"upgrade", b"http2-settings")
+_NEVER = float("inf")
 _json = msgspec.json.Encoder()
 
 
@@ -89,6 +93,11 @@ class CodingNotImplemented(APIError):
 
     status = 501
     type = "invalid_request_error"
+
+
+def _expects_100(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Does the request expect ``100 Continue`` (uvicorn's test of each header in its ``on_header``)?"""
+    return any(name == b"expect" and value.lower() == b"100-continue" for name, value in headers)
 
 
 def _unknown_transfer_coding(headers: list[tuple[bytes, bytes]]) -> bytes | None:
@@ -133,6 +142,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._head_refusal: APIError | None = None  # (``on_chunk_header``) why the head just read is refused
         self._codings_read = False  # this message's transfer codings were looked at (``on_chunk_header``)
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = _NEVER  # when ``_timer`` fires (``_NEVER``: no timer)
         self._waiting_for = ""  # what the timer waits for: "head", "body" or "idle" ("": nothing)
         self._deadline = 0.0  # loop time by which it must have arrived
         self._refused = False
@@ -163,6 +173,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+            self._timer_at = _NEVER
         if self._write_timer is not None:
             self._write_timer.cancel()
             self._write_timer = None
@@ -214,7 +225,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._ended_in_read = False
         self._big_read = len(data) > self.limits.max_head_bytes
         self._reads += 1
-        self._feed(data)
+        if self.timeout_keep_alive_task is not None:  # (uvicorn's; never set here: its keep-alive wait is ``_arm``'s)
+            self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._feed(data, exc)
         unstarted = self._unstarted
         if unstarted is not None:  # its body is still to come: read_body waits for it in a task
             self._unstarted = None
@@ -229,27 +245,30 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             if self._head_bytes > self.limits.max_head_bytes:
                 self._refuse_big_head()
 
-    def _feed(self, data: bytes) -> None:
-        """uvicorn's ``data_received``, except that a request asking to upgrade to a protocol the server does
+    def _feed(self, data: bytes, exc: Exception) -> None:
+        """The rest of uvicorn's ``data_received`` (``data_received`` feeds the parser ``data``; this handles
+        what that raised, ``exc``), except that a request asking to upgrade to a protocol the server does
         not speak (``Upgrade: h2c``, which ``curl --http2`` and several Java clients send by default) is
         served as the HTTP/1.1 request it also is (RFC 9110 7.8): httptools stops at the end of such a head
         (its body unread), so the head is parsed again without the upgrade, followed by the rest of the read."""
-        self._unset_keepalive_if_required()
         while True:
-            try:
-                self.parser.feed_data(data)
-            except httptools.HttpParserError:
-                self.send_400_response("Invalid HTTP request received.")
-            except httptools.HttpParserUpgrade as exc:
+            if isinstance(exc, httptools.HttpParserUpgrade):
                 if self._ignored_upgrade and not self._refused:
                     self._ignored_upgrade = False
                     data = self._head_without_upgrade() + data[exc.args[0]:]
                     self._renew_parser()
-                    continue
+                    try:
+                        self.parser.feed_data(data)
+                    except (httptools.HttpParserError, httptools.HttpParserUpgrade) as again:
+                        exc = again
+                        continue
+                    return
                 if self._should_upgrade():
                     self.handle_websocket_upgrade()
                 else:
                     self._unsupported_upgrade_warning()
+            else:
+                self.send_400_response("Invalid HTTP request received.")
             return
 
     def _renew_parser(self) -> None:
@@ -294,7 +313,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         else:  # the ASGI scope is made only for a request that goes to the app (on_headers_complete)
             self.url, self.headers, self.expect_100_continue = b"", [], False
         self._in_head, self._head_bytes, self._head_read, self._codings_read = True, 0, self._reads, False
-        self._arm("head")
+        self._waiting_for = "head"  # (``_arm("head")``, inline: once per request)
+        self._deadline = deadline = self.loop.time() + self.limits.head_timeout_s
+        if deadline < self._timer_at:
+            self._set_timer(deadline)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # uvicorn's, but ``Expect: 100-continue`` is looked for once per head, at its end (``_expects_100``)
+        self.headers.append((name.lower(), value))
 
     def on_chunk_header(self) -> None:
         """httptools calls it for each chunk of a chunked body, and only then: the transfer codings are read once,
@@ -316,23 +342,29 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) > self.limits.max_head_bytes:
             self._head_too_large = True
             raise HeadersTooLarge("request head too large")  # (the parser stops: send_400_response answers)
+        if b"expect" in dict(self.headers):  # (``on_header``: rare, so looked for in C first)
+            self.expect_100_continue = _expects_100(self.headers)
         self._in_head = False
-        self._disarm()
+        self._waiting_for = ""  # (``_disarm``)
         parser = self.parser
         upgrade = parser.should_upgrade()
         if upgrade and parser.get_method() != b"CONNECT" and not self._should_upgrade():
             self._ignored_upgrade = True  # (no cycle: ``_feed`` parses the head again without the upgrade)
             return
-        if self.expect_100_continue and parser.get_http_version() == "1.0":
-            self.expect_100_continue = False  # (an HTTP/1.0 client's expectation is ignored: RFC 9110 10.1.1)
         hot = self.hot_routes
         if hot is not None and not upgrade and parser.get_method() == b"POST":
             http10 = parser.get_http_version() == "1.0"
-            cycle = hot.cycle(httptools.parse_url(self.url).path, self, self.headers,
-                              not (http10 or self._shutting_down) and parser.should_keep_alive(),
-                              self.expect_100_continue, chunked=not http10)
+            if http10 and self.expect_100_continue:
+                self.expect_100_continue = False  # (an HTTP/1.0 client's expectation is ignored: RFC 9110 10.1.1)
+            cycle = hot.cycle_at(self.url, self, self.headers,
+                                 not (http10 or self._shutting_down) and parser.should_keep_alive(),
+                                 self.expect_100_continue, not http10)
             if cycle is not None:  # a generation route: the gateway's own cycle (gateway/hot_cycle.py)
-                self._cycles = [c for c in self._cycles if not c.response_complete] + [cycle]
+                cycles = self._cycles
+                if len(cycles) == 1 and cycles[0].response_complete:  # (the common case: the one before answered)
+                    cycles[0] = cycle
+                else:
+                    self._cycles = [c for c in cycles if not c.response_complete] + [cycle]
                 existing = self.cycle
                 self.cycle = cycle  # type: ignore[assignment]
                 if existing is None or existing.response_complete:
@@ -342,6 +374,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                         self.flow.pause_reading()
                     self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]
                 return
+        elif self.expect_100_continue and parser.get_http_version() == "1.0":
+            self.expect_100_continue = False  # (as above)
         if hot is not None:  # uvicorn's start of a message (its scope) with what was parsed since
             url, headers, expect_100_continue = self.url, self.headers, self.expect_100_continue
             super().on_message_begin()
@@ -360,22 +394,38 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             if self._shutting_down and made.scope["path"] not in DRAIN_PROBES:  # (its answer closes the connection)
                 made.keep_alive = False
 
+    def on_body(self, body: bytes) -> None:
+        # uvicorn's, with the cycle read once
+        if self.parser.should_upgrade() and self._should_upgrade():
+            return
+        cycle = self.cycle
+        if cycle.response_complete:
+            return
+        cycle.body += body
+        if len(cycle.body) > HIGH_WATER_LIMIT:
+            self.flow.pause_reading()
+        if cycle is not self._unstarted:  # (a hot cycle not started yet: nothing waits on it)
+            cycle.message_event.set()
+
     def on_message_complete(self) -> None:
         if self._ignored_upgrade:
             return  # (the head is parsed again, its body with it: ``_feed``)
         self._ended_in_read = True
-        super().on_message_complete()
+        cycle = self.cycle
+        unstarted = self._unstarted
+        if not ((self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete):
+            cycle.more_body = False  # (uvicorn's ``on_message_complete``, inline)
+            if cycle is not unstarted:  # (a hot cycle not started yet: nothing waits on it)
+                cycle.message_event.set()
         if self._waiting_for == "body":  # the rest of a body that came after its response: now idle
-            done = self.cycle
-            if done is not None and done.response_complete and not self.pipeline and done.keep_alive:
+            if cycle is not None and cycle.response_complete and not self.pipeline and cycle.keep_alive:
                 self._arm("idle")
             else:
                 self._disarm()
-        cycle = self._unstarted
-        if cycle is not None and cycle is self.cycle:  # (a refusal in between would have made it disconnected)
+        if unstarted is not None and unstarted is cycle:  # (a refusal in between would have made it disconnected)
             self._unstarted = None
-            if not cycle.disconnected:
-                self._start_hot(cycle, eagerly=_asks_to_stream(cycle.body))
+            if not unstarted.disconnected:
+                self._start_hot(unstarted, eagerly=_stream_search(unstarted.body) is not None)
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         if isinstance(cycle, HotCycle):  # (also uvicorn's start of a pipelined cycle)
@@ -387,7 +437,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         """Start ``cycle``: up to its first wait now (``eagerly``), or as a task; its task is kept in
         ``tasks`` (the server waits for them at shutdown) and told to the cycle (it cancels it when the
         client leaves)."""
-        context = contextvars.Context() if self.config.reset_contextvars else contextvars.copy_context()
+        # (None: a copy of the current context, made by ``eager.start`` or the task itself)
+        context = contextvars.Context() if self.config.reset_contextvars else None
         if eagerly:
             task = eager.start(cycle.run_asgi(self.app), self.loop, context)
             if task is None:  # answered at once (a refusal, a bad request)
@@ -407,12 +458,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             _close_idle(self.server_state.connections)  # (the last response of a drain: the server may exit)
         if transport.is_closing():
             return
-        self.flow.resume_reading()
+        flow = self.flow
+        if flow.read_paused:
+            flow.resume_reading()
         if self.pipeline:  # the next pipelined request
             pipelined, app = self.pipeline.pop()
             self._start_asgi_task(pipelined, app)
         elif self._waiting_for != "head":  # (a next request's head under way keeps its own timeout)
-            self._arm("idle")
+            self._waiting_for = "idle"  # (``_arm("idle")``, inline: once per request)
+            self._deadline = deadline = self.loop.time() + self.timeout_keep_alive
+            if deadline < self._timer_at:
+                self._set_timer(deadline)
         cycle = self.cycle  # (the newest: a pipelined one just started reads its own body, on its own timeout)
         if cycle is not None and cycle.response_complete and cycle.more_body and not transport.is_closing():
             self._arm("body")  # the rest of the body is being discarded: not for ever
@@ -425,22 +481,27 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         limits = self.limits
         timeout_s = (limits.head_timeout_s if what == "head" else limits.body_timeout_s if what == "body"
                      else self.timeout_keep_alive)
-        self._deadline = self.loop.time() + timeout_s
-        timer = self._timer
-        if timer is None or timer.when() > self._deadline:  # (a head's timeout may be shorter than a body's)
-            if timer is not None:
-                timer.cancel()
-            self._timer = self.loop.call_at(self._deadline, self._expired)
+        self._deadline = deadline = self.loop.time() + timeout_s
+        if deadline < self._timer_at:  # (a head's timeout may be shorter than a body's)
+            self._set_timer(deadline)
+
+    def _set_timer(self, deadline: float) -> None:
+        """The connection's timer, moved to fire at ``deadline`` (earlier than it would)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = timer = self.loop.call_at(deadline, self._expired)
+        self._timer_at = timer.when()
 
     def _disarm(self) -> None:
         self._waiting_for = ""
 
     def _expired(self) -> None:
         self._timer = None
+        self._timer_at = _NEVER
         if self.transport.is_closing() or self._refused or not self._waiting_for:
             return
         if self.loop.time() < self._deadline:  # re-armed since: wait for the new deadline
-            self._timer = self.loop.call_at(self._deadline, self._expired)
+            self._set_timer(self._deadline)
             return
         if self._waiting_for != "head":  # the rest of a body, or the next request on a kept-alive connection
             self.transport.close()

@@ -29,6 +29,8 @@ OPEN_PATHS = ("/health", "/readiness")
 BRIEF_STATUS = "pd_gateway.brief_status"
 _json = msgspec.json.Encoder()
 MAX_REQUEST_ID_LEN = 128
+# The paths ``GatekeeperMiddleware.refusal`` tells apart; any other is the client API's (the generation routes')
+_SPECIAL_PATHS = frozenset((*OPEN_PATHS, *ADMIN_PATHS, "/metrics"))
 Headers = list[tuple[bytes, bytes]]
 
 
@@ -89,6 +91,17 @@ class GatekeeperMiddleware:
 
     def refusal(self, path: str, headers: Headers) -> tuple[int, bytes, Headers] | None:
         """(status, JSON body, extra headers) refusing this request, or None to let it through."""
+        if path not in _SPECIAL_PATHS:  # the client API (every generation request): the checks below that apply
+            if self.is_draining():
+                self._refused("draining")
+                return _error(503, "the gateway is shutting down", "service_unavailable", None,
+                              [(b"connection", b"close"), (b"retry-after", b"1")])
+            keys = self.api_keys
+            if keys and not _key_ok(bearer_key(headers), keys):
+                self._refused("unauthorized")
+                return _error(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                              "invalid_request_error", "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+            return None
         if path in OPEN_PATHS:
             return None
         if self.is_draining() and path != "/metrics":  # (scraped on while open requests finish)
@@ -118,6 +131,15 @@ class GatekeeperMiddleware:
 def request_id_of(headers: Headers) -> str:
     """The client's ``x-request-id`` if it is usable (printable ASCII, at most 128 characters), else a new one."""
     request_id = header_text(headers, b"x-request-id")
+    if (not request_id or len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isascii()
+            or not request_id.isprintable()):
+        request_id = random_hex()
+    return request_id
+
+
+def request_id_from(value: bytes) -> str:
+    """``request_id_of`` for the value of the request's first ``x-request-id`` header."""
+    request_id = value.decode("latin-1")
     if (not request_id or len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isascii()
             or not request_id.isprintable()):
         request_id = random_hex()

@@ -278,9 +278,10 @@ class Responder:
                     release = await gw.admission.admit()
                 else:
                     exchange.watch_disconnect(gone)
-                    exchange.check_length(gw.max_body_bytes)
+                    limit = gw.max_body_bytes
+                    exchange.check_length(limit)
                     gw.admission.check_room()
-                    body = await exchange.read_body(gw.max_body_bytes, gw.body_timeout_s)
+                    body = await exchange.read_body(limit, gw.body_timeout_s)
                     release = await gw.admission.admit()
                 frontend = gw.require_frontend()
                 try:
@@ -305,7 +306,11 @@ class Responder:
                     else:
                         answer = _json.encode(shape.whole(run, choices))
                     await exchange.send_json(answer, 200, [])
-                self._count(200)
+                counter = self._counters.get(200)  # (``_count(200)``, inline: the common case, once per request)
+                if counter is None:
+                    self._count(200)
+                else:
+                    counter.inc()
             except APIError as exc:
                 self._count(exc.status)
                 answering = exc
@@ -374,12 +379,12 @@ class Responder:
                                              [*error.headers(), (b"connection", b"close")])
 
     async def _collect(self, run: Run) -> list[ChoiceState]:
-        states: dict[int, ChoiceState] = {}
         active = self.gw.metrics.active
         active.inc()
         try:
             if run.prep.n == 1:
                 return [await run.frontend.complete_one(run.prep)]
+            states: dict[int, ChoiceState] = {}  # (made only for several choices)
             async for state, _, _ in run.frontend.run_choices(run.prep):
                 states[state.index] = state
         finally:
