@@ -24,6 +24,7 @@ from typing import Protocol
 RESOLUTION_S = 0.05
 CLOCK_S = 0.001  # uvloop's clock counts whole milliseconds: a deadline this close has come
 log = logging.getLogger(__name__)
+_ceil = math.ceil  # (a global: read per deadline added)
 
 
 class Timed(Protocol):
@@ -46,7 +47,7 @@ class DeadlineWheel:
     def add(self, item: Timed, deadline: float) -> int:
         """Call ``item.due()`` at ``deadline`` (loop time) or up to ``RESOLUTION_S`` after it; returns
         the slot, for ``discard``."""
-        key = math.ceil(deadline / RESOLUTION_S)
+        key = _ceil(deadline / RESOLUTION_S)
         slot = self._slots.get(key)
         if slot is None:
             slot = self._slots[key] = set()

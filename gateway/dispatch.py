@@ -49,12 +49,15 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import logging
+import operator
 import random
 import sys
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -92,6 +95,8 @@ HANDOVER_WAIT_S = 5.0
 PEER_REFUSAL_WAIT_S = 1.0
 _monotonic = time.monotonic
 _bisect_left = bisect.bisect_left
+_compress = itertools.compress
+_state_of, _is_healthy = operator.attrgetter("state"), operator.attrgetter("healthy")
 
 
 @dataclass(frozen=True)
@@ -188,11 +193,16 @@ class Dispatcher:
         decodes = any(w.available for w in self.decodes)  # (a half-open breaker's trials do not flap it)
         return decodes and (not self.is_disaggregated or any(w.available for w in self.prefills))
 
-    def _select(self, request: RequestInfo, avoid: set[WorkerClient]) -> tuple[Pair, WorkerClient | None,
+    def _select(self, request: RequestInfo, avoid: AbstractSet[WorkerClient]) -> tuple[Pair, WorkerClient | None,
                                                                                 WorkerClient]:
         """The policies' pair, and its prefill's (None when combined) and decode's connections; a pair
         that is not one of the workers the policies were given is the policy's bug: a 500 naming it."""
-        prefills, decodes = _selectable(self.prefills, avoid), _selectable(self.decodes, avoid)
+        if avoid:
+            prefills, decodes = _selectable(self.prefills, avoid), _selectable(self.decodes, avoid)
+        else:  # (``_selectable``'s case without ``avoid``, inline: every request's first attempt; in C but for
+            # ``healthy``: ``[w.state for w in pool if w.healthy]``)
+            prefills = list(_compress(map(_state_of, self.prefills), map(_is_healthy, self.prefills)))
+            decodes = list(_compress(map(_state_of, self.decodes), map(_is_healthy, self.decodes)))
         combined = self.combined
         if not decodes or not (prefills or combined):
             missing = "combined" if combined else "decode" if not decodes else "prefill"
@@ -204,13 +214,21 @@ class Dispatcher:
             prefills, decodes = self._fitting(request, avoid)
         router = self.router
         pair = router.pick(prefills, decodes, request)
-        prefill = pair.prefill
-        if prefill is None:
+        # (``router.client_of``'s check, inline; only a pick it refuses goes to it, for its 500)
+        view = pair.prefill
+        if view is None:
             if not combined:
                 raise APIError(f"routing policy {router.name} chose no prefill worker for a disaggregated fleet")
-            return pair, None, router.client_of(pair.decode, decodes, WorkerClient)
-        return pair, router.client_of(prefill, prefills, WorkerClient), router.client_of(pair.decode, decodes,
-                                                                                          WorkerClient)
+            prefill = None
+        else:
+            prefill = getattr(view, "client", None)
+            if not isinstance(prefill, WorkerClient) or view not in prefills:
+                prefill = router.client_of(view, prefills, WorkerClient)
+        view = pair.decode
+        decode = getattr(view, "client", None)
+        if not isinstance(decode, WorkerClient) or view not in decodes:
+            decode = router.client_of(view, decodes, WorkerClient)
+        return pair, prefill, decode
 
     def _set_floors(self) -> None:
         self._floors_epoch = WorkerState.shape_epoch
@@ -219,7 +237,7 @@ class Dispatcher:
         self._prefill_floor = min((c.state.capacity_tokens for c in self.prefills if c.state.page_size),
                                   default=0 if self.prefills else sys.maxsize)
 
-    def _fitting(self, request: RequestInfo, avoid: set[WorkerClient]) -> tuple[list[Any], list[Any]]:
+    def _fitting(self, request: RequestInfo, avoid: AbstractSet[WorkerClient]) -> tuple[list[Any], list[Any]]:
         """``_selectable``'s views, of the workers that can take ``request``: its prompt + max_new_tokens within
         their context, and within a decode's KV pool (a prefill's pool holds the prompt); the avoided ones too when
         only they can. When one side has none: a 503 if a worker that is unavailable now could, else a 400, sent
@@ -312,7 +330,8 @@ class Dispatcher:
         (``gateway.api._literal_stops``): a gathering decode would run on past them for its whole window.
         """
         run = _Choice(self, input_ids, params)
-        run.counts_output = counts_output
+        if not counts_output:
+            run.counts_output = False
         direct = _Collect(collector) if in_callback else None
         # (with stop strings, only a decode that stops at them: ``submit``)
         gather_s = self.config.gather_s if gather else 0.0
@@ -398,30 +417,32 @@ class _Choice:
     """One choice across its attempts (``generate``, ``complete``): what the next attempt sends, the
     tokens so far, the latency figures, and the request's figures once it has been served."""
 
-    __slots__ = ("attempt_params", "avoid", "cached_tokens", "cause", "completed", "counts_output", "counts_prompt",
-                 "deadline", "dispatcher", "generated", "input_ids", "itl", "last_t", "migrations", "params", "prompt",
-                 "request", "retries", "t0")
+    # (no ``__slots__``: the fields that start the same for every choice are these class defaults, not
+    # stores made per request; each is set on the instance when it changes)
+    retries = 0
+    migrations = 0
+    last_t = 0.0
+    cached_tokens = 0
+    cause: APIError | None = None  # the failure the stream last migrated off (its answer if it cannot go on)
+    completed = False  # finished, or the consumer stopped early (a stop string): counts as served
+    counts_prompt = True  # the first choice of its prompt: its prompt's tokens are counted (once)
+    counts_output = True  # its tokens are the answer's (not: /generate's max_new_tokens 0, run for one)
+    # Workers a failure is held against: the next attempt avoids them (a new set each time one is added: this empty
+    # one is every choice's until then).
+    avoid: AbstractSet[WorkerClient] = frozenset()
 
     def __init__(self, dispatcher: Dispatcher, input_ids: list[int], params: SamplingParams) -> None:
         self.dispatcher = dispatcher
         self.input_ids = input_ids
         self.params = params
-        self.t0 = REQUEST_T0.get() or time.monotonic()
+        self.t0 = t0 = REQUEST_T0.get() or time.monotonic()
         # ``request_timeout_s`` bounds the request, not each attempt: an attempt gets what is left of it.
-        self.deadline = self.t0 + dispatcher.config.request_timeout_s
-        self.retries = 0
-        self.migrations = 0
+        self.deadline = t0 + dispatcher.config.request_timeout_s
         self.request = dispatcher.router.request(input_ids, params.max_new_tokens)
-        self.avoid: set[WorkerClient] = set()  # workers a failure is held against: the next attempt avoids them
-        self.last_t = 0.0
         self.itl = dispatcher.metrics.itl  # (observed per output with tokens)
         self.generated: list[int] = []  # every token delivered so far (a migration's new prompt is input_ids + these)
-        self.prompt, self.attempt_params = input_ids, params  # what the next attempt sends
-        self.cached_tokens = 0
-        self.cause: APIError | None = None  # the failure the stream last migrated off (its answer if it cannot go on)
-        self.completed = False  # finished, or the consumer stopped early (a stop string): counts as served
-        self.counts_prompt = True  # the first choice of its prompt: its prompt's tokens are counted (once)
-        self.counts_output = True  # its tokens are the answer's (not: /generate's max_new_tokens 0, run for one)
+        self.prompt = input_ids  # what the next attempt sends
+        self.attempt_params = params
 
     def record(self, item: StepOutput) -> None:
         """An output on its way to the consumer: latency figures, tokens so far, cache hits."""
@@ -460,7 +481,7 @@ class _Choice:
             self.cause = exc.error
             metrics.migrations.inc()
             if exc.blamed is not None:
-                self.avoid.add(exc.blamed)
+                self.avoid = {*self.avoid, exc.blamed}
             log.warning("stream migrated after %d tokens (%d of %d): %s", len(generated), self.migrations,
                         config.max_migrations, exc.error.message)
             self.prompt = self.input_ids + generated
@@ -480,9 +501,9 @@ class _Choice:
         dispatcher.num_retries += 1
         metrics.retries.labels(exc.error.code or exc.error.type).inc()
         if exc.blamed is not None:
-            self.avoid.add(exc.blamed)
+            self.avoid = {*self.avoid, exc.blamed}
         if exc.also is not None:
-            self.avoid.add(exc.also)
+            self.avoid = {*self.avoid, exc.also}
         return delay
 
     def close(self) -> None:
@@ -502,9 +523,21 @@ class _Attempt:
     prefill's hand-over, merging and failures are handled in it); ``close`` aborts whatever is still
     open and tells the policies how the attempt ended (``outcome``, unless it finished)."""
 
-    __slots__ = ("decode", "direct", "dispatcher", "finished", "first_s", "gather_s", "got_token", "held",
-                 "idle_s", "open_rids", "outcome", "pair", "peer_refusal", "prefill", "prompt_logprobs", "prompt_top",
-                 "request", "request_id", "run", "sent", "sink", "urgent", "want_prompt")
+    # (no ``__slots__``: the fields that start the same for every attempt are these class defaults, not
+    # stores made per attempt; each is set on the instance when it changes)
+    finished = False
+    sent = False  # the policies heard ``dispatched``: they hear how it ended (``close``)
+    outcome = "failed"
+    got_token = False
+    peer_refusal: tuple[str, Error] | None = None  # (side, relay) waiting for the refusing side's own 400
+    # Prompt logprobs come from the prefill's hand-over and go out with the consumer's first output
+    # (a stream's first chunk carries them); the hand-over may trail the decode's outputs, which
+    # wait for it in ``held`` (until then, or until the wait for it times out; a deque from ``submit`` on
+    # when they are wanted, none held until then).
+    want_prompt = False
+    prompt_logprobs: list[float] | None = None
+    prompt_top: list[list[TokenLogprob]] | None = None
+    held: deque[StepOutput] = ()  # type: ignore[assignment]
 
     def __init__(self, dispatcher: Dispatcher, run: _Choice, direct: DirectConsumer | None, *, urgent: bool,
                  gather_s: float = 0.0) -> None:
@@ -520,25 +553,11 @@ class _Attempt:
             # hold, or no worker left to take it: the stream ends with the failure it migrated off, not a 400
             # blaming the client's request or a 503 "no healthy worker" hiding why its decode stopped.
             raise run.cause from None
-        config = dispatcher.config
         self.open_rids: dict[str, tuple[WorkerClient, int]] = {}
-        self.sink = EventSink(config.max_unread_events, self._overflow, self.decode.loop)
+        self.sink = EventSink(dispatcher.config.max_unread_events, self._overflow, self.decode.loop)
         self.direct = direct
         self.urgent = urgent  # the submits go out at once, not at the end of this loop pass (a stream)
         self.gather_s = gather_s  # (``Submit.gather_s``, to the decode)
-        self.finished = False
-        self.sent = False  # the policies heard ``dispatched``: they hear how it ended (``close``)
-        self.outcome = "failed"
-        self.got_token = False
-        self.peer_refusal: tuple[str, Error] | None = None  # (side, relay) waiting for the refusing side's own 400
-        # Prompt logprobs come from the prefill's hand-over and go out with the consumer's first output
-        # (a stream's first chunk carries them); the hand-over may trail the decode's outputs, which
-        # wait for it in ``held`` (until then, or until the wait for it times out).
-        self.want_prompt = False
-        self.prompt_logprobs: list[float] | None = None
-        self.prompt_top: list[list[TokenLogprob]] | None = None
-        self.held: deque[StepOutput] = deque()
-        self.idle_s, self.first_s = config.stream_idle_timeout_s, config.first_token_timeout_s
 
     def submit(self) -> None:
         dispatcher, run, pair, prefill, decode = self.dispatcher, self.run, self.pair, self.prefill, self.decode
@@ -551,10 +570,11 @@ class _Attempt:
                 raise BadGateway(f"prefill worker {prefill.url} reported no bootstrap address")
             target = BootstrapTarget(info.bootstrap_host, info.bootstrap_port, random_room(), info.instance_id)
         prompt_tokens = len(input_ids)
-        prefill_side = pair.prefill if pair.prefill is not None else pair.decode
-        if request.has_page_hashes:  # the policy consulted the prefix index: count only the uncached part
-            prompt_tokens -= request.num_cached_tokens(prefill_side)
-        pages = request.num_pages_needed(pair.decode.page_size)
+        # (``request.num_pages_needed(pair.decode.page_size)``, inline: ``request`` is of ``input_ids``)
+        pages = -(-(prompt_tokens + request.max_new_tokens) // max(1, pair.decode.page_size))
+        hashed = request.has_page_hashes  # (a property: read once)
+        if hashed:  # the policy consulted the prefix index: count only the uncached part
+            prompt_tokens -= request.num_cached_tokens(pair.prefill if pair.prefill is not None else pair.decode)
         self.request_id = request_id = REQUEST_ID.get()  # (also for log lines from the connections' callbacks)
         timeout_s = run.deadline - _monotonic()  # (the worker's deadline for this attempt: what is left)
         if timeout_s <= 0:
@@ -565,25 +585,33 @@ class _Attempt:
             gather_s = 0.0  # it would run on past a stop string until the gateway's abort: not held back
             if decode.stops_at_strings:  # but with other text than ours: it could stop where we see none
                 decode_params = msgspec.structs.replace(params, stop=[])
+        config = dispatcher.config
+        idle_s = config.stream_idle_timeout_s  # (the idle deadline between events, from the first token on)
         if gather_s:  # a gathering decode is silent for up to gather_s between outputs: not a frozen one
-            self.idle_s += gather_s
+            idle_s += gather_s
+        self.idle_s = idle_s
+        sink = self.sink
         try:
             rid = decode.submit(Submit(0, input_ids, decode_params, target, timeout_s, request_id, gather_s),
-                                self.sink, "decode", prefill_tokens=0 if prefill is not None else prompt_tokens,
+                                sink, "decode", prefill_tokens=0 if prefill is not None else prompt_tokens,
                                 pages=pages, urgent=urgent)
             open_rids["decode"] = (decode, rid)
             if prefill is not None:
-                rid = prefill.submit(Submit(0, input_ids, params, target, timeout_s, request_id), self.sink,
+                rid = prefill.submit(Submit(0, input_ids, params, target, timeout_s, request_id), sink,
                                      "prefill", prefill_tokens=prompt_tokens, urgent=urgent)
                 open_rids["prefill"] = (prefill, rid)
         except ConnectionError as exc:
             raise _Retryable(BadGateway(str(exc))) from None
-        dispatcher.router.dispatched(pair, request)
+        router = dispatcher.router
+        if hashed or router.dispatch_hooks:  # (else ``dispatched`` has nothing to do)
+            router.dispatched(pair, request)
         self.sent = True
-        self.want_prompt = params.prompt_logprobs and prefill is not None
-        sink = self.sink
-        sink.cap_in(run.deadline - _monotonic())  # the request's own: a frozen decode cannot enforce it
-        sink.set_deadline(self.first_s)  # from now to the first token, whatever comes before it
+        if params.prompt_logprobs and prefill is not None:
+            self.want_prompt = True
+            self.held = deque()
+        # From now to the first token, whatever comes before it; none past the request's own deadline (a frozen
+        # decode cannot enforce it; what was left of it as the submits went out): ``cap_in`` and ``set_deadline``.
+        sink.start(config.first_token_timeout_s, timeout_s)
         sink.tap = self._tap
 
     def _overflow(self) -> None:
@@ -608,7 +636,12 @@ class _Attempt:
         if side == "prefill":
             if self.held:
                 return False
-            self._handed_over(event)
+            # (``_handed_over``, inline: every request's hand-over comes this way)
+            entry = self.open_rids.pop("prefill", None)
+            if entry is not None:  # (not after ``_overflow`` stopped both sides)
+                entry[0].health.breaker.record_success(entry[1])
+            if self.want_prompt:
+                self.prompt_logprobs, self.prompt_top = event.prompt_logprobs, event.prompt_top_logprobs
         else:
             direct = self.direct
             if direct is None or event.finish_reason is not None or not direct.ready():
@@ -624,7 +657,8 @@ class _Attempt:
                 if self.prefill is None:
                     self._prefilled()
                 self.sink.slide(self.idle_s)  # the first-token deadline set at ``submit`` gives way
-                self.sink.tap = self._steady()
+                if not self.run.migrations:  # (a migrated stream's outputs all go through this tap: ``_steady``)
+                    self.sink.tap = self._steady()
                 return True
         if self.got_token:
             sink = self.sink
@@ -634,8 +668,9 @@ class _Attempt:
     def _steady(self) -> Callable[[tuple[Any, Event]], bool]:
         """The tap once the direct path has passed on a token (``_tap`` installs it): a non-final decode
         output goes straight to ``direct.offer``, recorded as ``_Choice.record`` would, the latency
-        histogram observed in place; anything else, and a migrated stream's outputs, to ``_tap``. Run
-        once per streamed token: what it reads is bound here, once per attempt."""
+        histogram observed in place; anything else to ``_tap`` (a migrated stream's attempt keeps ``_tap``: its
+        outputs' cache hits are ``record``'s to correct). Run once per streamed token: what it reads is bound
+        here, once per attempt."""
         run, sink, tap, direct = self.run, self.sink, self._tap, self.direct
         assert direct is not None  # (a token went to it)
         itl, generated, clock = run.itl, run.generated, sink.clock
@@ -643,8 +678,7 @@ class _Attempt:
 
         def steady(item: tuple[Any, Event]) -> bool:
             side, event = item
-            if side != "decode" or type(event) is not StepOutput or event.finish_reason is not None \
-                    or run.migrations:
+            if side != "decode" or type(event) is not StepOutput or event.finish_reason is not None:
                 return tap(item)
             if not direct.offer(event):  # (read per output: a stream's consumer may find a faster one)
                 return False
@@ -667,7 +701,8 @@ class _Attempt:
         entry = self.open_rids.pop("prefill", None)
         if entry is not None:  # (not after ``_overflow`` stopped both sides)
             entry[0].health.breaker.record_success(entry[1])
-        self.prompt_logprobs, self.prompt_top = event.prompt_logprobs, event.prompt_top_logprobs
+        if self.want_prompt:  # (read by ``_with_prompt`` only, which only a wanted prompt's outputs meet)
+            self.prompt_logprobs, self.prompt_top = event.prompt_logprobs, event.prompt_top_logprobs
 
     def _prefilled(self) -> None:
         """A combined worker's first token: the prompt is computed, its tokens leave the worker's queued
@@ -701,7 +736,7 @@ class _Attempt:
     async def next(self) -> StepOutput:
         """The next decode output for the consumer (the final one sets ``finished``); raises the
         failure (``APIError``, or ``_Retryable`` for the dispatcher to retry or migrate)."""
-        sink, open_rids = self.sink, self.open_rids
+        sink = self.sink
         if self.held and not self.want_prompt:
             return self._release()
         while True:
@@ -726,7 +761,7 @@ class _Attempt:
                 if self.held:  # the decode goes on; only the prefill's prompt logprobs never came
                     self._stop_waiting_for_prompt()
                     return self._release()
-                wait_s = self.idle_s if self.got_token else self.first_s
+                wait_s = self.idle_s if self.got_token else self.dispatcher.config.first_token_timeout_s
                 stage = "between tokens" if self.got_token else "before the first token"
                 error = UpstreamTimeout(f"no progress from the workers for {wait_s:g}s {stage}")
                 if self.got_token:  # a frozen decode: the stream may continue elsewhere
@@ -748,9 +783,9 @@ class _Attempt:
                     if self.prefill is None:
                         self._prefilled()
                 if event.finish_reason is not None:
-                    self.decode.health.breaker.record_success(open_rids.pop("decode", _NOT_OPEN)[1])
+                    self.decode.health.breaker.record_success(self.open_rids.pop("decode", _NOT_OPEN)[1])
                 if self.want_prompt:
-                    if "prefill" in open_rids and len(self.held) < sink.limit:
+                    if "prefill" in self.open_rids and len(self.held) < sink.limit:
                         if not self.held:  # the hand-over is due about now: outputs do not move this deadline
                             sink.set_deadline(min(self.idle_s, HANDOVER_WAIT_S))
                         self.held.append(event)
@@ -765,10 +800,10 @@ class _Attempt:
                 return event
             worker = self.decode if side == "decode" else self.prefill
             assert worker is not None and not isinstance(event, StepOutput)
-            open_rids.pop(side, None)
+            self.open_rids.pop(side, None)
             if (type(event) is Error and event.code == "bad_request" and event.fault == Fault.NONE
                     and not self.got_token and self.peer_refusal is None
-                    and ("prefill" if side == "decode" else "decode") in open_rids):
+                    and ("prefill" if side == "decode" else "decode") in self.open_rids):
                 # This side relays its peer's refusal; the peer's own 400 (naming the client's field) is on
                 # its way over the peer's connection: that one is the client's answer.
                 self.peer_refusal = (side, event)
@@ -824,7 +859,9 @@ class _Attempt:
                 for worker, rid in self.open_rids.values():
                     worker.health.breaker.record_success(rid)
         if self.sent:
-            self.dispatcher.router.finished(self.pair, self.request, "finished" if self.finished else self.outcome)
+            router = self.dispatcher.router
+            if router.finish_hooks:  # (without any, ``finished`` has nothing to do: not called)
+                router.finished(self.pair, self.request, "finished" if self.finished else self.outcome)
 
 
 def _request_timed_out(config: DispatchConfig) -> UpstreamTimeout:
@@ -842,7 +879,7 @@ def _able(pool: list[WorkerClient]) -> list[WorkerClient]:
             and c.health.is_probe_healthy and not c.health.breaker.is_open] or connected
 
 
-def _selectable(pool: list[WorkerClient], avoid: set[WorkerClient]) -> list[Any]:
+def _selectable(pool: list[WorkerClient], avoid: AbstractSet[WorkerClient]) -> list[Any]:
     """The views of the healthy workers of ``pool`` not in ``avoid``, or of all the healthy ones if
     that leaves none (a failed worker beats none at all)."""
     if not avoid:

@@ -40,60 +40,84 @@ class EventSink:
     sink in a later one, so a busy stream costs no timer work per event.
     """
 
-    __slots__ = ("_deadline", "_idle_s", "_items", "_loop", "_on_overflow", "_slot", "_waiter", "_wheel", "active",
-                 "cap", "capped", "clock", "failed", "limit", "overflowed", "tap")
+    # (no ``__slots__``: the fields that start the same for every sink are these class defaults, not stores
+    # made per attempt; each is set on the instance when it changes)
+    overflowed = False
+    failed = False  # the tap raised: ``get`` raises ``DirectPathFailed``
+    # Offered each event while ``get`` waits with none queued; True: it took the event (nobody is woken).
+    tap: Callable[[tuple[Any, Event]], bool] | None = None
+    _waiter: asyncio.Future[None] | None = None
+    _deadline = math.inf
+    _idle_s: float | None = None  # (``slide``) the deadline is this long after ``active``
+    active = 0.0  # (``slide``) the loop's time of the last progress, set by whoever sees it
+    cap = math.inf  # no deadline later than this (the loop's time; the request's own deadline)
+    capped = False  # the deadline set last is ``cap``
+    _slot: int | None = None  # the wheel's slot it waits in
 
     def __init__(self, limit: int = 4096, on_overflow: Callable[[], None] | None = None,
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.limit = limit  # events queued unread past this: ``on_overflow()``, then ``get`` raises
-        self.overflowed = False
-        self.failed = False  # the tap raised: ``get`` raises ``DirectPathFailed``
-        # Offered each event while ``get`` waits with none queued; True: it took the event (nobody is woken).
-        self.tap: Callable[[tuple[Any, Event]], bool] | None = None
         self._on_overflow = on_overflow
         self._items: deque[tuple[Any, Event]] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-        self._loop = loop or asyncio.get_running_loop()  # (passed in: on Python 3.11 the look-up is a syscall)
-        self._deadline = math.inf
-        self._idle_s: float | None = None  # (``slide``) the deadline is this long after ``active``
-        self.active = 0.0  # (``slide``) the loop's time of the last progress, set by whoever sees it
-        self.clock = self._loop.time  # (what ``active`` is read from)
-        self.cap = math.inf  # no deadline later than this (the loop's time; the request's own deadline)
-        self.capped = False  # the deadline set last is ``cap``
-        self._wheel = wheel_of(self._loop)
-        self._slot: int | None = None  # the wheel's slot it waits in
+        if loop is None:  # (passed in: on Python 3.11 the look-up is a syscall)
+            loop = asyncio.get_running_loop()
+        self._loop = loop
+        self.clock = loop.time  # (what ``active`` is read from)
+        self._wheel = wheel_of(loop)
 
     def put_nowait(self, item: tuple[Any, Event]) -> None:
-        tap = self.tap  # (None once overflowed or failed)
-        if tap is not None and self._waiter is not None and not self._items:
-            try:
-                if tap(item):
+        tap = self.tap
+        if tap is not None:  # (so neither overflowed nor failed: either lets go of it)
+            # (a waiter means none queued: whoever queues one, or fails it, wakes it and lets go of it)
+            if self._waiter is not None:
+                try:
+                    if tap(item):
+                        return
+                except Exception:  # a bug in a consumer must not drop the worker connection whose callback this is
+                    log.exception("the direct path failed; this stream ends with an error")
+                    self.tap = None
+                    self.failed = True
+                    self._wake()
                     return
-            except Exception:  # a bug in a consumer must not drop the worker connection whose callback this is
-                log.exception("the direct path failed; this stream ends with an error")
-                self.tap = None
-                self.failed = True
-                self._wake()
-                return
-        if self.overflowed or self.failed:
+        elif self.overflowed or self.failed:
             return
-        self._items.append(item)
-        if len(self._items) > self.limit:
+        items = self._items
+        items.append(item)
+        if len(items) > self.limit:
             self.overflowed = True
             self.tap = None
-            self._items.clear()
+            items.clear()
             if self._on_overflow is not None:
                 self._on_overflow()
-        self._wake()
+        waiter = self._waiter  # (``_wake``, inline: once per event queued)
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _wake(self) -> None:
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def cap_in(self, timeout_s: float) -> None:
         """No deadline set from now on comes later than ``timeout_s`` from now (``cap``)."""
         self.cap = self._loop.time() + timeout_s
+
+    def start(self, timeout_s: float, cap_s: float) -> None:
+        """``cap_in(cap_s)`` then ``set_deadline(timeout_s)`` in one call (the two from one reading of the
+        clock), on a fresh sink: no deadline set yet, it waits in no slot (an attempt's, at its start)."""
+        now = self.clock()
+        self.cap = cap = now + cap_s
+        deadline = now + timeout_s
+        if deadline >= cap:  # (else ``capped`` stays False: fresh)
+            self.capped = True
+            deadline = cap
+        self._deadline = deadline
+        if deadline != math.inf:
+            self._slot = self._wheel.add(self, deadline)
 
     def set_deadline(self, timeout_s: float) -> None:
         """No event for ``timeout_s`` from now, or by ``cap``, makes ``get`` raise ``TimeoutError`` (up to
@@ -148,10 +172,11 @@ class EventSink:
 
     async def get(self) -> tuple[Any, Event]:
         while not self._items:
-            if self.overflowed:
-                raise SinkOverflow
-            if self.failed:
-                raise DirectPathFailed
+            if self.tap is None:  # (a tap means neither: either lets go of it)
+                if self.overflowed:
+                    raise SinkOverflow
+                if self.failed:
+                    raise DirectPathFailed
             deadline = self._deadline if self._idle_s is None else self._current()
             if self._loop.time() >= deadline:
                 raise TimeoutError
@@ -182,8 +207,9 @@ class EventSink:
     def close(self) -> None:
         self.tap = None
         self._on_overflow = None  # (it may refer back to this sink's owner: freed by reference counting)
-        if self._slot is not None:
-            self._wheel.discard(self, self._slot)
+        slot = self._slot
+        if slot is not None:
+            self._wheel.discard(self, slot)
             self._slot = None
 
 

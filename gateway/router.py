@@ -43,6 +43,10 @@ class Router:
         self._hooks: dict[str, list[Callable[..., None]]] = {
             hook: [fn for p in policies if callable(fn := getattr(p, hook, None))] for hook in HOOK_NAMES
         }
+        # (the two per-attempt hooks' lists, the same objects as in ``_hooks``, read without the dict; the
+        # dispatcher calls ``finished`` only when ``finish_hooks`` has any, and ``dispatched`` only when
+        # ``dispatch_hooks`` has any or a policy looked at the cache: else they have nothing to do)
+        self.dispatch_hooks, self.finish_hooks = self._hooks["on_dispatch"], self._hooks["on_finish"]
         self._stats = [p for p in policies if isinstance(p, PolicyStats)]
         self.policies = policies
         self.num_hook_errors = 0  # selects, hooks and stats() of the policies that raised (logged at most so often)
@@ -108,7 +112,10 @@ class Router:
         """``select``, with a policy's failure (an exception, or not a ``Pair``) as the gateway's 500 naming the
         policy, sent to no worker. That the pair's workers are among those given is ``client_of``'s check."""
         try:  # (tuples: ``client_of`` checks the pair against the lists as given, which a policy cannot change)
-            pair = self.select(tuple(prefills), tuple(decodes), request)
+            if self.is_joint:  # (``select``'s joint case, without its call)
+                pair = self.prefill_policy.select(tuple(prefills), tuple(decodes), request)
+            else:
+                pair = self.select(tuple(prefills), tuple(decodes), request)
         except APIError:
             raise
         except Exception as exc:
@@ -129,20 +136,24 @@ class Router:
         return client
 
     def dispatched(self, pair: Pair, request: RequestInfo) -> None:
+        if request.has_page_hashes:  # a policy looked at the cache
+            self._assume_routed(pair, request)
+        if hooks := self.dispatch_hooks:
+            self._call_hooks(hooks, pair, request)
+
+    def _assume_routed(self, pair: Pair, request: RequestInfo) -> None:
         target = pair.prefill if pair.prefill is not None else pair.decode
-        if request.has_page_hashes and target.page_size > 0:  # a policy looked at the cache
+        if target.page_size > 0:
             # The pages its events do not show it holding: assumed from now on, also those assumed by an
             # earlier routing (renewed: a prefix kept busy is not re-homed when the first assumption ends).
             hashes = request.page_hashes(target.page_size)
             reported = self.index.num_reported(target.url, hashes)
             if reported < len(hashes):
                 self.index.assume(target.url, hashes[reported:])
-        if hooks := self._hooks["on_dispatch"]:
-            self._call_hooks(hooks, pair, request)
 
     def finished(self, pair: Pair, request: RequestInfo, outcome: str) -> None:
         assert outcome in OUTCOMES, outcome
-        if hooks := self._hooks["on_finish"]:
+        if hooks := self.finish_hooks:
             self._call_hooks(hooks, pair, request, outcome)
 
     # -- membership and events --------------------------------------------------------------------

@@ -10,6 +10,8 @@ import msgspec
 
 from gateway.policies.base import Pair, RequestInfo, WorkerView
 
+_lcm = math.lcm  # (a global: read per request)
+
 
 class RandomPolicy:
     """Each side uniformly at random (``seed`` makes it repeatable)."""
@@ -41,13 +43,15 @@ class RoundRobinPolicy:
         self._next_decode = 0
 
     def select(self, prefills: Sequence[WorkerView], decodes: Sequence[WorkerView], request: RequestInfo) -> Pair:
-        prefill = None
-        if prefills:
-            prefill = prefills[self._next_prefill % len(prefills)]
-            self._next_prefill += 1
         turn = self._next_decode
         if prefills:
-            turn += turn // math.lcm(len(prefills), len(decodes))
+            num_prefills = len(prefills)
+            prefill = prefills[self._next_prefill % num_prefills]
+            self._next_prefill += 1
+            num_decodes = len(decodes)
+            decode = decodes[(turn + turn // _lcm(num_prefills, num_decodes)) % num_decodes]
+            self._next_decode = turn + 1
+            return Pair(prefill, decode)
         decode = decodes[turn % len(decodes)]
-        self._next_decode += 1
-        return Pair(prefill, decode)
+        self._next_decode = turn + 1
+        return Pair(None, decode)
