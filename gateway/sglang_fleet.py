@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import socket
 import time
@@ -164,17 +165,22 @@ class HttpWorker:
 
     def opened(self, prefill_tokens: int = 0, pages: int = 0) -> int:
         """A request sent to this worker, costing it ``prefill_tokens`` / ``pages`` until ``closed``."""
-        self._rids += 1
-        self._unsent[self._rids] = None
-        self.state.dispatched(self._rids, prefill_tokens, pages)
+        rid = self._rids = self._rids + 1
+        self._unsent[rid] = None
+        self.state.dispatched(rid, prefill_tokens, pages)
         breaker = self.health.breaker
         if not breaker.closed:  # half-open: a trial (``CircuitBreaker.trials``), until ``closed``
-            breaker.trial_started(self._rids)
-        return self._rids
+            breaker.trial_started(rid)
+        return rid
 
     def sent(self, rid: int) -> None:
         """Request ``rid``'s head has gone out to the worker: a load report polled from now on may count it."""
         self._unsent.pop(rid, None)
+
+    def sent_callback(self, rid: int) -> Callable[[object], object]:
+        """``sent(rid)`` as a future's done callback (``_unsent.pop`` bound in C, the future its unused default: no
+        Python frame when it runs)."""
+        return functools.partial(self._unsent.pop, rid)
 
     def closed(self, rid: int) -> None:
         self._unsent.pop(rid, None)
@@ -419,11 +425,11 @@ class SGLangFleet:
         """A healthy pair for one attempt (avoiding the workers that failed it before, while others are up): the
         policy's ``Pair`` (what its ``on_finish`` hears of again), its prefill and its decode; the prompt counts as
         cached on the chosen prefill for a moment (``Router.dispatched``)."""
-        def pick(pool: list[HttpWorker]) -> list[WorkerState]:
-            healthy = [w for w in pool if w.healthy]
-            return [w.state for w in healthy if w not in avoid] or [w.state for w in healthy]
-
-        prefills, decodes = pick(self.prefills), pick(self.decodes)
+        if avoid:
+            prefills, decodes = _pick(self.prefills, avoid), _pick(self.decodes, avoid)
+        else:  # (a request's first attempt: nothing to avoid)
+            prefills = [w.state for w in self.prefills if w.healthy]
+            decodes = [w.state for w in self.decodes if w.healthy]
         if not prefills or not decodes:
             raise NoWorkers(f"no healthy SGLang {'decode' if prefills else 'prefill'} worker", retry_after_s=1.0)
         router = self.router
@@ -434,6 +440,12 @@ class SGLangFleet:
         decode = router.client_of(pair.decode, decodes, HttpWorker)
         router.dispatched(pair, request)
         return pair, prefill, decode
+
+
+def _pick(pool: list[HttpWorker], avoid: set[HttpWorker]) -> list[WorkerState]:
+    """``pool``'s healthy workers (their views) but those in ``avoid``; all the healthy ones when that leaves none."""
+    healthy = [w for w in pool if w.healthy]
+    return [w.state for w in healthy if w not in avoid] or [w.state for w in healthy]
 
 
 def _is_what_it_was_added_as(worker: HttpWorker, health: bytes) -> tuple[bool, str]:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import secrets
 import time
@@ -139,6 +140,13 @@ class _Figures:
             replies = _counted.decode(data)
         except (msgspec.DecodeError, UnicodeDecodeError):
             return
+        usage = replies.usage if type(replies) is _Counted else None
+        if usage is not None:  # (the usual: one OpenAI reply's usage, its figures as they are)
+            details = usage.prompt_tokens_details
+            metrics.prompt_tokens.inc(usage.prompt_tokens or 0)
+            metrics.cached_tokens.inc((details.cached_tokens or 0) if details is not None else 0)
+            metrics.generation_tokens.inc(usage.completion_tokens or 0)
+            return
         prompt = cached = generated = 0
         for reply in replies if isinstance(replies, list) else [replies]:
             usage, meta = reply.usage, reply.meta_info
@@ -225,6 +233,8 @@ def batch_size(route: str, body: dict[str, Any]) -> int | None:
     """How many rooms the request needs as a list (None: one scalar room), as SGLang's routers count. A
     400 for more choices than the gateway's own routes take (``MAX_N``, ``MAX_BATCH_CHOICES``): the room
     lists are built, encoded and sent to both workers before either could refuse them."""
+    if route == "chat" and body.get("n") is None:  # (the usual: one choice, no batch; ``_choices``' 1)
+        return None
     if route == "generate":
         text, ids = body.get("text"), body.get("input_ids")
         sampling = body.get("sampling_params")
@@ -292,10 +302,11 @@ class SGLangResponder:
 
     async def serve(self, exchange: HotCycle) -> None:
         """On the gateway's own cycle (``gateway.hot_cycle``), whose ``send`` writes the relay's ASGI messages."""
-        await self._serve(exchange, exchange.send)
+        await self._serve(exchange, exchange.send, getattr(exchange, "fields", None))
 
-    async def _serve(self, exchange: Exchange, send: Send) -> None:
-        """One request: ``exchange`` for its body, headers and disconnect, ``send`` for the answer."""
+    async def _serve(self, exchange: Exchange, send: Send, fields: Mapping[bytes, bytes] | None = None) -> None:
+        """One request: ``exchange`` for its body, headers and disconnect, ``send`` for the answer; ``fields``: its
+        headers by name, where the exchange has them (a request with no trace context then makes no dict walk)."""
         release = None
         gone = [False]
         status = 500
@@ -330,7 +341,9 @@ class SGLangResponder:
                 active = self.metrics.active
                 active.inc()
                 try:
-                    status = await self._relay(body, send, _trace_headers(exchange.headers))
+                    trace = {} if fields is not None and b"traceparent" not in fields and b"tracestate" not in fields \
+                        else _trace_headers(exchange.headers)
+                    status = await self._relay(body, send, trace)
                 finally:
                     active.dec()
             except APIError as exc:
@@ -356,28 +369,32 @@ class SGLangResponder:
 
     async def _relay(self, body: dict[str, Any], send: Send, trace: dict[str, str]) -> int:
         """``trace``: the client's W3C trace context headers, passed on to both workers."""
-        fleet, cfg = self.fleet, self.fleet.config
-        num_items = batch_size(self.route, body)
+        fleet, cfg, route = self.fleet, self.fleet.config, self.route
+        num_items = batch_size(route, body)
         stream = bool(body.get("stream"))
-        merge_logprobs = self.route == "generate" and bool(body.get("return_logprob"))
-        request = routing_request(fleet.router, fleet.tokenizer, self.route, body)
-        sampling = body.get("sampling_params") if self.route == "generate" else None
-        n = sampling.get("n") if isinstance(sampling, dict) else None
-        figures = _Figures(self.metrics, num_items is not None, n if type(n) is int and n > 1 else 1)
+        request = routing_request(fleet.router, fleet.tokenizer, route, body)
+        if route == "generate":
+            merge_logprobs = bool(body.get("return_logprob"))
+            sampling = body.get("sampling_params")
+            n = sampling.get("n") if isinstance(sampling, dict) else None
+            figures = _Figures(self.metrics, num_items is not None, n if type(n) is int and n > 1 else 1)
+        else:  # (no logprobs to merge, one item per prompt)
+            merge_logprobs, figures = False, _Figures(self.metrics, num_items is not None)
         avoid: set[HttpWorker] = set()
         attempt = 0
         loop = asyncio.get_running_loop()
         ends_at = loop.time() + cfg.request_timeout_s  # (the request's, over every attempt, as the native path's)
         while True:
             pair, prefill, decode = fleet.select(request, avoid)
-            rooms = [secrets.randbits(63) for _ in range(num_items or 1)]
-            payload = dict(body)
             if num_items is None:
-                payload.update(bootstrap_host=prefill.bootstrap_host, bootstrap_port=prefill.bootstrap_port,
-                               bootstrap_room=rooms[0])
+                # (``secrets.randbits(63)``'s draw, without its Python frame)
+                payload = {**body, "bootstrap_host": prefill.bootstrap_host,
+                           "bootstrap_port": prefill.bootstrap_port,
+                           "bootstrap_room": int.from_bytes(os.urandom(8)) >> 1}
             else:
-                payload.update(bootstrap_host=[prefill.bootstrap_host] * num_items,
-                               bootstrap_port=[prefill.bootstrap_port] * num_items, bootstrap_room=rooms)
+                payload = {**body, "bootstrap_host": [prefill.bootstrap_host] * num_items,
+                           "bootstrap_port": [prefill.bootstrap_port] * num_items,
+                           "bootstrap_room": [secrets.randbits(63) for _ in range(num_items)]}
             result = "cancelled"
             data = _json.encode(payload)
             cost = dispatch_cost(request, prefill.state, num_items, len(data))
@@ -409,22 +426,27 @@ class SGLangResponder:
         cfg = self.fleet.config
         loop = asyncio.get_running_loop()
         # (the pool's own carry the content type; these go out once per request, on both)
-        headers = header_lines({"x-request-id": REQUEST_ID.get(), **trace})
+        request_id = REQUEST_ID.get()
+        if not trace and request_id.isprintable():  # (the usual: no trace context, and no line break or NUL to refuse)
+            headers = b"x-request-id: %b\r\n" % request_id.encode("latin-1")
+        else:
+            headers = header_lines({"x-request-id": request_id, **trace})
         # A stream's first event is due within the first-token timeout, a whole answer at its end, both by the
         # request's deadline at the latest. (The pool times only the whole request, no single read: a read timeout
         # would bound the wait for the response head too, which our own workers send with the first token; a
         # stream's reads are timed in ``_first_events`` and ``_stream``.)
         wait_s = cfg.first_byte_timeout_s if stream else cfg.request_timeout_s
         deadline = min(loop.time() + wait_s, ends_at)
-        p_rid, d_rid = prefill.opened(prefill_tokens=cost[0]), decode.opened(pages=cost[1])
+        p_rid, d_rid = prefill.opened(cost[0]), decode.opened(0, cost[1])  # (prefill tokens, decode pages)
         decode_asked: asyncio.Future[None] = loop.create_future()
         prefill_asked: asyncio.Future[None] = loop.create_future()
         # (each counts in its worker's load reports once it has gone out: ``HttpWorker.last_rid``)
-        decode_asked.add_done_callback(lambda _: decode.sent(d_rid))
-        prefill_asked.add_done_callback(lambda _: prefill.sent(p_rid))
-        d_task = asyncio.create_task(_open(self.fleet, decode, f"{decode.url}/{self.path}", data, headers,
+        decode_asked.add_done_callback(decode.sent_callback(d_rid))
+        prefill_asked.add_done_callback(prefill.sent_callback(p_rid))
+        # (``loop.create_task``: ``asyncio.create_task``'s, without its Python frame)
+        d_task = loop.create_task(_open(self.fleet, decode, f"{decode.url}/{self.path}", data, headers,
                                            decode_asked, ends_at))
-        p_task = asyncio.create_task(_post(self.fleet, prefill, f"{prefill.url}/{self.path}", data, headers,
+        p_task = loop.create_task(_post(self.fleet, prefill, f"{prefill.url}/{self.path}", data, headers,
                                            merge_logprobs, decode_asked, prefill_asked, ends_at))
         metrics = self.metrics
         p_task.add_done_callback(lambda task: _prefill_done(task, prefill, p_rid, metrics))
@@ -437,7 +459,12 @@ class SGLangResponder:
                     d_task.cancel()
                     return await self._failed(failure, send)
                 await _first_done(loop, deadline, d_task)
-            decode_reply_or_failure: Reply | _Failure | None = _answered(d_task)
+            # (``_answered``, inline: the decode's 2xx head when it has come, else None)
+            decode_reply_or_failure: Reply | _Failure | None = None
+            if d_task.done() and not d_task.cancelled() and d_task.exception() is None:
+                head = d_task.result()
+                if 200 <= head.status < 300:
+                    decode_reply_or_failure = head
             if decode_reply_or_failure is None:  # (not done, failed, or not a 2xx: its body is read within the wait)
                 try:  # (``timeout_at``, not ``wait_for``: on Python 3.11 that can lose the client's leaving, gh-86296)
                     async with asyncio.timeout_at(deadline):
@@ -482,7 +509,7 @@ class SGLangResponder:
         finally:
             if not d_task.done():
                 d_task.cancel()
-            elif not d_task.cancelled() and d_task.exception() is None:
+            elif not answered and not d_task.cancelled() and d_task.exception() is None:
                 # (a head that came in as this attempt was cancelled or timed out, never taken: its request is
                 # aborted; a no-op for a reply released above)
                 d_task.result().close()
@@ -547,18 +574,21 @@ class SGLangResponder:
         timeout is a 504. A first event over ``MAX_EVENT_BYTES`` is the decode's failure, as a broken stream."""
         loop = asyncio.get_running_loop()
         buffer = _Events()
-        read: asyncio.Future[bytes] = asyncio.ensure_future(reply.readany())
+        read: asyncio.Future[bytes] = loop.create_task(reply.readany())  # (``ensure_future``'s, without its frames)
         try:
             while True:
                 if p_task.done():
                     failure = _failure(p_task, prefill)
                     if failure is not None:
                         return failure
-                waiting: set[asyncio.Future[Any]] = {read} if p_task.done() else {read, p_task}
-                done, _ = await asyncio.wait(waiting, timeout=max(0.0, deadline - loop.time()),
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if read not in done:
-                    if p_task in done:
+                # (``asyncio.wait``'s ``FIRST_COMPLETED`` up to ``deadline``, without its sets and frames)
+                prefill_waited = not p_task.done()
+                if prefill_waited:
+                    await _first_done(loop, deadline, read, p_task)
+                else:
+                    await _first_done(loop, deadline, read)
+                if not read.done():
+                    if prefill_waited and p_task.done():
                         continue  # (judged above)
                     if deadline >= ends_at:  # (the request's own deadline cut the wait short: no one's fault)
                         raise _request_timed_out(self.fleet.config.request_timeout_s)
@@ -578,7 +608,7 @@ class SGLangResponder:
                 if buffer.num_pending_bytes > MAX_EVENT_BYTES:  # (a misbehaving decode: retried as a broken one)
                     return _Failure(decode, f"its stream {_too_large(buffer.num_pending_bytes)} before its first "
                                             f"event")
-                read = asyncio.ensure_future(reply.readany())
+                read = loop.create_task(reply.readany())
         finally:
             if not read.done():
                 read.cancel()
@@ -656,17 +686,21 @@ class SGLangResponder:
 class _Sent:
     """The ASGI ``send`` of one relayed request, minding how far the response got (for ``cut``)."""
 
-    __slots__ = ("complete", "send", "started", "status", "stream")
+    __slots__ = ("complete", "head", "send", "started", "status")
 
     def __init__(self, send: Send) -> None:
-        self.send, self.started, self.complete, self.stream = send, False, False, False
+        self.send, self.started, self.complete = send, False, False
         self.status = 0  # the response head's, once ``started``
+        self.head: Any = ()  # its header list, once ``started`` (read by ``cut`` alone)
+
+    @property
+    def stream(self) -> bool:
+        """The response begun is a stream (judged when asked: only a cut request asks)."""
+        return any(name == b"content-type" and value.startswith(b"text/event-stream") for name, value in self.head)
 
     async def __call__(self, message: Any) -> None:
         if message["type"] == "http.response.start":
-            self.started, self.status = True, message["status"]
-            self.stream = any(name == b"content-type" and value.startswith(b"text/event-stream")
-                              for name, value in message.get("headers", ()))
+            self.started, self.status, self.head = True, message["status"], message.get("headers", ())
         elif not message.get("more_body", False):
             self.complete = True
         await self.send(message)
@@ -698,18 +732,24 @@ def _prefill_done(task: asyncio.Task[_PrefillReply], prefill: HttpWorker, rid: i
     """The prefill's request ended: it leaves the worker's view, its outcome feeds the breaker (a 4xx is
     the request's fault, a cancellation nobody's)."""
     prefill.closed(rid)
-    if task.cancelled() or isinstance(task.exception(), TimeoutError):  # (the request's own deadline: no verdict)
+    if task.cancelled():
         return
-    _record(prefill, rid, task.result().status if task.exception() is None else None, metrics)
+    exc = task.exception()
+    if isinstance(exc, TimeoutError):  # (the request's own deadline: no verdict)
+        return
+    _record(prefill, rid, task.result().status if exc is None else None, metrics)
 
 
 def _record(worker: HttpWorker, rid: int, status: int | None, metrics: GatewayMetrics | None = None) -> None:
     """A worker's answer for its breaker: a 2xx or the request's own 4xx is a success, a busy worker's
     408/429/503 neither (overload is not a fault, as on the native path: SGLang answers a full request queue with
     a 503; a worker that stays unavailable fails its health checks), no answer or another 5xx a failure."""
+    if status is not None and 200 <= status < 300:  # (the usual, first)
+        worker.health.breaker.record_success(rid)
+        return
     if status in (408, 429, 503):
         return
-    if status is not None and (200 <= status < 300 or _is_request_fault(status)):
+    if status is not None and _is_request_fault(status):
         worker.health.breaker.record_success(rid)
     else:
         _failed_worker(worker, "worker_gone" if status is None else "timeout" if status == 504 else "internal",
@@ -783,14 +823,18 @@ async def _post(fleet: SGLangFleet, worker: HttpWorker, url: str, data: bytes, h
     request that fails before it went out is the caller's to see: this one is then cancelled unsent.) ``asked`` is
     set once its own head has gone out."""
     await decode_asked
-    async with await _open(fleet, worker, url, data, headers, asked, ends_at) as reply:
+    reply = await _open(fleet, worker, url, data, headers, asked, ends_at)
+    try:  # (``async with reply``'s release, without its two coroutines)
         body = await reply.read()
         content_type = reply.headers.get("content-type", "application/json")
-        refusal = _stream_refusal(body) if 200 <= reply.status < 300 and content_type.startswith(
+        status = reply.status
+        refusal = _stream_refusal(body) if 200 <= status < 300 and content_type.startswith(
             "text/event-stream") else None
-        return _PrefillReply(reply.status, content_type,
-                             body if keep_body or reply.status >= 300 or refusal is not None else b"",
-                             _retry_after_s(reply.headers), refusal)
+        return _PrefillReply(status, content_type, body if keep_body or status >= 300 or refusal is not None else b"",
+                             # (a 2xx's is never read: ``_failure`` reads a failed answer's alone)
+                             _retry_after_s(reply.headers) if not 200 <= status < 300 else None, refusal)
+    finally:
+        reply.release()
 
 
 def _stream_refusal(body: bytes) -> str | None:
@@ -852,8 +896,9 @@ def _failure(task: asyncio.Task[_PrefillReply], worker: HttpWorker) -> _Failure 
 async def _first_done(loop: asyncio.AbstractEventLoop, deadline: float, *futures: asyncio.Future[Any]) -> None:
     """Until one of ``futures`` is done, or loop time ``deadline`` (``asyncio.wait``'s ``FIRST_COMPLETED``, without
     its sets, its timer and its waiter's bookkeeping: twice per relayed request)."""
-    if any(future.done() for future in futures):
-        return
+    for future in futures:
+        if future.done():
+            return
     waiter = loop.create_future()
 
     def wake(_: object) -> None:
@@ -869,14 +914,6 @@ async def _first_done(loop: asyncio.AbstractEventLoop, deadline: float, *futures
         timer.cancel()
         for future in futures:
             future.remove_done_callback(wake)
-
-
-def _answered(task: asyncio.Task[Reply]) -> Reply | None:
-    """The decode's reply when it has come with a 2xx head (``_settle``'s answer, without a wait); else None."""
-    if not task.done() or task.cancelled() or task.exception() is not None:
-        return None
-    reply = task.result()
-    return reply if 200 <= reply.status < 300 else None
 
 
 async def _settle(task: asyncio.Task[Reply], worker: HttpWorker) -> Reply | _Failure:

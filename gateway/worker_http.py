@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
@@ -113,6 +114,7 @@ class _Connection(asyncio.Protocol):
         self.counted = True  # in ``origin.num_open`` (cleared once, by ``HttpPool._gone``)
         self._interim = False  # the message being parsed is a 1xx (Continue, Early Hints): skipped
         self._head_bytes = 0  # of the message being parsed's header lines
+        self._head: list[tuple[bytes, bytes]] = []  # its header lines as they came (name, value)
 
     # -- asyncio's side ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -163,27 +165,28 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        # (kept raw: the head's lines are made into ``Reply.headers`` at once, at its end, ``_headers``)
         self._head_bytes += len(name) + len(value)
         if self._head_bytes > MAX_HEAD_BYTES:
             raise BadResponse(f"an answer's header lines passed {MAX_HEAD_BYTES} bytes")
-        reply = self.reply
-        if reply is not None and not self._interim:
-            reply.headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+        self._head.append((name, value))
 
     def on_headers_complete(self) -> None:
         reply = self.reply
         status = self.parser.get_status_code()
-        if status < 200:  # (an interim answer: the real one follows)
+        if status < 200:  # (an interim answer: the real one follows; its header lines are dropped)
             self._interim = True
-            if reply is not None:
-                reply.headers.clear()
+            self._head.clear()
             return
         if reply is not None:
             reply.status = status
             reply.keep_alive = self.parser.should_keep_alive()
-            headers = reply.headers
+            headers = reply.headers = _headers(self._head)
+            self._head.clear()
             reply.framed = "content-length" in headers or "chunked" in headers.get("transfer-encoding", "").lower()
-            reply._wake()
+            waiter = reply._waiter  # (``Reply._wake``, inline: once per answer)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
 
     def on_body(self, body: bytes) -> None:
         reply = self.reply
@@ -196,6 +199,10 @@ class _Connection(asyncio.Protocol):
             return
         reply = self.reply
         if reply is not None:
+            if self._head:  # (a chunked answer's trailer fields: added, as header lines not given before)
+                for name, value in _headers(self._head).items():
+                    reply.headers.setdefault(name, value)
+                self._head.clear()
             reply._end()
 
     # -- ours -----------------------------------------------------------------------------------------
@@ -203,6 +210,24 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
         self.pool._gone(self)
+
+
+_LATIN_1 = itertools.repeat("latin-1")
+
+
+def _headers(lines: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """Header lines as ``Reply.headers``: names in lower case, the first line of each name kept. (Built in C, not a
+    line at a time: the names joined and split again, by a line break, which no header name can hold.)"""
+    if not lines:
+        return {}
+    names, values = zip(*lines, strict=True)
+    headers = dict(zip(b"\n".join(names).decode("latin-1").lower().split("\n"), map(bytes.decode, values, _LATIN_1),
+                       strict=True))
+    if len(headers) < len(lines):  # (a name given twice: its first value, not its last)
+        headers = {}
+        for name, value in lines:
+            headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+    return headers
 
 
 class Reply:
@@ -245,7 +270,10 @@ class Reply:
         """What has come of the body since the last read (waiting for some); ``b""`` at its end. ``idle_s``: at most
         that long a wait for it, else ``ReadIdle`` (the request and its connection go on)."""
         while not self._buffer and not self.ended:
-            await self._wait(idle_s)
+            if idle_s is None:
+                await self._wait()
+            else:
+                await self._wait_idle(idle_s)
         if self._buffer:
             data = self._buffer[0] if len(self._buffer) == 1 else b"".join(self._buffer)
             self._buffer.clear()
@@ -294,16 +322,25 @@ class Reply:
         self.release()
 
     # -- the connection's side ----------------------------------------------------------------------
-    async def _wait(self, idle_s: float | None = None) -> None:
-        loop = self._conn.pool.loop
-        waiter = self._waiter = loop.create_future()
-        # (a timer per wait, not ``asyncio.timeout``'s context: a relayed stream waits once per event)
-        timer = None if idle_s is None else loop.call_later(idle_s, _read_idle, waiter, idle_s)
+    async def _wait(self) -> None:
+        """Until the connection's side wakes the reader (``_wake``, or its end or failure)."""
+        waiter = self._waiter = self._conn.pool.loop.create_future()
         try:
             await waiter
         finally:
-            if timer is not None:
-                timer.cancel()
+            if self._waiter is waiter:  # (not a newer read's, begun as this one was cancelled)
+                self._waiter = None
+
+    async def _wait_idle(self, idle_s: float) -> None:
+        """``_wait``, at most ``idle_s``: else ``ReadIdle``."""
+        loop = self._conn.pool.loop
+        waiter = self._waiter = loop.create_future()
+        # (a timer per wait, not ``asyncio.timeout``'s context: a relayed stream waits once per event)
+        timer = loop.call_later(idle_s, _read_idle, waiter, idle_s)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
             if self._waiter is waiter:  # (not a newer read's, begun as this one was cancelled)
                 self._waiter = None
 
@@ -320,7 +357,9 @@ class Reply:
             if transport is not None and not transport.is_closing():
                 transport.pause_reading()
                 self._paused = True
-        self._wake()
+        waiter = self._waiter  # (``_wake``, inline: once per piece of a body)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _resume(self) -> None:
         self._paused = False
@@ -331,7 +370,9 @@ class Reply:
     def _end(self) -> None:
         self.ended = True
         self._timer.cancel()
-        self._wake()
+        waiter = self._waiter  # (``_wake``, inline: once per answer)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _fail(self, exc: BaseException) -> None:
         if not self.ended:
@@ -389,9 +430,11 @@ class HttpPool:
         request has gone out on a connection; ``deadline`` (loop time), when nearer than ``timeout_s`` from now, is
         the request's (a caller's own deadline over several attempts); ``fresh``: on a new connection, none of the
         idle ones (within ``limit_per_host`` all the same: at the limit, the oldest idle one is closed for it)."""
-        loop = self.loop
-        deadline = loop.time() + self.timeout_s if deadline is None else min(deadline, loop.time() + self.timeout_s)
-        origin, path = self._origin(url)
+        latest = self.loop.time() + self.timeout_s
+        if deadline is None or deadline > latest:
+            deadline = latest
+        known = self._origins.get(url)  # (``_origin``'s cache, without its call)
+        origin, path = known if known is not None else self._origin(url)
         lines = headers if isinstance(headers, bytes) else header_lines(headers) if headers else b""
         request = b"POST %s HTTP/1.1\r\nhost: %s\r\n%b%bcontent-length: %d\r\n\r\n%b" % (
             path, origin.host_header, self._fixed, lines, len(data), data)
@@ -537,10 +580,12 @@ class HttpPool:
             conn.close()
             return
         conn.idle_since = self.loop.time()
-        conn.origin.idle.append(conn)
+        origin = conn.origin
+        origin.idle.append(conn)
         if self._sweep is None:
             self._sweep = self.loop.call_later(self.keepalive_s, self._sweep_idle)
-        self._wake_one(conn.origin)
+        if origin.waiters:  # (none, mostly: no call to look)
+            self._wake_one(origin)
 
     def _gone(self, conn: _Connection) -> None:
         """``conn`` is closed or closing: it no longer counts, and a waiter may open another."""
