@@ -591,7 +591,7 @@ class _StreamEmitter:
             template = self.shape.middle_template(run, state.index)
             if template is not None:
                 self.before, self.after = template
-                lane = exchange.text_lane(state.accept_middle, _encode, *template)
+                lane = exchange.text_lane(state.middle_accepter(), _encode, *template)
                 if lane is not None:
                     self.offer = lane
 

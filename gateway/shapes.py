@@ -26,6 +26,7 @@ from gateway.tokenizer import literal_text, token_text_of
 from gateway.tool_calls import shape_choices, tool_events
 
 _json = msgspec.json.Encoder()
+_NULL_FINISH = b'"finish_reason":null'  # (a chat chunk template's, ``ChatShape.events``)
 WEIGHT_VERSION = "default"  # ``/generate``'s ``meta_info.weight_version`` (SGLang's, with no weight updates)
 
 
@@ -146,10 +147,18 @@ class ChatShape(Shape):
             first = state.index not in opened
             opened.add(state.index)
             states[state.index] = state
-            if not first and not prep.want_logprobs and state.finish_reason is None:
-                chunk = self.middle(run, state, text)  # the common case: a few more tokens of text
-                if chunk:
-                    yield chunk
+            if not first and not prep.want_logprobs:
+                if state.finish_reason is None:
+                    chunk = self.middle(run, state, text)  # the common case: a few more tokens of text
+                    if chunk:
+                        yield chunk
+                    continue
+                # The last chunk: the choice's template (what ``_chunk`` makes of the same dict, ``middle``'s)
+                # with its finish reason in place of the null one (the template's tail holds no text of the
+                # client's: that null is its first "finish_reason")
+                before, after = run.templates.get(state.index) or self._template(run, state.index)
+                yield before + _json.encode(text) + after.replace(
+                    _NULL_FINISH, b'"finish_reason":' + _json.encode(state.finish_reason), 1)
                 continue
             delta: dict[str, Any] = {"content": text}
             if first:
@@ -163,12 +172,52 @@ class ChatShape(Shape):
             yield self._chunk(run, [], usage(prep, list(states.values())))
 
     def first(self, run: Run, state: ChoiceState, text: str) -> bytes | None:
-        return self._chunk(run, [{"index": state.index, "delta": {"content": text, "role": "assistant"},
-                                  "logprobs": None, "finish_reason": None}])
+        # (the chunk of {"content": text, "role": "assistant"} as ``_chunk`` encodes it: the choice's template,
+        # which the stream's next chunks use, with the role after the text)
+        before, after = run.templates.get(state.index) or self._template(run, state.index)
+        return before + _json.encode(text) + b',"role":"assistant"' + after
 
     def _text_chunk(self, run: Run, index: int, text: str) -> bytes:
         return self._chunk(run, [{"index": index, "delta": {"content": text}, "logprobs": None,
                                   "finish_reason": None}])
+
+    def _template(self, run: Run, index: int) -> tuple[bytes, bytes]:
+        # A request's template differs from another's of the same model, usage option and choice only in its id
+        # and time: ``Shape._template`` made once for those (``_forms``), then per request one formatting step.
+        key = (run.frontend.model_name, run.prep.include_usage, index)
+        form = _CHAT_FORMS.get(key)
+        if form is None:
+            form = _chat_form(self, run, index)
+            if form is None:  # (a template the markers cannot be found in once each: made as it is)
+                return Shape._template(self, run, index)
+            if len(_CHAT_FORMS) >= 64:  # (a handful in practice: one model, n choices)
+                _CHAT_FORMS.clear()
+            _CHAT_FORMS[key] = form
+        template = run.templates[index] = (form[0] % (_json.encode(run.rid), run.created), form[1])
+        return template
+
+
+# ``ChatShape._template``'s forms: (model name, include_usage, choice) -> (the text's "before" as a format of the
+# request's JSON id and its ``created``, its "after")
+_CHAT_FORMS: dict[tuple[str, bool, int], tuple[bytes, bytes]] = {}
+_ID_MARK = "\x00id\x00"
+_CREATED_MARK = 987_654_321_987_654_321
+# (as they are in the JSON: a raw ``"`` is only ever a string's edge, so ``"id":`` and ``"created":`` are the keys)
+_ID_FIELD = b'"id":' + _json.encode(_ID_MARK)
+_CREATED_FIELD = b'"created":%d' % _CREATED_MARK
+
+
+def _chat_form(shape: ChatShape, run: Run, index: int) -> tuple[bytes, bytes] | None:
+    """``ChatShape._template``'s form for ``run``'s model, usage option and choice ``index`` (None when its markers
+    are not each found once)."""
+    probe = Run.__new__(Run)
+    probe.frontend, probe.prep, probe.rid, probe.created, probe.templates = run.frontend, run.prep, _ID_MARK, \
+        _CREATED_MARK, {}
+    before, after = Shape._template(shape, probe, index)
+    before = before.replace(b"%", b"%%")
+    if before.count(_ID_FIELD) != 1 or before.count(_CREATED_FIELD) != 1:
+        return None
+    return before.replace(_ID_FIELD, b'"id":%b').replace(_CREATED_FIELD, b'"created":%d'), after
 
 
 class CompletionShape(Shape):
