@@ -62,8 +62,11 @@ def test_every_field_beyond_the_plain_ones_is_read_by_the_shortcut() -> None:
 
 def test_prepared_plain_is_the_prepared_of_its_fields() -> None:
     for f in dataclasses.fields(Prepared):  # (the defaults it leaves on the class are the dataclass's)
+        # (a field made per instance, or set up after __init__, would be missing from ``plain``'s objects)
+        assert f.default_factory is dataclasses.MISSING, f"{f.name}: Prepared.plain would not make it"
         if f.default is not dataclasses.MISSING:
             assert getattr(Prepared, f.name) == f.default, f.name
+    assert not hasattr(Prepared, "__post_init__"), "Prepared.plain would skip it"
     params = SamplingParams(max_new_tokens=5)
     plain = Prepared.plain([1, 2], params, 2, True, True, True, "max_completion_tokens")
     assert plain == Prepared([1, 2], params, 2, [], True, False, True, keep_stop=True,
