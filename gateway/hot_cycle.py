@@ -7,7 +7,7 @@ uvicorn's does): the connection's protocol
 (``gateway.http_protocol.GuardedHttpProtocol``) gives such a request a ``HotCycle`` in place of
 uvicorn's ``RequestResponseCycle``, and the cycle is the route's ``Responder``'s ``Exchange``.
 Lifecycle of one request (event loop only):
-1. The protocol, at the end of the request head, asks ``HotRoutes.cycle_at(...)`` for the request
+1. The protocol, at the end of the request head, asks ``HotRoutes.cycle(...)`` for the request
    target and makes the cycle. The body is collected by the protocol's ``on_body``. When the whole body of a
    stream arrives in the read that ends the head, the cycle starts in that callback
    (``gateway.eager``: up to its first wait, normally the workers' first answer, before a task
@@ -95,29 +95,17 @@ class HotRoutes:
 
     def __init__(self, responders: dict[str, Responder], gatekeeper: GatekeeperMiddleware,
                  cors: CorsPolicy | None = None) -> None:
-        self.responders = {path.encode(): responder for path, responder in responders.items()}
         self._routes = {path.encode(): (responder, path) for path, responder in responders.items()}
         self.gatekeeper = gatekeeper
         self.cors = cors  # (``--cors-allow-origin``: its headers go on every answer to an allowed origin)
 
-    def cycle(self, raw_path: bytes, protocol: GuardedHttpProtocol, headers: Headers, keep_alive: bool,
-              expect_100_continue: bool, *, chunked: bool = True) -> HotCycle | None:
-        """``chunked``: the client reads chunked bodies (HTTP/1.1); an HTTP/1.0 client's stream is sent
-        as it is and ends when the connection closes (its ``keep_alive`` is False)."""
-        responder = self.responders.get(raw_path)
-        if responder is None:
-            return None
-        cycle = HotCycle(protocol, responder, self.gatekeeper, raw_path.decode("ascii"), headers, keep_alive,
-                         expect_100_continue, chunked)
-        if self.cors is not None:
-            cycle.cors_head = self.cors.head(headers)
-        return cycle
-
-    def cycle_at(self, url: bytes, protocol: GuardedHttpProtocol, headers: Headers, keep_alive: bool,
-                 expect_100_continue: bool, chunked: bool) -> HotCycle | None:
-        """``cycle`` for the request target ``url`` as the parser gave it (its path is parsed only when the URL is
-        not itself a route's path: one with a query string, an absolute URL; a malformed one raises, as
-        ``httptools.parse_url`` does)."""
+    def cycle(self, url: bytes, protocol: GuardedHttpProtocol, headers: Headers, keep_alive: bool,
+              expect_100_continue: bool, chunked: bool) -> HotCycle | None:
+        """The cycle of a request to a generation route, None for any other: ``url``, the request target as the
+        parser gave it (its path is parsed only when the URL is not itself a route's path: one with a query string,
+        an absolute URL; a malformed one raises, as ``httptools.parse_url`` does). ``chunked``: the client reads
+        chunked bodies (HTTP/1.1); an HTTP/1.0 client's stream is sent as it is and ends when the connection closes
+        (its ``keep_alive`` is False)."""
         route = self._routes.get(url)
         if route is None:
             route = self._routes.get(httptools.parse_url(url).path)

@@ -356,7 +356,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             http10 = parser.get_http_version() == "1.0"
             if http10 and self.expect_100_continue:
                 self.expect_100_continue = False  # (an HTTP/1.0 client's expectation is ignored: RFC 9110 10.1.1)
-            cycle = hot.cycle_at(self.url, self, self.headers,
+            cycle = hot.cycle(self.url, self, self.headers,
                                  not (http10 or self._shutting_down) and parser.should_keep_alive(),
                                  self.expect_100_continue, not http10)
             if cycle is not None:  # a generation route: the gateway's own cycle (gateway/hot_cycle.py)

@@ -164,7 +164,7 @@ def test_the_gatekeepers_refusals_are_unchanged_on_every_path(draining: bool, ap
 
 
 def test_hot_routes_find_a_route_by_its_request_target() -> None:
-    """``cycle_at`` takes the request target as parsed: a route's path itself, or with a query string, or an
+    """``HotRoutes.cycle`` takes the request target as parsed: a route's path itself, or with a query string, or an
     absolute URL; anything else is no route's (None); a malformed target raises as ``httptools.parse_url``."""
     import httptools
 
@@ -175,14 +175,14 @@ def test_hot_routes_find_a_route_by_its_request_target() -> None:
                                server_state=SimpleNamespace(default_headers=[]), on_response_complete=None)
     for url, path in ((b"/v1/chat/completions", "/v1/chat/completions"), (b"/generate?x=1", "/generate"),
                       (b"http://h:1/v1/chat/completions", "/v1/chat/completions")):
-        cycle = routes.cycle_at(url, protocol, [], True, False, True)  # type: ignore[arg-type]
+        cycle = routes.cycle(url, protocol, [], True, False, True)  # type: ignore[arg-type]
         assert cycle is not None and cycle.path == path and cycle.responder is responder
-        via_path = routes.cycle(httptools.parse_url(url).path, protocol, [], True, False)  # type: ignore[arg-type]
+        via_path = routes.cycle(httptools.parse_url(url).path, protocol, [], True, False, True)  # type: ignore[arg-type]
         assert via_path is not None and via_path.path == cycle.path
     for url in (b"/v1/completions", b"/generate/", b"/GENERATE"):
-        assert routes.cycle_at(url, protocol, [], True, False, True) is None  # type: ignore[arg-type]
+        assert routes.cycle(url, protocol, [], True, False, True) is None  # type: ignore[arg-type]
     with pytest.raises(httptools.HttpParserInvalidURLError):
-        routes.cycle_at(b"http://[bad", protocol, [], True, False, True)  # type: ignore[arg-type]
+        routes.cycle(b"http://[bad", protocol, [], True, False, True)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("headers", "expects"), [
