@@ -119,7 +119,8 @@ class DirectConsumer(Protocol):
 
     ``ready()``: can it take one now (e.g. the client's socket has room)? ``take(output)``: handle it
     completely (it is not yielded); must not raise and must not end the stream (no stop strings).
-    ``offer(output)``: ``take`` it if ``ready()`` and say so, in one call (the steady path, per token).
+    ``offer(output)``: ``take`` it if ``ready()`` and say so, in one call (the steady path, per token; the
+    attribute is read once, after the first ``take`` of a token: a consumer may set a faster one by then).
     """
 
     def ready(self) -> bool: ...
@@ -657,44 +658,51 @@ class _Attempt:
                 if self.prefill is None:
                     self._prefilled()
                 self.sink.slide(self.idle_s)  # the first-token deadline set at ``submit`` gives way
-                if not self.run.migrations:  # (a migrated stream's outputs all go through this tap: ``_steady``)
-                    self.sink.tap = self._steady()
+                entry = self.open_rids.get("decode")
+                if entry is not None and not self.run.migrations:  # (a migrated stream's outputs all go through this
+                    entry[0].set_lane(entry[1], self._lane())      # tap: ``_lane``)
                 return True
         if self.got_token:
             sink = self.sink
             sink.active = sink.clock()  # progress: the idle deadline moves on
         return True
 
-    def _steady(self) -> Callable[[tuple[Any, Event]], bool]:
-        """The tap once the direct path has passed on a token (``_tap`` installs it): a non-final decode
-        output goes straight to ``direct.offer``, recorded as ``_Choice.record`` would, the latency
-        histogram observed in place; anything else to ``_tap`` (a migrated stream's attempt keeps ``_tap``: its
-        outputs' cache hits are ``record``'s to correct). Run once per streamed token: what it reads is bound
-        here, once per attempt."""
-        run, sink, tap, direct = self.run, self.sink, self._tap, self.direct
+    def _lane(self) -> Callable[[StepOutput], bool]:
+        """Once the direct path has passed on a token (``_tap`` sets it on the decode's connection,
+        ``WorkerClient.set_lane``): the decode's non-final outputs straight to ``direct.offer`` from the frame's
+        callback, without the sink in between, recorded as ``_Choice.record`` would, the latency histogram observed
+        in place; only while the consumer waits with none queued (``EventSink.waiter``), as the tap. Anything
+        else it refuses and the sink gets (its final output, one ``direct`` cannot take now; a migrated stream's
+        attempt sets none: its outputs' cache hits are ``record``'s to correct). Run once per streamed token: what
+        it reads is bound here, once per attempt."""
+        run, sink, direct = self.run, self.sink, self.direct
         assert direct is not None  # (a token went to it)
+        # (what it has chosen by now: a stream's emitter picks its own lane with the first token, which came)
+        offer = direct.offer
         itl, generated, clock = run.itl, run.generated, sink.clock
         counts, bounds = itl.counts, itl.bounds
 
-        def steady(item: tuple[Any, Event]) -> bool:
-            side, event = item
-            if side != "decode" or type(event) is not StepOutput or event.finish_reason is not None:
-                return tap(item)
-            if not direct.offer(event):  # (read per output: a stream's consumer may find a faster one)
+        def lane(event: StepOutput) -> bool:
+            if event.finish_reason is not None or sink.waiter is None:
                 return False
-            token_ids = event.token_ids
-            if token_ids:
-                now = _monotonic()
-                n = len(token_ids)
-                gap = (now - run.last_t) / n
-                counts[_bisect_left(bounds, gap)] += n  # (``PlainHistogram.observe``)
-                itl.sum += gap * n
-                run.last_t = now
-                generated.extend(token_ids)
-            run.cached_tokens = event.cached_tokens
-            sink.active = clock()  # progress: the idle deadline moves on
+            try:
+                if not offer(event):
+                    return False
+                token_ids = event.token_ids
+                if token_ids:
+                    now = _monotonic()
+                    n = len(token_ids)
+                    gap = (now - run.last_t) / n
+                    counts[_bisect_left(bounds, gap)] += n  # (``PlainHistogram.observe``)
+                    itl.sum += gap * n
+                    run.last_t = now
+                    generated.extend(token_ids)
+                run.cached_tokens = event.cached_tokens
+                sink.active = clock()  # progress: the idle deadline moves on
+            except Exception:  # as the sink's tap: a bug in a consumer must not drop the worker connection
+                sink.direct_failed()
             return True
-        return steady
+        return lane
 
     def _handed_over(self, event: StepOutput) -> None:
         """The prefill's part is done (its KV is on the decode); the decode carries on."""

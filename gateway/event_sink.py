@@ -7,11 +7,12 @@ loop's ``DeadlineWheel`` (``set_deadline`` only moves a number, unless it comes 
 stream's tokens, ``slide``: whoever sees progress sets ``active``, and the slot finds it when due). Decode
 outputs queued behind one another are merged into one (``merge_ready``). While ``get`` waits with
 nothing queued, an event may be taken in the callback itself by ``tap`` (the dispatcher's direct
-path). Past ``limit`` unread events the sink drops them, calls ``on_overflow`` once and ``get``
-raises ``SinkOverflow``. A ``tap`` that raises may have done
-part of its bookkeeping, so its event is not replayed through ``get``: the sink drops everything from
-then on and ``get`` raises ``DirectPathFailed`` (the stream ends with an error; nothing is counted or
-sent twice). ``close`` takes the deadline off the wheel and ends the tap.
+path), or before it reaches the sink by a lane on the worker connection (``WorkerClient.set_lane``: a
+stream's steady state), under the same rule (``waiter``). Past ``limit`` unread events the sink drops
+them, calls ``on_overflow`` once and ``get`` raises ``SinkOverflow``. A ``tap`` (or lane) that raises
+may have done part of its bookkeeping, so its event is not replayed through ``get``: the sink drops
+everything from then on and ``get`` raises ``DirectPathFailed`` (the stream ends with an error; nothing
+is counted or sent twice). ``close`` takes the deadline off the wheel and ends the tap.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ class EventSink:
     failed = False  # the tap raised: ``get`` raises ``DirectPathFailed``
     # Offered each event while ``get`` waits with none queued; True: it took the event (nobody is woken).
     tap: Callable[[tuple[Any, Event]], bool] | None = None
-    _waiter: asyncio.Future[None] | None = None
+    # The reader's future while ``get`` waits with none queued (None otherwise): a tap, or a lane that takes events
+    # beside the sink (``WorkerClient.set_lane``), may take an event only then (the order holds).
+    waiter: asyncio.Future[None] | None = None
     _deadline = math.inf
     _idle_s: float | None = None  # (``slide``) the deadline is this long after ``active``
     active = 0.0  # (``slide``) the loop's time of the last progress, set by whoever sees it
@@ -69,15 +72,12 @@ class EventSink:
         tap = self.tap
         if tap is not None:  # (so neither overflowed nor failed: either lets go of it)
             # (a waiter means none queued: whoever queues one, or fails it, wakes it and lets go of it)
-            if self._waiter is not None:
+            if self.waiter is not None:
                 try:
                     if tap(item):
                         return
                 except Exception:  # a bug in a consumer must not drop the worker connection whose callback this is
-                    log.exception("the direct path failed; this stream ends with an error")
-                    self.tap = None
-                    self.failed = True
-                    self._wake()
+                    self.direct_failed()
                     return
         elif self.overflowed or self.failed:
             return
@@ -89,16 +89,24 @@ class EventSink:
             items.clear()
             if self._on_overflow is not None:
                 self._on_overflow()
-        waiter = self._waiter  # (``_wake``, inline: once per event queued)
+        waiter = self.waiter  # (``_wake``, inline: once per event queued)
         if waiter is not None:
-            self._waiter = None
+            self.waiter = None
             if not waiter.done():
                 waiter.set_result(None)
 
+    def direct_failed(self) -> None:
+        """(In an ``except`` block) the tap, or a lane beside it, raised while taking an event: logged; the sink
+        takes nothing more and ``get`` raises ``DirectPathFailed``."""
+        log.exception("the direct path failed; this stream ends with an error")
+        self.tap = None
+        self.failed = True
+        self._wake()
+
     def _wake(self) -> None:
-        waiter = self._waiter
+        waiter = self.waiter
         if waiter is not None:
-            self._waiter = None
+            self.waiter = None
             if not waiter.done():
                 waiter.set_result(None)
 
@@ -163,12 +171,12 @@ class EventSink:
             if deadline != math.inf:
                 self._slot = self._wheel.add(self, deadline)
             return
-        waiter = self._waiter
+        waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_exception(TimeoutError())
             # (the reader is timed out: an event from now on, in this loop pass, is queued for it to take
             # instead of the timeout, not handed to the tap behind its back)
-            self._waiter = None
+            self.waiter = None
 
     async def get(self) -> tuple[Any, Event]:
         while not self._items:
@@ -182,14 +190,14 @@ class EventSink:
                 raise TimeoutError
             if self._slot is None and deadline != math.inf:  # (``due`` came within ``CLOCK_S`` of it, nobody
                 self._slot = self._wheel.add(self, deadline)  # waiting then: it would wait without a timer)
-            self._waiter = self._loop.create_future()
+            self.waiter = self._loop.create_future()
             try:
-                await self._waiter
+                await self.waiter
             except TimeoutError:
                 if not self._items:  # (an event that came in the same loop pass as the deadline is not lost)
                     raise
             finally:
-                self._waiter = None
+                self.waiter = None
         return self._items.popleft()
 
     def merge_ready(self, first: StepOutput, side: Any = "decode") -> StepOutput:

@@ -369,6 +369,9 @@ class HotCycle:
         Run once per streamed token (``gateway.responder``'s direct path, once the stream started)."""
         transport, flow, batch = self.transport, self.flow, write_batch.local
         fixed = len(before) + len(after)
+        # (from here on attributes of this cycle, not the class's defaults: read per token, and CPython 3.11 reads a
+        # class attribute through an instance the slow way)
+        self.disconnected, self.response_complete = self.disconnected, self.response_complete
         if not self.chunked:  # (HTTP/1.0: the body as it is)
             def plain_lane(output: StepOutput) -> bool:
                 if flow.write_paused or self.disconnected or self.response_complete or transport.is_closing():

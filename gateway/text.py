@@ -80,10 +80,6 @@ class ChoiceState:
     cached_tokens = 0
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[TokenLogprob]] | None = None
-    # (``middle_accepter``'s bound methods, set by it: a stream's direct path)
-    _extend: Callable[[Sequence[int]], None]
-    _push: Callable[[Sequence[int]], str]
-    _append: Callable[[str], None]
 
     def __init__(self, index: int, tokenizer: Tokenizer, stops: list[str], want_logprobs: bool,
                  context: Sequence[int] = (), min_tokens: int = 0, keep_stop: bool = False,
@@ -204,21 +200,24 @@ class ChoiceState:
 
     def middle_accepter(self) -> Callable[[StepOutput], str]:
         """``accept_middle`` for a stream's direct path (``gateway.responder``), run once per streamed token:
-        the same steps, with the two lists' and the decoder's methods it calls read once, here (a read less
-        for each per token; a stream's own state: set on it only when it asks for this)."""
-        self._extend, self._push, self._append = self.token_ids.extend, self.decoder.push, self.text_parts.append
-        return self._accept_bound
+        the same steps in a closure, with the two lists' and the decoder's methods it calls bound once, here
+        (the lists are never replaced)."""
+        extend, push, append = self.token_ids.extend, self.decoder.push, self.text_parts.append
+        # (from here on an attribute of this state, not the class's default: read per token, and CPython 3.11
+        # reads a class attribute through an instance the slow way)
+        self.cached_tokens = self.cached_tokens
 
-    def _accept_bound(self, event: StepOutput) -> str:
-        """``accept_middle`` through the methods ``middle_accepter`` bound (the lists are never replaced)."""
-        self._extend(event.token_ids)
-        if event.cached_tokens > self.cached_tokens:
-            self.cached_tokens = event.cached_tokens
-        if event.prompt_logprobs is not None:
-            self.prompt_logprobs, self.prompt_top_logprobs = event.prompt_logprobs, event.prompt_top_logprobs
-        text = self._push(event.token_ids)
-        self._append(text)
-        return text
+        def accept(event: StepOutput) -> str:
+            token_ids = event.token_ids
+            extend(token_ids)
+            if event.cached_tokens > self.cached_tokens:
+                self.cached_tokens = event.cached_tokens
+            if event.prompt_logprobs is not None:
+                self.prompt_logprobs, self.prompt_top_logprobs = event.prompt_logprobs, event.prompt_top_logprobs
+            text = push(token_ids)
+            append(text)
+            return text
+        return accept
 
     def _logprob_entries(self, event: StepOutput) -> list[dict[str, Any]]:
         if event.logprobs is None:

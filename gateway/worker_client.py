@@ -229,6 +229,8 @@ class WorkerClient:
         self._encode_body = self._codec.encode_body  # (bound once: per request)
         self._transport: asyncio.Transport | None = None
         self._open: dict[int, tuple[Sink, Any]] = {}
+        # Requests whose outputs a lane takes first, from the frame's callback, before their sink (``set_lane``)
+        self._lanes: dict[int, Callable[[StepOutput], bool]] = {}
         self._outbox: list[bytes] = []  # frames to write at the end of this loop iteration (one list, emptied)...
         self._queue = self._outbox.append  # (bound once: per request)
         # ...on this connection: set exactly while the outbox holds frames
@@ -443,9 +445,13 @@ class WorkerClient:
             case Outputs(items=items):
                 batch = write_batch.begin()  # the direct path's client writes go out together at the end
                 try:
-                    open_ = self._open
+                    open_, lanes = self._open, self._lanes
                     trials = self.health.breaker.trials  # (one set for the breaker's life: emptied, never replaced)
                     for item in items:
+                        if lanes:  # (a stream's steady state: its lane takes its non-final outputs, per token)
+                            lane = lanes.get(item.rid)
+                            if lane is not None and lane(item):
+                                continue
                         # (a look-up that fails only for a request ended here meanwhile: fewer opcodes than ``get``)
                         try:
                             sink, tag = open_[item.rid]
@@ -460,6 +466,8 @@ class WorkerClient:
                                     pass
                                 else:
                                     self.state.ended(item.rid)
+                                    if lanes:
+                                        lanes.pop(item.rid, None)
                                     if trials:
                                         trials.discard(item.rid)
                     if trials:  # a half-open breaker's trial that produced tokens frees its place for the next
@@ -511,6 +519,8 @@ class WorkerClient:
     def _forget(self, rid: int) -> None:
         if self._open.pop(rid, None) is not None:
             self.state.ended(rid)
+            if self._lanes:
+                self._lanes.pop(rid, None)
             trials = self.health.breaker.trials
             if trials:
                 trials.discard(rid)
@@ -541,6 +551,14 @@ class WorkerClient:
         else:  # ``_send``'s common case, inline (per request): frames already queued for this connection
             self._queue(frame)
         return rid
+
+    def set_lane(self, rid: int, lane: Callable[[StepOutput], bool]) -> None:
+        """From now on the outputs of open request ``rid`` go to ``lane`` first, in the frame's callback: one it
+        takes (returns True) goes nowhere else; the rest (what it refuses, e.g. the final one) go to the request's
+        sink as before. It ends with the request. (A stream's steady state: per token, no sink in between.) A lane
+        must not raise: it is called in the connection's reader."""
+        if rid in self._open:
+            self._lanes[rid] = lane
 
     def _send(self, transport: asyncio.Transport, frame: bytes, urgent: bool = False) -> None:
         """Queue a frame; every frame queued in this loop iteration goes out in one write (``urgent``:

@@ -574,7 +574,8 @@ def test_a_migrated_stream_keeps_its_own_cache_hits_on_the_direct_path() -> None
             await asyncio.sleep(0.005)
         (rid2,) = submitted(transports[other])
         # The new pair has the new prompt (5 + 1 tokens) cached: not the client's cache hits.
-        # (the second of them goes the direct path's steady way: ``_Attempt._steady``)
+        # (the second of them would go the direct path's steady way, ``_Attempt._lane``, which a migrated stream's
+        # attempt does not set)
         workers[other]._dispatch(Outputs([StepOutput(rid2, [66], cached_tokens=6)]))
         workers[other]._dispatch(Outputs([StepOutput(rid2, [67], cached_tokens=6)]))
         workers[other]._dispatch(Outputs([StepOutput(rid2, [68], "length", cached_tokens=6)]))
