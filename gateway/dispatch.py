@@ -572,7 +572,8 @@ class _Attempt:
             target = BootstrapTarget(info.bootstrap_host, info.bootstrap_port, random_room(), info.instance_id)
         prompt_tokens = len(input_ids)
         # (``request.num_pages_needed(pair.decode.page_size)``, inline: ``request`` is of ``input_ids``)
-        pages = -(-(prompt_tokens + request.max_new_tokens) // max(1, pair.decode.page_size))
+        page_size = pair.decode.page_size
+        pages = -(-(prompt_tokens + request.max_new_tokens) // (page_size if page_size > 1 else 1))
         hashed = request.has_page_hashes  # (a property: read once)
         if hashed:  # the policy consulted the prefix index: count only the uncached part
             prompt_tokens -= request.num_cached_tokens(pair.prefill if pair.prefill is not None else pair.decode)

@@ -102,12 +102,14 @@ class WorkerState:
             self.num_prefill_tokens = report.num_prefill_tokens + self._unacked_tokens
             self.num_waiting_seqs = report.num_waiting + len(unacked)
             self.num_reserved_pages = self._unacked_pages
-            self.num_free_pages = max(0, report.num_free_pages - report.num_queued_pages - self._unacked_pages)
+            free = report.num_free_pages - report.num_queued_pages - self._unacked_pages
+            self.num_free_pages = free if free > 0 else 0  # (not ``max(0, free)``: its call costs more)
         else:  # ``_own_figures``, inline (per request)
             self.num_prefill_tokens = self.own_prefill_tokens
             self.num_running_seqs = self.num_active
             self.num_reserved_pages = self.own_pages
-            self.num_free_pages = max(0, self.num_total_pages - self.own_pages)
+            free = self.num_total_pages - self.own_pages
+            self.num_free_pages = free if free > 0 else 0
 
     def ended(self, rid: int) -> None:
         try:  # (fewer opcodes per request than ``pop(rid, None)``; an unknown rid is rare)
@@ -122,7 +124,8 @@ class WorkerState:
             self.num_prefill_tokens = self.own_prefill_tokens
             self.num_running_seqs = self.num_active
             self.num_reserved_pages = self.own_pages
-            self.num_free_pages = max(0, self.num_total_pages - self.own_pages)
+            free = self.num_total_pages - self.own_pages
+            self.num_free_pages = free if free > 0 else 0
 
     def prefill_done(self, rid: int) -> None:
         """``rid``'s prompt has been computed here (a combined worker's first token): its prefill tokens stop

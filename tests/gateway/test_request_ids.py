@@ -34,3 +34,20 @@ def test_the_workers_sglang_routes_take_the_routers_request_id() -> None:
 
     asyncio.run(main())
     assert seen == ["router-7"]
+
+
+def test_random_ids_are_32_lowercase_hex_digits_leading_zeros_kept() -> None:
+    """``random_hex``: always 32 digits (a value with leading zero bytes keeps them), each a fresh 128 bits."""
+    import random
+
+    from gateway import context
+
+    ids = {context.random_hex() for _ in range(2000)}
+    assert len(ids) == 2000 and all(len(i) == 32 and i == i.lower() and int(i, 16) >= 0 for i in ids)
+    small = random.Random()
+    small.getrandbits = lambda _bits: 0x2a  # type: ignore[method-assign]
+    original, context._ids = context._ids, small
+    try:
+        assert context.random_hex() == "0" * 30 + "2a"
+    finally:
+        context._ids = original
