@@ -34,6 +34,19 @@ def _dispatcher(loop: asyncio.AbstractEventLoop) -> tuple[Any, Any, Any]:
         (decodes[0], d_transports[0])
 
 
+async def _started(dispatcher: Any, consumer: Any, d_transport: Any) -> tuple[asyncio.Task[None], int]:
+    """A stream of ``dispatcher`` with ``consumer`` as its direct path, submitted: its task and the decode's rid."""
+    async def consume() -> None:
+        async for _ in dispatcher.generate([1, 2, 3], SamplingParams(max_new_tokens=50), direct=consumer):
+            pass
+
+    task = asyncio.create_task(consume())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    (rid,) = [m.rid for m in _sent(d_transport, Submit)]
+    return task, rid
+
+
 def _script(lanes: bool) -> tuple[list[tuple[list[int], int]], list[list[int]], tuple[Any, ...]]:
     """One stream through a script of frames (several outputs per frame, a slow spell, the prefill's hand-over
     among them), with the lane on or off: what the consumer took, what the task yielded, and the figures."""
@@ -96,15 +109,7 @@ def test_a_lane_is_let_go_of_however_its_request_ends(end: str) -> None:
         if end == "aborted_by_overflow":
             dispatcher.config = type(dispatcher.config)(max_unread_events=2)
         consumer = _Gated()
-
-        async def consume() -> None:
-            async for _ in dispatcher.generate([1, 2, 3], SamplingParams(max_new_tokens=50), direct=consumer):
-                pass
-
-        task = asyncio.create_task(consume())
-        for _ in range(20):
-            await asyncio.sleep(0)
-        (rid,) = [m.rid for m in _sent(d_transport, Submit)]
+        task, rid = await _started(dispatcher, consumer, d_transport)
         decode._dispatch(Outputs([StepOutput(rid, [65])]))
         decode._dispatch(Outputs([StepOutput(rid, [66])]))
         assert list(decode._lanes) == [rid]
@@ -139,15 +144,7 @@ def test_a_lane_that_raises_ends_its_stream_not_the_connection() -> None:
         loop = asyncio.get_running_loop()
         dispatcher, _, (decode, d_transport) = _dispatcher(loop)
         consumer = Breaks()
-
-        async def consume() -> None:
-            async for _ in dispatcher.generate([1, 2, 3], SamplingParams(max_new_tokens=50), direct=consumer):
-                pass
-
-        task = asyncio.create_task(consume())
-        for _ in range(20):
-            await asyncio.sleep(0)
-        (rid,) = [m.rid for m in _sent(d_transport, Submit)]
+        task, rid = await _started(dispatcher, consumer, d_transport)
         decode._dispatch(Outputs([StepOutput(rid, [65])]))  # through the tap, which sets the lane
         decode._dispatch(Outputs([StepOutput(rid, [66]), StepOutput(rid, [67])]))  # the lane raises on the first
         with pytest.raises(APIError, match="internal error in the gateway"):
