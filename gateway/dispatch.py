@@ -94,6 +94,7 @@ HANDOVER_WAIT_S = 5.0
 # long to wait for the peer's own answer (it names the client's field; the relay names none).
 PEER_REFUSAL_WAIT_S = 1.0
 _monotonic = time.monotonic
+_encode_ids, _encoded = msgspec.msgpack.Encoder().encode, msgspec.Raw  # (``_Attempt.submit``: a prompt's ids, once)
 _bisect_left = bisect.bisect_left
 _compress = itertools.compress
 _state_of, _is_healthy = operator.attrgetter("state"), operator.attrgetter("healthy")
@@ -593,13 +594,16 @@ class _Attempt:
             idle_s += gather_s
         self.idle_s = idle_s
         sink = self.sink
+        # Both sides' ``Submit`` carry the prompt: its ids encoded once, for both (the same bytes on the wire as the
+        # list's; a prompt of thousands of tokens is not encoded twice)
+        ids: list[int] = _encoded(_encode_ids(input_ids)) if prefill is not None else input_ids  # type: ignore[assignment]
         try:
-            rid = decode.submit(Submit(0, input_ids, decode_params, target, timeout_s, request_id, gather_s),
+            rid = decode.submit(Submit(0, ids, decode_params, target, timeout_s, request_id, gather_s),
                                 sink, "decode", prefill_tokens=0 if prefill is not None else prompt_tokens,
                                 pages=pages, urgent=urgent)
             open_rids["decode"] = (decode, rid)
             if prefill is not None:
-                rid = prefill.submit(Submit(0, input_ids, params, target, timeout_s, request_id), sink,
+                rid = prefill.submit(Submit(0, ids, params, target, timeout_s, request_id), sink,
                                      "prefill", prefill_tokens=prompt_tokens, urgent=urgent)
                 open_rids["prefill"] = (prefill, rid)
         except ConnectionError as exc:

@@ -130,6 +130,11 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
             print(f"{key:16} {figures[key]:12,.0f} instructions/request  ({requests} requests)", flush=True)
     finally:
         stack.procs.stop_all()
+        if args.keep:
+            keep = Path(args.keep)
+            keep.mkdir(parents=True, exist_ok=True)
+            for dump in tmp.glob("*.cg.*"):
+                shutil.copy(dump, keep / dump.name)
     print(f"\ngateway tree: {tree}")
     if "ns" in points:
         f_ns, g_ns = figures["floor ns"], figures["gateway ns"]
@@ -147,6 +152,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1000, help="non-streaming requests per point (streams: 1/4)")
     ap.add_argument("--token-gap-ms", type=float, default=50.0)
     ap.add_argument("--points", default="ns", help="ns, stream (needs ns), comma-separated")
+    ap.add_argument("--keep", help="copy the dumps here (for callgrind_annotate: where the instructions go)")
     args = ap.parse_args()
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         sys.exit("bench_instructions: needs valgrind (apt-get install valgrind)")

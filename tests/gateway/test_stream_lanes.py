@@ -153,3 +153,45 @@ def test_a_lane_that_raises_ends_its_stream_not_the_connection() -> None:
         assert decode.is_connected and not decode._lanes and rid not in decode._open
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("migrated", [False, True])
+def test_both_sides_get_the_prompt_as_one_encoding_of_its_ids(migrated: bool) -> None:
+    """``_Attempt.submit`` encodes the prompt's ids once for the prefill's and the decode's ``Submit``: each worker
+    reads the prompt as a plain list of ids (a migrated stream's: the prompt and the tokens streamed so far), and
+    each frame is byte for byte the one the list itself would have made."""
+    from workers.protocol import worker_codec
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        dispatcher, (_, p_transport), (decode, d_transport) = _dispatcher(loop)
+        prompt = list(range(300, 700))
+        consumer = RecordingConsumer()
+
+        async def consume() -> None:
+            async for _ in dispatcher.generate(prompt, SamplingParams(max_new_tokens=50), direct=consumer):
+                pass
+
+        task = asyncio.create_task(consume())
+        for _ in range(20):
+            await asyncio.sleep(0)
+        expected = prompt
+        if migrated:  # (its next pair: the one other prefill and decode would do, but one of each is here: again)
+            (rid,) = [m.rid for m in _sent(d_transport, Submit)]
+            decode._dispatch(Outputs([StepOutput(rid, [65, 66])]))
+            decode._fail_open("the worker went away", abort=False)
+            for _ in range(50):
+                await asyncio.sleep(0)
+            expected = [*prompt, 65, 66]
+        (d_submit, p_submit) = _sent(d_transport, Submit)[-1], _sent(p_transport, Submit)[-1]
+        assert d_submit.input_ids == p_submit.input_ids == expected
+        assert type(d_submit.input_ids) is list
+        encode = worker_codec()._encoder.encode
+        for transport, submit in ((d_transport, d_submit), (p_transport, p_submit)):
+            plain = Submit(submit.rid, list(expected), submit.params, submit.bootstrap, submit.timeout_s,
+                           submit.request_id, submit.gather_s)
+            assert encode(plain) in b"".join(transport.writes)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
