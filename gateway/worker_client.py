@@ -10,8 +10,9 @@ Lifecycle:
    outage, so a restarted worker is found within half a second of listening; 2 s apart after that).
 2. ``submit(msg, sink, tag)`` registers the request id and writes ``Submit``; each ``StepOutput`` /
    ``Error`` for that id goes to ``sink.put_nowait((tag, event))`` until the request ends (client
-   writes made meanwhile go out when the frame's outputs have all been handed out: ``write_batch``).
-   ``abort(rid)`` sends ``Abort`` and forgets the id. Frames queued in one loop iteration go out in
+   writes made meanwhile go out when the frame's outputs have all been handed out: ``write_batch``); once
+   ``set_lane(rid, lane)``, its outputs go to ``lane`` first (a stream's steady state: what it takes goes no
+   further). ``abort(rid)`` sends ``Abort`` and forgets the id. Frames queued in one loop iteration go out in
    one write (``_send``/``_flush``), but a stream's ``Submit`` goes out at once (``urgent``).
 3. ``LoadReport`` frames update ``state`` (a ``WorkerState``: what policies read; each request's
    prefill tokens and decode pages are counted there from ``submit`` until its part here ends).
