@@ -32,7 +32,8 @@ import uvloop
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "loadtests")]
 
-from bench_stack import Stack, http_target, wait_tcp  # noqa: E402
+from bench_stack import Stack, http_target  # noqa: E402
+from bench_work import fast_fleet  # noqa: E402
 from load_client import closed_loop  # noqa: E402
 from pdtest import Procs, free_port, wait_http_ok  # noqa: E402
 from stop_signals import stop_like_ctrl_c  # noqa: E402
@@ -101,18 +102,10 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
     try:
         start_counted(stack, "floor", outs["floor"], REPO, "loadtests/floor_app.py", "--token-gap-ms",
                       str(args.token_gap_ms))
-        for i in range(2):
-            stack.fast_worker(f"prefill-{i}", "prefill", 0)
-            stack.fast_worker(f"decode-{i}", "decode", 0)
-            stack.fast_worker(f"decode-gap-{i}", "decode", args.token_gap_ms)
-        for name in ("prefill-0", "prefill-1", "decode-0", "decode-1", "decode-gap-0", "decode-gap-1"):
-            wait_tcp(stack.ports[name], next(p for p in stack.procs.procs if p.pid == stack.pids[name]))
-        prefills = ["--prefill", stack.url("prefill-0"), "--prefill", stack.url("prefill-1")]
-        start_counted(stack, "gw", outs["gw"], tree, "-m", "gateway.cli", *prefills,
-                      "--decode", stack.url("decode-0"), "--decode", stack.url("decode-1"))
+        workers, gap_workers = fast_fleet(stack, args.token_gap_ms)
+        start_counted(stack, "gw", outs["gw"], tree, "-m", "gateway.cli", *workers)
         if "stream" in points:
-            start_counted(stack, "gw-stream", outs["gw-stream"], tree, "-m", "gateway.cli", *prefills,
-                          "--decode", stack.url("decode-gap-0"), "--decode", stack.url("decode-gap-1"))
+            start_counted(stack, "gw-stream", outs["gw-stream"], tree, "-m", "gateway.cli", *gap_workers)
         by_pid = {p.pid: p for p in stack.procs.procs}
         wait_http_ok(f"http://127.0.0.1:{stack.ports['floor']}/", 300, by_pid[stack.pids["floor"]])
         for name in ("gw", "gw-stream") if "stream" in points else ("gw",):

@@ -49,6 +49,20 @@ CHAT = "/v1/chat/completions"
 Rows = list[tuple[int, int, str]]
 
 
+def fast_fleet(stack: Stack, token_gap_ms: float) -> tuple[list[str], list[str]]:
+    """2 fast prefills, 2 fast decodes and 2 decodes with the token gap, started and listening: a gateway's
+    worker arguments over the first four and over the prefills with the gap decodes."""
+    for i in range(2):
+        stack.fast_worker(f"prefill-{i}", "prefill", 0)
+        stack.fast_worker(f"decode-{i}", "decode", 0)
+        stack.fast_worker(f"decode-gap-{i}", "decode", token_gap_ms)
+    for name in ("prefill-0", "prefill-1", "decode-0", "decode-1", "decode-gap-0", "decode-gap-1"):
+        wait_tcp(stack.ports[name], next(p for p in stack.procs.procs if p.pid == stack.pids[name]))
+    prefills = ["--prefill", stack.url("prefill-0"), "--prefill", stack.url("prefill-1")]
+    return ([*prefills, "--decode", stack.url("decode-0"), "--decode", stack.url("decode-1")],
+            [*prefills, "--decode", stack.url("decode-gap-0"), "--decode", stack.url("decode-gap-1")])
+
+
 def start_counted(stack: Stack, name: str, out: Path, cwd: Path, *args: str) -> None:
     port = free_port()
     proc = stack.procs.start(name, OPCOUNT, str(out), *args, "--port", str(port), "--log-level", "warning",
@@ -101,17 +115,9 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
     try:
         start_counted(stack, "floor", outs["floor"], REPO, "loadtests/floor_app.py",
                       "--token-gap-ms", str(args.token_gap_ms))
-        for i in range(2):
-            stack.fast_worker(f"prefill-{i}", "prefill", 0)
-            stack.fast_worker(f"decode-{i}", "decode", 0)
-            stack.fast_worker(f"decode-gap-{i}", "decode", args.token_gap_ms)
-        for name in ("prefill-0", "prefill-1", "decode-0", "decode-1", "decode-gap-0", "decode-gap-1"):
-            wait_tcp(stack.ports[name], next(p for p in stack.procs.procs if p.pid == stack.pids[name]))
-        prefills = ["--prefill", stack.url("prefill-0"), "--prefill", stack.url("prefill-1")]
-        start_counted(stack, "gw", outs["gw"], tree, "-m", "gateway.cli", *prefills,
-                      "--decode", stack.url("decode-0"), "--decode", stack.url("decode-1"))
-        start_counted(stack, "gw-stream", outs["gw-stream"], tree, "-m", "gateway.cli", *prefills,
-                      "--decode", stack.url("decode-gap-0"), "--decode", stack.url("decode-gap-1"))
+        workers, gap_workers = fast_fleet(stack, args.token_gap_ms)
+        start_counted(stack, "gw", outs["gw"], tree, "-m", "gateway.cli", *workers)
+        start_counted(stack, "gw-stream", outs["gw-stream"], tree, "-m", "gateway.cli", *gap_workers)
         gateways = ["gw", "gw-stream"]
         if points & {"sglang", "sglang-stream"}:  # sim workers, through their SGLang HTTP side
             boot = start_bootstrap(stack.procs)
