@@ -14,6 +14,7 @@ whole process (every thread; its background loops over the point's duration incl
 stretches: a little more for a slower version). Needs ``valgrind`` (Debian's package).
 
     .venv/bin/python loadtests/bench_instructions.py [--tree /tmp/base] [--points ns,stream] [--requests 1000]
+        [--workers 2]
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
     try:
         start_counted(stack, "floor", outs["floor"], REPO, "loadtests/floor_app.py", "--token-gap-ms",
                       str(args.token_gap_ms))
-        workers, gap_workers = fast_fleet(stack, args.token_gap_ms)
+        workers, gap_workers = fast_fleet(stack, args.token_gap_ms, args.workers)
         start_counted(stack, "gw", outs["gw"], tree, "-m", "gateway.cli", *workers)
         if "stream" in points:
             start_counted(stack, "gw-stream", outs["gw-stream"], tree, "-m", "gateway.cli", *gap_workers)
@@ -146,6 +147,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1000, help="non-streaming requests per point (streams: 1/4)")
     ap.add_argument("--token-gap-ms", type=float, default=50.0)
     ap.add_argument("--points", default="ns", help="ns, stream (needs ns), comma-separated")
+    ap.add_argument("--workers", type=int, default=2, help="fast prefills and fast decodes behind the gateway, each")
     ap.add_argument("--keep", help="copy the dumps here (for callgrind_annotate: where the instructions go)")
     args = ap.parse_args()
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:

@@ -49,18 +49,21 @@ CHAT = "/v1/chat/completions"
 Rows = list[tuple[int, int, str]]
 
 
-def fast_fleet(stack: Stack, token_gap_ms: float) -> tuple[list[str], list[str]]:
-    """2 fast prefills, 2 fast decodes and 2 decodes with the token gap, started and listening: a gateway's
-    worker arguments over the first four and over the prefills with the gap decodes."""
-    for i in range(2):
-        stack.fast_worker(f"prefill-{i}", "prefill", 0)
-        stack.fast_worker(f"decode-{i}", "decode", 0)
-        stack.fast_worker(f"decode-gap-{i}", "decode", token_gap_ms)
-    for name in ("prefill-0", "prefill-1", "decode-0", "decode-1", "decode-gap-0", "decode-gap-1"):
+def fast_fleet(stack: Stack, token_gap_ms: float, per_side: int = 2) -> tuple[list[str], list[str]]:
+    """``per_side`` fast prefills, as many fast decodes and as many decodes with the token gap, started and
+    listening: a gateway's worker arguments over the prefills with the fast decodes and with the gap decodes."""
+    names = {role: [f"{role}-{i}" for i in range(per_side)] for role in ("prefill", "decode", "decode-gap")}
+    for role, side in names.items():
+        for name in side:
+            stack.fast_worker(name, role.removesuffix("-gap"), token_gap_ms if role == "decode-gap" else 0)
+    for name in (n for side in names.values() for n in side):
         wait_tcp(stack.ports[name], next(p for p in stack.procs.procs if p.pid == stack.pids[name]))
-    prefills = ["--prefill", stack.url("prefill-0"), "--prefill", stack.url("prefill-1")]
-    return ([*prefills, "--decode", stack.url("decode-0"), "--decode", stack.url("decode-1")],
-            [*prefills, "--decode", stack.url("decode-gap-0"), "--decode", stack.url("decode-gap-1")])
+
+    def flags(flag: str, side: list[str]) -> list[str]:
+        return [a for name in side for a in (flag, stack.url(name))]
+
+    prefills = flags("--prefill", names["prefill"])
+    return [*prefills, *flags("--decode", names["decode"])], [*prefills, *flags("--decode", names["decode-gap"])]
 
 
 def start_counted(stack: Stack, name: str, out: Path, cwd: Path, *args: str) -> None:
@@ -115,7 +118,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
     try:
         start_counted(stack, "floor", outs["floor"], REPO, "loadtests/floor_app.py",
                       "--token-gap-ms", str(args.token_gap_ms))
-        workers, gap_workers = fast_fleet(stack, args.token_gap_ms)
+        workers, gap_workers = fast_fleet(stack, args.token_gap_ms, args.workers)
         start_counted(stack, "gw", outs["gw"], tree, "-m", "gateway.cli", *workers)
         start_counted(stack, "gw-stream", outs["gw-stream"], tree, "-m", "gateway.cli", *gap_workers)
         gateways = ["gw", "gw-stream"]
@@ -178,6 +181,7 @@ def main() -> None:
     ap.add_argument("--points", default="ns,stream",
                     help="ns, stream, sglang, sglang-stream, comma-separated (the per-token figures need both "
                          "of their pair)")
+    ap.add_argument("--workers", type=int, default=2, help="fast prefills and fast decodes behind the gateway, each")
     ap.add_argument("--top", type=int, default=0, help="also list the gateway's top N functions per point")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-work-") as tmp:
