@@ -56,7 +56,7 @@ import random
 import sys
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -66,6 +66,7 @@ import msgspec
 from gateway.context import REQUEST_ID, REQUEST_T0, random_room
 from gateway.errors import APIError, BadGateway, BadRequest, NoWorkers, UpstreamTimeout, from_worker_error
 from gateway.event_sink import DirectPathFailed, EventSink, SinkOverflow
+from gateway.health import Selectability
 from gateway.metrics import GatewayMetrics
 from gateway.policies import Pair, RequestInfo
 from gateway.router import Router
@@ -159,6 +160,9 @@ class Dispatcher:
         # worker, and only one past them has the workers that cannot hold it left out (``_fitting``).
         self._floors_epoch = -1
         self._total_floor = self._prefill_floor = 0
+        # The selectable workers' views (prefills, decodes) as of ``Selectability.epoch`` (``_fresh_views``)
+        self._views: tuple[tuple[WorkerState, ...], tuple[WorkerState, ...]] = ((), ())
+        self._views_epoch = -1
 
     def decode_capacity(self) -> int | None:
         """The most tokens (prompt + max_new_tokens) one decode (or combined) worker's KV pool holds; None before
@@ -199,12 +203,17 @@ class Dispatcher:
                                                                                 WorkerClient]:
         """The policies' pair, and its prefill's (None when combined) and decode's connections; a pair
         that is not one of the workers the policies were given is the policy's bug: a 500 naming it."""
+        prefills: Sequence[Any]
+        decodes: Sequence[Any]
         if avoid:
             prefills, decodes = _selectable(self.prefills, avoid), _selectable(self.decodes, avoid)
-        else:  # (``_selectable``'s case without ``avoid``, inline: every request's first attempt; in C but for
-            # ``healthy``: ``[w.state for w in pool if w.healthy]``)
-            prefills = list(_compress(map(_state_of, self.prefills), map(_is_healthy, self.prefills)))
-            decodes = list(_compress(map(_state_of, self.decodes), map(_is_healthy, self.decodes)))
+            reused = False
+        elif self._views_epoch == Selectability.epoch:  # (every request's first attempt, nothing changed since)
+            prefills, decodes = self._views
+            reused = True
+        else:
+            prefills, decodes = self._fresh_views()
+            reused = False
         combined = self.combined
         if not decodes or not (prefills or combined):
             missing = "combined" if combined else "decode" if not decodes else "prefill"
@@ -230,7 +239,23 @@ class Dispatcher:
         decode = getattr(view, "client", None)
         if not isinstance(decode, WorkerClient) or view not in decodes:
             decode = router.client_of(view, decodes, WorkerClient)
+        if reused and not (decode.healthy and (prefill is None or prefill.healthy)):
+            # A change no event told of (a transport the peer's end began closing, whose loss is announced at the
+            # loop's next turn): the views again, as they are now, and the policies' choice among them.
+            self._views_epoch = -1
+            return self._select(request, avoid)
         return pair, prefill, decode
+
+    def _fresh_views(self) -> tuple[tuple[WorkerState, ...], tuple[WorkerState, ...]]:
+        """The views of the healthy workers of each pool (``_selectable``'s without ``avoid``, in C but for
+        ``healthy``), kept for the next requests (``_views``) while ``Selectability.epoch`` stays the same and every
+        breaker is closed: a half-open one's trials come and go per request, an open one turns half-open by time."""
+        epoch = Selectability.epoch
+        pools = self.prefills, self.decodes
+        prefills, decodes = (tuple(_compress(map(_state_of, pool), map(_is_healthy, pool))) for pool in pools)
+        if all(c.health.breaker.closed for pool in pools for c in pool):
+            self._views, self._views_epoch = (prefills, decodes), epoch
+        return prefills, decodes
 
     def _set_floors(self) -> None:
         self._floors_epoch = WorkerState.shape_epoch

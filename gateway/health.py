@@ -26,6 +26,10 @@ Lifecycle (event loop only):
 3. ``is_selectable`` = probes healthy and the breaker not open. Prefill and decode outcomes are
    counted separately because each worker has one role: a request that fails on its prefill is not
    held against its decode (the dispatcher blames only the side that reported the failure).
+
+Every change that can move a worker in or out of selection (a probe verdict turning, a breaker leaving or
+entering closed, and ``WorkerClient``'s own: connection up or lost, drain, stop, pool membership) bumps
+``Selectability.epoch``: the dispatcher keeps its lists of selectable workers while it stays the same.
 """
 
 from __future__ import annotations
@@ -57,6 +61,19 @@ class HealthConfig:
         for name in ("unhealthy_after", "healthy_after", "breaker_failures", "breaker_successes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+
+
+class Selectability:
+    """``epoch``: a count of the changes that can make any worker selectable or not. The dispatcher reuses its views
+    of the selectable workers while it is unchanged (``Dispatcher._views``: one per request otherwise, O(workers)),
+    and only while every breaker is closed (half-open trials come and go per request, and open moves on to half-open
+    by time alone). One count for all: a change of any worker's recomputes every pool's view, which is rare."""
+
+    epoch = 0
+
+
+def selectability_changed() -> None:
+    Selectability.epoch += 1
 
 
 class BreakerState(StrEnum):
@@ -135,6 +152,7 @@ class CircuitBreaker:
             self._successes += 1
             if self._successes >= self.successes_to_close:
                 self._state, self.closed = BreakerState.CLOSED, True
+                selectability_changed()
                 # a fresh failure-rate count: the outcomes recorded while it was open or half-open (the streams
                 # of the episode that opened it, failing on) must not re-open it at the next ordinary failure
                 self._recent_ok = self._recent_failed = 0
@@ -161,6 +179,7 @@ class CircuitBreaker:
                 reason, self.opened_because = "failure_rate", f"{failed} of its {ok + failed} recent outcomes failed"
             self.num_opened_by[reason] += 1
             self._state, self._opened_at, self.closed = BreakerState.OPEN, self._clock(), False
+            selectability_changed()
             self.num_opened += 1
             self._recent_ok = self._recent_failed = 0  # (a fresh count once it closes again)
             self.trials.clear()
@@ -173,6 +192,7 @@ class CircuitBreaker:
 
     def reset(self) -> None:
         self._state, self._failures, self._successes, self.closed = BreakerState.CLOSED, 0, 0, True
+        selectability_changed()
         self._recent_ok = self._recent_failed = 0
         self.trials.clear()
         self._trial_rids.clear()
@@ -185,11 +205,22 @@ class WorkerHealth:
         self.config = config
         self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s, config.breaker_successes,
                                       clock, config.breaker_failure_rate)
-        self.is_probe_healthy = True
+        self._probe_healthy = True
         self.last_probe_error: str | None = None
         self._fails = 0
         self._passes = 0
         self.num_probe_failures = 0
+
+    @property
+    def is_probe_healthy(self) -> bool:
+        """The probes' verdict (a fresh connection starts healthy)."""
+        return self._probe_healthy
+
+    @is_probe_healthy.setter
+    def is_probe_healthy(self, value: bool) -> None:
+        if value != self._probe_healthy:
+            self._probe_healthy = value
+            selectability_changed()
 
     @property
     def is_selectable(self) -> bool:

@@ -26,7 +26,7 @@ from gateway.api import Frontend
 from gateway.cors import check_origins
 from gateway.dispatch import DispatchConfig, Dispatcher
 from gateway.errors import NoWorkers
-from gateway.health import HealthConfig
+from gateway.health import HealthConfig, selectability_changed
 from gateway.metrics import GatewayMetrics, WorkerCollector
 from gateway.policies import parse_option_args
 from gateway.policies.loader import load_policy_class
@@ -244,6 +244,7 @@ class Gateway:
         client.vet = lambda ack: self._same_worker_elsewhere(client, ack)
         # The dispatcher holds these same lists: a worker added here is selectable once it connects.
         (self.prefills if role == "prefill" else self.decodes).append(client)
+        selectability_changed()
         return client
 
     def _same_worker_elsewhere(self, client: WorkerClient, ack: HelloAck) -> str | None:
@@ -503,6 +504,7 @@ class Gateway:
         for pool in (self.prefills, self.decodes):
             if client in pool:
                 pool.remove(client)
+        selectability_changed()
         WorkerState.shape_epoch += 1  # (the dispatcher's pool floors are looked at again without it)
         with contextlib.suppress(Exception):  # (closing announces on_worker_removed if it was up)
             # Requests still open past the drain timeout: dropped by the worker as its connection closes,

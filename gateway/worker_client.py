@@ -42,7 +42,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from gateway import write_batch
-from gateway.health import HealthConfig, WorkerHealth
+from gateway.health import HealthConfig, WorkerHealth, selectability_changed
 from gateway.worker_state import DEFAULT_STALE_AFTER_S, WorkerState
 from workers.protocol import (
     FRAME_HEADER,
@@ -257,6 +257,7 @@ class WorkerClient:
     def is_draining(self, value: bool) -> None:
         self._draining = value
         self._refusing = value or self._stopping
+        selectability_changed()
 
     @property
     def is_stopping(self) -> bool:
@@ -268,6 +269,7 @@ class WorkerClient:
     def is_stopping(self, value: bool) -> None:
         self._stopping = value
         self._refusing = self._draining or value
+        selectability_changed()
 
     @property
     def num_active(self) -> int:
@@ -404,6 +406,7 @@ class WorkerClient:
         return proto.backlog.pop(0)
 
     def _announce(self, up: bool) -> None:
+        selectability_changed()  # (its transport was set or cleared just before)
         if up == self._is_up:
             return
         self._is_up = up

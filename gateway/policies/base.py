@@ -9,7 +9,9 @@ and selected by name on the gateway's command line (``--policy``, or ``--prefill
 2. ``on_worker_added(worker)`` when a worker joins the routable set (its connection is up) and
    ``on_worker_removed(worker)`` when it leaves it (connection lost, gateway closing).
 3. ``select(prefills, decodes, request)`` per attempt: synchronous, no I/O, reads only the views
-   and the request it is given, costs O(workers). The lists hold healthy workers only, whose KV pools
+   and the request it is given, costs O(workers). The lists hold healthy workers only (kept between requests
+   while no worker's selectability changed: ``Dispatcher._views``; a pick of one whose connection began closing
+   in between is re-done over fresh lists), whose KV pools
    can hold the request (``gateway.dispatch.Dispatcher._fitting``); ``decodes`` is never empty;
    ``prefills`` is empty when the gateway runs combined workers (return ``prefill=None`` then).
    Return members of the given lists.
