@@ -58,12 +58,20 @@ async def fleet(answer_pings: list[bool], **config: Any) -> AsyncIterator[tuple[
     p_port, d_port = (s.sockets[0].getsockname()[1] for s in servers)
     gw = Gateway(GatewayConfig(prefill=(f"pd://127.0.0.1:{p_port}",), decode=(f"pd://127.0.0.1:{d_port}",),
                                startup_timeout_s=5, **config))
+    async with started(gw, servers):
+        yield gw, p_port, d_port
+
+
+@contextlib.asynccontextmanager
+async def started(gw: Gateway, servers: list[asyncio.Server]) -> AsyncIterator[None]:
+    """``gw``'s worker connections started (as ``Gateway.start`` does) and up; then every connection (those of
+    workers added meanwhile too) and ``servers`` closed."""
     try:
         for client in gw.clients:
             client.start()
         gw._started = True  # (workers added from now on connect at once)
         assert all(await asyncio.gather(*(c.wait_ready(5) for c in gw.clients)))
-        yield gw, p_port, d_port
+        yield
     finally:
         for client in gw.clients:
             await client.aclose()

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
-from test_probe_flap import fake_worker
+from test_probe_flap import fake_worker, started
 
 from gateway.errors import NoWorkers
 from gateway.health import BreakerState, HealthConfig
@@ -44,7 +44,7 @@ async def _fleet(num_prefills: int, num_decodes: int) -> AsyncIterator[tuple[Gat
     """A started gateway over fake workers (real sockets); yields it, each URL's open server-side writers (to drop
     a connection from the worker's end) and a function that starts one more server of a role."""
     writers: dict[str, list[Any]] = {}
-    servers = []
+    servers: list[asyncio.Server] = []
 
     async def serve(role: str) -> str:
         def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
@@ -62,17 +62,8 @@ async def _fleet(num_prefills: int, num_decodes: int) -> AsyncIterator[tuple[Gat
                           breaker_failures=2, breaker_successes=1, breaker_cooldown_s=30)
     gw = Gateway(GatewayConfig(prefill=tuple(prefills), decode=tuple(decodes), startup_timeout_s=5, health=health,
                                drain_timeout_s=0.05))
-    try:
-        for client in gw.clients:
-            client.start()
-        gw._started = True  # (workers added from now on connect at once)
-        assert all(await asyncio.gather(*(c.wait_ready(5) for c in gw.clients)))
+    async with started(gw, servers):
         yield gw, writers, serve
-    finally:
-        for client in gw.clients:
-            await client.aclose()
-        for server in servers:
-            server.close()
 
 
 def _plain(pool: list[WorkerClient]) -> list[Any]:
@@ -97,7 +88,7 @@ def test_the_views_a_policy_is_given_follow_every_change_of_the_workers(seed: in
         async with _fleet(2, 3) as (gw, writers, serve):
             policy = _Recorder()
             dispatcher = gw.dispatcher
-            dispatcher.router = Router(policy, policy)  # type: ignore[arg-type]
+            dispatcher.router = Router(policy, policy)
             now = [0.0]
             for client in gw.clients:
                 client.health.breaker._clock = lambda: now[0]
@@ -176,7 +167,7 @@ def test_a_connection_closing_before_its_loss_is_announced_is_not_picked() -> No
         async with _fleet(1, 2) as (gw, _, _):
             policy = _Recorder()
             dispatcher = gw.dispatcher
-            dispatcher.router = Router(policy, policy)  # type: ignore[arg-type]
+            dispatcher.router = Router(policy, policy)
             request = dispatcher.router.request([1, 2, 3], 4)
             dispatcher._select(request, frozenset())
             kept = dispatcher._views
