@@ -25,8 +25,9 @@ from gateway.worker_client import WorkerClient
 
 
 class _Recorder:
-    """A policy that remembers what it was given and picks a healthy pair at random (the views given may hold one
-    whose connection began closing a moment ago: the dispatcher re-checks the pair it gets)."""
+    """A policy that remembers what it was given and picks from it at random, or each side's first with ``first``
+    (the views given may hold one whose connection began closing a moment ago: the dispatcher re-checks the pair
+    it gets)."""
 
     name = "recorder"
 
