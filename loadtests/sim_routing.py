@@ -26,7 +26,8 @@ Worker models:
   all its pages released last page first, as ``PageCache.release`` does (so a prefix is evicted from
   its end; ``--evict head`` releases them in page order instead, cutting prefixes at their head, to
   show the difference). KV events reach the gateway 5 ms
-  later; load reports on change (<= every 2 ms), every 100 ms while busy, every 500 ms idle, 1 ms later.
+  later; load reports when a request ended (<= every 2 ms), admitted or moved on (within 10 ms, or with the
+  next report), every 100 ms while busy, every 500 ms idle, 1 ms later.
 - decode: KV pool of P pages; a request reserves ceil((prompt + max_tokens)/16) pages, FIFO, when its KV
   has arrived (it waits while there are not enough free pages or ``max_running`` sequences run); until
   then its pages count as ``num_queued_pages``. Steps take ``base + per_seq * batch``; each sequence in a
@@ -95,6 +96,7 @@ MSG_LAG_S = 0.0005  # gateway <-> worker submit / outputs
 REPORT_LAG_S = 0.001
 KV_EVENT_LAG_S = 0.005
 REPORT_MIN_INTERVAL_S = 0.002
+MOVED_REPORT_S = 0.01
 BUSY_REPORT_S = 0.1
 IDLE_REPORT_S = 0.5
 BUSY_WINDOW_S = 1.0
@@ -301,6 +303,8 @@ class Worker:
         self.busy_fraction = 0.0
         self.last_report = -1.0
         self.flush_pending = False
+        self.moved_pending = False  # a report is armed for an admission or a stage move
+        self.has_moved = False  # one happened since the last report
         self.tick_pending = False
         self.num_requests = 0
 
@@ -336,6 +340,22 @@ class Worker:
         self.flush_pending = False
         self.report()
 
+    def moved(self) -> None:
+        """An admission or a stage move (the worker's ``_load_moved``): reported with the next report, or
+        ``MOVED_REPORT_S`` after the last one at the latest."""
+        self.has_moved = True
+        loop = self.sim.loop
+        if loop.now - self.last_report >= MOVED_REPORT_S - 1e-12:
+            self.report()
+        elif not self.moved_pending:
+            self.moved_pending = True
+            loop.at(self.last_report + MOVED_REPORT_S, self._moved_due)
+
+    def _moved_due(self) -> None:
+        self.moved_pending = False
+        if self.has_moved:  # (else a report went since)
+            self.moved()
+
     def report(self) -> None:
         loop = self.sim.loop
         since = loop.now - self.last_report if self.last_report >= 0 else BUSY_WINDOW_S
@@ -345,6 +365,7 @@ class Worker:
             self.busy_fraction += weight * (min(1.0, (busy - self.busy_at_report) / since) - self.busy_fraction)
         self.busy_at_report = busy
         self.last_report = loop.now
+        self.has_moved = False
         loop.at(loop.now + REPORT_LAG_S, self.state.reported, self.load_report())
         self._arm_tick()
 
@@ -399,7 +420,7 @@ class PrefillWorker(Worker):
         self.last_rid = job.rid_p
         if self.running is None:
             self._start()
-        self.changed()
+        self.moved()
 
     def _start(self) -> None:
         job = self.queue.popleft()
@@ -500,13 +521,13 @@ class DecodeWorker(Worker):
         self.pending[job.rid_d] = job
         self.queued_pages += job.pages
         self.last_rid = job.rid_d
-        self.changed()
+        self.moved()
 
     def kv_arrived(self, job: Job) -> None:
         del self.pending[job.rid_d]
         self.queue.append(job)
         self._admit()
-        self.changed()
+        self.moved()
 
     def _admit(self) -> None:
         spec = self.spec

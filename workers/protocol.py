@@ -7,10 +7,11 @@ Lifecycle of a connection:
 2. The gateway sends ``Submit`` / ``Abort`` at any time, multiplexed by ``rid`` (unique per
    connection). The worker answers with ``Outputs`` frames batched per engine step (new tokens,
    and ``finish_reason`` on the last item of a request) or one ``Error`` ending that request.
-3. The worker sends each connection a ``LoadReport`` when its load changed (admission, finish;
-   at most every ``REPORT_MIN_INTERVAL_S``), at least every 100 ms while it holds requests and every
-   0.5 s when idle. ``last_rid`` is the newest rid of that connection the worker had admitted when it
-   measured, so the gateway knows exactly which of its own dispatches the figures already include.
+3. The worker sends each connection a ``LoadReport`` when its load changed (a finish at most every
+   ``REPORT_MIN_INTERVAL_S``, an admission within ``MOVED_REPORT_S``: see ``workers.scheduler``), at least
+   every 100 ms while it holds requests and every 0.5 s when idle. ``last_rid`` is the newest rid of that
+   connection the worker had admitted when it measured, so the gateway knows exactly which of its own
+   dispatches the figures already include.
 4. ``Ping`` at any time: the worker's event loop answers ``Pong`` with the scheduler's progress
    (a frozen process answers nothing; a stuck scheduler shows a growing ``stalled_s``).
 5. ``GetTokenizer`` (only to a worker whose ``HelloAck.tokenizer_files`` is >= 1): the worker answers

@@ -14,10 +14,11 @@ Lifecycle (one ``Scheduler`` per worker, its loop on a dedicated thread):
      max_new_tokens - 1 positions it writes, and an aux slot; send their ids) -> DecodeTransferQueue (poll until KV and
      the first token arrived) -> prebuilt extend (no forward pass) -> running decode batch.
    - both: waiting -> chunked prefill -> running decode batch (no transfer).
-   At the end of a step: the prefix cache's net changes as one broadcast ``KVEvents``, and, when the
-   load changed (at most every ``REPORT_MIN_INTERVAL_S``; at least every ``BUSY_REPORT_S`` while
-   requests are live, ``IDLE_REPORT_S`` otherwise), a ``LoadReport`` per connection carrying the
-   newest rid admitted from it.
+   At the end of a step: the prefix cache's net changes as one broadcast ``KVEvents``, and a ``LoadReport`` per
+   connection carrying the newest rid admitted from it: within ``REPORT_MIN_INTERVAL_S`` of a request ending or
+   pages freed; within ``MOVED_REPORT_S`` of an admission or a stage move (the submitting gateway counts its own
+   request until a report covers it: such a change rides on the next report rather than waking the loop for one of
+   its own); at least every ``BUSY_REPORT_S`` while requests are live, ``IDLE_REPORT_S`` otherwise.
    A step that ran no batch is followed by a sleep on the inbox until a message arrives (from the
    network side, or a wake-up the KV manager's listener queues when a room changed state) or the
    next load report or request deadline is due; ``IDLE_WAIT_S`` at most. Nothing is polled.
@@ -116,7 +117,12 @@ OVERLOAD_MARK = "turned the request away: "
 # model's decode step (ms), not against a zero-cost engine's (µs), where it only added a thread hand-off.
 EARLY_FLUSH_MIN_S = 0.001
 IDLE_WAIT_S = 0.05  # the longest idle sleep; a message, a KV room's change or a due time ends it sooner
-REPORT_MIN_INTERVAL_S = 0.002  # a changed load is reported at most this often...
+REPORT_MIN_INTERVAL_S = 0.002  # a request ended or pages freed: reported at most this often...
+# ...an admission or a stage move within this (its gateway counts the request itself until a report covers its rid;
+# other gateways learn of it this much later at most). At one request at a time a report of its own at admission
+# cost each worker two thread wake-ups and a write per request, and held the end's report back by the minimum
+# interval (two more); now the end's report carries both, in the same write as the request's last output.
+MOVED_REPORT_S = 0.01
 BUSY_REPORT_S = 0.1  # ...and at least this often while requests are live
 IDLE_REPORT_S = 0.5
 # A step longer than this (a big prefill chunk, a slow forward) would leave every gateway without a report for its
@@ -204,7 +210,8 @@ class Scheduler:
         # the newest reports sent, one per connection (replaced whole, never mutated: read by the event loop)
         self._last_reports: list[tuple[int, Message]] = []
         self._last_progress = time.monotonic()  # end of the newest step (read by health probes)
-        self._load_dirty = True
+        self._load_dirty = True  # a change to report within REPORT_MIN_INTERVAL_S (a request ended, pages freed)
+        self._load_moved = False  # one to report within MOVED_REPORT_S (an admission, a stage move)
         self.prefill_tokens_per_s = 0.0
         self.busy_fraction = 0.0
         self._busy_s = 0.0  # engine time since the last load report
@@ -347,7 +354,8 @@ class Scheduler:
         wait_s = IDLE_WAIT_S
         if self._conns:
             since = now - self._last_load
-            every = REPORT_MIN_INTERVAL_S if self._load_dirty else BUSY_REPORT_S if self.reqs else IDLE_REPORT_S
+            every = (REPORT_MIN_INTERVAL_S if self._load_dirty else MOVED_REPORT_S if self._load_moved
+                     else BUSY_REPORT_S if self.reqs else IDLE_REPORT_S)
             wait_s = min(wait_s, every - since)
         if self.reqs:
             wait_s = min(wait_s, min(r.deadline for r in self.reqs.values()) - now)
@@ -461,7 +469,7 @@ class Scheduler:
     # -- admission ---------------------------------------------------------------------------
     def _admit(self, conn_id: int, msg: Submit) -> None:
         key = (conn_id, msg.rid)
-        self._load_dirty = True
+        self._load_moved = True
         if msg.rid > self._conns.get(conn_id, 0):
             self._conns[conn_id] = msg.rid
         if self._draining:
@@ -563,7 +571,7 @@ class Scheduler:
     def _enter(self, req: Req, stage: str, queue_: list[Req] | StageQueue) -> None:
         req.move(stage)
         queue_.append(req)
-        self._load_dirty = True
+        self._load_moved = True
 
     # -- PD stages -----------------------------------------------------------------------------
     def _advance(self, queue_: StageQueue, on_ready: Callable[[Req], None]) -> None:
@@ -1141,9 +1149,10 @@ class Scheduler:
     def _maybe_report_load(self, now: float) -> None:
         since = now - self._last_load
         due = since >= (BUSY_REPORT_S if self.reqs else IDLE_REPORT_S)
-        if not (due or (self._load_dirty and since >= REPORT_MIN_INTERVAL_S)):
+        if not (due or (self._load_dirty and since >= REPORT_MIN_INTERVAL_S)
+                or (self._load_moved and since >= MOVED_REPORT_S)):
             return
-        self._last_load, self._load_dirty = now, False
+        self._last_load, self._load_dirty, self._load_moved = now, False, False
         weight = min(1.0, since / BUSY_WINDOW_S)
         self.busy_fraction += weight * (min(1.0, self._busy_s / since) - self.busy_fraction) if since > 0 else 0.0
         self._busy_s = 0.0

@@ -629,6 +629,43 @@ def test_idle_sleep_ends_when_a_report_or_a_deadline_is_due() -> None:
     assert sched._idle_wait_s(req.deadline + 1) == 0.0
 
 
+def test_an_admission_rides_on_the_next_report_and_the_end_s_report_goes_with_the_last_output() -> None:
+    """An admission (or a stage move) is not reported on its own within ``MOVED_REPORT_S`` (its gateway counts the
+    request until a report covers its rid); a request's end is, at once past the minimum interval, in the same
+    hand-over to the sink as its last output, and that report covers the admission too. Past ``MOVED_REPORT_S`` an
+    admission is reported without an end."""
+    from workers import scheduler as mod
+    from workers.protocol import LoadReport
+
+    calls: list[list[tuple[int, object]]] = []
+    sched, sink, _ = make()
+    sched._sink = lambda messages: (calls.append(list(messages)), sink(messages))  # type: ignore[func-returns-value]
+    sched.connect(1)
+    sched.step()
+    assert any(isinstance(m, LoadReport) for _, m in calls[-1])  # the new connection's first report
+
+    sched.submit(1, Submit(5, [5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True)))
+    sched._last_load = time.monotonic() - 2 * mod.REPORT_MIN_INTERVAL_S  # past the minimum, within MOVED_REPORT_S
+    before = len(calls)
+    sched.step()  # admitted, prefilled, its first token out
+    assert sched.reqs and tokens_of(sink, 5)
+    assert not [m for call in calls[before:] for _, m in call if isinstance(m, LoadReport)]
+    assert 0 < sched._idle_wait_s(time.monotonic()) <= mod.MOVED_REPORT_S  # it would wake for it in time
+    sched._last_load = time.monotonic() - 2 * mod.REPORT_MIN_INTERVAL_S
+    while sched.reqs:
+        sched.step()
+    (last,) = [call for call in calls if any(isinstance(m, Outputs) and m.items[-1].finish_reason for _, m in call)]
+    reports = [m for _, m in last if isinstance(m, LoadReport)]
+    assert len(reports) == 1 and reports[0].last_rid == 5 and reports[0].num_running == 0
+
+    sched.submit(1, Submit(6, [5, 6, 7], SamplingParams(max_new_tokens=50, ignore_eos=True)))
+    sched._last_load = time.monotonic() - mod.MOVED_REPORT_S  # an admission past MOVED_REPORT_S: reported alone
+    before = len(calls)
+    sched.step()
+    reports = [m for call in calls[before:] for _, m in call if isinstance(m, LoadReport)]
+    assert len(reports) == 1 and reports[0].last_rid == 6 and reports[0].num_running == 1
+
+
 def test_a_gathered_request_sends_its_first_token_alone_then_the_rest_together() -> None:
     """``Submit.gather_s`` (a whole response): the first token goes out at once; later ones are held
     and go out as one output once ``gather_s`` has passed since the first held, or with the last. The
