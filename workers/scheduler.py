@@ -372,12 +372,9 @@ class Scheduler:
 
     def step(self) -> bool:
         """One scheduler iteration; returns whether a batch ran."""
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            self._handle(item)
+        inbox = self._inbox
+        while not inbox.empty():  # (only this thread takes from it while the loop runs: no race with ``get``)
+            self._handle(inbox.get_nowait())
         now = time.monotonic()
         for req in [r for r in self.reqs.values() if now > r.deadline]:
             self._fail(req, "timeout", f"request timed out in stage {req.stage}")
@@ -414,7 +411,8 @@ class Scheduler:
             self._prune_batch()
             for req in list(self._prefilling):
                 self._decode_ended(req)
-        self._admit_waiting()
+        if self._waiting:  # (a decode's never holds any; ``_run_batch`` prunes the batch lists itself)
+            self._admit_waiting()
         if self.role == "decode" and self._out and self._last_forward_s >= EARLY_FLUSH_MIN_S:
             # First tokens of requests imported this step (the prefill sampled them): out now, not after
             # the batch's forward, which would add a whole decode step to each stream's time to first token.
