@@ -353,10 +353,7 @@ class Scheduler:
         """How long the loop may sleep: until the next load report or request deadline is due."""
         wait_s = IDLE_WAIT_S
         if self._conns:
-            since = now - self._last_load
-            every = (REPORT_MIN_INTERVAL_S if self._load_dirty else MOVED_REPORT_S if self._load_moved
-                     else BUSY_REPORT_S if self.reqs else IDLE_REPORT_S)
-            wait_s = min(wait_s, every - since)
+            wait_s = min(wait_s, self._report_every() - (now - self._last_load))
         if self.reqs:
             wait_s = min(wait_s, min(r.deadline for r in self.reqs.values()) - now)
             if self.grammar_wait is not None and (compile_deadline := self.grammar_wait.next_deadline()) is not None:
@@ -1144,11 +1141,18 @@ class Scheduler:
         if stored or removed:
             self._out.append((BROADCAST, KVEvents(stored=stored, removed=removed)))
 
+    def _report_every(self) -> float:
+        """How long after the last load report the next is due: the shortest interval that applies (a request
+        ended or pages freed, an admission or a stage move, the heartbeat: in that order, each at most the next)."""
+        if self._load_dirty:
+            return REPORT_MIN_INTERVAL_S
+        if self._load_moved:
+            return MOVED_REPORT_S
+        return BUSY_REPORT_S if self.reqs else IDLE_REPORT_S
+
     def _maybe_report_load(self, now: float) -> None:
         since = now - self._last_load
-        due = since >= (BUSY_REPORT_S if self.reqs else IDLE_REPORT_S)
-        if not (due or (self._load_dirty and since >= REPORT_MIN_INTERVAL_S)
-                or (self._load_moved and since >= MOVED_REPORT_S)):
+        if since < self._report_every():
             return
         self._last_load, self._load_dirty, self._load_moved = now, False, False
         weight = min(1.0, since / BUSY_WINDOW_S)
