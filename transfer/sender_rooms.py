@@ -22,6 +22,7 @@ Lifecycle of one room (``KVSender`` in ``transfer.sender`` holds its own state; 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections import deque
@@ -69,6 +70,10 @@ class SenderRooms:
         slot_bytes = max(ctx.args.aux_slot_bytes, 1)
         self.staging = np.zeros((NUM_STAGING_SLOTS, slot_bytes), dtype=np.uint8)
         self._free_slots = list(range(NUM_STAGING_SLOTS - 1, -1, -1))
+        # each slot's address, once (numpy's ``.ctypes`` costs microseconds per use)
+        base = int(self.staging.ctypes.data)
+        self._slot_bytes = slot_bytes
+        self._slot_addrs = [base + slot * slot_bytes for slot in range(NUM_STAGING_SLOTS)]
 
     def staging_region(self) -> tuple[int, int]:
         return int(self.staging.ctypes.data), int(self.staging.nbytes)
@@ -215,10 +220,12 @@ class SenderRooms:
             if aux:
                 if not self._free_slots:
                     raise RuntimeError(f"room {room}: all {NUM_STAGING_SLOTS} aux staging slots are busy")
+                if len(aux) > self._slot_bytes:  # (``next_chunk`` holds it to the slot's size already)
+                    raise ValueError(f"room {room}: aux of {len(aux)} bytes, a staging slot holds {self._slot_bytes}")
                 slot = self._free_slots.pop()
-                self.staging[slot, : len(aux)] = np.frombuffer(aux, dtype=np.uint8)
+                ctypes.memmove(self._slot_addrs[slot], aux if type(aux) is bytes else bytes(aux), len(aux))
                 dst_aux = link.reg.aux_ptrs[0] + request.aux_index * link.reg.aux_item_lens[0]
-                blocks.append((int(self.staging[slot].ctypes.data), dst_aux, len(aux)))
+                blocks.append((self._slot_addrs[slot], dst_aux, len(aux)))
             write: PostedWrite | None = None
             error: TransferError | None = None
             posted = time.monotonic()  # (before write(): a batch it completes inline is timed too)

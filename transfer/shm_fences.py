@@ -59,10 +59,15 @@ def _flock(kind: int, start: int) -> bytes:
     return struct.pack("hhqqi4x", kind, os.SEEK_SET, start, 1, 0)
 
 
+_NUM_BYTES = 1 + 2 * NUM_WRITERS  # the barrier byte, then each slot's liveness and gate bytes
+_LOCK = [_flock(fcntl.F_WRLCK, byte) for byte in range(_NUM_BYTES)]  # (packed once: a lock is taken per copy)
+_UNLOCK = [_flock(fcntl.F_UNLCK, byte) for byte in range(_NUM_BYTES)]
+
+
 def try_lock(fd: int, byte: int) -> bool:
     """Take an exclusive OFD lock on one byte without waiting; False if someone else holds it."""
     try:
-        fcntl.fcntl(fd, _F_OFD_SETLK, _flock(fcntl.F_WRLCK, byte))
+        fcntl.fcntl(fd, _F_OFD_SETLK, _LOCK[byte])
     except OSError as exc:
         if exc.errno in (errno.EAGAIN, errno.EACCES):
             return False
@@ -71,7 +76,7 @@ def try_lock(fd: int, byte: int) -> bool:
 
 
 def unlock(fd: int, byte: int) -> None:
-    fcntl.fcntl(fd, _F_OFD_SETLK, _flock(fcntl.F_UNLCK, byte))
+    fcntl.fcntl(fd, _F_OFD_SETLK, _UNLOCK[byte])
 
 
 def _live_byte(slot: int) -> int:
@@ -93,6 +98,8 @@ class FenceBoard:
         self._claimed = self._words[_CLAIMED:_MARKS]
         self._marks = self._words[_MARKS:_TABLE].reshape(NUM_WRITERS, 2)
         self._table = self._words[_TABLE:].reshape(NUM_FENCES, 3)
+        # the same words for one-word reads and writes on the hot paths (a numpy scalar costs ~10x more)
+        self._w = memoryview(mm)[:BOARD_BYTES].cast("Q")
         self._thread_lock = threading.Lock()  # OFD locks do not exclude threads sharing our descriptor
         self._slot: int | None = None  # a writer's claimed slot
         self._closed = False
@@ -105,20 +112,38 @@ class FenceBoard:
     def nonce(self) -> bytes:
         return self._words[1:3].tobytes()
 
+    def _take_gate(self, byte: int, give_up: Callable[[], bool]) -> bool:
+        """Take a slot's gate (its ``byte``) and this mapping's thread lock: True, held (``_drop_gate`` it);
+        False once ``give_up()`` says so (nothing held)."""
+        self._thread_lock.acquire()
+        try:
+            while not try_lock(self.fd, byte):
+                if give_up():
+                    self._thread_lock.release()
+                    return False
+                time.sleep(_RETRY_S)
+        except BaseException:
+            self._thread_lock.release()
+            raise
+        return True
+
+    def _drop_gate(self, byte: int) -> None:
+        try:
+            unlock(self.fd, byte)
+        finally:
+            self._thread_lock.release()
+
     @contextlib.contextmanager
     def _gate(self, slot: int, give_up: Callable[[], bool]) -> Iterator[bool]:
         """Hold the slot's gate (yields True), or yield False once ``give_up()`` says so."""
         byte = _gate_byte(slot)
-        with self._thread_lock:
-            while not try_lock(self.fd, byte):
-                if give_up():
-                    yield False
-                    return
-                time.sleep(_RETRY_S)
-            try:
-                yield True
-            finally:
-                unlock(self.fd, byte)
+        if not self._take_gate(byte, give_up):
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self._drop_gate(byte)
 
     # -- decode ----------------------------------------------------------------------------------
     @classmethod
@@ -136,17 +161,18 @@ class FenceBoard:
     def open_fence(self, room: int, generation: int) -> None:
         """Admit writes of (room, generation) (call before the page list leaves). A slot still held by an
         older open fence is taken over: that fence then reads as closed to writers (its room fails)."""
-        entry = self._table[generation % NUM_FENCES]
-        entry[2] = 0  # (entry words change one by one: closed while they do)
-        entry[0], entry[1] = room, generation
-        entry[2] = 1
+        w, at = self._w, _TABLE + 3 * (generation % NUM_FENCES)
+        w[at + 2] = 0  # (entry words change one by one: closed while they do)
+        w[at] = room
+        w[at + 1] = generation
+        w[at + 2] = 1
 
     def close_fence(self, room: int, generation: int, wait_s: float = 0.005) -> list[int] | None:
         """Close the fence; answer the live writer slots still writing it ([] = nothing can land any
         more), or None when a slot's gate was not had within ``wait_s`` (a writer frozen inside it)."""
-        entry = self._table[generation % NUM_FENCES]
-        if int(entry[1]) == generation:
-            entry[2] = 0
+        w, at = self._w, _TABLE + 3 * (generation % NUM_FENCES)
+        if w[at + 1] == generation:
+            w[at + 2] = 0
         with self._thread_lock:  # a full barrier: the closed entry is visible before we read the slots
             if try_lock(self.fd, _BARRIER_BYTE):
                 unlock(self.fd, _BARRIER_BYTE)
@@ -156,8 +182,7 @@ class FenceBoard:
             with self._gate(slot, lambda: time.monotonic() > deadline) as held:
                 if not held:
                     return None
-                mark = self._marks[slot]
-                hit = int(mark[0]) == room and int(mark[1]) == generation
+                hit = w[_MARKS + 2 * slot] == room and w[_MARKS + 2 * slot + 1] == generation
             if hit and self._is_live(slot):
                 busy.append(slot)
         return busy
@@ -228,25 +253,37 @@ class FenceBoard:
     def enter(self, slot: int, room: int, generation: int, give_up: Callable[[], bool]) -> bool | None:
         """Before copying bytes of (room, generation): True = fence open, slot marked (copy now);
         False = fence closed (copy nothing); None = ``give_up()`` said stop while waiting for the gate."""
-        with self._gate(slot, give_up) as held:
-            if not held:
-                return None
-            self._marks[slot] = (room, generation)
-            if self._words[3]:
-                entry = self._table[generation % NUM_FENCES]
-                if not (int(entry[2]) == 1 and int(entry[1]) == generation and int(entry[0]) == room):
-                    self._marks[slot] = (0, 0)
+        byte = _gate_byte(slot)
+        if not self._take_gate(byte, give_up):
+            return None
+        try:
+            w, mark = self._w, _MARKS + 2 * slot
+            w[mark] = room
+            w[mark + 1] = generation
+            if w[3]:
+                at = _TABLE + 3 * (generation % NUM_FENCES)
+                if not (w[at + 2] == 1 and w[at + 1] == generation and w[at] == room):
+                    w[mark] = 0
+                    w[mark + 1] = 0
                     return False
             return True
+        finally:
+            self._drop_gate(byte)
 
     def leave(self, slot: int, give_up: Callable[[], bool]) -> bool:
         """The marked bytes are in: clear the mark (under the gate, so they are visible first). If
         ``give_up()`` stops the wait (answer False), the mark stays until this mapping is closed (the
         writer is gone)."""
-        with self._gate(slot, give_up) as held:
-            if held:
-                self._marks[slot] = (0, 0)
-            return held
+        byte = _gate_byte(slot)
+        if not self._take_gate(byte, give_up):
+            return False
+        try:
+            mark = _MARKS + 2 * slot
+            self._w[mark] = 0
+            self._w[mark + 1] = 0
+        finally:
+            self._drop_gate(byte)
+        return True
 
     def close(self) -> None:
         """Unmap (the decode also unlinks its file); a writer's slot is released with its locks."""
@@ -259,7 +296,8 @@ class FenceBoard:
                 if held:
                     self._marks[self._slot] = (0, 0)
                     self._claimed[self._slot] = 0
-        del self._claimed, self._marks, self._table, self._words
+        self._w.release()
+        del self._claimed, self._marks, self._table, self._words, self._w
         with contextlib.suppress(BufferError, ValueError):
             self._mm.close()
         if self._owner is not None:

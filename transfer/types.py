@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import cached_property
 from typing import Any
 
 
@@ -58,12 +59,12 @@ class KVArgs:
         if self.page_size <= 0:
             raise ValueError(f"KVArgs: page_size must be positive, got {self.page_size}")
 
-    @property
+    @cached_property  # (read per room; the fields are frozen)
     def num_pages(self) -> int:
         """Pages every KV buffer holds (the smallest buffer counts)."""
         return min(n // item for n, item in zip(self.kv_data_lens, self.kv_item_lens, strict=True))
 
-    @property
+    @cached_property
     def num_aux_slots(self) -> int:
         if not self.aux_ptrs:
             return 0

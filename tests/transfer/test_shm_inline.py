@@ -131,3 +131,20 @@ def test_a_gate_held_past_the_copy_drops_the_peer(pair: Pair, monkeypatch: pytes
     assert not peer.maps
     receiver.release()
     sender.release()
+
+
+def test_aux_of_any_byte_buffer_lands_whole_in_its_room_s_slot(pair: Pair) -> None:
+    """The aux record is staged by address (each staging slot's, computed once) from bytes, a bytearray or a
+    memoryview, up to a whole slot: the decode's aux slot holds exactly the bytes sent, room after room."""
+    rooms = pair.prefill._prefill.rooms  # type: ignore[union-attr]
+    assert rooms._slot_addrs == [int(rooms.staging[slot].ctypes.data) for slot in range(len(rooms.staging))]
+    slot_bytes = pair.prefill.args.aux_slot_bytes
+    payloads = [b"abc", bytearray(b"\x00\xff" * 5), memoryview(bytes(range(slot_bytes))), bytes([7]) * slot_bytes]
+    for payload in payloads:
+        sender, receiver = pair.open_room([4, 5])
+        sender.send([1, 2], last=True, aux=payload)
+        assert _until(lambda: receiver.poll() == KVPoll.Success), receiver.failure()  # noqa: B023
+        assert receiver.aux_len == len(payload)
+        assert bytes(pair.decode_pool.aux[1, : len(payload)]) == bytes(payload)
+        sender.release()
+        receiver.release()
