@@ -28,7 +28,7 @@ from transfer.errors import TransferError, TransferErrorKind
 PROTOCOL_VERSION = 2  # 2: RoomRequest.generation, fenced writes. (The key's handshake, AuthHello/AuthChallenge/
 # AuthProof, is sent only by workers with a key and changes nothing else: keyless peers of either release agree)
 MAX_FRAME_BYTES = 64 * 1024 * 1024
-_RECV_BYTES = 1024 * 1024  # most one recv takes
+_SCRATCH_BYTES = 64 * 1024  # most one recv takes (a page list of ~10k pages is ~50 KB)
 _LEN = struct.Struct(">I")
 
 
@@ -124,39 +124,57 @@ def decode_body(body: bytes | memoryview) -> Message:
 
 
 class FrameReader:
-    """Reads frames from a blocking socket that may have a timeout set (timeouts are retried
-    while ``keep_going()`` holds)."""
+    """Reads frames from a blocking socket that may have a timeout set (timeouts are retried while
+    ``keep_going()`` holds). Buffered: one ``recv`` takes whatever has arrived, so a frame usually costs one
+    wait and one read, and frames that arrived together none more (the reader owns the socket's input: bytes
+    past the frame it returns stay in its buffer for the next ``read``)."""
 
     def __init__(self, sock: socket.socket, keep_going: Callable[[], bool] | None = None) -> None:
         self._sock = sock
         self._keep_going = keep_going
+        self._buf = bytearray()  # received, not yet returned: ``_buf[_pos:]``
+        self._pos = 0
+        self._scratch = bytearray(_SCRATCH_BYTES)
+        self._scratch_view = memoryview(self._scratch)
 
-    def _read_exact(self, n: int, allow_eof: bool) -> bytes | None:
-        # The buffer grows with what arrives: a header alone must not make us allocate its claimed length.
-        buf = bytearray()
-        while len(buf) < n:
+    def _fill(self) -> bool:
+        """Append what the socket has (waiting for at least one byte); False at the end of the stream."""
+        while True:
             try:
-                chunk = self._sock.recv(min(n - len(buf), _RECV_BYTES))
+                n = self._sock.recv_into(self._scratch_view)
             except TimeoutError:
                 if self._keep_going is not None and not self._keep_going():
                     raise
                 continue
-            if not chunk:
-                if not buf and allow_eof:
-                    return None
-                raise ConnectionResetError("control connection closed mid-frame")
-            buf += chunk
-        return bytes(buf)
+            if not n:
+                return False
+            if self._pos:  # (what was returned already goes: the buffer grows only with what is unread)
+                del self._buf[: self._pos]
+                self._pos = 0
+            self._buf += self._scratch_view[:n]
+            return True
 
     def read(self) -> Message | None:
         """The next message, or None on a clean end of stream. Raises TransferError(PROTOCOL) for an
         oversized or undecodable frame, OSError for a broken connection."""
-        head = self._read_exact(_LEN.size, allow_eof=True)
-        if head is None:
-            return None
-        (length,) = _LEN.unpack(head)
+        while len(self._buf) - self._pos < _LEN.size:
+            if not self._fill():
+                if len(self._buf) == self._pos:
+                    return None
+                raise ConnectionResetError("control connection closed mid-frame")
+        (length,) = _LEN.unpack_from(self._buf, self._pos)
         if length > MAX_FRAME_BYTES:
             raise TransferError(TransferErrorKind.PROTOCOL, f"control frame of {length} bytes is too large")
-        body = self._read_exact(length, allow_eof=False)
-        assert body is not None
+        start = self._pos + _LEN.size
+        end = start + length
+        while len(self._buf) < end:  # (it grows with what arrives, never to a length only claimed)
+            if not self._fill():
+                raise ConnectionResetError("control connection closed mid-frame")
+            start, end = self._pos + _LEN.size, self._pos + _LEN.size + length  # (``_fill`` may have compacted)
+        body = bytes(self._buf[start:end])
+        if end == len(self._buf):
+            self._buf.clear()
+            self._pos = 0
+        else:
+            self._pos = end
         return decode_body(body)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 
 import msgspec
 import pytest
@@ -56,6 +57,31 @@ def test_frames_over_a_socket_pair():
         assert [reader.read() for _ in MESSAGES] == MESSAGES
         a.shutdown(socket.SHUT_WR)
         assert reader.read() is None  # clean end of stream
+
+
+def test_frames_in_any_split_are_read_whole_and_in_order():
+    """The reader buffers what arrives: frames split byte by byte, several in one segment, one larger than a
+    single read takes, and a stream ending right behind the last frame all come out whole, in order."""
+    big = RoomRequest(1, list(range(200_000)), 0)  # (~1 MB: many of the reader's recvs)
+    stream = b"".join(encode_frame(m) for m in [*MESSAGES, big, *MESSAGES])
+    cuts = [1, 2, 3, 4, 5, 9, 17, 400, 4096, 1 << 20]  # then the rest in one go
+    a, b = socket.socketpair()
+    with a, b:
+        def write() -> None:
+            at = 0
+            for size in cuts:
+                a.sendall(stream[at : at + size])
+                at += size
+            a.sendall(stream[at:])
+            a.shutdown(socket.SHUT_WR)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        reader = FrameReader(b)
+        got = [reader.read() for _ in range(2 * len(MESSAGES) + 1)]
+        assert got == [*MESSAGES, big, *MESSAGES]
+        assert reader.read() is None
+        writer.join()
 
 
 def test_eof_mid_frame_is_a_broken_connection():
