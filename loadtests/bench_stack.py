@@ -28,7 +28,9 @@ gateway minus its TTFT from the floor's stream (the same HTTP client, so without
 With ``--rounds N`` the points the gateway goal figures come from (``ROUND_KEYS``) run N times,
 interleaved, and each round's own ratios and differences are printed with their medians: on a
 shared virtual machine whose speed drifts within minutes, a ratio of two points measured in the
-same round is steadier than one of points measured a whole run apart. ``wakeup_probe.py``'s
+same round is steadier than one of points measured a whole run apart. The sim section's one-at-a-time
+points (PD and combined, ``SIM_ROUND_KEYS``) run N times too, interleaved, each round's PD p50, combined p50
+and their difference printed with the medians. ``wakeup_probe.py``'s
 loopback round trips (same core, across cores) are printed before and after the run: every latency
 through the gateway crosses cores four times.
 
@@ -394,7 +396,12 @@ async def fast_section(stack: Stack, scale: float, gap_ms: float,
     return done, more
 
 
-async def sim_section(stack: Stack, scale: float) -> list[Point]:
+# The whole-stack goal's points: with ``--rounds N`` they run N times, interleaved (PD, combined, PD, ...).
+SIM_ROUND_KEYS = ("sim.pd.c1", "sim.both.c1")
+
+
+async def sim_section(stack: Stack, scale: float, rounds: int = 1) -> tuple[list[Point], list[dict[str, Point]]]:
+    """Every sim point once, then ``rounds - 1`` more rounds of ``SIM_ROUND_KEYS`` (returned by round)."""
     p, pid = stack.ports, stack.pids
     n = lambda base: max(20, int(base * scale))  # noqa: E731
     ids = list(PROMPT.encode())
@@ -426,7 +433,16 @@ async def sim_section(stack: Stack, scale: float) -> list[Point]:
         ]
     for point in points:
         await run_point(point, warm=2 * point.concurrency if point.concurrency > 1 else 20)
-    return points
+    more: list[dict[str, Point]] = []
+    for number in range(2, rounds + 1):
+        print(f"\n== sim round {number} of {rounds}: {', '.join(SIM_ROUND_KEYS)} ==")
+        again: dict[str, Point] = {}
+        for point in (p for p in points if p.key in SIM_ROUND_KEYS):
+            repeat = dataclasses.replace(point, figures={})
+            await run_point(repeat, warm=20)
+            again[repeat.key] = repeat
+        more.append(again)
+    return points, more
 
 
 def derived(points: dict[str, Point]) -> dict[str, Any]:
@@ -508,10 +524,13 @@ def print_derived(d: dict[str, Any]) -> None:
 
 
 # -- main -------------------------------------------------------------------------------------------
-async def run(args: argparse.Namespace, tmp: Path) -> tuple[list[Point], list[dict[str, Point]]]:
-    """Every point once, and the fast section's extra rounds of ``ROUND_KEYS``."""
+async def run(args: argparse.Namespace,
+              tmp: Path) -> tuple[list[Point], list[dict[str, Point]], list[dict[str, Point]]]:
+    """Every point once, the fast section's extra rounds of ``ROUND_KEYS`` and the sim section's of
+    ``SIM_ROUND_KEYS``."""
     scale = 0.2 if args.quick else 1.0
     more_rounds: list[dict[str, Point]] = []
+    sim_rounds: list[dict[str, Point]] = []
     own_cpus = os.sched_getaffinity(0)
     can_pin = {0, 1} <= own_cpus
     if not can_pin:
@@ -568,11 +587,12 @@ async def run(args: argparse.Namespace, tmp: Path) -> tuple[list[Point], list[di
             if can_pin:
                 stack.pin()
                 os.sched_setaffinity(0, {1})
-            points += await sim_section(stack, scale)
+            sim, sim_rounds = await sim_section(stack, scale, args.rounds)
+            points += sim
         finally:
             stack.procs.stop_all()
             os.sched_setaffinity(0, own_cpus)
-    return points, more_rounds
+    return points, more_rounds, sim_rounds
 
 
 def main() -> None:
@@ -580,8 +600,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="about a fifth of the requests per point")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="run the gateway goal points (ROUND_KEYS) this many times, interleaved; print each "
-                         "round's ratios and their medians")
+                    help="run the goal points (ROUND_KEYS, SIM_ROUND_KEYS) this many times, interleaved; print "
+                         "each round's ratios and differences and their medians")
     ap.add_argument("--sections", default="fast,sim", help="comma-separated: fast, sim")
     ap.add_argument("--token-gap-ms", type=float, default=2.0, help="streaming points: decode token gap")
     ap.add_argument("--json", default=None, metavar="OUT", help="also write every figure to this JSON file")
@@ -591,7 +611,7 @@ def main() -> None:
     print(f"machine, before: {describe_wakeup(wakeup['before'])}")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-stack-") as tmp:
-        points, more_rounds = uvloop.run(run(args, Path(tmp)))
+        points, more_rounds, sim_more = uvloop.run(run(args, Path(tmp)))
     wakeup["after"] = wakeup_figures()
     by_key = {p.key: p for p in points}
     d = derived(by_key)
@@ -600,6 +620,10 @@ def main() -> None:
     medians = round_medians(rounds) if more_rounds else None
     if medians is not None:
         print_rounds(rounds, medians)
+    sim_rounds = [d["sim"]] + [derived({**by_key, **again})["sim"] for again in sim_more]
+    sim_medians = sim_round_medians(sim_rounds) if sim_more else None
+    if sim_medians is not None:
+        print_sim_rounds(sim_rounds, sim_medians)
     for when, figures in wakeup.items():
         print(f"machine, {when}: {describe_wakeup(figures)}")
     print(f"\n{CAVEAT}\ntotal {time.monotonic() - started:.0f} s")
@@ -607,6 +631,8 @@ def main() -> None:
         report = {"caveat": CAVEAT, "quick": args.quick, "token_gap_ms": args.token_gap_ms, "wakeup": wakeup,
                   "rounds": [{topo: r[topo] for topo in ("pd", "both")} for r in rounds], "round_medians": medians,
                   "round_points": [{k: p.figures for k, p in again.items()} for again in more_rounds],
+                  "sim_rounds": sim_rounds, "sim_round_medians": sim_medians,
+                  "sim_round_points": [{k: p.figures for k, p in again.items()} for again in sim_more],
                   "points": [{"key": p.key, "title": p.title, "concurrency": p.concurrency,
                               "rate_per_s": p.rate_per_s, **p.figures} for p in points], "derived": d}
         Path(args.json).write_text(json.dumps(_finite(report), indent=2) + "\n")
@@ -628,6 +654,29 @@ def round_medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     floor = [r["floor_us_per_token_above_nonstream"] for r in rounds if r["floor_us_per_token_above_nonstream"]]
     out["floor_us_per_token_above_nonstream"] = statistics.median(floor) if floor else None
     return out
+
+
+SIM_ROUND_FIGURES = ("pd_p50_ms", "both_p50_ms", "pd_above_both_p50_ms")
+
+
+def sim_round_medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median over rounds of each whole-stack figure (each round's own difference)."""
+    out: dict[str, Any] = {}
+    for name in SIM_ROUND_FIGURES:
+        values = [r[name] for r in rounds if r[name] is not None]
+        out[name] = statistics.median(values) if values else None
+    return out
+
+
+def print_sim_rounds(rounds: list[dict[str, Any]], medians: dict[str, Any]) -> None:
+    print(f"\n== the whole-stack goal figures by round ({len(rounds)} rounds; sim at zero cost, one at a time) ==")
+    print(f"{'':12} {'PD p50 ms':>10} {'combined':>10} {'PD above':>10}")
+    print(f"{'':12} {'(<=3)':>10} {'p50 ms':>10} {'ms (<=1)':>10}")
+    for i, r in enumerate(rounds):
+        print(f"{f'round {i + 1}':12} {fmt(r['pd_p50_ms']):>10} {fmt(r['both_p50_ms']):>10} "
+              f"{fmt(r['pd_above_both_p50_ms']):>10}")
+    print(f"{'median':12} {fmt(medians['pd_p50_ms']):>10} {fmt(medians['both_p50_ms']):>10} "
+          f"{fmt(medians['pd_above_both_p50_ms']):>10}")
 
 
 def print_rounds(rounds: list[dict[str, Any]], medians: dict[str, Any]) -> None:
