@@ -66,6 +66,29 @@ async def _control(pid: int, action: str, target: Any) -> None:
             await closed_loop(target, 1, 1, 0.0)
 
 
+async def wait_for_dump(out: Path, before: int, name: str) -> None:
+    """Until callgrind has written a dump of ``out`` past the ``before`` there were (and a moment more: whole)."""
+    deadline = time.monotonic() + 60
+    while len(list(out.parent.glob(f"{out.name}.*"))) <= before:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} wrote no dump")
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(0.5)  # (written whole)
+
+
+def keep_dumps(tmp: Path, keep: str | None) -> None:
+    """Copy the dumps (``*.cg.*``) to ``keep`` (``--keep``: for callgrind_annotate), if given."""
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        for dump in tmp.glob("*.cg.*"):
+            shutil.copy(dump, Path(keep) / dump.name)
+
+
+def need_valgrind(tool: str) -> None:
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        sys.exit(f"{tool}: needs valgrind (apt-get install valgrind)")
+
+
 def _instructions(out: Path, pid: int) -> int:
     """The ``summary`` of the newest dump of ``pid`` (callgrind names dumps ``OUT.N``)."""
     dumps = sorted(out.parent.glob(f"{out.name}.*"), key=lambda p: p.stat().st_mtime)
@@ -87,12 +110,7 @@ async def count(stack: Stack, name: str, out: Path, stream: bool, tokens: int, r
     errors = [r.error for r in results if r.error]
     if errors:
         raise RuntimeError(f"{name}: {len(errors)} requests failed, e.g. {errors[0]}")
-    deadline = time.monotonic() + 60
-    while len(list(out.parent.glob(f"{out.name}.*"))) <= dumps:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{name} wrote no dump")
-        await asyncio.sleep(0.2)
-    await asyncio.sleep(0.5)  # (written whole)
+    await wait_for_dump(out, dumps, name)
     return _instructions(out, pid) / requests
 
 
@@ -125,11 +143,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
             print(f"{key:16} {figures[key]:12,.0f} instructions/request  ({requests} requests)", flush=True)
     finally:
         stack.procs.stop_all()
-        if args.keep:
-            keep = Path(args.keep)
-            keep.mkdir(parents=True, exist_ok=True)
-            for dump in tmp.glob("*.cg.*"):
-                shutil.copy(dump, keep / dump.name)
+        keep_dumps(tmp, args.keep)
     print(f"\ngateway tree: {tree}")
     if "ns" in points:
         f_ns, g_ns = figures["floor ns"], figures["gateway ns"]
@@ -150,8 +164,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2, help="fast prefills and fast decodes behind the gateway, each")
     ap.add_argument("--keep", help="copy the dumps here (for callgrind_annotate: where the instructions go)")
     args = ap.parse_args()
-    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
-        sys.exit("bench_instructions: needs valgrind (apt-get install valgrind)")
+    need_valgrind("bench_instructions")
     with tempfile.TemporaryDirectory(prefix="bench-instructions-") as tmp:
         uvloop.run(run(args, Path(tmp)))
 

@@ -50,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -384,16 +385,22 @@ async def fast_section(stack: Stack, scale: float, gap_ms: float,
                                64, rate_per_s=rate)
             await run_point(open_point, warm=128)
             done.append(open_point)
+    return done, await more_rounds(points, ROUND_KEYS, rounds, "round", lambda point: 2 * point.concurrency)
+
+
+async def more_rounds(points: list[Point], keys: tuple[str, ...], rounds: int, label: str,
+                      warm: Callable[[Point], int]) -> list[dict[str, Point]]:
+    """Rounds 2 to ``rounds`` of the points named in ``keys``, each a fresh run of them in order (by round)."""
     more: list[dict[str, Point]] = []
     for number in range(2, rounds + 1):
-        print(f"\n== round {number} of {rounds}: {', '.join(ROUND_KEYS)} ==")
+        print(f"\n== {label} {number} of {rounds}: {', '.join(keys)} ==")
         again: dict[str, Point] = {}
-        for point in (p for p in points if p.key in ROUND_KEYS):
+        for point in (p for p in points if p.key in keys):
             repeat = dataclasses.replace(point, figures={})
-            await run_point(repeat, warm=2 * repeat.concurrency)
+            await run_point(repeat, warm=warm(repeat))
             again[repeat.key] = repeat
         more.append(again)
-    return done, more
+    return more
 
 
 # The whole-stack goal's points: with ``--rounds N`` they run N times, interleaved (PD, combined, PD, ...).
@@ -433,16 +440,7 @@ async def sim_section(stack: Stack, scale: float, rounds: int = 1) -> tuple[list
         ]
     for point in points:
         await run_point(point, warm=2 * point.concurrency if point.concurrency > 1 else 20)
-    more: list[dict[str, Point]] = []
-    for number in range(2, rounds + 1):
-        print(f"\n== sim round {number} of {rounds}: {', '.join(SIM_ROUND_KEYS)} ==")
-        again: dict[str, Point] = {}
-        for point in (p for p in points if p.key in SIM_ROUND_KEYS):
-            repeat = dataclasses.replace(point, figures={})
-            await run_point(repeat, warm=20)
-            again[repeat.key] = repeat
-        more.append(again)
-    return points, more
+    return points, await more_rounds(points, SIM_ROUND_KEYS, rounds, "sim round", lambda point: 20)
 
 
 def derived(points: dict[str, Point]) -> dict[str, Any]:

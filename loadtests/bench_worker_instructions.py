@@ -19,11 +19,8 @@ background loops over the point's duration included, which the slowed process st
 from __future__ import annotations
 
 import argparse
-import asyncio
-import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import uvloop
@@ -31,7 +28,7 @@ import uvloop
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "loadtests")]
 
-from bench_instructions import _control  # noqa: E402
+from bench_instructions import _control, keep_dumps, need_valgrind, wait_for_dump  # noqa: E402
 from bench_stack import SIM_OPTIONS, Stack, http_target  # noqa: E402
 from load_client import closed_loop  # noqa: E402
 from pdtest import Procs, free_port, start_bootstrap, start_gateway, wait_http_ok  # noqa: E402
@@ -62,15 +59,6 @@ def _totals(out: Path) -> int:
     raise RuntimeError(f"no totals in {dumps[-1]}")
 
 
-async def _dumped(out: Path, before: int) -> None:
-    deadline = time.monotonic() + 60
-    while len(list(out.parent.glob(f"{out.name}.*"))) <= before:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{out.name}: no dump written")
-        await asyncio.sleep(0.2)
-    await asyncio.sleep(0.5)  # (written whole)
-
-
 async def count(stack: Stack, gateway_port: int, names: list[str], outs: dict[str, Path],
                 requests: int) -> dict[str, float]:
     """Instructions per request of each of ``names`` (counted workers) over ``requests`` requests at c1."""
@@ -89,7 +77,7 @@ async def count(stack: Stack, gateway_port: int, names: list[str], outs: dict[st
         raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")
     figures = {}
     for name in names:
-        await _dumped(outs[name], dumps[name])
+        await wait_for_dump(outs[name], dumps[name], name)
         figures[name] = _totals(outs[name]) / requests
     return figures
 
@@ -110,11 +98,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
             figures.update(await count(stack, port, list(roles), outs, args.requests))
         finally:
             stack.procs.stop_all()
-            if args.keep:
-                keep = Path(args.keep)
-                keep.mkdir(parents=True, exist_ok=True)
-                for dump in tmp.glob("*.cg.*"):
-                    shutil.copy(dump, keep / dump.name)
+            keep_dumps(tmp, args.keep)
             for dump in tmp.glob("*.cg*"):
                 dump.unlink()
         for role in roles:
@@ -132,8 +116,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200, help="requests per point, one at a time")
     ap.add_argument("--keep", help="copy the dumps here (for callgrind_annotate: where the instructions go)")
     args = ap.parse_args()
-    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
-        sys.exit("bench_worker_instructions: needs valgrind (apt-get install valgrind)")
+    need_valgrind("bench_worker_instructions")
     with tempfile.TemporaryDirectory(prefix="bench-worker-instructions-") as tmp:
         uvloop.run(run(args, Path(tmp)))
 
