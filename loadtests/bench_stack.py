@@ -385,10 +385,10 @@ async def fast_section(stack: Stack, scale: float, gap_ms: float,
                                64, rate_per_s=rate)
             await run_point(open_point, warm=128)
             done.append(open_point)
-    return done, await more_rounds(points, ROUND_KEYS, rounds, "round", lambda point: 2 * point.concurrency)
+    return done, await repeat_rounds(points, ROUND_KEYS, rounds, "round", lambda point: 2 * point.concurrency)
 
 
-async def more_rounds(points: list[Point], keys: tuple[str, ...], rounds: int, label: str,
+async def repeat_rounds(points: list[Point], keys: tuple[str, ...], rounds: int, label: str,
                       warm: Callable[[Point], int]) -> list[dict[str, Point]]:
     """Rounds 2 to ``rounds`` of the points named in ``keys``, each a fresh run of them in order (by round)."""
     more: list[dict[str, Point]] = []
@@ -440,7 +440,7 @@ async def sim_section(stack: Stack, scale: float, rounds: int = 1) -> tuple[list
         ]
     for point in points:
         await run_point(point, warm=2 * point.concurrency if point.concurrency > 1 else 20)
-    return points, await more_rounds(points, SIM_ROUND_KEYS, rounds, "sim round", lambda point: 20)
+    return points, await repeat_rounds(points, SIM_ROUND_KEYS, rounds, "sim round", lambda point: 20)
 
 
 def derived(points: dict[str, Point]) -> dict[str, Any]:
