@@ -5,12 +5,15 @@ Lifecycle:
 2. Each connection gets an id; the first frame must be ``Hello`` with our protocol version (else
    ``Rejected`` and close). Then ``Submit``/``Abort`` frames go to the scheduler's inbox; ``Ping`` and
    ``GetTokenizer`` (the tokenizer directory's files, read in a thread) are answered here.
-3. The scheduler thread hands each step's messages to ``deliver`` (thread-safe): they queue up until
-   the event loop gets to them (one ``call_soon_threadsafe`` per batch of steps, not per step), then
-   are grouped per connection and written with one ``write`` call per connection. A connection that
-   leaves more than ``max_unread_bytes`` unread (a gateway that stopped reading) is dropped, never
-   waited on: the scheduler goes on for everyone else. One whose peer host stops answering (it died, or the
-   network was cut: nothing closes the socket) is closed by the kernel after about ``peer_timeout_s``.
+3. The scheduler thread hands each step's messages to ``deliver`` (thread-safe), which groups them per
+   connection and writes each connection's frames straight to its socket (one ``send``, no event-loop
+   wake-up) while nothing of that connection waits in the event loop. What a socket does not take at
+   once is queued, and so is all that follows it, for the event loop to write (one
+   ``call_soon_threadsafe`` per batch of steps), until a write of the loop's leaves the transport's
+   buffer empty again. A connection that leaves more than ``max_unread_bytes`` unread (a gateway that
+   stopped reading) is dropped, never waited on: the scheduler goes on for everyone else. One whose
+   peer host stops answering (it died, or the network was cut: nothing closes the socket) is closed by
+   the kernel after about ``peer_timeout_s``.
 4. A closed connection drops its requests (pages freed); ``aclose()`` stops listening and closes
    every connection. If the scheduler thread has died, handshakes are rejected and a submit gets an
    ``Error`` and its connection is closed, so the gateway marks this worker down instead of waiting.
@@ -24,9 +27,10 @@ import errno
 import hmac
 import itertools
 import logging
+import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -53,6 +57,43 @@ from workers.scheduler import BROADCAST, BUSY_REPORT_S, Message, Scheduler
 log = logging.getLogger(__name__)
 
 
+class _Link:
+    """One gateway connection's way out (``NativeServer``'s write lock guards all but ``writer``)."""
+
+    __slots__ = ("conn_id", "direct", "queued", "sock", "writer")
+
+    def __init__(self, conn_id: int, writer: asyncio.StreamWriter) -> None:
+        self.conn_id = conn_id
+        self.writer = writer
+        # The scheduler thread's socket: a duplicate of the transport's descriptor, so that a send never reaches a
+        # descriptor number the event loop closed and gave to another connection (closed with the connection)
+        sock = writer.get_extra_info("socket")
+        self.sock = socket.fromfd(sock.fileno(), sock.family, sock.type) if sock is not None else None
+        self.queued: list[bytes] = []  # for the event loop to write, in order
+        self.direct = self.sock is not None  # the scheduler thread may send: nothing of this connection is queued
+
+    def put(self, data: bytes) -> bool:
+        """Scheduler thread: ``data`` sent now, or queued behind what waits (True: for the event loop to write)."""
+        if self.direct:
+            assert self.sock is not None
+            try:
+                sent = self.sock.send(data)
+            except OSError:  # (full; or broken: the loop's write meets the same error and ends the connection)
+                sent = 0
+            if sent == len(data):
+                return False
+            data = data[sent:]
+            self.direct = False
+        self.queued.append(data)
+        return True
+
+    def close(self) -> None:
+        self.queued.clear()
+        self.direct = False
+        if self.sock is not None:
+            self.sock.close()
+
+
 class NativeServer:
     def __init__(self, scheduler: Scheduler, hello_ack: Callable[[], HelloAck], host: str, port: int, *,
                  max_unread_bytes: int = MAX_UNREAD_BYTES,
@@ -69,13 +110,14 @@ class NativeServer:
         self._host = host
         self._port = port
         self._codec = worker_codec()
-        self._writers: dict[int, asyncio.StreamWriter] = {}
+        self._scheduler_codec = worker_codec()  # (``deliver``'s: it runs in the scheduler thread)
+        self._links: dict[int, _Link] = {}
         self._ids = itertools.count(1)
         self._server: asyncio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._pending: list[tuple[int, Message]] = []  # delivered, not yet written (guarded by the lock)
-        self._pending_lock = threading.Lock()
+        self._write_lock = threading.Lock()  # every write to a connection's socket, from either thread
+        self._loop_due = False  # ``_write_queued`` is scheduled (guarded by the lock)
         self._repeater: asyncio.Task[None] | None = None
         # connections the kernel closed for a silent peer (``peer_timeout_s``: ETIMEDOUT on a read or a write)
         self.num_peer_timeouts = 0
@@ -87,7 +129,7 @@ class NativeServer:
 
     @property
     def num_connections(self) -> int:
-        return len(self._writers)
+        return len(self._links)
 
     async def start(self, serve: bool = True) -> None:
         """Bind the port; ``serve``: accept connections now (else from ``start_serving``: until then a
@@ -102,7 +144,7 @@ class NativeServer:
         as stale (``Scheduler.reports_to_repeat``)."""
         while True:
             await asyncio.sleep(BUSY_REPORT_S)
-            if self._writers:
+            if self._links:
                 try:
                     reports = self._scheduler.reports_to_repeat(time.monotonic())
                 except Exception:  # (read while the scheduler thread changes them: the next tick tries again)
@@ -116,39 +158,75 @@ class NativeServer:
         await self._server.start_serving()
 
     def deliver(self, messages: list[tuple[int, Message]]) -> None:
-        """Called from the scheduler thread: the event loop is woken only if it has nothing queued yet."""
-        with self._pending_lock:
-            wake = not self._pending
-            self._pending += messages
+        """Called from the scheduler thread: each connection's frames are sent now, unless something of that
+        connection waits for the event loop (then they queue behind it; the loop is woken once per batch)."""
+        encode = self._scheduler_codec.encode
+        frames = [(conn_id, encode(msg)) for conn_id, msg in messages]
+        wake = False
+        with self._write_lock:
+            for conn_id, data in self._per_connection(frames):
+                link = self._links.get(conn_id)
+                if link is not None and link.put(data):
+                    wake = True
+            if wake:
+                wake, self._loop_due = not self._loop_due, True
         if wake and self._loop is not None and not self._loop.is_closed():
             with contextlib.suppress(RuntimeError):  # loop closing during shutdown
-                self._loop.call_soon_threadsafe(self._write_pending)
+                self._loop.call_soon_threadsafe(self._write_queued)
 
-    def _write_pending(self) -> None:
-        with self._pending_lock:
-            messages, self._pending = self._pending, []
-        self._write_batch(messages)
-
-    def _write_batch(self, messages: list[tuple[int, Message]]) -> None:
-        frames: dict[int, list[bytes]] = {}
+    def _per_connection(self, frames: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+        """Each connection's frames as one write (a broadcast's to every connection; the write lock held)."""
+        if len(frames) == 1 and frames[0][0] != BROADCAST:
+            return frames
+        grouped: dict[int, list[bytes]] = {}
         broadcast: list[bytes] = []
-        for conn_id, msg in messages:
-            frame = self._codec.encode(msg)
+        for conn_id, frame in frames:
             if conn_id == BROADCAST:
                 broadcast.append(frame)
             else:
-                frames.setdefault(conn_id, []).append(frame)
+                grouped.setdefault(conn_id, []).append(frame)
         if broadcast:
-            for conn_id in self._writers:
-                frames.setdefault(conn_id, []).extend(broadcast)
-        for conn_id, chunks in frames.items():
-            writer = self._writers.get(conn_id)
-            if writer is not None and not writer.is_closing():
-                writer.write(b"".join(chunks))
-                if (unread := writer.transport.get_write_buffer_size()) > self._max_unread:
-                    log.warning("dropping gateway connection %d: %d bytes of output unread (limit %d); "
-                                "its requests end", conn_id, unread, self._max_unread)
-                    writer.transport.abort()
+            for conn_id in self._links:
+                grouped.setdefault(conn_id, []).extend(broadcast)
+        return [(conn_id, b"".join(chunks)) for conn_id, chunks in grouped.items()]
+
+    def _write_queued(self) -> None:
+        with self._write_lock:
+            self._loop_due = False
+            for link in self._links.values():
+                if link.queued:
+                    self._write(link, b"")
+
+    def _write_batch(self, messages: Sequence[tuple[int, msgspec.Struct]]) -> None:
+        """Event loop: ``messages`` written behind whatever of their connections is queued."""
+        frames = [(conn_id, self._codec.encode(msg)) for conn_id, msg in messages]
+        with self._write_lock:
+            for conn_id, data in self._per_connection(frames):
+                if (link := self._links.get(conn_id)) is not None:
+                    self._write(link, data)
+
+    def _send(self, conn_id: int, msg: msgspec.Struct) -> None:
+        """Event loop: one message to a connection, behind whatever of it is queued."""
+        self._write_batch([(conn_id, msg)])
+
+    def _write(self, link: _Link, data: bytes) -> None:
+        """Event loop, the write lock held: what is queued, then ``data``, to the transport. The scheduler thread
+        sends for itself again once the transport's buffer is empty after it."""
+        if link.queued:
+            data = b"".join((*link.queued, data))
+            link.queued.clear()
+        writer = link.writer
+        if writer.is_closing():
+            return
+        writer.write(data)
+        unread = writer.transport.get_write_buffer_size()
+        if unread > self._max_unread:
+            log.warning("dropping gateway connection %d: %d bytes of output unread (limit %d); its requests end",
+                        link.conn_id, unread, self._max_unread)
+            link.close()
+            writer.transport.abort()
+            return
+        link.direct = link.sock is not None and not unread
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -180,14 +258,15 @@ class NativeServer:
                 await writer.drain()
                 return
             writer.write(self._codec.encode(self._hello_ack()))
-            self._writers[conn_id] = writer
+            with self._write_lock:
+                self._links[conn_id] = _Link(conn_id, writer)
             self._scheduler.connect(conn_id)
             while True:
                 body = await read_frame(reader)
                 match self._codec.decode(body):
                     case Submit() as msg:
                         if not self._scheduler.is_alive:  # (shutting down, or its loop crashed)
-                            writer.write(self._codec.encode(self._scheduler.stopped(msg.rid)))
+                            self._send(conn_id, self._scheduler.stopped(msg.rid))
                             await writer.drain()
                             return
                         self._scheduler.submit(conn_id, msg)
@@ -197,10 +276,10 @@ class NativeServer:
                         if self._tokenizer_files is None:
                             raise ValueError("GetTokenizer: this worker serves no tokenizer files")
                         files = await asyncio.to_thread(self._tokenizer_files)
-                        writer.write(self._codec.encode(files))
+                        self._send(conn_id, files)
                     case Ping(nonce=nonce):
                         sched = self._scheduler
-                        writer.write(self._codec.encode(Pong(nonce, sched.num_steps, sched.stalled_s)))
+                        self._send(conn_id, Pong(nonce, sched.num_steps, sched.stalled_s))
                     case other:
                         raise ValueError(f"unexpected message {type(other).__name__}")
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
@@ -214,7 +293,9 @@ class NativeServer:
         except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # (RecursionError: nested too deeply)
             log.warning("closing connection %d: protocol error: %s", conn_id, exc)
         finally:
-            self._writers.pop(conn_id, None)
+            with self._write_lock:
+                if (link := self._links.pop(conn_id, None)) is not None:
+                    link.close()
             self._scheduler.drop_connection(conn_id)
             writer.close()
             self._tasks.discard(task)
@@ -224,8 +305,8 @@ class NativeServer:
             self._repeater.cancel()
         if self._server is not None:
             self._server.close()
-        for writer in list(self._writers.values()):
-            writer.close()
+        for link in list(self._links.values()):
+            link.writer.close()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
