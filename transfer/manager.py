@@ -138,6 +138,13 @@ class KVManager:
             raise RuntimeError("create_sender() on a decode KVManager")
         return self._prefill.create_sender(room)
 
+    def room_requested(self, room: int) -> bool:
+        """Prefill: whether the decode's page list for ``room`` (or its abort) arrived before a sender for it was
+        created (any thread). Their arrival calls the listener too: one that came after this said no is told."""
+        if self._prefill is None:
+            raise RuntimeError("room_requested() on a decode KVManager")
+        return self._prefill.rooms.has_word(room)
+
     def end_room(self, room: int, reason: str) -> None:
         """Prefill: a room it will not serve (a refused request); its decode's page list fails at once."""
         if self._prefill is None:
@@ -158,8 +165,9 @@ class KVManager:
         self._decode.decline(room, host, port, instance_id, reason)
 
     def set_listener(self, on_change: Callable[[], None] | None) -> None:
-        """``on_change()`` is called after a room's ``poll()`` or ``quiesced`` changed (from whichever
-        thread made the change, with the manager's lock held: it must not block or call back in)."""
+        """``on_change()`` is called after a room's ``poll()`` or ``quiesced`` changed, and (prefill) when a
+        decode's page list or abort arrives for a room no sender holds yet (from whichever thread made the
+        change, with the manager's lock held: it must not block or call back in)."""
         self._ctx.on_change = on_change
 
     def num_rooms(self) -> int:

@@ -129,6 +129,7 @@ class SenderRooms:
                     # a room two requests share, as in ``on_abort``)
                     self._tombstones.pop(room, None)
                     self._requests[room] = request
+                    self._ctx.changed()  # (a submit waiting for its page list wakes the scheduler with it)
                 else:
                     self._attach(sender, request)
         flush(outbox)
@@ -146,6 +147,7 @@ class SenderRooms:
             sender = self._senders.get(room)
             if sender is None:
                 self._bury(room, error, time.monotonic() + self._ctx.timeouts.bootstrap_s, link)
+                self._ctx.changed()  # (as a page list for it: a submit waiting for one learns it is not coming)
             elif sender.request is None or sender.belongs_to(link):
                 self._fail(sender, error, [], notify=False)
             # answered by tick() once no write of the room is in flight (at once if none ever was)
@@ -177,6 +179,11 @@ class SenderRooms:
 
     # -- rooms (scheduler thread) ----------------------------------------------------------------
     # -- rooms -----------------------------------------------------------------------------------
+    def has_word(self, room: int) -> bool:
+        """Whether the decode's page list for ``room``, or its abort, came before a sender for it (any thread; a
+        read without the lock: a hint, which ``on_room_request``'s and ``on_abort``'s ``changed()`` back up)."""
+        return room in self._requests or room in self._tombstones
+
     def create_sender(self, room: int) -> KVSender:
         with self._ctx.lock:
             if self._ctx.closed:

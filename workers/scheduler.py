@@ -188,6 +188,9 @@ class Scheduler:
         self.num_cached_prompt_tokens = 0  # of which served from the prefix cache
         self._sink = sink
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        # Prefill: submits whose room's page list has not come yet (``submit``), taken in at the loop's next wake-up
+        # (the page list's arrival is one) before anything of the inbox
+        self._parked: deque[tuple[int, Submit]] = deque()
         self.reqs: dict[tuple[int, int], Req] = {}
         # PD stages (see workers/pd_queues.py); each role uses its own two.
         self.bootstrap_queue = PrefillBootstrapQueue(pool)  # prefill: waiting for the decode's page list
@@ -235,7 +238,16 @@ class Scheduler:
         self._inbox.put(("connect", conn_id))
 
     def submit(self, conn_id: int, msg: Submit) -> None:
-        self._inbox.put(("submit", (conn_id, msg)))
+        if self.role == "prefill" and msg.bootstrap is not None and self.kv is not None:
+            # A PD request reaches its prefill before the decode's page list does (the decode sends that once it
+            # admitted its side), and the list's arrival wakes the loop (``set_listener``): the submit waits for it
+            # here instead of waking the loop now for nothing to run (one thread wake-up less per PD request). The
+            # loop takes it in at its next wake-up whatever that is (an idle one is at most ``IDLE_WAIT_S`` away).
+            self._parked.append((conn_id, msg))
+            if self.kv.room_requested(msg.bootstrap.room):  # (after the append: a list that comes later wakes)
+                self._inbox.put(("wake", None))
+        else:
+            self._inbox.put(("submit", (conn_id, msg)))
         if self._ended:  # (the loop's last look at its inbox may have come before this one)
             self._answer_leftovers()
 
@@ -336,6 +348,9 @@ class Scheduler:
         after a crash) instead of being left there unanswered, and a cache flush fails; thread-safe."""
         with self._leftovers_lock:
             answers: list[tuple[int, Message]] = []
+            while self._parked:  # (the loop has ended: only this, under the lock, takes from it now)
+                conn_id, msg = self._parked.popleft()
+                answers.append((conn_id, self.stopped(msg.rid)))
             while True:
                 try:
                     kind, payload = self._inbox.get_nowait()
@@ -365,12 +380,23 @@ class Scheduler:
             item = self._inbox.get(timeout=timeout_s)
         except queue.Empty:
             return
+        if self._parked:  # (a request's abort or its connection's end comes after its submit)
+            self._take_parked()
         self._handle(item)
+
+    def _take_parked(self) -> None:
+        parked = self._parked
+        while parked:
+            self._handle(("submit", parked.popleft()))
 
     def step(self) -> bool:
         """One scheduler iteration; returns whether a batch ran."""
         inbox = self._inbox
-        while not inbox.empty():  # (only this thread takes from it while the loop runs: no race with ``get``)
+        while True:  # parked submits before each inbox item, and after the last (it may be their wake-up)
+            if self._parked:
+                self._take_parked()
+            if inbox.empty():  # (only this thread takes from it while the loop runs: no race with ``get``)
+                break
             self._handle(inbox.get_nowait())
         now = time.monotonic()
         for req in [r for r in self.reqs.values() if now > r.deadline]:
@@ -456,7 +482,7 @@ class Scheduler:
             if payload.set_running_or_notify_cancel():  # (False: its caller gave up waiting and cancelled it)
                 payload.set_result(freed)
         elif kind == "connect":
-            self._conns[payload] = 0
+            self._conns.setdefault(payload, 0)  # (a parked submit of it may have been taken in first)
             if self.cache.enabled:
                 self._out.append((payload, KVEvents(stored=self.cache.cached_hashes(), reset=True)))
             self._out.append((payload, self.load_report()))
