@@ -66,9 +66,12 @@ class _Link:
         self.conn_id = conn_id
         self.writer = writer
         # The scheduler thread's socket: a duplicate of the transport's descriptor, so that a send never reaches a
-        # descriptor number the event loop closed and gave to another connection (closed with the connection)
-        sock = writer.get_extra_info("socket")
-        self.sock = socket.fromfd(sock.fileno(), sock.family, sock.type) if sock is not None else None
+        # descriptor number the event loop closed and gave to another connection (closed with the connection).
+        # Without one (no descriptors left) the event loop writes everything, as it would after a partial send.
+        self.sock: socket.socket | None = None
+        with contextlib.suppress(OSError):
+            if (sock := writer.get_extra_info("socket")) is not None:
+                self.sock = socket.fromfd(sock.fileno(), sock.family, sock.type)
         self.queued: list[bytes] = []  # for the event loop to write, in order
         self.direct = self.sock is not None  # the scheduler thread may send: nothing of this connection is queued
 
@@ -92,6 +95,7 @@ class _Link:
         self.direct = False
         if self.sock is not None:
             self.sock.close()
+            self.sock = None
 
 
 class NativeServer:

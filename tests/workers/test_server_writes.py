@@ -216,3 +216,19 @@ def test_a_connection_that_closed_takes_no_more_frames_and_the_rest_go_on(served
     msg = gateway_codec().decode(_read_frame(b))
     assert isinstance(msg, Outputs) and msg.items[0].rid == 2
     b.close()
+
+
+def test_without_a_descriptor_of_its_own_a_connection_is_written_by_the_event_loop(
+        served: _Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_descriptors(*args: Any) -> socket.socket:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(socket, "fromfd", no_descriptors)
+    puts = _count_calls(monkeypatch, _Link, "put")
+    sock, conn_id = served.connect()
+    for rid in range(5):
+        served.server.deliver([(conn_id, _outputs(rid, 3))])
+    codec = gateway_codec()
+    assert [codec.decode(_read_frame(sock)).items[0].rid for _ in range(5)] == list(range(5))  # type: ignore[attr-defined]
+    assert puts == [True] * 5  # (each queued for the event loop)
+    sock.close()
