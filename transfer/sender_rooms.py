@@ -177,13 +177,12 @@ class SenderRooms:
             if sender.belongs_to(link):
                 self._fail(sender, room_error(sender.room, error), outbox, notify=False)
 
-    # -- rooms (scheduler thread) ----------------------------------------------------------------
-    # -- rooms -----------------------------------------------------------------------------------
     def has_word(self, room: int) -> bool:
         """Whether the decode's page list for ``room``, or its abort, came before a sender for it (any thread; a
         read without the lock: a hint, which ``on_room_request``'s and ``on_abort``'s ``changed()`` back up)."""
         return room in self._requests or room in self._tombstones
 
+    # -- rooms (scheduler thread) ----------------------------------------------------------------
     def create_sender(self, room: int) -> KVSender:
         with self._ctx.lock:
             if self._ctx.closed:
